@@ -1,0 +1,1 @@
+"""device_agent package."""

@@ -1,0 +1,45 @@
+"""``python -m device_agent``: run one or many devices against a Fed Server."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.config import env_default
+from shared.service import add_common_args, configure_process
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m device_agent",
+        description="Device agent: trains its client portion and talks to the Fed Server and Main Server "
+                    "(outbound calls only). One process can host many virtual devices.")
+    parser.add_argument("--fed-server-url", default=env_default("fed_server_url", "http://127.0.0.1:8080"),
+                        help="the Fed Server (env SFL_FED_SERVER_URL); the Main Server's URL comes with each task")
+    parser.add_argument("--shards", default=env_default("shards", "0"),
+                        help="data shards this agent's devices hold, e.g. 0-9 or 3 (env SFL_SHARDS); one device per shard")
+    parser.add_argument("--kinds", default=env_default("kinds", ""),
+                        help="emulated device kinds assigned round-robin by shard, e.g. high,mid,low or high-low "
+                             "(env SFL_KINDS; empty = real device, no emulation)")
+    parser.add_argument("--time-scale", type=float, default=float(env_default("time_scale", 1.0)),
+                        help="compress emulated transfer times by this factor (env SFL_TIME_SCALE)")
+    parser.add_argument("--prefix", default=env_default("device_prefix", "dev"), help="device id prefix (ids are <prefix>-<shard>)")
+    parser.add_argument("--ca-file", default=env_default("ca_file", None), help="CA bundle to verify HTTPS servers")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    configure_process(args.log_level, args.threads)
+    from device_agent.agent import Agent, parse_shards
+    from shared.profiles import parse_kind
+
+    try:
+        shards = parse_shards(args.shards)
+        kinds = [k for k in args.kinds.split(",") if k.strip()]
+        for k in kinds:
+            parse_kind(k)
+    except ValueError as exc:
+        parser.error(str(exc))
+    agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True)
+    sys.exit(agent.run())
+
+
+if __name__ == "__main__":
+    main()

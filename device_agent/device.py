@@ -1,0 +1,168 @@
+"""One (possibly virtual) device: registers, polls for tasks, trains, uploads. Only calls out."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+
+import torch
+
+from device_agent.timing import RoundClock
+from device_agent.trainer import steps_per_round, train_round
+from shared.data import ArrayDataset, device_shard, load_dataset
+from shared.http_client import ServiceError, SyncClient
+from shared.models import SplitModel, build_model
+from shared.profiles import EmulatedKind
+from shared.schemas import (
+    API, Ack, DeviceProfileMsg, DeviceTimings, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
+    RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WireTensor,
+)
+from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor
+
+log = logging.getLogger("device_agent")
+
+
+def round_seed(seed: int, shard: int, round_id: int) -> int:
+    """Per device and round batch-order seed, identical in every process."""
+    digest = hashlib.sha256(f"{seed}/{shard}/{round_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
+
+
+class Device:
+    """A device agent's unit of work: its shard, its model copy, its clients and its profile."""
+
+    def __init__(self, device_id: str, shard: int, fed_server_url: str, kind: EmulatedKind | None,
+                 time_scale: float = 1.0, stop: threading.Event | None = None, poll_interval_s: float = 0.2,
+                 verify: bool | str = True) -> None:
+        self.device_id = device_id
+        self.shard = shard
+        self.kind = kind
+        self.time_scale = time_scale
+        self.stop = stop or threading.Event()
+        self.poll_interval_s = poll_interval_s
+        self.verify = verify
+        self.fed = SyncClient(fed_server_url, retries=8, verify=verify)
+        self.main: SyncClient | None = None
+        self.info: RunInfo | None = None
+        self.data: ArrayDataset | None = None
+        self.model: SplitModel | None = None
+        self.rounds_done = 0
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Register, then train every round this device is given until the run is done."""
+        self.setup()
+        while not self.stop.is_set():
+            before = self.fed.bytes.down
+            task = self.fed.call("GET", f"{API}/devices/{self.device_id}/task", TaskResponse)
+            if task.status == "done":
+                log.info("%s: run finished after %d rounds", self.device_id, self.rounds_done)
+                return
+            if task.status == "wait":
+                self.stop.wait(min(task.retry_after_s, self.poll_interval_s))
+                continue
+            try:
+                self.run_task(task, self.fed.bytes.down - before)
+            except ServiceError as exc:
+                log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
+
+    def setup(self) -> None:
+        """Fetch the run spec, load this device's shard, register with the Fed Server."""
+        self.info = self._wait_for_run()
+        train, _ = load_dataset(self.info.data)
+        self.data = device_shard(self.info.data, train, self.shard)
+        self.model = build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
+        profile = self.profile()
+        self.fed.call("POST", f"{API}/devices/register", RegisterResponse,
+                      RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data), profile=profile))
+        log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), profile.kind)
+
+    def _wait_for_run(self) -> RunInfo:
+        delay = 0.2
+        while True:
+            try:
+                return self.fed.call("GET", f"{API}/run", RunInfo)
+            except Exception as exc:  # the Fed Server may still be starting
+                if self.stop.is_set():
+                    raise
+                log.debug("%s: Fed Server not reachable yet (%s)", self.device_id, exc)
+                self.stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+    def profile(self) -> DeviceProfileMsg:
+        """Nominal speed of an emulated kind, or a quick measurement on a real device."""
+        if self.kind is not None:
+            return DeviceProfileMsg(kind=self.kind.name, flops=self.kind.flops, rate=self.kind.rate * self.time_scale)
+        a = torch.randn(256, 256)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        flops = 20 * 2 * 256 ** 3 / max(1e-9, time.perf_counter() - t0)
+        return DeviceProfileMsg(kind="native", flops=flops, rate=1e7)
+
+    # --- one round ----------------------------------------------------------------------------
+    def run_task(self, task: TaskResponse, task_bytes: int) -> None:
+        """Train the task's portion and upload it."""
+        assert self.model is not None and self.data is not None and self.info is not None
+        clock = RoundClock(self.kind, self.time_scale)
+        clock.transfer(task_bytes)
+        full = self.model.state_dict()
+        expect = {k: full[k] for k in self.model.portion_keys(0, task.split_point)}
+        weights = decode_state(task.weights or {}, expect=expect, what="task weights")
+        train = task.train
+        assert train is not None and task.round_id is not None and task.split_point is not None
+        send_step = None
+        main_bytes_before = (0, 0)
+        if task.main_server_url is not None:
+            if self.main is None or self.main.base_url != task.main_server_url.rstrip("/"):
+                self.main = SyncClient(task.main_server_url, retries=3, verify=self.verify)
+            main_bytes_before = (self.main.bytes.up, self.main.bytes.down)
+            send_step = self._join(task, clock)
+        result = train_round(
+            self.model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
+            train.batch_size, train.local_epochs, round_seed(self.info.seed, self.shard, task.round_id), clock,
+            send_step, task.half_precision,
+        )
+        # The upload's emulated transfer is charged before it is sent (its timings travel inside
+        # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
+        clock.transfer(sum(t.numel() * t.element_size() for t in result.state.values()))
+        body = UpdateRequest(
+            device_id=self.device_id, round_id=task.round_id, num_samples=len(self.data), steps=result.steps,
+            train_loss=result.train_loss, weights=encode_state(result.state),
+            timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
+                                  server_s=clock.server_s, total_s=clock.total()),
+            bytes_up=(self.main.bytes.up - main_bytes_before[0]) if self.main and send_step else 0,
+            bytes_down=(self.main.bytes.down - main_bytes_before[1]) if self.main and send_step else 0,
+        )
+        self.fed.call("POST", f"{API}/rounds/{task.round_id}/updates", Ack, body)
+        self.rounds_done += 1
+        log.info("%s: round %d done (split %d, %d steps, loss %.3f, %.2fs)", self.device_id, task.round_id,
+                 task.split_point, result.steps, result.train_loss, body.timings.total_s)
+
+    def _join(self, task: TaskResponse, clock: RoundClock):
+        """Join the round at the Main Server; return the per-step exchange function."""
+        assert self.main is not None and self.data is not None and task.train is not None
+        main = self.main
+        round_id = task.round_id
+        num_steps = steps_per_round(len(self.data), task.train.batch_size, task.train.local_epochs)
+        join = JoinRequest(device_id=self.device_id, label_counts=self.data.label_counts().tolist(), num_steps=num_steps)
+        t0 = time.monotonic()
+        before = main.bytes.up + main.bytes.down
+        main.call("POST", f"{API}/rounds/{round_id}/join", JoinResponse, join, timeout=(task.deadline_s or 300) + 5)
+        clock.transfer(main.bytes.up + main.bytes.down - before, 0.0)
+        clock.wait_s += time.monotonic() - t0  # waiting for the other participants to join
+
+        def send_step(step: int, fx: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+            req = StepRequest(device_id=self.device_id, step=step, fx=WireTensor(**encode_tensor(fx)),
+                              labels=WireTensor(**encode_tensor(labels)))
+            before = main.bytes.up + main.bytes.down
+            t0 = time.monotonic()
+            resp = main.call("POST", f"{API}/rounds/{round_id}/step", StepResponse, req, timeout=(task.deadline_s or 300) + 5)
+            elapsed = time.monotonic() - t0
+            clock.server_time(resp.wait_s, resp.server_s)
+            clock.transfer(main.bytes.up + main.bytes.down - before, elapsed - resp.wait_s - resp.server_s)
+            dfx = decode_tensor(resp.dfx, expect_shape=tuple(fx.shape), what="dfx")
+            return dfx, resp.loss
+
+        return send_step

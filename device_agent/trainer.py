@@ -1,0 +1,87 @@
+"""A device's local training for one round: split mode (through the Main Server) or whole model."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from device_agent.timing import RoundClock
+from shared.data import ArrayDataset
+from shared.models import SplitModel
+
+#: Sends (step, fx, labels) to the Main Server and returns (dfx, server-reported loss).
+StepFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, float]]
+
+
+@dataclass
+class LocalResult:
+    state: dict[str, torch.Tensor]
+    steps: int
+    train_loss: float
+
+
+def batches(data: ArrayDataset, batch_size: int, epochs: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled mini-batches over ``epochs`` passes, reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        order = torch.randperm(len(data), generator=gen)
+        for start in range(0, len(data), batch_size):
+            idx = order[start:start + batch_size]
+            yield data.x[idx], data.y[idx]
+
+
+def steps_per_round(num_samples: int, batch_size: int, epochs: int) -> int:
+    return epochs * math.ceil(num_samples / batch_size)
+
+
+def train_round(
+    model: SplitModel,
+    split_point: int,
+    weights: dict[str, torch.Tensor],
+    data: ArrayDataset,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    batch_size: int,
+    epochs: int,
+    seed: int,
+    clock: RoundClock,
+    send_step: StepFn | None,
+    half_precision: bool = False,
+) -> LocalResult:
+    """Train blocks[:split_point] for one round and return them.
+
+    With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
+    Server and backpropagates the returned dfx; without it the device holds the whole model and
+    trains on its own cross-entropy (split depth zero).
+    """
+    portion = model.portion(0, split_point)
+    portion.load_state_dict(weights, strict=True)
+    portion.train()
+    optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    losses: list[float] = []
+    steps = 0
+    for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
+        if send_step is None:
+            with clock.compute():
+                loss = F.cross_entropy(portion(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            losses.append(float(loss.detach()))
+        else:
+            with clock.compute():
+                fx = portion(x)
+            sent = fx.detach().half() if half_precision else fx.detach()
+            dfx, loss_value = send_step(step, sent, y)
+            with clock.compute():
+                optimizer.zero_grad(set_to_none=True)
+                fx.backward(dfx.to(fx.dtype))
+                optimizer.step()
+            losses.append(loss_value)
+        steps += 1
+    state = {k: v.detach().clone() for k, v in portion.state_dict().items()}
+    return LocalResult(state=state, steps=steps, train_loss=sum(losses) / max(1, len(losses)))

@@ -1,0 +1,1 @@
+"""fed_server package."""

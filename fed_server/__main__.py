@@ -1,0 +1,44 @@
+"""``python -m fed_server``: run the Fed Server for one run configuration."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from shared.config import env_default
+from shared.service import add_server_args, configure_process, serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m fed_server",
+        description="S2FL Fed Server: selects devices, picks split points from the client time table, "
+                    "aggregates layer-wise (Algorithm 1), evaluates and records the run.")
+    add_server_args(parser, default_port=8080)
+    parser.add_argument("--config", default=env_default("config", None),
+                        help="run configuration file, YAML or JSON (env SFL_CONFIG); see docs/configuration.md")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value, e.g. --set train.lr=0.1 (repeatable; env SFL_RUN__TRAIN__LR)")
+    parser.add_argument("--run-dir", default=env_default("run_dir", None),
+                        help="where config, metrics, checkpoint and summary are written (default runs/<time>-<algorithm>)")
+    parser.add_argument("--run-id", default=env_default("run_id", None), help="run id (default: random)")
+    parser.add_argument("--main-server-url", default=env_default("main_server_url", "http://127.0.0.1:8081"),
+                        help="the Main Server, as devices and this server reach it (env SFL_MAIN_SERVER_URL)")
+    args = parser.parse_args(argv)
+    configure_process(args.log_level, args.threads)
+
+    from fed_server.app import create_app
+    from fed_server.coordinator import Coordinator
+    from fed_server.run_dir import RunDirectory
+    from shared.config import resolve_run_config
+
+    try:
+        config = resolve_run_config(args.config, args.overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
+    coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
+    serve(create_app(coordinator), args.host, args.port, args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The Fed Server's HTTP layer and round driver.
+
+Devices only call out (register, poll for a task, upload); the Fed Server calls the Main Server
+with each round's plan. The driver task opens a round, waits until it is complete or its deadline
+passes, then aggregates off the event loop and opens the next.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import make_asgi_app
+
+from fed_server.coordinator import Coordinator
+from shared.http_client import HEADERS, decode_response
+from shared.http_server import install_error_handlers, msgpack_response, read_message
+from shared.schemas import API, Ack, RegisterRequest, ServerPortionUpload, UpdateRequest
+from shared.wire import packb
+
+log = logging.getLogger("fed_server")
+
+
+@dataclass
+class FedServerSettings:
+    max_update_bytes: int = 512 << 20
+    max_register_bytes: int = 64 << 10
+    poll_interval_s: float = 0.05
+    plan_retries: int = 5
+
+
+async def send_plan(coordinator: Coordinator, fed_round, retries: int) -> None:
+    """POST the round plan to the Main Server; on repeated failure the round is marked failed."""
+    plan = coordinator.round_plan(fed_round)
+    body = packb(plan.model_dump())
+    fed_round.plan_bytes = len(body)
+    url = f"{coordinator.main_server_url.rstrip('/')}{API}/rounds"
+    delay = 0.5
+    async with httpx.AsyncClient(timeout=120.0, headers=HEADERS) as client:
+        for attempt in range(retries):
+            try:
+                decode_response(await client.post(url, content=body), Ack)
+                return
+            except Exception as exc:
+                log.warning("round %d: plan to Main Server failed (%s), attempt %d", fed_round.round_id, exc, attempt + 1)
+                await asyncio.sleep(delay)
+                delay *= 2
+    fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan"
+
+
+async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings) -> None:
+    """Run every round of the configuration, one after another."""
+    while not coordinator.ready():
+        await asyncio.sleep(settings.poll_interval_s)
+    log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
+             coordinator.config.rounds, coordinator.config.algorithm)
+    while not coordinator.finished:
+        fed_round = coordinator.begin_round()
+        if fed_round.uses_main_server:
+            await send_plan(coordinator, fed_round, settings.plan_retries)
+        fed_round.ready = True
+        while not fed_round.complete() and not fed_round.overdue():
+            await asyncio.sleep(settings.poll_interval_s)
+        if not fed_round.complete():
+            log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
+                        fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
+        coordinator.close_round()
+        record = await asyncio.to_thread(coordinator.finish_round, fed_round)
+        log.info("round %d %s: accuracy %.4f, %.2fs, %.2f MB", record["round"], record["status"],
+                 record["test_accuracy"], record["round_time_s"], record["bytes_total"] / 1e6)
+    log.info("run finished: %s", coordinator.summary())
+
+
+def create_app(coordinator: Coordinator, settings: FedServerSettings | None = None) -> FastAPI:
+    """The Fed Server as an ASGI app; the round driver starts with the app."""
+    settings = settings or FedServerSettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(drive_rounds(coordinator, settings))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error("round driver failed", exc_info=t.exception()))
+        app.state.driver = task
+        yield
+        task.cancel()
+
+    app = FastAPI(title="S2FL Fed Server", version="1", lifespan=lifespan,
+                  description="Global model, client time table, device selection, split choice, layer-wise aggregation.")
+    install_error_handlers(app)
+    app.state.coordinator = coordinator
+    app.mount("/metrics", make_asgi_app())
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok", "service": "fed_server"}
+
+    @app.get(f"{API}/status")
+    async def status(since: int = 0) -> dict:
+        """Run progress as JSON: state, round, and the metrics of rounds after ``since``."""
+        c = coordinator
+        state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
+        return {
+            "run_id": c.run_id, "algorithm": c.config.algorithm, "state": state, "rounds_total": c.config.rounds,
+            "rounds_done": c.rounds_done, "registered": len(c.devices), "expected_devices": c.config.data.num_devices,
+            "open_round": c.round.round_id if c.round else None, "initial": c.initial,
+            "history": [r for r in c.history if r["round"] > since],
+            "summary": c.summary() if c.finished else None,
+            "driver_error": _driver_error(app),
+        }
+
+    @app.get(f"{API}/run", response_class=Response)
+    async def run_info() -> Response:
+        """Device: the run's model and data spec (to load its shard before registering)."""
+        return msgpack_response(coordinator.run_info())
+
+    @app.post(f"{API}/devices/register", response_class=Response)
+    async def register(request: Request) -> Response:
+        """Device: announce itself, its shard and its profile; get the run's data and model spec."""
+        req = await read_message(request, RegisterRequest, settings.max_register_bytes)
+        return msgpack_response(coordinator.register(req))
+
+    @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
+    async def task(device_id: str) -> Response:
+        """Device: poll for work (wait / train with weights and split point / done)."""
+        answer = coordinator.task_for(device_id)
+        response = msgpack_response(answer)
+        if answer.status == "train" and coordinator.round is not None:
+            coordinator.round.task_bytes += len(response.body)
+        return response
+
+    @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response)
+    async def update(round_id: int, request: Request) -> Response:
+        """Device: trained client portion (or whole model), sample count and timings."""
+        req = await read_message(request, UpdateRequest, settings.max_update_bytes)
+        size = int(request.headers.get("content-length", 0))
+        return msgpack_response(coordinator.accept_update(round_id, req, size))
+
+    @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response)
+    async def server_portion(round_id: int, request: Request) -> Response:
+        """Main Server: a group's trained server-side copy."""
+        upload = await read_message(request, ServerPortionUpload, settings.max_update_bytes)
+        size = int(request.headers.get("content-length", 0))
+        return msgpack_response(coordinator.accept_portion(round_id, upload, size))
+
+    return app
+
+
+def _driver_error(app: FastAPI) -> str | None:
+    task = getattr(app.state, "driver", None)
+    if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+        return repr(task.exception())
+    return None

@@ -1,0 +1,80 @@
+"""One round at the Fed Server: who was selected, where each is cut, what has come back."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.schemas import ServerPortionUpload, UpdateRequest
+
+
+@dataclass
+class Assignment:
+    """A selected device's task: its split (block count and candidate index)."""
+
+    device_id: str
+    split_point: int
+    candidate: int | None
+    dispatched_at: float | None = None
+
+
+@dataclass
+class ReceivedUpdate:
+    request: UpdateRequest
+    state: dict[str, torch.Tensor]
+    body_bytes: int
+
+
+@dataclass
+class ReceivedPortion:
+    upload: ServerPortionUpload
+    state: dict[str, torch.Tensor]
+    body_bytes: int
+
+
+@dataclass
+class FedRound:
+    """Bookkeeping of the open round; decisions are made by the coordinator and the algorithm."""
+
+    round_id: int
+    split_mode: str
+    assignments: dict[str, Assignment]
+    deadline_s: float
+    started_at: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    updates: dict[str, ReceivedUpdate] = field(default_factory=dict)
+    portions: dict[int, ReceivedPortion] = field(default_factory=dict)
+    task_bytes: int = 0
+    plan_bytes: int = 0
+    plan_failed: str | None = None
+    ready: bool = False          # tasks are handed out only once the Main Server accepted the plan
+
+    @property
+    def uses_main_server(self) -> bool:
+        return self.split_mode != "zero"
+
+    def dropped_at_main_server(self) -> set[str]:
+        return {d for p in self.portions.values() for d in (*p.upload.dropped, *p.upload.absent)}
+
+    def group_of(self, device_id: str) -> ReceivedPortion | None:
+        for portion in self.portions.values():
+            if device_id in portion.upload.members:
+                return portion
+        return None
+
+    def complete(self) -> bool:
+        """Every selected device has uploaded or was dropped, and every uploader's group is back
+        (or the Main Server refused the plan, which ends the round at once as failed)."""
+        if self.plan_failed is not None:
+            return True
+        dropped = self.dropped_at_main_server()
+        for device in self.assignments:
+            if device not in self.updates and device not in dropped:
+                return False
+        if self.uses_main_server:
+            return all(self.group_of(d) is not None for d in self.updates if d not in dropped)
+        return True
+
+    def overdue(self) -> bool:
+        return time.monotonic() - self.started_at > self.deadline_s

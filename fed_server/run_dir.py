@@ -1,0 +1,59 @@
+"""A run's directory: resolved config, per-round metrics (JSON lines), checkpoint, summary."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from shared.config import RunConfig
+from shared.wire import decode_state, encode_state, packb, unpackb
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write then rename, so a reader (or a crash) never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    """Files of one run. Checkpoints use the project's msgpack tensor format, never pickle."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / "checkpoint.msgpack"
+
+    def write_config(self, config: RunConfig, run_id: str) -> None:
+        data = {"run_id": run_id, **config.model_dump(mode="json")}
+        atomic_write(self.path / "config.yaml", yaml.safe_dump(data, sort_keys=False).encode())
+
+    def append_metrics(self, record: Mapping[str, Any]) -> None:
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def write_checkpoint(self, round_id: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
+        atomic_write(self.checkpoint_path, packb({"round": round_id, "state": encode_state(state), "extra": dict(extra)}))
+
+    def read_checkpoint(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        obj = unpackb(self.checkpoint_path.read_bytes())
+        state = {k: v.clone() for k, v in decode_state(obj["state"], what="checkpoint").items()}
+        return int(obj["round"]), state, obj.get("extra", {})
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        atomic_write(self.path / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())

@@ -1,0 +1,29 @@
+"""``python -m main_server``: run the Main Server."""
+from __future__ import annotations
+
+import argparse
+
+from shared.config import env_default
+from shared.service import add_server_args, configure_process, serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m main_server",
+        description="S2FL Main Server: trains the server-side model portions of label-balanced device "
+                    "groups and returns each device the gradient of its activations.")
+    add_server_args(parser, default_port=8081)
+    parser.add_argument("--fed-server-url", default=env_default("fed_server_url", "http://127.0.0.1:8080"),
+                        help="where finished groups' server portions are uploaded (env SFL_FED_SERVER_URL)")
+    parser.add_argument("--max-step-mb", type=float, default=float(env_default("max_step_mb", 64)),
+                        help="largest accepted step body in MiB (env SFL_MAX_STEP_MB)")
+    args = parser.parse_args(argv)
+    configure_process(args.log_level, args.threads)
+    from main_server.app import MainServerSettings, create_app
+
+    settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)))
+    serve(create_app(settings), args.host, args.port, args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The Main Server's HTTP layer: round plans from the Fed Server, joins and steps from devices."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import make_asgi_app
+
+from main_server.round_state import Group, RoundState
+from shared.http_client import HEADERS, decode_response
+from shared.http_server import ApiError, install_error_handlers, msgpack_response, read_message
+from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
+from shared.wire import encode_state, encode_tensor, packb
+
+log = logging.getLogger("main_server")
+
+
+@dataclass
+class MainServerSettings:
+    fed_server_url: str
+    max_plan_bytes: int = 512 << 20
+    max_step_bytes: int = 64 << 20
+    max_join_bytes: int = 64 << 10
+    upload_retries: int = 5
+
+
+class MainServer:
+    """Holds the current round and pushes finished groups' server portions to the Fed Server."""
+
+    def __init__(self, settings: MainServerSettings) -> None:
+        self.settings = settings
+        self.round: RoundState | None = None
+        self.uploads: set[asyncio.Task] = set()
+
+    def current(self, round_id: int) -> RoundState:
+        if self.round is None:
+            raise ApiError(409, "no round is open at the Main Server")
+        if round_id != self.round.round_id:
+            raise ApiError(409, f"round {round_id} is stale: the open round is {self.round.round_id}")
+        return self.round
+
+    def open_round(self, plan: RoundPlan) -> None:
+        if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
+            raise ApiError(409, f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
+        new = RoundState(plan, self._group_done)  # validates the plan before anything is replaced
+        if self.round is not None:
+            self.round.abandon()
+        self.round = new
+        log.info("round %d opened: %d participants", plan.round_id, len(plan.participants))
+
+    async def _group_done(self, state: RoundState, group: Group) -> None:
+        upload = ServerPortionUpload(
+            run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
+            members=sorted(group.done), dropped=sorted(group.dropped),
+            absent=sorted(set(state.participants) - set(state.joined)), start_block=group.trainer.start,
+            weights=encode_state(group.trainer.state()), label_distance=group.distance,
+            steps=group.trainer.steps, train_time_s=group.train_time_s,
+        )
+        body = packb(upload.model_dump())
+        url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
+        delay = 0.5
+        async with httpx.AsyncClient(timeout=60.0, headers=HEADERS) as client:
+            for attempt in range(self.settings.upload_retries):
+                try:
+                    decode_response(await client.post(url, content=body), Ack)
+                    log.info("round %d group %d uploaded (%d bytes)", state.round_id, group.group_id, len(body))
+                    return
+                except Exception as exc:  # keep trying: the Fed Server may be restarting
+                    log.warning("round %d group %d upload failed (%s), attempt %d", state.round_id, group.group_id, exc, attempt + 1)
+                    await asyncio.sleep(delay)
+                    delay *= 2
+
+
+def create_app(settings: MainServerSettings) -> FastAPI:
+    """The Main Server as an ASGI app."""
+    app = FastAPI(title="S2FL Main Server", version="1", description="Server-side portions, label-balanced groups, per-step training.")
+    install_error_handlers(app)
+    server = MainServer(settings)
+    app.state.server = server
+    app.mount("/metrics", make_asgi_app())
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok", "service": "main_server"}
+
+    @app.get(f"{API}/status")
+    async def status() -> dict:
+        return {"round": server.round.summary() if server.round else None}
+
+    @app.post(f"{API}/rounds", response_class=Response)
+    async def open_round(request: Request) -> Response:
+        """Fed Server -> Main Server: the plan of a new round (replaces the open one)."""
+        plan = await read_message(request, RoundPlan, settings.max_plan_bytes)
+        server.open_round(plan)
+        return msgpack_response(Ack(detail=f"round {plan.round_id} open"))
+
+    @app.post(f"{API}/rounds/{{round_id}}/join", response_class=Response)
+    async def join(round_id: int, request: Request) -> Response:
+        """Device: join the round with label counts; answered when groups are formed."""
+        req = await read_message(request, JoinRequest, settings.max_join_bytes)
+        return msgpack_response(await server.current(round_id).join(req))
+
+    @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response)
+    async def step(round_id: int, request: Request) -> Response:
+        """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
+        req = await read_message(request, StepRequest, settings.max_step_bytes)
+        outcome = await server.current(round_id).step(req)
+        return msgpack_response(StepResponse(
+            dfx=WireTensor(**encode_tensor(outcome.result.dfx)), loss=outcome.result.loss,
+            wait_s=outcome.wait_s, server_s=outcome.server_s,
+        ))
+
+    return app
+

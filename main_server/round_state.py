@@ -1,0 +1,296 @@
+"""The Main Server's state for one round: joins, label-balanced groups, per-step barriers.
+
+Waiting is async (the event loop stays free); training runs in a worker thread. Every request is
+fully validated before it touches state, so a rejected request changes nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
+from shared.algorithms.grouping import balanced_groups, label_distance, random_groups, singleton_groups
+from shared.http_server import ApiError
+from shared.models import SplitModel, build_model
+from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
+from shared.wire import WireError, decode_state, decode_tensor
+
+log = logging.getLogger("main_server")
+
+
+@dataclass
+class StepOutcome:
+    result: MemberResult
+    wait_s: float
+    server_s: float
+
+
+@dataclass
+class Group:
+    """Members that share one server-portion copy and meet at a barrier every step."""
+
+    group_id: int
+    members: list[str]
+    split: dict[str, int]
+    num_steps: dict[str, int]
+    trainer: GroupTrainer
+    distance: float
+    step: int = 0
+    done: set[str] = field(default_factory=set)
+    dropped: set[str] = field(default_factory=set)
+    pending: dict[str, tuple[MemberBatch, asyncio.Future, float]] = field(default_factory=dict)
+    running: bool = False
+    train_time_s: float = 0.0
+    finished: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+    def expected(self) -> set[str]:
+        """Members that owe the current step."""
+        return {m for m in self.members if m not in self.dropped and m not in self.done and self.num_steps[m] > self.step}
+
+
+class RoundState:
+    """One round at the Main Server, from the Fed Server's plan to the groups' uploads."""
+
+    def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]]) -> None:
+        self.plan = plan
+        self.round_id = plan.round_id
+        self.participants = {p.device_id: p for p in plan.participants}
+        self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
+        n_blocks = len(self.template.blocks)
+        for p in plan.participants:
+            if p.split_point >= n_blocks:
+                raise ApiError(422, f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
+        self.start = min(p.split_point for p in plan.participants)
+        expect = self.template.portion(self.start, n_blocks).state_dict()
+        try:
+            self.server_weights = decode_state(plan.server_weights, expect=expect, what="server_weights")
+        except WireError as exc:
+            raise ApiError(422, str(exc)) from None
+        self.activation_shapes = self._activation_shapes()
+        self.joined: dict[str, JoinRequest] = {}
+        self.groups: list[Group] | None = None
+        self.group_of: dict[str, Group] = {}
+        self.groups_ready = asyncio.Event()
+        self.on_group_done = on_group_done
+        self.abandoned = False
+        loop = asyncio.get_running_loop()
+        self._join_timer = loop.call_later(plan.join_deadline_s, self._form_groups)
+
+    def _activation_shapes(self) -> dict[int, tuple[int, ...]]:
+        x = torch.zeros(1, *self.plan.input_shape)
+        self.template.eval()
+        shapes: dict[int, tuple[int, ...]] = {}
+        with torch.no_grad():
+            h = x
+            for k in range(len(self.template.blocks)):
+                shapes[k] = tuple(h.shape[1:])
+                h = self.template.forward_blocks(h, k, k + 1)
+        return shapes
+
+    # --- joining and grouping -------------------------------------------------------------------
+    async def join(self, req: JoinRequest) -> JoinResponse:
+        """Record a device's label counts; answer once groups are formed."""
+        if req.device_id not in self.participants:
+            raise ApiError(404, f"device {req.device_id!r} is not a participant of round {self.round_id}")
+        if len(req.label_counts) != self.plan.num_classes:
+            raise ApiError(422, f"label_counts has {len(req.label_counts)} entries; the model has {self.plan.num_classes} classes")
+        if self.groups is not None:
+            group = self.group_of.get(req.device_id)
+            if group is None:
+                raise ApiError(409, f"device {req.device_id!r} joined after the join deadline of round {self.round_id}")
+            return self._join_answer(group)
+        self.joined[req.device_id] = req
+        if len(self.joined) == len(self.participants):
+            self._form_groups()
+        await self.groups_ready.wait()
+        if self.abandoned:
+            raise ApiError(409, f"round {self.round_id} was abandoned")
+        group = self.group_of.get(req.device_id)
+        if group is None:  # pragma: no cover - joined devices are always grouped
+            raise ApiError(409, "not grouped")
+        return self._join_answer(group)
+
+    def _join_answer(self, group: Group) -> JoinResponse:
+        return JoinResponse(group_id=group.group_id, members=group.members, label_distance=group.distance)
+
+    def _form_groups(self) -> None:
+        if self.groups is not None or self.abandoned:
+            return
+        self._join_timer.cancel()
+        counts = {d: np.asarray(r.label_counts, dtype=np.int64) for d, r in sorted(self.joined.items())}
+        ids = sorted(counts)
+        mode = self.plan.grouping
+        if not ids:
+            member_lists: list[list[str]] = []
+        elif mode == "balanced":
+            member_lists = balanced_groups(counts, self.plan.group_size)
+        elif mode == "random":
+            member_lists = random_groups(ids, self.plan.group_size, seed=self.plan.seed * 100003 + self.round_id)
+        else:
+            member_lists = singleton_groups(ids)
+        self.groups = []
+        n_blocks = len(self.template.blocks)
+        for gid, members in enumerate(member_lists):
+            split = {m: self.participants[m].split_point for m in members}
+            start = min(split.values())
+            keys = self.template.portion_keys(start, n_blocks)
+            trainer = GroupTrainer(
+                copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
+                lr=self.plan.train.lr, momentum=self.plan.train.momentum,
+                weight_decay=self.plan.train.weight_decay, group_loss=self.plan.group_loss,
+            )
+            group = Group(
+                group_id=gid, members=list(members), split=split,
+                num_steps={m: self.joined[m].num_steps for m in members}, trainer=trainer,
+                distance=label_distance(np.stack([counts[m] for m in members])),
+            )
+            self.groups.append(group)
+            for m in members:
+                self.group_of[m] = group
+            self._arm_step_timer(group)
+        missing = sorted(set(self.participants) - set(self.joined))
+        if missing:
+            log.warning("round %d: %d device(s) never joined: %s", self.round_id, len(missing), missing)
+        log.info("round %d: %d group(s) %s", self.round_id, len(self.groups),
+                 [(g.members, round(g.distance, 3)) for g in self.groups])
+        self.groups_ready.set()
+
+    # --- the per-step barrier -------------------------------------------------------------------
+    def validate_step(self, req: StepRequest) -> tuple[Group, MemberBatch]:
+        """Check a step request completely (shapes, dtypes, finiteness, order) without side effects."""
+        group = self.group_of.get(req.device_id)
+        if group is None:
+            if req.device_id in self.participants:
+                raise ApiError(409, f"device {req.device_id!r} has not joined round {self.round_id} (or joined too late)")
+            raise ApiError(404, f"device {req.device_id!r} is not a participant of round {self.round_id}")
+        if req.device_id in group.dropped:
+            raise ApiError(409, f"device {req.device_id!r} was dropped from round {self.round_id} after missing a step deadline")
+        if req.device_id in group.done:
+            raise ApiError(409, f"device {req.device_id!r} has already sent all its {group.num_steps[req.device_id]} steps")
+        if req.step != group.step:
+            raise ApiError(409, f"step {req.step} is out of order: the group is at step {group.step}")
+        if req.device_id in group.pending:
+            raise ApiError(409, f"step {req.step} of {req.device_id!r} was already received")
+        k = group.split[req.device_id]
+        try:
+            fx = decode_tensor(req.fx, what="fx")
+            labels = decode_tensor(req.labels, expect_dtype="int64", what="labels")
+        except WireError as exc:
+            raise ApiError(422, str(exc)) from None
+        if fx.dtype not in (torch.float32, torch.float16):
+            raise ApiError(422, f"fx: dtype {req.fx.dtype} where float32 or float16 was expected")
+        expected_tail = self.activation_shapes[k]
+        batch = fx.shape[0] if fx.dim() else 0
+        if tuple(fx.shape[1:]) != expected_tail or not 1 <= batch <= self.plan.train.batch_size:
+            raise ApiError(422, f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
+                                f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {k}")
+        if list(labels.shape) != [batch]:
+            raise ApiError(422, f"labels: shape {list(labels.shape)} where [{batch}] was expected")
+        if batch and (int(labels.min()) < 0 or int(labels.max()) >= self.plan.num_classes):
+            raise ApiError(422, f"labels: values must lie in [0, {self.plan.num_classes})")
+        return group, MemberBatch(req.device_id, k, fx, labels)
+
+    async def step(self, req: StepRequest) -> StepOutcome:
+        """Wait at the group's barrier for this step, train the copy once, return this device's dfx."""
+        group, batch = self.validate_step(req)
+        arrived = time.monotonic()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        group.pending[req.device_id] = (batch, future, arrived)
+        if group.expected() <= set(group.pending):
+            asyncio.get_running_loop().create_task(self._run_step(group))
+        return await future
+
+    def _arm_step_timer(self, group: Group) -> None:
+        if group.timer is not None:
+            group.timer.cancel()
+        step = group.step
+        group.timer = asyncio.get_running_loop().call_later(
+            self.plan.step_deadline_s, lambda: self._on_deadline(group, step))
+
+    def _on_deadline(self, group: Group, step: int) -> None:
+        if group.finished or group.running or group.step != step or self.abandoned:
+            return
+        late = group.expected() - set(group.pending)
+        if late:
+            log.warning("round %d group %d: dropping %s at step %d (deadline %.1fs)",
+                        self.round_id, group.group_id, sorted(late), step, self.plan.step_deadline_s)
+            group.dropped |= late
+        if group.pending:
+            asyncio.get_running_loop().create_task(self._run_step(group))
+        else:
+            self._check_finished(group)
+
+    async def _run_step(self, group: Group) -> None:
+        if group.running or not group.pending:
+            return
+        group.running = True
+        if group.timer is not None:
+            group.timer.cancel()
+        pending, group.pending = group.pending, {}
+        started = time.monotonic()
+        try:
+            results = await asyncio.to_thread(group.trainer.step, [b for b, _, _ in pending.values()])
+        except Exception as exc:  # a training failure must not leave devices hanging
+            log.exception("round %d group %d: step %d failed", self.round_id, group.group_id, group.step)
+            for _, fut, _ in pending.values():
+                if not fut.done():
+                    fut.set_exception(ApiError(500, f"server-side training failed: {exc}"))
+            group.running = False
+            return
+        server_s = time.monotonic() - started
+        group.train_time_s += server_s
+        group.step += 1
+        for device, (_, fut, arrived) in pending.items():
+            if group.num_steps[device] <= group.step:
+                group.done.add(device)
+            if not fut.done():
+                fut.set_result(StepOutcome(results[device], wait_s=max(0.0, started - arrived), server_s=server_s))
+        group.running = False
+        if not self._check_finished(group):
+            self._arm_step_timer(group)
+
+    def _check_finished(self, group: Group) -> bool:
+        if group.finished:
+            return True
+        if all(m in group.done or m in group.dropped for m in group.members):
+            group.finished = True
+            if group.timer is not None:
+                group.timer.cancel()
+            if not self.abandoned:
+                asyncio.get_running_loop().create_task(self.on_group_done(self, group))
+            return True
+        return False
+
+    def abandon(self) -> None:
+        """A newer plan replaced this round: release everyone who is waiting."""
+        self.abandoned = True
+        self._join_timer.cancel()
+        self.groups_ready.set()
+        for group in self.groups or []:
+            if group.timer is not None:
+                group.timer.cancel()
+            for _, fut, _ in group.pending.values():
+                if not fut.done():
+                    fut.set_exception(ApiError(409, f"round {self.round_id} was replaced by a newer round"))
+            group.pending = {}
+
+    def summary(self) -> dict:
+        """A JSON-friendly view for ``/v1/status``."""
+        return {
+            "round_id": self.round_id,
+            "participants": len(self.participants),
+            "joined": len(self.joined),
+            "groups": [
+                {"group_id": g.group_id, "members": g.members, "label_distance": g.distance, "step": g.step,
+                 "done": sorted(g.done), "dropped": sorted(g.dropped), "finished": g.finished}
+                for g in self.groups or []
+            ],
+        }

@@ -1,0 +1,99 @@
+"""Layer-wise aggregation of the Fed Server (S2FL paper, Algorithm 1).
+
+Devices are cut at different layers, so plain FedAvg does not apply: for every layer of the
+full model W, each participating device i contributes exactly once, through its own uploaded
+client portion ``Wc_i`` if that portion holds the layer, otherwise through the server-side copy
+``Ws_group(i)`` of its data-balance group; the weight is the device's data size ``|D_i|``::
+
+    W[layer] = sum_i |D_i| * (Wc_i[layer] if layer in Wc_i else Ws_group(i)[layer]) / sum_i |D_i|
+
+(the sum running over the devices that supplied the layer).
+
+Decisions where the paper is silent:
+
+* a key that no contribution supplies keeps the global value (returned as a clone);
+* floating tensors are averaged in float64 and cast back to the global dtype; integer/bool
+  tensors (e.g. BatchNorm ``num_batches_tracked``) get the weighted average rounded to the
+  nearest integer (``torch.round``, half to even);
+* keys in a contribution that the global state does not have are an error (they would mean a
+  naming mismatch that silently turns aggregation into a no-op).
+
+FedAvg is the special case where every ``client_state`` holds every key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Contribution", "layerwise_aggregate"]
+
+
+@dataclass
+class Contribution:
+    """One participating device's share in Algorithm 1.
+
+    ``weight`` is ``|D_i|``; ``client_state`` the device's uploaded client portion and
+    ``server_state`` the server-side copy of the device's group (``None`` for split depth
+    zero). Keys in both are full-model ``state_dict`` keys; the client portion wins on overlap.
+    """
+
+    weight: float
+    client_state: Mapping[str, torch.Tensor]
+    server_state: Mapping[str, torch.Tensor] | None = None
+
+
+def layerwise_aggregate(
+    global_state: Mapping[str, torch.Tensor], contributions: Sequence[Contribution]
+) -> dict[str, torch.Tensor]:
+    """Algorithm 1: per-key ``|D_i|``-weighted average over the devices that supply the key.
+
+    Returns a new state dict with the keys of ``global_state`` in its order; results live on
+    the global tensor's device with its dtype. Raises ``ValueError`` for no contributions, a
+    non-positive / non-finite weight, a shape mismatch (naming the key) or an unknown key.
+    """
+    if len(contributions) == 0:
+        raise ValueError("layerwise_aggregate needs at least one contribution")
+    for idx, contrib in enumerate(contributions):
+        w = float(contrib.weight)
+        if not math.isfinite(w) or w <= 0.0:
+            raise ValueError(f"contribution {idx}: weight must be finite and > 0, got {contrib.weight}")
+        for part_name, part in (("client_state", contrib.client_state), ("server_state", contrib.server_state)):
+            if part is None:
+                continue
+            for key, value in part.items():
+                if key not in global_state:
+                    raise ValueError(f"contribution {idx}: {part_name} key {key!r} is not in the global state")
+                if tuple(value.shape) != tuple(global_state[key].shape):
+                    raise ValueError(
+                        f"contribution {idx}: {part_name}[{key!r}] has shape {tuple(value.shape)}, "
+                        f"global shape is {tuple(global_state[key].shape)}"
+                    )
+
+    out: dict[str, torch.Tensor] = {}
+    for key, g in global_state.items():
+        total_w = 0.0
+        acc: torch.Tensor | None = None
+        for contrib in contributions:
+            if key in contrib.client_state:
+                value = contrib.client_state[key]
+            elif contrib.server_state is not None and key in contrib.server_state:
+                value = contrib.server_state[key]
+            else:
+                continue
+            w = float(contrib.weight)
+            term = value.detach().to(device=g.device, dtype=torch.float64) * w
+            acc = term if acc is None else acc + term
+            total_w += w
+        if acc is None:
+            out[key] = g.detach().clone()
+            continue
+        mean = acc / total_w
+        if g.is_floating_point():
+            out[key] = mean.to(g.dtype)
+        else:
+            out[key] = torch.round(mean).to(g.dtype)
+    return out

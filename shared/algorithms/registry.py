@@ -1,0 +1,25 @@
+"""Algorithms by name. Adding one: write its module, add one line here."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shared.algorithms.base import Algorithm
+from shared.algorithms.fedavg import FedAvg
+from shared.algorithms.split_learning import S2FL, SFL
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    "s2fl": S2FL,
+    "sfl": SFL,
+    "fedavg": FedAvg,
+}
+
+
+def build_algorithm(config: "RunConfig") -> Algorithm:
+    """The configured algorithm object."""
+    try:
+        return ALGORITHMS[config.algorithm](config)
+    except KeyError:
+        raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}") from None

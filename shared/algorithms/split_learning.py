@@ -1,0 +1,32 @@
+"""S2FL and SFL: split learning through the Main Server.
+
+They differ only in their defaults; ``split.sliding`` and ``grouping.label_balance`` switch each
+mechanism on or off, which gives the paper's ablations (S2FL+R = SFL, +B, +M, +MB).
+"""
+from __future__ import annotations
+
+from shared.algorithms.base import Algorithm, GroupingMode, SplitMode
+
+
+class S2FL(Algorithm):
+    """Sliding split (client time table) + data-balance grouping (Eq. 2)."""
+
+    name = "s2fl"
+    default_sliding = True
+    default_balance = True
+
+    def split_mode(self) -> SplitMode:
+        sliding = self.config.split.sliding
+        return "sliding" if (self.default_sliding if sliding is None else sliding) else "fixed"
+
+    def grouping(self) -> GroupingMode:
+        balance = self.config.grouping.label_balance
+        return "balanced" if (self.default_balance if balance is None else balance) else "singleton"
+
+
+class SFL(S2FL):
+    """Split federated learning: every device cut at the largest client portion, one server copy each."""
+
+    name = "sfl"
+    default_sliding = False
+    default_balance = False

@@ -1,0 +1,152 @@
+"""Run configuration: one pydantic model, loaded from a YAML/JSON file, environment and flags.
+
+The Fed Server owns the run configuration; devices and the Main Server receive the parts they
+need in messages, so every process works from the same resolved values.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.data.spec import DataSpec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainConfig(_Strict):
+    """Local training hyperparameters, the same on devices and on the Main Server."""
+
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    batch_size: int = Field(32, ge=1, le=4096)
+    local_epochs: int = Field(1, ge=1, le=100)
+
+
+class SplitConfig(_Strict):
+    """How the Fed Server picks each device's split point.
+
+    ``sliding`` None means "the algorithm's default" (on for S2FL, off for SFL); FedAvg-family
+    algorithms always train the whole model on the device (split depth zero).
+    """
+
+    sliding: bool | None = None
+    smoothing: float = Field(0.5, gt=0, le=1)
+    server_flops: float = Field(5e10, gt=0)  # Comp_s in Eq. 1 (paper: 5e10)
+
+
+class GroupingConfig(_Strict):
+    """How the Main Server groups devices (S2FL's data-balance mechanism, Eq. 2)."""
+
+    label_balance: bool | None = None
+    group_size: int = Field(5, ge=1)
+    # How a group's loss is combined (the paper's Eq. 3 "union" is ambiguous; docs/s2fl.md):
+    # per_member: each device gets the gradient of its own mean loss, the server copy steps on the
+    #   mean of the members' mean losses; union_mean: one mean loss over the concatenated batch.
+    group_loss: Literal["per_member", "union_mean"] = "per_member"
+
+
+class DeadlineConfig(_Strict):
+    """Seconds after which a missing party is dropped so nobody waits forever."""
+
+    round_s: float = Field(300.0, gt=0)
+    join_s: float = Field(30.0, gt=0)
+    step_s: float = Field(30.0, gt=0)
+
+
+class DeviceMixConfig(_Strict):
+    """Emulated device kinds (paper Table 1), assigned round-robin to device indices."""
+
+    profiles: list[str] = Field(default_factory=lambda: ["high"])
+    # Emulated times are compressed by this factor so a testbed round takes seconds, not minutes.
+    time_scale: float = Field(1.0, gt=0)
+
+
+class RunConfig(_Strict):
+    """Everything that defines a run."""
+
+    algorithm: str = "s2fl"
+    model: str = "cnn"
+    data: DataSpec = Field(default_factory=DataSpec)
+    rounds: int = Field(30, ge=1)
+    devices_per_round: int | None = Field(None, ge=1)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    grouping: GroupingConfig = Field(default_factory=GroupingConfig)
+    deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
+    devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
+    half_precision: bool = False
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        from shared.algorithms.registry import ALGORITHMS
+        from shared.models.zoo import MODEL_NAMES
+
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
+        if self.devices_per_round is not None and self.devices_per_round > self.data.num_devices:
+            raise ValueError("devices_per_round cannot exceed data.num_devices")
+        return self
+
+    @property
+    def per_round(self) -> int:
+        """Devices selected per round (all devices unless ``devices_per_round`` is set)."""
+        return self.devices_per_round or self.data.num_devices
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a plain dict."""
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level of a config file must be a mapping")
+    return data
+
+
+def set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    """``set_dotted(d, "train.lr", 0.1)`` sets ``d["train"]["lr"]``, creating levels as needed."""
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        target = target.setdefault(part, {})
+    target[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=0.1"`` -> ``("train.lr", 0.1)``; the value is parsed as YAML (numbers, bools, lists)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like key.path=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def resolve_run_config(
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+    env_prefix: str = "SFL_RUN__",
+) -> RunConfig:
+    """Defaults < config file < environment (``SFL_RUN__TRAIN__LR=0.1``) < ``key=value`` overrides."""
+    data: dict[str, Any] = load_config_file(config_file) if config_file else {}
+    for name, raw in sorted(os.environ.items()):
+        if name.startswith(env_prefix) and len(name) > len(env_prefix):
+            set_dotted(data, name[len(env_prefix):].lower().replace("__", "."), yaml.safe_load(raw))
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(data, key, value)
+    return RunConfig.model_validate(data)
+
+
+def env_default(name: str, default: Any) -> Any:
+    """A CLI default that an environment variable (``SFL_<NAME>``) can replace."""
+    return os.environ.get(f"SFL_{name.upper()}", default)

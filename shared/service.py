@@ -1,0 +1,43 @@
+"""What every service process does on start: logging, one torch thread, its CLI basics."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from shared.config import env_default
+
+
+def configure_process(log_level: str = "INFO", threads: int | None = None) -> None:
+    """Logging format and torch threads.
+
+    One torch thread per process by default: two processes each using two threads on two cores
+    run many times slower than with one thread each (measured on the 2-core dev machines).
+    """
+    import torch
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the useful ones
+    torch.set_num_threads(threads or int(os.environ.get("SFL_TORCH_THREADS", "1")))
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every service has: log level and torch threads."""
+    parser.add_argument("--log-level", default=env_default("log_level", "INFO"), help="logging level (env SFL_LOG_LEVEL)")
+    parser.add_argument("--threads", type=int, default=int(env_default("torch_threads", 1)),
+                        help="torch threads for this process (env SFL_TORCH_THREADS; default 1)")
+
+
+def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """``--host``/``--port`` plus the common flags."""
+    parser.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to bind (env SFL_HOST)")
+    parser.add_argument("--port", type=int, default=int(env_default("port", default_port)),
+                        help=f"port to listen on (env SFL_PORT; default {default_port})")
+    add_common_args(parser)
+
+
+def serve(app, host: str, port: int, log_level: str) -> None:
+    """Run an ASGI app with uvicorn in this process."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)

@@ -1,0 +1,161 @@
+"""Wire format: msgpack bodies with tensors as ``{dtype, shape, data}`` maps.
+
+Every byte that crosses the network goes through this module. Tensors travel as their raw
+little-endian bytes and are decoded without a copy (``numpy.frombuffer`` -> ``torch.from_numpy``),
+so a 1.6 MB activation costs well under a millisecond each way. Nothing here (or anywhere in the
+project) unpickles received bytes.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+# Zero-copy decoding hands torch a read-only numpy view over the message bytes. Torch warns about
+# that once per call; the tensors we decode are only ever read (fed into forward, copied into
+# parameters with load_state_dict, or used as gradients), never written in place.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "float32": (torch.float32, np.dtype("<f4")),
+    "float16": (torch.float16, np.dtype("<f2")),
+    "float64": (torch.float64, np.dtype("<f8")),
+    "int64": (torch.int64, np.dtype("<i8")),
+    "int32": (torch.int32, np.dtype("<i4")),
+    "int16": (torch.int16, np.dtype("<i2")),
+    "int8": (torch.int8, np.dtype("i1")),
+    "uint8": (torch.uint8, np.dtype("u1")),
+    "bool": (torch.bool, np.dtype("?")),
+}
+_NAME_OF: dict[torch.dtype, str] = {t: name for name, (t, _) in _DTYPES.items()}
+DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES)
+
+#: Largest accepted rank and element count of one tensor (guards against absurd shapes).
+MAX_RANK = 8
+MAX_ELEMENTS = 1 << 31
+
+
+class WireError(ValueError):
+    """A received message or tensor is malformed; the text says what is wrong."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype."""
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise WireError(f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPE_NAMES)}") from None
+
+
+def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """Tensor -> ``{"dtype", "shape", "data"}`` with ``data`` the raw little-endian bytes."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    name = dtype_name(t.dtype)
+    arr = t.contiguous().numpy()
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        arr = arr.astype(_DTYPES[name][1])
+    return {"dtype": name, "shape": list(t.shape), "data": arr.tobytes()}
+
+
+def decode_tensor(
+    obj: Any,
+    *,
+    expect_shape: tuple[int, ...] | list[int] | None = None,
+    expect_dtype: str | None = None,
+    require_finite: bool = True,
+    what: str = "tensor",
+) -> torch.Tensor:
+    """``{"dtype", "shape", "data"}`` (or a WireTensor) -> read-only tensor viewing the message bytes (no copy).
+
+    Checks structure, byte length, an expected shape/dtype when given, and (for floating types)
+    that every value is finite. Raises :class:`WireError` with a reason naming ``what``.
+    """
+    if hasattr(obj, "dtype") and hasattr(obj, "shape") and hasattr(obj, "data") and not isinstance(obj, (Mapping, torch.Tensor)):
+        obj = {"dtype": obj.dtype, "shape": obj.shape, "data": obj.data}  # a validated WireTensor schema object
+    if not isinstance(obj, Mapping) or set(obj) != {"dtype", "shape", "data"}:
+        raise WireError(f"{what}: expected a map with exactly the keys dtype, shape, data")
+    name, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    if name not in _DTYPES:
+        raise WireError(f"{what}: unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_RANK or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise WireError(f"{what}: shape must be a list of at most {MAX_RANK} non-negative integers")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"{what}: data must be raw bytes")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise WireError(f"{what}: {numel} elements is more than the limit {MAX_ELEMENTS}")
+    torch_dtype, np_dtype = _DTYPES[name]
+    if len(data) != numel * np_dtype.itemsize:
+        raise WireError(
+            f"{what}: {len(data)} data bytes do not match shape {list(shape)} of {name} "
+            f"({numel * np_dtype.itemsize} bytes expected)"
+        )
+    if expect_dtype is not None and name != expect_dtype:
+        raise WireError(f"{what}: dtype {name} where {expect_dtype} was expected")
+    if expect_shape is not None and list(shape) != list(expect_shape):
+        raise WireError(f"{what}: shape {list(shape)} where {list(expect_shape)} was expected")
+    arr = np.frombuffer(data, dtype=np_dtype) if numel else np.empty(0, dtype=np_dtype)
+    tensor = torch.from_numpy(arr).view(*shape) if shape else torch.from_numpy(arr).reshape(())
+    if require_finite and tensor.is_floating_point() and numel and not bool(torch.isfinite(tensor).all()):
+        raise WireError(f"{what}: contains NaN or Inf")
+    return tensor
+
+
+def encode_state(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Ordered map of parameter name -> tensor, in the model's state_dict order."""
+    return {name: encode_tensor(t) for name, t in state.items()}
+
+
+def decode_state(
+    obj: Any,
+    *,
+    expect: Mapping[str, torch.Tensor] | None = None,
+    what: str = "state",
+) -> dict[str, torch.Tensor]:
+    """Decode a model portion; with ``expect``, its keys, shapes and dtypes must match exactly."""
+    if not isinstance(obj, Mapping):
+        raise WireError(f"{what}: expected a map of parameter name -> tensor")
+    if expect is not None and list(obj) != list(expect):
+        missing = [k for k in expect if k not in obj]
+        extra = [k for k in obj if k not in expect]
+        raise WireError(
+            f"{what}: parameter names do not match the expected portion "
+            f"(missing {missing[:5]}, unexpected {extra[:5]})"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            raise WireError(f"{what}: parameter names must be strings")
+        ref = expect[key] if expect is not None else None
+        out[key] = decode_tensor(
+            value,
+            expect_shape=tuple(ref.shape) if ref is not None else None,
+            expect_dtype=dtype_name(ref.dtype) if ref is not None else None,
+            what=f"{what}[{key}]",
+        )
+    return out
+
+
+def packb(obj: Any) -> bytes:
+    """Serialize a message body (plain data with tensors already encoded)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpackb(data: bytes, *, max_bytes: int | None = None) -> Any:
+    """Parse a message body; raises :class:`WireError` for anything that is not valid msgpack."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+        raise WireError(f"body is not valid msgpack: {exc}") from None

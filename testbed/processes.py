@@ -1,0 +1,114 @@
+"""Start the services as separate processes on loopback, wait for them, stop them.
+
+Used by the local testbed and by the integration tests, so the tests exercise exactly what users
+run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child process: one torch thread, unbuffered output, the project importable."""
+    env = dict(os.environ)
+    env.setdefault("SFL_TORCH_THREADS", "1")
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Service:
+    """One child process and where its output goes."""
+
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class ProcessGroup:
+    """Every process a testbed started; stopping it stops them all."""
+
+    log_dir: Path
+    services: list[Service] = field(default_factory=list)
+
+    def start(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Service:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "ab")
+        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
+                                   env=service_env(env), start_new_session=True)
+        log_file.close()
+        service = Service(name, process, log_path)
+        self.services.append(service)
+        return service
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM everyone, then SIGKILL whoever is still there after ``timeout``."""
+        for s in self.services:
+            if s.alive():
+                s.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for s in self.services:
+            try:
+                s.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.process.kill()
+                s.process.wait()
+
+
+def wait_healthy(url: str, service: Service, timeout: float = 120.0) -> None:
+    """Poll ``url/healthz`` until it answers 200; fail early if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not service.alive():
+            raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{service.name} did not become healthy at {url} within {timeout:.0f}s:\n{service.log_tail()}")
+
+
+def split_evenly(items: Sequence[int], parts: int) -> list[list[int]]:
+    """``items`` in ``parts`` contiguous chunks whose sizes differ by at most one (empty ones dropped)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return [c for c in out if c]

@@ -1,0 +1,105 @@
+"""The local testbed: Fed Server, Main Server and device agents as separate processes on loopback."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import yaml
+
+from shared.config import RunConfig
+from testbed.processes import ProcessGroup, Service, free_port, split_evenly, wait_healthy
+
+ProgressFn = Callable[[dict, dict], None]
+
+
+class TestbedError(RuntimeError):
+    """A service died or the run did not finish in time; the message carries its log tail."""
+
+
+class Testbed:
+    """Starts every process of one run, follows its progress, stops everything at the end."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
+                 log_level: str = "INFO") -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.agents = max(1, agents)
+        self.host = host
+        self.log_level = log_level
+        self.fed_port = free_port(host)
+        self.main_port = free_port(host)
+        self.fed_url = f"http://{host}:{self.fed_port}"
+        self.main_url = f"http://{host}:{self.main_port}"
+        self.processes = ProcessGroup(self.run_dir / "logs")
+        self.fed: Service | None = None
+        self.main: Service | None = None
+        self.agent_services: list[Service] = []
+
+    def start(self) -> None:
+        """Write the config, start both servers, wait until healthy, start the agents."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "testbed-config.yaml"
+        config_path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
+        common = ["--log-level", self.log_level]
+        self.fed = self.processes.start("fed_server", "fed_server", [
+            "--host", self.host, "--port", str(self.fed_port), "--config", str(config_path),
+            "--run-dir", str(self.run_dir), "--main-server-url", self.main_url, *common])
+        self.main = self.processes.start("main_server", "main_server", [
+            "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common])
+        wait_healthy(self.fed_url, self.fed)
+        wait_healthy(self.main_url, self.main)
+        shards = list(range(self.config.data.num_devices))
+        for i, chunk in enumerate(split_evenly(shards, self.agents)):
+            self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
+
+    def start_agent(self, name: str, shards: list[int]) -> Service:
+        """Start one agent process hosting the devices of ``shards``."""
+        spec = ",".join(str(s) for s in shards)
+        return self.processes.start(name, "device_agent", [
+            "--fed-server-url", self.fed_url, "--shards", spec, "--kinds", ",".join(self.config.devices.profiles),
+            "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level])
+
+    def status(self, since: int = 0) -> dict:
+        return httpx.get(f"{self.fed_url}/v1/status", params={"since": since}, timeout=10.0).json()
+
+    def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, poll_s: float = 0.5) -> dict:
+        """Wait for the run to finish, calling ``on_round(record, status)`` for each new round."""
+        deadline = time.monotonic() + timeout if timeout else None
+        seen = 0
+        while True:
+            for service in (self.fed, self.main):
+                if service is not None and not service.alive():
+                    raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+            try:
+                status = self.status(seen)
+            except httpx.HTTPError as exc:
+                raise TestbedError(f"Fed Server status failed: {exc}") from exc
+            if status.get("driver_error"):
+                raise TestbedError(f"Fed Server round driver failed: {status['driver_error']}\n{self.fed.log_tail() if self.fed else ''}")
+            for record in status["history"]:
+                seen = max(seen, record["round"])
+                if on_round:
+                    on_round(record, status)
+            if status["state"] == "finished":
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TestbedError(f"run did not finish within {timeout:.0f}s (round {status['rounds_done']} of {status['rounds_total']})")
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        self.processes.stop()
+
+    def __enter__(self) -> "Testbed":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

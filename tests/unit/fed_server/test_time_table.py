@@ -1,0 +1,167 @@
+"""Tests for the client time table and sliding split choice (paper Section 3.1, Eq. 1)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fed_server.time_table import ClientTimeTable, DeviceProfile, SplitCostView, eq1_time
+
+
+def table_from(rows: dict[str, list[float]], k: int = 3) -> ClientTimeTable:
+    tt = ClientTimeTable(num_candidates=k)
+    for dev, times in rows.items():
+        for j, sec in enumerate(times):
+            tt.record(dev, j, sec)
+    return tt
+
+
+def test_eq1_time_hand_numbers():
+    profile = DeviceProfile(flops=1e10, rate=2e6)
+    cost = SplitCostView(client_param_bytes=1_000_000, activation_bytes=1000, client_flops=1e6, server_flops=4e6)
+    # 2|Wc|/R   = 2*1e6/2e6          = 1.0
+    # 2pq/R     = 2*500*1000/2e6     = 0.5
+    # Fc/Comp_c = 1e6*500/1e10       = 0.05
+    # Fs/Comp_s = 4e6*500/5e10       = 0.04
+    # T = 1.59
+    assert eq1_time(profile, cost, samples=500, server_flops=5e10) == pytest.approx(1.59)
+    # zero samples: only the two model transfers remain
+    assert eq1_time(profile, cost, samples=0, server_flops=5e10) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        eq1_time(DeviceProfile(flops=0.0, rate=1.0), cost, 1, 5e10)
+    with pytest.raises(ValueError):
+        eq1_time(profile, cost, -1, 5e10)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_warm_up_gives_round_minus_one_to_everyone(k):
+    tt = table_from({"fast": [1.0] * k, "slow": [9.0] * k}, k=k)  # the table is ignored in warm-up
+    devices = ["fast", "slow", "unknown"]
+    for r in range(1, k + 1):
+        assert tt.choose(r, devices) == {d: r - 1 for d in devices}
+    with pytest.raises(ValueError):
+        tt.choose(0, devices)
+
+
+def test_median_rule_hand_built_table():
+    # j:        0   1   2      (larger j = more layers on the device)
+    # fast:     1   2   3
+    # mid:      2   4   6
+    # slow:     4   8  12
+    # all 9 sorted: 1 2 2 3 4 4 6 8 12 -> median m = 4
+    # fast: |3-4| = 1 smallest -> j=2; mid: |4-4| = 0 -> j=1; slow: |4-4| = 0 -> j=0
+    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12]})
+    expected = {"fast": 2, "mid": 1, "slow": 0}
+    assert tt.choose(4, ["fast", "mid", "slow"]) == expected
+    assert tt.choose(4, ["slow", "fast", "mid"]) == expected  # order-independent
+    assert tt.choose(17, ["fast", "mid", "slow"]) == expected  # any post-warm-up round
+
+
+def test_median_uses_only_the_rounds_devices():
+    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12]})
+    # fast + mid only: 1 2 2 3 4 6 -> m = (2+3)/2 = 2.5
+    # fast: gaps 1.5, 0.5, 0.5 -> tie between j=1 and j=2 -> larger j = 2
+    # mid:  gaps 0.5, 1.5, 3.5 -> j=0
+    assert tt.choose(5, ["fast", "mid"]) == {"fast": 2, "mid": 0}
+
+
+def test_ties_go_to_larger_j():
+    # K=2. A: 3, 5; B: 1, 7 -> sorted 1 3 5 7 -> m = 4.
+    # A: |3-4| = |5-4| = 1 -> tie -> j=1; B: |1-4| = |7-4| = 3 -> tie -> j=1.
+    tt = table_from({"A": [3, 5], "B": [1, 7]}, k=2)
+    assert tt.choose(3, ["A", "B"]) == {"A": 1, "B": 1}
+
+
+def test_running_average():
+    tt = ClientTimeTable(num_candidates=3, smoothing=0.5)
+    assert tt.get("d", 1) is None
+    tt.record("d", 1, 10.0)
+    assert tt.get("d", 1) == 10.0  # first entry = measured
+    tt.record("d", 1, 20.0)
+    assert tt.get("d", 1) == 15.0  # 0.5*10 + 0.5*20
+    tt.record("d", 1, 5.0)
+    assert tt.get("d", 1) == 10.0  # 0.5*15 + 0.5*5
+    assert tt.get("d", 0) is None
+
+    tq = ClientTimeTable(num_candidates=3, smoothing=0.25)
+    tq.record("d", 0, 8.0)
+    tq.record("d", 0, 16.0)
+    assert tq.get("d", 0) == pytest.approx(10.0)  # 0.75*8 + 0.25*16
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.1])
+def test_record_rejects_bad_times(bad):
+    with pytest.raises(ValueError):
+        ClientTimeTable().record("d", 0, bad)
+
+
+def test_record_rejects_bad_candidate_and_bad_config():
+    tt = ClientTimeTable(num_candidates=3)
+    for j in (-1, 3):
+        with pytest.raises(ValueError):
+            tt.record("d", j, 1.0)
+    with pytest.raises(ValueError):
+        ClientTimeTable(num_candidates=0)
+    with pytest.raises(ValueError):
+        ClientTimeTable(smoothing=0.0)
+
+
+def test_estimate_scaled_by_calibration_for_unmeasured_device():
+    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6]})
+    est = {"fast": [0.5, 1, 1], "mid": [1, 2, 2], "new": [2, 4, 6]}
+
+    def estimate(dev: str, j: int) -> float:
+        return est[dev][j]
+
+    # ratios measured/estimate: fast 2, 2, 3; mid 2, 2, 3 -> median 2
+    assert tt.calibration(estimate) == pytest.approx(2.0)
+    # "new" is priced at 2 * (2, 4, 6) = (4, 8, 12). All 9: 1 2 2 3 4 4 6 8 12 -> m = 4.
+    # fast -> j=2 (3), mid -> j=1 (4), new -> j=0 (4)
+    assert tt.choose(4, ["fast", "mid", "new"], estimate) == {"fast": 2, "mid": 1, "new": 0}
+    # Without calibration "new" would look like "mid" (2, 4, 6): 1 2 2 2 3 4 4 6 6 -> m = 3;
+    # mid and new: gaps 1, 1, 3 -> tie -> j=1. So the calibration changes the decision.
+    exact = {"fast": [1, 2, 3], "mid": [2, 4, 6], "new": [2, 4, 6]}  # ratios all 1 -> calibration 1
+    assert tt.calibration(lambda d, j: exact[d][j]) == pytest.approx(1.0)
+    assert tt.choose(4, ["fast", "mid", "new"], lambda d, j: exact[d][j]) == {"fast": 2, "mid": 1, "new": 1}
+    uncal = ClientTimeTable(num_candidates=3)
+    assert uncal.calibration(estimate) == 1.0  # empty table -> 1.0
+    assert uncal.choose(4, ["new"], estimate) == {"new": 1}  # (2, 4, 6) -> m = 4 -> j=1
+
+
+def test_measured_cell_beats_estimate():
+    tt = table_from({"a": [10, 10, 10]})
+    tt.record("b", 2, 10.0)  # b measured only at j=2
+    # calibration: a ratios 10/1 each, b 10/1 -> 10; b's j=0,1 estimated 10*1 = 10; all cells 10
+    # -> every gap 0 -> ties -> larger j = 2 for both.
+    assert tt.choose(4, ["a", "b"], lambda d, j: 1.0) == {"a": 2, "b": 2}
+
+
+def test_no_estimate_falls_back_to_other_devices_column_median():
+    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12]})
+    # "new" (no entries, no estimate) gets the column medians of the others: (2, 4, 6).
+    # Round devices fast, slow, new: 1 2 3 4 8 12 2 4 6 -> sorted 1 2 2 3 4 4 6 8 12 -> m = 4
+    # fast -> j=2, slow -> j=0, new -> j=1
+    assert tt.choose(4, ["fast", "slow", "new"]) == {"fast": 2, "slow": 0, "new": 1}
+
+
+def test_nothing_known_keeps_cycling_candidates():
+    tt = ClientTimeTable(num_candidates=3)
+    assert tt.choose(4, ["x", "y"]) == {"x": 0, "y": 0}
+    assert tt.choose(5, ["x", "y"]) == {"x": 1, "y": 1}
+    assert tt.choose(6, ["x", "y"]) == {"x": 2, "y": 2}
+
+
+def test_entries_copy_and_round_trip():
+    tt = table_from({"fast": [1, 2, 3], "slow": [4, 8, 12]})
+    e = tt.entries()
+    assert e == {"fast": {0: 1.0, 1: 2.0, 2: 3.0}, "slow": {0: 4.0, 1: 8.0, 2: 12.0}}
+    e["fast"][0] = 99.0
+    assert tt.get("fast", 0) == 1.0  # a copy
+    # JSON turns int keys into strings; from_entries accepts both.
+    as_json = {d: {str(j): v for j, v in row.items()} for d, row in tt.entries().items()}
+    back = ClientTimeTable.from_entries(as_json, num_candidates=3, smoothing=0.5)
+    assert back.entries() == tt.entries()
+    assert back.choose(4, ["fast", "slow"]) == tt.choose(4, ["fast", "slow"])
+    with pytest.raises(ValueError):
+        ClientTimeTable.from_entries({"d": {5: 1.0}}, num_candidates=3, smoothing=0.5)
+    assert math.isclose(back.smoothing, 0.5)
