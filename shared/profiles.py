@@ -2,8 +2,11 @@
 
 A kind is ``"<flops>-<rate>"`` with each of ``low``, ``mid``, ``high`` (``"mid"`` alone means
 ``"mid-mid"``): nine kinds. Emulation stretches what is *measured*: compute sections sleep
-``(stretch - 1)`` times their measured duration, where ``stretch = high FLOPS / kind FLOPS``
-(so a High device runs at this machine's real speed and a Low one four times slower); every
+``(stretch - 1)`` times their measured duration, where ``stretch = server FLOPS / kind FLOPS``:
+this machine plays the Main Server at the paper's 5e10 FLOP/s, so a High device runs 2.5x, a
+Mid one 5x and a Low one 10x slower than the real CPU, the paper's device-to-server ratios
+(with devices as fast as the server, server-side layers would look no cheaper than client
+ones and the sliding split would have nothing to trade). Every
 message adds ``bytes / (rate * time_scale)`` seconds, because loopback transfer is nearly free.
 ``time_scale`` compresses the paper's transfer rates so a testbed round takes seconds.
 """
@@ -27,7 +30,7 @@ class EmulatedKind:
 
     @property
     def compute_stretch(self) -> float:
-        return FLOPS["high"] / self.flops
+        return SERVER_FLOPS / self.flops
 
     def transfer_delay(self, num_bytes: int, time_scale: float) -> float:
         """Seconds one message of ``num_bytes`` takes at this kind's (compressed) rate."""

@@ -372,4 +372,7 @@ def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
         if not Path(root).is_dir():
             raise ValueError(f"data root folder does not exist: {root}")
     train, test = _load_pair_cached(spec.dataset, root, spec.transform)
+    if spec.max_samples is not None and spec.max_samples < len(train):
+        keep = np.sort(np.random.default_rng(spec.seed).permutation(len(train))[: spec.max_samples])
+        return train.subset(keep), _shallow_copy(test)
     return _shallow_copy(train), _shallow_copy(test)

@@ -26,6 +26,9 @@ class DataSpec(BaseModel):
     """Dirichlet concentration: small = very non-IID, large = close to IID."""
     num_devices: int = Field(default=10, ge=1)
     seed: int = 0
+    max_samples: int | None = Field(default=None, ge=1)
+    """Use only this many training samples (a seeded random subset, before partitioning):
+    for quick smoke runs and tests. None = the whole training set."""
 
     @model_validator(mode="after")
     def _check_natural(self) -> "DataSpec":

@@ -182,3 +182,16 @@ def test_cifar_pickle_from_numpy1_loads(tmp_path: Path) -> None:
         assert b"numpy.core.multiarray" in blob
         (folder / name).write_bytes(blob)
     assert load_cifar(folder, 100, "train").x.shape == (3, 3, 32, 32)
+
+
+def test_max_samples_takes_the_same_seeded_subset_everywhere():
+    from shared.data import DataSpec, load_dataset
+
+    spec = DataSpec(max_samples=300, seed=3)
+    a, _ = load_dataset(spec)
+    b, _ = load_dataset(spec)
+    full, _ = load_dataset(DataSpec(seed=3))
+    assert len(a) == 300 and torch.equal(a.y, b.y) and torch.equal(a.x, b.x)
+    other, _ = load_dataset(DataSpec(max_samples=300, seed=4))
+    assert not torch.equal(a.y, other.y) or not torch.equal(a.x, other.x)
+    assert len(full) == 4000

