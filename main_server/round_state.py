@@ -63,7 +63,10 @@ class RoundState:
         self.plan = plan
         self.round_id = plan.round_id
         self.participants = {p.device_id: p for p in plan.participants}
-        self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
+        try:
+            self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
+        except ValueError as exc:  # unknown model, bad input_shape or num_classes: the plan's fault, not ours
+            raise ApiError(422, f"invalid plan: {exc}") from None
         n_blocks = len(self.template.blocks)
         for p in plan.participants:
             if p.split_point >= n_blocks:
@@ -74,7 +77,10 @@ class RoundState:
             self.server_weights = decode_state(plan.server_weights, expect=expect, what="server_weights")
         except WireError as exc:
             raise ApiError(422, str(exc)) from None
-        self.activation_shapes = self._activation_shapes()
+        try:
+            self.activation_shapes = self._activation_shapes()
+        except RuntimeError as exc:  # e.g. an input_shape too small for the model's pooling
+            raise ApiError(422, f"invalid plan: input_shape {plan.input_shape} does not fit model {plan.model!r}: {exc}") from None
         self.joined: dict[str, JoinRequest] = {}
         self.groups: list[Group] | None = None
         self.group_of: dict[str, Group] = {}

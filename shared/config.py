@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.data.spec import DataSpec
 
@@ -61,12 +61,28 @@ class DeadlineConfig(_Strict):
     step_s: float = Field(30.0, gt=0)
 
 
-class DeviceMixConfig(_Strict):
-    """Emulated device kinds (paper Table 1), assigned round-robin to device indices."""
+#: The paper's High:Mid:Low = 5:3:2 composition, interleaved so any 10 consecutive shards hold it.
+MIX_532 = ["high", "mid", "high", "low", "high", "mid", "high", "low", "mid", "high"]
 
-    profiles: list[str] = Field(default_factory=lambda: ["high"])
-    # Emulated times are compressed by this factor so a testbed round takes seconds, not minutes.
-    time_scale: float = Field(1.0, gt=0)
+
+class DeviceMixConfig(_Strict):
+    """Emulated device kinds (paper Table 1, see shared/profiles.py), assigned round-robin to shards.
+
+    An empty list means real devices: no emulation, measured times only.
+    """
+
+    profiles: list[str] = Field(default_factory=lambda: list(MIX_532))
+    # Emulated transfer times are compressed by this factor so a testbed round takes seconds.
+    time_scale: float = Field(20.0, gt=0)
+
+    @field_validator("profiles")
+    @classmethod
+    def _known_kinds(cls, value: list[str]) -> list[str]:
+        from shared.profiles import parse_kind
+
+        for name in value:
+            parse_kind(name)
+        return value
 
 
 class RunConfig(_Strict):

@@ -1,0 +1,429 @@
+"""Bad input against the real Fed Server and Main Server processes.
+
+Every malformed, oversized, out-of-order or inconsistent request must get a clear 4xx (JSON
+``{"detail": ...}``) and must change nothing: the servers' ``/v1/status`` is checked after each
+batch of rejected requests, and the Main Server then trains a valid step, which proves the
+rejected steps left the group's barrier untouched.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+
+from shared.models import build_model
+from shared.schemas import (
+    DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, ServerPortionUpload,
+    StepRequest, UpdateRequest, WireTensor,
+)
+from shared.config import TrainConfig
+from shared.wire import encode_state, encode_tensor, packb, unpackb
+from testbed.processes import ProcessGroup, free_port, wait_healthy
+
+HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+NUM_CLASSES = 10
+BATCH = 8
+FX_SHAPE = [BATCH, 32, 14, 14]  # activations of the cnn after block 1 on 1x28x28 inputs
+
+
+def _small_config(**overrides):
+    """``small_config`` from this folder's conftest (a function fixture cannot feed a module fixture)."""
+    spec = importlib.util.spec_from_file_location("_bad_input_conftest", Path(__file__).with_name("conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.small_config(**overrides)
+
+
+# --- the services -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    """A Fed Server waiting for 2 devices (so it stays quiet) and a Main Server with a 1 MiB step limit."""
+    root = tmp_path_factory.mktemp("bad_input")
+    config = _small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    config_path = root / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    fed_port, main_port, dead_port = free_port(), free_port(), free_port()
+    fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
+    group = ProcessGroup(root / "logs")
+    try:
+        fed = group.start("fed_server", "fed_server", [
+            "--config", str(config_path), "--run-dir", str(root / "run"), "--main-server-url", main_url,
+            "--port", str(fed_port), "--run-id", "badinput"])
+        main = group.start("main_server", "main_server", [
+            "--fed-server-url", f"http://127.0.0.1:{dead_port}", "--port", str(main_port), "--max-step-mb", "1"])
+        wait_healthy(fed_url, fed, timeout=60)
+        wait_healthy(main_url, main, timeout=60)
+        yield {"fed": fed_url, "main": main_url, "run_id": "badinput"}
+    finally:
+        group.stop()
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=30.0, headers=HEADERS) as c:
+        yield c
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+def post(client: httpx.Client, url: str, body) -> httpx.Response:
+    """POST a message (a schema object or a plain dict, packed) or raw bytes."""
+    if hasattr(body, "model_dump"):
+        body = body.model_dump()
+    content = body if isinstance(body, (bytes, bytearray)) else packb(body)
+    return client.post(url, content=content)
+
+
+def assert_rejected(resp: httpx.Response, status: int, *words: str) -> str:
+    """``resp`` is the error ``status`` with a JSON detail that mentions every one of ``words``."""
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    assert resp.headers["content-type"].startswith("application/json"), resp.headers
+    detail = resp.json()["detail"]
+    assert isinstance(detail, str) and detail.strip(), resp.text
+    for word in words:
+        assert word.lower() in detail.lower(), (word, detail)
+    return detail
+
+
+def fed_status(client: httpx.Client, services) -> dict:
+    resp = client.get(f"{services['fed']}/v1/status")
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def fed_state(client: httpx.Client, services) -> tuple:
+    s = fed_status(client, services)
+    return s["registered"], s["open_round"], s["rounds_done"], s["state"], s["history"], s["driver_error"]
+
+
+def main_status(client: httpx.Client, services) -> dict | None:
+    resp = client.get(f"{services['main']}/v1/status")
+    assert resp.status_code == 200, resp.text
+    return resp.json()["round"]
+
+
+def profile() -> DeviceProfileMsg:
+    return DeviceProfileMsg(kind="high", flops=1e10, rate=1e7)
+
+
+def register_request(device_id: str = "dev-0", shard: int = 0) -> RegisterRequest:
+    return RegisterRequest(device_id=device_id, shard=shard, num_samples=100, profile=profile())
+
+
+def wire(t: torch.Tensor) -> WireTensor:
+    return WireTensor(**encode_tensor(t))
+
+
+# --- Fed Server -----------------------------------------------------------------------------------
+
+def test_fed_register_rejects_bad_bodies(services, client):
+    url = f"{services['fed']}/v1/devices/register"
+    before = fed_state(client, services)
+    assert before[0] == 0 and before[1] is None and before[3] == "waiting_for_devices"
+    good = register_request().model_dump()
+
+    assert_rejected(post(client, url, b"\xc1\x00\x01"), 400, "msgpack")
+    assert_rejected(post(client, url, b"\x92\x01"), 400, "msgpack")          # truncated array
+    assert_rejected(post(client, url, packb(good) + b"\x00"), 400, "msgpack")  # trailing bytes
+    assert_rejected(post(client, url, b"\x81\x01\x02"), 400, "msgpack")      # int map key
+    assert_rejected(post(client, url, b""), 400, "empty")
+    assert_rejected(post(client, url, packb([1, 2, 3])), 422, "RegisterRequest")
+    assert_rejected(post(client, url, {k: v for k, v in good.items() if k != "shard"}), 422, "shard")
+    assert_rejected(post(client, url, {**good, "admin": True}), 422, "admin")
+    assert_rejected(post(client, url, {**good, "device_id": "../etc/passwd"}), 422, "device_id")
+    assert_rejected(post(client, url, {**good, "device_id": ""}), 422, "device_id")
+    assert_rejected(post(client, url, {**good, "shard": -1}), 422, "shard")
+    assert_rejected(post(client, url, {**good, "shard": "zero"}), 422, "shard")
+    assert_rejected(post(client, url, {**good, "num_samples": -5}), 422, "num_samples")
+    assert_rejected(post(client, url, {**good, "profile": {**good["profile"], "flops": math.inf}}), 422, "flops")
+    assert_rejected(post(client, url, {**good, "profile": {**good["profile"], "rate": 0.0}}), 422, "rate")
+    assert_rejected(post(client, url, {**good, "shard": 2}), 422, "shard 2")   # num_devices is 2
+    assert_rejected(post(client, url, {**good, "shard": 2**62}), 422, "shard")
+    padded = {**good, "profile": {**good["profile"], "kind": "x" * (65 << 10)}}
+    assert_rejected(post(client, url, padded), 413, "limit")
+
+    def chunks():  # no content-length: the limit must hold while streaming too
+        for _ in range(80):
+            yield b"\x00" * 1024
+
+    assert_rejected(client.post(url, content=chunks()), 413, "limit")
+    assert fed_state(client, services) == before
+
+
+def test_fed_unknown_device_task(services, client):
+    before = fed_state(client, services)
+    assert_rejected(client.get(f"{services['fed']}/v1/devices/unknown-dev/task"), 404, "unknown-dev")
+    assert fed_state(client, services) == before
+
+
+def test_fed_register_then_shard_conflict(services, client):
+    url = f"{services['fed']}/v1/devices/register"
+    resp = post(client, url, register_request("dev-0", 0))
+    assert resp.status_code == 200, resp.text
+    answer = unpackb(resp.content)
+    assert answer["device_id"] == "dev-0" and answer["shard"] == 0 and answer["run_id"] == services["run_id"]
+    before = fed_state(client, services)
+    assert before[0] == 1 and before[1] is None
+
+    assert_rejected(post(client, url, register_request("dev-1", 0)), 409, "shard 0", "dev-0")
+    assert fed_state(client, services) == before
+    # The registered device polls and is told to wait: no round runs with 1 of 2 devices.
+    resp = client.get(f"{services['fed']}/v1/devices/dev-0/task")
+    assert resp.status_code == 200 and unpackb(resp.content)["status"] == "wait"
+    assert fed_state(client, services) == before
+
+
+def _update(round_id: int = 1, device_id: str = "dev-0", weights=None) -> dict:
+    model = build_model("cnn")
+    state = weights if weights is not None else model.portion(0, 1).state_dict()
+    return UpdateRequest(
+        device_id=device_id, round_id=round_id, num_samples=100, steps=3, train_loss=1.5,
+        weights=encode_state(state),
+        timings=DeviceTimings(compute_s=1.0, transfer_s=0.1, wait_s=0.2, server_s=0.3, total_s=1.6),
+        bytes_up=10, bytes_down=10,
+    ).model_dump()
+
+
+def test_fed_updates_and_portions_rejected(services, client):
+    fed = services["fed"]
+    post(client, f"{fed}/v1/devices/register", register_request("dev-0", 0)).raise_for_status()  # idempotent
+    before = fed_state(client, services)
+    assert before[0] == 1 and before[1] is None and before[2] == 0
+
+    good = _update()
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/updates", good), 409, "not open")
+    assert_rejected(post(client, f"{fed}/v1/rounds/0/updates", _update(round_id=0)), 409, "not open")
+    assert_rejected(post(client, f"{fed}/v1/rounds/2/updates", good), 422, "round_id")   # path 2, body 1
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/updates", _update(device_id="ghost")), 404, "ghost")
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/updates", {**good, "train_loss": math.nan}), 422, "train_loss")
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/updates", {**good, "num_samples": 0}), 422, "num_samples")
+    nan_state = build_model("cnn").portion(0, 1).state_dict()
+    nan_state = {k: v.clone() for k, v in nan_state.items()}
+    next(iter(nan_state.values())).view(-1)[0] = math.nan
+    resp = post(client, f"{fed}/v1/rounds/1/updates", _update(weights=nan_state))
+    assert 400 <= resp.status_code < 500 and resp.json()["detail"], resp.text  # 409: no round is open
+    bad_bytes = {**good, "weights": {k: {**v, "data": v["data"][:-4]} for k, v in good["weights"].items()}}
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/updates", bad_bytes), 422, "bytes")
+    resp = post(client, f"{fed}/v1/rounds/abc/updates", good)  # FastAPI's own path check (a list detail)
+    assert resp.status_code == 422 and "round_id" in resp.text, resp.text
+    assert fed_state(client, services) == before
+
+    portion = ServerPortionUpload(
+        run_id="someone-else", round_id=1, group_id=0, members=["dev-0"], dropped=[], start_block=1,
+        weights=encode_state(build_model("cnn").portion(1, 4).state_dict()), label_distance=0.1, steps=1,
+        train_time_s=0.5,
+    ).model_dump()
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/server-portions", portion), 409, "someone-else")
+    right_run = {**portion, "run_id": services["run_id"]}
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/server-portions", right_run), 409, "not open")
+    assert_rejected(post(client, f"{fed}/v1/rounds/1/server-portions", {**right_run, "group_id": -1}), 422, "group_id")
+    assert fed_state(client, services) == before
+
+
+# --- Main Server ----------------------------------------------------------------------------------
+
+def make_plan(round_id: int = 1, **changes) -> dict:
+    plan = RoundPlan(
+        run_id="plan-run", round_id=round_id, model="cnn", num_classes=NUM_CLASSES, input_shape=[1, 28, 28], seed=0,
+        participants=[Participant(device_id="dev-a", split_point=1, num_samples=50),
+                      Participant(device_id="dev-b", split_point=1, num_samples=50)],
+        server_weights=encode_state(build_model("cnn").portion(1, 4).state_dict()),
+        train=TrainConfig(batch_size=BATCH), grouping="balanced", group_size=2, group_loss="per_member",
+        join_deadline_s=30, step_deadline_s=30,
+    ).model_dump()
+    plan.update(changes)
+    return plan
+
+
+def test_main_rejects_bad_plans(services, client):
+    url = f"{services['main']}/v1/rounds"
+    before = main_status(client, services)
+    good = make_plan()
+    weights = good["server_weights"]
+    key = next(iter(weights))
+    wrong_shape = {**weights, key: encode_tensor(torch.zeros(3, 3))}
+    assert_rejected(post(client, url, make_plan(server_weights=wrong_shape)), 422, "server_weights", key)
+    missing = {k: v for k, v in weights.items() if k != key}
+    assert_rejected(post(client, url, make_plan(server_weights=missing)), 422, "server_weights", "missing")
+    as_f64 = {**weights, key: encode_tensor(torch.zeros(tuple(weights[key]["shape"]), dtype=torch.float64))}
+    assert_rejected(post(client, url, make_plan(server_weights=as_f64)), 422, "float64")
+    nan_w = torch.zeros(tuple(weights[key]["shape"]))
+    nan_w.view(-1)[3] = math.nan
+    assert_rejected(post(client, url, make_plan(server_weights={**weights, key: encode_tensor(nan_w)})), 422, "NaN")
+    deep = [{"device_id": "dev-a", "split_point": 4, "num_samples": 5},
+            {"device_id": "dev-b", "split_point": 1, "num_samples": 5}]
+    assert_rejected(post(client, url, make_plan(participants=deep)), 422, "split point 4")
+    dupes = [{"device_id": "dev-a", "split_point": 1, "num_samples": 5}] * 2
+    assert_rejected(post(client, url, make_plan(participants=dupes)), 422, "distinct")
+    assert_rejected(post(client, url, make_plan(participants=[])), 422, "participants")
+    assert_rejected(post(client, url, make_plan(grouping="psychic")), 422, "grouping")
+    assert_rejected(post(client, url, make_plan(join_deadline_s=0)), 422, "join_deadline_s")
+    assert_rejected(post(client, url, make_plan(model="no-such-model")), 422, "no-such-model")
+    assert_rejected(post(client, url, make_plan(input_shape=[1, 28])), 422, "input_shape")
+    assert_rejected(post(client, url, make_plan(num_classes=0)), 422, "num_classes")
+    assert_rejected(post(client, url, make_plan(num_classes=7)), 422, "server_weights")  # head has 10 outputs
+    # Weights that match a 1x2x2 input, which the cnn's pooling cannot take: refused, not a 500.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Initializing zero-element tensors is a no-op"
+        tiny = encode_state(build_model("cnn", NUM_CLASSES, (1, 2, 2)).portion(1, 4).state_dict())
+    assert_rejected(post(client, url, make_plan(input_shape=[1, 2, 2], server_weights=tiny)), 422, "input_shape")
+    assert main_status(client, services) == before
+
+
+def join(client: httpx.Client, services, device_id: str, round_id: int = 1, **changes) -> httpx.Response:
+    body = JoinRequest(device_id=device_id, label_counts=[5] * NUM_CLASSES, num_steps=2).model_dump()
+    body.update(changes)
+    return post(client, f"{services['main']}/v1/rounds/{round_id}/join", body)
+
+
+@pytest.fixture(scope="module")
+def main_round(services, client):
+    """Round 1 open at the Main Server and dev-a, dev-b joined (one group of two)."""
+    resp = post(client, f"{services['main']}/v1/rounds", make_plan())
+    assert resp.status_code == 200, resp.text
+    assert unpackb(resp.content)["ok"] is True
+    status = main_status(client, services)
+    assert status["round_id"] == 1 and status["joined"] == 0 and status["groups"] == []
+
+    assert_rejected(join(client, services, "dev-zzz"), 404, "dev-zzz")
+    assert_rejected(join(client, services, "dev-a", label_counts=[1, 2, 3]), 422, "label_counts")
+    assert_rejected(join(client, services, "dev-a", label_counts=[0] * NUM_CLASSES), 422, "label_counts")
+    assert_rejected(join(client, services, "dev-a", label_counts=[-1] + [5] * 9), 422, "label_counts")
+    assert_rejected(join(client, services, "dev-a", num_steps=0), 422, "num_steps")
+    assert_rejected(join(client, services, "dev-a", round_id=99), 409, "99")
+    assert_rejected(post(client, f"{services['main']}/v1/rounds/1/join", b"\xc1"), 400, "msgpack")
+    assert main_status(client, services) == status   # nobody joined
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda d: join(client, services, d), ["dev-a", "dev-b"]))
+    for resp in answers:
+        assert resp.status_code == 200, resp.text
+    groups = [unpackb(r.content) for r in answers]
+    assert groups[0]["group_id"] == groups[1]["group_id"] == 0
+    assert sorted(groups[0]["members"]) == ["dev-a", "dev-b"]
+    status = main_status(client, services)
+    assert status["joined"] == 2 and len(status["groups"]) == 1
+    return status
+
+
+def step_body(device_id: str = "dev-a", step: int = 0, fx: torch.Tensor | None = None,
+              labels: torch.Tensor | None = None) -> dict:
+    fx = torch.randn(*FX_SHAPE) if fx is None else fx
+    labels = torch.arange(fx.shape[0] if fx.dim() else 1, dtype=torch.int64) % NUM_CLASSES if labels is None else labels
+    return StepRequest(device_id=device_id, step=step, fx=wire(fx), labels=wire(labels)).model_dump()
+
+
+def test_main_plan_rejected_while_round_open(services, client, main_round):
+    before = main_status(client, services)
+    url = f"{services['main']}/v1/rounds"
+    bad = make_plan(round_id=2, participants=[{"device_id": "dev-a", "split_point": 9, "num_samples": 5}])
+    assert_rejected(post(client, url, bad), 422, "split point 9")
+    assert_rejected(post(client, url, make_plan(round_id=0)), 409, "older")
+    assert main_status(client, services) == before
+    # The round is still usable: a joined device asking again gets its group back.
+    resp = join(client, services, "dev-a")
+    assert resp.status_code == 200 and unpackb(resp.content)["group_id"] == 0
+
+
+def test_main_rejects_bad_steps_then_trains(services, client, main_round):
+    main = services["main"]
+    url = f"{main}/v1/rounds/1/step"
+    before = main_status(client, services)
+    assert before["groups"][0]["step"] == 0 and before["groups"][0]["dropped"] == []
+
+    good = step_body()
+    assert_rejected(post(client, url, b"\xc1garbage"), 400, "msgpack")
+    assert_rejected(post(client, url, b""), 400, "empty")
+    assert_rejected(post(client, url, {k: v for k, v in good.items() if k != "labels"}), 422, "labels")
+    assert_rejected(post(client, url, {**good, "fx": {**good["fx"], "data": good["fx"]["data"][:-1]}}), 422, "fx")
+    assert_rejected(post(client, url, {**good, "fx": {**good["fx"], "dtype": "complex64"}}), 422, "complex64")
+    assert_rejected(post(client, url, {**good, "fx": {**good["fx"], "shape": [1] * 9}}), 422, "shape")
+    assert_rejected(post(client, url, step_body(fx=torch.randn(BATCH, 5))), 422, "fx", "shape")
+    assert_rejected(post(client, url, step_body(fx=torch.randn(BATCH, 32, 7, 7))), 422, "fx", "shape")
+    assert_rejected(post(client, url, step_body(fx=torch.randn(0, 32, 14, 14), labels=torch.zeros(0, dtype=torch.int64))),
+                    422, "fx")
+    assert_rejected(post(client, url, step_body(fx=torch.tensor(1.0))), 422, "fx")
+    assert_rejected(post(client, url, step_body(fx=torch.ones(*FX_SHAPE, dtype=torch.int64))), 422, "fx", "int64")
+    nan_fx = torch.randn(*FX_SHAPE)
+    nan_fx[3, 2, 1, 0] = math.nan
+    assert_rejected(post(client, url, step_body(fx=nan_fx)), 422, "fx", "nan")
+    inf_fx = torch.randn(*FX_SHAPE)
+    inf_fx[0, 0, 0, 0] = -math.inf
+    assert_rejected(post(client, url, step_body(fx=inf_fx)), 422, "fx", "inf")
+    assert_rejected(post(client, url, step_body(labels=torch.full((BATCH,), NUM_CLASSES, dtype=torch.int64))),
+                    422, "labels", "[0, 10)")
+    assert_rejected(post(client, url, step_body(labels=torch.full((BATCH,), -1, dtype=torch.int64))), 422, "labels")
+    assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH - 1, dtype=torch.int64))), 422, "labels", "shape")
+    assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH, dtype=torch.int32))), 422, "labels", "int64")
+    assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH, dtype=torch.float32))), 422, "labels")
+    big = step_body(fx=torch.randn(BATCH + 1, 32, 14, 14), labels=torch.zeros(BATCH + 1, dtype=torch.int64))
+    assert_rejected(post(client, url, big), 422, "fx", f"B <= {BATCH}")
+    assert_rejected(post(client, url, step_body(step=3)), 409, "step 3", "step 0")
+    assert_rejected(post(client, url, {**good, "step": -1}), 422, "step")
+    assert_rejected(post(client, url, step_body(device_id="dev-zzz")), 404, "dev-zzz")
+    assert_rejected(post(client, url, {**good, "device_id": "dev a"}), 422, "device_id")
+    assert_rejected(post(client, f"{main}/v1/rounds/99/step", good), 409, "99")
+    assert_rejected(post(client, f"{main}/v1/rounds/0/step", good), 409, "stale")
+    huge = step_body(fx=torch.randn(48, 32, 14, 14), labels=torch.zeros(48, dtype=torch.int64))
+    assert len(packb(huge)) > 1 << 20
+    assert_rejected(post(client, url, huge), 413, "limit")
+    huge_bytes = packb(huge)
+
+    def chunks():  # chunked, no content-length
+        for i in range(0, len(huge_bytes), 64 << 10):
+            yield huge_bytes[i:i + (64 << 10)]
+
+    assert_rejected(client.post(url, content=chunks()), 413, "limit")
+
+    # Nothing changed: still step 0, nobody dropped, done or pending.
+    after = main_status(client, services)
+    assert after == before
+    group = after["groups"][0]
+    assert group["step"] == 0 and group["dropped"] == [] and group["done"] == [] and not group["finished"]
+
+    # dev-a's valid step waits at the barrier; a duplicate meanwhile is refused; dev-b's step releases both.
+    fx_a, fx_b = torch.randn(*FX_SHAPE), torch.randn(*FX_SHAPE)
+    labels = torch.arange(BATCH, dtype=torch.int64) % NUM_CLASSES
+    results: dict[str, httpx.Response] = {}
+
+    def send(device_id: str, fx: torch.Tensor) -> None:
+        with httpx.Client(timeout=30.0, headers=HEADERS) as own:
+            results[device_id] = post(own, url, step_body(device_id, 0, fx, labels))
+
+    thread_a = threading.Thread(target=send, args=("dev-a", fx_a))
+    thread_a.start()
+    time.sleep(0.3)
+    assert "dev-a" not in results, "dev-a's step must wait for dev-b at the barrier"
+    assert_rejected(post(client, url, step_body("dev-a", 0, fx_a, labels)), 409, "already received")
+    # A bad step from dev-b while dev-a waits does not release the barrier either.
+    assert_rejected(post(client, url, step_body("dev-b", 0, nan_fx, labels)), 422, "nan")
+    time.sleep(0.1)
+    assert "dev-a" not in results
+    thread_b = threading.Thread(target=send, args=("dev-b", fx_b))
+    thread_b.start()
+    thread_a.join(30)
+    thread_b.join(30)
+    for device in ("dev-a", "dev-b"):
+        resp = results[device]
+        assert resp.status_code == 200, resp.text
+        answer = unpackb(resp.content)
+        assert answer["dfx"]["shape"] == FX_SHAPE and answer["dfx"]["dtype"] == "float32"
+        assert math.isfinite(answer["loss"]) and answer["wait_s"] >= 0
+    assert results["dev-a"].content != results["dev-b"].content
+
+    status = main_status(client, services)
+    group = status["groups"][0]
+    assert group["step"] == 1 and group["dropped"] == [] and group["done"] == [] and not group["finished"]
+    # Step 0 is now behind the group.
+    assert_rejected(post(client, url, step_body("dev-a", 0)), 409, "out of order")
+    assert main_status(client, services) == status
