@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from shared.config import env_default
-from shared.service import add_common_args, configure_process
+from shared.service import add_common_args, configure_process, parse_service_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,11 +22,11 @@ def main(argv: list[str] | None = None) -> None:
                              "(env SFL_KINDS; empty = real device, no emulation)")
     parser.add_argument("--time-scale", type=float, default=float(env_default("time_scale", 1.0)),
                         help="compress emulated transfer times by this factor (env SFL_TIME_SCALE)")
-    parser.add_argument("--prefix", default=env_default("device_prefix", "dev"), help="device id prefix (ids are <prefix>-<shard>)")
+    parser.add_argument("--prefix", default=env_default("prefix", "dev"), help="device id prefix; ids are <prefix>-<shard> (env SFL_PREFIX)")
     parser.add_argument("--ca-file", default=env_default("ca_file", None), help="CA bundle to verify HTTPS servers")
     add_common_args(parser)
-    args = parser.parse_args(argv)
-    configure_process(args.log_level, args.threads)
+    args = parse_service_args(parser, argv)
+    configure_process(args.log_level, args.torch_threads)
     from device_agent.agent import Agent, parse_shards
     from shared.profiles import parse_kind
 

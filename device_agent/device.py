@@ -18,7 +18,8 @@ from shared.schemas import (
     API, Ack, DeviceProfileMsg, DeviceTimings, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
     RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WireTensor,
 )
-from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor
+from shared.portions import decode_portion
+from shared.wire import decode_tensor, encode_state, encode_tensor
 
 log = logging.getLogger("device_agent")
 
@@ -107,9 +108,7 @@ class Device:
         assert self.model is not None and self.data is not None and self.info is not None
         clock = RoundClock(self.kind, self.time_scale)
         clock.transfer(task_bytes)
-        full = self.model.state_dict()
-        expect = {k: full[k] for k in self.model.portion_keys(0, task.split_point)}
-        weights = decode_state(task.weights or {}, expect=expect, what="task weights")
+        weights = decode_portion(task.weights or {}, self.model, 0, task.split_point, what="task weights")
         train = task.train
         assert train is not None and task.round_id is not None and task.split_point is not None
         send_step = None

@@ -5,7 +5,7 @@ import argparse
 import time
 
 from shared.config import env_default
-from shared.service import add_server_args, configure_process, serve
+from shared.service import add_server_args, configure_process, parse_service_args, serve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-id", default=env_default("run_id", None), help="run id (default: random)")
     parser.add_argument("--main-server-url", default=env_default("main_server_url", "http://127.0.0.1:8081"),
                         help="the Main Server, as devices and this server reach it (env SFL_MAIN_SERVER_URL)")
-    args = parser.parse_args(argv)
-    configure_process(args.log_level, args.threads)
+    args = parse_service_args(parser, argv)
+    configure_process(args.log_level, args.torch_threads)
 
     from fed_server.app import create_app
     from fed_server.coordinator import Coordinator

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import make_asgi_app
 
 from fed_server.coordinator import Coordinator
 from shared.http_client import HEADERS, decode_response
-from shared.http_server import install_error_handlers, msgpack_response, read_message
+from shared.http_server import create_service_app, msgpack_response, read_message
 from shared.schemas import API, Ack, RegisterRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
@@ -87,15 +86,9 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         yield
         task.cancel()
 
-    app = FastAPI(title="S2FL Fed Server", version="1", lifespan=lifespan,
-                  description="Global model, client time table, device selection, split choice, layer-wise aggregation.")
-    install_error_handlers(app)
+    app = create_service_app("fed_server", "S2FL Fed Server", lifespan=lifespan, description=(
+        "Global model, client time table, device selection, split choice, layer-wise aggregation."))
     app.state.coordinator = coordinator
-    app.mount("/metrics", make_asgi_app())
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok", "service": "fed_server"}
 
     @app.get(f"{API}/status")
     async def status(since: int = 0) -> dict:

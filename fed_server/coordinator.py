@@ -30,7 +30,8 @@ from shared.schemas import (
     Ack, Participant, RegisterRequest, RegisterResponse, RoundPlan, RunInfo, ServerPortionUpload, TaskResponse,
     UpdateRequest,
 )
-from shared.wire import WireError, decode_state, encode_state
+from shared.portions import decode_portion, portion_state
+from shared.wire import WireError, encode_state
 
 log = logging.getLogger("fed_server")
 
@@ -100,14 +101,12 @@ class Coordinator:
     def round_plan(self, fed_round: FedRound) -> RoundPlan:
         """What the Main Server needs: participants, splits, and the server-side weights."""
         start = min(a.split_point for a in fed_round.assignments.values())
-        keys = self.model.portion_keys(start, self.num_blocks)
-        state = self.model.state_dict()
         return RoundPlan(
             run_id=self.run_id, round_id=fed_round.round_id, model=self.config.model, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=self.config.seed,
             participants=[Participant(device_id=d, split_point=a.split_point, num_samples=max(1, self.devices.devices[d].num_samples))
                           for d, a in sorted(fed_round.assignments.items())],
-            server_weights=encode_state({k: state[k] for k in keys}), train=self.config.train,
+            server_weights=encode_state(portion_state(self.model, start, self.num_blocks)), train=self.config.train,
             grouping=self.algorithm.grouping(), group_size=self.config.grouping.group_size,
             group_loss=self.config.grouping.group_loss, join_deadline_s=self.config.deadlines.join_s,
             step_deadline_s=self.config.deadlines.step_s,
@@ -125,12 +124,10 @@ class Coordinator:
         if assignment.dispatched_at is not None:  # one task per device and round
             return TaskResponse(status="wait")
         assignment.dispatched_at = time.monotonic()
-        state = self.model.state_dict()
-        keys = self.model.portion_keys(0, assignment.split_point)
         remaining = max(1.0, fed_round.deadline_s - (time.monotonic() - fed_round.started_at))
         return TaskResponse(
             status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=self.num_blocks,
-            weights=encode_state({k: state[k] for k in keys}), train=self.config.train,
+            weights=encode_state(portion_state(self.model, 0, assignment.split_point)), train=self.config.train,
             main_server_url=self.main_server_url if fed_round.uses_main_server else None,
             deadline_s=remaining, half_precision=self.config.half_precision,
         )
@@ -140,6 +137,12 @@ class Coordinator:
             current = self.round.round_id if self.round else None
             raise ApiError(409, f"round {round_id} is not open (open round: {current})")
         return self.round
+
+    def _decode(self, weights, start: int, end: int) -> dict[str, torch.Tensor]:
+        try:
+            return decode_portion(weights, self.model, start, end)
+        except WireError as exc:
+            raise ApiError(422, str(exc)) from None
 
     def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int) -> Ack:
         """A device's trained portion. Fully checked before it is stored."""
@@ -152,12 +155,7 @@ class Coordinator:
             raise ApiError(403, f"device {req.device_id!r} was not selected for round {round_id}")
         if req.device_id in fed_round.updates:
             raise ApiError(409, f"round {round_id} already has the update of {req.device_id!r}")
-        full = self.model.state_dict()
-        expect = {k: full[k] for k in self.model.portion_keys(0, assignment.split_point)}
-        try:
-            state = decode_state(req.weights, expect=expect, what="weights")
-        except WireError as exc:
-            raise ApiError(422, str(exc)) from None
+        state = self._decode(req.weights, 0, assignment.split_point)
         fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes)
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
 
@@ -177,12 +175,7 @@ class Coordinator:
         splits = [fed_round.assignments[m].split_point for m in members]
         if splits and upload.start_block > min(splits):
             raise ApiError(422, f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")
-        full = self.model.state_dict()
-        expect = {k: full[k] for k in self.model.portion_keys(upload.start_block, self.num_blocks)}
-        try:
-            state = decode_state(upload.weights, expect=expect, what="weights")
-        except WireError as exc:
-            raise ApiError(422, str(exc)) from None
+        state = self._decode(upload.weights, upload.start_block, self.num_blocks)
         fed_round.portions[upload.group_id] = ReceivedPortion(upload, state, body_bytes)
         return Ack(detail=f"group {upload.group_id} of round {round_id} stored")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from shared.config import env_default
-from shared.service import add_server_args, configure_process, serve
+from shared.service import add_server_args, configure_process, parse_service_args, serve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="where finished groups' server portions are uploaded (env SFL_FED_SERVER_URL)")
     parser.add_argument("--max-step-mb", type=float, default=float(env_default("max_step_mb", 64)),
                         help="largest accepted step body in MiB (env SFL_MAX_STEP_MB)")
-    args = parser.parse_args(argv)
-    configure_process(args.log_level, args.threads)
+    args = parse_service_args(parser, argv)
+    configure_process(args.log_level, args.torch_threads)
     from main_server.app import MainServerSettings, create_app
 
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)))

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import make_asgi_app
 
 from main_server.round_state import Group, RoundState
 from shared.http_client import HEADERS, decode_response
-from shared.http_server import ApiError, install_error_handlers, msgpack_response, read_message
+from shared.http_server import ApiError, create_service_app, msgpack_response, read_message
 from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
 from shared.wire import encode_state, encode_tensor, packb
 
@@ -77,15 +76,10 @@ class MainServer:
 
 def create_app(settings: MainServerSettings) -> FastAPI:
     """The Main Server as an ASGI app."""
-    app = FastAPI(title="S2FL Main Server", version="1", description="Server-side portions, label-balanced groups, per-step training.")
-    install_error_handlers(app)
+    app = create_service_app("main_server", "S2FL Main Server",
+                             "Server-side portions, label-balanced groups, per-step training.")
     server = MainServer(settings)
     app.state.server = server
-    app.mount("/metrics", make_asgi_app())
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok", "service": "main_server"}
 
     @app.get(f"{API}/status")
     async def status() -> dict:

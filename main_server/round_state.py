@@ -20,7 +20,8 @@ from shared.algorithms.grouping import balanced_groups, label_distance, random_g
 from shared.http_server import ApiError
 from shared.models import SplitModel, build_model
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
-from shared.wire import WireError, decode_state, decode_tensor
+from shared.portions import decode_portion
+from shared.wire import WireError, decode_tensor
 
 log = logging.getLogger("main_server")
 
@@ -72,9 +73,8 @@ class RoundState:
             if p.split_point >= n_blocks:
                 raise ApiError(422, f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
         self.start = min(p.split_point for p in plan.participants)
-        expect = self.template.portion(self.start, n_blocks).state_dict()
         try:
-            self.server_weights = decode_state(plan.server_weights, expect=expect, what="server_weights")
+            self.server_weights = decode_portion(plan.server_weights, self.template, self.start, n_blocks, what="server_weights")
         except WireError as exc:
             raise ApiError(422, str(exc)) from None
         try:

@@ -66,6 +66,22 @@ def msgpack_response(message: BaseModel, status: int = 200) -> Response:
     return Response(content=packb(message.model_dump()), status_code=status, media_type=MSGPACK)
 
 
+def create_service_app(service: str, title: str, description: str, lifespan=None) -> FastAPI:
+    """A FastAPI app with what every server has: error handlers, ``/healthz``, ``/metrics``."""
+    from prometheus_client import make_asgi_app
+
+    app = FastAPI(title=title, version="1", description=description, lifespan=lifespan)
+    install_error_handlers(app)
+    app.mount("/metrics", make_asgi_app())
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        """Liveness: 200 while the process serves requests."""
+        return {"status": "ok", "service": service}
+
+    return app
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map :class:`ApiError` and stray wire errors to JSON 4xx answers."""
 

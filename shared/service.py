@@ -21,10 +21,33 @@ def configure_process(log_level: str = "INFO", threads: int | None = None) -> No
     torch.set_num_threads(threads or int(os.environ.get("SFL_TORCH_THREADS", "1")))
 
 
+def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse flags, letting a ``--settings FILE`` (YAML mapping of flag names to values) supply defaults.
+
+    Precedence: built-in defaults < settings file < ``SFL_*`` environment variables < flags.
+    """
+    from shared.config import load_config_file
+
+    parser.add_argument("--settings", default=os.environ.get("SFL_SETTINGS"),
+                        help="YAML/JSON file of this service's flags, e.g. 'port: 9000' (env SFL_SETTINGS)")
+    pre, _ = parser.parse_known_args(argv)
+    if pre.settings:
+        known = {a.dest: a for a in parser._actions}
+        values = {}
+        for key, value in load_config_file(pre.settings).items():
+            dest = key.replace("-", "_")
+            if dest not in known or dest in ("help", "settings"):
+                parser.error(f"{pre.settings}: unknown setting {key!r}")
+            if f"SFL_{dest.upper()}" not in os.environ:  # the environment beats the file
+                values[dest] = value
+        parser.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Flags every service has: log level and torch threads."""
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"), help="logging level (env SFL_LOG_LEVEL)")
-    parser.add_argument("--threads", type=int, default=int(env_default("torch_threads", 1)),
+    parser.add_argument("--threads", dest="torch_threads", type=int, default=int(env_default("torch_threads", 1)),
                         help="torch threads for this process (env SFL_TORCH_THREADS; default 1)")
 
 

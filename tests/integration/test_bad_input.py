@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -46,13 +48,20 @@ def _small_config(**overrides):
 # --- the services -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
+def services():
     """A Fed Server waiting for 2 devices (so it stays quiet) and a Main Server with a 1 MiB step limit."""
-    root = tmp_path_factory.mktemp("bad_input")
+    # Our own temporary folder: pytest prunes old basetemp folders, which concurrent pytest runs
+    # on the same machine can do while these services still read their config or write logs.
+    root = Path(tempfile.mkdtemp(prefix="sfl-bad-input-"))
     config = _small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
     config_path = root / "config.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    fed_port, main_port, dead_port = free_port(), free_port(), free_port()
+    ports: list[int] = []
+    while len(ports) < 3:  # three distinct ports (the OS may hand out the same free one twice)
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    fed_port, main_port, dead_port = ports
     fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
     group = ProcessGroup(root / "logs")
     try:
@@ -66,6 +75,7 @@ def services(tmp_path_factory):
         yield {"fed": fed_url, "main": main_url, "run_id": "badinput"}
     finally:
         group.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

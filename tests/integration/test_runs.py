@@ -55,7 +55,8 @@ def test_s2fl_slides_splits_by_device_profile(run_testbed, small_config):
 
 
 def test_sfl_fixed_split_one_copy_per_device(run_testbed, small_config):
-    config = small_config(algorithm="sfl")
+    # Also exercises half-precision activations and gradients on the wire.
+    config = small_config(algorithm="sfl", half_precision=True)
     status, metrics, run_dir = run_testbed(config)
     _check_common(status, metrics, run_dir, config)
     model = build_model("cnn")

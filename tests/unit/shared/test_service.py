@@ -1,0 +1,42 @@
+"""Service settings: defaults < settings file < environment < flags."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shared.service import add_server_args, parse_service_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser, default_port=8080)
+    return parser
+
+
+def test_settings_file_environment_and_flags_in_order(tmp_path, monkeypatch):
+    monkeypatch.delenv("SFL_PORT", raising=False)
+    monkeypatch.delenv("SFL_HOST", raising=False)
+    settings = tmp_path / "s.yaml"
+    settings.write_text("port: 9001\nhost: 0.0.0.0\nlog-level: DEBUG\n")
+    args = parse_service_args(_parser(), ["--settings", str(settings)])
+    assert (args.port, args.host, args.log_level) == (9001, "0.0.0.0", "DEBUG")
+    args = parse_service_args(_parser(), ["--settings", str(settings), "--port", "9002"])
+    assert args.port == 9002
+    monkeypatch.setenv("SFL_PORT", "9003")
+    args = parse_service_args(_parser(), ["--settings", str(settings)])
+    assert args.port == 9003 and args.host == "0.0.0.0"
+
+
+def test_unknown_setting_is_an_error(tmp_path):
+    settings = tmp_path / "s.yaml"
+    settings.write_text("prot: 1\n")
+    with pytest.raises(SystemExit):
+        parse_service_args(_parser(), ["--settings", str(settings)])
+
+
+def test_defaults_without_settings(monkeypatch):
+    monkeypatch.delenv("SFL_PORT", raising=False)
+    monkeypatch.delenv("SFL_SETTINGS", raising=False)
+    args = parse_service_args(_parser(), [])
+    assert args.port == 8080 and args.torch_threads >= 1
