@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.config import env_default
+from shared.config import DeviceMixConfig, env_default
 from shared.service import add_common_args, configure_process, parse_service_args
 
 
@@ -20,10 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", default=env_default("kinds", ""),
                         help="emulated device kinds assigned round-robin by shard, e.g. high,mid,low or high-low "
                              "(env SFL_KINDS; empty = real device, no emulation)")
-    parser.add_argument("--time-scale", type=float, default=float(env_default("time_scale", 1.0)),
+    parser.add_argument("--time-scale", type=float, default=float(env_default("time_scale", DeviceMixConfig().time_scale)),
                         help="compress emulated transfer times by this factor (env SFL_TIME_SCALE)")
-    parser.add_argument("--prefix", default=env_default("prefix", "dev"), help="device id prefix; ids are <prefix>-<shard> (env SFL_PREFIX)")
-    parser.add_argument("--ca-file", default=env_default("ca_file", None), help="CA bundle to verify HTTPS servers")
+    parser.add_argument("--prefix", default=env_default("prefix", "dev"), help="device id prefix; ids are <prefix>-<shard as 3 digits>, e.g. dev-007 (env SFL_PREFIX)")
+    parser.add_argument("--ca-file", default=env_default("ca_file", None), help="CA bundle to verify HTTPS servers (env SFL_CA_FILE)")
     add_common_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
-from shared.algorithms.grouping import balanced_groups, label_distance, random_groups, singleton_groups
+from shared.algorithms.grouping import balanced_groups, label_distance, singleton_groups
 from shared.http_server import ApiError
 from shared.models import SplitModel, build_model
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
@@ -138,8 +138,6 @@ class RoundState:
             member_lists: list[list[str]] = []
         elif mode == "balanced":
             member_lists = balanced_groups(counts, self.plan.group_size)
-        elif mode == "random":
-            member_lists = random_groups(ids, self.plan.group_size, seed=self.plan.seed * 100003 + self.round_id)
         else:
             member_lists = singleton_groups(ids)
         self.groups = []

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 FLOPS = {"low": 5e9, "mid": 1e10, "high": 2e10}   # FLOP/s, paper Table 1
 RATES = {"low": 1e6, "mid": 2e6, "high": 5e6}     # bytes/s, paper Table 1
 SERVER_FLOPS = 5e10
-SERVER_RATE = 1e7
 
 
 @dataclass(frozen=True)

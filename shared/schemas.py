@@ -150,7 +150,7 @@ class RoundPlan(Message):
     participants: list[Participant] = Field(min_length=1)
     server_weights: WireState              # global model blocks from the smallest split onward
     train: TrainConfig
-    grouping: Literal["balanced", "random", "singleton"]
+    grouping: Literal["balanced", "singleton"]
     group_size: int = Field(ge=1)
     group_loss: Literal["per_member", "union_mean"]
     join_deadline_s: float = Field(gt=0)

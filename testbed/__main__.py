@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> None:
 
     shortcuts = {"algorithm": args.algorithm, "model": args.model, "rounds": args.rounds,
                  "data.num_devices": args.devices, "devices_per_round": args.per_round, "seed": args.seed}
-    overrides = [f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.overrides
     if args.seed is not None:
-        overrides.append(f"data.seed={args.seed}")
+        shortcuts["data.seed"] = args.seed
+    overrides = [f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.overrides  # --set wins
     try:
         config = resolve_run_config(args.config, overrides)
     except ValueError as exc:

@@ -26,8 +26,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a child process: one torch thread, unbuffered output, the project importable."""
-    env = dict(os.environ)
+    """Environment for a child process: one torch thread, unbuffered output, the project importable.
+
+    ``SFL_RUN__*`` variables are left out: the testbed has already resolved them into the config
+    file it hands the Fed Server, and applying them twice would undo the testbed's own flags.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SFL_RUN__")}
     env.setdefault("SFL_TORCH_THREADS", "1")
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"

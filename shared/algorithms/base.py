@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from shared.config import RunConfig
 
 SplitMode = Literal["sliding", "fixed", "zero"]
-GroupingMode = Literal["balanced", "random", "singleton"]
+GroupingMode = Literal["balanced", "singleton"]
 
 
 class Algorithm:

@@ -7,7 +7,6 @@ rejected steps left the group's barrier untouched.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ import pytest
 import torch
 import yaml
 
+from integration_support import small_config
 from shared.models import build_model
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, ServerPortionUpload,
@@ -37,14 +37,6 @@ BATCH = 8
 FX_SHAPE = [BATCH, 32, 14, 14]  # activations of the cnn after block 1 on 1x28x28 inputs
 
 
-def _small_config(**overrides):
-    """``small_config`` from this folder's conftest (a function fixture cannot feed a module fixture)."""
-    spec = importlib.util.spec_from_file_location("_bad_input_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.small_config(**overrides)
-
-
 # --- the services -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -53,7 +45,7 @@ def services():
     # Our own temporary folder: pytest prunes old basetemp folders, which concurrent pytest runs
     # on the same machine can do while these services still read their config or write logs.
     root = Path(tempfile.mkdtemp(prefix="sfl-bad-input-"))
-    config = _small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
     config_path = root / "config.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     ports: list[int] = []

@@ -6,6 +6,7 @@ import statistics
 import pytest
 
 from fed_server.run_dir import RunDirectory
+from integration_support import small_config
 from shared.models import build_model
 
 
@@ -27,7 +28,7 @@ def _check_common(status, metrics, run_dir, config) -> None:
     assert (run_dir / "summary.json").exists() and (run_dir / "config.yaml").exists()
 
 
-def test_s2fl_slides_splits_by_device_profile(run_testbed, small_config):
+def test_s2fl_slides_splits_by_device_profile(run_testbed):
     # Two fast and two slow (4x compute) devices. Rounds 1-3 are the time table's warm-up (every
     # device at candidate j = round - 1); round 4 applies the median rule to the measured times.
     config = small_config(rounds=4, **{"devices.profiles": ["high", "low-high"]})
@@ -54,30 +55,35 @@ def test_s2fl_slides_splits_by_device_profile(run_testbed, small_config):
     assert all(m["bytes_server"] > 0 for m in metrics)
 
 
-def test_sfl_fixed_split_one_copy_per_device(run_testbed, small_config):
-    # Also exercises half-precision activations and gradients on the wire.
-    config = small_config(algorithm="sfl", half_precision=True)
-    status, metrics, run_dir = run_testbed(config)
-    _check_common(status, metrics, run_dir, config)
-    model = build_model("cnn")
-    for m in metrics:
-        assert set(m["split_points"].values()) == {model.split_points[-1]}
+def test_sfl_and_fedavg_through_the_services_match_round_by_round(run_testbed):
+    # With every device participating, singleton server copies and one learning rate on both
+    # sides, SFL is mathematically FedAvg (the small CNN has no BatchNorm). Same seeds, same batch
+    # order: the two runs must agree, although one trains through the Main Server step by step
+    # and the other trains whole models on the devices.
+    sfl_config = small_config(algorithm="sfl")
+    sfl_status, sfl, sfl_dir = run_testbed(sfl_config)
+    _check_common(sfl_status, sfl, sfl_dir, sfl_config)
+    split_points = build_model("cnn").split_points
+    for m in sfl:
+        assert set(m["split_points"].values()) == {split_points[-1]}
         assert len(m["groups"]) == 4 and all(len(g["members"]) == 1 for g in m["groups"])
+        assert m["bytes_server"] > 0
 
-
-def test_fedavg_whole_model_on_device_no_main_server(run_testbed, small_config):
-    config = small_config(algorithm="fedavg")
-    status, metrics, run_dir = run_testbed(config)
-    _check_common(status, metrics, run_dir, config)
+    fedavg_config = small_config(algorithm="fedavg")
+    fedavg_status, fedavg, fedavg_dir = run_testbed(fedavg_config)
+    _check_common(fedavg_status, fedavg, fedavg_dir, fedavg_config)
     n_blocks = len(build_model("cnn").blocks)
-    for m in metrics:
+    for m in fedavg:
         assert set(m["split_points"].values()) == {n_blocks}
         assert m["groups"] == [] and m["bytes_server"] == 0
         assert all(t["wait_s"] == 0 and t["server_s"] == 0 for t in m["device_times"].values())
 
+    for a, b in zip(sfl, fedavg):
+        assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=0.003)
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-3)
 
-@pytest.mark.parametrize("algorithm", ["s2fl"])
-def test_device_killed_mid_round_is_dropped_and_round_completes(run_testbed, small_config, algorithm):
+
+def test_device_killed_mid_round_is_dropped_and_round_completes(run_testbed):
     # Devices 0-1 in one agent process, devices 2-3 in another; the second is SIGKILLed while
     # round 1 is stepping. The Main Server drops its devices at the step deadline, the round
     # completes with the other two, and round 2 (where they never join) completes too.
@@ -85,7 +91,9 @@ def test_device_killed_mid_round_is_dropped_and_round_completes(run_testbed, sma
 
     import httpx
 
-    config = small_config(algorithm=algorithm, **{"deadlines.step_s": 3, "deadlines.join_s": 4, "train.batch_size": 32})
+    # Also exercises half-precision activations and gradients on the wire.
+    config = small_config(half_precision=True,
+                          **{"deadlines.step_s": 3, "deadlines.join_s": 4, "train.batch_size": 32})
 
     def kill_second_agent_mid_round(testbed):
         victim = testbed.agent_services[1]
