@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="compress emulated transfer times by this factor (env SFL_TIME_SCALE)")
     parser.add_argument("--prefix", default=env_default("prefix", "dev"), help="device id prefix; ids are <prefix>-<shard as 3 digits>, e.g. dev-007 (env SFL_PREFIX)")
     parser.add_argument("--ca-file", default=env_default("ca_file", None), help="CA bundle to verify HTTPS servers (env SFL_CA_FILE)")
+    parser.add_argument("--metrics-port", type=int, default=int(env_default("metrics_port", 0)),
+                        help="serve Prometheus metrics of this agent's devices on this port (env SFL_METRICS_PORT; "
+                             "default 0 = off). Timings also reach the Fed Server with every upload")
+    parser.add_argument("--metrics-host", default=env_default("metrics_host", "127.0.0.1"),
+                        help="address the metrics port binds (env SFL_METRICS_HOST; 0.0.0.0 to be scraped from another host)")
     add_common_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
@@ -37,7 +42,16 @@ def main(argv: list[str] | None = None) -> None:
             parse_kind(k)
     except ValueError as exc:
         parser.error(str(exc))
-    agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True)
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be 0 (off) or a port number, got {args.metrics_port}")
+    metrics = None
+    if args.metrics_port:
+        from device_agent.metrics import AgentMetrics
+
+        metrics = AgentMetrics()
+        metrics.serve(args.metrics_port, args.metrics_host)
+    agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
+                  metrics=metrics)
     sys.exit(agent.run())
 
 

@@ -35,7 +35,7 @@ class Agent:
     """Runs its devices until the run is done (or ``stop`` is set)."""
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
-                 prefix: str = "dev", verify: bool | str = True) -> None:
+                 prefix: str = "dev", verify: bool | str = True, metrics=None) -> None:
         self.stop = threading.Event()
         self.devices = [
             Device(f"{prefix}-{shard:03d}", shard, fed_server_url,
@@ -43,6 +43,11 @@ class Agent:
             for shard in shards
         ]
         self.errors: dict[str, BaseException] = {}
+        self.metrics = metrics  # device_agent.metrics.AgentMetrics or None (no --metrics-port)
+        if metrics is not None:
+            for device in self.devices:
+                metrics.add_device(device.device_id)
+                device.on_upload = metrics.observe_upload
 
     def _run_device(self, device: Device) -> None:
         try:
@@ -63,3 +68,4 @@ class Agent:
         except KeyboardInterrupt:
             self.stop.set()
         return 1 if self.errors else 0
+

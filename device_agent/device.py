@@ -5,18 +5,20 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from device_agent.timing import RoundClock
 from device_agent.trainer import steps_per_round, train_round
+from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.http_client import ServiceError, SyncClient
 from shared.models import SplitModel, build_model
 from shared.profiles import EmulatedKind
 from shared.schemas import (
     API, Ack, DeviceProfileMsg, DeviceTimings, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
-    RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WireTensor,
+    ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WireTensor,
 )
 from shared.portions import decode_portion
 from shared.wire import decode_tensor, encode_state, encode_tensor
@@ -49,24 +51,42 @@ class Device:
         self.data: ArrayDataset | None = None
         self.model: SplitModel | None = None
         self.rounds_done = 0
+        self.final_model = False
+        #: Called after every successful upload with the body and the round's split point
+        #: (the agent's optional metrics port uses it).
+        self.on_upload: Callable[[UpdateRequest, int], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     def run(self) -> None:
         """Register, then train every round this device is given until the run is done."""
         self.setup()
         while not self.stop.is_set():
-            before = self.fed.bytes.down
-            task = self.fed.call("GET", f"{API}/devices/{self.device_id}/task", TaskResponse)
+            task, size = self._poll()
             if task.status == "done":
-                log.info("%s: run finished after %d rounds", self.device_id, self.rounds_done)
+                self._receive_final(task)
                 return
-            if task.status == "wait":
+            if task.status == "wait" or task.phase != "train":
                 self.stop.wait(min(task.retry_after_s, self.poll_interval_s))
                 continue
             try:
-                self.run_task(task, self.fed.bytes.down - before)
+                self.run_task(task, size)
             except ServiceError as exc:
                 log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
+
+    def _poll(self) -> tuple[TaskResponse, int]:
+        before = self.fed.bytes.down
+        task = self.fed.call("GET", f"{API}/devices/{self.device_id}/task", TaskResponse)
+        return task, self.fed.bytes.down - before
+
+    def _receive_final(self, task: TaskResponse) -> None:
+        """Keep the run's final global model (every device receives it, trained or not)."""
+        assert self.model is not None
+        if task.weights:
+            final = decode_portion(task.weights, self.model, 0, len(self.model.blocks), what="final weights")
+            self.model.load_state_dict(final)
+            self.final_model = True
+        log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
+                 "; final global model received" if task.weights else "")
 
     def setup(self) -> None:
         """Fetch the run spec, load this device's shard, register with the Fed Server."""
@@ -74,10 +94,19 @@ class Device:
         train, _ = load_dataset(self.info.data)
         self.data = device_shard(self.info.data, train, self.shard)
         self.model = build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
+        self._warm_up()
         profile = self.profile()
         self.fed.call("POST", f"{API}/devices/register", RegisterResponse,
                       RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data), profile=profile))
         log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), profile.kind)
+
+    def _warm_up(self) -> None:
+        """One forward/backward pass before registering, so first-use costs (allocator, kernel
+        selection) do not land in the first round's measured time and skew the time table."""
+        assert self.model is not None and self.data is not None
+        x = self.data.x[: min(8, len(self.data))]
+        self.model(x).sum().backward()
+        self.model.zero_grad(set_to_none=True)
 
     def _wait_for_run(self) -> RunInfo:
         delay = 0.2
@@ -104,13 +133,14 @@ class Device:
 
     # --- one round ----------------------------------------------------------------------------
     def run_task(self, task: TaskResponse, task_bytes: int) -> None:
-        """Train the task's portion and upload it."""
+        """Train the task's portion, report and follow up if the algorithm asks, and upload."""
         assert self.model is not None and self.data is not None and self.info is not None
         clock = RoundClock(self.kind, self.time_scale)
         clock.transfer(task_bytes)
         weights = decode_portion(task.weights or {}, self.model, 0, task.split_point, what="task weights")
         train = task.train
         assert train is not None and task.round_id is not None and task.split_point is not None
+        logic = ALGORITHMS[task.algorithm or "fedavg"].device_logic(dict(task.params))
         send_step = None
         main_bytes_before = (0, 0)
         if task.main_server_url is not None:
@@ -121,23 +151,53 @@ class Device:
         result = train_round(
             self.model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
             train.batch_size, train.local_epochs, round_seed(self.info.seed, self.shard, task.round_id), clock,
-            send_step, task.half_precision,
+            send_step, task.half_precision, logic=logic, extras=dict(task.extras),
         )
+        portion = self.model.portion(0, task.split_point)
+        if task.report:
+            self._report_and_follow_up(task, logic, portion, clock)
+        state = {k: v.detach().clone() for k, v in portion.state_dict().items()}
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
-        clock.transfer(sum(t.numel() * t.element_size() for t in result.state.values()))
+        clock.transfer(sum(t.numel() * t.element_size() for t in state.values()))
         body = UpdateRequest(
             device_id=self.device_id, round_id=task.round_id, num_samples=len(self.data), steps=result.steps,
-            train_loss=result.train_loss, weights=encode_state(result.state),
+            train_loss=result.train_loss, weights=encode_state(state),
             timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
                                   server_s=clock.server_s, total_s=clock.total()),
             bytes_up=(self.main.bytes.up - main_bytes_before[0]) if self.main and send_step else 0,
             bytes_down=(self.main.bytes.down - main_bytes_before[1]) if self.main and send_step else 0,
+            extras=logic.upload_extras(portion, self.data),
         )
         self.fed.call("POST", f"{API}/rounds/{task.round_id}/updates", Ack, body)
         self.rounds_done += 1
+        if self.on_upload is not None:
+            try:
+                self.on_upload(body, task.split_point)
+            except Exception:  # observability must never break training
+                log.debug("%s: on_upload hook failed", self.device_id, exc_info=True)
         log.info("%s: round %d done (split %d, %d steps, loss %.3f, %.2fs)", self.device_id, task.round_id,
                  task.split_point, result.steps, result.train_loss, body.timings.total_s)
+
+    def _report_and_follow_up(self, task: TaskResponse, logic, portion, clock: RoundClock) -> None:
+        """Two-phase algorithms: send the report, wait for this round's follow-up, act on it."""
+        assert self.data is not None and task.round_id is not None
+        report = ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=logic.report(portion, self.data))
+        self.fed.call("POST", f"{API}/rounds/{task.round_id}/reports", Ack, report)
+        t0 = time.monotonic()
+        deadline = t0 + (task.deadline_s or 300.0)
+        while True:
+            follow, size = self._poll()
+            if follow.status == "train" and follow.phase == "follow_up" and follow.round_id == task.round_id:
+                break
+            if follow.status == "done" or (follow.round_id is not None and follow.round_id != task.round_id) \
+                    or time.monotonic() > deadline or self.stop.is_set():
+                raise ServiceError(409, f"no follow-up for round {task.round_id}")
+            self.stop.wait(min(follow.retry_after_s, self.poll_interval_s))
+        clock.wait_s += time.monotonic() - t0  # waiting for the other devices' reports
+        clock.transfer(size)
+        with clock.compute():
+            logic.follow_up(portion, self.data, dict(follow.extras))
 
     def _join(self, task: TaskResponse, clock: RoundClock):
         """Join the round at the Main Server; return the per-step exchange function."""

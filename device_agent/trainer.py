@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from device_agent.timing import RoundClock
+from shared.algorithms.base import DeviceLogic
 from shared.data import ArrayDataset
 from shared.models import SplitModel
 
@@ -51,15 +51,20 @@ def train_round(
     clock: RoundClock,
     send_step: StepFn | None,
     half_precision: bool = False,
+    logic: DeviceLogic | None = None,
+    extras: dict | None = None,
 ) -> LocalResult:
     """Train blocks[:split_point] for one round and return them.
 
     With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
     Server and backpropagates the returned dfx; without it the device holds the whole model and
-    trains on its own cross-entropy (split depth zero).
+    trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
     """
+    logic = logic or DeviceLogic({})
     portion = model.portion(0, split_point)
     portion.load_state_dict(weights, strict=True)
+    logic.begin_round(portion, extras or {}, data)
+    data = logic.training_data(data)
     portion.train()
     optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     losses: list[float] = []
@@ -67,7 +72,7 @@ def train_round(
     for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
         if send_step is None:
             with clock.compute():
-                loss = F.cross_entropy(portion(x), y)
+                loss = logic.loss(portion, x, y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

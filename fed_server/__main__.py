@@ -23,10 +23,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-id", default=env_default("run_id", None), help="run id (default: random)")
     parser.add_argument("--main-server-url", default=env_default("main_server_url", "http://127.0.0.1:8081"),
                         help="the Main Server, as devices and this server reach it (env SFL_MAIN_SERVER_URL)")
+    parser.add_argument("--per-device-metrics", action=argparse.BooleanOptionalAction,
+                        default=str(env_default("per_device_metrics", "true")).lower() not in ("0", "false", "no", "off"),
+                        help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default on). "
+                             "Turn off for very large deployments: per-phase and per-split aggregates remain")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
 
-    from fed_server.app import create_app
+    from fed_server.app import FedServerSettings, create_app
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
     from shared.config import resolve_run_config
@@ -37,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
-    serve(create_app(coordinator), args.host, args.port, args.log_level)
+    settings = FedServerSettings(per_device_metrics=args.per_device_metrics)
+    serve(create_app(coordinator, settings), args.host, args.port, args.log_level)
 
 
 if __name__ == "__main__":

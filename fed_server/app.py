@@ -16,9 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
+from fed_server.metrics import FedMetrics
 from shared.http_client import HEADERS, decode_response
 from shared.http_server import create_service_app, msgpack_response, read_message
-from shared.schemas import API, Ack, RegisterRequest, ServerPortionUpload, UpdateRequest
+from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
 log = logging.getLogger("fed_server")
@@ -30,6 +31,7 @@ class FedServerSettings:
     max_register_bytes: int = 64 << 10
     poll_interval_s: float = 0.05
     plan_retries: int = 5
+    per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
 
 
 async def send_plan(coordinator: Coordinator, fed_round, retries: int) -> None:
@@ -51,7 +53,7 @@ async def send_plan(coordinator: Coordinator, fed_round, retries: int) -> None:
     fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan"
 
 
-async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings) -> None:
+async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:
     """Run every round of the configuration, one after another."""
     while not coordinator.ready():
         await asyncio.sleep(settings.poll_interval_s)
@@ -62,6 +64,10 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings) ->
         if fed_round.uses_main_server:
             await send_plan(coordinator, fed_round, settings.plan_retries)
         fed_round.ready = True
+        if coordinator.algorithm.needs_report:
+            while not fed_round.all_reported() and not fed_round.overdue() and fed_round.plan_failed is None:
+                await asyncio.sleep(settings.poll_interval_s)
+            coordinator.plan_follow_ups(fed_round)
         while not fed_round.complete() and not fed_round.overdue():
             await asyncio.sleep(settings.poll_interval_s)
         if not fed_round.complete():
@@ -69,6 +75,9 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings) ->
                         fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
         coordinator.close_round()
         record = await asyncio.to_thread(coordinator.finish_round, fed_round)
+        if metrics is not None:
+            metrics.observe_round(record)
+            metrics.checkpoint_written()  # finish_round writes checkpoint.msgpack once per round
         log.info("round %d %s: accuracy %.4f, %.2fs, %.2f MB", record["round"], record["status"],
                  record["test_accuracy"], record["round_time_s"], record["bytes_total"] / 1e6)
     log.info("run finished: %s", coordinator.summary())
@@ -77,18 +86,20 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings) ->
 def create_app(coordinator: Coordinator, settings: FedServerSettings | None = None) -> FastAPI:
     """The Fed Server as an ASGI app; the round driver starts with the app."""
     settings = settings or FedServerSettings()
+    metrics = FedMetrics(coordinator, per_device=settings.per_device_metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(drive_rounds(coordinator, settings))
+        task = asyncio.create_task(drive_rounds(coordinator, settings, metrics))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error("round driver failed", exc_info=t.exception()))
         app.state.driver = task
         yield
         task.cancel()
 
-    app = create_service_app("fed_server", "S2FL Fed Server", lifespan=lifespan, description=(
+    app = create_service_app("fed_server", "S2FL Fed Server", lifespan=lifespan, registry=metrics.registry, description=(
         "Global model, client time table, device selection, split choice, layer-wise aggregation."))
     app.state.coordinator = coordinator
+    app.state.metrics = metrics
 
     @app.get(f"{API}/status")
     async def status(since: int = 0) -> dict:
@@ -130,6 +141,12 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         req = await read_message(request, UpdateRequest, settings.max_update_bytes)
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.accept_update(round_id, req, size))
+
+    @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response)
+    async def report(round_id: int, request: Request) -> Response:
+        """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
+        req = await read_message(request, ReportRequest, settings.max_register_bytes)
+        return msgpack_response(coordinator.accept_report(round_id, req))
 
     @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response)
     async def server_portion(round_id: int, request: Request) -> Response:

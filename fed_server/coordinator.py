@@ -27,13 +27,24 @@ from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
 from shared.http_server import ApiError
 from shared.models import build_model, profile_model
 from shared.schemas import (
-    Ack, Participant, RegisterRequest, RegisterResponse, RoundPlan, RunInfo, ServerPortionUpload, TaskResponse,
-    UpdateRequest,
+    Ack, DeviceTimings, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
+    TaskResponse, UpdateRequest,
 )
 from shared.portions import decode_portion, portion_state
 from shared.wire import WireError, encode_state
 
 log = logging.getLogger("fed_server")
+
+
+def table_time(timings: DeviceTimings) -> float:
+    """The time-table value of one device round: Eq. 1's terms, each measured.
+
+    Client compute + transfer + the server-side training of the device's steps. Not included:
+    waiting at the group barrier for slower members (not the device's own cost) and the
+    host-process overhead between those sections, which on a testbed with many virtual devices in
+    one Python process is mostly interpreter contention, a cost no real device has.
+    """
+    return max(1e-6, timings.compute_s + timings.transfer_s + timings.server_s)
 
 
 class Coordinator:
@@ -49,6 +60,7 @@ class Coordinator:
         self.input_shape = dataset_input_shape(config.data)
         self.model = build_model(config.model, self.num_classes, self.input_shape, seed=config.seed)
         self.num_blocks = len(self.model.blocks)
+        self.algorithm.bind_model(self.model)
         self.profile = profile_model(self.model, config.model)
         self.test_set = load_dataset(config.data)[1]
         self.devices = DeviceRegistry(config.data.num_devices)
@@ -116,21 +128,66 @@ class Coordinator:
         """A polling device's next instruction."""
         self.devices.get(device_id)
         if self.finished:
-            return TaskResponse(status="done")
+            # Every device, selected or not, receives the final global model.
+            return TaskResponse(status="done", num_blocks=self.num_blocks,
+                                weights=encode_state(portion_state(self.model, 0, self.num_blocks)))
         fed_round = self.round
         if fed_round is None or not fed_round.ready or device_id not in fed_round.assignments:
             return TaskResponse(status="wait")
+        if fed_round.follow_ups is not None:
+            return self._follow_up_for(fed_round, device_id)
         assignment = fed_round.assignments[device_id]
         if assignment.dispatched_at is not None:  # one task per device and round
             return TaskResponse(status="wait")
         assignment.dispatched_at = time.monotonic()
-        remaining = max(1.0, fed_round.deadline_s - (time.monotonic() - fed_round.started_at))
         return TaskResponse(
             status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=self.num_blocks,
             weights=encode_state(portion_state(self.model, 0, assignment.split_point)), train=self.config.train,
             main_server_url=self.main_server_url if fed_round.uses_main_server else None,
-            deadline_s=remaining, half_precision=self.config.half_precision,
+            deadline_s=self._remaining(fed_round), half_precision=self.config.half_precision,
+            algorithm=self.config.algorithm, params=self.algorithm.device_params(),
+            extras=self.algorithm.task_extras(device_id, fed_round.round_id), report=self.algorithm.needs_report,
         )
+
+    def _follow_up_for(self, fed_round: FedRound, device_id: str) -> TaskResponse:
+        assert fed_round.follow_ups is not None
+        if device_id not in fed_round.follow_ups or device_id in fed_round.follow_ups_sent:
+            return TaskResponse(status="wait")
+        fed_round.follow_ups_sent.add(device_id)
+        return TaskResponse(status="train", phase="follow_up", round_id=fed_round.round_id,
+                            deadline_s=self._remaining(fed_round), algorithm=self.config.algorithm,
+                            extras=fed_round.follow_ups[device_id])
+
+    @staticmethod
+    def _remaining(fed_round: FedRound) -> float:
+        return max(1.0, fed_round.deadline_s - (time.monotonic() - fed_round.started_at))
+
+    def accept_report(self, round_id: int, req: ReportRequest) -> Ack:
+        """Two-phase algorithms: a device's post-training report."""
+        if req.round_id != round_id:
+            raise ApiError(422, f"body round_id {req.round_id} does not match the path's round {round_id}")
+        self.devices.get(req.device_id)
+        fed_round = self._open_round(round_id)
+        if not self.algorithm.needs_report:
+            raise ApiError(409, f"algorithm {self.config.algorithm} takes no reports")
+        if req.device_id not in fed_round.assignments:
+            raise ApiError(403, f"device {req.device_id!r} was not selected for round {round_id}")
+        if req.device_id in fed_round.reports:
+            raise ApiError(409, f"round {round_id} already has the report of {req.device_id!r}")
+        if fed_round.follow_ups is not None:
+            raise ApiError(409, f"reports for round {round_id} are closed")
+        fed_round.reports[req.device_id] = dict(req.extras)
+        return Ack(detail=f"report of {req.device_id} for round {round_id} stored")
+
+    def plan_follow_ups(self, fed_round: FedRound) -> None:
+        """Close reporting: devices that did not report are dropped; the algorithm answers the rest."""
+        fed_round.excluded |= set(fed_round.assignments) - set(fed_round.reports)
+        try:
+            fed_round.follow_ups = self.algorithm.plan_follow_ups(fed_round.round_id, fed_round.reports)
+        except ValueError as exc:
+            log.error("round %d: follow-ups could not be planned: %s", fed_round.round_id, exc)
+            fed_round.follow_ups = {}
+            fed_round.excluded |= set(fed_round.assignments)
 
     def _open_round(self, round_id: int) -> FedRound:
         if self.round is None or self.round.round_id != round_id:
@@ -155,7 +212,14 @@ class Coordinator:
             raise ApiError(403, f"device {req.device_id!r} was not selected for round {round_id}")
         if req.device_id in fed_round.updates:
             raise ApiError(409, f"round {round_id} already has the update of {req.device_id!r}")
+        if self.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
+            raise ApiError(409, f"device {req.device_id!r} must report and receive its follow-up before uploading")
         state = self._decode(req.weights, 0, assignment.split_point)
+        try:
+            self.algorithm.accept_update(req.device_id, round_id, state, dict(req.extras), req.num_samples,
+                                         self.model.state_dict())
+        except ValueError as exc:
+            raise ApiError(422, f"extras: {exc}") from None
         fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes)
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
 
@@ -188,35 +252,40 @@ class Coordinator:
 
     def finish_round(self, fed_round: FedRound) -> dict:
         """Aggregate (Algorithm 1), update the time table, evaluate, record. CPU work: run off the loop."""
-        dropped = fed_round.dropped_at_main_server()
-        contributions: list[Contribution] = []
-        used: list[str] = []
+        dropped = fed_round.dropped()
+        contributions: dict[str, Contribution] = {}
         for device, update in sorted(fed_round.updates.items()):
             if device in dropped:
                 continue
             portion = fed_round.group_of(device) if fed_round.uses_main_server else None
-            contributions.append(Contribution(weight=update.request.num_samples, client_state=update.state,
-                                              server_state=portion.state if portion else None))
-            used.append(device)
+            contributions[device] = Contribution(weight=update.request.num_samples, client_state=update.state,
+                                                 server_state=portion.state if portion else None)
+        used = list(contributions)
+        extras = {d: dict(fed_round.updates[d].request.extras) for d in used}
         failed = not contributions
+        aggregation_s = 0.0
         if not failed:
-            new_state = self.algorithm.aggregate(self.model.state_dict(), contributions)
+            started = time.perf_counter()
+            new_state = self.algorithm.aggregate(fed_round.round_id, self.model.state_dict(), contributions, extras)
             self.model.load_state_dict(new_state)
+            aggregation_s = time.perf_counter() - started
         for device in used:
             assignment = fed_round.assignments[device]
             timings = fed_round.updates[device].request.timings
             if assignment.candidate is not None:
-                # The table holds the device's own time (Eq. 1's T): compute, transfer and its
-                # share of server work, without the time it waited for slower group members.
-                self.table.record(device, assignment.candidate, max(1e-6, timings.total_s - timings.wait_s))
+                self.table.record(device, assignment.candidate, table_time(timings))
         accuracy, loss = evaluate(self.model, self.test_set)
         self.rounds_done = fed_round.round_id
         duration = time.monotonic() - fed_round.started_at
         record = self._round_record(fed_round, used, dropped, failed, accuracy, loss, duration)
+        record["aggregation_s"] = aggregation_s
+        record["algorithm_metrics"] = {**self.algorithm.round_metrics(fed_round.round_id, extras),
+                                       **self.algorithm.evaluate(self.model)}
         self.history.append(record)
         self.run_dir.append_metrics(record)
         self.run_dir.write_checkpoint(self.rounds_done, self.model.state_dict(),
-                                      {"run_id": self.run_id, "time_table": {d: {str(j): t for j, t in row.items()} for d, row in self.table.entries().items()}})
+                                      {"run_id": self.run_id, "algorithm_state": self.algorithm.state_dict(),
+                                       "time_table": {d: {str(j): t for j, t in row.items()} for d, row in self.table.entries().items()}})
         if self.rounds_done >= self.config.rounds:
             self.finished = True
             self.run_dir.write_summary(self.summary())

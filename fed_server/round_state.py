@@ -49,6 +49,11 @@ class FedRound:
     plan_bytes: int = 0
     plan_failed: str | None = None
     ready: bool = False          # tasks are handed out only once the Main Server accepted the plan
+    # Two-phase algorithms: reports, the follow-up instructions once planned, who got theirs.
+    reports: dict[str, dict] = field(default_factory=dict)
+    follow_ups: dict[str, dict] | None = None
+    follow_ups_sent: set[str] = field(default_factory=set)
+    excluded: set[str] = field(default_factory=set)   # dropped by the Fed Server (e.g. never reported)
 
     @property
     def uses_main_server(self) -> bool:
@@ -56,6 +61,13 @@ class FedRound:
 
     def dropped_at_main_server(self) -> set[str]:
         return {d for p in self.portions.values() for d in (*p.upload.dropped, *p.upload.absent)}
+
+    def dropped(self) -> set[str]:
+        """Selected devices that will not be aggregated: dropped by either server."""
+        return self.dropped_at_main_server() | self.excluded
+
+    def all_reported(self) -> bool:
+        return all(d in self.reports for d in self.assignments)
 
     def group_of(self, device_id: str) -> ReceivedPortion | None:
         for portion in self.portions.values():
@@ -68,7 +80,7 @@ class FedRound:
         (or the Main Server refused the plan, which ends the round at once as failed)."""
         if self.plan_failed is not None:
             return True
-        dropped = self.dropped_at_main_server()
+        dropped = self.dropped()
         for device in self.assignments:
             if device not in self.updates and device not in dropped:
                 return False

@@ -9,6 +9,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.http_client import HEADERS, decode_response
 from shared.http_server import ApiError, create_service_app, msgpack_response, read_message
@@ -30,8 +31,9 @@ class MainServerSettings:
 class MainServer:
     """Holds the current round and pushes finished groups' server portions to the Fed Server."""
 
-    def __init__(self, settings: MainServerSettings) -> None:
+    def __init__(self, settings: MainServerSettings, metrics: MainMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics if metrics is not None else MainMetrics(self)
         self.round: RoundState | None = None
         self.uploads: set[asyncio.Task] = set()
 
@@ -45,10 +47,11 @@ class MainServer:
     def open_round(self, plan: RoundPlan) -> None:
         if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
             raise ApiError(409, f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
-        new = RoundState(plan, self._group_done)  # validates the plan before anything is replaced
+        new = RoundState(plan, self._group_done, self.metrics)  # validates the plan before anything is replaced
         if self.round is not None:
             self.round.abandon()
         self.round = new
+        self.metrics.round_opened()
         log.info("round %d opened: %d participants", plan.round_id, len(plan.participants))
 
     async def _group_done(self, state: RoundState, group: Group) -> None:
@@ -76,10 +79,12 @@ class MainServer:
 
 def create_app(settings: MainServerSettings) -> FastAPI:
     """The Main Server as an ASGI app."""
-    app = create_service_app("main_server", "S2FL Main Server",
-                             "Server-side portions, label-balanced groups, per-step training.")
     server = MainServer(settings)
+    app = create_service_app("main_server", "S2FL Main Server",
+                             "Server-side portions, label-balanced groups, per-step training.",
+                             registry=server.metrics.registry)
     app.state.server = server
+    app.state.metrics = server.metrics
 
     @app.get(f"{API}/status")
     async def status() -> dict:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
+from main_server.metrics import MainMetrics
 from shared.algorithms.grouping import balanced_groups, label_distance, singleton_groups
 from shared.http_server import ApiError
 from shared.models import SplitModel, build_model
@@ -60,8 +61,10 @@ class Group:
 class RoundState:
     """One round at the Main Server, from the Fed Server's plan to the groups' uploads."""
 
-    def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]]) -> None:
+    def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]],
+                 metrics: MainMetrics | None = None) -> None:
         self.plan = plan
+        self.metrics = metrics
         self.round_id = plan.round_id
         self.participants = {p.device_id: p for p in plan.participants}
         try:
@@ -161,6 +164,8 @@ class RoundState:
                 self.group_of[m] = group
             self._arm_step_timer(group)
         missing = sorted(set(self.participants) - set(self.joined))
+        if self.metrics is not None:
+            self.metrics.groups_formed_with([g.distance for g in self.groups], len(missing))
         if missing:
             log.warning("round %d: %d device(s) never joined: %s", self.round_id, len(missing), missing)
         log.info("round %d: %d group(s) %s", self.round_id, len(self.groups),
@@ -227,6 +232,8 @@ class RoundState:
             log.warning("round %d group %d: dropping %s at step %d (deadline %.1fs)",
                         self.round_id, group.group_id, sorted(late), step, self.plan.step_deadline_s)
             group.dropped |= late
+            if self.metrics is not None:
+                self.metrics.dropped_at_step(len(late))
         if group.pending:
             asyncio.get_running_loop().create_task(self._run_step(group))
         else:
@@ -244,6 +251,8 @@ class RoundState:
             results = await asyncio.to_thread(group.trainer.step, [b for b, _, _ in pending.values()])
         except Exception as exc:  # a training failure must not leave devices hanging
             log.exception("round %d group %d: step %d failed", self.round_id, group.group_id, group.step)
+            if self.metrics is not None:
+                self.metrics.step_failed()
             for _, fut, _ in pending.values():
                 if not fut.done():
                     fut.set_exception(ApiError(500, f"server-side training failed: {exc}"))
@@ -251,6 +260,11 @@ class RoundState:
             return
         server_s = time.monotonic() - started
         group.train_time_s += server_s
+        if self.metrics is not None:
+            self.metrics.step_trained(
+                server_s, fastest_wait_s=started - min(arrived for _, _, arrived in pending.values()),
+                activation_bytes=sum(b.fx.numel() * b.fx.element_size() for b, _, _ in pending.values()),
+                gradient_bytes=sum(r.dfx.numel() * r.dfx.element_size() for r in results.values()))
         group.step += 1
         for device, (_, fut, arrived) in pending.items():
             if group.num_steps[device] <= group.step:
@@ -268,6 +282,8 @@ class RoundState:
             group.finished = True
             if group.timer is not None:
                 group.timer.cancel()
+            if self.metrics is not None:
+                self.metrics.group_finished(group.train_time_s)
             if not self.abandoned:
                 asyncio.get_running_loop().create_task(self.on_group_done(self, group))
             return True

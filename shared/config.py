@@ -100,14 +100,24 @@ class RunConfig(_Strict):
     devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
     half_precision: bool = False
     seed: int = 0
+    # The algorithm's own hyperparameters, validated by its ``Params`` model (docs/algorithms/).
+    algorithm_params: dict[str, Any] = Field(default_factory=dict)
+    # Device selection policy (shared/algorithms/selection.py) and its parameters.
+    selection: str = "random"
+    selection_params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         from shared.algorithms.registry import ALGORITHMS
+        from shared.algorithms.selection import SELECTORS
         from shared.models.zoo import MODEL_NAMES
 
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
+        ALGORITHMS[self.algorithm].Params.model_validate(self.algorithm_params)
+        if self.selection not in SELECTORS:
+            raise ValueError(f"unknown selection {self.selection!r}; choose one of {sorted(SELECTORS)}")
+        SELECTORS[self.selection].Params.model_validate(self.selection_params)
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
         if self.devices_per_round is not None and self.devices_per_round > self.data.num_devices:

@@ -6,6 +6,8 @@ what the run's communication figures report.
 """
 from __future__ import annotations
 
+import functools
+import ssl
 import time
 from dataclasses import dataclass
 from typing import TypeVar
@@ -50,6 +52,19 @@ def decode_response(resp: httpx.Response, model: type[M]) -> M:
         raise ServiceError(resp.status_code, f"unreadable {model.__name__} answer: {exc}", str(resp.request.url)) from None
 
 
+@functools.lru_cache(maxsize=8)
+def tls_context(verify: bool | str = True) -> ssl.SSLContext | bool:
+    """One TLS context per trust setting, shared by every client of the process.
+
+    Building a context loads the CA bundle (tens of milliseconds); a testbed agent with 100
+    virtual devices would otherwise pay that per device and per server, inside timed rounds.
+    ``verify`` is True (system CAs), False (no verification) or a CA bundle path.
+    """
+    if verify is False:
+        return False
+    return ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+
+
 class SyncClient:
     """Blocking msgpack client for one base URL, counting body bytes."""
 
@@ -57,7 +72,7 @@ class SyncClient:
         self.base_url = base_url.rstrip("/")
         self.bytes = ByteCounter()
         self.retries = retries
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=HEADERS, verify=verify)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=HEADERS, verify=tls_context(verify))
 
     def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
              params: dict | None = None, timeout: float | None = None) -> M:

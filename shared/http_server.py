@@ -67,13 +67,29 @@ def msgpack_response(message: BaseModel, status: int = 200) -> Response:
     return Response(content=packb(message.model_dump()), status_code=status, media_type=MSGPACK)
 
 
-def create_service_app(service: str, title: str, description: str, lifespan=None) -> FastAPI:
-    """A FastAPI app with what every server has: error handlers, ``/healthz``, ``/metrics``."""
-    from prometheus_client import make_asgi_app
+def create_service_app(service: str, title: str, description: str, lifespan=None, registry=None) -> FastAPI:
+    """A FastAPI app with what every server has: error handlers, ``/healthz``, ``/metrics``.
 
+    ``registry`` is the service's own ``prometheus_client.CollectorRegistry`` (a fresh one with the
+    process collectors if None). ``/metrics`` (and ``/metrics/``) answer its text exposition
+    directly, without a redirect; every request's body bytes are counted per route template
+    (``sfl_http_body_bytes_total``, see ``shared/http_metrics.py``).
+    """
+    from shared.http_metrics import BodyBytesMiddleware, body_bytes_counter, exposition, new_registry
+
+    registry = registry if registry is not None else new_registry()
     app = FastAPI(title=title, version="1", description=description, lifespan=lifespan)
     install_error_handlers(app)
-    app.mount("/metrics", make_asgi_app())
+    app.state.registry = registry
+    app.add_middleware(BodyBytesMiddleware, counter=body_bytes_counter(registry))
+
+    async def metrics() -> Response:
+        """Prometheus scrape of this service's registry."""
+        body, content_type = exposition(registry)
+        return Response(content=body, media_type=content_type)
+
+    app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response, include_in_schema=True)
+    app.add_api_route("/metrics/", metrics, methods=["GET"], response_class=Response, include_in_schema=False)
 
     @app.get("/healthz")
     async def healthz() -> dict:

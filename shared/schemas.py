@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from shared.config import TrainConfig
 from shared.data.spec import DataSpec
@@ -99,18 +99,37 @@ class DeviceTimings(Message):
 
 
 class TaskResponse(Message):
-    """The answer to a device's poll: wait, train this round, or stop."""
+    """The answer to a device's poll: wait, train this round, act on a follow-up, or stop.
+
+    ``phase="train"``: train ``weights`` (the device's portion of the global model).
+    ``phase="follow_up"``: two-phase algorithms only; ``extras`` is the Fed Server's answer to the
+    device's report for ``round_id``; no weights (the device continues from its trained model).
+    ``status="done"``: the run is over; ``weights`` is the final global model (every device gets it).
+    """
 
     status: Literal["wait", "train", "done"]
     retry_after_s: float = 0.5
+    phase: Literal["train", "follow_up"] = "train"
     round_id: int | None = None
     split_point: int | None = None         # number of model blocks on the device
     num_blocks: int | None = None
-    weights: WireState | None = None       # the device's portion of the global model
+    weights: WireState | None = None
     train: TrainConfig | None = None
     main_server_url: str | None = None     # None: split depth zero, train locally
     deadline_s: float | None = None
     half_precision: bool = False
+    algorithm: str | None = None           # which DeviceLogic to build (shared/algorithms/registry.py)
+    params: dict[str, JsonValue] = {}      # the algorithm's device-side hyperparameters
+    extras: dict[str, JsonValue] = {}      # per-device values for this round (e.g. a dual variable)
+    report: bool = False                   # report after training and wait for a follow-up
+
+
+class ReportRequest(Message):
+    """Two-phase algorithms: what a device reports after training, before it uploads."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0)
+    extras: dict[str, JsonValue]
 
 
 class UpdateRequest(Message):
@@ -123,6 +142,7 @@ class UpdateRequest(Message):
     timings: DeviceTimings
     bytes_up: int = Field(ge=0)
     bytes_down: int = Field(ge=0)
+    extras: dict[str, JsonValue] = {}      # algorithm-specific values (checked by the algorithm)
 
 
 class Ack(Message):

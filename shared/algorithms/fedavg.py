@@ -5,7 +5,8 @@ from shared.algorithms.base import Algorithm
 
 
 class FedAvg(Algorithm):
-    """The base class's defaults are exactly FedAvg: random selection, whole model on the device,
-    weighted average (Algorithm 1 with every layer supplied by the devices)."""
+    """The base class's defaults are exactly FedAvg: the configured selection (uniformly random by
+    default), whole model on the device, cross-entropy, data-size-weighted average (Algorithm 1
+    with every layer supplied by the devices)."""
 
     name = "fedavg"

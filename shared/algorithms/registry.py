@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING
 
 from shared.algorithms.base import Algorithm
 from shared.algorithms.fedavg import FedAvg
+from shared.algorithms.fnr_fl import FNRFL
+from shared.algorithms.fedipg import FedIPG
 from shared.algorithms.split_learning import S2FL, SFL
 
 if TYPE_CHECKING:
@@ -14,6 +16,8 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "s2fl": S2FL,
     "sfl": SFL,
     "fedavg": FedAvg,
+    "fnr-fl": FNRFL,
+    "fedipg": FedIPG,
 }
 
 

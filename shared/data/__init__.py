@@ -7,6 +7,7 @@ from shared.data.datasets import (
     load_dataset,
     load_embedded_mnist,
     load_femnist,
+    load_public_set,
     to_rgb32,
 )
 from shared.data.partition import (
@@ -28,6 +29,7 @@ __all__ = [
     "load_dataset",
     "load_embedded_mnist",
     "load_femnist",
+    "load_public_set",
     "partition_dataset",
     "partition_dirichlet",
     "partition_iid",

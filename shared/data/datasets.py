@@ -33,6 +33,7 @@ __all__ = [
     "load_dataset",
     "dataset_input_shape",
     "dataset_num_classes",
+    "load_public_set",
 ]
 
 MNIST_MEAN = 0.1307
@@ -331,7 +332,7 @@ def to_rgb32(ds: ArrayDataset) -> ArrayDataset:
     return ArrayDataset(x=x, y=ds.y, num_classes=ds.num_classes, writers=ds.writers)
 
 
-_NUM_CLASSES = {"mnist": 10, "cifar10": 10, "cifar100": 100, "femnist": 62}
+_NUM_CLASSES = {"mnist": 10, "cifar10": 10, "cifar100": 100, "femnist": 62, "synthetic": 10}
 
 
 def dataset_num_classes(spec: DataSpec) -> int:
@@ -341,6 +342,8 @@ def dataset_num_classes(spec: DataSpec) -> int:
 
 def dataset_input_shape(spec: DataSpec) -> tuple[int, int, int]:
     """(C, H, W) of the images ``load_dataset(spec)`` returns, transform included (no loading)."""
+    if spec.dataset == "synthetic":  # 60 features as a 1x1x60 "image" (models flatten it)
+        return (1, 1, 60)
     if spec.dataset in ("cifar10", "cifar100") or spec.transform == "rgb32":
         return (3, 32, 32)
     return (1, 28, 28)
@@ -365,6 +368,8 @@ def _load_pair_cached(dataset: str, root: str | None, transform: str) -> tuple[A
 def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """Load ``(train, test)`` for ``spec`` with its transform applied (cached per process)."""
     root: str | None = None
+    if spec.dataset == "synthetic":
+        return _load_synthetic(spec)
     if spec.dataset != "mnist":
         if not spec.root:
             raise ValueError(f"dataset={spec.dataset!r} needs `root` (a local folder with its files)")
@@ -372,7 +377,77 @@ def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
         if not Path(root).is_dir():
             raise ValueError(f"data root folder does not exist: {root}")
     train, test = _load_pair_cached(spec.dataset, root, spec.transform)
+    train = _training_pool(spec, train)[0]
     if spec.max_samples is not None and spec.max_samples < len(train):
         keep = np.sort(np.random.default_rng(spec.seed).permutation(len(train))[: spec.max_samples])
         return train.subset(keep), _shallow_copy(test)
     return _shallow_copy(train), _shallow_copy(test)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
+                           ) -> tuple[ArrayDataset, ArrayDataset]:
+    """Synthetic(alpha, beta) as (train, test): the unions of the generated devices' 80/20 parts, in
+    device order, features as [N, 1, 1, 60] float32; ``writers`` of the training set is the
+    generating device's index as a string, so ``partition="natural"`` gives each shard one device."""
+    from shared.data.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_DIM, generate_synthetic
+
+    gen = generate_synthetic(num_devices, alpha, beta, iid, seed)
+    pair: list[ArrayDataset] = []
+    for xs, ys in ((gen.x_train, gen.y_train), (gen.x_test, gen.y_test)):
+        x = torch.from_numpy(np.concatenate(xs).astype(np.float32)).reshape(-1, 1, 1, SYNTHETIC_DIM)
+        y = torch.from_numpy(np.concatenate(ys).astype(np.int64))
+        writers = [str(i) for i, part in enumerate(ys) for _ in range(len(part))]
+        pair.append(ArrayDataset(x=x, y=y, num_classes=SYNTHETIC_CLASSES, writers=writers))
+    return pair[0], pair[1]
+
+
+def _load_synthetic(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
+    """``load_dataset`` for dataset="synthetic": one generated device per ``spec.num_devices``,
+    generated from ``spec.seed`` (the paper's data is seed 1)."""
+    if spec.transform != "none":
+        raise ValueError(f"transform={spec.transform!r} is for images; dataset='synthetic' needs transform='none'")
+    train, test = _load_synthetic_cached(spec.num_devices, float(spec.synthetic_alpha), float(spec.synthetic_beta),
+                                         bool(spec.synthetic_iid), spec.seed)
+    train = _training_pool(spec, train)[0]
+    if spec.max_samples is not None and spec.max_samples < len(train):
+        keep = np.sort(np.random.default_rng(spec.seed).permutation(len(train))[: spec.max_samples])
+        return train.subset(keep), _shallow_copy(test)
+    return _shallow_copy(train), _shallow_copy(test)
+
+
+def _training_pool(spec: DataSpec, train: ArrayDataset) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """Split the training set into (what devices train on, the public set) when one is asked for.
+
+    The public set is a seeded, class-stratified draw of ``spec.public_samples`` training samples;
+    it never overlaps the devices' data and never comes from the evaluation set.
+    """
+    if spec.public_samples <= 0:
+        return train, None
+    if spec.public_samples >= len(train):
+        raise ValueError(f"public_samples={spec.public_samples} leaves no training data (train set has {len(train)})")
+    rng = np.random.default_rng(spec.seed + 7919)
+    labels = train.y.numpy()
+    order = rng.permutation(len(train))
+    # Round-robin over classes in a seeded order gives a stratified public set.
+    by_class = [order[labels[order] == c] for c in range(train.num_classes)]
+    picked: list[int] = []
+    depth = 0
+    while len(picked) < spec.public_samples:
+        for members in by_class:
+            if depth < len(members) and len(picked) < spec.public_samples:
+                picked.append(int(members[depth]))
+        depth += 1
+    public = np.sort(np.asarray(picked, dtype=np.int64))
+    rest = np.setdiff1d(np.arange(len(train)), public)
+    return train.subset(rest), train.subset(public)
+
+
+def load_public_set(spec: DataSpec) -> ArrayDataset:
+    """The public labelled set of ``spec`` (FNR-FL), identical in every process."""
+    if spec.public_samples <= 0:
+        raise ValueError("this run has no public set: set data.public_samples > 0")
+    train, _ = load_dataset(spec.model_copy(update={"public_samples": 0, "max_samples": None}))
+    public = _training_pool(spec, train)[1]
+    assert public is not None
+    return public

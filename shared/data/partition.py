@@ -128,4 +128,8 @@ def device_shard(spec: DataSpec, train: ArrayDataset, device_index: int) -> Arra
         raise ValueError(
             f"device_index {device_index!r} out of range: must be in [0, {spec.num_devices})"
         )
-    return train.subset(partition_dataset(spec, train)[int(device_index)])
+    from shared.data.device_transforms import apply_device_transform
+
+    shard = train.subset(partition_dataset(spec, train)[int(device_index)])
+    return apply_device_transform(spec.device_transform, shard, int(device_index), spec.num_devices,
+                                  spec.device_transform_params, spec.seed)

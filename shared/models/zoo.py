@@ -16,14 +16,19 @@ from shared.models.split_model import SplitModel
 
 __all__ = ["MODEL_NAMES", "build_model", "DEFAULT_INPUT_SHAPES"]
 
-MODEL_NAMES: tuple[str, ...] = ("cnn", "resnet8", "vgg16", "mobilenet")
+MODEL_NAMES: tuple[str, ...] = ("cnn", "resnet8", "vgg16", "mobilenet", "logreg")
 
 DEFAULT_INPUT_SHAPES: dict[str, tuple[int, int, int]] = {
     "cnn": (1, 28, 28),
     "resnet8": (3, 32, 32),
     "vgg16": (3, 32, 32),
     "mobilenet": (3, 32, 32),
+    "logreg": (1, 1, 60),
 }
+
+#: Models whose split points are placeholders (no compute before the cut): they exist for
+#: split-depth-zero algorithms only; S2FL/SFL with them would put the whole model on the server.
+SPLIT_DEPTH_ZERO_MODELS: tuple[str, ...] = ("logreg",)
 
 
 # ---------------------------------------------------------------------------------------- CNN
@@ -174,6 +179,27 @@ def _mobilenet(num_classes: int, input_shape: tuple[int, int, int], width: float
     return model
 
 
+# ---------------------------------------------------------------------------------------- logistic regression
+def _logreg(num_classes: int, input_shape: tuple[int, int, int]) -> SplitModel:
+    """Multinomial logistic regression ``Linear(C*H*W -> classes)`` (FedBC's Synthetic model:
+    60 -> 10, PyTorch default init), trained with cross-entropy = softmax regression.
+
+    The zoo's contract asks for K = 3 strictly increasing split points < len(blocks), which one
+    Linear cannot give, so the flatten is followed by two parameter-free identity blocks ("input",
+    "features") before the "head". The split points (1, 2, 3) cut between them and carry no compute
+    on the client side: meaningful only for split depth zero (FedBC, FedAvg), which never cuts.
+    The penultimate features are the (flattened) input itself.
+    """
+    c, h, w = input_shape
+    blocks = {
+        "flatten": nn.Flatten(),
+        "input": nn.Identity(),
+        "features": nn.Identity(),
+        "head": nn.Linear(c * h * w, num_classes),
+    }
+    return SplitModel(blocks, (1, 2, 3), "features", "blocks.head", input_shape, num_classes)
+
+
 # ---------------------------------------------------------------------------------------- helpers
 def _kaiming_init(model: nn.Module) -> None:
     """He init for convs (fan_out, as torchvision's ResNet/VGG/MobileNet), BN to identity."""
@@ -192,6 +218,7 @@ _BUILDERS: dict[str, Callable[[int, tuple[int, int, int]], SplitModel]] = {
     "resnet8": _resnet8,
     "vgg16": _vgg16,
     "mobilenet": _mobilenet,
+    "logreg": _logreg,
 }
 
 

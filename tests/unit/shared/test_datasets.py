@@ -195,3 +195,27 @@ def test_max_samples_takes_the_same_seeded_subset_everywhere():
     other, _ = load_dataset(DataSpec(max_samples=300, seed=4))
     assert not torch.equal(a.y, other.y) or not torch.equal(a.x, other.x)
     assert len(full) == 4000
+
+
+def test_public_set_is_stratified_disjoint_from_device_data_and_repeatable():
+    from shared.data import DataSpec, load_dataset, load_public_set
+
+    spec = DataSpec(public_samples=200, seed=2)
+    train, test = load_dataset(spec)
+    public = load_public_set(spec)
+    assert len(public) == 200 and len(train) == 4000 - 200 and len(test) == 1000
+    assert public.label_counts().tolist() == [20] * 10
+    full, _ = load_dataset(DataSpec(seed=2))
+    # every public image is one of the training images, and none of them is left in `train`
+    as_rows = {row.numpy().tobytes() for row in train.x.flatten(1)}
+    assert not any(row.numpy().tobytes() in as_rows for row in public.x.flatten(1))
+    assert torch.equal(load_public_set(spec).y, public.y)
+
+
+def test_unknown_device_transform_is_refused():
+    from shared.data import DataSpec, device_shard, load_dataset
+
+    spec = DataSpec(device_transform="nope", num_devices=2, partition="iid")
+    train, _ = load_dataset(spec)
+    with pytest.raises(ValueError, match="device_transform"):
+        device_shard(spec, train, 0)

@@ -1,0 +1,76 @@
+"""The device agent's optional Prometheus port (``--metrics-port``, off by default).
+
+Devices also report their per-round timings to the Fed Server inside every upload, which exports
+them (``sfl_fed_device_round_seconds``), so devices behind NAT stay observable without this port.
+The port is for devices that a Prometheus can reach directly. ``device`` labels are bounded by the
+shards the agent hosts. prometheus-client is pure Python and part of the agent's minimal install.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.http_metrics import MetricSpec, new_registry
+
+PHASES = ("compute", "transfer", "wait", "server", "total")
+PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+#: Every metric of the agent's port (besides process_*/python_*); docs/metrics.md mirrors it.
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("sfl_device_rounds_completed_total", "counter", ("device",), "rounds the device trained and uploaded"),
+    MetricSpec("sfl_device_last_round", "gauge", ("device",), "id of the device's last uploaded round"),
+    MetricSpec("sfl_device_split_point", "gauge", ("device",), "blocks the device trained in its last round (the split point)"),
+    MetricSpec("sfl_device_round_seconds", "gauge", ("device", "phase"), "the device's timings of its last round: compute, transfer, wait, server, total"),
+    MetricSpec("sfl_device_phase_duration_seconds", "histogram", ("phase",), "round timings of every device of the agent, by phase"),
+    MetricSpec("sfl_device_main_server_bytes_total", "counter", ("device", "direction"), "body bytes exchanged with the Main Server (join and steps): sent, received"),
+    MetricSpec("sfl_device_train_loss", "gauge", ("device",), "mean training loss of the device's last round"),
+)
+
+
+class AgentMetrics:
+    """Per-device round timings of one agent process, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else new_registry()
+        spec = {s.name: s for s in METRICS}
+
+        def make(cls, name, **kw):
+            return cls(name, spec[name].help, list(spec[name].labels), registry=self.registry, **kw)
+
+        self.rounds = make(Counter, "sfl_device_rounds_completed_total")
+        self.last_round = make(Gauge, "sfl_device_last_round")
+        self.split_point = make(Gauge, "sfl_device_split_point")
+        self.round_seconds = make(Gauge, "sfl_device_round_seconds")
+        self.phase = make(Histogram, "sfl_device_phase_duration_seconds", buckets=PHASE_BUCKETS)
+        self.main_bytes = make(Counter, "sfl_device_main_server_bytes_total")
+        self.train_loss = make(Gauge, "sfl_device_train_loss")
+        for phase in PHASES:
+            self.phase.labels(phase)
+
+    def add_device(self, device_id: str) -> None:
+        """Create the device's series at zero, so it shows before its first round."""
+        self.rounds.labels(device_id)
+        for direction in ("sent", "received"):
+            self.main_bytes.labels(device_id, direction)
+
+    def observe_upload(self, update, split_point: int | None = None) -> None:
+        """Fold an ``UpdateRequest`` the device sent (successfully) into the metrics."""
+        device = update.device_id
+        self.rounds.labels(device).inc()
+        self.last_round.labels(device).set(update.round_id)
+        if split_point is not None:
+            self.split_point.labels(device).set(split_point)
+        self.train_loss.labels(device).set(update.train_loss)
+        timings = update.timings.model_dump()
+        for phase in PHASES:
+            value = timings.get(f"{phase}_s")
+            if value is not None:
+                self.round_seconds.labels(device, phase).set(value)
+                self.phase.labels(phase).observe(value)
+        self.main_bytes.labels(device, "sent").inc(update.bytes_up)
+        self.main_bytes.labels(device, "received").inc(update.bytes_down)
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns (server, thread)."""
+        from prometheus_client import start_http_server
+
+        return start_http_server(port, addr=host, registry=self.registry)

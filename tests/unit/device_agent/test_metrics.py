@@ -1,0 +1,90 @@
+"""The agent's optional metrics port: documented series, fed from uploads; off by default."""
+from __future__ import annotations
+
+import httpx
+
+from device_agent.metrics import METRICS, AgentMetrics
+from shared.http_metrics import exported_families, family_name
+from shared.schemas import DeviceTimings, UpdateRequest
+from testbed.processes import free_port
+
+
+def update(device: str = "dev-001", round_id: int = 2) -> UpdateRequest:
+    return UpdateRequest(device_id=device, round_id=round_id, num_samples=10, steps=3, train_loss=0.5, weights={},
+                         timings=DeviceTimings(compute_s=1.0, transfer_s=0.25, wait_s=0.5, server_s=0.1, total_s=2.0),
+                         bytes_up=300, bytes_down=200)
+
+
+def test_exports_documented_metrics_and_serves_them():
+    metrics = AgentMetrics()
+    metrics.add_device("dev-001")
+    metrics.observe_upload(update(), split_point=2)
+    exported = {k: v for k, v in exported_families(metrics.registry).items() if k.startswith("sfl_")}
+    declared = {family_name(s): s for s in METRICS}
+    assert sorted(exported) == sorted(declared)
+    for name, (kind, labels) in exported.items():
+        assert kind == declared[name].type and labels == set(declared[name].labels), name
+    value = metrics.registry.get_sample_value
+    assert value("sfl_device_round_seconds", {"device": "dev-001", "phase": "total"}) == 2.0
+    assert value("sfl_device_split_point", {"device": "dev-001"}) == 2
+    assert value("sfl_device_main_server_bytes_total", {"device": "dev-001", "direction": "sent"}) == 300
+
+    port = free_port()
+    server, thread = metrics.serve(port)
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'sfl_device_rounds_completed_total{device="dev-001"} 1.0' in text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _run_cli(monkeypatch, argv: list[str]) -> dict:
+    """Run ``python -m device_agent`` up to building the Agent; return the Agent's keyword arguments."""
+    import device_agent.__main__ as cli
+    import device_agent.agent as agent_module
+
+    captured: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_agent(*args, **kwargs):
+        captured.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
+    monkeypatch.setattr(agent_module, "Agent", fake_agent)
+    monkeypatch.delenv("SFL_METRICS_PORT", raising=False)
+    try:
+        cli.main(argv)
+    except Stop:
+        pass
+    return captured
+
+
+def test_metrics_port_is_off_by_default(monkeypatch):
+    assert _run_cli(monkeypatch, ["--shards", "0"])["metrics"] is None
+
+
+def test_metrics_port_flag_serves(monkeypatch):
+    served = []
+    monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": served.append((port, host)))
+    kwargs = _run_cli(monkeypatch, ["--shards", "0", "--metrics-port", "9100", "--metrics-host", "0.0.0.0"])
+    assert isinstance(kwargs["metrics"], AgentMetrics)
+    assert served == [(9100, "0.0.0.0")]
+
+
+def test_agent_feeds_metrics_from_the_devices_uploads():
+    """Agent(metrics=...) hooks every device's on_upload: uploads give the split and the timings."""
+    from device_agent.agent import Agent
+
+    metrics = AgentMetrics()
+    agent = Agent("http://127.0.0.1:9", [1], None, metrics=metrics)
+    device = agent.devices[0]
+    assert device.on_upload is not None
+    device.on_upload(update("dev-001", 2), 3)
+    value = metrics.registry.get_sample_value
+    assert value("sfl_device_split_point", {"device": "dev-001"}) == 3
+    assert value("sfl_device_last_round", {"device": "dev-001"}) == 2
+    assert value("sfl_device_rounds_completed_total", {"device": "dev-001"}) == 1

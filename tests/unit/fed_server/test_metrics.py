@@ -1,0 +1,110 @@
+"""The Fed Server's registry exports exactly the documented metrics, fed by round records."""
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace as NS
+
+import httpx
+
+from fed_server.metrics import METRICS, FedMetrics
+from shared.http_metrics import exported_families, family_name
+from shared.http_server import create_service_app
+
+RECORD = {
+    "round": 3, "status": "ok", "test_accuracy": 0.75, "test_loss": 0.8, "train_loss": 0.9, "round_time_s": 4.5,
+    "selected": ["dev-000", "dev-001", "dev-002"], "aggregated": ["dev-000", "dev-001"], "dropped": ["dev-002"],
+    "split_points": {"dev-000": 1, "dev-001": 3, "dev-002": 3},
+    "device_times": {d: {"compute_s": 1.0, "transfer_s": 0.5, "wait_s": 0.2, "server_s": 0.3, "total_s": 2.0}
+                     for d in ("dev-000", "dev-001")},
+    "groups": [], "bytes_up": 100, "bytes_down": 200, "bytes_server": 50,
+}
+
+
+def fake_coordinator(round_open: bool = False):
+    devices = {f"dev-00{i}": NS(last_seen=time.monotonic() - (100 if i == 2 else 0)) for i in range(3)}
+    return NS(round=NS(round_id=4) if round_open else None, rounds_done=3,
+              config=NS(rounds=10, data=NS(num_devices=3)), devices=NS(devices=devices),
+              table=NS(entries=lambda: {"dev-000": {0: 1.5, 1: 2.5}, "dev-001": {2: 3.0}}),
+              initial={"test_accuracy": 0.1, "test_loss": 2.3})
+
+
+def sample(metrics: FedMetrics, name: str, labels: dict | None = None) -> float | None:
+    return metrics.registry.get_sample_value(name, labels or {})
+
+
+def test_exports_exactly_the_documented_metrics():
+    metrics = FedMetrics(fake_coordinator())
+    metrics.observe_round({**RECORD, "aggregation_s": 0.2})
+    metrics.checkpoint_written()
+    create_service_app("fed_server", "t", "t", registry=metrics.registry)  # adds the HTTP counter
+    metrics.registry._names_to_collectors["sfl_http_body_bytes_total"].labels("/metrics", "sent").inc(1)
+    exported = {k: v for k, v in exported_families(metrics.registry).items() if k.startswith("sfl_")}
+    declared = {family_name(s): s for s in METRICS}
+    assert sorted(exported) == sorted(declared)
+    for name, (kind, labels) in exported.items():
+        assert kind == declared[name].type, name
+        assert labels == set(declared[name].labels), name
+
+
+def test_round_record_values():
+    metrics = FedMetrics(fake_coordinator())
+    assert sample(metrics, "sfl_fed_test_accuracy_ratio") == 0.1  # the initial model before round 1
+    metrics.observe_round({**RECORD, "aggregation_s": 0.2})
+    assert sample(metrics, "sfl_fed_rounds_completed_total", {"status": "ok"}) == 1
+    assert sample(metrics, "sfl_fed_rounds_completed_total", {"status": "failed"}) == 0
+    assert sample(metrics, "sfl_fed_round_duration_seconds_sum") == 4.5
+    assert sample(metrics, "sfl_fed_aggregation_duration_seconds_sum") == 0.2
+    assert sample(metrics, "sfl_fed_test_accuracy_ratio") == 0.75
+    assert sample(metrics, "sfl_fed_test_loss") == 0.8
+    assert sample(metrics, "sfl_fed_devices_dropped_total") == 1
+    assert sample(metrics, "sfl_fed_round_devices", {"state": "aggregated"}) == 2
+    assert sample(metrics, "sfl_fed_split_point_devices", {"split_point": "3"}) == 2
+    assert sample(metrics, "sfl_fed_device_split_point", {"device": "dev-000"}) == 1
+    assert sample(metrics, "sfl_fed_device_round_seconds", {"device": "dev-001", "phase": "compute"}) == 1.0
+    assert sample(metrics, "sfl_fed_device_phase_duration_seconds_count", {"phase": "total"}) == 2
+    assert sample(metrics, "sfl_fed_round_bytes_total", {"direction": "server"}) == 50
+    # A split point that is no longer used drops to zero instead of keeping its old count.
+    metrics.observe_round({**RECORD, "split_points": {"dev-000": 2}, "aggregation_s": 0.05})
+    assert sample(metrics, "sfl_fed_split_point_devices", {"split_point": "3"}) == 0
+    assert sample(metrics, "sfl_fed_aggregation_duration_seconds_sum") == 0.25
+
+
+def test_scrape_time_values():
+    metrics = FedMetrics(fake_coordinator(round_open=True))
+    assert sample(metrics, "sfl_fed_current_round") == 4
+    assert sample(metrics, "sfl_fed_rounds_configured") == 10
+    assert sample(metrics, "sfl_fed_devices_registered") == 3
+    assert sample(metrics, "sfl_fed_devices_active") == 2
+    assert sample(metrics, "sfl_fed_time_table_entries") == 3
+    assert sample(metrics, "sfl_fed_time_table_seconds", {"device": "dev-001", "candidate": "2"}) == 3.0
+    assert sample(FedMetrics(fake_coordinator()), "sfl_fed_current_round") == 3
+
+
+def test_per_device_series_can_be_turned_off():
+    metrics = FedMetrics(fake_coordinator(), per_device=False)
+    metrics.observe_round(RECORD)
+    exported = exported_families(metrics.registry)
+    device_labelled = [n for n, (_, labels) in exported.items() if "device" in labels]
+    assert device_labelled == []
+    assert sample(metrics, "sfl_fed_split_point_devices", {"split_point": "3"}) == 2
+
+
+def test_metrics_endpoint_serves_the_registry_without_redirect():
+    metrics = FedMetrics(fake_coordinator())
+    app = create_service_app("fed_server", "t", "t", registry=metrics.registry)
+
+    async def scrape():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            first = await client.get("/metrics")
+            await client.get("/healthz")
+            second = await client.get("/metrics/")
+            return first, second
+
+    first, second = asyncio.run(scrape())
+    assert first.status_code == 200 and second.status_code == 200
+    assert first.headers["content-type"].startswith("text/plain")
+    assert "sfl_fed_rounds_configured 10.0" in first.text
+    assert 'sfl_http_body_bytes_total{direction="sent",route="/healthz"}' in second.text
+    assert "process_" in first.text or "python_info" in first.text
