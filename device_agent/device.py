@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import httpx
 import torch
 
 from device_agent.timing import RoundClock
@@ -37,7 +38,7 @@ class Device:
 
     def __init__(self, device_id: str, shard: int, fed_server_url: str, kind: EmulatedKind | None,
                  time_scale: float = 1.0, stop: threading.Event | None = None, poll_interval_s: float = 0.2,
-                 verify: bool | str = True) -> None:
+                 verify: bool | str = True, max_downtime_s: float = 600.0) -> None:
         self.device_id = device_id
         self.shard = shard
         self.kind = kind
@@ -45,7 +46,8 @@ class Device:
         self.stop = stop or threading.Event()
         self.poll_interval_s = poll_interval_s
         self.verify = verify
-        self.fed = SyncClient(fed_server_url, retries=8, verify=verify)
+        self.max_downtime_s = max_downtime_s
+        self.fed = SyncClient(fed_server_url, retries=3, verify=verify)
         self.main: SyncClient | None = None
         self.info: RunInfo | None = None
         self.data: ArrayDataset | None = None
@@ -58,10 +60,33 @@ class Device:
 
     # --- lifecycle ----------------------------------------------------------------------------
     def run(self) -> None:
-        """Register, then train every round this device is given until the run is done."""
+        """Register, then train every round this device is given until the run is done.
+
+        Survives server restarts: connection failures back off and retry (up to
+        ``max_downtime_s`` without any answer), and a Fed Server that no longer knows the device
+        (it restarted from its checkpoint) gets a new registration.
+        """
         self.setup()
+        down_since: float | None = None
+        delay = self.poll_interval_s
         while not self.stop.is_set():
-            task, size = self._poll()
+            try:
+                task, size = self._poll()
+            except ServiceError as exc:
+                if exc.status == 404:  # the Fed Server restarted and forgot us
+                    log.info("%s: Fed Server does not know this device (restart?); registering again", self.device_id)
+                    self.register()
+                    continue
+                raise
+            except httpx.TransportError as exc:
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > self.max_downtime_s:
+                    raise
+                log.info("%s: Fed Server unreachable (%s); retrying in %.1fs", self.device_id, exc, delay)
+                self.stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            down_since, delay = None, self.poll_interval_s
             if task.status == "done":
                 self._receive_final(task)
                 return
@@ -70,7 +95,7 @@ class Device:
                 continue
             try:
                 self.run_task(task, size)
-            except ServiceError as exc:
+            except (ServiceError, httpx.TransportError) as exc:
                 log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
 
     def _poll(self) -> tuple[TaskResponse, int]:
@@ -95,10 +120,15 @@ class Device:
         self.data = device_shard(self.info.data, train, self.shard)
         self.model = build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
         self._warm_up()
-        profile = self.profile()
+        self._profile = self.profile()
+        self.register()
+
+    def register(self) -> None:
+        """Announce this device, its shard and its profile to the Fed Server."""
+        assert self.data is not None
         self.fed.call("POST", f"{API}/devices/register", RegisterResponse,
-                      RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data), profile=profile))
-        log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), profile.kind)
+                      RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data), profile=self._profile))
+        log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)
 
     def _warm_up(self) -> None:
         """One forward/backward pass before registering, so first-use costs (allocator, kernel

@@ -80,6 +80,9 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
             metrics.checkpoint_written()  # finish_round writes checkpoint.msgpack once per round
         log.info("round %d %s: accuracy %.4f, %.2fs, %.2f MB", record["round"], record["status"],
                  record["test_accuracy"], record["round_time_s"], record["bytes_total"] / 1e6)
+        if record["status"] != "ok" and not coordinator.finished:
+            # Back off before retrying, so a Main Server that is restarting gets time to come back.
+            await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
     log.info("run finished: %s", coordinator.summary())
 
 

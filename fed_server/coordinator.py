@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import statistics
 import time
 import uuid
 
@@ -16,6 +15,7 @@ import torch
 
 from fed_server.devices import DeviceRegistry
 from fed_server.evaluation import evaluate
+from fed_server.records import round_record, run_summary
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
 from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
@@ -69,14 +69,20 @@ class Coordinator:
                                     self.table, self.devices, config.train.local_epochs, config.split.server_flops)
         self.rng = random.Random(config.seed)
         self.round: FedRound | None = None
-        self.rounds_done = 0
+        self.rounds_done = 0          # completed logical rounds
+        self.attempts = 0             # round attempts started; each one's wire round_id
+        self.failed_in_a_row = 0
         self.history: list[dict] = []
         self.finished = False
+        self.stop_reason: str | None = None
         self.started_at: float | None = None
+        self.elapsed_before = 0.0     # run time before a restart
         self.cumulative_bytes = 0
         initial_acc, initial_loss = evaluate(self.model, self.test_set)
         self.initial = {"test_accuracy": initial_acc, "test_loss": initial_loss}
+        self.resumed = self.resume()
         run_dir.write_config(config, self.run_id)
+        self.created_at = time.monotonic()
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
@@ -91,23 +97,28 @@ class Coordinator:
                        data=self.config.data, seed=self.config.seed)
 
     def ready(self) -> bool:
-        """Rounds start once every shard of the run has a registered device."""
-        return len(self.devices) >= self.config.data.num_devices
+        """Rounds start once every shard has a registered device, or, after the registration
+        deadline, once the quorum has (a resumed run whose devices did not all come back)."""
+        if len(self.devices) >= self.config.data.num_devices:
+            return True
+        waited = time.monotonic() - self.created_at
+        return waited > self.config.deadlines.registration_s and len(self.devices) >= self.config.deadlines.min_participants
 
     # --- round lifecycle ----------------------------------------------------------------------
     def begin_round(self) -> FedRound:
         """Select devices and split points for the next round."""
         if self.started_at is None:
             self.started_at = time.monotonic()
-        round_id = self.rounds_done + 1
-        selected = self.algorithm.select_devices(round_id, self.devices.ids(), self.config.per_round, self.rng)
-        splits = self.planner.choose(round_id, selected)
+        self.attempts += 1
+        index = self.rounds_done + 1
+        selected = self.algorithm.select_devices(index, self.devices.ids(), self.config.per_round, self.rng)
+        splits = self.planner.choose(index, selected)
         self.round = FedRound(
-            round_id=round_id, split_mode=self.planner.mode,
+            round_id=self.attempts, index=index, split_mode=self.planner.mode,
             assignments={d: Assignment(d, k, j) for d, (j, k) in splits.items()},
             deadline_s=self.config.deadlines.round_s,
         )
-        log.info("round %d: %d devices, splits %s", round_id, len(selected), {d: a.split_point for d, a in self.round.assignments.items()})
+        log.info("round %d (attempt %d): %d devices, splits %s", index, self.attempts, len(selected), {d: a.split_point for d, a in self.round.assignments.items()})
         return self.round
 
     def round_plan(self, fed_round: FedRound) -> RoundPlan:
@@ -146,7 +157,7 @@ class Coordinator:
             main_server_url=self.main_server_url if fed_round.uses_main_server else None,
             deadline_s=self._remaining(fed_round), half_precision=self.config.half_precision,
             algorithm=self.config.algorithm, params=self.algorithm.device_params(),
-            extras=self.algorithm.task_extras(device_id, fed_round.round_id), report=self.algorithm.needs_report,
+            extras=self.algorithm.task_extras(device_id, fed_round.index), report=self.algorithm.needs_report,
         )
 
     def _follow_up_for(self, fed_round: FedRound, device_id: str) -> TaskResponse:
@@ -183,7 +194,7 @@ class Coordinator:
         """Close reporting: devices that did not report are dropped; the algorithm answers the rest."""
         fed_round.excluded |= set(fed_round.assignments) - set(fed_round.reports)
         try:
-            fed_round.follow_ups = self.algorithm.plan_follow_ups(fed_round.round_id, fed_round.reports)
+            fed_round.follow_ups = self.algorithm.plan_follow_ups(fed_round.index, fed_round.reports)
         except ValueError as exc:
             log.error("round %d: follow-ups could not be planned: %s", fed_round.round_id, exc)
             fed_round.follow_ups = {}
@@ -211,7 +222,8 @@ class Coordinator:
         if assignment is None:
             raise ApiError(403, f"device {req.device_id!r} was not selected for round {round_id}")
         if req.device_id in fed_round.updates:
-            raise ApiError(409, f"round {round_id} already has the update of {req.device_id!r}")
+            # A retried upload (the first answer was lost): accepted once, acknowledged again.
+            return Ack(detail=f"update of {req.device_id} for round {round_id} was already stored")
         if self.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
             raise ApiError(409, f"device {req.device_id!r} must report and receive its follow-up before uploading")
         state = self._decode(req.weights, 0, assignment.split_point)
@@ -251,7 +263,9 @@ class Coordinator:
         return fed_round
 
     def finish_round(self, fed_round: FedRound) -> dict:
-        """Aggregate (Algorithm 1), update the time table, evaluate, record. CPU work: run off the loop."""
+        """Aggregate (Algorithm 1 or the algorithm's rule), update the time table, evaluate, record,
+        checkpoint. A round below the quorum is recorded as failed and changes nothing: the same
+        logical round is retried. CPU work: run off the event loop."""
         dropped = fed_round.dropped()
         contributions: dict[str, Contribution] = {}
         for device, update in sorted(fed_round.updates.items()):
@@ -262,91 +276,103 @@ class Coordinator:
                                                  server_state=portion.state if portion else None)
         used = list(contributions)
         extras = {d: dict(fed_round.updates[d].request.extras) for d in used}
-        failed = not contributions
+        ok = len(used) >= self.config.deadlines.min_participants
         aggregation_s = 0.0
-        if not failed:
+        if ok:
             started = time.perf_counter()
-            new_state = self.algorithm.aggregate(fed_round.round_id, self.model.state_dict(), contributions, extras)
+            new_state = self.algorithm.aggregate(fed_round.index, self.model.state_dict(), contributions, extras)
             self.model.load_state_dict(new_state)
             aggregation_s = time.perf_counter() - started
-        for device in used:
-            assignment = fed_round.assignments[device]
-            timings = fed_round.updates[device].request.timings
-            if assignment.candidate is not None:
-                self.table.record(device, assignment.candidate, table_time(timings))
+            for device in used:
+                assignment = fed_round.assignments[device]
+                if assignment.candidate is not None:
+                    self.table.record(device, assignment.candidate, table_time(fed_round.updates[device].request.timings))
+            self.rounds_done = fed_round.index
+            self.failed_in_a_row = 0
+        else:
+            self.failed_in_a_row += 1
+            log.warning("round %d (attempt %d) failed: %d of %d required participants; retrying", fed_round.index,
+                        fed_round.round_id, len(used), self.config.deadlines.min_participants)
         accuracy, loss = evaluate(self.model, self.test_set)
-        self.rounds_done = fed_round.round_id
-        duration = time.monotonic() - fed_round.started_at
-        record = self._round_record(fed_round, used, dropped, failed, accuracy, loss, duration)
+        record = round_record(
+            fed_round, self.config.algorithm, used, dropped, "ok" if ok else "failed", accuracy, loss,
+            time.monotonic() - fed_round.started_at, self._elapsed(), self.cumulative_bytes,
+            {d: r.kind for d, r in self.devices.devices.items()})
+        self.cumulative_bytes = record["cumulative_bytes"]
         record["aggregation_s"] = aggregation_s
-        record["algorithm_metrics"] = {**self.algorithm.round_metrics(fed_round.round_id, extras),
-                                       **self.algorithm.evaluate(self.model)}
+        record["algorithm_metrics"] = {**self.algorithm.round_metrics(fed_round.index, extras),
+                                       **self.algorithm.evaluate(self.model)} if ok else {}
         self.history.append(record)
-        self.run_dir.append_metrics(record)
-        self.run_dir.write_checkpoint(self.rounds_done, self.model.state_dict(),
-                                      {"run_id": self.run_id, "algorithm_state": self.algorithm.state_dict(),
-                                       "time_table": {d: {str(j): t for j, t in row.items()} for d, row in self.table.entries().items()}})
         if self.rounds_done >= self.config.rounds:
-            self.finished = True
+            self.finished, self.stop_reason = True, "completed"
+        elif self.failed_in_a_row >= self.config.deadlines.max_failed_attempts:
+            self.finished, self.stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
+        # Checkpoint before the metrics line: a crash in between re-runs nothing and loses no
+        # record (resume drops lines newer than the checkpoint, see resume()).
+        self._write_checkpoint()
+        self.run_dir.append_metrics(record)
+        if self.finished:
             self.run_dir.write_summary(self.summary())
         return record
 
-    def _round_record(self, fed_round: FedRound, used: list[str], dropped: set[str], failed: bool,
-                      accuracy: float, loss: float, duration: float) -> dict:
-        updates = fed_round.updates
-        up = sum(u.request.bytes_up + u.body_bytes for u in updates.values())
-        down = sum(u.request.bytes_down for u in updates.values()) + fed_round.task_bytes
-        server = fed_round.plan_bytes + sum(p.body_bytes for p in fed_round.portions.values())
-        self.cumulative_bytes += up + down + server
-        total_samples = sum(updates[d].request.num_samples for d in used) or 1
-        train_loss = sum(updates[d].request.train_loss * updates[d].request.num_samples for d in used) / total_samples
-        missing = sorted(set(fed_round.assignments) - set(updates) - dropped)
-        return {
-            "round": fed_round.round_id,
-            "algorithm": self.config.algorithm,
-            "status": "failed" if failed else "ok",
-            "test_accuracy": accuracy,
-            "test_loss": loss,
-            "train_loss": train_loss if used else None,
-            "round_time_s": duration,
-            "elapsed_s": time.monotonic() - (self.started_at or fed_round.started_at),
-            "selected": sorted(fed_round.assignments),
-            "aggregated": used,
-            "dropped": sorted(dropped | set(missing)),
-            "split_points": {d: a.split_point for d, a in sorted(fed_round.assignments.items())},
-            "device_times": {d: u.request.timings.model_dump() for d, u in sorted(updates.items())},
-            "device_kinds": {d: self.devices.devices[d].kind for d in sorted(fed_round.assignments)},
-            "groups": [{"group_id": p.upload.group_id, "members": p.upload.members, "dropped": p.upload.dropped,
-                        "label_distance": p.upload.label_distance, "start_block": p.upload.start_block,
-                        "train_time_s": p.upload.train_time_s} for _, p in sorted(fed_round.portions.items())],
-            "bytes_up": up,
-            "bytes_down": down,
-            "bytes_server": server,
-            "bytes_total": up + down + server,
+    def _elapsed(self) -> float:
+        now = time.monotonic()
+        return self.elapsed_before + (now - self.started_at if self.started_at is not None else 0.0)
+
+    def _write_checkpoint(self) -> None:
+        self.run_dir.write_checkpoint(self.rounds_done, self.model.state_dict(), {
+            "run_id": self.run_id,
+            "attempts": self.attempts,
+            "failed_in_a_row": self.failed_in_a_row,
+            "history_len": len(self.history),
             "cumulative_bytes": self.cumulative_bytes,
-            "plan_error": fed_round.plan_failed,
-        }
+            "elapsed_s": self._elapsed(),
+            "rng_state": _rng_to_json(self.rng.getstate()),
+            "algorithm_state": self.algorithm.state_dict(),
+            "time_table": {d: {str(j): t for j, t in row.items()} for d, row in self.table.entries().items()},
+            "finished": self.finished,
+            "stop_reason": self.stop_reason,
+        })
+
+    def resume(self) -> bool:
+        """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
+
+        Restores the global model, the round counters, the client time table, the algorithm's
+        per-device state and the selection RNG, and drops metrics lines the checkpoint does not
+        cover, so the resumed run neither loses nor repeats a round.
+        """
+        if not self.run_dir.checkpoint_path.exists():
+            return False
+        rounds_done, state, extra = self.run_dir.read_checkpoint()
+        self.model.load_state_dict(state)
+        self.run_id = extra["run_id"]
+        self.rounds_done = rounds_done
+        self.attempts = int(extra["attempts"])
+        self.failed_in_a_row = int(extra.get("failed_in_a_row", 0))
+        self.cumulative_bytes = int(extra["cumulative_bytes"])
+        self.elapsed_before = float(extra["elapsed_s"])
+        self.rng.setstate(_rng_from_json(extra["rng_state"]))
+        self.algorithm.load_state_dict(extra.get("algorithm_state", {}))
+        self.table.load_entries({d: {int(j): float(t) for j, t in row.items()} for d, row in extra["time_table"].items()})
+        self.history = self.run_dir.read_metrics()[: int(extra["history_len"])]
+        self.run_dir.rewrite_metrics(self.history)
+        self.finished = bool(extra.get("finished", False))
+        self.stop_reason = extra.get("stop_reason")
+        log.info("resumed run %s after round %d (attempt %d)", self.run_id, self.rounds_done, self.attempts)
+        return True
 
     def summary(self) -> dict:
         """What the run achieved, for ``summary.json`` and the testbed's final line."""
-        ok = [r for r in self.history if r["status"] == "ok"]
-        accs = [r["test_accuracy"] for r in self.history]
-        times = [r["round_time_s"] for r in self.history]
-        return {
-            "run_id": self.run_id,
-            "algorithm": self.config.algorithm,
-            "model": self.config.model,
-            "rounds": self.rounds_done,
-            "failed_rounds": len(self.history) - len(ok),
-            "initial_accuracy": self.initial["test_accuracy"],
-            "final_accuracy": accs[-1] if accs else None,
-            "best_accuracy": max(accs) if accs else None,
-            "final_loss": self.history[-1]["test_loss"] if self.history else None,
-            "median_round_time_s": statistics.median(times) if times else None,
-            "total_time_s": self.history[-1]["elapsed_s"] if self.history else 0.0,
-            "total_bytes": self.cumulative_bytes,
-            "finished": self.finished,
-        }
+        base = {"run_id": self.run_id, "algorithm": self.config.algorithm, "model": self.config.model}
+        return run_summary(self.history, base, self.initial["test_accuracy"], self.rounds_done,
+                           self.cumulative_bytes, self.finished, self.stop_reason)
 
-    def global_state(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+
+def _rng_to_json(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_from_json(data: list) -> tuple:
+    version, internal, gauss = data
+    return (version, tuple(internal), gauss)

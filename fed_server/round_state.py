@@ -35,9 +35,14 @@ class ReceivedPortion:
 
 @dataclass
 class FedRound:
-    """Bookkeeping of the open round; decisions are made by the coordinator and the algorithm."""
+    """Bookkeeping of the open round; decisions are made by the coordinator and the algorithm.
+
+    ``index`` is the logical round (1..rounds); ``round_id`` identifies this *attempt* on the wire
+    and is never reused, so uploads for a failed attempt, or from before a restart, are stale.
+    """
 
     round_id: int
+    index: int
     split_mode: str
     assignments: dict[str, Assignment]
     deadline_s: float

@@ -47,6 +47,16 @@ class RunDirectory:
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
+    def read_metrics(self) -> list[dict]:
+        """Every round record written so far (empty for a new run)."""
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def rewrite_metrics(self, records: list[Mapping[str, Any]]) -> None:
+        """Replace metrics.jsonl atomically (resume drops lines newer than the checkpoint)."""
+        atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in records).encode())
+
     def write_checkpoint(self, round_id: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
         atomic_write(self.checkpoint_path, packb({"round": round_id, "state": encode_state(state), "extra": dict(extra)}))
 

@@ -106,6 +106,11 @@ class ClientTimeTable:
         """A deep copy of the table, for checkpoints and metrics."""
         return {dev: dict(row) for dev, row in self._table.items()}
 
+    def load_entries(self, entries: Mapping[str, Mapping[int, float]]) -> None:
+        """Replace the table's cells (a resumed run restores its checkpointed table)."""
+        fresh = self.from_entries(entries, self.num_candidates, self.smoothing)
+        self._table = fresh._table
+
     @classmethod
     def from_entries(
         cls,

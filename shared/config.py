@@ -54,11 +54,18 @@ class GroupingConfig(_Strict):
 
 
 class DeadlineConfig(_Strict):
-    """Seconds after which a missing party is dropped so nobody waits forever."""
+    """Seconds after which a missing party is dropped so nobody waits forever, and the quorum."""
 
     round_s: float = Field(300.0, gt=0)
     join_s: float = Field(30.0, gt=0)
     step_s: float = Field(30.0, gt=0)
+    # A round aggregated from fewer devices is recorded as failed and retried (never applied).
+    min_participants: int = Field(1, ge=1)
+    # Rounds start when every shard is registered, or after this long with at least
+    # min_participants registered (a resumed run whose devices did not all come back).
+    registration_s: float = Field(120.0, gt=0)
+    # The run stops (summary says why) after this many failed attempts in a row.
+    max_failed_attempts: int = Field(10, ge=1)
 
 
 #: The paper's High:Mid:Low = 5:3:2 composition, interleaved so any 10 consecutive shards hold it.

@@ -48,6 +48,9 @@ class Service:
     name: str
     process: subprocess.Popen
     log_path: Path
+    module: str = ""
+    args: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -73,8 +76,19 @@ class ProcessGroup:
         process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
                                    env=service_env(env), start_new_session=True)
         log_file.close()
-        service = Service(name, process, log_path)
+        service = Service(name, process, log_path, module, tuple(args), env)
         self.services.append(service)
+        return service
+
+    def restart(self, service: Service, sig: int = signal.SIGKILL) -> Service:
+        """Kill ``service`` with ``sig`` (default SIGKILL: no chance to clean up) and start it
+        again with the same command line; the new process replaces it in place."""
+        if service.alive():
+            service.process.send_signal(sig)
+        service.process.wait()
+        fresh = self.start(service.name, service.module, service.args, service.env)
+        self.services.remove(fresh)
+        service.process = fresh.process
         return service
 
     def stop(self, timeout: float = 10.0) -> None:

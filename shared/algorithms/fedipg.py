@@ -280,7 +280,9 @@ class FedIPG(Algorithm):
             a = c.weight / total
             est = a * (float(mean.dot(deltas[d])) - 0.5 * self.params.exit_curvature * float(deltas[d].dot(deltas[d]))) / norm2
             self.last_contribution[d] = est
-            self.streaks[d] = self.streaks.get(d, 0) + 1 if est < 0 else 0
+            # Streaks only count after the warm-up (every device takes part in the first rounds).
+            warm = round_id > self.params.exit_warmup_rounds
+            self.streaks[d] = self.streaks.get(d, 0) + 1 if (est < 0 and warm) else 0
         if round_id <= self.params.exit_warmup_rounds:
             return
         for d in sorted(kept, key=lambda d: self.last_contribution[d]):

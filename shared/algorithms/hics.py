@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "HiCSParams", "HiCSSelector", "estimate_entropy", "distance_matrix", "ward_clusters",
-    "cluster_probabilities", "annealed_gamma", "output_signal",
+    "cluster_probabilities", "annealed_gamma", "draw_without_replacement", "output_signal",
 ]
 
 
@@ -174,6 +174,28 @@ def cluster_probabilities(mean_entropies: Sequence[float], gamma: float) -> np.n
     z = z - z.max()
     e = np.exp(z)
     return e / e.sum()
+
+
+def draw_without_replacement(weights: np.ndarray, k: int, rng: random.Random) -> list[int]:
+    """``k`` distinct indices, each next one drawn ∝ ``weights`` over the indices not yet drawn.
+
+    This is exactly the distribution of the paper's loop "draw a cluster m ~ π, a device ~ p̃_m, add it
+    to S^t until |S^t| = K" (a repeat is a rejected draw, so the next *new* device is ∝ its per-draw
+    probability π_{m(k)}·p̃_k among the unchosen), without its unbounded retries when π is very skewed.
+    If all remaining weights are zero (underflow), the rest is drawn uniformly. Uses ``rng.random()``
+    once per draw: deterministic given the rng.
+    """
+    w_all = np.asarray(weights, dtype=np.float64)
+    remaining = list(range(w_all.size))
+    chosen: list[int] = []
+    for _ in range(min(int(k), w_all.size)):
+        w = w_all[remaining]
+        total = float(w.sum())
+        if not total > 0.0:
+            w, total = np.ones(len(remaining)), float(len(remaining))
+        idx = int(np.searchsorted(np.cumsum(w), rng.random() * total, side="right"))
+        chosen.append(remaining.pop(min(idx, len(remaining) - 1)))
+    return chosen
 
 
 def output_signal(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor],
@@ -332,18 +354,7 @@ class HiCSSelector(DeviceSelector):
         # K distinct devices are in S^t; rejecting repeats makes each next *new* device distributed ∝ these
         # weights over the devices not yet chosen, which is drawn here directly (same distribution, no
         # unbounded loop when π is very skewed).
-        weights = pi[labels] * within
-        chosen: list[int] = []
-        remaining = list(range(len(seen)))
-        for _ in range(k):
-            w = weights[remaining]
-            total_w = float(w.sum())
-            if not total_w > 0.0:  # all remaining weights underflowed: uniform among them
-                w, total_w = np.ones(len(remaining)), float(len(remaining))
-            u = rng.random() * total_w
-            idx = int(np.searchsorted(np.cumsum(w), u, side="right"))
-            idx = min(idx, len(remaining) - 1)
-            chosen.append(remaining.pop(idx))
+        chosen = draw_without_replacement(pi[labels] * within, k, rng)
         info.update({"hics_clusters": n_labels, "hics_gamma": gamma,
                      "hics_cluster_probability_max": float(pi.max()),
                      "hics_entropy_mean_all": float(entropies.mean())})

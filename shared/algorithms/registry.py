@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from shared.algorithms.base import Algorithm
 from shared.algorithms.fedavg import FedAvg
+from shared.algorithms.fedbc import FedBC
 from shared.algorithms.fnr_fl import FNRFL
 from shared.algorithms.fedipg import FedIPG
 from shared.algorithms.split_learning import S2FL, SFL
@@ -16,6 +17,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "s2fl": S2FL,
     "sfl": SFL,
     "fedavg": FedAvg,
+    "fedbc": FedBC,
     "fnr-fl": FNRFL,
     "fedipg": FedIPG,
 }

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SyntheticFederated", "generate_synthetic", "SYNTHETIC_DIM", "SYNTHETIC_CLASSES"]
+__all__ = ["SyntheticFederated", "generate_synthetic", "generate_raw", "SYNTHETIC_DIM", "SYNTHETIC_CLASSES"]
 
 SYNTHETIC_DIM = 60
 SYNTHETIC_CLASSES = 10
@@ -51,9 +51,10 @@ class SyntheticFederated:
     samples_per_device: np.ndarray  # n_i (train + test), int64 [N]
 
 
-def _generate(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
-              ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """Steps 1-6 of the spec: raw per-device (X_i, y_i) in generation order, and n_i."""
+def generate_raw(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
+                 ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """Steps 1-6 of the spec: raw per-device (X_i, y_i) in generation order (unshuffled), n_i,
+    and each device's teacher (W_i, b_i)."""
     rs = np.random.RandomState(seed)
     dim, classes = SYNTHETIC_DIM, SYNTHETIC_CLASSES
     samples = rs.lognormal(4, 2, num_devices).astype(int) + 50
@@ -69,6 +70,7 @@ def _generate(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
         b_global = rs.normal(0, 1, classes)
     xs: list[np.ndarray] = []
     ys: list[np.ndarray] = []
+    teachers: list[tuple[np.ndarray, np.ndarray]] = []
     for i in range(num_devices):
         w = rs.normal(mean_w[i], 1, (dim, classes))
         b = rs.normal(mean_b[i], 1, classes)
@@ -78,7 +80,8 @@ def _generate(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
         y = np.argmax(x @ w + b, axis=1).astype(np.int64)
         xs.append(x)
         ys.append(y)
-    return xs, ys, samples.astype(np.int64)
+        teachers.append((w, b))
+    return xs, ys, samples.astype(np.int64), teachers
 
 
 @functools.lru_cache(maxsize=4)
@@ -91,7 +94,7 @@ def generate_synthetic(num_devices: int = 30, alpha: float = 0.5, beta: float = 
     for name, value in (("alpha", alpha), ("beta", beta)):
         if not np.isfinite(value) or value < 0:
             raise ValueError(f"synthetic {name} must be a finite standard deviation >= 0, got {value!r}")
-    xs, ys, samples = _generate(int(num_devices), float(alpha), float(beta), bool(iid), int(seed))
+    xs, ys, samples, _ = generate_raw(int(num_devices), float(alpha), float(beta), bool(iid), int(seed))
     shuffler = random.Random(seed)
     parts: tuple[list[np.ndarray], ...] = ([], [], [], [])
     for x, y in zip(xs, ys):

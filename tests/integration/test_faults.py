@@ -1,0 +1,94 @@
+"""Fault injection with real processes: crashed servers, frozen devices. The goal is no lost round."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import httpx
+
+from fed_server.run_dir import RunDirectory
+from integration_support import small_config
+from testbed.processes import wait_healthy
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _fed_status(testbed) -> dict:
+    return httpx.get(f"{testbed.fed_url}/v1/status", timeout=5).json()
+
+
+def _main_round(testbed) -> dict | None:
+    return httpx.get(f"{testbed.main_url}/v1/status", timeout=5).json()["round"]
+
+
+def _check_no_round_lost(status: dict, metrics: list[dict], run_dir, rounds: int) -> None:
+    assert status["state"] == "finished", status
+    ok = [m["round"] for m in metrics if m["status"] == "ok"]
+    assert ok == list(range(1, rounds + 1)), f"each round exactly once: {[(m['round'], m['status']) for m in metrics]}"
+    ids = [m["round_id"] for m in metrics]
+    assert len(ids) == len(set(ids)), "attempt ids are never reused"
+    _, state, _ = RunDirectory(run_dir).read_checkpoint()
+    assert all(bool(t.isfinite().all()) for t in state.values() if t.is_floating_point())
+    assert status["summary"]["final_accuracy"] > status["summary"]["initial_accuracy"]
+
+
+def test_fed_server_sigkilled_mid_run_resumes_from_its_checkpoint(run_testbed):
+    config = small_config(rounds=4, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
+
+    def crash_after_round_two(testbed):
+        _wait_until(lambda: _fed_status(testbed)["rounds_done"] >= 2 and _fed_status(testbed)["open_round"] is not None,
+                    180, "round 3 to start")
+        time.sleep(0.5)  # mid-round: devices are training
+        testbed.processes.restart(testbed.fed)
+        wait_healthy(testbed.fed_url, testbed.fed)
+
+    status, metrics, run_dir = run_testbed(config, during=crash_after_round_two)
+    _check_no_round_lost(status, metrics, run_dir, 4)
+    assert "resumed run" in (run_dir / "logs" / "fed_server.log").read_text()
+
+
+def test_main_server_sigkilled_mid_round_the_attempt_fails_and_is_retried(run_testbed):
+    config = small_config(rounds=3, **{"deadlines.round_s": 15, "deadlines.step_s": 5, "deadlines.join_s": 5})
+
+    def crash_main_server_while_stepping(testbed):
+        _wait_until(lambda: (r := _main_round(testbed)) is not None and r["round_id"] >= 2
+                    and any(g["step"] >= 1 for g in r["groups"]), 180, "round 2 to be stepping")
+        testbed.processes.restart(testbed.main)
+        wait_healthy(testbed.main_url, testbed.main)
+
+    status, metrics, run_dir = run_testbed(config, during=crash_main_server_while_stepping)
+    _check_no_round_lost(status, metrics, run_dir, 3)
+
+
+def test_device_frozen_past_the_step_deadline_is_dropped_then_rejoins(run_testbed):
+    # Devices 0-1 in one agent, 2-3 in another. The second agent is frozen (SIGSTOP) during round
+    # 1's steps for longer than the step deadline, then thawed: its devices are dropped from round
+    # 1, which completes with the other two, and they train again in round 2.
+    config = small_config(rounds=2, **{"deadlines.step_s": 4, "deadlines.round_s": 60, "train.batch_size": 32})
+
+    def freeze_second_agent(testbed):
+        victim = testbed.agent_services[1]
+        _wait_until(lambda: (r := _main_round(testbed)) is not None and any(g["step"] >= 2 for g in r["groups"]),
+                    180, "round 1 to be stepping")
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        try:
+            _wait_until(lambda: _fed_status(testbed)["rounds_done"] >= 1, 120, "round 1 to finish without them")
+        finally:
+            os.kill(victim.process.pid, signal.SIGCONT)
+
+    status, metrics, run_dir = run_testbed(config, agents=2, during=freeze_second_agent)
+    _check_no_round_lost(status, metrics, run_dir, 2)
+    ok = [m for m in metrics if m["status"] == "ok"]  # a loaded machine may fail an attempt first
+    assert ok[0]["aggregated"] == ["dev-000", "dev-001"]
+    assert set(ok[0]["dropped"]) == {"dev-002", "dev-003"}
+    assert ok[-1]["aggregated"] == ["dev-000", "dev-001", "dev-002", "dev-003"]
+    assert not math.isnan(ok[-1]["test_loss"])
