@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
                              "default 0 = off). Timings also reach the Fed Server with every upload")
     parser.add_argument("--metrics-host", default=env_default("metrics_host", "127.0.0.1"),
                         help="address the metrics port binds (env SFL_METRICS_HOST; 0.0.0.0 to be scraped from another host)")
+    parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
+                        help="the deployment's enrolment secret, presented once to register (or env SFL_ENROLMENT_SECRET)")
     add_common_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
@@ -50,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
 
         metrics = AgentMetrics()
         metrics.serve(args.metrics_port, args.metrics_host)
+    from shared.auth import load_secret
+
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
-                  metrics=metrics)
+                  metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"))
     sys.exit(agent.run())
 
 

@@ -35,11 +35,13 @@ class Agent:
     """Runs its devices until the run is done (or ``stop`` is set)."""
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
-                 prefix: str = "dev", verify: bool | str = True, metrics=None) -> None:
+                 prefix: str = "dev", verify: bool | str = True, metrics=None,
+                 enrolment_secret: bytes | None = None) -> None:
         self.stop = threading.Event()
         self.devices = [
             Device(f"{prefix}-{shard:03d}", shard, fed_server_url,
-                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, verify=verify)
+                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, verify=verify,
+                   enrolment_secret=enrolment_secret)
             for shard in shards
         ]
         self.errors: dict[str, BaseException] = {}

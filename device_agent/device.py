@@ -38,7 +38,8 @@ class Device:
 
     def __init__(self, device_id: str, shard: int, fed_server_url: str, kind: EmulatedKind | None,
                  time_scale: float = 1.0, stop: threading.Event | None = None, poll_interval_s: float = 0.2,
-                 verify: bool | str = True, max_downtime_s: float = 600.0) -> None:
+                 verify: bool | str = True, max_downtime_s: float = 600.0,
+                 enrolment_secret: bytes | None = None) -> None:
         self.device_id = device_id
         self.shard = shard
         self.kind = kind
@@ -47,6 +48,8 @@ class Device:
         self.poll_interval_s = poll_interval_s
         self.verify = verify
         self.max_downtime_s = max_downtime_s
+        self.enrolment_secret = enrolment_secret
+        self.token: str | None = None
         self.fed = SyncClient(fed_server_url, retries=3, verify=verify)
         self.main: SyncClient | None = None
         self.info: RunInfo | None = None
@@ -126,8 +129,14 @@ class Device:
     def register(self) -> None:
         """Announce this device, its shard and its profile to the Fed Server."""
         assert self.data is not None
-        self.fed.call("POST", f"{API}/devices/register", RegisterResponse,
-                      RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data), profile=self._profile))
+        headers = {"x-enrolment-secret": self.enrolment_secret.decode()} if self.enrolment_secret else None
+        answer = self.fed.call("POST", f"{API}/devices/register", RegisterResponse,
+                               RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data),
+                                               profile=self._profile), headers=headers)
+        self.token = answer.token
+        self.fed.set_token(self.token)
+        if self.main is not None:
+            self.main.set_token(self.token)
         log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)
 
     def _warm_up(self) -> None:
@@ -176,6 +185,7 @@ class Device:
         if task.main_server_url is not None:
             if self.main is None or self.main.base_url != task.main_server_url.rstrip("/"):
                 self.main = SyncClient(task.main_server_url, retries=3, verify=self.verify)
+                self.main.set_token(self.token)
             main_bytes_before = (self.main.bytes.up, self.main.bytes.down)
             send_step = self._join(task, clock)
         result = train_round(

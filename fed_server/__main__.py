@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 from shared.config import env_default
@@ -27,10 +28,13 @@ def main(argv: list[str] | None = None) -> None:
                         default=str(env_default("per_device_metrics", "true")).lower() not in ("0", "false", "no", "off"),
                         help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default on). "
                              "Turn off for very large deployments: per-phase and per-split aggregates remain")
+    parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
+                        help="secret devices present to register (or env SFL_ENROLMENT_SECRET); needs the service secret")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
 
     from fed_server.app import FedServerSettings, create_app
+    from shared.auth import auth_from_settings
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
     from shared.config import resolve_run_config
@@ -41,8 +45,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
-    settings = FedServerSettings(per_device_metrics=args.per_device_metrics)
-    serve(create_app(coordinator, settings), args.host, args.port, args.log_level)
+    auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)
+    if not auth.enabled:
+        logging.getLogger("fed_server").warning("no service secret: devices are not authenticated (docs/security.md)")
+    settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
+    serve(create_app(coordinator, settings), args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -17,7 +17,8 @@ from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
-from shared.http_client import HEADERS, decode_response
+from shared.auth import Auth
+from shared.http_client import HEADERS, decode_response, tls_context
 from shared.http_server import create_service_app, msgpack_response, read_message
 from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
@@ -32,17 +33,20 @@ class FedServerSettings:
     poll_interval_s: float = 0.05
     plan_retries: int = 5
     per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
+    auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
+    ca_file: str | None = None        # CA bundle to verify the Main Server's HTTPS certificate
 
 
-async def send_plan(coordinator: Coordinator, fed_round, retries: int) -> None:
+async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSettings) -> None:
     """POST the round plan to the Main Server; on repeated failure the round is marked failed."""
     plan = coordinator.round_plan(fed_round)
     body = packb(plan.model_dump())
     fed_round.plan_bytes = len(body)
     url = f"{coordinator.main_server_url.rstrip('/')}{API}/rounds"
     delay = 0.5
-    async with httpx.AsyncClient(timeout=120.0, headers=HEADERS) as client:
-        for attempt in range(retries):
+    headers = {**HEADERS, **settings.auth.service_headers()}
+    async with httpx.AsyncClient(timeout=120.0, headers=headers, verify=tls_context(settings.ca_file or True)) as client:
+        for attempt in range(settings.plan_retries):
             try:
                 decode_response(await client.post(url, content=body), Ack)
                 return
@@ -62,7 +66,7 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     while not coordinator.finished:
         fed_round = coordinator.begin_round()
         if fed_round.uses_main_server:
-            await send_plan(coordinator, fed_round, settings.plan_retries)
+            await send_plan(coordinator, fed_round, settings)
         fed_round.ready = True
         if coordinator.algorithm.needs_report:
             while not fed_round.all_reported() and not fed_round.overdue() and fed_round.plan_failed is None:
@@ -126,12 +130,19 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     @app.post(f"{API}/devices/register", response_class=Response)
     async def register(request: Request) -> Response:
         """Device: announce itself, its shard and its profile; get the run's data and model spec."""
+        settings.auth.check_enrolment(request.headers)
         req = await read_message(request, RegisterRequest, settings.max_register_bytes)
-        return msgpack_response(coordinator.register(req))
+        if req.device_id in coordinator.devices.devices:  # re-registering a known device needs its token
+            settings.auth.check_device(request.headers, req.device_id)
+        answer = coordinator.register(req)
+        if settings.auth.enabled:
+            answer.token = settings.auth.device_token(req.device_id)
+        return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
-    async def task(device_id: str) -> Response:
+    async def task(device_id: str, request: Request) -> Response:
         """Device: poll for work (wait / train with weights and split point / done)."""
+        settings.auth.check_device(request.headers, device_id)
         answer = coordinator.task_for(device_id)
         response = msgpack_response(answer)
         if answer.status == "train" and coordinator.round is not None:
@@ -142,6 +153,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     async def update(round_id: int, request: Request) -> Response:
         """Device: trained client portion (or whole model), sample count and timings."""
         req = await read_message(request, UpdateRequest, settings.max_update_bytes)
+        settings.auth.check_device(request.headers, req.device_id)
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.accept_update(round_id, req, size))
 
@@ -149,11 +161,13 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     async def report(round_id: int, request: Request) -> Response:
         """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
         req = await read_message(request, ReportRequest, settings.max_register_bytes)
+        settings.auth.check_device(request.headers, req.device_id)
         return msgpack_response(coordinator.accept_report(round_id, req))
 
     @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response)
     async def server_portion(round_id: int, request: Request) -> Response:
         """Main Server: a group's trained server-side copy."""
+        settings.auth.check_service(request.headers)
         upload = await read_message(request, ServerPortionUpload, settings.max_update_bytes)
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.accept_portion(round_id, upload, size))

@@ -20,9 +20,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
     from main_server.app import MainServerSettings, create_app
+    from shared.auth import auth_from_settings
 
-    settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)))
-    serve(create_app(settings), args.host, args.port, args.log_level)
+    auth = auth_from_settings(args.service_secret_file, None)
+    settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),
+                                  auth=auth, ca_file=args.ca_file)
+    serve(create_app(settings), args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -11,7 +11,8 @@ from fastapi.responses import Response
 
 from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
-from shared.http_client import HEADERS, decode_response
+from shared.auth import Auth
+from shared.http_client import HEADERS, decode_response, tls_context
 from shared.http_server import ApiError, create_service_app, msgpack_response, read_message
 from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
 from shared.wire import encode_state, encode_tensor, packb
@@ -26,6 +27,8 @@ class MainServerSettings:
     max_step_bytes: int = 64 << 20
     max_join_bytes: int = 64 << 10
     upload_retries: int = 5
+    auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
+    ca_file: str | None = None                 # CA bundle to verify the Fed Server's HTTPS certificate
 
 
 class MainServer:
@@ -65,7 +68,8 @@ class MainServer:
         body = packb(upload.model_dump())
         url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
         delay = 0.5
-        async with httpx.AsyncClient(timeout=60.0, headers=HEADERS) as client:
+        headers = {**HEADERS, **self.settings.auth.service_headers()}
+        async with httpx.AsyncClient(timeout=60.0, headers=headers, verify=tls_context(self.settings.ca_file or True)) as client:
             for attempt in range(self.settings.upload_retries):
                 try:
                     decode_response(await client.post(url, content=body), Ack)
@@ -93,6 +97,7 @@ def create_app(settings: MainServerSettings) -> FastAPI:
     @app.post(f"{API}/rounds", response_class=Response)
     async def open_round(request: Request) -> Response:
         """Fed Server -> Main Server: the plan of a new round (replaces the open one)."""
+        settings.auth.check_service(request.headers)
         plan = await read_message(request, RoundPlan, settings.max_plan_bytes)
         server.open_round(plan)
         return msgpack_response(Ack(detail=f"round {plan.round_id} open"))
@@ -101,12 +106,14 @@ def create_app(settings: MainServerSettings) -> FastAPI:
     async def join(round_id: int, request: Request) -> Response:
         """Device: join the round with label counts; answered when groups are formed."""
         req = await read_message(request, JoinRequest, settings.max_join_bytes)
+        settings.auth.check_device(request.headers, req.device_id)
         return msgpack_response(await server.current(round_id).join(req))
 
     @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response)
     async def step(round_id: int, request: Request) -> Response:
         """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
         req = await read_message(request, StepRequest, settings.max_step_bytes)
+        settings.auth.check_device(request.headers, req.device_id)
         outcome = await server.current(round_id).step(req)
         return msgpack_response(StepResponse(
             dfx=WireTensor(**encode_tensor(outcome.result.dfx)), loss=outcome.result.loss,

@@ -115,8 +115,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        from shared.algorithms.registry import ALGORITHMS
-        from shared.algorithms.selection import SELECTORS
+        from shared.algorithms.registry import ALGORITHMS, SELECTORS
         from shared.models.zoo import MODEL_NAMES
 
         if self.algorithm not in ALGORITHMS:

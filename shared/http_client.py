@@ -75,14 +75,14 @@ class SyncClient:
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=HEADERS, verify=tls_context(verify))
 
     def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
-             params: dict | None = None, timeout: float | None = None) -> M:
+             params: dict | None = None, timeout: float | None = None, headers: dict | None = None) -> M:
         """Send ``body`` (msgpack) and decode the answer; retries only on connection failures."""
         content = packb(body.model_dump()) if body is not None else None
         delay = 0.2
         for attempt in range(self.retries + 1):
             try:
                 kwargs = {"timeout": timeout} if timeout is not None else {}
-                resp = self._http.request(method, path, content=content, params=params, **kwargs)
+                resp = self._http.request(method, path, content=content, params=params, headers=headers, **kwargs)
                 break
             except (httpx.ConnectError, httpx.RemoteProtocolError):
                 if attempt == self.retries:
@@ -92,6 +92,11 @@ class SyncClient:
         self.bytes.up += len(content or b"")
         self.bytes.down += len(resp.content)
         return decode_response(resp, model)
+
+    def set_token(self, token: str | None) -> None:
+        """Send ``Authorization: Bearer <token>`` with every call from now on."""
+        if token:
+            self._http.headers["authorization"] = f"Bearer {token}"
 
     def close(self) -> None:
         self._http.close()

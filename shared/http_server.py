@@ -13,20 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from shared.errors import ApiError
 from shared.wire import WireError, packb, unpackb
 
 M = TypeVar("M", bound=BaseModel)
 
 MSGPACK = "application/msgpack"
-
-
-class ApiError(Exception):
-    """An error answer: HTTP status and a reason for the caller."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
 
 
 async def read_message(request: Request, model: type[M], max_bytes: int) -> M:

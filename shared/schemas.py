@@ -86,6 +86,7 @@ class RegisterResponse(Message):
     run_id: str
     device_id: DeviceId
     shard: int
+    token: str | None = None   # the device's bearer token (None when the servers run without auth)
 
 
 class DeviceTimings(Message):

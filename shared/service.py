@@ -52,15 +52,26 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """``--host``/``--port`` plus the common flags."""
+    """``--host``/``--port``, TLS and secrets, plus the common flags."""
     parser.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to bind (env SFL_HOST)")
     parser.add_argument("--port", type=int, default=int(env_default("port", default_port)),
                         help=f"port to listen on (env SFL_PORT; default {default_port})")
+    parser.add_argument("--tls-cert", default=env_default("tls_cert", None),
+                        help="serve HTTPS with this certificate (PEM; env SFL_TLS_CERT); needs --tls-key")
+    parser.add_argument("--tls-key", default=env_default("tls_key", None), help="private key of --tls-cert (env SFL_TLS_KEY)")
+    parser.add_argument("--ca-file", default=env_default("ca_file", None),
+                        help="CA bundle to verify the other server's HTTPS certificate (env SFL_CA_FILE)")
+    parser.add_argument("--service-secret-file", default=env_default("service_secret_file", None),
+                        help="secret shared by the two servers; signs device tokens and authenticates server-to-server "
+                             "calls (or env SFL_SERVICE_SECRET). Without it the server runs open")
     add_common_args(parser)
 
 
-def serve(app, host: str, port: int, log_level: str) -> None:
-    """Run an ASGI app with uvicorn in this process."""
+def serve(app, args: argparse.Namespace) -> None:
+    """Run an ASGI app with uvicorn in this process, over HTTPS when a certificate is given."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+                ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)

@@ -105,14 +105,16 @@ class ProcessGroup:
                 s.process.wait()
 
 
-def wait_healthy(url: str, service: Service, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, service: Service, timeout: float = 120.0, verify: bool | str = True) -> None:
     """Poll ``url/healthz`` until it answers 200; fail early if the process died."""
+    from shared.http_client import tls_context
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not service.alive():
             raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+            if httpx.get(f"{url}/healthz", timeout=2.0, verify=tls_context(verify)).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -1,17 +1,29 @@
 """The local testbed: Fed Server, Main Server and device agents as separate processes on loopback."""
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import yaml
 
 from shared.config import RunConfig
+from shared.http_client import tls_context
 from testbed.processes import ProcessGroup, Service, free_port, split_evenly, wait_healthy
 
 ProgressFn = Callable[[dict, dict], None]
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Certificate and key the servers serve HTTPS with, and the CA everyone verifies against."""
+
+    cert: str
+    key: str
+    ca: str
 
 
 class TestbedError(RuntimeError):
@@ -24,16 +36,22 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.agents = max(1, agents)
         self.host = host
         self.log_level = log_level
+        self.tls = tls
+        scheme = "https" if tls else "http"
         self.fed_port = free_port(host)
         self.main_port = free_port(host)
-        self.fed_url = f"http://{host}:{self.fed_port}"
-        self.main_url = f"http://{host}:{self.main_port}"
+        self.fed_url = f"{scheme}://{host}:{self.fed_port}"
+        self.main_url = f"{scheme}://{host}:{self.main_port}"
+        # Fresh secrets per run, handed to the children in their environment (never on a command
+        # line, where `ps` would show them).
+        self.secrets = {"SFL_SERVICE_SECRET": secrets.token_hex(32), "SFL_ENROLMENT_SECRET": secrets.token_hex(16)} if auth else {}
+        self.verify: bool | str = tls.ca if tls else True
         self.processes = ProcessGroup(self.run_dir / "logs")
         self.fed: Service | None = None
         self.main: Service | None = None
@@ -45,13 +63,16 @@ class Testbed:
         config_path = self.run_dir / "testbed-config.yaml"
         config_path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
         common = ["--log-level", self.log_level]
+        if self.tls:
+            common += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--ca-file", self.tls.ca]
         self.fed = self.processes.start("fed_server", "fed_server", [
             "--host", self.host, "--port", str(self.fed_port), "--config", str(config_path),
-            "--run-dir", str(self.run_dir), "--main-server-url", self.main_url, *common])
+            "--run-dir", str(self.run_dir), "--main-server-url", self.main_url, *common], env=self.secrets)
         self.main = self.processes.start("main_server", "main_server", [
-            "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common])
-        wait_healthy(self.fed_url, self.fed)
-        wait_healthy(self.main_url, self.main)
+            "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common],
+            env={k: v for k, v in self.secrets.items() if k == "SFL_SERVICE_SECRET"})
+        wait_healthy(self.fed_url, self.fed, verify=self.verify)
+        wait_healthy(self.main_url, self.main, verify=self.verify)
         shards = list(range(self.config.data.num_devices))
         for i, chunk in enumerate(split_evenly(shards, self.agents)):
             self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
@@ -59,12 +80,17 @@ class Testbed:
     def start_agent(self, name: str, shards: list[int]) -> Service:
         """Start one agent process hosting the devices of ``shards``."""
         spec = ",".join(str(s) for s in shards)
-        return self.processes.start(name, "device_agent", [
-            "--fed-server-url", self.fed_url, "--shards", spec, "--kinds", ",".join(self.config.devices.profiles),
-            "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level])
+        args = ["--fed-server-url", self.fed_url, "--shards", spec, "--kinds", ",".join(self.config.devices.profiles),
+                "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level]
+        if self.tls:
+            args += ["--ca-file", self.tls.ca]
+        # Devices know only the enrolment secret, never the service secret.
+        return self.processes.start(name, "device_agent", args,
+                                    env={k: v for k, v in self.secrets.items() if k == "SFL_ENROLMENT_SECRET"})
 
     def status(self, since: int = 0) -> dict:
-        return httpx.get(f"{self.fed_url}/v1/status", params={"since": since}, timeout=10.0).json()
+        return httpx.get(f"{self.fed_url}/v1/status", params={"since": since}, timeout=10.0,
+                         verify=tls_context(self.verify)).json()
 
     def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, poll_s: float = 0.5) -> dict:
         """Wait for the run to finish, calling ``on_round(record, status)`` for each new round."""
@@ -90,7 +116,12 @@ class Testbed:
                 raise TestbedError(f"run did not finish within {timeout:.0f}s (round {status['rounds_done']} of {status['rounds_total']})")
             time.sleep(poll_s)
 
-    def stop(self) -> None:
+    def stop(self, agent_grace_s: float = 15.0) -> None:
+        """Give the agents a moment to collect the final model and exit on their own, then stop all."""
+        deadline = time.monotonic() + agent_grace_s
+        for agent in self.agent_services:
+            while agent.alive() and time.monotonic() < deadline and self.fed is not None and self.fed.alive():
+                time.sleep(0.1)
         self.processes.stop()
 
     def __enter__(self) -> "Testbed":

@@ -83,7 +83,7 @@ class Algorithm:
     needs_report: ClassVar[bool] = False
 
     def __init__(self, config: "RunConfig") -> None:
-        from shared.algorithms.selection import build_selector
+        from shared.algorithms.registry import build_selector
 
         self.config = config
         self.params = self.Params.model_validate(config.algorithm_params)

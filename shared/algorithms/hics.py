@@ -15,16 +15,6 @@ Only numpy is used (Ward linkage is implemented here; SciPy is not a dependency)
 """
 from __future__ import annotations
 
-import sys
-
-if "shared.algorithms.selection" not in sys.modules:  # pragma: no branch - import-order guard
-    # selection.py's SELECTORS line imports this module, and this module subclasses selection's
-    # DeviceSelector. When this module is imported first, step aside and let the registry import it
-    # completely; importlib then hands the importer that complete module (the sys.modules replacement
-    # that ``_load_unlocked`` supports), and this partial copy is discarded.
-    del sys.modules[__name__]
-    import shared.algorithms.selection  # noqa: F401,E402
-
 import logging
 import math
 import random

@@ -1,4 +1,4 @@
-"""Algorithms by name. Adding one: write its module, add one line here."""
+"""Algorithms and selection policies by name. Adding one: write its module, add one line here."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,6 +8,8 @@ from shared.algorithms.fedavg import FedAvg
 from shared.algorithms.fedbc import FedBC
 from shared.algorithms.fnr_fl import FNRFL
 from shared.algorithms.fedipg import FedIPG
+from shared.algorithms.hics import HiCSSelector
+from shared.algorithms.selection import DeviceSelector
 from shared.algorithms.split_learning import S2FL, SFL
 
 if TYPE_CHECKING:
@@ -23,9 +25,23 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 
 
+SELECTORS: dict[str, type[DeviceSelector]] = {
+    "random": DeviceSelector,
+    "hics": HiCSSelector,
+}
+
+
 def build_algorithm(config: "RunConfig") -> Algorithm:
     """The configured algorithm object."""
     try:
         return ALGORITHMS[config.algorithm](config)
     except KeyError:
         raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}") from None
+
+
+def build_selector(config: "RunConfig") -> DeviceSelector:
+    """The configured device selection policy."""
+    try:
+        return SELECTORS[config.selection](config)
+    except KeyError:
+        raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}") from None

@@ -2,7 +2,7 @@
 
 A selector decides which devices train in a round and may learn from what they upload (HiCS-FL
 estimates label heterogeneity from output-layer updates). Adding a policy: one module with a
-:class:`DeviceSelector` subclass and one line in ``SELECTORS``.
+:class:`DeviceSelector` subclass and one line in ``SELECTORS`` (``shared/algorithms/registry.py``).
 """
 from __future__ import annotations
 
@@ -49,18 +49,3 @@ class DeviceSelector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
-
-
-SELECTORS: dict[str, type[DeviceSelector]] = {
-    "random": DeviceSelector,
-    "hics": __import__("shared.algorithms.hics", fromlist=["HiCSSelector"]).HiCSSelector,  # lazy: subclasses DeviceSelector
-}
-
-
-def build_selector(config: "RunConfig") -> DeviceSelector:
-    """The configured selection policy."""
-    try:
-        cls = SELECTORS[config.selection]
-    except KeyError:
-        raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}") from None
-    return cls(config)

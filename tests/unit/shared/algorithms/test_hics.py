@@ -17,7 +17,7 @@ from shared.algorithms.hics import (
     estimate_entropy, ward_clusters,
 )
 from shared.algorithms.registry import build_algorithm
-from shared.algorithms.selection import SELECTORS, build_selector
+from shared.algorithms.registry import SELECTORS, build_selector
 from shared.config import RunConfig
 from shared.data import ArrayDataset
 from shared.models import build_model

@@ -1,0 +1,193 @@
+"""Authentication and TLS against running servers: enrolment, per-device tokens, service tokens, HTTPS."""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from integration_support import read_metrics, small_config
+from shared.auth import Auth
+from shared.models import build_model
+from shared.schemas import (
+    DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, StepRequest, UpdateRequest,
+    WireTensor,
+)
+from shared.config import TrainConfig
+from shared.wire import encode_state, encode_tensor, packb, unpackb
+from testbed.processes import ProcessGroup, free_port, wait_healthy
+from testbed.runner import Testbed, TlsFiles
+
+SERVICE = "service-secret-for-tests"
+ENROL = "enrolment-secret-for-tests"
+MSGPACK = {"content-type": "application/msgpack"}
+
+
+def make_tls(folder: Path) -> TlsFiles:
+    """A throwaway CA and a certificate for 127.0.0.1/localhost signed by it."""
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("s2fl test CA")).issuer_name(name("s2fl test CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(name("127.0.0.1")).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    (folder / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    return TlsFiles(cert=str(folder / "cert.pem"), key=str(folder / "key.pem"), ca=str(folder / "ca.pem"))
+
+
+def test_full_run_over_https_with_authentication(tmp_path):
+    tls = make_tls(tmp_path)
+    config = small_config(rounds=2)
+    with Testbed(config, tmp_path / "run", tls=tls) as testbed:
+        assert testbed.fed_url.startswith("https://") and testbed.secrets
+        status = testbed.follow(timeout=240)
+    assert status["state"] == "finished"
+    assert [r["status"] for r in read_metrics(tmp_path / "run")] == ["ok", "ok"]
+    assert status["summary"]["final_accuracy"] > status["summary"]["initial_accuracy"]
+    # Plain HTTP to an HTTPS server, and HTTPS without our CA, both fail.
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(testbed.fed_url.replace("https", "http") + "/healthz", timeout=3)
+
+
+# --- refusals against running servers (auth on, no agents) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def servers():
+    folder = Path(tempfile.mkdtemp(prefix="sfl-auth-"))
+    config = small_config(**{"data.num_devices": 2, "data.max_samples": 200, "rounds": 1})
+    (folder / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    fed_port, main_port = free_port(), free_port()
+    fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
+    group = ProcessGroup(folder / "logs")
+    env = {"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL}
+    try:
+        fed = group.start("fed_server", "fed_server", ["--port", str(fed_port), "--config", str(folder / "config.yaml"),
+                                                       "--run-dir", str(folder / "run"), "--main-server-url", main_url], env=env)
+        main = group.start("main_server", "main_server", ["--port", str(main_port), "--fed-server-url", fed_url],
+                           env={"SFL_SERVICE_SECRET": SERVICE})
+        wait_healthy(fed_url, fed)
+        wait_healthy(main_url, main)
+        yield fed_url, main_url
+    finally:
+        group.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _post(url: str, body, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(url, content=packb(body.model_dump() if hasattr(body, "model_dump") else body),
+                      headers={**MSGPACK, **(headers or {})}, timeout=30)
+
+
+def _register(fed_url: str, device: str, shard: int, headers: dict | None) -> httpx.Response:
+    req = RegisterRequest(device_id=device, shard=shard, num_samples=100, profile=DeviceProfileMsg(flops=1e9, rate=1e6))
+    return _post(f"{fed_url}/v1/devices/register", req, headers)
+
+
+def _bearer(token: str) -> dict:
+    return {"authorization": f"Bearer {token}"}
+
+
+def test_enrolment_needs_the_secret_and_yields_a_device_bound_token(servers):
+    fed_url, _ = servers
+    assert _register(fed_url, "dev-a", 0, None).status_code == 401
+    assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": "wrong"}).status_code == 401
+    assert httpx.get(f"{fed_url}/v1/status").json()["registered"] == 0
+    ok = _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL})
+    assert ok.status_code == 200
+    token = unpackb(ok.content)["token"]
+    assert token == Auth(SERVICE.encode()).device_token("dev-a")
+    # A second enrolled device cannot take over dev-a's identity by registering again.
+    other = unpackb(_register(fed_url, "dev-b", 1, {"x-enrolment-secret": ENROL}).content)["token"]
+    assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL, **_bearer(other)}).status_code == 403
+    assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}).status_code == 401
+    assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL, **_bearer(token)}).status_code == 200
+
+
+def test_device_calls_need_their_own_token(servers):
+    fed_url, _ = servers
+    token_a = Auth(SERVICE.encode()).device_token("dev-a")
+    token_b = Auth(SERVICE.encode()).device_token("dev-b")
+    task = f"{fed_url}/v1/devices/dev-a/task"
+    assert httpx.get(task).status_code == 401
+    assert httpx.get(task, headers=_bearer("0" * 64)).status_code == 403
+    assert httpx.get(task, headers=_bearer(token_b)).status_code == 403
+    assert httpx.get(task, headers=_bearer(token_a)).status_code == 200
+    update = UpdateRequest(device_id="dev-a", round_id=1, num_samples=1, steps=0, train_loss=0.0, weights={},
+                           timings=DeviceTimings(compute_s=0, transfer_s=0, wait_s=0, server_s=0, total_s=0),
+                           bytes_up=0, bytes_down=0)
+    assert _post(f"{fed_url}/v1/rounds/1/updates", update).status_code == 401
+    assert _post(f"{fed_url}/v1/rounds/1/updates", update, _bearer(token_b)).status_code == 403
+
+
+def _plan() -> RoundPlan:
+    """Round 99 for dev-a and dev-b, singleton groups formed at a 2 s join deadline."""
+    model = build_model("cnn")
+    return RoundPlan(run_id="r", round_id=99, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
+                     participants=[Participant(device_id="dev-a", split_point=1, num_samples=10),
+                                   Participant(device_id="dev-b", split_point=1, num_samples=10)],
+                     server_weights=encode_state(model.portion(1, 4).state_dict()), train=TrainConfig(batch_size=4),
+                     grouping="singleton", group_size=1, group_loss="per_member", join_deadline_s=2, step_deadline_s=30)
+
+
+def test_server_to_server_calls_need_the_service_token(servers):
+    fed_url, main_url = servers
+    auth = Auth(SERVICE.encode())
+    plan = _plan()
+    before = httpx.get(f"{main_url}/v1/status").json()["round"]  # the Fed Server's own round 1, if it started
+    assert _post(f"{main_url}/v1/rounds", plan).status_code == 401
+    assert _post(f"{main_url}/v1/rounds", plan, _bearer(auth.device_token("dev-a"))).status_code == 401
+    assert httpx.get(f"{main_url}/v1/status").json()["round"] == before
+    assert _post(f"{main_url}/v1/rounds", plan, auth.service_headers()).status_code == 200
+    assert httpx.get(f"{main_url}/v1/status").json()["round"]["round_id"] == 99
+    portion = {"run_id": "r", "round_id": 1, "group_id": 0, "members": [], "dropped": [], "start_block": 1,
+               "weights": {}, "label_distance": 0.0, "steps": 0, "train_time_s": 0.0}
+    assert _post(f"{fed_url}/v1/rounds/1/server-portions", portion).status_code == 401
+
+
+def test_main_server_refuses_a_device_acting_as_another(servers):
+    _, main_url = servers
+    auth = Auth(SERVICE.encode())
+    assert _post(f"{main_url}/v1/rounds", _plan(), auth.service_headers()).status_code == 200
+    join = JoinRequest(device_id="dev-a", label_counts=[1] * 10, num_steps=1)
+    assert _post(f"{main_url}/v1/rounds/99/join", join).status_code == 401
+    assert _post(f"{main_url}/v1/rounds/99/join", join, _bearer(auth.device_token("dev-b"))).status_code == 403
+    step = StepRequest(device_id="dev-a", step=0, fx=WireTensor(**encode_tensor(torch.zeros(4, 32, 14, 14))),
+                       labels=WireTensor(**encode_tensor(torch.zeros(4, dtype=torch.int64))))
+    assert _post(f"{main_url}/v1/rounds/99/step", step, _bearer(auth.device_token("dev-b"))).status_code == 403
+    # dev-a's own token gets through authentication: it joins (groups form at the 2 s join deadline).
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", _post(f"{main_url}/v1/rounds/99/join", join,
+                                                                            _bearer(auth.device_token("dev-a")))))
+    thread.start()
+    thread.join(60)
+    assert result["r"].status_code == 200, result["r"].text
