@@ -14,6 +14,7 @@ import uuid
 import torch
 
 from fed_server.devices import DeviceRegistry
+from fed_server.update_checks import clip_update, update_norm
 from fed_server.evaluation import evaluate
 from fed_server.records import round_record, run_summary
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
@@ -212,6 +213,20 @@ class Coordinator:
         except WireError as exc:
             raise ApiError(422, str(exc)) from None
 
+    def _checked_update(self, device_id: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Apply ``updates.max_norm``: refuse (422) or clip an update that is too large."""
+        limit = self.config.updates.max_norm
+        if limit is None:
+            return state
+        global_state = self.model.state_dict()
+        norm = update_norm(state, global_state)
+        if norm <= limit:
+            return state
+        if self.config.updates.action == "reject":
+            raise ApiError(422, f"update norm {norm:.4g} of {device_id!r} exceeds updates.max_norm={limit:.4g}")
+        log.warning("clipping the update of %s from norm %.4g to %.4g", device_id, norm, limit)
+        return clip_update(state, global_state, limit)
+
     def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int) -> Ack:
         """A device's trained portion. Fully checked before it is stored."""
         if req.round_id != round_id:
@@ -226,7 +241,7 @@ class Coordinator:
             return Ack(detail=f"update of {req.device_id} for round {round_id} was already stored")
         if self.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
             raise ApiError(409, f"device {req.device_id!r} must report and receive its follow-up before uploading")
-        state = self._decode(req.weights, 0, assignment.split_point)
+        state = self._checked_update(req.device_id, self._decode(req.weights, 0, assignment.split_point))
         try:
             self.algorithm.accept_update(req.device_id, round_id, state, dict(req.extras), req.num_samples,
                                          self.model.state_dict())

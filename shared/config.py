@@ -72,6 +72,17 @@ class DeadlineConfig(_Strict):
 MIX_532 = ["high", "mid", "high", "low", "high", "mid", "high", "low", "mid", "high"]
 
 
+class UpdateCheckConfig(_Strict):
+    """What the Fed Server does with an upload whose update (weights - global) is too large.
+
+    A device with corrupted data or a bug (or a malicious one) can send an update that swamps the
+    average; ``max_norm`` bounds it. None = no check.
+    """
+
+    max_norm: float | None = Field(None, gt=0)
+    action: Literal["reject", "clip"] = "reject"
+
+
 class DeviceMixConfig(_Strict):
     """Emulated device kinds (paper Table 1, see shared/profiles.py), assigned round-robin to shards.
 
@@ -104,6 +115,7 @@ class RunConfig(_Strict):
     split: SplitConfig = Field(default_factory=SplitConfig)
     grouping: GroupingConfig = Field(default_factory=GroupingConfig)
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
+    updates: UpdateCheckConfig = Field(default_factory=UpdateCheckConfig)
     devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
     half_precision: bool = False
     seed: int = 0

@@ -1,0 +1,101 @@
+"""The Fed Server's run logic without HTTP: quorum, retries, duplicate uploads, update checks, resume."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fed_server.coordinator import Coordinator
+from fed_server.run_dir import RunDirectory
+from fed_server.update_checks import update_norm
+from shared.config import RunConfig
+from shared.errors import ApiError
+from shared.portions import portion_state
+from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
+from shared.wire import encode_state
+
+TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
+
+
+def _coordinator(tmp_path, **overrides) -> Coordinator:
+    data = {"algorithm": "fedavg", "rounds": 2, "data": {"num_devices": 2, "max_samples": 200}, "seed": 3}
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        data.setdefault(section, {})[name] = value
+    coordinator = Coordinator(RunConfig.model_validate(data), RunDirectory(tmp_path / "run"), None)
+    for i in range(2):
+        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10 + i,
+                                             profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    return coordinator
+
+
+def _open_round(coordinator: Coordinator):
+    fed_round = coordinator.begin_round()
+    fed_round.ready = True
+    return fed_round
+
+
+def _upload(coordinator: Coordinator, device: str, round_id: int, shift: float = 0.01) -> UpdateRequest:
+    state = {k: (v + shift if v.is_floating_point() else v) for k, v in portion_state(coordinator.model, 0, coordinator.num_blocks).items()}
+    return UpdateRequest(device_id=device, round_id=round_id, num_samples=10, steps=1, train_loss=1.0,
+                         weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0)
+
+
+def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(tmp_path):
+    c = _coordinator(tmp_path, **{"deadlines.min_participants": 2})
+    before = {k: v.clone() for k, v in c.model.state_dict().items()}
+    r1 = _open_round(c)
+    c.accept_update(r1.round_id, _upload(c, "d0", r1.round_id), 100)
+    c.close_round()
+    record = c.finish_round(r1)
+    assert record["status"] == "failed" and c.rounds_done == 0
+    assert all(torch.equal(before[k], v) for k, v in c.model.state_dict().items())
+    r2 = _open_round(c)
+    assert (r2.index, r2.round_id) == (1, r1.round_id + 1)
+    with pytest.raises(ApiError) as stale:  # the failed attempt's id is stale now
+        c.accept_update(r1.round_id, _upload(c, "d1", r1.round_id), 100)
+    assert stale.value.status == 409
+
+
+def test_duplicate_upload_is_acknowledged_once_stored_once(tmp_path):
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    first = c.accept_update(r.round_id, _upload(c, "d0", r.round_id, 0.01), 100)
+    again = c.accept_update(r.round_id, _upload(c, "d0", r.round_id, 0.5), 100)
+    assert first.ok and again.ok and "already" in again.detail
+    floats = sum(t.numel() for t in r.updates["d0"].state.values() if t.is_floating_point())
+    # the first upload (every weight shifted by 0.01) stays; the retry's 0.5 shift is ignored
+    assert update_norm(r.updates["d0"].state, c.model.state_dict()) == pytest.approx(0.01 * floats ** 0.5, rel=1e-3)
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_update_norm_limit(tmp_path, action):
+    c = _coordinator(tmp_path, **{"updates.max_norm": 1.0, "updates.action": action})
+    r = _open_round(c)
+    huge = _upload(c, "d0", r.round_id, shift=10.0)
+    if action == "reject":
+        with pytest.raises(ApiError) as refused:
+            c.accept_update(r.round_id, huge, 100)
+        assert refused.value.status == 422 and "max_norm" in refused.value.detail
+        assert "d0" not in r.updates
+    else:
+        c.accept_update(r.round_id, huge, 100)
+        assert update_norm(r.updates["d0"].state, c.model.state_dict()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round(tmp_path):
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    for d in ("d0", "d1"):
+        c.accept_update(r.round_id, _upload(c, d, r.round_id), 100)
+    c.close_round()
+    c.finish_round(r)
+    rng_at_checkpoint = c.rng.getstate()
+    _open_round(c)  # round 2 starts, then the server dies before it finishes
+    resumed = _coordinator(tmp_path)
+    assert resumed.resumed and resumed.rounds_done == 1 and resumed.run_id == c.run_id
+    assert resumed.attempts == 1  # the interrupted attempt never reached a checkpoint ...
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), c.model.state_dict().values()))
+    assert resumed.rng.getstate() == rng_at_checkpoint
+    assert [m["round"] for m in resumed.history] == [1]
+    r2 = _open_round(resumed)
+    assert r2.index == 2 and r2.round_id == 2  # ... so ids continue from the checkpointed counter
