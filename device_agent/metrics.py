@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shared.http_metrics import MetricSpec, new_registry
+from shared.http_metrics import MetricSpec, metric_maker, new_registry
 
 PHASES = ("compute", "transfer", "wait", "server", "total")
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -31,10 +31,7 @@ class AgentMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
-        spec = {s.name: s for s in METRICS}
-
-        def make(cls, name, **kw):
-            return cls(name, spec[name].help, list(spec[name].labels), registry=self.registry, **kw)
+        make = metric_maker(self.registry, METRICS)
 
         self.rounds = make(Counter, "sfl_device_rounds_completed_total")
         self.last_round = make(Gauge, "sfl_device_last_round")

@@ -19,7 +19,7 @@ from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
 from shared.auth import Auth
 from shared.http_client import HEADERS, decode_response, tls_context
-from shared.http_server import create_service_app, msgpack_response, read_message
+from shared.http_server import create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
@@ -127,7 +127,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         """Device: the run's model and data spec (to load its shard before registering)."""
         return msgpack_response(coordinator.run_info())
 
-    @app.post(f"{API}/devices/register", response_class=Response)
+    @app.post(f"{API}/devices/register", response_class=Response, openapi_extra=msgpack_body_schema(RegisterRequest))
     async def register(request: Request) -> Response:
         """Device: announce itself, its shard and its profile; get the run's data and model spec."""
         settings.auth.check_enrolment(request.headers)
@@ -149,7 +149,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
             coordinator.round.task_bytes += len(response.body)
         return response
 
-    @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response)
+    @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))
     async def update(round_id: int, request: Request) -> Response:
         """Device: trained client portion (or whole model), sample count and timings."""
         req = await read_message(request, UpdateRequest, settings.max_update_bytes)
@@ -157,14 +157,15 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.accept_update(round_id, req, size))
 
-    @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response)
+    @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response, openapi_extra=msgpack_body_schema(ReportRequest))
     async def report(round_id: int, request: Request) -> Response:
         """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
         req = await read_message(request, ReportRequest, settings.max_register_bytes)
         settings.auth.check_device(request.headers, req.device_id)
         return msgpack_response(coordinator.accept_report(round_id, req))
 
-    @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response)
+    @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response,
+              openapi_extra=msgpack_body_schema(ServerPortionUpload))
     async def server_portion(round_id: int, request: Request) -> Response:
         """Main Server: a group's trained server-side copy."""
         settings.auth.check_service(request.headers)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.http_metrics import HTTP_METRICS, MetricSpec, new_registry
+from shared.http_metrics import HTTP_METRICS, MetricSpec, metric_maker, new_registry
 
 PHASES = ("compute", "transfer", "wait", "server", "total")
 BYTE_DIRECTIONS = ("up", "down", "server")
@@ -106,11 +106,7 @@ class FedMetrics:
     def __init__(self, coordinator=None, per_device: bool = True, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
         self.per_device = per_device
-        spec = {s.name: s for s in METRICS}
-        r = self.registry
-
-        def make(cls, name, **kw):
-            return cls(name, spec[name].help, list(spec[name].labels), registry=r, **kw)
+        make = metric_maker(self.registry, METRICS)
 
         self.rounds_completed = make(Counter, "sfl_fed_rounds_completed_total")
         self.round_duration = make(Histogram, "sfl_fed_round_duration_seconds", buckets=ROUND_BUCKETS)

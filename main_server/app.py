@@ -13,7 +13,7 @@ from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.http_client import HEADERS, decode_response, tls_context
-from shared.http_server import ApiError, create_service_app, msgpack_response, read_message
+from shared.http_server import ApiError, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
 from shared.wire import encode_state, encode_tensor, packb
 
@@ -94,7 +94,7 @@ def create_app(settings: MainServerSettings) -> FastAPI:
     async def status() -> dict:
         return {"round": server.round.summary() if server.round else None}
 
-    @app.post(f"{API}/rounds", response_class=Response)
+    @app.post(f"{API}/rounds", response_class=Response, openapi_extra=msgpack_body_schema(RoundPlan))
     async def open_round(request: Request) -> Response:
         """Fed Server -> Main Server: the plan of a new round (replaces the open one)."""
         settings.auth.check_service(request.headers)
@@ -102,14 +102,14 @@ def create_app(settings: MainServerSettings) -> FastAPI:
         server.open_round(plan)
         return msgpack_response(Ack(detail=f"round {plan.round_id} open"))
 
-    @app.post(f"{API}/rounds/{{round_id}}/join", response_class=Response)
+    @app.post(f"{API}/rounds/{{round_id}}/join", response_class=Response, openapi_extra=msgpack_body_schema(JoinRequest))
     async def join(round_id: int, request: Request) -> Response:
         """Device: join the round with label counts; answered when groups are formed."""
         req = await read_message(request, JoinRequest, settings.max_join_bytes)
         settings.auth.check_device(request.headers, req.device_id)
         return msgpack_response(await server.current(round_id).join(req))
 
-    @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response)
+    @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response, openapi_extra=msgpack_body_schema(StepRequest))
     async def step(round_id: int, request: Request) -> Response:
         """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
         req = await read_message(request, StepRequest, settings.max_step_bytes)

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.http_metrics import HTTP_METRICS, MetricSpec, new_registry
+from shared.http_metrics import HTTP_METRICS, MetricSpec, metric_maker, new_registry
 
 DISTANCE_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -62,11 +62,7 @@ class MainMetrics:
 
     def __init__(self, server=None, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
-        r = self.registry
-
-        def make(cls, name, **kw):
-            spec = next(s for s in METRICS if s.name == name)
-            return cls(name, spec.help, list(spec.labels), registry=r, **kw)
+        make = metric_maker(self.registry, METRICS)
 
         self.rounds_opened = make(Counter, "sfl_main_rounds_opened_total")
         self.groups_formed = make(Counter, "sfl_main_groups_formed_total")

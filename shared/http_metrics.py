@@ -123,3 +123,17 @@ def exported_families(registry: CollectorRegistry) -> dict[str, tuple[str, set[s
 
 def spec_names(specs: Iterable[MetricSpec]) -> list[str]:
     return [s.name for s in specs]
+
+
+def metric_maker(registry: CollectorRegistry, specs: "tuple[MetricSpec, ...]"):
+    """``make(cls, name, **kw)``: a metric of ``cls`` named, labelled and described by its spec.
+
+    One place ties a metric to its documented spec, so code and docs/metrics.md cannot drift.
+    """
+    by_name = {s.name: s for s in specs}
+
+    def make(cls, name: str, **kw):
+        spec = by_name[name]
+        return cls(name, spec.help, list(spec.labels), registry=registry, **kw)
+
+    return make

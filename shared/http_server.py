@@ -45,6 +45,35 @@ async def read_message(request: Request, model: type[M], max_bytes: int) -> M:
         raise ApiError(422, f"invalid {model.__name__}: {_short(exc)}") from None
 
 
+def msgpack_body_schema(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` for a route that reads its body with :func:`read_message`.
+
+    Such routes take the raw :class:`Request`, so FastAPI's OpenAPI description would show no
+    request body; this declares a required ``application/msgpack`` body with ``model``'s JSON
+    schema (the ``$defs`` inlined, so the operation is self-contained and needs no components).
+    ``bytes`` fields appear as ``{"type": "string", "format": "binary"}``.
+    """
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+    return {"requestBody": {"required": True, "content": {MSGPACK: {"schema": _inline_refs(schema, defs, ())}}}}
+
+
+def _inline_refs(node, defs: dict, seen: tuple[str, ...]):
+    """``node`` with every ``{"$ref": "#/$defs/X"}`` replaced by ``X`` (a cycle becomes ``{}``: any value)."""
+    if isinstance(node, list):
+        return [_inline_refs(item, defs, seen) for item in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        name = ref[len("#/$defs/"):]
+        siblings = {k: _inline_refs(v, defs, seen) for k, v in node.items() if k != "$ref"}
+        if name in seen:
+            return siblings
+        return {**_inline_refs(defs[name], defs, seen + (name,)), **siblings}
+    return {k: _inline_refs(v, defs, seen) for k, v in node.items()}
+
+
 def _short(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
