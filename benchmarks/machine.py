@@ -1,0 +1,105 @@
+"""What machine a benchmark ran on, and the peak memory of a process (from /proc, no psutil)."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import threading
+from pathlib import Path
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024 ** 2, 1)
+    except OSError:
+        pass
+    return None
+
+
+def describe_machine() -> dict:
+    """CPU model, cores, memory, OS, Python/torch versions, date and the load at the start."""
+    import msgpack
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        load = None
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "memory_gib": _mem_total_gib(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "msgpack": ".".join(map(str, msgpack.version)),
+        "torch_threads_per_process": 1,
+        "load_average_at_start": load,
+    }
+
+
+def proc_status_kib(pid: int, field: str) -> int | None:
+    """A ``kB`` field of /proc/<pid>/status (VmHWM = peak resident set, VmRSS = current), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class PeakMemorySampler:
+    """Samples VmHWM of some processes in a background thread and keeps the largest value seen.
+
+    VmHWM is the kernel's own peak-RSS counter, so sampling only has to catch it before the
+    process exits (device agents exit on their own when the run is done); ``read_now`` takes a
+    final reading of the processes still alive.
+    """
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.25) -> None:
+        self.pids = dict(pids)
+        self.interval_s = interval_s
+        self.peak_kib: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="peak-memory", daemon=True)
+
+    def start(self) -> "PeakMemorySampler":
+        self._thread.start()
+        return self
+
+    def read_now(self) -> None:
+        for name, pid in self.pids.items():
+            value = proc_status_kib(pid, "VmHWM")
+            if value is not None and value > self.peak_kib.get(name, 0):
+                self.peak_kib[name] = value
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.read_now()
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> dict[str, float]:
+        """Final reading; peak MiB per process name."""
+        self.read_now()
+        self._stop.set()
+        self._thread.join(2.0)
+        return {name: round(kib / 1024, 1) for name, kib in self.peak_kib.items()}

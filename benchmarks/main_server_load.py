@@ -1,0 +1,143 @@
+"""(c) Main Server step latency and throughput with 10, 50 and 100 virtual devices.
+
+A real Main Server process (one torch thread, as in the testbed) is driven directly over HTTP, as
+the Fed Server and the devices would: a RoundPlan for the cnn with every participant cut at split
+point 2 (server portion = fc1 + head), balanced grouping with group size 5, then every virtual
+device joins concurrently and sends ``steps`` steps of activations ``[32, 64, 7, 7]`` (401 KB
+float32) with labels, each waiting for its dfx (the group's per-step barrier) before the next.
+
+The virtual devices are coroutines of one asyncio client (httpx.AsyncClient) in the benchmark
+process; on a 2-core machine the client competes with the server for CPU, so the figures are a
+lower bound of what the Main Server alone can do. Latency = send to decoded answer as a device
+sees it (includes waiting at the barrier for the group's other members); steps/s = device steps
+answered per second of wall time; MB/s = request + response body bytes per second.
+The finished groups' uploads go to a Fed Server URL nobody listens on: they fail fast in the
+background (connection refused, a few retries), which costs the Main Server next to nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from benchmarks.machine import proc_status_kib
+from shared.config import TrainConfig
+from shared.models import build_model
+from shared.portions import portion_state
+from shared.schemas import JoinRequest, Participant, RoundPlan, StepRequest, WireTensor
+from shared.wire import decode_tensor, encode_state, encode_tensor, packb, unpackb
+from testbed.processes import ProcessGroup, free_port, wait_healthy
+
+HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+SPLIT = 2
+BATCH = 32
+NUM_CLASSES = 10
+GROUP_SIZE = 5
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+async def _drive(url: str, run_id: str, round_id: int, devices: int, steps: int, seed: int) -> dict:
+    model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
+    ids = [f"vdev-{i:03d}" for i in range(devices)]
+    plan = RoundPlan(
+        run_id=run_id, round_id=round_id, model="cnn", num_classes=NUM_CLASSES, input_shape=[1, 28, 28], seed=0,
+        participants=[Participant(device_id=d, split_point=SPLIT, num_samples=BATCH * steps) for d in ids],
+        server_weights=encode_state(portion_state(model, SPLIT, len(model.blocks))),
+        train=TrainConfig(lr=0.05, batch_size=BATCH), grouping="balanced", group_size=GROUP_SIZE,
+        group_loss="per_member", join_deadline_s=300.0, step_deadline_s=300.0,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    fx = {d: torch.randn(BATCH, 64, 7, 7, generator=gen) for d in ids}
+    labels = {d: torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen) for d in ids}
+    label_counts = {d: (rng.dirichlet([0.5] * NUM_CLASSES) * BATCH * steps).astype(int) + 1 for d in ids}
+    limits = httpx.Limits(max_connections=devices + 8, max_keepalive_connections=devices + 8)
+    async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=600.0, limits=limits) as client:
+        resp = await client.post("/v1/rounds", content=packb(plan.model_dump()))
+        resp.raise_for_status()
+
+        async def join(d: str) -> None:
+            body = JoinRequest(device_id=d, label_counts=label_counts[d].tolist(), num_steps=steps).model_dump()
+            r = await client.post(f"/v1/rounds/{round_id}/join", content=packb(body))
+            r.raise_for_status()
+
+        t_join = time.perf_counter()
+        await asyncio.gather(*(join(d) for d in ids))
+        join_s = time.perf_counter() - t_join
+
+        latencies: list[float] = []
+        server_s: list[float] = []
+        moved = [0]
+
+        async def device(d: str) -> None:
+            fx_wire = WireTensor(**encode_tensor(fx[d]))
+            labels_wire = WireTensor(**encode_tensor(labels[d]))
+            for step in range(steps):
+                t0 = time.perf_counter()
+                body = packb(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
+                r = await client.post(f"/v1/rounds/{round_id}/step", content=body)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{d} step {step}: HTTP {r.status_code}: {r.text[:300]}")
+                answer = unpackb(r.content)
+                decode_tensor(answer["dfx"], expect_shape=(BATCH, 64, 7, 7))
+                latencies.append(time.perf_counter() - t0)
+                server_s.append(float(answer["server_s"]))
+                moved[0] += len(body) + len(r.content)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(device(d) for d in ids))
+        wall = time.perf_counter() - t0
+    total_steps = devices * steps
+    return {
+        "devices": devices, "groups": -(-devices // GROUP_SIZE), "steps_per_device": steps,
+        "device_steps": total_steps, "wall_s": wall, "join_all_s": join_s,
+        "latency_p50_ms": 1e3 * _percentile(latencies, 50), "latency_p95_ms": 1e3 * _percentile(latencies, 95),
+        "latency_max_ms": 1e3 * max(latencies),
+        "server_step_p50_ms": 1e3 * _percentile(server_s, 50),
+        "device_steps_per_s": total_steps / wall, "group_steps_per_s": -(-devices // GROUP_SIZE) * steps / wall,
+        "MB_per_s": moved[0] / wall / 1e6, "MB_moved": moved[0] / 1e6,
+    }
+
+
+def run(quick: bool, log: Callable[[str], None] = print) -> dict:
+    populations = [10] if quick else [10, 50, 100]
+    steps = 5 if quick else 20
+    root = Path(tempfile.mkdtemp(prefix="sfl-bench-main-"))
+    group = ProcessGroup(root / "logs")
+    rows = []
+    try:
+        port, dead = free_port(), free_port()
+        while dead == port:
+            dead = free_port()
+        url = f"http://127.0.0.1:{port}"
+        main = group.start("main_server", "main_server", [
+            "--fed-server-url", f"http://127.0.0.1:{dead}", "--port", str(port), "--log-level", "WARNING"])
+        wait_healthy(url, main, timeout=120)
+        for i, n in enumerate(populations, start=1):
+            row = asyncio.run(_drive(url, "bench", i, n, steps, seed=i))
+            rows.append(row)
+            log(f"  main server {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, p95 {row['latency_p95_ms']:7.1f} ms, "
+                f"{row['device_steps_per_s']:6.1f} steps/s, {row['MB_per_s']:6.1f} MB/s")
+        peak = proc_status_kib(main.process.pid, "VmHWM")
+    finally:
+        group.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "setup": {"model": "cnn", "split_point": SPLIT, "fx_shape": [BATCH, 64, 7, 7],
+                  "fx_bytes": BATCH * 64 * 7 * 7 * 4, "group_size": GROUP_SIZE, "grouping": "balanced",
+                  "client": "one asyncio httpx client in the benchmark process (shares the CPU with the server)",
+                  "fed_server": "none (uploads fail fast against a closed port)"},
+        "populations": rows,
+        "main_server_peak_rss_mib": round(peak / 1024, 1) if peak else None,
+    }

@@ -1,0 +1,239 @@
+"""(a) The same S2FL run through the services and in one process; (d) peak memory of each service.
+
+Services: the real testbed (Fed Server, Main Server, one device agent hosting every device, each
+its own process on loopback, one torch thread each), real devices (``devices.profiles=[]``: no
+emulated stretching or transfer sleeps, so the difference is the cost of the services
+themselves: HTTP, msgpack, schema checks, barriers, scheduling of three processes).
+
+In-process: the same math in this one process and one thread, replayed round by round from the
+services run: the split point of every device is the one the Fed Server chose (S2FL's sliding
+split depends on measured times, so it is taken from the run's metrics rather than re-decided),
+the groups are recomputed with the Main Server's own ``balanced_groups`` (and checked against
+the run's), and then exactly the services' code paths without the network: the device loop of
+``device_agent.trainer.train_round`` (same batch-order seed per device and round), one
+``GroupTrainer.step`` per group and step over the members' batches (the per-step barrier),
+the algorithm's ``aggregate`` (Algorithm 1) and ``evaluate`` on the same test set.
+
+Figures: seconds per round of both (the Fed Server's round time: dispatch to evaluated model;
+in-process: training + aggregation + evaluation), their ratio, final accuracies, and the
+largest absolute difference between the two final global models (only float summation order
+differs: members' batches are concatenated in arrival order at the Main Server, in id order
+here).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.machine import PeakMemorySampler
+from device_agent.device import round_seed
+from device_agent.trainer import batches, steps_per_round
+from fed_server.evaluation import evaluate
+from fed_server.run_dir import RunDirectory
+from main_server.group_trainer import GroupTrainer, MemberBatch
+from shared.algorithms.aggregation import Contribution
+from shared.algorithms.grouping import balanced_groups, singleton_groups
+from shared.algorithms.registry import build_algorithm
+from shared.config import RunConfig
+from shared.data import dataset_input_shape, dataset_num_classes, device_shard, load_dataset
+from shared.models import build_model
+from shared.portions import portion_state
+from testbed.runner import Testbed
+
+
+def bench_config(quick: bool) -> RunConfig:
+    """S2FL on the embedded MNIST subset with real (non-emulated) devices."""
+    if quick:
+        devices, rounds, samples, group = 4, 2, 600, 2
+    else:
+        devices, rounds, samples, group = 10, 5, 4000, 5
+    return RunConfig.model_validate({
+        "algorithm": "s2fl",
+        "rounds": rounds,
+        "data": {"num_devices": devices, "partition": "dirichlet", "alpha": 0.5, "seed": 1, "max_samples": samples},
+        "train": {"lr": 0.05, "batch_size": 32},
+        "grouping": {"group_size": group},
+        "deadlines": {"round_s": 600, "join_s": 120, "step_s": 120},
+        "devices": {"profiles": []},
+        "seed": 1,
+    })
+
+
+# --- services -----------------------------------------------------------------------------------
+
+def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
+    """The run through the real services; per-round records, final model, peak memory per service."""
+    root = Path(tempfile.mkdtemp(prefix="sfl-bench-"))
+    run_dir = root / "run"
+    try:
+        t_start = time.perf_counter()
+        testbed = Testbed(config, run_dir, agents=1, log_level="WARNING")
+        sampler: PeakMemorySampler | None = None
+        try:
+            testbed.start()
+            assert testbed.fed is not None and testbed.main is not None
+            pids = {"fed_server": testbed.fed.process.pid, "main_server": testbed.main.process.pid}
+            for service in testbed.agent_services:
+                pids[f"device_agent ({service.name}, {config.data.num_devices} devices)"] = service.process.pid
+            sampler = PeakMemorySampler(pids).start()
+            t_ready = time.perf_counter()
+
+            def on_round(record: dict, _status: dict) -> None:
+                log(f"  services round {record['round']}/{config.rounds}: {record['round_time_s']:.2f}s, "
+                    f"acc {100 * record['test_accuracy']:.2f}%, splits {sorted(set(record['split_points'].values()))}")
+
+            testbed.follow(on_round=on_round, timeout=1800)
+            t_done = time.perf_counter()
+            peak = sampler.stop()
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            testbed.stop()
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        _, final_state, _ = RunDirectory(run_dir).read_checkpoint()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ok = [r for r in records if r["status"] == "ok"]
+    if len(ok) != config.rounds or any(r["dropped"] for r in ok):
+        raise RuntimeError(f"the services run was not clean: {[(r['round'], r['status'], r['dropped']) for r in records]}")
+    return {
+        "records": ok,
+        "final_state": final_state,
+        "peak_memory_mib": peak,
+        "startup_s": t_ready - t_start,
+        "run_wall_s": t_done - t_ready,
+    }
+
+
+# --- in-process ---------------------------------------------------------------------------------
+
+def _train_group(model_template, global_model, members: list[str], split: dict[str, int], shards: dict[str, int],
+                 data: dict, config: RunConfig, round_id: int, grouping_start: int):
+    """One group of one round: every member's device loop and the group's server copy, step by step."""
+    train = config.train
+    n_blocks = len(global_model.blocks)
+    trainer = GroupTrainer(copy.deepcopy(model_template), grouping_start,
+                           portion_state(global_model, grouping_start, n_blocks), lr=train.lr,
+                           momentum=train.momentum, weight_decay=train.weight_decay,
+                           group_loss=config.grouping.group_loss)
+    clients, optimizers, iters, num_steps, losses = {}, {}, {}, {}, {m: [] for m in members}
+    for m in members:
+        client = copy.deepcopy(model_template)
+        portion = client.portion(0, split[m])
+        portion.load_state_dict(portion_state(global_model, 0, split[m]), strict=True)
+        portion.train()
+        clients[m] = portion
+        optimizers[m] = torch.optim.SGD(portion.parameters(), lr=train.lr, momentum=train.momentum,
+                                        weight_decay=train.weight_decay)
+        iters[m] = batches(data[m], train.batch_size, train.local_epochs, round_seed(config.seed, shards[m], round_id))
+        num_steps[m] = steps_per_round(len(data[m]), train.batch_size, train.local_epochs)
+    for step in range(max(num_steps.values())):
+        active = [m for m in members if num_steps[m] > step]
+        fxs, member_batches = {}, []
+        for m in active:
+            x, y = next(iters[m])
+            fxs[m] = clients[m](x)
+            member_batches.append(MemberBatch(m, split[m], fxs[m].detach(), y))
+        results = trainer.step(member_batches)
+        for m in active:
+            optimizers[m].zero_grad(set_to_none=True)
+            fxs[m].backward(results[m].dfx.to(fxs[m].dtype))
+            optimizers[m].step()
+            losses[m].append(results[m].loss)
+    client_states = {m: {k: v.detach().clone() for k, v in clients[m].state_dict().items()} for m in members}
+    return client_states, trainer.state()
+
+
+def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], None]) -> dict:
+    """Replay the services run's rounds (their split points) in this process, without the network."""
+    t_setup = time.perf_counter()
+    num_classes, input_shape = dataset_num_classes(config.data), dataset_input_shape(config.data)
+    train_set, test_set = load_dataset(config.data)
+    template = build_model(config.model, num_classes, input_shape, seed=config.seed)
+    model = build_model(config.model, num_classes, input_shape, seed=config.seed)
+    algorithm = build_algorithm(config)
+    algorithm.bind_model(model)
+    ids = sorted({d for r in records for d in r["split_points"]})
+    shards = {d: int(d.rsplit("-", 1)[1]) for d in ids}   # testbed device ids are dev-<shard>
+    data = {d: device_shard(config.data, train_set, shards[d]) for d in ids}
+    setup_s = time.perf_counter() - t_setup
+    round_times, accuracies, groups_match = [], [], True
+    for record in records:
+        t0 = time.perf_counter()
+        split = {d: int(k) for d, k in record["split_points"].items()}
+        participants = sorted(split)
+        counts = {d: np.asarray(data[d].label_counts(), dtype=np.int64) for d in participants}
+        if algorithm.grouping() == "balanced":
+            groups = balanced_groups(counts, config.grouping.group_size)
+        else:
+            groups = singleton_groups(participants)
+        recorded = sorted(sorted(g["members"]) for g in record["groups"])
+        groups_match &= sorted(sorted(g) for g in groups) == recorded
+        contributions: dict[str, Contribution] = {}
+        for members in groups:
+            start = min(split[m] for m in members)
+            client_states, server_state = _train_group(template, model, list(members), split, shards, data, config,
+                                                       record["round_id"], start)
+            for m in members:
+                contributions[m] = Contribution(weight=len(data[m]), client_state=client_states[m], server_state=server_state)
+        contributions = dict(sorted(contributions.items()))
+        new_state = algorithm.aggregate(record["round"], model.state_dict(), contributions, {})
+        model.load_state_dict(new_state)
+        accuracy, _ = evaluate(model, test_set)
+        round_times.append(time.perf_counter() - t0)
+        accuracies.append(accuracy)
+        log(f"  in-process round {record['round']}/{len(records)}: {round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
+    return {"round_times_s": round_times, "accuracies": accuracies, "final_state": model.state_dict(),
+            "setup_s": setup_s, "groups_match_services": groups_match}
+
+
+# --- both -----------------------------------------------------------------------------------------
+
+def run(quick: bool, log: Callable[[str], None] = print) -> tuple[dict, dict]:
+    """Returns ((a) network overhead figures, (d) peak memory figures)."""
+    config = bench_config(quick)
+    log(f"  S2FL, {config.data.num_devices} devices, {config.rounds} rounds, "
+        f"{config.data.max_samples} samples, group size {config.grouping.group_size}, real devices (no emulation)")
+    services = run_services(config, log)
+    inproc = run_in_process(config, services["records"], log)
+    svc_times = [r["round_time_s"] for r in services["records"]]
+    diff = max(float((services["final_state"][k].double() - v.double()).abs().max())
+               for k, v in inproc["final_state"].items())
+    svc_mean, inp_mean = statistics.mean(svc_times), statistics.mean(inproc["round_times_s"])
+    overhead = {
+        "config": {"algorithm": config.algorithm, "model": config.model, "devices": config.data.num_devices,
+                   "rounds": config.rounds, "max_samples": config.data.max_samples,
+                   "batch_size": config.train.batch_size, "group_size": config.grouping.group_size,
+                   "device_profiles": "none (real devices, no emulation)", "agents": 1},
+        "split_points_per_round": [sorted(set(r["split_points"].values())) for r in services["records"]],
+        "services_round_s": svc_times,
+        "in_process_round_s": inproc["round_times_s"],
+        "services_mean_round_s": svc_mean,
+        "in_process_mean_round_s": inp_mean,
+        "ratio_services_over_in_process": svc_mean / inp_mean,
+        # Round 1 carries both sides' cold start (first use of every kernel, connection set-up).
+        "ratio_without_round_1": (statistics.mean(svc_times[1:]) / statistics.mean(inproc["round_times_s"][1:])
+                                  if len(svc_times) > 1 else None),
+        "services_final_accuracy": services["records"][-1]["test_accuracy"],
+        "in_process_final_accuracy": inproc["accuracies"][-1],
+        "services_accuracy_per_round": [r["test_accuracy"] for r in services["records"]],
+        "in_process_accuracy_per_round": inproc["accuracies"],
+        "max_abs_weight_diff_final_model": diff,
+        "groups_match_services": inproc["groups_match_services"],
+        "services_startup_s": services["startup_s"],
+        "services_run_wall_s": services["run_wall_s"],
+        "in_process_setup_s": inproc["setup_s"],
+        "bytes_per_round_services": [r["bytes_total"] for r in services["records"]],
+    }
+    memory = {"peak_rss_mib": services["peak_memory_mib"],
+              "source": "VmHWM of /proc/<pid>/status, sampled every 0.25 s during (a)'s services run"}
+    return overhead, memory

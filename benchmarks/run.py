@@ -1,0 +1,127 @@
+"""``python -m benchmarks.run [--quick] [--out PATH] [--only a,b,c]``: the system benchmark.
+
+(a) the same S2FL run through the services vs in one process (network overhead ratio),
+(b) tensor encode/decode throughput, (c) Main Server step latency and throughput with 10, 50 and
+100 virtual devices, (d) peak memory of each service (measured during (a)). Prints a table and
+writes every figure plus a description of the machine to a JSON file. Not part of the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
+PARTS = ("a", "b", "c")  # (d) comes with (a)
+
+
+def _log(text: str) -> None:
+    print(text, flush=True)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def report(results: dict) -> str:
+    """The human-readable summary of ``results``."""
+    m = results["machine"]
+    out = [f"machine: {m['cpu_model']}, {m['cpus_usable']} of {m['cpu_count']} CPUs usable, {m['memory_gib']} GiB, "
+           f"Python {m['python']}, torch {m['torch']}, {m['date_utc']}, load average at start {m['load_average_at_start']}",
+           f"mode: {results['mode']}, total {results['total_s']:.0f}s"]
+    a = results.get("network_overhead")
+    if a:
+        c = a["config"]
+        out += ["", f"(a) network overhead: {c['algorithm']}, {c['devices']} devices, {c['rounds']} rounds, "
+                    f"{c['max_samples']} samples, batch {c['batch_size']}, group size {c['group_size']}, no emulation"]
+        rows = [[f"round {i + 1}", f"{s:.2f}", f"{p:.2f}", f"{s / p:.2f}x"]
+                for i, (s, p) in enumerate(zip(a["services_round_s"], a["in_process_round_s"]))]
+        rows.append(["mean", f"{a['services_mean_round_s']:.2f}", f"{a['in_process_mean_round_s']:.2f}",
+                     f"{a['ratio_services_over_in_process']:.2f}x"])
+        if a.get("ratio_without_round_1"):
+            rows.append(["mean w/o round 1", "", "", f"{a['ratio_without_round_1']:.2f}x"])
+        out.append(_table(["", "services s/round", "in-process s/round", "ratio"], rows))
+        out.append(f"final accuracy: services {100 * a['services_final_accuracy']:.2f}%, in-process "
+                   f"{100 * a['in_process_final_accuracy']:.2f}%; max |weight difference| of the final models "
+                   f"{a['max_abs_weight_diff_final_model']:.2e}; same groups: {a['groups_match_services']}")
+        out.append(f"services start-up {a['services_startup_s']:.1f}s (not in the rounds); "
+                   f"split points per round {a['split_points_per_round']}")
+    b = results.get("wire")
+    if b:
+        out += ["", "(b) tensor encode/decode throughput (float32, MB/s of tensor bytes, one thread)"]
+        rows = []
+        for r in b["sizes"]:
+            json_cell = (f"{r['json_encode_MBps']:.1f} / {r['json_decode_MBps']:.1f}" if "json_encode_MBps" in r else "-")
+            rows.append([r["size"], f"{r['encode_MBps']:.0f}", f"{r['decode_MBps']:.0f}", f"{r['decode_schema_MBps']:.0f}",
+                         f"{r['encode_ms']:.3f} / {r['decode_ms']:.3f}", json_cell])
+        out.append(_table(["size", "encode", "decode", "decode+schema", "ms enc / dec", "JSON enc / dec"], rows))
+    c = results.get("main_server")
+    if c:
+        s = c["setup"]
+        out += ["", f"(c) Main Server steps: cnn split {s['split_point']}, fx {s['fx_shape']} "
+                    f"({s['fx_bytes'] / 1e3:.0f} KB), groups of {s['group_size']}, {c['populations'][0]['steps_per_device']} steps per device"]
+        rows = [[str(r["devices"]), str(r["groups"]), f"{r['latency_p50_ms']:.1f}", f"{r['latency_p95_ms']:.1f}",
+                 f"{r['server_step_p50_ms']:.1f}", f"{r['device_steps_per_s']:.1f}", f"{r['MB_per_s']:.1f}"]
+                for r in c["populations"]]
+        out.append(_table(["devices", "groups", "p50 ms", "p95 ms", "server step p50 ms", "steps/s", "MB/s"], rows))
+        out.append(f"Main Server peak RSS after the load: {c['main_server_peak_rss_mib']} MiB")
+    d = results.get("memory")
+    if d:
+        out += ["", "(d) peak memory of each service during (a) (VmHWM)"]
+        out.append(_table(["service", "peak RSS MiB"], [[k, f"{v:.1f}"] for k, v in d["peak_rss_mib"].items()]))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes only (about a minute)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
+    parser.add_argument("--only", default=",".join(PARTS),
+                        help="comma-separated parts to run: a (with d), b, c (default: all)")
+    args = parser.parse_args(argv)
+    parts = {p.strip() for p in args.only.split(",") if p.strip()}
+    if not parts <= set(PARTS):
+        parser.error(f"--only takes a subset of {','.join(PARTS)}")
+
+    # One torch thread, as every service runs (testbed/processes.py), so the comparison is fair.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from benchmarks import machine
+
+    results: dict = {"mode": "quick" if args.quick else "full", "machine": machine.describe_machine()}
+    started = time.perf_counter()
+    if "b" in parts:
+        from benchmarks import wire_throughput
+
+        _log("(b) tensor encode/decode throughput")
+        results["wire"] = wire_throughput.run(args.quick, _log)
+    if "a" in parts:
+        from benchmarks import network_overhead
+
+        _log("(a) services vs in-process, (d) peak memory")
+        results["network_overhead"], results["memory"] = network_overhead.run(args.quick, _log)
+    if "c" in parts:
+        from benchmarks import main_server_load
+
+        _log("(c) Main Server step latency and throughput")
+        results["main_server"] = main_server_load.run(args.quick, _log)
+    results["total_s"] = time.perf_counter() - started
+    results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+
+    _log("")
+    _log(report(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    _log(f"\nresults: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
