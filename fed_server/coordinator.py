@@ -362,7 +362,9 @@ class Coordinator:
         self.model.load_state_dict(state)
         self.run_id = extra["run_id"]
         self.rounds_done = rounds_done
-        self.attempts = int(extra["attempts"])
+        # The attempt that was running at the crash may have handed out the next id before any
+        # checkpoint recorded it: skip it, so no id is ever used twice.
+        self.attempts = int(extra["attempts"]) + 1
         self.failed_in_a_row = int(extra.get("failed_in_a_row", 0))
         self.cumulative_bytes = int(extra["cumulative_bytes"])
         self.elapsed_before = float(extra["elapsed_s"])

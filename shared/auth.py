@@ -23,7 +23,7 @@ from shared.errors import ApiError
 
 
 def load_secret(file: str | None, env_var: str) -> bytes | None:
-    """A secret from a file (first line, stripped) or an environment variable; None if neither."""
+    """A secret from a file (its whole content, stripped) or an environment variable; None if neither."""
     if file:
         text = Path(file).read_text().strip()
         if not text:

@@ -138,6 +138,11 @@ class RunConfig(_Strict):
         SELECTORS[self.selection].Params.model_validate(self.selection_params)
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
+        from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
+
+        if self.model in SPLIT_DEPTH_ZERO_MODELS and ALGORITHMS[self.algorithm](self).split_mode() != "zero":
+            raise ValueError(f"model {self.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
+                             f"(e.g. fedavg, fedbc), not {self.algorithm!r}")
         if self.devices_per_round is not None and self.devices_per_round > self.data.num_devices:
             raise ValueError("devices_per_round cannot exceed data.num_devices")
         return self

@@ -32,11 +32,16 @@ def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None =
                         help="YAML/JSON file of this service's flags, e.g. 'port: 9000' (env SFL_SETTINGS)")
     pre, _ = parser.parse_known_args(argv)
     if pre.settings:
-        known = {a.dest: a for a in parser._actions}
+        # Keys are flag names without dashes ("fed-server-url", "threads") or their dest names.
+        known: dict[str, str] = {}
+        for action in parser._actions:
+            known[action.dest] = action.dest
+            for flag in action.option_strings:
+                known[flag.lstrip("-").replace("-", "_")] = action.dest
         values = {}
         for key, value in load_config_file(pre.settings).items():
-            dest = key.replace("-", "_")
-            if dest not in known or dest in ("help", "settings"):
+            dest = known.get(key.replace("-", "_"))
+            if dest is None or dest in ("help", "settings"):
                 parser.error(f"{pre.settings}: unknown setting {key!r}")
             if f"SFL_{dest.upper()}" not in os.environ:  # the environment beats the file
                 values[dest] = value

@@ -6,7 +6,9 @@ import sys
 import time
 from collections import Counter
 
+from shared.algorithms.registry import ALGORITHMS
 from shared.config import resolve_run_config
+from shared.models.zoo import MODEL_NAMES
 from testbed.runner import Testbed, TestbedError
 
 
@@ -29,8 +31,8 @@ def main(argv: list[str] | None = None) -> None:
                     "device agents start as separate processes on loopback and talk HTTP. Prints one line per "
                     "round and writes a run directory (config, metrics.jsonl, checkpoint, summary, logs).")
     parser.add_argument("--config", help="run configuration file (YAML/JSON); see docs/configuration.md")
-    parser.add_argument("--algorithm", help="s2fl (default), sfl or fedavg")
-    parser.add_argument("--model", help="cnn (default), resnet8, vgg16, mobilenet")
+    parser.add_argument("--algorithm", help=f"one of {', '.join(ALGORITHMS)} (default s2fl)")
+    parser.add_argument("--model", help=f"one of {', '.join(MODEL_NAMES)} (default cnn)")
     parser.add_argument("--rounds", type=int, help="number of rounds (default 30)")
     parser.add_argument("--devices", type=int, help="number of devices / data shards (default 10)")
     parser.add_argument("--per-round", type=int, help="devices selected per round (default: all)")

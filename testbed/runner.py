@@ -107,7 +107,7 @@ class Testbed:
             if status.get("driver_error"):
                 raise TestbedError(f"Fed Server round driver failed: {status['driver_error']}\n{self.fed.log_tail() if self.fed else ''}")
             for record in status["history"]:
-                seen = max(seen, record["round"])
+                seen = max(seen, record["round_id"])
                 if on_round:
                     on_round(record, status)
             if status["state"] == "finished":

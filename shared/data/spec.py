@@ -54,4 +54,8 @@ class DataSpec(BaseModel):
                 f"partition='natural' needs per-sample writer ids, which only dataset='femnist' or 'synthetic' "
                 f"have (got dataset={self.dataset!r}); use 'iid' or 'dirichlet'"
             )
+        from shared.data.device_transforms import DEVICE_TRANSFORMS
+
+        if self.device_transform not in DEVICE_TRANSFORMS:
+            raise ValueError(f"unknown device_transform {self.device_transform!r}; choose one of {sorted(DEVICE_TRANSFORMS)}")
         return self

@@ -93,9 +93,9 @@ def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round
     _open_round(c)  # round 2 starts, then the server dies before it finishes
     resumed = _coordinator(tmp_path)
     assert resumed.resumed and resumed.rounds_done == 1 and resumed.run_id == c.run_id
-    assert resumed.attempts == 1  # the interrupted attempt never reached a checkpoint ...
+    assert resumed.attempts == 2  # the interrupted attempt (id 2) never reached a checkpoint ...
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), c.model.state_dict().values()))
     assert resumed.rng.getstate() == rng_at_checkpoint
     assert [m["round"] for m in resumed.history] == [1]
     r2 = _open_round(resumed)
-    assert r2.index == 2 and r2.round_id == 2  # ... so ids continue from the checkpointed counter
+    assert r2.index == 2 and r2.round_id == 3  # ... so its id is skipped, never reused
