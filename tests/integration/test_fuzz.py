@@ -1,0 +1,290 @@
+"""Fuzz the HTTP API of the real Fed Server and Main Server from their own OpenAPI descriptions.
+
+Schemathesis reads each server's ``/openapi.json`` (the msgpack request bodies are declared there
+with the pydantic schemas, see ``shared.http_server.msgpack_body_schema``), generates a bounded
+number of requests per operation, packs bodies with ``shared.wire.packb`` and sends them to live
+server processes. Per operation: ``EXAMPLES`` schema-valid cases, ``EXAMPLES`` schema-violating
+ones (where there is anything to violate), and for POSTs ``EXAMPLES`` with any body (raw bytes,
+top-level lists and scalars, maps with integer keys). For every request:
+
+* no 5xx (schemathesis's ``not_a_server_error`` check);
+* no state change unless the request was a POST that the server accepted (2xx): ``/v1/status``
+  is read before and after each request. GETs and rejected requests must change nothing.
+
+Afterwards both processes must still be running and healthy, and the Fed Server's round driver
+must not have failed.
+
+The Main Server is fuzzed with no round open: a random plan cannot carry weights that match the
+model, so every plan, join and step is rejected and its status must stay ``None``. The Fed Server
+waits for 2 devices. Its register operation is fuzzed last because a generated *valid* register
+for a free shard is rightly accepted; once both shards are taken the round driver starts on its own,
+so from then on a rejected register is only checked not to change the number of registered devices.
+
+``SFL_FUZZ_EXAMPLES`` overrides ``EXAMPLES`` (default 25);
+generation is derandomized, so a run is reproducible (set ``SFL_FUZZ_RANDOM=1`` to explore).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+schemathesis = pytest.importorskip("schemathesis")
+pytest.importorskip("hypothesis")
+requests = pytest.importorskip("requests")
+
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.transport.serialization import Binary  # noqa: E402
+
+from integration_support import small_config  # noqa: E402
+from shared.wire import packb  # noqa: E402
+from testbed.processes import ProcessGroup, free_port, wait_healthy  # noqa: E402
+
+MSGPACK = "application/msgpack"
+EXAMPLES = int(os.environ.get("SFL_FUZZ_EXAMPLES", "25"))
+RANDOM = os.environ.get("SFL_FUZZ_RANDOM", "") not in ("", "0")
+MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+
+
+# --- msgpack bodies -------------------------------------------------------------------------------
+
+class Raw(bytes):
+    """A body sent as it is, not packed (bytes that need not be msgpack at all)."""
+
+
+def _wire_value(value):
+    """A generated body as plain msgpack-able data: ``format: binary`` strings become bytes, and
+    integers beyond msgpack's 64 bits become floats (they cannot be sent as msgpack integers)."""
+    if isinstance(value, Binary):
+        return value.data
+    if isinstance(value, dict):
+        return {k: _wire_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_wire_value(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
+        return float(value)
+    return value
+
+
+@schemathesis.serializer(MSGPACK)
+def _msgpack(ctx, value) -> bytes:
+    return bytes(value) if isinstance(value, Raw) else packb(_wire_value(value))
+
+
+# Bodies the schema-driven generation rarely produces: raw bytes, any msgpack value at the top level
+# (lists, scalars, maps with integer keys, nested bytes).
+_SCALARS = (st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
+            | st.text(max_size=16) | st.binary(max_size=16))
+ANY_BODY = st.one_of(
+    st.binary(max_size=128).map(Raw),
+    st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                 | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), inner, max_size=4),
+                 max_leaves=12).map(lambda value: Raw(packb(value))),   # packed here: not JSON (int keys, bytes)
+)
+
+
+# --- the services ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def services():
+    """A Fed Server waiting for 2 devices and a Main Server that reports to it."""
+    root = Path(tempfile.mkdtemp(prefix="sfl-fuzz-"))
+    config = small_config(algorithm="s2fl", rounds=1, **{
+        "data.num_devices": 2, "data.max_samples": 200,
+        # Only a successful register may start the run, never the registration deadline.
+        "deadlines.registration_s": 3600})
+    config_path = root / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    fed_port = free_port()
+    main_port = free_port()
+    while main_port == fed_port:
+        main_port = free_port()
+    fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
+    group = ProcessGroup(root / "logs")
+    try:
+        fed = group.start("fed_server", "fed_server", [
+            "--config", str(config_path), "--run-dir", str(root / "run"), "--main-server-url", main_url,
+            "--port", str(fed_port), "--run-id", "fuzz"])
+        main = group.start("main_server", "main_server", ["--fed-server-url", fed_url, "--port", str(main_port)])
+        wait_healthy(fed_url, fed, timeout=60)
+        wait_healthy(main_url, main, timeout=60)
+        yield {"fed": fed_url, "main": main_url, "fed_service": fed, "main_service": main}
+    finally:
+        group.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=30.0) as c:
+        yield c
+
+
+def fed_state(client: httpx.Client, services) -> dict:
+    resp = client.get(f"{services['fed']}/v1/status")
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def main_state(client: httpx.Client, services):
+    resp = client.get(f"{services['main']}/v1/status")
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def load_schema(base_url: str):
+    """The server's own OpenAPI description, checked against the OpenAPI meta-schema."""
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    schema.validate()
+    return schema
+
+
+def operations(schema) -> list:
+    ops = [result.ok() for result in schema.get_all_operations()]
+    return sorted(ops, key=lambda op: (op.path, op.method))
+
+
+def assert_alive(services, client: httpx.Client) -> None:
+    for name in ("fed", "main"):
+        service = services[f"{name}_service"]
+        assert service.alive(), f"{service.name} exited ({service.process.returncode}):\n{service.log_tail(60)}"
+        resp = client.get(f"{services[name]}/healthz")
+        assert resp.status_code == 200, (name, resp.text)
+
+
+def fuzz(operation, base_url: str, service, state, seen: collections.Counter, unchanged=None) -> None:
+    """Send ``EXAMPLES`` generated requests per generation mode to ``operation``.
+
+    ``state()`` is read around each request; ``unchanged(before, after)`` says whether a rejected
+    request (or a GET) left it as it was (default: equal).
+    """
+    unchanged = unchanged or (lambda before, after: before == after)
+    session = requests.Session()
+
+    def one(case) -> None:
+        before = state()
+        response = case.call(base_url=base_url, session=session, timeout=30)
+        seen[(operation.label, response.status_code)] += 1
+        # The body and the server's traceback first (schemathesis's report shows only a curl line),
+        # read before the fixture deletes the log.
+        assert response.status_code < 500, (
+            f"{operation.label} answered {response.status_code} to the body {case.body!r}"[:3000]
+            + f"\n{service.name} log:\n{service.log_tail(60)}")
+        case.validate_response(response, checks=[not_a_server_error])
+        accepted = operation.method.upper() == "POST" and 200 <= response.status_code < 300
+        if not accepted:
+            after = state()
+            assert unchanged(before, after), (
+                f"{operation.label} answered {response.status_code} but changed the state:\n"
+                f"before: {before}\nafter:  {after}\nrequest body: {case.body!r}"[:4000])
+
+    strategies = [operation.as_strategy(generation_mode=mode) for mode in MODES]
+    if operation.method.upper() == "POST":   # valid path and headers, any body
+        strategies.append(st.tuples(strategies[0], ANY_BODY).map(_with_body))
+    try:
+        for mode, strategy in zip((*MODES, "any-body"), strategies):
+            run = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=not RANDOM,
+                           suppress_health_check=list(HealthCheck),
+                           phases=(Phase.explicit, Phase.generate, Phase.shrink))(given(case=strategy)(one))
+            try:
+                run()
+            except Unsatisfiable:
+                if mode is GenerationMode.POSITIVE:
+                    raise   # negative: nothing to make invalid (no parameters, no body)
+    finally:
+        session.close()
+
+
+def _with_body(pair):
+    case, body = pair
+    case.body = body
+    return case
+
+
+def summary(seen: collections.Counter) -> str:
+    per_op: dict[str, dict[int, int]] = collections.defaultdict(dict)
+    for (label, status), count in sorted(seen.items()):
+        per_op[label][status] = count
+    return "\n".join(f"  {label}: {codes}" for label, codes in per_op.items())
+
+
+# --- the tests ------------------------------------------------------------------------------------
+
+def test_fuzz_main_server(services, client):
+    schema = load_schema(services["main"])
+    ops = operations(schema)
+    posts = {op.path for op in ops if op.method.upper() == "POST"}
+    assert posts == {"/v1/rounds", "/v1/rounds/{round_id}/join", "/v1/rounds/{round_id}/step"}, posts
+    for op in ops:
+        if op.method.upper() == "POST":
+            assert MSGPACK in schema.get_request_payload_content_types(op), op.label
+    before = main_state(client, services)
+    assert before == {"round": None}
+    seen: collections.Counter = collections.Counter()
+    for op in ops:
+        fuzz(op, services["main"], services["main_service"], lambda: main_state(client, services), seen)
+    print(f"\nMain Server, {EXAMPLES} examples per operation and mode (status: count):\n{summary(seen)}")
+    assert not any(status >= 500 for _, status in seen)
+    # No generated plan can match the model's weights, so no round was opened.
+    assert not any(200 <= status < 300 for (label, status) in seen if label.startswith("POST")), summary(seen)
+    assert main_state(client, services) == before
+    # The bodies reached the schema validation (not only the msgpack / empty-body checks).
+    for path in posts:
+        assert seen[(f"POST {path}", 422)] > 0, summary(seen)
+    assert_alive(services, client)
+
+
+def test_fuzz_fed_server(services, client):
+    schema = load_schema(services["fed"])
+    ops = operations(schema)
+    posts = {op.path for op in ops if op.method.upper() == "POST"}
+    assert posts == {"/v1/devices/register", "/v1/rounds/{round_id}/updates", "/v1/rounds/{round_id}/reports",
+                     "/v1/rounds/{round_id}/server-portions"}, posts
+    before = fed_state(client, services)
+    assert before["registered"] == 0 and before["state"] == "waiting_for_devices", before
+    state = lambda: fed_state(client, services)  # noqa: E731
+    seen: collections.Counter = collections.Counter()
+
+    # Everything but register: the Fed Server waits for devices, so nothing may change at all.
+    register = [op for op in ops if op.path == "/v1/devices/register"]
+    for op in ops:
+        if op.path != "/v1/devices/register":
+            fuzz(op, services["fed"], services["fed_service"], state, seen)
+    assert not any(200 <= status < 300 for (label, status) in seen if label.startswith("POST")), summary(seen)
+    assert fed_state(client, services) == before
+
+    def register_unchanged(before: dict, after: dict) -> bool:
+        if before["state"] == "waiting_for_devices":
+            return after == before   # the driver is idle until a register succeeds
+        return after["registered"] == before["registered"]   # the rounds run on their own
+
+    for op in register:
+        fuzz(op, services["fed"], services["fed_service"], state, seen, register_unchanged)
+    print(f"\nFed Server, {EXAMPLES} examples per operation and mode (status: count):\n{summary(seen)}")
+    assert not any(status >= 500 for _, status in seen)
+    for path in posts:
+        assert seen[(f"POST {path}", 422)] > 0, summary(seen)
+    after = fed_state(client, services)
+    accepted = sum(count for (label, status), count in seen.items()
+                   if label == "POST /v1/devices/register" and 200 <= status < 300)
+    assert after["registered"] <= min(accepted, after["expected_devices"])
+    if after["registered"] == after["expected_devices"]:
+        # Fuzzed devices (odd profiles: tiny flops, zero samples) filled the run: its first round must open.
+        deadline = time.monotonic() + 20
+        while after["open_round"] is None and after["driver_error"] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            after = fed_state(client, services)
+        assert after["open_round"] is not None or after["driver_error"] is not None, after
+    assert after["driver_error"] is None, after["driver_error"]
+    assert_alive(services, client)
