@@ -222,7 +222,9 @@ class Device:
     def _report_and_follow_up(self, task: TaskResponse, logic, portion, clock: RoundClock) -> None:
         """Two-phase algorithms: send the report, wait for this round's follow-up, act on it."""
         assert self.data is not None and task.round_id is not None
-        report = ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=logic.report(portion, self.data))
+        with clock.compute():
+            extras = logic.report(portion, self.data)
+        report = ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=extras)
         self.fed.call("POST", f"{API}/rounds/{task.round_id}/reports", Ack, report)
         t0 = time.monotonic()
         deadline = t0 + (task.deadline_s or 300.0)

@@ -72,4 +72,7 @@ def run_summary(history: Sequence[dict], base: Mapping, initial_accuracy: float,
         "total_bytes": cumulative_bytes,
         "finished": finished,
         "stop_reason": stop_reason,
+        # A run that evaluated on data it also trained on (FNR-FL's paper-reproduction option)
+        # says so in its summary, not only in its round records.
+        "leaky": any(r.get("algorithm_metrics", {}).get("leaky") for r in history),
     }

@@ -132,7 +132,6 @@ class RunConfig(_Strict):
 
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
-        ALGORITHMS[self.algorithm].Params.model_validate(self.algorithm_params)
         if self.selection not in SELECTORS:
             raise ValueError(f"unknown selection {self.selection!r}; choose one of {sorted(SELECTORS)}")
         SELECTORS[self.selection].Params.model_validate(self.selection_params)
@@ -140,7 +139,10 @@ class RunConfig(_Strict):
             raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
         from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
-        if self.model in SPLIT_DEPTH_ZERO_MODELS and ALGORITHMS[self.algorithm](self).split_mode() != "zero":
+        # Building the algorithm validates algorithm_params and the algorithm's own requirements
+        # on the rest of the config (e.g. FNR-FL needs data.public_samples), before any process starts.
+        algorithm = ALGORITHMS[self.algorithm](self)
+        if self.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
             raise ValueError(f"model {self.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
                              f"(e.g. fedavg, fedbc), not {self.algorithm!r}")
         if self.devices_per_round is not None and self.devices_per_round > self.data.num_devices:

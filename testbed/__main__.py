@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections import Counter
@@ -22,6 +23,10 @@ def format_round(record: dict, status: dict) -> str:
             f"loss {record['test_loss']:.3f}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
             f"moved {record['bytes_total'] / 1e6:7.1f} MB (total {record['cumulative_bytes'] / 1e6:8.1f} MB)  "
             f"splits {split_text}{dropped}{flag}")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level)
+    # `kill`/`timeout` send SIGTERM: stop the services too instead of leaving them orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         with testbed:
             print(f"fed server {testbed.fed_url}, main server {testbed.main_url}; waiting for devices ...", flush=True)

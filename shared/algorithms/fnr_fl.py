@@ -36,6 +36,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import ConfigDict, Field
@@ -178,10 +179,11 @@ def refine_on_public(model: nn.Module, public: ArrayDataset, delta: Mapping[int,
                      batch_size: int, lr: float, momentum: float, weight_decay: float, feature_block: str,
                      penalty: Literal["paper", "differentiable"] = "paper",
                      reference: Mapping[int, float] | None = None) -> dict[str, float | int]:
-    """FeatureNormRefine (Alg. 3 lines 29-43): ``epochs`` passes over ``public`` in fixed order
-    (the code's unshuffled test loader) with ``Phi = mean CE + lam * J``, a fresh SGD (same
-    settings as local training, spec §7.11), model in train mode. Continues from the weights the
-    model holds (the locally trained ``w_j``, not the global ``w``).
+    """FeatureNormRefine (Alg. 3 lines 29-43): ``epochs`` passes over ``public`` in its given,
+    fixed order (the code's unshuffled loader; ``public_set`` returns a seeded random order) with
+    ``Phi = mean CE + lam * J``, a fresh SGD (same settings as local training, spec §7.11), model in
+    train mode. Continues from the weights the model holds (the locally trained ``w_j``, not the
+    global ``w``).
 
     Returns the number of optimizer steps and the mean CE, J and Phi over the steps.
     """
@@ -296,13 +298,28 @@ def _to_wire(table: Mapping[int, float]) -> dict[str, float]:
     return {str(k): float(v) for k, v in sorted(table.items())}
 
 
+#: Tag of the seeded permutation that fixes the order of ``D_pub`` (see ``_public_set_cached``).
+_PUBLIC_ORDER_STREAM = 0x5055_4200
+
+
 @functools.lru_cache(maxsize=4)
 def _public_set_cached(spec_json: str, source: str) -> ArrayDataset:
-    """``D_pub`` of a data spec, loaded once per process (many virtual devices share it read-only)."""
+    """``D_pub`` of a data spec in its fixed refinement order, loaded once per process (many
+    virtual devices share it read-only).
+
+    The official code iterates its public set (the CIFAR-10 test set, whose samples come in random
+    class order) unshuffled. The project's sets are stored in index order, which may be grouped by
+    class (the embedded MNIST is): iterating that in order gives one-class batches and wrecks the
+    refinement. So ``D_pub`` is put once into a seeded random order (from ``data.seed``), the same
+    on every device and in every epoch: the code's "fixed order over a randomly ordered set".
+    """
     spec = DataSpec.model_validate_json(spec_json)
     if source == "test_set_leaky":
-        return load_dataset(spec)[1]  # the evaluation set: leaky, paper-reproduction only
-    return load_public_set(spec)
+        data = load_dataset(spec)[1]  # the evaluation set: leaky, paper-reproduction only
+    else:
+        data = load_public_set(spec)
+    rng = np.random.default_rng(np.random.SeedSequence([int(spec.seed) & 0xFFFFFFFF, _PUBLIC_ORDER_STREAM]))
+    return data.subset(rng.permutation(len(data)))
 
 
 def public_set(data: Mapping[str, Any] | DataSpec, source: str = "holdout") -> ArrayDataset:

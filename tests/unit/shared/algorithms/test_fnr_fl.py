@@ -241,8 +241,9 @@ def test_refinement_continues_from_local_model_over_public_set():
     assert instruction["refine"] is True
     logic.follow_up(portion, shard, instruction)
     extras = logic.upload_extras(portion, shard)
-    public = load_public_set(algo.config.data)
+    public = public_set(algo.config.data)
     assert len(public) == 70
+    assert np.array_equal(public.label_counts(), load_public_set(algo.config.data).label_counts())
     assert extras["refined"] is True and extras["refine_steps"] == 2 * math.ceil(70 / 32)
     # The same refinement written out from w_j (the local model) on D_pub gives the same weights.
     ref = build_model("cnn", 10, (1, 28, 28))
@@ -309,7 +310,21 @@ def test_config_checks_and_leaky_mode():
     leaky.bind_model(build_model("cnn", 10, (1, 28, 28)))
     assert leaky.round_metrics(1, {})["leaky"] is True
     spec = DataSpec.model_validate(leaky.device_params()["data"])
-    assert torch.equal(public_set(spec, "test_set_leaky").y, load_dataset(spec)[1].y)
+    leaky_public, test = public_set(spec, "test_set_leaky"), load_dataset(spec)[1]
+    assert torch.equal(leaky_public.y.sort().values, test.y.sort().values) and len(leaky_public) == len(test)
+
+
+def test_public_set_order_is_seeded_and_mixes_classes():
+    # Stored index order groups the embedded MNIST by class; one-class refinement batches would
+    # wreck the fine-tuning, so D_pub gets one seeded random order, the same in every process.
+    spec = DataSpec.model_validate({**DATA, "public_samples": 200})
+    a = public_set(spec)
+    fnr_cache = public_set.__globals__["_public_set_cached"]
+    fnr_cache.cache_clear()
+    b = public_set(spec)
+    assert a is not b and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    assert all(len(torch.unique(a.y[s:s + 32])) >= 5 for s in range(0, 200, 32))
+    assert not torch.equal(a.y, public_set(spec.model_copy(update={"seed": 2})).y)
 
 
 def test_public_set_is_disjoint_from_shards_and_evaluation_set():
