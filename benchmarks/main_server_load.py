@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-import torch
 from torch import Tensor, nn
 
 __all__ = ["SplitModel", "Portion"]

@@ -1,10 +1,18 @@
 """Shared helpers of the integration tests (importable from test modules and conftest)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from shared.config import RunConfig
+from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
 
 
 def small_config(**overrides) -> RunConfig:
@@ -30,3 +38,45 @@ def small_config(**overrides) -> RunConfig:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@dataclass
+class ServerPair:
+    """A Fed Server and a Main Server started by :func:`server_pair`, with no device agents."""
+
+    fed_url: str
+    main_url: str
+    fed: Service
+    main: Service
+
+
+@contextlib.contextmanager
+def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (), main_args: Sequence[str] = (),
+                main_reports_to: str | None = None, fed_env: dict | None = None,
+                main_env: dict | None = None) -> Iterator[ServerPair]:
+    """Run both servers as processes on free loopback ports for the tests that drive them by hand.
+
+    Uses its own temporary folder, not pytest's: pytest prunes old basetemp folders, which a
+    concurrent pytest run on the same machine could do while these servers still write to it.
+    ``main_reports_to`` replaces the Fed Server's URL the Main Server uploads group portions to.
+    """
+    root = Path(tempfile.mkdtemp(prefix=f"sfl-{prefix}-"))
+    (root / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    fed_port = free_port()
+    main_port = free_port()
+    while main_port == fed_port:  # the OS may hand out the same free port twice
+        main_port = free_port()
+    fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
+    group = ProcessGroup(root / "logs")
+    try:
+        fed = group.start("fed_server", "fed_server", [
+            "--config", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--main-server-url", main_url,
+            "--port", str(fed_port), *fed_args], env=fed_env)
+        main = group.start("main_server", "main_server", [
+            "--fed-server-url", main_reports_to or fed_url, "--port", str(main_port), *main_args], env=main_env)
+        wait_healthy(fed_url, fed, timeout=60)
+        wait_healthy(main_url, main, timeout=60)
+        yield ServerPair(fed_url, main_url, fed, main)
+    finally:
+        group.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -8,20 +8,16 @@ rejected steps left the group's barrier untouched.
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import yaml
 
-from integration_support import small_config
+from integration_support import server_pair, small_config
 from shared.models import build_model
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, ServerPortionUpload,
@@ -29,7 +25,7 @@ from shared.schemas import (
 )
 from shared.config import TrainConfig
 from shared.wire import encode_state, encode_tensor, packb, unpackb
-from testbed.processes import ProcessGroup, free_port, wait_healthy
+from testbed.processes import free_port
 
 HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 NUM_CLASSES = 10
@@ -41,33 +37,12 @@ FX_SHAPE = [BATCH, 32, 14, 14]  # activations of the cnn after block 1 on 1x28x2
 
 @pytest.fixture(scope="module")
 def services():
-    """A Fed Server waiting for 2 devices (so it stays quiet) and a Main Server with a 1 MiB step limit."""
-    # Our own temporary folder: pytest prunes old basetemp folders, which concurrent pytest runs
-    # on the same machine can do while these services still read their config or write logs.
-    root = Path(tempfile.mkdtemp(prefix="sfl-bad-input-"))
+    """A Fed Server waiting for 2 devices (so it stays quiet) and a Main Server with a 1 MiB step limit
+    whose group uploads go to a closed port."""
     config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
-    config_path = root / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    ports: list[int] = []
-    while len(ports) < 3:  # three distinct ports (the OS may hand out the same free one twice)
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    fed_port, main_port, dead_port = ports
-    fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
-    group = ProcessGroup(root / "logs")
-    try:
-        fed = group.start("fed_server", "fed_server", [
-            "--config", str(config_path), "--run-dir", str(root / "run"), "--main-server-url", main_url,
-            "--port", str(fed_port), "--run-id", "badinput"])
-        main = group.start("main_server", "main_server", [
-            "--fed-server-url", f"http://127.0.0.1:{dead_port}", "--port", str(main_port), "--max-step-mb", "1"])
-        wait_healthy(fed_url, fed, timeout=60)
-        wait_healthy(main_url, main, timeout=60)
-        yield {"fed": fed_url, "main": main_url, "run_id": "badinput"}
-    finally:
-        group.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with server_pair(config, "bad-input", fed_args=["--run-id", "badinput"], main_args=["--max-step-mb", "1"],
+                     main_reports_to=f"http://127.0.0.1:{free_port()}") as pair:
+        yield {"fed": pair.fed_url, "main": pair.main_url, "run_id": "badinput"}
 
 
 @pytest.fixture(scope="module")

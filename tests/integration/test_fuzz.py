@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import collections
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("hypothesis")
@@ -47,9 +43,8 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.transport.serialization import Binary  # noqa: E402
 
-from integration_support import small_config  # noqa: E402
+from integration_support import server_pair, small_config  # noqa: E402
 from shared.wire import packb  # noqa: E402
-from testbed.processes import ProcessGroup, free_port, wait_healthy  # noqa: E402
 
 MSGPACK = "application/msgpack"
 EXAMPLES = int(os.environ.get("SFL_FUZZ_EXAMPLES", "25"))
@@ -99,30 +94,12 @@ ANY_BODY = st.one_of(
 @pytest.fixture(scope="module")
 def services():
     """A Fed Server waiting for 2 devices and a Main Server that reports to it."""
-    root = Path(tempfile.mkdtemp(prefix="sfl-fuzz-"))
     config = small_config(algorithm="s2fl", rounds=1, **{
         "data.num_devices": 2, "data.max_samples": 200,
         # Only a successful register may start the run, never the registration deadline.
         "deadlines.registration_s": 3600})
-    config_path = root / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    fed_port = free_port()
-    main_port = free_port()
-    while main_port == fed_port:
-        main_port = free_port()
-    fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
-    group = ProcessGroup(root / "logs")
-    try:
-        fed = group.start("fed_server", "fed_server", [
-            "--config", str(config_path), "--run-dir", str(root / "run"), "--main-server-url", main_url,
-            "--port", str(fed_port), "--run-id", "fuzz"])
-        main = group.start("main_server", "main_server", ["--fed-server-url", fed_url, "--port", str(main_port)])
-        wait_healthy(fed_url, fed, timeout=60)
-        wait_healthy(main_url, main, timeout=60)
-        yield {"fed": fed_url, "main": main_url, "fed_service": fed, "main_service": main}
-    finally:
-        group.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with server_pair(config, "fuzz", fed_args=["--run-id", "fuzz"]) as pair:
+        yield {"fed": pair.fed_url, "main": pair.main_url, "fed_service": pair.fed, "main_service": pair.main}
 
 
 @pytest.fixture(scope="module")

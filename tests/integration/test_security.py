@@ -3,21 +3,18 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from integration_support import read_metrics, small_config
+from integration_support import read_metrics, server_pair, small_config
 from shared.auth import Auth
 from shared.models import build_model
 from shared.schemas import (
@@ -26,7 +23,6 @@ from shared.schemas import (
 )
 from shared.config import TrainConfig
 from shared.wire import encode_state, encode_tensor, packb, unpackb
-from testbed.processes import ProcessGroup, free_port, wait_healthy
 from testbed.runner import Testbed, TlsFiles
 
 SERVICE = "service-secret-for-tests"
@@ -83,24 +79,10 @@ def test_full_run_over_https_with_authentication(tmp_path):
 
 @pytest.fixture(scope="module")
 def servers():
-    folder = Path(tempfile.mkdtemp(prefix="sfl-auth-"))
     config = small_config(**{"data.num_devices": 2, "data.max_samples": 200, "rounds": 1})
-    (folder / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    fed_port, main_port = free_port(), free_port()
-    fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
-    group = ProcessGroup(folder / "logs")
-    env = {"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL}
-    try:
-        fed = group.start("fed_server", "fed_server", ["--port", str(fed_port), "--config", str(folder / "config.yaml"),
-                                                       "--run-dir", str(folder / "run"), "--main-server-url", main_url], env=env)
-        main = group.start("main_server", "main_server", ["--port", str(main_port), "--fed-server-url", fed_url],
-                           env={"SFL_SERVICE_SECRET": SERVICE})
-        wait_healthy(fed_url, fed)
-        wait_healthy(main_url, main)
-        yield fed_url, main_url
-    finally:
-        group.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    with server_pair(config, "auth", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
+                     main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:
+        yield pair.fed_url, pair.main_url
 
 
 def _post(url: str, body, headers: dict | None = None) -> httpx.Response:
