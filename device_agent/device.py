@@ -56,7 +56,6 @@ class Device:
         self.data: ArrayDataset | None = None
         self.model: SplitModel | None = None
         self.rounds_done = 0
-        self.final_model = False
         #: Called after every successful upload with the body and the round's split point
         #: (the agent's optional metrics port uses it).
         self.on_upload: Callable[[UpdateRequest, int], None] | None = None
@@ -112,7 +111,6 @@ class Device:
         if task.weights:
             final = decode_portion(task.weights, self.model, 0, len(self.model.blocks), what="final weights")
             self.model.load_state_dict(final)
-            self.final_model = True
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
                  "; final global model received" if task.weights else "")
 

@@ -16,7 +16,6 @@ class DeviceRecord:
     num_samples: int
     profile: DeviceProfile
     kind: str
-    registered_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
 
 

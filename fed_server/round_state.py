@@ -47,7 +47,6 @@ class FedRound:
     assignments: dict[str, Assignment]
     deadline_s: float
     started_at: float = field(default_factory=time.monotonic)
-    started_wall: float = field(default_factory=time.time)
     updates: dict[str, ReceivedUpdate] = field(default_factory=dict)
     portions: dict[int, ReceivedPortion] = field(default_factory=dict)
     task_bytes: int = 0

@@ -121,6 +121,22 @@ def exported_families(registry: CollectorRegistry) -> dict[str, tuple[str, set[s
     return out
 
 
+def spec_mismatches(registry: CollectorRegistry, specs: Iterable[MetricSpec], prefix: str = "sfl_") -> list[str]:
+    """Differences between what ``registry`` exports (families starting with ``prefix``) and the
+    documented ``specs``: missing or undeclared families, wrong types, wrong label names."""
+    exported = {k: v for k, v in exported_families(registry).items() if k.startswith(prefix)}
+    declared = {family_name(s): s for s in specs}
+    problems = [f"not exported: {n}" for n in sorted(set(declared) - set(exported))]
+    problems += [f"not documented: {n}" for n in sorted(set(exported) - set(declared))]
+    for name in sorted(set(exported) & set(declared)):
+        kind, labels = exported[name]
+        if kind != declared[name].type:
+            problems.append(f"{name}: type {kind}, documented {declared[name].type}")
+        if labels != set(declared[name].labels):
+            problems.append(f"{name}: labels {sorted(labels)}, documented {sorted(declared[name].labels)}")
+    return problems
+
+
 def spec_names(specs: Iterable[MetricSpec]) -> list[str]:
     return [s.name for s in specs]
 

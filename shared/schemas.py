@@ -235,8 +235,3 @@ class StepResponse(Message):
     loss: float
     wait_s: float           # how long this device waited at the group's barrier
     server_s: float         # server-side training time of the step
-
-
-class ErrorBody(Message):
-    detail: str
-

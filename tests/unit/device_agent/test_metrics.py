@@ -4,7 +4,7 @@ from __future__ import annotations
 import httpx
 
 from device_agent.metrics import METRICS, AgentMetrics
-from shared.http_metrics import exported_families, family_name
+from shared.http_metrics import spec_mismatches
 from shared.schemas import DeviceTimings, UpdateRequest
 from testbed.processes import free_port
 
@@ -19,11 +19,7 @@ def test_exports_documented_metrics_and_serves_them():
     metrics = AgentMetrics()
     metrics.add_device("dev-001")
     metrics.observe_upload(update(), split_point=2)
-    exported = {k: v for k, v in exported_families(metrics.registry).items() if k.startswith("sfl_")}
-    declared = {family_name(s): s for s in METRICS}
-    assert sorted(exported) == sorted(declared)
-    for name, (kind, labels) in exported.items():
-        assert kind == declared[name].type and labels == set(declared[name].labels), name
+    assert spec_mismatches(metrics.registry, METRICS) == []
     value = metrics.registry.get_sample_value
     assert value("sfl_device_round_seconds", {"device": "dev-001", "phase": "total"}) == 2.0
     assert value("sfl_device_split_point", {"device": "dev-001"}) == 2

@@ -57,6 +57,17 @@ def _toy_public() -> ArrayDataset:
 
 
 # --- 1. Algorithm 1 --------------------------------------------------------------------------------
+
+def _ce_finetune(model, data, lr: float, weight_decay: float, batch: int, epochs: int = 2) -> None:
+    """Plain cross-entropy fine-tuning written out: fixed batch order, fresh SGD with momentum 0.9."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
+    for _ in range(epochs):
+        for s in range(0, len(data), batch):
+            loss = F.cross_entropy(model(data.x[s:s + batch]), data.y[s:s + batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
 def test_class_average_feature_norms_hand_example_eval_mode_no_side_effects():
     model = _toy_model()
     model.train()
@@ -166,15 +177,8 @@ def test_paper_penalty_is_exactly_cross_entropy_fine_tuning():
     _refine(models[0], public, 0.5)
     _refine(models[1], public, 0.0)
     # Plain CE fine-tuning, written out: same order, same fresh SGD.
-    m = models[2]
-    m.train()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    for _ in range(2):
-        for s in range(0, 10, 4):
-            loss = F.cross_entropy(m(public.x[s:s + 4]), public.y[s:s + 4])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    models[2].train()
+    _ce_finetune(models[2], public, lr=0.1, weight_decay=1e-4, batch=4)
     states = [mm.state_dict() for mm in models]
     for key in states[0]:
         assert torch.equal(states[0][key], states[1][key]), key
@@ -248,13 +252,7 @@ def test_refinement_continues_from_local_model_over_public_set():
     # The same refinement written out from w_j (the local model) on D_pub gives the same weights.
     ref = build_model("cnn", 10, (1, 28, 28))
     ref.load_state_dict(local)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-5)
-    for _ in range(2):
-        for s in range(0, 70, 32):
-            loss = F.cross_entropy(ref(public.x[s:s + 32]), public.y[s:s + 32])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    _ce_finetune(ref, public, lr=0.05, weight_decay=1e-5, batch=32)
     assert all(torch.equal(ref.state_dict()[k], portion.state_dict()[k]) for k in local)
     algo.accept_update("dev-001", 1, portion.state_dict(), extras, len(shard), {})
 
