@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.machine import proc_status_kib
+from shared.machine import proc_status_kib
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state

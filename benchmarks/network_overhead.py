@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.machine import PeakMemorySampler
+from shared.machine import PeakMemorySampler
 from device_agent.device import round_seed
 from device_agent.trainer import batches, steps_per_round
 from fed_server.evaluation import evaluate

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from benchmarks import machine
+    from shared import machine
 
     results: dict = {"mode": "quick" if args.quick else "full", "machine": machine.describe_machine()}
     started = time.perf_counter()

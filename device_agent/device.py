@@ -93,7 +93,7 @@ class Device:
                 self._receive_final(task)
                 return
             if task.status == "wait" or task.phase != "train":
-                self.stop.wait(min(task.retry_after_s, self.poll_interval_s))
+                self.stop.wait(self._retry_delay(task))
                 continue
             try:
                 self.run_task(task, size)
@@ -104,6 +104,11 @@ class Device:
         before = self.fed.bytes.down
         task = self.fed.call("GET", f"{API}/devices/{self.device_id}/task", TaskResponse)
         return task, self.fed.bytes.down - before
+
+    def _retry_delay(self, task: TaskResponse) -> float:
+        """The server's ``retry_after_s``, bounded below by this device's poll interval and above
+        by 5 s so a confused server cannot park a device."""
+        return min(max(task.retry_after_s, self.poll_interval_s), 5.0)
 
     def _receive_final(self, task: TaskResponse) -> None:
         """Keep the run's final global model (every device receives it, trained or not)."""
@@ -233,7 +238,7 @@ class Device:
             if follow.status == "done" or (follow.round_id is not None and follow.round_id != task.round_id) \
                     or time.monotonic() > deadline or self.stop.is_set():
                 raise ServiceError(409, f"no follow-up for round {task.round_id}")
-            self.stop.wait(min(follow.retry_after_s, self.poll_interval_s))
+            self.stop.wait(self._retry_delay(follow))
         clock.wait_s += time.monotonic() - t0  # waiting for the other devices' reports
         clock.transfer(size)
         with clock.compute():

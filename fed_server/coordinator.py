@@ -37,6 +37,13 @@ from shared.wire import WireError, encode_state
 log = logging.getLogger("fed_server")
 
 
+# How soon a waiting device should poll again. Devices not in the running round have nothing to do
+# until the next one: with 100 devices and 10 per round, polling them as often as the participants
+# cost more CPU than the training on a small machine.
+IDLE_RETRY_S = 1.0
+SOON_RETRY_S = 0.2
+
+
 def table_time(timings: DeviceTimings) -> float:
     """The time-table value of one device round: Eq. 1's terms, each measured.
 
@@ -144,13 +151,16 @@ class Coordinator:
             return TaskResponse(status="done", num_blocks=self.num_blocks,
                                 weights=encode_state(portion_state(self.model, 0, self.num_blocks)))
         fed_round = self.round
-        if fed_round is None or not fed_round.ready or device_id not in fed_round.assignments:
-            return TaskResponse(status="wait")
+        if fed_round is None or not fed_round.ready:
+            # Before the first round nothing is imminent; between rounds the next task is.
+            return TaskResponse(status="wait", retry_after_s=IDLE_RETRY_S if self.started_at is None else SOON_RETRY_S)
+        if device_id not in fed_round.assignments:
+            return TaskResponse(status="wait", retry_after_s=IDLE_RETRY_S)
         if fed_round.follow_ups is not None:
             return self._follow_up_for(fed_round, device_id)
         assignment = fed_round.assignments[device_id]
-        if assignment.dispatched_at is not None:  # one task per device and round
-            return TaskResponse(status="wait")
+        if assignment.dispatched_at is not None:  # one task per device and round; a follow-up may come
+            return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
         assignment.dispatched_at = time.monotonic()
         return TaskResponse(
             status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=self.num_blocks,
@@ -164,7 +174,7 @@ class Coordinator:
     def _follow_up_for(self, fed_round: FedRound, device_id: str) -> TaskResponse:
         assert fed_round.follow_ups is not None
         if device_id not in fed_round.follow_ups or device_id in fed_round.follow_ups_sent:
-            return TaskResponse(status="wait")
+            return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
         fed_round.follow_ups_sent.add(device_id)
         return TaskResponse(status="train", phase="follow_up", round_id=fed_round.round_id,
                             deadline_s=self._remaining(fed_round), algorithm=self.config.algorithm,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from collections import Counter
@@ -10,6 +9,7 @@ from collections import Counter
 from shared.algorithms.registry import ALGORITHMS
 from shared.config import resolve_run_config
 from shared.models.zoo import MODEL_NAMES
+from testbed.processes import interrupt_on_sigterm
 from testbed.runner import Testbed, TestbedError
 
 
@@ -23,10 +23,6 @@ def format_round(record: dict, status: dict) -> str:
             f"loss {record['test_loss']:.3f}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
             f"moved {record['bytes_total'] / 1e6:7.1f} MB (total {record['cumulative_bytes'] / 1e6:8.1f} MB)  "
             f"splits {split_text}{dropped}{flag}")
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level)
-    # `kill`/`timeout` send SIGTERM: stop the services too instead of leaving them orphaned.
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
     try:
         with testbed:
             print(f"fed server {testbed.fed_url}, main server {testbed.main_url}; waiting for devices ...", flush=True)

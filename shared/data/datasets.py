@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import json
 import pickle
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -365,8 +366,19 @@ def _load_pair_cached(dataset: str, root: str | None, transform: str) -> tuple[A
     return pair[0], pair[1]
 
 
+# lru_cache does not stop concurrent first calls from each computing the value: an agent's 100
+# device threads starting at once parsed the same file 100 times (a minute of CPU). One loader at
+# a time; every later caller finds the cache filled.
+_LOAD_LOCK = threading.RLock()
+
+
 def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """Load ``(train, test)`` for ``spec`` with its transform applied (cached per process)."""
+    with _LOAD_LOCK:
+        return _load_dataset(spec)
+
+
+def _load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     root: str | None = None
     if spec.dataset == "synthetic":
         return _load_synthetic(spec)

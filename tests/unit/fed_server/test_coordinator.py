@@ -99,3 +99,20 @@ def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round
     assert [m["round"] for m in resumed.history] == [1]
     r2 = _open_round(resumed)
     assert r2.index == 2 and r2.round_id == 3  # ... so its id is skipped, never reused
+
+
+def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
+    from fed_server.coordinator import IDLE_RETRY_S, SOON_RETRY_S
+
+    c = _coordinator(tmp_path)
+    c.config.devices_per_round = 1
+    assert c.task_for("d0").retry_after_s == IDLE_RETRY_S          # no round has started yet
+    fed_round = c.begin_round()
+    assert c.task_for("d0").retry_after_s == SOON_RETRY_S          # a round is being planned
+    fed_round.ready = True
+    chosen = next(iter(fed_round.assignments))
+    idle = "d1" if chosen == "d0" else "d0"
+    assert c.task_for(idle).retry_after_s == IDLE_RETRY_S          # not in the running round
+    assert c.task_for(chosen).status == "train"
+    assert c.task_for(chosen).retry_after_s == SOON_RETRY_S        # a participant may get a follow-up
+    assert IDLE_RETRY_S > SOON_RETRY_S

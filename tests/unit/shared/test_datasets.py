@@ -219,3 +219,28 @@ def test_unknown_device_transform_is_refused():
 
     with pytest.raises(ValidationError, match="device_transform"):
         DataSpec(device_transform="nope", num_devices=2, partition="iid")
+
+
+def test_concurrent_first_loads_parse_the_file_once(monkeypatch) -> None:
+    """An agent's device threads all start at once; only one of them may parse the embedded file."""
+    import threading
+
+    from shared.data import datasets
+
+    calls = []
+    real = datasets.np.loadtxt
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets.np, "loadtxt", counting)
+    for cached in (datasets._embedded_mnist_raw, datasets._embedded_mnist_split, datasets._load_pair_cached):
+        cached.cache_clear()
+    spec = DataSpec(dataset="mnist")
+    threads = [threading.Thread(target=load_dataset, args=(spec,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1

@@ -1,4 +1,4 @@
-"""What machine a benchmark ran on, and the peak memory of a process (from /proc, no psutil)."""
+"""What machine a benchmark or experiment ran on, and the peak memory of a process (from /proc, no psutil)."""
 from __future__ import annotations
 
 import datetime as _dt

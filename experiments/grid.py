@@ -1,0 +1,84 @@
+"""Grid expansion: an experiment's axes -> the ordered list of cells, each with a validated config."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shared.config import RunConfig, set_dotted
+
+from experiments.spec import ExperimentSpec
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: the label it has on each axis and its resolved configuration."""
+
+    labels: dict[str, str]   # axis -> label, in axis order
+    config: RunConfig
+
+    @property
+    def cell_id(self) -> str:
+        """Directory name: ``axis-label__axis-label`` (labels are restricted to path-safe characters)."""
+        return "__".join(f"{axis}-{label}" for axis, label in self.labels.items())
+
+    @property
+    def config_hash(self) -> str:
+        """Fingerprint of the resolved configuration: a cell whose file changed is run again."""
+        text = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _excluded(labels: dict[str, str], rules: list[dict[str, list[str]]]) -> bool:
+    return any(all(labels[axis] in allowed for axis, allowed in rule.items()) for rule in rules)
+
+
+def build_config(base: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:
+    """``base`` (nested or dotted keys) with the cell's dotted overrides applied on top."""
+    data: dict[str, Any] = {}
+    for key, value in base.items():
+        set_dotted(data, key, copy.deepcopy(value))
+    for key, value in overrides.items():
+        set_dotted(data, key, copy.deepcopy(value))
+    return RunConfig.model_validate(data)
+
+
+def expand(spec: ExperimentSpec, only: dict[str, list[str]] | None = None) -> list[Cell]:
+    """Every cell of the grid in axis order (the first axis varies slowest), minus excluded ones.
+
+    ``only`` (axis -> labels) keeps a sub-grid, e.g. ``{"seed": ["0"]}``. Raises ValueError naming
+    the cell whose configuration is invalid.
+    """
+    only = only or {}
+    spec.check_selection(only, "--only")
+    names = list(spec.axes)
+    cells = []
+    for combo in itertools.product(*(spec.axes[name].items() for name in names)):
+        labels = {name: label for name, (label, _) in zip(names, combo)}
+        if _excluded(labels, spec.exclude) or any(labels[a] not in keep for a, keep in only.items()):
+            continue
+        overrides: dict[str, Any] = {}
+        for _, axis_overrides in combo:
+            overrides.update(axis_overrides)
+        try:
+            config = build_config(spec.base, overrides)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            raise ValueError(f"cell {', '.join(f'{k}={v}' for k, v in labels.items())}: invalid configuration: {exc}") from exc
+        cells.append(Cell(labels, config))
+    if not cells:
+        raise ValueError("the grid has no cells (every combination is excluded or filtered out)")
+    return cells
+
+
+def parse_only(items: list[str]) -> dict[str, list[str]]:
+    """``["seed=0,1", "model=cnn"]`` -> ``{"seed": ["0", "1"], "model": ["cnn"]}``."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        axis, sep, labels = item.partition("=")
+        if not sep or not axis or not labels:
+            raise ValueError(f"--only takes AXIS=LABEL[,LABEL...], got {item!r}")
+        out.setdefault(axis.strip(), []).extend(x.strip() for x in labels.split(","))
+    return out

@@ -1,0 +1,160 @@
+"""Runs the cells of a grid one after another, each as a real testbed run, and skips finished ones.
+
+Layout of an experiment folder::
+
+    <out>/experiment.yaml          the experiment file as run (copied)
+    <out>/cells/<cell_id>/         one testbed run directory per cell, plus cell.json
+    <out>/results.csv|json, report.md, *.png   written by experiments.report
+
+A cell counts as finished when its ``cell.json`` says so and names the same configuration hash;
+anything else (never run, failed, interrupted, or the file changed the cell's configuration) is
+run again from scratch. Restarting instead of resuming keeps each cell's wall-clock figures from
+one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from shared.machine import describe_machine
+from testbed.runner import Testbed, TestbedError
+
+from experiments.grid import Cell
+from experiments.spec import ExperimentSpec
+
+CELL_FILE = "cell.json"
+
+
+@dataclass
+class CellOutcome:
+    cell: Cell
+    status: str          # "finished", "skipped" (finished earlier) or "failed"
+    wall_s: float
+    error: str | None = None
+
+
+def cell_dir(out: Path, cell: Cell) -> Path:
+    return out / "cells" / cell.cell_id
+
+
+def read_cell_record(path: Path) -> dict | None:
+    """A cell directory's ``cell.json``, or None when it is missing or unreadable."""
+    try:
+        record = json.loads((path / CELL_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def is_finished(out: Path, cell: Cell) -> bool:
+    record = read_cell_record(cell_dir(out, cell))
+    return bool(record and record.get("status") == "finished" and record.get("config_hash") == cell.config_hash
+                and (cell_dir(out, cell) / "metrics.jsonl").exists())
+
+
+def _write_record(path: Path, cell: Cell, status: str, **fields: object) -> None:
+    record = {"cell_id": cell.cell_id, "labels": cell.labels, "config_hash": cell.config_hash, "status": status,
+              **fields}
+    tmp = path / (CELL_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path / CELL_FILE)
+
+
+class Progress:
+    """A one-line progress bar over cells (redrawn in place on a terminal, one line per event otherwise)."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stdout, width: int = 24) -> None:
+        self.total = total
+        self.stream = stream
+        self.width = width
+        self.done = 0
+        self.started = time.monotonic()
+        self.run_seconds: list[float] = []   # wall time of cells that actually ran (for the ETA)
+        self.tty = stream.isatty()
+
+    def _bar(self) -> str:
+        filled = int(self.width * self.done / max(1, self.total))
+        return "[" + "#" * filled + "-" * (self.width - filled) + f"] {self.done}/{self.total}"
+
+    def _eta(self) -> str:
+        if not self.run_seconds:
+            return ""
+        left = (self.total - self.done) * sum(self.run_seconds) / len(self.run_seconds)
+        return f"  eta {_clock(left)}"
+
+    def show(self, text: str, final: bool = False) -> None:
+        line = f"{self._bar()}  {_clock(time.monotonic() - self.started)}{self._eta()}  {text}"
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line + ("\n" if final else ""))
+        elif final:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def cell_done(self, outcome: CellOutcome) -> None:
+        self.done += 1
+        if outcome.status != "skipped":
+            self.run_seconds.append(outcome.wall_s)
+        name = ", ".join(f"{k}={v}" for k, v in outcome.cell.labels.items())
+        detail = {"finished": f"done in {_clock(outcome.wall_s)}", "skipped": "already finished, skipped",
+                  "failed": f"FAILED: {outcome.error}"}[outcome.status]
+        self.show(f"{name}: {detail}", final=True)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[dict, dict], None] | None = None,
+             log_level: str = "WARNING") -> CellOutcome:
+    """Run one cell from scratch through the services; a failure is recorded, not raised."""
+    path = cell_dir(out, cell)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    _write_record(path, cell, "running")
+    t0 = time.monotonic()
+    try:
+        with Testbed(cell.config, path, agents=spec.agents, log_level=log_level) as testbed:
+            status = testbed.follow(on_round, timeout=spec.timeout_s)
+    except (TestbedError, TimeoutError, RuntimeError, OSError) as exc:
+        wall = time.monotonic() - t0
+        error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _write_record(path, cell, "failed", wall_s=wall, error=str(exc)[-4000:])
+        return CellOutcome(cell, "failed", wall, error)
+    wall = time.monotonic() - t0
+    _write_record(path, cell, "finished", wall_s=wall, summary=status["summary"])
+    return CellOutcome(cell, "finished", wall)
+
+
+def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
+             stream: TextIO = sys.stdout, log_level: str = "WARNING") -> list[CellOutcome]:
+    """Run every unfinished cell in order, with a progress bar; returns one outcome per cell."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "experiment.yaml").write_text(spec_text)
+    machine = out / "machine.json"
+    if not machine.exists():   # the machine the first cells ran on; a later resume keeps it
+        machine.write_text(json.dumps(describe_machine(), indent=2) + "\n")
+    progress = Progress(len(cells), stream)
+    outcomes = []
+    for cell in cells:
+        if is_finished(out, cell):
+            outcome = CellOutcome(cell, "skipped", 0.0)
+        else:
+            name = ", ".join(f"{k}={v}" for k, v in cell.labels.items())
+            progress.show(f"{name}: starting services ...")
+
+            def on_round(record: dict, status: dict, name: str = name) -> None:
+                progress.show(f"{name}: round {record['round']}/{status['rounds_total']}  "
+                              f"acc {100 * record['test_accuracy']:.1f}%")
+
+            outcome = run_cell(out, cell, spec, on_round, log_level)
+        outcomes.append(outcome)
+        progress.cell_done(outcome)
+    return outcomes

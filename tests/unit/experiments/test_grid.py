@@ -1,0 +1,95 @@
+"""Experiment files: axis forms, grid expansion, exclusion, sub-grids, validation."""
+from __future__ import annotations
+
+import pytest
+
+from experiments.grid import expand, parse_only
+from experiments.spec import ExperimentSpec, load_spec
+
+
+def _spec(**fields) -> ExperimentSpec:
+    raw = {"name": "t", "base": {"rounds": 2, "data": {"num_devices": 4}}, "axes": {
+        "seed": {"keys": ["seed", "data.seed"], "values": [0, 1]},
+        "partition": {"dir0.1": {"data.partition": "dirichlet", "data.alpha": 0.1}, "iid": {"data.partition": "iid"}},
+        "algorithm": ["fedavg", "s2fl"],
+    }}
+    raw.update(fields)
+    return ExperimentSpec.model_validate(raw)
+
+
+def test_grid_is_the_cartesian_product_in_axis_order_with_overrides_applied():
+    cells = expand(_spec())
+    assert len(cells) == 8
+    assert [c.labels for c in cells[:3]] == [
+        {"seed": "0", "partition": "dir0.1", "algorithm": "fedavg"},
+        {"seed": "0", "partition": "dir0.1", "algorithm": "s2fl"},
+        {"seed": "0", "partition": "iid", "algorithm": "fedavg"},
+    ]
+    c = cells[5]   # seed 1, dir0.1, s2fl
+    assert c.labels == {"seed": "1", "partition": "dir0.1", "algorithm": "s2fl"}
+    assert (c.config.seed, c.config.data.seed, c.config.data.alpha, c.config.algorithm) == (1, 1, 0.1, "s2fl")
+    assert (c.config.rounds, c.config.data.num_devices) == (2, 4)            # from base
+    assert c.cell_id == "seed-1__partition-dir0.1__algorithm-s2fl"
+    assert len({cell.cell_id for cell in cells}) == len({cell.config_hash for cell in cells}) == 8
+
+
+def test_exclude_rules_and_only_filters():
+    spec = _spec(exclude=[{"algorithm": "s2fl", "partition": ["iid"]}])
+    cells = expand(spec)
+    assert len(cells) == 6
+    assert not any(c.labels["algorithm"] == "s2fl" and c.labels["partition"] == "iid" for c in cells)
+    sub = expand(spec, parse_only(["seed=0", "algorithm=fedavg,s2fl"]))
+    assert {c.labels["seed"] for c in sub} == {"0"} and len(sub) == 3
+
+
+def test_config_hash_follows_the_resolved_config_not_the_labels():
+    a = expand(_spec())[0]
+    b = expand(_spec(base={"rounds": 3, "data": {"num_devices": 4}}))[0]
+    assert a.cell_id == b.cell_id and a.config_hash != b.config_hash
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"axes": {}}, "non-empty"),
+    ({"axes": {"algorithm": ["fedavg", "fedavg"]}}, "duplicate"),
+    ({"axes": {"x": {"key": "seed", "keys": ["seed"], "values": [1]}}}, "exactly one"),
+    ({"axes": {"a": {"bad label!": {}}}}, "axis label"),
+    ({"exclude": [{"nope": "x"}]}, "unknown axis"),
+    ({"exclude": [{"algorithm": "fedprox"}]}, "unknown labels"),
+    ({"report": {"series": "nope"}}, "unknown axis"),
+    ({"targets": [1.5]}, "targets"),
+    ({"surprise": 1}, "Extra inputs"),
+])
+def test_bad_experiment_files_are_rejected_with_the_reason(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _spec(**fields)
+
+
+def test_an_invalid_cell_config_names_the_cell():
+    spec = _spec(axes={"algorithm": ["fedavg", "no-such-algorithm"]})
+    with pytest.raises(ValueError, match="algorithm=no-such-algorithm"):
+        expand(spec)
+
+
+def test_only_filters_are_checked():
+    with pytest.raises(ValueError, match="unknown labels"):
+        expand(_spec(), parse_only(["seed=7"]))
+    with pytest.raises(ValueError, match="AXIS=LABEL"):
+        parse_only(["seed"])
+
+
+def test_series_and_repeat_defaults():
+    spec = _spec()
+    assert spec.series_axes == ["seed"] and spec.repeat_axis is None   # the first axis is the series
+    spec = _spec(report={"series": ["algorithm", "partition"]})
+    assert spec.repeat_axis == "seed"
+    assert spec.series_label({"seed": "0", "partition": "iid", "algorithm": "s2fl"}) == "s2fl/iid"
+
+
+def test_every_shipped_experiment_file_expands(tmp_path):
+    from pathlib import Path
+
+    files = sorted(Path(__file__).resolve().parents[3].joinpath("experiments", "grids").glob("*.yaml"))
+    assert len(files) >= 8
+    for path in files:
+        spec = load_spec(path)
+        assert expand(spec), path

@@ -1,0 +1,103 @@
+"""Results table, aggregation over seeds, resume bookkeeping and report rendering on written cells."""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import pytest
+
+from experiments.grid import expand
+from experiments.report import render_report
+from experiments.results import aggregate, cell_row, load_results
+from experiments.runner import cell_dir, is_finished
+from experiments.spec import ExperimentSpec
+
+SPEC = ExperimentSpec.model_validate({
+    "name": "t", "base": {"rounds": 3, "data": {"num_devices": 4}},
+    "axes": {"seed": [0, 1], "algorithm": ["fedavg", "s2fl"]},
+    "targets": [0.5, 0.9], "report": {"series": "algorithm", "repeat": "seed", "last_k": 2},
+})
+
+
+def _round(i: int, acc: float) -> dict:
+    return {"round": i, "round_id": i, "status": "ok", "test_accuracy": acc, "round_time_s": 2.0 * i,
+            "elapsed_s": 10.0 * i, "cumulative_bytes": 1_000_000 * i,
+            "split_points": {"d0": 1, "d1": 4}, "device_kinds": {"d0": "low-low", "d1": "high-high"},
+            "device_times": {d: {"compute_s": 1, "transfer_s": 0, "wait_s": 0, "server_s": 0, "total_s": t}
+                             for d, t in (("d0", 3.0), ("d1", 1.0))}}
+
+
+def _write_cell(out, cell, accs, status="finished", failed_round=False):
+    path = cell_dir(out, cell)
+    path.mkdir(parents=True)
+    rounds = [_round(i + 1, a) for i, a in enumerate(accs)]
+    lines = [json.dumps(r) for r in rounds]
+    if failed_round:   # a failed attempt is in metrics.jsonl but never counts
+        lines.insert(1, json.dumps({**_round(2, 0.99), "status": "failed"}))
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (path / "cell.json").write_text(json.dumps({"cell_id": cell.cell_id, "labels": cell.labels,
+                                                "config_hash": cell.config_hash, "status": status}))
+
+
+@pytest.fixture
+def written(tmp_path):
+    cells = expand(SPEC)   # seed 0 fedavg, seed 0 s2fl, seed 1 fedavg, seed 1 s2fl
+    _write_cell(tmp_path, cells[0], [0.3, 0.6, 0.7], failed_round=True)
+    _write_cell(tmp_path, cells[1], [0.4, 0.92, 0.95])
+    _write_cell(tmp_path, cells[2], [0.2, 0.5, 0.8])
+    _write_cell(tmp_path, cells[3], [0.1, 0.2], status="failed")
+    return tmp_path, cells
+
+
+def test_rows_count_completed_rounds_and_first_round_reaching_each_target(written):
+    out, cells = written
+    results = load_results(SPEC, cells, out)
+    row = cell_row(results[0], SPEC)
+    assert row["rounds_done"] == 3 and row["final_accuracy"] == 0.7 and row["best_accuracy"] == 0.7
+    assert row["last2_accuracy"] == pytest.approx(0.65)
+    assert (row["rounds_to_50"], row["time_to_50_s"], row["bytes_to_50"]) == (2, 20.0, 2_000_000)
+    assert row["rounds_to_90"] is None and row["time_to_90_s"] is None     # never reached: no number
+    assert row["median_round_time_s"] == 4.0 and row["total_bytes"] == 3_000_000
+
+
+def test_aggregate_is_mean_and_std_over_seeds_of_finished_cells_only(written):
+    out, cells = written
+    rows = [cell_row(r, SPEC) for r in load_results(SPEC, cells, out)]
+    summary = {s["algorithm"]: s for s in aggregate(rows, SPEC)}
+    fedavg, s2fl = summary["fedavg"], summary["s2fl"]
+    assert (fedavg["n"], fedavg["cells"]) == (2, 2)
+    assert fedavg["final_accuracy_mean"] == pytest.approx(0.75)
+    assert fedavg["final_accuracy_std"] == pytest.approx(statistics.stdev([0.7, 0.8]))
+    assert fedavg["time_to_90_s_n"] == 0 and fedavg["time_to_90_s_mean"] is None
+    assert (s2fl["n"], s2fl["cells"]) == (1, 2)           # the failed seed does not count
+    assert s2fl["final_accuracy_mean"] == 0.95 and s2fl["final_accuracy_std"] == 0.0
+    assert s2fl["rounds_to_90_mean"] == 2 and s2fl["time_to_90_s_n"] == 1
+
+
+def test_only_finished_cells_with_the_same_config_are_skipped(written):
+    out, cells = written
+    assert is_finished(out, cells[0]) and not is_finished(out, cells[3])       # failed: run again
+    changed = expand(ExperimentSpec.model_validate({**SPEC.model_dump(), "base": {"rounds": 4, "data": {"num_devices": 4}}}))
+    assert changed[0].cell_id == cells[0].cell_id and not is_finished(out, changed[0])
+    (cell_dir(out, cells[1]) / "metrics.jsonl").unlink()
+    assert not is_finished(out, cells[1])
+
+
+def test_report_renders_tables_plots_and_failures(written):
+    out, cells = written
+    path = render_report(load_results(SPEC, cells, out), SPEC, out, "python -m experiments run t.yaml")
+    text = path.read_text()
+    assert "| fedavg | 2/2 | 75.00 ± 7.07 |" in text
+    assert "| s2fl | 1/2 | 95.00 |" in text
+    assert "| fedavg | 90% | 0/2 | — | — | — |" in text
+    assert "## Failed cells" in text and cells[3].cell_id in text
+    for name in ("accuracy_vs_round", "accuracy_vs_time", "accuracy_vs_bytes", "device_round_times"):
+        assert f"]({name}.png)" in text
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(out / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["finished", "finished", "finished", "failed"]
+    assert float(rows[1]["final_accuracy"]) == 0.95
+    data = json.loads((out / "results.json").read_text())
+    assert len(data["cells"]) == 4 and len(data["summary"]) == 2
