@@ -101,3 +101,22 @@ def test_report_renders_tables_plots_and_failures(written):
     assert float(rows[1]["final_accuracy"]) == 0.95
     data = json.loads((out / "results.json").read_text())
     assert len(data["cells"]) == 4 and len(data["summary"]) == 2
+
+
+def test_progress_prints_one_line_per_cell_off_a_terminal():
+    import io
+
+    from experiments.runner import CellOutcome, Progress
+
+    stream = io.StringIO()
+    cells = expand(SPEC)
+    progress = Progress(len(cells), stream)
+    progress.show("seed=0, algorithm=fedavg: round 1/3  acc 10.0%")     # not a terminal: no redraws
+    progress.cell_done(CellOutcome(cells[0], "finished", 65.0))
+    progress.cell_done(CellOutcome(cells[1], "skipped", 0.0))
+    progress.cell_done(CellOutcome(cells[2], "failed", 3.0, "fed_server exited with code 1"))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("[######------------------] 1/4") and "done in 1:05" in lines[0]
+    assert "already finished, skipped" in lines[1]
+    assert "3/4" in lines[2] and "FAILED: fed_server exited with code 1" in lines[2] and "eta" in lines[2]
