@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
-    coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
+    try:
+        coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
+    except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
+        parser.error(str(exc))
     auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)
     if auth.enabled and auth.enrolment_secret is None:
         parser.error("a service secret without an enrolment secret would refuse every device: "

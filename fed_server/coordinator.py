@@ -18,7 +18,7 @@ from fed_server.update_checks import clip_update, update_norm
 from fed_server.evaluation import evaluate
 from fed_server.records import round_record, run_summary
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
-from fed_server.run_dir import RunDirectory
+from fed_server.run_dir import RESUMABLE_CHANGES, RunDirectory, config_differences
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
@@ -368,6 +368,14 @@ class Coordinator:
         """
         if not self.run_dir.checkpoint_path.exists():
             return False
+        previous = self.run_dir.read_config()
+        if previous is not None:
+            changed = config_differences(previous, self.config.model_dump(mode="json"))
+            if changed:
+                raise ValueError(
+                    f"{self.run_dir.path} holds a checkpoint of a run with a different configuration "
+                    f"({', '.join(changed)} differ); resume with the same configuration (only "
+                    f"{' and '.join(RESUMABLE_CHANGES)} may change) or use a new run directory")
         rounds_done, state, extra = self.run_dir.read_checkpoint()
         self.model.load_state_dict(state)
         self.run_id = extra["run_id"]

@@ -116,3 +116,17 @@ def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
     assert c.task_for(chosen).status == "train"
     assert c.task_for(chosen).retry_after_s == SOON_RETRY_S        # a participant may get a follow-up
     assert IDLE_RETRY_S > SOON_RETRY_S
+
+
+def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    for d in ("d0", "d1"):
+        c.accept_update(r.round_id, _upload(c, d, r.round_id), 100)
+    c.close_round()
+    c.finish_round(r)
+    with pytest.raises(ValueError, match=r"train\.lr differ"):
+        _coordinator(tmp_path, **{"train.lr": 0.2})
+    # More rounds and other deadlines are fine: that is how an interrupted run is extended.
+    resumed = _coordinator(tmp_path, **{"deadlines.round_s": 99.0})
+    assert resumed.resumed and resumed.rounds_done == 1
