@@ -40,6 +40,15 @@ def _upload(coordinator: Coordinator, device: str, round_id: int, shift: float =
                          weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0)
 
 
+def _complete_round(coordinator: Coordinator) -> None:
+    """Both devices upload and the round is aggregated (and checkpointed)."""
+    r = _open_round(coordinator)
+    for d in ("d0", "d1"):
+        coordinator.accept_update(r.round_id, _upload(coordinator, d, r.round_id), 100)
+    coordinator.close_round()
+    coordinator.finish_round(r)
+
+
 def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(tmp_path):
     c = _coordinator(tmp_path, **{"deadlines.min_participants": 2})
     before = {k: v.clone() for k, v in c.model.state_dict().items()}
@@ -84,11 +93,7 @@ def test_update_norm_limit(tmp_path, action):
 
 def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round(tmp_path):
     c = _coordinator(tmp_path)
-    r = _open_round(c)
-    for d in ("d0", "d1"):
-        c.accept_update(r.round_id, _upload(c, d, r.round_id), 100)
-    c.close_round()
-    c.finish_round(r)
+    _complete_round(c)
     rng_at_checkpoint = c.rng.getstate()
     _open_round(c)  # round 2 starts, then the server dies before it finishes
     resumed = _coordinator(tmp_path)
@@ -120,11 +125,7 @@ def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):
     c = _coordinator(tmp_path)
-    r = _open_round(c)
-    for d in ("d0", "d1"):
-        c.accept_update(r.round_id, _upload(c, d, r.round_id), 100)
-    c.close_round()
-    c.finish_round(r)
+    _complete_round(c)
     with pytest.raises(ValueError, match=r"train\.lr differ"):
         _coordinator(tmp_path, **{"train.lr": 0.2})
     # More rounds and other deadlines are fine: that is how an interrupted run is extended.
