@@ -8,9 +8,14 @@ skew is reproducible from the spec alone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shared.data.datasets import ArrayDataset
+import torch
+
+from shared.data.datasets import ArrayDataset, dataset_input_shape, dataset_num_classes
+
+if TYPE_CHECKING:
+    from shared.data.spec import DataSpec
 from shared.data.domains import color_transform, rotation_transform
 from shared.data.feature_skew import gaussian_noise
 
@@ -38,3 +43,20 @@ def apply_device_transform(name: str, shard: ArrayDataset, device_index: int, nu
     except KeyError:
         raise ValueError(f"unknown device_transform {name!r}; choose one of {sorted(DEVICE_TRANSFORMS)}") from None
     return transform(shard, device_index, num_devices, params, seed)
+
+
+def check_device_transform(spec: "DataSpec") -> None:
+    """Apply the spec's transform to two blank images for the first and the last device, so bad
+    parameters fail when the configuration is read (on the Fed Server, in an experiment file)
+    rather than later on each device as it loads its shard. ValueError names the problem."""
+    if spec.device_transform == "none":
+        return
+    blank = ArrayDataset(torch.zeros((2, *dataset_input_shape(spec))), torch.zeros(2, dtype=torch.int64),
+                         dataset_num_classes(spec))
+    for index in sorted({0, spec.num_devices - 1}):
+        try:
+            apply_device_transform(spec.device_transform, blank, index, spec.num_devices,
+                                   dict(spec.device_transform_params), spec.seed)
+        except (TypeError, KeyError, IndexError) as exc:   # a transform's own checks raise ValueError
+            raise ValueError(f"device_transform {spec.device_transform!r}: bad parameters "
+                             f"{spec.device_transform_params!r}: {exc}") from exc

@@ -221,6 +221,23 @@ def test_unknown_device_transform_is_refused():
         DataSpec(device_transform="nope", num_devices=2, partition="iid")
 
 
+@pytest.mark.parametrize("transform, params, message", [
+    ("rotation", {"angles": "x"}, "angles"),
+    ("gaussian_noise", {"sigma": -1}, "sigma"),
+    ("gaussian_noise", {"bogus": 1}, "bogus"),
+    ("color", {}, "rgb32"),
+])
+def test_bad_device_transform_parameters_fail_when_the_config_is_read(transform, params, message):
+    from pydantic import ValidationError
+
+    from shared.data import DataSpec
+
+    with pytest.raises(ValidationError, match=message):
+        DataSpec(device_transform=transform, device_transform_params=params, num_devices=3, partition="iid")
+    DataSpec(device_transform=transform, num_devices=3, partition="iid",
+             **({"transform": "rgb32"} if transform == "color" else {}))   # the defaults are valid
+
+
 def test_concurrent_first_loads_parse_the_file_once(monkeypatch) -> None:
     """An agent's device threads all start at once; only one of them may parse the embedded file."""
     import threading
