@@ -1,5 +1,7 @@
 """The Fed Server's run logic: rounds, tasks, uploads, aggregation, evaluation, records.
 
+What a checkpoint holds and when a restart may resume from it: ``checkpoint.py``.
+
 Plain object, no HTTP: the FastAPI layer in ``app.py`` validates bodies and calls it; the round
 driver there decides *when* (deadlines, Main Server calls). What an algorithm decides (selection,
 split mode, grouping, aggregation) is asked of the algorithm object.
@@ -18,7 +20,8 @@ from fed_server.update_checks import clip_update, update_norm
 from fed_server.evaluation import evaluate
 from fed_server.records import round_record, run_summary
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
-from fed_server.run_dir import RESUMABLE_CHANGES, RunDirectory, config_differences
+from fed_server.checkpoint import RunProgress, load_checkpoint, save_checkpoint
+from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
@@ -345,54 +348,41 @@ class Coordinator:
         return self.elapsed_before + (now - self.started_at if self.started_at is not None else 0.0)
 
     def _write_checkpoint(self) -> None:
-        self.run_dir.write_checkpoint(self.rounds_done, self.model.state_dict(), {
-            "run_id": self.run_id,
-            "attempts": self.attempts,
-            "failed_in_a_row": self.failed_in_a_row,
-            "history_len": len(self.history),
-            "cumulative_bytes": self.cumulative_bytes,
-            "elapsed_s": self._elapsed(),
-            "rng_state": _rng_to_json(self.rng.getstate()),
-            "algorithm_state": self.algorithm.state_dict(),
-            "time_table": {d: {str(j): t for j, t in row.items()} for d, row in self.table.entries().items()},
-            "finished": self.finished,
-            "stop_reason": self.stop_reason,
-        })
+        save_checkpoint(self.run_dir, self.model.state_dict(), RunProgress(
+            run_id=self.run_id, rounds_done=self.rounds_done, attempts=self.attempts,
+            failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
+            cumulative_bytes=self.cumulative_bytes, elapsed_s=self._elapsed(), rng_state=self.rng.getstate(),
+            algorithm_state=self.algorithm.state_dict(), time_table=self.table.entries(),
+            finished=self.finished, stop_reason=self.stop_reason))
 
     def resume(self) -> bool:
         """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
 
         Restores the global model, the round counters, the client time table, the algorithm's
         per-device state and the selection RNG, and drops metrics lines the checkpoint does not
-        cover, so the resumed run neither loses nor repeats a round.
+        cover, so the resumed run neither loses nor repeats a round. ValueError for a checkpoint
+        of a different configuration (``fed_server/checkpoint.py``).
         """
-        if not self.run_dir.checkpoint_path.exists():
+        loaded = load_checkpoint(self.run_dir, self.config)
+        if loaded is None:
             return False
-        previous = self.run_dir.read_config()
-        if previous is not None:
-            changed = config_differences(previous, self.config.model_dump(mode="json"))
-            if changed:
-                raise ValueError(
-                    f"{self.run_dir.path} holds a checkpoint of a run with a different configuration "
-                    f"({', '.join(changed)} differ); resume with the same configuration (only "
-                    f"{' and '.join(RESUMABLE_CHANGES)} may change) or use a new run directory")
-        rounds_done, state, extra = self.run_dir.read_checkpoint()
+        state, progress = loaded
         self.model.load_state_dict(state)
-        self.run_id = extra["run_id"]
-        self.rounds_done = rounds_done
+        self.run_id = progress.run_id
+        self.rounds_done = progress.rounds_done
         # The attempt that was running at the crash may have handed out the next id before any
         # checkpoint recorded it: skip it, so no id is ever used twice.
-        self.attempts = int(extra["attempts"]) + 1
-        self.failed_in_a_row = int(extra.get("failed_in_a_row", 0))
-        self.cumulative_bytes = int(extra["cumulative_bytes"])
-        self.elapsed_before = float(extra["elapsed_s"])
-        self.rng.setstate(_rng_from_json(extra["rng_state"]))
-        self.algorithm.load_state_dict(extra.get("algorithm_state", {}))
-        self.table.load_entries({d: {int(j): float(t) for j, t in row.items()} for d, row in extra["time_table"].items()})
-        self.history = self.run_dir.read_metrics()[: int(extra["history_len"])]
+        self.attempts = progress.attempts + 1
+        self.failed_in_a_row = progress.failed_in_a_row
+        self.cumulative_bytes = progress.cumulative_bytes
+        self.elapsed_before = progress.elapsed_s
+        self.rng.setstate(progress.rng_state)
+        self.algorithm.load_state_dict(progress.algorithm_state)
+        self.table.load_entries(progress.time_table)
+        self.history = self.run_dir.read_metrics()[: progress.history_len]
         self.run_dir.rewrite_metrics(self.history)
-        self.finished = bool(extra.get("finished", False))
-        self.stop_reason = extra.get("stop_reason")
+        self.finished = progress.finished
+        self.stop_reason = progress.stop_reason
         log.info("resumed run %s after round %d (attempt %d)", self.run_id, self.rounds_done, self.attempts)
         return True
 
@@ -402,12 +392,3 @@ class Coordinator:
         return run_summary(self.history, base, self.initial["test_accuracy"], self.rounds_done,
                            self.cumulative_bytes, self.finished, self.stop_reason)
 
-
-def _rng_to_json(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _rng_from_json(data: list) -> tuple:
-    version, internal, gauss = data
-    return (version, tuple(internal), gauss)

@@ -76,22 +76,3 @@ class RunDirectory:
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         atomic_write(self.path / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
 
-
-# What a resumed run may change: how long it runs and how patient it is. Anything else (model,
-# data, algorithm, seeds, ...) would silently continue a different experiment from this checkpoint.
-RESUMABLE_CHANGES = ("rounds", "deadlines")
-
-
-def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dumps, except ``RESUMABLE_CHANGES``."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        dotted = f"{prefix}{key}"
-        if dotted in RESUMABLE_CHANGES or dotted == "run_id":
-            continue
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += config_differences(a, b, dotted + ".")
-        elif a != b:
-            out.append(dotted)
-    return out
