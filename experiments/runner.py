@@ -6,6 +6,9 @@ Layout of an experiment folder::
     <out>/cells/<cell_id>/         one testbed run directory per cell, plus cell.json
     <out>/results.csv|json, report.md, *.png   written by experiments.report
 
+Several runners may work on one grid at once (separate processes): each takes a cell's lock file
+before running it and skips cells another live runner holds.
+
 A cell counts as finished when its ``cell.json`` says so and names the same configuration hash;
 anything else (never run, failed, interrupted, or the file changed the cell's configuration) is
 run again from scratch. Restarting instead of resuming keeps each cell's wall-clock figures from
@@ -14,6 +17,7 @@ one uninterrupted run.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -34,7 +38,7 @@ CELL_FILE = "cell.json"
 @dataclass
 class CellOutcome:
     cell: Cell
-    status: str          # "finished", "skipped" (finished earlier) or "failed"
+    status: str          # "finished", "skipped" (finished earlier), "busy" (another runner has it) or "failed"
     wall_s: float
     error: str | None = None
 
@@ -56,6 +60,36 @@ def is_finished(out: Path, cell: Cell) -> bool:
     record = read_cell_record(cell_dir(out, cell))
     return bool(record and record.get("status") == "finished" and record.get("config_hash") == cell.config_hash
                 and (cell_dir(out, cell) / "metrics.jsonl").exists())
+
+
+def _claim(out: Path, cell: Cell) -> bool:
+    """Take the cell's lock file, so two runners of the same grid never run one cell twice.
+
+    A lock left by a process that no longer exists (killed runner) is taken over.
+    """
+    lock = out / "cells" / f"{cell.cell_id}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text() or 0)
+                os.kill(pid, 0)          # raises if no such process
+                return False             # a live runner has it
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)   # stale: its runner is gone
+                continue
+            except PermissionError:      # alive, another user's process
+                return False
+        with os.fdopen(fd, "w") as fh:
+            fh.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _release(out: Path, cell: Cell) -> None:
+    (out / "cells" / f"{cell.cell_id}.lock").unlink(missing_ok=True)
 
 
 def _write_record(path: Path, cell: Cell, status: str, **fields: object) -> None:
@@ -98,11 +132,11 @@ class Progress:
 
     def cell_done(self, outcome: CellOutcome) -> None:
         self.done += 1
-        if outcome.status != "skipped":
+        if outcome.status in ("finished", "failed"):
             self.run_seconds.append(outcome.wall_s)
         name = ", ".join(f"{k}={v}" for k, v in outcome.cell.labels.items())
         detail = {"finished": f"done in {_clock(outcome.wall_s)}", "skipped": "already finished, skipped",
-                  "failed": f"FAILED: {outcome.error}"}[outcome.status]
+                  "busy": "being run by another runner, skipped", "failed": f"FAILED: {outcome.error}"}[outcome.status]
         self.show(f"{name}: {detail}", final=True)
 
 
@@ -146,6 +180,8 @@ def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
     for cell in cells:
         if is_finished(out, cell):
             outcome = CellOutcome(cell, "skipped", 0.0)
+        elif not _claim(out, cell):
+            outcome = CellOutcome(cell, "busy", 0.0)
         else:
             name = ", ".join(f"{k}={v}" for k, v in cell.labels.items())
             progress.show(f"{name}: starting services ...")
@@ -154,7 +190,12 @@ def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
                 progress.show(f"{name}: round {record['round']}/{status['rounds_total']}  "
                               f"acc {100 * record['test_accuracy']:.1f}%")
 
-            outcome = run_cell(out, cell, spec, on_round, log_level)
+            try:
+                # Checked again under the lock: another runner may have finished it meanwhile.
+                outcome = CellOutcome(cell, "skipped", 0.0) if is_finished(out, cell) else \
+                    run_cell(out, cell, spec, on_round, log_level)
+            finally:
+                _release(out, cell)
         outcomes.append(outcome)
         progress.cell_done(outcome)
     return outcomes

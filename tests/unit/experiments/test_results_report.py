@@ -120,3 +120,22 @@ def test_progress_prints_one_line_per_cell_off_a_terminal():
     assert lines[0].startswith("[######------------------] 1/4") and "done in 1:05" in lines[0]
     assert "already finished, skipped" in lines[1]
     assert "3/4" in lines[2] and "FAILED: fed_server exited with code 1" in lines[2] and "eta" in lines[2]
+
+
+def test_a_cell_is_run_by_one_runner_at_a_time(tmp_path):
+    import os
+    import subprocess
+
+    from experiments.runner import _claim, _release
+
+    cell = expand(SPEC)[0]
+    assert _claim(tmp_path, cell)
+    assert not _claim(tmp_path, cell)                 # held by this (live) process
+    _release(tmp_path, cell)
+    assert _claim(tmp_path, cell)
+    _release(tmp_path, cell)
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                       # a runner that died holding the lock
+    (tmp_path / "cells" / f"{cell.cell_id}.lock").write_text(str(gone.pid))
+    assert _claim(tmp_path, cell)
+    assert (tmp_path / "cells" / f"{cell.cell_id}.lock").read_text() == str(os.getpid())
