@@ -62,8 +62,10 @@ def cell_row(result: CellResult, spec: ExperimentSpec) -> dict[str, Any]:
     """One flat row: axis labels, headline figures, time / bytes / rounds to each target."""
     rounds = result.rounds
     cfg = result.cell.config
-    row: dict[str, Any] = {**result.cell.labels, "cell_id": result.cell.cell_id, "status": result.status,
-                           "algorithm": cfg.algorithm, "model": cfg.model, "rounds_done": len(rounds)}
+    row: dict[str, Any] = {**result.cell.labels, "cell_id": result.cell.cell_id, "status": result.status}
+    for key, value in (("algorithm", cfg.algorithm), ("model", cfg.model)):
+        row.setdefault(key, value)   # an axis of that name keeps its label (e.g. "fedipg+exit")
+    row["rounds_done"] = len(rounds)
     accs = [r["test_accuracy"] for r in rounds]
     row["final_accuracy"] = accs[-1] if accs else None
     row["best_accuracy"] = max(accs) if accs else None

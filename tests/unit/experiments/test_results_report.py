@@ -139,3 +139,17 @@ def test_a_cell_is_run_by_one_runner_at_a_time(tmp_path):
     (tmp_path / "cells" / f"{cell.cell_id}.lock").write_text(str(gone.pid))
     assert _claim(tmp_path, cell)
     assert (tmp_path / "cells" / f"{cell.cell_id}.lock").read_text() == str(os.getpid())
+
+
+def test_an_axis_label_is_not_overwritten_by_the_config_value(tmp_path):
+    spec = ExperimentSpec.model_validate({
+        "name": "t", "base": {"rounds": 2, "data": {"num_devices": 4}},
+        "axes": {"algorithm": {"plain": {"algorithm": "fedipg", "algorithm_params": {"lam": 0.0}},
+                               "penalised": {"algorithm": "fedipg"}}},
+    })
+    cells = expand(spec)
+    for cell in cells:
+        _write_cell(tmp_path, cell, [0.5, 0.6])
+    rows = [cell_row(r, spec) for r in load_results(spec, cells, tmp_path)]
+    assert [r["algorithm"] for r in rows] == ["plain", "penalised"]
+    assert [s["algorithm"] for s in aggregate(rows, spec)] == ["plain", "penalised"]
