@@ -1,0 +1,36 @@
+"""The testbed's progress follower: a missed status poll is not the end of a run."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from shared.config import RunConfig
+from testbed.runner import Testbed, TestbedError
+
+FINISHED = {"state": "finished", "history": [], "rounds_done": 1, "rounds_total": 1, "summary": {}}
+
+
+def _testbed(tmp_path, answers):
+    testbed = Testbed(RunConfig(), tmp_path)   # never started: no processes to check
+
+    def status(since: int = 0) -> dict:
+        answer = answers.pop(0) if answers else answers_default
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    answers_default = httpx.ReadTimeout("busy")
+    testbed.status = status
+    return testbed
+
+
+def test_follow_rides_out_a_few_failed_status_polls(tmp_path):
+    testbed = _testbed(tmp_path, [httpx.ReadTimeout("busy"), httpx.ConnectError("refused"), FINISHED])
+    assert testbed.follow(poll_s=0.01) == FINISHED
+
+
+def test_follow_gives_up_when_the_server_stays_unreachable(tmp_path):
+    testbed = _testbed(tmp_path, [])
+    testbed.status_patience_s = 0.2
+    with pytest.raises(TestbedError, match="status failed for"):
+        testbed.follow(poll_s=0.01)
