@@ -38,7 +38,8 @@ CELL_FILE = "cell.json"
 @dataclass
 class CellOutcome:
     cell: Cell
-    status: str          # "finished", "skipped" (finished earlier), "busy" (another runner has it) or "failed"
+    status: str          # "finished", "skipped" (finished earlier), "recovered" (completed, but its runner
+                         # lost track), "busy" (another runner has it) or "failed"
     wall_s: float
     error: str | None = None
 
@@ -136,6 +137,7 @@ class Progress:
             self.run_seconds.append(outcome.wall_s)
         name = ", ".join(f"{k}={v}" for k, v in outcome.cell.labels.items())
         detail = {"finished": f"done in {_clock(outcome.wall_s)}", "skipped": "already finished, skipped",
+                  "recovered": "its run had completed (summary.json); marked finished",
                   "busy": "being run by another runner, skipped", "failed": f"FAILED: {outcome.error}"}[outcome.status]
         self.show(f"{name}: {detail}", final=True)
 
@@ -159,12 +161,34 @@ def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[di
             status = testbed.follow(on_round, timeout=spec.timeout_s)
     except (TestbedError, TimeoutError, RuntimeError, OSError) as exc:
         wall = time.monotonic() - t0
+        if recover_finished(out, cell, wall, f"the runner lost track of the run: {exc}"):
+            return CellOutcome(cell, "finished", wall)
         error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         _write_record(path, cell, "failed", wall_s=wall, error=str(exc)[-4000:])
         return CellOutcome(cell, "failed", wall, error)
     wall = time.monotonic() - t0
     _write_record(path, cell, "finished", wall_s=wall, summary=status["summary"])
     return CellOutcome(cell, "finished", wall)
+
+
+def recover_finished(out: Path, cell: Cell, wall_s: float | None, note: str) -> bool:
+    """Mark a cell finished when its run completed although the runner did not see the end.
+
+    The Fed Server writes ``summary.json`` with ``finished: true`` only after the last round, so
+    such a cell has every round; re-running it would only cost time.
+    """
+    path = cell_dir(out, cell)
+    record = read_cell_record(path)
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not (record and record.get("config_hash") == cell.config_hash and summary.get("finished")
+            and summary.get("stop_reason") == "completed" and (path / "metrics.jsonl").exists()):
+        return False
+    _write_record(path, cell, "finished", wall_s=wall_s if wall_s is not None else record.get("wall_s"),
+                  summary=summary, note=note)
+    return True
 
 
 def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
@@ -191,9 +215,14 @@ def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
                               f"acc {100 * record['test_accuracy']:.1f}%")
 
             try:
-                # Checked again under the lock: another runner may have finished it meanwhile.
-                outcome = CellOutcome(cell, "skipped", 0.0) if is_finished(out, cell) else \
-                    run_cell(out, cell, spec, on_round, log_level)
+                # Checked again under the lock: another runner may have finished it meanwhile, or
+                # an earlier runner may have lost track of a run that completed.
+                if is_finished(out, cell):
+                    outcome = CellOutcome(cell, "skipped", 0.0)
+                elif recover_finished(out, cell, None, "recovered: the run had completed (summary.json)"):
+                    outcome = CellOutcome(cell, "recovered", 0.0)
+                else:
+                    outcome = run_cell(out, cell, spec, on_round, log_level)
             finally:
                 _release(out, cell)
         outcomes.append(outcome)

@@ -153,3 +153,15 @@ def test_an_axis_label_is_not_overwritten_by_the_config_value(tmp_path):
     rows = [cell_row(r, spec) for r in load_results(spec, cells, tmp_path)]
     assert [r["algorithm"] for r in rows] == ["plain", "penalised"]
     assert [s["algorithm"] for s in aggregate(rows, spec)] == ["plain", "penalised"]
+
+
+def test_a_failed_cell_whose_run_completed_is_recovered_not_rerun(written):
+    from experiments.runner import recover_finished
+
+    out, cells = written
+    failed = cells[3]
+    assert not recover_finished(out, failed, None, "x")          # no summary.json: really unfinished
+    (cell_dir(out, failed) / "summary.json").write_text(json.dumps({"finished": True, "stop_reason": "completed"}))
+    assert recover_finished(out, failed, None, "recovered")
+    assert is_finished(out, failed)
+    assert json.loads((cell_dir(out, failed) / "cell.json").read_text())["note"] == "recovered"
