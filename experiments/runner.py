@@ -159,6 +159,9 @@ def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[di
     try:
         with Testbed(cell.config, path, agents=spec.agents, log_level=log_level) as testbed:
             status = testbed.follow(on_round, timeout=spec.timeout_s)
+    except KeyboardInterrupt:
+        _write_record(path, cell, "interrupted", wall_s=time.monotonic() - t0)
+        raise
     except (TestbedError, TimeoutError, RuntimeError, OSError) as exc:
         wall = time.monotonic() - t0
         if recover_finished(out, cell, wall, f"the runner lost track of the run: {exc}"):
