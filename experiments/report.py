@@ -19,9 +19,8 @@ _PLOT_TITLES = {
 
 
 def _pct(mean: Any, std: Any) -> str:
-    if mean is None:
-        return "—"
-    return f"{100 * mean:.2f} ± {100 * std:.2f}" if std else f"{100 * mean:.2f}"
+    """A fraction as a percentage (mean ± std)."""
+    return _num(None if mean is None else 100 * mean, 100 * std if std else std, digits=2)
 
 
 def _num(mean: Any, std: Any, scale: float = 1.0, digits: int = 1) -> str:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fed_server.run_dir import RunDirectory
+
 from experiments.grid import Cell
 from experiments.runner import cell_dir, read_cell_record
 from experiments.spec import ExperimentSpec
@@ -20,9 +22,8 @@ class CellResult:
     """A cell with its round records (completed rounds only) and its status."""
 
     cell: Cell
-    status: str                               # finished / failed / running / not run
+    status: str                               # finished / failed / interrupted / running / not run
     rounds: list[dict] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
     error: str | None = None
 
 
@@ -35,14 +36,8 @@ def load_results(spec: ExperimentSpec, cells: Sequence[Cell], out: Path) -> list
         if record is None or record.get("config_hash") != cell.config_hash:
             results.append(CellResult(cell, "not run"))
             continue
-        rounds = []
-        try:
-            with open(path / "metrics.jsonl") as fh:
-                rounds = [r for r in (json.loads(line) for line in fh if line.strip()) if r.get("status") == "ok"]
-        except OSError:
-            pass
-        results.append(CellResult(cell, str(record.get("status")), rounds, dict(record.get("summary") or {}),
-                                  record.get("error")))
+        rounds = [r for r in RunDirectory(path).read_metrics() if r.get("status") == "ok"]
+        results.append(CellResult(cell, str(record.get("status")), rounds, record.get("error")))
     return results
 
 
