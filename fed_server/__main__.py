@@ -43,15 +43,19 @@ def main(argv: list[str] | None = None) -> None:
         config = resolve_run_config(args.config, args.overrides)
     except ValueError as exc:
         parser.error(str(exc))
+    # Flag mistakes are reported before the Coordinator loads data and evaluates the model.
+    try:
+        auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if auth.enabled and auth.enrolment_secret is None:
+        parser.error("a service secret without an enrolment secret would refuse every device: "
+                     "set --enrolment-secret-file or SFL_ENROLMENT_SECRET too")
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     try:
         coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
     except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
         parser.error(str(exc))
-    auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)
-    if auth.enabled and auth.enrolment_secret is None:
-        parser.error("a service secret without an enrolment secret would refuse every device: "
-                     "set --enrolment-secret-file or SFL_ENROLMENT_SECRET too")
     if not auth.enabled:
         logging.getLogger("fed_server").warning("no service secret: devices are not authenticated (docs/security.md)")
     settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
 from shared.auth import Auth
-from shared.http_client import HEADERS, decode_response, tls_context
+from shared.http_client import decode_response, service_client
 from shared.http_server import create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
@@ -44,8 +44,7 @@ async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSett
     fed_round.plan_bytes = len(body)
     url = f"{coordinator.main_server_url.rstrip('/')}{API}/rounds"
     delay = 0.5
-    headers = {**HEADERS, **settings.auth.service_headers()}
-    async with httpx.AsyncClient(timeout=120.0, headers=headers, verify=tls_context(settings.ca_file or True)) as client:
+    async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
         for attempt in range(settings.plan_retries):
             try:
                 decode_response(await client.post(url, content=body), Ack)

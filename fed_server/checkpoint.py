@@ -5,6 +5,7 @@ The coordinator decides *when* to checkpoint (after every round attempt); this m
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,20 +40,11 @@ class RunProgress:
 
 def save_checkpoint(run_dir: RunDirectory, model_state: Mapping[str, torch.Tensor], progress: RunProgress) -> None:
     """Write the model and the progress atomically (msgpack, never pickle)."""
+    extra = {k: v for k, v in dataclasses.asdict(progress).items() if k != "rounds_done"}
     version, internal, gauss = progress.rng_state
-    run_dir.write_checkpoint(progress.rounds_done, model_state, {
-        "run_id": progress.run_id,
-        "attempts": progress.attempts,
-        "failed_in_a_row": progress.failed_in_a_row,
-        "history_len": progress.history_len,
-        "cumulative_bytes": progress.cumulative_bytes,
-        "elapsed_s": progress.elapsed_s,
-        "rng_state": [version, list(internal), gauss],
-        "algorithm_state": progress.algorithm_state,
-        "time_table": {d: {str(j): t for j, t in row.items()} for d, row in progress.time_table.items()},
-        "finished": progress.finished,
-        "stop_reason": progress.stop_reason,
-    })
+    extra["rng_state"] = [version, list(internal), gauss]      # msgpack has no tuples
+    extra["time_table"] = {d: {str(j): t for j, t in row.items()} for d, row in progress.time_table.items()}
+    run_dir.write_checkpoint(progress.rounds_done, model_state, extra)
 
 
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -88,11 +80,7 @@ def load_checkpoint(run_dir: RunDirectory, config: RunConfig) -> tuple[dict[str,
                 f"{' and '.join(RESUMABLE_CHANGES)} may change) or use a new run directory")
     rounds_done, state, extra = run_dir.read_checkpoint()
     version, internal, gauss = extra["rng_state"]
-    return state, RunProgress(
-        run_id=extra["run_id"], rounds_done=rounds_done, attempts=int(extra["attempts"]),
-        failed_in_a_row=int(extra.get("failed_in_a_row", 0)), history_len=int(extra["history_len"]),
-        cumulative_bytes=int(extra["cumulative_bytes"]), elapsed_s=float(extra["elapsed_s"]),
-        rng_state=(version, tuple(internal), gauss), algorithm_state=dict(extra.get("algorithm_state", {})),
-        time_table={d: {int(j): float(t) for j, t in row.items()} for d, row in extra["time_table"].items()},
-        finished=bool(extra.get("finished", False)), stop_reason=extra.get("stop_reason"),
-    )
+    return state, RunProgress(**{
+        **extra, "rounds_done": rounds_done, "rng_state": (version, tuple(internal), gauss),
+        "time_table": {d: {int(j): float(t) for j, t in row.items()} for d, row in extra["time_table"].items()},
+    })

@@ -238,7 +238,7 @@ class Coordinator:
         if self.config.updates.action == "reject":
             raise ApiError(422, f"update norm {norm:.4g} of {device_id!r} exceeds updates.max_norm={limit:.4g}")
         log.warning("clipping the update of %s from norm %.4g to %.4g", device_id, norm, limit)
-        return clip_update(state, global_state, limit)
+        return clip_update(state, global_state, limit, norm)
 
     def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int) -> Ack:
         """A device's trained portion. Fully checked before it is stored."""
@@ -321,7 +321,11 @@ class Coordinator:
             self.failed_in_a_row += 1
             log.warning("round %d (attempt %d) failed: %d of %d required participants; retrying", fed_round.index,
                         fed_round.round_id, len(used), self.config.deadlines.min_participants)
-        accuracy, loss = evaluate(self.model, self.test_set)
+        if ok:
+            accuracy, loss = evaluate(self.model, self.test_set)
+        else:   # the model did not change: its last evaluation stands
+            last = self.history[-1] if self.history else self.initial
+            accuracy, loss = last["test_accuracy"], last["test_loss"]
         record = round_record(
             fed_round, self.config.algorithm, used, dropped, "ok" if ok else "failed", accuracy, loss,
             time.monotonic() - fed_round.started_at, self._elapsed(), self.cumulative_bytes,

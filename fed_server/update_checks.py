@@ -17,9 +17,10 @@ def update_norm(state: Mapping[str, torch.Tensor], global_state: Mapping[str, to
 
 
 def clip_update(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor],
-                max_norm: float) -> dict[str, torch.Tensor]:
-    """``global + (state - global) * min(1, max_norm / norm)``: the update scaled into the norm ball."""
-    norm = update_norm(state, global_state)
+                max_norm: float, norm: float | None = None) -> dict[str, torch.Tensor]:
+    """``global + (state - global) * min(1, max_norm / norm)``: the update scaled into the norm ball.
+    ``norm``: the update's norm when the caller has already computed it."""
+    norm = update_norm(state, global_state) if norm is None else norm
     if norm <= max_norm:
         return dict(state)
     scale = max_norm / norm

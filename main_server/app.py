@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.auth import Auth
-from shared.http_client import HEADERS, decode_response, tls_context
+from shared.http_client import decode_response, service_client
 from shared.http_server import ApiError, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
 from shared.wire import encode_state, encode_tensor, packb
@@ -68,8 +68,7 @@ class MainServer:
         body = packb(upload.model_dump())
         url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
         delay = 0.5
-        headers = {**HEADERS, **self.settings.auth.service_headers()}
-        async with httpx.AsyncClient(timeout=60.0, headers=headers, verify=tls_context(self.settings.ca_file or True)) as client:
+        async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
             for attempt in range(self.settings.upload_retries):
                 try:
                     decode_response(await client.post(url, content=body), Ack)

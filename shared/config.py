@@ -127,21 +127,21 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        from shared.algorithms.registry import ALGORITHMS, SELECTORS
+        from shared.algorithms.registry import ALGORITHMS, SELECTORS, build_algorithm
         from shared.models.zoo import MODEL_NAMES
 
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
         if self.selection not in SELECTORS:
             raise ValueError(f"unknown selection {self.selection!r}; choose one of {sorted(SELECTORS)}")
-        SELECTORS[self.selection].Params.model_validate(self.selection_params)
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
         from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
-        # Building the algorithm validates algorithm_params and the algorithm's own requirements
-        # on the rest of the config (e.g. FNR-FL needs data.public_samples), before any process starts.
-        algorithm = ALGORITHMS[self.algorithm](self)
+        # Building the algorithm validates algorithm_params, selection_params (its selector) and the
+        # algorithm's own requirements on the rest of the config (e.g. FNR-FL needs
+        # data.public_samples), before any process starts.
+        algorithm = build_algorithm(self)
         if self.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
             raise ValueError(f"model {self.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
                              f"(e.g. fedavg, fedbc), not {self.algorithm!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import ssl
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -63,6 +64,11 @@ def tls_context(verify: bool | str = True) -> ssl.SSLContext | bool:
     if verify is False:
         return False
     return ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+
+
+def service_client(service_headers: Mapping[str, str], ca_file: str | None, timeout: float) -> httpx.AsyncClient:
+    """An async client for server-to-server calls: msgpack headers, the service token, TLS trust."""
+    return httpx.AsyncClient(timeout=timeout, headers={**HEADERS, **service_headers}, verify=tls_context(ca_file or True))
 
 
 class SyncClient:
