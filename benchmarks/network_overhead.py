@@ -37,7 +37,7 @@ import torch
 from shared.machine import PeakMemorySampler
 from device_agent.device import round_seed
 from device_agent.trainer import batches, steps_per_round
-from fed_server.evaluation import evaluate
+from shared.evaluation import evaluate
 from fed_server.run_dir import RunDirectory
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.algorithms.aggregation import Contribution

@@ -17,7 +17,7 @@ import torch
 
 from fed_server.devices import DeviceRegistry
 from fed_server.update_checks import clip_update, update_norm
-from fed_server.evaluation import evaluate
+from shared.evaluation import evaluate
 from fed_server.records import round_record, run_summary
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
 from fed_server.checkpoint import RunProgress, load_checkpoint, save_checkpoint

@@ -13,6 +13,7 @@ Two objects per algorithm:
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -162,3 +163,13 @@ class Algorithm:
     def device_logic(cls, params: Extras) -> DeviceLogic:
         """The device's per-round logic, from the parameters sent in the task."""
         return cls.Logic(params)
+
+
+def finite_number(value: Any, what: str, minimum: float | None = None) -> float:
+    """``value`` as a float if it is a finite number (not a bool), else ValueError naming ``what``.
+    For numbers that crossed the network in extras and reports."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
+    return float(value)

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, finite_number
+from shared.evaluation import evaluate
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -228,13 +229,6 @@ def split_seed(run_seed: int, device_id: str) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
 
 
-def _finite_number(extras: Mapping[str, Any], key: str, what: str) -> float:
-    value = extras.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise ValueError(f"{what} {key!r} must be a finite number, got {value!r}")
-    return float(value)
-
-
 def _count(extras: Mapping[str, Any], key: str, what: str) -> int:
     value = extras.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -249,8 +243,9 @@ class FedBCLogic(DeviceLogic):
 
     def __init__(self, params: Extras) -> None:
         super().__init__(params)
-        self.fraction = float(params.get("local_test_fraction", 0.2))
-        self.eval_batch_size = int(params.get("eval_batch_size", 128))
+        cfg = FedBCParams.model_validate(params)   # the server's defaults, not restated here
+        self.fraction = cfg.local_test_fraction
+        self.eval_batch_size = cfg.eval_batch_size
         self.lam = 0.0
         self.gamma = 0.0
         self.reference: dict[str, torch.Tensor] = {}
@@ -259,8 +254,8 @@ class FedBCLogic(DeviceLogic):
 
     def begin_round(self, model: torch.nn.Module, extras: Extras, data: "ArrayDataset") -> None:
         """Read lambda_i, gamma_i; freeze z (the just-loaded global weights); fix the local split."""
-        self.lam = _finite_number(extras, "lambda", "task extra")
-        self.gamma = _finite_number(extras, "gamma", "task extra")
+        self.lam = finite_number(extras.get("lambda"), "task extra 'lambda'")
+        self.gamma = finite_number(extras.get("gamma"), "task extra 'gamma'")
         if self.lam < 0 or self.gamma < 0:
             raise ValueError(f"lambda and gamma must be >= 0, got {self.lam}, {self.gamma}")
         seed = extras.get("split_seed", 0)
@@ -290,14 +285,8 @@ class FedBCLogic(DeviceLogic):
         correct, total = 0, 0
         if self.test_idx is not None and len(self.test_idx):
             test = data.subset(self.test_idx)
-            was_training = model.training
-            model.eval()
-            with torch.no_grad():
-                for start in range(0, len(test), self.eval_batch_size):
-                    logits = model(test.x[start:start + self.eval_batch_size])
-                    correct += int((logits.argmax(1) == test.y[start:start + self.eval_batch_size]).sum())
-            model.train(was_training)
             total = len(test)
+            correct = round(evaluate(model, test, self.eval_batch_size)[0] * total)
         n_train = len(self.train_idx) if self.train_idx is not None else len(data)
         return {"d": distance, "local_correct": correct, "local_total": total, "train_samples": int(n_train)}
 
@@ -341,7 +330,7 @@ class FedBC(Algorithm):
     # --- uploads ------------------------------------------------------------------------------
     def _check_extras(self, device_id: str, extras: Extras, num_samples: int) -> None:
         what = f"{device_id}: upload extra"
-        distance = _finite_number(extras, "d", what)
+        distance = finite_number(extras.get("d"), f"{what} 'd'")
         if distance < 0:
             raise ValueError(f"{what} 'd' must be >= 0, got {distance}")
         correct = _count(extras, "local_correct", what)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 
 from shared.algorithms.aggregation import Contribution, layerwise_aggregate
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, finite_number
+from shared.evaluation import evaluate
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -93,14 +94,6 @@ class FedIPGParams(AlgorithmParams):
         return self
 
 
-def _finite_number(value: Any, what: str, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
-    return float(value)
-
-
 def penalty_parameters(model: torch.nn.Module, scope: str, output_layer: str = "") -> list[torch.nn.Parameter]:
     """The trainable parameters that form ``w`` in ``s = <grad R, w>`` for ``scope`` (all / head).
 
@@ -146,7 +139,7 @@ class FedIPGLogic(DeviceLogic):
 
     def __init__(self, params: Extras) -> None:
         super().__init__(params)
-        self.lam = _finite_number(params.get("lam", 1e-3), "lam", minimum=0.0)
+        self.lam = finite_number(params.get("lam", 1e-3), "lam", minimum=0.0)
         self.scope = str(params.get("penalty_scope", "all"))
         if self.scope not in ("all", "head"):
             raise ValueError(f"penalty_scope must be 'all' or 'head', got {self.scope!r}")
@@ -238,7 +231,7 @@ class FedIPG(Algorithm):
             raise ValueError(f"unexpected extras {sorted(unknown)}; FedIPG accepts only {list(_DIAGNOSTIC_KEYS)}")
         for key in _DIAGNOSTIC_KEYS:
             if key in extras:
-                _finite_number(extras[key], key, minimum=0.0)
+                finite_number(extras[key], key, minimum=0.0)
         if "risk" not in extras:
             raise ValueError("extras must contain 'risk' (mean local cross-entropy)")
         if ("penalty_s2" in extras) != (self.params.lam != 0.0) or ("penalty_abs_s" in extras) != ("penalty_s2" in extras):
@@ -345,16 +338,7 @@ class FedIPG(Algorithm):
         domains = self._domain_sets()
         if not domains:
             return {}
-        was_training = model.training
-        model.eval()
-        acc: dict[str, float] = {}
-        for name, (_, data) in domains.items():
-            correct = 0
-            for start in range(0, len(data), 500):
-                logits = model(data.x[start:start + 500])
-                correct += int((logits.argmax(dim=1) == data.y[start:start + 500]).sum())
-            acc[name] = correct / max(1, len(data))
-        model.train(was_training)
+        acc = {name: evaluate(model, data)[0] for name, (_, data) in domains.items()}
         ids = [acc[n] for n, (kind, _) in domains.items() if kind == "id"]
         oods = [acc[n] for n, (kind, _) in domains.items() if kind == "ood"]
         return {"domain_accuracy": acc, "id_accuracy": sum(ids) / len(ids) if ids else None,

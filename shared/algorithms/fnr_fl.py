@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from pydantic import ConfigDict, Field
 from torch import nn
 
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, finite_number
 from shared.data import ArrayDataset, DataSpec, load_dataset, load_public_set
 
 if TYPE_CHECKING:
@@ -269,12 +269,6 @@ def reference_norms(j: str, participants: Sequence[str], selected: Sequence[str]
 # ------------------------------------------------------------------------------------------------
 # wire helpers and validation
 # ------------------------------------------------------------------------------------------------
-def _finite(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
-    return float(value)
-
-
 def _class_table(raw: Any, num_classes: int, what: str, non_negative: bool = False) -> dict[int, float]:
     """``{"3": 1.5}`` (JSON keys are strings) -> ``{3: 1.5}``, keys checked in ``[0, num_classes)``."""
     if not isinstance(raw, Mapping):
@@ -287,7 +281,7 @@ def _class_table(raw: Any, num_classes: int, what: str, non_negative: bool = Fal
             raise ValueError(f"{what}: class key {key!r} is not an integer") from None
         if str(label) != str(key).strip() or not 0 <= label < num_classes:
             raise ValueError(f"{what}: class key {key!r} is not a class id in [0, {num_classes})")
-        number = _finite(value, f"{what}[{key}]")
+        number = finite_number(value, f"{what}[{key}]")
         if non_negative and number < 0:
             raise ValueError(f"{what}[{key}] must be >= 0 (a norm), got {number}")
         table[label] = number
@@ -420,7 +414,7 @@ class FNRFL(Algorithm):
     def _parse_report(self, report: Mapping[str, Any]) -> tuple[float, dict[int, float]]:
         if not isinstance(report, Mapping):
             raise ValueError("report must be a map")
-        accuracy = _finite(report.get("public_accuracy"), "public_accuracy")
+        accuracy = finite_number(report.get("public_accuracy"), "public_accuracy")
         if not 0.0 <= accuracy <= 1.0:
             raise ValueError(f"public_accuracy must be in [0, 1], got {accuracy}")
         norms = _class_table(report.get("feature_norms"), self.num_classes, "feature_norms", non_negative=True)
@@ -481,7 +475,7 @@ class FNRFL(Algorithm):
             if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
                 raise ValueError(f"'refine_steps' must be an integer >= 0, got {steps!r}")
             for key in ("refine_ce", "refine_penalty", "refine_loss"):
-                _finite(extras.get(key), key)
+                finite_number(extras.get(key), key)
 
     def round_metrics(self, round_id: int, extras: Mapping[str, Extras]) -> Extras:
         """Who was refined and why: public accuracies, S_re, Delta_j, the refinement losses, and

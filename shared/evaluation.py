@@ -1,4 +1,4 @@
-"""Test accuracy and loss of the global model."""
+"""Test accuracy and loss of a model over a data set (the Fed Server's global model, per-domain and local evaluations)."""
 from __future__ import annotations
 
 import torch
