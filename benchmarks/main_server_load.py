@@ -31,11 +31,11 @@ from shared.machine import proc_status_kib
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state
+from shared.http_client import HEADERS
 from shared.schemas import JoinRequest, Participant, RoundPlan, StepRequest, WireTensor
 from shared.wire import decode_tensor, encode_state, encode_tensor, packb, unpackb
 from testbed.processes import ProcessGroup, free_port, wait_healthy
 
-HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 SPLIT = 2
 BATCH = 32
 NUM_CLASSES = 10

@@ -23,7 +23,6 @@ here).
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 import statistics
 import tempfile
@@ -93,13 +92,13 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
 
             testbed.follow(on_round=on_round, timeout=1800)
             t_done = time.perf_counter()
-            peak = sampler.stop()
         finally:
             if sampler is not None:
-                sampler.stop()
+                peak = sampler.stop()
             testbed.stop()
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        _, final_state, _ = RunDirectory(run_dir).read_checkpoint()
+        finished_run = RunDirectory(run_dir)
+        records = finished_run.read_metrics()
+        _, final_state, _ = finished_run.read_checkpoint()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ok = [r for r in records if r["status"] == "ok"]
@@ -125,7 +124,7 @@ def _train_group(model_template, global_model, members: list[str], split: dict[s
                            portion_state(global_model, grouping_start, n_blocks), lr=train.lr,
                            momentum=train.momentum, weight_decay=train.weight_decay,
                            group_loss=config.grouping.group_loss)
-    clients, optimizers, iters, num_steps, losses = {}, {}, {}, {}, {m: [] for m in members}
+    clients, optimizers, iters, num_steps = {}, {}, {}, {}
     for m in members:
         client = copy.deepcopy(model_template)
         portion = client.portion(0, split[m])
@@ -148,7 +147,6 @@ def _train_group(model_template, global_model, members: list[str], split: dict[s
             optimizers[m].zero_grad(set_to_none=True)
             fxs[m].backward(results[m].dfx.to(fxs[m].dtype))
             optimizers[m].step()
-            losses[m].append(results[m].loss)
     client_states = {m: {k: v.detach().clone() for k, v in clients[m].state_dict().items()} for m in members}
     return client_states, trainer.state()
 
