@@ -11,7 +11,7 @@ import httpx
 import torch
 
 from device_agent.timing import RoundClock
-from device_agent.trainer import steps_per_round, train_round
+from device_agent.trainer import TaskExpired, steps_per_round, train_round
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.http_client import ServiceError, SyncClient
@@ -73,6 +73,7 @@ class Device:
         delay = self.poll_interval_s
         while not self.stop.is_set():
             try:
+                received_at = time.monotonic()
                 task, size = self._poll()
             except ServiceError as exc:
                 if exc.status == 404:  # the Fed Server restarted and forgot us
@@ -96,8 +97,8 @@ class Device:
                 self.stop.wait(self._retry_delay(task))
                 continue
             try:
-                self.run_task(task, size)
-            except (ServiceError, httpx.TransportError) as exc:
+                self.run_task(task, size, received_at)
+            except (ServiceError, httpx.TransportError, TaskExpired) as exc:
                 log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
 
     def _poll(self) -> tuple[TaskResponse, int]:
@@ -143,11 +144,13 @@ class Device:
         log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)
 
     def _warm_up(self) -> None:
-        """One forward/backward pass before registering, so first-use costs (allocator, kernel
-        selection) do not land in the first round's measured time and skew the time table."""
+        """One forward/backward pass and optimizer step before registering, so first-use costs
+        (allocator, kernel selection, and about a second of lazy imports on the first optimizer
+        PyTorch builds in a process) do not land in the first round and skew the time table."""
         assert self.model is not None and self.data is not None
         x = self.data.x[: min(8, len(self.data))]
         self.model(x).sum().backward()
+        torch.optim.SGD(self.model.parameters(), lr=0.0).step()  # lr 0: the weights stay as built
         self.model.zero_grad(set_to_none=True)
 
     def _wait_for_run(self) -> RunInfo:
@@ -174,9 +177,15 @@ class Device:
         return DeviceProfileMsg(kind="native", flops=flops, rate=1e7)
 
     # --- one round ----------------------------------------------------------------------------
-    def run_task(self, task: TaskResponse, task_bytes: int) -> None:
-        """Train the task's portion, report and follow up if the algorithm asks, and upload."""
+    def run_task(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
+        """Train the task's portion, report and follow up if the algorithm asks, and upload.
+
+        ``received_at`` is the ``time.monotonic()`` of the poll that brought the task: its
+        ``deadline_s`` (what remained of the attempt then) counts from there, and past it the Fed
+        Server has closed the attempt, so the device gives the task up (:class:`TaskExpired`).
+        """
         assert self.model is not None and self.data is not None and self.info is not None
+        deadline = received_at + (task.deadline_s or 300.0)
         clock = RoundClock(self.kind, self.time_scale)
         clock.transfer(task_bytes)
         weights = decode_portion(task.weights or {}, self.model, 0, task.split_point, what="task weights")
@@ -194,11 +203,11 @@ class Device:
         result = train_round(
             self.model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
             train.batch_size, train.local_epochs, round_seed(self.info.seed, self.shard, task.round_id), clock,
-            send_step, task.half_precision, logic=logic, extras=dict(task.extras),
+            send_step, task.half_precision, logic=logic, extras=dict(task.extras), deadline=deadline,
         )
         portion = self.model.portion(0, task.split_point)
         if task.report:
-            self._report_and_follow_up(task, logic, portion, clock)
+            self._report_and_follow_up(task, logic, portion, clock, deadline)
         state = {k: v.detach().clone() for k, v in portion.state_dict().items()}
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
@@ -222,7 +231,7 @@ class Device:
         log.info("%s: round %d done (split %d, %d steps, loss %.3f, %.2fs)", self.device_id, task.round_id,
                  task.split_point, result.steps, result.train_loss, body.timings.total_s)
 
-    def _report_and_follow_up(self, task: TaskResponse, logic, portion, clock: RoundClock) -> None:
+    def _report_and_follow_up(self, task: TaskResponse, logic, portion, clock: RoundClock, deadline: float) -> None:
         """Two-phase algorithms: send the report, wait for this round's follow-up, act on it."""
         assert self.data is not None and task.round_id is not None
         with clock.compute():
@@ -230,7 +239,6 @@ class Device:
         report = ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=extras)
         self.fed.call("POST", f"{API}/rounds/{task.round_id}/reports", Ack, report)
         t0 = time.monotonic()
-        deadline = t0 + (task.deadline_s or 300.0)
         while True:
             follow, size = self._poll()
             if follow.status == "train" and follow.phase == "follow_up" and follow.round_id == task.round_id:

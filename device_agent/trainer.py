@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -14,6 +15,11 @@ from shared.models import SplitModel
 
 #: Sends (step, fx, labels) to the Main Server and returns (dfx, server-reported loss).
 StepFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, float]]
+
+
+class TaskExpired(Exception):
+    """The task's deadline passed before training finished: the Fed Server has closed that
+    attempt, so finishing it would only load the machine and upload a stale model."""
 
 
 @dataclass
@@ -53,12 +59,15 @@ def train_round(
     half_precision: bool = False,
     logic: DeviceLogic | None = None,
     extras: dict | None = None,
+    deadline: float | None = None,
 ) -> LocalResult:
     """Train blocks[:split_point] for one round and return them.
 
     With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
     Server and backpropagates the returned dfx; without it the device holds the whole model and
     trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
+    ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
+    round is given up with :class:`TaskExpired`.
     """
     logic = logic or DeviceLogic({})
     portion = model.portion(0, split_point)
@@ -70,6 +79,8 @@ def train_round(
     losses: list[float] = []
     steps = 0
     for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TaskExpired(f"deadline passed after {steps} steps")
         if send_step is None:
             with clock.compute():
                 loss = logic.loss(portion, x, y)

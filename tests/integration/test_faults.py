@@ -7,9 +7,12 @@ import signal
 import time
 
 import httpx
+import pytest
 
+from device_agent.device import Device
+from device_agent.trainer import TaskExpired
 from fed_server.run_dir import RunDirectory
-from integration_support import small_config
+from integration_support import server_pair, small_config
 from testbed.processes import wait_healthy
 
 
@@ -92,3 +95,26 @@ def test_device_frozen_past_the_step_deadline_is_dropped_then_rejoins(run_testbe
     assert set(ok[0]["dropped"]) == {"dev-002", "dev-003"}
     assert ok[-1]["aggregated"] == ["dev-000", "dev-001", "dev-002", "dev-003"]
     assert not math.isnan(ok[-1]["test_loss"])
+
+
+def test_device_gives_up_a_task_whose_deadline_passed():
+    # A device that gets a task but cannot start it before the round deadline (a stall, a busy
+    # machine) must not train it: that attempt is closed and its upload would only be rejected.
+    config = small_config(algorithm="fedavg", **{"data.num_devices": 1, "deadlines.round_s": 1.0,
+                                                 "deadlines.max_failed_attempts": 1000})
+    with server_pair(config, "expired") as servers:
+        device = Device("dev-000", 0, servers.fed_url, kind=None)
+        device.setup()
+        give_up = time.monotonic() + 30
+        received_at = time.monotonic()
+        task, size = device._poll()
+        while task.status != "train" and time.monotonic() < give_up:
+            time.sleep(0.05)
+            received_at = time.monotonic()
+            task, size = device._poll()
+        assert task.status == "train" and task.deadline_s is not None and task.deadline_s <= 1.0
+        time.sleep(task.deadline_s + 0.1)
+        with pytest.raises(TaskExpired, match="deadline passed after 0 steps"):
+            device.run_task(task, size, received_at)
+        status = _fed_status(servers)
+        assert device.rounds_done == 0 and status["rounds_done"] == 0

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from device_agent.timing import RoundClock
-from device_agent.trainer import batches, steps_per_round, train_round
+from device_agent.trainer import TaskExpired, batches, steps_per_round, train_round
 from main_server.group_trainer import GroupTrainer, MemberBatch
+from shared.algorithms.base import DeviceLogic
 from shared.data import ArrayDataset
 from shared.models import build_model
 from shared.profiles import parse_kind
@@ -127,6 +128,36 @@ def test_train_round_without_server_lowers_loss(model):
     final = _eval_loss(model, weights, data)
     assert final < 0.5 * initial
     assert results[-1].train_loss < results[0].train_loss
+
+
+class _SlowLogic(DeviceLogic):
+    """Cross-entropy, but each step takes at least 50 ms (a slow device)."""
+
+    def loss(self, portion, x, y):
+        time.sleep(0.05)
+        return super().loss(portion, x, y)
+
+
+def test_train_round_past_its_deadline_gives_up_before_any_step(model):
+    m = copy.deepcopy(model)
+    weights = _weights(m, len(m.blocks))
+    with pytest.raises(TaskExpired, match="after 0 steps"):
+        train_round(m, len(m.blocks), weights, _separable(), lr=0.05, momentum=0.0, weight_decay=0.0,
+                    batch_size=8, epochs=1, seed=0, clock=RoundClock(None), send_step=None,
+                    deadline=time.monotonic() - 1.0)
+
+
+def test_train_round_stops_when_its_deadline_passes_mid_round(model):
+    m = copy.deepcopy(model)
+    weights = _weights(m, len(m.blocks))
+    t0 = time.monotonic()
+    with pytest.raises(TaskExpired) as info:
+        train_round(m, len(m.blocks), weights, _separable(), lr=0.05, momentum=0.0, weight_decay=0.0,
+                    batch_size=4, epochs=5, seed=0, clock=RoundClock(None), send_step=None,
+                    logic=_SlowLogic({}), deadline=t0 + 0.2)
+    done = int(str(info.value).split("after ")[1].split()[0])
+    assert 1 <= done < steps_per_round(48, 4, 5)  # 60 steps of >= 50 ms would take >= 3 s
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_train_round_returns_copies(model):
