@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
+from shared.config import GroupLoss
 from shared.models import SplitModel
-
-GroupLoss = Literal["per_member", "union_mean"]
 
 
 @dataclass
@@ -67,6 +64,8 @@ class GroupTrainer:
         ``per_member``: the loss is the sum of the members' mean losses, so each member's dfx is
         the gradient of its own mean loss (as if it trained alone, as in SFL); the copy's
         gradient is divided by the member count, i.e. it steps on the mean of the member losses.
+        ``per_member_sum``: the same dfx, but the copy steps on the sum of the member losses
+        (the spec's further choice of server step size: |G| times the per_member step).
         ``union_mean``: one mean cross-entropy over the concatenated batch (Eq. 3 read
         literally); each member's dfx is then scaled by its share of the batch.
         """

@@ -42,15 +42,20 @@ class SplitConfig(_Strict):
     server_flops: float = Field(5e10, gt=0)  # Comp_s in Eq. 1 (paper: 5e10)
 
 
+#: How a group's loss is combined (the paper's Eq. 3 "union" is ambiguous; docs/s2fl.md):
+#: per_member: each device gets the gradient of its own mean loss and the server copy steps on the
+#:   mean of the members' mean losses; per_member_sum: the same device gradients, the copy steps
+#:   on their sum (a server step |G| times larger); union_mean: one mean loss over the
+#:   concatenated batch.
+GroupLoss = Literal["per_member", "per_member_sum", "union_mean"]
+
+
 class GroupingConfig(_Strict):
     """How the Main Server groups devices (S2FL's data-balance mechanism, Eq. 2)."""
 
     label_balance: bool | None = None
     group_size: int = Field(5, ge=1)
-    # How a group's loss is combined (the paper's Eq. 3 "union" is ambiguous; docs/s2fl.md):
-    # per_member: each device gets the gradient of its own mean loss, the server copy steps on the
-    #   mean of the members' mean losses; union_mean: one mean loss over the concatenated batch.
-    group_loss: Literal["per_member", "union_mean"] = "per_member"
+    group_loss: GroupLoss = "per_member"
 
 
 class DeadlineConfig(_Strict):

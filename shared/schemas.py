@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
-from shared.config import TrainConfig
+from shared.config import GroupLoss, TrainConfig
 from shared.data.spec import DataSpec
 from shared.wire import DTYPE_NAMES, MAX_RANK
 
@@ -173,7 +173,7 @@ class RoundPlan(Message):
     train: TrainConfig
     grouping: Literal["balanced", "singleton"]
     group_size: int = Field(ge=1)
-    group_loss: Literal["per_member", "union_mean"]
+    group_loss: GroupLoss
     join_deadline_s: float = Field(gt=0)
     step_deadline_s: float = Field(gt=0)
 

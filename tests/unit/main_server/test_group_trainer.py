@@ -69,7 +69,7 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------------ one member
 @pytest.mark.parametrize("split", [1, 2, 3])
-@pytest.mark.parametrize("group_loss", ["per_member", "union_mean"])
+@pytest.mark.parametrize("group_loss", ["per_member", "per_member_sum", "union_mean"])
 def test_one_member_matches_hand_autograd(model, split, group_loss):
     b = _member(model, "d0", split, 6, seed=split)
     dfx_ref, pgrads, loss_ref = _solo_grads(model, b, split)
@@ -138,6 +138,24 @@ def test_two_members_same_split_per_member(model, split):
     after = _server_params(trainer.model, split)
     for k in before:
         _assert_close(after[k].detach(), before[k] - LR * (p1[k] + p2[k]) / 2)
+
+
+def test_two_members_per_member_sum_steps_the_copy_on_the_sum(model):
+    split = 2
+    b1 = _member(model, "a", split, 4, seed=23)
+    b2 = _member(model, "b", split, 7, seed=24)
+    g1, p1, _ = _solo_grads(model, b1, split)
+    g2, p2, _ = _solo_grads(model, b2, split)
+    before = {k: v.detach().clone() for k, v in _server_params(model, split).items()}
+
+    trainer = _trainer(model, split, "per_member_sum")
+    out = trainer.step([b1, b2])
+
+    _assert_close(out["a"].dfx, g1)  # devices get what per_member gives them
+    _assert_close(out["b"].dfx, g2)
+    after = _server_params(trainer.model, split)
+    for k in before:
+        _assert_close(after[k].detach(), before[k] - LR * (p1[k] + p2[k]))
 
 
 def test_two_members_same_split_union_mean(model):
