@@ -120,42 +120,25 @@ def test_state_has_server_portion_keys(model):
 
 # ------------------------------------------------------------------------------------ same split
 @pytest.mark.parametrize("split", [1, 3])
-def test_two_members_same_split_per_member(model, split):
+@pytest.mark.parametrize("group_loss, server_divisor", [("per_member", 2), ("per_member_sum", 1)])
+def test_two_members_same_split_per_member(model, split, group_loss, server_divisor):
     b1 = _member(model, "a", split, 4, seed=21)
     b2 = _member(model, "b", split, 7, seed=22)
     g1, p1, l1 = _solo_grads(model, b1, split)
     g2, p2, l2 = _solo_grads(model, b2, split)
     before = {k: v.detach().clone() for k, v in _server_params(model, split).items()}
 
-    trainer = _trainer(model, split, "per_member")
+    trainer = _trainer(model, split, group_loss)
     out = trainer.step([b1, b2])
 
     _assert_close(out["a"].dfx, g1)
     _assert_close(out["b"].dfx, g2)
     assert out["a"].loss == pytest.approx(l1, rel=1e-5)
     assert out["b"].loss == pytest.approx(l2, rel=1e-5)
-    # the copy steps on the mean of the members' own gradients
+    # the copy steps on the mean (per_member) or the sum (per_member_sum) of the members' gradients
     after = _server_params(trainer.model, split)
     for k in before:
-        _assert_close(after[k].detach(), before[k] - LR * (p1[k] + p2[k]) / 2)
-
-
-def test_two_members_per_member_sum_steps_the_copy_on_the_sum(model):
-    split = 2
-    b1 = _member(model, "a", split, 4, seed=23)
-    b2 = _member(model, "b", split, 7, seed=24)
-    g1, p1, _ = _solo_grads(model, b1, split)
-    g2, p2, _ = _solo_grads(model, b2, split)
-    before = {k: v.detach().clone() for k, v in _server_params(model, split).items()}
-
-    trainer = _trainer(model, split, "per_member_sum")
-    out = trainer.step([b1, b2])
-
-    _assert_close(out["a"].dfx, g1)  # devices get what per_member gives them
-    _assert_close(out["b"].dfx, g2)
-    after = _server_params(trainer.model, split)
-    for k in before:
-        _assert_close(after[k].detach(), before[k] - LR * (p1[k] + p2[k]))
+        _assert_close(after[k].detach(), before[k] - LR * (p1[k] + p2[k]) / server_divisor)
 
 
 def test_two_members_same_split_union_mean(model):
