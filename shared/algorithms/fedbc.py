@@ -311,6 +311,9 @@ class FedBC(Algorithm):
         self.param_names: list[str] = []
         self._round: Extras = {}
         self._warned_stability = False
+        # d of each device's latest accepted upload, so aggregate need not recompute it (cleared by
+        # aggregate; every contribution it receives was accepted in the attempt it closes).
+        self._upload_distance: dict[str, float] = {}
 
     def bind_model(self, model: torch.nn.Module) -> None:
         super().bind_model(model)
@@ -354,6 +357,7 @@ class FedBC(Algorithm):
         if abs(reported - distance) > DISTANCE_LOG_RTOL * max(abs(distance), 1e-12):
             log.info("fedbc round %d: %s reported d=%.6g, recomputed d=%.6g (the server's value is used)",
                      round_id, device_id, reported, distance)
+        self._upload_distance[device_id] = distance
 
     def aggregate(self, round_id: int, global_state: Mapping[str, torch.Tensor],
                   contributions: Mapping[str, Contribution], extras: Mapping[str, Extras]) -> dict[str, torch.Tensor]:
@@ -367,9 +371,7 @@ class FedBC(Algorithm):
         n_train: dict[str, float] = {}
         for device in devices:
             contribution = contributions[device]
-            distances[device] = squared_distance(contribution.client_state, global_state, self.param_names)
-            if not math.isfinite(distances[device]):
-                raise ValueError(f"{device}: distance to the global model is not finite")
+            distances[device] = self._distance(device, contribution, global_state)
             ex = extras.get(device, {})
             n = ex.get("train_samples", contribution.weight)
             n_train[device] = float(n) if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0 \
@@ -386,6 +388,7 @@ class FedBC(Algorithm):
             if isinstance(c, int) and isinstance(t, int) and t > 0:
                 self.local_counts[device] = [c, t]
 
+        self._upload_distance.clear()
         lambdas = [self.lam[d] for d in devices]
         sizes = [n_train[d] for d in devices]
         fallback = sum(lambdas) <= 0.0
@@ -398,6 +401,16 @@ class FedBC(Algorithm):
         self._check_stability(max(lambdas) if lambdas else 0.0)
         self._round = self._metrics(devices, distances, lambdas, sizes, fallback, extras)
         return new_state
+
+    def _distance(self, device: str, contribution: Contribution, global_state: Mapping[str, torch.Tensor]) -> float:
+        """The d that :meth:`accept_update` computed for this upload, or computed now (an upload
+        that reached this object some other way, e.g. a test calling aggregate directly)."""
+        distance = self._upload_distance.get(device)
+        if distance is None:
+            distance = squared_distance(contribution.client_state, global_state, self.param_names)
+            if not math.isfinite(distance):
+                raise ValueError(f"{device}: distance to the global model is not finite")
+        return distance
 
     def _check_stability(self, max_lambda: float) -> None:
         """Spec §7.3: plain SGD on the penalty (curvature 2 lambda) needs lr * 2 lambda < 2."""

@@ -263,6 +263,23 @@ def test_device_trains_on_80_percent_and_reports_local_accuracy_and_distance():
     algo.accept_update("dev-0", 1, state, extras, len(data), weights)
 
 
+def test_aggregate_uses_the_distance_computed_when_the_upload_was_accepted(monkeypatch):
+    algo = _server()
+    global_state = {"w": torch.tensor([0.0])}
+    states = {"dev-0": {"w": torch.tensor([1.0])}, "dev-1": {"w": torch.tensor([3.0])}}
+    for device, state in states.items():
+        algo.accept_update(device, 7, state, _extras(4), 4, global_state)
+    calls = []
+    monkeypatch.setattr("shared.algorithms.fedbc.squared_distance", lambda *a: calls.append(a) or 0.0)
+    contributions = {d: Contribution(weight=4, client_state=state) for d, state in states.items()}
+    algo.aggregate(1, global_state, contributions, {d: _extras(4) for d in states})
+    assert calls == []  # nothing recomputed
+    assert algo.round_metrics(1, {})["distance"] == {"dev-0": 1.0, "dev-1": 9.0}
+    # the next round's aggregate does not see this round's cached values
+    algo.aggregate(2, global_state, contributions, {d: _extras(4) for d in states})
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("patch", [
     {"d": float("nan")}, {"d": -1.0}, {"d": "x"}, {"local_correct": 5, "local_total": 4},
     {"local_total": -1}, {"train_samples": 0}, {"train_samples": 3}, {"local_correct": True},
