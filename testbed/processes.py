@@ -70,15 +70,18 @@ class ProcessGroup:
     services: list[Service] = field(default_factory=list)
 
     def start(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Service:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{name}.log"
-        log_file = open(log_path, "ab")
-        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
-                                   env=service_env(env), start_new_session=True)
-        log_file.close()
-        service = Service(name, process, log_path, module, tuple(args), env)
+        """Start ``python -m module`` as a member of this group (stopped with it)."""
+        service = Service(name, self._spawn(name, module, args, env), self.log_dir / f"{name}.log", module,
+                          tuple(args), env)
         self.services.append(service)
         return service
+
+    def _spawn(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None) -> subprocess.Popen:
+        """``python -m module args`` in its own session, appending to ``log_dir/name.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log_file:
+            return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
+                                    env=service_env(env), start_new_session=True)
 
     def restart(self, service: Service, sig: int = signal.SIGKILL) -> Service:
         """Kill ``service`` with ``sig`` (default SIGKILL: no chance to clean up) and start it
@@ -86,9 +89,7 @@ class ProcessGroup:
         if service.alive():
             service.process.send_signal(sig)
         service.process.wait()
-        fresh = self.start(service.name, service.module, service.args, service.env)
-        self.services.remove(fresh)
-        service.process = fresh.process
+        service.process = self._spawn(service.name, service.module, service.args, service.env)
         return service
 
     def stop(self, timeout: float = 10.0) -> None:
