@@ -383,8 +383,10 @@ class Coordinator:
         self.rng.setstate(progress.rng_state)
         self.algorithm.load_state_dict(progress.algorithm_state)
         self.table.load_entries(progress.time_table)
-        self.history = self.run_dir.read_metrics()[: progress.history_len]
-        self.run_dir.rewrite_metrics(self.history)
+        written = self.run_dir.read_metrics()
+        self.history = written[: progress.history_len]
+        if len(written) > len(self.history):  # lines of rounds the checkpoint does not cover
+            self.run_dir.rewrite_metrics(self.history)
         self.finished = progress.finished
         self.stop_reason = progress.stop_reason
         log.info("resumed run %s after round %d (attempt %d)", self.run_id, self.rounds_done, self.attempts)

@@ -106,6 +106,19 @@ def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round
     assert r2.index == 2 and r2.round_id == 3  # ... so its id is skipped, never reused
 
 
+def test_resume_drops_metrics_lines_the_checkpoint_does_not_cover_and_else_leaves_the_file(tmp_path):
+    c = _coordinator(tmp_path)
+    _complete_round(c)
+    metrics = c.run_dir.metrics_path
+    inode = metrics.stat().st_ino
+    assert [m["round"] for m in _coordinator(tmp_path).history] == [1]
+    assert metrics.stat().st_ino == inode  # nothing to drop: not rewritten
+    with open(metrics, "a") as fh:  # a round recorded after the last checkpoint, then a crash
+        fh.write('{"round": 2, "status": "ok"}\n')
+    assert [m["round"] for m in _coordinator(tmp_path).history] == [1]
+    assert [m["round"] for m in c.run_dir.read_metrics()] == [1]
+
+
 def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
     from fed_server.coordinator import IDLE_RETRY_S, SOON_RETRY_S
 
