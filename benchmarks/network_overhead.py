@@ -16,9 +16,11 @@ the algorithm's ``aggregate`` (Algorithm 1) and ``evaluate`` on the same test se
 
 Figures: seconds per round of both (the Fed Server's round time: dispatch to evaluated model;
 in-process: training + aggregation + evaluation), their ratio, final accuracies, and the
-largest absolute difference between the two final global models (only float summation order
+largest absolute difference between the two final global models. Only float summation order
 differs: members' batches are concatenated in arrival order at the Main Server, in id order
-here).
+here. Training amplifies that rounding, so a second, untimed replay with every group's members
+in reverse order measures how far order alone moves the model: the yardstick for the first
+difference.
 """
 from __future__ import annotations
 
@@ -115,9 +117,13 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
 
 # --- in-process ---------------------------------------------------------------------------------
 
-def _train_group(model_template, global_model, members: list[str], split: dict[str, int], shards: dict[str, int],
-                 data: dict, config: RunConfig, round_id: int, grouping_start: int):
-    """One group of one round: every member's device loop and the group's server copy, step by step."""
+def _train_group(model_template, device_models: dict, global_model, members: list[str], split: dict[str, int],
+                 shards: dict[str, int], data: dict, config: RunConfig, round_id: int, grouping_start: int,
+                 reverse: bool = False):
+    """One group of one round: every member's device loop and the group's server copy, step by
+    step; the members' batches are concatenated in ``members`` order, or reversed. Like the
+    services, each device keeps its model object across rounds (``device_models``) and the
+    group's server copy is a fresh deep copy of the template (as the Main Server makes)."""
     train = config.train
     n_blocks = len(global_model.blocks)
     trainer = GroupTrainer(copy.deepcopy(model_template), grouping_start,
@@ -126,8 +132,7 @@ def _train_group(model_template, global_model, members: list[str], split: dict[s
                            group_loss=config.grouping.group_loss)
     clients, optimizers, iters, num_steps = {}, {}, {}, {}
     for m in members:
-        client = copy.deepcopy(model_template)
-        portion = client.portion(0, split[m])
+        portion = device_models[m].portion(0, split[m])
         portion.load_state_dict(portion_state(global_model, 0, split[m]), strict=True)
         portion.train()
         clients[m] = portion
@@ -142,7 +147,7 @@ def _train_group(model_template, global_model, members: list[str], split: dict[s
             x, y = next(iters[m])
             fxs[m] = clients[m](x)
             member_batches.append(MemberBatch(m, split[m], fxs[m].detach(), y))
-        results = trainer.step(member_batches)
+        results = trainer.step(member_batches[::-1] if reverse else member_batches)
         for m in active:
             optimizers[m].zero_grad(set_to_none=True)
             fxs[m].backward(results[m].dfx.to(fxs[m].dtype))
@@ -151,8 +156,9 @@ def _train_group(model_template, global_model, members: list[str], split: dict[s
     return client_states, trainer.state()
 
 
-def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], None]) -> dict:
-    """Replay the services run's rounds (their split points) in this process, without the network."""
+def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], None], reverse: bool = False) -> dict:
+    """Replay the services run's rounds (their split points) in this process, without the network
+    (``reverse``: every group's members concatenated in reverse id order)."""
     t_setup = time.perf_counter()
     num_classes, input_shape = dataset_num_classes(config.data), dataset_input_shape(config.data)
     train_set, test_set = load_dataset(config.data)
@@ -163,6 +169,7 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
     ids = sorted({d for r in records for d in r["split_points"]})
     shards = {d: int(d.rsplit("-", 1)[1]) for d in ids}   # testbed device ids are dev-<shard>
     data = {d: device_shard(config.data, train_set, shards[d]) for d in ids}
+    device_models = {d: copy.deepcopy(template) for d in ids}
     setup_s = time.perf_counter() - t_setup
     round_times, accuracies, groups_match = [], [], True
     for record in records:
@@ -179,8 +186,8 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         contributions: dict[str, Contribution] = {}
         for members in groups:
             start = min(split[m] for m in members)
-            client_states, server_state = _train_group(template, model, list(members), split, shards, data, config,
-                                                       record["round_id"], start)
+            client_states, server_state = _train_group(template, device_models, model, list(members), split, shards,
+                                                       data, config, record["round_id"], start, reverse)
             for m in members:
                 contributions[m] = Contribution(weight=len(data[m]), client_state=client_states[m], server_state=server_state)
         contributions = dict(sorted(contributions.items()))
@@ -189,12 +196,17 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         accuracy, _ = evaluate(model, test_set)
         round_times.append(time.perf_counter() - t0)
         accuracies.append(accuracy)
-        log(f"  in-process round {record['round']}/{len(records)}: {round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
+        log(f"  in-process{' (reversed)' if reverse else ''} round {record['round']}/{len(records)}: "
+            f"{round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
     return {"round_times_s": round_times, "accuracies": accuracies, "final_state": model.state_dict(),
             "setup_s": setup_s, "groups_match_services": groups_match}
 
 
 # --- both -----------------------------------------------------------------------------------------
+
+def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].double() - v.double()).abs().max()) for k, v in b.items())
+
 
 def run(quick: bool, log: Callable[[str], None] = print) -> tuple[dict, dict]:
     """Returns ((a) network overhead figures, (d) peak memory figures)."""
@@ -203,9 +215,8 @@ def run(quick: bool, log: Callable[[str], None] = print) -> tuple[dict, dict]:
         f"{config.data.max_samples} samples, group size {config.grouping.group_size}, real devices (no emulation)")
     services = run_services(config, log)
     inproc = run_in_process(config, services["records"], log)
+    reversed_order = run_in_process(config, services["records"], log, reverse=True)
     svc_times = [r["round_time_s"] for r in services["records"]]
-    diff = max(float((services["final_state"][k].double() - v.double()).abs().max())
-               for k, v in inproc["final_state"].items())
     svc_mean, inp_mean = statistics.mean(svc_times), statistics.mean(inproc["round_times_s"])
     overhead = {
         "config": {"algorithm": config.algorithm, "model": config.model, "devices": config.data.num_devices,
@@ -225,7 +236,10 @@ def run(quick: bool, log: Callable[[str], None] = print) -> tuple[dict, dict]:
         "in_process_final_accuracy": inproc["accuracies"][-1],
         "services_accuracy_per_round": [r["test_accuracy"] for r in services["records"]],
         "in_process_accuracy_per_round": inproc["accuracies"],
-        "max_abs_weight_diff_final_model": diff,
+        "max_abs_weight_diff_final_model": _max_abs_diff(services["final_state"], inproc["final_state"]),
+        # How far the concatenation order alone moves the model: the yardstick for the line above.
+        "max_abs_weight_diff_member_order": _max_abs_diff(reversed_order["final_state"], inproc["final_state"]),
+        "in_process_reversed_accuracy_per_round": reversed_order["accuracies"],
         "groups_match_services": inproc["groups_match_services"],
         "services_startup_s": services["startup_s"],
         "services_run_wall_s": services["run_wall_s"],

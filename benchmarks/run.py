@@ -48,7 +48,8 @@ def report(results: dict) -> str:
         out.append(_table(["", "services s/round", "in-process s/round", "ratio"], rows))
         out.append(f"final accuracy: services {100 * a['services_final_accuracy']:.2f}%, in-process "
                    f"{100 * a['in_process_final_accuracy']:.2f}%; max |weight difference| of the final models "
-                   f"{a['max_abs_weight_diff_final_model']:.2e}; same groups: {a['groups_match_services']}")
+                   f"{a['max_abs_weight_diff_final_model']:.2e} (member order alone, in-process: "
+                   f"{a['max_abs_weight_diff_member_order']:.2e}); same groups: {a['groups_match_services']}")
         out.append(f"services start-up {a['services_startup_s']:.1f}s (not in the rounds); "
                    f"split points per round {a['split_points_per_round']}")
     b = results.get("wire")
