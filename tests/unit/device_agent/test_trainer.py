@@ -268,38 +268,68 @@ def test_half_precision_sends_float16(model):
 
 
 # ------------------------------------------------------------------------------------ RoundClock
-def _timed_section(clock: RoundClock, seconds: float) -> float:
-    t0 = time.monotonic()
+class _FakeTime:
+    """Stands in for ``time`` in device_agent.timing: sleeping advances a virtual clock, so the
+    clock's arithmetic is checked exactly, whatever the load on the machine."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_time(monkeypatch) -> _FakeTime:
+    fake = _FakeTime()
+    monkeypatch.setattr("device_agent.timing.time", fake)
+    return fake
+
+
+def _timed_section(clock: RoundClock, fake: _FakeTime, seconds: float) -> None:
+    """A compute section that takes ``seconds`` of (virtual) measured time."""
     with clock.compute():
-        time.sleep(seconds)
-    return time.monotonic() - t0
+        fake.now += seconds
 
 
 @pytest.mark.parametrize("kind", ["low", "mid-high", "high-low"])
-def test_round_clock_stretches_compute(kind):
+def test_round_clock_stretches_compute(kind, fake_time):
     emulated = parse_kind(kind)
     stretch = emulated.compute_stretch
     assert stretch > 1.0
     clock = RoundClock(emulated)
-    section = 0.02
-    wall = _timed_section(clock, section)
-    assert clock.compute_s >= section * stretch * 0.98
-    assert clock.compute_s == pytest.approx(section * stretch, rel=0.35)
-    assert wall == pytest.approx(clock.compute_s, abs=0.03)  # the stretch is really slept
+    _timed_section(clock, fake_time, 0.02)
+    assert clock.compute_s == pytest.approx(0.02 * stretch)
+    assert fake_time.slept == [pytest.approx(0.02 * (stretch - 1))]  # the stretch is really slept
+    assert clock.total() == pytest.approx(clock.compute_s)
 
 
-def test_round_clock_low_is_four_times_high():
+def test_round_clock_low_is_four_times_high(fake_time):
     low, high = RoundClock(parse_kind("low")), RoundClock(parse_kind("high"))
-    _timed_section(low, 0.02)
-    _timed_section(high, 0.02)
-    assert low.compute_s / high.compute_s == pytest.approx(4.0, rel=0.2)
+    _timed_section(low, fake_time, 0.02)
+    _timed_section(high, fake_time, 0.02)
+    assert low.compute_s / high.compute_s == pytest.approx(4.0)
 
 
-def test_round_clock_real_device_does_not_stretch():
+def test_round_clock_real_device_does_not_stretch(fake_time):
     clock = RoundClock(None)
-    _timed_section(clock, 0.03)
-    _timed_section(clock, 0.03)
-    assert 0.058 <= clock.compute_s < 0.12
+    _timed_section(clock, fake_time, 0.03)
+    _timed_section(clock, fake_time, 0.03)
+    assert clock.compute_s == pytest.approx(0.06) and fake_time.slept == []
+
+
+def test_round_clock_stretch_sleeps_for_real():
+    """One real (unfaked) section: the emulated stretch is an actual sleep, not just arithmetic."""
+    clock = RoundClock(parse_kind("low"))
+    t0 = time.monotonic()
+    with clock.compute():
+        time.sleep(0.01)
+    assert time.monotonic() - t0 >= 0.01 * parse_kind("low").compute_stretch * 0.98
 
 
 def test_round_clock_transfer_adds_emulated_delay():
