@@ -26,6 +26,9 @@ from shared.wire import decode_tensor, encode_state, encode_tensor
 
 log = logging.getLogger("device_agent")
 
+#: Seconds a task without a deadline_s may take (the Fed Server's default round deadline).
+TASK_DEADLINE_DEFAULT_S = 300.0
+
 
 def round_seed(seed: int, shard: int, round_id: int) -> int:
     """Per device and round batch-order seed, identical in every process."""
@@ -185,7 +188,7 @@ class Device:
         Server has closed the attempt, so the device gives the task up (:class:`TaskExpired`).
         """
         assert self.model is not None and self.data is not None and self.info is not None
-        deadline = received_at + (task.deadline_s or 300.0)
+        deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
         clock = RoundClock(self.kind, self.time_scale)
         clock.transfer(task_bytes)
         weights = decode_portion(task.weights or {}, self.model, 0, task.split_point, what="task weights")
@@ -261,7 +264,8 @@ class Device:
         join = JoinRequest(device_id=self.device_id, label_counts=self.data.label_counts().tolist(), num_steps=num_steps)
         t0 = time.monotonic()
         before = main.bytes.up + main.bytes.down
-        main.call("POST", f"{API}/rounds/{round_id}/join", JoinResponse, join, timeout=(task.deadline_s or 300) + 5)
+        timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
+        main.call("POST", f"{API}/rounds/{round_id}/join", JoinResponse, join, timeout=timeout)
         clock.transfer(main.bytes.up + main.bytes.down - before, 0.0)
         clock.wait_s += time.monotonic() - t0  # waiting for the other participants to join
 
@@ -270,7 +274,7 @@ class Device:
                               labels=WireTensor(**encode_tensor(labels)))
             before = main.bytes.up + main.bytes.down
             t0 = time.monotonic()
-            resp = main.call("POST", f"{API}/rounds/{round_id}/step", StepResponse, req, timeout=(task.deadline_s or 300) + 5)
+            resp = main.call("POST", f"{API}/rounds/{round_id}/step", StepResponse, req, timeout=timeout)
             elapsed = time.monotonic() - t0
             clock.server_time(resp.wait_s, resp.server_s)
             clock.transfer(main.bytes.up + main.bytes.down - before, elapsed - resp.wait_s - resp.server_s)

@@ -350,9 +350,7 @@ class FedBC(Algorithm):
         """Validate the extras and recompute d from the weights (the dual step itself happens in
         :meth:`aggregate`, only for uploads that are aggregated)."""
         self._check_extras(device_id, extras, num_samples)
-        distance = squared_distance(state, global_state, self.param_names)
-        if not math.isfinite(distance):
-            raise ValueError(f"{device_id}: distance to the global model is not finite")
+        distance = self._checked_distance(device_id, state, global_state)
         reported = float(extras["d"])
         if abs(reported - distance) > DISTANCE_LOG_RTOL * max(abs(distance), 1e-12):
             log.info("fedbc round %d: %s reported d=%.6g, recomputed d=%.6g (the server's value is used)",
@@ -371,7 +369,9 @@ class FedBC(Algorithm):
         n_train: dict[str, float] = {}
         for device in devices:
             contribution = contributions[device]
-            distances[device] = self._distance(device, contribution, global_state)
+            distances[device] = self._upload_distance.get(device)
+            if distances[device] is None:  # an upload that did not pass accept_update (a test calling aggregate)
+                distances[device] = self._checked_distance(device, contribution.client_state, global_state)
             ex = extras.get(device, {})
             n = ex.get("train_samples", contribution.weight)
             n_train[device] = float(n) if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0 \
@@ -402,14 +402,12 @@ class FedBC(Algorithm):
         self._round = self._metrics(devices, distances, lambdas, sizes, fallback, extras)
         return new_state
 
-    def _distance(self, device: str, contribution: Contribution, global_state: Mapping[str, torch.Tensor]) -> float:
-        """The d that :meth:`accept_update` computed for this upload, or computed now (an upload
-        that reached this object some other way, e.g. a test calling aggregate directly)."""
-        distance = self._upload_distance.get(device)
-        if distance is None:
-            distance = squared_distance(contribution.client_state, global_state, self.param_names)
-            if not math.isfinite(distance):
-                raise ValueError(f"{device}: distance to the global model is not finite")
+    def _checked_distance(self, device: str, state: Mapping[str, torch.Tensor],
+                          global_state: Mapping[str, torch.Tensor]) -> float:
+        """d = ||x - z||^2 over the trainable parameters; ValueError if it is not finite."""
+        distance = squared_distance(state, global_state, self.param_names)
+        if not math.isfinite(distance):
+            raise ValueError(f"{device}: distance to the global model is not finite")
         return distance
 
     def _check_stability(self, max_lambda: float) -> None:
