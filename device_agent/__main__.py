@@ -7,6 +7,8 @@ import sys
 from shared.config import DeviceMixConfig, env_default
 from shared.service import add_common_args, configure_process, parse_service_args
 
+KEEP_MODELS = {"auto": None, "yes": True, "no": False}
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
@@ -31,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="address the metrics port binds (env SFL_METRICS_HOST; 0.0.0.0 to be scraped from another host)")
     parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
                         help="the deployment's enrolment secret, presented once to register (or env SFL_ENROLMENT_SECRET)")
+    parser.add_argument("--keep-models", choices=sorted(KEEP_MODELS), default=env_default("keep_models", "auto"),
+                        help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
+                             "when hosting one device; no = build the trained blocks for each task and free them "
+                             "after the upload (memory follows the devices training at once); yes = always keep")
     add_common_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
@@ -44,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
             parse_kind(k)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.keep_models not in KEEP_MODELS:  # argparse checks choices on the command line, not env defaults
+        parser.error(f"--keep-models must be one of {sorted(KEEP_MODELS)}, got {args.keep_models!r}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be 0 (off) or a port number, got {args.metrics_port}")
     metrics = None
@@ -55,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     from shared.auth import load_secret
 
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
-                  metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"))
+                  metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
+                  keep_models=KEEP_MODELS[args.keep_models])
     sys.exit(agent.run())
 
 

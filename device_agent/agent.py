@@ -32,16 +32,23 @@ def parse_shards(text: str) -> list[int]:
 
 
 class Agent:
-    """Runs its devices until the run is done (or ``stop`` is set)."""
+    """Runs its devices until the run is done (or ``stop`` is set).
+
+    ``keep_models``: whether each device keeps its model between rounds (see :class:`Device`).
+    ``None`` (the default) keeps it only when the agent hosts one device: a real board avoids
+    rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
+    otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
+    """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
                  prefix: str = "dev", verify: bool | str = True, metrics=None,
-                 enrolment_secret: bytes | None = None) -> None:
+                 enrolment_secret: bytes | None = None, keep_models: bool | None = None) -> None:
         self.stop = threading.Event()
+        keep = len(shards) == 1 if keep_models is None else keep_models
         self.devices = [
             Device(f"{prefix}-{shard:03d}", shard, fed_server_url,
                    kind_for(shard, kinds) if kinds else None, time_scale, self.stop, verify=verify,
-                   enrolment_secret=enrolment_secret)
+                   enrolment_secret=enrolment_secret, keep_model=keep)
             for shard in shards
         ]
         self.errors: dict[str, BaseException] = {}

@@ -29,6 +29,11 @@ log = logging.getLogger("device_agent")
 #: Seconds a task without a deadline_s may take (the Fed Server's default round deadline).
 TASK_DEADLINE_DEFAULT_S = 300.0
 
+# First-use costs (lazy imports, allocator, kernel selection) are per process, so one warm-up
+# per model architecture serves every device of an agent.
+_WARM_UP_LOCK = threading.Lock()
+_WARMED_UP: set[tuple] = set()
+
 
 def round_seed(seed: int, shard: int, round_id: int) -> int:
     """Per device and round batch-order seed, identical in every process."""
@@ -37,12 +42,19 @@ def round_seed(seed: int, shard: int, round_id: int) -> int:
 
 
 class Device:
-    """A device agent's unit of work: its shard, its model copy, its clients and its profile."""
+    """A device agent's unit of work: its shard, its model copy, its clients and its profile.
+
+    With ``keep_model`` (a real device) the model lives for the whole run and ends holding the
+    final global model. Without it (an agent hosting many virtual devices) a device holds real
+    weights only while it trains: each task materialises just the blocks it trains and frees
+    them after the upload, so an agent's memory follows the devices training at once rather
+    than the devices it hosts. Nothing else changes: every task carries all the weights it trains.
+    """
 
     def __init__(self, device_id: str, shard: int, fed_server_url: str, kind: EmulatedKind | None,
                  time_scale: float = 1.0, stop: threading.Event | None = None, poll_interval_s: float = 0.2,
                  verify: bool | str = True, max_downtime_s: float = 600.0,
-                 enrolment_secret: bytes | None = None) -> None:
+                 enrolment_secret: bytes | None = None, keep_model: bool = True) -> None:
         self.device_id = device_id
         self.shard = shard
         self.kind = kind
@@ -52,12 +64,17 @@ class Device:
         self.verify = verify
         self.max_downtime_s = max_downtime_s
         self.enrolment_secret = enrolment_secret
+        self.keep_model = keep_model
         self.token: str | None = None
         self.fed = SyncClient(fed_server_url, retries=3, verify=verify)
         self.main: SyncClient | None = None
         self.info: RunInfo | None = None
         self.data: ArrayDataset | None = None
+        #: Real weights: for the whole run with ``keep_model``, else only while a task trains.
         self.model: SplitModel | None = None
+        #: The model's structure on the meta device (names, shapes, dtypes; no memory), against
+        #: which every received portion is checked.
+        self.layout: SplitModel | None = None
         self.rounds_done = 0
         #: Called after every successful upload with the body and the round's split point
         #: (the agent's optional metrics port uses it).
@@ -115,23 +132,45 @@ class Device:
         return min(max(task.retry_after_s, self.poll_interval_s), 5.0)
 
     def _receive_final(self, task: TaskResponse) -> None:
-        """Keep the run's final global model (every device receives it, trained or not)."""
-        assert self.model is not None
+        """Check the run's final global model (every device receives it, trained or not); a
+        device that keeps its model loads it."""
+        assert self.layout is not None
         if task.weights:
-            final = decode_portion(task.weights, self.model, 0, len(self.model.blocks), what="final weights")
-            self.model.load_state_dict(final)
+            final = decode_portion(task.weights, self.layout, 0, len(self.layout.blocks), what="final weights")
+            if self.keep_model:
+                assert self.model is not None
+                self.model.load_state_dict(final)
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
-                 "; final global model received" if task.weights else "")
+                 ("; final global model received" + ("" if self.keep_model else " and checked (not kept)"))
+                 if task.weights else "")
 
     def setup(self) -> None:
         """Fetch the run spec, load this device's shard, register with the Fed Server."""
         self.info = self._wait_for_run()
         train, _ = load_dataset(self.info.data)
         self.data = device_shard(self.info.data, train, self.shard)
-        self.model = build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
+        with torch.device("meta"):
+            self.layout = self._build()
+        if self.keep_model:
+            self.model = self._build()
         self._warm_up()
         self._profile = self.profile()
         self.register()
+
+    def _build(self) -> SplitModel:
+        assert self.info is not None
+        return build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
+
+    def _model_for(self, split_point: int) -> SplitModel:
+        """The model to train ``blocks[:split_point]`` with. Without ``keep_model``, a fresh one
+        whose trained blocks are allocated but not initialised (the task's weights overwrite
+        every parameter and buffer of them) and whose other blocks stay on the meta device."""
+        if self.model is None:
+            with torch.device("meta"):
+                model = self._build()
+            model.portion(0, split_point).to_empty(device="cpu")
+            self.model = model
+        return self.model
 
     def register(self) -> None:
         """Announce this device, its shard and its profile to the Fed Server."""
@@ -149,12 +188,19 @@ class Device:
     def _warm_up(self) -> None:
         """One forward/backward pass and optimizer step before registering, so first-use costs
         (allocator, kernel selection, and about a second of lazy imports on the first optimizer
-        PyTorch builds in a process) do not land in the first round and skew the time table."""
-        assert self.model is not None and self.data is not None
-        x = self.data.x[: min(8, len(self.data))]
-        self.model(x).sum().backward()
-        torch.optim.SGD(self.model.parameters(), lr=0.0).step()  # lr 0: the weights stay as built
-        self.model.zero_grad(set_to_none=True)
+        PyTorch builds in a process) do not land in the first round and skew the time table.
+        They are per process: the first device of an agent with this architecture pays them."""
+        assert self.info is not None and self.data is not None
+        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape))
+        with _WARM_UP_LOCK:
+            if key in _WARMED_UP:
+                return
+            model = self.model or self._build()
+            x = self.data.x[: min(8, len(self.data))]
+            model(x).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.0).step()  # lr 0: the weights stay as built
+            model.zero_grad(set_to_none=True)
+            _WARMED_UP.add(key)
 
     def _wait_for_run(self) -> RunInfo:
         delay = 0.2
@@ -187,13 +233,21 @@ class Device:
         ``deadline_s`` (what remained of the attempt then) counts from there, and past it the Fed
         Server has closed the attempt, so the device gives the task up (:class:`TaskExpired`).
         """
-        assert self.model is not None and self.data is not None and self.info is not None
+        try:
+            self._train_and_upload(task, task_bytes, received_at)
+        finally:
+            if not self.keep_model:
+                self.model = None
+
+    def _train_and_upload(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
+        assert self.layout is not None and self.data is not None and self.info is not None
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
         clock = RoundClock(self.kind, self.time_scale)
         clock.transfer(task_bytes)
-        weights = decode_portion(task.weights or {}, self.model, 0, task.split_point, what="task weights")
         train = task.train
         assert train is not None and task.round_id is not None and task.split_point is not None
+        weights = decode_portion(task.weights or {}, self.layout, 0, task.split_point, what="task weights")
+        model = self._model_for(task.split_point)
         logic = ALGORITHMS[task.algorithm or "fedavg"].device_logic(dict(task.params))
         send_step = None
         main_bytes_before = (0, 0)
@@ -204,11 +258,11 @@ class Device:
             main_bytes_before = (self.main.bytes.up, self.main.bytes.down)
             send_step = self._join(task, clock)
         result = train_round(
-            self.model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
+            model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
             train.batch_size, train.local_epochs, round_seed(self.info.seed, self.shard, task.round_id), clock,
             send_step, task.half_precision, logic=logic, extras=dict(task.extras), deadline=deadline,
         )
-        portion = self.model.portion(0, task.split_point)
+        portion = model.portion(0, task.split_point)
         if task.report:
             self._report_and_follow_up(task, logic, portion, clock, deadline)
         state = {k: v.detach().clone() for k, v in portion.state_dict().items()}

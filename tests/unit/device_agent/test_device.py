@@ -1,0 +1,64 @@
+"""A device's model lifetime: kept for the run (a real board) or built per task (virtual devices)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_agent.device import Device
+from shared.data import DataSpec
+from shared.data import ArrayDataset
+from shared.models import build_model
+from shared.portions import portion_state
+from shared.schemas import RunInfo
+
+
+def _device(keep_model: bool, model: str = "cnn") -> Device:
+    device = Device("dev-000", 0, "http://127.0.0.1:9", kind=None, keep_model=keep_model)
+    spec = DataSpec(num_devices=1)
+    device.info = RunInfo(run_id="r", algorithm="s2fl", model=model, num_classes=10, input_shape=[1, 28, 28],
+                          data=spec, seed=3)
+    device.data = ArrayDataset(torch.randn(16, 1, 28, 28), torch.arange(16) % 10, 10)
+    with torch.device("meta"):
+        device.layout = device._build()
+    if keep_model:
+        device.model = device._build()
+    return device
+
+
+def test_per_task_model_allocates_only_the_trained_blocks():
+    device = _device(keep_model=False)
+    split = build_model("cnn").split_points[0]
+    model = device._model_for(split)
+    names = model.block_names()
+    for i, name in enumerate(names):
+        devices = {t.device.type for t in model.blocks[name].state_dict().values()}
+        assert devices == ({"cpu"} if i < split else {"meta"}), (name, devices)
+    # The task's weights overwrite every parameter and buffer of the trained blocks.
+    reference = build_model("cnn", seed=3)
+    portion = model.portion(0, split)
+    portion.load_state_dict(portion_state(reference, 0, split), strict=True)
+    x = torch.randn(4, 1, 28, 28)
+    assert torch.equal(portion(x), reference.portion(0, split)(x))
+    assert device._model_for(split) is model  # one model per task, reused within it
+
+
+def test_kept_model_is_the_same_full_model_every_task():
+    device = _device(keep_model=True)
+    model = device._model_for(1)
+    assert model is device.model and device._model_for(len(model.blocks)) is model
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("keep_model", [False, True])
+def test_model_is_released_after_a_task_only_without_keep_model(keep_model):
+    device = _device(keep_model)
+    kept = device.model
+
+    def fail(*args, **kwargs):  # stands in for a round that fails after the model was built
+        device._model_for(1)
+        raise RuntimeError("round failed")
+
+    device._train_and_upload = fail
+    with pytest.raises(RuntimeError):
+        device.run_task(None, 0, 0.0)
+    assert device.model is (kept if keep_model else None)
