@@ -123,7 +123,10 @@ class Device:
 
     def _poll(self) -> tuple[TaskResponse, int]:
         before = self.fed.bytes.down
-        task = self.fed.call("GET", f"{API}/devices/{self.device_id}/task", TaskResponse)
+        # A device that does not keep its model has no use for the final one: not fetching it
+        # spares the agent one copy per device, all arriving together when the run ends.
+        params = None if self.keep_model else {"final_weights": "false"}
+        task = self.fed.call("GET", f"{API}/devices/{self.device_id}/task", TaskResponse, params=params)
         return task, self.fed.bytes.down - before
 
     def _retry_delay(self, task: TaskResponse) -> float:
@@ -132,17 +135,13 @@ class Device:
         return min(max(task.retry_after_s, self.poll_interval_s), 5.0)
 
     def _receive_final(self, task: TaskResponse) -> None:
-        """Check the run's final global model (every device receives it, trained or not); a
-        device that keeps its model loads it."""
-        assert self.layout is not None
-        if task.weights:
-            final = decode_portion(task.weights, self.layout, 0, len(self.layout.blocks), what="final weights")
-            if self.keep_model:
-                assert self.model is not None
-                self.model.load_state_dict(final)
+        """Load the run's final global model (sent to every device that keeps its model)."""
+        if task.weights and self.keep_model:
+            assert self.layout is not None and self.model is not None
+            self.model.load_state_dict(
+                decode_portion(task.weights, self.layout, 0, len(self.layout.blocks), what="final weights"))
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
-                 ("; final global model received" + ("" if self.keep_model else " and checked (not kept)"))
-                 if task.weights else "")
+                 "; final global model received" if task.weights and self.keep_model else "")
 
     def setup(self) -> None:
         """Fetch the run spec, load this device's shard, register with the Fed Server."""

@@ -139,10 +139,11 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
-    async def task(device_id: str, request: Request) -> Response:
-        """Device: poll for work (wait / train with weights and split point / done)."""
+    async def task(device_id: str, request: Request, final_weights: bool = True) -> Response:
+        """Device: poll for work (wait / train with weights and split point / done, with the final
+        model unless ``final_weights=false``)."""
         settings.auth.check_device(request.headers, device_id)
-        answer = coordinator.task_for(device_id)
+        answer = coordinator.task_for(device_id, final_weights)
         response = msgpack_response(answer)
         if answer.status == "train" and coordinator.round is not None:
             coordinator.round.task_bytes += len(response.body)

@@ -146,13 +146,17 @@ class Coordinator:
             step_deadline_s=self.config.deadlines.step_s,
         )
 
-    def task_for(self, device_id: str) -> TaskResponse:
-        """A polling device's next instruction."""
+    def task_for(self, device_id: str, final_weights: bool = True) -> TaskResponse:
+        """A polling device's next instruction.
+
+        Every device, selected or not, receives the final global model, unless it asks not to
+        (``final_weights=False``: a virtual device that would drop it, whose agent would otherwise
+        receive one copy per device at once).
+        """
         self.devices.get(device_id)
         if self.finished:
-            # Every device, selected or not, receives the final global model.
             return TaskResponse(status="done", num_blocks=self.num_blocks,
-                                weights=encode_state(portion_state(self.model, 0, self.num_blocks)))
+                                weights=encode_state(portion_state(self.model, 0, self.num_blocks)) if final_weights else None)
         fed_round = self.round
         if fed_round is None or not fed_round.ready:
             # Before the first round nothing is imminent; between rounds the next task is.

@@ -157,6 +157,8 @@ def test_fed_register_then_shard_conflict(services, client):
     # The registered device polls and is told to wait: no round runs with 1 of 2 devices.
     resp = client.get(f"{services['fed']}/v1/devices/dev-0/task")
     assert resp.status_code == 200 and unpackb(resp.content)["status"] == "wait"
+    assert_rejected(client.get(f"{services['fed']}/v1/devices/dev-0/task", params={"final_weights": "maybe"}),
+                    422, "final_weights")
     assert fed_state(client, services) == before
 
 

@@ -136,6 +136,15 @@ def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
     assert IDLE_RETRY_S > SOON_RETRY_S
 
 
+def test_finished_run_sends_the_final_model_unless_the_device_declines_it(tmp_path):
+    c = _coordinator(tmp_path)
+    c.finished = True
+    full = c.task_for("d0")
+    assert full.status == "done" and list(full.weights) == c.model.portion_keys(0, c.num_blocks)
+    declined = c.task_for("d0", final_weights=False)
+    assert declined.status == "done" and declined.weights is None and declined.num_blocks == c.num_blocks
+
+
 def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):
     c = _coordinator(tmp_path)
     _complete_round(c)
