@@ -2,8 +2,9 @@
 
 (a) the same S2FL run through the services vs in one process (network overhead ratio),
 (b) tensor encode/decode throughput, (c) Main Server step latency and throughput with 10, 50 and
-100 virtual devices, (d) peak memory of each service (measured during (a)). Prints a table and
-writes every figure plus a description of the machine to a JSON file. Not part of the test suite.
+100 virtual devices, (d) peak memory of each service (measured during (a)), (e) peak memory of an
+agent hosting many virtual devices, models kept vs built per task. Prints a table and writes
+every figure plus a description of the machine to a JSON file. Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
-PARTS = ("a", "b", "c")  # (d) comes with (a)
+PARTS = ("a", "b", "c", "e")  # (d) comes with (a)
 
 
 def _log(text: str) -> None:
@@ -75,6 +76,15 @@ def report(results: dict) -> str:
     if d:
         out += ["", "(d) peak memory of each service during (a) (VmHWM)"]
         out.append(_table(["service", "peak RSS MiB"], [[k, f"{v:.1f}"] for k, v in d["peak_rss_mib"].items()]))
+    e = results.get("agent_memory")
+    if e:
+        c = e["config"]
+        out += ["", f"(e) one agent hosting {c['devices']} {c['model']} devices ({c['devices_per_round']} per round, "
+                    f"{c['algorithm']}, {c['rounds']} rounds): peak RSS (VmHWM)"]
+        out.append(_table(["devices' models", "agent peak RSS MiB", "mean round s"],
+                          [["kept for the run", f"{e['agent_peak_rss_mib_kept']:.0f}", f"{e['mean_round_s_kept']:.2f}"],
+                           ["built per task", f"{e['agent_peak_rss_mib_per_task']:.0f}", f"{e['mean_round_s_per_task']:.2f}"]]))
+        out.append(f"kept / per task: {e['ratio_kept_over_per_task']:.2f}x; identical final models: {e['same_final_model']}")
     return "\n".join(out)
 
 
@@ -83,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smallest sizes only (about a minute)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
     parser.add_argument("--only", default=",".join(PARTS),
-                        help="comma-separated parts to run: a (with d), b, c (default: all)")
+                        help="comma-separated parts to run: a (with d), b, c, e (default: all)")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
     if not parts <= set(PARTS):
@@ -113,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("(c) Main Server step latency and throughput")
         results["main_server"] = main_server_load.run(args.quick, _log)
+    if "e" in parts:
+        from benchmarks import agent_memory
+
+        _log("(e) agent memory: models kept vs built per task")
+        results["agent_memory"] = agent_memory.run(args.quick, _log)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 

@@ -264,7 +264,7 @@ class Device:
         portion = model.portion(0, task.split_point)
         if task.report:
             self._report_and_follow_up(task, logic, portion, clock, deadline)
-        state = {k: v.detach().clone() for k, v in portion.state_dict().items()}
+        state = portion.state_dict()  # detached views: encoding below copies them into the body
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
         clock.transfer(sum(t.numel() * t.element_size() for t in state.values()))

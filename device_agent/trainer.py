@@ -99,5 +99,6 @@ def train_round(
                 optimizer.step()
             losses.append(loss_value)
         steps += 1
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, as big as the weights
     state = {k: v.detach().clone() for k, v in portion.state_dict().items()}
     return LocalResult(state=state, steps=steps, train_loss=sum(losses) / max(1, len(losses)))

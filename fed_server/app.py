@@ -19,7 +19,7 @@ from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
 from shared.auth import Auth
 from shared.http_client import decode_response, service_client
-from shared.http_server import create_service_app, msgpack_body_schema, msgpack_response, read_message
+from shared.http_server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
@@ -106,6 +106,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         "Global model, client time table, device selection, split choice, layer-wise aggregation."))
     app.state.coordinator = coordinator
     app.state.metrics = metrics
+    packed_done: dict[bool, bytes] = {}  # the final answer's body by final_weights (see task())
 
     @app.get(f"{API}/status")
     async def status(since: int = 0) -> dict:
@@ -144,6 +145,12 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         model unless ``final_weights=false``)."""
         settings.auth.check_device(request.headers, device_id)
         answer = coordinator.task_for(device_id, final_weights)
+        if answer.status == "done":
+            # Every device polls for the same final answer at about the same time: one packed
+            # body shared by all responses, not one copy of the model per device in flight.
+            if final_weights not in packed_done:
+                packed_done[final_weights] = packb(answer.model_dump())
+            return Response(content=packed_done[final_weights], media_type=MSGPACK)
         response = msgpack_response(answer)
         if answer.status == "train" and coordinator.round is not None:
             coordinator.round.task_bytes += len(response.body)

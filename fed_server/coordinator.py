@@ -85,6 +85,7 @@ class Coordinator:
         self.failed_in_a_row = 0
         self.history: list[dict] = []
         self.finished = False
+        self._done_answers: dict[bool, TaskResponse] = {}  # by final_weights: encoded once, polled by every device
         self.stop_reason: str | None = None
         self.started_at: float | None = None
         self.elapsed_before = 0.0     # run time before a restart
@@ -155,8 +156,11 @@ class Coordinator:
         """
         self.devices.get(device_id)
         if self.finished:
-            return TaskResponse(status="done", num_blocks=self.num_blocks,
-                                weights=encode_state(portion_state(self.model, 0, self.num_blocks)) if final_weights else None)
+            if final_weights not in self._done_answers:
+                self._done_answers[final_weights] = TaskResponse(
+                    status="done", num_blocks=self.num_blocks,
+                    weights=encode_state(portion_state(self.model, 0, self.num_blocks)) if final_weights else None)
+            return self._done_answers[final_weights]
         fed_round = self.round
         if fed_round is None or not fed_round.ready:
             # Before the first round nothing is imminent; between rounds the next task is.

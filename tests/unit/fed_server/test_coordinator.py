@@ -143,6 +143,7 @@ def test_finished_run_sends_the_final_model_unless_the_device_declines_it(tmp_pa
     assert full.status == "done" and list(full.weights) == c.model.portion_keys(0, c.num_blocks)
     declined = c.task_for("d0", final_weights=False)
     assert declined.status == "done" and declined.weights is None and declined.num_blocks == c.num_blocks
+    assert c.task_for("d1") is full  # encoded once: every device polls for the same final model
 
 
 def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):
