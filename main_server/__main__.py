@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
     from main_server.app import MainServerSettings, create_app
+    from main_server.group_trainer import warm_up
     from shared.auth import auth_from_settings
+
+    warm_up()
 
     auth = auth_from_settings(args.service_secret_file, None)
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),

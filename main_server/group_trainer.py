@@ -16,6 +16,17 @@ from shared.config import GroupLoss
 from shared.models import SplitModel
 
 
+def warm_up() -> None:
+    """Pay PyTorch's first-optimizer cost (1-2 s of lazy imports, once per process) at start-up.
+
+    Otherwise round 1's first group holds every join for it (round 1 looks slower than it is),
+    and the first step of round 1, whose server time feeds the time table, runs cold.
+    """
+    param = torch.zeros(1, requires_grad=True)
+    (param * 2.0).sum().backward()
+    torch.optim.SGD([param], lr=0.0, momentum=0.9).step()
+
+
 @dataclass
 class MemberBatch:
     """One member's contribution to a step: activations at its cut and its labels."""

@@ -280,3 +280,25 @@ def test_weights_must_match_portion(model):
     weights = {k: v.clone() for k, v in m.portion(2, 4).state_dict().items()}
     with pytest.raises(RuntimeError):
         GroupTrainer(m, 1, weights, lr=LR)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_warm_up_leaves_no_lazy_imports_for_the_first_group_step(warm):
+    # PyTorch imports ~800 modules (torch._dynamo, sympy, ...) when a process builds its first
+    # optimizer: 1-2 s that warm_up() moves from round 1 to start-up. Checked in a
+    # fresh process, by the modules a first group-style step still imports (none once warm).
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from main_server.group_trainer import warm_up\n"
+            f"{'warm_up()' if warm else ''}\n"
+            "before = set(sys.modules)\n"
+            "m = torch.nn.Linear(3, 2)\n"
+            "o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)\n"
+            "m(torch.randn(2, 3)).sum().backward()\n"
+            "o.step()\n"
+            "print(len(set(sys.modules) - before))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    new_modules = int(out.stdout.strip())
+    assert (new_modules == 0) if warm else (new_modules > 100), new_modules
