@@ -8,7 +8,10 @@ from integration_support import small_config
 from shared.models import build_model
 
 
-def test_fedipg_with_static_exit_and_ood_evaluation(run_testbed):
+def test_fedipg_with_static_exit_and_ood_evaluation(run_testbed, monkeypatch):
+    # Devices that keep their model fetch the final one (an agent hosting several devices would
+    # otherwise skip it to save memory, --keep-models): the exited device must get it too.
+    monkeypatch.setenv("SFL_KEEP_MODELS", "yes")
     config = small_config(algorithm="fedipg", **{
         "data.partition": "iid",
         "data.device_transform": "rotation",

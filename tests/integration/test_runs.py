@@ -144,5 +144,10 @@ def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(
         assert [set(m["split_points"].values()) for m in read_metrics(run_dir)] == \
             [{k} for k in build_model("cnn").split_points]
         states[keep] = RunDirectory(run_dir).read_checkpoint()[1]
+        # Only devices that keep their model fetch the final one (the others poll with
+        # final_weights=false, sparing the agent one copy per device at the end).
+        log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*agent*.log"))
+        assert log.count("final global model received") == (4 if keep == "yes" else 0), log[-2000:]
+        assert log.count("run finished after") == 4
     for key, kept in states["yes"].items():
         assert torch.equal(states["no"][key], kept), key
