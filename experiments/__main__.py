@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=["run", "report", "list"],
                         help="run: run unfinished cells, then report; report: re-render from finished cells; "
                              "list: print the cells and whether they are finished")
-    parser.add_argument("file", help="experiment file (YAML), e.g. experiments/table2_cnn.yaml")
+    parser.add_argument("file", help="experiment file (YAML), e.g. experiments/grids/table2_cnn.yaml")
     parser.add_argument("--out", help="experiment folder (default runs/experiments/<name>)")
     parser.add_argument("--only", action="append", default=[], metavar="AXIS=LABEL[,LABEL]",
                         help="restrict to a sub-grid, e.g. --only seed=0 --only algorithm=fedavg,s2fl (repeatable; "
