@@ -81,6 +81,24 @@ def _machine_line(out: Path) -> str:
             f"load average at the start {m.get('load_average_at_start')}; first cell started {m.get('date_utc')}")
 
 
+def _machines_of_cells(results: Sequence[CellResult]) -> list[str]:
+    """A line naming each machine the finished cells ran on, when there was more than one.
+
+    Float results differ between CPUs, so a reader comparing two cells bit for bit (FedAvg vs
+    SFL, say) needs to know whether they shared a machine; results.csv names each cell's.
+    """
+    unrecorded = "not recorded (cells older than per-cell records; machine.json names the first cells' machine)"
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.status == "finished":
+            name = r.machine or unrecorded
+            counts[name] = counts.get(name, 0) + 1
+    if len(counts) < 2:
+        return []
+    listed = "; ".join(f"{name}: {n} cell{'s' if n != 1 else ''}" for name, n in counts.items())
+    return [f"- Cells ran on more than one machine (`results.csv` names each cell's): {listed}."]
+
+
 def render_report(results: Sequence[CellResult], spec: ExperimentSpec, out: Path, command: str) -> Path:
     """Write results.csv/json, summary.csv, the plots and report.md into ``out``; returns report.md."""
     rows, summary = write_results(results, spec, out)
@@ -94,6 +112,7 @@ def render_report(results: Sequence[CellResult], spec: ExperimentSpec, out: Path
     lines += [
         f"- Command: `{command}`",
         f"- Machine: {_machine_line(out)}",
+        *_machines_of_cells(results),
         f"- Cells: {len(results)} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}); every cell is "
         "one run of the Fed Server, the Main Server and the device agents as separate processes on loopback.",
         f"- Axes: {'; '.join(f'`{a}` = ' + ', '.join(labels) for a, labels in spec.axes.items())}.",

@@ -25,6 +25,7 @@ class CellResult:
     status: str                               # finished / failed / interrupted / running / not run
     rounds: list[dict] = field(default_factory=list)
     error: str | None = None
+    machine: str | None = None                # the CPU it ran on (cell.json); None: not recorded
 
 
 def load_results(spec: ExperimentSpec, cells: Sequence[Cell], out: Path) -> list[CellResult]:
@@ -37,8 +38,16 @@ def load_results(spec: ExperimentSpec, cells: Sequence[Cell], out: Path) -> list
             results.append(CellResult(cell, "not run"))
             continue
         rounds = [r for r in RunDirectory(path).read_metrics() if r.get("status") == "ok"]
-        results.append(CellResult(cell, str(record.get("status")), rounds, record.get("error")))
+        results.append(CellResult(cell, str(record.get("status")), rounds, record.get("error"),
+                                  machine_label(record.get("machine"))))
     return results
+
+
+def machine_label(machine: dict | None) -> str | None:
+    """A machine as a cell's row names it: CPU model, usable cores and torch version."""
+    if not isinstance(machine, dict):
+        return None
+    return f"{machine.get('cpu_model')}, {machine.get('cpus_usable')} cores, torch {machine.get('torch')}"
 
 
 def first_reaching(rounds: Sequence[dict], target: float) -> dict | None:
@@ -57,7 +66,8 @@ def cell_row(result: CellResult, spec: ExperimentSpec) -> dict[str, Any]:
     """One flat row: axis labels, headline figures, time / bytes / rounds to each target."""
     rounds = result.rounds
     cfg = result.cell.config
-    row: dict[str, Any] = {**result.cell.labels, "cell_id": result.cell.cell_id, "status": result.status}
+    row: dict[str, Any] = {**result.cell.labels, "cell_id": result.cell.cell_id, "status": result.status,
+                           "machine": result.machine}
     for key, value in (("algorithm", cfg.algorithm), ("model", cfg.model)):
         row.setdefault(key, value)   # an axis of that name keeps its label (e.g. "fedipg+exit")
     row["rounds_done"] = len(rounds)
@@ -83,7 +93,7 @@ def cell_row(result: CellResult, spec: ExperimentSpec) -> dict[str, Any]:
 
 def numeric_columns(rows: Sequence[dict], spec: ExperimentSpec) -> list[str]:
     """Columns worth averaging: numbers, excluding the axis labels."""
-    skip = set(spec.axes) | {"cell_id", "status", "algorithm", "model"}
+    skip = set(spec.axes) | {"cell_id", "status", "machine", "algorithm", "model"}
     columns: list[str] = []
     for row in rows:
         for key in row:

@@ -3,7 +3,9 @@
 Layout of an experiment folder::
 
     <out>/experiment.yaml          the experiment file as run (copied)
-    <out>/cells/<cell_id>/         one testbed run directory per cell, plus cell.json
+    <out>/cells/<cell_id>/         one testbed run directory per cell, plus cell.json (status,
+                                   wall time, the run's summary and the machine it ran on)
+    <out>/machine.json             the machine the grid's first cells ran on
     <out>/results.csv|json, report.md, *.png   written by experiments.report
 
 Several runners may work on one grid at once (separate processes): each takes a cell's lock file
@@ -154,23 +156,27 @@ def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[di
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    _write_record(path, cell, "running")
+    # Each cell names its own machine: a grid continued in a later session may run on another
+    # CPU, and float results differ between CPUs (their kernels round differently), so two cells
+    # are bit-comparable only when their machines match.
+    machine = describe_machine()
+    _write_record(path, cell, "running", machine=machine)
     t0 = time.monotonic()
     try:
         with Testbed(cell.config, path, agents=spec.agents, log_level=log_level) as testbed:
             status = testbed.follow(on_round, timeout=spec.timeout_s)
     except KeyboardInterrupt:
-        _write_record(path, cell, "interrupted", wall_s=time.monotonic() - t0)
+        _write_record(path, cell, "interrupted", wall_s=time.monotonic() - t0, machine=machine)
         raise
     except (TestbedError, TimeoutError, RuntimeError, OSError) as exc:
         wall = time.monotonic() - t0
         if recover_finished(out, cell, wall, f"the runner lost track of the run: {exc}"):
             return CellOutcome(cell, "finished", wall)
         error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _write_record(path, cell, "failed", wall_s=wall, error=str(exc)[-4000:])
+        _write_record(path, cell, "failed", wall_s=wall, error=str(exc)[-4000:], machine=machine)
         return CellOutcome(cell, "failed", wall, error)
     wall = time.monotonic() - t0
-    _write_record(path, cell, "finished", wall_s=wall, summary=status["summary"])
+    _write_record(path, cell, "finished", wall_s=wall, summary=status["summary"], machine=machine)
     return CellOutcome(cell, "finished", wall)
 
 
@@ -190,7 +196,7 @@ def recover_finished(out: Path, cell: Cell, wall_s: float | None, note: str) -> 
             and summary.get("stop_reason") == "completed" and (path / "metrics.jsonl").exists()):
         return False
     _write_record(path, cell, "finished", wall_s=wall_s if wall_s is not None else record.get("wall_s"),
-                  summary=summary, note=note)
+                  summary=summary, note=note, machine=record.get("machine"))
     return True
 
 

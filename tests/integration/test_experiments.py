@@ -39,6 +39,9 @@ def test_tiny_grid_runs_reports_and_is_not_rerun(tmp_path):
     assert [c.name for c in cells] == ["algorithm-fedavg__seed-0", "algorithm-s2fl__seed-0"]
     summaries = {c.name: json.loads((c / "summary.json").read_text()) for c in cells}
     assert all(s["finished"] and s["rounds"] == 2 for s in summaries.values())
+    records = [json.loads((c / "cell.json").read_text()) for c in cells]
+    assert all(r["status"] == "finished" and r["machine"]["cpus_usable"] >= 1 and r["machine"]["torch"]
+               for r in records)   # each cell names the machine it ran on
     with open(out / "results.csv") as fh:
         rows = {r["cell_id"]: r for r in csv.DictReader(fh)}
     for name, summary in summaries.items():   # the table carries what the Fed Server measured

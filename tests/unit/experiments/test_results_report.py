@@ -28,7 +28,10 @@ def _round(i: int, acc: float) -> dict:
                              for d, t in (("d0", 3.0), ("d1", 1.0))}}
 
 
-def _write_cell(out, cell, accs, status="finished", failed_round=False):
+XEON = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpus_usable": 2, "torch": "2.13.0+cpu"}
+
+
+def _write_cell(out, cell, accs, status="finished", failed_round=False, machine=XEON):
     path = cell_dir(out, cell)
     path.mkdir(parents=True)
     rounds = [_round(i + 1, a) for i, a in enumerate(accs)]
@@ -37,7 +40,8 @@ def _write_cell(out, cell, accs, status="finished", failed_round=False):
         lines.insert(1, json.dumps({**_round(2, 0.99), "status": "failed"}))
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (path / "cell.json").write_text(json.dumps({"cell_id": cell.cell_id, "labels": cell.labels,
-                                                "config_hash": cell.config_hash, "status": status}))
+                                                "config_hash": cell.config_hash, "status": status,
+                                                **({"machine": machine} if machine else {})}))
 
 
 @pytest.fixture
@@ -101,6 +105,30 @@ def test_report_renders_tables_plots_and_failures(written):
     assert float(rows[1]["final_accuracy"]) == 0.95
     data = json.loads((out / "results.json").read_text())
     assert len(data["cells"]) == 4 and len(data["summary"]) == 2
+
+
+def test_report_names_each_machine_when_cells_ran_on_more_than_one(tmp_path):
+    cells = expand(SPEC)
+    epyc = {**XEON, "cpu_model": "AMD EPYC"}
+    _write_cell(tmp_path, cells[0], [0.3, 0.6])
+    _write_cell(tmp_path, cells[1], [0.4, 0.9])
+    _write_cell(tmp_path, cells[2], [0.2, 0.5], machine=epyc)
+    _write_cell(tmp_path, cells[3], [0.1, 0.2], machine=None)
+    text = render_report(load_results(SPEC, cells, tmp_path), SPEC, tmp_path, "cmd").read_text()
+    assert ("- Cells ran on more than one machine (`results.csv` names each cell's): "
+            "Intel(R) Xeon(R) Processor, 2 cores, torch 2.13.0+cpu: 2 cells; AMD EPYC, 2 cores, torch 2.13.0+cpu: "
+            "1 cell; not recorded (cells older than per-cell records; machine.json names the first cells' machine): 1 cell.") in text
+    with open(tmp_path / "results.csv") as fh:
+        machines = [r["machine"] for r in csv.DictReader(fh)]
+    assert machines == ["Intel(R) Xeon(R) Processor, 2 cores, torch 2.13.0+cpu"] * 2 + [
+        "AMD EPYC, 2 cores, torch 2.13.0+cpu", ""]
+    assert all("machine_mean" not in s for s in json.loads((tmp_path / "results.json").read_text())["summary"])
+
+
+def test_report_of_one_machine_lists_no_machines(written):
+    out, cells = written
+    text = render_report(load_results(SPEC, cells, out), SPEC, out, "cmd").read_text()
+    assert "more than one machine" not in text
 
 
 def test_progress_prints_one_line_per_cell_off_a_terminal():
