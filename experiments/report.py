@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,11 +89,7 @@ def _machines_of_cells(results: Sequence[CellResult]) -> list[str]:
     SFL, say) needs to know whether they shared a machine; results.csv names each cell's.
     """
     unrecorded = "not recorded (cells older than per-cell records; machine.json names the first cells' machine)"
-    counts: dict[str, int] = {}
-    for r in results:
-        if r.status == "finished":
-            name = r.machine or unrecorded
-            counts[name] = counts.get(name, 0) + 1
+    counts = Counter(r.machine or unrecorded for r in results if r.status == "finished")
     if len(counts) < 2:
         return []
     listed = "; ".join(f"{name}: {n} cell{'s' if n != 1 else ''}" for name, n in counts.items())

@@ -18,6 +18,7 @@ one uninterrupted run.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -159,24 +160,24 @@ def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[di
     # Each cell names its own machine: a grid continued in a later session may run on another
     # CPU, and float results differ between CPUs (their kernels round differently), so two cells
     # are bit-comparable only when their machines match.
-    machine = describe_machine()
-    _write_record(path, cell, "running", machine=machine)
+    record = functools.partial(_write_record, path, cell, machine=describe_machine())
+    record("running")
     t0 = time.monotonic()
     try:
         with Testbed(cell.config, path, agents=spec.agents, log_level=log_level) as testbed:
             status = testbed.follow(on_round, timeout=spec.timeout_s)
     except KeyboardInterrupt:
-        _write_record(path, cell, "interrupted", wall_s=time.monotonic() - t0, machine=machine)
+        record("interrupted", wall_s=time.monotonic() - t0)
         raise
     except (TestbedError, TimeoutError, RuntimeError, OSError) as exc:
         wall = time.monotonic() - t0
         if recover_finished(out, cell, wall, f"the runner lost track of the run: {exc}"):
             return CellOutcome(cell, "finished", wall)
         error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _write_record(path, cell, "failed", wall_s=wall, error=str(exc)[-4000:], machine=machine)
+        record("failed", wall_s=wall, error=str(exc)[-4000:])
         return CellOutcome(cell, "failed", wall, error)
     wall = time.monotonic() - t0
-    _write_record(path, cell, "finished", wall_s=wall, summary=status["summary"], machine=machine)
+    record("finished", wall_s=wall, summary=status["summary"])
     return CellOutcome(cell, "finished", wall)
 
 
