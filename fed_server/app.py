@@ -19,7 +19,7 @@ from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
 from shared.auth import Auth
 from shared.http_client import decode_response, service_client
-from shared.http_server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from http_api.server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 

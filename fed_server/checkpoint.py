@@ -33,6 +33,7 @@ class RunProgress:
     elapsed_s: float
     rng_state: tuple              # the selection RNG (random.Random.getstate())
     algorithm_state: dict[str, Any] = field(default_factory=dict)
+    selector_state: dict[str, Any] = field(default_factory=dict)
     time_table: dict[str, dict[int, float]] = field(default_factory=dict)
     finished: bool = False
     stop_reason: str | None = None

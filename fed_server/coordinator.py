@@ -25,10 +25,11 @@ from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.registry import build_algorithm
+from shared.algorithms.base import RoundContext
+from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
-from shared.http_server import ApiError
+from shared.errors import Conflict, Invalid, NotAllowed
 from shared.models import build_model, profile_model
 from shared.schemas import (
     Ack, DeviceTimings, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
@@ -72,6 +73,9 @@ class Coordinator:
         self.model = build_model(config.model, self.num_classes, self.input_shape, seed=config.seed)
         self.num_blocks = len(self.model.blocks)
         self.algorithm.bind_model(self.model)
+        # The selection policy is composed here, beside the algorithm: every algorithm gets it
+        # without having to call it (HiCS-FL learns from every aggregated upload).
+        self.selector = build_selector(config, output_layer=self.algorithm.output_layer)
         self.profile = profile_model(self.model, config.model)
         self.test_set = load_dataset(config.data)[1]
         self.devices = DeviceRegistry(config.data.num_devices)
@@ -123,7 +127,9 @@ class Coordinator:
             self.started_at = time.monotonic()
         self.attempts += 1
         index = self.rounds_done + 1
-        selected = self.algorithm.select_devices(index, self.devices.ids(), self.config.per_round, self.rng)
+        ctx = RoundContext(index=index, attempt=self.attempts)
+        pool = self.algorithm.eligible(self.devices.ids())
+        selected = self.selector.select(ctx, pool, min(self.config.per_round, len(pool)), self.rng)
         splits = self.planner.choose(index, selected)
         self.round = FedRound(
             round_id=self.attempts, index=index, split_mode=self.planner.mode,
@@ -179,7 +185,7 @@ class Coordinator:
             main_server_url=self.main_server_url if fed_round.uses_main_server else None,
             deadline_s=self._remaining(fed_round), half_precision=self.config.half_precision,
             algorithm=self.config.algorithm, params=self.algorithm.device_params(),
-            extras=self.algorithm.task_extras(device_id, fed_round.index), report=self.algorithm.needs_report,
+            extras=self.algorithm.task_extras(device_id, fed_round.context), report=self.algorithm.needs_report,
         )
 
     def _follow_up_for(self, fed_round: FedRound, device_id: str) -> TaskResponse:
@@ -198,17 +204,17 @@ class Coordinator:
     def accept_report(self, round_id: int, req: ReportRequest) -> Ack:
         """Two-phase algorithms: a device's post-training report."""
         if req.round_id != round_id:
-            raise ApiError(422, f"body round_id {req.round_id} does not match the path's round {round_id}")
+            raise Invalid(f"body round_id {req.round_id} does not match the path's round {round_id}")
         self.devices.get(req.device_id)
         fed_round = self._open_round(round_id)
         if not self.algorithm.needs_report:
-            raise ApiError(409, f"algorithm {self.config.algorithm} takes no reports")
+            raise Conflict(f"algorithm {self.config.algorithm} takes no reports")
         if req.device_id not in fed_round.assignments:
-            raise ApiError(403, f"device {req.device_id!r} was not selected for round {round_id}")
+            raise NotAllowed(f"device {req.device_id!r} was not selected for round {round_id}")
         if req.device_id in fed_round.reports:
-            raise ApiError(409, f"round {round_id} already has the report of {req.device_id!r}")
+            raise Conflict(f"round {round_id} already has the report of {req.device_id!r}")
         if fed_round.follow_ups is not None:
-            raise ApiError(409, f"reports for round {round_id} are closed")
+            raise Conflict(f"reports for round {round_id} are closed")
         fed_round.reports[req.device_id] = dict(req.extras)
         return Ack(detail=f"report of {req.device_id} for round {round_id} stored")
 
@@ -216,7 +222,7 @@ class Coordinator:
         """Close reporting: devices that did not report are dropped; the algorithm answers the rest."""
         fed_round.excluded |= set(fed_round.assignments) - set(fed_round.reports)
         try:
-            fed_round.follow_ups = self.algorithm.plan_follow_ups(fed_round.index, fed_round.reports)
+            fed_round.follow_ups = self.algorithm.plan_follow_ups(fed_round.context, fed_round.reports)
         except ValueError as exc:
             log.error("round %d: follow-ups could not be planned: %s", fed_round.round_id, exc)
             fed_round.follow_ups = {}
@@ -225,14 +231,14 @@ class Coordinator:
     def _open_round(self, round_id: int) -> FedRound:
         if self.round is None or self.round.round_id != round_id:
             current = self.round.round_id if self.round else None
-            raise ApiError(409, f"round {round_id} is not open (open round: {current})")
+            raise Conflict(f"round {round_id} is not open (open round: {current})")
         return self.round
 
     def _decode(self, weights, start: int, end: int) -> dict[str, torch.Tensor]:
         try:
             return decode_portion(weights, self.model, start, end)
         except WireError as exc:
-            raise ApiError(422, str(exc)) from None
+            raise Invalid(str(exc)) from None
 
     def _checked_update(self, device_id: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Apply ``updates.max_norm``: refuse (422) or clip an update that is too large."""
@@ -244,49 +250,49 @@ class Coordinator:
         if norm <= limit:
             return state
         if self.config.updates.action == "reject":
-            raise ApiError(422, f"update norm {norm:.4g} of {device_id!r} exceeds updates.max_norm={limit:.4g}")
+            raise Invalid(f"update norm {norm:.4g} of {device_id!r} exceeds updates.max_norm={limit:.4g}")
         log.warning("clipping the update of %s from norm %.4g to %.4g", device_id, norm, limit)
         return clip_update(state, global_state, limit, norm)
 
     def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int) -> Ack:
         """A device's trained portion. Fully checked before it is stored."""
         if req.round_id != round_id:
-            raise ApiError(422, f"body round_id {req.round_id} does not match the path's round {round_id}")
+            raise Invalid(f"body round_id {req.round_id} does not match the path's round {round_id}")
         self.devices.get(req.device_id)
         fed_round = self._open_round(round_id)
         assignment = fed_round.assignments.get(req.device_id)
         if assignment is None:
-            raise ApiError(403, f"device {req.device_id!r} was not selected for round {round_id}")
+            raise NotAllowed(f"device {req.device_id!r} was not selected for round {round_id}")
         if req.device_id in fed_round.updates:
             # A retried upload (the first answer was lost): accepted once, acknowledged again.
             return Ack(detail=f"update of {req.device_id} for round {round_id} was already stored")
         if self.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
-            raise ApiError(409, f"device {req.device_id!r} must report and receive its follow-up before uploading")
+            raise Conflict(f"device {req.device_id!r} must report and receive its follow-up before uploading")
         state = self._checked_update(req.device_id, self._decode(req.weights, 0, assignment.split_point))
         try:
-            self.algorithm.accept_update(req.device_id, round_id, state, dict(req.extras), req.num_samples,
+            self.algorithm.accept_update(req.device_id, fed_round.context, state, dict(req.extras), req.num_samples,
                                          self.model.state_dict())
         except ValueError as exc:
-            raise ApiError(422, f"extras: {exc}") from None
+            raise Invalid(f"extras: {exc}") from None
         fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes)
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
 
     def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:
         """A group's trained server-side copy from the Main Server."""
         if upload.round_id != round_id or upload.run_id != self.run_id:
-            raise ApiError(409, f"portion for run {upload.run_id} round {upload.round_id} does not belong to the open round")
+            raise Conflict(f"portion for run {upload.run_id} round {upload.round_id} does not belong to the open round")
         fed_round = self._open_round(round_id)
         if not fed_round.uses_main_server:
-            raise ApiError(409, f"round {round_id} does not use the Main Server")
+            raise Conflict(f"round {round_id} does not use the Main Server")
         members = set(upload.members) | set(upload.dropped)
         unknown = (members | set(upload.absent)) - set(fed_round.assignments)
         if unknown:
-            raise ApiError(422, f"group members {sorted(unknown)} are not participants of round {round_id}")
+            raise Invalid(f"group members {sorted(unknown)} are not participants of round {round_id}")
         if upload.group_id in fed_round.portions:
-            raise ApiError(409, f"group {upload.group_id} of round {round_id} was already received")
+            raise Conflict(f"group {upload.group_id} of round {round_id} was already received")
         splits = [fed_round.assignments[m].split_point for m in members]
         if splits and upload.start_block > min(splits):
-            raise ApiError(422, f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")
+            raise Invalid(f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")
         state = self._decode(upload.weights, upload.start_block, self.num_blocks)
         fed_round.portions[upload.group_id] = ReceivedPortion(upload, state, body_bytes)
         return Ack(detail=f"group {upload.group_id} of round {round_id} stored")
@@ -316,7 +322,10 @@ class Coordinator:
         aggregation_s = 0.0
         if ok:
             started = time.perf_counter()
-            new_state = self.algorithm.aggregate(fed_round.index, self.model.state_dict(), contributions, extras)
+            global_state = self.model.state_dict()
+            for device, contribution in contributions.items():
+                self.selector.observe(device, contribution, global_state)
+            new_state = self.algorithm.aggregate(fed_round.context, global_state, contributions, extras)
             self.model.load_state_dict(new_state)
             aggregation_s = time.perf_counter() - started
             for device in used:
@@ -340,7 +349,7 @@ class Coordinator:
             {d: r.kind for d, r in self.devices.devices.items()})
         self.cumulative_bytes = record["cumulative_bytes"]
         record["aggregation_s"] = aggregation_s
-        record["algorithm_metrics"] = {**self.algorithm.round_metrics(fed_round.index, extras),
+        record["algorithm_metrics"] = {**self.selector.metrics(), **self.algorithm.round_metrics(fed_round.context, extras),
                                        **self.algorithm.evaluate(self.model)} if ok else {}
         self.history.append(record)
         if self.rounds_done >= self.config.rounds:
@@ -364,7 +373,7 @@ class Coordinator:
             run_id=self.run_id, rounds_done=self.rounds_done, attempts=self.attempts,
             failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
             cumulative_bytes=self.cumulative_bytes, elapsed_s=self._elapsed(), rng_state=self.rng.getstate(),
-            algorithm_state=self.algorithm.state_dict(), time_table=self.table.entries(),
+            algorithm_state=self.algorithm.state_dict(), selector_state=self.selector.state_dict(), time_table=self.table.entries(),
             finished=self.finished, stop_reason=self.stop_reason))
 
     def resume(self) -> bool:
@@ -390,6 +399,7 @@ class Coordinator:
         self.elapsed_before = progress.elapsed_s
         self.rng.setstate(progress.rng_state)
         self.algorithm.load_state_dict(progress.algorithm_state)
+        self.selector.load_state_dict(progress.selector_state)
         self.table.load_entries(progress.time_table)
         written = self.run_dir.read_metrics()
         self.history = written[: progress.history_len]

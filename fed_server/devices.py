@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from fed_server.time_table import DeviceProfile
-from shared.http_server import ApiError
+from shared.errors import Conflict, Invalid, NotFound
 from shared.schemas import RegisterRequest
 
 
@@ -28,10 +28,10 @@ class DeviceRegistry:
 
     def register(self, req: RegisterRequest) -> DeviceRecord:
         if req.shard >= self.num_shards:
-            raise ApiError(422, f"shard {req.shard} does not exist: the run has {self.num_shards} shards (0..{self.num_shards - 1})")
+            raise Invalid(f"shard {req.shard} does not exist: the run has {self.num_shards} shards (0..{self.num_shards - 1})")
         for other in self.devices.values():
             if other.shard == req.shard and other.device_id != req.device_id:
-                raise ApiError(409, f"shard {req.shard} is already held by device {other.device_id!r}")
+                raise Conflict(f"shard {req.shard} is already held by device {other.device_id!r}")
         record = DeviceRecord(req.device_id, req.shard, req.num_samples,
                               DeviceProfile(flops=req.profile.flops, rate=req.profile.rate), req.profile.kind)
         self.devices[req.device_id] = record
@@ -40,7 +40,7 @@ class DeviceRegistry:
     def get(self, device_id: str) -> DeviceRecord:
         record = self.devices.get(device_id)
         if record is None:
-            raise ApiError(404, f"unknown device {device_id!r}: register first")
+            raise NotFound(f"unknown device {device_id!r}: register first")
         record.last_seen = time.monotonic()
         return record
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.algorithms.base import RoundContext
 from shared.schemas import ServerPortionUpload, UpdateRequest
 
 
@@ -58,6 +59,11 @@ class FedRound:
     follow_ups: dict[str, dict] | None = None
     follow_ups_sent: set[str] = field(default_factory=set)
     excluded: set[str] = field(default_factory=set)   # dropped by the Fed Server (e.g. never reported)
+
+    @property
+    def context(self) -> RoundContext:
+        """The algorithm hooks' view of this attempt: logical round and attempt id."""
+        return RoundContext(index=self.index, attempt=self.round_id)
 
     @property
     def uses_main_server(self) -> bool:

@@ -13,7 +13,8 @@ from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.http_client import decode_response, service_client
-from shared.http_server import ApiError, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from shared.errors import Conflict
+from http_api.server import create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
 from shared.wire import encode_state, encode_tensor, packb
 
@@ -42,14 +43,14 @@ class MainServer:
 
     def current(self, round_id: int) -> RoundState:
         if self.round is None:
-            raise ApiError(409, "no round is open at the Main Server")
+            raise Conflict("no round is open at the Main Server")
         if round_id != self.round.round_id:
-            raise ApiError(409, f"round {round_id} is stale: the open round is {self.round.round_id}")
+            raise Conflict(f"round {round_id} is stale: the open round is {self.round.round_id}")
         return self.round
 
     def open_round(self, plan: RoundPlan) -> None:
         if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
-            raise ApiError(409, f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
+            raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
         new = RoundState(plan, self._group_done, self.metrics)  # validates the plan before anything is replaced
         if self.round is not None:
             self.round.abandon()

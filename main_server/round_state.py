@@ -18,7 +18,7 @@ import torch
 from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
 from main_server.metrics import MainMetrics
 from shared.algorithms.grouping import balanced_groups, label_distance, singleton_groups
-from shared.http_server import ApiError
+from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.portions import decode_portion
@@ -70,20 +70,20 @@ class RoundState:
         try:
             self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
         except ValueError as exc:  # unknown model, bad input_shape or num_classes: the plan's fault, not ours
-            raise ApiError(422, f"invalid plan: {exc}") from None
+            raise Invalid(f"invalid plan: {exc}") from None
         n_blocks = len(self.template.blocks)
         for p in plan.participants:
             if p.split_point >= n_blocks:
-                raise ApiError(422, f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
+                raise Invalid(f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
         self.start = min(p.split_point for p in plan.participants)
         try:
             self.server_weights = decode_portion(plan.server_weights, self.template, self.start, n_blocks, what="server_weights")
         except WireError as exc:
-            raise ApiError(422, str(exc)) from None
+            raise Invalid(str(exc)) from None
         try:
             self.activation_shapes = self._activation_shapes()
         except RuntimeError as exc:  # e.g. an input_shape too small for the model's pooling
-            raise ApiError(422, f"invalid plan: input_shape {plan.input_shape} does not fit model {plan.model!r}: {exc}") from None
+            raise Invalid(f"invalid plan: input_shape {plan.input_shape} does not fit model {plan.model!r}: {exc}") from None
         self.joined: dict[str, JoinRequest] = {}
         self.groups: list[Group] | None = None
         self.group_of: dict[str, Group] = {}
@@ -108,23 +108,23 @@ class RoundState:
     async def join(self, req: JoinRequest) -> JoinResponse:
         """Record a device's label counts; answer once groups are formed."""
         if req.device_id not in self.participants:
-            raise ApiError(404, f"device {req.device_id!r} is not a participant of round {self.round_id}")
+            raise NotFound(f"device {req.device_id!r} is not a participant of round {self.round_id}")
         if len(req.label_counts) != self.plan.num_classes:
-            raise ApiError(422, f"label_counts has {len(req.label_counts)} entries; the model has {self.plan.num_classes} classes")
+            raise Invalid(f"label_counts has {len(req.label_counts)} entries; the model has {self.plan.num_classes} classes")
         if self.groups is not None:
             group = self.group_of.get(req.device_id)
             if group is None:
-                raise ApiError(409, f"device {req.device_id!r} joined after the join deadline of round {self.round_id}")
+                raise Conflict(f"device {req.device_id!r} joined after the join deadline of round {self.round_id}")
             return self._join_answer(group)
         self.joined[req.device_id] = req
         if len(self.joined) == len(self.participants):
             self._form_groups()
         await self.groups_ready.wait()
         if self.abandoned:
-            raise ApiError(409, f"round {self.round_id} was abandoned")
+            raise Conflict(f"round {self.round_id} was abandoned")
         group = self.group_of.get(req.device_id)
         if group is None:  # pragma: no cover - joined devices are always grouped
-            raise ApiError(409, "not grouped")
+            raise Conflict("not grouped")
         return self._join_answer(group)
 
     def _join_answer(self, group: Group) -> JoinResponse:
@@ -178,33 +178,33 @@ class RoundState:
         group = self.group_of.get(req.device_id)
         if group is None:
             if req.device_id in self.participants:
-                raise ApiError(409, f"device {req.device_id!r} has not joined round {self.round_id} (or joined too late)")
-            raise ApiError(404, f"device {req.device_id!r} is not a participant of round {self.round_id}")
+                raise Conflict(f"device {req.device_id!r} has not joined round {self.round_id} (or joined too late)")
+            raise NotFound(f"device {req.device_id!r} is not a participant of round {self.round_id}")
         if req.device_id in group.dropped:
-            raise ApiError(409, f"device {req.device_id!r} was dropped from round {self.round_id} after missing a step deadline")
+            raise Conflict(f"device {req.device_id!r} was dropped from round {self.round_id} after missing a step deadline")
         if req.device_id in group.done:
-            raise ApiError(409, f"device {req.device_id!r} has already sent all its {group.num_steps[req.device_id]} steps")
+            raise Conflict(f"device {req.device_id!r} has already sent all its {group.num_steps[req.device_id]} steps")
         if req.step != group.step:
-            raise ApiError(409, f"step {req.step} is out of order: the group is at step {group.step}")
+            raise Conflict(f"step {req.step} is out of order: the group is at step {group.step}")
         if req.device_id in group.pending:
-            raise ApiError(409, f"step {req.step} of {req.device_id!r} was already received")
+            raise Conflict(f"step {req.step} of {req.device_id!r} was already received")
         k = group.split[req.device_id]
         try:
             fx = decode_tensor(req.fx, what="fx")
             labels = decode_tensor(req.labels, expect_dtype="int64", what="labels")
         except WireError as exc:
-            raise ApiError(422, str(exc)) from None
+            raise Invalid(str(exc)) from None
         if fx.dtype not in (torch.float32, torch.float16):
-            raise ApiError(422, f"fx: dtype {req.fx.dtype} where float32 or float16 was expected")
+            raise Invalid(f"fx: dtype {req.fx.dtype} where float32 or float16 was expected")
         expected_tail = self.activation_shapes[k]
         batch = fx.shape[0] if fx.dim() else 0
         if tuple(fx.shape[1:]) != expected_tail or not 1 <= batch <= self.plan.train.batch_size:
-            raise ApiError(422, f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
+            raise Invalid(f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
                                 f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {k}")
         if list(labels.shape) != [batch]:
-            raise ApiError(422, f"labels: shape {list(labels.shape)} where [{batch}] was expected")
+            raise Invalid(f"labels: shape {list(labels.shape)} where [{batch}] was expected")
         if batch and (int(labels.min()) < 0 or int(labels.max()) >= self.plan.num_classes):
-            raise ApiError(422, f"labels: values must lie in [0, {self.plan.num_classes})")
+            raise Invalid(f"labels: values must lie in [0, {self.plan.num_classes})")
         return group, MemberBatch(req.device_id, k, fx, labels)
 
     async def step(self, req: StepRequest) -> StepOutcome:
@@ -255,7 +255,7 @@ class RoundState:
                 self.metrics.step_failed()
             for _, fut, _ in pending.values():
                 if not fut.done():
-                    fut.set_exception(ApiError(500, f"server-side training failed: {exc}"))
+                    fut.set_exception(Failed(f"server-side training failed: {exc}"))
             group.running = False
             return
         server_s = time.monotonic() - started
@@ -299,7 +299,7 @@ class RoundState:
                 group.timer.cancel()
             for _, fut, _ in group.pending.values():
                 if not fut.done():
-                    fut.set_exception(ApiError(409, f"round {self.round_id} was replaced by a newer round"))
+                    fut.set_exception(Conflict(f"round {self.round_id} was replaced by a newer round"))
             group.pending = {}
 
     def summary(self) -> dict:

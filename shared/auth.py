@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import ApiError
+from shared.errors import NotAllowed, Unauthenticated
 
 
 def load_secret(file: str | None, env_var: str) -> bytes | None:
@@ -67,7 +67,7 @@ class Auth:
             return
         given = headers.get("x-enrolment-secret", "")
         if self.enrolment_secret is None or not hmac.compare_digest(given.encode(), self.enrolment_secret):
-            raise ApiError(401, "enrolment refused: a valid X-Enrolment-Secret header is required")
+            raise Unauthenticated("enrolment refused: a valid X-Enrolment-Secret header is required")
 
     def check_device(self, headers, device_id: str) -> None:
         """The caller must hold ``device_id``'s token (not just any device's)."""
@@ -75,9 +75,9 @@ class Auth:
             return
         token = _bearer(headers)
         if token is None:
-            raise ApiError(401, "missing device token: send Authorization: Bearer <token from registration>")
+            raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
         if not hmac.compare_digest(token, self.device_token(device_id)):
-            raise ApiError(403, f"the token does not belong to device {device_id!r}")
+            raise NotAllowed(f"the token does not belong to device {device_id!r}")
 
     def check_service(self, headers) -> None:
         """Only the other server may call server-to-server endpoints."""
@@ -85,7 +85,7 @@ class Auth:
             return
         token = _bearer(headers)
         if token is None or not hmac.compare_digest(token, self.service_token()):
-            raise ApiError(401, "server-to-server call without a valid service token")
+            raise Unauthenticated("server-to-server call without a valid service token")
 
 
 def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None) -> Auth:

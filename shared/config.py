@@ -132,7 +132,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        from shared.algorithms.registry import ALGORITHMS, SELECTORS, build_algorithm
+        from shared.algorithms.registry import ALGORITHMS, SELECTORS, build_algorithm, build_selector
         from shared.models.zoo import MODEL_NAMES
 
         if self.algorithm not in ALGORITHMS:
@@ -143,10 +143,11 @@ class RunConfig(_Strict):
             raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
         from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
-        # Building the algorithm validates algorithm_params, selection_params (its selector) and the
+        # Building the algorithm and the selector validates algorithm_params, selection_params and the
         # algorithm's own requirements on the rest of the config (e.g. FNR-FL needs
         # data.public_samples), before any process starts.
         algorithm = build_algorithm(self)
+        build_selector(self)
         if self.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
             raise ValueError(f"model {self.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
                              f"(e.g. fedavg, fedbc), not {self.algorithm!r}")

@@ -14,8 +14,8 @@ Two objects per algorithm:
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict
 from shared.algorithms.aggregation import Contribution, layerwise_aggregate
 
 if TYPE_CHECKING:
-    from shared.algorithms.selection import DeviceSelector
     from shared.config import RunConfig
     from shared.data import ArrayDataset
 
@@ -33,6 +32,21 @@ SplitMode = Literal["sliding", "fixed", "zero"]
 GroupingMode = Literal["balanced", "singleton"]
 #: JSON-like values carried in tasks, reports and uploads (numbers, strings, lists, maps).
 Extras = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """Which round a hook is called for: the logical round and the attempt that runs it.
+
+    ``index`` is the paper's round t (1..rounds): it advances only when a round succeeds, so a
+    retried or resumed round keeps its index. ``attempt`` is the wire ``round_id``: every try of a
+    round gets a new one, never reused, so a stale upload of a failed attempt cannot land in the
+    retry. Algorithms key their per-round state by ``index``; only transport-level checks compare
+    ``attempt``.
+    """
+
+    index: int
+    attempt: int
 
 
 class AlgorithmParams(BaseModel):
@@ -75,25 +89,24 @@ class DeviceLogic:
 
 
 class Algorithm:
-    """Fed Server side. Defaults: the configured selector, split depth zero, Algorithm 1 aggregation."""
+    """Fed Server side. Defaults: split depth zero, Algorithm 1 aggregation.
 
-    name: ClassVar[str] = ""
+    Which devices train is not the algorithm's business: the coordinator composes the configured
+    selection policy (``shared/algorithms/selection.py``) with :meth:`eligible`.
+    """
+
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     Logic: ClassVar[type[DeviceLogic]] = DeviceLogic
     #: True when devices report after training and wait for a follow-up before uploading.
     needs_report: ClassVar[bool] = False
 
     def __init__(self, config: "RunConfig") -> None:
-        from shared.algorithms.registry import build_selector
-
         self.config = config
         self.params = self.Params.model_validate(config.algorithm_params)
-        self.selector: "DeviceSelector" = build_selector(config)
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Called once by the Fed Server with the global model (names of its output layer etc.)."""
         self.output_layer: str = getattr(model, "output_layer", "")
-        self.selector.output_layer = self.output_layer
 
     # --- Fed Server decisions ------------------------------------------------------------------
     def split_mode(self) -> SplitMode:
@@ -105,58 +118,47 @@ class Algorithm:
         """Devices that may be selected at all (FedIPG's exit strategy removes some)."""
         return list(devices)
 
-    def select_devices(self, round_id: int, available: Sequence[str], count: int, rng: random.Random) -> list[str]:
-        """Which devices train this round: the configured selection policy over eligible devices."""
-        pool = self.eligible(available)
-        return self.selector.select(round_id, pool, min(count, len(pool)), rng)
-
     def device_params(self) -> Extras:
         """Hyperparameters every device needs for :class:`DeviceLogic` (sent in each task)."""
         return self.params.model_dump(mode="json")
 
-    def task_extras(self, device_id: str, round_id: int) -> Extras:
+    def task_extras(self, device_id: str, ctx: RoundContext) -> Extras:
         """Per-device values for this round's task (e.g. FedBC's dual variable)."""
         return {}
 
-    def plan_follow_ups(self, round_id: int, reports: Mapping[str, Extras]) -> dict[str, Extras]:
+    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, Extras]) -> dict[str, Extras]:
         """Two-phase algorithms: each reporting device's instruction (raise ValueError on bad reports)."""
         return {device: {} for device in reports}
 
-    def accept_update(self, device_id: str, round_id: int, state: Mapping[str, torch.Tensor], extras: Extras,
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
                       num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
         """Check an upload's extras (ValueError -> 422, nothing stored) before it is accepted."""
 
-    def aggregate(self, round_id: int, global_state: Mapping[str, torch.Tensor],
+    def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
                   contributions: Mapping[str, Contribution], extras: Mapping[str, Extras]) -> dict[str, torch.Tensor]:
         """New global model from the round's uploads, keyed by device (S2FL Algorithm 1; FedAvg
         when nothing is split). Also the place to update per-device state from the uploads."""
-        for device, contribution in contributions.items():
-            self.selector.observe(device, contribution, global_state)
         return layerwise_aggregate(global_state, list(contributions.values()))
 
     def evaluate(self, model: torch.nn.Module) -> Extras:
         """Extra evaluation of the new global model (e.g. out-of-distribution accuracy)."""
         return {}
 
-    def round_metrics(self, round_id: int, extras: Mapping[str, Extras]) -> Extras:
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
         """Extra fields for the round's metrics record."""
-        return self.selector.metrics()
+        return {}
 
     def state_dict(self) -> Extras:
         """Per-run state that a checkpoint must keep (JSON-able)."""
-        return {"selector": self.selector.state_dict()}
+        return {}
 
     def load_state_dict(self, state: Extras) -> None:
-        self.selector.load_state_dict(state.get("selector", {}))
+        """Restore what :meth:`state_dict` returned."""
 
     # --- Main Server decisions -----------------------------------------------------------------
     def grouping(self) -> GroupingMode:
         """How the Main Server groups a round's devices (one server copy per group)."""
         return "singleton"
-
-    @property
-    def uses_main_server(self) -> bool:
-        return self.split_mode() != "zero"
 
     # --- device side ---------------------------------------------------------------------------
     @classmethod

@@ -9,4 +9,3 @@ class FedAvg(Algorithm):
     default), whole model on the device, cross-entropy, data-size-weighted average (Algorithm 1
     with every layer supplied by the devices)."""
 
-    name = "fedavg"

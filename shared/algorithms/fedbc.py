@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, finite_number
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, RoundContext, finite_number
 from shared.evaluation import evaluate
 
 if TYPE_CHECKING:
@@ -295,7 +295,6 @@ class FedBCLogic(DeviceLogic):
 class FedBC(Algorithm):
     """Fed Server side: per-device lambda_i, gamma_i; dual/tolerance steps; lambda-weighted average."""
 
-    name = "fedbc"
     Params = FedBCParams
     Logic = FedBCLogic
     params: FedBCParams
@@ -326,7 +325,7 @@ class FedBC(Algorithm):
     def gamma_of(self, device_id: str) -> float:
         return self.gamma.get(device_id, self.params.gamma)
 
-    def task_extras(self, device_id: str, round_id: int) -> Extras:
+    def task_extras(self, device_id: str, ctx: RoundContext) -> Extras:
         return {"lambda": self.lambda_of(device_id), "gamma": self.gamma_of(device_id),
                 "split_seed": split_seed(self.config.seed, device_id)}
 
@@ -345,7 +344,7 @@ class FedBC(Algorithm):
             raise ValueError(f"{what} train_samples={n_train} + local_total={total} must equal the shard's "
                              f"num_samples={num_samples} (and train_samples >= 1)")
 
-    def accept_update(self, device_id: str, round_id: int, state: Mapping[str, torch.Tensor], extras: Extras,
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
                       num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
         """Validate the extras and recompute d from the weights (the dual step itself happens in
         :meth:`aggregate`, only for uploads that are aggregated)."""
@@ -354,17 +353,15 @@ class FedBC(Algorithm):
         reported = float(extras["d"])
         if abs(reported - distance) > DISTANCE_LOG_RTOL * max(abs(distance), 1e-12):
             log.info("fedbc round %d: %s reported d=%.6g, recomputed d=%.6g (the server's value is used)",
-                     round_id, device_id, reported, distance)
+                     ctx.index, device_id, reported, distance)
         self._upload_distance[device_id] = distance
 
-    def aggregate(self, round_id: int, global_state: Mapping[str, torch.Tensor],
+    def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
                   contributions: Mapping[str, Contribution], extras: Mapping[str, Extras]) -> dict[str, torch.Tensor]:
         """Dual/tolerance steps for the round's participants, then z = sum lambda x / sum lambda
         (data-size FedAvg when all lambda are 0)."""
         p = self.params
         devices = sorted(contributions)
-        for device in devices:
-            self.selector.observe(device, contributions[device], global_state)
         distances: dict[str, float] = {}
         n_train: dict[str, float] = {}
         for device in devices:
@@ -395,7 +392,7 @@ class FedBC(Algorithm):
         if fallback:
             self.fallback_rounds += 1
             log.warning("fedbc round %d: every participant's lambda is 0; data-size-weighted FedAvg this round "
-                        "(fallback %d so far)", round_id, self.fallback_rounds)
+                        "(fallback %d so far)", ctx.index, self.fallback_rounds)
         weights = sizes if fallback else lambdas
         new_state = lambda_weighted_average(global_state, [contributions[d].client_state for d in devices], weights)
         self._check_stability(max(lambdas) if lambdas else 0.0)
@@ -455,13 +452,12 @@ class FedBC(Algorithm):
             "local_acc_pooled_latest": sum(c for c, _ in latest) / sum(t for _, t in latest) if latest else None,
         }
 
-    def round_metrics(self, round_id: int, extras: Mapping[str, Extras]) -> Extras:
-        return {**self.selector.metrics(), **self._round}
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
+        return dict(self._round)
 
     # --- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> Extras:
         return {
-            "selector": self.selector.state_dict(),
             "lambda": dict(self.lam),
             "gamma": dict(self.gamma),
             "lambda_buf": dict(self.lam_buf),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 
 from shared.algorithms.aggregation import Contribution, layerwise_aggregate
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, finite_number
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, RoundContext, finite_number
 from shared.evaluation import evaluate
 
 if TYPE_CHECKING:
@@ -172,7 +172,6 @@ class FedIPGLogic(DeviceLogic):
 class FedIPG(Algorithm):
     """Fed Server side: exit strategy (I_OOD never selected nor aggregated) and ID/OOD evaluation."""
 
-    name = "fedipg"
     Params = FedIPGParams
     Logic = FedIPGLogic
 
@@ -221,7 +220,7 @@ class FedIPG(Algorithm):
         return {"lam": self.params.lam, "penalty_scope": self.params.penalty_scope,
                 "output_layer": getattr(self, "output_layer", "")}
 
-    def accept_update(self, device_id: str, round_id: int, state: Mapping[str, torch.Tensor], extras: Extras,
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
                       num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
         """Refuse uploads of exited devices and malformed diagnostics (ValueError -> 422)."""
         if device_id in self.exited:
@@ -237,7 +236,7 @@ class FedIPG(Algorithm):
         if ("penalty_s2" in extras) != (self.params.lam != 0.0) or ("penalty_abs_s" in extras) != ("penalty_s2" in extras):
             raise ValueError("penalty diagnostics must be sent exactly when lam > 0")
 
-    def aggregate(self, round_id: int, global_state: Mapping[str, torch.Tensor],
+    def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
                   contributions: Mapping[str, Contribution], extras: Mapping[str, Extras]) -> dict[str, torch.Tensor]:
         """w^{t+1} = sum_{i in I_ID^t} a_i w_i^t with a_i normalised over the round's ID uploads."""
         kept = {d: c for d, c in contributions.items() if d not in self.exited}  # defence in depth
@@ -249,10 +248,8 @@ class FedIPG(Algorithm):
                     for d, c in kept.items()}
         total = sum(c.weight for c in kept.values())
         self.last_weights = {d: c.weight / total for d, c in sorted(kept.items())}
-        for device, contribution in kept.items():
-            self.selector.observe(device, contribution, global_state)
         if self.params.exit_policy == "contribution":
-            self._contribution_exit(round_id, global_state, kept)
+            self._contribution_exit(ctx.index, global_state, kept)
         return layerwise_aggregate(global_state, list(kept.values()))
 
     def _contribution_exit(self, round_id: int, global_state: Mapping[str, torch.Tensor],
@@ -286,9 +283,9 @@ class FedIPG(Algorithm):
                          self.last_contribution[d], self.streaks[d])
 
     # --- metrics and evaluation ---------------------------------------------------------------
-    def round_metrics(self, round_id: int, extras: Mapping[str, Extras]) -> Extras:
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
         """Exited devices, aggregation weights and the devices' mean risk / penalty diagnostics."""
-        out: Extras = dict(self.selector.metrics())
+        out: Extras = {}
         out["exited"] = sorted(self.exited)
         out["aggregation_weights"] = dict(self.last_weights)
         for key in _DIAGNOSTIC_KEYS:
@@ -346,13 +343,11 @@ class FedIPG(Algorithm):
 
     # --- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> Extras:
-        return {"selector": self.selector.state_dict(),
-                "exited": {d: dict(v) for d, v in sorted(self.exited.items())},
+        return {"exited": {d: dict(v) for d, v in sorted(self.exited.items())},
                 "streaks": dict(sorted(self.streaks.items())),
                 "last_contribution": dict(sorted(self.last_contribution.items()))}
 
     def load_state_dict(self, state: Extras) -> None:
-        self.selector.load_state_dict(state.get("selector", {}))
         exited = state.get("exited", {})
         if not isinstance(exited, dict):
             raise ValueError("checkpoint 'exited' must be a mapping device -> {round, reason}")

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from pydantic import ConfigDict, Field
 from torch import nn
 
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, finite_number
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, RoundContext, finite_number
 from shared.data import ArrayDataset, DataSpec, load_dataset, load_public_set
 
 if TYPE_CHECKING:
@@ -376,7 +376,6 @@ class FNRFLLogic(DeviceLogic):
 class FNRFL(Algorithm):
     """FNR-FL on the Fed Server: ranks reports, plans refinements, FedAvg aggregation (base)."""
 
-    name = "fnr-fl"
     Params = FNRFLParams
     Logic = FNRFLLogic
     needs_report = True
@@ -422,7 +421,7 @@ class FNRFL(Algorithm):
             raise ValueError("feature_norms is empty")
         return accuracy, norms
 
-    def plan_follow_ups(self, round_id: int, reports: Mapping[str, Extras]) -> dict[str, Extras]:
+    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, Extras]) -> dict[str, Extras]:
         """Rank the valid reports, pick ``S_re``, compute each picked device's ``Delta_j``.
 
         A device whose report is malformed (non-finite, out of range, unknown class) takes no part
@@ -453,15 +452,16 @@ class FNRFL(Algorithm):
                 instructions[device] = instruction
             else:
                 instructions[device] = {"refine": False}
-        self._plan = {"round": round_id, "accuracies": accuracies, "norms": norms, "selected": selected,
+        # Keyed by the logical round: a retried or resumed attempt of the same round is the same round.
+        self._plan = {"round": ctx.index, "accuracies": accuracies, "norms": norms, "selected": selected,
                       "deltas": deltas, "invalid": invalid}
         return instructions
 
-    def accept_update(self, device_id: str, round_id: int, state: Mapping[str, torch.Tensor], extras: Extras,
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
                       num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
         """The upload must say truthfully whether it was refined; diagnostics must be finite."""
-        if self._plan.get("round") != round_id:
-            raise ValueError(f"no follow-up plan for round {round_id}")
+        if self._plan.get("round") != ctx.index:
+            raise ValueError(f"no follow-up plan for round {ctx.index}")
         if device_id in self._plan["invalid"]:
             raise ValueError(f"the report of {device_id} was rejected: {self._plan['invalid'][device_id]}")
         refined = extras.get("refined")
@@ -477,12 +477,12 @@ class FNRFL(Algorithm):
             for key in ("refine_ce", "refine_penalty", "refine_loss"):
                 finite_number(extras.get(key), key)
 
-    def round_metrics(self, round_id: int, extras: Mapping[str, Extras]) -> Extras:
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
         """Who was refined and why: public accuracies, S_re, Delta_j, the refinement losses, and
         ``leaky`` (true when ``D_pub`` is the evaluation set)."""
-        metrics: Extras = {**super().round_metrics(round_id, extras), "leaky": self.leaky,
+        metrics: Extras = {**super().round_metrics(ctx, extras), "leaky": self.leaky,
                            "public_set": self.params.public_set, "penalty": self.params.penalty}
-        plan = self._plan if self._plan.get("round") == round_id else {}
+        plan = self._plan if self._plan.get("round") == ctx.index else {}
         selected = plan.get("selected", [])
         metrics.update({
             "reported": len(plan.get("accuracies", {})),

@@ -26,6 +26,7 @@ import torch
 from pydantic import Field
 
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.selection import DeviceSelector, SelectorParams
 
 if TYPE_CHECKING:
@@ -221,7 +222,6 @@ class HiCSSelector(DeviceSelector):
     source ("client" upload or group "server" copy); the round counter; last round's diagnostics.
     """
 
-    name: ClassVar[str] = "hics"
     Params: ClassVar[type[SelectorParams]] = HiCSParams
 
     def __init__(self, config: "RunConfig", output_layer: str | None = None) -> None:
@@ -288,8 +288,10 @@ class HiCSSelector(DeviceSelector):
         self._observed_now.append(device_id)
 
     # --- selection ---------------------------------------------------------------------------
-    def select(self, round_id: int, available: Sequence[str], count: int, rng: random.Random) -> list[str]:
-        """Unobserved devices first (warm-up, uniformly random), the rest by the HiCS procedure."""
+    def select(self, ctx: RoundContext, available: Sequence[str], count: int, rng: random.Random) -> list[str]:
+        """Unobserved devices first (warm-up, uniformly random), the rest by the HiCS procedure.
+        The paper's t is the logical round (``ctx.index``)."""
+        round_id = ctx.index
         self.round_id = int(round_id)
         self._observed_now, self._skipped_now = [], 0
         pool = sorted(available)

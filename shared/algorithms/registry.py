@@ -39,9 +39,9 @@ def build_algorithm(config: "RunConfig") -> Algorithm:
         raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}") from None
 
 
-def build_selector(config: "RunConfig") -> DeviceSelector:
-    """The configured device selection policy."""
+def build_selector(config: "RunConfig", output_layer: str | None = None) -> DeviceSelector:
+    """The configured device selection policy (``output_layer``: the model's, for HiCS-FL)."""
     try:
-        return SELECTORS[config.selection](config)
+        return SELECTORS[config.selection](config, output_layer)
     except KeyError:
         raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}") from None

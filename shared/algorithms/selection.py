@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from shared.algorithms.aggregation import Contribution
 
 if TYPE_CHECKING:
+    from shared.algorithms.base import RoundContext
     from shared.config import RunConfig
 
 
@@ -26,7 +27,6 @@ class SelectorParams(BaseModel):
 class DeviceSelector:
     """Uniformly random selection without replacement (S2FL Algorithm 2 line 3, FedAvg)."""
 
-    name: ClassVar[str] = "random"
     Params: ClassVar[type[SelectorParams]] = SelectorParams
 
     def __init__(self, config: "RunConfig", output_layer: str | None = None) -> None:
@@ -34,7 +34,7 @@ class DeviceSelector:
         self.params = self.Params.model_validate(config.selection_params)
         self.output_layer = output_layer
 
-    def select(self, round_id: int, available: Sequence[str], count: int, rng: random.Random) -> list[str]:
+    def select(self, ctx: "RoundContext", available: Sequence[str], count: int, rng: random.Random) -> list[str]:
         pool = sorted(available)
         return sorted(rng.sample(pool, min(count, len(pool))))
 

@@ -11,7 +11,6 @@ from shared.algorithms.base import Algorithm, GroupingMode, SplitMode
 class S2FL(Algorithm):
     """Sliding split (client time table) + data-balance grouping (Eq. 2)."""
 
-    name = "s2fl"
     default_sliding = True
     default_balance = True
 
@@ -27,6 +26,5 @@ class S2FL(Algorithm):
 class SFL(S2FL):
     """Split federated learning: every device cut at the largest client portion, one server copy each."""
 
-    name = "sfl"
     default_sliding = False
     default_balance = False

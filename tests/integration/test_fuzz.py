@@ -1,7 +1,7 @@
 """Fuzz the HTTP API of the real Fed Server and Main Server from their own OpenAPI descriptions.
 
 Schemathesis reads each server's ``/openapi.json`` (the msgpack request bodies are declared there
-with the pydantic schemas, see ``shared.http_server.msgpack_body_schema``), generates a bounded
+with the pydantic schemas, see ``http_api.server.msgpack_body_schema``), generates a bounded
 number of requests per operation, packs bodies with ``shared.wire.packb`` and sends them to live
 server processes. Per operation: ``EXAMPLES`` schema-valid cases, ``EXAMPLES`` schema-violating
 ones (where there is anything to violate), and for POSTs ``EXAMPLES`` with any body (raw bytes,

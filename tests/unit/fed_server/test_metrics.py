@@ -9,7 +9,7 @@ import httpx
 
 from fed_server.metrics import METRICS, FedMetrics
 from shared.http_metrics import exported_families, spec_mismatches
-from shared.http_server import create_service_app
+from http_api.server import create_service_app
 
 RECORD = {
     "round": 3, "status": "ok", "test_accuracy": 0.75, "test_loss": 0.8, "train_loss": 0.9, "round_time_s": 4.5,

@@ -5,7 +5,7 @@ from types import SimpleNamespace as NS
 
 from main_server.metrics import METRICS, MainMetrics
 from shared.http_metrics import spec_mismatches
-from shared.http_server import create_service_app
+from http_api.server import create_service_app
 
 
 def server_with_groups():

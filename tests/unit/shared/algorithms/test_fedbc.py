@@ -13,6 +13,7 @@ from torch import nn
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.base import DeviceLogic
 from shared.algorithms.fedbc import (
     FedBC, FedBCLogic, dual_step, lambda_weighted_average, local_split, proximal_penalty, squared_distance,
@@ -51,7 +52,7 @@ def _aggregate(algo: FedBC, xs: list[float], ns: list[int], round_id: int = 1, z
     devices = [f"dev-{i}" for i in range(len(xs))]
     contributions = {d: Contribution(weight=n, client_state={"w": torch.tensor([x])}) for d, x, n in zip(devices, xs, ns)}
     extras = {d: _extras(n) for d, n in zip(devices, ns)}
-    return algo.aggregate(round_id, global_state, contributions, extras)["w"].item(), devices
+    return algo.aggregate(RoundContext(round_id, round_id), global_state, contributions, extras)["w"].item(), devices
 
 
 def test_registered():
@@ -131,8 +132,8 @@ def test_server_updates_only_participants():
     algo.lam["dev-9"], algo.gamma["dev-9"] = 0.3, 0.2
     _aggregate(algo, [1.0, 3.0], [1, 3])
     assert algo.lam["dev-9"] == 0.3 and algo.gamma["dev-9"] == 0.2
-    assert algo.task_extras("dev-9", 2)["lambda"] == 0.3
-    assert algo.task_extras("never-seen", 2)["lambda"] == 0.0 and algo.task_extras("never-seen", 2)["gamma"] == 0.0
+    assert algo.task_extras("dev-9", RoundContext(2, 2))["lambda"] == 0.3
+    assert algo.task_extras("never-seen", RoundContext(2, 2))["lambda"] == 0.0 and algo.task_extras("never-seen", RoundContext(2, 2))["gamma"] == 0.0
 
 
 # ----------------------------------------------------------------------------- 4. aggregation
@@ -142,7 +143,7 @@ def test_first_round_hand_computed():
     assert [algo.lam[d] for d in devices] == pytest.approx([0.1, 0.9])
     assert [algo.gamma[d] for d in devices] == [0.0, 0.0]
     assert z == pytest.approx(2.8)  # (0.1 * 1 + 0.9 * 3) / 1.0
-    metrics = algo.round_metrics(1, {})
+    metrics = algo.round_metrics(RoundContext(1, 1), {})
     assert metrics["fallback"] is False and metrics["coef_lambda"]["dev-1"] == pytest.approx(0.9)
     assert metrics["coef_data"]["dev-1"] == pytest.approx(0.75)
     json.dumps(metrics)
@@ -155,7 +156,7 @@ def test_all_zero_lambdas_fall_back_to_data_size_average(caplog):
     assert [algo.lam[d] for d in devices] == [0.0, 0.0]
     assert z == pytest.approx(2.5) and np.isfinite(z)
     assert "FedAvg" in caplog.text
-    metrics = algo.round_metrics(1, {})
+    metrics = algo.round_metrics(RoundContext(1, 1), {})
     assert metrics["fallback"] is True and metrics["fallback_rounds"] == 1
     assert all(v is None for v in metrics["coef_lambda"].values())
     json.dumps(metrics)
@@ -260,7 +261,7 @@ def test_device_trains_on_80_percent_and_reports_local_accuracy_and_distance():
     # the server accepts these extras and agrees on the distance
     algo = build_algorithm(_config())
     algo.bind_model(model)
-    algo.accept_update("dev-0", 1, state, extras, len(data), weights)
+    algo.accept_update("dev-0", RoundContext(1, 1), state, extras, len(data), weights)
 
 
 def test_aggregate_uses_the_distance_computed_when_the_upload_was_accepted(monkeypatch):
@@ -268,15 +269,15 @@ def test_aggregate_uses_the_distance_computed_when_the_upload_was_accepted(monke
     global_state = {"w": torch.tensor([0.0])}
     states = {"dev-0": {"w": torch.tensor([1.0])}, "dev-1": {"w": torch.tensor([3.0])}}
     for device, state in states.items():
-        algo.accept_update(device, 7, state, _extras(4), 4, global_state)
+        algo.accept_update(device, RoundContext(7, 7), state, _extras(4), 4, global_state)
     calls = []
     monkeypatch.setattr("shared.algorithms.fedbc.squared_distance", lambda *a: calls.append(a) or 0.0)
     contributions = {d: Contribution(weight=4, client_state=state) for d, state in states.items()}
-    algo.aggregate(1, global_state, contributions, {d: _extras(4) for d in states})
+    algo.aggregate(RoundContext(1, 1), global_state, contributions, {d: _extras(4) for d in states})
     assert calls == []  # nothing recomputed
-    assert algo.round_metrics(1, {})["distance"] == {"dev-0": 1.0, "dev-1": 9.0}
+    assert algo.round_metrics(RoundContext(1, 1), {})["distance"] == {"dev-0": 1.0, "dev-1": 9.0}
     # the next round's aggregate does not see this round's cached values
-    algo.aggregate(2, global_state, contributions, {d: _extras(4) for d in states})
+    algo.aggregate(RoundContext(2, 2), global_state, contributions, {d: _extras(4) for d in states})
     assert len(calls) == 2
 
 
@@ -291,7 +292,7 @@ def test_bad_upload_extras_are_refused(patch):
     state = model.state_dict()
     extras = {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": 16, **patch}
     with pytest.raises(ValueError):
-        algo.accept_update("dev-0", 1, state, extras, 20, state)
+        algo.accept_update("dev-0", RoundContext(1, 1), state, extras, 20, state)
 
 
 def test_missing_or_misshaped_weights_are_refused():
@@ -301,9 +302,9 @@ def test_missing_or_misshaped_weights_are_refused():
     state = dict(model.state_dict())
     extras = {"d": 0.0, "local_correct": 0, "local_total": 0, "train_samples": 20}
     with pytest.raises(ValueError):
-        algo.accept_update("dev-0", 1, {"blocks.head.bias": state["blocks.head.bias"]}, extras, 20, state)
+        algo.accept_update("dev-0", RoundContext(1, 1), {"blocks.head.bias": state["blocks.head.bias"]}, extras, 20, state)
     with pytest.raises(ValueError):
-        algo.accept_update("dev-0", 1, {**state, "blocks.head.bias": torch.zeros(3)}, extras, 20, state)
+        algo.accept_update("dev-0", RoundContext(1, 1), {**state, "blocks.head.bias": torch.zeros(3)}, extras, 20, state)
 
 
 def test_bad_task_extras_are_refused_on_the_device():
@@ -342,11 +343,11 @@ def test_local_accuracy_metrics_pooled_mean_and_latest():
     g = {"w": torch.tensor([0.0])}
     contributions = {"a": Contribution(4, {"w": torch.tensor([1.0])}), "b": Contribution(16, {"w": torch.tensor([2.0])})}
     extras = {"a": _extras(3, 1, 1), "b": _extras(12, 2, 4)}
-    algo.aggregate(1, g, contributions, extras)
-    m = algo.round_metrics(1, extras)
+    algo.aggregate(RoundContext(1, 1), g, contributions, extras)
+    m = algo.round_metrics(RoundContext(1, 1), extras)
     assert m["local_acc_pooled"] == pytest.approx(3 / 5)
     assert m["local_acc_mean"] == pytest.approx((1.0 + 0.5) / 2)
-    algo.aggregate(2, g, {"a": contributions["a"]}, {"a": _extras(3, 0, 1)})
-    m = algo.round_metrics(2, {})
+    algo.aggregate(RoundContext(2, 2), g, {"a": contributions["a"]}, {"a": _extras(3, 0, 1)})
+    m = algo.round_metrics(RoundContext(2, 2), {})
     assert m["local_acc_pooled"] == 0.0 and m["local_acc_pooled_latest"] == pytest.approx(2 / 5)
     assert m["min_user"]["device"] == "a"

@@ -13,11 +13,12 @@ from torch import nn
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.fedavg import FedAvg
 from shared.algorithms.fedipg import (
     FedIPG, FedIPGLogic, fedipg_objective, invariance_statistic, penalty_parameters,
 )
-from shared.algorithms.registry import ALGORITHMS
+from shared.algorithms.registry import ALGORITHMS, build_selector
 from shared.config import RunConfig
 from shared.data import ArrayDataset
 from shared.data.device_transforms import DEVICE_TRANSFORMS
@@ -171,7 +172,7 @@ def test_lambda_zero_gives_fedavg_models_bit_identically():
     shards = [_data(24, seed=s) for s in range(3)]
     for round_id in range(1, 4):
         results = {}
-        for algo, model in ((fedipg, model_a), (fedavg, model_b)):
+        for label, algo, model in (("fedipg", fedipg, model_a), ("fedavg", fedavg, model_b)):
             start = {k: v.clone() for k, v in model.state_dict().items()}
             contribs, extras = {}, {}
             for i, shard in enumerate(shards):
@@ -181,9 +182,9 @@ def test_lambda_zero_gives_fedavg_models_bit_identically():
                                   send_step=None, logic=logic)
                 contribs[f"dev-{i:03d}"] = Contribution(weight=len(shard), client_state=res.state)
                 extras[f"dev-{i:03d}"] = logic.upload_extras(model, shard)
-            new = algo.aggregate(round_id, start, contribs, extras)
+            new = algo.aggregate(RoundContext(round_id, round_id), start, contribs, extras)
             model.load_state_dict(new)
-            results[algo.name] = new
+            results[label] = new
         for k in results["fedavg"]:
             assert torch.equal(results["fedavg"][k], results["fedipg"][k]), k
 
@@ -212,26 +213,26 @@ def test_excluded_devices_are_never_selected_nor_aggregated():
     assert algo.eligible(devices) == ["dev-000", "dev-002", "dev-003"]
     rng = random.Random(0)
     for r in range(1, 30):
-        picked = algo.select_devices(r, devices, 4, rng)
+        picked = build_selector(algo.config).select(RoundContext(r, r), algo.eligible(devices), 4, rng)
         assert "dev-001" not in picked and len(picked) == 3
     g = {"w": torch.zeros(2)}
     with pytest.raises(ValueError, match="exited"):
-        algo.accept_update("dev-001", 1, g, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0}, 10, g)
-    algo.accept_update("dev-000", 1, g, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0}, 10, g)
+        algo.accept_update("dev-001", RoundContext(1, 1), g, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0}, 10, g)
+    algo.accept_update("dev-000", RoundContext(1, 1), g, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0}, 10, g)
     for bad in ({"risk": float("nan"), "penalty_s2": 0.0, "penalty_abs_s": 0.0},
                 {"risk": 0.1, "penalty_s2": -1.0, "penalty_abs_s": 0.0},
                 {"risk": 0.1}, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0, "x": 1}):
         with pytest.raises(ValueError):
-            algo.accept_update("dev-000", 1, g, bad, 10, g)
+            algo.accept_update("dev-000", RoundContext(1, 1), g, bad, 10, g)
     contributions = {"dev-000": Contribution(10, {"w": torch.tensor([1.0, 1.0])}),
                      "dev-001": Contribution(50, {"w": torch.tensor([100.0, 100.0])}),
                      "dev-002": Contribution(30, {"w": torch.tensor([3.0, 5.0])})}
-    new = algo.aggregate(1, g, contributions, {})
+    new = algo.aggregate(RoundContext(1, 1), g, contributions, {})
     assert torch.allclose(new["w"], torch.tensor([(10 * 1 + 30 * 3) / 40, (10 * 1 + 30 * 5) / 40]))
     assert algo.last_weights == {"dev-000": 0.25, "dev-002": 0.75}
     algo_u = FedIPG(_config(exit_policy="static", excluded=["dev-001"], weighting="uniform"))
-    assert torch.allclose(algo_u.aggregate(1, g, contributions, {})["w"], torch.tensor([2.0, 3.0]))
-    metrics = algo.round_metrics(1, {"dev-000": {"risk": 0.2, "penalty_s2": 0.1, "penalty_abs_s": 0.3}})
+    assert torch.allclose(algo_u.aggregate(RoundContext(1, 1), g, contributions, {})["w"], torch.tensor([2.0, 3.0]))
+    metrics = algo.round_metrics(RoundContext(1, 1), {"dev-000": {"risk": 0.2, "penalty_s2": 0.1, "penalty_abs_s": 0.3}})
     assert metrics["exited"] == ["dev-001"] and metrics["risk"] == pytest.approx(0.2)
     # Exit state goes into the (JSON-able) checkpoint and comes back.
     state = json.loads(json.dumps(algo.state_dict()))
@@ -268,7 +269,7 @@ def test_contribution_exit_extension_removes_a_device_pulling_against_the_others
     for r in range(1, 4):
         contributions = {d: Contribution(10, {"weight": torch.tensor([[-1.0, -1.0]])}) for d in devices[:3]}
         contributions["dev-003"] = Contribution(10, {"weight": torch.tensor([[2.0, 2.0]])})
-        algo.aggregate(r, g, contributions, {})
+        algo.aggregate(RoundContext(r, r), g, contributions, {})
         if r < 3:
             assert "dev-003" not in algo.exited
     assert algo.exited["dev-003"] == {"round": 3, "reason": "contribution"}

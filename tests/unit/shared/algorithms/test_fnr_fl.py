@@ -12,6 +12,7 @@ from torch import nn
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.base import DeviceLogic
 from shared.algorithms.fnr_fl import (
     FNRFL, FNRFLLogic, class_average_feature_norms, feature_norm_differences, penalty_term, public_set,
@@ -118,11 +119,11 @@ def test_plan_follow_ups_through_the_wire_format():
     algo = _algorithm(p=0.5)
     reports = {f"dev-{d}": {"public_accuracy": ACC[d], "feature_norms": {str(k): v for k, v in NORMS[d].items()},
                             "num_samples": 10} for d in NORMS}
-    plan = algo.plan_follow_ups(1, reports)
+    plan = algo.plan_follow_ups(RoundContext(1, 1), reports)
     assert plan["dev-1"] == {"refine": True, "delta": {"0": 5.0, "1": 0.0}}
     assert plan["dev-4"] == {"refine": True, "delta": {"0": 3.0, "1": 2.0}}
     assert plan["dev-2"] == {"refine": False} and plan["dev-3"] == {"refine": False}
-    metrics = algo.round_metrics(1, {"dev-1": {"refined": True, "refine_steps": 3, "refine_ce": 1.0,
+    metrics = algo.round_metrics(RoundContext(1, 1), {"dev-1": {"refined": True, "refine_steps": 3, "refine_ce": 1.0,
                                                "refine_penalty": 3.75, "refine_loss": 2.875},
                                      "dev-2": {"refined": False}})
     assert metrics["refine_selected"] == ["dev-1", "dev-4"] and metrics["refined"] == ["dev-1"]
@@ -144,7 +145,7 @@ def test_p_one_refines_everyone_with_empty_delta_and_zero_penalty():
     algo = _algorithm(p=1.0)
     reports = {f"dev-{d}": {"public_accuracy": ACC[d], "feature_norms": {str(k): v for k, v in NORMS[d].items()}}
                for d in NORMS}
-    plan = algo.plan_follow_ups(1, reports)
+    plan = algo.plan_follow_ups(RoundContext(1, 1), reports)
     assert all(i == {"refine": True, "delta": {}} for i in plan.values())
     assert penalty_term(torch.tensor([0, 1, 1]), {}) == 0.0
 
@@ -223,7 +224,7 @@ def test_p_zero_round_is_fedavg_bit_for_bit():
     model, shard = _local_round(logic, spec)
     portion = model.portion(0, len(model.blocks))
     report = logic.report(portion, shard)
-    instruction = algo.plan_follow_ups(1, {"dev-001": report})["dev-001"]
+    instruction = algo.plan_follow_ups(RoundContext(1, 1), {"dev-001": report})["dev-001"]
     assert instruction == {"refine": False}
     logic.follow_up(portion, shard, instruction)
     assert logic.upload_extras(portion, shard) == {"refined": False}
@@ -241,7 +242,7 @@ def test_refinement_continues_from_local_model_over_public_set():
     model, shard = _local_round(logic, algo.config.data, "cnn")
     portion = model.portion(0, len(model.blocks))
     local = {k: v.clone() for k, v in portion.state_dict().items()}
-    instruction = algo.plan_follow_ups(1, {"dev-001": logic.report(portion, shard)})["dev-001"]
+    instruction = algo.plan_follow_ups(RoundContext(1, 1), {"dev-001": logic.report(portion, shard)})["dev-001"]
     assert instruction["refine"] is True
     logic.follow_up(portion, shard, instruction)
     extras = logic.upload_extras(portion, shard)
@@ -254,7 +255,9 @@ def test_refinement_continues_from_local_model_over_public_set():
     ref.load_state_dict(local)
     _ce_finetune(ref, public, lr=0.05, weight_decay=1e-5, batch=32)
     assert all(torch.equal(ref.state_dict()[k], portion.state_dict()[k]) for k in local)
-    algo.accept_update("dev-001", 1, portion.state_dict(), extras, len(shard), {})
+    algo.accept_update("dev-001", RoundContext(1, 1), portion.state_dict(), extras, len(shard), {})
+    # A retried attempt (new attempt id) of the same logical round finds the same plan.
+    algo.accept_update("dev-001", RoundContext(1, 2), portion.state_dict(), extras, len(shard), {})
 
 
 # --- 7. aggregation ------------------------------------------------------------------------------
@@ -263,7 +266,7 @@ def test_aggregation_is_data_size_weighted_over_all_uploads():
     g = {"w": torch.zeros(2), "n": torch.tensor(0)}
     contributions = {"a": Contribution(1, {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(2)}),
                      "b": Contribution(3, {"w": torch.tensor([5.0, -2.0]), "n": torch.tensor(6)})}
-    out = algo.aggregate(1, g, contributions, {"a": {"refined": True}, "b": {"refined": False}})
+    out = algo.aggregate(RoundContext(1, 1), g, contributions, {"a": {"refined": True}, "b": {"refined": False}})
     assert torch.equal(out["w"], torch.tensor([4.0, -1.0]))
     assert int(out["n"]) == 5
 
@@ -277,23 +280,23 @@ def test_bad_reports_are_excluded_and_their_uploads_refused():
                "dev-3": {"public_accuracy": 1.5, "feature_norms": {"0": 1.0}},
                "dev-4": {"public_accuracy": 0.5, "feature_norms": {"0": -1.0}},
                "dev-5": good, "dev-6": {**good, "public_accuracy": 0.9}}
-    plan = algo.plan_follow_ups(3, reports)
+    plan = algo.plan_follow_ups(RoundContext(3, 3), reports)
     for bad in ("dev-1", "dev-2", "dev-3", "dev-4"):
         assert plan[bad]["refine"] is False and "excluded" in plan[bad]
         with pytest.raises(ValueError, match="rejected"):
-            algo.accept_update(bad, 3, {}, {"refined": False}, 10, {})
+            algo.accept_update(bad, RoundContext(3, 3), {}, {"refined": False}, 10, {})
     assert plan["dev-5"] == {"refine": True, "delta": {"0": 0.0}} and plan["dev-6"] == {"refine": False}
     with pytest.raises(ValueError, match="asked to refine"):
-        algo.accept_update("dev-5", 3, {}, {"refined": False}, 10, {})
+        algo.accept_update("dev-5", RoundContext(3, 3), {}, {"refined": False}, 10, {})
     with pytest.raises(ValueError, match="refine_ce"):
-        algo.accept_update("dev-5", 3, {}, {"refined": True, "refine_steps": 1, "refine_ce": float("inf"),
+        algo.accept_update("dev-5", RoundContext(3, 3), {}, {"refined": True, "refine_steps": 1, "refine_ce": float("inf"),
                                             "refine_penalty": 0.0, "refine_loss": 0.0}, 10, {})
     with pytest.raises(ValueError, match="boolean"):
-        algo.accept_update("dev-6", 3, {}, {}, 10, {})
+        algo.accept_update("dev-6", RoundContext(3, 3), {}, {}, 10, {})
     with pytest.raises(ValueError, match="round 4"):
-        algo.accept_update("dev-6", 4, {}, {"refined": False}, 10, {})
-    algo.accept_update("dev-6", 3, {}, {"refined": False}, 10, {})
-    assert set(algo.round_metrics(3, {})["invalid_reports"]) == {"dev-1", "dev-2", "dev-3", "dev-4"}
+        algo.accept_update("dev-6", RoundContext(4, 4), {}, {"refined": False}, 10, {})
+    algo.accept_update("dev-6", RoundContext(3, 3), {}, {"refined": False}, 10, {})
+    assert set(algo.round_metrics(RoundContext(3, 3), {})["invalid_reports"]) == {"dev-1", "dev-2", "dev-3", "dev-4"}
 
 
 def test_config_checks_and_leaky_mode():
@@ -306,7 +309,7 @@ def test_config_checks_and_leaky_mode():
     leaky = build_algorithm(RunConfig.model_validate({"algorithm": "fnr-fl", "data": {"public_samples": 0},
                                                        "algorithm_params": {"public_set": "test_set_leaky"}}))
     leaky.bind_model(build_model("cnn", 10, (1, 28, 28)))
-    assert leaky.round_metrics(1, {})["leaky"] is True
+    assert leaky.round_metrics(RoundContext(1, 1), {})["leaky"] is True
     spec = DataSpec.model_validate(leaky.device_params()["data"])
     leaky_public, test = public_set(spec, "test_set_leaky"), load_dataset(spec)[1]
     assert torch.equal(leaky_public.y.sort().values, test.y.sort().values) and len(leaky_public) == len(test)

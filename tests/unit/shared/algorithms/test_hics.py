@@ -12,6 +12,7 @@ import torch
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.hics import (
     HiCSSelector, annealed_gamma, cluster_probabilities, distance_matrix, draw_without_replacement,
     estimate_entropy, ward_clusters,
@@ -211,7 +212,7 @@ def test_selector_prefers_balanced_cluster_early_and_gives_k_distinct():
     rng = random.Random(0)
     hits = 0
     for _ in range(200):
-        picks = sel.select(2, [f"d{i}" for i in range(6)], 2, rng)
+        picks = sel.select(RoundContext(2, 2), [f"d{i}" for i in range(6)], 2, rng)
         assert len(set(picks)) == 2
         hits += ("d4" in picks) + ("d5" in picks)
     assert hits / 400 > 0.45  # balanced devices are 1/3 of the population
@@ -228,7 +229,7 @@ def test_warmup_visits_every_device_once(n, k, fill):
     seen: list[str] = []
     rounds = math.ceil(n / k)
     for t in range(1, rounds + 1):
-        picks = sel.select(t, devices, k, rng)
+        picks = sel.select(RoundContext(t, t), devices, k, rng)
         assert sel.metrics()["hics_warmup"] == 1
         new = [d for d in picks if d not in seen]
         expected_len = k if (t < rounds or fill or n % k == 0) else n % k
@@ -238,7 +239,7 @@ def test_warmup_visits_every_device_once(n, k, fill):
         for d in picks:
             _observe(sel, d, list(np.random.default_rng(len(seen)).normal(0, 1e-3, 10)))
     assert sorted(seen) == devices
-    picks = sel.select(rounds + 1, devices, k, rng)
+    picks = sel.select(RoundContext(rounds + 1, rounds + 1), devices, k, rng)
     assert len(picks) == k and sel.metrics()["hics_warmup"] == 0
 
 
@@ -246,7 +247,7 @@ def test_unobserved_device_after_warmup_comes_first():
     sel = _selector(num_devices=6, per_round=2)
     for i in range(5):
         _observe(sel, f"d{i}", list(np.random.default_rng(i).normal(0, 1e-3, 10)))
-    picks = sel.select(7, [f"d{i}" for i in range(6)], 2, random.Random(0))
+    picks = sel.select(RoundContext(7, 7), [f"d{i}" for i in range(6)], 2, random.Random(0))
     assert "d5" in picks and len(picks) == 2
     assert sel.metrics()["hics_warmup"] == 1 and sel.metrics()["hics_forced"] == 1
 
@@ -286,7 +287,7 @@ def test_params_are_validated():
 def _simulate(sel: HiCSSelector, rng: random.Random, start: int, stop: int, devices: list[str]) -> list[list[str]]:
     out = []
     for t in range(start, stop):
-        picks = sel.select(t, devices, 3, rng)
+        picks = sel.select(RoundContext(t, t), devices, 3, rng)
         out.append(picks)
         for d in picks:  # deterministic fake updates depending on device and round
             i = int(d[1:])
@@ -325,6 +326,7 @@ def test_works_under_fedavg_and_s2fl_algorithms():
                                            "data": {"num_devices": 4}, "devices_per_round": 2})
         algo = build_algorithm(config)
         algo.bind_model(build_model("cnn"))
-        assert isinstance(algo.selector, HiCSSelector) and algo.selector.output_layer == HEAD
-        picks = algo.select_devices(1, ["a", "b", "c", "d"], 2, random.Random(0))
-        assert len(picks) == 2 and "estimates" in json.loads(json.dumps(algo.state_dict()))["selector"]
+        selector = build_selector(config, output_layer=algo.output_layer)
+        assert isinstance(selector, HiCSSelector) and selector.output_layer == HEAD
+        picks = selector.select(RoundContext(1, 1), algo.eligible(["a", "b", "c", "d"]), 2, random.Random(0))
+        assert len(picks) == 2 and "estimates" in json.loads(json.dumps(selector.state_dict()))

@@ -1,5 +1,9 @@
 """Server-side HTTP plumbing shared by the Fed Server and the Main Server.
 
+Transport-level refusals (body too large, not msgpack) are :class:`ApiError`s raised here; the
+logic objects raise :mod:`shared.errors` domain errors, mapped to status codes by
+:data:`STATUS_OF`.
+
 Bodies are msgpack; every request body is size-limited, parsed and validated against its pydantic
 schema *before* any handler touches state, so bad input gets a clear 4xx and changes nothing.
 Errors are answered as JSON ``{"detail": ...}`` so that they read well in curl and logs.
@@ -13,10 +17,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from shared.errors import ApiError
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
 from shared.wire import WireError, packb, unpackb
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """A transport-level error answer (size, encoding): HTTP status and a reason for the caller."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+#: The HTTP status of each domain error (most specific class first is not needed: no overlap).
+STATUS_OF: dict[type[DomainError], int] = {
+    Invalid: 422, NotFound: 404, NotAllowed: 403, Unauthenticated: 401, Conflict: 409, Failed: 500,
+}
 
 MSGPACK = "application/msgpack"
 
@@ -121,11 +140,15 @@ def create_service_app(service: str, title: str, description: str, lifespan=None
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map :class:`ApiError` and stray wire errors to JSON 4xx answers."""
+    """Map :class:`ApiError`, domain errors and stray wire errors to JSON answers."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(DomainError)
+    async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=status_of(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _path_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -135,3 +158,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(WireError)
     async def _wire_error(_: Request, exc: WireError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=422)
+
+
+def status_of(exc: DomainError) -> int:
+    """The HTTP status for a domain error (its class or nearest mapped base class)."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return 500
