@@ -34,7 +34,7 @@ def test_fedavg_with_hics_selection_warms_up_then_clusters(run_testbed):
     assert hics[3]["hics_selected_entropy_mean"] is not None
 
     _, state, extra = RunDirectory(run_dir).read_checkpoint()
-    selector_state = extra["algorithm_state"]["selector"]
+    selector_state = extra["selector_state"]
     assert sorted(selector_state["estimates"]) == sorted(warmup)
     initial = build_model(config.model, 10, (1, 28, 28), seed=config.seed).state_dict()
     assert any(not (state[k] == initial[k]).all() for k in initial)
