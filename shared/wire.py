@@ -36,7 +36,7 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 _NAME_OF: dict[torch.dtype, str] = {t: name for name, (t, _) in _DTYPES.items()}
 DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES)
 
-#: Largest accepted rank and element count of one tensor (guards against absurd shapes).
+#: Largest accepted rank, element count and single dimension of one tensor (guards against absurd shapes).
 MAX_RANK = 8
 MAX_ELEMENTS = 1 << 31
 
@@ -85,10 +85,13 @@ def decode_tensor(
     name, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if name not in _DTYPES:
         raise WireError(f"{what}: unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
+    # Each dimension is bounded on its own, not only the product: a shape such as [0, 2**63] has
+    # zero elements and zero bytes, so it passes the element and byte checks, yet torch cannot
+    # view it (its dimensions overflow int64) and code downstream would index a bogus size.
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_RANK or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in shape
     ):
-        raise WireError(f"{what}: shape must be a list of at most {MAX_RANK} non-negative integers")
+        raise WireError(f"{what}: shape must be a list of at most {MAX_RANK} integers, each in 0..{MAX_ELEMENTS}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"{what}: data must be raw bytes")
     numel = math.prod(shape)

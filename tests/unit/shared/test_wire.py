@@ -11,6 +11,7 @@ import torch
 from shared.schemas import WireTensor
 from shared.wire import (
     DTYPE_NAMES,
+    MAX_ELEMENTS,
     WireError,
     decode_state,
     decode_tensor,
@@ -232,6 +233,20 @@ def test_byte_length_mismatch_for_zero_d_and_empty():
 def test_bad_shape_is_rejected(shape):
     with pytest.raises(WireError, match="shape must be a list"):
         decode_tensor({**_good(), "shape": shape})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8"])
+@pytest.mark.parametrize("shape", [[0, 1 << 63], [1 << 63, 0], [0, (1 << 64) - 1], [0, MAX_ELEMENTS + 1],
+                                   [MAX_ELEMENTS + 1, 0, 0]], ids=str)
+def test_zero_element_shape_with_a_huge_dimension_is_rejected(dtype, shape):
+    # Zero elements and zero bytes pass the element and byte checks; the dimension itself must not.
+    with pytest.raises(WireError, match="shape must be a list"):
+        decode_tensor({"dtype": dtype, "shape": shape, "data": b""})
+
+
+def test_largest_dimension_with_zero_elements_decodes():
+    out = decode_tensor({"dtype": "float32", "shape": [0, MAX_ELEMENTS], "data": b""})
+    assert tuple(out.shape) == (0, MAX_ELEMENTS) and out.numel() == 0
 
 
 def test_data_must_be_bytes():
