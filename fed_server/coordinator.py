@@ -16,7 +16,7 @@ import uuid
 import torch
 
 from fed_server.devices import DeviceRegistry
-from fed_server.update_checks import clip_update, update_norm
+from fed_server.update_checks import check_claims, clip_update, table_time, update_norm
 from shared.evaluation import evaluate
 from fed_server.records import round_record, run_summary
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
@@ -46,17 +46,6 @@ log = logging.getLogger("fed_server")
 # cost more CPU than the training on a small machine.
 IDLE_RETRY_S = 1.0
 SOON_RETRY_S = 0.2
-
-
-def table_time(timings: DeviceTimings) -> float:
-    """The time-table value of one device round: Eq. 1's terms, each measured.
-
-    Client compute + transfer + the server-side training of the device's steps. Not included:
-    waiting at the group barrier for slower members (not the device's own cost) and the
-    host-process overhead between those sections, which on a testbed with many virtual devices in
-    one Python process is mostly interpreter contention, a cost no real device has.
-    """
-    return max(1e-6, timings.compute_s + timings.transfer_s + timings.server_s)
 
 
 class Coordinator:
@@ -258,7 +247,7 @@ class Coordinator:
         """A device's trained portion. Fully checked before it is stored."""
         if req.round_id != round_id:
             raise Invalid(f"body round_id {req.round_id} does not match the path's round {round_id}")
-        self.devices.get(req.device_id)
+        record = self.devices.get(req.device_id)
         fed_round = self._open_round(round_id)
         assignment = fed_round.assignments.get(req.device_id)
         if assignment is None:
@@ -268,6 +257,7 @@ class Coordinator:
             return Ack(detail=f"update of {req.device_id} for round {round_id} was already stored")
         if self.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
             raise Conflict(f"device {req.device_id!r} must report and receive its follow-up before uploading")
+        check_claims(req.device_id, req.num_samples, record.num_samples, req.timings, fed_round.deadline_s)
         state = self._checked_update(req.device_id, self._decode(req.weights, 0, assignment.split_point))
         try:
             self.algorithm.accept_update(req.device_id, fed_round.context, state, dict(req.extras), req.num_samples,
@@ -331,7 +321,12 @@ class Coordinator:
             for device in used:
                 assignment = fed_round.assignments[device]
                 if assignment.candidate is not None:
-                    self.table.record(device, assignment.candidate, table_time(fed_round.updates[device].request.timings))
+                    try:
+                        self.table.record(device, assignment.candidate, table_time(fed_round.updates[device].request.timings))
+                    except ValueError as exc:
+                        # accept_update bounds the timings; should one device's figures still be
+                        # unusable, that device's cell is not updated, and the round goes on.
+                        log.error("round %d: time of %s not recorded: %s", fed_round.round_id, device, exc)
             self.rounds_done = fed_round.index
             self.failed_in_a_row = 0
         else:

@@ -1,10 +1,47 @@
-"""Checks on a device's uploaded weights before they are accepted: the size of the update."""
+"""Checks on a device's upload before it is accepted: its claims (sample count, timings) and the
+size of its update. What a device may still do within these bounds: docs/security.md."""
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 
 import torch
+
+from shared.errors import Invalid
+from shared.schemas import DeviceTimings
+
+
+def table_time(timings: DeviceTimings) -> float:
+    """The time-table value of one device round: Eq. 1's terms, each measured.
+
+    Client compute + transfer + the server-side training of the device's steps. Not included:
+    waiting at the group barrier for slower members (not the device's own cost) and the
+    host-process overhead between those sections, which on a testbed with many virtual devices in
+    one Python process is mostly interpreter contention, a cost no real device has.
+    """
+    return max(1e-6, timings.compute_s + timings.transfer_s + timings.server_s)
+
+
+def check_claims(device_id: str, num_samples: int, registered_samples: int, timings: DeviceTimings,
+                 deadline_s: float) -> None:
+    """Refuse (:class:`Invalid`) an upload whose claims the Fed Server knows to be impossible.
+
+    * ``num_samples`` is the device's aggregation weight, so it must be the count the device
+      registered with: a device cannot outweigh the others by claiming more data in one upload.
+    * Every timing, and the time-table sum of :func:`table_time`, must fit in the round's
+      deadline: an upload arrives before the attempt closes, so the device cannot have spent longer.
+      Each figure alone may be finite and still overflow the sum (``1e308 + 1e308``).
+    """
+    if num_samples != registered_samples:
+        raise Invalid(f"num_samples={num_samples} of {device_id!r} differs from the {registered_samples} "
+                      f"samples it registered with")
+    for name, value in timings.model_dump().items():
+        if value > deadline_s:
+            raise Invalid(f"timings.{name}={value:.4g}s of {device_id!r} exceeds the round deadline of {deadline_s:g}s")
+    total = table_time(timings)
+    if total > deadline_s:
+        raise Invalid(f"timings compute_s + transfer_s + server_s = {total:.4g}s of {device_id!r} exceeds "
+                      f"the round deadline of {deadline_s:g}s")
 
 
 def update_norm(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> float:

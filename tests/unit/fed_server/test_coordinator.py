@@ -36,7 +36,8 @@ def _open_round(coordinator: Coordinator):
 
 def _upload(coordinator: Coordinator, device: str, round_id: int, shift: float = 0.01) -> UpdateRequest:
     state = {k: (v + shift if v.is_floating_point() else v) for k, v in portion_state(coordinator.model, 0, coordinator.num_blocks).items()}
-    return UpdateRequest(device_id=device, round_id=round_id, num_samples=10, steps=1, train_loss=1.0,
+    return UpdateRequest(device_id=device, round_id=round_id, num_samples=coordinator.devices.get(device).num_samples,
+                         steps=1, train_loss=1.0,
                          weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0)
 
 
@@ -88,6 +89,52 @@ def test_update_norm_limit(tmp_path, action):
     else:
         c.accept_update(r.round_id, huge, 100)
         assert update_norm(r.updates["d0"].state, c.model.state_dict()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_upload_claiming_other_than_its_registered_samples_is_refused_and_not_stored(tmp_path):
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    registered = c.devices.get("d1").num_samples
+    for claimed in (10**12, registered + 1, registered - 1):
+        with pytest.raises(Invalid) as refused:
+            c.accept_update(r.round_id, _upload(c, "d1", r.round_id).model_copy(update={"num_samples": claimed}), 100)
+        assert f"num_samples={claimed}" in refused.value.detail and f"{registered} samples" in refused.value.detail
+    assert "d1" not in r.updates
+    assert c.accept_update(r.round_id, _upload(c, "d1", r.round_id), 100).ok
+
+
+@pytest.mark.parametrize("timings, word", [
+    ({"compute_s": 1e308, "transfer_s": 1e308}, "compute_s"),          # each finite, the sum is not
+    ({"compute_s": 70.0, "transfer_s": 70.0}, "compute_s + transfer_s"),  # each fits, the sum does not
+    ({"wait_s": 121.0}, "wait_s"),
+    ({"total_s": 1e300}, "total_s"),
+])
+def test_upload_with_timings_beyond_the_round_deadline_is_refused_and_not_stored(tmp_path, timings, word):
+    c = _coordinator(tmp_path, **{"deadlines.round_s": 120})
+    r = _open_round(c)
+    bad = _upload(c, "d0", r.round_id)
+    bad = bad.model_copy(update={"timings": bad.timings.model_copy(update=timings)})
+    with pytest.raises(Invalid) as refused:
+        c.accept_update(r.round_id, bad, 100)
+    assert word in refused.value.detail and "deadline of 120s" in refused.value.detail
+    assert "d0" not in r.updates
+
+
+def test_a_time_the_table_cannot_take_drops_that_cell_not_the_round(tmp_path):
+    # accept_update bounds the timings; this stores an unusable one behind its back, as a future
+    # bug could, and the round must still aggregate, record and checkpoint.
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    for d in ("d0", "d1"):
+        c.accept_update(r.round_id, _upload(c, d, r.round_id), 100)
+        r.assignments[d].candidate = 0
+    stored = r.updates["d0"].request
+    stored.timings = stored.timings.model_copy(update={"compute_s": 1e308, "transfer_s": 1e308})  # sum: inf
+    c.close_round()
+    record = c.finish_round(r)
+    assert record["status"] == "ok" and c.rounds_done == 1
+    assert c.table.get("d0", 0) is None and c.table.get("d1", 0) is not None
+    assert c.run_dir.read_checkpoint()[0] == 1   # the round was checkpointed
 
 
 def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round(tmp_path):

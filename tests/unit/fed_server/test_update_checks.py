@@ -1,9 +1,13 @@
-"""Update-norm checks: hand-computed norms, clipping into the ball, integer buffers untouched."""
+"""Upload checks: the claims (sample count, timings) against what the Fed Server knows, and
+update norms (hand-computed norms, clipping into the ball, integer buffers untouched)."""
 import math
 
+import pytest
 import torch
 
-from fed_server.update_checks import clip_update, update_norm
+from fed_server.update_checks import check_claims, clip_update, table_time, update_norm
+from shared.errors import Invalid
+from shared.schemas import DeviceTimings
 
 
 def test_update_norm_hand_computed():
@@ -20,3 +24,34 @@ def test_clip_scales_the_update_onto_the_norm_ball():
     assert math.isclose(update_norm(clipped, g), 1.0, rel_tol=1e-6)
     assert clipped["n"] is s["n"]
     assert clip_update(s, g, 10.0)["a"] is s["a"]  # inside the ball: unchanged
+
+
+def _timings(**changes) -> DeviceTimings:
+    return DeviceTimings(**{"compute_s": 1.0, "transfer_s": 0.5, "wait_s": 0.2, "server_s": 0.3, "total_s": 2.5, **changes})
+
+
+def test_claims_within_the_deadline_and_matching_the_registration_pass():
+    check_claims("d", 50, 50, _timings(), deadline_s=2.5)
+    check_claims("d", 50, 50, _timings(compute_s=10.0, transfer_s=0.0, server_s=0.0, total_s=10.0), deadline_s=10.0)
+
+
+@pytest.mark.parametrize("claimed", [49, 51, 10**12])
+def test_a_sample_count_other_than_the_registered_one_is_invalid(claimed):
+    with pytest.raises(Invalid, match=f"num_samples={claimed} of 'd' differs from the 50 samples"):
+        check_claims("d", claimed, 50, _timings(), deadline_s=100.0)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"compute_s": 1e308, "transfer_s": 1e308}, "timings.compute_s=1e[+]308s"),
+    ({"compute_s": 4.0, "transfer_s": 4.0, "server_s": 4.0}, "compute_s [+] transfer_s [+] server_s = 12s"),
+    ({"wait_s": 10.5}, "timings.wait_s=10.5s"),
+    ({"total_s": 11.0}, "timings.total_s=11s"),
+])
+def test_timings_beyond_the_round_deadline_are_invalid(changes, match):
+    with pytest.raises(Invalid, match=match + ".*deadline of 10s"):
+        check_claims("d", 50, 50, _timings(**changes), deadline_s=10.0)
+
+
+def test_table_time_is_the_sum_of_the_device_own_costs():
+    assert table_time(_timings()) == pytest.approx(1.8)   # compute + transfer + server, not the barrier wait
+    assert table_time(_timings(compute_s=0.0, transfer_s=0.0, server_s=0.0)) > 0
