@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from shared.service import add_server_args, parse_service_args
+from shared.service import add_server_args, parse_service_args, positive_seconds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,3 +40,18 @@ def test_defaults_without_settings(monkeypatch):
     monkeypatch.delenv("SFL_SETTINGS", raising=False)
     args = parse_service_args(_parser(), [])
     assert args.port == 8080 and args.torch_threads >= 1
+
+
+def test_connection_timeouts_default_and_must_be_positive_seconds(monkeypatch):
+    monkeypatch.delenv("SFL_HEAD_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("SFL_KEEP_ALIVE_S", raising=False)
+    args = parse_service_args(_parser(), [])
+    assert (args.head_timeout_s, args.keep_alive_s) == (10.0, 5.0)
+    args = parse_service_args(_parser(), ["--head-timeout-s", "2.5", "--keep-alive-s", "1"])
+    assert (args.head_timeout_s, args.keep_alive_s) == (2.5, 1.0)
+    assert positive_seconds("2.5") == 2.5
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number of seconds"):
+            positive_seconds(bad)
+        with pytest.raises(SystemExit):
+            parse_service_args(_parser(), ["--head-timeout-s", bad])

@@ -1,0 +1,135 @@
+"""Slow and idle connections against the real servers: a request head that does not complete in
+``--head-timeout-s`` (slowloris, or nothing sent at all) is closed, and so is a kept-alive
+connection idle for ``--keep-alive-s`` after a response; a client within both limits is served.
+
+Raw sockets on loopback; every loop is bounded by a deadline.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from integration_support import server_pair, small_config
+
+HEAD_TIMEOUT_S = 1.5
+KEEP_ALIVE_S = 1.0
+TIMEOUT_ARGS = ["--head-timeout-s", str(HEAD_TIMEOUT_S), "--keep-alive-s", str(KEEP_ALIVE_S)]
+GIVE_UP_S = 20.0   # far beyond both limits: a server that never closes fails the test, not hangs it
+
+
+@pytest.fixture(scope="module")
+def services():
+    config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    with server_pair(config, "timeouts", fed_args=TIMEOUT_ARGS, main_args=TIMEOUT_ARGS) as pair:
+        yield {"fed": pair.fed_url, "main": pair.main_url}
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=GIVE_UP_S)
+    sock.settimeout(0.05)
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the server has closed the connection (EOF or reset); False while it is open."""
+    try:
+        return sock.recv(4096) == b""
+    except (socket.timeout, BlockingIOError):
+        return False
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def _trickle_until_closed(sock: socket.socket, data: bytes, every_s: float) -> float:
+    """Send ``data`` one byte per ``every_s`` (repeating it) until the server closes the
+    connection; the seconds that took. Fails after ``GIVE_UP_S``."""
+    started = time.monotonic()
+    i = 0
+    while time.monotonic() - started < GIVE_UP_S:
+        try:
+            sock.sendall(data[i % len(data):i % len(data) + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - started
+        i += 1
+        deadline = time.monotonic() + every_s
+        while time.monotonic() < deadline:
+            if _closed_by_peer(sock):
+                return time.monotonic() - started
+    raise AssertionError(f"the server kept a connection sending a partial head open for {GIVE_UP_S}s")
+
+
+def _wait_closed(sock: socket.socket) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < GIVE_UP_S:
+        if _closed_by_peer(sock):
+            return time.monotonic() - started
+    raise AssertionError(f"the server kept an idle connection open for {GIVE_UP_S}s")
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One small response (``/healthz``): read until its body is complete."""
+    data = b""
+    deadline = time.monotonic() + GIVE_UP_S
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(4096)
+        except (socket.timeout, BlockingIOError):
+            continue
+        if not chunk:
+            break
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            if len(body) >= length:
+                return data
+    raise AssertionError(f"no complete response: {data[:300]!r}")
+
+
+@pytest.mark.parametrize("server", ["fed", "main"])
+def test_a_head_sent_slowly_is_cut_off_and_others_are_still_served(services, server):
+    url = services[server]
+    sock = _connect(url)
+    try:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        # One header byte every 0.2 s: each byte would reset a per-read timeout, never completes the head.
+        took = _trickle_until_closed(sock, b"X-Slow: aaaaaaaaaaaaaaaa\r\n", every_s=0.2)
+    finally:
+        sock.close()
+    assert HEAD_TIMEOUT_S * 0.8 <= took <= HEAD_TIMEOUT_S + 5.0, took
+    assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("server", ["fed", "main"])
+def test_a_connection_that_sends_nothing_is_closed(services, server):
+    sock = _connect(services[server])
+    try:
+        took = _wait_closed(sock)
+    finally:
+        sock.close()
+    assert HEAD_TIMEOUT_S * 0.8 <= took <= HEAD_TIMEOUT_S + 5.0, took
+
+
+@pytest.mark.parametrize("server", ["fed", "main"])
+def test_a_slow_head_within_the_limit_is_served_then_the_idle_connection_is_closed(services, server):
+    sock = _connect(services[server])
+    try:
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        for i in range(0, len(head), 12):   # in pieces over ~0.6 s: slow, but within the limit
+            sock.sendall(head[i:i + 12])
+            time.sleep(0.15)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        # The connection is kept alive: a second request on it is served too ...
+        sock.sendall(head)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        # ... and, idle afterwards, it is closed after the keep-alive timeout.
+        took = _wait_closed(sock)
+    finally:
+        sock.close()
+    assert KEEP_ALIVE_S * 0.8 <= took <= KEEP_ALIVE_S + 5.0, took
+
