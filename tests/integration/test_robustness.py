@@ -1,0 +1,118 @@
+"""One device cannot stop or corrupt a run: harmful uploads through the real servers.
+
+A real Fed Server and Main Server (S2FL, cnn) and two real devices training in threads. Before each
+honest upload, ``dev-001`` also sends harmful versions of it, each well-formed and passing the
+schema:
+
+* timings of ``1e308`` s each (finite, but their sum is not: this used to kill the round driver
+  inside ``finish_round`` after the new model was in memory);
+* timings whose sum exceeds the round deadline;
+* ``num_samples=10**12`` with zeroed weights (used to outweigh the honest device and pin the
+  accuracy at chance; the sample count is the aggregation weight);
+* a tensor with zero elements but a dimension of 2**63.
+
+Every one must be refused with a 4xx naming the reason, must leave the Fed Server's status as it
+was, and the run must complete every round with both devices aggregated, a model better than the
+initial one, and the honest timings in the time table's records.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from device_agent.device import Device
+from integration_support import server_pair, small_config
+from shared.schemas import API, UpdateRequest
+from shared.wire import packb
+
+ROUND_S = 40.0
+ROUNDS = 2
+
+
+def _harmful_versions(body: UpdateRequest) -> list[tuple[str, dict, str]]:
+    """(what, body, a word the refusal must name) for each harmful variant of an honest upload."""
+    honest = body.model_dump()
+    zeroed = {k: {**v, "data": bytes(len(v["data"]))} for k, v in honest["weights"].items()}
+    first = next(iter(honest["weights"]))
+    huge_dim = {**honest["weights"], first: {"dtype": "float32", "shape": [0, 1 << 63], "data": b""}}
+    return [
+        ("1e308 timings", {**honest, "timings": {**honest["timings"], "compute_s": 1e308, "transfer_s": 1e308}},
+         "deadline"),
+        ("timings summing past the deadline",
+         {**honest, "timings": {**honest["timings"], "compute_s": ROUND_S * 0.6, "transfer_s": ROUND_S * 0.6}},
+         "deadline"),
+        ("10**12 samples, zeroed weights", {**honest, "num_samples": 10**12, "weights": zeroed}, "num_samples"),
+        ("a zero-element tensor of dimension 2**63", {**honest, "weights": huge_dim}, "shape"),
+    ]
+
+
+def _fed_state(fed_url: str) -> tuple:
+    s = httpx.get(f"{fed_url}{API}/status", timeout=10).json()
+    return s["registered"], s["open_round"], s["rounds_done"], s["state"], s["history"], s["driver_error"]
+
+
+def test_harmful_uploads_are_refused_change_nothing_and_the_run_completes():
+    config = small_config(algorithm="s2fl", rounds=ROUNDS, **{
+        "data.num_devices": 2, "data.max_samples": 400, "train.batch_size": 32,
+        "deadlines.round_s": ROUND_S, "deadlines.join_s": 8, "deadlines.step_s": 8,
+        "deadlines.max_failed_attempts": 5})
+    refusals: list[tuple[str, int, str, bool, bool]] = []   # (what, status, detail, names the reason, state unchanged)
+    stop = threading.Event()
+    with server_pair(config, "robust") as servers:
+        honest = Device("dev-000", 0, servers.fed_url, kind=None, stop=stop)
+        evil = Device("dev-001", 1, servers.fed_url, kind=None, stop=stop)
+        real_call = evil.fed.call
+
+        def call(method, path, model, body=None, **kwargs):
+            if method == "POST" and path.endswith("/updates") and isinstance(body, UpdateRequest):
+                for what, bad, word in _harmful_versions(body):
+                    before = _fed_state(servers.fed_url)
+                    resp = httpx.post(f"{servers.fed_url}{path}", content=packb(bad), timeout=30,
+                                      headers={"content-type": "application/msgpack"})
+                    after = _fed_state(servers.fed_url)
+                    detail = str(resp.json().get("detail")) if resp.headers["content-type"].startswith(
+                        "application/json") else resp.text
+                    refusals.append((what, resp.status_code, detail, word in detail, after == before))
+            return real_call(method, path, model, body, **kwargs)
+
+        evil.fed.call = call
+        errors: list[BaseException] = []
+
+        def run(device: Device) -> None:
+            try:
+                device.run()
+            except BaseException as exc:  # reported below, with the servers' logs
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(d,), daemon=True) for d in (honest, evil)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 300
+        status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
+        while status["state"] != "finished" and status["driver_error"] is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
+        stop.set()
+        for t in threads:
+            t.join(30)
+        fed_log = servers.fed.log_tail(40)
+
+    assert not errors, errors
+    assert status["driver_error"] is None, status["driver_error"]
+    assert status["state"] == "finished", (status, fed_log)
+    # Every harmful upload of every round that dev-001 uploaded in was refused with a 4xx naming
+    # the reason, and left the Fed Server as it was.
+    assert len(refusals) >= 4 * ROUNDS, refusals
+    for what, code, detail, named, unchanged in refusals:
+        assert 400 <= code < 500, (what, code, detail)
+        assert named, (what, detail)
+        assert unchanged, (what, "changed the Fed Server's state")
+    ok = [r for r in status["history"] if r["status"] == "ok"]
+    assert [r["round"] for r in ok] == list(range(1, ROUNDS + 1)), status["history"]
+    for record in ok:
+        assert record["aggregated"] == ["dev-000", "dev-001"], record
+        for device, timings in record["device_times"].items():   # the honest figures were recorded
+            assert timings["compute_s"] + timings["transfer_s"] + timings["server_s"] <= ROUND_S, (device, timings)
+    assert status["summary"]["final_accuracy"] > status["summary"]["initial_accuracy"] + 0.1, status["summary"]
