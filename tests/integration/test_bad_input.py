@@ -332,6 +332,12 @@ def test_main_rejects_bad_steps_then_trains(services, client, main_round):
     assert_rejected(post(client, url, step_body(fx=torch.randn(0, 32, 14, 14), labels=torch.zeros(0, dtype=torch.int64))),
                     422, "fx")
     assert_rejected(post(client, url, step_body(fx=torch.tensor(1.0))), 422, "fx")
+    # Zero elements and zero bytes, but a dimension of 2**63 or more: refused by the decoder, not a 500.
+    for dims in ([0, 1 << 63], [1 << 63, 0, 14, 14], [0, (1 << 64) - 1]):
+        assert_rejected(post(client, url, {**good, "fx": {"dtype": "float32", "shape": dims, "data": b""}}), 422,
+                        "fx", "shape")
+        assert_rejected(post(client, url, {**good, "labels": {"dtype": "int64", "shape": dims, "data": b""}}), 422,
+                        "labels", "shape")
     assert_rejected(post(client, url, step_body(fx=torch.ones(*FX_SHAPE, dtype=torch.int64))), 422, "fx", "int64")
     nan_fx = torch.randn(*FX_SHAPE)
     nan_fx[3, 2, 1, 0] = math.nan
