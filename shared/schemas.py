@@ -204,6 +204,11 @@ class ServerPortionUpload(Message):
 
 # --- Main Server <- device ---------------------------------------------------------------------
 
+#: Largest sample count of one class a device may report: far more than any device holds, and
+#: small enough that the sum over any number of classes and devices fits an int64.
+MAX_LABEL_COUNT = 1 << 40
+
+
 class JoinRequest(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
     label_counts: list[int] = Field(min_length=1)
@@ -212,8 +217,11 @@ class JoinRequest(Message):
     @field_validator("label_counts")
     @classmethod
     def _non_negative(cls, value: list[int]) -> list[int]:
-        if any(c < 0 for c in value) or sum(value) == 0:
-            raise ValueError("label_counts must be non-negative with a positive total")
+        # Bounded above too: the Main Server groups with int64 arrays of the counts. A count of
+        # 2**63 or more cannot be converted (grouping raised and no group was formed, leaving the
+        # round's devices waiting), and large smaller ones wrap the sums around.
+        if any(c < 0 or c > MAX_LABEL_COUNT for c in value) or sum(value) == 0:
+            raise ValueError(f"label_counts must be in 0..{MAX_LABEL_COUNT} with a positive total")
         return value
 
 

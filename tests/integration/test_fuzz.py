@@ -20,17 +20,28 @@ waits for 2 devices. Its register operation is fuzzed last because a generated *
 for a free shard is rightly accepted; once both shards are taken the round driver starts on its own,
 so from then on a rejected register is only checked not to change the number of registered devices.
 
+Harmful values in otherwise valid bodies (``test_harmful_values_*``): the shapes schema-driven
+generation is unlikely to hit, each of which once got through to a crash or a 500: tensors with
+zero elements but a dimension of 2**63 or more, timings of 1e308 (finite, but their sum is not),
+sample counts of 10**12 and beyond, label counts past int64, NaN and infinities. The Fed Server
+gets them with no round open (the run-level effects are ``test_robustness.py``'s); the Main
+Server gets them with a round open and both devices joined, so they reach the tensor decoder and
+the step checks, and its "server-side training failed" answer (a 500) cannot be reached by a body.
+
 ``SFL_FUZZ_EXAMPLES`` overrides ``EXAMPLES`` (default 25);
 generation is derandomized, so a run is reproducible (set ``SFL_FUZZ_RANDOM=1`` to explore).
 """
 from __future__ import annotations
 
 import collections
+import math
 import os
+import threading
 import time
 
 import httpx
 import pytest
+import torch
 
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("hypothesis")
@@ -44,7 +55,12 @@ from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.transport.serialization import Binary  # noqa: E402
 
 from integration_support import server_pair, small_config  # noqa: E402
-from shared.wire import packb  # noqa: E402
+from shared.models import build_model  # noqa: E402
+from shared.schemas import MAX_LABEL_COUNT  # noqa: E402
+from shared.wire import MAX_ELEMENTS, encode_state, encode_tensor, packb, unpackb  # noqa: E402
+from test_bad_input import BATCH, FX_SHAPE, HEADERS, NUM_CLASSES, make_plan, register_request, step_body  # noqa: E402
+from test_bad_input import _update as update_body  # noqa: E402
+from testbed.processes import free_port  # noqa: E402
 
 MSGPACK = "application/msgpack"
 EXAMPLES = int(os.environ.get("SFL_FUZZ_EXAMPLES", "25"))
@@ -87,6 +103,75 @@ ANY_BODY = st.one_of(
                  | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), inner, max_size=4),
                  max_leaves=12).map(lambda value: Raw(packb(value))),   # packed here: not JSON (int keys, bytes)
 )
+
+
+# Harmful values: well-formed (right types, often schema-valid), chosen to break arithmetic and
+# array conversions downstream.
+HUGE_INTS = st.sampled_from([1 << 63, (1 << 64) - 1, 10**12, (1 << 63) - 1]) | st.integers(1 << 40, (1 << 64) - 1)
+HARMFUL_FLOATS = st.sampled_from([1e308, -1e308, math.inf, -math.inf, math.nan, 5e-324, -0.0, 3.4e38])
+HARMFUL_NUMBERS = HUGE_INTS | HARMFUL_FLOATS | st.sampled_from([-1, -(1 << 63), 0])
+
+
+@st.composite
+def zero_element_huge_dims(draw, dtype: str = "float32") -> dict:
+    """A tensor with no elements (so no bytes) but one dimension beyond the decoder's limit."""
+    rank = draw(st.integers(2, 4))
+    dims = draw(st.lists(st.integers(0, 16), min_size=rank, max_size=rank))
+    zero, huge = draw(st.permutations(range(rank)))[:2]
+    dims[zero] = 0
+    dims[huge] = draw(st.integers(MAX_ELEMENTS + 1, (1 << 64) - 1))
+    return {"dtype": dtype, "shape": dims, "data": b""}
+
+
+@st.composite
+def non_finite_tensor(draw, shape: list[int]) -> dict:
+    """A float32 tensor of the expected shape with NaN or infinities at drawn positions."""
+    t = torch.zeros(shape)
+    flat = t.view(-1)
+    for index in draw(st.lists(st.integers(0, flat.numel() - 1), min_size=1, max_size=4)):
+        flat[index] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+    return encode_tensor(t)
+
+
+def leaf_paths(body, prefix: tuple = ()) -> list[tuple]:
+    """Paths to the scalar leaves of a body and to its tensors (a tensor counts as one leaf)."""
+    if isinstance(body, dict) and set(body) == {"dtype", "shape", "data"}:
+        return [prefix]
+    if isinstance(body, dict):
+        return [p for k, v in body.items() for p in leaf_paths(v, prefix + (k,))]
+    if isinstance(body, list) and body:
+        return [p for i, v in enumerate(body) for p in leaf_paths(v, prefix + (i,))]
+    return [prefix]
+
+
+def replaced(body, path: tuple, value):
+    """A copy of ``body`` with the leaf at ``path`` replaced."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(body, list):
+        return [replaced(v, rest, value) if i == head else v for i, v in enumerate(body)]
+    return {k: replaced(v, rest, value) if k == head else v for k, v in body.items()}
+
+
+@st.composite
+def harmful_variant(draw, body: dict) -> dict:
+    """``body`` with one to three leaves replaced by harmful values (tensors by harmful tensors)."""
+    paths = leaf_paths(body)
+    for path in draw(st.lists(st.sampled_from(paths), min_size=1, max_size=3, unique=True)):
+        old = body
+        for part in path:
+            old = old[part]
+        tensor = isinstance(old, dict)
+        value = draw(zero_element_huge_dims(old["dtype"] if old["dtype"] in ("float32", "int64") else "float32")
+                     if tensor else HARMFUL_NUMBERS)
+        body = replaced(body, path, value)
+    return body
+
+
+def _settings(examples: int = EXAMPLES):
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=not RANDOM,
+                    suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate))
 
 
 # --- the services ---------------------------------------------------------------------------------
@@ -222,6 +307,43 @@ def test_fuzz_main_server(services, client):
     assert_alive(services, client)
 
 
+def test_harmful_values_fed_server(services, client):
+    # Runs while the Fed Server still waits for devices: every harmful body must be refused and
+    # nothing may change (an accepted register would start the run: register bodies are left to
+    # test_fuzz_fed_server, and registration bounds to docs/security.md).
+    fed = services["fed"]
+    before = fed_state(client, services)
+    assert before["registered"] == 0, before
+    valid = {
+        "/v1/rounds/1/updates": update_body(),
+        "/v1/rounds/1/reports": {"device_id": "dev-0", "round_id": 1, "extras": {"d": 0.5, "local_total": 3}},
+        "/v1/rounds/1/server-portions": {
+            "run_id": "fuzz", "round_id": 1, "group_id": 0, "members": ["dev-0"], "dropped": [], "absent": [],
+            "start_block": 1, "weights": encode_state(build_model("cnn").portion(1, 4).state_dict()),
+            "label_distance": 0.1, "steps": 1, "train_time_s": 0.5},
+    }
+    seen: collections.Counter = collections.Counter()
+    with httpx.Client(timeout=30.0, headers=HEADERS) as own:
+        def fuzz_path(path: str, body: dict) -> None:
+            @_settings()
+            @given(bad=harmful_variant(body))
+            def send(bad):
+                resp = own.post(f"{fed}{path}", content=packb(bad))
+                seen[(path, resp.status_code)] += 1
+                assert 400 <= resp.status_code < 500, (path, resp.status_code, resp.text[:500], str(bad)[:1500],
+                                                       services["fed_service"].log_tail(40))
+                assert resp.json()["detail"], resp.text
+                assert fed_state(client, services) == before, (path, str(bad)[:1500])
+
+            send()
+
+        for path, body in valid.items():
+            fuzz_path(path, body)
+    print(f"\nFed Server, harmful values (path, status): {dict(seen)}")
+    assert fed_state(client, services) == before
+    assert_alive(services, client)
+
+
 def test_fuzz_fed_server(services, client):
     schema = load_schema(services["fed"])
     ops = operations(schema)
@@ -265,3 +387,96 @@ def test_fuzz_fed_server(services, client):
         assert after["open_round"] is not None or after["driver_error"] is not None, after
     assert after["driver_error"] is None, after["driver_error"]
     assert_alive(services, client)
+
+
+# --- harmful values against a Main Server round -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def main_round():
+    """A Main Server with round 1 open (the plan of test_bad_input) and dev-a, dev-b joined in one
+    group; its group uploads go to a closed port (no Fed Server round to receive them)."""
+    config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    with server_pair(config, "fuzz-harm", main_reports_to=f"http://127.0.0.1:{free_port()}") as pair, \
+            httpx.Client(timeout=30.0, headers=HEADERS) as own:
+        resp = own.post(f"{pair.main_url}/v1/rounds", content=packb(make_plan()))
+        assert resp.status_code == 200, resp.text
+        yield pair, own
+
+
+def test_harmful_values_main_server(main_round):
+    pair, own = main_round
+    main = pair.main_url
+
+    def status():
+        resp = own.get(f"{main}/v1/status")
+        assert resp.status_code == 200, resp.text
+        return resp.json()["round"]
+
+    def refused(path: str, bad: dict) -> None:
+        before = status()
+        resp = own.post(f"{main}{path}", content=packb(bad))
+        assert 400 <= resp.status_code < 500, (path, resp.status_code, resp.text[:500], str(bad)[:1500],
+                                               pair.main.log_tail(40))
+        assert resp.json()["detail"], resp.text
+        assert status() == before, (path, str(bad)[:1500])
+
+    # Joins whose label counts overflow int64 (they used to break grouping for the whole round).
+    join = {"device_id": "dev-a", "label_counts": [5] * NUM_CLASSES, "num_steps": 2}
+    counts = st.lists(st.integers(0, 100), min_size=NUM_CLASSES, max_size=NUM_CLASSES)
+
+    @_settings()
+    @given(device=st.sampled_from(["dev-a", "dev-b"]), counts=counts, where=st.integers(0, NUM_CLASSES - 1),
+           huge=st.integers(MAX_LABEL_COUNT + 1, (1 << 64) - 1))
+    def harmful_join(device, counts, where, huge):
+        counts[where] = huge
+        refused("/v1/rounds/1/join", {**join, "device_id": device, "label_counts": counts})
+
+    harmful_join()
+    assert status()["joined"] == 0
+
+    answers: dict[str, httpx.Response] = {}
+
+    def join_one(device: str) -> None:
+        with httpx.Client(timeout=30.0, headers=HEADERS) as c:
+            answers[device] = c.post(f"{main}/v1/rounds/1/join", content=packb({**join, "device_id": device}))
+
+    threads = [threading.Thread(target=join_one, args=(d,)) for d in ("dev-a", "dev-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(answers[d].status_code == 200 for d in ("dev-a", "dev-b")), {d: r.text for d, r in answers.items()}
+    assert unpackb(answers["dev-a"].content)["members"] == ["dev-a", "dev-b"]
+
+    # Steps: harmful leaves anywhere, zero-element tensors of huge dimensions, NaN/inf activations,
+    # labels out of range. Every one is refused before it reaches the barrier or the training.
+    good = step_body()
+    labels = {"dtype": "int64", "shape": [BATCH]}
+
+    @st.composite
+    def harmful_step(draw):
+        kind = draw(st.sampled_from(["leaf", "fx-dims", "labels-dims", "fx-non-finite", "labels-range"]))
+        body = {**good, "device_id": draw(st.sampled_from(["dev-a", "dev-b"]))}
+        if kind == "leaf":
+            return draw(harmful_variant(body))
+        if kind == "fx-dims":
+            return {**body, "fx": draw(zero_element_huge_dims("float32"))}
+        if kind == "labels-dims":
+            return {**body, "labels": draw(zero_element_huge_dims("int64"))}
+        if kind == "fx-non-finite":
+            return {**body, "fx": draw(non_finite_tensor(FX_SHAPE))}
+        bad_label = draw(st.integers(NUM_CLASSES, (1 << 63) - 1) | st.integers(-(1 << 63), -1))
+        values = torch.zeros(BATCH, dtype=torch.int64)
+        values[draw(st.integers(0, BATCH - 1))] = bad_label
+        return {**body, "labels": {**labels, "data": values.numpy().tobytes()}}
+
+    @_settings(2 * EXAMPLES)
+    @given(bad=harmful_step())
+    def send_step(bad):
+        refused("/v1/rounds/1/step", bad)
+
+    send_step()
+    after = status()
+    group = after["groups"][0]
+    assert group["step"] == 0 and group["dropped"] == [] and group["done"] == [], after
+    assert pair.main.alive()
