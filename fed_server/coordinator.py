@@ -32,7 +32,7 @@ from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.models import build_model, profile_model
 from shared.schemas import (
-    Ack, DeviceTimings, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
+    Ack, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
     TaskResponse, UpdateRequest,
 )
 from shared.portions import decode_portion, portion_state

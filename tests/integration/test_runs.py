@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from fed_server.coordinator import table_time
+from fed_server.update_checks import table_time
 from fed_server.run_dir import RunDirectory
 from shared.schemas import DeviceTimings
 import torch
