@@ -257,7 +257,7 @@ class Coordinator:
             return Ack(detail=f"update of {req.device_id} for round {round_id} was already stored")
         if self.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
             raise Conflict(f"device {req.device_id!r} must report and receive its follow-up before uploading")
-        check_claims(req.device_id, req.num_samples, record.num_samples, req.timings, fed_round.deadline_s)
+        check_claims(req, record.num_samples, fed_round.deadline_s)
         state = self._checked_update(req.device_id, self._decode(req.weights, 0, assignment.split_point))
         try:
             self.algorithm.accept_update(req.device_id, fed_round.context, state, dict(req.extras), req.num_samples,

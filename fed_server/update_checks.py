@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from shared.errors import Invalid
-from shared.schemas import DeviceTimings
+from shared.schemas import DeviceTimings, UpdateRequest
 
 
 def table_time(timings: DeviceTimings) -> float:
@@ -22,8 +22,13 @@ def table_time(timings: DeviceTimings) -> float:
     return max(1e-6, timings.compute_s + timings.transfer_s + timings.server_s)
 
 
-def check_claims(device_id: str, num_samples: int, registered_samples: int, timings: DeviceTimings,
-                 deadline_s: float) -> None:
+#: Largest training loss an upload may report (either sign). Far above any loss of a training
+#: that has not diverged; small enough that the round record's sample-weighted mean stays finite
+#: (a reported 1e308 made it infinite, and ``/v1/status`` could no longer be encoded as JSON).
+MAX_TRAIN_LOSS = 1e12
+
+
+def check_claims(req: UpdateRequest, registered_samples: int, deadline_s: float) -> None:
     """Refuse (:class:`Invalid`) an upload whose claims the Fed Server knows to be impossible.
 
     * ``num_samples`` is the device's aggregation weight, so it must be the count the device
@@ -31,9 +36,11 @@ def check_claims(device_id: str, num_samples: int, registered_samples: int, timi
     * Every timing, and the time-table sum of :func:`table_time`, must fit in the round's
       deadline: an upload arrives before the attempt closes, so the device cannot have spent longer.
       Each figure alone may be finite and still overflow the sum (``1e308 + 1e308``).
+    * ``train_loss`` lies within ``±MAX_TRAIN_LOSS``.
     """
-    if num_samples != registered_samples:
-        raise Invalid(f"num_samples={num_samples} of {device_id!r} differs from the {registered_samples} "
+    device_id, timings = req.device_id, req.timings
+    if req.num_samples != registered_samples:
+        raise Invalid(f"num_samples={req.num_samples} of {device_id!r} differs from the {registered_samples} "
                       f"samples it registered with")
     for name, value in timings.model_dump().items():
         if value > deadline_s:
@@ -42,6 +49,8 @@ def check_claims(device_id: str, num_samples: int, registered_samples: int, timi
     if total > deadline_s:
         raise Invalid(f"timings compute_s + transfer_s + server_s = {total:.4g}s of {device_id!r} exceeds "
                       f"the round deadline of {deadline_s:g}s")
+    if abs(req.train_loss) > MAX_TRAIN_LOSS:
+        raise Invalid(f"train_loss={req.train_loss:.4g} of {device_id!r} is beyond ±{MAX_TRAIN_LOSS:g}")
 
 
 def update_norm(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> float:

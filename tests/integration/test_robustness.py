@@ -9,6 +9,8 @@ schema:
 * timings whose sum exceeds the round deadline;
 * ``num_samples=10**12`` with zeroed weights (used to outweigh the honest device and pin the
   accuracy at chance; the sample count is the aggregation weight);
+* a training loss of 1e308 (the round record's weighted mean became infinite, and the status
+  endpoint could no longer encode it as JSON);
 * a tensor with zero elements but a dimension of 2**63.
 
 Every one must be refused with a 4xx naming the reason, must leave the Fed Server's status as it
@@ -44,6 +46,7 @@ def _harmful_versions(body: UpdateRequest) -> list[tuple[str, dict, str]]:
          {**honest, "timings": {**honest["timings"], "compute_s": ROUND_S * 0.6, "transfer_s": ROUND_S * 0.6}},
          "deadline"),
         ("10**12 samples, zeroed weights", {**honest, "num_samples": 10**12, "weights": zeroed}, "num_samples"),
+        ("a training loss of 1e308", {**honest, "train_loss": 1e308}, "train_loss"),
         ("a zero-element tensor of dimension 2**63", {**honest, "weights": huge_dim}, "shape"),
     ]
 
@@ -104,7 +107,7 @@ def test_harmful_uploads_are_refused_change_nothing_and_the_run_completes():
     assert status["state"] == "finished", (status, fed_log)
     # Every harmful upload of every round that dev-001 uploaded in was refused with a 4xx naming
     # the reason, and left the Fed Server as it was.
-    assert len(refusals) >= 4 * ROUNDS, refusals
+    assert len(refusals) >= 5 * ROUNDS, refusals
     for what, code, detail, named, unchanged in refusals:
         assert 400 <= code < 500, (what, code, detail)
         assert named, (what, detail)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from fed_server.update_checks import check_claims, clip_update, table_time, update_norm
+from fed_server.update_checks import MAX_TRAIN_LOSS, check_claims, clip_update, table_time, update_norm
 from shared.errors import Invalid
-from shared.schemas import DeviceTimings
+from shared.schemas import DeviceTimings, UpdateRequest
 
 
 def test_update_norm_hand_computed():
@@ -30,15 +30,22 @@ def _timings(**changes) -> DeviceTimings:
     return DeviceTimings(**{"compute_s": 1.0, "transfer_s": 0.5, "wait_s": 0.2, "server_s": 0.3, "total_s": 2.5, **changes})
 
 
-def test_claims_within_the_deadline_and_matching_the_registration_pass():
-    check_claims("d", 50, 50, _timings(), deadline_s=2.5)
-    check_claims("d", 50, 50, _timings(compute_s=10.0, transfer_s=0.0, server_s=0.0, total_s=10.0), deadline_s=10.0)
+def _upload(num_samples: int = 50, train_loss: float = 1.5, **timings) -> UpdateRequest:
+    return UpdateRequest(device_id="d", round_id=1, num_samples=num_samples, steps=1, train_loss=train_loss,
+                         weights={}, timings=_timings(**timings), bytes_up=0, bytes_down=0)
+
+
+def test_claims_within_the_bounds_and_matching_the_registration_pass():
+    check_claims(_upload(), 50, deadline_s=2.5)
+    check_claims(_upload(compute_s=10.0, transfer_s=0.0, server_s=0.0, total_s=10.0), 50, deadline_s=10.0)
+    check_claims(_upload(train_loss=-MAX_TRAIN_LOSS), 50, deadline_s=10.0)
+    check_claims(_upload(train_loss=MAX_TRAIN_LOSS), 50, deadline_s=10.0)
 
 
 @pytest.mark.parametrize("claimed", [49, 51, 10**12])
 def test_a_sample_count_other_than_the_registered_one_is_invalid(claimed):
     with pytest.raises(Invalid, match=f"num_samples={claimed} of 'd' differs from the 50 samples"):
-        check_claims("d", claimed, 50, _timings(), deadline_s=100.0)
+        check_claims(_upload(num_samples=claimed), 50, deadline_s=100.0)
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -49,7 +56,13 @@ def test_a_sample_count_other_than_the_registered_one_is_invalid(claimed):
 ])
 def test_timings_beyond_the_round_deadline_are_invalid(changes, match):
     with pytest.raises(Invalid, match=match + ".*deadline of 10s"):
-        check_claims("d", 50, 50, _timings(**changes), deadline_s=10.0)
+        check_claims(_upload(**changes), 50, deadline_s=10.0)
+
+
+@pytest.mark.parametrize("loss", [1e308, -1e308, MAX_TRAIN_LOSS * 1.01])
+def test_a_training_loss_beyond_the_bound_is_invalid(loss):
+    with pytest.raises(Invalid, match="train_loss=.* is beyond"):
+        check_claims(_upload(train_loss=loss), 50, deadline_s=10.0)
 
 
 def test_table_time_is_the_sum_of_the_device_own_costs():
