@@ -1,4 +1,7 @@
-"""The Main Server's state for one round: joins, label-balanced groups, per-step barriers.
+"""The Main Server's state for one round: joins, groups, per-step barriers.
+
+The plan names the grouping and group-loss plug-ins (``shared/algorithms/registry.py``); this
+module only runs them.
 
 Waiting is async (the event loop stays free); training runs in a worker thread. Every request is
 fully validated before it touches state, so a rejected request changes nothing.
@@ -17,7 +20,8 @@ import torch
 
 from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
 from main_server.metrics import MainMetrics
-from shared.algorithms.grouping import balanced_groups, label_distance, singleton_groups
+from shared.algorithms.grouping import grouping_rng, label_distance
+from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
@@ -67,6 +71,11 @@ class RoundState:
         self.metrics = metrics
         self.round_id = plan.round_id
         self.participants = {p.device_id: p for p in plan.participants}
+        try:
+            self.grouping = build_grouping(plan.grouping)
+            self.group_loss = build_group_loss(plan.group_loss)  # one instance serves every group
+        except ValueError as exc:
+            raise Invalid(f"invalid plan: {exc}") from None
         try:
             self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
         except ValueError as exc:  # unknown model, bad input_shape or num_classes: the plan's fault, not ours
@@ -135,14 +144,7 @@ class RoundState:
             return
         self._join_timer.cancel()
         counts = {d: np.asarray(r.label_counts, dtype=np.int64) for d, r in sorted(self.joined.items())}
-        ids = sorted(counts)
-        mode = self.plan.grouping
-        if not ids:
-            member_lists: list[list[str]] = []
-        elif mode == "balanced":
-            member_lists = balanced_groups(counts, self.plan.group_size)
-        else:
-            member_lists = singleton_groups(ids)
+        member_lists = self.grouping.form(counts, self.plan.group_size, grouping_rng(self.plan.seed, self.round_id))
         self.groups = []
         n_blocks = len(self.template.blocks)
         for gid, members in enumerate(member_lists):
@@ -152,7 +154,7 @@ class RoundState:
             trainer = GroupTrainer(
                 copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
                 lr=self.plan.train.lr, momentum=self.plan.train.momentum,
-                weight_decay=self.plan.train.weight_decay, group_loss=self.plan.group_loss,
+                weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss,
             )
             group = Group(
                 group_id=gid, members=list(members), split=split,
