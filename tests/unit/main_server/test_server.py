@@ -4,6 +4,9 @@ leaves the open round as it was."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +66,12 @@ def test_bad_plan_leaves_the_open_round(kit):
             server.open_round(kit.make_plan(["a"], round_id=2, grouping="psychic"))
         assert server.round is current and not current.abandoned
     kit.run(body)
+
+
+def test_logic_modules_know_nothing_of_fastapi():
+    # The round state and the round registry raise domain errors; only app.py speaks HTTP.
+    code = ("import sys, main_server.round_state, main_server.server; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[3])  # the repository root
+    assert out.stdout.strip() == "[]"
