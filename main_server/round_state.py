@@ -12,8 +12,9 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,8 +100,16 @@ class RoundState:
         self.groups_ready = asyncio.Event()
         self.on_group_done = on_group_done
         self.abandoned = False
+        self._tasks: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
         self._join_timer = loop.call_later(plan.join_deadline_s, self._form_groups)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, holding the task until it ends (the loop keeps only weak
+        references to tasks, so an unreferenced one may be collected before it finishes)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _activation_shapes(self) -> dict[int, tuple[int, ...]]:
         x = torch.zeros(1, *self.plan.input_shape)
@@ -216,7 +225,7 @@ class RoundState:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         group.pending[req.device_id] = (batch, future, arrived)
         if group.expected() <= set(group.pending):
-            asyncio.get_running_loop().create_task(self._run_step(group))
+            self._spawn(self._run_step(group))
         return await future
 
     def _arm_step_timer(self, group: Group) -> None:
@@ -237,7 +246,7 @@ class RoundState:
             if self.metrics is not None:
                 self.metrics.dropped_at_step(len(late))
         if group.pending:
-            asyncio.get_running_loop().create_task(self._run_step(group))
+            self._spawn(self._run_step(group))
         else:
             self._check_finished(group)
 
@@ -287,7 +296,7 @@ class RoundState:
             if self.metrics is not None:
                 self.metrics.group_finished(group.train_time_s)
             if not self.abandoned:
-                asyncio.get_running_loop().create_task(self.on_group_done(self, group))
+                self._spawn(self.on_group_done(self, group))
             return True
         return False
 
