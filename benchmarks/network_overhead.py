@@ -8,7 +8,7 @@ themselves: HTTP, msgpack, schema checks, barriers, scheduling of three processe
 In-process: the same math in this one process and one thread, replayed round by round from the
 services run: the split point of every device is the one the Fed Server chose (S2FL's sliding
 split depends on measured times, so it is taken from the run's metrics rather than re-decided),
-the groups are recomputed with the Main Server's own ``balanced_groups`` (and checked against
+the groups are recomputed with the Main Server's own grouping plug-in (and checked against
 the run's), and then exactly the services' code paths without the network: the device loop of
 ``device_agent.trainer.train_round`` (same batch-order seed per device and round), one
 ``GroupTrainer.step`` per group and step over the members' batches (the per-step barrier),
@@ -42,8 +42,8 @@ from shared.evaluation import evaluate
 from fed_server.run_dir import RunDirectory
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.grouping import balanced_groups, singleton_groups
-from shared.algorithms.registry import build_algorithm
+from shared.algorithms.grouping import grouping_rng
+from shared.algorithms.registry import build_algorithm, build_group_loss, build_grouping
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes, device_shard, load_dataset
 from shared.models import build_model
@@ -129,7 +129,7 @@ def _train_group(model_template, device_models: dict, global_model, members: lis
     trainer = GroupTrainer(copy.deepcopy(model_template), grouping_start,
                            portion_state(global_model, grouping_start, n_blocks), lr=train.lr,
                            momentum=train.momentum, weight_decay=train.weight_decay,
-                           group_loss=config.grouping.group_loss)
+                           group_loss=build_group_loss(config.grouping.group_loss))
     clients, optimizers, iters, num_steps = {}, {}, {}, {}
     for m in members:
         portion = device_models[m].portion(0, split[m])
@@ -177,10 +177,8 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         split = {d: int(k) for d, k in record["split_points"].items()}
         participants = sorted(split)
         counts = {d: np.asarray(data[d].label_counts(), dtype=np.int64) for d in participants}
-        if algorithm.grouping() == "balanced":
-            groups = balanced_groups(counts, config.grouping.group_size)
-        else:
-            groups = singleton_groups(participants)
+        groups = build_grouping(algorithm.grouping()).form(counts, config.grouping.group_size,
+                                                           grouping_rng(config.seed, record["round_id"]))
         recorded = sorted(sorted(g["members"]) for g in record["groups"])
         groups_match &= sorted(sorted(g) for g in groups) == recorded
         contributions: dict[str, Contribution] = {}

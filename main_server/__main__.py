@@ -10,7 +10,7 @@ from shared.service import add_server_args, configure_process, parse_service_arg
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m main_server",
-        description="S2FL Main Server: trains the server-side model portions of label-balanced device "
+        description="S2FL Main Server: trains the server-side model portions of device "
                     "groups and returns each device the gradient of its activations.")
     add_server_args(parser, default_port=8081)
     parser.add_argument("--fed-server-url", default=env_default("fed_server_url", "http://127.0.0.1:8080"),
@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="largest accepted step body in MiB (env SFL_MAX_STEP_MB)")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
-    from main_server.app import MainServerSettings, create_app
+    from main_server.app import create_app
+    from main_server.server import MainServerSettings
     from main_server.group_trainer import warm_up
     from shared.auth import auth_from_settings
 

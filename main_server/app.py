@@ -1,98 +1,30 @@
-"""The Main Server's HTTP layer: round plans from the Fed Server, joins and steps from devices."""
+"""The Main Server's HTTP routes: round plans from the Fed Server, joins and steps from devices.
+
+Routes only: authentication, body parsing and the answer's encoding. The logic is in
+``main_server/server.py`` (open round, uploads) and ``main_server/round_state.py`` (barriers).
+"""
 from __future__ import annotations
 
-import asyncio
-import logging
-from dataclasses import dataclass, field
-
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from main_server.metrics import MainMetrics
-from main_server.round_state import Group, RoundState
-from shared.auth import Auth
-from shared.http_client import decode_response, service_client
-from shared.errors import Conflict
 from http_api.server import create_service_app, msgpack_body_schema, msgpack_response, read_message
-from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
-from shared.wire import encode_state, encode_tensor, packb
-
-log = logging.getLogger("main_server")
-
-
-@dataclass
-class MainServerSettings:
-    fed_server_url: str
-    max_plan_bytes: int = 512 << 20
-    max_step_bytes: int = 64 << 20
-    max_join_bytes: int = 64 << 10
-    upload_retries: int = 5
-    auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
-    ca_file: str | None = None                 # CA bundle to verify the Fed Server's HTTPS certificate
-
-
-class MainServer:
-    """Holds the current round and pushes finished groups' server portions to the Fed Server."""
-
-    def __init__(self, settings: MainServerSettings, metrics: MainMetrics | None = None) -> None:
-        self.settings = settings
-        self.metrics = metrics if metrics is not None else MainMetrics(self)
-        self.round: RoundState | None = None
-        self.uploads: set[asyncio.Task] = set()
-
-    def current(self, round_id: int) -> RoundState:
-        if self.round is None:
-            raise Conflict("no round is open at the Main Server")
-        if round_id != self.round.round_id:
-            raise Conflict(f"round {round_id} is stale: the open round is {self.round.round_id}")
-        return self.round
-
-    def open_round(self, plan: RoundPlan) -> None:
-        if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
-            raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
-        new = RoundState(plan, self._group_done, self.metrics)  # validates the plan before anything is replaced
-        if self.round is not None:
-            self.round.abandon()
-        self.round = new
-        self.metrics.round_opened()
-        log.info("round %d opened: %d participants", plan.round_id, len(plan.participants))
-
-    async def _group_done(self, state: RoundState, group: Group) -> None:
-        upload = ServerPortionUpload(
-            run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
-            members=sorted(group.done), dropped=sorted(group.dropped),
-            absent=sorted(set(state.participants) - set(state.joined)), start_block=group.trainer.start,
-            weights=encode_state(group.trainer.state()), label_distance=group.distance,
-            steps=group.trainer.steps, train_time_s=group.train_time_s,
-        )
-        body = packb(upload.model_dump())
-        url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
-        delay = 0.5
-        async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
-            for attempt in range(self.settings.upload_retries):
-                try:
-                    decode_response(await client.post(url, content=body), Ack)
-                    log.info("round %d group %d uploaded (%d bytes)", state.round_id, group.group_id, len(body))
-                    return
-                except Exception as exc:  # keep trying: the Fed Server may be restarting
-                    log.warning("round %d group %d upload failed (%s), attempt %d", state.round_id, group.group_id, exc, attempt + 1)
-                    await asyncio.sleep(delay)
-                    delay *= 2
+from main_server.server import MainServer, MainServerSettings
+from shared.schemas import API, Ack, JoinRequest, RoundPlan, StepRequest
 
 
 def create_app(settings: MainServerSettings) -> FastAPI:
     """The Main Server as an ASGI app."""
     server = MainServer(settings)
     app = create_service_app("main_server", "S2FL Main Server",
-                             "Server-side portions, label-balanced groups, per-step training.",
+                             "Server-side portions, device groups, per-step training.",
                              registry=server.metrics.registry)
     app.state.server = server
     app.state.metrics = server.metrics
 
     @app.get(f"{API}/status")
     async def status() -> dict:
-        return {"round": server.round.summary() if server.round else None}
+        return server.status()
 
     @app.post(f"{API}/rounds", response_class=Response, openapi_extra=msgpack_body_schema(RoundPlan))
     async def open_round(request: Request) -> Response:
@@ -107,18 +39,13 @@ def create_app(settings: MainServerSettings) -> FastAPI:
         """Device: join the round with label counts; answered when groups are formed."""
         req = await read_message(request, JoinRequest, settings.max_join_bytes)
         settings.auth.check_device(request.headers, req.device_id)
-        return msgpack_response(await server.current(round_id).join(req))
+        return msgpack_response(await server.join(round_id, req))
 
     @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response, openapi_extra=msgpack_body_schema(StepRequest))
     async def step(round_id: int, request: Request) -> Response:
         """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
         req = await read_message(request, StepRequest, settings.max_step_bytes)
         settings.auth.check_device(request.headers, req.device_id)
-        outcome = await server.current(round_id).step(req)
-        return msgpack_response(StepResponse(
-            dfx=WireTensor(**encode_tensor(outcome.result.dfx)), loss=outcome.result.loss,
-            wait_s=outcome.wait_s, server_s=outcome.server_s,
-        ))
+        return msgpack_response(await server.step(round_id, req))
 
     return app
-

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.config import GroupLoss
+from shared.algorithms.group_loss import GroupLoss, PerMemberLoss
 from shared.models import SplitModel
 
 
@@ -54,14 +54,14 @@ class GroupTrainer:
         lr: float,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
-        group_loss: GroupLoss = "per_member",
+        group_loss: GroupLoss | None = None,
     ) -> None:
         self.model = model
         self.start = start
         self.portion = model.portion(start, len(model.blocks))
         self.portion.load_state_dict(dict(weights), strict=True)
         self.portion.train()
-        self.group_loss = group_loss
+        self.group_loss = group_loss if group_loss is not None else PerMemberLoss()
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.steps = 0
 
@@ -72,13 +72,8 @@ class GroupTrainer:
     def step(self, batches: list[MemberBatch]) -> dict[str, MemberResult]:
         """Forward the concatenated batch, one SGD step on the copy, each member's dfx and loss.
 
-        ``per_member``: the loss is the sum of the members' mean losses, so each member's dfx is
-        the gradient of its own mean loss (as if it trained alone, as in SFL); the copy's
-        gradient is divided by the member count, i.e. it steps on the mean of the member losses.
-        ``per_member_sum``: the same dfx, but the copy steps on the sum of the member losses
-        (the spec's further choice of server step size: |G| times the per_member step).
-        ``union_mean``: one mean cross-entropy over the concatenated batch (Eq. 3 read
-        literally); each member's dfx is then scaled by its share of the batch.
+        The objective and the scale of the copy's gradient come from the group-loss plug-in
+        (``shared/algorithms/group_loss.py``).
         """
         if not batches:
             raise ValueError("a step needs at least one member batch")
@@ -100,16 +95,14 @@ class GroupTrainer:
         assert h is not None
         logits = torch.split(h, [b.labels.shape[0] for b in order], dim=0)
         member_losses = [F.cross_entropy(out, b.labels) for out, b in zip(logits, order)]
-        if self.group_loss == "union_mean":
-            total = F.cross_entropy(h, torch.cat([b.labels for b in order]))
-        else:
-            total = torch.stack(member_losses).sum()
+        total = self.group_loss.objective(h, [b.labels for b in order], member_losses)
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
-        if self.group_loss == "per_member" and len(order) > 1:
+        divisor = self.group_loss.server_grad_divisor(len(order))
+        if divisor != 1:
             for p in self.portion.parameters():
                 if p.grad is not None:
-                    p.grad.div_(len(order))
+                    p.grad.div_(divisor)
         self.optimizer.step()
         self.steps += 1
         return {

@@ -1,4 +1,7 @@
-"""The Main Server's state for one round: joins, label-balanced groups, per-step barriers.
+"""The Main Server's state for one round: joins, groups, per-step barriers.
+
+The plan names the grouping and group-loss plug-ins (``shared/algorithms/registry.py``); this
+module only runs them.
 
 Waiting is async (the event loop stays free); training runs in a worker thread. Every request is
 fully validated before it touches state, so a rejected request changes nothing.
@@ -9,15 +12,17 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
 from main_server.metrics import MainMetrics
-from shared.algorithms.grouping import balanced_groups, label_distance, singleton_groups
+from shared.algorithms.grouping import grouping_rng, label_distance
+from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
@@ -68,6 +73,11 @@ class RoundState:
         self.round_id = plan.round_id
         self.participants = {p.device_id: p for p in plan.participants}
         try:
+            self.grouping = build_grouping(plan.grouping)
+            self.group_loss = build_group_loss(plan.group_loss)  # one instance serves every group
+        except ValueError as exc:
+            raise Invalid(f"invalid plan: {exc}") from None
+        try:
             self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
         except ValueError as exc:  # unknown model, bad input_shape or num_classes: the plan's fault, not ours
             raise Invalid(f"invalid plan: {exc}") from None
@@ -90,8 +100,16 @@ class RoundState:
         self.groups_ready = asyncio.Event()
         self.on_group_done = on_group_done
         self.abandoned = False
+        self._tasks: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
         self._join_timer = loop.call_later(plan.join_deadline_s, self._form_groups)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, holding the task until it ends (the loop keeps only weak
+        references to tasks, so an unreferenced one may be collected before it finishes)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _activation_shapes(self) -> dict[int, tuple[int, ...]]:
         x = torch.zeros(1, *self.plan.input_shape)
@@ -135,14 +153,7 @@ class RoundState:
             return
         self._join_timer.cancel()
         counts = {d: np.asarray(r.label_counts, dtype=np.int64) for d, r in sorted(self.joined.items())}
-        ids = sorted(counts)
-        mode = self.plan.grouping
-        if not ids:
-            member_lists: list[list[str]] = []
-        elif mode == "balanced":
-            member_lists = balanced_groups(counts, self.plan.group_size)
-        else:
-            member_lists = singleton_groups(ids)
+        member_lists = self.grouping.form(counts, self.plan.group_size, grouping_rng(self.plan.seed, self.round_id))
         self.groups = []
         n_blocks = len(self.template.blocks)
         for gid, members in enumerate(member_lists):
@@ -152,7 +163,7 @@ class RoundState:
             trainer = GroupTrainer(
                 copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
                 lr=self.plan.train.lr, momentum=self.plan.train.momentum,
-                weight_decay=self.plan.train.weight_decay, group_loss=self.plan.group_loss,
+                weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss,
             )
             group = Group(
                 group_id=gid, members=list(members), split=split,
@@ -214,7 +225,7 @@ class RoundState:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         group.pending[req.device_id] = (batch, future, arrived)
         if group.expected() <= set(group.pending):
-            asyncio.get_running_loop().create_task(self._run_step(group))
+            self._spawn(self._run_step(group))
         return await future
 
     def _arm_step_timer(self, group: Group) -> None:
@@ -235,7 +246,7 @@ class RoundState:
             if self.metrics is not None:
                 self.metrics.dropped_at_step(len(late))
         if group.pending:
-            asyncio.get_running_loop().create_task(self._run_step(group))
+            self._spawn(self._run_step(group))
         else:
             self._check_finished(group)
 
@@ -285,7 +296,7 @@ class RoundState:
             if self.metrics is not None:
                 self.metrics.group_finished(group.train_time_s)
             if not self.abandoned:
-                asyncio.get_running_loop().create_task(self.on_group_done(self, group))
+                self._spawn(self.on_group_done(self, group))
             return True
         return False
 

@@ -42,20 +42,42 @@ class SplitConfig(_Strict):
     server_flops: float = Field(5e10, gt=0)  # Comp_s in Eq. 1 (paper: 5e10)
 
 
-#: How a group's loss is combined (the paper's Eq. 3 "union" is ambiguous; docs/s2fl.md):
-#: per_member: each device gets the gradient of its own mean loss and the server copy steps on the
-#:   mean of the members' mean losses; per_member_sum: the same device gradients, the copy steps
-#:   on their sum (a server step |G| times larger); union_mean: one mean loss over the
-#:   concatenated batch.
-GroupLoss = Literal["per_member", "per_member_sum", "union_mean"]
-
-
 class GroupingConfig(_Strict):
-    """How the Main Server groups devices (S2FL's data-balance mechanism, Eq. 2)."""
+    """How the Main Server groups devices (S2FL's data-balance mechanism, Eq. 2) and combines a
+    group's losses. ``method`` and ``group_loss`` name plug-ins registered in
+    ``shared/algorithms/registry.py`` (``GROUPINGS``, ``GROUP_LOSSES``; docs/s2fl.md).
+
+    ``label_balance`` is the ablation switch: true = ``balanced``, false = ``singleton``, None =
+    the algorithm's default. ``method`` names any grouping instead; set at most one of the two.
+    """
 
     label_balance: bool | None = None
+    method: str | None = None
     group_size: int = Field(5, ge=1)
-    group_loss: GroupLoss = "per_member"
+    group_loss: str = "per_member"
+
+    @field_validator("method")
+    @classmethod
+    def _known_grouping(cls, value: str | None) -> str | None:
+        from shared.algorithms.registry import build_grouping
+
+        if value is not None:
+            build_grouping(value)
+        return value
+
+    @field_validator("group_loss")
+    @classmethod
+    def _known_group_loss(cls, value: str) -> str:
+        from shared.algorithms.registry import build_group_loss
+
+        build_group_loss(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_switch(self) -> "GroupingConfig":
+        if self.method is not None and self.label_balance is not None:
+            raise ValueError("set grouping.method or grouping.label_balance, not both")
+        return self
 
 
 class DeadlineConfig(_Strict):

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
-from shared.config import GroupLoss, TrainConfig
+from shared.config import TrainConfig
 from shared.data.spec import DataSpec
 from shared.wire import DTYPE_NAMES, MAX_RANK
 
@@ -171,9 +171,9 @@ class RoundPlan(Message):
     participants: list[Participant] = Field(min_length=1)
     server_weights: WireState              # global model blocks from the smallest split onward
     train: TrainConfig
-    grouping: Literal["balanced", "singleton"]
+    grouping: str                          # a name in GROUPINGS (shared/algorithms/registry.py)
     group_size: int = Field(ge=1)
-    group_loss: GroupLoss
+    group_loss: str                        # a name in GROUP_LOSSES
     join_deadline_s: float = Field(gt=0)
     step_deadline_s: float = Field(gt=0)
 

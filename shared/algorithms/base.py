@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from shared.data import ArrayDataset
 
 SplitMode = Literal["sliding", "fixed", "zero"]
-GroupingMode = Literal["balanced", "singleton"]
 #: JSON-like values carried in tasks, reports and uploads (numbers, strings, lists, maps).
 Extras = dict[str, Any]
 
@@ -156,8 +155,9 @@ class Algorithm:
         """Restore what :meth:`state_dict` returned."""
 
     # --- Main Server decisions -----------------------------------------------------------------
-    def grouping(self) -> GroupingMode:
-        """How the Main Server groups a round's devices (one server copy per group)."""
+    def grouping(self) -> str:
+        """How the Main Server groups a round's devices (one server copy per group): a name in
+        ``GROUPINGS`` (``shared/algorithms/registry.py``), carried to it in the round plan."""
         return "singleton"
 
     # --- device side ---------------------------------------------------------------------------

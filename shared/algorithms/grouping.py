@@ -20,7 +20,12 @@ Conventions (the paper is silent on them):
 
 * a group with no members, or whose members hold no samples at all, has distance ``0.0``
   (there is no distribution to be unbalanced; such a group adds nothing to a union batch);
-* :func:`balanced_groups` / :func:`random_groups` return ``[]`` for zero devices.
+* :func:`balanced_groups` returns ``[]`` for zero devices.
+
+Grouping is a plug-in of the Main Server: :class:`Grouping` is the interface, a round plan names
+one of ``GROUPINGS`` (``shared/algorithms/registry.py``). This module holds the paper's two
+(:class:`BalancedGrouping` for S2FL, :class:`SingletonGrouping` for SFL); adding a policy is one
+module with a :class:`Grouping` subclass and one registry line (``random_grouping.py`` is one).
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ __all__ = [
     "label_distance",
     "total_distance",
     "num_groups_for",
+    "group_sizes",
+    "grouping_rng",
     "balanced_groups",
-    "random_groups",
-    "singleton_groups",
+    "Grouping",
+    "BalancedGrouping",
+    "SingletonGrouping",
 ]
 
 # Improvements smaller than this are treated as no improvement (guards against float noise
@@ -122,6 +130,13 @@ def num_groups_for(num_devices: int, group_size: int) -> int:
 def _sizes(num_devices: int, num_groups: int) -> tuple[int, int]:
     """(base size, how many groups hold base+1) for sizes differing by at most one."""
     return num_devices // num_groups, num_devices % num_groups
+
+
+def group_sizes(num_devices: int, group_size: int) -> list[int]:
+    """The sizes of the ``num_groups_for`` groups, differing by at most one, larger ones first."""
+    n_groups = num_groups_for(num_devices, group_size)
+    base, n_big = _sizes(num_devices, n_groups)
+    return [base + (1 if g < n_big else 0) for g in range(n_groups)] if num_devices else []
 
 
 def balanced_groups(counts: dict[str, np.ndarray], group_size: int) -> list[list[str]]:
@@ -223,32 +238,35 @@ def balanced_groups(counts: dict[str, np.ndarray], group_size: int) -> list[list
     return sorted((sorted(g) for g in groups), key=lambda g: g[0])
 
 
-def random_groups(ids: list[str], group_size: int, seed: int) -> list[list[str]]:
-    """Random membership with the same group count and sizes as :func:`balanced_groups`.
+def grouping_rng(seed: int, round_id: int) -> np.random.Generator:
+    """The generator a round's grouping draws from: the run's seed and the round id, so a replay
+    (or a benchmark recomputing the groups) regroups identically and rounds differ."""
+    return np.random.default_rng([seed, round_id])
 
-    The ids are sorted before shuffling, so the result depends only on the id set and
-    ``seed``. The first ``len(ids) % G`` groups hold the extra member.
+
+class Grouping:
+    """How the Main Server splits a round's joined devices into groups (one server copy each).
+
+    ``counts`` maps each joined device to its label counts, in device-id order; ``group_size``
+    is the configured ``grouping.group_size``; ``rng`` is :func:`grouping_rng` of the round
+    (deterministic policies ignore it). Returns the groups'
+    member lists, every device in exactly one group, ``[]`` for no devices. The order of the
+    groups is their ``group_id``.
     """
-    uniq = sorted(set(ids))
-    if len(uniq) != len(ids):
-        raise ValueError("ids must be unique")
-    if not uniq:
-        return []
-    n_groups = num_groups_for(len(uniq), group_size)
-    base, n_big = _sizes(len(uniq), n_groups)
-    perm = np.random.default_rng(seed).permutation(len(uniq))
-    shuffled = [uniq[i] for i in perm]
-    groups: list[list[str]] = []
-    start = 0
-    for g in range(n_groups):
-        size = base + (1 if g < n_big else 0)
-        groups.append(shuffled[start : start + size])
-        start += size
-    return groups
+
+    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+        raise NotImplementedError
 
 
-def singleton_groups(ids: list[str]) -> list[list[str]]:
-    """One group per device (SFL and the "no data balance" ablation), in the given order."""
-    if len(set(ids)) != len(ids):
-        raise ValueError("ids must be unique")
-    return [[d] for d in ids]
+class BalancedGrouping(Grouping):
+    """S2FL's data-balance grouping: :func:`balanced_groups` (Eq. 2)."""
+
+    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+        return balanced_groups(dict(counts), group_size)
+
+
+class SingletonGrouping(Grouping):
+    """One group per device, in device-id order (SFL and the "no data balance" ablations)."""
+
+    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+        return [[d] for d in sorted(counts)]

@@ -1,4 +1,5 @@
-"""Algorithms and selection policies by name. Adding one: write its module, add one line here."""
+"""Algorithms, selection policies and the Main Server's split-learning plug-ins (grouping, group
+loss) by name. Adding one: write its module, add one line here."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,7 +9,10 @@ from shared.algorithms.fedavg import FedAvg
 from shared.algorithms.fedbc import FedBC
 from shared.algorithms.fnr_fl import FNRFL
 from shared.algorithms.fedipg import FedIPG
+from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumLoss, UnionMeanLoss
+from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
 from shared.algorithms.hics import HiCSSelector
+from shared.algorithms.random_grouping import RandomGrouping
 from shared.algorithms.selection import DeviceSelector
 from shared.algorithms.split_learning import S2FL, SFL
 
@@ -31,6 +35,22 @@ SELECTORS: dict[str, type[DeviceSelector]] = {
 }
 
 
+#: How the Main Server groups a round's devices (``RoundPlan.grouping``; ``grouping.method``).
+GROUPINGS: dict[str, type[Grouping]] = {
+    "balanced": BalancedGrouping,
+    "singleton": SingletonGrouping,
+    "random": RandomGrouping,
+}
+
+
+#: How a group step combines its members' losses (``RoundPlan.group_loss``; ``grouping.group_loss``).
+GROUP_LOSSES: dict[str, type[GroupLoss]] = {
+    "per_member": PerMemberLoss,
+    "per_member_sum": PerMemberSumLoss,
+    "union_mean": UnionMeanLoss,
+}
+
+
 def build_algorithm(config: "RunConfig") -> Algorithm:
     """The configured algorithm object."""
     try:
@@ -45,3 +65,20 @@ def build_selector(config: "RunConfig", output_layer: str | None = None) -> Devi
         return SELECTORS[config.selection](config, output_layer)
     except KeyError:
         raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}") from None
+
+
+def build_grouping(name: str) -> Grouping:
+    """The grouping plug-in registered as ``name`` (ValueError naming the choices if none is)."""
+    return _plug_in(GROUPINGS, "grouping", name)()
+
+
+def build_group_loss(name: str) -> GroupLoss:
+    """The group-loss plug-in registered as ``name`` (ValueError naming the choices if none is)."""
+    return _plug_in(GROUP_LOSSES, "group_loss", name)()
+
+
+def _plug_in(table: dict[str, type], what: str, name: str) -> type:
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(table)}") from None

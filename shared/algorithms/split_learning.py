@@ -1,11 +1,12 @@
 """S2FL and SFL: split learning through the Main Server.
 
 They differ only in their defaults; ``split.sliding`` and ``grouping.label_balance`` switch each
-mechanism on or off, which gives the paper's ablations (S2FL+R = SFL, +B, +M, +MB).
+mechanism on or off, which gives the paper's ablations (S2FL+R = SFL, +B, +M, +MB), and
+``grouping.method`` names any registered grouping plug-in instead (e.g. ``random``).
 """
 from __future__ import annotations
 
-from shared.algorithms.base import Algorithm, GroupingMode, SplitMode
+from shared.algorithms.base import Algorithm, SplitMode
 
 
 class S2FL(Algorithm):
@@ -18,9 +19,12 @@ class S2FL(Algorithm):
         sliding = self.config.split.sliding
         return "sliding" if (self.default_sliding if sliding is None else sliding) else "fixed"
 
-    def grouping(self) -> GroupingMode:
-        balance = self.config.grouping.label_balance
-        return "balanced" if (self.default_balance if balance is None else balance) else "singleton"
+    def grouping(self) -> str:
+        config = self.config.grouping
+        if config.method is not None:
+            return config.method
+        balance = self.default_balance if config.label_balance is None else config.label_balance
+        return "balanced" if balance else "singleton"
 
 
 class SFL(S2FL):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from main_server.group_trainer import GroupTrainer, MemberBatch
+from shared.algorithms.registry import build_group_loss
 from shared.models import build_model
 
 LR = 0.1
@@ -43,9 +44,10 @@ def _member(model, device_id: str, split: int, n: int, seed: int) -> MemberBatch
 
 
 def _trainer(model, start: int, group_loss: str = "per_member", lr: float = LR) -> GroupTrainer:
+    """A trainer of ``blocks[start:]`` with the group-loss plug-in registered as ``group_loss``."""
     m = copy.deepcopy(model)
     weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
-    return GroupTrainer(m, start, weights, lr=lr, group_loss=group_loss)
+    return GroupTrainer(m, start, weights, lr=lr, group_loss=build_group_loss(group_loss))
 
 
 def _server_params(model, start: int) -> dict[str, torch.Tensor]:

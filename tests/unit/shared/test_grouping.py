@@ -1,4 +1,4 @@
-"""Tests for the data-balance grouping (paper Eq. 2)."""
+"""Tests for the data-balance grouping (paper Eq. 2) and the paper's two grouping plug-ins."""
 from __future__ import annotations
 
 import math
@@ -7,13 +7,16 @@ import numpy as np
 import pytest
 
 from shared.algorithms.grouping import (
+    BalancedGrouping,
+    SingletonGrouping,
     balanced_groups,
+    group_sizes,
+    grouping_rng,
     label_distance,
     num_groups_for,
-    random_groups,
-    singleton_groups,
     total_distance,
 )
+from shared.algorithms.random_grouping import RandomGrouping
 
 
 def dirichlet_counts(num_devices: int, n_classes: int, alpha: float, per_class: int, seed: int) -> dict[str, np.ndarray]:
@@ -108,7 +111,8 @@ def test_balanced_beats_random_on_dirichlet(alpha, num_devices):
         groups = balanced_groups(counts, group_size)
         check_partition(groups, ids, group_size)
         ours = total_distance(groups, counts)
-        rand = [total_distance(random_groups(ids, group_size, seed=s), counts) for s in range(20)]
+        rand = [total_distance(RandomGrouping().form(counts, group_size, np.random.default_rng(s)), counts)
+                for s in range(20)]
         assert ours < float(np.mean(rand))
         assert ours <= min(rand) + 1e-12  # in practice it also beats the best of 20 random draws
 
@@ -128,8 +132,8 @@ def test_balanced_groups_deterministic_and_order_independent():
 def test_group_sizes_differ_by_at_most_one(n, size):
     counts = dirichlet_counts(n, 5, 0.5, per_class=10 * n, seed=n)
     check_partition(balanced_groups(counts, size), list(counts), size)
-    rg = random_groups(list(counts), size, seed=3)
-    check_partition(rg, list(counts), size)
+    sizes = group_sizes(n, size)
+    assert sum(sizes) == n and len(sizes) == num_groups_for(n, size) and max(sizes) - min(sizes) <= 1
 
 
 def test_balanced_groups_edge_cases():
@@ -141,14 +145,28 @@ def test_balanced_groups_edge_cases():
     assert balanced_groups(counts, 1) == [["a"], ["b"]]
 
 
-def test_random_groups_seeded():
-    ids = [f"d{i}" for i in range(10)]
-    assert random_groups(ids, 3, seed=5) == random_groups(list(reversed(ids)), 3, seed=5)
-    assert any(random_groups(ids, 3, seed=5) != random_groups(ids, 3, seed=s) for s in range(6, 10))
-    with pytest.raises(ValueError):
-        random_groups(["a", "a"], 2, seed=0)
+def test_group_sizes_larger_first_and_empty():
+    assert group_sizes(7, 3) == [3, 2, 2]
+    assert group_sizes(6, 3) == [3, 3]
+    assert group_sizes(0, 3) == []
 
 
-def test_singleton_groups():
-    assert singleton_groups(["b", "a"]) == [["b"], ["a"]]
-    assert singleton_groups([]) == []
+def test_balanced_plug_in_is_balanced_groups():
+    counts = dirichlet_counts(11, 10, 0.3, per_class=110, seed=4)
+    shuffled = {k: counts[k] for k in reversed(list(counts))}
+    # The plug-in ignores its generator: any seed, any dict order gives the function's answer.
+    assert BalancedGrouping().form(shuffled, 4, grouping_rng(0, 1)) == balanced_groups(counts, 4)
+    assert BalancedGrouping().form(counts, 4, grouping_rng(9, 9)) == balanced_groups(counts, 4)
+
+
+def test_singleton_plug_in_orders_by_id():
+    counts = {"b": np.array([1, 0]), "a": np.array([0, 1]), "c": np.array([2, 2])}
+    assert SingletonGrouping().form(counts, 3, grouping_rng(0, 1)) == [["a"], ["b"], ["c"]]
+    assert SingletonGrouping().form({}, 3, grouping_rng(0, 1)) == []
+
+
+def test_grouping_rng_depends_on_seed_and_round():
+    draw = lambda seed, round_id: grouping_rng(seed, round_id).permutation(20).tolist()  # noqa: E731
+    assert draw(3, 7) == draw(3, 7)
+    assert draw(3, 7) != draw(3, 8)
+    assert draw(3, 7) != draw(4, 7)

@@ -1,0 +1,103 @@
+"""The Main Server's logic apart from its HTTP routes: which round is open, and the uploads.
+
+:class:`MainServer` keeps the open round (a newer plan replaces it, an older one of the same run
+is refused), routes joins and steps to it after the stale-round check, and pushes each finished
+group's server portion to the Fed Server. It knows nothing of HTTP: it raises the domain errors
+of ``shared/errors.py``, which ``http_api/server.py`` maps to status codes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from main_server.metrics import MainMetrics
+from main_server.round_state import Group, RoundState
+from shared.auth import Auth
+from shared.errors import Conflict
+from shared.http_client import decode_response, service_client
+from shared.schemas import (
+    API, Ack, JoinRequest, JoinResponse, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
+)
+from shared.wire import encode_state, encode_tensor, packb
+
+log = logging.getLogger("main_server")
+
+
+@dataclass
+class MainServerSettings:
+    fed_server_url: str
+    max_plan_bytes: int = 512 << 20
+    max_step_bytes: int = 64 << 20
+    max_join_bytes: int = 64 << 10
+    upload_retries: int = 5
+    auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
+    ca_file: str | None = None                 # CA bundle to verify the Fed Server's HTTPS certificate
+
+
+class MainServer:
+    """Holds the current round and pushes finished groups' server portions to the Fed Server."""
+
+    def __init__(self, settings: MainServerSettings, metrics: MainMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics if metrics is not None else MainMetrics(self)
+        self.round: RoundState | None = None
+
+    def current(self, round_id: int) -> RoundState:
+        """The open round if it is ``round_id``; Conflict for none open or a stale round id."""
+        if self.round is None:
+            raise Conflict("no round is open at the Main Server")
+        if round_id != self.round.round_id:
+            raise Conflict(f"round {round_id} is stale: the open round is {self.round.round_id}")
+        return self.round
+
+    def open_round(self, plan: RoundPlan) -> None:
+        """Open the plan's round, replacing (abandoning) the open one unless the plan is older."""
+        if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
+            raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
+        new = RoundState(plan, self.upload_portion, self.metrics)  # validates the plan before anything is replaced
+        if self.round is not None:
+            self.round.abandon()
+        self.round = new
+        self.metrics.round_opened()
+        log.info("round %d opened: %d participants", plan.round_id, len(plan.participants))
+
+    async def join(self, round_id: int, req: JoinRequest) -> JoinResponse:
+        """A device joins round ``round_id``; answered once the round's groups are formed."""
+        return await self.current(round_id).join(req)
+
+    async def step(self, round_id: int, req: StepRequest) -> StepResponse:
+        """One device step of round ``round_id``; answered with its dfx after the group's barrier."""
+        outcome = await self.current(round_id).step(req)
+        return StepResponse(
+            dfx=WireTensor(**encode_tensor(outcome.result.dfx)), loss=outcome.result.loss,
+            wait_s=outcome.wait_s, server_s=outcome.server_s,
+        )
+
+    def status(self) -> dict:
+        """A JSON-friendly view of the open round for ``/v1/status``."""
+        return {"round": self.round.summary() if self.round else None}
+
+    async def upload_portion(self, state: RoundState, group: Group) -> None:
+        """Send a finished group's server portion to the Fed Server, retrying with backoff
+        (the Fed Server may be restarting)."""
+        upload = ServerPortionUpload(
+            run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
+            members=sorted(group.done), dropped=sorted(group.dropped),
+            absent=sorted(set(state.participants) - set(state.joined)), start_block=group.trainer.start,
+            weights=encode_state(group.trainer.state()), label_distance=group.distance,
+            steps=group.trainer.steps, train_time_s=group.train_time_s,
+        )
+        body = packb(upload.model_dump())
+        url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
+        delay = 0.5
+        async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
+            for attempt in range(self.settings.upload_retries):
+                try:
+                    decode_response(await client.post(url, content=body), Ack)
+                    log.info("round %d group %d uploaded (%d bytes)", state.round_id, group.group_id, len(body))
+                    return
+                except Exception as exc:  # keep trying: the Fed Server may be restarting
+                    log.warning("round %d group %d upload failed (%s), attempt %d", state.round_id, group.group_id, exc, attempt + 1)
+                    await asyncio.sleep(delay)
+                    delay *= 2

@@ -1,0 +1,28 @@
+"""Random grouping: members drawn at random, with the group count and sizes of the balanced grouping.
+
+Not in the paper. It isolates what Eq. 2 balancing adds over merely training several devices on
+one server copy: the groups are as many and as large as :class:`BalancedGrouping` forms, only
+their membership ignores the label counts. Registered as ``random`` in ``GROUPINGS``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from shared.algorithms.grouping import Grouping, group_sizes
+
+
+class RandomGrouping(Grouping):
+    """A uniformly random permutation of the device ids, cut into ``group_sizes`` consecutive groups."""
+
+    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+        # Sorted before shuffling, so the groups depend only on the id set and the generator's seed.
+        ids = sorted(counts)
+        shuffled = [ids[i] for i in rng.permutation(len(ids))]
+        groups: list[list[str]] = []
+        start = 0
+        for size in group_sizes(len(ids), group_size):
+            groups.append(shuffled[start:start + size])
+            start += size
+        return groups

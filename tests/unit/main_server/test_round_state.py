@@ -1,0 +1,249 @@
+"""The Main Server's round state machine, driven directly on an asyncio loop (no HTTP).
+
+Join barrier (answered when every participant joined or at the join deadline), the per-step group
+barrier (released when every member still owing the step has sent it, or at the step deadline,
+which drops the late ones), the upload callback when a group finishes, and abandonment when a
+newer plan replaces the round. Plans, joins and steps come from the ``kit`` fixture (conftest.py).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from main_server.round_state import RoundState
+from shared.algorithms.grouping import balanced_groups, grouping_rng
+from shared.algorithms.random_grouping import RandomGrouping
+from shared.errors import Conflict, Failed, Invalid, NotFound
+from shared.models import build_model
+from shared.schemas import JoinRequest, Participant
+
+# ------------------------------------------------------------------------------------------- plan
+def test_bad_plans_are_invalid(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        for bad in (kit.make_plan(["a"], grouping="psychic"), kit.make_plan(["a"], group_loss="sum"),
+                    kit.make_plan(["a"], model="no-such-model")):
+            with pytest.raises(Invalid):
+                RoundState(bad, uploads)
+        with pytest.raises(Invalid, match="split point 4"):
+            RoundState(kit.make_plan(["a"], participants=[Participant(device_id="a", split_point=4, num_samples=1)]), uploads)
+    kit.run(body)
+
+
+# ------------------------------------------------------------------------------------ join barrier
+def test_join_waits_for_every_participant(kit):
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        first = asyncio.create_task(state.join(kit.join_req("a", [5] + [0] * 9)))
+        assert await kit.pending(first)           # the barrier holds a until b joins
+        assert state.groups is None
+        second = await state.join(kit.join_req("b", [0] + [5] * 9))
+        answer = await first
+        assert answer == second
+        assert answer.members == ["a", "b"] and answer.group_id == 0
+        assert answer.label_distance == pytest.approx(state.groups[0].distance)
+        # Joining again once grouped answers the same group (a retried request).
+        assert await state.join(kit.join_req("a")) == answer
+    kit.run(body)
+
+
+def test_bad_joins_change_nothing(kit):
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        with pytest.raises(NotFound, match="stranger"):
+            await state.join(kit.join_req("stranger"))
+        with pytest.raises(Invalid, match="label_counts"):
+            await state.join(JoinRequest(device_id="a", label_counts=[1, 2], num_steps=1))
+        assert state.joined == {} and state.groups is None
+    kit.run(body)
+
+
+def test_join_deadline_groups_who_came_and_refuses_latecomers(kit):
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.FAST), kit.Uploads())
+        answers = await kit.joined(state, "a", "b")  # answered only at the deadline: c never joined
+        assert [r.members for r in answers] == [["a"], ["b"]]
+        assert set(state.group_of) == {"a", "b"}
+        with pytest.raises(Conflict, match="after the join deadline"):
+            await state.join(kit.join_req("c"))
+        assert state.summary()["joined"] == 2
+    kit.run(body)
+
+
+@pytest.mark.parametrize("grouping", ["balanced", "singleton", "random"])
+def test_groups_come_from_the_plans_plug_in(grouping, kit):
+    async def body() -> None:
+        devices = [f"d{i}" for i in range(6)]
+        state = RoundState(kit.make_plan(devices, grouping=grouping, group_size=3, round_id=7), kit.Uploads())
+        counts = {d: [1 + i if c == i % kit.CLASSES else 0 for c in range(kit.CLASSES)] for i, d in enumerate(devices)}
+        await asyncio.gather(*(state.join(kit.join_req(d, counts[d])) for d in devices))
+        groups = [g.members for g in state.groups]
+        arrays = {d: np.asarray(counts[d]) for d in devices}
+        if grouping == "singleton":
+            assert groups == [[d] for d in devices]
+        elif grouping == "random":  # drawn from the round's generator (plan seed 0, round 7)
+            assert groups == RandomGrouping().form(arrays, 3, grouping_rng(0, 7))
+        else:
+            assert groups == balanced_groups(arrays, 3)
+        assert sorted(m for g in groups for m in g) == devices
+        assert [g.group_id for g in state.groups] == list(range(len(groups)))
+    kit.run(body)
+
+
+# ------------------------------------------------------------------------------------ step barrier
+def test_step_barrier_trains_once_for_the_whole_group(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a", "b"]), uploads)
+        await kit.joined(state, "a", "b")
+        group = state.groups[0]
+        reference = build_model("logreg", kit.CLASSES, (1, 1, kit.FEATURES), seed=0).blocks["head"]
+        (xa, ya), (xb, yb) = kit.batch(1), kit.batch(2)
+        first = asyncio.create_task(state.step(kit.step_req("a", 0, xa, ya)))
+        assert await kit.pending(first)           # a waits at the barrier for b
+        assert group.step == 0 and set(group.pending) == {"a"}
+        second = await state.step(kit.step_req("b", 0, xb, yb))
+        out_a = await first
+        # Each member gets the gradient of its own mean loss w.r.t. its activations (per_member).
+        for x, y, out in ((xa, ya, out_a), (xb, yb, second)):
+            fx = x.clone().requires_grad_(True)
+            loss = F.cross_entropy(reference(fx), y)
+            loss.backward()
+            torch.testing.assert_close(out.result.dfx, fx.grad)
+            assert out.result.loss == pytest.approx(float(loss.detach()))
+        assert group.trainer.steps == 1 and group.step == 1
+        assert group.done == {"a", "b"} and group.finished
+        await asyncio.wait_for(uploads.arrived.wait(), 5)
+        assert uploads.groups == [group]
+    kit.run(body)
+
+
+def test_bad_steps_are_refused_without_touching_the_barrier(kit):
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.FAST), kit.Uploads())
+        await kit.joined(state, "a", "b")
+        x, y = kit.batch(3)
+        with pytest.raises(NotFound):
+            await state.step(kit.step_req("stranger", 0, x, y))
+        with pytest.raises(Conflict, match="has not joined"):
+            await state.step(kit.step_req("c", 0, x, y))
+        with pytest.raises(Conflict, match="out of order"):
+            await state.step(kit.step_req("a", 1, x, y))
+        with pytest.raises(Invalid, match="fx: shape"):
+            await state.step(kit.step_req("a", 0, torch.zeros(kit.BATCH, kit.FEATURES + 1), y))
+        with pytest.raises(Invalid, match="fx: shape"):
+            await state.step(kit.step_req("a", 0, torch.zeros(kit.BATCH + 1, kit.FEATURES), torch.zeros(kit.BATCH + 1, dtype=torch.int64)))
+        with pytest.raises(Invalid, match="labels: values"):
+            await state.step(kit.step_req("a", 0, x, torch.full((kit.BATCH,), kit.CLASSES)))
+        with pytest.raises(Invalid, match="labels: shape"):
+            await state.step(kit.step_req("a", 0, x, y[:-1]))
+        with pytest.raises(Invalid):
+            await state.step(kit.step_req("a", 0, x.to(torch.float64), y))
+        assert all(g.step == 0 and not g.pending and g.trainer.steps == 0 for g in state.groups)
+    kit.run(body)
+
+
+def test_duplicate_step_is_a_conflict(kit):
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        await kit.joined(state, "a", "b")
+        x, y = kit.batch(4)
+        waiting = asyncio.create_task(state.step(kit.step_req("a", 0, x, y)))
+        assert await kit.pending(waiting)
+        with pytest.raises(Conflict, match="already received"):
+            await state.step(kit.step_req("a", 0, x, y))
+        await state.step(kit.step_req("b", 0, *kit.batch(5)))
+        await waiting
+        with pytest.raises(Conflict, match="already sent all"):
+            await state.step(kit.step_req("a", 1, x, y))
+    kit.run(body)
+
+
+def test_members_with_fewer_steps_leave_the_barrier(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a", "b"]), uploads)
+        await asyncio.gather(state.join(kit.join_req("a", num_steps=1)), state.join(kit.join_req("b", num_steps=3)))
+        group = state.groups[0]
+        await asyncio.gather(state.step(kit.step_req("a", 0, *kit.batch(6))), state.step(kit.step_req("b", 0, *kit.batch(7))))
+        assert group.done == {"a"} and group.expected() == {"b"}
+        # b alone now releases the barrier at once: a owes nothing more.
+        for step in (1, 2):
+            await state.step(kit.step_req("b", step, *kit.batch(7 + step)))
+        assert group.trainer.steps == 3 and group.done == {"a", "b"} and group.finished
+        await asyncio.wait_for(uploads.arrived.wait(), 5)
+        assert uploads.groups == [group]
+    kit.run(body)
+
+
+# ---------------------------------------------------------------------------------------- deadlines
+def test_step_deadline_drops_the_late_and_releases_the_rest(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
+        await asyncio.gather(state.join(kit.join_req("a", num_steps=2)), state.join(kit.join_req("b", num_steps=2)))
+        group = state.groups[0]
+        out = await state.step(kit.step_req("a", 0, *kit.batch(10)))  # b never sends: answered at the deadline
+        assert out.wait_s > 0 and group.dropped == {"b"} and group.trainer.steps == 1
+        with pytest.raises(Conflict, match="dropped"):
+            await state.step(kit.step_req("b", 0, *kit.batch(11)))
+        await state.step(kit.step_req("a", 1, *kit.batch(12)))
+        await asyncio.wait_for(uploads.arrived.wait(), 5)
+        assert uploads.groups == [group] and group.done == {"a"} and group.dropped == {"b"}
+    kit.run(body)
+
+
+def test_a_group_nobody_steps_in_finishes_with_everyone_dropped(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
+        await kit.joined(state, "a", "b")
+        await asyncio.wait_for(uploads.arrived.wait(), 5)
+        group = state.groups[0]
+        assert group.finished and group.dropped == {"a", "b"} and group.trainer.steps == 0
+    kit.run(body)
+
+
+def test_training_failure_answers_every_waiting_member(kit):
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        await kit.joined(state, "a", "b")
+
+        def broken(batches):
+            raise RuntimeError("boom")
+
+        state.groups[0].trainer.step = broken
+        results = await asyncio.gather(state.step(kit.step_req("a", 0, *kit.batch(13))),
+                                       state.step(kit.step_req("b", 0, *kit.batch(14))), return_exceptions=True)
+        assert all(isinstance(r, Failed) and "boom" in str(r) for r in results)
+        assert not state.groups[0].running
+    kit.run(body)
+
+
+# --------------------------------------------------------------------------------------- abandonment
+def test_abandon_releases_joins_and_steps_and_uploads_nothing(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        waiting_join = RoundState(kit.make_plan(["a", "b"]), uploads)
+        join = asyncio.create_task(waiting_join.join(kit.join_req("a")))
+        assert await kit.pending(join)
+        waiting_join.abandon()
+        with pytest.raises(Conflict, match="abandoned"):
+            await join
+        assert waiting_join.groups is None
+
+        state = RoundState(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
+        await kit.joined(state, "a", "b")
+        step = asyncio.create_task(state.step(kit.step_req("a", 0, *kit.batch(15))))
+        assert await kit.pending(step)
+        state.abandon()
+        with pytest.raises(Conflict, match="replaced by a newer round"):
+            await step
+        await asyncio.sleep(2 * kit.FAST)  # past the step deadline: a dead round's timers stay quiet
+        assert state.groups[0].trainer.steps == 0 and state.groups[0].dropped == set()
+        assert uploads.groups == []
+    kit.run(body)

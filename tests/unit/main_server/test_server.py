@@ -1,0 +1,77 @@
+"""The Main Server's round registry (main_server/server.py), without HTTP: a newer plan replaces
+the open round, an older plan of the same run and a stale round id are conflicts, a bad plan
+leaves the open round as it was."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from main_server.server import MainServer, MainServerSettings
+from shared.errors import Conflict, Invalid
+
+# Nothing here finishes a group, so nothing is uploaded: the URL is never dialled.
+SETTINGS = MainServerSettings(fed_server_url="http://127.0.0.1:9")
+
+
+def test_no_round_open(kit):
+    async def body() -> None:
+        server = MainServer(SETTINGS)
+        with pytest.raises(Conflict, match="no round is open"):
+            await server.join(1, kit.join_req("a"))
+        assert server.status() == {"round": None}
+    kit.run(body)
+
+
+def test_newer_plan_replaces_the_open_round(kit):
+    async def body() -> None:
+        server = MainServer(SETTINGS)
+        server.open_round(kit.make_plan(["a", "b"], round_id=1))
+        first = server.round
+        waiting = asyncio.create_task(server.join(1, kit.join_req("a")))
+        assert await kit.pending(waiting)
+        server.open_round(kit.make_plan(["a", "b"], round_id=2))
+        with pytest.raises(Conflict, match="abandoned"):
+            await waiting
+        assert first.abandoned and server.round.round_id == 2
+        with pytest.raises(Conflict, match="round 1 is stale"):
+            await server.join(1, kit.join_req("b"))
+        assert server.status()["round"]["round_id"] == 2
+    kit.run(body)
+
+
+def test_older_plan_of_the_same_run_is_refused(kit):
+    async def body() -> None:
+        server = MainServer(SETTINGS)
+        server.open_round(kit.make_plan(["a"], round_id=5))
+        current = server.round
+        with pytest.raises(Conflict, match="older than the open round 5"):
+            server.open_round(kit.make_plan(["a"], round_id=4))
+        assert server.round is current and not current.abandoned
+        # A new run starts its rounds afresh: its plan replaces the round whatever its id.
+        server.open_round(kit.make_plan(["a"], round_id=1, run_id="next-kit.run"))
+        assert server.round.plan.run_id == "next-kit.run" and current.abandoned
+    kit.run(body)
+
+
+def test_bad_plan_leaves_the_open_round(kit):
+    async def body() -> None:
+        server = MainServer(SETTINGS)
+        server.open_round(kit.make_plan(["a"], round_id=1))
+        current = server.round
+        with pytest.raises(Invalid, match="unknown grouping"):
+            server.open_round(kit.make_plan(["a"], round_id=2, grouping="psychic"))
+        assert server.round is current and not current.abandoned
+    kit.run(body)
+
+
+def test_logic_modules_know_nothing_of_fastapi():
+    # The round state and the round registry raise domain errors; only app.py speaks HTTP.
+    code = ("import sys, main_server.round_state, main_server.server; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[3])  # the repository root
+    assert out.stdout.strip() == "[]"

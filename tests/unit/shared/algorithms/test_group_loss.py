@@ -1,0 +1,43 @@
+"""The group-loss plug-ins on their own: objectives and server-gradient divisors by registered name.
+
+(Their effect on a real group step is checked against hand autograd in
+tests/unit/main_server/test_group_trainer.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.algorithms.registry import GROUP_LOSSES, build_group_loss
+
+
+def _members() -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 5, generator=gen)
+    labels = [torch.tensor([0, 1, 2]), torch.tensor([3, 4, 0, 1])]
+    parts = torch.split(logits, [3, 4])
+    return logits, labels, [F.cross_entropy(p, y) for p, y in zip(parts, labels)]
+
+
+def test_registered_names_are_the_documented_config_values():
+    assert sorted(GROUP_LOSSES) == ["per_member", "per_member_sum", "union_mean"]
+    with pytest.raises(ValueError, match="unknown group_loss 'sum'"):
+        build_group_loss("sum")
+
+
+@pytest.mark.parametrize("name", ["per_member", "per_member_sum"])
+def test_per_member_objectives_sum_the_member_means(name):
+    logits, labels, losses = _members()
+    torch.testing.assert_close(build_group_loss(name).objective(logits, labels, losses), losses[0] + losses[1])
+
+
+def test_union_mean_is_one_mean_over_the_concatenated_batch():
+    logits, labels, losses = _members()
+    union = build_group_loss("union_mean").objective(logits, labels, losses)
+    torch.testing.assert_close(union, (3 * losses[0] + 4 * losses[1]) / 7)
+
+
+@pytest.mark.parametrize("name, divisors", [("per_member", [1, 2, 5]), ("per_member_sum", [1, 1, 1]),
+                                            ("union_mean", [1, 1, 1])])
+def test_server_gradient_divisor(name, divisors):
+    assert [build_group_loss(name).server_grad_divisor(n) for n in (1, 2, 5)] == divisors
