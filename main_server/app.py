@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
-from shared.auth import Auth
+from shared.auth import Auth, token_nonce
 from shared.http_client import decode_response, service_client
 from shared.errors import Conflict
 from http_api.server import create_service_app, msgpack_body_schema, msgpack_response, read_message
@@ -106,15 +106,17 @@ def create_app(settings: MainServerSettings) -> FastAPI:
     async def join(round_id: int, request: Request) -> Response:
         """Device: join the round with label counts; answered when groups are formed."""
         req = await read_message(request, JoinRequest, settings.max_join_bytes)
-        settings.auth.check_device(request.headers, req.device_id)
-        return msgpack_response(await server.current(round_id).join(req))
+        state = server.current(round_id)
+        settings.auth.check_device(request.headers, state.plan.run_id, req.device_id, token_nonce(state.plan, req.device_id))
+        return msgpack_response(await state.join(req))
 
     @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response, openapi_extra=msgpack_body_schema(StepRequest))
     async def step(round_id: int, request: Request) -> Response:
         """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
         req = await read_message(request, StepRequest, settings.max_step_bytes)
-        settings.auth.check_device(request.headers, req.device_id)
-        outcome = await server.current(round_id).step(req)
+        state = server.current(round_id)
+        settings.auth.check_device(request.headers, state.plan.run_id, req.device_id, token_nonce(state.plan, req.device_id))
+        outcome = await state.step(req)
         return msgpack_response(StepResponse(
             dfx=WireTensor(**encode_tensor(outcome.result.dfx)), loss=outcome.result.loss,
             wait_s=outcome.wait_s, server_s=outcome.server_s,
