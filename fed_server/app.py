@@ -21,6 +21,7 @@ from shared.auth import Auth
 from shared.errors import NotFound
 from shared.http_client import decode_response, service_client
 from http_api.server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
@@ -44,17 +45,14 @@ async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSett
     body = packb(plan.model_dump())
     fed_round.plan_bytes = len(body)
     url = f"{coordinator.main_server_url.rstrip('/')}{API}/rounds"
-    delay = 0.5
     async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
-        for attempt in range(settings.plan_retries):
-            try:
-                decode_response(await client.post(url, content=body), Ack)
-                return
-            except Exception as exc:
-                log.warning("round %d: plan to Main Server failed (%s), attempt %d", fed_round.round_id, exc, attempt + 1)
-                await asyncio.sleep(delay)
-                delay *= 2
-    fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan"
+        async def post() -> Ack:
+            return decode_response(await client.post(url, content=body), Ack)
+        try:
+            await retry_async(post, Backoff(settings.plan_retries, first_delay_s=0.5), (Exception,),
+                              f"round {fed_round.round_id}: plan to Main Server")
+        except Exception as exc:
+            fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan: {exc}"
 
 
 async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:

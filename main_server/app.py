@@ -15,6 +15,7 @@ from shared.auth import Auth, token_nonce
 from shared.http_client import decode_response, service_client
 from shared.errors import Conflict
 from http_api.server import create_service_app, msgpack_body_schema, msgpack_response, read_message
+from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, JoinRequest, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor
 from shared.wire import encode_state, encode_tensor, packb
 
@@ -68,17 +69,16 @@ class MainServer:
         )
         body = packb(upload.model_dump())
         url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
-        delay = 0.5
+        what = f"round {state.round_id} group {group.group_id} upload"
         async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
-            for attempt in range(self.settings.upload_retries):
-                try:
-                    decode_response(await client.post(url, content=body), Ack)
-                    log.info("round %d group %d uploaded (%d bytes)", state.round_id, group.group_id, len(body))
-                    return
-                except Exception as exc:  # keep trying: the Fed Server may be restarting
-                    log.warning("round %d group %d upload failed (%s), attempt %d", state.round_id, group.group_id, exc, attempt + 1)
-                    await asyncio.sleep(delay)
-                    delay *= 2
+            async def post() -> Ack:
+                return decode_response(await client.post(url, content=body), Ack)
+            try:  # keep trying: the Fed Server may be restarting
+                await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), (Exception,), what)
+            except Exception as exc:
+                log.error("%s abandoned: %s", what, exc)
+                return
+        log.info("%s done (%d bytes)", what, len(body))
 
 
 def create_app(settings: MainServerSettings) -> FastAPI:
