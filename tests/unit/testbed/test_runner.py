@@ -1,14 +1,10 @@
 """The testbed's progress follower: a missed status poll is not the end of a run."""
 from __future__ import annotations
 
-import os
-import stat
-
 import httpx
 import pytest
 
 from shared.config import RunConfig
-from testbed.processes import SecretFiles
 from testbed.runner import Testbed, TestbedError
 
 FINISHED = {"state": "finished", "history": [], "rounds_done": 1, "rounds_total": 1, "summary": {}}
@@ -38,16 +34,3 @@ def test_follow_gives_up_when_the_server_stays_unreachable(tmp_path):
     testbed.status_patience_s = 0.2
     with pytest.raises(TestbedError, match="status failed for"):
         testbed.follow(poll_s=0.01)
-
-
-def test_secret_files_are_owner_only_and_removed():
-    files = SecretFiles({"service": "s3cret", "enrolment": "3nrol"})
-    try:
-        assert stat.S_IMODE(os.stat(files.folder).st_mode) == 0o700
-        for name, value in (("service", "s3cret"), ("enrolment", "3nrol")):
-            path = files.paths[name]
-            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-            assert open(path).read() == value
-    finally:
-        files.remove()
-    assert not files.folder.exists()
