@@ -51,3 +51,6 @@ class MainApi(Protocol):
 
     def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
         """One local step's activations and labels; answered with their gradient."""
+
+    def close(self) -> None:
+        """Release the connection (the device moves to another URL or token)."""

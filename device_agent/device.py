@@ -181,8 +181,13 @@ class Device:
         answer = self.fed.register(RegisterRequest(device_id=self.device_id, shard=self.shard,
                                                    num_samples=len(self.data), profile=self._profile))
         self.token = answer.token
-        self.main = None  # the next task's Main Server client presents the new token
+        self._drop_main()  # the next task's Main Server client presents the new token
         log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)
+
+    def _drop_main(self) -> None:
+        if self.main is not None:
+            self.main.close()
+            self.main = None
 
     def _warm_up(self) -> None:
         """One forward/backward pass and optimizer step before registering, so first-use costs
@@ -252,6 +257,7 @@ class Device:
         main_bytes_before = (0, 0)
         if task.main_server_url is not None:
             if self.main is None or self.main.url != task.main_server_url.rstrip("/"):
+                self._drop_main()
                 self.main = self.connect_main(task.main_server_url, self.token)
             main_bytes_before = (self.main.bytes_up, self.main.bytes_down)
             send_step = self._join(task, clock)

@@ -66,6 +66,7 @@ class FakeMain:
         model = build_model("cnn", seed=INFO.seed)
         self.server = model.portion(split, len(model.blocks))
         self.steps: list[int] = []
+        self.closed = False
 
     def join(self, round_id: int, req: JoinRequest, timeout: float) -> JoinResponse:
         self.bytes_up += len(packb(req.model_dump()))
@@ -80,6 +81,9 @@ class FakeMain:
         resp = StepResponse(dfx=WireTensor(**encode_tensor(fx.grad)), loss=loss.item(), wait_s=0.0, server_s=0.0)
         self.bytes_down += len(packb(resp.model_dump()))
         return resp
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _train_task(round_id: int, split: int, main_url: str | None) -> TaskResponse:
@@ -114,15 +118,18 @@ def test_runner_registers_again_when_forgotten_rides_out_an_outage_and_uploads_i
     assert any(not torch.equal(trained[k], sent[k]) for k in sent if sent[k].is_floating_point())
 
 
-def test_runner_trains_a_split_round_through_the_main_server_interface_with_its_current_token():
+def test_runner_trains_split_rounds_through_the_main_server_interface_with_its_current_token():
     split = build_model("cnn").split_points[0]
     mains: list[FakeMain] = []
-    fed = FakeFed([_train_task(1, split, "mem://main"), TaskResponse(status="done")])
+    fed = FakeFed([_train_task(1, split, "mem://main"), NotFound("unknown device"), _train_task(2, split, "mem://main"),
+                   TaskResponse(status="done")])
     device = _device(fed, mains, split)
     device.run()
-    (main,) = mains
-    assert main.token == "token-1" and main.url == "mem://main"
-    (upload,) = fed.uploads
-    assert main.steps == list(range(upload.steps)) and upload.steps > 0
-    assert (upload.bytes_up, upload.bytes_down) == (main.bytes_up, main.bytes_down)
-    assert set(decode_state(upload.weights)) == set(portion_state(build_model("cnn"), 0, split))
+    # Registering again (here after the Fed Server forgot the device) gives a new token, which
+    # the next round's Main Server client presents; the old client is closed.
+    assert [(m.token, m.url, m.closed) for m in mains] == [("token-1", "mem://main", True), ("token-2", "mem://main", False)]
+    assert [u.round_id for u in fed.uploads] == [1, 2]
+    for main, upload in zip(mains, fed.uploads):
+        assert main.steps == list(range(upload.steps)) and upload.steps > 0
+        assert (upload.bytes_up, upload.bytes_down) == (main.bytes_up, main.bytes_down)
+        assert set(decode_state(upload.weights)) == set(portion_state(build_model("cnn"), 0, split))
