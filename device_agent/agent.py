@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from shared.profiles import kind_for
 
@@ -45,10 +46,10 @@ class Agent:
                  enrolment_secret: bytes | None = None, keep_models: bool | None = None) -> None:
         self.stop = threading.Event()
         keep = len(shards) == 1 if keep_models is None else keep_models
+        connect_main = main_connector(verify)
         self.devices = [
-            Device(f"{prefix}-{shard:03d}", shard, fed_server_url,
-                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, verify=verify,
-                   enrolment_secret=enrolment_secret, keep_model=keep)
+            Device(f"{prefix}-{shard:03d}", shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
+                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, keep_model=keep)
             for shard in shards
         ]
         self.errors: dict[str, BaseException] = {}

@@ -1,4 +1,8 @@
-"""One (possibly virtual) device: registers, polls for tasks, trains, uploads. Only calls out."""
+"""One (possibly virtual) device: registers, polls for tasks, trains, uploads. Only calls out.
+
+The runner here knows nothing of HTTP: it talks to the two servers through the typed interfaces
+of :mod:`device_agent.api` (HTTP implementations in :mod:`device_agent.clients`).
+"""
 from __future__ import annotations
 
 import hashlib
@@ -7,19 +11,19 @@ import threading
 import time
 from collections.abc import Callable
 
-import httpx
 import torch
 
+from device_agent.api import FedApi, MainApi, Unreachable
 from device_agent.timing import RoundClock
 from device_agent.trainer import TaskExpired, steps_per_round, train_round
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
-from shared.http_client import ServiceError, SyncClient
+from shared.errors import Conflict, DomainError, NotFound
 from shared.models import SplitModel, build_model
 from shared.profiles import EmulatedKind
 from shared.schemas import (
-    API, Ack, DeviceProfileMsg, DeviceTimings, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
-    ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WireTensor,
+    DeviceProfileMsg, DeviceTimings, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
+    TaskResponse, UpdateRequest, WireTensor,
 )
 from shared.portions import decode_portion
 from shared.wire import decode_tensor, encode_state, encode_tensor
@@ -41,8 +45,15 @@ def round_seed(seed: int, shard: int, round_id: int) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
 
 
+#: Opens a Main Server client for a task's URL, presenting the device's current token.
+MainConnector = Callable[[str, str | None], MainApi]
+
+
 class Device:
     """A device agent's unit of work: its shard, its model copy, its clients and its profile.
+
+    ``fed`` is this device's Fed Server client (it holds the device's enrolment secret and token);
+    ``connect_main`` opens a Main Server client when a task names one.
 
     With ``keep_model`` (a real device) the model lives for the whole run and ends holding the
     final global model. Without it (an agent hosting many virtual devices) a device holds real
@@ -51,23 +62,21 @@ class Device:
     than the devices it hosts. Nothing else changes: every task carries all the weights it trains.
     """
 
-    def __init__(self, device_id: str, shard: int, fed_server_url: str, kind: EmulatedKind | None,
-                 time_scale: float = 1.0, stop: threading.Event | None = None, poll_interval_s: float = 0.2,
-                 verify: bool | str = True, max_downtime_s: float = 600.0,
-                 enrolment_secret: bytes | None = None, keep_model: bool = True) -> None:
+    def __init__(self, device_id: str, shard: int, fed: FedApi, connect_main: MainConnector,
+                 kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
+                 poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True) -> None:
         self.device_id = device_id
         self.shard = shard
         self.kind = kind
         self.time_scale = time_scale
         self.stop = stop or threading.Event()
         self.poll_interval_s = poll_interval_s
-        self.verify = verify
         self.max_downtime_s = max_downtime_s
-        self.enrolment_secret = enrolment_secret
         self.keep_model = keep_model
         self.token: str | None = None
-        self.fed = SyncClient(fed_server_url, retries=3, verify=verify)
-        self.main: SyncClient | None = None
+        self.fed = fed
+        self.connect_main = connect_main
+        self.main: MainApi | None = None
         self.info: RunInfo | None = None
         self.data: ArrayDataset | None = None
         #: Real weights: for the whole run with ``keep_model``, else only while a task trains.
@@ -95,13 +104,11 @@ class Device:
             try:
                 received_at = time.monotonic()
                 task, size = self._poll()
-            except ServiceError as exc:
-                if exc.status == 404:  # the Fed Server restarted and forgot us
-                    log.info("%s: Fed Server does not know this device (restart?); registering again", self.device_id)
-                    self.register()
-                    continue
-                raise
-            except httpx.TransportError as exc:
+            except NotFound:  # the Fed Server restarted and forgot us
+                log.info("%s: Fed Server does not know this device (restart?); registering again", self.device_id)
+                self.register()
+                continue
+            except Unreachable as exc:
                 down_since = down_since or time.monotonic()
                 if time.monotonic() - down_since > self.max_downtime_s:
                     raise
@@ -118,16 +125,13 @@ class Device:
                 continue
             try:
                 self.run_task(task, size, received_at)
-            except (ServiceError, httpx.TransportError, TaskExpired) as exc:
+            except (DomainError, Unreachable, TaskExpired) as exc:
                 log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
 
     def _poll(self) -> tuple[TaskResponse, int]:
-        before = self.fed.bytes.down
         # A device that does not keep its model has no use for the final one: not fetching it
         # spares the agent one copy per device, all arriving together when the run ends.
-        params = None if self.keep_model else {"final_weights": "false"}
-        task = self.fed.call("GET", f"{API}/devices/{self.device_id}/task", TaskResponse, params=params)
-        return task, self.fed.bytes.down - before
+        return self.fed.task(self.device_id, final_weights=self.keep_model)
 
     def _retry_delay(self, task: TaskResponse) -> float:
         """The server's ``retry_after_s``, bounded below by this device's poll interval and above
@@ -174,15 +178,16 @@ class Device:
     def register(self) -> None:
         """Announce this device, its shard and its profile to the Fed Server."""
         assert self.data is not None
-        headers = {"x-enrolment-secret": self.enrolment_secret.decode()} if self.enrolment_secret else None
-        answer = self.fed.call("POST", f"{API}/devices/register", RegisterResponse,
-                               RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data),
-                                               profile=self._profile), headers=headers)
+        answer = self.fed.register(RegisterRequest(device_id=self.device_id, shard=self.shard,
+                                                   num_samples=len(self.data), profile=self._profile))
         self.token = answer.token
-        self.fed.set_token(self.token)
-        if self.main is not None:
-            self.main.set_token(self.token)
+        self._drop_main()  # the next task's Main Server client presents the new token
         log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)
+
+    def _drop_main(self) -> None:
+        if self.main is not None:
+            self.main.close()
+            self.main = None
 
     def _warm_up(self) -> None:
         """One forward/backward pass and optimizer step before registering, so first-use costs
@@ -205,7 +210,7 @@ class Device:
         delay = 0.2
         while True:
             try:
-                return self.fed.call("GET", f"{API}/run", RunInfo)
+                return self.fed.run_info()
             except Exception as exc:  # the Fed Server may still be starting
                 if self.stop.is_set():
                     raise
@@ -251,10 +256,10 @@ class Device:
         send_step = None
         main_bytes_before = (0, 0)
         if task.main_server_url is not None:
-            if self.main is None or self.main.base_url != task.main_server_url.rstrip("/"):
-                self.main = SyncClient(task.main_server_url, retries=3, verify=self.verify)
-                self.main.set_token(self.token)
-            main_bytes_before = (self.main.bytes.up, self.main.bytes.down)
+            if self.main is None or self.main.url != task.main_server_url.rstrip("/"):
+                self._drop_main()
+                self.main = self.connect_main(task.main_server_url, self.token)
+            main_bytes_before = (self.main.bytes_up, self.main.bytes_down)
             send_step = self._join(task, clock)
         result = train_round(
             model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
@@ -273,11 +278,11 @@ class Device:
             train_loss=result.train_loss, weights=encode_state(state),
             timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
                                   server_s=clock.server_s, total_s=clock.total()),
-            bytes_up=(self.main.bytes.up - main_bytes_before[0]) if self.main and send_step else 0,
-            bytes_down=(self.main.bytes.down - main_bytes_before[1]) if self.main and send_step else 0,
+            bytes_up=(self.main.bytes_up - main_bytes_before[0]) if self.main and send_step else 0,
+            bytes_down=(self.main.bytes_down - main_bytes_before[1]) if self.main and send_step else 0,
             extras=logic.upload_extras(portion, self.data),
         )
-        self.fed.call("POST", f"{API}/rounds/{task.round_id}/updates", Ack, body)
+        self.fed.upload(body)
         self.rounds_done += 1
         if self.on_upload is not None:
             try:
@@ -293,7 +298,7 @@ class Device:
         with clock.compute():
             extras = logic.report(portion, self.data)
         report = ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=extras)
-        self.fed.call("POST", f"{API}/rounds/{task.round_id}/reports", Ack, report)
+        self.fed.report(report)
         t0 = time.monotonic()
         while True:
             follow, size = self._poll()
@@ -301,7 +306,7 @@ class Device:
                 break
             if follow.status == "done" or (follow.round_id is not None and follow.round_id != task.round_id) \
                     or time.monotonic() > deadline or self.stop.is_set():
-                raise ServiceError(409, f"no follow-up for round {task.round_id}")
+                raise Conflict(f"no follow-up for round {task.round_id}")
             self.stop.wait(self._retry_delay(follow))
         clock.wait_s += time.monotonic() - t0  # waiting for the other devices' reports
         clock.transfer(size)
@@ -316,21 +321,21 @@ class Device:
         num_steps = steps_per_round(len(self.data), task.train.batch_size, task.train.local_epochs)
         join = JoinRequest(device_id=self.device_id, label_counts=self.data.label_counts().tolist(), num_steps=num_steps)
         t0 = time.monotonic()
-        before = main.bytes.up + main.bytes.down
+        before = main.bytes_up + main.bytes_down
         timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
-        main.call("POST", f"{API}/rounds/{round_id}/join", JoinResponse, join, timeout=timeout)
-        clock.transfer(main.bytes.up + main.bytes.down - before, 0.0)
+        main.join(round_id, join, timeout)
+        clock.transfer(main.bytes_up + main.bytes_down - before, 0.0)
         clock.wait_s += time.monotonic() - t0  # waiting for the other participants to join
 
         def send_step(step: int, fx: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
             req = StepRequest(device_id=self.device_id, step=step, fx=WireTensor(**encode_tensor(fx)),
                               labels=WireTensor(**encode_tensor(labels)))
-            before = main.bytes.up + main.bytes.down
+            before = main.bytes_up + main.bytes_down
             t0 = time.monotonic()
-            resp = main.call("POST", f"{API}/rounds/{round_id}/step", StepResponse, req, timeout=timeout)
+            resp = main.step(round_id, req, timeout)
             elapsed = time.monotonic() - t0
             clock.server_time(resp.wait_s, resp.server_s)
-            clock.transfer(main.bytes.up + main.bytes.down - before, elapsed - resp.wait_s - resp.server_s)
+            clock.transfer(main.bytes_up + main.bytes_down - before, elapsed - resp.wait_s - resp.server_s)
             dfx = decode_tensor(resp.dfx, expect_shape=tuple(fx.shape), what="dfx")
             return dfx, resp.loss
 

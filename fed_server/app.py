@@ -18,8 +18,10 @@ from fastapi.responses import Response
 from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
 from shared.auth import Auth
+from shared.errors import NotFound
 from shared.http_client import decode_response, service_client
 from http_api.server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
@@ -43,17 +45,14 @@ async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSett
     body = packb(plan.model_dump())
     fed_round.plan_bytes = len(body)
     url = f"{coordinator.main_server_url.rstrip('/')}{API}/rounds"
-    delay = 0.5
     async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
-        for attempt in range(settings.plan_retries):
-            try:
-                decode_response(await client.post(url, content=body), Ack)
-                return
-            except Exception as exc:
-                log.warning("round %d: plan to Main Server failed (%s), attempt %d", fed_round.round_id, exc, attempt + 1)
-                await asyncio.sleep(delay)
-                delay *= 2
-    fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan"
+        async def post() -> Ack:
+            return decode_response(await client.post(url, content=body), Ack)
+        try:
+            await retry_async(post, Backoff(settings.plan_retries, first_delay_s=0.5), (Exception,),
+                              f"round {fed_round.round_id}: plan to Main Server")
+        except Exception as exc:
+            fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan: {exc}"
 
 
 async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:
@@ -108,6 +107,15 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     app.state.metrics = metrics
     packed_done: dict[bool, bytes] = {}  # the final answer's body by final_weights (see task())
 
+    def check_device(request: Request, device_id: str) -> None:
+        """The caller holds ``device_id``'s current token in this run. A caller with a token for a
+        device this server does not know gets 404, not 403: that is how an agent learns that a
+        restarted Fed Server forgot it and registers again."""
+        nonce = coordinator.devices.token_nonce(device_id)
+        if nonce is None and settings.auth.enabled and "authorization" in request.headers:
+            raise NotFound(f"unknown device {device_id!r}: register first")
+        settings.auth.check_device(request.headers, coordinator.run_id, device_id, nonce)
+
     @app.get(f"{API}/status")
     async def status(since: int = 0) -> dict:
         """Run progress as JSON: state, round, and the metrics of rounds after ``since``."""
@@ -132,18 +140,22 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         """Device: announce itself, its shard and its profile; get the run's data and model spec."""
         settings.auth.check_enrolment(request.headers)
         req = await read_message(request, RegisterRequest, settings.max_register_bytes)
-        if req.device_id in coordinator.devices.devices:  # re-registering a known device needs its token
-            settings.auth.check_device(request.headers, req.device_id)
+        known = req.device_id in coordinator.devices.devices
         answer = coordinator.register(req)
         if settings.auth.enabled:
-            answer.token = settings.auth.device_token(req.device_id)
+            # Enrolment under a known id (an agent restarted and lost its token) issues a new
+            # token and revokes the old one: the registry drew a new nonce (docs/security.md).
+            if known:
+                log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
+            answer.token = settings.auth.device_token(coordinator.run_id, req.device_id,
+                                                      coordinator.devices.devices[req.device_id].token_nonce)
         return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
     async def task(device_id: str, request: Request, final_weights: bool = True) -> Response:
         """Device: poll for work (wait / train with weights and split point / done, with the final
         model unless ``final_weights=false``)."""
-        settings.auth.check_device(request.headers, device_id)
+        check_device(request, device_id)
         answer = coordinator.task_for(device_id, final_weights)
         if answer.status == "done":
             # Every device polls for the same final answer at about the same time: one packed
@@ -160,7 +172,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     async def update(round_id: int, request: Request) -> Response:
         """Device: trained client portion (or whole model), sample count and timings."""
         req = await read_message(request, UpdateRequest, settings.max_update_bytes)
-        settings.auth.check_device(request.headers, req.device_id)
+        check_device(request, req.device_id)
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.accept_update(round_id, req, size))
 
@@ -168,7 +180,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     async def report(round_id: int, request: Request) -> Response:
         """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
         req = await read_message(request, ReportRequest, settings.max_register_bytes)
-        settings.auth.check_device(request.headers, req.device_id)
+        check_device(request, req.device_id)
         return msgpack_response(coordinator.accept_report(round_id, req))
 
     @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response,

@@ -134,7 +134,8 @@ class Coordinator:
         return RoundPlan(
             run_id=self.run_id, round_id=fed_round.round_id, model=self.config.model, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=self.config.seed,
-            participants=[Participant(device_id=d, split_point=a.split_point, num_samples=max(1, self.devices.devices[d].num_samples))
+            participants=[Participant(device_id=d, split_point=a.split_point, num_samples=max(1, self.devices.devices[d].num_samples),
+                                      token_nonce=self.devices.token_nonce(d))
                           for d, a in sorted(fed_round.assignments.items())],
             server_weights=encode_state(portion_state(self.model, start, self.num_blocks)), train=self.config.train,
             grouping=self.algorithm.grouping(), group_size=self.config.grouping.group_size,

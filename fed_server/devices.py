@@ -1,6 +1,7 @@
 """Registered devices: who they are, which shard they hold, what they say about their speed."""
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -16,11 +17,18 @@ class DeviceRecord:
     num_samples: int
     profile: DeviceProfile
     kind: str
+    #: Drawn afresh at every registration and signed into the device's token (shared/auth.py):
+    #: registering again revokes the token of the registration before.
+    token_nonce: str = field(default_factory=lambda: secrets.token_hex(16))
     last_seen: float = field(default_factory=time.monotonic)
 
 
 class DeviceRegistry:
-    """Devices by id; a shard belongs to one device (re-registering the same pair is idempotent)."""
+    """Devices by id; a shard belongs to one device.
+
+    Re-registering a known device keeps its place (same id and shard) but gives it a new token
+    nonce: the restarted agent that registers again gets a new token and the old one is revoked.
+    """
 
     def __init__(self, num_shards: int) -> None:
         self.num_shards = num_shards
@@ -43,6 +51,11 @@ class DeviceRegistry:
             raise NotFound(f"unknown device {device_id!r}: register first")
         record.last_seen = time.monotonic()
         return record
+
+    def token_nonce(self, device_id: str) -> str | None:
+        """The nonce of ``device_id``'s current token; None for a device that is not registered."""
+        record = self.devices.get(device_id)
+        return record.token_nonce if record is not None else None
 
     def ids(self) -> list[str]:
         return sorted(self.devices)

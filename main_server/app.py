@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from http_api.server import create_service_app, msgpack_body_schema, msgpack_response, read_message
 from main_server.server import MainServer, MainServerSettings
+from shared.auth import token_nonce
 from shared.schemas import API, Ack, JoinRequest, RoundPlan, StepRequest
 
 
@@ -38,14 +39,21 @@ def create_app(settings: MainServerSettings) -> FastAPI:
     async def join(round_id: int, request: Request) -> Response:
         """Device: join the round with label counts; answered when groups are formed."""
         req = await read_message(request, JoinRequest, settings.max_join_bytes)
-        settings.auth.check_device(request.headers, req.device_id)
+        _check_token(settings, server, request, round_id, req.device_id)
         return msgpack_response(await server.join(round_id, req))
 
     @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response, openapi_extra=msgpack_body_schema(StepRequest))
     async def step(round_id: int, request: Request) -> Response:
         """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
         req = await read_message(request, StepRequest, settings.max_step_bytes)
-        settings.auth.check_device(request.headers, req.device_id)
+        _check_token(settings, server, request, round_id, req.device_id)
         return msgpack_response(await server.step(round_id, req))
 
     return app
+
+
+def _check_token(settings: MainServerSettings, server: MainServer, request: Request, round_id: int, device_id: str) -> None:
+    """A device's bearer token must be the one of its current registration in this run: the round
+    plan carries each participant's token nonce (docs/security.md)."""
+    plan = server.current(round_id).plan
+    settings.auth.check_device(request.headers, plan.run_id, device_id, token_nonce(plan, device_id))

@@ -7,7 +7,6 @@ of ``shared/errors.py``, which ``http_api/server.py`` maps to status codes.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.errors import Conflict
 from shared.http_client import decode_response, service_client
+from shared.retry import Backoff, retry_async
 from shared.schemas import (
     API, Ack, JoinRequest, JoinResponse, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
 )
@@ -90,14 +90,13 @@ class MainServer:
         )
         body = packb(upload.model_dump())
         url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
-        delay = 0.5
+        what = f"round {state.round_id} group {group.group_id} upload"
         async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
-            for attempt in range(self.settings.upload_retries):
-                try:
-                    decode_response(await client.post(url, content=body), Ack)
-                    log.info("round %d group %d uploaded (%d bytes)", state.round_id, group.group_id, len(body))
-                    return
-                except Exception as exc:  # keep trying: the Fed Server may be restarting
-                    log.warning("round %d group %d upload failed (%s), attempt %d", state.round_id, group.group_id, exc, attempt + 1)
-                    await asyncio.sleep(delay)
-                    delay *= 2
+            async def post() -> Ack:
+                return decode_response(await client.post(url, content=body), Ack)
+            try:  # keep trying: the Fed Server may be restarting
+                await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), (Exception,), what)
+            except Exception as exc:
+                log.error("%s abandoned: %s", what, exc)
+                return
+        log.info("%s done (%d bytes)", what, len(body))

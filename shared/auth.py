@@ -1,10 +1,16 @@
 """Who may call what: enrolment, per-device tokens, and the two servers' mutual authentication.
 
 - A device enrols (``POST /v1/devices/register``) by presenting the deployment's enrolment
-  secret in ``X-Enrolment-Secret``; the Fed Server answers with its per-device token.
-- The token is ``HMAC-SHA256(service secret, "device:" + device_id)``: bound to the device id, so
-  one device's token is worthless for another, and the Main Server can check it without asking
-  the Fed Server. Every device call carries it as ``Authorization: Bearer <token>``.
+  secret in ``X-Enrolment-Secret``; the Fed Server answers with a fresh per-device token. Every
+  enrolment draws a new random *token nonce* for the device, which revokes the token issued
+  before (so an agent that restarted, and lost its token, enrols again and the dead process's
+  token stops working).
+- The token is ``HMAC-SHA256(service secret, "device:<run id>:<device id>:<nonce>")``: bound to
+  the device, to the run and to that enrolment. The Fed Server keeps each device's current nonce;
+  the Main Server has no registry of its own and learns it from the round plan (each
+  ``Participant.token_nonce``), so it checks tokens without asking the Fed Server, and a revoked
+  token is refused there from the next plan on. Every device call carries
+  ``Authorization: Bearer <token>``.
 - The Fed Server and the Main Server share the service secret and call each other with
   ``HMAC(service secret, "service")`` (the secret itself never travels).
 
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import NotAllowed, Unauthenticated
+from shared.schemas import RoundPlan
 
 
 def load_secret(file: str | None, env_var: str) -> bytes | None:
@@ -49,9 +56,11 @@ class Auth:
     def enabled(self) -> bool:
         return self.service_secret is not None
 
-    def device_token(self, device_id: str) -> str:
+    def device_token(self, run_id: str, device_id: str, nonce: str) -> str:
+        """The bearer token of ``device_id``'s enrolment ``nonce`` in run ``run_id``."""
         assert self.service_secret is not None
-        return hmac.new(self.service_secret, f"device:{device_id}".encode(), hashlib.sha256).hexdigest()
+        message = f"device:{run_id}:{device_id}:{nonce}".encode()
+        return hmac.new(self.service_secret, message, hashlib.sha256).hexdigest()
 
     def service_token(self) -> str:
         assert self.service_secret is not None
@@ -69,15 +78,17 @@ class Auth:
         if self.enrolment_secret is None or not hmac.compare_digest(given.encode(), self.enrolment_secret):
             raise Unauthenticated("enrolment refused: a valid X-Enrolment-Secret header is required")
 
-    def check_device(self, headers, device_id: str) -> None:
-        """The caller must hold ``device_id``'s token (not just any device's)."""
+    def check_device(self, headers, run_id: str, device_id: str, nonce: str | None) -> None:
+        """The caller must hold ``device_id``'s current token in this run (not another device's,
+        another run's, or one revoked by a later enrolment). ``nonce`` is the device's current
+        enrolment nonce; ``None`` (no current enrolment known here) refuses every token."""
         if not self.enabled:
             return
         token = _bearer(headers)
         if token is None:
             raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
-        if not hmac.compare_digest(token, self.device_token(device_id)):
-            raise NotAllowed(f"the token does not belong to device {device_id!r}")
+        if nonce is None or not hmac.compare_digest(token, self.device_token(run_id, device_id, nonce)):
+            raise NotAllowed(f"the token is not the current token of device {device_id!r} in run {run_id!r}")
 
     def check_service(self, headers) -> None:
         """Only the other server may call server-to-server endpoints."""
@@ -86,6 +97,11 @@ class Auth:
         token = _bearer(headers)
         if token is None or not hmac.compare_digest(token, self.service_token()):
             raise Unauthenticated("server-to-server call without a valid service token")
+
+
+def token_nonce(plan: RoundPlan, device_id: str) -> str | None:
+    """The token nonce the round plan carries for ``device_id``; None if it is no participant."""
+    return next((p.token_nonce for p in plan.participants if p.device_id == device_id), None)
 
 
 def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None) -> Auth:

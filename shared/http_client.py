@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import ssl
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -16,6 +15,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from shared.retry import Backoff, retry
 from shared.wire import WireError, packb, unpackb
 
 M = TypeVar("M", bound=BaseModel)
@@ -77,24 +77,16 @@ class SyncClient:
     def __init__(self, base_url: str, timeout: float = 60.0, retries: int = 3, verify: bool | str = True) -> None:
         self.base_url = base_url.rstrip("/")
         self.bytes = ByteCounter()
-        self.retries = retries
+        self.backoff = Backoff(attempts=retries + 1, first_delay_s=0.2)
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=HEADERS, verify=tls_context(verify))
 
     def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
              params: dict | None = None, timeout: float | None = None, headers: dict | None = None) -> M:
         """Send ``body`` (msgpack) and decode the answer; retries only on connection failures."""
         content = packb(body.model_dump()) if body is not None else None
-        delay = 0.2
-        for attempt in range(self.retries + 1):
-            try:
-                kwargs = {"timeout": timeout} if timeout is not None else {}
-                resp = self._http.request(method, path, content=content, params=params, headers=headers, **kwargs)
-                break
-            except (httpx.ConnectError, httpx.RemoteProtocolError):
-                if attempt == self.retries:
-                    raise
-                time.sleep(delay)
-                delay *= 2
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        resp = retry(lambda: self._http.request(method, path, content=content, params=params, headers=headers, **kwargs),
+                     self.backoff, (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")
         self.bytes.up += len(content or b"")
         self.bytes.down += len(resp.content)
         return decode_response(resp, model)

@@ -157,6 +157,9 @@ class Participant(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
     split_point: int = Field(ge=1)
     num_samples: int = Field(ge=1)
+    #: The nonce of the device's current token (shared/auth.py), so the Main Server can check
+    #: device tokens, and refuse revoked ones, without a registry of its own.
+    token_nonce: str | None = Field(default=None, max_length=64)
 
 
 class RoundPlan(Message):

@@ -6,12 +6,14 @@ run.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +41,29 @@ def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra or {})
     return env
+
+
+class SecretFiles:
+    """Secrets written to owner-only files (mode 0600 in a 0700 folder) whose paths the children
+    get through ``--*-secret-file`` flags.
+
+    Neither a command line nor an environment is private: ``ps eww`` and ``/proc/<pid>/environ``
+    show both to whoever can read the process table entry, while a 0600 file is readable by its
+    owner alone. The folder is removed by :meth:`remove` when the testbed stops.
+    """
+
+    def __init__(self, secrets: Mapping[str, str]) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="sfl-secrets-"))  # mkdtemp creates it 0700
+        self.paths: dict[str, str] = {}
+        for name, value in secrets.items():
+            path = self.folder / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(value)
+            self.paths[name] = str(path)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass

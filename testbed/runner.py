@@ -12,7 +12,7 @@ import yaml
 
 from shared.config import RunConfig
 from shared.http_client import tls_context
-from testbed.processes import ProcessGroup, Service, free_port, split_evenly, wait_healthy
+from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
 
 ProgressFn = Callable[[dict, dict], None]
 
@@ -50,9 +50,10 @@ class Testbed:
         self.main_port = free_port(host)
         self.fed_url = f"{scheme}://{host}:{self.fed_port}"
         self.main_url = f"{scheme}://{host}:{self.main_port}"
-        # Fresh secrets per run, handed to the children in their environment (never on a command
-        # line, where `ps` would show them).
-        self.secrets = {"SFL_SERVICE_SECRET": secrets.token_hex(32), "SFL_ENROLMENT_SECRET": secrets.token_hex(16)} if auth else {}
+        # Fresh secrets per run, handed to the children as owner-only files (never on a command
+        # line or in their environment, where `ps eww` would show them; see SecretFiles).
+        self.secrets = {"service": secrets.token_hex(32), "enrolment": secrets.token_hex(16)} if auth else {}
+        self.secret_files: SecretFiles | None = None
         self.verify: bool | str = tls.ca if tls else True
         self.processes = ProcessGroup(self.run_dir / "logs")
         self.fed: Service | None = None
@@ -68,12 +69,15 @@ class Testbed:
         common = ["--log-level", self.log_level]
         if self.tls:
             common += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--ca-file", self.tls.ca]
+        if self.secrets:
+            self.secret_files = SecretFiles(self.secrets)
         self.fed = self.processes.start("fed_server", "fed_server", [
             "--host", self.host, "--port", str(self.fed_port), "--config", str(config_path),
-            "--run-dir", str(self.run_dir), "--main-server-url", self.main_url, *common], env=self.secrets)
+            "--run-dir", str(self.run_dir), "--main-server-url", self.main_url, *common,
+            *self._secret_args("service", "enrolment")])
         self.main = self.processes.start("main_server", "main_server", [
-            "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common],
-            env={k: v for k, v in self.secrets.items() if k == "SFL_SERVICE_SECRET"})
+            "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common,
+            *self._secret_args("service")])
         wait_healthy(self.fed_url, self.fed, verify=self.verify)
         wait_healthy(self.main_url, self.main, verify=self.verify)
         shards = list(range(self.config.data.num_devices))
@@ -88,8 +92,13 @@ class Testbed:
         if self.tls:
             args += ["--ca-file", self.tls.ca]
         # Devices know only the enrolment secret, never the service secret.
-        return self.processes.start(name, "device_agent", args,
-                                    env={k: v for k, v in self.secrets.items() if k == "SFL_ENROLMENT_SECRET"})
+        return self.processes.start(name, "device_agent", [*args, *self._secret_args("enrolment")])
+
+    def _secret_args(self, *names: str) -> list[str]:
+        """``--<name>-secret-file PATH`` for each named secret (nothing when auth is off)."""
+        if self.secret_files is None:
+            return []
+        return [arg for name in names for arg in (f"--{name}-secret-file", self.secret_files.paths[name])]
 
     def status(self, since: int = 0) -> dict:
         return httpx.get(f"{self.fed_url}/v1/status", params={"since": since}, timeout=10.0,
@@ -135,6 +144,8 @@ class Testbed:
             while agent.alive() and time.monotonic() < deadline and self.fed is not None and self.fed.alive():
                 time.sleep(0.1)
         self.processes.stop()
+        if self.secret_files is not None:
+            self.secret_files.remove()
 
     def __enter__(self) -> "Testbed":
         try:

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from device_agent.trainer import TaskExpired
 from fed_server.run_dir import RunDirectory
@@ -103,7 +104,7 @@ def test_device_gives_up_a_task_whose_deadline_passed():
     config = small_config(algorithm="fedavg", **{"data.num_devices": 1, "deadlines.round_s": 1.0,
                                                  "deadlines.max_failed_attempts": 1000})
     with server_pair(config, "expired") as servers:
-        device = Device("dev-000", 0, servers.fed_url, kind=None)
+        device = Device("dev-000", 0, HttpFedClient(servers.fed_url), main_connector(), kind=None)
         device.setup()
         give_up = time.monotonic() + 30
         received_at = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -99,31 +100,44 @@ def _bearer(token: str) -> dict:
     return {"authorization": f"Bearer {token}"}
 
 
-def test_enrolment_needs_the_secret_and_yields_a_device_bound_token(servers):
+def _token(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return unpackb(response.content)["token"]
+
+
+def _task(fed_url: str, device: str, token: str | None) -> int:
+    return httpx.get(f"{fed_url}/v1/devices/{device}/task", headers=_bearer(token) if token else None).status_code
+
+
+def test_enrolment_needs_the_secret_and_each_enrolment_revokes_the_previous_token(servers):
     fed_url, _ = servers
     assert _register(fed_url, "dev-a", 0, None).status_code == 401
     assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": "wrong"}).status_code == 401
     assert httpx.get(f"{fed_url}/v1/status").json()["registered"] == 0
-    ok = _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL})
-    assert ok.status_code == 200
-    token = unpackb(ok.content)["token"]
-    assert token == Auth(SERVICE.encode()).device_token("dev-a")
-    # A second enrolled device cannot take over dev-a's identity by registering again.
-    other = unpackb(_register(fed_url, "dev-b", 1, {"x-enrolment-secret": ENROL}).content)["token"]
-    assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL, **_bearer(other)}).status_code == 403
-    assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}).status_code == 401
-    assert _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL, **_bearer(token)}).status_code == 200
+    first = _token(_register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
+    assert _task(fed_url, "dev-a", first) == 200
+    # A restarted agent has lost its token: the enrolment secret alone enrols it again, under the
+    # same id and shard, with a new token; the token of the dead process is revoked.
+    second = _token(_register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
+    assert second != first
+    assert _task(fed_url, "dev-a", first) == 403
+    assert _task(fed_url, "dev-a", second) == 200
+    assert httpx.get(f"{fed_url}/v1/status").json()["registered"] == 1
+    # Re-enrolling cannot take another device's shard, and a refused enrolment revokes nothing.
+    other = _token(_register(fed_url, "dev-b", 1, {"x-enrolment-secret": ENROL}))
+    assert _register(fed_url, "dev-a", 1, {"x-enrolment-secret": ENROL}).status_code == 409
+    assert _task(fed_url, "dev-a", second) == 200 and _task(fed_url, "dev-b", other) == 200
 
 
-def test_device_calls_need_their_own_token(servers):
+def test_device_calls_need_their_own_current_token(servers):
     fed_url, _ = servers
-    token_a = Auth(SERVICE.encode()).device_token("dev-a")
-    token_b = Auth(SERVICE.encode()).device_token("dev-b")
-    task = f"{fed_url}/v1/devices/dev-a/task"
-    assert httpx.get(task).status_code == 401
-    assert httpx.get(task, headers=_bearer("0" * 64)).status_code == 403
-    assert httpx.get(task, headers=_bearer(token_b)).status_code == 403
-    assert httpx.get(task, headers=_bearer(token_a)).status_code == 200
+    token_a = _token(_register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
+    token_b = _token(_register(fed_url, "dev-b", 1, {"x-enrolment-secret": ENROL}))
+    assert _task(fed_url, "dev-a", None) == 401
+    assert _task(fed_url, "dev-a", "0" * 64) == 403
+    assert _task(fed_url, "dev-a", token_b) == 403
+    assert _task(fed_url, "dev-a", token_a) == 200
+    assert _task(fed_url, "dev-z", token_a) == 404   # unknown device: the agent registers again
     update = UpdateRequest(device_id="dev-a", round_id=1, num_samples=1, steps=0, train_loss=0.0, weights={},
                            timings=DeviceTimings(compute_s=0, transfer_s=0, wait_s=0, server_s=0, total_s=0),
                            bytes_up=0, bytes_down=0)
@@ -131,12 +145,27 @@ def test_device_calls_need_their_own_token(servers):
     assert _post(f"{fed_url}/v1/rounds/1/updates", update, _bearer(token_b)).status_code == 403
 
 
+def test_a_token_from_another_run_is_refused(servers):
+    """Two runs under the same service secret: a device's token of one run is worthless in the other."""
+    fed_url, _ = servers
+    config = small_config(**{"data.num_devices": 2, "data.max_samples": 200, "rounds": 1})
+    with server_pair(config, "auth2", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
+                     main_env={"SFL_SERVICE_SECRET": SERVICE}) as other_run:
+        foreign = _token(_register(other_run.fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
+        assert _task(other_run.fed_url, "dev-a", foreign) == 200
+    _token(_register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
+    assert _task(fed_url, "dev-a", foreign) == 403
+
+
+NONCES = {"dev-a": "nonce-a", "dev-b": "nonce-b"}
+
+
 def _plan() -> RoundPlan:
-    """Round 99 for dev-a and dev-b, singleton groups formed at a 2 s join deadline."""
+    """Round 99 of run "r" for dev-a and dev-b, singleton groups formed at a 2 s join deadline."""
     model = build_model("cnn")
     return RoundPlan(run_id="r", round_id=99, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
-                     participants=[Participant(device_id="dev-a", split_point=1, num_samples=10),
-                                   Participant(device_id="dev-b", split_point=1, num_samples=10)],
+                     participants=[Participant(device_id=d, split_point=1, num_samples=10, token_nonce=NONCES[d])
+                                   for d in ("dev-a", "dev-b")],
                      server_weights=encode_state(model.portion(1, 4).state_dict()), train=TrainConfig(batch_size=4),
                      grouping="singleton", group_size=1, group_loss="per_member", join_deadline_s=2, step_deadline_s=30)
 
@@ -147,7 +176,7 @@ def test_server_to_server_calls_need_the_service_token(servers):
     plan = _plan()
     before = httpx.get(f"{main_url}/v1/status").json()["round"]  # the Fed Server's own round 1, if it started
     assert _post(f"{main_url}/v1/rounds", plan).status_code == 401
-    assert _post(f"{main_url}/v1/rounds", plan, _bearer(auth.device_token("dev-a"))).status_code == 401
+    assert _post(f"{main_url}/v1/rounds", plan, _bearer(auth.device_token("r", "dev-a", NONCES["dev-a"]))).status_code == 401
     assert httpx.get(f"{main_url}/v1/status").json()["round"] == before
     assert _post(f"{main_url}/v1/rounds", plan, auth.service_headers()).status_code == 200
     assert httpx.get(f"{main_url}/v1/status").json()["round"]["round_id"] == 99
@@ -156,20 +185,60 @@ def test_server_to_server_calls_need_the_service_token(servers):
     assert _post(f"{fed_url}/v1/rounds/1/server-portions", portion).status_code == 401
 
 
-def test_main_server_refuses_a_device_acting_as_another(servers):
+def test_main_server_refuses_a_device_acting_as_another_or_with_a_revoked_token(servers):
     _, main_url = servers
     auth = Auth(SERVICE.encode())
     assert _post(f"{main_url}/v1/rounds", _plan(), auth.service_headers()).status_code == 200
+    own = auth.device_token("r", "dev-a", NONCES["dev-a"])
     join = JoinRequest(device_id="dev-a", label_counts=[1] * 10, num_steps=1)
     assert _post(f"{main_url}/v1/rounds/99/join", join).status_code == 401
-    assert _post(f"{main_url}/v1/rounds/99/join", join, _bearer(auth.device_token("dev-b"))).status_code == 403
+    for wrong in (auth.device_token("r", "dev-b", NONCES["dev-b"]),   # another device's
+                  auth.device_token("r", "dev-a", "revoked-nonce"),   # dev-a's before it enrolled again
+                  auth.device_token("other-run", "dev-a", NONCES["dev-a"])):  # another run's
+        assert _post(f"{main_url}/v1/rounds/99/join", join, _bearer(wrong)).status_code == 403
     step = StepRequest(device_id="dev-a", step=0, fx=WireTensor(**encode_tensor(torch.zeros(4, 32, 14, 14))),
                        labels=WireTensor(**encode_tensor(torch.zeros(4, dtype=torch.int64))))
-    assert _post(f"{main_url}/v1/rounds/99/step", step, _bearer(auth.device_token("dev-b"))).status_code == 403
+    assert _post(f"{main_url}/v1/rounds/99/step", step, _bearer(auth.device_token("r", "dev-b", NONCES["dev-b"]))).status_code == 403
     # dev-a's own token gets through authentication: it joins (groups form at the 2 s join deadline).
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("r", _post(f"{main_url}/v1/rounds/99/join", join,
-                                                                            _bearer(auth.device_token("dev-a")))))
+                                                                            _bearer(own))))
     thread.start()
     thread.join(60)
     assert result["r"].status_code == 200, result["r"].text
+
+
+# --- a whole run under the testbed's authentication ------------------------------------------------
+
+def _wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigkilled_agent_rejoins_under_authentication_and_no_child_holds_a_secret_in_its_environment(tmp_path):
+    # Devices 0-1 in one agent, 2-3 in another. The second agent is SIGKILLed once round 1 is done
+    # and started again: its devices enrol again (the dead process's tokens die with it) and their
+    # updates are aggregated in the last round.
+    config = small_config(rounds=3, **{"deadlines.round_s": 60, "deadlines.join_s": 5, "deadlines.step_s": 5})
+    run_dir = tmp_path / "run"
+    with Testbed(config, run_dir, agents=2) as testbed:
+        for service in testbed.processes.services:  # what `ps eww` shows: command line and environment
+            seen = Path(f"/proc/{service.process.pid}/environ").read_bytes() + \
+                Path(f"/proc/{service.process.pid}/cmdline").read_bytes()
+            for secret in testbed.secrets.values():
+                assert secret.encode() not in seen, f"{service.name} exposes a secret"
+        victim = testbed.agent_services[1]
+        _wait_until(lambda: testbed.status()["rounds_done"] >= 1, 180, "round 1 to finish")
+        testbed.processes.restart(victim)
+        status = testbed.follow(timeout=240)
+    assert status["state"] == "finished"
+    ok = [m for m in read_metrics(run_dir) if m["status"] == "ok"]
+    assert [m["round"] for m in ok] == [1, 2, 3]
+    assert ok[-1]["aggregated"] == ["dev-000", "dev-001", "dev-002", "dev-003"]
+    fed_log = (run_dir / "logs" / "fed_server.log").read_text()
+    assert "device dev-002 enrolled again: its previous token is revoked" in fed_log
+    assert not testbed.secret_files.folder.exists()  # the secret files go with the testbed

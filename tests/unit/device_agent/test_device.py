@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from shared.data import DataSpec
 from shared.data import ArrayDataset
@@ -13,7 +14,7 @@ from shared.schemas import RunInfo
 
 
 def _device(keep_model: bool, model: str = "cnn") -> Device:
-    device = Device("dev-000", 0, "http://127.0.0.1:9", kind=None, keep_model=keep_model)
+    device = Device("dev-000", 0, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=None, keep_model=keep_model)
     spec = DataSpec(num_devices=1)
     device.info = RunInfo(run_id="r", algorithm="s2fl", model=model, num_classes=10, input_shape=[1, 28, 28],
                           data=spec, seed=3)

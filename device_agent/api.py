@@ -1,0 +1,56 @@
+"""What a device's runner needs from the two servers, as typed calls: no URLs, headers or statuses.
+
+:class:`device_agent.device.Device` drives a device's rounds over these two interfaces; the HTTP
+implementations are in :mod:`device_agent.clients`, and a unit test can hand the runner in-memory
+fakes. A refusal arrives as the domain error the server raised (:mod:`shared.errors`: a
+``NotFound`` from the Fed Server means it does not know this device, e.g. after a restart), and a
+server that cannot be reached as :class:`Unreachable`.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from shared.schemas import (
+    JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    TaskResponse, UpdateRequest,
+)
+
+
+class Unreachable(Exception):
+    """The server did not answer (connection refused or reset, timeout), after the client's retries."""
+
+
+class FedApi(Protocol):
+    """The Fed Server, as one device sees it."""
+
+    def run_info(self) -> RunInfo:
+        """The run's model and data spec."""
+
+    def register(self, req: RegisterRequest) -> RegisterResponse:
+        """Enrol the device; the client presents the answer's token on every later call."""
+
+    def task(self, device_id: str, final_weights: bool) -> tuple[TaskResponse, int]:
+        """The device's next instruction and the size of the answer in bytes (for transfer timing)."""
+
+    def report(self, req: ReportRequest) -> None:
+        """Two-phase algorithms: the post-training report."""
+
+    def upload(self, req: UpdateRequest) -> None:
+        """The round's trained portion."""
+
+
+class MainApi(Protocol):
+    """The Main Server of one round's split training, as one device sees it."""
+
+    url: str
+    bytes_up: int     # body bytes sent and received so far (the device's communication figures)
+    bytes_down: int
+
+    def join(self, round_id: int, req: JoinRequest, timeout: float) -> JoinResponse:
+        """Join the round; answered when the groups are formed."""
+
+    def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
+        """One local step's activations and labels; answered with their gradient."""
+
+    def close(self) -> None:
+        """Release the connection (the device moves to another URL or token)."""

@@ -1,0 +1,112 @@
+"""The HTTP clients of a device: the Fed Server and Main Server interfaces of :mod:`device_agent.api`
+over msgpack HTTP, with the enrolment secret, the bearer token, retries and byte counting.
+
+Errors are translated at this boundary: an error status becomes the domain error the server
+raised (the inverse of ``http_api/server.py``'s map), a transport failure :class:`Unreachable`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from device_agent.api import Unreachable
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
+from shared.http_client import ServiceError, SyncClient
+from shared.schemas import (
+    API, Ack, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
+    StepResponse, TaskResponse, UpdateRequest,
+)
+
+#: The domain error of each status the servers answer with (see http_api/server.py).
+ERROR_OF_STATUS: dict[int, type[DomainError]] = {
+    401: Unauthenticated, 403: NotAllowed, 404: NotFound, 409: Conflict, 422: Invalid, 500: Failed,
+}
+
+
+def domain_error(exc: ServiceError) -> DomainError:
+    """The domain error for an error answer; other 4xx (e.g. 413) read as Invalid, 5xx as Failed."""
+    kind = ERROR_OF_STATUS.get(exc.status, Invalid if exc.status < 500 else Failed)
+    return kind(str(exc))
+
+
+@contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except ServiceError as exc:
+        raise domain_error(exc) from None
+    except httpx.TransportError as exc:
+        raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+
+
+class HttpFedClient:
+    """:class:`device_agent.api.FedApi` over HTTP. One per device: it carries that device's token."""
+
+    def __init__(self, url: str, verify: bool | str = True, enrolment_secret: bytes | None = None,
+                 retries: int = 3) -> None:
+        self._http = SyncClient(url, retries=retries, verify=verify)
+        self._enrolment_secret = enrolment_secret
+
+    def run_info(self) -> RunInfo:
+        with _translated():
+            return self._http.call("GET", f"{API}/run", RunInfo)
+
+    def register(self, req: RegisterRequest) -> RegisterResponse:
+        headers = {"x-enrolment-secret": self._enrolment_secret.decode()} if self._enrolment_secret else None
+        with _translated():
+            answer = self._http.call("POST", f"{API}/devices/register", RegisterResponse, req, headers=headers)
+        self._http.set_token(answer.token)
+        return answer
+
+    def task(self, device_id: str, final_weights: bool) -> tuple[TaskResponse, int]:
+        before = self._http.bytes.down
+        params = None if final_weights else {"final_weights": "false"}
+        with _translated():
+            task = self._http.call("GET", f"{API}/devices/{device_id}/task", TaskResponse, params=params)
+        return task, self._http.bytes.down - before
+
+    def report(self, req: ReportRequest) -> None:
+        with _translated():
+            self._http.call("POST", f"{API}/rounds/{req.round_id}/reports", Ack, req)
+
+    def upload(self, req: UpdateRequest) -> None:
+        with _translated():
+            self._http.call("POST", f"{API}/rounds/{req.round_id}/updates", Ack, req)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class HttpMainClient:
+    """:class:`device_agent.api.MainApi` over HTTP, for one Main Server URL and one device token."""
+
+    def __init__(self, url: str, token: str | None, verify: bool | str = True, retries: int = 3) -> None:
+        self._http = SyncClient(url, retries=retries, verify=verify)
+        self._http.set_token(token)
+        self.url = self._http.base_url
+
+    @property
+    def bytes_up(self) -> int:
+        return self._http.bytes.up
+
+    @property
+    def bytes_down(self) -> int:
+        return self._http.bytes.down
+
+    def join(self, round_id: int, req: JoinRequest, timeout: float) -> JoinResponse:
+        with _translated():
+            return self._http.call("POST", f"{API}/rounds/{round_id}/join", JoinResponse, req, timeout=timeout)
+
+    def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
+        with _translated():
+            return self._http.call("POST", f"{API}/rounds/{round_id}/step", StepResponse, req, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def main_connector(verify: bool | str = True) -> Callable[[str, str | None], HttpMainClient]:
+    """How a device opens a Main Server client for a task's URL with its current token."""
+    return lambda url, token: HttpMainClient(url, token, verify=verify)

@@ -1,0 +1,24 @@
+"""The device's HTTP clients translate answers into the runner's terms (no HTTP past them)."""
+from __future__ import annotations
+
+import pytest
+
+from device_agent.api import Unreachable
+from device_agent.clients import HttpFedClient, domain_error
+from shared.errors import Conflict, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
+from shared.http_client import ServiceError
+from testbed.processes import free_port
+
+
+@pytest.mark.parametrize("status, kind", [(401, Unauthenticated), (403, NotAllowed), (404, NotFound), (409, Conflict),
+                                          (422, Invalid), (413, Invalid), (500, Failed), (503, Failed)])
+def test_error_statuses_become_the_servers_domain_errors(status, kind):
+    error = domain_error(ServiceError(status, "why", "http://x/v1/run"))
+    assert type(error) is kind and "why" in error.detail
+
+
+def test_a_server_that_is_not_there_is_unreachable():
+    client = HttpFedClient(f"http://127.0.0.1:{free_port()}", retries=1)
+    with pytest.raises(Unreachable):
+        client.run_info()
+    client.close()
