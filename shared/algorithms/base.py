@@ -67,9 +67,11 @@ def parse_payload(model: type[P], raw: Mapping[str, Any], what: str) -> P:
     try:
         return model.model_validate(dict(raw))
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(part) for part in err['loc']) or '(map)'}: {err['msg']}"
-                             for err in exc.errors())
-        raise Invalid(f"{what}: {problems}") from None
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(part) for part in err["loc"])  # empty for a check across fields
+            problems.append(f"{field}: {err['msg']}" if field else err["msg"])
+        raise Invalid(f"{what}: {'; '.join(problems)}") from None
 
 
 @dataclass(frozen=True)

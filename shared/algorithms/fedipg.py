@@ -38,9 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedipg")
 
-#: The diagnostics a device uploads (:class:`FedIPGUploadExtras`), averaged in the round's metrics.
-_DIAGNOSTIC_KEYS = ("risk", "penalty_s2", "penalty_abs_s")
-
 
 class FedIPGParams(AlgorithmParams):
     """``RunConfig.algorithm_params`` of FedIPG (defaults: spec §3)."""
@@ -306,7 +303,7 @@ class FedIPG(Algorithm):
         out: JsonMap = {}
         out["exited"] = sorted(self.exited)
         out["aggregation_weights"] = dict(self.last_weights)
-        for key in _DIAGNOSTIC_KEYS:
+        for key in FedIPGUploadExtras.model_fields:  # the diagnostics, averaged over the devices
             values = [value for e in extras.values() if (value := getattr(e, key)) is not None]
             out[key] = sum(values) / len(values) if values else None
         if self.params.exit_policy == "contribution":
