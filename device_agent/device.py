@@ -16,6 +16,7 @@ import torch
 from device_agent.api import FedApi, MainApi, Unreachable
 from device_agent.timing import RoundClock
 from device_agent.trainer import TaskExpired, steps_per_round, train_round
+from shared.algorithms.base import Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.errors import Conflict, DomainError, NotFound
@@ -125,7 +126,7 @@ class Device:
                 continue
             try:
                 self.run_task(task, size, received_at)
-            except (DomainError, Unreachable, TaskExpired) as exc:
+            except (DomainError, Unreachable, TaskExpired) as exc:  # DomainError includes Invalid: a malformed task
                 log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
 
     def _poll(self) -> tuple[TaskResponse, int]:
@@ -252,7 +253,9 @@ class Device:
         assert train is not None and task.round_id is not None and task.split_point is not None
         weights = decode_portion(task.weights or {}, self.layout, 0, task.split_point, what="task weights")
         model = self._model_for(task.split_point)
-        logic = ALGORITHMS[task.algorithm or "fedavg"].device_logic(dict(task.params))
+        algorithm = ALGORITHMS[task.algorithm or "fedavg"]
+        logic = algorithm.device_logic(dict(task.params))
+        extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
         send_step = None
         main_bytes_before = (0, 0)
         if task.main_server_url is not None:
@@ -264,11 +267,11 @@ class Device:
         result = train_round(
             model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
             train.batch_size, train.local_epochs, round_seed(self.info.seed, self.shard, task.round_id), clock,
-            send_step, task.half_precision, logic=logic, extras=dict(task.extras), deadline=deadline,
+            send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
         )
         portion = model.portion(0, task.split_point)
         if task.report:
-            self._report_and_follow_up(task, logic, portion, clock, deadline)
+            self._report_and_follow_up(task, algorithm.FollowUp, logic, portion, clock, deadline)
         state = portion.state_dict()  # detached views: encoding below copies them into the body
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
@@ -280,7 +283,7 @@ class Device:
                                   server_s=clock.server_s, total_s=clock.total()),
             bytes_up=(self.main.bytes_up - main_bytes_before[0]) if self.main and send_step else 0,
             bytes_down=(self.main.bytes_down - main_bytes_before[1]) if self.main and send_step else 0,
-            extras=logic.upload_extras(portion, self.data),
+            extras=logic.upload_extras(portion, self.data).to_wire(),
         )
         self.fed.upload(body)
         self.rounds_done += 1
@@ -292,11 +295,13 @@ class Device:
         log.info("%s: round %d done (split %d, %d steps, loss %.3f, %.2fs)", self.device_id, task.round_id,
                  task.split_point, result.steps, result.train_loss, body.timings.total_s)
 
-    def _report_and_follow_up(self, task: TaskResponse, logic, portion, clock: RoundClock, deadline: float) -> None:
-        """Two-phase algorithms: send the report, wait for this round's follow-up, act on it."""
+    def _report_and_follow_up(self, task: TaskResponse, follow_up_model: type[Payload], logic, portion,
+                              clock: RoundClock, deadline: float) -> None:
+        """Two-phase algorithms: send the report, wait for this round's follow-up, validate it as
+        ``follow_up_model`` (the algorithm's ``FollowUp``) and act on it."""
         assert self.data is not None and task.round_id is not None
         with clock.compute():
-            extras = logic.report(portion, self.data)
+            extras = logic.report(portion, self.data).to_wire()
         report = ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=extras)
         self.fed.report(report)
         t0 = time.monotonic()
@@ -311,7 +316,7 @@ class Device:
         clock.wait_s += time.monotonic() - t0  # waiting for the other devices' reports
         clock.transfer(size)
         with clock.compute():
-            logic.follow_up(portion, self.data, dict(follow.extras))
+            logic.follow_up(portion, self.data, parse_payload(follow_up_model, follow.extras, "follow-up"))
 
     def _join(self, task: TaskResponse, clock: RoundClock):
         """Join the round at the Main Server; return the per-step exchange function."""

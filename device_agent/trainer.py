@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from device_agent.timing import RoundClock
-from shared.algorithms.base import DeviceLogic
+from shared.algorithms.base import DeviceLogic, Payload
 from shared.data import ArrayDataset
 from shared.models import SplitModel
 
@@ -24,7 +24,9 @@ class TaskExpired(Exception):
 
 @dataclass
 class LocalResult:
-    state: dict[str, torch.Tensor]
+    """What a round's training gives besides the weights, which stay in the model (the device
+    uploads its portion's ``state_dict`` after any follow-up)."""
+
     steps: int
     train_loss: float
 
@@ -58,21 +60,22 @@ def train_round(
     send_step: StepFn | None,
     half_precision: bool = False,
     logic: DeviceLogic | None = None,
-    extras: dict | None = None,
+    extras: Payload | None = None,
     deadline: float | None = None,
 ) -> LocalResult:
-    """Train blocks[:split_point] for one round and return them.
+    """Train blocks[:split_point] of ``model`` in place for one round.
 
     With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
     Server and backpropagates the returned dfx; without it the device holds the whole model and
     trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
-    round is given up with :class:`TaskExpired`.
+    round is given up with :class:`TaskExpired`. ``extras`` are the task's validated
+    ``Algorithm.TaskExtras`` for ``logic.begin_round`` (none: the empty payload).
     """
     logic = logic or DeviceLogic({})
     portion = model.portion(0, split_point)
     portion.load_state_dict(weights, strict=True)
-    logic.begin_round(portion, extras or {}, data)
+    logic.begin_round(portion, extras if extras is not None else Payload(), data)
     data = logic.training_data(data)
     portion.train()
     optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -100,5 +103,4 @@ def train_round(
             losses.append(loss_value)
         steps += 1
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, as big as the weights
-    state = {k: v.detach().clone() for k, v in portion.state_dict().items()}
-    return LocalResult(state=state, steps=steps, train_loss=sum(losses) / max(1, len(losses)))
+    return LocalResult(steps=steps, train_loss=sum(losses) / max(1, len(losses)))

@@ -25,7 +25,7 @@ from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.base import RoundContext
+from shared.algorithms.base import RoundContext, parse_payload
 from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
@@ -175,7 +175,8 @@ class Coordinator:
             main_server_url=self.main_server_url if fed_round.uses_main_server else None,
             deadline_s=self._remaining(fed_round), half_precision=self.config.half_precision,
             algorithm=self.config.algorithm, params=self.algorithm.device_params(),
-            extras=self.algorithm.task_extras(device_id, fed_round.context), report=self.algorithm.needs_report,
+            extras=self.algorithm.task_extras(device_id, fed_round.context).to_wire(),
+            report=self.algorithm.needs_report,
         )
 
     def _follow_up_for(self, fed_round: FedRound, device_id: str) -> TaskResponse:
@@ -185,7 +186,7 @@ class Coordinator:
         fed_round.follow_ups_sent.add(device_id)
         return TaskResponse(status="train", phase="follow_up", round_id=fed_round.round_id,
                             deadline_s=self._remaining(fed_round), algorithm=self.config.algorithm,
-                            extras=fed_round.follow_ups[device_id])
+                            extras=fed_round.follow_ups[device_id].to_wire())
 
     @staticmethod
     def _remaining(fed_round: FedRound) -> float:
@@ -205,7 +206,7 @@ class Coordinator:
             raise Conflict(f"round {round_id} already has the report of {req.device_id!r}")
         if fed_round.follow_ups is not None:
             raise Conflict(f"reports for round {round_id} are closed")
-        fed_round.reports[req.device_id] = dict(req.extras)
+        fed_round.reports[req.device_id] = parse_payload(self.algorithm.Report, req.extras, "report")
         return Ack(detail=f"report of {req.device_id} for round {round_id} stored")
 
     def plan_follow_ups(self, fed_round: FedRound) -> None:
@@ -260,12 +261,13 @@ class Coordinator:
             raise Conflict(f"device {req.device_id!r} must report and receive its follow-up before uploading")
         check_claims(req, record.num_samples, fed_round.deadline_s)
         state = self._checked_update(req.device_id, self._decode(req.weights, 0, assignment.split_point))
+        extras = parse_payload(self.algorithm.UploadExtras, req.extras, "extras")
         try:
-            self.algorithm.accept_update(req.device_id, fed_round.context, state, dict(req.extras), req.num_samples,
+            self.algorithm.accept_update(req.device_id, fed_round.context, state, extras, req.num_samples,
                                          self.model.state_dict())
         except ValueError as exc:
             raise Invalid(f"extras: {exc}") from None
-        fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes)
+        fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes, extras)
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
 
     def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:
@@ -308,7 +310,7 @@ class Coordinator:
             contributions[device] = Contribution(weight=update.request.num_samples, client_state=update.state,
                                                  server_state=portion.state if portion else None)
         used = list(contributions)
-        extras = {d: dict(fed_round.updates[d].request.extras) for d in used}
+        extras = {d: fed_round.updates[d].extras for d in used}
         ok = len(used) >= self.config.deadlines.min_participants
         aggregation_s = 0.0
         if ok:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.algorithms.base import RoundContext
+from shared.algorithms.base import Payload, RoundContext
 from shared.schemas import ServerPortionUpload, UpdateRequest
 
 
@@ -25,6 +25,7 @@ class ReceivedUpdate:
     request: UpdateRequest
     state: dict[str, torch.Tensor]
     body_bytes: int
+    extras: Payload   # request.extras validated as the algorithm's UploadExtras
 
 
 @dataclass
@@ -55,8 +56,8 @@ class FedRound:
     plan_failed: str | None = None
     ready: bool = False          # tasks are handed out only once the Main Server accepted the plan
     # Two-phase algorithms: reports, the follow-up instructions once planned, who got theirs.
-    reports: dict[str, dict] = field(default_factory=dict)
-    follow_ups: dict[str, dict] | None = None
+    reports: dict[str, Payload] = field(default_factory=dict)
+    follow_ups: dict[str, Payload] | None = None
     follow_ups_sent: set[str] = field(default_factory=set)
     excluded: set[str] = field(default_factory=set)   # dropped by the Fed Server (e.g. never reported)
 

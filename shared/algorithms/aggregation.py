@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Contribution", "layerwise_aggregate"]
+__all__ = ["Contribution", "check_state", "layerwise_aggregate"]
 
 
 @dataclass
@@ -44,6 +44,17 @@ class Contribution:
     weight: float
     client_state: Mapping[str, torch.Tensor]
     server_state: Mapping[str, torch.Tensor] | None = None
+
+
+def check_state(global_state: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], what: str) -> None:
+    """ValueError naming ``what`` and the key unless every key of ``state`` is in ``global_state``
+    with the same shape (a naming mismatch would silently turn aggregation into a no-op)."""
+    for key, value in state.items():
+        if key not in global_state:
+            raise ValueError(f"{what} key {key!r} is not in the global state")
+        if tuple(value.shape) != tuple(global_state[key].shape):
+            raise ValueError(f"{what}[{key!r}] has shape {tuple(value.shape)}, "
+                             f"global shape is {tuple(global_state[key].shape)}")
 
 
 def layerwise_aggregate(
@@ -62,16 +73,8 @@ def layerwise_aggregate(
         if not math.isfinite(w) or w <= 0.0:
             raise ValueError(f"contribution {idx}: weight must be finite and > 0, got {contrib.weight}")
         for part_name, part in (("client_state", contrib.client_state), ("server_state", contrib.server_state)):
-            if part is None:
-                continue
-            for key, value in part.items():
-                if key not in global_state:
-                    raise ValueError(f"contribution {idx}: {part_name} key {key!r} is not in the global state")
-                if tuple(value.shape) != tuple(global_state[key].shape):
-                    raise ValueError(
-                        f"contribution {idx}: {part_name}[{key!r}] has shape {tuple(value.shape)}, "
-                        f"global shape is {tuple(global_state[key].shape)}"
-                    )
+            if part is not None:
+                check_state(global_state, part, f"contribution {idx}: {part_name}")
 
     out: dict[str, torch.Tensor] = {}
     for key, g in global_state.items():

@@ -10,27 +10,67 @@ Two objects per algorithm:
 - :class:`Algorithm` lives on the Fed Server (one per run; its state goes into checkpoints).
 - :class:`DeviceLogic` lives on a device (one per round), built by ``Algorithm.device_logic``
   from the JSON-able ``device_params()`` that travel in every task, so devices need no run config.
+
+What the two exchange besides weights is typed: each algorithm declares pydantic :class:`Payload`
+models (``TaskExtras``, ``Report``, ``FollowUp``, ``UploadExtras``; empty by default). On the wire
+they stay msgpack maps; the framework validates every map that arrives against the algorithm's
+model (:func:`parse_payload`: the Fed Server for reports and uploads, the device for tasks and
+follow-ups), so the hooks below only ever see well-formed, finite values and keep only the checks
+that need the run's state.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared.algorithms.aggregation import Contribution, layerwise_aggregate
+from shared.errors import Invalid
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
     from shared.data import ArrayDataset
 
 SplitMode = Literal["sliding", "fixed", "zero"]
-#: JSON-like values carried in tasks, reports and uploads (numbers, strings, lists, maps).
-Extras = dict[str, Any]
+#: A JSON-able map that is not a payload: device parameters, metrics, checkpoint state.
+JsonMap = dict[str, Any]
+
+
+class Payload(BaseModel):
+    """Base of an algorithm's wire payloads (task extras, reports, follow-ups, upload extras).
+
+    Strict on purpose, since these values cross the network: unknown keys are refused, numbers
+    must be finite, and no type is coerced (no ``true`` for a count, no ``"1.5"`` for a float).
+    The empty model is the default of every payload an algorithm does not use.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    def to_wire(self) -> JsonMap:
+        """The msgpack map that carries this payload. Unset optional fields (None) are left out,
+        so the wire keys are those the algorithm actually sends."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+P = TypeVar("P", bound=Payload)
+
+
+def parse_payload(model: type[P], raw: Mapping[str, Any], what: str) -> P:
+    """``raw`` (a map that arrived over the network) as ``model``, or :class:`~shared.errors.Invalid`
+    naming ``what`` and each offending field, e.g. ``report: feature_norms.3: Input should be
+    greater than or equal to 0``."""
+    try:
+        return model.model_validate(dict(raw))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(part) for part in err["loc"])  # empty for a check across fields
+            problems.append(f"{field}: {err['msg']}" if field else err["msg"])
+        raise Invalid(f"{what}: {'; '.join(problems)}") from None
 
 
 @dataclass(frozen=True)
@@ -61,11 +101,12 @@ class DeviceLogic:
     loss); the other hooks apply in every mode.
     """
 
-    def __init__(self, params: Extras) -> None:
+    def __init__(self, params: JsonMap) -> None:
         self.params = params
 
-    def begin_round(self, model: torch.nn.Module, extras: Extras, data: "ArrayDataset") -> None:
-        """Called with the freshly loaded model (the global weights) before training."""
+    def begin_round(self, model: torch.nn.Module, extras: Payload, data: "ArrayDataset") -> None:
+        """Called with the freshly loaded model (the global weights) and the task's validated
+        ``Algorithm.TaskExtras`` before training."""
 
     def training_data(self, data: "ArrayDataset") -> "ArrayDataset":
         """The part of the shard that is trained on (FedBC keeps a local test split back)."""
@@ -75,16 +116,18 @@ class DeviceLogic:
         """The local objective on one mini-batch."""
         return F.cross_entropy(model(x), y)
 
-    def report(self, model: torch.nn.Module, data: "ArrayDataset") -> Extras:
-        """Two-phase algorithms: what the device tells the Fed Server after training."""
-        return {}
+    def report(self, model: torch.nn.Module, data: "ArrayDataset") -> Payload:
+        """Two-phase algorithms: what the device tells the Fed Server after training (an
+        ``Algorithm.Report``)."""
+        return Payload()
 
-    def follow_up(self, model: torch.nn.Module, data: "ArrayDataset", instruction: Extras) -> None:
-        """Two-phase algorithms: act on the Fed Server's answer to the report (e.g. refine)."""
+    def follow_up(self, model: torch.nn.Module, data: "ArrayDataset", instruction: Payload) -> None:
+        """Two-phase algorithms: act on the Fed Server's validated answer to the report (an
+        ``Algorithm.FollowUp``, e.g. refine)."""
 
-    def upload_extras(self, model: torch.nn.Module, data: "ArrayDataset") -> Extras:
-        """Extra values sent with the trained weights."""
-        return {}
+    def upload_extras(self, model: torch.nn.Module, data: "ArrayDataset") -> Payload:
+        """Extra values sent with the trained weights (an ``Algorithm.UploadExtras``)."""
+        return Payload()
 
 
 class Algorithm:
@@ -98,6 +141,13 @@ class Algorithm:
     Logic: ClassVar[type[DeviceLogic]] = DeviceLogic
     #: True when devices report after training and wait for a follow-up before uploading.
     needs_report: ClassVar[bool] = False
+    #: The payloads (validated wherever they arrive, see :func:`parse_payload`): per-device values
+    #: of a task, a two-phase device's report and the Fed Server's follow-up to it, and the values
+    #: sent with an upload.
+    TaskExtras: ClassVar[type[Payload]] = Payload
+    Report: ClassVar[type[Payload]] = Payload
+    FollowUp: ClassVar[type[Payload]] = Payload
+    UploadExtras: ClassVar[type[Payload]] = Payload
 
     def __init__(self, config: "RunConfig") -> None:
         self.config = config
@@ -117,41 +167,43 @@ class Algorithm:
         """Devices that may be selected at all (FedIPG's exit strategy removes some)."""
         return list(devices)
 
-    def device_params(self) -> Extras:
+    def device_params(self) -> JsonMap:
         """Hyperparameters every device needs for :class:`DeviceLogic` (sent in each task)."""
         return self.params.model_dump(mode="json")
 
-    def task_extras(self, device_id: str, ctx: RoundContext) -> Extras:
-        """Per-device values for this round's task (e.g. FedBC's dual variable)."""
-        return {}
+    def task_extras(self, device_id: str, ctx: RoundContext) -> Payload:
+        """Per-device values for this round's task (a ``TaskExtras``; e.g. FedBC's dual variable)."""
+        return self.TaskExtras()
 
-    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, Extras]) -> dict[str, Extras]:
-        """Two-phase algorithms: each reporting device's instruction (raise ValueError on bad reports)."""
-        return {device: {} for device in reports}
+    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, Payload]) -> dict[str, Payload]:
+        """Two-phase algorithms: each reporting device's ``FollowUp`` to its validated ``Report``
+        (raise ValueError when no plan can be made)."""
+        return {device: self.FollowUp() for device in reports}
 
-    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Payload,
                       num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
-        """Check an upload's extras (ValueError -> 422, nothing stored) before it is accepted."""
+        """Checks of an upload that need the run's state, on its validated ``UploadExtras``
+        (ValueError -> 422, nothing stored) before it is accepted."""
 
     def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
-                  contributions: Mapping[str, Contribution], extras: Mapping[str, Extras]) -> dict[str, torch.Tensor]:
+                  contributions: Mapping[str, Contribution], extras: Mapping[str, Payload]) -> dict[str, torch.Tensor]:
         """New global model from the round's uploads, keyed by device (S2FL Algorithm 1; FedAvg
         when nothing is split). Also the place to update per-device state from the uploads."""
         return layerwise_aggregate(global_state, list(contributions.values()))
 
-    def evaluate(self, model: torch.nn.Module) -> Extras:
+    def evaluate(self, model: torch.nn.Module) -> JsonMap:
         """Extra evaluation of the new global model (e.g. out-of-distribution accuracy)."""
         return {}
 
-    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
-        """Extra fields for the round's metrics record."""
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Payload]) -> JsonMap:
+        """Extra fields for the round's metrics record (``extras``: the aggregated uploads' ``UploadExtras``)."""
         return {}
 
-    def state_dict(self) -> Extras:
+    def state_dict(self) -> JsonMap:
         """Per-run state that a checkpoint must keep (JSON-able)."""
         return {}
 
-    def load_state_dict(self, state: Extras) -> None:
+    def load_state_dict(self, state: JsonMap) -> None:
         """Restore what :meth:`state_dict` returned."""
 
     # --- Main Server decisions -----------------------------------------------------------------
@@ -162,16 +214,7 @@ class Algorithm:
 
     # --- device side ---------------------------------------------------------------------------
     @classmethod
-    def device_logic(cls, params: Extras) -> DeviceLogic:
+    def device_logic(cls, params: JsonMap) -> DeviceLogic:
         """The device's per-round logic, from the parameters sent in the task."""
         return cls.Logic(params)
 
-
-def finite_number(value: Any, what: str, minimum: float | None = None) -> float:
-    """``value`` as a float if it is a finite number (not a bool), else ValueError naming ``what``.
-    For numbers that crossed the network in extras and reports."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
-    return float(value)

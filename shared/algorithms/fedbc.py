@@ -40,15 +40,15 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from shared.algorithms.aggregation import Contribution
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, RoundContext, finite_number
+from shared.algorithms.aggregation import Contribution, check_state, layerwise_aggregate
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
 from shared.evaluation import evaluate
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     from shared.data import ArrayDataset
 
 __all__ = [
-    "FedBC", "FedBCLogic", "FedBCParams", "dual_step", "lambda_weighted_average", "local_split",
-    "squared_distance", "proximal_penalty",
+    "FedBC", "FedBCLogic", "FedBCParams", "FedBCTaskExtras", "FedBCUploadExtras", "dual_step",
+    "lambda_weighted_average", "local_split", "squared_distance", "proximal_penalty",
 ]
 
 log = logging.getLogger("fed_server.fedbc")
@@ -110,6 +110,41 @@ class FedBCParams(AlgorithmParams):
     @property
     def tolerance_lr(self) -> float:
         return self.dual_lr if self.gamma_lr is None else self.gamma_lr
+
+
+# --------------------------------------------------------------------------------------------- payloads
+class FedBCTaskExtras(Payload):
+    """Per-device values of a task: the device's dual variable and tolerance and its split seed."""
+
+    model_config = ConfigDict(populate_by_name=True)  # ``lam=`` in Python, ``lambda`` on the wire
+
+    lam: float = Field(alias="lambda", ge=0)
+    """lambda_i, the weight of the proximal penalty (wire key ``lambda``, a Python keyword)."""
+    gamma: float = Field(ge=0)
+    """gamma_i, the tolerance subtracted inside the penalty."""
+    split_seed: int = 0
+    """Seed of the device's fixed local train/test split (:func:`split_seed`)."""
+
+
+class FedBCUploadExtras(Payload):
+    """What a device sends with its weights: its own d and its local test counts.
+
+    That ``train_samples + local_total`` is the upload's ``num_samples`` needs the upload itself,
+    so :meth:`FedBC.accept_update` checks it."""
+
+    d: float = Field(ge=0)
+    """||x_i - z||^2 as the device computed it (the server recomputes and uses its own)."""
+    local_correct: int = Field(ge=0)
+    local_total: int = Field(ge=0)
+    """Correct predictions / size of the local 20 % test split (0 / 0 without one)."""
+    train_samples: int = Field(ge=1)
+    """Size of the part the device trained on (the weight of the FedAvg fallback)."""
+
+    @model_validator(mode="after")
+    def _check_counts(self) -> "FedBCUploadExtras":
+        if self.local_correct > self.local_total:
+            raise ValueError(f"local_correct={self.local_correct} exceeds local_total={self.local_total}")
+        return self
 
 
 # --------------------------------------------------------------------------------------------- math
@@ -172,36 +207,26 @@ def lambda_weighted_average(global_state: Mapping[str, torch.Tensor], states: Se
     """sum_j w_j x_j / sum_j w_j for every floating state_dict entry (float64 accumulation, cast to
     the global dtype); integer/bool entries (``num_batches_tracked``) take the max over the states.
     Keys no state supplies keep the global value. Raises ValueError for an empty or all-zero weight
-    vector, a negative / non-finite weight, an unknown key or a shape mismatch."""
+    vector, a negative / non-finite weight, an unknown key or a shape mismatch.
+
+    The floating entries are the shared Algorithm 1 average (``layerwise_aggregate``) with the
+    weights as contribution weights. A zero weight adds nothing to a weighted mean, and that
+    function takes positive weights only, so zero-weight states are left out of it; they are still
+    checked, and still count for the integer max (FedBC's rule for counters, where Algorithm 1
+    rounds the weighted mean).
+    """
     if len(states) == 0 or len(states) != len(weights):
         raise ValueError("lambda_weighted_average needs one weight per state and at least one state")
     ws = [float(w) for w in weights]
     if any(not math.isfinite(w) or w < 0 for w in ws) or sum(ws) <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all zero, got {ws}")
-    for idx, state in enumerate(states):
-        for key, value in state.items():
-            if key not in global_state:
-                raise ValueError(f"state {idx}: key {key!r} is not in the global state")
-            if tuple(value.shape) != tuple(global_state[key].shape):
-                raise ValueError(f"state {idx}: {key!r} has shape {tuple(value.shape)}, "
-                                 f"global shape is {tuple(global_state[key].shape)}")
-    out: dict[str, torch.Tensor] = {}
+    for idx, state in enumerate(states):  # the zero-weight states too
+        check_state(global_state, state, f"state {idx}:")
+    out = layerwise_aggregate(global_state, [Contribution(weight=w, client_state=s) for w, s in zip(ws, states) if w > 0])
     for key, g in global_state.items():
-        supplied = [(w, s[key]) for w, s in zip(ws, states) if key in s]
-        if not supplied:
-            out[key] = g.detach().clone()
-        elif g.is_floating_point():
-            total = sum(w for w, _ in supplied)
-            if total <= 0:  # only zero-weight devices hold this key: keep the global value
-                out[key] = g.detach().clone()
-                continue
-            acc = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
-            for w, value in supplied:
-                if w > 0:
-                    acc += value.detach().to(device=g.device, dtype=torch.float64) * w
-            out[key] = (acc / total).to(g.dtype)
-        else:
-            out[key] = torch.stack([value.detach().to(g.device) for _, value in supplied]).amax(0).to(g.dtype)
+        supplied = [s[key] for s in states if key in s]
+        if supplied and not g.is_floating_point():
+            out[key] = torch.stack([value.detach().to(g.device) for value in supplied]).amax(0).to(g.dtype)
     return out
 
 
@@ -229,19 +254,12 @@ def split_seed(run_seed: int, device_id: str) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
 
 
-def _count(extras: Mapping[str, Any], key: str, what: str) -> int:
-    value = extras.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} {key!r} must be an integer >= 0, got {value!r}")
-    return int(value)
-
-
 # --------------------------------------------------------------------------------------------- device
 class FedBCLogic(DeviceLogic):
     """Device side: the proximal local objective with the round's lambda_i, the local split, and
     the local evaluation sent with the upload."""
 
-    def __init__(self, params: Extras) -> None:
+    def __init__(self, params: JsonMap) -> None:
         super().__init__(params)
         cfg = FedBCParams.model_validate(params)   # the server's defaults, not restated here
         self.fraction = cfg.local_test_fraction
@@ -252,17 +270,11 @@ class FedBCLogic(DeviceLogic):
         self.train_idx: np.ndarray | None = None
         self.test_idx: np.ndarray | None = None
 
-    def begin_round(self, model: torch.nn.Module, extras: Extras, data: "ArrayDataset") -> None:
+    def begin_round(self, model: torch.nn.Module, extras: FedBCTaskExtras, data: "ArrayDataset") -> None:
         """Read lambda_i, gamma_i; freeze z (the just-loaded global weights); fix the local split."""
-        self.lam = finite_number(extras.get("lambda"), "task extra 'lambda'")
-        self.gamma = finite_number(extras.get("gamma"), "task extra 'gamma'")
-        if self.lam < 0 or self.gamma < 0:
-            raise ValueError(f"lambda and gamma must be >= 0, got {self.lam}, {self.gamma}")
-        seed = extras.get("split_seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"task extra 'split_seed' must be an integer, got {seed!r}")
+        self.lam, self.gamma = extras.lam, extras.gamma
         self.reference = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-        self.train_idx, self.test_idx = local_split(data.y.numpy(), self.fraction, seed)
+        self.train_idx, self.test_idx = local_split(data.y.numpy(), self.fraction, extras.split_seed)
 
     def training_data(self, data: "ArrayDataset") -> "ArrayDataset":
         """The shard minus the held-back local test split."""
@@ -278,7 +290,7 @@ class FedBCLogic(DeviceLogic):
             return ce
         return ce + self.lam * (proximal_penalty(model, self.reference) - self.gamma)
 
-    def upload_extras(self, model: torch.nn.Module, data: "ArrayDataset") -> Extras:
+    def upload_extras(self, model: torch.nn.Module, data: "ArrayDataset") -> FedBCUploadExtras:
         """d = ||x_i - z||^2 (checked by the server), local test counts, training-set size."""
         state = dict(model.named_parameters())
         distance = squared_distance(state, self.reference, list(self.reference))
@@ -288,7 +300,7 @@ class FedBCLogic(DeviceLogic):
             total = len(test)
             correct = round(evaluate(model, test, self.eval_batch_size)[0] * total)
         n_train = len(self.train_idx) if self.train_idx is not None else len(data)
-        return {"d": distance, "local_correct": correct, "local_total": total, "train_samples": int(n_train)}
+        return FedBCUploadExtras(d=distance, local_correct=correct, local_total=total, train_samples=int(n_train))
 
 
 # --------------------------------------------------------------------------------------------- server
@@ -297,6 +309,8 @@ class FedBC(Algorithm):
 
     Params = FedBCParams
     Logic = FedBCLogic
+    TaskExtras = FedBCTaskExtras
+    UploadExtras = FedBCUploadExtras
     params: FedBCParams
 
     def __init__(self, config: "RunConfig") -> None:
@@ -308,7 +322,7 @@ class FedBC(Algorithm):
         self.local_counts: dict[str, list[int]] = {}
         self.fallback_rounds = 0
         self.param_names: list[str] = []
-        self._round: Extras = {}
+        self._round: JsonMap = {}
         self._warned_stability = False
         # d of each device's latest accepted upload, so aggregate need not recompute it (cleared by
         # aggregate; every contribution it receives was accepted in the attempt it closes).
@@ -325,39 +339,28 @@ class FedBC(Algorithm):
     def gamma_of(self, device_id: str) -> float:
         return self.gamma.get(device_id, self.params.gamma)
 
-    def task_extras(self, device_id: str, ctx: RoundContext) -> Extras:
-        return {"lambda": self.lambda_of(device_id), "gamma": self.gamma_of(device_id),
-                "split_seed": split_seed(self.config.seed, device_id)}
+    def task_extras(self, device_id: str, ctx: RoundContext) -> FedBCTaskExtras:
+        return FedBCTaskExtras(lam=self.lambda_of(device_id), gamma=self.gamma_of(device_id),
+                               split_seed=split_seed(self.config.seed, device_id))
 
     # --- uploads ------------------------------------------------------------------------------
-    def _check_extras(self, device_id: str, extras: Extras, num_samples: int) -> None:
-        what = f"{device_id}: upload extra"
-        distance = finite_number(extras.get("d"), f"{what} 'd'")
-        if distance < 0:
-            raise ValueError(f"{what} 'd' must be >= 0, got {distance}")
-        correct = _count(extras, "local_correct", what)
-        total = _count(extras, "local_total", what)
-        n_train = _count(extras, "train_samples", what)
-        if correct > total:
-            raise ValueError(f"{what} local_correct={correct} exceeds local_total={total}")
-        if n_train < 1 or n_train + total != num_samples:
-            raise ValueError(f"{what} train_samples={n_train} + local_total={total} must equal the shard's "
-                             f"num_samples={num_samples} (and train_samples >= 1)")
-
-    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
-                      num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
-        """Validate the extras and recompute d from the weights (the dual step itself happens in
-        :meth:`aggregate`, only for uploads that are aggregated)."""
-        self._check_extras(device_id, extras, num_samples)
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor],
+                      extras: FedBCUploadExtras, num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
+        """Check the split sizes against the upload and recompute d from the weights (the dual step
+        itself happens in :meth:`aggregate`, only for uploads that are aggregated)."""
+        if extras.train_samples + extras.local_total != num_samples:
+            raise ValueError(f"{device_id}: train_samples={extras.train_samples} + local_total={extras.local_total} "
+                             f"must equal the shard's num_samples={num_samples}")
         distance = self._checked_distance(device_id, state, global_state)
-        reported = float(extras["d"])
+        reported = extras.d
         if abs(reported - distance) > DISTANCE_LOG_RTOL * max(abs(distance), 1e-12):
             log.info("fedbc round %d: %s reported d=%.6g, recomputed d=%.6g (the server's value is used)",
                      ctx.index, device_id, reported, distance)
         self._upload_distance[device_id] = distance
 
     def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
-                  contributions: Mapping[str, Contribution], extras: Mapping[str, Extras]) -> dict[str, torch.Tensor]:
+                  contributions: Mapping[str, Contribution],
+                  extras: Mapping[str, FedBCUploadExtras]) -> dict[str, torch.Tensor]:
         """Dual/tolerance steps for the round's participants, then z = sum lambda x / sum lambda
         (data-size FedAvg when all lambda are 0)."""
         p = self.params
@@ -369,10 +372,8 @@ class FedBC(Algorithm):
             distances[device] = self._upload_distance.get(device)
             if distances[device] is None:  # an upload that did not pass accept_update (a test calling aggregate)
                 distances[device] = self._checked_distance(device, contribution.client_state, global_state)
-            ex = extras.get(device, {})
-            n = ex.get("train_samples", contribution.weight)
-            n_train[device] = float(n) if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0 \
-                else float(contribution.weight)
+            ex = extras.get(device)
+            n_train[device] = float(ex.train_samples if ex is not None else contribution.weight)
             lam, gam = self.lambda_of(device), self.gamma_of(device)
             new_lam, new_gam, lb, gb = dual_step(
                 lam, gam, distances[device], p.dual_lr, p.tolerance_lr, p.gamma_mode == "adaptive",
@@ -381,9 +382,8 @@ class FedBC(Algorithm):
             self.lam[device], self.gamma[device] = new_lam, new_gam
             if p.dual_momentum > 0:
                 self.lam_buf[device], self.gamma_buf[device] = lb, gb
-            c, t = ex.get("local_correct"), ex.get("local_total")
-            if isinstance(c, int) and isinstance(t, int) and t > 0:
-                self.local_counts[device] = [c, t]
+            if ex is not None and ex.local_total > 0:
+                self.local_counts[device] = [ex.local_correct, ex.local_total]
 
         self._upload_distance.clear()
         lambdas = [self.lam[d] for d in devices]
@@ -415,7 +415,7 @@ class FedBC(Algorithm):
                         "set algorithm_params.lambda_max or a smaller dual_lr", max_lambda, self.config.train.lr)
 
     def _metrics(self, devices: list[str], distances: Mapping[str, float], lambdas: list[float], sizes: list[float],
-                 fallback: bool, extras: Mapping[str, Extras]) -> Extras:
+                 fallback: bool, extras: Mapping[str, FedBCUploadExtras]) -> JsonMap:
         """Per-round record (spec §2.8 logging; Figs. 3b, 8, 13): lambda, gamma, d of the participants,
         lambda- vs data-size aggregation coefficients, min/max-data participant, local accuracy."""
         lam_total, size_total = sum(lambdas), sum(sizes)
@@ -428,8 +428,8 @@ class FedBC(Algorithm):
 
         min_user = min(devices, key=lambda d: (sizes[devices.index(d)], d)) if devices else None
         max_user = max(devices, key=lambda d: (sizes[devices.index(d)], d)) if devices else None
-        counts = [(extras.get(d, {}).get("local_correct"), extras.get(d, {}).get("local_total")) for d in devices]
-        counts = [(c, t) for c, t in counts if isinstance(c, int) and isinstance(t, int) and t > 0]
+        counts = [(extras[d].local_correct, extras[d].local_total) for d in devices
+                  if d in extras and extras[d].local_total > 0]
         latest = list(self.local_counts.values())
         return {
             "lambda": {d: self.lam[d] for d in devices},
@@ -452,11 +452,11 @@ class FedBC(Algorithm):
             "local_acc_pooled_latest": sum(c for c, _ in latest) / sum(t for _, t in latest) if latest else None,
         }
 
-    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, FedBCUploadExtras]) -> JsonMap:
         return dict(self._round)
 
     # --- checkpoint ---------------------------------------------------------------------------
-    def state_dict(self) -> Extras:
+    def state_dict(self) -> JsonMap:
         return {
             "lambda": dict(self.lam),
             "gamma": dict(self.gamma),
@@ -466,7 +466,7 @@ class FedBC(Algorithm):
             "fallback_rounds": self.fallback_rounds,
         }
 
-    def load_state_dict(self, state: Extras) -> None:
+    def load_state_dict(self, state: JsonMap) -> None:
         super().load_state_dict(state)
 
         def floats(key: str, minimum: float | None = 0.0) -> dict[str, float]:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 
 from shared.algorithms.aggregation import Contribution, layerwise_aggregate
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, RoundContext, finite_number
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
 from shared.evaluation import evaluate
 
 if TYPE_CHECKING:
@@ -37,9 +37,6 @@ if TYPE_CHECKING:
     from shared.data import ArrayDataset
 
 log = logging.getLogger("fedipg")
-
-#: Diagnostics a device may upload (means over its local steps); nothing else is accepted.
-_DIAGNOSTIC_KEYS = ("risk", "penalty_s2", "penalty_abs_s")
 
 
 class FedIPGParams(AlgorithmParams):
@@ -94,6 +91,33 @@ class FedIPGParams(AlgorithmParams):
         return self
 
 
+class FedIPGDeviceParams(Payload):
+    """What a device receives as ``params`` (:meth:`FedIPG.device_params`): no exit lists."""
+
+    lam: float = Field(ge=0.0)
+    penalty_scope: Literal["all", "head"] = "all"
+    output_layer: str = ""
+
+
+class FedIPGUploadExtras(Payload):
+    """Diagnostics sent with the weights: means over the round's local steps (a few floats, so
+    communication stays FedAvg's). The penalty pair is sent exactly when lam > 0, which needs the
+    run's parameters and is checked by :meth:`FedIPG.accept_update`."""
+
+    risk: float = Field(ge=0.0)
+    """Mean local cross-entropy R."""
+    penalty_s2: float | None = Field(None, ge=0.0)
+    """Mean s^2, s = <grad R, w> (only when lam > 0)."""
+    penalty_abs_s: float | None = Field(None, ge=0.0)
+    """Mean |s| (only when lam > 0)."""
+
+    @model_validator(mode="after")
+    def _check_pair(self) -> "FedIPGUploadExtras":
+        if (self.penalty_s2 is None) != (self.penalty_abs_s is None):
+            raise ValueError("penalty_s2 and penalty_abs_s are sent together or not at all")
+        return self
+
+
 def penalty_parameters(model: torch.nn.Module, scope: str, output_layer: str = "") -> list[torch.nn.Parameter]:
     """The trainable parameters that form ``w`` in ``s = <grad R, w>`` for ``scope`` (all / head).
 
@@ -137,13 +161,10 @@ def fedipg_objective(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, l
 class FedIPGLogic(DeviceLogic):
     """Device side: the penalised local objective of Eq. (8) and per-round diagnostics."""
 
-    def __init__(self, params: Extras) -> None:
+    def __init__(self, params: JsonMap) -> None:
         super().__init__(params)
-        self.lam = finite_number(params.get("lam", 1e-3), "lam", minimum=0.0)
-        self.scope = str(params.get("penalty_scope", "all"))
-        if self.scope not in ("all", "head"):
-            raise ValueError(f"penalty_scope must be 'all' or 'head', got {self.scope!r}")
-        self.output_layer = str(params.get("output_layer", ""))
+        cfg = FedIPGDeviceParams.model_validate(params)
+        self.lam, self.scope, self.output_layer = cfg.lam, cfg.penalty_scope, cfg.output_layer
         self._risk_sum = 0.0
         self._s2_sum = 0.0
         self._abs_s_sum = 0.0
@@ -160,13 +181,13 @@ class FedIPGLogic(DeviceLogic):
             self._abs_s_sum += abs(s_val)
         return f
 
-    def upload_extras(self, model: torch.nn.Module, data: "ArrayDataset") -> Extras:
+    def upload_extras(self, model: torch.nn.Module, data: "ArrayDataset") -> FedIPGUploadExtras:
         """Means over the round's steps of R, s^2 and |s| (a few floats: communication stays FedAvg's)."""
         n = max(1, self._steps)
-        extras: Extras = {"risk": self._risk_sum / n}
-        if self.lam != 0.0:
-            extras.update(penalty_s2=self._s2_sum / n, penalty_abs_s=self._abs_s_sum / n)
-        return extras
+        if self.lam == 0.0:
+            return FedIPGUploadExtras(risk=self._risk_sum / n)
+        return FedIPGUploadExtras(risk=self._risk_sum / n, penalty_s2=self._s2_sum / n,
+                                  penalty_abs_s=self._abs_s_sum / n)
 
 
 class FedIPG(Algorithm):
@@ -174,6 +195,7 @@ class FedIPG(Algorithm):
 
     Params = FedIPGParams
     Logic = FedIPGLogic
+    UploadExtras = FedIPGUploadExtras
 
     def __init__(self, config: "RunConfig") -> None:
         super().__init__(config)
@@ -215,29 +237,22 @@ class FedIPG(Algorithm):
             raise ValueError(f"every available device has exited ({sorted(self.exited)}): nothing can train")
         return pool
 
-    def device_params(self) -> Extras:
+    def device_params(self) -> JsonMap:
         """What a device needs: lambda, the scope and the output layer's name (no exit lists)."""
-        return {"lam": self.params.lam, "penalty_scope": self.params.penalty_scope,
-                "output_layer": getattr(self, "output_layer", "")}
+        return FedIPGDeviceParams(lam=self.params.lam, penalty_scope=self.params.penalty_scope,
+                                  output_layer=getattr(self, "output_layer", "")).to_wire()
 
-    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
-                      num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
-        """Refuse uploads of exited devices and malformed diagnostics (ValueError -> 422)."""
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor],
+                      extras: FedIPGUploadExtras, num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
+        """Refuse uploads of exited devices and penalty diagnostics that do not fit lam (ValueError -> 422)."""
         if device_id in self.exited:
             raise ValueError(f"device {device_id!r} has exited training (I_OOD) and may not upload")
-        unknown = set(extras) - set(_DIAGNOSTIC_KEYS)
-        if unknown:
-            raise ValueError(f"unexpected extras {sorted(unknown)}; FedIPG accepts only {list(_DIAGNOSTIC_KEYS)}")
-        for key in _DIAGNOSTIC_KEYS:
-            if key in extras:
-                finite_number(extras[key], key, minimum=0.0)
-        if "risk" not in extras:
-            raise ValueError("extras must contain 'risk' (mean local cross-entropy)")
-        if ("penalty_s2" in extras) != (self.params.lam != 0.0) or ("penalty_abs_s" in extras) != ("penalty_s2" in extras):
-            raise ValueError("penalty diagnostics must be sent exactly when lam > 0")
+        if (extras.penalty_s2 is not None) != (self.params.lam != 0.0):
+            raise ValueError(f"penalty_s2/penalty_abs_s must be sent exactly when lam > 0 (lam={self.params.lam})")
 
     def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
-                  contributions: Mapping[str, Contribution], extras: Mapping[str, Extras]) -> dict[str, torch.Tensor]:
+                  contributions: Mapping[str, Contribution],
+                  extras: Mapping[str, FedIPGUploadExtras]) -> dict[str, torch.Tensor]:
         """w^{t+1} = sum_{i in I_ID^t} a_i w_i^t with a_i normalised over the round's ID uploads."""
         kept = {d: c for d, c in contributions.items() if d not in self.exited}  # defence in depth
         if not kept:
@@ -283,13 +298,13 @@ class FedIPG(Algorithm):
                          self.last_contribution[d], self.streaks[d])
 
     # --- metrics and evaluation ---------------------------------------------------------------
-    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, FedIPGUploadExtras]) -> JsonMap:
         """Exited devices, aggregation weights and the devices' mean risk / penalty diagnostics."""
-        out: Extras = {}
+        out: JsonMap = {}
         out["exited"] = sorted(self.exited)
         out["aggregation_weights"] = dict(self.last_weights)
-        for key in _DIAGNOSTIC_KEYS:
-            values = [float(e[key]) for e in extras.values() if key in e]
+        for key in FedIPGUploadExtras.model_fields:  # the diagnostics, averaged over the devices
+            values = [value for e in extras.values() if (value := getattr(e, key)) is not None]
             out[key] = sum(values) / len(values) if values else None
         if self.params.exit_policy == "contribution":
             out["contribution"] = dict(sorted(self.last_contribution.items()))
@@ -329,7 +344,7 @@ class FedIPG(Algorithm):
         return domains
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module) -> Extras:
+    def evaluate(self, model: torch.nn.Module) -> JsonMap:
         """Accuracy of the global model per test domain: ``id_accuracy`` = mean over the training
         domains (all devices' rotations / colourings), ``ood_accuracy`` on the held-out domain."""
         domains = self._domain_sets()
@@ -342,12 +357,12 @@ class FedIPG(Algorithm):
                 "ood_accuracy": oods[0] if oods else None}
 
     # --- checkpoint ----------------------------------------------------------------------------
-    def state_dict(self) -> Extras:
+    def state_dict(self) -> JsonMap:
         return {"exited": {d: dict(v) for d, v in sorted(self.exited.items())},
                 "streaks": dict(sorted(self.streaks.items())),
                 "last_contribution": dict(sorted(self.last_contribution.items()))}
 
-    def load_state_dict(self, state: Extras) -> None:
+    def load_state_dict(self, state: JsonMap) -> None:
         exited = state.get("exited", {})
         if not isinstance(exited, dict):
             raise ValueError("checkpoint 'exited' must be a mapping device -> {round, reason}")

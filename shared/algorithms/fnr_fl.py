@@ -34,22 +34,23 @@ import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from torch import nn
 
-from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Extras, RoundContext, finite_number
+from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
 from shared.data import ArrayDataset, DataSpec, load_dataset, load_public_set
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
 
 __all__ = [
-    "FNRFL", "FNRFLLogic", "FNRFLParams", "class_average_feature_norms", "feature_norm_differences",
+    "FNRFL", "FNRFLFollowUp", "FNRFLLogic", "FNRFLParams", "FNRFLReport", "FNRFLUploadExtras",
+    "class_average_feature_norms", "feature_norm_differences",
     "features_and_logits", "penalty_term", "refine_on_public", "reference_norms", "select_for_refinement",
 ]
 
@@ -92,6 +93,69 @@ class _DeviceParams(FNRFLParams):
     lr: float = Field(gt=0)
     momentum: float = Field(ge=0, lt=1)
     weight_decay: float = Field(ge=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# payloads
+# ------------------------------------------------------------------------------------------------
+def _class_key(key: Any) -> Any:
+    """Map keys cross the network as strings: ``"3"`` is class 3. Only the plain decimal form is
+    taken (no ``"03"``, ``" 3"``, ``"3.0"``: two spellings of one class would silently collide)."""
+    if isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]*", key):
+        return int(key)
+    return key
+
+
+#: A class id as a map key (``[0, num_classes)`` is checked by whoever knows ``num_classes``).
+ClassId = Annotated[int, BeforeValidator(_class_key), Field(ge=0)]
+#: Class-indexed numbers (Delta_j); on the wire the keys are decimal strings.
+ClassTable = dict[ClassId, float]
+#: Class-average feature norms (F_i, Fbar): non-negative.
+NormTable = dict[ClassId, Annotated[float, Field(ge=0)]]
+
+
+class FNRFLReport(Payload):
+    """A device's report after local training (Alg. 3 lines 26-27), on ``D_pub``."""
+
+    public_accuracy: float = Field(ge=0, le=1)
+    """A_i, the trained model's accuracy on ``D_pub``."""
+    feature_norms: NormTable = Field(min_length=1)
+    """F_i: class -> mean L2 norm of the penultimate features of that class's samples."""
+    num_samples: int = Field(ge=1)
+    """Size of the device's shard (informational)."""
+
+
+class FNRFLFollowUp(Payload):
+    """The Fed Server's answer to a report: refine or not, and with what (Alg. 2)."""
+
+    refine: bool
+    """True for the devices in S_re."""
+    delta: ClassTable | None = None
+    """Delta_j (refined devices; absent = no class to correct)."""
+    reference_norms: NormTable | None = None
+    """Fbar, the reference devices' mean norms (refined devices, ``penalty="differentiable"``)."""
+    excluded: str | None = None
+    """Why the device's report was refused (it is not refined and its upload will be refused)."""
+
+
+class FNRFLUploadExtras(Payload):
+    """Sent with the weights: whether they are refined, and the refinement's diagnostics."""
+
+    refined: bool
+    refine_steps: int | None = Field(None, ge=0)
+    refine_ce: float | None = None
+    refine_penalty: float | None = None
+    refine_loss: float | None = None
+    """Optimizer steps and mean CE, J and Phi of the refinement (exactly when ``refined``)."""
+
+    @model_validator(mode="after")
+    def _check_stats(self) -> "FNRFLUploadExtras":
+        stats = (self.refine_steps, self.refine_ce, self.refine_penalty, self.refine_loss)
+        if self.refined and any(v is None for v in stats):
+            raise ValueError("a refined upload needs refine_steps, refine_ce, refine_penalty and refine_loss")
+        if not self.refined and any(v is not None for v in stats):
+            raise ValueError("refine_* diagnostics are only sent with refined=true")
+        return self
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,26 +333,15 @@ def reference_norms(j: str, participants: Sequence[str], selected: Sequence[str]
 # ------------------------------------------------------------------------------------------------
 # wire helpers and validation
 # ------------------------------------------------------------------------------------------------
-def _class_table(raw: Any, num_classes: int, what: str, non_negative: bool = False) -> dict[int, float]:
-    """``{"3": 1.5}`` (JSON keys are strings) -> ``{3: 1.5}``, keys checked in ``[0, num_classes)``."""
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"{what} must be a map class -> number, got {type(raw).__name__}")
-    table: dict[int, float] = {}
-    for key, value in raw.items():
-        try:
-            label = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"{what}: class key {key!r} is not an integer") from None
-        if str(label) != str(key).strip() or not 0 <= label < num_classes:
-            raise ValueError(f"{what}: class key {key!r} is not a class id in [0, {num_classes})")
-        number = finite_number(value, f"{what}[{key}]")
-        if non_negative and number < 0:
-            raise ValueError(f"{what}[{key}] must be >= 0 (a norm), got {number}")
-        table[label] = number
-    return table
+def _check_classes(table: Mapping[int, float], num_classes: int, what: str) -> None:
+    """ValueError unless every class key is a class id of the model, ``[0, num_classes)``."""
+    outside = sorted(label for label in table if label >= num_classes)
+    if outside:
+        raise ValueError(f"{what}: class keys {outside} are not class ids in [0, {num_classes})")
 
 
 def _to_wire(table: Mapping[int, float]) -> dict[str, float]:
+    """A class table for the metrics record: decimal string keys, in class order."""
     return {str(k): float(v) for k, v in sorted(table.items())}
 
 
@@ -328,7 +381,7 @@ def public_set(data: Mapping[str, Any] | DataSpec, source: str = "holdout") -> A
 class FNRFLLogic(DeviceLogic):
     """Device side: plain CE local training (base), report (A_i, F_i), refinement if instructed."""
 
-    def __init__(self, params: Extras) -> None:
+    def __init__(self, params: JsonMap) -> None:
         super().__init__(params)
         self.cfg = _DeviceParams.model_validate(params)
         self.refined = False
@@ -337,23 +390,21 @@ class FNRFLLogic(DeviceLogic):
     def _public(self) -> ArrayDataset:
         return public_set(self.cfg.data, self.cfg.public_set)
 
-    def report(self, model: nn.Module, data: ArrayDataset) -> Extras:
+    def report(self, model: nn.Module, data: ArrayDataset) -> FNRFLReport:
         """Alg. 3 lines 26-27 on the locally trained model: accuracy and class-average feature
         norms on ``D_pub`` (eval mode, no gradients)."""
         norms, accuracy = class_average_feature_norms(model, self._public(), self.cfg.feature_block,
                                                       self.cfg.public_batch_size)
-        return {"public_accuracy": accuracy, "feature_norms": _to_wire(norms), "num_samples": len(data)}
+        return FNRFLReport(public_accuracy=accuracy, feature_norms=norms, num_samples=len(data))
 
-    def follow_up(self, model: nn.Module, data: ArrayDataset, instruction: Extras) -> None:
+    def follow_up(self, model: nn.Module, data: ArrayDataset, instruction: FNRFLFollowUp) -> None:
         """Refine on ``D_pub`` when picked (Alg. 3 lines 29-43); otherwise keep ``w_i`` as it is."""
-        refine = instruction.get("refine", False)
-        if not isinstance(refine, bool):
-            raise ValueError(f"instruction 'refine' must be a boolean, got {refine!r}")
-        if not refine:
+        if not instruction.refine:
             return
-        delta = _class_table(instruction.get("delta", {}), self.cfg.num_classes, "delta")
-        reference = _class_table(instruction.get("reference_norms", {}), self.cfg.num_classes, "reference_norms",
-                                 non_negative=True)
+        delta = instruction.delta or {}
+        reference = instruction.reference_norms or {}
+        _check_classes(delta, self.cfg.num_classes, "delta")
+        _check_classes(reference, self.cfg.num_classes, "reference_norms")
         self.stats = refine_on_public(
             model, self._public(), delta, lam=self.cfg.lam, epochs=self.cfg.refine_epochs,
             batch_size=self.cfg.public_batch_size, lr=self.cfg.lr, momentum=self.cfg.momentum,
@@ -362,12 +413,12 @@ class FNRFLLogic(DeviceLogic):
         )
         self.refined = True
 
-    def upload_extras(self, model: nn.Module, data: ArrayDataset) -> Extras:
+    def upload_extras(self, model: nn.Module, data: ArrayDataset) -> FNRFLUploadExtras:
         """Whether this upload is a refined model, with the refinement's diagnostics."""
         if not self.refined:
-            return {"refined": False}
-        return {"refined": True, "refine_steps": int(self.stats["steps"]), "refine_ce": float(self.stats["ce"]),
-                "refine_penalty": float(self.stats["penalty"]), "refine_loss": float(self.stats["loss"])}
+            return FNRFLUploadExtras(refined=False)
+        return FNRFLUploadExtras(refined=True, refine_steps=int(self.stats["steps"]), refine_ce=float(self.stats["ce"]),
+                                 refine_penalty=float(self.stats["penalty"]), refine_loss=float(self.stats["loss"]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,6 +430,9 @@ class FNRFL(Algorithm):
     Params = FNRFLParams
     Logic = FNRFLLogic
     needs_report = True
+    Report = FNRFLReport
+    FollowUp = FNRFLFollowUp
+    UploadExtras = FNRFLUploadExtras
 
     def __init__(self, config: "RunConfig") -> None:
         super().__init__(config)
@@ -402,7 +456,7 @@ class FNRFL(Algorithm):
     def leaky(self) -> bool:
         return self.params.public_set == "test_set_leaky"
 
-    def device_params(self) -> Extras:
+    def device_params(self) -> JsonMap:
         """The parameters plus what the device logic needs: feature block, class count, the data
         spec (to load ``D_pub``) and the refinement optimizer settings (those of local training)."""
         train = self.config.train
@@ -410,21 +464,11 @@ class FNRFL(Algorithm):
                 "num_classes": self.num_classes, "data": self.config.data.model_dump(mode="json"),
                 "lr": self.params.refine_lr or train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay}
 
-    def _parse_report(self, report: Mapping[str, Any]) -> tuple[float, dict[int, float]]:
-        if not isinstance(report, Mapping):
-            raise ValueError("report must be a map")
-        accuracy = finite_number(report.get("public_accuracy"), "public_accuracy")
-        if not 0.0 <= accuracy <= 1.0:
-            raise ValueError(f"public_accuracy must be in [0, 1], got {accuracy}")
-        norms = _class_table(report.get("feature_norms"), self.num_classes, "feature_norms", non_negative=True)
-        if not norms:
-            raise ValueError("feature_norms is empty")
-        return accuracy, norms
-
-    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, Extras]) -> dict[str, Extras]:
+    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, FNRFLReport]) -> dict[str, FNRFLFollowUp]:
         """Rank the valid reports, pick ``S_re``, compute each picked device's ``Delta_j``.
 
-        A device whose report is malformed (non-finite, out of range, unknown class) takes no part
+        Malformed reports (non-finite, out of range) were refused when they arrived. A report
+        naming a class the model does not have (which only the bound model knows) takes no part
         in ranking or as a reference, is told not to refine, and its upload is refused
         (``accept_update``), like a FedAvg upload with NaN weights. Other devices go on.
         """
@@ -432,67 +476,59 @@ class FNRFL(Algorithm):
         norms: dict[str, dict[int, float]] = {}
         invalid: dict[str, str] = {}
         for device in sorted(reports, key=_id_key):
+            report = reports[device]
             try:
-                accuracies[device], norms[device] = self._parse_report(reports[device])
+                _check_classes(report.feature_norms, self.num_classes, "feature_norms")
             except ValueError as exc:
                 invalid[device] = str(exc)
+                continue
+            accuracies[device], norms[device] = report.public_accuracy, dict(report.feature_norms)
         participants = sorted(accuracies, key=_id_key)
         selected = select_for_refinement(accuracies, self.params.p)
         deltas = {j: feature_norm_differences(j, participants, selected, norms, self.params.reference_set)
                   for j in selected}
-        instructions: dict[str, Extras] = {}
+        instructions: dict[str, FNRFLFollowUp] = {}
         for device in reports:
             if device in invalid:
-                instructions[device] = {"refine": False, "excluded": invalid[device]}
+                instructions[device] = FNRFLFollowUp(refine=False, excluded=invalid[device])
             elif device in deltas:
-                instruction: Extras = {"refine": True, "delta": _to_wire(deltas[device])}
-                if self.params.penalty == "differentiable":
-                    instruction["reference_norms"] = _to_wire(
-                        reference_norms(device, participants, selected, norms, self.params.reference_set))
-                instructions[device] = instruction
+                reference = reference_norms(device, participants, selected, norms, self.params.reference_set) \
+                    if self.params.penalty == "differentiable" else None
+                instructions[device] = FNRFLFollowUp(refine=True, delta=deltas[device], reference_norms=reference)
             else:
-                instructions[device] = {"refine": False}
+                instructions[device] = FNRFLFollowUp(refine=False)
         # Keyed by the logical round: a retried or resumed attempt of the same round is the same round.
         self._plan = {"round": ctx.index, "accuracies": accuracies, "norms": norms, "selected": selected,
                       "deltas": deltas, "invalid": invalid}
         return instructions
 
-    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Extras,
-                      num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
-        """The upload must say truthfully whether it was refined; diagnostics must be finite."""
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor],
+                      extras: FNRFLUploadExtras, num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
+        """The upload must say truthfully whether it was refined (the plan of this round knows)."""
         if self._plan.get("round") != ctx.index:
             raise ValueError(f"no follow-up plan for round {ctx.index}")
         if device_id in self._plan["invalid"]:
             raise ValueError(f"the report of {device_id} was rejected: {self._plan['invalid'][device_id]}")
-        refined = extras.get("refined")
-        if not isinstance(refined, bool):
-            raise ValueError(f"'refined' must be a boolean, got {refined!r}")
         expected = device_id in self._plan["deltas"]
-        if refined != expected:
-            raise ValueError(f"{device_id} was {'' if expected else 'not '}asked to refine but says refined={refined}")
-        if refined:
-            steps = extras.get("refine_steps")
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-                raise ValueError(f"'refine_steps' must be an integer >= 0, got {steps!r}")
-            for key in ("refine_ce", "refine_penalty", "refine_loss"):
-                finite_number(extras.get(key), key)
+        if extras.refined != expected:
+            raise ValueError(f"{device_id} was {'' if expected else 'not '}asked to refine "
+                             f"but says refined={extras.refined}")
 
-    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Extras]) -> Extras:
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, FNRFLUploadExtras]) -> JsonMap:
         """Who was refined and why: public accuracies, S_re, Delta_j, the refinement losses, and
         ``leaky`` (true when ``D_pub`` is the evaluation set)."""
-        metrics: Extras = {**super().round_metrics(ctx, extras), "leaky": self.leaky,
+        metrics: JsonMap = {**super().round_metrics(ctx, extras), "leaky": self.leaky,
                            "public_set": self.params.public_set, "penalty": self.params.penalty}
         plan = self._plan if self._plan.get("round") == ctx.index else {}
         selected = plan.get("selected", [])
         metrics.update({
             "reported": len(plan.get("accuracies", {})),
             "refine_selected": list(selected),
-            "refined": sorted((d for d, e in extras.items() if e.get("refined") is True), key=_id_key),
+            "refined": sorted((d for d, e in extras.items() if e.refined), key=_id_key),
             "public_accuracy": dict(plan.get("accuracies", {})),
             "feature_norms": {d: _to_wire(t) for d, t in plan.get("norms", {}).items()},
             "delta": {d: _to_wire(t) for d, t in plan.get("deltas", {}).items()},
-            "refine_stats": {d: {k: e[k] for k in ("refine_steps", "refine_ce", "refine_penalty", "refine_loss")}
-                             for d, e in sorted(extras.items()) if e.get("refined") is True},
+            "refine_stats": {d: e.model_dump(exclude={"refined"}) for d, e in sorted(extras.items()) if e.refined},
         })
         if plan.get("invalid"):
             metrics["invalid_reports"] = dict(plan["invalid"])

@@ -122,8 +122,9 @@ def test_train_round_without_server_lowers_loss(model):
         res = train_round(m, n_blocks, weights, data, lr=0.05, momentum=0.0, weight_decay=0.0,
                           batch_size=16, epochs=1, seed=rnd, clock=RoundClock(None), send_step=None)
         assert res.steps == steps_per_round(len(data), 16, 1) == 3
-        assert list(res.state) == list(weights)
-        weights = res.state
+        uploaded = m.portion(0, n_blocks).state_dict()  # what the device uploads
+        assert list(uploaded) == list(weights)
+        weights = {k: v.clone() for k, v in uploaded.items()}  # the next round's task weights
         results.append(res)
     final = _eval_loss(model, weights, data)
     assert final < 0.5 * initial
@@ -160,17 +161,18 @@ def test_train_round_stops_when_its_deadline_passes_mid_round(model):
     assert time.monotonic() - t0 < 2.0
 
 
-def test_train_round_returns_copies(model):
+def test_train_round_trains_the_model_in_place_and_leaves_the_task_weights_alone(model):
+    """The device uploads its portion's state_dict after training (and any follow-up): the
+    trained weights must be there, and the task's weights must be unchanged."""
     data = _separable(16)
     m = copy.deepcopy(model)
     weights = _weights(m, 4)
-    res = train_round(m, 4, weights, data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), None)
-    before = {k: v.clone() for k, v in res.state.items()}
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(1.0)
-    for k, v in res.state.items():
-        assert torch.equal(v, before[k])
+    sent = {k: v.clone() for k, v in weights.items()}
+    train_round(m, 4, weights, data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), None)
+    uploaded = m.portion(0, 4).state_dict()
+    assert list(uploaded) == list(sent)
+    assert all(torch.equal(weights[k], sent[k]) for k in sent)
+    assert any(not torch.equal(uploaded[k], sent[k]) for k in sent)
 
 
 # ------------------------------------------------------------------------------------ split == centralized
@@ -219,15 +221,16 @@ def test_split_learning_equals_centralized_training(model, k):
 
     assert seen == list(range(steps_per_round(len(data), bs, epochs)))
     assert res.steps == len(seen)
-    assert list(res.state) == client.portion_keys(0, k)
-    for key, v in res.state.items():
+    uploaded = client.portion(0, k).state_dict()  # what the device uploads
+    assert list(uploaded) == client.portion_keys(0, k)
+    for key, v in uploaded.items():
         torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=f"client {key}")
     for key, v in server.portion(k, len(server.blocks)).state_dict().items():
         torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=f"server {key}")
     assert res.train_loss == pytest.approx(sum(ref_losses) / len(ref_losses), rel=1e-5)
     # and training actually moved the client weights
     init = _weights(model, k)
-    assert any(not torch.equal(res.state[key], init[key]) for key in init)
+    assert any(not torch.equal(uploaded[key], init[key]) for key in init)
 
 
 def test_split_learning_through_group_trainer_equals_centralized(model):
@@ -243,8 +246,8 @@ def test_split_learning_through_group_trainer_equals_centralized(model):
         return r.dfx, r.loss
 
     client = copy.deepcopy(model)
-    res = train_round(client, k, _weights(client, k), data, lr, 0.0, 0.0, bs, epochs, seed, RoundClock(None), send_step)
-    merged = {**res.state, **trainer.state()}
+    train_round(client, k, _weights(client, k), data, lr, 0.0, 0.0, bs, epochs, seed, RoundClock(None), send_step)
+    merged = {**client.portion(0, k).state_dict(), **trainer.state()}
     assert list(merged) == list(ref_state)
     for key, v in merged.items():
         torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=key)
@@ -261,10 +264,11 @@ def test_half_precision_sends_float16(model):
         return dfx.half(), loss
 
     client = copy.deepcopy(model)
-    res = train_round(client, 2, _weights(client, 2), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), wrapped,
-                      half_precision=True)
+    train_round(client, 2, _weights(client, 2), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), wrapped,
+                half_precision=True)
     assert dtypes == [torch.float16, torch.float16]
-    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in res.state.values())
+    uploaded = client.portion(0, 2).state_dict()
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in uploaded.values())
 
 
 # ------------------------------------------------------------------------------------ RoundClock

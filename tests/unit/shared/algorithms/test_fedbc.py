@@ -13,14 +13,15 @@ from torch import nn
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.base import RoundContext
-from shared.algorithms.base import DeviceLogic
+from shared.algorithms.base import DeviceLogic, RoundContext, parse_payload
 from shared.algorithms.fedbc import (
-    FedBC, FedBCLogic, dual_step, lambda_weighted_average, local_split, proximal_penalty, squared_distance,
+    FedBC, FedBCLogic, FedBCTaskExtras, FedBCUploadExtras, dual_step, lambda_weighted_average, local_split,
+    proximal_penalty, squared_distance,
 )
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
 from shared.data import ArrayDataset, DataSpec, device_shard, load_dataset
+from shared.errors import Invalid
 from shared.models import build_model
 
 
@@ -43,8 +44,13 @@ def _server(**params) -> FedBC:
     return algo
 
 
-def _extras(n_train: int, correct: int = 0, total: int = 0) -> dict:
-    return {"d": 0.0, "local_correct": correct, "local_total": total, "train_samples": n_train}
+def _extras(n_train: int, correct: int = 0, total: int = 0) -> FedBCUploadExtras:
+    return FedBCUploadExtras(d=0.0, local_correct=correct, local_total=total, train_samples=n_train)
+
+
+def _task(**wire) -> FedBCTaskExtras:
+    """Task extras as the device gets them: the wire map, validated."""
+    return parse_payload(FedBCTaskExtras, wire, "task extras")
 
 
 def _aggregate(algo: FedBC, xs: list[float], ns: list[int], round_id: int = 1, z: float = 0.0):
@@ -72,7 +78,7 @@ def test_penalty_gradient_is_2_lambda_w_minus_z_and_ignores_buffers_and_gamma():
     for gamma in (0.0, 0.37):
         logic = FedBCLogic({"local_test_fraction": 0.0})
         data = ArrayDataset(x=x, y=y, num_classes=3)
-        logic.begin_round(model, {"lambda": 0.7, "gamma": gamma, "split_seed": 1}, data)
+        logic.begin_round(model, _task(**{"lambda": 0.7, "gamma": gamma, "split_seed": 1}), data)
         assert set(logic.reference) == {n for n, p in model.named_parameters() if p.requires_grad}
         with torch.no_grad():  # move w away from z
             for name, p in model.named_parameters():
@@ -132,8 +138,8 @@ def test_server_updates_only_participants():
     algo.lam["dev-9"], algo.gamma["dev-9"] = 0.3, 0.2
     _aggregate(algo, [1.0, 3.0], [1, 3])
     assert algo.lam["dev-9"] == 0.3 and algo.gamma["dev-9"] == 0.2
-    assert algo.task_extras("dev-9", RoundContext(2, 2))["lambda"] == 0.3
-    assert algo.task_extras("never-seen", RoundContext(2, 2))["lambda"] == 0.0 and algo.task_extras("never-seen", RoundContext(2, 2))["gamma"] == 0.0
+    assert algo.task_extras("dev-9", RoundContext(2, 2)).lam == 0.3
+    assert algo.task_extras("never-seen", RoundContext(2, 2)).lam == 0.0 and algo.task_extras("never-seen", RoundContext(2, 2)).gamma == 0.0
 
 
 # ----------------------------------------------------------------------------- 4. aggregation
@@ -191,9 +197,10 @@ def _tiny_task():
 
 
 def _train(model, weights, data, logic, extras):
-    return train_round(model, len(model.blocks), weights, data, lr=0.01, momentum=0.5, weight_decay=0.0,
-                       batch_size=20, epochs=2, seed=5, clock=RoundClock(None), send_step=None, logic=logic,
-                       extras=extras).state
+    """Train one round; the weights the device would upload."""
+    train_round(model, len(model.blocks), weights, data, lr=0.01, momentum=0.5, weight_decay=0.0,
+                batch_size=20, epochs=2, seed=5, clock=RoundClock(None), send_step=None, logic=logic, extras=extras)
+    return {k: v.detach().clone() for k, v in model.portion(0, len(model.blocks)).state_dict().items()}
 
 
 class FedProxLogic(DeviceLogic):
@@ -214,8 +221,8 @@ class FedProxLogic(DeviceLogic):
 def test_constant_lambda_is_fedprox_with_mu_2_lambda_and_uniform_average():
     model, data, weights = _tiny_task()
     params = {"local_test_fraction": 0.0}
-    fedbc = _train(model, weights, data, FedBCLogic(params), {"lambda": 0.05, "gamma": 0.3, "split_seed": 0})
-    fedprox = _train(model, weights, data, FedProxLogic(mu=0.1), {})
+    fedbc = _train(model, weights, data, FedBCLogic(params), _task(**{"lambda": 0.05, "gamma": 0.3, "split_seed": 0}))
+    fedprox = _train(model, weights, data, FedProxLogic(mu=0.1), None)
     for key in fedbc:
         assert torch.equal(fedbc[key], fedprox[key]), key  # bit for bit
     assert any(not torch.equal(fedbc[k], weights[k]) for k in weights)
@@ -227,8 +234,8 @@ def test_constant_lambda_is_fedprox_with_mu_2_lambda_and_uniform_average():
 
 def test_zero_lambda_local_step_is_fedavg_bit_for_bit():
     model, data, weights = _tiny_task()
-    fedbc = _train(model, weights, data, FedBCLogic({"local_test_fraction": 0.0}), {"lambda": 0.0, "gamma": 0.0})
-    fedavg = _train(model, weights, data, DeviceLogic({}), {})
+    fedbc = _train(model, weights, data, FedBCLogic({"local_test_fraction": 0.0}), _task(**{"lambda": 0.0, "gamma": 0.0}))
+    fedavg = _train(model, weights, data, DeviceLogic({}), None)
     assert all(torch.equal(fedbc[k], fedavg[k]) for k in fedbc)
 
 
@@ -249,15 +256,17 @@ def test_local_split_is_seeded_stratified_and_disjoint():
 def test_device_trains_on_80_percent_and_reports_local_accuracy_and_distance():
     model, data, weights = _tiny_task()
     logic = FedBCLogic({"local_test_fraction": 0.2, "eval_batch_size": 7})
-    state = _train(model, weights, data, logic, {"lambda": 0.01, "gamma": 0.0, "split_seed": 9})
+    state = _train(model, weights, data, logic, _task(**{"lambda": 0.01, "gamma": 0.0, "split_seed": 9}))
     extras = logic.upload_extras(model, data)
-    assert extras["train_samples"] + extras["local_total"] == len(data)
-    assert extras["local_total"] == int(0.2 * len(data))
+    assert set(extras.to_wire()) == {"d", "local_correct", "local_total", "train_samples"}  # the wire keys
+    assert parse_payload(FedBCUploadExtras, extras.to_wire(), "extras") == extras
+    assert extras.train_samples + extras.local_total == len(data)
+    assert extras.local_total == int(0.2 * len(data))
     test = data.subset(logic.test_idx)
     with torch.no_grad():
         expected = int((model.eval()(test.x).argmax(1) == test.y).sum())
-    assert extras["local_correct"] == expected
-    assert extras["d"] == pytest.approx(squared_distance(state, weights, ["blocks.head.weight", "blocks.head.bias"]))
+    assert extras.local_correct == expected
+    assert extras.d == pytest.approx(squared_distance(state, weights, ["blocks.head.weight", "blocks.head.bias"]))
     # the server accepts these extras and agrees on the distance
     algo = build_algorithm(_config())
     algo.bind_model(model)
@@ -281,18 +290,32 @@ def test_aggregate_uses_the_distance_computed_when_the_upload_was_accepted(monke
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("patch", [
-    {"d": float("nan")}, {"d": -1.0}, {"d": "x"}, {"local_correct": 5, "local_total": 4},
-    {"local_total": -1}, {"train_samples": 0}, {"train_samples": 3}, {"local_correct": True},
+@pytest.mark.parametrize("patch, field", [
+    ({"d": float("nan")}, "d"), ({"d": -1.0}, "d"), ({"d": "x"}, "d"), ({"local_total": -1}, "local_total"),
+    ({"train_samples": 0}, "train_samples"), ({"local_correct": True}, "local_correct"),
+    ({"local_correct": 2.0}, "local_correct"), ({"surprise": 1}, "surprise"), ({"d": None}, "d"),
 ])
-def test_bad_upload_extras_are_refused(patch):
+def test_malformed_upload_extras_are_refused_naming_the_field(patch, field):
+    extras = {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": 16, **patch}
+    with pytest.raises(Invalid, match=rf"^extras: {field}\b"):
+        parse_payload(FedBC.UploadExtras, extras, "extras")
+    with pytest.raises(Invalid, match="train_samples: Field required"):
+        parse_payload(FedBC.UploadExtras, {"d": 0.0, "local_correct": 1, "local_total": 4}, "extras")
+
+
+def test_more_correct_than_tested_is_refused():
+    with pytest.raises(Invalid, match="local_correct=5 exceeds local_total=4"):
+        parse_payload(FedBC.UploadExtras, {"d": 0.0, "local_correct": 5, "local_total": 4, "train_samples": 16}, "x")
+
+
+def test_split_sizes_that_do_not_add_up_to_the_upload_are_refused():
     model = build_model("logreg", 10, (1, 1, 60), seed=0)
     algo = build_algorithm(_config())
     algo.bind_model(model)
     state = model.state_dict()
-    extras = {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": 16, **patch}
-    with pytest.raises(ValueError):
-        algo.accept_update("dev-0", RoundContext(1, 1), state, extras, 20, state)
+    algo.accept_update("dev-0", RoundContext(1, 1), state, _extras(16, 1, 4), 20, state)
+    with pytest.raises(ValueError, match="train_samples=3 \\+ local_total=4 must equal the shard's num_samples=20"):
+        algo.accept_update("dev-0", RoundContext(1, 1), state, _extras(3, 1, 4), 20, state)
 
 
 def test_missing_or_misshaped_weights_are_refused():
@@ -300,7 +323,7 @@ def test_missing_or_misshaped_weights_are_refused():
     algo = build_algorithm(_config())
     algo.bind_model(model)
     state = dict(model.state_dict())
-    extras = {"d": 0.0, "local_correct": 0, "local_total": 0, "train_samples": 20}
+    extras = _extras(20)
     with pytest.raises(ValueError):
         algo.accept_update("dev-0", RoundContext(1, 1), {"blocks.head.bias": state["blocks.head.bias"]}, extras, 20, state)
     with pytest.raises(ValueError):
@@ -308,12 +331,16 @@ def test_missing_or_misshaped_weights_are_refused():
 
 
 def test_bad_task_extras_are_refused_on_the_device():
-    logic = FedBCLogic({})
-    data = ArrayDataset(x=torch.zeros(5, 1, 1, 60), y=torch.zeros(5, dtype=torch.long), num_classes=10)
-    model = build_model("logreg", 10, (1, 1, 60))
-    for extras in ({"lambda": -0.1, "gamma": 0.0}, {"lambda": float("inf"), "gamma": 0.0}, {"gamma": 0.0}):
-        with pytest.raises(ValueError):
-            logic.begin_round(model, extras, data)
+    """The device validates a task's extras against FedBC.TaskExtras (device.py does exactly this)."""
+    for extras, message in (({"lambda": -0.1, "gamma": 0.0}, "lambda: Input should be greater than or equal to 0"),
+                            ({"lambda": float("inf"), "gamma": 0.0}, "lambda: Input should be a finite number"),
+                            ({"gamma": 0.0}, "lambda: Field required"),
+                            ({"lambda": 0.1, "gamma": 0.0, "split_seed": True}, "split_seed: Input should be a valid integer")):
+        with pytest.raises(Invalid, match=f"^task extras: {message}"):
+            _task(**extras)
+    # and what the server sends passes, under the same wire keys
+    wire = _server(lambda_init=0.25).task_extras("dev-1", RoundContext(1, 1)).to_wire()
+    assert set(wire) == {"lambda", "gamma", "split_seed"} and _task(**wire).lam == 0.25
 
 
 def test_params_validation():

@@ -13,21 +13,27 @@ from torch import nn
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.base import RoundContext
+from shared.algorithms.base import RoundContext, parse_payload
 from shared.algorithms.fedavg import FedAvg
 from shared.algorithms.fedipg import (
-    FedIPG, FedIPGLogic, fedipg_objective, invariance_statistic, penalty_parameters,
+    FedIPG, FedIPGLogic, FedIPGUploadExtras, fedipg_objective, invariance_statistic, penalty_parameters,
 )
 from shared.algorithms.registry import ALGORITHMS, build_selector
 from shared.config import RunConfig
 from shared.data import ArrayDataset
 from shared.data.device_transforms import DEVICE_TRANSFORMS
+from shared.errors import Invalid
 from shared.data.domains import (
     color_dataset, color_transform, rotate_dataset, rotate_images, rotation_angle, rotation_transform,
 )
 from shared.models import build_model
 
 SHAPE = (1, 8, 8)
+
+
+def _uploaded(model) -> dict[str, torch.Tensor]:
+    """A copy of what a device uploads after training (its portion's state_dict)."""
+    return {k: v.detach().clone() for k, v in model.portion(0, len(model.blocks)).state_dict().items()}
 
 
 def _config(**params) -> RunConfig:
@@ -177,10 +183,10 @@ def test_lambda_zero_gives_fedavg_models_bit_identically():
             contribs, extras = {}, {}
             for i, shard in enumerate(shards):
                 logic = type(algo).device_logic(algo.device_params())
-                res = train_round(model, len(model.blocks), start, shard, lr=0.1, momentum=0.9, weight_decay=0.0,
-                                  batch_size=8, epochs=1, seed=100 * round_id + i, clock=RoundClock(None),
-                                  send_step=None, logic=logic)
-                contribs[f"dev-{i:03d}"] = Contribution(weight=len(shard), client_state=res.state)
+                train_round(model, len(model.blocks), start, shard, lr=0.1, momentum=0.9, weight_decay=0.0,
+                            batch_size=8, epochs=1, seed=100 * round_id + i, clock=RoundClock(None),
+                            send_step=None, logic=logic)
+                contribs[f"dev-{i:03d}"] = Contribution(weight=len(shard), client_state=_uploaded(model))
                 extras[f"dev-{i:03d}"] = logic.upload_extras(model, shard)
             new = algo.aggregate(RoundContext(round_id, round_id), start, contribs, extras)
             model.load_state_dict(new)
@@ -196,14 +202,27 @@ def test_positive_lambda_changes_the_update_and_trains_the_cnn():
     out = {}
     for lam in (0.0, 0.5):
         logic = FedIPGLogic({"lam": lam, "penalty_scope": "all", "output_layer": model.output_layer})
-        res = train_round(model, len(model.blocks), start, shard, lr=0.1, momentum=0.0, weight_decay=0.0,
-                          batch_size=8, epochs=1, seed=7, clock=RoundClock(None), send_step=None, logic=logic)
-        out[lam] = (res.state, logic.upload_extras(model, shard))
+        train_round(model, len(model.blocks), start, shard, lr=0.1, momentum=0.0, weight_decay=0.0,
+                    batch_size=8, epochs=1, seed=7, clock=RoundClock(None), send_step=None, logic=logic)
+        out[lam] = (_uploaded(model), logic.upload_extras(model, shard).to_wire())
     assert any(not torch.equal(out[0.0][0][k], out[0.5][0][k]) for k in start)
     extras = out[0.5][1]
     assert set(extras) == {"risk", "penalty_s2", "penalty_abs_s"}  # 8. a few floats, no extra tensors
     assert all(math.isfinite(v) and v >= 0 for v in extras.values())
-    assert set(out[0.0][1]) == {"risk"}
+    assert set(out[0.0][1]) == {"risk"}  # the wire keys: no penalty pair (not even as null) when lam = 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"risk": float("nan"), "penalty_s2": 0.0, "penalty_abs_s": 0.0}, "risk: Input should be a finite number"),
+    ({"risk": 0.1, "penalty_s2": -1.0, "penalty_abs_s": 0.0}, "penalty_s2: Input should be greater than or equal to 0"),
+    ({"risk": 0.1, "penalty_s2": 0.0}, "penalty_s2 and penalty_abs_s are sent together"),
+    ({"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0, "x": 1}, "x: Extra inputs are not permitted"),
+    ({"penalty_s2": 0.0, "penalty_abs_s": 0.0}, "risk: Field required"),
+    ({"risk": "0.1"}, "risk: Input should be a valid number"),
+])
+def test_malformed_upload_extras_are_refused_naming_the_field(bad, message):
+    with pytest.raises(Invalid, match=f"^extras: .*{message}"):
+        parse_payload(FedIPG.UploadExtras, bad, "extras")
 
 
 # ------------------------------------------------------------------ 6. exit strategy
@@ -216,14 +235,12 @@ def test_excluded_devices_are_never_selected_nor_aggregated():
         picked = build_selector(algo.config).select(RoundContext(r, r), algo.eligible(devices), 4, rng)
         assert "dev-001" not in picked and len(picked) == 3
     g = {"w": torch.zeros(2)}
+    ok = FedIPGUploadExtras(risk=0.1, penalty_s2=0.0, penalty_abs_s=0.0)
     with pytest.raises(ValueError, match="exited"):
-        algo.accept_update("dev-001", RoundContext(1, 1), g, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0}, 10, g)
-    algo.accept_update("dev-000", RoundContext(1, 1), g, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0}, 10, g)
-    for bad in ({"risk": float("nan"), "penalty_s2": 0.0, "penalty_abs_s": 0.0},
-                {"risk": 0.1, "penalty_s2": -1.0, "penalty_abs_s": 0.0},
-                {"risk": 0.1}, {"risk": 0.1, "penalty_s2": 0.0, "penalty_abs_s": 0.0, "x": 1}):
-        with pytest.raises(ValueError):
-            algo.accept_update("dev-000", RoundContext(1, 1), g, bad, 10, g)
+        algo.accept_update("dev-001", RoundContext(1, 1), g, ok, 10, g)
+    algo.accept_update("dev-000", RoundContext(1, 1), g, ok, 10, g)
+    with pytest.raises(ValueError, match="exactly when lam > 0"):  # lam = 1e-3 here: the pair is due
+        algo.accept_update("dev-000", RoundContext(1, 1), g, FedIPGUploadExtras(risk=0.1), 10, g)
     contributions = {"dev-000": Contribution(10, {"w": torch.tensor([1.0, 1.0])}),
                      "dev-001": Contribution(50, {"w": torch.tensor([100.0, 100.0])}),
                      "dev-002": Contribution(30, {"w": torch.tensor([3.0, 5.0])})}
@@ -232,7 +249,8 @@ def test_excluded_devices_are_never_selected_nor_aggregated():
     assert algo.last_weights == {"dev-000": 0.25, "dev-002": 0.75}
     algo_u = FedIPG(_config(exit_policy="static", excluded=["dev-001"], weighting="uniform"))
     assert torch.allclose(algo_u.aggregate(RoundContext(1, 1), g, contributions, {})["w"], torch.tensor([2.0, 3.0]))
-    metrics = algo.round_metrics(RoundContext(1, 1), {"dev-000": {"risk": 0.2, "penalty_s2": 0.1, "penalty_abs_s": 0.3}})
+    metrics = algo.round_metrics(RoundContext(1, 1),
+                                 {"dev-000": FedIPGUploadExtras(risk=0.2, penalty_s2=0.1, penalty_abs_s=0.3)})
     assert metrics["exited"] == ["dev-001"] and metrics["risk"] == pytest.approx(0.2)
     # Exit state goes into the (JSON-able) checkpoint and comes back.
     state = json.loads(json.dumps(algo.state_dict()))

@@ -12,10 +12,9 @@ from torch import nn
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.base import RoundContext
-from shared.algorithms.base import DeviceLogic
+from shared.algorithms.base import DeviceLogic, RoundContext, parse_payload
 from shared.algorithms.fnr_fl import (
-    FNRFL, FNRFLLogic, class_average_feature_norms, feature_norm_differences, penalty_term, public_set,
+    FNRFL, FNRFLFollowUp, FNRFLLogic, FNRFLReport, FNRFLUploadExtras, class_average_feature_norms, feature_norm_differences, penalty_term, public_set,
     refine_on_public, reference_norms, select_for_refinement,
 )
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
@@ -23,6 +22,7 @@ from shared.config import RunConfig
 from shared.data import ArrayDataset, DataSpec, device_shard, load_dataset, load_public_set
 from shared.data.device_transforms import DEVICE_TRANSFORMS
 from shared.data.feature_skew import device_noise_std, gaussian_noise
+from shared.errors import Invalid
 from shared.models import SplitModel, build_model
 
 DATA = {"num_devices": 4, "partition": "iid", "seed": 1, "max_samples": 400, "public_samples": 70}
@@ -32,6 +32,11 @@ def _config(**params) -> RunConfig:
     return RunConfig.model_validate({"algorithm": "fnr-fl", "model": "cnn", "data": DATA,
                                      "train": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": 32},
                                      "algorithm_params": params})
+
+
+def _report(wire: dict) -> FNRFLReport:
+    """A report as the Fed Server stores it: the wire map, validated."""
+    return parse_payload(FNRFLReport, wire, "report")
 
 
 def _algorithm(model: str = "cnn", **params) -> FNRFL:
@@ -117,19 +122,23 @@ def test_selection_and_feature_norm_differences_hand_table():
 
 def test_plan_follow_ups_through_the_wire_format():
     algo = _algorithm(p=0.5)
-    reports = {f"dev-{d}": {"public_accuracy": ACC[d], "feature_norms": {str(k): v for k, v in NORMS[d].items()},
-                            "num_samples": 10} for d in NORMS}
-    plan = algo.plan_follow_ups(RoundContext(1, 1), reports)
+    reports = {f"dev-{d}": _report({"public_accuracy": ACC[d], "feature_norms": {str(k): v for k, v in NORMS[d].items()},
+                                    "num_samples": 10}) for d in NORMS}
+    plan = {d: f.to_wire() for d, f in algo.plan_follow_ups(RoundContext(1, 1), reports).items()}
     assert plan["dev-1"] == {"refine": True, "delta": {"0": 5.0, "1": 0.0}}
     assert plan["dev-4"] == {"refine": True, "delta": {"0": 3.0, "1": 2.0}}
     assert plan["dev-2"] == {"refine": False} and plan["dev-3"] == {"refine": False}
-    metrics = algo.round_metrics(RoundContext(1, 1), {"dev-1": {"refined": True, "refine_steps": 3, "refine_ce": 1.0,
-                                               "refine_penalty": 3.75, "refine_loss": 2.875},
-                                     "dev-2": {"refined": False}})
+    # what the device makes of them
+    assert parse_payload(FNRFLFollowUp, plan["dev-1"], "follow-up").delta == {0: 5.0, 1: 0.0}
+    metrics = algo.round_metrics(RoundContext(1, 1), {
+        "dev-1": FNRFLUploadExtras(refined=True, refine_steps=3, refine_ce=1.0, refine_penalty=3.75, refine_loss=2.875),
+        "dev-2": FNRFLUploadExtras(refined=False)})
     assert metrics["refine_selected"] == ["dev-1", "dev-4"] and metrics["refined"] == ["dev-1"]
     assert metrics["leaky"] is False and metrics["public_set"] == "holdout"
     assert metrics["delta"]["dev-4"] == {"0": 3.0, "1": 2.0}
     assert metrics["public_accuracy"]["dev-2"] == 0.9
+    assert metrics["refine_stats"] == {"dev-1": {"refine_steps": 3, "refine_ce": 1.0, "refine_penalty": 3.75,
+                                                 "refine_loss": 2.875}}
 
 
 def test_ties_by_natural_device_id_and_n_re_rounding():
@@ -143,10 +152,10 @@ def test_ties_by_natural_device_id_and_n_re_rounding():
 
 def test_p_one_refines_everyone_with_empty_delta_and_zero_penalty():
     algo = _algorithm(p=1.0)
-    reports = {f"dev-{d}": {"public_accuracy": ACC[d], "feature_norms": {str(k): v for k, v in NORMS[d].items()}}
-               for d in NORMS}
+    reports = {f"dev-{d}": _report({"public_accuracy": ACC[d], "feature_norms": {str(k): v for k, v in NORMS[d].items()},
+                                    "num_samples": 10}) for d in NORMS}
     plan = algo.plan_follow_ups(RoundContext(1, 1), reports)
-    assert all(i == {"refine": True, "delta": {}} for i in plan.values())
+    assert all(i.to_wire() == {"refine": True, "delta": {}} for i in plan.values())
     assert penalty_term(torch.tensor([0, 1, 1]), {}) == 0.0
 
 
@@ -225,14 +234,16 @@ def test_p_zero_round_is_fedavg_bit_for_bit():
     portion = model.portion(0, len(model.blocks))
     report = logic.report(portion, shard)
     instruction = algo.plan_follow_ups(RoundContext(1, 1), {"dev-001": report})["dev-001"]
-    assert instruction == {"refine": False}
+    assert instruction.to_wire() == {"refine": False}
     logic.follow_up(portion, shard, instruction)
-    assert logic.upload_extras(portion, shard) == {"refined": False}
+    assert logic.upload_extras(portion, shard).to_wire() == {"refined": False}
     fedavg_model, _ = _local_round(DeviceLogic({}), spec)
     a, b = portion.state_dict(), fedavg_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)  # incl. BN running stats
     # Report size: K class norms + accuracy + sample count (spec §8.8).
-    assert set(report) == {"public_accuracy", "feature_norms", "num_samples"} and len(report["feature_norms"]) <= 10
+    wire = report.to_wire()
+    assert set(wire) == {"public_accuracy", "feature_norms", "num_samples"} and len(wire["feature_norms"]) <= 10
+    assert _report(wire) == report  # and it survives the trip
 
 
 def test_refinement_continues_from_local_model_over_public_set():
@@ -243,13 +254,13 @@ def test_refinement_continues_from_local_model_over_public_set():
     portion = model.portion(0, len(model.blocks))
     local = {k: v.clone() for k, v in portion.state_dict().items()}
     instruction = algo.plan_follow_ups(RoundContext(1, 1), {"dev-001": logic.report(portion, shard)})["dev-001"]
-    assert instruction["refine"] is True
+    assert instruction.refine is True
     logic.follow_up(portion, shard, instruction)
     extras = logic.upload_extras(portion, shard)
     public = public_set(algo.config.data)
     assert len(public) == 70
     assert np.array_equal(public.label_counts(), load_public_set(algo.config.data).label_counts())
-    assert extras["refined"] is True and extras["refine_steps"] == 2 * math.ceil(70 / 32)
+    assert extras.refined is True and extras.refine_steps == 2 * math.ceil(70 / 32)
     # The same refinement written out from w_j (the local model) on D_pub gives the same weights.
     ref = build_model("cnn", 10, (1, 28, 28))
     ref.load_state_dict(local)
@@ -266,37 +277,69 @@ def test_aggregation_is_data_size_weighted_over_all_uploads():
     g = {"w": torch.zeros(2), "n": torch.tensor(0)}
     contributions = {"a": Contribution(1, {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(2)}),
                      "b": Contribution(3, {"w": torch.tensor([5.0, -2.0]), "n": torch.tensor(6)})}
-    out = algo.aggregate(RoundContext(1, 1), g, contributions, {"a": {"refined": True}, "b": {"refined": False}})
+    refined = FNRFLUploadExtras(refined=True, refine_steps=1, refine_ce=0.0, refine_penalty=0.0, refine_loss=0.0)
+    out = algo.aggregate(RoundContext(1, 1), g, contributions, {"a": refined, "b": FNRFLUploadExtras(refined=False)})
     assert torch.equal(out["w"], torch.tensor([4.0, -1.0]))
     assert int(out["n"]) == 5
 
 
 # --- validation, leak flag, config ---------------------------------------------------------------
-def test_bad_reports_are_excluded_and_their_uploads_refused():
+@pytest.mark.parametrize("bad, message", [
+    ({"public_accuracy": float("nan")}, "public_accuracy: Input should be a finite number"),
+    ({"public_accuracy": 1.5}, "public_accuracy: Input should be less than or equal to 1"),
+    ({"feature_norms": {"0": -1.0}}, "feature_norms.0: Input should be greater than or equal to 0"),
+    ({"feature_norms": {"03": 1.0}}, r"feature_norms.03.\[key\]: Input should be a valid integer"),
+    ({"feature_norms": {}}, "feature_norms: Dictionary should have at least 1 item"),
+    ({"num_samples": True}, "num_samples: Input should be a valid integer"),
+    ({"extra": 1}, "extra: Extra inputs are not permitted"),
+])
+def test_malformed_reports_are_refused_naming_the_field(bad, message):
+    with pytest.raises(Invalid, match=f"^report: {message}"):
+        _report({"public_accuracy": 0.5, "feature_norms": {"0": 1.0}, "num_samples": 10, **bad})
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"refined": "yes"}, "refined: Input should be a valid boolean"),
+    ({"refined": True, "refine_steps": 1, "refine_ce": float("inf"), "refine_penalty": 0.0, "refine_loss": 0.0},
+     "refine_ce: Input should be a finite number"),
+    ({"refined": True, "refine_steps": 1}, "a refined upload needs refine_steps, refine_ce"),
+    ({"refined": False, "refine_steps": 1}, "refine_\\* diagnostics are only sent with refined=true"),
+    ({}, "refined: Field required"),
+])
+def test_malformed_upload_extras_are_refused_naming_the_field(bad, message):
+    with pytest.raises(Invalid, match=f"^extras: .*{message}"):
+        parse_payload(FNRFL.UploadExtras, bad, "extras")
+
+
+def test_malformed_follow_ups_are_refused_on_the_device():
+    with pytest.raises(Invalid, match="^follow-up: delta.x.\\[key\\]: Input should be a valid integer"):
+        parse_payload(FNRFL.FollowUp, {"refine": True, "delta": {"x": 1.0}}, "follow-up")
+    with pytest.raises(Invalid, match="^follow-up: reference_norms.2: Input should be greater than or equal to 0"):
+        parse_payload(FNRFL.FollowUp, {"refine": True, "delta": {}, "reference_norms": {"2": -3.0}}, "follow-up")
+    # a class the device's model does not have: refused by the logic, which knows num_classes
+    algo = _algorithm(p=1.0)
+    logic = FNRFLLogic(algo.device_params())
+    with pytest.raises(ValueError, match=r"delta: class keys \[12\] are not class ids in \[0, 10\)"):
+        logic.follow_up(build_model("cnn", 10, (1, 28, 28)), None, FNRFLFollowUp(refine=True, delta={12: 1.0}))
+
+
+def test_reports_naming_unknown_classes_are_excluded_and_their_uploads_refused():
     algo = _algorithm(p=0.5)
-    good = {"public_accuracy": 0.5, "feature_norms": {"0": 1.0}}
-    reports = {"dev-1": {"public_accuracy": float("nan"), "feature_norms": {"0": 1.0}},
-               "dev-2": {"public_accuracy": 0.5, "feature_norms": {"12": 1.0}},
-               "dev-3": {"public_accuracy": 1.5, "feature_norms": {"0": 1.0}},
-               "dev-4": {"public_accuracy": 0.5, "feature_norms": {"0": -1.0}},
-               "dev-5": good, "dev-6": {**good, "public_accuracy": 0.9}}
+    good = {"public_accuracy": 0.5, "feature_norms": {"0": 1.0}, "num_samples": 10}
+    reports = {"dev-2": _report({**good, "feature_norms": {"12": 1.0}}),
+               "dev-5": _report(good), "dev-6": _report({**good, "public_accuracy": 0.9})}
     plan = algo.plan_follow_ups(RoundContext(3, 3), reports)
-    for bad in ("dev-1", "dev-2", "dev-3", "dev-4"):
-        assert plan[bad]["refine"] is False and "excluded" in plan[bad]
-        with pytest.raises(ValueError, match="rejected"):
-            algo.accept_update(bad, RoundContext(3, 3), {}, {"refined": False}, 10, {})
-    assert plan["dev-5"] == {"refine": True, "delta": {"0": 0.0}} and plan["dev-6"] == {"refine": False}
+    assert plan["dev-2"].refine is False and "[12]" in plan["dev-2"].excluded
+    with pytest.raises(ValueError, match="rejected"):
+        algo.accept_update("dev-2", RoundContext(3, 3), {}, FNRFLUploadExtras(refined=False), 10, {})
+    assert plan["dev-5"].to_wire() == {"refine": True, "delta": {"0": 0.0}}
+    assert plan["dev-6"].to_wire() == {"refine": False}
     with pytest.raises(ValueError, match="asked to refine"):
-        algo.accept_update("dev-5", RoundContext(3, 3), {}, {"refined": False}, 10, {})
-    with pytest.raises(ValueError, match="refine_ce"):
-        algo.accept_update("dev-5", RoundContext(3, 3), {}, {"refined": True, "refine_steps": 1, "refine_ce": float("inf"),
-                                            "refine_penalty": 0.0, "refine_loss": 0.0}, 10, {})
-    with pytest.raises(ValueError, match="boolean"):
-        algo.accept_update("dev-6", RoundContext(3, 3), {}, {}, 10, {})
+        algo.accept_update("dev-5", RoundContext(3, 3), {}, FNRFLUploadExtras(refined=False), 10, {})
     with pytest.raises(ValueError, match="round 4"):
-        algo.accept_update("dev-6", RoundContext(4, 4), {}, {"refined": False}, 10, {})
-    algo.accept_update("dev-6", RoundContext(3, 3), {}, {"refined": False}, 10, {})
-    assert set(algo.round_metrics(RoundContext(3, 3), {})["invalid_reports"]) == {"dev-1", "dev-2", "dev-3", "dev-4"}
+        algo.accept_update("dev-6", RoundContext(4, 4), {}, FNRFLUploadExtras(refined=False), 10, {})
+    algo.accept_update("dev-6", RoundContext(3, 3), {}, FNRFLUploadExtras(refined=False), 10, {})
+    assert set(algo.round_metrics(RoundContext(3, 3), {})["invalid_reports"]) == {"dev-2"}
 
 
 def test_config_checks_and_leaky_mode():

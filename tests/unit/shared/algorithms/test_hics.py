@@ -74,20 +74,21 @@ def test_zero_head_one_sgd_step_gives_exact_entropy(labels, expected):
         model.blocks.head.bias.zero_()
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     data = ArrayDataset(torch.randn(6, 1, 28, 28), torch.tensor(labels), 3)
-    result = train_round(model, len(model.blocks), global_state, data, lr=lr, momentum=0.0, weight_decay=0.0,
-                         batch_size=6, epochs=1, seed=0, clock=RoundClock(None), send_step=None)
+    train_round(model, len(model.blocks), global_state, data, lr=lr, momentum=0.0, weight_decay=0.0,
+                batch_size=6, epochs=1, seed=0, clock=RoundClock(None), send_step=None)
+    uploaded = model.portion(0, len(model.blocks)).state_dict()  # what the device uploads
     assert model.output_layer == HEAD
     hist = np.bincount(labels, minlength=3) / len(labels)
-    delta = (result.state[f"{HEAD}.bias"] - global_state[f"{HEAD}.bias"]).double().numpy()
+    delta = (uploaded[f"{HEAD}.bias"] - global_state[f"{HEAD}.bias"]).double().numpy()
     np.testing.assert_allclose(delta, lr * (hist - 1 / 3), atol=1e-8)  # Δb = η (D - 1/C) exactly
 
     selector = _selector(temperature=lr)
-    selector.observe("d0", Contribution(6.0, result.state), global_state)
+    selector.observe("d0", Contribution(6.0, uploaded), global_state)
     assert selector.entropy("d0") == pytest.approx(expected, abs=1e-5)
 
     if labels == [0] * 6:  # sign guard: old - new (swapped states) makes a one-class device look more balanced
         swapped = _selector(temperature=lr)
-        swapped.observe("d0", Contribution(6.0, global_state), result.state)
+        swapped.observe("d0", Contribution(6.0, global_state), uploaded)
         assert swapped.entropy("d0") == pytest.approx(estimate_entropy(-delta, lr))
         assert swapped.entropy("d0") > expected + 0.04  # 1.017357 vs 0.975328: test 2 would fail
 

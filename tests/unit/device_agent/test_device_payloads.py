@@ -1,0 +1,48 @@
+"""A device validates the algorithm payloads it receives (task extras, follow-ups) before it acts
+on them: a malformed task is given up, naming the field, before any training or upload."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from device_agent.device import Device
+from shared.config import TrainConfig
+from shared.data import ArrayDataset, DataSpec
+from shared.errors import Invalid
+from shared.models import build_model
+from shared.portions import portion_state
+from shared.schemas import RunInfo, TaskResponse
+from shared.wire import encode_state
+
+
+def _device() -> Device:
+    # Port 9 (discard): any request the device made would fail with a transport error, not Invalid.
+    device = Device("dev-000", 0, "http://127.0.0.1:9", kind=None, keep_model=False)
+    device.info = RunInfo(run_id="r", algorithm="fedbc", model="logreg", num_classes=10, input_shape=[1, 1, 60],
+                          data=DataSpec(num_devices=1), seed=3)
+    device.data = ArrayDataset(torch.randn(10, 1, 1, 60), torch.arange(10) % 10, 10)
+    with torch.device("meta"):
+        device.layout = device._build()
+    return device
+
+
+def _task(extras: dict) -> TaskResponse:
+    model = build_model("logreg", 10, (1, 1, 60), seed=3)
+    blocks = len(model.blocks)
+    return TaskResponse(status="train", round_id=1, split_point=blocks, num_blocks=blocks,
+                        weights=encode_state(portion_state(model, 0, blocks)), train=TrainConfig(),
+                        algorithm="fedbc", params={}, extras=extras)
+
+
+@pytest.mark.parametrize("extras, message", [
+    ({"lambda": -1.0, "gamma": 0.0, "split_seed": 1}, "lambda: Input should be greater than or equal to 0"),
+    ({"gamma": 0.0, "split_seed": 1}, "lambda: Field required"),
+    ({"lambda": 0.1, "gamma": 0.0, "split_seed": "1"}, "split_seed: Input should be a valid integer"),
+])
+def test_malformed_task_extras_are_refused_before_training(extras, message):
+    device = _device()
+    with pytest.raises(Invalid, match=f"^task extras: {message}$"):
+        device.run_task(_task(extras), 0, time.monotonic())
+    assert device.rounds_done == 0

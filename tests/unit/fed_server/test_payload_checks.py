@@ -1,0 +1,80 @@
+"""The Fed Server validates every algorithm payload that arrives (reports, upload extras) against
+the algorithm's model: a malformed one is refused as Invalid (422) naming the field, and nothing
+is stored; what the server sends (task extras, follow-ups) keeps the algorithms' wire keys."""
+from __future__ import annotations
+
+import pytest
+
+from fed_server.coordinator import Coordinator
+from fed_server.run_dir import RunDirectory
+from shared.config import RunConfig
+from shared.errors import Invalid
+from shared.portions import portion_state
+from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, ReportRequest, UpdateRequest
+from shared.wire import encode_state
+
+TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
+
+
+def _coordinator(tmp_path, algorithm: str, **data) -> Coordinator:
+    config = RunConfig.model_validate({"algorithm": algorithm, "rounds": 1, "seed": 3,
+                                       "data": {"num_devices": 2, "max_samples": 200, **data}})
+    coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    for i in range(2):
+        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=20,
+                                             profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    fed_round = coordinator.begin_round()
+    fed_round.ready = True
+    # The tests below speak for d0: make it a participant whatever the seeded selection drew.
+    assert "d0" in fed_round.assignments, "d0 was not selected; pick the device from fed_round.assignments"
+    return coordinator
+
+
+def _upload(coordinator: Coordinator, device: str, extras: dict) -> UpdateRequest:
+    state = portion_state(coordinator.model, 0, coordinator.num_blocks)
+    assert coordinator.round is not None
+    return UpdateRequest(device_id=device, round_id=coordinator.round.round_id, num_samples=20, steps=1,
+                         train_loss=1.0, weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0,
+                         extras=extras)
+
+
+def test_fedbc_task_extras_keep_their_wire_keys_and_bad_upload_extras_are_refused(tmp_path):
+    c = _coordinator(tmp_path, "fedbc")
+    task = c.task_for("d0")
+    assert task.status == "train" and set(task.extras) == {"lambda", "gamma", "split_seed"}
+    good = {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": 16}
+    with pytest.raises(Invalid, match="^extras: local_total: Input should be greater than or equal to 0$"):
+        c.accept_update(c.round.round_id, _upload(c, "d0", {**good, "local_total": -4}), 100)
+    with pytest.raises(Invalid, match="^extras: d: Input should be a finite number$"):
+        c.accept_update(c.round.round_id, _upload(c, "d0", {**good, "d": float("nan")}), 100)
+    # the algorithm's own check (needs the upload's num_samples) also ends as Invalid
+    with pytest.raises(Invalid, match="train_samples=15 \\+ local_total=4 must equal"):
+        c.accept_update(c.round.round_id, _upload(c, "d0", {**good, "train_samples": 15}), 100)
+    assert c.round.updates == {}
+    c.accept_update(c.round.round_id, _upload(c, "d0", good), 100)
+    assert c.round.updates["d0"].extras.train_samples == 16  # stored typed, for aggregate and metrics
+
+
+def test_fedavg_takes_no_upload_extras(tmp_path):
+    c = _coordinator(tmp_path, "fedavg")
+    with pytest.raises(Invalid, match="^extras: note: Extra inputs are not permitted$"):
+        c.accept_update(c.round.round_id, _upload(c, "d0", {"note": 1}), 100)
+    assert c.round.updates == {}
+
+
+def test_fnr_fl_malformed_report_is_refused_and_not_stored(tmp_path):
+    c = _coordinator(tmp_path, "fnr-fl", public_samples=20)
+    assert c.task_for("d0").report is True
+    round_id = c.round.round_id
+    bad = ReportRequest(device_id="d0", round_id=round_id,
+                        extras={"public_accuracy": 0.5, "feature_norms": {"1": -2.0}, "num_samples": 20})
+    with pytest.raises(Invalid, match="^report: feature_norms.1: Input should be greater than or equal to 0$"):
+        c.accept_report(round_id, bad)
+    assert c.round.reports == {}
+    good = ReportRequest(device_id="d0", round_id=round_id,
+                         extras={"public_accuracy": 0.5, "feature_norms": {"1": 2.0}, "num_samples": 20})
+    c.accept_report(round_id, good)
+    assert c.round.reports["d0"].feature_norms == {1: 2.0}
+    c.plan_follow_ups(c.round)
+    follow_up = c.task_for("d0")
+    assert follow_up.phase == "follow_up" and follow_up.extras == {"refine": False}  # p=0.5 of one reporter: none
