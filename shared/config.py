@@ -132,25 +132,9 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        from shared.algorithms.registry import ALGORITHMS, SELECTORS, build_algorithm, build_selector
-        from shared.models.zoo import MODEL_NAMES
-
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
-        if self.selection not in SELECTORS:
-            raise ValueError(f"unknown selection {self.selection!r}; choose one of {sorted(SELECTORS)}")
-        if self.model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
-        from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
-
-        # Building the algorithm and the selector validates algorithm_params, selection_params and the
-        # algorithm's own requirements on the rest of the config (e.g. FNR-FL needs
-        # data.public_samples), before any process starts.
-        algorithm = build_algorithm(self)
-        build_selector(self)
-        if self.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
-            raise ValueError(f"model {self.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
-                             f"(e.g. fedavg, fedbc), not {self.algorithm!r}")
+        """Checks that need only the config itself. The ones that need the algorithm registry or
+        the model zoo (names, algorithm_params, selection_params) are in
+        ``shared.run_config.validate_run_config``, so this module imports no algorithm."""
         if self.devices_per_round is not None and self.devices_per_round > self.data.num_devices:
             raise ValueError("devices_per_round cannot exceed data.num_devices")
         return self
@@ -188,12 +172,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw)
 
 
-def resolve_run_config(
+def merge_config_sources(
     config_file: str | Path | None = None,
     overrides: list[str] | None = None,
     env_prefix: str = "SFL_RUN__",
-) -> RunConfig:
-    """Defaults < config file < environment (``SFL_RUN__TRAIN__LR=0.1``) < ``key=value`` overrides."""
+) -> dict[str, Any]:
+    """Defaults < config file < environment (``SFL_RUN__TRAIN__LR=0.1``) < ``key=value`` overrides,
+    merged into the plain dict that ``shared.run_config.load_run_config`` validates."""
     data: dict[str, Any] = load_config_file(config_file) if config_file else {}
     for name, raw in sorted(os.environ.items()):
         if name.startswith(env_prefix) and len(name) > len(env_prefix):
@@ -201,7 +186,7 @@ def resolve_run_config(
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(data, key, value)
-    return RunConfig.model_validate(data)
+    return data
 
 
 def env_default(name: str, default: Any) -> Any:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared.config import resolve_run_config
+from shared.run_config import resolve_run_config
 from shared.data import DataSpec, dataset_input_shape, dataset_num_classes, device_shard, load_dataset
 from shared.data.synthetic import generate_raw, generate_synthetic
 from shared.models import build_model

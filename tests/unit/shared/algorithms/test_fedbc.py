@@ -20,12 +20,13 @@ from shared.algorithms.fedbc import (
 )
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import ArrayDataset, DataSpec, device_shard, load_dataset
 from shared.models import build_model
 
 
 def _config(**params) -> RunConfig:
-    return RunConfig.model_validate({"algorithm": "fedbc", "algorithm_params": params, "seed": 3})
+    return load_run_config({"algorithm": "fedbc", "algorithm_params": params, "seed": 3})
 
 
 class Scalar(nn.Module):

@@ -20,6 +20,7 @@ from shared.algorithms.fedipg import (
 )
 from shared.algorithms.registry import ALGORITHMS, build_selector
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import ArrayDataset
 from shared.data.device_transforms import DEVICE_TRANSFORMS
 from shared.data.domains import (
@@ -31,7 +32,7 @@ SHAPE = (1, 8, 8)
 
 
 def _config(**params) -> RunConfig:
-    return RunConfig.model_validate({"algorithm": "fedipg", "data": {"num_devices": 4}, "algorithm_params": params})
+    return load_run_config({"algorithm": "fedipg", "data": {"num_devices": 4}, "algorithm_params": params})
 
 
 def _data(n: int = 40, seed: int = 0, classes: int = 3) -> ArrayDataset:
@@ -326,7 +327,7 @@ def test_color_transform_correlates_colour_with_label():
 
 
 def test_evaluate_reports_id_and_ood_accuracy():
-    config = RunConfig.model_validate({
+    config = load_run_config({
         "algorithm": "fedipg", "data": {"num_devices": 3, "device_transform": "rotation",
                                         "device_transform_params": {"angles": [0, 30]}},
         "algorithm_params": {"ood_angle": 90}})

@@ -20,6 +20,7 @@ from shared.algorithms.fnr_fl import (
 )
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import ArrayDataset, DataSpec, device_shard, load_dataset, load_public_set
 from shared.data.device_transforms import DEVICE_TRANSFORMS
 from shared.data.feature_skew import device_noise_std, gaussian_noise
@@ -29,7 +30,7 @@ DATA = {"num_devices": 4, "partition": "iid", "seed": 1, "max_samples": 400, "pu
 
 
 def _config(**params) -> RunConfig:
-    return RunConfig.model_validate({"algorithm": "fnr-fl", "model": "cnn", "data": DATA,
+    return load_run_config({"algorithm": "fnr-fl", "model": "cnn", "data": DATA,
                                      "train": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": 32},
                                      "algorithm_params": params})
 
@@ -301,12 +302,12 @@ def test_bad_reports_are_excluded_and_their_uploads_refused():
 
 def test_config_checks_and_leaky_mode():
     with pytest.raises(ValueError, match="public_samples"):
-        build_algorithm(RunConfig.model_validate({"algorithm": "fnr-fl", "data": {"public_samples": 0}}))
+        build_algorithm(load_run_config({"algorithm": "fnr-fl", "data": {"public_samples": 0}}))
     with pytest.raises(ValueError):
-        RunConfig.model_validate({"algorithm": "fnr-fl", "algorithm_params": {"p": 1.5}})
+        load_run_config({"algorithm": "fnr-fl", "algorithm_params": {"p": 1.5}})
     with pytest.raises(ValueError):
-        RunConfig.model_validate({"algorithm": "fnr-fl", "algorithm_params": {"lam": float("nan")}})
-    leaky = build_algorithm(RunConfig.model_validate({"algorithm": "fnr-fl", "data": {"public_samples": 0},
+        load_run_config({"algorithm": "fnr-fl", "algorithm_params": {"lam": float("nan")}})
+    leaky = build_algorithm(load_run_config({"algorithm": "fnr-fl", "data": {"public_samples": 0},
                                                        "algorithm_params": {"public_set": "test_set_leaky"}}))
     leaky.bind_model(build_model("cnn", 10, (1, 28, 28)))
     assert leaky.round_metrics(RoundContext(1, 1), {})["leaky"] is True
