@@ -1,4 +1,4 @@
-"""HiCS-FL selection (spec docs: /work/shared/specs/hics-fl.md §8): hand-computed values and behaviour."""
+"""HiCS-FL selection (the checks listed in docs/algorithms/hics.md#tests): hand-computed values and behaviour."""
 from __future__ import annotations
 
 import json
