@@ -2,11 +2,13 @@
 
 The Fed Server estimates how class-balanced each device's data is from the update of the output
 layer's bias during the device's local training (``Δb = b_after - b_before``;
-docs/algorithms/hics.md#what-it-does): ``Ĥ_k = H(softmax(Δb_k / T))`` in nats (high = balanced). Devices are clustered with the distance
-``arccos(cos∠(Δb_u, Δb_k)) + λ|Ĥ_u - Ĥ_k|`` (Eq. 9) by Ward linkage on the rows of the distance
-matrix (as the official code does, docs/algorithms/hics.md#clustering-input), a cluster is drawn
-from ``softmax(γ^t H̄_m)`` with ``γ^t = γ⁰(1 - t/𝒯)`` and a device inside it proportionally to its data size (Eq. 10). Until every
-device has been observed once, unobserved devices are selected first (the warm-up, docs/algorithms/hics.md#warm-up).
+docs/algorithms/hics.md#what-it-does): ``Ĥ_k = H(softmax(Δb_k / T))`` in nats (high = balanced).
+Devices are clustered with the distance ``arccos(cos∠(Δb_u, Δb_k)) + λ|Ĥ_u - Ĥ_k|`` (Eq. 9) by Ward
+linkage on the rows of the distance matrix (as the official code does,
+docs/algorithms/hics.md#clustering-input), a cluster is drawn from ``softmax(γ^t H̄_m)`` with
+``γ^t = γ⁰(1 - t/𝒯)`` and a device inside it proportionally to its data size (Eq. 10). Until every
+device has been observed once, unobserved devices are selected first (the warm-up,
+docs/algorithms/hics.md#warm-up).
 
 Used as ``RunConfig.selection = "hics"`` under any algorithm; aggregation is the algorithm's own
 (FedAvg: data-size weighted — the paper's is the plain mean, see docs/algorithms/hics.md).
