@@ -1,4 +1,4 @@
-"""FNR-FL (spec /work/shared/specs/fnr-fl.md §8): hand-computed values, special cases, validation."""
+"""FNR-FL (the checks listed in docs/algorithms/fnr-fl.md#tests): hand-computed values, special cases, validation."""
 from __future__ import annotations
 
 import math
@@ -232,7 +232,7 @@ def test_p_zero_round_is_fedavg_bit_for_bit():
     fedavg_model, _ = _local_round(DeviceLogic({}), spec)
     a, b = portion.state_dict(), fedavg_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)  # incl. BN running stats
-    # Report size: K class norms + accuracy + sample count (spec §8.8).
+    # Report size: K class norms + accuracy + sample count (docs/algorithms/fnr-fl.md#report-size).
     assert set(report) == {"public_accuracy", "feature_norms", "num_samples"} and len(report["feature_norms"]) <= 10
 
 
