@@ -126,8 +126,8 @@ def class_average_feature_norms(model: nn.Module, data: ArrayDataset, feature_bl
 
     Only classes present in ``data`` get a key (Alg. 1 line 11). Computed in eval mode without
     gradients (docs/algorithms/fnr-fl.md#eval-mode; the official code leaves BN in train mode):
-    BatchNorm statistics, the parameters and every RNG stream are untouched, so a round with ``p=0`` is FedAvg bit for bit.
-    The model's train/eval mode is restored afterwards.
+    BatchNorm statistics, the parameters and every RNG stream are untouched, so a round with
+    ``p=0`` is FedAvg bit for bit. The model's train/eval mode is restored afterwards.
     """
     if len(data) == 0:
         raise ValueError("the public set is empty")
@@ -183,8 +183,8 @@ def refine_on_public(model: nn.Module, public: ArrayDataset, delta: Mapping[int,
     """FeatureNormRefine (Alg. 3 lines 29-43): ``epochs`` passes over ``public`` in its given,
     fixed order (the code's unshuffled loader; ``public_set`` returns a seeded random order) with
     ``Phi = mean CE + lam * J``, a fresh SGD (same settings as local training,
-    docs/algorithms/fnr-fl.md#refinement-optimizer), model in train mode. Continues from the weights the model holds (the locally trained ``w_j``, not the
-    global ``w``).
+    docs/algorithms/fnr-fl.md#refinement-optimizer), model in train mode. Continues from the
+    weights the model holds (the locally trained ``w_j``, not the global ``w``).
 
     Returns the number of optimizer steps and the mean CE, J and Phi over the steps.
     """

@@ -254,7 +254,8 @@ class HiCSSelector(DeviceSelector):
         return delta
 
     def entropy(self, device: str) -> float:
-        """Ĥ of an observed device (recomputed from the stored update, docs/algorithms/hics.md#state-kept-across-rounds)."""
+        """Ĥ of an observed device (recomputed from the stored update,
+        docs/algorithms/hics.md#state-kept-across-rounds)."""
         return estimate_entropy(self._scaled(device), self.params.temperature)
 
     def observe(self, device_id: str, contribution: Contribution, global_state: Mapping[str, torch.Tensor]) -> None:
@@ -326,7 +327,8 @@ class HiCSSelector(DeviceSelector):
         return selected
 
     def _hics_pick(self, seen: list[str], k: int, count: int, rng: random.Random, info: dict[str, Any]) -> list[str]:
-        """Clusters the observed devices and draws ``k`` distinct ones (paper Algorithm 1, docs/algorithms/hics.md#what-it-does)."""
+        """Clusters the observed devices and draws ``k`` distinct ones (paper Algorithm 1,
+        docs/algorithms/hics.md#what-it-does)."""
         if k >= len(seen):
             return list(seen)
         deltas = np.stack([self._scaled(d) for d in seen])
