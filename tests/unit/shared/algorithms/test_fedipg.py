@@ -1,4 +1,4 @@
-"""FedIPG: spec ``specs/fedipg.md`` section 8 checks that run in seconds (CPU, float64 where exact)."""
+"""FedIPG: the checks of docs/algorithms/fedipg.md#tests that run in seconds (CPU, float64 where exact)."""
 from __future__ import annotations
 
 import json
@@ -72,7 +72,8 @@ def test_hand_computed_penalty_and_gradient():
     f.backward()
     expected = torch.tensor([[-0.2685524, 0.0], [0.2685524, 0.0]], dtype=torch.float64)
     assert torch.allclose(W.weight.grad, expected, atol=1e-7)
-    # The spec's two wrong implementations give different gradients (so the test can tell).
+    # The two likely wrong implementations (docs/algorithms/fedipg.md#tests) give different gradients
+    # (so the test can tell).
     assert torch.allclose(_linear_penalty(detach_grad=True)[3],
                           torch.tensor([[-0.2674948, 0.0], [0.2674948, 0.0]], dtype=torch.float64), atol=1e-7)
     assert torch.allclose(_linear_penalty(detach_w=True)[3],
