@@ -198,8 +198,8 @@ def color_transform(shard: ArrayDataset, device_index: int, num_devices: int, pa
     correlation strength ``strengths[i % len]`` (``params``: envs, strengths, region).
 
     Defaults: envs 0..8 (the tenth environment, 9, is left for testing,
-    docs/algorithms/fedipg.md#paper-data), strength 0.9, region foreground. Needs 3-channel input, i.e. ``data.transform: rgb32`` (the model's input
-    shape comes from ``dataset_input_shape``, which is 3x32x32 only with rgb32); 1-channel data
+    docs/algorithms/fedipg.md#paper-data), strength 0.9, region foreground. Needs 3-channel input,
+    i.e. ``data.transform: rgb32`` (the model's input shape comes from ``dataset_input_shape``, which is 3x32x32 only with rgb32); 1-channel data
     would give the model the wrong number of channels, so it is refused here.
     """
     if shard.x.ndim != 4 or shard.x.shape[1] != 3:
