@@ -1,4 +1,4 @@
-"""Synthetic(alpha, beta) generator (spec fedbc.md §5.2 check values), its wiring as
+"""Synthetic(alpha, beta) generator (docs/algorithms/fedbc.md#synthetic-generator check values), its wiring as
 ``DataSpec.dataset="synthetic"``, and the ``logreg`` zoo model."""
 from __future__ import annotations
 

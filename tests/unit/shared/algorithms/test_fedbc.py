@@ -1,4 +1,4 @@
-"""FedBC (spec fedbc.md §8, tests 1-5 and 8, plus input validation and the local split)."""
+"""FedBC (docs/algorithms/fedbc.md#tests, plus input validation and the local split)."""
 from __future__ import annotations
 
 import json
