@@ -76,7 +76,8 @@ class GroupTrainer:
         the gradient of its own mean loss (as if it trained alone, as in SFL); the copy's
         gradient is divided by the member count, i.e. it steps on the mean of the member losses.
         ``per_member_sum``: the same dfx, but the copy steps on the sum of the member losses
-        (the spec's further choice of server step size: |G| times the per_member step).
+        (|G| times the per_member step; Eq. 3 leaves the server step size open,
+        docs/s2fl.md#how-a-groups-loss-is-combined-eq-3).
         ``union_mean``: one mean cross-entropy over the concatenated batch (Eq. 3 read
         literally); each member's dfx is then scaled by its share of the batch.
         """
