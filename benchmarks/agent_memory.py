@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.network_overhead import run_services
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 
 
 def bench_config(quick: bool) -> RunConfig:
@@ -26,7 +27,7 @@ def bench_config(quick: bool) -> RunConfig:
         model, devices, per_round, samples, transform = "cnn", 20, 5, 400, "none"
     else:
         model, devices, per_round, samples, transform = "vgg16", 100, 10, 2000, "rgb32"
-    return RunConfig.model_validate({
+    return load_run_config({
         "algorithm": "fedavg",
         "model": model,
         "rounds": 2,

@@ -45,6 +45,7 @@ from shared.algorithms.aggregation import Contribution
 from shared.algorithms.grouping import grouping_rng
 from shared.algorithms.registry import build_algorithm, build_group_loss, build_grouping
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import dataset_input_shape, dataset_num_classes, device_shard, load_dataset
 from shared.models import build_model
 from shared.portions import portion_state
@@ -57,7 +58,7 @@ def bench_config(quick: bool) -> RunConfig:
         devices, rounds, samples, group = 4, 2, 600, 2
     else:
         devices, rounds, samples, group = 10, 5, 4000, 5
-    return RunConfig.model_validate({
+    return load_run_config({
         "algorithm": "s2fl",
         "rounds": rounds,
         "data": {"num_devices": devices, "partition": "dirichlet", "alpha": 0.5, "seed": 1, "max_samples": samples},

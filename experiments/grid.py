@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import RunConfig, set_dotted
+from shared.run_config import load_run_config
 
 from experiments.spec import ExperimentSpec
 
@@ -43,7 +44,7 @@ def build_config(base: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:
         set_dotted(data, key, copy.deepcopy(value))
     for key, value in overrides.items():
         set_dotted(data, key, copy.deepcopy(value))
-    return RunConfig.model_validate(data)
+    return load_run_config(data)
 
 
 def expand(spec: ExperimentSpec, only: dict[str, list[str]] | None = None) -> list[Cell]:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     from shared.auth import auth_from_settings
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
-    from shared.config import resolve_run_config
+    from shared.run_config import resolve_run_config
 
     try:
         config = resolve_run_config(args.config, args.overrides)

@@ -45,7 +45,8 @@ class SplitConfig(_Strict):
 class GroupingConfig(_Strict):
     """How the Main Server groups devices (S2FL's data-balance mechanism, Eq. 2) and combines a
     group's losses. ``method`` and ``group_loss`` name plug-ins registered in
-    ``shared/algorithms/registry.py`` (``GROUPINGS``, ``GROUP_LOSSES``; docs/s2fl.md).
+    ``shared/algorithms/registry.py`` (``GROUPINGS``, ``GROUP_LOSSES``; docs/s2fl.md); the names
+    are checked by ``shared/run_config.py``, so this schema does not import the algorithms.
 
     ``label_balance`` is the ablation switch: true = ``balanced``, false = ``singleton``, None =
     the algorithm's default. ``method`` names any grouping instead; set at most one of the two.
@@ -55,23 +56,6 @@ class GroupingConfig(_Strict):
     method: str | None = None
     group_size: int = Field(5, ge=1)
     group_loss: str = "per_member"
-
-    @field_validator("method")
-    @classmethod
-    def _known_grouping(cls, value: str | None) -> str | None:
-        from shared.algorithms.registry import build_grouping
-
-        if value is not None:
-            build_grouping(value)
-        return value
-
-    @field_validator("group_loss")
-    @classmethod
-    def _known_group_loss(cls, value: str) -> str:
-        from shared.algorithms.registry import build_group_loss
-
-        build_group_loss(value)
-        return value
 
     @model_validator(mode="after")
     def _one_switch(self) -> "GroupingConfig":
@@ -154,25 +138,9 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        from shared.algorithms.registry import ALGORITHMS, SELECTORS, build_algorithm, build_selector
-        from shared.models.zoo import MODEL_NAMES
-
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
-        if self.selection not in SELECTORS:
-            raise ValueError(f"unknown selection {self.selection!r}; choose one of {sorted(SELECTORS)}")
-        if self.model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
-        from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
-
-        # Building the algorithm and the selector validates algorithm_params, selection_params and the
-        # algorithm's own requirements on the rest of the config (e.g. FNR-FL needs
-        # data.public_samples), before any process starts.
-        algorithm = build_algorithm(self)
-        build_selector(self)
-        if self.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
-            raise ValueError(f"model {self.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
-                             f"(e.g. fedavg, fedbc), not {self.algorithm!r}")
+        """Checks that need only the config itself. The ones that need the algorithm registry or
+        the model zoo (names, algorithm_params, selection_params) are in
+        ``shared.run_config.validate_run_config``, so this module imports no algorithm."""
         if self.devices_per_round is not None and self.devices_per_round > self.data.num_devices:
             raise ValueError("devices_per_round cannot exceed data.num_devices")
         return self
@@ -210,12 +178,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw)
 
 
-def resolve_run_config(
+def merge_config_sources(
     config_file: str | Path | None = None,
     overrides: list[str] | None = None,
     env_prefix: str = "SFL_RUN__",
-) -> RunConfig:
-    """Defaults < config file < environment (``SFL_RUN__TRAIN__LR=0.1``) < ``key=value`` overrides."""
+) -> dict[str, Any]:
+    """Defaults < config file < environment (``SFL_RUN__TRAIN__LR=0.1``) < ``key=value`` overrides,
+    merged into the plain dict that ``shared.run_config.load_run_config`` validates."""
     data: dict[str, Any] = load_config_file(config_file) if config_file else {}
     for name, raw in sorted(os.environ.items()):
         if name.startswith(env_prefix) and len(name) > len(env_prefix):
@@ -223,7 +192,7 @@ def resolve_run_config(
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(data, key, value)
-    return RunConfig.model_validate(data)
+    return data
 
 
 def env_default(name: str, default: Any) -> Any:

@@ -7,7 +7,7 @@ import time
 from collections import Counter
 
 from shared.algorithms.registry import ALGORITHMS
-from shared.config import resolve_run_config
+from shared.run_config import resolve_run_config
 from shared.models.zoo import MODEL_NAMES
 from testbed.processes import interrupt_on_sigterm
 from testbed.runner import Testbed, TestbedError

@@ -1,16 +1,16 @@
-"""FedBC: Federated Learning Beyond Consensus (Bedi et al.; spec ``specs/fedbc.md``).
+"""FedBC: Federated Learning Beyond Consensus (Bedi et al.; docs/algorithms/fedbc.md).
 
 Split depth zero. Each device i has a dual variable lambda_i >= 0 and a tolerance gamma_i >= 0,
 both kept by the Fed Server across rounds (``state_dict`` -> checkpoint). In a round:
 
 * task: the global model z plus ``lambda_i``, ``gamma_i`` (and the seed of the device's fixed local
   80/20 train/test split);
-* device: trains on its 80 % part with the local objective (spec §2.3, the official code's loss)
-  ``CE(w; batch) + lambda_i * (||w - z||^2 - gamma_i)``, the squared norm summed over the trainable
+* device: trains on its 80 % part with the local objective (the official code's loss,
+  docs/algorithms/fedbc.md#what-it-does) ``CE(w; batch) + lambda_i * (||w - z||^2 - gamma_i)``, the squared norm summed over the trainable
   parameters by name against a frozen copy of z; then evaluates its local model on its 20 % part
   and uploads ``d`` (its own ||x_i - z||^2), local correct/total counts and its training-set size;
-* Fed Server (the spec's "server placement" of Algorithm 1 line 8): recomputes
-  ``d_i = ||x_i - z||^2`` from the received weights (authoritative; the device's value is only
+* Fed Server (Algorithm 1 line 8 placed on the server, docs/algorithms/fedbc.md#server-placement):
+  recomputes ``d_i = ||x_i - z||^2`` from the received weights (authoritative; the device's value is only
   compared), takes one projected dual-ascent step ``lambda_i <- P[lambda_i + eta_l (d_i - gamma_i)]``
   and, in ``adaptive`` mode, ``gamma_i <- gamma_i + eta_g * lambda_i(old)``; then sets
   ``z <- sum_j lambda_j x_j / sum_j lambda_j`` over the round's participants with the *updated*
@@ -19,7 +19,7 @@ both kept by the Fed Server across rounds (``state_dict`` -> checkpoint). In a r
   ``fixed`` mode with a large gamma) the formula is 0/0: the round falls back to the
   data-size-weighted FedAvg average, logs a warning and records ``fallback: true``.
 
-Open choices (spec §7) and deviations, each also in ``docs/algorithms/fedbc.md``:
+Open choices and deviations, each also in docs/algorithms/fedbc.md#deviations:
 * local start point = the global model (official code; Algorithm 2's ``previous_local`` would need
   state on the device across rounds, which the DeviceLogic interface does not keep);
 * lambda bounds [lambda_min, lambda_max] default [0, inf) (code); dual momentum default 0 (Eq. 11),
@@ -67,7 +67,7 @@ DISTANCE_LOG_RTOL = 1e-4
 
 
 class FedBCParams(AlgorithmParams):
-    """FedBC's hyperparameters (``RunConfig.algorithm_params``); defaults = spec §3 recommendations.
+    """FedBC's hyperparameters (``RunConfig.algorithm_params``); defaults: docs/algorithms/fedbc.md#parameters.
 
     The local optimiser is the project's ``train`` section (the paper: SGD lr 0.01, momentum 0.5,
     batch 20): set it with ``--set train.lr=0.01 --set train.momentum=0.5 --set train.batch_size=20``.
@@ -86,8 +86,9 @@ class FedBCParams(AlgorithmParams):
     """lambda_i^0 of every device."""
     lambda_min: float = Field(0.0, ge=0)
     lambda_max: float | None = Field(None, gt=0)
-    """Projection interval of the duals; None = no upper bound (code). Spec §7.3 suggests
-    1 / train.lr when ``dual_lr`` is tuned upward (the penalty's curvature 2 lambda must stay < 2 / lr)."""
+    """Projection interval of the duals; None = no upper bound (code).
+    docs/algorithms/fedbc.md#dual-bounds suggests 1 / train.lr when ``dual_lr`` is tuned upward (the
+    penalty's curvature 2 lambda must stay < 2 / lr)."""
     dual_momentum: float = Field(0.0, ge=0, lt=1)
     """Heavy-ball momentum of the dual/tolerance steps, per device (code: 0.5 with a shared buffer)."""
     local_test_fraction: float = Field(0.2, ge=0, lt=1)
@@ -155,7 +156,8 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
 
 def squared_distance(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
                      names: Sequence[str]) -> float:
-    """sum over ``names`` of ||state[name] - reference[name]||^2, in float64 (the spec's d_i)."""
+    """sum over ``names`` of ||state[name] - reference[name]||^2, in float64 (d_i of
+    docs/algorithms/fedbc.md#what-it-does)."""
     total = 0.0
     for name in names:
         if name not in state or name not in reference:
@@ -182,7 +184,7 @@ def proximal_penalty(model: torch.nn.Module, reference: Mapping[str, torch.Tenso
 def dual_step(lam: float, gamma: float, distance: float, dual_lr: float, gamma_lr: float, adaptive: bool,
               lambda_min: float = 0.0, lambda_max: float | None = None, momentum: float = 0.0,
               lam_buf: float = 0.0, gamma_buf: float = 0.0) -> tuple[float, float, float, float]:
-    """One device's dual and tolerance step (Eq. 11 and the gamma heuristic, spec §2.4-2.5).
+    """One device's dual and tolerance step (Eq. 11 and the gamma heuristic, docs/algorithms/fedbc.md#what-it-does).
 
     ``lambda' = P[lambda + eta_l * v]`` with ``v = (d - gamma) + momentum * lam_buf``;
     adaptive: ``gamma' = gamma + eta_g * u`` with ``u = lambda(old) + momentum * gamma_buf``
@@ -235,7 +237,8 @@ def local_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndar
 
     Samples are shuffled with ``seed``, grouped by class (stable), and every position where
     ``floor((k + 1) f) > floor(k f)`` goes to test, so each class gives about ``f`` of its samples
-    (spec §7.8: shuffled and stratified, not the code's unshuffled tail). Both arrays sorted.
+    (docs/algorithms/fedbc.md#local-test-split: shuffled and stratified, not the code's unshuffled
+    tail). Both arrays sorted.
     """
     labels = np.asarray(labels).reshape(-1)
     n = labels.shape[0]
@@ -283,8 +286,8 @@ class FedBCLogic(DeviceLogic):
         return data.subset(self.train_idx)
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """CE + lambda_i (||w - z||^2 - gamma_i) (spec §2.3). With lambda_i = 0 exactly CE (FedAvg);
-        the -lambda gamma constant has no gradient but is kept, as in the code's loss value."""
+        """CE + lambda_i (||w - z||^2 - gamma_i) (docs/algorithms/fedbc.md#what-it-does). With
+        lambda_i = 0 exactly CE (FedAvg); the -lambda gamma constant has no gradient but is kept, as in the code's loss value."""
         ce = F.cross_entropy(model(x), y)
         if self.lam == 0.0:
             return ce
@@ -408,7 +411,8 @@ class FedBC(Algorithm):
         return distance
 
     def _check_stability(self, max_lambda: float) -> None:
-        """Spec §7.3: plain SGD on the penalty (curvature 2 lambda) needs lr * 2 lambda < 2."""
+        """Plain SGD on the penalty (curvature 2 lambda) needs lr * 2 lambda < 2
+        (docs/algorithms/fedbc.md#dual-bounds)."""
         if not self._warned_stability and max_lambda * self.config.train.lr >= 1.0:
             self._warned_stability = True
             log.warning("fedbc: lambda=%.3g with train.lr=%.3g makes local SGD unstable (needs lambda < 1/lr); "
@@ -416,8 +420,8 @@ class FedBC(Algorithm):
 
     def _metrics(self, devices: list[str], distances: Mapping[str, float], lambdas: list[float], sizes: list[float],
                  fallback: bool, extras: Mapping[str, FedBCUploadExtras]) -> JsonMap:
-        """Per-round record (spec §2.8 logging; Figs. 3b, 8, 13): lambda, gamma, d of the participants,
-        lambda- vs data-size aggregation coefficients, min/max-data participant, local accuracy."""
+        """Per-round record (docs/algorithms/fedbc.md#round-metrics; Figs. 3b, 8, 13): lambda, gamma,
+        d of the participants, lambda- vs data-size aggregation coefficients, min/max-data participant, local accuracy."""
         lam_total, size_total = sum(lambdas), sum(sizes)
         coef_lambda = {d: (lam / lam_total if lam_total > 0 else None) for d, lam in zip(devices, lambdas)}
         coef_data = {d: n / size_total for d, n in zip(devices, sizes)}

@@ -1,5 +1,5 @@
 """FedIPG (Hao et al., "Invariant Federated Learning ..."; also called FedIPM): invariant penalty
-plus exit strategy, split depth zero. Spec: ``specs/fedipg.md``; docs: ``docs/algorithms/fedipg.md``.
+plus exit strategy, split depth zero. Reference and choices: ``docs/algorithms/fedipg.md``.
 
 Device side (:class:`FedIPGLogic`): each mini-batch minimises the paper's Eq. (8)
 
@@ -40,7 +40,7 @@ log = logging.getLogger("fedipg")
 
 
 class FedIPGParams(AlgorithmParams):
-    """``RunConfig.algorithm_params`` of FedIPG (defaults: spec §3)."""
+    """``RunConfig.algorithm_params`` of FedIPG (defaults: docs/algorithms/fedipg.md#parameters)."""
 
     lam: float = Field(1e-3, ge=0.0, allow_inf_nan=False)
     """Penalty strength lambda (paper Fig. 4: 1e-4..1e-2 helps). 0 = plain FedAvg local objective."""
@@ -62,7 +62,8 @@ class FedIPGParams(AlgorithmParams):
     exit_patience: int = Field(2, ge=1)
     """Consecutive negative-contribution rounds after which a device exits (k)."""
     exit_curvature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    """L-hat = L * eta in the contribution estimate (spec §7.16); 0 = sign of <mean update, own update>."""
+    """L-hat = L * eta in the contribution estimate (docs/algorithms/fedipg.md#contribution-estimate);
+    0 = sign of <mean update, own update>."""
     min_devices: int = Field(1, ge=1)
     """The automatic rule never shrinks the eligible set below this many devices."""
     # --- evaluation ---
@@ -138,7 +139,8 @@ def penalty_parameters(model: torch.nn.Module, scope: str, output_layer: str = "
 def invariance_statistic(risk: torch.Tensor, params: Sequence[torch.Tensor], create_graph: bool = True) -> torch.Tensor:
     """``s = sum_k <dR/dw_k, w_k>``, differentiable w.r.t. both factors when ``create_graph``.
 
-    ``s`` is the derivative of R along the radial direction: d/de R((1+e) w) at e = 0 (spec §2.2).
+    ``s`` is the derivative of R along the radial direction: d/de R((1+e) w) at e = 0
+    (docs/algorithms/fedipg.md#radial-derivative).
     """
     grads = torch.autograd.grad(risk, list(params), create_graph=create_graph, allow_unused=True)
     terms = [(g * p).sum() for g, p in zip(grads, params) if g is not None]

@@ -18,8 +18,8 @@ computed on the server from numbers reported *before* refinement and ``J_j(B)`` 
 batch's label proportions, so ``lambda * J_j(B)`` is a constant added to the loss: the refinement is
 exactly cross-entropy fine-tuning on ``D_pub`` and ``lambda`` changes only the logged loss value.
 ``penalty="paper"`` (default) implements this literally. ``penalty="differentiable"`` is an opt-in
-extension that is *not* in the paper (spec §7.1 ``differentiable_sq``): it recomputes the batch's
-class-average feature norms with autograd and penalises
+extension that is *not* in the paper (docs/algorithms/fnr-fl.md#differentiable-penalty): it
+recomputes the batch's class-average feature norms with autograd and penalises
 ``J = sum_{l in labels(B)} rho_l(B) * (Fbar[l] - Fhat_B[l](w))^2`` with ``Fbar[l]`` the mean of
 the reference devices' ``F_m[l]``.
 
@@ -59,7 +59,8 @@ __all__ = [
 # parameters
 # ------------------------------------------------------------------------------------------------
 class FNRFLParams(AlgorithmParams):
-    """``RunConfig.algorithm_params`` of FNR-FL (defaults: spec §3; the paper gives no lambda or p)."""
+    """``RunConfig.algorithm_params`` of FNR-FL (defaults: docs/algorithms/fnr-fl.md#parameters; the
+    paper gives no lambda or p)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -188,9 +189,9 @@ def class_average_feature_norms(model: nn.Module, data: ArrayDataset, feature_bl
     """Algorithm 1 and the public accuracy: ``({class: mean ||Mf(x)||_2}, accuracy)`` on ``data``.
 
     Only classes present in ``data`` get a key (Alg. 1 line 11). Computed in eval mode without
-    gradients (spec §7.6; the official code leaves BN in train mode): BatchNorm statistics, the
-    parameters and every RNG stream are untouched, so a round with ``p=0`` is FedAvg bit for bit.
-    The model's train/eval mode is restored afterwards.
+    gradients (docs/algorithms/fnr-fl.md#eval-mode; the official code leaves BN in train mode):
+    BatchNorm statistics, the parameters and every RNG stream are untouched, so a round with
+    ``p=0`` is FedAvg bit for bit. The model's train/eval mode is restored afterwards.
     """
     if len(data) == 0:
         raise ValueError("the public set is empty")
@@ -245,9 +246,9 @@ def refine_on_public(model: nn.Module, public: ArrayDataset, delta: Mapping[int,
                      reference: Mapping[int, float] | None = None) -> dict[str, float | int]:
     """FeatureNormRefine (Alg. 3 lines 29-43): ``epochs`` passes over ``public`` in its given,
     fixed order (the code's unshuffled loader; ``public_set`` returns a seeded random order) with
-    ``Phi = mean CE + lam * J``, a fresh SGD (same settings as local training, spec §7.11), model in
-    train mode. Continues from the weights the model holds (the locally trained ``w_j``, not the
-    global ``w``).
+    ``Phi = mean CE + lam * J``, a fresh SGD (same settings as local training,
+    docs/algorithms/fnr-fl.md#refinement-optimizer), model in train mode. Continues from the
+    weights the model holds (the locally trained ``w_j``, not the global ``w``).
 
     Returns the number of optimizer steps and the mean CE, J and Phi over the steps.
     """
@@ -289,7 +290,8 @@ def _id_key(device_id: str) -> list[Any]:
 
 def select_for_refinement(accuracies: Mapping[str, float], p: float) -> list[str]:
     """``S_re``: the ``floor(n * p)`` devices with the lowest public accuracy (Alg. 3 line 10;
-    the code's ``int(n * p)``). Ties: smaller device id first (spec §7.12; the code keeps dict order)."""
+    the code's ``int(n * p)``). Ties: smaller device id first (docs/algorithms/fnr-fl.md#ties; the
+    code keeps dict order)."""
     n_re = int(math.floor(len(accuracies) * p))
     order = sorted(accuracies, key=lambda d: (accuracies[d], _id_key(d)))
     return order[:n_re]
@@ -308,7 +310,7 @@ def feature_norm_differences(j: str, participants: Sequence[str], selected: Sequ
 
     ``ref`` is ``S \\ S_re`` (paper) or every ``m != j`` (official code, ``"all_others"``). A class
     that no reference device has gets no key (Alg. 2 would index a missing entry; skipping it is
-    the spec's reading). Empty when the reference set is empty (p = 1)."""
+    this project's reading, docs/algorithms/fnr-fl.md#missing-class). Empty when the reference set is empty (p = 1)."""
     delta: dict[int, float] = {}
     own = norms[j]
     for m in _reference_devices(j, participants, selected, reference_set):

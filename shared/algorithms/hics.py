@@ -1,12 +1,14 @@
 """HiCS-FL: heterogeneity-guided client sampling (Chen & Vikalo, NeurIPS 2024), a selection policy.
 
 The Fed Server estimates how class-balanced each device's data is from the update of the output
-layer's bias during the device's local training (``Δb = b_after - b_before``; spec §2.3):
-``Ĥ_k = H(softmax(Δb_k / T))`` in nats (high = balanced). Devices are clustered with the distance
-``arccos(cos∠(Δb_u, Δb_k)) + λ|Ĥ_u - Ĥ_k|`` (Eq. 9) by Ward linkage on the rows of the distance
-matrix (as the official code does, spec §2.5), a cluster is drawn from ``softmax(γ^t H̄_m)`` with
+layer's bias during the device's local training (``Δb = b_after - b_before``;
+docs/algorithms/hics.md#what-it-does): ``Ĥ_k = H(softmax(Δb_k / T))`` in nats (high = balanced).
+Devices are clustered with the distance ``arccos(cos∠(Δb_u, Δb_k)) + λ|Ĥ_u - Ĥ_k|`` (Eq. 9) by Ward
+linkage on the rows of the distance matrix (as the official code does,
+docs/algorithms/hics.md#clustering-input), a cluster is drawn from ``softmax(γ^t H̄_m)`` with
 ``γ^t = γ⁰(1 - t/𝒯)`` and a device inside it proportionally to its data size (Eq. 10). Until every
-device has been observed once, unobserved devices are selected first (the warm-up, §2.7).
+device has been observed once, unobserved devices are selected first (the warm-up,
+docs/algorithms/hics.md#warm-up).
 
 Used as ``RunConfig.selection = "hics"`` under any algorithm; aggregation is the algorithm's own
 (FedAvg: data-size weighted — the paper's is the plain mean, see docs/algorithms/hics.md).
@@ -57,15 +59,17 @@ class HiCSParams(SelectorParams):
     total_rounds: int | None = Field(None, ge=1)
     # M; None = the number of devices selected per round (paper: M = K).
     num_clusters: int | None = Field(None, ge=1)
-    # Signal fed to the entropy estimate (spec §7.1): the bias update (paper) or the row means of the
-    # output weight update (official code).
+    # Signal fed to the entropy estimate (docs/algorithms/hics.md#signal): the bias update (paper) or
+    # the row means of the output weight update (official code).
     signal: Literal["bias", "weight_row_mean"] = "bias"
-    # Non-paper scale fixes (spec §7.6): divide Δb by the device's local SGD steps, or by max|Δb|.
+    # Non-paper scale fixes (docs/algorithms/hics.md#temperature): divide Δb by the device's local
+    # SGD steps, or by max|Δb|.
     normalize: Literal["none", "per_step", "max_abs"] = "none"
     # Refresh a device's stored Δb whenever it trains (paper) or only on its first observation
-    # (the official code's multi-alpha runs, spec §7.4).
+    # (the official code's multi-alpha runs, docs/algorithms/hics.md#refresh).
     refresh: Literal["every_participation", "first_only"] = "every_participation"
-    # Within-cluster sampling ∝ data size (paper) or uniform (official code, spec §7.10).
+    # Within-cluster sampling ∝ data size (paper) or uniform (official code,
+    # docs/algorithms/hics.md#within-cluster).
     within_cluster: Literal["data_size", "uniform"] = "data_size"
     # Top the last warm-up round up to K with uniformly random already-observed devices (the paper's
     # last warm-up round has only N mod K devices).
@@ -250,7 +254,8 @@ class HiCSSelector(DeviceSelector):
         return delta
 
     def entropy(self, device: str) -> float:
-        """Ĥ of an observed device (recomputed from the stored update, spec §2.8)."""
+        """Ĥ of an observed device (recomputed from the stored update,
+        docs/algorithms/hics.md#state-kept-across-rounds)."""
         return estimate_entropy(self._scaled(device), self.params.temperature)
 
     def observe(self, device_id: str, contribution: Contribution, global_state: Mapping[str, torch.Tensor]) -> None:
@@ -322,7 +327,8 @@ class HiCSSelector(DeviceSelector):
         return selected
 
     def _hics_pick(self, seen: list[str], k: int, count: int, rng: random.Random, info: dict[str, Any]) -> list[str]:
-        """Clusters the observed devices and draws ``k`` distinct ones (paper §2.4-2.7)."""
+        """Clusters the observed devices and draws ``k`` distinct ones (paper Algorithm 1,
+        docs/algorithms/hics.md#what-it-does)."""
         if k >= len(seen):
             return list(seen)
         deltas = np.stack([self._scaled(d) for d in seen])

@@ -8,16 +8,14 @@ skew is reproducible from the spec alone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from shared.data.datasets import ArrayDataset, dataset_input_shape, dataset_num_classes
-
-if TYPE_CHECKING:
-    from shared.data.spec import DataSpec
 from shared.data.domains import color_transform, rotation_transform
 from shared.data.feature_skew import gaussian_noise
+from shared.data.spec import DataSpec
 
 #: transform(shard, device_index, num_devices, params, seed) -> transformed shard
 DeviceTransform = Callable[[ArrayDataset, int, int, dict[str, Any], int], ArrayDataset]
@@ -45,10 +43,12 @@ def apply_device_transform(name: str, shard: ArrayDataset, device_index: int, nu
     return transform(shard, device_index, num_devices, params, seed)
 
 
-def check_device_transform(spec: "DataSpec") -> None:
+def check_device_transform(spec: DataSpec) -> None:
     """Apply the spec's transform to two blank images for the first and the last device, so bad
-    parameters fail when the configuration is read (on the Fed Server, in an experiment file)
-    rather than later on each device as it loads its shard. ValueError names the problem."""
+    parameters fail when the configuration is read (``shared.run_config.validate_run_config``: on
+    the Fed Server, in an experiment file) rather than later on each device as it loads its shard.
+    ValueError names the problem. Here rather than in ``DataSpec``'s own validator so that
+    ``shared.data.spec`` imports no transform (the two modules used to import each other)."""
     if spec.device_transform == "none":
         return
     blank = ArrayDataset(torch.zeros((2, *dataset_input_shape(spec))), torch.zeros(2, dtype=torch.int64),

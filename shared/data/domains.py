@@ -1,12 +1,13 @@
 """Domain (feature-shift) variants of image data: rotated and coloured digits.
 
-FedIPG's out-of-distribution experiments (spec ``fedipg.md`` §5) need data whose *features* differ
-between clients while the labelling rule stays the same:
+FedIPG's out-of-distribution experiments (docs/algorithms/fedipg.md#paper-data) need data whose
+*features* differ between clients while the labelling rule stays the same:
 
-* **rotation** (RotatedMNIST-style, §5.B): every device's shard is rotated by one angle; the
+* **rotation** (RotatedMNIST-style, paper §VI-B): every device's shard is rotated by one angle; the
   held-out domain is the test set rotated by an angle no device trains on;
-* **colour** (Coloured-MNIST-style, §5.C and §7.10): digits are coloured by a colour that is
-  spuriously correlated with the label inside a device, differently across devices / at test.
+* **colour** (Coloured-MNIST-style, paper §VI-C; docs/algorithms/fedipg.md#colour): digits are
+  coloured by a colour that is spuriously correlated with the label inside a device, differently
+  across devices / at test.
 
 Both are pure functions of their arguments and the seed (no global RNG), so every process derives
 identical shards. They are registered as per-device transforms in
@@ -39,7 +40,7 @@ __all__ = [
     "color_transform",
 ]
 
-#: RotatedMNIST's six domains (DomainBed / paper §5.B), in degrees.
+#: RotatedMNIST's six domains (DomainBed / paper §VI-B), in degrees.
 DEFAULT_ANGLES: tuple[float, ...] = (0.0, 15.0, 30.0, 45.0, 60.0, 75.0)
 
 #: Ten fixed, well separated RGB colours c_0..c_9 in [0, 1] (matplotlib's "tab10").
@@ -111,7 +112,7 @@ def rotation_transform(shard: ArrayDataset, device_index: int, num_devices: int,
 
     ``params``: ``{"angles": [...]}`` in degrees (default 0, 15, ..., 75: RotatedMNIST). With an iid
     partition and ``num_devices`` a multiple of ``len(angles)`` every domain holds the same number
-    of clients, each client one domain (paper §5.B). ``seed`` is unused (rotation is deterministic).
+    of clients, each client one domain (paper §VI-B). ``seed`` is unused (rotation is deterministic).
     """
     return rotate_dataset(shard, rotation_angle(device_index, params))
 
@@ -153,7 +154,8 @@ def _sub_seed(*parts: object) -> int:
 
 
 def color_dataset(ds: ArrayDataset, env: int, strength: float, region: ColorRegion, seed: int) -> ArrayDataset:
-    """Colour grey digits so that colour is a spurious, environment-dependent label cue (spec §7.10).
+    """Colour grey digits so that colour is a spurious, environment-dependent label cue
+    (docs/algorithms/fedipg.md#colour).
 
     Sample with label ``d`` gets colour index ``k = (d + env) mod 10`` with probability
     ``strength``, otherwise a uniformly random ``k`` (seeded by ``seed``). Region: ``foreground``
@@ -195,9 +197,9 @@ def color_transform(shard: ArrayDataset, device_index: int, num_devices: int, pa
     """Device transform ``"color"``: device i's shard coloured in environment ``envs[i % len]`` with
     correlation strength ``strengths[i % len]`` (``params``: envs, strengths, region).
 
-    Defaults: envs 0..8 (the tenth environment, 9, is left for testing, spec §5.C), strength 0.9,
-    region foreground. Needs 3-channel input, i.e. ``data.transform: rgb32`` (the model's input
-    shape comes from ``dataset_input_shape``, which is 3x32x32 only with rgb32); 1-channel data
+    Defaults: envs 0..8 (the tenth environment, 9, is left for testing,
+    docs/algorithms/fedipg.md#paper-data), strength 0.9, region foreground. Needs 3-channel input,
+    i.e. ``data.transform: rgb32`` (the model's input shape comes from ``dataset_input_shape``, which is 3x32x32 only with rgb32); 1-channel data
     would give the model the wrong number of channels, so it is refused here.
     """
     if shard.x.ndim != 4 or shard.x.shape[1] != 3:

@@ -11,6 +11,11 @@ class DataSpec(BaseModel):
 
     Every process (servers and device agents) derives the same shards from the same spec, so the
     spec plus the seed is all that needs to be shipped around; no index lists travel the wire.
+
+    A pure schema that imports nothing from the project: ``device_transform`` and its parameters
+    are checked by ``shared.data.device_transforms.check_device_transform``, which needs the
+    transforms (and through them the dataset code, which imports this module). Loading a run
+    configuration (``shared.run_config``) calls it, so bad values still fail when a config is read.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -54,7 +59,4 @@ class DataSpec(BaseModel):
                 f"partition='natural' needs per-sample writer ids, which only dataset='femnist' or 'synthetic' "
                 f"have (got dataset={self.dataset!r}); use 'iid' or 'dirichlet'"
             )
-        from shared.data.device_transforms import check_device_transform
-
-        check_device_transform(self)   # unknown names and bad parameters
         return self

@@ -1,5 +1,5 @@
 """Synthetic(alpha, beta): the generated federated benchmark of FedProx (Li et al., MLSys 2020),
-used verbatim by FedBC (spec ``specs/fedbc.md`` §5.2; FedBC code ``utils/synthetic.py``).
+used verbatim by FedBC (docs/algorithms/fedbc.md#synthetic-generator; FedBC code ``utils/synthetic.py``).
 
 Each of N devices gets its own logistic-regression "teacher" and its own feature distribution:
 
@@ -13,7 +13,7 @@ original seeds the global legacy RNG with ``np.random.seed``; a private ``Random
 seed yields the same stream without touching global state), and each device's samples are shuffled
 with Python's ``random`` (a private ``random.Random(seed)`` here, same stream as ``random.seed``)
 before the first ``floor(0.8 n_i)`` become its training part and the rest its test part. With
-seed 1, N = 30, alpha = beta = 0.5 this reproduces the spec's check values (sizes summing to 8678,
+seed 1, N = 30, alpha = beta = 0.5 this reproduces the documented check values (sizes summing to 8678,
 label histogram ``[494, 716, 2779, 580, 149, 404, 1125, 1398, 450, 583]``).
 
 Choices where the sources leave room:
@@ -53,8 +53,8 @@ class SyntheticFederated:
 
 def generate_raw(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
                  ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-    """Steps 1-6 of the spec: raw per-device (X_i, y_i) in generation order (unshuffled), n_i,
-    and each device's teacher (W_i, b_i)."""
+    """Steps 1-6 of docs/algorithms/fedbc.md#synthetic-generator: raw per-device (X_i, y_i) in
+    generation order (unshuffled), n_i, and each device's teacher (W_i, b_i)."""
     rs = np.random.RandomState(seed)
     dim, classes = SYNTHETIC_DIM, SYNTHETIC_CLASSES
     samples = rs.lognormal(4, 2, num_devices).astype(int) + 50

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
 
 
@@ -33,7 +34,7 @@ def small_config(**overrides) -> RunConfig:
         for part in parts[:-1]:
             target = target.setdefault(part, {})
         target[parts[-1]] = value
-    return RunConfig.model_validate(data)
+    return load_run_config(data)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -7,9 +7,9 @@ import torch
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import update_norm
-from shared.config import RunConfig
 from shared.errors import Conflict, Invalid
 from shared.portions import portion_state
+from shared.run_config import load_run_config
 from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
 from shared.wire import encode_state
 
@@ -21,7 +21,7 @@ def _coordinator(tmp_path, **overrides) -> Coordinator:
     for key, value in overrides.items():
         section, name = key.split(".")
         data.setdefault(section, {})[name] = value
-    coordinator = Coordinator(RunConfig.model_validate(data), RunDirectory(tmp_path / "run"), None)
+    coordinator = Coordinator(load_run_config(data), RunDirectory(tmp_path / "run"), None)
     for i in range(2):
         coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10 + i,
                                              profile=DeviceProfileMsg(flops=1e9, rate=1e6)))

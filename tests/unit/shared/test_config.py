@@ -1,4 +1,4 @@
-"""Unit tests for shared.config: precedence of the config sources and strict validation."""
+"""Unit tests for shared.config (and its full loading, shared.run_config): precedence of the config sources and strict validation."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from shared.config import RunConfig, parse_override, resolve_run_config, set_dotted
+from shared.config import RunConfig, parse_override, set_dotted
+from shared.run_config import resolve_run_config
 
 
 @pytest.fixture(autouse=True)

@@ -213,12 +213,14 @@ def test_public_set_is_stratified_disjoint_from_device_data_and_repeatable():
 
 
 def test_unknown_device_transform_is_refused():
-    from pydantic import ValidationError
-
     from shared.data import DataSpec
+    from shared.data.device_transforms import check_device_transform
+    from shared.run_config import load_run_config
 
-    with pytest.raises(ValidationError, match="device_transform"):
-        DataSpec(device_transform="nope", num_devices=2, partition="iid")
+    with pytest.raises(ValueError, match="unknown device_transform 'nope'"):
+        check_device_transform(DataSpec(device_transform="nope", num_devices=2, partition="iid"))
+    with pytest.raises(ValueError, match="unknown device_transform 'nope'"):
+        load_run_config({"data": {"device_transform": "nope", "num_devices": 2, "partition": "iid"}})
 
 
 @pytest.mark.parametrize("transform, params, message", [
@@ -228,14 +230,13 @@ def test_unknown_device_transform_is_refused():
     ("color", {}, "rgb32"),
 ])
 def test_bad_device_transform_parameters_fail_when_the_config_is_read(transform, params, message):
-    from pydantic import ValidationError
+    from shared.run_config import load_run_config
 
-    from shared.data import DataSpec
-
-    with pytest.raises(ValidationError, match=message):
-        DataSpec(device_transform=transform, device_transform_params=params, num_devices=3, partition="iid")
-    DataSpec(device_transform=transform, num_devices=3, partition="iid",
-             **({"transform": "rgb32"} if transform == "color" else {}))   # the defaults are valid
+    data = {"device_transform": transform, "num_devices": 3, "partition": "iid"}
+    with pytest.raises(ValueError, match=message):
+        load_run_config({"algorithm": "fedavg", "data": {**data, "device_transform_params": params}})
+    load_run_config({"algorithm": "fedavg",   # the defaults are valid
+                     "data": {**data, **({"transform": "rgb32"} if transform == "color" else {})}})
 
 
 def test_concurrent_first_loads_parse_the_file_once(monkeypatch) -> None:

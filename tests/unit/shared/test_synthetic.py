@@ -1,4 +1,4 @@
-"""Synthetic(alpha, beta) generator (spec fedbc.md §5.2 check values), its wiring as
+"""Synthetic(alpha, beta) generator (docs/algorithms/fedbc.md#synthetic-generator check values), its wiring as
 ``DataSpec.dataset="synthetic"``, and the ``logreg`` zoo model."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared.config import resolve_run_config
+from shared.run_config import resolve_run_config
 from shared.data import DataSpec, dataset_input_shape, dataset_num_classes, device_shard, load_dataset
 from shared.data.synthetic import generate_raw, generate_synthetic
 from shared.models import build_model

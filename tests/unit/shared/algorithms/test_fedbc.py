@@ -1,4 +1,4 @@
-"""FedBC (spec fedbc.md §8, tests 1-5 and 8, plus input validation and the local split)."""
+"""FedBC (docs/algorithms/fedbc.md#tests, plus input validation and the local split)."""
 from __future__ import annotations
 
 import json
@@ -20,13 +20,14 @@ from shared.algorithms.fedbc import (
 )
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import ArrayDataset, DataSpec, device_shard, load_dataset
 from shared.errors import Invalid
 from shared.models import build_model
 
 
 def _config(**params) -> RunConfig:
-    return RunConfig.model_validate({"algorithm": "fedbc", "algorithm_params": params, "seed": 3})
+    return load_run_config({"algorithm": "fedbc", "algorithm_params": params, "seed": 3})
 
 
 class Scalar(nn.Module):

@@ -1,4 +1,4 @@
-"""FedIPG: spec ``specs/fedipg.md`` section 8 checks that run in seconds (CPU, float64 where exact)."""
+"""FedIPG: the checks of docs/algorithms/fedipg.md#tests that run in seconds (CPU, float64 where exact)."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ from shared.algorithms.fedipg import (
 )
 from shared.algorithms.registry import ALGORITHMS, build_selector
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import ArrayDataset
 from shared.data.device_transforms import DEVICE_TRANSFORMS
 from shared.errors import Invalid
@@ -37,7 +38,7 @@ def _uploaded(model) -> dict[str, torch.Tensor]:
 
 
 def _config(**params) -> RunConfig:
-    return RunConfig.model_validate({"algorithm": "fedipg", "data": {"num_devices": 4}, "algorithm_params": params})
+    return load_run_config({"algorithm": "fedipg", "data": {"num_devices": 4}, "algorithm_params": params})
 
 
 def _data(n: int = 40, seed: int = 0, classes: int = 3) -> ArrayDataset:
@@ -77,7 +78,8 @@ def test_hand_computed_penalty_and_gradient():
     f.backward()
     expected = torch.tensor([[-0.2685524, 0.0], [0.2685524, 0.0]], dtype=torch.float64)
     assert torch.allclose(W.weight.grad, expected, atol=1e-7)
-    # The spec's two wrong implementations give different gradients (so the test can tell).
+    # The two likely wrong implementations (docs/algorithms/fedipg.md#tests) give different gradients
+    # (so the test can tell).
     assert torch.allclose(_linear_penalty(detach_grad=True)[3],
                           torch.tensor([[-0.2674948, 0.0], [0.2674948, 0.0]], dtype=torch.float64), atol=1e-7)
     assert torch.allclose(_linear_penalty(detach_w=True)[3],
@@ -344,7 +346,7 @@ def test_color_transform_correlates_colour_with_label():
 
 
 def test_evaluate_reports_id_and_ood_accuracy():
-    config = RunConfig.model_validate({
+    config = load_run_config({
         "algorithm": "fedipg", "data": {"num_devices": 3, "device_transform": "rotation",
                                         "device_transform_params": {"angles": [0, 30]}},
         "algorithm_params": {"ood_angle": 90}})

@@ -1,4 +1,4 @@
-"""FNR-FL (spec /work/shared/specs/fnr-fl.md §8): hand-computed values, special cases, validation."""
+"""FNR-FL (the checks listed in docs/algorithms/fnr-fl.md#tests): hand-computed values, special cases, validation."""
 from __future__ import annotations
 
 import math
@@ -19,6 +19,7 @@ from shared.algorithms.fnr_fl import (
 )
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import ArrayDataset, DataSpec, device_shard, load_dataset, load_public_set
 from shared.data.device_transforms import DEVICE_TRANSFORMS
 from shared.data.feature_skew import device_noise_std, gaussian_noise
@@ -29,7 +30,7 @@ DATA = {"num_devices": 4, "partition": "iid", "seed": 1, "max_samples": 400, "pu
 
 
 def _config(**params) -> RunConfig:
-    return RunConfig.model_validate({"algorithm": "fnr-fl", "model": "cnn", "data": DATA,
+    return load_run_config({"algorithm": "fnr-fl", "model": "cnn", "data": DATA,
                                      "train": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": 32},
                                      "algorithm_params": params})
 
@@ -240,7 +241,7 @@ def test_p_zero_round_is_fedavg_bit_for_bit():
     fedavg_model, _ = _local_round(DeviceLogic({}), spec)
     a, b = portion.state_dict(), fedavg_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)  # incl. BN running stats
-    # Report size: K class norms + accuracy + sample count (spec §8.8).
+    # Report size: K class norms + accuracy + sample count (docs/algorithms/fnr-fl.md#report-size).
     wire = report.to_wire()
     assert set(wire) == {"public_accuracy", "feature_norms", "num_samples"} and len(wire["feature_norms"]) <= 10
     assert _report(wire) == report  # and it survives the trip
@@ -344,12 +345,12 @@ def test_reports_naming_unknown_classes_are_excluded_and_their_uploads_refused()
 
 def test_config_checks_and_leaky_mode():
     with pytest.raises(ValueError, match="public_samples"):
-        build_algorithm(RunConfig.model_validate({"algorithm": "fnr-fl", "data": {"public_samples": 0}}))
+        build_algorithm(load_run_config({"algorithm": "fnr-fl", "data": {"public_samples": 0}}))
     with pytest.raises(ValueError):
-        RunConfig.model_validate({"algorithm": "fnr-fl", "algorithm_params": {"p": 1.5}})
+        load_run_config({"algorithm": "fnr-fl", "algorithm_params": {"p": 1.5}})
     with pytest.raises(ValueError):
-        RunConfig.model_validate({"algorithm": "fnr-fl", "algorithm_params": {"lam": float("nan")}})
-    leaky = build_algorithm(RunConfig.model_validate({"algorithm": "fnr-fl", "data": {"public_samples": 0},
+        load_run_config({"algorithm": "fnr-fl", "algorithm_params": {"lam": float("nan")}})
+    leaky = build_algorithm(load_run_config({"algorithm": "fnr-fl", "data": {"public_samples": 0},
                                                        "algorithm_params": {"public_set": "test_set_leaky"}}))
     leaky.bind_model(build_model("cnn", 10, (1, 28, 28)))
     assert leaky.round_metrics(RoundContext(1, 1), {})["leaky"] is True

@@ -1,4 +1,4 @@
-"""HiCS-FL selection (spec docs: /work/shared/specs/hics-fl.md §8): hand-computed values and behaviour."""
+"""HiCS-FL selection (the checks listed in docs/algorithms/hics.md#tests): hand-computed values and behaviour."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ from shared.algorithms.hics import (
 from shared.algorithms.registry import build_algorithm
 from shared.algorithms.registry import SELECTORS, build_selector
 from shared.config import RunConfig
+from shared.run_config import load_run_config
 from shared.data import ArrayDataset
 from shared.models import build_model
 
@@ -27,7 +28,7 @@ HEAD = "blocks.head"
 
 
 def _config(num_devices: int = 6, per_round: int = 2, rounds: int = 10, **params) -> RunConfig:
-    return RunConfig.model_validate({
+    return load_run_config({
         "algorithm": "fedavg", "rounds": rounds, "devices_per_round": per_round,
         "data": {"num_devices": num_devices}, "selection": "hics", "selection_params": params,
     })
@@ -323,7 +324,7 @@ def test_deterministic_and_resumable_from_state_dict():
 
 def test_works_under_fedavg_and_s2fl_algorithms():
     for algorithm in ("fedavg", "s2fl"):
-        config = RunConfig.model_validate({"algorithm": algorithm, "selection": "hics", "rounds": 5,
+        config = load_run_config({"algorithm": algorithm, "selection": "hics", "rounds": 5,
                                            "data": {"num_devices": 4}, "devices_per_round": 2})
         algo = build_algorithm(config)
         algo.bind_model(build_model("cnn"))

@@ -1,0 +1,50 @@
+"""A bad run configuration fails when it is read by the real command-line entry points.
+
+``shared/config.py`` is only the schema; the checks that need the algorithm registry, the model zoo
+and the device transforms live in ``shared/run_config.py``. These tests start the actual
+``python -m fed_server`` and ``python -m testbed`` processes with configurations only that second
+layer can refuse, and check that each exits at once with a usage error naming the problem, before
+it creates a run directory.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.processes import service_env
+
+ROOT = Path(__file__).resolve().parents[2]
+FNR_FL = ["--set", "algorithm=fnr-fl", "--set", "data.public_samples=100"]
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=service_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("module", ["fed_server", "testbed"])
+@pytest.mark.parametrize("overrides, message", [
+    (["--set", "algorithm=nope"], "unknown algorithm 'nope'; choose one of"),
+    ([*FNR_FL, "--set", "algorithm_params.p=1.5"], "validation error for FNRFLParams"),
+    (["--set", "data.device_transform=nope"], "unknown device_transform 'nope'"),
+    (["--set", "model=logreg"], "model 'logreg' has no meaningful cut"),
+])
+def test_bad_config_is_refused_before_anything_starts(tmp_path, module, overrides, message):
+    run_dir = tmp_path / "run"
+    result = _run(module, "--run-dir", str(run_dir), *overrides)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"python -m {module}: error: " in result.stderr and message in result.stderr, result.stderr
+    assert not run_dir.exists()
+
+
+def test_a_good_config_gets_past_loading(tmp_path):
+    # The control: the same valid FNR-FL configuration is accepted, and the Fed Server stops at the
+    # next check it makes (an empty secret file), which names that problem instead.
+    secret = tmp_path / "secret"
+    secret.write_text("")
+    result = _run("fed_server", "--run-dir", str(tmp_path / "run"), *FNR_FL, "--service-secret-file", str(secret))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "python -m fed_server: error: secret file" in result.stderr and "empty" in result.stderr, result.stderr
