@@ -17,9 +17,20 @@ from shared.schemas import RunInfo, TaskResponse
 from shared.wire import encode_state
 
 
+class _NoServer:
+    """A server interface that fails the test on any call: a malformed task must be refused
+    before the device talks to anyone."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the device called {name} for a malformed task")
+
+
+def _no_main(*args, **kwargs):
+    raise AssertionError("the device connected to a Main Server for a malformed task")
+
+
 def _device() -> Device:
-    # Port 9 (discard): any request the device made would fail with a transport error, not Invalid.
-    device = Device("dev-000", 0, "http://127.0.0.1:9", kind=None, keep_model=False)
+    device = Device("dev-000", 0, _NoServer(), _no_main, kind=None, keep_model=False)
     device.info = RunInfo(run_id="r", algorithm="fedbc", model="logreg", num_classes=10, input_shape=[1, 1, 60],
                           data=DataSpec(num_devices=1), seed=3)
     device.data = ArrayDataset(torch.randn(10, 1, 1, 60), torch.arange(10) % 10, 10)
