@@ -81,9 +81,9 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         if metrics is not None:
             metrics.observe_round(record)
             metrics.checkpoint_written()  # finish_round writes checkpoint.msgpack once per round
-        log.info("round %d %s: accuracy %.4f, %.2fs, %.2f MB", record["round"], record["status"],
-                 record["test_accuracy"], record["round_time_s"], record["bytes_total"] / 1e6)
-        if record["status"] != "ok" and not coordinator.finished:
+        log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
+                 record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)
+        if record.status != "ok" and not coordinator.finished:
             # Back off before retrying, so a Main Server that is restarting gets time to come back.
             await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
     log.info("run finished: %s", coordinator.summary())
@@ -110,14 +110,15 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
 
     @app.get(f"{API}/status")
     async def status(since: int = 0) -> dict:
-        """Run progress as JSON: state, round, and the metrics of rounds after ``since``."""
+        """Run progress as JSON: state, round, and the records of the logical rounds after ``since``
+        (every attempt of them, failed ones included)."""
         c = coordinator
         state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
         return {
             "run_id": c.run_id, "algorithm": c.config.algorithm, "state": state, "rounds_total": c.config.rounds,
             "rounds_done": c.rounds_done, "registered": len(c.devices), "expected_devices": c.config.data.num_devices,
             "open_round": c.round.round_id if c.round else None, "initial": c.initial,
-            "history": [r for r in c.history if r["round"] > since],
+            "history": [r.to_json() for r in c.history if r.round > since],
             "summary": c.summary() if c.finished else None,
             "driver_error": _driver_error(app),
         }

@@ -56,7 +56,7 @@ def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(t
     c.accept_update(r1.round_id, _upload(c, "d0", r1.round_id), 100)
     c.close_round()
     record = c.finish_round(r1)
-    assert record["status"] == "failed" and c.rounds_done == 0
+    assert record.status == "failed" and c.rounds_done == 0
     assert all(torch.equal(before[k], v) for k, v in c.model.state_dict().items())
     r2 = _open_round(c)
     assert (r2.index, r2.round_id) == (1, r1.round_id + 1)
@@ -97,10 +97,10 @@ def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round
     _open_round(c)  # round 2 starts, then the server dies before it finishes
     resumed = _coordinator(tmp_path)
     assert resumed.resumed and resumed.rounds_done == 1 and resumed.run_id == c.run_id
-    assert resumed.attempts == 2  # the interrupted attempt (id 2) never reached a checkpoint ...
+    assert resumed.attempts == 2  # the interrupted attempt (id 2) was reserved before it was handed out ...
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), c.model.state_dict().values()))
     assert resumed.rng.getstate() == rng_at_checkpoint
-    assert [m["round"] for m in resumed.history] == [1]
+    assert [m.round for m in resumed.history] == [1]
     r2 = _open_round(resumed)
     assert r2.index == 2 and r2.round_id == 3  # ... so its id is skipped, never reused
 
@@ -110,11 +110,11 @@ def test_resume_drops_metrics_lines_the_checkpoint_does_not_cover_and_else_leave
     _complete_round(c)
     metrics = c.run_dir.metrics_path
     inode = metrics.stat().st_ino
-    assert [m["round"] for m in _coordinator(tmp_path).history] == [1]
+    assert [m.round for m in _coordinator(tmp_path).history] == [1]
     assert metrics.stat().st_ino == inode  # nothing to drop: not rewritten
     with open(metrics, "a") as fh:  # a round recorded after the last checkpoint, then a crash
         fh.write('{"round": 2, "status": "ok"}\n')
-    assert [m["round"] for m in _coordinator(tmp_path).history] == [1]
+    assert [m.round for m in _coordinator(tmp_path).history] == [1]
     assert [m["round"] for m in c.run_dir.read_metrics()] == [1]
 
 
