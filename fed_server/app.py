@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -30,7 +33,6 @@ log = logging.getLogger("fed_server")
 class FedServerSettings:
     max_update_bytes: int = 512 << 20
     max_register_bytes: int = 64 << 10
-    poll_interval_s: float = 0.05
     plan_retries: int = 5
     per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
     auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
@@ -56,10 +58,29 @@ async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSett
     fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan"
 
 
+async def wait_until(coordinator: Coordinator, done: Callable[[], bool], until: float) -> bool:
+    """Wait until ``done()`` holds or the monotonic time ``until`` passes; whether it holds.
+
+    Wakes on ``coordinator.changed`` (set by every registration, report, update and portion), not
+    on a timer. Clearing the event and checking ``done()`` happen without an ``await`` between
+    them, so a change that lands while the driver is busy is never missed.
+    """
+    while not done():
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return False
+        coordinator.changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(coordinator.changed.wait(), None if math.isinf(remaining) else remaining)
+    return True
+
+
 async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:
     """Run every round of the configuration, one after another."""
-    while not coordinator.ready():
-        await asyncio.sleep(settings.poll_interval_s)
+    # Every shard registered, or the registration deadline passed; then (a resumed run whose
+    # devices did not all come back) the quorum's registrations.
+    await wait_until(coordinator, coordinator.ready, coordinator.registration_deadline())
+    await wait_until(coordinator, coordinator.ready, math.inf)
     log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
              coordinator.config.rounds, coordinator.config.algorithm)
     while not coordinator.finished:
@@ -67,13 +88,15 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         if fed_round.uses_main_server:
             await send_plan(coordinator, fed_round, settings)
         fed_round.ready = True
-        if coordinator.algorithm.needs_report:
-            while not fed_round.all_reported() and not fed_round.overdue() and fed_round.plan_failed is None:
-                await asyncio.sleep(settings.poll_interval_s)
+        if coordinator.algorithm.needs_report and fed_round.plan_failed is None:
+            # The report phase has its own deadline: the devices that reported by then get their
+            # follow-ups and the round waits for their uploads, so one silent device cannot hold
+            # every reporter until the round deadline.
+            if not await wait_until(coordinator, fed_round.all_reported, fed_round.report_deadline()):
+                log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
+                            len(fed_round.reports), len(fed_round.assignments))
             coordinator.plan_follow_ups(fed_round)
-        while not fed_round.complete() and not fed_round.overdue():
-            await asyncio.sleep(settings.poll_interval_s)
-        if not fed_round.complete():
+        if not await wait_until(coordinator, fed_round.complete, fed_round.deadline()):
             log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
                         fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
         coordinator.close_round()

@@ -8,6 +8,7 @@ split mode, grouping, aggregation) is asked of the algorithm object.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -103,10 +104,15 @@ class Coordinator:
         if self.finished:  # a finished run killed before its summary was written gets it now
             self.recorder.write_summary(self.summary())
         self.created_at = time.monotonic()
+        # Set whenever something a waiting round driver checks may have changed (a device
+        # registered, a report, an update or a group portion arrived): the driver wakes on it
+        # instead of polling. Methods run on the event loop, so setting it needs no lock.
+        self.changed = asyncio.Event()
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
         record = self.devices.register(req)
+        self.changed.set()
         log.info("registered %s (shard %d, %d samples, %s)", req.device_id, req.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=self.run_id, device_id=record.device_id, shard=record.shard)
 
@@ -121,8 +127,11 @@ class Coordinator:
         deadline, once the quorum has (a resumed run whose devices did not all come back)."""
         if len(self.devices) >= self.config.data.num_devices:
             return True
-        waited = time.monotonic() - self.created_at
-        return waited > self.config.deadlines.registration_s and len(self.devices) >= self.config.deadlines.min_participants
+        return time.monotonic() >= self.registration_deadline() and len(self.devices) >= self.config.deadlines.min_participants
+
+    def registration_deadline(self) -> float:
+        """The monotonic time after which the quorum of registered devices suffices."""
+        return self.created_at + self.config.deadlines.registration_s
 
     # --- round lifecycle ----------------------------------------------------------------------
     def begin_round(self) -> FedRound:
@@ -139,6 +148,7 @@ class Coordinator:
             round_id=self.attempts, index=index, split_mode=self.planner.mode,
             assignments={d: Assignment(d, k, j) for d, (j, k) in splits.items()},
             deadline_s=self.config.deadlines.round_s,
+            report_deadline_s=self.config.deadlines.report_s or self.config.deadlines.round_s / 2,
         )
         log.info("round %d (attempt %d): %d devices, splits %s", index, self.attempts, len(selected), {d: a.split_point for d, a in self.round.assignments.items()})
         return self.round
@@ -220,6 +230,7 @@ class Coordinator:
         if fed_round.follow_ups is not None:
             raise Conflict(f"reports for round {round_id} are closed")
         fed_round.reports[req.device_id] = dict(req.extras)
+        self.changed.set()
         return Ack(detail=f"report of {req.device_id} for round {round_id} stored")
 
     def plan_follow_ups(self, fed_round: FedRound) -> None:
@@ -279,6 +290,7 @@ class Coordinator:
         except ValueError as exc:
             raise Invalid(f"extras: {exc}") from None
         fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes)
+        self.changed.set()
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
 
     def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:
@@ -299,6 +311,7 @@ class Coordinator:
             raise Invalid(f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")
         state = self._decode(upload.weights, upload.start_block, self.num_blocks)
         fed_round.portions[upload.group_id] = ReceivedPortion(upload, state, body_bytes)
+        self.changed.set()
         return Ack(detail=f"group {upload.group_id} of round {round_id} stored")
 
     def close_round(self) -> FedRound:
