@@ -10,9 +10,10 @@ Order of writes, and why (each rule closes a crash window a killed Fed Server co
 * ``summary.json`` is written after the checkpoint of a finished run, and again by every resume
   of a finished run, so a crash after the last record still leaves a finished run with a summary.
 
-Fault injection: ``SFL_FAULT_PAUSE_BEFORE_CHECKPOINT_S`` (seconds, default 0) makes the recorder
-pause between a round's metrics line and its checkpoint, so the crash tests can kill the server at
-exactly that point (docs/operations.md).
+Fault injection, for the crash tests to kill the server at exactly these points (docs/operations.md):
+``SFL_FAULT_PAUSE_BEFORE_CHECKPOINT_S`` (seconds, default 0) pauses between a round's metrics line
+and its checkpoint; ``SFL_FAULT_PAUSE_BEFORE_SUMMARY_S`` between a finished run's last checkpoint
+and its summary.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from shared.config import RunConfig
 
 log = logging.getLogger("fed_server")
 
-FAULT_PAUSE_ENV = "SFL_FAULT_PAUSE_BEFORE_CHECKPOINT_S"
+FAULT_PAUSE_ENV = {"checkpoint": "SFL_FAULT_PAUSE_BEFORE_CHECKPOINT_S", "summary": "SFL_FAULT_PAUSE_BEFORE_SUMMARY_S"}
 
 
 class Recorder:
@@ -39,7 +40,7 @@ class Recorder:
 
     def __init__(self, run_dir: RunDirectory) -> None:
         self.run_dir = run_dir
-        self.fault_pause_s = float(os.environ.get(FAULT_PAUSE_ENV, "0") or 0)
+        self.fault_pause_s = {point: float(os.environ.get(name) or 0) for point, name in FAULT_PAUSE_ENV.items()}
 
     def reserve_attempt(self, attempt: int) -> int:
         """Durably record ``attempt`` as handed out, then return it (see the module docstring)."""
@@ -51,13 +52,16 @@ class Recorder:
         """Persist one finished attempt: its record, then the checkpoint counting it, then (for a
         finished run) the summary."""
         self.run_dir.append_metrics(record.to_json())
-        if self.fault_pause_s > 0:
-            log.warning("fault injection: pausing %.1fs between the record of attempt %d and its checkpoint",
-                        self.fault_pause_s, record.round_id)
-            time.sleep(self.fault_pause_s)
+        self._fault_pause("checkpoint", record.round_id)
         save_checkpoint(self.run_dir, model_state, progress)
         if summary is not None:
+            self._fault_pause("summary", record.round_id)
             self.run_dir.write_summary(summary)
+
+    def _fault_pause(self, before: str, attempt: int) -> None:
+        if self.fault_pause_s[before] > 0:
+            log.warning("fault injection: attempt %d pausing %.1fs before the %s", attempt, self.fault_pause_s[before], before)
+            time.sleep(self.fault_pause_s[before])
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         self.run_dir.write_summary(summary)
