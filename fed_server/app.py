@@ -20,6 +20,7 @@ from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
+from fed_server.records import RunStatus, finite_json
 from shared.auth import Auth
 from shared.http_client import decode_response, service_client
 from http_api.server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
@@ -132,19 +133,18 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     packed_done: dict[bool, bytes] = {}  # the final answer's body by final_weights (see task())
 
     @app.get(f"{API}/status")
-    async def status(since: int = 0) -> dict:
+    async def status(since: int = 0) -> RunStatus:
         """Run progress as JSON: state, round, and the records of the logical rounds after ``since``
         (every attempt of them, failed ones included)."""
         c = coordinator
         state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
-        return {
-            "run_id": c.run_id, "algorithm": c.config.algorithm, "state": state, "rounds_total": c.config.rounds,
-            "rounds_done": c.rounds_done, "registered": len(c.devices), "expected_devices": c.config.data.num_devices,
-            "open_round": c.round.round_id if c.round else None, "initial": c.initial,
-            "history": [r.to_json() for r in c.history if r.round > since],
-            "summary": c.summary() if c.finished else None,
-            "driver_error": _driver_error(app),
-        }
+        return RunStatus(
+            run_id=c.run_id, algorithm=c.config.algorithm, state=state, rounds_total=c.config.rounds,
+            rounds_done=c.rounds_done, registered=len(c.devices), expected_devices=c.config.data.num_devices,
+            open_round=c.round.round_id if c.round else None, initial=c.initial,
+            history=[r for r in c.history if r.round > since],
+            summary=finite_json(c.summary()) if c.finished else None, driver_error=_driver_error(app),
+        )
 
     @app.get(f"{API}/run", response_class=Response)
     async def run_info() -> Response:

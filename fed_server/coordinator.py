@@ -369,26 +369,30 @@ class Coordinator:
              **self.algorithm.evaluate(self.model)} if ok else {})
         self.cumulative_bytes = record.cumulative_bytes
         self.history.append(record)
+        finished, stop_reason = False, None
         if self.rounds_done >= self.config.rounds:
-            self.finished, self.stop_reason = True, "completed"
+            finished, stop_reason = True, "completed"
         elif self.failed_in_a_row >= self.config.deadlines.max_failed_attempts:
-            self.finished, self.stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
-        self.recorder.record_round(record, self.model.state_dict(), self._progress(),
-                                   self.summary() if self.finished else None)
+            finished, stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
+        self.recorder.record_round(record, self.model.state_dict(), self._progress(finished, stop_reason),
+                                   self._summary(finished, stop_reason) if finished else None)
+        # Only now, with the checkpoint and summary on disk, may /v1/status say "finished": a
+        # testbed that stops the services on that answer must not kill the server mid-write.
+        self.finished, self.stop_reason = finished, stop_reason
         return record
 
     def _elapsed(self) -> float:
         now = time.monotonic()
         return self.elapsed_before + (now - self.started_at if self.started_at is not None else 0.0)
 
-    def _progress(self) -> RunProgress:
+    def _progress(self, finished: bool, stop_reason: str | None) -> RunProgress:
         """What the checkpoint holds besides the model (``fed_server/checkpoint.py``)."""
         return RunProgress(
             run_id=self.run_id, rounds_done=self.rounds_done, attempts=self.attempts,
             failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
             cumulative_bytes=self.cumulative_bytes, elapsed_s=self._elapsed(), rng_state=self.rng.getstate(),
             algorithm_state=self.algorithm.state_dict(), selector_state=self.selector.state_dict(), time_table=self.table.entries(),
-            finished=self.finished, stop_reason=self.stop_reason)
+            finished=finished, stop_reason=stop_reason)
 
     def resume(self) -> bool:
         """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
@@ -421,7 +425,10 @@ class Coordinator:
 
     def summary(self) -> dict:
         """What the run achieved, for ``summary.json`` and the testbed's final line."""
+        return self._summary(self.finished, self.stop_reason)
+
+    def _summary(self, finished: bool, stop_reason: str | None) -> dict:
         base = {"run_id": self.run_id, "algorithm": self.config.algorithm, "model": self.config.model}
         return run_summary(self.history, base, self.initial["test_accuracy"], self.rounds_done,
-                           self.cumulative_bytes, self.finished, self.stop_reason)
+                           self.cumulative_bytes, finished, stop_reason)
 

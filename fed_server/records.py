@@ -100,6 +100,23 @@ class RoundRecord(BaseModel):
         return finite_json(self.model_dump(mode="json"))
 
 
+class RunStatus(BaseModel):
+    """``GET /v1/status``: the run's state and the records of the logical rounds after ``since``."""
+
+    run_id: str
+    algorithm: str
+    state: Literal["waiting_for_devices", "running", "finished"]
+    rounds_total: int
+    rounds_done: int
+    registered: int
+    expected_devices: int
+    open_round: int | None          # attempt id (``round_id``) of the round in progress
+    initial: dict[str, float]       # the initial model's test_accuracy and test_loss
+    history: list[RoundRecord]
+    summary: dict[str, Any] | None  # summary.json's contents once finished
+    driver_error: str | None
+
+
 def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropped: set[str], status: str,
                  accuracy: float | None, loss: float | None, duration: float, elapsed: float, cumulative_bytes: int,
                  device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any]) -> RoundRecord:

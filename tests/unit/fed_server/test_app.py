@@ -5,7 +5,9 @@ import asyncio
 import time
 from types import SimpleNamespace as NS
 
-from fed_server.app import FedServerSettings, drive_rounds, wait_until
+import httpx
+
+from fed_server.app import FedServerSettings, create_app, drive_rounds, wait_until
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
@@ -64,3 +66,33 @@ def test_a_round_closes_on_its_last_upload_not_its_deadline(tmp_path):
     took = asyncio.run(scenario())
     assert c.finished and [r.status for r in c.history] == ["ok"]
     assert took < 30 < config.deadlines.round_s
+
+
+def test_status_since_filters_on_the_logical_round_and_keeps_every_attempt(tmp_path):
+    config = RunConfig.model_validate({"algorithm": "fedavg", "rounds": 2, "seed": 3,
+                                       "data": {"num_devices": 2, "max_samples": 200},
+                                       "deadlines": {"min_participants": 2}})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
+    for i in range(2):
+        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    weights = encode_state(portion_state(c.model, 0, c.num_blocks))
+    for uploaders in (["d0"], ["d0", "d1"], ["d0", "d1"]):   # round 1 fails once, then rounds 1 and 2
+        fed_round = c.begin_round()
+        fed_round.ready = True
+        for d in uploaders:
+            c.accept_update(fed_round.round_id, UpdateRequest(
+                device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
+                timings=timings, bytes_up=0, bytes_down=0), 100)
+        c.close_round()
+        c.finish_round(fed_round)
+
+    async def history(since: int) -> list[tuple[int, int, str]]:
+        transport = httpx.ASGITransport(app=create_app(c))   # no lifespan: no round driver
+        async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
+            body = (await client.get("/v1/status", params={"since": since})).json()
+        return [(r["round"], r["round_id"], r["status"]) for r in body["history"]]
+
+    assert asyncio.run(history(0)) == [(1, 1, "failed"), (1, 2, "ok"), (2, 3, "ok")]
+    assert asyncio.run(history(1)) == [(2, 3, "ok")]
+    assert asyncio.run(history(2)) == []
