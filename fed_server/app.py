@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -17,6 +20,7 @@ from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
+from fed_server.records import RunStatus, finite_json
 from shared.auth import Auth
 from shared.errors import NotFound
 from shared.http_client import decode_response, service_client
@@ -32,7 +36,6 @@ log = logging.getLogger("fed_server")
 class FedServerSettings:
     max_update_bytes: int = 512 << 20
     max_register_bytes: int = 64 << 10
-    poll_interval_s: float = 0.05
     plan_retries: int = 5
     per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
     auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
@@ -55,10 +58,29 @@ async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSett
             fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan: {exc}"
 
 
+async def wait_until(coordinator: Coordinator, done: Callable[[], bool], until: float) -> bool:
+    """Wait until ``done()`` holds or the monotonic time ``until`` passes; whether it holds.
+
+    Wakes on ``coordinator.changed`` (set by every registration, report, update and portion), not
+    on a timer. Clearing the event and checking ``done()`` happen without an ``await`` between
+    them, so a change that lands while the driver is busy is never missed.
+    """
+    while not done():
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return False
+        coordinator.changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(coordinator.changed.wait(), None if math.isinf(remaining) else remaining)
+    return True
+
+
 async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:
     """Run every round of the configuration, one after another."""
-    while not coordinator.ready():
-        await asyncio.sleep(settings.poll_interval_s)
+    # Every shard registered, or the registration deadline passed; then (a resumed run whose
+    # devices did not all come back) the quorum's registrations.
+    await wait_until(coordinator, coordinator.ready, coordinator.registration_deadline())
+    await wait_until(coordinator, coordinator.ready, math.inf)
     log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
              coordinator.config.rounds, coordinator.config.algorithm)
     while not coordinator.finished:
@@ -66,13 +88,15 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         if fed_round.uses_main_server:
             await send_plan(coordinator, fed_round, settings)
         fed_round.ready = True
-        if coordinator.algorithm.needs_report:
-            while not fed_round.all_reported() and not fed_round.overdue() and fed_round.plan_failed is None:
-                await asyncio.sleep(settings.poll_interval_s)
+        if coordinator.algorithm.needs_report and fed_round.plan_failed is None:
+            # The report phase has its own deadline: the devices that reported by then get their
+            # follow-ups and the round waits for their uploads, so one silent device cannot hold
+            # every reporter until the round deadline.
+            if not await wait_until(coordinator, fed_round.all_reported, fed_round.report_deadline()):
+                log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
+                            len(fed_round.reports), len(fed_round.assignments))
             coordinator.plan_follow_ups(fed_round)
-        while not fed_round.complete() and not fed_round.overdue():
-            await asyncio.sleep(settings.poll_interval_s)
-        if not fed_round.complete():
+        if not await wait_until(coordinator, fed_round.complete, fed_round.deadline()):
             log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
                         fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
         coordinator.close_round()
@@ -80,9 +104,9 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         if metrics is not None:
             metrics.observe_round(record)
             metrics.checkpoint_written()  # finish_round writes checkpoint.msgpack once per round
-        log.info("round %d %s: accuracy %.4f, %.2fs, %.2f MB", record["round"], record["status"],
-                 record["test_accuracy"], record["round_time_s"], record["bytes_total"] / 1e6)
-        if record["status"] != "ok" and not coordinator.finished:
+        log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
+                 record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)
+        if record.status != "ok" and not coordinator.finished:
             # Back off before retrying, so a Main Server that is restarting gets time to come back.
             await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
     log.info("run finished: %s", coordinator.summary())
@@ -117,18 +141,18 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         settings.auth.check_device(request.headers, coordinator.run_id, device_id, nonce)
 
     @app.get(f"{API}/status")
-    async def status(since: int = 0) -> dict:
-        """Run progress as JSON: state, round, and the metrics of rounds after ``since``."""
+    async def status(since: int = 0) -> RunStatus:
+        """Run progress as JSON: state, round, and the records of the logical rounds after ``since``
+        (every attempt of them, failed ones included)."""
         c = coordinator
         state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
-        return {
-            "run_id": c.run_id, "algorithm": c.config.algorithm, "state": state, "rounds_total": c.config.rounds,
-            "rounds_done": c.rounds_done, "registered": len(c.devices), "expected_devices": c.config.data.num_devices,
-            "open_round": c.round.round_id if c.round else None, "initial": c.initial,
-            "history": [r for r in c.history if r["round"] > since],
-            "summary": c.summary() if c.finished else None,
-            "driver_error": _driver_error(app),
-        }
+        return RunStatus(
+            run_id=c.run_id, algorithm=c.config.algorithm, state=state, rounds_total=c.config.rounds,
+            rounds_done=c.rounds_done, registered=len(c.devices), expected_devices=c.config.data.num_devices,
+            open_round=c.round.round_id if c.round else None, initial=c.initial,
+            history=[r for r in c.history if r.round > since],
+            summary=finite_json(c.summary()) if c.finished else None, driver_error=_driver_error(app),
+        )
 
     @app.get(f"{API}/run", response_class=Response)
     async def run_info() -> Response:

@@ -8,6 +8,7 @@ split mode, grouping, aggregation) is asked of the algorithm object.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -18,9 +19,10 @@ import torch
 from fed_server.devices import DeviceRegistry
 from fed_server.update_checks import check_claims, clip_update, table_time, update_norm
 from shared.evaluation import evaluate
-from fed_server.records import round_record, run_summary
+from fed_server.records import RoundRecord, round_record, run_summary
+from fed_server.recorder import Recorder
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
-from fed_server.checkpoint import RunProgress, load_checkpoint, save_checkpoint
+from fed_server.checkpoint import RunProgress
 from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
@@ -54,6 +56,7 @@ class Coordinator:
     def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_url: str | None, run_id: str | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.recorder = Recorder(run_dir)
         self.main_server_url = main_server_url
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.algorithm = build_algorithm(config)
@@ -76,7 +79,7 @@ class Coordinator:
         self.rounds_done = 0          # completed logical rounds
         self.attempts = 0             # round attempts started; each one's wire round_id
         self.failed_in_a_row = 0
-        self.history: list[dict] = []
+        self.history: list[RoundRecord] = []
         self.finished = False
         self._done_answers: dict[bool, TaskResponse] = {}  # by final_weights: encoded once, polled by every device
         self.stop_reason: str | None = None
@@ -87,11 +90,18 @@ class Coordinator:
         self.initial = {"test_accuracy": initial_acc, "test_loss": initial_loss}
         self.resumed = self.resume()
         run_dir.write_config(config, self.run_id)
+        if self.finished:  # a finished run killed before its summary was written gets it now
+            self.recorder.write_summary(self.summary())
         self.created_at = time.monotonic()
+        # Set whenever something a waiting round driver checks may have changed (a device
+        # registered, a report, an update or a group portion arrived): the driver wakes on it
+        # instead of polling. Methods run on the event loop, so setting it needs no lock.
+        self.changed = asyncio.Event()
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
         record = self.devices.register(req)
+        self.changed.set()
         log.info("registered %s (shard %d, %d samples, %s)", req.device_id, req.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=self.run_id, device_id=record.device_id, shard=record.shard)
 
@@ -106,15 +116,18 @@ class Coordinator:
         deadline, once the quorum has (a resumed run whose devices did not all come back)."""
         if len(self.devices) >= self.config.data.num_devices:
             return True
-        waited = time.monotonic() - self.created_at
-        return waited > self.config.deadlines.registration_s and len(self.devices) >= self.config.deadlines.min_participants
+        return time.monotonic() >= self.registration_deadline() and len(self.devices) >= self.config.deadlines.min_participants
+
+    def registration_deadline(self) -> float:
+        """The monotonic time after which the quorum of registered devices suffices."""
+        return self.created_at + self.config.deadlines.registration_s
 
     # --- round lifecycle ----------------------------------------------------------------------
     def begin_round(self) -> FedRound:
         """Select devices and split points for the next round."""
         if self.started_at is None:
             self.started_at = time.monotonic()
-        self.attempts += 1
+        self.attempts = self.recorder.reserve_attempt(self.attempts + 1)
         index = self.rounds_done + 1
         ctx = RoundContext(index=index, attempt=self.attempts)
         pool = self.algorithm.eligible(self.devices.ids())
@@ -124,6 +137,7 @@ class Coordinator:
             round_id=self.attempts, index=index, split_mode=self.planner.mode,
             assignments={d: Assignment(d, k, j) for d, (j, k) in splits.items()},
             deadline_s=self.config.deadlines.round_s,
+            report_deadline_s=self.config.deadlines.report_s or self.config.deadlines.round_s / 2,
         )
         log.info("round %d (attempt %d): %d devices, splits %s", index, self.attempts, len(selected), {d: a.split_point for d, a in self.round.assignments.items()})
         return self.round
@@ -207,6 +221,7 @@ class Coordinator:
         if fed_round.follow_ups is not None:
             raise Conflict(f"reports for round {round_id} are closed")
         fed_round.reports[req.device_id] = parse_payload(self.algorithm.Report, req.extras, "report")
+        self.changed.set()
         return Ack(detail=f"report of {req.device_id} for round {round_id} stored")
 
     def plan_follow_ups(self, fed_round: FedRound) -> None:
@@ -268,6 +283,7 @@ class Coordinator:
         except ValueError as exc:
             raise Invalid(f"extras: {exc}") from None
         fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes, extras)
+        self.changed.set()
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
 
     def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:
@@ -288,6 +304,7 @@ class Coordinator:
             raise Invalid(f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")
         state = self._decode(upload.weights, upload.start_block, self.num_blocks)
         fed_round.portions[upload.group_id] = ReceivedPortion(upload, state, body_bytes)
+        self.changed.set()
         return Ack(detail=f"group {upload.group_id} of round {round_id} stored")
 
     def close_round(self) -> FedRound:
@@ -297,7 +314,7 @@ class Coordinator:
         fed_round, self.round = self.round, None
         return fed_round
 
-    def finish_round(self, fed_round: FedRound) -> dict:
+    def finish_round(self, fed_round: FedRound) -> RoundRecord:
         """Aggregate (Algorithm 1 or the algorithm's rule), update the time table, evaluate, record,
         checkpoint. A round below the quorum is recorded as failed and changes nothing: the same
         logical round is retried. CPU work: run off the event loop."""
@@ -338,60 +355,60 @@ class Coordinator:
                         fed_round.round_id, len(used), self.config.deadlines.min_participants)
         if ok:
             accuracy, loss = evaluate(self.model, self.test_set)
-        else:   # the model did not change: its last evaluation stands
-            last = self.history[-1] if self.history else self.initial
-            accuracy, loss = last["test_accuracy"], last["test_loss"]
+        elif self.history:   # the model did not change: its last evaluation stands
+            accuracy, loss = self.history[-1].test_accuracy, self.history[-1].test_loss
+        else:
+            accuracy, loss = self.initial["test_accuracy"], self.initial["test_loss"]
         record = round_record(
             fed_round, self.config.algorithm, used, dropped, "ok" if ok else "failed", accuracy, loss,
             time.monotonic() - fed_round.started_at, self._elapsed(), self.cumulative_bytes,
-            {d: r.kind for d, r in self.devices.devices.items()})
-        self.cumulative_bytes = record["cumulative_bytes"]
-        record["aggregation_s"] = aggregation_s
-        record["algorithm_metrics"] = {**self.selector.metrics(), **self.algorithm.round_metrics(fed_round.context, extras),
-                                       **self.algorithm.evaluate(self.model)} if ok else {}
+            {d: r.kind for d, r in self.devices.devices.items()}, aggregation_s,
+            {**self.selector.metrics(), **self.algorithm.round_metrics(fed_round.context, extras),
+             **self.algorithm.evaluate(self.model)} if ok else {})
+        self.cumulative_bytes = record.cumulative_bytes
         self.history.append(record)
+        finished, stop_reason = False, None
         if self.rounds_done >= self.config.rounds:
-            self.finished, self.stop_reason = True, "completed"
+            finished, stop_reason = True, "completed"
         elif self.failed_in_a_row >= self.config.deadlines.max_failed_attempts:
-            self.finished, self.stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
-        # Checkpoint before the metrics line: a crash in between re-runs nothing and loses no
-        # record (resume drops lines newer than the checkpoint, see resume()).
-        self._write_checkpoint()
-        self.run_dir.append_metrics(record)
-        if self.finished:
-            self.run_dir.write_summary(self.summary())
+            finished, stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
+        self.recorder.record_round(record, self.model.state_dict(), self._progress(finished, stop_reason),
+                                   self._summary(finished, stop_reason) if finished else None)
+        # Only now, with the checkpoint and summary on disk, may /v1/status say "finished": a
+        # testbed that stops the services on that answer must not kill the server mid-write.
+        self.finished, self.stop_reason = finished, stop_reason
         return record
 
     def _elapsed(self) -> float:
         now = time.monotonic()
         return self.elapsed_before + (now - self.started_at if self.started_at is not None else 0.0)
 
-    def _write_checkpoint(self) -> None:
-        save_checkpoint(self.run_dir, self.model.state_dict(), RunProgress(
+    def _progress(self, finished: bool, stop_reason: str | None) -> RunProgress:
+        """What the checkpoint holds besides the model (``fed_server/checkpoint.py``)."""
+        return RunProgress(
             run_id=self.run_id, rounds_done=self.rounds_done, attempts=self.attempts,
             failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
             cumulative_bytes=self.cumulative_bytes, elapsed_s=self._elapsed(), rng_state=self.rng.getstate(),
             algorithm_state=self.algorithm.state_dict(), selector_state=self.selector.state_dict(), time_table=self.table.entries(),
-            finished=self.finished, stop_reason=self.stop_reason))
+            finished=finished, stop_reason=stop_reason)
 
     def resume(self) -> bool:
         """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
 
         Restores the global model, the round counters, the client time table, the algorithm's
-        per-device state and the selection RNG, and drops metrics lines the checkpoint does not
-        cover, so the resumed run neither loses nor repeats a round. ValueError for a checkpoint
-        of a different configuration (``fed_server/checkpoint.py``).
+        per-device state and the selection RNG, and the records the checkpoint covers, so the
+        resumed run neither loses nor repeats a round. The attempt counter continues from the
+        last id ever reserved, never reusing one (``fed_server/recorder.py``). ValueError for a
+        checkpoint of a different configuration (``fed_server/checkpoint.py``).
         """
-        loaded = load_checkpoint(self.run_dir, self.config)
+        loaded = self.recorder.resume(self.config)
         if loaded is None:
             return False
-        state, progress = loaded
+        state, progress, self.history = loaded
         self.model.load_state_dict(state)
         self.run_id = progress.run_id
         self.rounds_done = progress.rounds_done
-        # The attempt that was running at the crash may have handed out the next id before any
-        # checkpoint recorded it: skip it, so no id is ever used twice.
-        self.attempts = progress.attempts + 1
+        self.attempts = progress.attempts
         self.failed_in_a_row = progress.failed_in_a_row
         self.cumulative_bytes = progress.cumulative_bytes
         self.elapsed_before = progress.elapsed_s
@@ -399,10 +416,6 @@ class Coordinator:
         self.algorithm.load_state_dict(progress.algorithm_state)
         self.selector.load_state_dict(progress.selector_state)
         self.table.load_entries(progress.time_table)
-        written = self.run_dir.read_metrics()
-        self.history = written[: progress.history_len]
-        if len(written) > len(self.history):  # lines of rounds the checkpoint does not cover
-            self.run_dir.rewrite_metrics(self.history)
         self.finished = progress.finished
         self.stop_reason = progress.stop_reason
         log.info("resumed run %s after round %d (attempt %d)", self.run_id, self.rounds_done, self.attempts)
@@ -410,7 +423,10 @@ class Coordinator:
 
     def summary(self) -> dict:
         """What the run achieved, for ``summary.json`` and the testbed's final line."""
+        return self._summary(self.finished, self.stop_reason)
+
+    def _summary(self, finished: bool, stop_reason: str | None) -> dict:
         base = {"run_id": self.run_id, "algorithm": self.config.algorithm, "model": self.config.model}
         return run_summary(self.history, base, self.initial["test_accuracy"], self.rounds_done,
-                           self.cumulative_bytes, self.finished, self.stop_reason)
+                           self.cumulative_bytes, finished, stop_reason)
 

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fed_server.records import RoundRecord
 from shared.http_metrics import HTTP_METRICS, MetricSpec, metric_maker, new_registry
 
 PHASES = ("compute", "transfer", "wait", "server", "total")
@@ -139,43 +140,35 @@ class FedMetrics:
                 self.test_loss.set(initial["test_loss"])
             self.registry.register(_LiveCollector(coordinator, per_device))
 
-    def observe_round(self, record: dict) -> None:
+    def observe_round(self, record: RoundRecord) -> None:
         """Fold one round record (``Coordinator.finish_round``'s return value) into the metrics."""
-        self.rounds_completed.labels(record.get("status", "ok")).inc()
-        if record.get("round_time_s") is not None:
-            self.round_duration.observe(record["round_time_s"])
-        if record.get("aggregation_s") is not None:
-            self.aggregation.observe(record["aggregation_s"])
-        if record.get("test_accuracy") is not None:
-            self.test_accuracy.set(record["test_accuracy"])
-        if record.get("test_loss") is not None:
-            self.test_loss.set(record["test_loss"])
-        if record.get("train_loss") is not None:
-            self.train_loss.set(record["train_loss"])
-        dropped = record.get("dropped") or []
-        self.devices_dropped.inc(len(dropped))
-        self.round_devices.labels("selected").set(len(record.get("selected") or []))
-        self.round_devices.labels("aggregated").set(len(record.get("aggregated") or []))
-        self.round_devices.labels("dropped").set(len(dropped))
-        splits = record.get("split_points") or {}
+        self.rounds_completed.labels(record.status).inc()
+        self.round_duration.observe(record.round_time_s)
+        self.aggregation.observe(record.aggregation_s)
+        for gauge, value in ((self.test_accuracy, record.test_accuracy), (self.test_loss, record.test_loss),
+                             (self.train_loss, record.train_loss)):
+            if value is not None:
+                gauge.set(value)
+        self.devices_dropped.inc(len(record.dropped))
+        self.round_devices.labels("selected").set(len(record.selected))
+        self.round_devices.labels("aggregated").set(len(record.aggregated))
+        self.round_devices.labels("dropped").set(len(record.dropped))
         counts: dict[str, int] = {}
-        for device, k in splits.items():
+        for device, k in record.split_points.items():
             counts[str(k)] = counts.get(str(k), 0) + 1
             if self.per_device:
                 self.device_split_point.labels(device).set(k)
         for k in self._known_splits | set(counts):  # a split point no longer used drops to 0
             self.split_point_devices.labels(k).set(counts.get(k, 0))
         self._known_splits |= set(counts)
-        for device, times in (record.get("device_times") or {}).items():
+        for device, timings in record.device_times.items():
             for phase in PHASES:
-                value = times.get(f"{phase}_s")
-                if value is None:
-                    continue
+                value = getattr(timings, f"{phase}_s")
                 self.device_phase.labels(phase).observe(value)
                 if self.per_device:
                     self.device_round_seconds.labels(device, phase).set(value)
         for direction in BYTE_DIRECTIONS:
-            self.round_bytes.labels(direction).inc(max(0, record.get(f"bytes_{direction}") or 0))
+            self.round_bytes.labels(direction).inc(max(0, getattr(record, f"bytes_{direction}")))
 
     def checkpoint_written(self) -> None:
         self.checkpoints.inc()

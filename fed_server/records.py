@@ -1,47 +1,146 @@
-"""What a round and a run leave behind: the metrics record of one round and the run summary."""
+"""What a round and a run leave behind: the typed record of one round attempt and the run summary.
+
+A ``RoundRecord`` is held in ``Coordinator.history``, served by ``GET /v1/status``, folded into
+the Prometheus metrics and written as one line of ``metrics.jsonl``. The line's keys are the
+model's field names, unchanged from the dict records this model replaced, so ``experiments/`` and
+committed results still parse (docs/metrics.md lists the fields).
+"""
 from __future__ import annotations
 
+import json
+import math
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from fed_server.round_state import FedRound
+from shared.schemas import DeviceTimings
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (inf, -inf, nan) replaced by None, at any depth.
+
+    Why: ``json.dumps`` writes such floats as ``Infinity``/``NaN``, which is not JSON; a train
+    loss of 1e308 averaged over samples overflows to inf, and every metrics reader must still parse.
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def json_line(data: Mapping[str, Any]) -> str:
+    """One standard-JSON line (non-finite numbers as null; ``allow_nan=False`` guards the rest)."""
+    return json.dumps(finite_json(data), allow_nan=False) + "\n"
+
+
+class GroupRecord(BaseModel):
+    """One Main Server group of a round: who trained in it, who was dropped, its cost."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: int
+    members: list[str]
+    dropped: list[str]
+    label_distance: float | None
+    start_block: int
+    train_time_s: float | None
+
+
+class RoundRecord(BaseModel):
+    """The record of one round attempt. ``round`` is the logical round (1..rounds, repeated by a
+    retried attempt); ``round_id`` the attempt's wire id (never reused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    round: int
+    round_id: int
+    algorithm: str
+    status: Literal["ok", "failed"]
+    test_accuracy: float | None
+    test_loss: float | None
+    train_loss: float | None
+    round_time_s: float
+    elapsed_s: float
+    selected: list[str]
+    aggregated: list[str]
+    dropped: list[str]
+    split_points: dict[str, int]
+    device_times: dict[str, DeviceTimings]
+    device_kinds: dict[str, str]
+    groups: list[GroupRecord]
+    bytes_up: int
+    bytes_down: int
+    bytes_server: int
+    bytes_total: int
+    cumulative_bytes: int
+    plan_error: str | None
+    aggregation_s: float = 0.0
+    # Each algorithm's own per-round figures (FNR-FL's public accuracies, HiCS-FL's entropies...):
+    # their shapes belong to the algorithms, so the record keeps them as the JSON they are.
+    algorithm_metrics: dict[str, Any] = {}
+
+    @field_validator("test_accuracy", "test_loss", "train_loss", "aggregation_s")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        return value if value is None or math.isfinite(value) else None
+
+    @field_validator("algorithm_metrics")
+    @classmethod
+    def _finite_metrics(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return finite_json(value)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as plain JSON values: the ``metrics.jsonl`` line and the status payload."""
+        return finite_json(self.model_dump(mode="json"))
+
+
+class RunStatus(BaseModel):
+    """``GET /v1/status``: the run's state and the records of the logical rounds after ``since``."""
+
+    run_id: str
+    algorithm: str
+    state: Literal["waiting_for_devices", "running", "finished"]
+    rounds_total: int
+    rounds_done: int
+    registered: int
+    expected_devices: int
+    open_round: int | None          # attempt id (``round_id``) of the round in progress
+    initial: dict[str, float]       # the initial model's test_accuracy and test_loss
+    history: list[RoundRecord]
+    summary: dict[str, Any] | None  # summary.json's contents once finished
+    driver_error: str | None
 
 
 def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropped: set[str], status: str,
-                 accuracy: float, loss: float, duration: float, elapsed: float, cumulative_bytes: int,
-                 device_kinds: Mapping[str, str]) -> dict:
-    """The JSON line ``metrics.jsonl`` gets for one round attempt (docs/configuration.md lists the fields)."""
+                 accuracy: float | None, loss: float | None, duration: float, elapsed: float, cumulative_bytes: int,
+                 device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any]) -> RoundRecord:
+    """The record of one finished round attempt."""
     updates = fed_round.updates
     up, down, server = round_bytes(fed_round)
     total_samples = sum(updates[d].request.num_samples for d in used) or 1
     train_loss = sum(updates[d].request.train_loss * updates[d].request.num_samples for d in used) / total_samples
     missing = sorted(set(fed_round.assignments) - set(updates) - dropped)
-    return {
-        "round": fed_round.index,
-        "round_id": fed_round.round_id,
-        "algorithm": algorithm,
-        "status": status,
-        "test_accuracy": accuracy,
-        "test_loss": loss,
-        "train_loss": train_loss if used else None,
-        "round_time_s": duration,
-        "elapsed_s": elapsed,
-        "selected": sorted(fed_round.assignments),
-        "aggregated": list(used),
-        "dropped": sorted(dropped | set(missing)),
-        "split_points": {d: a.split_point for d, a in sorted(fed_round.assignments.items())},
-        "device_times": {d: u.request.timings.model_dump() for d, u in sorted(updates.items())},
-        "device_kinds": {d: device_kinds.get(d, "unknown") for d in sorted(fed_round.assignments)},
-        "groups": [{"group_id": p.upload.group_id, "members": p.upload.members, "dropped": p.upload.dropped,
-                    "label_distance": p.upload.label_distance, "start_block": p.upload.start_block,
-                    "train_time_s": p.upload.train_time_s} for _, p in sorted(fed_round.portions.items())],
-        "bytes_up": up,
-        "bytes_down": down,
-        "bytes_server": server,
-        "bytes_total": up + down + server,
-        "cumulative_bytes": cumulative_bytes + up + down + server,
-        "plan_error": fed_round.plan_failed,
-    }
+    return RoundRecord(
+        round=fed_round.index, round_id=fed_round.round_id, algorithm=algorithm, status=status,
+        test_accuracy=accuracy, test_loss=loss, train_loss=train_loss if used else None,
+        round_time_s=duration, elapsed_s=elapsed,
+        selected=sorted(fed_round.assignments), aggregated=list(used), dropped=sorted(dropped | set(missing)),
+        split_points={d: a.split_point for d, a in sorted(fed_round.assignments.items())},
+        device_times={d: u.request.timings for d, u in sorted(updates.items())},
+        device_kinds={d: device_kinds.get(d, "unknown") for d in sorted(fed_round.assignments)},
+        groups=[GroupRecord(group_id=p.upload.group_id, members=p.upload.members, dropped=p.upload.dropped,
+                            label_distance=p.upload.label_distance, start_block=p.upload.start_block,
+                            train_time_s=p.upload.train_time_s) for _, p in sorted(fed_round.portions.items())],
+        bytes_up=up, bytes_down=down, bytes_server=server, bytes_total=up + down + server,
+        cumulative_bytes=cumulative_bytes + up + down + server, plan_error=fed_round.plan_failed,
+        aggregation_s=aggregation_s, algorithm_metrics=dict(algorithm_metrics),
+    )
 
 
 def round_bytes(fed_round: FedRound) -> tuple[int, int, int]:
@@ -53,12 +152,12 @@ def round_bytes(fed_round: FedRound) -> tuple[int, int, int]:
     return up, down, server
 
 
-def run_summary(history: Sequence[dict], base: Mapping, initial_accuracy: float, rounds_done: int,
-                cumulative_bytes: int, finished: bool, stop_reason: str | None) -> dict:
+def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial_accuracy: float, rounds_done: int,
+                cumulative_bytes: int, finished: bool, stop_reason: str | None) -> dict[str, Any]:
     """``summary.json``: what the run achieved. Accuracy figures come from completed rounds only."""
-    ok = [r for r in history if r["status"] == "ok"]
-    accs = [r["test_accuracy"] for r in ok]
-    times = [r["round_time_s"] for r in ok]
+    ok = [r for r in history if r.status == "ok"]
+    accs = [r.test_accuracy for r in ok if r.test_accuracy is not None]
+    times = [r.round_time_s for r in ok]
     return {
         **base,
         "rounds": rounds_done,
@@ -66,13 +165,13 @@ def run_summary(history: Sequence[dict], base: Mapping, initial_accuracy: float,
         "initial_accuracy": initial_accuracy,
         "final_accuracy": accs[-1] if accs else None,
         "best_accuracy": max(accs) if accs else None,
-        "final_loss": ok[-1]["test_loss"] if ok else None,
+        "final_loss": ok[-1].test_loss if ok else None,
         "median_round_time_s": statistics.median(times) if times else None,
-        "total_time_s": history[-1]["elapsed_s"] if history else 0.0,
+        "total_time_s": history[-1].elapsed_s if history else 0.0,
         "total_bytes": cumulative_bytes,
         "finished": finished,
         "stop_reason": stop_reason,
         # A run that evaluated on data it also trained on (FNR-FL's paper-reproduction option)
         # says so in its summary, not only in its round records.
-        "leaky": any(r.get("algorithm_metrics", {}).get("leaky") for r in history),
+        "leaky": any(r.algorithm_metrics.get("leaky") for r in history),
     }

@@ -48,6 +48,7 @@ class FedRound:
     split_mode: str
     assignments: dict[str, Assignment]
     deadline_s: float
+    report_deadline_s: float     # two-phase algorithms: when reporting closes (seconds after the start)
     started_at: float = field(default_factory=time.monotonic)
     updates: dict[str, ReceivedUpdate] = field(default_factory=dict)
     portions: dict[int, ReceivedPortion] = field(default_factory=dict)
@@ -99,5 +100,10 @@ class FedRound:
             return all(self.group_of(d) is not None for d in self.updates if d not in dropped)
         return True
 
-    def overdue(self) -> bool:
-        return time.monotonic() - self.started_at > self.deadline_s
+    def deadline(self) -> float:
+        """The monotonic time at which the attempt closes with whatever arrived."""
+        return self.started_at + self.deadline_s
+
+    def report_deadline(self) -> float:
+        """The monotonic time at which reporting closes (two-phase algorithms)."""
+        return self.started_at + min(self.report_deadline_s, self.deadline_s)

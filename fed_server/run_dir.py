@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import yaml
 
+from fed_server.records import finite_json, json_line
 from shared.config import RunConfig
 from shared.wire import decode_state, encode_state, packb, unpackb
 
@@ -51,9 +52,16 @@ class RunDirectory:
         data = yaml.safe_load(path.read_text())
         return data if isinstance(data, dict) else None
 
+    @property
+    def attempt_path(self) -> Path:
+        return self.path / "last_attempt.json"
+
     def append_metrics(self, record: Mapping[str, Any]) -> None:
+        """Append one round record as a standard-JSON line (non-finite numbers become null)."""
         with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json_line(record))
+            fh.flush()
+            os.fsync(fh.fileno())
 
     def read_metrics(self) -> list[dict]:
         """Every round record written so far (empty for a new run)."""
@@ -63,7 +71,17 @@ class RunDirectory:
 
     def rewrite_metrics(self, records: list[Mapping[str, Any]]) -> None:
         """Replace metrics.jsonl atomically (resume drops lines newer than the checkpoint)."""
-        atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in records).encode())
+        atomic_write(self.metrics_path, "".join(json_line(r) for r in records).encode())
+
+    def write_last_attempt(self, attempt: int) -> None:
+        """Durably note the newest attempt id handed out (``fed_server/recorder.py``)."""
+        atomic_write(self.attempt_path, json.dumps({"last_attempt": attempt}).encode())
+
+    def read_last_attempt(self) -> int:
+        """The newest attempt id ever handed out in this directory (0 for a new run)."""
+        if not self.attempt_path.exists():
+            return 0
+        return int(json.loads(self.attempt_path.read_text())["last_attempt"])
 
     def write_checkpoint(self, round_id: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
         atomic_write(self.checkpoint_path, packb({"round": round_id, "state": encode_state(state), "extra": dict(extra)}))
@@ -74,5 +92,6 @@ class RunDirectory:
         return int(obj["round"]), state, obj.get("extra", {})
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        atomic_write(self.path / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+        text = json.dumps(finite_json(summary), indent=2, allow_nan=False)
+        atomic_write(self.path / "summary.json", (text + "\n").encode())
 

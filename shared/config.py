@@ -70,6 +70,11 @@ class DeadlineConfig(_Strict):
     round_s: float = Field(300.0, gt=0)
     join_s: float = Field(30.0, gt=0)
     step_s: float = Field(30.0, gt=0)
+    # Two-phase algorithms (FNR-FL): reports are awaited this long after the round opens, then the
+    # devices that reported get their follow-ups and the round waits for their uploads until
+    # round_s. None: half of round_s. Without it, one silent device held the report phase to the
+    # round deadline and the reporters never got a follow-up in time.
+    report_s: float | None = Field(None, gt=0)
     # A round aggregated from fewer devices is recorded as failed and retried (never applied).
     min_participants: int = Field(1, ge=1)
     # Rounds start when every shard is registered, or after this long with at least

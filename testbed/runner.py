@@ -107,14 +107,18 @@ class Testbed:
     def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, poll_s: float = 0.5) -> dict:
         """Wait for the run to finish, calling ``on_round(record, status)`` for each new round."""
         deadline = time.monotonic() + timeout if timeout else None
-        seen = 0
+        # ``since`` names a logical round: the last one whose successful record was printed. A
+        # failed attempt of the next round is printed once (by attempt id) and asked for again
+        # until that round succeeds, so neither the retry nor later rounds are missed.
+        done_round = 0
+        printed: set[int] = set()
         failing_since: float | None = None
         while True:
             for service in (self.fed, self.main):
                 if service is not None and not service.alive():
                     raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
             try:
-                status = self.status(seen)
+                status = self.status(done_round)
                 failing_since = None
             except httpx.HTTPError as exc:
                 # A busy Fed Server (a VGG-16 evaluation on a loaded 2-core machine) can miss one
@@ -128,7 +132,11 @@ class Testbed:
             if status.get("driver_error"):
                 raise TestbedError(f"Fed Server round driver failed: {status['driver_error']}\n{self.fed.log_tail() if self.fed else ''}")
             for record in status["history"]:
-                seen = max(seen, record["round_id"])
+                if record["round_id"] in printed:
+                    continue
+                printed.add(record["round_id"])
+                if record["status"] == "ok":
+                    done_round = max(done_round, record["round"])
                 if on_round:
                     on_round(record, status)
             if status["state"] == "finished":

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import signal
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,3 +84,28 @@ def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (),
     finally:
         group.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.1) -> None:
+    """Poll ``predicate`` (a test watching a run from outside has no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def freeze_agent_through_a_failed_attempt(testbed, agent: int = 1, timeout: float = 240.0) -> None:
+    """SIGSTOP one agent once every device has registered and thaw it once the Fed Server has
+    recorded a failed attempt: with ``deadlines.min_participants`` = all devices, the first
+    attempt misses the quorum and the same logical round is retried with everyone."""
+    victim = testbed.agent_services[agent]
+    expected = testbed.config.data.num_devices
+    wait_for(lambda: testbed.status()["registered"] >= expected, timeout, "every device to register")
+    os.kill(victim.process.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: any(r["status"] == "failed" for r in testbed.status()["history"]), timeout,
+                 "an attempt to fail")
+    finally:
+        os.kill(victim.process.pid, signal.SIGCONT)

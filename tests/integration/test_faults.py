@@ -1,6 +1,7 @@
 """Fault injection with real processes: crashed servers, frozen devices. The goal is no lost round."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -12,8 +13,9 @@ import pytest
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from device_agent.trainer import TaskExpired
+from fed_server.recorder import FAULT_PAUSE_ENV
 from fed_server.run_dir import RunDirectory
-from integration_support import server_pair, small_config
+from integration_support import read_metrics, server_pair, small_config
 from testbed.processes import wait_healthy
 
 
@@ -43,6 +45,76 @@ def _check_no_round_lost(status: dict, metrics: list[dict], run_dir, rounds: int
     _, state, _ = RunDirectory(run_dir).read_checkpoint()
     assert all(bool(t.isfinite().all()) for t in state.values() if t.is_floating_point())
     assert status["summary"]["final_accuracy"] > status["summary"]["initial_accuracy"]
+    summary = json.loads((run_dir / "summary.json").read_text())   # a finished run always has one
+    assert summary["finished"] and summary["rounds"] == rounds
+
+
+def _fault_points_reached(run_dir, before: str) -> int:
+    return (run_dir / "logs" / "fed_server.log").read_text().count(f"before the {before}")
+
+
+def _sigkill_fed_server(testbed):
+    os.kill(testbed.fed.process.pid, signal.SIGKILL)
+    testbed.fed.process.wait()
+
+
+def test_fed_server_killed_twice_in_a_row_never_reuses_an_attempt_id(run_testbed):
+    # The second incarnation hands out an attempt id and dies before any checkpoint; the third
+    # must not hand out that id again (it used to: both continued from the same checkpoint's
+    # counter, so a dead incarnation's retried upload could be taken for the live one's).
+    config = small_config(rounds=3, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
+    opened: list[int] = []
+
+    def open_round(testbed) -> int:
+        _wait_until(lambda: _fed_status(testbed)["open_round"] is not None, 180, "an attempt to open")
+        return _fed_status(testbed)["open_round"]
+
+    def crash_twice(testbed):
+        _wait_until(lambda: _fed_status(testbed)["rounds_done"] >= 1, 180, "round 1 to finish")
+        for _ in range(2):
+            opened.append(open_round(testbed))
+            testbed.processes.restart(testbed.fed)
+            wait_healthy(testbed.fed_url, testbed.fed)
+        opened.append(open_round(testbed))
+
+    status, metrics, run_dir = run_testbed(config, during=crash_twice)
+    _check_no_round_lost(status, metrics, run_dir, 3)
+    assert opened == sorted(set(opened)), f"every incarnation opens a new attempt id: {opened}"
+    assert (run_dir / "logs" / "fed_server.log").read_text().count("resumed run") == 2
+
+
+def test_fed_server_killed_between_a_round_record_and_its_checkpoint(run_testbed, monkeypatch):
+    # The recorder pauses (fault-injection hook) after writing round 2's metrics line and before
+    # the checkpoint that counts it; the server is killed there. The resumed run drops the line
+    # the checkpoint does not cover and re-runs the round: each round recorded exactly once.
+    monkeypatch.setenv(FAULT_PAUSE_ENV["checkpoint"], "5")
+    config = small_config(rounds=3, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
+
+    def crash_in_the_window(testbed):
+        _wait_until(lambda: _fault_points_reached(testbed.run_dir, "checkpoint") >= 2, 240, "round 2's record")
+        _sigkill_fed_server(testbed)
+        _, _, extra = RunDirectory(testbed.run_dir).read_checkpoint()
+        assert len(read_metrics(testbed.run_dir)) == extra["history_len"] + 1, "killed between the two writes"
+        testbed.processes.restart(testbed.fed)
+        wait_healthy(testbed.fed_url, testbed.fed)
+
+    status, metrics, run_dir = run_testbed(config, during=crash_in_the_window)
+    _check_no_round_lost(status, metrics, run_dir, 3)
+
+
+def test_fed_server_killed_before_the_summary_of_a_finished_run_writes_it_on_resume(run_testbed, monkeypatch):
+    monkeypatch.setenv(FAULT_PAUSE_ENV["summary"], "60")
+    config = small_config(rounds=2, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
+
+    def crash_before_the_summary(testbed):
+        _wait_until(lambda: _fault_points_reached(testbed.run_dir, "summary") >= 1, 240, "the last checkpoint")
+        _sigkill_fed_server(testbed)
+        assert not (testbed.run_dir / "summary.json").exists()
+        testbed.processes.restart(testbed.fed)
+        wait_healthy(testbed.fed_url, testbed.fed)
+
+    status, metrics, run_dir = run_testbed(config, during=crash_before_the_summary)
+    _check_no_round_lost(status, metrics, run_dir, 2)
 
 
 def test_fed_server_sigkilled_mid_run_resumes_from_its_checkpoint(run_testbed):

@@ -1,6 +1,8 @@
 """The Fed Server's run logic without HTTP: quorum, retries, duplicate uploads, update checks, resume."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -57,7 +59,7 @@ def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(t
     c.accept_update(r1.round_id, _upload(c, "d0", r1.round_id), 100)
     c.close_round()
     record = c.finish_round(r1)
-    assert record["status"] == "failed" and c.rounds_done == 0
+    assert record.status == "failed" and c.rounds_done == 0
     assert all(torch.equal(before[k], v) for k, v in c.model.state_dict().items())
     r2 = _open_round(c)
     assert (r2.index, r2.round_id) == (1, r1.round_id + 1)
@@ -144,10 +146,10 @@ def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round
     _open_round(c)  # round 2 starts, then the server dies before it finishes
     resumed = _coordinator(tmp_path)
     assert resumed.resumed and resumed.rounds_done == 1 and resumed.run_id == c.run_id
-    assert resumed.attempts == 2  # the interrupted attempt (id 2) never reached a checkpoint ...
+    assert resumed.attempts == 2  # the interrupted attempt (id 2) was reserved before it was handed out ...
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), c.model.state_dict().values()))
     assert resumed.rng.getstate() == rng_at_checkpoint
-    assert [m["round"] for m in resumed.history] == [1]
+    assert [m.round for m in resumed.history] == [1]
     r2 = _open_round(resumed)
     assert r2.index == 2 and r2.round_id == 3  # ... so its id is skipped, never reused
 
@@ -157,11 +159,11 @@ def test_resume_drops_metrics_lines_the_checkpoint_does_not_cover_and_else_leave
     _complete_round(c)
     metrics = c.run_dir.metrics_path
     inode = metrics.stat().st_ino
-    assert [m["round"] for m in _coordinator(tmp_path).history] == [1]
+    assert [m.round for m in _coordinator(tmp_path).history] == [1]
     assert metrics.stat().st_ino == inode  # nothing to drop: not rewritten
     with open(metrics, "a") as fh:  # a round recorded after the last checkpoint, then a crash
         fh.write('{"round": 2, "status": "ok"}\n')
-    assert [m["round"] for m in _coordinator(tmp_path).history] == [1]
+    assert [m.round for m in _coordinator(tmp_path).history] == [1]
     assert [m["round"] for m in c.run_dir.read_metrics()] == [1]
 
 
@@ -200,3 +202,36 @@ def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):
     # More rounds and other deadlines are fine: that is how an interrupted run is extended.
     resumed = _coordinator(tmp_path, **{"deadlines.round_s": 99.0})
     assert resumed.resumed and resumed.rounds_done == 1
+
+
+def test_attempt_ids_are_never_reused_across_restarts_that_never_checkpoint(tmp_path):
+    c = _coordinator(tmp_path)
+    _complete_round(c)                      # checkpoint: 1 attempt
+    ids = [_open_round(c).round_id]         # attempt 2, then the server dies
+    for _ in range(3):                      # incarnations that each open one attempt and die
+        ids.append(_open_round(_coordinator(tmp_path)).round_id)
+    assert ids == [2, 3, 4, 5]
+
+
+def test_a_finished_run_killed_before_its_summary_gets_it_on_resume(tmp_path):
+    c = _coordinator(tmp_path)              # 2 rounds
+    _complete_round(c)
+    _complete_round(c)
+    summary = c.run_dir.path / "summary.json"
+    assert c.finished and summary.exists()
+    summary.unlink()                        # the kill landed between the checkpoint and the summary
+    resumed = _coordinator(tmp_path)
+    assert resumed.finished and json.loads(summary.read_text())["rounds"] == 2
+
+
+def test_non_finite_numbers_are_written_as_null_and_read_back(tmp_path):
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    for d in ("d0", "d1"):
+        c.accept_update(r.round_id, _upload(c, d, r.round_id).model_copy(update={"train_loss": 1e308}), 100)
+    c.close_round()
+    record = c.finish_round(r)
+    assert record.train_loss is None        # 1e308 * samples overflows to inf
+    line = c.run_dir.metrics_path.read_text().splitlines()[0]
+    assert "Infinity" not in line and json.loads(line)["train_loss"] is None
+    assert _coordinator(tmp_path).history == [record]

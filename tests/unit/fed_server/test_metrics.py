@@ -8,17 +8,26 @@ from types import SimpleNamespace as NS
 import httpx
 
 from fed_server.metrics import METRICS, FedMetrics
+from fed_server.records import RoundRecord
 from shared.http_metrics import exported_families, spec_mismatches
 from http_api.server import create_service_app
 
-RECORD = {
-    "round": 3, "status": "ok", "test_accuracy": 0.75, "test_loss": 0.8, "train_loss": 0.9, "round_time_s": 4.5,
+BASE = {
+    "round": 3, "round_id": 4, "algorithm": "s2fl", "status": "ok", "test_accuracy": 0.75, "test_loss": 0.8, "train_loss": 0.9, "round_time_s": 4.5,
     "selected": ["dev-000", "dev-001", "dev-002"], "aggregated": ["dev-000", "dev-001"], "dropped": ["dev-002"],
     "split_points": {"dev-000": 1, "dev-001": 3, "dev-002": 3},
     "device_times": {d: {"compute_s": 1.0, "transfer_s": 0.5, "wait_s": 0.2, "server_s": 0.3, "total_s": 2.0}
                      for d in ("dev-000", "dev-001")},
     "groups": [], "bytes_up": 100, "bytes_down": 200, "bytes_server": 50,
+    "elapsed_s": 9.0, "device_kinds": {}, "bytes_total": 350, "cumulative_bytes": 350, "plan_error": None,
 }
+
+
+def record(**changes) -> RoundRecord:
+    return RoundRecord.model_validate({**BASE, **changes})
+
+
+RECORD = record()
 
 
 def fake_coordinator(round_open: bool = False):
@@ -35,7 +44,7 @@ def sample(metrics: FedMetrics, name: str, labels: dict | None = None) -> float 
 
 def test_exports_exactly_the_documented_metrics():
     metrics = FedMetrics(fake_coordinator())
-    metrics.observe_round({**RECORD, "aggregation_s": 0.2})
+    metrics.observe_round(record(aggregation_s=0.2))
     metrics.checkpoint_written()
     create_service_app("fed_server", "t", "t", registry=metrics.registry)  # adds the HTTP counter
     metrics.registry._names_to_collectors["sfl_http_body_bytes_total"].labels("/metrics", "sent").inc(1)
@@ -45,7 +54,7 @@ def test_exports_exactly_the_documented_metrics():
 def test_round_record_values():
     metrics = FedMetrics(fake_coordinator())
     assert sample(metrics, "sfl_fed_test_accuracy_ratio") == 0.1  # the initial model before round 1
-    metrics.observe_round({**RECORD, "aggregation_s": 0.2})
+    metrics.observe_round(record(aggregation_s=0.2))
     assert sample(metrics, "sfl_fed_rounds_completed_total", {"status": "ok"}) == 1
     assert sample(metrics, "sfl_fed_rounds_completed_total", {"status": "failed"}) == 0
     assert sample(metrics, "sfl_fed_round_duration_seconds_sum") == 4.5
@@ -60,7 +69,7 @@ def test_round_record_values():
     assert sample(metrics, "sfl_fed_device_phase_duration_seconds_count", {"phase": "total"}) == 2
     assert sample(metrics, "sfl_fed_round_bytes_total", {"direction": "server"}) == 50
     # A split point that is no longer used drops to zero instead of keeping its old count.
-    metrics.observe_round({**RECORD, "split_points": {"dev-000": 2}, "aggregation_s": 0.05})
+    metrics.observe_round(record(split_points={"dev-000": 2}, aggregation_s=0.05))
     assert sample(metrics, "sfl_fed_split_point_devices", {"split_point": "3"}) == 0
     assert sample(metrics, "sfl_fed_aggregation_duration_seconds_sum") == 0.25
 

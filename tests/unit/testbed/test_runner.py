@@ -34,3 +34,24 @@ def test_follow_gives_up_when_the_server_stays_unreachable(tmp_path):
     testbed.status_patience_s = 0.2
     with pytest.raises(TestbedError, match="status failed for"):
         testbed.follow(poll_s=0.01)
+
+
+def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_attempt_once(tmp_path):
+    # The server's history grows by one attempt per poll; status(since) filters on the logical
+    # round as the Fed Server does. A failed attempt of round 1 must not hide its retry.
+    attempts = [{"round": 1, "round_id": 1, "status": "failed"}, {"round": 1, "round_id": 2, "status": "ok"},
+                {"round": 2, "round_id": 3, "status": "ok"}]
+    asked: list[int] = []
+    testbed = Testbed(RunConfig(), tmp_path)
+
+    def status(since: int = 0) -> dict:
+        asked.append(since)
+        known = attempts[:len(asked)]
+        done = len(asked) >= len(attempts)
+        return {**FINISHED, "state": "finished" if done else "running", "history": [r for r in known if r["round"] > since]}
+
+    testbed.status = status
+    printed: list[dict] = []
+    testbed.follow(lambda record, _: printed.append(record), poll_s=0.01)
+    assert printed == attempts
+    assert asked == [0, 0, 1]

@@ -1,0 +1,98 @@
+"""The round driver: it waits on the coordinator's events, with the deadlines as timeouts."""
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace as NS
+
+import httpx
+
+from fed_server.app import FedServerSettings, create_app, drive_rounds, wait_until
+from fed_server.coordinator import Coordinator
+from fed_server.run_dir import RunDirectory
+from shared.config import RunConfig
+from shared.portions import portion_state
+from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
+from shared.wire import encode_state
+
+
+def test_wait_until_wakes_on_the_event_and_times_out_at_the_deadline():
+    async def scenario() -> tuple[bool, float, bool, float]:
+        c = NS(changed=asyncio.Event())
+        state = {"done": False}
+
+        async def arrive() -> None:
+            await asyncio.sleep(0.05)
+            c.changed.set()               # a change that does not finish the wait
+            await asyncio.sleep(0.05)
+            state["done"] = True
+            c.changed.set()
+
+        started = time.monotonic()
+        asyncio.get_running_loop().create_task(arrive())
+        woke = await wait_until(c, lambda: state["done"], started + 30)
+        woke_after = time.monotonic() - started
+        started = time.monotonic()
+        timed_out = await wait_until(c, lambda: False, started + 0.2)
+        return woke, woke_after, timed_out, time.monotonic() - started
+
+    woke, woke_after, timed_out, waited = asyncio.run(scenario())
+    assert woke and woke_after < 5            # on the event, long before the 30 s deadline
+    assert not timed_out and 0.2 <= waited < 5
+
+
+def test_a_round_closes_on_its_last_upload_not_its_deadline(tmp_path):
+    config = RunConfig.model_validate({"algorithm": "fedavg", "rounds": 1, "seed": 3,
+                                       "data": {"num_devices": 2, "max_samples": 200}, "deadlines": {"round_s": 60}})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
+
+    async def scenario() -> float:
+        driver = asyncio.get_running_loop().create_task(drive_rounds(c, FedServerSettings()))
+        for i in range(2):                 # registering the last device starts the round
+            c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10,
+                                       profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+        while c.round is None or not c.round.ready:
+            await asyncio.sleep(0)        # let the driver open the round
+        fed_round = c.round
+        weights = encode_state(portion_state(c.model, 0, c.num_blocks))
+        for d in ("d0", "d1"):
+            c.accept_update(fed_round.round_id, UpdateRequest(
+                device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
+                timings=timings, bytes_up=0, bytes_down=0), 100)
+        await asyncio.wait_for(driver, 30)
+        return time.monotonic() - fed_round.started_at
+
+    took = asyncio.run(scenario())
+    assert c.finished and [r.status for r in c.history] == ["ok"]
+    assert took < 30 < config.deadlines.round_s
+
+
+def test_status_since_filters_on_the_logical_round_and_keeps_every_attempt(tmp_path):
+    config = RunConfig.model_validate({"algorithm": "fedavg", "rounds": 2, "seed": 3,
+                                       "data": {"num_devices": 2, "max_samples": 200},
+                                       "deadlines": {"min_participants": 2}})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
+    for i in range(2):
+        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    weights = encode_state(portion_state(c.model, 0, c.num_blocks))
+    for uploaders in (["d0"], ["d0", "d1"], ["d0", "d1"]):   # round 1 fails once, then rounds 1 and 2
+        fed_round = c.begin_round()
+        fed_round.ready = True
+        for d in uploaders:
+            c.accept_update(fed_round.round_id, UpdateRequest(
+                device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
+                timings=timings, bytes_up=0, bytes_down=0), 100)
+        c.close_round()
+        c.finish_round(fed_round)
+
+    async def history(since: int) -> list[tuple[int, int, str]]:
+        transport = httpx.ASGITransport(app=create_app(c))   # no lifespan: no round driver
+        async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
+            body = (await client.get("/v1/status", params={"since": since})).json()
+        return [(r["round"], r["round_id"], r["status"]) for r in body["history"]]
+
+    assert asyncio.run(history(0)) == [(1, 1, "failed"), (1, 2, "ok"), (2, 3, "ok")]
+    assert asyncio.run(history(1)) == [(2, 3, "ok")]
+    assert asyncio.run(history(2)) == []

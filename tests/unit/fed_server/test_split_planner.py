@@ -1,0 +1,56 @@
+"""The split planner: which block count each selected device gets, per split mode."""
+from __future__ import annotations
+
+import pytest
+
+from fed_server.devices import DeviceRegistry
+from fed_server.split_planner import SplitPlanner
+from fed_server.time_table import ClientTimeTable
+from shared.models import build_model, profile_model
+from shared.schemas import DeviceProfileMsg, RegisterRequest
+
+DEVICES = ["d0", "d1", "d2"]
+
+
+def _planner(mode: str) -> SplitPlanner:
+    config = "cnn"
+    model = build_model(config, 10, (1, 28, 28), seed=0)
+    devices = DeviceRegistry(len(DEVICES))
+    for i, (d, flops) in enumerate(zip(DEVICES, (1e8, 1e9, 1e10))):
+        devices.register(RegisterRequest(device_id=d, shard=i, num_samples=100, profile=DeviceProfileMsg(flops=flops, rate=1e6)))
+    table = ClientTimeTable(len(model.split_points), 1.0)
+    return SplitPlanner(mode, model.split_points, len(model.blocks), profile_model(model, config), table, devices,
+                        local_epochs=1, server_flops=1e11)
+
+
+def test_zero_mode_puts_the_whole_model_on_every_device():
+    p = _planner("zero")
+    assert p.choose(5, DEVICES) == {d: (None, p.num_blocks) for d in DEVICES}
+
+
+def test_fixed_mode_gives_everyone_the_largest_client_portion():
+    p = _planner("fixed")
+    last = len(p.split_points) - 1
+    assert p.choose(1, DEVICES) == {d: (last, p.split_points[last]) for d in DEVICES}
+
+
+def test_sliding_mode_warms_up_through_every_candidate_then_follows_the_time_table():
+    p = _planner("sliding")
+    k = len(p.split_points)
+    for round_index in range(1, k + 1):   # warm-up: round r uses candidate r - 1 for everyone
+        assert p.choose(round_index, DEVICES) == {d: (round_index - 1, p.split_points[round_index - 1]) for d in DEVICES}
+    # Measured: the slow device d0 is fastest at the smallest portion, the fast d2 at the largest.
+    for j in range(k):
+        p.table.record("d0", j, 1.0 + 10.0 * j)
+        p.table.record("d1", j, 5.0 + 0.0 * j)
+        p.table.record("d2", j, 30.0 - 10.0 * j)
+    chosen = p.choose(k + 1, DEVICES)
+    assert all(blocks == p.split_points[j] for j, blocks in chosen.values())
+    assert chosen["d0"][0] < chosen["d2"][0]
+
+
+def test_estimates_grow_with_a_slower_device():
+    p = _planner("sliding")
+    assert p.estimate("d0", 0) > p.estimate("d2", 0) > 0
+    with pytest.raises(KeyError):
+        p.estimate("unknown", 0)
