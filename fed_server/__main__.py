@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads)
 
-    from fed_server.app import FedServerSettings, create_app
+    from fed_server.app import create_app
+    from fed_server.driver import FedServerSettings
     from shared.auth import auth_from_settings
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory

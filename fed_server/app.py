@@ -1,115 +1,26 @@
-"""The Fed Server's HTTP layer and round driver.
-
-Devices only call out (register, poll for a task, upload); the Fed Server calls the Main Server
-with each round's plan. The driver task opens a round, waits until it is complete or its deadline
-passes, then aggregates off the event loop and opens the next.
+"""The Fed Server's HTTP routes. Devices only call out (register, poll for a task, report,
+upload); the Main Server uploads group portions. The round driver (``driver.py``) starts with the
+app and runs beside the routes.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
+from fed_server.driver import FedServerSettings, drive_rounds
 from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus, finite_json
-from shared.auth import Auth
 from shared.errors import NotFound
-from shared.http_client import decode_response, service_client
 from http_api.server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
-from shared.retry import Backoff, retry_async
-from shared.schemas import API, Ack, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
+from shared.schemas import API, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
 log = logging.getLogger("fed_server")
-
-
-@dataclass
-class FedServerSettings:
-    max_update_bytes: int = 512 << 20
-    max_register_bytes: int = 64 << 10
-    plan_retries: int = 5
-    per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
-    auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
-    ca_file: str | None = None        # CA bundle to verify the Main Server's HTTPS certificate
-
-
-async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSettings) -> None:
-    """POST the round plan to the Main Server; on repeated failure the round is marked failed."""
-    plan = coordinator.round_plan(fed_round)
-    body = packb(plan.model_dump())
-    fed_round.plan_bytes = len(body)
-    url = f"{coordinator.main_server_url.rstrip('/')}{API}/rounds"
-    async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
-        async def post() -> Ack:
-            return decode_response(await client.post(url, content=body), Ack)
-        try:
-            await retry_async(post, Backoff(settings.plan_retries, first_delay_s=0.5), (Exception,),
-                              f"round {fed_round.round_id}: plan to Main Server")
-        except Exception as exc:
-            fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan: {exc}"
-
-
-async def wait_until(coordinator: Coordinator, done: Callable[[], bool], until: float) -> bool:
-    """Wait until ``done()`` holds or the monotonic time ``until`` passes; whether it holds.
-
-    Wakes on ``coordinator.changed`` (set by every registration, report, update and portion), not
-    on a timer. Clearing the event and checking ``done()`` happen without an ``await`` between
-    them, so a change that lands while the driver is busy is never missed.
-    """
-    while not done():
-        remaining = until - time.monotonic()
-        if remaining <= 0:
-            return False
-        coordinator.changed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(coordinator.changed.wait(), None if math.isinf(remaining) else remaining)
-    return True
-
-
-async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:
-    """Run every round of the configuration, one after another."""
-    # Every shard registered, or the registration deadline passed; then (a resumed run whose
-    # devices did not all come back) the quorum's registrations.
-    await wait_until(coordinator, coordinator.ready, coordinator.registration_deadline())
-    await wait_until(coordinator, coordinator.ready, math.inf)
-    log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
-             coordinator.config.rounds, coordinator.config.algorithm)
-    while not coordinator.finished:
-        fed_round = coordinator.begin_round()
-        if fed_round.uses_main_server:
-            await send_plan(coordinator, fed_round, settings)
-        fed_round.ready = True
-        if coordinator.algorithm.needs_report and fed_round.plan_failed is None:
-            # The report phase has its own deadline: the devices that reported by then get their
-            # follow-ups and the round waits for their uploads, so one silent device cannot hold
-            # every reporter until the round deadline.
-            if not await wait_until(coordinator, fed_round.all_reported, fed_round.report_deadline()):
-                log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
-                            len(fed_round.reports), len(fed_round.assignments))
-            coordinator.plan_follow_ups(fed_round)
-        if not await wait_until(coordinator, fed_round.complete, fed_round.deadline()):
-            log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
-                        fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
-        coordinator.close_round()
-        record = await asyncio.to_thread(coordinator.finish_round, fed_round)
-        if metrics is not None:
-            metrics.observe_round(record)
-            metrics.checkpoint_written()  # finish_round writes checkpoint.msgpack once per round
-        log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
-                 record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)
-        if record.status != "ok" and not coordinator.finished:
-            # Back off before retrying, so a Main Server that is restarting gets time to come back.
-            await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
-    log.info("run finished: %s", coordinator.summary())
 
 
 def create_app(coordinator: Coordinator, settings: FedServerSettings | None = None) -> FastAPI:

@@ -58,7 +58,7 @@ from integration_support import server_pair, small_config  # noqa: E402
 from shared.models import build_model  # noqa: E402
 from shared.schemas import MAX_LABEL_COUNT  # noqa: E402
 from shared.wire import MAX_ELEMENTS, encode_state, encode_tensor, packb, unpackb  # noqa: E402
-from test_bad_input import BATCH, FX_SHAPE, HEADERS, NUM_CLASSES, make_plan, register_request, step_body  # noqa: E402
+from test_bad_input import BATCH, FX_SHAPE, HEADERS, NUM_CLASSES, make_plan, step_body  # noqa: E402
 from test_bad_input import _update as update_body  # noqa: E402
 from testbed.processes import free_port  # noqa: E402
 

@@ -24,6 +24,7 @@ import time
 
 import httpx
 
+from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from integration_support import server_pair, small_config
 from shared.schemas import API, UpdateRequest
@@ -64,13 +65,12 @@ def test_harmful_uploads_are_refused_change_nothing_and_the_run_completes():
     refusals: list[tuple[str, int, str, bool, bool]] = []   # (what, status, detail, names the reason, state unchanged)
     stop = threading.Event()
     with server_pair(config, "robust") as servers:
-        honest = Device("dev-000", 0, servers.fed_url, kind=None, stop=stop)
-        evil = Device("dev-001", 1, servers.fed_url, kind=None, stop=stop)
-        real_call = evil.fed.call
+        class EvilFedClient(HttpFedClient):
+            """Before each genuine upload, posts harmful versions of it and records the answers."""
 
-        def call(method, path, model, body=None, **kwargs):
-            if method == "POST" and path.endswith("/updates") and isinstance(body, UpdateRequest):
-                for what, bad, word in _harmful_versions(body):
+            def upload(self, req: UpdateRequest) -> None:
+                path = f"{API}/rounds/{req.round_id}/updates"
+                for what, bad, word in _harmful_versions(req):
                     before = _fed_state(servers.fed_url)
                     resp = httpx.post(f"{servers.fed_url}{path}", content=packb(bad), timeout=30,
                                       headers={"content-type": "application/msgpack"})
@@ -78,9 +78,10 @@ def test_harmful_uploads_are_refused_change_nothing_and_the_run_completes():
                     detail = str(resp.json().get("detail")) if resp.headers["content-type"].startswith(
                         "application/json") else resp.text
                     refusals.append((what, resp.status_code, detail, word in detail, after == before))
-            return real_call(method, path, model, body, **kwargs)
+                super().upload(req)
 
-        evil.fed.call = call
+        honest = Device("dev-000", 0, HttpFedClient(servers.fed_url), main_connector(), kind=None, stop=stop)
+        evil = Device("dev-001", 1, EvilFedClient(servers.fed_url), main_connector(), kind=None, stop=stop)
         errors: list[BaseException] = []
 
         def run(device: Device) -> None:

@@ -52,8 +52,8 @@ def test_older_plan_of_the_same_run_is_refused(kit):
             server.open_round(kit.make_plan(["a"], round_id=4))
         assert server.round is current and not current.abandoned
         # A new run starts its rounds afresh: its plan replaces the round whatever its id.
-        server.open_round(kit.make_plan(["a"], round_id=1, run_id="next-kit.run"))
-        assert server.round.plan.run_id == "next-kit.run" and current.abandoned
+        server.open_round(kit.make_plan(["a"], round_id=1, run_id="next-run"))
+        assert server.round.plan.run_id == "next-run" and current.abandoned
     kit.run(body)
 
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace as NS
 
 import httpx
 
-from fed_server.app import FedServerSettings, create_app, drive_rounds, wait_until
+from fed_server.app import create_app
+from fed_server.driver import FedServerSettings, drive_rounds, wait_until
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
