@@ -6,7 +6,8 @@ import logging
 import time
 
 from shared.config import env_default
-from shared.service import add_server_args, configure_process, parse_service_args, serve
+from http_api.serve import serve
+from shared.service import add_server_args, configure_process, parse_service_args
 
 
 def main(argv: list[str] | None = None) -> None:

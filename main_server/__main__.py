@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from shared.config import env_default
-from shared.service import add_server_args, configure_process, parse_service_args, serve
+from http_api.serve import serve
+from shared.service import add_server_args, configure_process, parse_service_args
 
 
 def main(argv: list[str] | None = None) -> None:
