@@ -8,7 +8,6 @@ import os
 
 from shared.config import env_default
 
-log = logging.getLogger("service")
 
 
 def configure_process(log_level: str = "INFO", threads: int | None = None) -> None:
