@@ -9,7 +9,6 @@ import os
 from shared.config import env_default
 
 
-
 def configure_process(log_level: str = "INFO", threads: int | None = None) -> None:
     """Logging format and torch threads.
 
