@@ -15,17 +15,9 @@ from device_agent.device import Device
 from device_agent.trainer import TaskExpired
 from fed_server.recorder import FAULT_PAUSE_ENV
 from fed_server.run_dir import RunDirectory
-from integration_support import read_metrics, server_pair, small_config
+from integration_support import read_metrics, server_pair, small_config, wait_for
 from testbed.processes import wait_healthy
 
-
-def _wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _fed_status(testbed) -> dict:
@@ -58,6 +50,12 @@ def _sigkill_fed_server(testbed):
     testbed.fed.process.wait()
 
 
+def _restart_fed_server(testbed) -> None:
+    """Start the killed Fed Server again on the same run directory and wait until it serves."""
+    testbed.processes.restart(testbed.fed)
+    wait_healthy(testbed.fed_url, testbed.fed)
+
+
 def test_fed_server_killed_twice_in_a_row_never_reuses_an_attempt_id(run_testbed):
     # The second incarnation hands out an attempt id and dies before any checkpoint; the third
     # must not hand out that id again (it used to: both continued from the same checkpoint's
@@ -66,15 +64,14 @@ def test_fed_server_killed_twice_in_a_row_never_reuses_an_attempt_id(run_testbed
     opened: list[int] = []
 
     def open_round(testbed) -> int:
-        _wait_until(lambda: _fed_status(testbed)["open_round"] is not None, 180, "an attempt to open")
+        wait_for(lambda: _fed_status(testbed)["open_round"] is not None, 180, "an attempt to open")
         return _fed_status(testbed)["open_round"]
 
     def crash_twice(testbed):
-        _wait_until(lambda: _fed_status(testbed)["rounds_done"] >= 1, 180, "round 1 to finish")
+        wait_for(lambda: _fed_status(testbed)["rounds_done"] >= 1, 180, "round 1 to finish")
         for _ in range(2):
             opened.append(open_round(testbed))
-            testbed.processes.restart(testbed.fed)
-            wait_healthy(testbed.fed_url, testbed.fed)
+            _restart_fed_server(testbed)
         opened.append(open_round(testbed))
 
     status, metrics, run_dir = run_testbed(config, during=crash_twice)
@@ -91,12 +88,11 @@ def test_fed_server_killed_between_a_round_record_and_its_checkpoint(run_testbed
     config = small_config(rounds=3, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
 
     def crash_in_the_window(testbed):
-        _wait_until(lambda: _fault_points_reached(testbed.run_dir, "checkpoint") >= 2, 240, "round 2's record")
+        wait_for(lambda: _fault_points_reached(testbed.run_dir, "checkpoint") >= 2, 240, "round 2's record")
         _sigkill_fed_server(testbed)
         _, _, extra = RunDirectory(testbed.run_dir).read_checkpoint()
         assert len(read_metrics(testbed.run_dir)) == extra["history_len"] + 1, "killed between the two writes"
-        testbed.processes.restart(testbed.fed)
-        wait_healthy(testbed.fed_url, testbed.fed)
+        _restart_fed_server(testbed)
 
     status, metrics, run_dir = run_testbed(config, during=crash_in_the_window)
     _check_no_round_lost(status, metrics, run_dir, 3)
@@ -107,11 +103,10 @@ def test_fed_server_killed_before_the_summary_of_a_finished_run_writes_it_on_res
     config = small_config(rounds=2, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
 
     def crash_before_the_summary(testbed):
-        _wait_until(lambda: _fault_points_reached(testbed.run_dir, "summary") >= 1, 240, "the last checkpoint")
+        wait_for(lambda: _fault_points_reached(testbed.run_dir, "summary") >= 1, 240, "the last checkpoint")
         _sigkill_fed_server(testbed)
         assert not (testbed.run_dir / "summary.json").exists()
-        testbed.processes.restart(testbed.fed)
-        wait_healthy(testbed.fed_url, testbed.fed)
+        _restart_fed_server(testbed)
 
     status, metrics, run_dir = run_testbed(config, during=crash_before_the_summary)
     _check_no_round_lost(status, metrics, run_dir, 2)
@@ -121,11 +116,10 @@ def test_fed_server_sigkilled_mid_run_resumes_from_its_checkpoint(run_testbed):
     config = small_config(rounds=4, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
 
     def crash_after_round_two(testbed):
-        _wait_until(lambda: _fed_status(testbed)["rounds_done"] >= 2 and _fed_status(testbed)["open_round"] is not None,
+        wait_for(lambda: _fed_status(testbed)["rounds_done"] >= 2 and _fed_status(testbed)["open_round"] is not None,
                     180, "round 3 to start")
         time.sleep(0.5)  # mid-round: devices are training
-        testbed.processes.restart(testbed.fed)
-        wait_healthy(testbed.fed_url, testbed.fed)
+        _restart_fed_server(testbed)
 
     status, metrics, run_dir = run_testbed(config, during=crash_after_round_two)
     _check_no_round_lost(status, metrics, run_dir, 4)
@@ -136,7 +130,7 @@ def test_main_server_sigkilled_mid_round_the_attempt_fails_and_is_retried(run_te
     config = small_config(rounds=3, **{"deadlines.round_s": 15, "deadlines.step_s": 5, "deadlines.join_s": 5})
 
     def crash_main_server_while_stepping(testbed):
-        _wait_until(lambda: (r := _main_round(testbed)) is not None and r["round_id"] >= 2
+        wait_for(lambda: (r := _main_round(testbed)) is not None and r["round_id"] >= 2
                     and any(g["step"] >= 1 for g in r["groups"]), 180, "round 2 to be stepping")
         testbed.processes.restart(testbed.main)
         wait_healthy(testbed.main_url, testbed.main)
@@ -153,11 +147,11 @@ def test_device_frozen_past_the_step_deadline_is_dropped_then_rejoins(run_testbe
 
     def freeze_second_agent(testbed):
         victim = testbed.agent_services[1]
-        _wait_until(lambda: (r := _main_round(testbed)) is not None and any(g["step"] >= 2 for g in r["groups"]),
+        wait_for(lambda: (r := _main_round(testbed)) is not None and any(g["step"] >= 2 for g in r["groups"]),
                     180, "round 1 to be stepping")
         os.kill(victim.process.pid, signal.SIGSTOP)
         try:
-            _wait_until(lambda: _fed_status(testbed)["rounds_done"] >= 1, 120, "round 1 to finish without them")
+            wait_for(lambda: _fed_status(testbed)["rounds_done"] >= 1, 120, "round 1 to finish without them")
         finally:
             os.kill(victim.process.pid, signal.SIGCONT)
 

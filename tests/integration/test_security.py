@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from integration_support import read_metrics, server_pair, small_config
+from integration_support import read_metrics, server_pair, small_config, wait_for
 from shared.auth import Auth
 from shared.models import build_model
 from shared.schemas import (
@@ -210,14 +209,6 @@ def test_main_server_refuses_a_device_acting_as_another_or_with_a_revoked_token(
 
 # --- a whole run under the testbed's authentication ------------------------------------------------
 
-def _wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def test_sigkilled_agent_rejoins_under_authentication_and_no_child_holds_a_secret_in_its_environment(tmp_path):
     # Devices 0-1 in one agent, 2-3 in another. The second agent is SIGKILLed once round 1 is done
@@ -232,7 +223,7 @@ def test_sigkilled_agent_rejoins_under_authentication_and_no_child_holds_a_secre
             for secret in testbed.secrets.values():
                 assert secret.encode() not in seen, f"{service.name} exposes a secret"
         victim = testbed.agent_services[1]
-        _wait_until(lambda: testbed.status()["rounds_done"] >= 1, 180, "round 1 to finish")
+        wait_for(lambda: testbed.status()["rounds_done"] >= 1, 180, "round 1 to finish")
         testbed.processes.restart(victim)
         status = testbed.follow(timeout=240)
     assert status["state"] == "finished"
