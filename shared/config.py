@@ -82,6 +82,9 @@ class DeadlineConfig(_Strict):
     registration_s: float = Field(120.0, gt=0)
     # The run stops (summary says why) after this many failed attempts in a row.
     max_failed_attempts: int = Field(10, ge=1)
+    # Federated evaluation: after aggregating, the Fed Server waits this long for the devices'
+    # evaluation reports; the round's accuracy is the mean over those that arrived.
+    evaluate_s: float = Field(30.0, gt=0)
 
 
 #: The paper's High:Mid:Low = 5:3:2 composition, interleaved so any 10 consecutive shards hold it.
@@ -119,11 +122,28 @@ class DeviceMixConfig(_Strict):
         return value
 
 
+class EvaluationConfig(_Strict):
+    """Where the global model is evaluated after every round.
+
+    ``server``: on the Fed Server's test set (the built-in data sets' test split, or
+    ``data.test_file``). ``federated``: every device that took part in the round evaluates the new
+    global model on its held-out part (``holdout`` of its local data, drawn once, seeded) and
+    reports correct predictions and summed loss; the round's accuracy and loss are the
+    sample-weighted means. ``auto``: ``server`` when the server has a test set, else ``federated``.
+    """
+
+    mode: Literal["auto", "server", "federated"] = "auto"
+    holdout: float = Field(0.2, gt=0, lt=1)
+
+
 class RunConfig(_Strict):
     """Everything that defines a run."""
 
     algorithm: str = "s2fl"
+    # A built-in model name (docs/models.md) or an import path ``package.module:function`` that
+    # returns the model as ordered named blocks; ``model_params`` are passed to it as keywords.
     model: str = "cnn"
+    model_params: dict[str, Any] = Field(default_factory=dict)
     data: DataSpec = Field(default_factory=DataSpec)
     rounds: int = Field(30, ge=1)
     devices_per_round: int | None = Field(None, ge=1)
@@ -133,6 +153,7 @@ class RunConfig(_Strict):
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
     updates: UpdateCheckConfig = Field(default_factory=UpdateCheckConfig)
     devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     half_precision: bool = False
     seed: int = 0
     # The algorithm's own hyperparameters, validated by its ``Params`` model (docs/algorithms/).

@@ -359,12 +359,19 @@ _NUM_CLASSES = {"mnist": 10, "cifar10": 10, "cifar100": 100, "femnist": 62, "syn
 
 
 def dataset_num_classes(spec: DataSpec) -> int:
-    """Number of classes of ``spec.dataset`` (no data is loaded)."""
+    """Number of classes of ``spec.dataset`` (no data is loaded); a local run declares it."""
+    if spec.dataset == "local":
+        assert spec.num_classes is not None  # DataSpec requires it for dataset="local"
+        return spec.num_classes
     return _NUM_CLASSES[spec.dataset]
 
 
-def dataset_input_shape(spec: DataSpec) -> tuple[int, int, int]:
-    """(C, H, W) of the images ``load_dataset(spec)`` returns, transform included (no loading)."""
+def dataset_input_shape(spec: DataSpec) -> tuple[int, ...]:
+    """Shape of one sample ``load_dataset(spec)`` returns, transform included (no loading): (C, H, W)
+    for the built-in data sets; a local run declares it (any rank, e.g. ``(20,)`` for tabular data)."""
+    if spec.dataset == "local":
+        assert spec.input_shape is not None  # DataSpec requires it for dataset="local"
+        return tuple(spec.input_shape)
     if spec.dataset == "synthetic":  # 60 features as a 1x1x60 "image" (models flatten it)
         return (1, 1, 60)
     if spec.dataset in ("cifar10", "cifar100") or spec.transform == "rgb32":
@@ -391,6 +398,9 @@ def _load_pair_cached(dataset: str, root: str | None, transform: str) -> tuple[A
 def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """Load ``(train, test)`` for ``spec`` with its transform applied (cached per process)."""
     root: str | None = None
+    if spec.dataset == "local":
+        raise ValueError("dataset='local' has no global data set: every device loads its own files "
+                         "(python -m device_agent --data PATH)")
     if spec.dataset == "synthetic":
         return _load_synthetic(spec)
     if spec.dataset != "mnist":

