@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
                   metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
-                  keep_models=KEEP_MODELS[args.keep_models])
+                  keep_models=KEEP_MODELS[args.keep_models], torch_device=args.torch_device)
     sys.exit(agent.run())
 
 

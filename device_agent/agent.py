@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from shared.profiles import kind_for
@@ -39,17 +41,20 @@ class Agent:
     ``None`` (the default) keeps it only when the agent hosts one device: a real board avoids
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
     otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
+    ``torch_device``: where every device's model trains (``--torch-device``; default the CPU).
     """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
                  prefix: str = "dev", verify: bool | str = True, metrics=None,
-                 enrolment_secret: bytes | None = None, keep_models: bool | None = None) -> None:
+                 enrolment_secret: bytes | None = None, keep_models: bool | None = None,
+                 torch_device: torch.device | None = None) -> None:
         self.stop = threading.Event()
         keep = len(shards) == 1 if keep_models is None else keep_models
         connect_main = main_connector(verify)
         self.devices = [
             Device(f"{prefix}-{shard:03d}", shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
-                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, keep_model=keep)
+                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
+                   torch_device=torch_device)
             for shard in shards
         ]
         self.errors: dict[str, BaseException] = {}

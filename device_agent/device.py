@@ -22,6 +22,7 @@ from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.errors import Conflict, DomainError, NotFound
 from shared.models import SplitModel, build_model
 from shared.profiles import EmulatedKind
+from shared.torch_device import synchronize
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
     TaskResponse, UpdateRequest, WireTensor,
@@ -61,11 +62,15 @@ class Device:
     weights only while it trains: each task materialises just the blocks it trains and frees
     them after the upload, so an agent's memory follows the devices training at once rather
     than the devices it hosts. Nothing else changes: every task carries all the weights it trains.
+
+    ``torch_device`` (``--torch-device``) is where the model's real weights live and train; the
+    data set and the meta-device layout stay where they are (CPU, meta).
     """
 
     def __init__(self, device_id: str, shard: int, fed: FedApi, connect_main: MainConnector,
                  kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
-                 poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True) -> None:
+                 poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
+                 torch_device: torch.device | None = None) -> None:
         self.device_id = device_id
         self.shard = shard
         self.kind = kind
@@ -74,6 +79,7 @@ class Device:
         self.poll_interval_s = poll_interval_s
         self.max_downtime_s = max_downtime_s
         self.keep_model = keep_model
+        self.torch_device = torch_device or torch.device("cpu")
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main
@@ -156,7 +162,8 @@ class Device:
         with torch.device("meta"):
             self.layout = self._build()
         if self.keep_model:
-            self.model = self._build()
+            # Built (and seeded) on the CPU, then moved: the same initial weights on every device.
+            self.model = self._build().to(self.torch_device)
         self._warm_up()
         self._profile = self.profile()
         self.register()
@@ -172,7 +179,7 @@ class Device:
         if self.model is None:
             with torch.device("meta"):
                 model = self._build()
-            model.portion(0, split_point).to_empty(device="cpu")
+            model.portion(0, split_point).to_empty(device=self.torch_device)
             self.model = model
         return self.model
 
@@ -196,12 +203,12 @@ class Device:
         PyTorch builds in a process) do not land in the first round and skew the time table.
         They are per process: the first device of an agent with this architecture pays them."""
         assert self.info is not None and self.data is not None
-        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape))
+        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape), str(self.torch_device))
         with _WARM_UP_LOCK:
             if key in _WARMED_UP:
                 return
-            model = self.model or self._build()
-            x = self.data.x[: min(8, len(self.data))]
+            model = self.model or self._build().to(self.torch_device)
+            x = self.data.x[: min(8, len(self.data))].to(self.torch_device)
             model(x).sum().backward()
             torch.optim.SGD(model.parameters(), lr=0.0).step()  # lr 0: the weights stay as built
             model.zero_grad(set_to_none=True)
@@ -220,13 +227,16 @@ class Device:
                 delay = min(delay * 2, 5.0)
 
     def profile(self) -> DeviceProfileMsg:
-        """Nominal speed of an emulated kind, or a quick measurement on a real device."""
+        """Nominal speed of an emulated kind, or a quick measurement on a real device (on the
+        torch device it trains on)."""
         if self.kind is not None:
             return DeviceProfileMsg(kind=self.kind.name, flops=self.kind.flops, rate=self.kind.rate * self.time_scale)
-        a = torch.randn(256, 256)
+        a = torch.randn(256, 256, device=self.torch_device)
+        synchronize(self.torch_device)
         t0 = time.perf_counter()
         for _ in range(20):
             a @ a
+        synchronize(self.torch_device)
         flops = 20 * 2 * 256 ** 3 / max(1e-9, time.perf_counter() - t0)
         return DeviceProfileMsg(kind="native", flops=flops, rate=1e7)
 

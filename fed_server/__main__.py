@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
                      "set --enrolment-secret-file or SFL_ENROLMENT_SECRET too")
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     try:
-        coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
+        coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id,
+                                  torch_device=args.torch_device)
     except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
         parser.error(str(exc))
     if not auth.enabled:

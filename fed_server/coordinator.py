@@ -51,10 +51,17 @@ SOON_RETRY_S = 0.2
 
 
 class Coordinator:
-    """Owns the global model, the client time table and the round lifecycle."""
+    """Owns the global model, the client time table and the round lifecycle.
 
-    def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_url: str | None, run_id: str | None = None) -> None:
+    ``torch_device`` (``--torch-device``) is where the global model is evaluated; the model itself
+    stays on the CPU, where uploads arrive from the wire and are aggregated (a round's
+    aggregation is a weighted sum, cheap next to moving every upload to a GPU and back).
+    """
+
+    def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_url: str | None, run_id: str | None = None,
+                 torch_device: torch.device | None = None) -> None:
         self.config = config
+        self.torch_device = torch_device
         self.run_dir = run_dir
         self.recorder = Recorder(run_dir)
         self.main_server_url = main_server_url
@@ -86,7 +93,7 @@ class Coordinator:
         self.started_at: float | None = None
         self.elapsed_before = 0.0     # run time before a restart
         self.cumulative_bytes = 0
-        initial_acc, initial_loss = evaluate(self.model, self.test_set)
+        initial_acc, initial_loss = evaluate(self.model, self.test_set, device=self.torch_device)
         self.initial = {"test_accuracy": initial_acc, "test_loss": initial_loss}
         self.resumed = self.resume()
         run_dir.write_config(config, self.run_id)
@@ -354,7 +361,7 @@ class Coordinator:
             log.warning("round %d (attempt %d) failed: %d of %d required participants; retrying", fed_round.index,
                         fed_round.round_id, len(used), self.config.deadlines.min_participants)
         if ok:
-            accuracy, loss = evaluate(self.model, self.test_set)
+            accuracy, loss = evaluate(self.model, self.test_set, device=self.torch_device)
         elif self.history:   # the model did not change: its last evaluation stands
             accuracy, loss = self.history[-1].test_accuracy, self.history[-1].test_loss
         else:

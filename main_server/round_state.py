@@ -64,12 +64,17 @@ class Group:
 
 
 class RoundState:
-    """One round at the Main Server, from the Fed Server's plan to the groups' uploads."""
+    """One round at the Main Server, from the Fed Server's plan to the groups' uploads.
+
+    The template model, the plan's weights and the validation of every request stay on the CPU,
+    where the wire delivers them; each group's copy trains on ``device`` (:class:`GroupTrainer`).
+    """
 
     def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]],
-                 metrics: MainMetrics | None = None) -> None:
+                 metrics: MainMetrics | None = None, device: torch.device | None = None) -> None:
         self.plan = plan
         self.metrics = metrics
+        self.device = device
         self.round_id = plan.round_id
         self.participants = {p.device_id: p for p in plan.participants}
         try:
@@ -163,7 +168,7 @@ class RoundState:
             trainer = GroupTrainer(
                 copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
                 lr=self.plan.train.lr, momentum=self.plan.train.momentum,
-                weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss,
+                weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss, device=self.device,
             )
             group = Group(
                 group_id=gid, members=list(members), split=split,

@@ -1,23 +1,44 @@
 """Test accuracy and loss of a model over a data set (the Fed Server's global model, per-domain and local evaluations)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from shared.data import ArrayDataset
+from shared.torch_device import model_device
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int = 500) -> tuple[float, float]:
-    """(accuracy in [0, 1], mean cross-entropy) over ``data``, in eval mode."""
+def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int = 500,
+             device: torch.device | None = None) -> tuple[float, float]:
+    """(accuracy in [0, 1], mean cross-entropy) over ``data``, in eval mode.
+
+    Runs where the model's weights are unless ``device`` names another one (the Fed Server's
+    ``--torch-device``). Then the model itself stays where it is (on the Fed Server the global
+    model stays on the CPU, where uploads are aggregated) and its parameters and buffers are
+    copied to ``device`` once per call and used through ``torch.func.functional_call``: one copy
+    of the weights, no copy of the module, and the batches follow them one at a time (the data
+    set stays on the CPU).
+    """
     was_training = model.training
     model.eval()
+    here = model_device(model)
+    target = here if device is None else torch.device(device)
+    weights = None
+    if target != here:
+        weights = {name: t.to(target) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
     correct, loss_sum = 0, 0.0
-    for start in range(0, len(data), batch_size):
-        x, y = data.x[start:start + batch_size], data.y[start:start + batch_size]
-        logits = model(x)
-        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
-    model.train(was_training)
+    try:
+        for start in range(0, len(data), batch_size):
+            x = data.x[start:start + batch_size].to(target)
+            y = data.y[start:start + batch_size].to(target)
+            logits = model(x) if weights is None else functional_call(model, weights, (x,))
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == y).sum())
+    finally:
+        model.train(was_training)
     n = max(1, len(data))
     return correct / n, loss_sum / n

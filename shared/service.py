@@ -51,10 +51,17 @@ def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None =
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every service has: log level and torch threads."""
+    """Flags every service has: log level, torch threads and torch device."""
+    from shared.torch_device import TORCH_DEVICE_CHOICES, torch_device_flag
+
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"), help="logging level (env SFL_LOG_LEVEL)")
     parser.add_argument("--threads", dest="torch_threads", type=int, default=int(env_default("torch_threads", 1)),
                         help="torch threads for this process (env SFL_TORCH_THREADS; default 1)")
+    # Default cpu, not auto: seeded runs stay bit-for-bit reproducible, and a testbed's many
+    # processes on one machine do not each open a CUDA context unless asked (docs/deployment.md).
+    parser.add_argument("--torch-device", type=torch_device_flag, default=env_default("torch_device", "cpu"),
+                        help=f"where this process computes: {TORCH_DEVICE_CHOICES} (env SFL_TORCH_DEVICE; default cpu; "
+                             "auto = cuda if available, else mps, else cpu). Refused at start if not available")
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:

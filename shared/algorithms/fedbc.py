@@ -165,7 +165,8 @@ def squared_distance(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
         a, b = state[name], reference[name]
         if tuple(a.shape) != tuple(b.shape):
             raise ValueError(f"parameter {name!r} has shape {tuple(a.shape)}, expected {tuple(b.shape)}")
-        diff = a.detach().to(torch.float64) - b.detach().to(device=a.device, dtype=torch.float64)
+        # On the CPU: weights on a GPU come over (MPS has no float64); a no-op for CPU tensors.
+        diff = a.detach().to("cpu", torch.float64) - b.detach().to("cpu", torch.float64)
         total += float((diff * diff).sum())
     return total
 
