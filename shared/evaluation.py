@@ -16,19 +16,22 @@ def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int = 500,
              device: torch.device | None = None) -> tuple[float, float]:
     """(accuracy in [0, 1], mean cross-entropy) over ``data``, in eval mode.
 
-    Runs where the model's weights are unless ``device`` names another one (the Fed Server's
-    ``--torch-device``). Then the model itself stays where it is (on the Fed Server the global
-    model stays on the CPU, where uploads are aggregated) and its parameters and buffers are
-    copied to ``device`` once per call and used through ``torch.func.functional_call``: one copy
-    of the weights, no copy of the module, and the batches follow them one at a time (the data
-    set stays on the CPU).
+    Without ``device`` it runs where the model's weights are (a device agent's model on its
+    ``--torch-device``). With ``device`` (the Fed Server's ``--torch-device``) the model itself
+    stays where it is (the global model stays on the CPU, where uploads are aggregated): its
+    parameters and buffers are copied to ``device`` once per call and used through
+    ``torch.func.functional_call``, which is cheaper than copying the module (one copy of the
+    weights, none of the structure; no copy at all when ``device`` is where they already are,
+    so the CPU runs this same path bit for bit). The data set stays on the CPU and each batch
+    follows the weights.
     """
     was_training = model.training
     model.eval()
-    here = model_device(model)
-    target = here if device is None else torch.device(device)
     weights = None
-    if target != here:
+    if device is None:
+        target = model_device(model)
+    else:
+        target = torch.device(device)
         weights = {name: t.to(target) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
     correct, loss_sum = 0, 0.0
     try:

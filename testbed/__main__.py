@@ -9,6 +9,7 @@ from collections import Counter
 from shared.algorithms.registry import ALGORITHMS
 from shared.run_config import resolve_run_config
 from shared.models.zoo import MODEL_NAMES
+from shared.torch_device import TORCH_DEVICE_CHOICES, torch_device_flag
 from testbed.processes import interrupt_on_sigterm
 from testbed.runner import Testbed, TestbedError
 
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", help="run directory (default runs/<time>-<algorithm>)")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     parser.add_argument("--log-level", default="INFO", help="log level of the services (their logs go to <run-dir>/logs)")
+    parser.add_argument("--torch-device", type=torch_device_flag, default=None,
+                        help=f"where the Main Server, the device agents and the Fed Server's evaluation compute: "
+                             f"{TORCH_DEVICE_CHOICES} (default: each service's own default, cpu, or SFL_TORCH_DEVICE)")
     args = parser.parse_args(argv)
 
     shortcuts = {"algorithm": args.algorithm, "model": args.model, "rounds": args.rounds,
@@ -60,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''} | {config.data.num_devices} devices, "
           f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
-    testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level)
+    testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level,
+                      torch_device=str(args.torch_device) if args.torch_device else None)
     interrupt_on_sigterm()
     try:
         with testbed:

@@ -38,8 +38,10 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
-                 log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None) -> None:
+                 log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
+                 torch_device: str | None = None) -> None:
         self.config = config
+        self.torch_device = torch_device  # --torch-device of all three services; None: theirs (env or cpu)
         self.run_dir = Path(run_dir)
         self.agents = max(1, agents)
         self.host = host
@@ -66,7 +68,7 @@ class Testbed:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "testbed-config.yaml"
         config_path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
-        common = ["--log-level", self.log_level]
+        common = ["--log-level", self.log_level, *self._torch_device_args()]
         if self.tls:
             common += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--ca-file", self.tls.ca]
         if self.secrets:
@@ -88,11 +90,15 @@ class Testbed:
         """Start one agent process hosting the devices of ``shards``."""
         spec = ",".join(str(s) for s in shards)
         args = ["--fed-server-url", self.fed_url, "--shards", spec, "--kinds", ",".join(self.config.devices.profiles),
-                "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level]
+                "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level,
+                *self._torch_device_args()]
         if self.tls:
             args += ["--ca-file", self.tls.ca]
         # Devices know only the enrolment secret, never the service secret.
         return self.processes.start(name, "device_agent", [*args, *self._secret_args("enrolment")])
+
+    def _torch_device_args(self) -> list[str]:
+        return ["--torch-device", self.torch_device] if self.torch_device else []
 
     def _secret_args(self, *names: str) -> list[str]:
         """``--<name>-secret-file PATH`` for each named secret (nothing when auth is off)."""
