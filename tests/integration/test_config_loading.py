@@ -4,7 +4,8 @@
 and the device transforms live in ``shared/run_config.py``. These tests start the actual
 ``python -m fed_server`` and ``python -m testbed`` processes with configurations only that second
 layer can refuse, and check that each exits at once with a usage error naming the problem, before
-it creates a run directory.
+it creates a run directory. The same holds for a ``--torch-device`` the machine does not have,
+for every service.
 """
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ def test_a_good_config_gets_past_loading(tmp_path):
     result = _run("fed_server", "--run-dir", str(tmp_path / "run"), *FNR_FL, "--service-secret-file", str(secret))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "python -m fed_server: error: secret file" in result.stderr and "empty" in result.stderr, result.stderr
+
+
+def _unavailable_cuda() -> tuple[str, str]:
+    """A CUDA device this machine lacks, and the start of the resolver's reason for it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cuda", "torch device 'cuda' is not available: torch"
+    name = f"cuda:{torch.cuda.device_count()}"
+    return name, f"torch device '{name}' does not exist"
+
+
+@pytest.mark.parametrize("module", ["fed_server", "main_server", "device_agent"])
+def test_an_unavailable_torch_device_is_refused_at_start(tmp_path, module):
+    # --torch-device is checked while the flags are parsed: the service exits with a usage error
+    # saying why, before it loads data, binds a port or contacts anyone.
+    name, reason = _unavailable_cuda()
+    result = _run(module, "--torch-device", name, *(["--run-dir", str(tmp_path / "run")] if module == "fed_server" else []))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"python -m {module}: error: argument --torch-device: {reason}" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
