@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
                              "after the upload (memory follows the devices training at once); yes = always keep")
     add_common_args(parser)
     args = parse_service_args(parser, argv)
-    configure_process(args.log_level, args.torch_threads)
+    configure_process(args.log_level, args.torch_threads, args.torch_device)
     from device_agent.agent import Agent, parse_shards
     from shared.profiles import parse_kind
 

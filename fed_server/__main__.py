@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
                         help="secret devices present to register (or env SFL_ENROLMENT_SECRET); needs the service secret")
     args = parse_service_args(parser, argv)
-    configure_process(args.log_level, args.torch_threads)
+    configure_process(args.log_level, args.torch_threads, args.torch_device)
 
     from fed_server.app import create_app
     from fed_server.driver import FedServerSettings

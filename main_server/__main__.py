@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-step-mb", type=float, default=float(env_default("max_step_mb", 64)),
                         help="largest accepted step body in MiB (env SFL_MAX_STEP_MB)")
     args = parse_service_args(parser, argv)
-    configure_process(args.log_level, args.torch_threads)
+    configure_process(args.log_level, args.torch_threads, args.torch_device)
     from main_server.app import create_app
     from main_server.server import MainServerSettings
     from main_server.group_trainer import warm_up

@@ -9,8 +9,8 @@ import os
 from shared.config import env_default
 
 
-def configure_process(log_level: str = "INFO", threads: int | None = None) -> None:
-    """Logging format and torch threads.
+def configure_process(log_level: str = "INFO", threads: int | None = None, torch_device: "torch.device | None" = None) -> None:
+    """Logging format and torch threads; logs the ``--torch-device`` when it is not the CPU.
 
     One torch thread per process by default: two processes each using two threads on two cores
     run many times slower than with one thread each (measured on the 2-core dev machines).
@@ -20,6 +20,8 @@ def configure_process(log_level: str = "INFO", threads: int | None = None) -> No
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the useful ones
     torch.set_num_threads(threads or int(os.environ.get("SFL_TORCH_THREADS", "1")))
+    if torch_device is not None and str(torch_device) != "cpu":
+        logging.getLogger("service").info("computing on torch device %s", torch_device)
 
 
 def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
