@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 import torch
 
+from fed_server.app import create_app
 from fed_server.coordinator import Coordinator
 from fed_server.driver import FedServerSettings, drive_rounds
 from fed_server.run_dir import RunDirectory
+from http_api.server import MSGPACK
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.portions import portion_state
 from shared.run_config import load_run_config
 from shared.schemas import DeviceProfileMsg, DeviceTimings, EvaluationReport, RegisterRequest, UpdateRequest
-from shared.wire import decode_state, encode_state
+from shared.wire import decode_state, encode_state, packb
 
 TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
 SAMPLES = {"d0": 40, "d1": 60}   # registered training parts; with holdout 0.2 at most 10 and 15 held out
@@ -197,3 +200,27 @@ def test_the_driver_records_what_arrived_when_the_evaluation_deadline_passes(tmp
     assert took >= 0.5 and c.finished and c.evaluating is None
     (record,) = c.history
     assert record.status == "ok" and (record.evaluated_devices, record.evaluated_samples) == (1, 10)
+
+
+def test_the_evaluation_route_answers_4xx_for_bad_reports_and_stores_nothing(tmp_path):
+    c = _coordinator(tmp_path)
+    fed_round, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    good = _report("d0", fed_round.round_id, 10, 9, 3.0).model_dump()
+
+    async def post(body: dict) -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(c))   # no lifespan: no round driver
+        async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
+            return await client.post("/v1/evaluation", content=packb(body), headers={"content-type": MSGPACK})
+
+    for body, code in (({**good, "correct": 11}, 422),                       # correct > num_samples
+                       ({**good, "loss_sum": float("nan")}, 422),
+                       ({**good, "extra": 1}, 422),
+                       ({**good, "round_id": fed_round.round_id + 7}, 409),   # not the evaluated round
+                       ({**good, "device_id": "ghost"}, 404)):
+        answer = asyncio.run(post(body))
+        assert answer.status_code == code, (body, answer.text)
+        assert evaluation.reports == {}
+    assert asyncio.run(post(good)).status_code == 200
+    assert asyncio.run(post(good)).status_code == 409                         # the duplicate
+    assert evaluation.reports["d0"].correct == 9
