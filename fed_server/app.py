@@ -101,6 +101,8 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         response = msgpack_response(answer)
         if answer.status == "train" and coordinator.round is not None:
             coordinator.round.task_bytes += len(response.body)
+        elif answer.status == "evaluate" and coordinator.evaluating is not None:
+            coordinator.evaluating.task_bytes += len(response.body)
         return response
 
     @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))

@@ -437,6 +437,8 @@ class Coordinator:
         counts it (``fed_server/recorder.py``). CPU work: run off the event loop."""
         ok, used, extras = aggregation.ok, aggregation.used, aggregation.extras
         evaluated: tuple[int | None, int | None] = (None, None)   # federated: devices, samples
+        if evaluation is not None:   # the evaluation tasks went down to the devices in this round
+            fed_round.task_bytes += evaluation.task_bytes
         if not ok:   # the model did not change: its last evaluation stands
             last = self.history[-1] if self.history else None
             accuracy, loss = (last.test_accuracy, last.test_loss) if last else (self.initial["test_accuracy"], self.initial["test_loss"])

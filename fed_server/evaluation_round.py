@@ -31,6 +31,7 @@ class EvaluationRound:
     started_at: float = field(default_factory=time.monotonic)
     dispatched: set[str] = field(default_factory=set)
     reports: dict[str, EvaluationReport] = field(default_factory=dict)
+    task_bytes: int = 0          # evaluation task bodies sent (counted in the round's bytes_down)
     closed: bool = False
 
     def accept(self, report: EvaluationReport) -> None:

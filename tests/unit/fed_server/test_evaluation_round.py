@@ -213,6 +213,14 @@ def test_the_evaluation_route_answers_4xx_for_bad_reports_and_stores_nothing(tmp
         async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
             return await client.post("/v1/evaluation", content=packb(body), headers={"content-type": MSGPACK})
 
+    async def poll() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(c))
+        async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
+            return await client.get("/v1/devices/d0/task")
+
+    task = asyncio.run(poll())
+    assert task.status_code == 200 and evaluation.task_bytes == len(task.content) > 0   # counted as bytes down
+
     for body, code in (({**good, "correct": 11}, 422),                       # correct > num_samples
                        ({**good, "loss_sum": float("nan")}, 422),
                        ({**good, "extra": 1}, 422),
@@ -224,3 +232,7 @@ def test_the_evaluation_route_answers_4xx_for_bad_reports_and_stores_nothing(tmp
     assert asyncio.run(post(good)).status_code == 200
     assert asyncio.run(post(good)).status_code == 409                         # the duplicate
     assert evaluation.reports["d0"].correct == 9
+    c.close_evaluation()
+    before = fed_round.task_bytes
+    record = c.record_round(fed_round, aggregation, evaluation)
+    assert record.bytes_down == before + evaluation.task_bytes
