@@ -97,7 +97,7 @@ class Coordinator:
         self.failed_in_a_row = 0
         self.history: list[RoundRecord] = []
         self.finished = False
-        self._evaluation_weights = None  # the evaluated global model, encoded once per phase
+        self._evaluation_weights: dict | None = None  # the evaluated global model, encoded once per phase
         self._done_answers: dict[bool, TaskResponse] = {}  # by final_weights: encoded once, polled by every device
         self.stop_reason: str | None = None
         self.started_at: float | None = None
