@@ -19,12 +19,14 @@ from device_agent.trainer import TaskExpired, steps_per_round, train_round
 from shared.algorithms.base import Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
+from shared.data.holdout import evaluation_holdout
 from shared.errors import Conflict, DomainError, NotFound
+from shared.evaluation import evaluation_counts
 from shared.models import SplitModel, build_model
 from shared.profiles import EmulatedKind
 from shared.torch_device import synchronize
 from shared.schemas import (
-    DeviceProfileMsg, DeviceTimings, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
+    DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
     TaskResponse, UpdateRequest, WireTensor,
 )
 from shared.portions import decode_portion
@@ -85,7 +87,10 @@ class Device:
         self.connect_main = connect_main
         self.main: MainApi | None = None
         self.info: RunInfo | None = None
+        #: The data this device trains on (and counts in ``num_samples``): with federated
+        #: evaluation its data minus the held-out part, which it only evaluates on.
         self.data: ArrayDataset | None = None
+        self.held_out: ArrayDataset | None = None
         #: Real weights: for the whole run with ``keep_model``, else only while a task trains.
         self.model: SplitModel | None = None
         #: The model's structure on the meta device (names, shapes, dtypes; no memory), against
@@ -127,6 +132,12 @@ class Device:
             if task.status == "done":
                 self._receive_final(task)
                 return
+            if task.status == "evaluate":
+                try:
+                    self.run_evaluation(task)
+                except (DomainError, Unreachable, ValueError) as exc:  # ValueError: weights that do not fit
+                    log.warning("%s: evaluation of round %s abandoned: %s", self.device_id, task.round_id, exc)
+                continue
             if task.status == "wait" or task.phase != "train":
                 self.stop.wait(self._retry_delay(task))
                 continue
@@ -158,7 +169,10 @@ class Device:
         """Fetch the run spec, load this device's shard, register with the Fed Server."""
         self.info = self._wait_for_run()
         train, _ = load_dataset(self.info.data)
-        self.data = device_shard(self.info.data, train, self.shard)
+        data = device_shard(self.info.data, train, self.shard)
+        # Federated evaluation: split once into the training part and the held-out part, before
+        # anything (registration, warm-up, training) sees the data.
+        self.data, self.held_out = evaluation_holdout(data, self.info.holdout, self.info.seed, self.device_id)
         with torch.device("meta"):
             self.layout = self._build()
         if self.keep_model:
@@ -253,6 +267,28 @@ class Device:
         finally:
             if not self.keep_model:
                 self.model = None
+
+    def run_evaluation(self, task: TaskResponse) -> None:
+        """Federated evaluation: run the task's global model on the held-out part and report the
+        counts. A device that held nothing out reports zero samples, so the round need not wait
+        for it (it sends no figures)."""
+        assert self.layout is not None and task.round_id is not None
+        held_out = self.held_out
+        correct, loss_sum, n = 0, 0.0, 0
+        if held_out is not None and len(held_out) > 0:
+            num_blocks = len(self.layout.blocks)
+            weights = decode_portion(task.weights or {}, self.layout, 0, num_blocks, what="evaluation weights")
+            try:
+                model = self._model_for(num_blocks)
+                model.portion(0, num_blocks).load_state_dict(weights, strict=True)
+                correct, loss_sum = evaluation_counts(model, held_out)
+                n = len(held_out)
+            finally:
+                if not self.keep_model:
+                    self.model = None
+        self.fed.evaluation(EvaluationReport(device_id=self.device_id, round_id=task.round_id, num_samples=n,
+                                             correct=correct, loss_sum=loss_sum))
+        log.info("%s: evaluated round %d on %d held-out samples (%d correct)", self.device_id, task.round_id, n, correct)
 
     def _train_and_upload(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
         assert self.layout is not None and self.data is not None and self.info is not None

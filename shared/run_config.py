@@ -19,12 +19,13 @@ from shared.algorithms.registry import (
 )
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
+from shared.evaluation import has_server_test_set
 from shared.models.zoo import MODEL_NAMES, SPLIT_DEPTH_ZERO_MODELS
 
 
 def validate_run_config(config: RunConfig) -> RunConfig:
     """Check what the schema alone cannot: known algorithm, selection, model, grouping and
-    group-loss names, the
+    group-loss names, a server evaluation's test set, the
     algorithm's and the selector's own parameters, the per-device data transform and its
     parameters, and model/algorithm compatibility.
 
@@ -38,6 +39,9 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if config.model not in MODEL_NAMES:
         raise ValueError(f"unknown model {config.model!r}; choose one of {list(MODEL_NAMES)}")
     check_device_transform(config.data)   # unknown names and bad parameters
+    if config.evaluation.mode == "server" and not has_server_test_set(config.data):
+        raise ValueError("evaluation.mode='server' needs a server-side test set: set data.test_file, "
+                         "or use evaluation.mode 'federated' (or 'auto')")
     if config.grouping.method is not None:
         build_grouping(config.grouping.method)   # an unknown plug-in name lists the known ones
     build_group_loss(config.grouping.group_loss)

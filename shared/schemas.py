@@ -80,6 +80,9 @@ class RunInfo(Message):
     input_shape: list[int]
     data: DataSpec
     seed: int
+    #: Federated evaluation: the fraction of its data every device holds out (``evaluation.holdout``)
+    #: and evaluates the global model on when asked. None: the Fed Server evaluates on its test set.
+    holdout: float | None = Field(default=None, gt=0, lt=1)
 
 
 class RegisterResponse(Message):
@@ -100,15 +103,17 @@ class DeviceTimings(Message):
 
 
 class TaskResponse(Message):
-    """The answer to a device's poll: wait, train this round, act on a follow-up, or stop.
+    """The answer to a device's poll: wait, train this round, act on a follow-up, evaluate, or stop.
 
     ``phase="train"``: train ``weights`` (the device's portion of the global model).
     ``phase="follow_up"``: two-phase algorithms only; ``extras`` is the Fed Server's answer to the
     device's report for ``round_id``; no weights (the device continues from its trained model).
+    ``status="evaluate"``: federated evaluation of round ``round_id``: ``weights`` is the whole new
+    global model; evaluate it on the held-out part and POST an :class:`EvaluationReport`.
     ``status="done"``: the run is over; ``weights`` is the final global model (every device gets it).
     """
 
-    status: Literal["wait", "train", "done"]
+    status: Literal["wait", "train", "evaluate", "done"]
     retry_after_s: float = 0.5
     phase: Literal["train", "follow_up"] = "train"
     round_id: int | None = None
@@ -144,6 +149,25 @@ class UpdateRequest(Message):
     bytes_up: int = Field(ge=0)
     bytes_down: int = Field(ge=0)
     extras: dict[str, JsonValue] = {}      # algorithm-specific values (checked by the algorithm)
+
+
+class EvaluationReport(Message):
+    """Federated evaluation: how the global model of round ``round_id`` did on a device's held-out
+    part. ``num_samples`` 0: the device held nothing out (it reports so the round need not wait)."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0, strict=True)
+    num_samples: int = Field(ge=0, strict=True)
+    correct: int = Field(ge=0, strict=True)
+    loss_sum: float = Field(ge=0, allow_inf_nan=False)   # summed cross-entropy over the samples
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EvaluationReport":
+        if self.correct > self.num_samples:
+            raise ValueError(f"correct ({self.correct}) exceeds num_samples ({self.num_samples})")
+        if self.num_samples == 0 and self.loss_sum != 0:
+            raise ValueError("loss_sum must be 0 when no sample was evaluated")
+        return self
 
 
 class Ack(Message):

@@ -5,8 +5,12 @@ import argparse
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 from shared.config import env_default
+
+if TYPE_CHECKING:   # torch is imported when a process starts, not when this module is
+    import torch
 
 
 def configure_process(log_level: str = "INFO", threads: int | None = None, torch_device: "torch.device | None" = None) -> None:
