@@ -30,7 +30,7 @@ from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import RoundContext, parse_payload
 from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
-from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
+from shared.data import ArrayDataset, dataset_input_shape, dataset_num_classes, load_dataset
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.models import build_model, profile_model
 from shared.schemas import (
@@ -69,8 +69,8 @@ class Coordinator:
         # without having to call it (HiCS-FL learns from every aggregated upload).
         self.selector = build_selector(config, output_layer=self.algorithm.output_layer)
         self.profile = profile_model(self.model, config.model)
-        self.test_set = load_dataset(config.data)[1]
-        self.devices = DeviceRegistry(config.data.num_devices)
+        self.test_set = self._server_test_set()
+        self.devices = DeviceRegistry(config.data.num_devices, local_data=config.data.dataset == "local")
         self.table = ClientTimeTable(len(self.model.split_points), config.split.smoothing)
         self.planner = SplitPlanner(self.algorithm.split_mode(), self.model.split_points, self.num_blocks, self.profile,
                                     self.table, self.devices, config.train.local_epochs, config.split.server_flops)
@@ -98,11 +98,29 @@ class Coordinator:
         # instead of polling. Methods run on the event loop, so setting it needs no lock.
         self.changed = asyncio.Event()
 
+    def _server_test_set(self) -> ArrayDataset:
+        """What the Fed Server evaluates the global model on: the built-in data set's test split, or
+        with ``dataset="local"`` the operator's ``data.test_file`` (a local run loads no global data).
+
+        MERGE (helper C): ``shared.evaluation.server_test_set(spec)`` replaces this method; without a
+        test file it answers None and federated evaluation takes over. Until then a local run needs one.
+        """
+        spec = self.config.data
+        if spec.dataset != "local":
+            return load_dataset(spec)[1]
+        if spec.test_file is None:
+            raise ValueError("dataset='local' needs data.test_file (an .npz the Fed Server evaluates on) "
+                             "until federated evaluation is available")
+        from shared.data.local import load_npz
+
+        return load_npz(spec.test_file, spec)
+
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
         record = self.devices.register(req)
         self.changed.set()
-        log.info("registered %s (shard %d, %d samples, %s)", req.device_id, req.shard, req.num_samples, req.profile.kind)
+        log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if self.devices.local_data else "shard",
+                 record.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=self.run_id, device_id=record.device_id, shard=record.shard)
 
     def run_info(self) -> RunInfo:
