@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # a bad config, or a --device-data path that is missing or ambiguous
         parser.error(str(exc))
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}"
-    print(f"testbed: {config.algorithm} | model {config.model} | {config.data.dataset} {config.data.partition}"
-          f"{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''} | {config.data.num_devices} devices, "
+    data = "local data" if config.data.dataset == "local" else (
+        f"{config.data.dataset} {config.data.partition}{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''}")
+    print(f"testbed: {config.algorithm} | model {config.model} | {data} | {config.data.num_devices} devices, "
           f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     interrupt_on_sigterm()
