@@ -8,8 +8,8 @@ Three sources make one device's :class:`ArrayDataset` (docs/data.md):
   strings as keywords, returning ``(x, y)`` or an :class:`ArrayDataset` (both taken as raw samples).
 
 Every source goes through the same steps: raw samples to the run's layout (:func:`to_layout`), the
-run's :class:`InputTransform` (:func:`apply_input_transform`), then the checks that each sample has
-``data.input_shape`` and that the labels are ``0..num_classes-1``. Anything wrong raises one
+run's :class:`InputTransform` (:func:`apply_input_transform`), then the check that each sample has
+``data.input_shape`` (the three: :func:`model_inputs`) and that the labels are ``0..num_classes-1``. Anything wrong raises one
 :class:`DataError` naming the file and the field, before the device registers.
 
 Import paths come only from the operator's command line, never from a message.
@@ -39,6 +39,7 @@ __all__ = [
     "load_local",
     "load_npz",
     "load_samples",
+    "model_inputs",
     "to_layout",
 ]
 
@@ -63,7 +64,7 @@ def to_layout(x: np.ndarray | torch.Tensor, input_shape: list[int] | tuple[int, 
     (channels last, e.g. uint8 photos: moved to ``[C, H, W]``). A raw shape whose first size is C
     is read as channels first, so a ``[3, H, 3]`` array stays as it is. Otherwise (tabular
     ``[N, D]``, or any other rank) the raw samples are kept as they are. Sizes are checked after
-    the transform (which may resize), by :func:`check_shape`.
+    the transform (which may resize), by :func:`model_inputs`.
     """
     t = torch.as_tensor(np.asarray(x)) if not isinstance(x, torch.Tensor) else x
     if len(input_shape) == 3:
@@ -106,11 +107,19 @@ def apply_input_transform(x: torch.Tensor, transform: InputTransform) -> torch.T
     return out
 
 
-def check_shape(x: torch.Tensor, input_shape: list[int] | tuple[int, ...], where: str) -> None:
-    """Every sample must have exactly ``data.input_shape`` (after the transform)."""
-    if list(x.shape[1:]) != list(input_shape):
+def model_inputs(raw: np.ndarray | torch.Tensor, spec: DataSpec, where: str) -> torch.Tensor:
+    """Raw samples of ``where`` as model inputs: the layout, the run's transform, then the check
+    that every sample has exactly ``data.input_shape``."""
+    assert spec.input_shape is not None
+    try:
+        x = apply_input_transform(to_layout(raw, spec.input_shape, where), spec.input_transform)
+    except DataError as exc:
+        message = str(exc)
+        raise DataError(message if message.startswith(f"{where}:") else f"{where}: {message}") from None
+    if list(x.shape[1:]) != list(spec.input_shape):
         raise DataError(f"{where}: field 'x' gives samples of shape {list(x.shape[1:])} after "
-                        f"data.input_transform, but data.input_shape is {list(input_shape)}")
+                        f"data.input_transform, but data.input_shape is {list(spec.input_shape)}")
+    return x
 
 
 def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
@@ -141,9 +150,7 @@ def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
     if lo < 0 or hi >= spec.num_classes:
         raise DataError(f"{where}: field 'y' has labels {lo}..{hi}, outside 0..{spec.num_classes - 1} "
                         f"(data.num_classes = {spec.num_classes})")
-    inputs = apply_input_transform(to_layout(x_np, spec.input_shape, where), spec.input_transform)
-    check_shape(inputs, spec.input_shape, where)
-    return ArrayDataset(x=inputs, y=torch.from_numpy(y_np.astype(np.int64)), num_classes=spec.num_classes)
+    return ArrayDataset(x=model_inputs(x_np, spec, where), y=torch.from_numpy(y_np.astype(np.int64)), num_classes=spec.num_classes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,11 +233,9 @@ def load_image_folder(path: str | Path, spec: DataSpec) -> ArrayDataset:
             try:
                 with Image.open(f) as img:
                     pixels = np.asarray(img.convert(mode), dtype=np.uint8)
-            except (UnidentifiedImageError, OSError, ValueError) as exc:
+            except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
                 raise DataError(f"{f}: unreadable image ({exc})") from None
-            sample = apply_input_transform(to_layout(pixels[None], spec.input_shape, str(f)), spec.input_transform)
-            check_shape(sample, spec.input_shape, str(f))
-            xs.append(sample)
+            xs.append(model_inputs(pixels[None], spec, str(f)))
             ys.append(label)
     if not xs:
         raise DataError(f"{folder}: no images in its class sub-folders (read: {', '.join(sorted(IMAGE_SUFFIXES))})")

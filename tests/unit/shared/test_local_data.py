@@ -248,3 +248,9 @@ def test_data_sources_refuses_ambiguous_or_missing(tmp_path):
     write_npz(tmp_path / "both" / "d.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
     with pytest.raises(DataError, match="both .npz files and sub-folders"):
         data_sources(str(tmp_path / "both"))
+
+
+def test_transform_errors_name_the_file(tmp_path):
+    f = write_npz(tmp_path / "tab.npz", x=np.zeros((2, 3)), y=np.zeros(2, dtype=int))
+    with pytest.raises(DataError, match=r"tab.npz: input_transform.mean has 2 values; the samples have 3 channels"):
+        load_npz(f, spec([3], mean=[0.0, 0.0], std=[1.0, 1.0]))
