@@ -64,4 +64,3 @@ def test_device_data_and_local_runs_go_together(tmp_path):
     with pytest.raises(TestbedError, match="--device-data is for runs with data.dataset: local"):
         Testbed(RunConfig(), tmp_path, device_data=["a.npz"])
     assert Testbed(local, tmp_path, device_data=["a.npz", "b.npz"]).device_data == ["a.npz", "b.npz"]
-
