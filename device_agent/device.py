@@ -20,6 +20,7 @@ from shared.algorithms.base import Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
+from shared.data.local import DataError, LocalSource
 from shared.errors import Conflict, DomainError, NotFound
 from shared.evaluation import evaluation_counts
 from shared.models import SplitModel, build_model
@@ -43,8 +44,9 @@ _WARM_UP_LOCK = threading.Lock()
 _WARMED_UP: set[tuple] = set()
 
 
-def round_seed(seed: int, shard: int, round_id: int) -> int:
-    """Per device and round batch-order seed, identical in every process."""
+def round_seed(seed: int, shard: int | str, round_id: int) -> int:
+    """Per device and round batch-order seed, identical in every process (``shard``: the device's
+    shard, or its id when it brings its own data)."""
     digest = hashlib.sha256(f"{seed}/{shard}/{round_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
 
@@ -55,6 +57,10 @@ MainConnector = Callable[[str, str | None], MainApi]
 
 class Device:
     """A device agent's unit of work: its shard, its model copy, its clients and its profile.
+
+    ``shard`` is the partition shard it derives its data from; a device that brings its own data
+    (``python -m device_agent --data``) has ``shard=None`` and a ``source`` instead, loaded with
+    ``data_args`` (``--data-arg``), and gets a slot from the Fed Server when it registers.
 
     ``fed`` is this device's Fed Server client (it holds the device's enrolment secret and token);
     ``connect_main`` opens a Main Server client when a task names one.
@@ -69,12 +75,17 @@ class Device:
     data set and the meta-device layout stay where they are (CPU, meta).
     """
 
-    def __init__(self, device_id: str, shard: int, fed: FedApi, connect_main: MainConnector,
+    def __init__(self, device_id: str, shard: int | None, fed: FedApi, connect_main: MainConnector,
                  kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
+                 source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None) -> None:
+        if (shard is None) == (source is None):
+            raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
         self.shard = shard
+        self.source = source
+        self.data_args = dict(data_args or {})
         self.kind = kind
         self.time_scale = time_scale
         self.stop = stop or threading.Event()
@@ -166,13 +177,15 @@ class Device:
                  "; final global model received" if task.weights and self.keep_model else "")
 
     def setup(self) -> None:
-        """Fetch the run spec, load this device's shard, register with the Fed Server."""
+        """Fetch the run spec, load and check this device's data, register with the Fed Server.
+
+        Bad data stops here with a :class:`DataError`, before the device registers."""
         self.info = self._wait_for_run()
-        train, _ = load_dataset(self.info.data)
-        data = device_shard(self.info.data, train, self.shard)
-        # Federated evaluation: split once into the training part and the held-out part, before
-        # anything (registration, warm-up, training) sees the data.
-        self.data, self.held_out = evaluation_holdout(data, self.info.holdout, self.info.seed, self.device_id)
+        # The one place the device's data becomes its training set. Federated evaluation: split
+        # once into the training part and the held-out part, before anything (registration,
+        # warm-up, training) sees the data.
+        self.data, self.held_out = evaluation_holdout(self._load_data(), self.info.holdout, self.info.seed,
+                                                      self.device_id)
         with torch.device("meta"):
             self.layout = self._build()
         if self.keep_model:
@@ -181,6 +194,19 @@ class Device:
         self._warm_up()
         self._profile = self.profile()
         self.register()
+
+    def _load_data(self) -> ArrayDataset:
+        """This device's samples: its shard of the run's data set, or its own files (``--data``)."""
+        assert self.info is not None
+        spec = self.info.data
+        if self.source is not None:
+            return self.source.load(spec, self.data_args)
+        if spec.dataset == "local":
+            raise DataError(f"{self.device_id}: the run uses the devices' own data (dataset 'local'); start the "
+                            f"agent with --data PATH instead of --shards")
+        train, _ = load_dataset(spec)
+        assert self.shard is not None
+        return device_shard(spec, train, self.shard)
 
     def _build(self) -> SplitModel:
         assert self.info is not None
@@ -204,7 +230,8 @@ class Device:
                                                    num_samples=len(self.data), profile=self._profile))
         self.token = answer.token
         self._drop_main()  # the next task's Main Server client presents the new token
-        log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)
+        log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",
+                 answer.shard, len(self.data), self._profile.kind)
 
     def _drop_main(self) -> None:
         if self.main is not None:
@@ -312,7 +339,7 @@ class Device:
             send_step = self._join(task, clock)
         result = train_round(
             model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
-            train.batch_size, train.local_epochs, round_seed(self.info.seed, self.shard, task.round_id), clock,
+            train.batch_size, train.local_epochs, round_seed(self.info.seed, self.device_id if self.shard is None else self.shard, task.round_id), clock,
             send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
         )
         portion = model.portion(0, task.split_point)

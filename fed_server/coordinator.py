@@ -93,7 +93,7 @@ class Coordinator:
         # Federated evaluation does not use a server test set even where one exists.
         self.test_set = server_test_set(config.data) if self.evaluation_mode == "server" else None
         self.evaluating: EvaluationRound | None = None   # the open federated evaluation phase
-        self.devices = DeviceRegistry(config.data.num_devices)
+        self.devices = DeviceRegistry(config.data.num_devices, local_data=config.data.dataset == "local")
         self.table = ClientTimeTable(len(self.model.split_points), config.split.smoothing)
         self.planner = SplitPlanner(self.algorithm.split_mode(), self.model.split_points, self.num_blocks, self.profile,
                                     self.table, self.devices, config.train.local_epochs, config.split.server_flops)
@@ -128,7 +128,8 @@ class Coordinator:
     def register(self, req: RegisterRequest) -> RegisterResponse:
         record = self.devices.register(req)
         self.changed.set()
-        log.info("registered %s (shard %d, %d samples, %s)", req.device_id, req.shard, req.num_samples, req.profile.kind)
+        log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if self.devices.local_data else "shard",
+                 record.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=self.run_id, device_id=record.device_id, shard=record.shard)
 
     def run_info(self) -> RunInfo:

@@ -65,7 +65,9 @@ class DeviceProfileMsg(Message):
 
 class RegisterRequest(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
-    shard: int = Field(ge=0)
+    #: The partition shard the device derived its data from (built-in data sets). None with
+    #: ``dataset="local"``: the device brings its own data and the Fed Server gives it a slot.
+    shard: int | None = Field(default=None, ge=0)
     num_samples: int = Field(ge=0)
     profile: DeviceProfileMsg
 
@@ -88,7 +90,7 @@ class RunInfo(Message):
 class RegisterResponse(Message):
     run_id: str
     device_id: DeviceId
-    shard: int
+    shard: int   # the device's shard, or with dataset="local" the slot the Fed Server gave it
     token: str | None = None   # the device's bearer token (None when the servers run without auth)
 
 

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config value, e.g. --set data.alpha=0.1 --set train.lr=0.02 (repeatable)")
     parser.add_argument("--agents", type=int, default=1, help="device agent processes hosting the devices (default 1)")
+    parser.add_argument("--device-data", action="append", default=[], metavar="PATH",
+                        help="for a run with data.dataset: local, one device agent started with --data PATH (repeatable; "
+                             "docs/data.md); data.num_devices defaults to the number of devices these paths make")
     parser.add_argument("--run-dir", help="run directory (default runs/<time>-<algorithm>)")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     parser.add_argument("--log-level", default="INFO", help="log level of the services (their logs go to <run-dir>/logs)")
@@ -61,18 +64,24 @@ def main(argv: list[str] | None = None) -> None:
         shortcuts["data.seed"] = args.seed
     overrides = [f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.overrides  # --set wins
     try:
+        if args.device_data and args.devices is None and not any(o.startswith("data.num_devices=") for o in args.overrides):
+            from shared.data.local import data_sources
+
+            count = sum(len(data_sources(path)) for path in args.device_data)
+            overrides = [f"data.num_devices={count}", *overrides]
         config = resolve_run_config(args.config, overrides)
-    except ValueError as exc:
+    except ValueError as exc:  # a bad config, or a --device-data path that is missing or ambiguous
         parser.error(str(exc))
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}"
-    print(f"testbed: {config.algorithm} | model {config.model} | {config.data.dataset} {config.data.partition}"
-          f"{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''} | {config.data.num_devices} devices, "
+    data = "local data" if config.data.dataset == "local" else (
+        f"{config.data.dataset} {config.data.partition}{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''}")
+    print(f"testbed: {config.algorithm} | model {config.model} | {data} | {config.data.num_devices} devices, "
           f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
-    testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level,
-                      torch_device=str(args.torch_device) if args.torch_device else None)
     interrupt_on_sigterm()
     try:
+        testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
+                          torch_device=str(args.torch_device) if args.torch_device else None)
         with testbed:
             print(f"fed server {testbed.fed_url}, main server {testbed.main_url}; waiting for devices ...", flush=True)
             status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout)

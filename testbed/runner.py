@@ -39,9 +39,18 @@ class Testbed:
 
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
                  log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
-                 torch_device: str | None = None) -> None:
+                 device_data: list[str] | None = None, torch_device: str | None = None) -> None:
+        """``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
+        ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
+        ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
         self.config = config
-        self.torch_device = torch_device  # --torch-device of all three services; None: theirs (env or cpu)
+        self.torch_device = torch_device
+        self.device_data = list(device_data or [])
+        if (config.data.dataset == "local") != bool(self.device_data):
+            raise TestbedError("a run with data.dataset: local needs --device-data PATH (each device's own data)"
+                               if self.device_data == [] else
+                               "--device-data is for runs with data.dataset: local; this run partitions "
+                               f"the built-in data set {config.data.dataset!r}")
         self.run_dir = Path(run_dir)
         self.agents = max(1, agents)
         self.host = host
@@ -82,14 +91,27 @@ class Testbed:
             *self._secret_args("service")])
         wait_healthy(self.fed_url, self.fed, verify=self.verify)
         wait_healthy(self.main_url, self.main, verify=self.verify)
+        if self.device_data:
+            for i, path in enumerate(self.device_data):
+                self.agent_services.append(self.start_agent(f"agent-{i}", data=path, index=i))
+            return
         shards = list(range(self.config.data.num_devices))
         for i, chunk in enumerate(split_evenly(shards, self.agents)):
             self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
 
-    def start_agent(self, name: str, shards: list[int]) -> Service:
-        """Start one agent process hosting the devices of ``shards``."""
-        spec = ",".join(str(s) for s in shards)
-        args = ["--fed-server-url", self.fed_url, "--shards", spec, "--kinds", ",".join(self.config.devices.profiles),
+    def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0) -> Service:
+        """Start one agent process hosting the devices of ``shards``, or those of the local data at
+        ``data`` (the ``index``-th such agent: its devices' ids start ``dev<index>-`` so two files
+        with the same name in different folders stay two devices, and the emulated kinds go on
+        round-robin from ``index``)."""
+        kinds = list(self.config.devices.profiles)
+        if data is not None:
+            kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
+            devices = ["--data", data, "--prefix", f"dev{index}"]
+            # MERGE (helper A): when the run's model is an import path, also pass ["--model", self.config.model].
+        else:
+            devices = ["--shards", ",".join(str(s) for s in shards or [])]
+        args = ["--fed-server-url", self.fed_url, *devices, "--kinds", ",".join(kinds),
                 "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level,
                 *self._torch_device_args()]
         if self.tls:
@@ -122,6 +144,11 @@ class Testbed:
         while True:
             for service in (self.fed, self.main):
                 if service is not None and not service.alive():
+                    raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+            # A device with its own data that stopped (bad data) never registers: the run would wait
+            # for it until the timeout, so its one-line reason ends the run at once.
+            for service in self.agent_services if self.device_data else ():
+                if not service.alive() and service.process.returncode != 0:
                     raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
             try:
                 status = self.status(done_round)

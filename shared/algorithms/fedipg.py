@@ -320,6 +320,9 @@ class FedIPG(Algorithm):
         from shared.data.domains import color_dataset, color_domain, rotate_dataset, rotation_angle
 
         spec = self.config.data
+        if spec.dataset == "local":  # the domains are copies of a built-in test set, which a local run has not
+            self._domains = {}
+            return self._domains
         test = load_dataset(spec)[1]
         domains: dict[str, tuple[str, ArrayDataset]] = {}
         region = "foreground"

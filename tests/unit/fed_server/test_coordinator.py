@@ -238,3 +238,29 @@ def test_non_finite_numbers_are_written_as_null_and_read_back(tmp_path):
     line = c.run_dir.metrics_path.read_text().splitlines()[0]
     assert "Infinity" not in line and json.loads(line)["train_loss"] is None
     assert _coordinator(tmp_path).history == [record]
+
+
+def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slots(tmp_path, monkeypatch):
+    import numpy as np
+
+    import fed_server.coordinator as coordinator_module
+
+    def no_global_data(spec):
+        raise AssertionError("a local run must not load a global data set")
+
+    monkeypatch.setattr(coordinator_module, "load_dataset", no_global_data)
+    test_file = tmp_path / "test.npz"
+    np.savez(test_file, x=np.random.default_rng(0).integers(0, 256, (30, 28, 28)).astype(np.uint8),
+             y=np.arange(30) % 10)
+    local = {"dataset": "local", "num_devices": 2, "num_classes": 10, "input_shape": [1, 28, 28],
+             "input_transform": {"scale": 1 / 255}}
+    config = load_run_config({"algorithm": "fedavg", "model": "cnn", "data": {**local, "test_file": str(test_file)}})
+    coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    assert len(coordinator.test_set) == 30 and float(coordinator.test_set.x.max()) <= 1.0
+    profile = DeviceProfileMsg(flops=1e9, rate=1e6)
+    answers = [coordinator.register(RegisterRequest(device_id=d, num_samples=5, profile=profile)) for d in ("b", "a")]
+    assert [a.shard for a in answers] == [0, 1] and coordinator.ready()
+    with pytest.raises(Conflict, match="slots"):
+        coordinator.register(RegisterRequest(device_id="c", num_samples=5, profile=profile))
+    with pytest.raises(ValueError, match="needs data.test_file"):
+        Coordinator(load_run_config({"algorithm": "fedavg", "data": local}), RunDirectory(tmp_path / "run2"), None)
