@@ -243,12 +243,12 @@ def test_non_finite_numbers_are_written_as_null_and_read_back(tmp_path):
 def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slots(tmp_path, monkeypatch):
     import numpy as np
 
-    import fed_server.coordinator as coordinator_module
+    import shared.evaluation as evaluation_module
 
     def no_global_data(spec):
         raise AssertionError("a local run must not load a global data set")
 
-    monkeypatch.setattr(coordinator_module, "load_dataset", no_global_data)
+    monkeypatch.setattr(evaluation_module, "load_dataset", no_global_data)
     test_file = tmp_path / "test.npz"
     np.savez(test_file, x=np.random.default_rng(0).integers(0, 256, (30, 28, 28)).astype(np.uint8),
              y=np.arange(30) % 10)
@@ -262,5 +262,6 @@ def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slot
     assert [a.shard for a in answers] == [0, 1] and coordinator.ready()
     with pytest.raises(Conflict, match="slots"):
         coordinator.register(RegisterRequest(device_id="c", num_samples=5, profile=profile))
-    with pytest.raises(ValueError, match="needs data.test_file"):
-        Coordinator(load_run_config({"algorithm": "fedavg", "data": local}), RunDirectory(tmp_path / "run2"), None)
+    # Without a test file the devices evaluate (federated evaluation): still no global data set.
+    federated = Coordinator(load_run_config({"algorithm": "fedavg", "data": local}), RunDirectory(tmp_path / "run2"), None)
+    assert federated.test_set is None and federated.evaluation_mode == "federated"
