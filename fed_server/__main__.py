@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     from shared.auth import auth_from_settings
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
-    from shared.run_config import resolve_run_config
+    from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 
     try:
         config = resolve_run_config(args.config, args.overrides)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ConfigError as exc:
+        exit_on_config_error(exc)
     # Flag mistakes are reported before the Coordinator loads data and evaluates the model.
     try:
         auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)

@@ -7,7 +7,7 @@ import time
 from collections import Counter
 
 from shared.algorithms.registry import ALGORITHMS
-from shared.run_config import resolve_run_config
+from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 from shared.models.zoo import MODEL_NAMES
 from testbed.processes import interrupt_on_sigterm
 from testbed.runner import Testbed, TestbedError
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     overrides = [f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.overrides  # --set wins
     try:
         config = resolve_run_config(args.config, overrides)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ConfigError as exc:
+        exit_on_config_error(exc)
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}"
     print(f"testbed: {config.algorithm} | model {config.model} | {config.data.dataset} {config.data.partition}"
           f"{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''} | {config.data.num_devices} devices, "
