@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from shared.config import env_default
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from fed_server.app import create_app
     from fed_server.driver import FedServerSettings
-    from shared.auth import auth_from_settings
+    from shared.auth import auth_from_settings, warn_if_open
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
     from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
@@ -58,8 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
     except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
         parser.error(str(exc))
-    if not auth.enabled:
-        logging.getLogger("fed_server").warning("no service secret: devices are not authenticated (docs/security.md)")
+    warn_if_open(auth, "fed_server", "register devices, upload models and server portions")
     settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
     serve(create_app(coordinator, settings), args)
 

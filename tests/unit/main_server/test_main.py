@@ -1,0 +1,45 @@
+"""``python -m main_server`` says at start when it runs without a service secret (as the Fed Server
+does), and says nothing of the kind when it has one."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from testbed.processes import free_port, service_env
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _lines_until_running(*args: str) -> list[str]:
+    """Start the Main Server, collect its log lines until uvicorn says it is serving, stop it."""
+    env = {k: v for k, v in service_env().items() if k != "SFL_SERVICE_SECRET"}
+    process = subprocess.Popen([sys.executable, "-m", "main_server", "--host", "127.0.0.1", "--port",
+                                str(free_port()), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines = []
+    guard = threading.Timer(120, process.kill)   # a server that neither serves nor dies fails the test
+    guard.start()
+    try:
+        for line in process.stdout:   # ends when the process dies
+            lines.append(line.rstrip())
+            if "Uvicorn running on" in line:
+                break
+    finally:
+        guard.cancel()
+        process.terminate()
+        process.wait(timeout=60)
+    assert lines and "Uvicorn running on" in lines[-1], lines
+    return lines
+
+
+def test_open_main_server_warns_and_one_with_a_secret_does_not(tmp_path):
+    warnings = [line for line in _lines_until_running() if "no service secret" in line]
+    assert len(warnings) == 1 and " main_server WARNING " in warnings[0], warnings
+    assert "anyone who can reach this server can" in warnings[0] and "SFL_SERVICE_SECRET" in warnings[0]
+
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    assert not [line for line in _lines_until_running("--service-secret-file", str(secret))
+                if "no service secret" in line]
