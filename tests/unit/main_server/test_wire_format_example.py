@@ -17,7 +17,7 @@ PAGE = Path(__file__).resolve().parents[3] / "docs" / "wire-format.md"
 
 
 def _example() -> dict:
-    code = re.search(r"## Example\n\n```python\n(.*?)```", PAGE.read_text(), re.S)
+    code = re.search(r"## Example\n.*?```python\n(.*?)```", PAGE.read_text(), re.S)
     assert code is not None, "docs/wire-format.md has no python block under '## Example'"
     namespace: dict = {}
     exec(compile(code.group(1), str(PAGE), "exec"), namespace)   # its own asserts run too
