@@ -142,8 +142,6 @@ def load_run_config(data: Mapping[str, Any]) -> RunConfig:
         return validate_run_config(config)
     except ValidationError as exc:
         raise ConfigError(config_error_lines(exc, *_params_schema(exc, config))) from None
-    except ConfigError:
-        raise
     except ValueError as exc:   # the registry's and the transforms' checks: one line each
         raise ConfigError([str(exc)]) from None
 
