@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from shared.config import env_default
@@ -36,15 +35,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from fed_server.app import create_app
     from fed_server.driver import FedServerSettings
-    from shared.auth import auth_from_settings
+    from shared.auth import auth_from_settings, warn_if_open
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
-    from shared.run_config import resolve_run_config
+    from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 
     try:
         config = resolve_run_config(args.config, args.overrides)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ConfigError as exc:
+        exit_on_config_error(exc)
     # Flag mistakes are reported before the Coordinator loads data and evaluates the model.
     try:
         auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)
@@ -59,8 +58,7 @@ def main(argv: list[str] | None = None) -> None:
                                   torch_device=args.torch_device)
     except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
         parser.error(str(exc))
-    if not auth.enabled:
-        logging.getLogger("fed_server").warning("no service secret: devices are not authenticated (docs/security.md)")
+    warn_if_open(auth, "fed_server", "register devices, upload models and server portions")
     settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
     serve(create_app(coordinator, settings), args)
 

@@ -23,11 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     from main_server.app import create_app
     from main_server.server import MainServerSettings
     from main_server.group_trainer import warm_up
-    from shared.auth import auth_from_settings
+    from shared.auth import auth_from_settings, warn_if_open
 
+    try:
+        auth = auth_from_settings(args.service_secret_file, None)
+    except ValueError as exc:   # an empty secret file
+        parser.error(str(exc))
+    warn_if_open(auth, "main_server", "open rounds, join them and send activations")
     warm_up(args.torch_device)
 
-    auth = auth_from_settings(args.service_secret_file, None)
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),
                                   auth=auth, ca_file=args.ca_file, torch_device=args.torch_device)
     serve(create_app(settings), args)

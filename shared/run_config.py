@@ -6,13 +6,18 @@ a cycle (the registry imports the algorithms, which import ``shared.config``). T
 above both. Every place that builds a ``RunConfig`` from outside data (the Fed Server and testbed
 CLIs, experiment grids, benchmarks, tests) goes through :func:`load_run_config` or
 :func:`resolve_run_config`, so a bad configuration fails when it is read, before any process
-starts, with a message naming the problem.
+starts, with a message naming the problem: a :class:`ConfigError` whose ``lines`` say, one line
+per wrong field, which field is wrong, what it must be and what it got, without pydantic's internals
+(the CLIs print them with :func:`exit_on_config_error`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from pydantic import BaseModel, ValidationError
 
 from shared.algorithms.registry import (
     ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_selector,
@@ -20,6 +25,7 @@ from shared.algorithms.registry import (
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
 from shared.evaluation import has_server_test_set
+from shared.data.feature_skew import GaussianNoiseParams
 from shared.models.zoo import MODEL_NAMES, SPLIT_DEPTH_ZERO_MODELS
 
 
@@ -56,10 +62,92 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     return config
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot be used. ``lines`` holds one line per problem, each naming the
+    field (``train.lr: must be greater than 0 (got -1)``) or the file and line of a syntax error;
+    ``str()`` is the lines joined by newlines."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+def _fields_at(model: type[BaseModel] | None, loc: Sequence[str | int]) -> list[str] | None:
+    """The setting names of the (nested) schema at ``loc``, for an unknown key's message; None
+    where ``loc`` leads into a free-form mapping (``model_params``, a list item)."""
+    for part in loc:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        annotation = field.annotation if field is not None else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(model.model_fields) if model is not None else None
+
+
+def _shown(value: Any) -> str:
+    """A wrong value as the user wrote it, shortened: a whole sub-mapping is not repeated."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def config_error_lines(exc: ValidationError, prefix: str = "",
+                       model: type[BaseModel] | None = None) -> list[str]:
+    """One line per error of ``exc``: ``field.path: what it must be (got value)``.
+
+    ``prefix`` is where the validated mapping sits in the file (``algorithm_params`` for an
+    algorithm's ``Params``); ``model`` is the schema that was validated, so an unknown key's line
+    lists the keys valid in its place. pydantic's type codes, ``input_value=...`` dumps and
+    documentation links are left out: they describe pydantic, not the user's file.
+    """
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = [str(part) for part in err["loc"]]
+        path = [prefix, *loc] if prefix else loc
+        field = ".".join(path)   # empty for a check across the whole config
+        kind, message = err["type"], err["msg"]
+        if kind == "extra_forbidden":
+            where = ".".join(path[:-1]) or "the top level"
+            valid = _fields_at(model, loc[:-1])
+            message = f"unknown key in {where}" + ("" if valid is None else
+                                                   f" (valid keys: {', '.join(valid)})" if valid else " (it takes no keys)")
+        elif kind == "missing":
+            message = "is required"
+        elif kind == "model_type":
+            message = f"must be a mapping of settings (got {_shown(err['input'])})"
+        else:
+            message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+            message = "must be" + message[len("Input should be"):] if message.startswith("Input should be") else message
+            if kind != "value_error" and not isinstance(err.get("input"), (dict, list)):
+                message += f" (got {_shown(err.get('input'))})"
+        lines.append(f"{field}: {message}" if field else message)
+    return lines
+
+
+def _params_schema(exc: ValidationError, config: RunConfig) -> tuple[str, type[BaseModel] | None]:
+    """Which free-form mapping of ``config`` (and which model of its parameters) a ValidationError
+    raised by :func:`validate_run_config` came from: the algorithm's and the selector's ``Params``
+    validate ``algorithm_params`` and ``selection_params``; the Gaussian-noise transform validates
+    ``data.device_transform_params``."""
+    algorithm, selector = ALGORITHMS.get(config.algorithm), SELECTORS.get(config.selection)
+    for prefix, schema in (("algorithm_params", algorithm.Params if algorithm else None),
+                           ("selection_params", selector.Params if selector else None),
+                           ("data.device_transform_params", GaussianNoiseParams)):
+        if schema is not None and exc.title == schema.__name__:
+            return prefix, schema
+    return "", None
+
+
 def load_run_config(data: Mapping[str, Any]) -> RunConfig:
-    """A plain (nested) dict -> a fully validated ``RunConfig``; ValueError (pydantic's
-    ValidationError is one) says what is wrong."""
-    return validate_run_config(RunConfig.model_validate(data))
+    """A plain (nested) dict -> a fully validated ``RunConfig``; :class:`ConfigError` (a
+    ValueError) says what is wrong, one line per problem."""
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(config_error_lines(exc, model=RunConfig)) from None
+    try:
+        return validate_run_config(config)
+    except ValidationError as exc:
+        raise ConfigError(config_error_lines(exc, *_params_schema(exc, config))) from None
+    except ValueError as exc:   # the registry's and the transforms' checks: one line each
+        raise ConfigError([str(exc)]) from None
 
 
 def resolve_run_config(
@@ -68,5 +156,18 @@ def resolve_run_config(
     env_prefix: str = "SFL_RUN__",
 ) -> RunConfig:
     """Defaults < config file < environment (``SFL_RUN__TRAIN__LR=0.1``) < ``key=value`` overrides,
-    validated completely (see :func:`shared.config.merge_config_sources`)."""
-    return load_run_config(merge_config_sources(config_file, overrides, env_prefix))
+    validated completely (see :func:`shared.config.merge_config_sources`). A missing or unreadable
+    file, a syntax error and a malformed override are :class:`ConfigError` too."""
+    try:
+        data = merge_config_sources(config_file, overrides, env_prefix)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    return load_run_config(data)
+
+
+def exit_on_config_error(exc: ConfigError) -> NoReturn:
+    """For the CLIs: print ``config error: <line>`` per problem to stderr and exit with status 2
+    (argparse's status for bad usage), without a traceback."""
+    for line in exc.lines:
+        print(f"config error: {line}", file=sys.stderr)
+    sys.exit(2)

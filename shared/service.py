@@ -46,7 +46,11 @@ def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None =
             for flag in action.option_strings:
                 known[flag.lstrip("-").replace("-", "_")] = action.dest
         values = {}
-        for key, value in load_config_file(pre.settings).items():
+        try:
+            settings = load_config_file(pre.settings)
+        except ValueError as exc:   # missing, unreadable, or a syntax error: file and line, no traceback
+            parser.error(str(exc))
+        for key, value in settings.items():
             dest = known.get(key.replace("-", "_"))
             if dest is None or dest in ("help", "settings"):
                 parser.error(f"{pre.settings}: unknown setting {key!r}")

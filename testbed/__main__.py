@@ -7,7 +7,7 @@ import time
 from collections import Counter
 
 from shared.algorithms.registry import ALGORITHMS
-from shared.run_config import resolve_run_config
+from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 from shared.models.zoo import MODEL_NAMES
 from shared.torch_device import TORCH_DEVICE_CHOICES, torch_device_flag
 from testbed.processes import interrupt_on_sigterm
@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
             count = sum(len(data_sources(path)) for path in args.device_data)
             overrides = [f"data.num_devices={count}", *overrides]
         config = resolve_run_config(args.config, overrides)
-    except ValueError as exc:  # a bad config, or a --device-data path that is missing or ambiguous
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    except ValueError as exc:  # a --device-data path that is missing or ambiguous
         parser.error(str(exc))
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}"
     data = "local data" if config.data.dataset == "local" else (
