@@ -17,7 +17,7 @@ matplotlib.use("Agg")   # no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from shared.data import dataset_input_shape, dataset_num_classes  # noqa: E402
-from shared.models.zoo import build_model  # noqa: E402
+from shared.models import build_model  # noqa: E402
 
 from experiments.results import CellResult  # noqa: E402
 from experiments.spec import ExperimentSpec  # noqa: E402
