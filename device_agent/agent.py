@@ -35,6 +35,7 @@ def parse_shards(text: str) -> list[int]:
 class Agent:
     """Runs its devices until the run is done (or ``stop`` is set).
 
+    ``model``: the operator's ``--model`` (the only import path its devices will build).
     ``keep_models``: whether each device keeps its model between rounds (see :class:`Device`).
     ``None`` (the default) keeps it only when the agent hosts one device: a real board avoids
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
@@ -43,13 +44,15 @@ class Agent:
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
                  prefix: str = "dev", verify: bool | str = True, metrics=None,
-                 enrolment_secret: bytes | None = None, keep_models: bool | None = None) -> None:
+                 enrolment_secret: bytes | None = None, keep_models: bool | None = None,
+                 model: str | None = None) -> None:
         self.stop = threading.Event()
         keep = len(shards) == 1 if keep_models is None else keep_models
         connect_main = main_connector(verify)
         self.devices = [
             Device(f"{prefix}-{shard:03d}", shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
-                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, keep_model=keep)
+                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
+                   model_ref=model)
             for shard in shards
         ]
         self.errors: dict[str, BaseException] = {}

@@ -20,7 +20,7 @@ from shared.algorithms.base import Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.errors import Conflict, DomainError, NotFound
-from shared.models import SplitModel, build_model
+from shared.models import SplitModel, build_model, check_model_origin, model_fingerprint
 from shared.profiles import EmulatedKind
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
@@ -65,7 +65,8 @@ class Device:
 
     def __init__(self, device_id: str, shard: int, fed: FedApi, connect_main: MainConnector,
                  kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
-                 poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True) -> None:
+                 poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
+                 model_ref: str | None = None) -> None:
         self.device_id = device_id
         self.shard = shard
         self.kind = kind
@@ -74,6 +75,8 @@ class Device:
         self.poll_interval_s = poll_interval_s
         self.max_downtime_s = max_downtime_s
         self.keep_model = keep_model
+        #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
+        self.model_ref = model_ref
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main
@@ -149,8 +152,12 @@ class Device:
                  "; final global model received" if task.weights and self.keep_model else "")
 
     def setup(self) -> None:
-        """Fetch the run spec, load this device's shard, register with the Fed Server."""
+        """Fetch the run spec, load this device's shard, register with the Fed Server.
+
+        A run whose model is an import path the operator did not name with ``--model`` stops the
+        device here (ValueError), before anything is imported: code is never taken from the network."""
         self.info = self._wait_for_run()
+        check_model_origin(self.info.model, self.model_ref)
         train, _ = load_dataset(self.info.data)
         self.data = device_shard(self.info.data, train, self.shard)
         with torch.device("meta"):
@@ -163,7 +170,8 @@ class Device:
 
     def _build(self) -> SplitModel:
         assert self.info is not None
-        return build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
+        return build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed,
+                           params=self.info.model_params)
 
     def _model_for(self, split_point: int) -> SplitModel:
         """The model to train ``blocks[:split_point]`` with. Without ``keep_model``, a fresh one
@@ -177,10 +185,13 @@ class Device:
         return self.model
 
     def register(self) -> None:
-        """Announce this device, its shard and its profile to the Fed Server."""
-        assert self.data is not None
+        """Announce this device, its shard, its profile and its model's fingerprint to the Fed
+        Server. A fingerprint that differs from the run's is refused (Conflict): the device stops
+        rather than train on another model."""
+        assert self.data is not None and self.layout is not None and self.info is not None
         answer = self.fed.register(RegisterRequest(device_id=self.device_id, shard=self.shard,
-                                                   num_samples=len(self.data), profile=self._profile))
+                                                   num_samples=len(self.data), profile=self._profile,
+                                                   fingerprint=model_fingerprint(self.layout, self.info.data)))
         self.token = answer.token
         self._drop_main()  # the next task's Main Server client presents the new token
         log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)

@@ -24,7 +24,7 @@ from main_server.metrics import MainMetrics
 from shared.algorithms.grouping import grouping_rng, label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
-from shared.models import SplitModel, build_model
+from shared.models import SplitModel, build_model, check_model_origin
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.portions import decode_portion
 from shared.wire import WireError, decode_tensor
@@ -67,7 +67,7 @@ class RoundState:
     """One round at the Main Server, from the Fed Server's plan to the groups' uploads."""
 
     def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]],
-                 metrics: MainMetrics | None = None) -> None:
+                 metrics: MainMetrics | None = None, model_ref: str | None = None) -> None:
         self.plan = plan
         self.metrics = metrics
         self.round_id = plan.round_id
@@ -78,8 +78,13 @@ class RoundState:
         except ValueError as exc:
             raise Invalid(f"invalid plan: {exc}") from None
         try:
-            self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
+            # An import path is code: built only when the operator named it (--model), never
+            # because a plan did (docs/security.md).
+            check_model_origin(plan.model, model_ref)
+            self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
+                                                    params=plan.model_params)
         except ValueError as exc:  # unknown model, bad input_shape or num_classes: the plan's fault, not ours
+            log.error("refusing round %d's plan: %s", plan.round_id, exc)
             raise Invalid(f"invalid plan: {exc}") from None
         n_blocks = len(self.template.blocks)
         for p in plan.participants:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, m
 
 from shared.config import TrainConfig
 from shared.data.spec import DataSpec
+from shared.models.fingerprint import ModelFingerprint
 from shared.wire import DTYPE_NAMES, MAX_RANK
 
 API = "/v1"
@@ -68,6 +69,10 @@ class RegisterRequest(Message):
     shard: int = Field(ge=0)
     num_samples: int = Field(ge=0)
     profile: DeviceProfileMsg
+    # The device's own model fingerprint (shared/models/fingerprint.py); the Fed Server refuses one
+    # that differs from the run's with 409. None (a device that does not send one, e.g. written
+    # before fingerprints or in another language) is accepted unchecked.
+    fingerprint: ModelFingerprint | None = None
 
 
 class RunInfo(Message):
@@ -76,10 +81,12 @@ class RunInfo(Message):
     run_id: str
     algorithm: str
     model: str
+    model_params: dict[str, JsonValue] = Field(default_factory=dict)   # data passed to the model function, never code
     num_classes: int
     input_shape: list[int]
     data: DataSpec
     seed: int
+    fingerprint: ModelFingerprint   # what a device's own build must match to register (docs/models.md)
 
 
 class RegisterResponse(Message):
@@ -168,6 +175,7 @@ class RoundPlan(Message):
     run_id: str
     round_id: int = Field(ge=0)
     model: str
+    model_params: dict[str, JsonValue] = Field(default_factory=dict)
     num_classes: int
     input_shape: list[int]
     seed: int

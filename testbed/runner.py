@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from shared.models.loading import is_import_path
 from shared.config import RunConfig
 from shared.http_client import tls_context
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
@@ -77,7 +78,7 @@ class Testbed:
             *self._secret_args("service", "enrolment")])
         self.main = self.processes.start("main_server", "main_server", [
             "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common,
-            *self._secret_args("service")])
+            *self._model_args(), *self._secret_args("service")])
         wait_healthy(self.fed_url, self.fed, verify=self.verify)
         wait_healthy(self.main_url, self.main, verify=self.verify)
         shards = list(range(self.config.data.num_devices))
@@ -91,8 +92,15 @@ class Testbed:
                 "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level]
         if self.tls:
             args += ["--ca-file", self.tls.ca]
+        args += self._model_args()
         # Devices know only the enrolment secret, never the service secret.
         return self.processes.start(name, "device_agent", [*args, *self._secret_args("enrolment")])
+
+    def _model_args(self) -> list[str]:
+        """``--model REF`` when the run's model is an import path: the Main Server and the agents build
+        one only when their operator (here the testbed) names it. The children inherit the testbed's
+        working directory and PYTHONPATH (``service_env``), so the user's package imports there too."""
+        return ["--model", self.config.model] if is_import_path(self.config.model) else []
 
     def _secret_args(self, *names: str) -> list[str]:
         """``--<name>-secret-file PATH`` for each named secret (nothing when auth is off)."""
