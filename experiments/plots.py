@@ -101,7 +101,8 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
             continue
         label = spec.series_label(r.cell.labels)
         data = r.cell.config.data
-        blocks = model_blocks(r.cell.config.model, dataset_num_classes(data), dataset_input_shape(data))
+        blocks = model_blocks(r.cell.config.model, dataset_num_classes(data), dataset_input_shape(data),
+                              r.cell.config.model_params)
         for record in r.rounds:
             for device, times in record.get("device_times", {}).items():
                 kind = record.get("device_kinds", {}).get(device, "unknown")
@@ -136,9 +137,9 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
 
 
 @functools.lru_cache(maxsize=16)
-def model_blocks(model: str, num_classes: int, input_shape: tuple[int, ...]) -> int:
+def model_blocks(model: str, num_classes: int, input_shape: tuple[int, ...], params: dict | None = None) -> int:
     """Blocks in the whole model: a split point equal to it means the device trains everything."""
-    return len(build_model(model, num_classes, input_shape).blocks)
+    return len(build_model(model, num_classes, input_shape, params=params).blocks)
 
 
 _KIND_ORDER = {"low": 0, "mid": 1, "high": 2}
