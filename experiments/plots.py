@@ -6,6 +6,7 @@ figure answers one question across the whole grid.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -102,7 +103,7 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
         label = spec.series_label(r.cell.labels)
         data = r.cell.config.data
         blocks = model_blocks(r.cell.config.model, dataset_num_classes(data), dataset_input_shape(data),
-                              r.cell.config.model_params)
+                              json.dumps(r.cell.config.model_params, sort_keys=True))
         for record in r.rounds:
             for device, times in record.get("device_times", {}).items():
                 kind = record.get("device_kinds", {}).get(device, "unknown")
@@ -137,9 +138,10 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
 
 
 @functools.lru_cache(maxsize=16)
-def model_blocks(model: str, num_classes: int, input_shape: tuple[int, ...], params: dict | None = None) -> int:
-    """Blocks in the whole model: a split point equal to it means the device trains everything."""
-    return len(build_model(model, num_classes, input_shape, params=params).blocks)
+def model_blocks(model: str, num_classes: int, input_shape: tuple[int, ...], params_json: str = "{}") -> int:
+    """Blocks in the whole model: a split point equal to it means the device trains everything.
+    (``model_params`` as JSON: the cache needs hashable arguments.)"""
+    return len(build_model(model, num_classes, input_shape, params=json.loads(params_json)).blocks)
 
 
 _KIND_ORDER = {"low": 0, "mid": 1, "high": 2}
