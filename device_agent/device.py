@@ -20,7 +20,7 @@ from shared.algorithms.base import Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.errors import Conflict, DomainError, NotFound
-from shared.models import SplitModel, build_model, check_model_origin, model_fingerprint
+from shared.models import SplitModel, build_model, build_model_layout, check_model_origin, model_fingerprint
 from shared.profiles import EmulatedKind
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
@@ -160,26 +160,26 @@ class Device:
         check_model_origin(self.info.model, self.model_ref)
         train, _ = load_dataset(self.info.data)
         self.data = device_shard(self.info.data, train, self.shard)
-        with torch.device("meta"):
-            self.layout = self._build()
+        self.layout = self._build(layout=True)
         if self.keep_model:
             self.model = self._build()
         self._warm_up()
         self._profile = self.profile()
         self.register()
 
-    def _build(self) -> SplitModel:
+    def _build(self, layout: bool = False) -> SplitModel:
+        """The run's model with real weights, or (``layout``) its structure on the meta device."""
         assert self.info is not None
-        return build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed,
-                           params=self.info.model_params)
+        build = build_model_layout if layout else build_model
+        return build(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed,
+                     params=self.info.model_params)
 
     def _model_for(self, split_point: int) -> SplitModel:
         """The model to train ``blocks[:split_point]`` with. Without ``keep_model``, a fresh one
         whose trained blocks are allocated but not initialised (the task's weights overwrite
         every parameter and buffer of them) and whose other blocks stay on the meta device."""
         if self.model is None:
-            with torch.device("meta"):
-                model = self._build()
+            model = self._build(layout=True)
             model.portion(0, split_point).to_empty(device="cpu")
             self.model = model
         return self.model

@@ -14,15 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from shared.algorithms.registry import (
     ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_selector,
 )
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
 from shared.data import dataset_input_shape, dataset_num_classes
-from shared.models import SplitModel, build_model
+from shared.models import SplitModel, build_model_layout
 from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
 
@@ -69,15 +67,9 @@ def validate_run_config(config: RunConfig) -> RunConfig:
 
 def build_config_model(config: RunConfig) -> SplitModel:
     """Build the run's model to check it (import, parameters, shapes, parts), cheaply: on the meta
-    device (no memory, no compute). A model whose code does not run on the meta device (an
-    operation without a meta kernel, a ``.item()`` while building) is built for real instead, and
-    that build's error, if any, is the one reported."""
-    num_classes, input_shape = dataset_num_classes(config.data), dataset_input_shape(config.data)
-    try:
-        with torch.device("meta"):
-            return build_model(config.model, num_classes, input_shape, seed=config.seed, params=config.model_params)
-    except Exception:  # noqa: BLE001 - retried for real below, whose error is the one reported
-        return build_model(config.model, num_classes, input_shape, seed=config.seed, params=config.model_params)
+    device where its code runs there, else for real (``build_model_layout``)."""
+    return build_model_layout(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
+                              seed=config.seed, params=config.model_params)
 
 
 def load_run_config(data: Mapping[str, Any]) -> RunConfig:

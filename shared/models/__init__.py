@@ -1,7 +1,9 @@
 """Split-able models: the SplitModel abstraction, model loading (built-in names and import paths),
 the model zoo, per-split cost profiles and the model fingerprint."""
 from shared.models.fingerprint import ModelFingerprint, fingerprint_differences, model_fingerprint
-from shared.models.loading import ModelDefinition, build_model, check_model_origin, is_import_path
+from shared.models.loading import (
+    ModelDefinition, build_model, build_model_layout, check_model_origin, is_import_path,
+)
 from shared.models.profile import ModelProfile, SplitCost, profile_model
 from shared.models.split_model import Portion, SplitModel
 from shared.models.zoo import MODEL_NAMES
@@ -12,6 +14,7 @@ __all__ = [
     "MODEL_NAMES",
     "ModelDefinition",
     "build_model",
+    "build_model_layout",
     "check_model_origin",
     "is_import_path",
     "SplitCost",

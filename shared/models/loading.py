@@ -24,7 +24,8 @@ from torch import nn
 from shared.models.split_model import SplitModel
 from shared.models.zoo import DEFAULT_INPUT_SHAPES, ZOO_BUILDERS
 
-__all__ = ["ModelDefinition", "BUILTIN_MODELS", "build_model", "is_import_path", "check_model_origin"]
+__all__ = ["ModelDefinition", "BUILTIN_MODELS", "build_model", "build_model_layout", "is_import_path",
+           "check_model_origin"]
 
 #: Built-in model names -> builder functions (the zoo). An import path is looked up only when the
 #: reference is not one of these.
@@ -211,11 +212,6 @@ def _check_shapes(ref: str, model: SplitModel) -> None:
             for name, block in model.blocks.items():
                 try:
                     x = block(x)
-                except NotImplementedError:
-                    if x.is_meta:  # an operation without a meta kernel: the caller retries on real tensors
-                        raise
-                    raise ValueError(f"model {ref!r}: block {name!r} cannot take {previous} "
-                                     f"(shape {list(x.shape)})") from None
                 except Exception as exc:
                     raise ValueError(f"model {ref!r}: block {name!r} cannot take {previous} "
                                      f"(shape {list(x.shape)}): {exc}") from None
@@ -264,3 +260,23 @@ def build_model(
     _check_shapes(ref, model)
     model.ref = ref
     return model
+
+
+def build_model_layout(
+    ref: str,
+    num_classes: int = 10,
+    input_shape: tuple[int, ...] | None = None,
+    seed: int = 0,
+    params: Mapping[str, Any] | None = None,
+) -> SplitModel:
+    """The model's structure on the meta device (names, shapes, dtypes; no memory), checked.
+
+    Built on the meta device; a model whose code cannot run there (an operation without a meta
+    kernel, a ``.item()`` or data-dependent branch while building or in a forward) is built for
+    real instead and moved there, and that build's error, if any, is the one raised. So a model
+    never fails only because of the meta device."""
+    try:
+        with torch.device("meta"):
+            return build_model(ref, num_classes, input_shape, seed=seed, params=params)
+    except Exception:  # noqa: BLE001 - retried for real below, whose error is the one reported
+        return build_model(ref, num_classes, input_shape, seed=seed, params=params).to("meta")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared.models import ModelDefinition, SplitModel, build_model, check_model_origin
+from shared.models import SplitModel, build_model, build_model_layout, check_model_origin
 from shared.run_config import load_run_config
 
 MODULE = textwrap.dedent('''
@@ -72,6 +72,14 @@ MODULE = textwrap.dedent('''
 
     def raises(num_classes):
         raise RuntimeError("no GPU here")
+
+    class Gate(nn.Module):
+        """Data-dependent: cannot run on the meta device (no values there)."""
+        def forward(self, x):
+            return x if x.abs().sum().item() >= 0 else -x
+
+    def needs_real(num_classes):
+        return {"a": nn.Linear(20, 8), "gate": Gate(), "b": nn.Linear(8, num_classes)}
 
     NOT_CALLABLE = 3
 ''')
@@ -141,6 +149,16 @@ def test_zoo_names_are_entries_of_the_same_mechanism():
     model = build_model("mobilenet", 10, (3, 32, 32), params={"width": 0.25})
     assert model.ref == "mobilenet" and model.output_layer == "blocks.head"
     assert model.blocks["head"].in_features == 256   # 1024 * 0.25
+
+
+def test_a_model_that_cannot_run_on_the_meta_device_gets_its_layout_from_a_real_build():
+    with torch.device("meta"), pytest.raises(ValueError, match="block 'gate'"):
+        _build("needs_real")
+    layout = build_model_layout("my_pkg.nets:needs_real", 3, (20,))
+    assert next(layout.parameters()).is_meta and layout.block_names() == ["a", "gate", "b"]
+    assert load_run_config(_config(model="my_pkg.nets:needs_real")).model == "my_pkg.nets:needs_real"
+    with pytest.raises(ValueError, match="block 'fc' cannot take the output of block 'conv'"):
+        build_model_layout("my_pkg.nets:broken_chain", 3, (1, 8, 8))   # a real error is still reported
 
 
 def test_meta_device_build_checks_shapes_without_memory():
