@@ -251,6 +251,8 @@ def build_model(
     shape = tuple(int(d) for d in input_shape)
     if not shape or min(shape) < 1:
         raise ValueError(f"input_shape must be positive sizes, got {list(input_shape)}")
+    if ref in DEFAULT_INPUT_SHAPES and len(shape) != len(DEFAULT_INPUT_SHAPES[ref]):
+        raise ValueError(f"model {ref!r}: input_shape must be (C, H, W), got {list(shape)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _split_model(ref, _call(ref, fn, num_classes, shape, params or {}), num_classes, shape)

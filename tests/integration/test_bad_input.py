@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from fed_server.driver import FedServerSettings
 from integration_support import server_pair, small_config
 from shared.models import build_model
 from shared.schemas import (
@@ -126,7 +127,7 @@ def test_fed_register_rejects_bad_bodies(services, client):
     assert_rejected(post(client, url, {**good, "profile": {**good["profile"], "rate": 0.0}}), 422, "rate")
     assert_rejected(post(client, url, {**good, "shard": 2}), 422, "shard 2")   # num_devices is 2
     assert_rejected(post(client, url, {**good, "shard": 2**62}), 422, "shard")
-    padded = {**good, "profile": {**good["profile"], "kind": "x" * (65 << 10)}}
+    padded = {**good, "profile": {**good["profile"], "kind": "x" * (FedServerSettings().max_register_bytes + 1)}}
     assert_rejected(post(client, url, padded), 413, "limit")
 
     def chunks():  # no content-length: the limit must hold while streaming too
