@@ -95,10 +95,9 @@ class RoundState:
             self.server_weights = decode_portion(plan.server_weights, self.template, self.start, n_blocks, what="server_weights")
         except WireError as exc:
             raise Invalid(str(exc)) from None
-        try:
-            self.activation_shapes = self._activation_shapes()
-        except RuntimeError as exc:  # e.g. an input_shape too small for the model's pooling
-            raise Invalid(f"invalid plan: input_shape {plan.input_shape} does not fit model {plan.model!r}: {exc}") from None
+        # build_model has run one sample through the blocks: an input_shape the model cannot take
+        # (too small for its pooling) was refused above.
+        self.activation_shapes = self._activation_shapes()
         self.joined: dict[str, JoinRequest] = {}
         self.groups: list[Group] | None = None
         self.group_of: dict[str, Group] = {}

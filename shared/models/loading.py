@@ -207,21 +207,22 @@ def _check_shapes(ref: str, model: SplitModel) -> None:
     was_training = model.training
     model.eval()
     previous = "the input"
+    who = f"model {ref!r} with input_shape {list(model.input_shape)}"
     try:
         with torch.no_grad():
             for name, block in model.blocks.items():
                 try:
                     x = block(x)
                 except Exception as exc:
-                    raise ValueError(f"model {ref!r}: block {name!r} cannot take {previous} "
+                    raise ValueError(f"{who}: block {name!r} cannot take {previous} "
                                      f"(shape {list(x.shape)}): {exc}") from None
                 if not isinstance(x, torch.Tensor):
-                    raise ValueError(f"model {ref!r}: block {name!r} returned {type(x).__name__}, not a tensor")
+                    raise ValueError(f"{who}: block {name!r} returned {type(x).__name__}, not a tensor")
                 previous = f"the output of block {name!r}"
     finally:
         model.train(was_training)
     if tuple(x.shape) != (1, model.num_classes):
-        raise ValueError(f"model {ref!r}: the output has shape {list(x.shape)} for one sample; expected "
+        raise ValueError(f"{who}: the output has shape {list(x.shape)} for one sample; expected "
                          f"[1, {model.num_classes}] ([N, num_classes])")
 
 
