@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
                              "when hosting one device; no = build the trained blocks for each task and free them "
                              "after the upload (memory follows the devices training at once); yes = always keep")
+    parser.add_argument("--model", default=env_default("model", None),
+                        help="the run's model when it is an import path package.module:function (env SFL_MODEL): a "
+                             "device builds an import path only if it equals this, never because the Fed Server "
+                             "names it (docs/security.md); built-in names need no flag")
     add_common_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
                   metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
                   keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
-                  device_id=args.device_id, torch_device=args.torch_device)
+                  device_id=args.device_id, torch_device=args.torch_device, model=args.model)
     sys.exit(agent.run())
 
 

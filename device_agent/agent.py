@@ -71,6 +71,7 @@ def local_device_ids(sources: list[LocalSource], prefix: str, device_id: str | N
 class Agent:
     """Runs its devices until the run is done (or ``stop`` is set).
 
+    ``model``: the operator's ``--model`` (the only import path its devices will build).
     ``keep_models``: whether each device keeps its model between rounds (see :class:`Device`).
     ``None`` (the default) keeps it only when the agent hosts one device: a real board avoids
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
@@ -82,9 +83,11 @@ class Agent:
                  prefix: str = "dev", verify: bool | str = True, metrics=None,
                  enrolment_secret: bytes | None = None, keep_models: bool | None = None,
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
-                 device_id: str | None = None, torch_device: torch.device | None = None) -> None:
+                 device_id: str | None = None, torch_device: torch.device | None = None,
+                 model: str | None = None) -> None:
         """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
-        then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`."""
+        then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
+        ``model``: the operator's ``--model`` (an import path the run may name)."""
         self.stop = threading.Event()
         sources = sources or []
         count = len(sources) or len(shards)
@@ -96,7 +99,7 @@ class Agent:
         self.devices = [
             Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
                    kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
-                   source=source, data_args=data_args, torch_device=torch_device)
+                   source=source, data_args=data_args, torch_device=torch_device, model_ref=model)
             for name, shard, source, index in places
         ]
         self.errors: dict[str, BaseException] = {}

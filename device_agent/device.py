@@ -23,7 +23,7 @@ from shared.data.holdout import evaluation_holdout
 from shared.data.local import DataError, LocalSource
 from shared.errors import Conflict, DomainError, NotFound
 from shared.evaluation import evaluation_counts
-from shared.models import SplitModel, build_model
+from shared.models import SplitModel, build_model, build_model_layout, check_model_origin, model_fingerprint
 from shared.profiles import EmulatedKind
 from shared.torch_device import synchronize
 from shared.schemas import (
@@ -79,7 +79,7 @@ class Device:
                  kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
-                 torch_device: torch.device | None = None) -> None:
+                 torch_device: torch.device | None = None, model_ref: str | None = None) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -93,6 +93,8 @@ class Device:
         self.max_downtime_s = max_downtime_s
         self.keep_model = keep_model
         self.torch_device = torch_device or torch.device("cpu")
+        #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
+        self.model_ref = model_ref
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main
@@ -179,15 +181,17 @@ class Device:
     def setup(self) -> None:
         """Fetch the run spec, load and check this device's data, register with the Fed Server.
 
-        Bad data stops here with a :class:`DataError`, before the device registers."""
+        Bad data stops here with a :class:`DataError`, before the device registers. A run whose
+        model is an import path the operator did not name with ``--model`` stops the device here
+        (ValueError), before anything is imported: code is never taken from the network."""
         self.info = self._wait_for_run()
+        check_model_origin(self.info.model, self.model_ref)
         # The one place the device's data becomes its training set. Federated evaluation: split
         # once into the training part and the held-out part, before anything (registration,
         # warm-up, training) sees the data.
         self.data, self.held_out = evaluation_holdout(self._load_data(), self.info.holdout, self.info.seed,
                                                       self.device_id)
-        with torch.device("meta"):
-            self.layout = self._build()
+        self.layout = self._build(layout=True)
         if self.keep_model:
             # Built (and seeded) on the CPU, then moved: the same initial weights on every device.
             self.model = self._build().to(self.torch_device)
@@ -208,26 +212,31 @@ class Device:
         assert self.shard is not None
         return device_shard(spec, train, self.shard)
 
-    def _build(self) -> SplitModel:
+    def _build(self, layout: bool = False) -> SplitModel:
+        """The run's model with real weights, or (``layout``) its structure on the meta device."""
         assert self.info is not None
-        return build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
+        build = build_model_layout if layout else build_model
+        return build(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed,
+                     params=self.info.model_params)
 
     def _model_for(self, split_point: int) -> SplitModel:
         """The model to train ``blocks[:split_point]`` with. Without ``keep_model``, a fresh one
         whose trained blocks are allocated but not initialised (the task's weights overwrite
         every parameter and buffer of them) and whose other blocks stay on the meta device."""
         if self.model is None:
-            with torch.device("meta"):
-                model = self._build()
+            model = self._build(layout=True)
             model.portion(0, split_point).to_empty(device=self.torch_device)
             self.model = model
         return self.model
 
     def register(self) -> None:
-        """Announce this device, its shard and its profile to the Fed Server."""
-        assert self.data is not None
+        """Announce this device, its shard, its profile and its model's fingerprint to the Fed
+        Server. A fingerprint that differs from the run's is refused (Conflict): the device stops
+        rather than train on another model."""
+        assert self.data is not None and self.layout is not None and self.info is not None
         answer = self.fed.register(RegisterRequest(device_id=self.device_id, shard=self.shard,
-                                                   num_samples=len(self.data), profile=self._profile))
+                                                   num_samples=len(self.data), profile=self._profile,
+                                                   fingerprint=model_fingerprint(self.layout, self.info.data)))
         self.token = answer.token
         self._drop_main()  # the next task's Main Server client presents the new token
         log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",

@@ -34,7 +34,7 @@ from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes
 from shared.errors import Conflict, Invalid, NotAllowed
-from shared.models import build_model, profile_model
+from shared.models import build_model, fingerprint_differences, model_fingerprint, profile_model
 from shared.schemas import (
     Ack, EvaluationReport, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
     TaskResponse, UpdateRequest,
@@ -82,7 +82,9 @@ class Coordinator:
         self.algorithm = build_algorithm(config)
         self.num_classes = dataset_num_classes(config.data)
         self.input_shape = dataset_input_shape(config.data)
-        self.model = build_model(config.model, self.num_classes, self.input_shape, seed=config.seed)
+        self.model = build_model(config.model, self.num_classes, self.input_shape, seed=config.seed,
+                                 params=config.model_params)
+        self.fingerprint = model_fingerprint(self.model, config.data)
         self.num_blocks = len(self.model.blocks)
         self.algorithm.bind_model(self.model)
         # The selection policy is composed here, beside the algorithm: every algorithm gets it
@@ -94,7 +96,9 @@ class Coordinator:
         self.test_set = server_test_set(config.data) if self.evaluation_mode == "server" else None
         self.evaluating: EvaluationRound | None = None   # the open federated evaluation phase
         self.devices = DeviceRegistry(config.data.num_devices, local_data=config.data.dataset == "local")
-        self.table = ClientTimeTable(len(self.model.split_points), config.split.smoothing)
+        # A model without split points runs only split-depth-zero algorithms (validate_run_config),
+        # which never consult the table: one placeholder candidate keeps it well-formed.
+        self.table = ClientTimeTable(max(1, len(self.model.split_points)), config.split.smoothing)
         self.planner = SplitPlanner(self.algorithm.split_mode(), self.model.split_points, self.num_blocks, self.profile,
                                     self.table, self.devices, config.train.local_epochs, config.split.server_flops)
         self.rng = random.Random(config.seed)
@@ -126,6 +130,13 @@ class Coordinator:
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
+        """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
+        its model or data pipeline differs from the run's (None: not checked, docs/models.md)."""
+        if req.fingerprint is not None:
+            differences = fingerprint_differences(req.fingerprint, self.fingerprint, "on the device", "in the run")
+            if differences:
+                raise Conflict(f"{req.device_id}: the device's model differs from the run's "
+                               f"(model {self.config.model!r}): " + "; ".join(differences))
         record = self.devices.register(req)
         self.changed.set()
         log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if self.devices.local_data else "shard",
@@ -135,6 +146,7 @@ class Coordinator:
     def run_info(self) -> RunInfo:
         """The run's model and data spec, so a device can load its shard before registering."""
         return RunInfo(run_id=self.run_id, algorithm=self.config.algorithm, model=self.config.model,
+                       model_params=self.config.model_params, fingerprint=self.fingerprint,
                        num_classes=self.num_classes, input_shape=list(self.input_shape),
                        data=self.config.data, seed=self.config.seed,
                        holdout=self.config.evaluation.holdout if self.evaluation_mode == "federated" else None)
@@ -174,7 +186,8 @@ class Coordinator:
         """What the Main Server needs: participants, splits, and the server-side weights."""
         start = min(a.split_point for a in fed_round.assignments.values())
         return RoundPlan(
-            run_id=self.run_id, round_id=fed_round.round_id, model=self.config.model, num_classes=self.num_classes,
+            run_id=self.run_id, round_id=fed_round.round_id, model=self.config.model,
+            model_params=self.config.model_params, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=self.config.seed,
             participants=[Participant(device_id=d, split_point=a.split_point, num_samples=max(1, self.devices.devices[d].num_samples),
                                       token_nonce=self.devices.token_nonce(d))

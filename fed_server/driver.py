@@ -28,7 +28,9 @@ log = logging.getLogger("fed_server")
 @dataclass
 class FedServerSettings:
     max_update_bytes: int = 512 << 20
-    max_register_bytes: int = 64 << 10
+    # A registration carries the model fingerprint, ~80 bytes per parameter/buffer: 256 KiB fits
+    # models of ~3000 tensors (a ResNet-50 has ~320).
+    max_register_bytes: int = 256 << 10
     plan_retries: int = 5
     per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
     auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)

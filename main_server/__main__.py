@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="where finished groups' server portions are uploaded (env SFL_FED_SERVER_URL)")
     parser.add_argument("--max-step-mb", type=float, default=float(env_default("max_step_mb", 64)),
                         help="largest accepted step body in MiB (env SFL_MAX_STEP_MB)")
+    parser.add_argument("--model", default=env_default("model", None),
+                        help="the run's model when it is an import path package.module:function (env SFL_MODEL): "
+                             "the Main Server builds an import path only if it equals this, never because a plan "
+                             "names it (docs/security.md); built-in names need no flag")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
     from main_server.app import create_app
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     warm_up(args.torch_device)
 
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),
-                                  auth=auth, ca_file=args.ca_file, torch_device=args.torch_device)
+                                  auth=auth, ca_file=args.ca_file, torch_device=args.torch_device, model=args.model)
     serve(create_app(settings), args)
 
 

@@ -24,16 +24,20 @@ from shared.algorithms.registry import (
 )
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
-from shared.evaluation import has_server_test_set
+from shared.data import dataset_input_shape, dataset_num_classes
 from shared.data.feature_skew import GaussianNoiseParams
-from shared.models.zoo import MODEL_NAMES, SPLIT_DEPTH_ZERO_MODELS
+from shared.evaluation import has_server_test_set
+from shared.models import SplitModel, build_model_layout
+from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
 
 def validate_run_config(config: RunConfig) -> RunConfig:
-    """Check what the schema alone cannot: known algorithm, selection, model, grouping and
-    group-loss names, a server evaluation's test set, the
-    algorithm's and the selector's own parameters, the per-device data transform and its
-    parameters, and model/algorithm compatibility.
+    """Check what the schema alone cannot: known algorithm, selection, grouping and group-loss
+    names; the model (it is built: import path, model_params, shapes, see
+    :func:`build_config_model`); a server evaluation's test set; the algorithm's and the
+    selector's own parameters; the per-device data transform and its parameters; and
+    model/algorithm compatibility (a cut needs split points, FNR-FL/FedIPG/HiCS-FL need the parts
+    they name in ``model_parts_needed``).
 
     Returns ``config`` unchanged; raises ValueError naming the problem (and, for unknown names,
     the valid choices).
@@ -42,8 +46,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
         raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
     if config.selection not in SELECTORS:
         raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}")
-    if config.model not in MODEL_NAMES:
-        raise ValueError(f"unknown model {config.model!r}; choose one of {list(MODEL_NAMES)}")
+    model = build_config_model(config)
     check_device_transform(config.data)   # unknown names and bad parameters
     if config.evaluation.mode == "server" and not has_server_test_set(config.data):
         raise ValueError("evaluation.mode='server' needs a server-side test set: set data.test_file, "
@@ -55,10 +58,21 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     # algorithm's own requirements on the rest of the config (e.g. FNR-FL needs
     # data.public_samples), before any process starts.
     algorithm = build_algorithm(config)
-    build_selector(config)
+    selector = build_selector(config)
     if config.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
         raise ValueError(f"model {config.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
                          f"(e.g. fedavg, fedbc), not {config.algorithm!r}")
+    if algorithm.split_mode() != "zero" and not model.split_points:
+        raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
+                         f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
+    for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
+                       (f"selection {config.selection!r}", selector.model_parts_needed())):
+        for part in needs:
+            if getattr(model, part) is None:
+                what = "penultimate feature block" if part == "feature_block" else "output layer"
+                raise ValueError(f"{who} needs the model's {what}, which model {config.model!r} does not declare "
+                                 f"and it could not be inferred: return ModelDefinition(..., {part}=...) "
+                                 f"(docs/models.md)")
     return config
 
 
@@ -133,6 +147,13 @@ def _params_schema(exc: ValidationError, config: RunConfig) -> tuple[str, type[B
         if schema is not None and exc.title == schema.__name__:
             return prefix, schema
     return "", None
+
+
+def build_config_model(config: RunConfig) -> SplitModel:
+    """Build the run's model to check it (import, parameters, shapes, parts), cheaply: on the meta
+    device where its code runs there, else for real (``build_model_layout``)."""
+    return build_model_layout(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
+                              seed=config.seed, params=config.model_params)
 
 
 def load_run_config(data: Mapping[str, Any]) -> RunConfig:

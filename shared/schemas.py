@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, m
 
 from shared.config import TrainConfig
 from shared.data.spec import DataSpec
+from shared.models.fingerprint import ModelFingerprint
 from shared.wire import DTYPE_NAMES, MAX_RANK
 
 API = "/v1"
@@ -70,6 +71,10 @@ class RegisterRequest(Message):
     shard: int | None = Field(default=None, ge=0)
     num_samples: int = Field(ge=0)
     profile: DeviceProfileMsg
+    # The device's own model fingerprint (shared/models/fingerprint.py); the Fed Server refuses one
+    # that differs from the run's with 409. None (a device that does not send one, e.g. written
+    # before fingerprints or in another language) is accepted unchecked.
+    fingerprint: ModelFingerprint | None = None
 
 
 class RunInfo(Message):
@@ -78,6 +83,7 @@ class RunInfo(Message):
     run_id: str
     algorithm: str
     model: str
+    model_params: dict[str, JsonValue] = Field(default_factory=dict)   # data passed to the model function, never code
     num_classes: int
     input_shape: list[int]
     data: DataSpec
@@ -85,6 +91,7 @@ class RunInfo(Message):
     #: Federated evaluation: the fraction of its data every device holds out (``evaluation.holdout``)
     #: and evaluates the global model on when asked. None: the Fed Server evaluates on its test set.
     holdout: float | None = Field(default=None, gt=0, lt=1)
+    fingerprint: ModelFingerprint   # what a device's own build must match to register (docs/models.md)
 
 
 class RegisterResponse(Message):
@@ -194,6 +201,7 @@ class RoundPlan(Message):
     run_id: str
     round_id: int = Field(ge=0)
     model: str
+    model_params: dict[str, JsonValue] = Field(default_factory=dict)
     num_classes: int
     input_shape: list[int]
     seed: int

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
                     "round and writes a run directory (config, metrics.jsonl, checkpoint, summary, logs).")
     parser.add_argument("--config", help="run configuration file (YAML/JSON); see docs/configuration.md")
     parser.add_argument("--algorithm", help=f"one of {', '.join(ALGORITHMS)} (default s2fl)")
-    parser.add_argument("--model", help=f"one of {', '.join(MODEL_NAMES)} (default cnn)")
+    parser.add_argument("--model", help=f"a built-in model ({', '.join(MODEL_NAMES)}) or an import path "
+                                        "package.module:function (docs/models.md; default cnn)")
     parser.add_argument("--rounds", type=int, help="number of rounds (default 30)")
     parser.add_argument("--devices", type=int, help="number of devices / data shards (default 10)")
     parser.add_argument("--per-round", type=int, help="devices selected per round (default: all)")

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from shared.models.loading import is_import_path
 from shared.config import RunConfig
 from shared.http_client import tls_context
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
@@ -88,7 +89,7 @@ class Testbed:
             *self._secret_args("service", "enrolment")])
         self.main = self.processes.start("main_server", "main_server", [
             "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common,
-            *self._secret_args("service")])
+            *self._model_args(), *self._secret_args("service")])
         wait_healthy(self.fed_url, self.fed, verify=self.verify)
         wait_healthy(self.main_url, self.main, verify=self.verify)
         if self.device_data:
@@ -108,7 +109,6 @@ class Testbed:
         if data is not None:
             kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
             devices = ["--data", data, "--prefix", f"dev{index}"]
-            # MERGE (helper A): when the run's model is an import path, also pass ["--model", self.config.model].
         else:
             devices = ["--shards", ",".join(str(s) for s in shards or [])]
         args = ["--fed-server-url", self.fed_url, *devices, "--kinds", ",".join(kinds),
@@ -116,11 +116,18 @@ class Testbed:
                 *self._torch_device_args()]
         if self.tls:
             args += ["--ca-file", self.tls.ca]
+        args += self._model_args()
         # Devices know only the enrolment secret, never the service secret.
         return self.processes.start(name, "device_agent", [*args, *self._secret_args("enrolment")])
 
     def _torch_device_args(self) -> list[str]:
         return ["--torch-device", self.torch_device] if self.torch_device else []
+
+    def _model_args(self) -> list[str]:
+        """``--model REF`` when the run's model is an import path: the Main Server and the agents build
+        one only when their operator (here the testbed) names it. The children inherit the testbed's
+        working directory and PYTHONPATH (``service_env``), so the user's package imports there too."""
+        return ["--model", self.config.model] if is_import_path(self.config.model) else []
 
     def _secret_args(self, *names: str) -> list[str]:
         """``--<name>-secret-file PATH`` for each named secret (nothing when auth is off)."""

@@ -453,10 +453,14 @@ class FNRFL(Algorithm):
 
     def bind_model(self, model: nn.Module) -> None:
         super().bind_model(model)
-        self.feature_block = str(getattr(model, "feature_block", ""))
+        self.feature_block = getattr(model, "feature_block", None) or ""
         self.num_classes = int(getattr(model, "num_classes", 0))
         if not self.feature_block or self.num_classes < 1:
             raise ValueError("fnr-fl needs a model that declares feature_block and num_classes")
+
+    def model_parts_needed(self) -> tuple[str, ...]:
+        """The penultimate features are the feature block's output."""
+        return ("feature_block",)
 
     @property
     def leaky(self) -> bool:

@@ -18,7 +18,7 @@ from shared.data import DataSpec, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.errors import NotFound
 from shared.evaluation import evaluation_counts
-from shared.models import build_model
+from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import (
     EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
@@ -27,7 +27,8 @@ from shared.schemas import (
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
 
 SPEC = DataSpec(num_devices=8, max_samples=400)
-INFO = RunInfo(run_id="run-1", algorithm="s2fl", model="cnn", num_classes=10, input_shape=[1, 28, 28], data=SPEC, seed=5)
+INFO = RunInfo(run_id="run-1", algorithm="s2fl", model="cnn", num_classes=10, input_shape=[1, 28, 28], data=SPEC, seed=5,
+               fingerprint=model_fingerprint(build_model("cnn", 10, (1, 28, 28), seed=5), SPEC))
 
 
 class FakeFed:

@@ -10,6 +10,7 @@ from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import update_norm
 from shared.errors import Conflict, Invalid
+from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.run_config import load_run_config
 from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
@@ -265,3 +266,21 @@ def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slot
     # Without a test file the devices evaluate (federated evaluation): still no global data set.
     federated = Coordinator(load_run_config({"algorithm": "fedavg", "data": local}), RunDirectory(tmp_path / "run2"), None)
     assert federated.test_set is None and federated.evaluation_mode == "federated"
+
+
+def test_registration_with_a_different_model_fingerprint_is_refused_and_changes_nothing(tmp_path):
+    c = _coordinator(tmp_path, **{"data.num_devices": 4})
+    assert c.run_info().fingerprint == c.fingerprint
+    other = model_fingerprint(build_model("cnn", 10, (1, 28, 28), params={}), c.config.data.model_copy(
+        update={"transform": "rgb32"}))
+    before = dict(c.devices.devices)
+    req = RegisterRequest(device_id="d2", shard=2, num_samples=10, profile=DeviceProfileMsg(flops=1e9, rate=1e6),
+                          fingerprint=other)
+    with pytest.raises(Conflict) as err:
+        c.register(req)
+    assert "transform: 'rgb32' on the device, 'none' in the run" in str(err.value)
+    assert c.devices.devices == before
+    # The run's own fingerprint, or none at all (a device that does not send one), registers.
+    c.register(req.model_copy(update={"fingerprint": c.fingerprint}))
+    c.register(req.model_copy(update={"device_id": "d3", "shard": 3, "fingerprint": None}))
+    assert {"d2", "d3"} <= set(c.devices.devices)
