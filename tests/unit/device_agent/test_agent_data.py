@@ -8,6 +8,7 @@ from device_agent.agent import Agent, local_device_ids, parse_data_args
 from device_agent.device import Device
 from shared.data import DataSpec
 from shared.data.local import DataError, LocalSource
+from shared.models import build_model, model_fingerprint
 from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
 
 LOCAL = DataSpec(dataset="local", num_classes=3, input_shape=[1, 2, 2], num_devices=2)  # images: the zoo models take [C, H, W]
@@ -90,8 +91,10 @@ class FakeFed:
     """Serves a run's info and records registrations."""
 
     def __init__(self, spec: DataSpec) -> None:
-        self.info = RunInfo(run_id="r", algorithm="fedavg", model="logreg", num_classes=spec.num_classes or 10,
-                            input_shape=spec.input_shape or [1, 28, 28], data=spec, seed=0)
+        num_classes, input_shape = spec.num_classes or 10, spec.input_shape or [1, 28, 28]
+        model = build_model("logreg", num_classes, tuple(input_shape))
+        self.info = RunInfo(run_id="r", algorithm="fedavg", model="logreg", num_classes=num_classes,
+                            input_shape=input_shape, data=spec, seed=0, fingerprint=model_fingerprint(model, spec))
         self.registrations: list[RegisterRequest] = []
 
     def run_info(self) -> RunInfo:

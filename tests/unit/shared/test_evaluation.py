@@ -10,7 +10,7 @@ from shared.evaluation import combine_reports, evaluate, evaluation_counts, eval
 from shared.run_config import load_run_config
 from shared.schemas import EvaluationReport
 
-LOCAL = {"dataset": "local", "num_classes": 3, "input_shape": [4]}
+LOCAL = {"dataset": "local", "num_classes": 3, "input_shape": [1, 1, 4]}
 
 
 def _report(device: str, n: int, correct: int, loss_sum: float) -> EvaluationReport:

@@ -18,7 +18,8 @@ def test_cli_counts_the_devices_of_device_data_paths(tmp_path, monkeypatch):
     for name in ("d", "e"):
         np.savez(folder / f"{name}.npz", x=np.zeros((2, 3)), y=np.zeros(2, dtype=int))
     config = tmp_path / "local.yaml"
-    config.write_text(yaml.safe_dump({"data": {"dataset": "local", "num_classes": 2, "input_shape": [3]}}))
+    config.write_text(yaml.safe_dump({"algorithm": "fedavg", "model": "logreg",
+                                           "data": {"dataset": "local", "num_classes": 2, "input_shape": [1, 1, 3]}}))
     seen = {}
 
     class Stop(Exception):
