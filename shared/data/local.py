@@ -16,8 +16,6 @@ Import paths come only from the operator's command line, never from a message.
 """
 from __future__ import annotations
 
-import importlib
-import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ import torch.nn.functional as F
 
 from shared.data.datasets import ArrayDataset
 from shared.data.spec import DataSpec, InputTransform
+from shared.imports import import_callable, is_import_path
 
 __all__ = [
     "DataError",
@@ -45,7 +44,6 @@ __all__ = [
 
 #: File name endings read as images in a class folder (others, and hidden files, are ignored).
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _PILLOW_HINT = "reading an image folder needs Pillow: pip install 's2fl-testbed[images]'"
 
 
@@ -245,14 +243,10 @@ def load_image_folder(path: str | Path, spec: DataSpec) -> ArrayDataset:
 def load_function(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayDataset:
     """Call ``package.module:function(**data_args)``; it returns ``(x, y)`` or an ArrayDataset of
     raw samples, which get the run's transform and checks like a file's."""
-    module_name, _, func_name = ref.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DataError(f"{ref}: cannot import module {module_name!r} ({exc})") from None
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise DataError(f"{ref}: module {module_name!r} has no function {func_name!r}")
+        func = import_callable(ref, ref)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
     try:
         result = func(**data_args)
     except Exception as exc:  # the user's code: report it as theirs, in one line
@@ -282,9 +276,9 @@ class LocalSource:
         return load_local(self.ref, spec, data_args or {})
 
 
-def is_import_path(ref: str) -> bool:
+def is_data_function(ref: str) -> bool:
     """``package.module:function`` that is not an existing file or folder."""
-    return bool(_IMPORT_PATH.match(ref)) and not Path(ref).exists()
+    return is_import_path(ref) and not Path(ref).exists()
 
 
 def load_local(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayDataset:
@@ -292,7 +286,7 @@ def load_local(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayData
     if spec.dataset != "local":
         raise DataError(f"--data {ref}: the run uses the built-in data set {spec.dataset!r} (partitioned with "
                         f"--shards); --data needs a run with data.dataset: local")
-    if is_import_path(ref):
+    if is_data_function(ref):
         return load_function(ref, spec, data_args)
     if Path(ref).expanduser().is_dir():
         return load_image_folder(ref, spec)
@@ -315,7 +309,7 @@ def data_sources(ref: str) -> list[LocalSource]:
 
     Anything else (a mix, an empty folder) is a :class:`DataError`, so the reading is never a guess.
     """
-    if is_import_path(ref):
+    if is_data_function(ref):
         return [LocalSource(ref.rpartition(":")[2], ref)]
     p = Path(ref).expanduser()
     if not p.exists():

@@ -11,7 +11,6 @@ Server's and device agent's ``--model``), never from a message (:func:`check_mod
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shared.imports import import_callable, is_import_path
 from shared.models.split_model import SplitModel
 from shared.models.zoo import DEFAULT_INPUT_SHAPES, ZOO_BUILDERS
 
@@ -52,11 +52,6 @@ class ModelDefinition:
     output_layer: str | None = None
 
 
-def is_import_path(ref: str) -> bool:
-    """True for ``package.module:function`` references (code to import), False for built-in names."""
-    return ":" in ref
-
-
 def check_model_origin(run_model: str, local_model: str | None) -> None:
     """Refuse to import a model named by the network: a run whose model is an import path is built
     only if the operator gave this process the same reference (``--model``). A built-in name may
@@ -71,25 +66,10 @@ def _resolve(ref: str) -> Callable[..., Any]:
     """The builder function for ``ref``: a built-in entry, or the imported ``module:function``."""
     if ref in BUILTIN_MODELS:
         return BUILTIN_MODELS[ref]
-    if not is_import_path(ref):
+    if ":" not in ref:
         raise ValueError(f"unknown model {ref!r}: use a built-in name ({', '.join(BUILTIN_MODELS)}) "
                          f"or an import path package.module:function")
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"model {ref!r}: an import path is package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"model {ref!r}: cannot import module {module_name!r} ({exc}); is its package on "
-                         f"PYTHONPATH or installed?") from None
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"model {ref!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"model {ref!r}: {attr!r} is not callable (it is a {type(target).__name__})")
-    return target
+    return import_callable(ref, f"model {ref!r}")
 
 
 def _call(ref: str, fn: Callable[..., Any], num_classes: int, input_shape: tuple[int, ...],

@@ -201,7 +201,7 @@ def test_function_with_data_args_and_dataset_result(data_module):
 
 @pytest.mark.parametrize("ref, message", [
     ("no_such_module_xyz:load", "cannot import module 'no_such_module_xyz'"),
-    ("my_data_mod:absent", "has no function 'absent'"),
+    ("my_data_mod:absent", "has no attribute 'absent'"),
     ("my_data_mod:broken", "the data function failed: RuntimeError: disk on fire"),
     ("my_data_mod:nothing", r"must return \(x, y\) or an ArrayDataset, got NoneType"),
 ])
