@@ -23,7 +23,7 @@ from shared.models import build_model  # noqa: E402
 from experiments.results import CellResult  # noqa: E402
 from experiments.spec import ExperimentSpec  # noqa: E402
 
-XY = Callable[[dict], tuple[float, float]]
+XY = Callable[[dict], "tuple[float, float] | None"]   # None: the round has no point (no accuracy)
 
 
 def _panels(results: Sequence[CellResult], spec: ExperimentSpec) -> dict[str, dict[str, list[CellResult]]]:
@@ -50,11 +50,14 @@ def _grid(n: int) -> tuple[plt.Figure, list[plt.Axes]]:
 
 
 def _mean_curve(cells: list[CellResult], xy: XY) -> tuple[list[float], list[float], list[float]]:
-    """Mean x, mean y and std y per round index over the repeats (up to the shortest run)."""
+    """Mean x, mean y and std y per round index over the repeats (up to the shortest run); a round
+    index where some repeat has no point is left out."""
     length = min(len(c.rounds) for c in cells)
     xs, ys, sds = [], [], []
     for i in range(length):
         points = [xy(c.rounds[i]) for c in cells]
+        if any(p is None for p in points):   # a round without an accuracy (federated, nobody reported)
+            continue
         xs.append(statistics.fmean(p[0] for p in points))
         ys.append(statistics.fmean(p[1] for p in points))
         sds.append(statistics.stdev([p[1] for p in points]) if len(points) > 1 else 0.0)
@@ -157,14 +160,19 @@ def _category_order(name: str) -> tuple:
     return (2, 0, name)
 
 
+def _accuracy_against(key: str, scale: float = 1.0) -> XY:
+    """(record[key] * scale, accuracy in %), or None for a round without an accuracy."""
+    return lambda r: None if r["test_accuracy"] is None else (r[key] * scale, 100 * r["test_accuracy"])
+
+
 def write_plots(results: Sequence[CellResult], spec: ExperimentSpec, out: Path) -> dict[str, Path]:
     """Every standard figure that has data; name -> file."""
     figures = {
-        "accuracy_vs_round": curve_figure(results, spec, lambda r: (r["round"], 100 * r["test_accuracy"]),
+        "accuracy_vs_round": curve_figure(results, spec, _accuracy_against("round"),
                                           "round", "test accuracy (%)", out / "accuracy_vs_round.png"),
-        "accuracy_vs_time": curve_figure(results, spec, lambda r: (r["elapsed_s"], 100 * r["test_accuracy"]),
+        "accuracy_vs_time": curve_figure(results, spec, _accuracy_against("elapsed_s"),
                                          "wall-clock time (s)", "test accuracy (%)", out / "accuracy_vs_time.png"),
-        "accuracy_vs_bytes": curve_figure(results, spec, lambda r: (r["cumulative_bytes"] / 1e6, 100 * r["test_accuracy"]),
+        "accuracy_vs_bytes": curve_figure(results, spec, _accuracy_against("cumulative_bytes", 1e-6),
                                           "bytes moved (MB, all links)", "test accuracy (%)", out / "accuracy_vs_bytes.png"),
         "device_round_times": device_times_figure(results, spec, out / "device_round_times.png"),
     }

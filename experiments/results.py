@@ -51,8 +51,9 @@ def machine_label(machine: dict | None) -> str | None:
 
 
 def first_reaching(rounds: Sequence[dict], target: float) -> dict | None:
-    """The first completed round whose test accuracy is at least ``target``."""
-    return next((r for r in rounds if r["test_accuracy"] >= target), None)
+    """The first completed round whose test accuracy is at least ``target`` (rounds without an
+    accuracy, federated evaluation that no device reported, never reach it)."""
+    return next((r for r in rounds if r["test_accuracy"] is not None and r["test_accuracy"] >= target), None)
 
 
 def _metric(record: dict, dotted: str) -> Any:
@@ -71,7 +72,7 @@ def cell_row(result: CellResult, spec: ExperimentSpec) -> dict[str, Any]:
     for key, value in (("algorithm", cfg.algorithm), ("model", cfg.model)):
         row.setdefault(key, value)   # an axis of that name keeps its label (e.g. "fedipg+exit")
     row["rounds_done"] = len(rounds)
-    accs = [r["test_accuracy"] for r in rounds]
+    accs = [r["test_accuracy"] for r in rounds if r["test_accuracy"] is not None]   # federated: may be missing
     row["final_accuracy"] = accs[-1] if accs else None
     row["best_accuracy"] = max(accs) if accs else None
     row[f"last{spec.report.last_k}_accuracy"] = statistics.fmean(accs[-spec.report.last_k:]) if accs else None

@@ -221,8 +221,9 @@ def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
             progress.show(f"{name}: starting services ...")
 
             def on_round(record: dict, status: dict, name: str = name) -> None:
+                acc = record["test_accuracy"]
                 progress.show(f"{name}: round {record['round']}/{status['rounds_total']}  "
-                              f"acc {100 * record['test_accuracy']:.1f}%")
+                              f"acc {'n/a' if acc is None else f'{100 * acc:.1f}%'}")
 
             try:
                 # Checked again under the lock: another runner may have finished it meanwhile, or

@@ -193,3 +193,20 @@ def test_a_failed_cell_whose_run_completed_is_recovered_not_rerun(written):
     assert recover_finished(out, failed, None, "recovered")
     assert is_finished(out, failed)
     assert json.loads((cell_dir(out, failed) / "cell.json").read_text())["note"] == "recovered"
+
+
+def test_rounds_without_an_accuracy_count_as_rounds_but_never_as_figures(tmp_path):
+    """Federated evaluation that no device reported leaves a round's accuracy null: the row and
+    the plots skip it instead of failing."""
+    from experiments.plots import write_plots
+
+    cells = expand(SPEC)
+    _write_cell(tmp_path, cells[0], [None, 0.6, None])
+    _write_cell(tmp_path, cells[2], [0.2, None, 0.8])
+    results = load_results(SPEC, cells, tmp_path)
+    row = cell_row(results[0], SPEC)
+    assert row["rounds_done"] == 3 and row["final_accuracy"] == 0.6 and row["best_accuracy"] == 0.6
+    assert row["rounds_to_50"] == 2 and row["rounds_to_90"] is None
+    (tmp_path / "plots").mkdir()
+    figures = write_plots([r for r in results if r.rounds], SPEC, tmp_path / "plots")
+    assert figures["accuracy_vs_round"] is not None and figures["accuracy_vs_round"].exists()
