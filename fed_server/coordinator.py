@@ -517,6 +517,10 @@ class Coordinator:
         """
         loaded = self.recorder.resume(self.config)
         if loaded is None:
+            # No checkpoint yet, but attempts may have been handed out (the server stopped during
+            # its first attempt): their ids are never used again, so a device's stale upload for
+            # one of them cannot land in a new attempt.
+            self.attempts = self.recorder.last_attempt()
             return False
         state, progress, self.history = loaded
         self.model.load_state_dict(state)

@@ -47,6 +47,10 @@ class Recorder:
         self.run_dir.write_last_attempt(attempt)
         return attempt
 
+    def last_attempt(self) -> int:
+        """The newest attempt id ever reserved in this run directory (0 for a new run)."""
+        return self.run_dir.read_last_attempt()
+
     def record_round(self, record: RoundRecord, model_state: Mapping[str, torch.Tensor], progress: RunProgress,
                      summary: Mapping[str, Any] | None) -> None:
         """Persist one finished attempt: its record, then the checkpoint counting it, then (for a
@@ -76,6 +80,10 @@ class Recorder:
         """
         loaded = load_checkpoint(self.run_dir, config)
         if loaded is None:
+            # A run that stopped before its first checkpoint: a metrics line it wrote is not
+            # covered by any checkpoint, so it goes, like every uncovered line.
+            if self.run_dir.metrics_path.exists() and self.run_dir.metrics_path.stat().st_size:
+                self.run_dir.rewrite_metrics([])
             return None
         state, progress = loaded
         progress.attempts = max(progress.attempts, self.run_dir.read_last_attempt())

@@ -214,6 +214,18 @@ def test_attempt_ids_are_never_reused_across_restarts_that_never_checkpoint(tmp_
     assert ids == [2, 3, 4, 5]
 
 
+def test_a_restart_before_the_first_checkpoint_reuses_no_attempt_id_and_keeps_no_uncovered_line(tmp_path):
+    c = _coordinator(tmp_path)
+    assert _open_round(c).round_id == 1     # attempt 1 handed out, then the server dies
+    again = _coordinator(tmp_path)
+    assert not again.resumed and _open_round(again).round_id == 2
+    with open(again.run_dir.metrics_path, "a") as fh:   # a record written, the checkpoint never
+        fh.write('{"round": 1, "status": "ok"}\n')
+    third = _coordinator(tmp_path)
+    assert third.history == [] and third.run_dir.read_metrics() == []
+    assert _open_round(third).round_id == 3
+
+
 def test_a_finished_run_killed_before_its_summary_gets_it_on_resume(tmp_path):
     c = _coordinator(tmp_path)              # 2 rounds
     _complete_round(c)
