@@ -12,9 +12,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from shared.config import RunConfig
+from shared.data import load_embedded_mnist
+from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from shared.run_config import load_run_config
 from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
 
@@ -109,3 +112,12 @@ def freeze_agent_through_a_failed_attempt(testbed, agent: int = 1, timeout: floa
                  "an attempt to fail")
     finally:
         os.kill(victim.process.pid, signal.SIGCONT)
+
+
+def write_raw_mnist(path: Path, split: str, rows: slice) -> Path:
+    """The embedded digits of ``rows`` as a device would hold them: uint8 pixels [N, 28, 28], int labels."""
+    ds = load_embedded_mnist(split)
+    order = np.random.default_rng(3).permutation(len(ds))[rows]
+    pixels = np.rint((ds.x[order].numpy() * MNIST_STD + MNIST_MEAN) * 255).clip(0, 255).astype(np.uint8)
+    np.savez(path, x=pixels.reshape(-1, 28, 28), y=ds.y[order].numpy().astype(np.int32))
+    return path

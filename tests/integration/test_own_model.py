@@ -1,5 +1,7 @@
 """A model from the user's own package (not the zoo) through the real services: trained under S2FL
-and FedAvg, and a device whose copy of the package builds a different model refused at registration."""
+and FedAvg by devices that read their own ``.npz`` files (S2FL with federated evaluation, FedAvg
+with the server's test file), and a device whose copy of the package builds a different model
+refused at registration."""
 from __future__ import annotations
 
 import os
@@ -9,11 +11,13 @@ import httpx
 import pytest
 
 from fed_server.run_dir import RunDirectory
-from integration_support import server_pair, small_config, wait_for
+from integration_support import read_metrics, server_pair, small_config, wait_for, write_raw_mnist
+from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from shared.models import build_model, model_fingerprint
 from shared.schemas import RunInfo
 from shared.wire import unpackb
 from testbed.processes import ProcessGroup
+from testbed.runner import Testbed
 
 REF = "user_models:mnist_net"
 PARAMS = {"width": 4, "hidden": 24}
@@ -33,11 +37,25 @@ def _config(algorithm: str):
 
 
 @pytest.mark.parametrize("algorithm", ["s2fl", "fedavg"])
-def test_a_model_from_the_users_package_trains(algorithm, run_testbed, user_package):
-    config = _config(algorithm)
-    status, metrics, run_dir = run_testbed(config)
-    assert status["state"] == "finished"
+def test_a_model_from_the_users_package_trains_on_the_devices_own_files(algorithm, tmp_path, user_package):
+    paths = [str(write_raw_mnist(tmp_path / f"site{i}.npz", "train", slice(200 * i, 200 * (i + 1)))) for i in range(3)]
+    data = {"dataset": "local", "num_devices": 3, "num_classes": 10, "input_shape": [1, 28, 28],
+            "input_transform": {"scale": 1 / 255, "mean": [MNIST_MEAN], "std": [MNIST_STD]}}
+    if algorithm == "fedavg":   # the server evaluates on its own file; S2FL's devices evaluate (federated)
+        data["test_file"] = str(write_raw_mnist(tmp_path / "test.npz", "test", slice(0, 300)))
+    config = small_config(algorithm=algorithm, model=REF, model_params=PARAMS, data=data,
+                          **{"deadlines.min_participants": 3})
+    run_dir = tmp_path / "run"
+    with Testbed(config, run_dir, device_data=paths) as testbed:
+        status = testbed.follow(timeout=240)
+    metrics = read_metrics(run_dir)
+    assert status["state"] == "finished" and status["registered"] == 3
     assert [m["status"] for m in metrics] == ["ok", "ok"]
+    if algorithm == "s2fl":   # federated evaluation: every device evaluated its held-out fifth
+        assert [m["evaluated_devices"] for m in metrics] == [3, 3]
+        assert all(m["evaluated_samples"] == 3 * 40 and 0 <= m["test_accuracy"] <= 1 for m in metrics)
+    else:
+        assert metrics[-1]["evaluated_devices"] is None and metrics[-1]["test_accuracy"] is not None
     if algorithm == "s2fl":   # the cut falls inside the user's blocks: the Main Server built them too
         assert all(0 < k < 4 for m in metrics for k in m["split_points"].values())
     _, state, _ = RunDirectory(run_dir).read_checkpoint()
