@@ -317,6 +317,7 @@ def test_harmful_values_fed_server(services, client):
     valid = {
         "/v1/rounds/1/updates": update_body(),
         "/v1/rounds/1/reports": {"device_id": "dev-0", "round_id": 1, "extras": {"d": 0.5, "local_total": 3}},
+        "/v1/evaluation": {"device_id": "dev-0", "round_id": 1, "num_samples": 10, "correct": 5, "loss_sum": 3.0},
         "/v1/rounds/1/server-portions": {
             "run_id": "fuzz", "round_id": 1, "group_id": 0, "members": ["dev-0"], "dropped": [], "absent": [],
             "start_block": 1, "weights": encode_state(build_model("cnn").portion(1, 4).state_dict()),
@@ -349,7 +350,7 @@ def test_fuzz_fed_server(services, client):
     ops = operations(schema)
     posts = {op.path for op in ops if op.method.upper() == "POST"}
     assert posts == {"/v1/devices/register", "/v1/rounds/{round_id}/updates", "/v1/rounds/{round_id}/reports",
-                     "/v1/rounds/{round_id}/server-portions"}, posts
+                     "/v1/rounds/{round_id}/server-portions", "/v1/evaluation"}, posts
     before = fed_state(client, services)
     assert before["registered"] == 0 and before["state"] == "waiting_for_devices", before
     state = lambda: fed_state(client, services)  # noqa: E731
