@@ -109,9 +109,23 @@ def decode_tensor(
         raise WireError(f"{what}: shape {list(shape)} where {list(expect_shape)} was expected")
     arr = np.frombuffer(data, dtype=np_dtype) if numel else np.empty(0, dtype=np_dtype)
     tensor = torch.from_numpy(arr).view(*shape) if shape else torch.from_numpy(arr).reshape(())
-    if require_finite and tensor.is_floating_point() and numel and not bool(torch.isfinite(tensor).all()):
+    if require_finite and tensor.is_floating_point() and numel and not all_finite(tensor):
         raise WireError(f"{what}: contains NaN or Inf")
     return tensor
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a non-empty floating tensor is finite: exact, in one pass, no temporary.
+
+    ``torch.aminmax`` propagates NaN to both results, and an infinity anywhere is the minimum or the
+    maximum, so both are finite exactly when every element is; finite values near the dtype's max
+    stay finite (unlike a sum, which could overflow). It reads the tensor once and allocates two
+    scalars, where ``torch.isfinite(t).all()`` writes a full-size bool tensor and reads it again:
+    on the 2-core EPYC the check costs 0.04 / 0.6 ms for 1.6 / 16 MB of float32 instead of
+    0.9 / 11 ms (``np.isfinite(a).all()``: 0.06 / 0.9 ms).
+    """
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def encode_state(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -149,9 +163,41 @@ def decode_state(
     return out
 
 
+#: Byte strings at least this long are spliced into the body rather than copied through msgpack's buffer.
+_SPLICE_BYTES = 1 << 16  # from here on msgpack's header is bin 32
+
+
 def packb(obj: Any) -> bytes:
-    """Serialize a message body (plain data with tensors already encoded)."""
-    return msgpack.packb(obj, use_bin_type=True)
+    """Serialize a message body (plain data with tensors already encoded).
+
+    The output is byte for byte ``msgpack.packb(obj, use_bin_type=True)``, but tensor data is
+    copied once, into the result. msgpack copies each ``bytes`` into its internal buffer, grows that
+    buffer from 256 KB by reallocating, then copies the buffer into the result: on the 2-core EPYC
+    that took 2.6 ms for a 1.6 MB tensor (0.6 GB/s), mostly page faults on freshly grown memory.
+    Here containers are walked in Python, every other value is packed by msgpack itself, and each
+    long byte string goes into the final ``b"".join`` behind its own bin header: 0.1 ms.
+    """
+    pieces: list[bytes] = []
+    _pack_pieces(obj, msgpack.Packer(use_bin_type=True), pieces)
+    return b"".join(pieces)
+
+
+def _pack_pieces(obj: Any, packer: msgpack.Packer, pieces: list[bytes]) -> None:
+    """Append the msgpack encoding of ``obj`` to ``pieces``, long byte strings as themselves (see packb)."""
+    if isinstance(obj, dict):
+        pieces.append(packer.pack_map_header(len(obj)))
+        for key, value in obj.items():
+            pieces.append(packer.pack(key))
+            _pack_pieces(value, packer, pieces)
+    elif isinstance(obj, (list, tuple)) and any(isinstance(x, (dict, list, tuple, bytes)) for x in obj):
+        pieces.append(packer.pack_array_header(len(obj)))
+        for value in obj:
+            _pack_pieces(value, packer, pieces)
+    elif isinstance(obj, bytes) and _SPLICE_BYTES <= len(obj) <= 0xFFFFFFFF:
+        pieces.append(b"\xc6" + len(obj).to_bytes(4, "big"))  # bin 32, the header msgpack writes for this length
+        pieces.append(obj)
+    else:
+        pieces.append(packer.pack(obj))
 
 
 def unpackb(data: bytes, *, max_bytes: int | None = None) -> Any:
