@@ -154,12 +154,13 @@ def test_base_and_testbed_contents(base, testbed):
 @pytest.mark.parametrize("overlay", ["base", "testbed"])
 def test_objects_validate_against_kubernetes_schemas(overlay, request):
     kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
-    objects = request.getfixturevalue(overlay)
-    for key, obj in objects.items():
+    errors = []
+    for key, obj in request.getfixturevalue(overlay).items():
         try:
             kv.validate(obj, kv.latest_version(), strict=True)
         except kv.ValidationError as exc:
-            pytest.fail(f"{key}: {exc.message} at {'/'.join(map(str, exc.path))}")
+            errors.append(f"{key}: {exc.message} at {'/'.join(map(str, exc.path))}")
+    assert not errors, "\n".join(errors)
 
 
 def test_schema_validation_can_fail(base):
