@@ -2,7 +2,8 @@
 
 * rendering: a small renderer of the kustomize features the manifests use (resources, components,
   ConfigMap/Secret generators without name hashes); any other kustomization key is an error here, so
-  a manifest change that needs real kustomize shows up instead of being rendered wrongly;
+  a manifest change that needs real kustomize shows up instead of being rendered wrongly. Where
+  kubectl is installed, its kustomize must render exactly the same objects;
 * every rendered object against the Kubernetes JSON schemas (strict: unknown fields are errors) of
   the ``kubernetes-validate`` package (``dev`` extra);
 * cross-references: Service selectors and target ports, StatefulSet Services, the ConfigMaps and
@@ -11,7 +12,8 @@
   config's targets, and the security settings (non-root 10001, read-only root file system, probes
   on the health routes, resource requests and limits).
 
-A check is skipped only when its tool is missing (kubernetes-validate, promtool); CI has both.
+A check is skipped only when its tool is missing: kubernetes-validate (``dev`` extra) and promtool
+(``.ci/run``) are always there in CI; kubectl is optional (the comparison with real kustomize).
 """
 from __future__ import annotations
 
@@ -141,6 +143,25 @@ def test_render_refuses_missing_secrets():
         pytest.skip("this checkout holds real secret files")
     with pytest.raises(RenderError, match="no such file"):
         render(KUBE)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
+@pytest.mark.parametrize("where", [".", "overlays/testbed"])
+def test_renderer_matches_kubectl_kustomize(checkout, where):
+    """The renderer gives exactly what kubectl's built-in kustomize gives, object for object."""
+    result = subprocess.run(["kubectl", "kustomize", str(checkout / where)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+
+    def decoded(objects: list[dict]) -> dict:
+        # kustomize wraps long base64 lines; compare the Secrets' values, not their encoding.
+        index = _index(objects)
+        for (kind, _), obj in index.items():
+            if kind == "Secret":
+                obj["data"] = {k: base64.b64decode(v) for k, v in obj["data"].items()}
+        return index
+
+    assert decoded(render(checkout / where)) == decoded(list(yaml.safe_load_all(result.stdout)))
 
 
 def test_base_and_testbed_contents(base, testbed):
@@ -337,6 +358,10 @@ def test_security_probes_and_resources(testbed):
         pod = workload["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == UID and pod["securityContext"]["runAsGroup"] == UID
+        # Mounted secret files belong to root: the user reads them through the pod's fsGroup.
+        for volume in pod["volumes"]:
+            if "secret" in volume:
+                assert pod["securityContext"]["fsGroup"] == UID and volume["secret"]["defaultMode"] & 0o040
         for container in pod["containers"]:
             context = container["securityContext"]
             assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
