@@ -1,0 +1,406 @@
+"""The Kubernetes manifests in deploy/kubernetes render, validate and fit together, without a cluster.
+
+* rendering: a small renderer of the kustomize features the manifests use (resources, components,
+  ConfigMap/Secret generators without name hashes); any other kustomization key is an error here, so
+  a manifest change that needs real kustomize shows up instead of being rendered wrongly. Where
+  kubectl is installed, its kustomize must render exactly the same objects;
+* every rendered object against the Kubernetes JSON schemas (strict: unknown fields are errors) of
+  the ``kubernetes-validate`` package (``dev`` extra);
+* cross-references: Service selectors and target ports, StatefulSet Services, the ConfigMaps and
+  Secrets (and their keys) that volumes mount, the file flags under those mounts, every flag known
+  to its service, the URLs between the services, the run config, the device shards, the scrape
+  config's targets, and the security settings (non-root 10001, read-only root file system, probes
+  on the health routes, resource requests and limits).
+
+A check is skipped only when its tool is missing: kubernetes-validate (``dev`` extra) and promtool
+(``.ci/run``) are always there in CI; kubectl is optional (the comparison with real kustomize).
+"""
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from device_agent.agent import parse_shards
+from shared.run_config import resolve_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBE = ROOT / "deploy" / "kubernetes"
+COMPOSE = ROOT / "docker-compose.yml"
+UID = 10001
+WORKLOADS = ("Deployment", "StatefulSet")
+# The kustomization keys the renderer implements; anything else fails the render.
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "generatorOptions",
+                      "configMapGenerator", "secretGenerator"}
+
+
+class RenderError(Exception):
+    """The kustomization uses something the renderer does not implement, or refers to a missing file."""
+
+
+def _generated_files(base: Path, entries: list[str]) -> dict[str, str]:
+    """``key=path`` or ``path`` generator entries as key -> file text. Like kustomize's default load
+    restrictor, a file must lie inside the kustomization's folder."""
+    out: dict[str, str] = {}
+    for entry in entries:
+        key, _, rel = entry.partition("=") if "=" in entry else (Path(entry).name, "", entry)
+        path = (base / rel).resolve()
+        if base.resolve() not in path.parents:
+            raise RenderError(f"{base}: generator file {rel} is outside the kustomization")
+        if not path.is_file():
+            raise RenderError(f"{base}: generator file {rel}: no such file")
+        out[key] = path.read_text()
+    return out
+
+
+def render(directory: Path) -> list[dict]:
+    """What ``kubectl apply -k directory`` would apply, for the subset of kustomize used here."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(spec) - KUSTOMIZATION_KEYS
+    if unknown:
+        raise RenderError(f"{directory}: kustomization keys the renderer does not implement: {sorted(unknown)}")
+    objects: list[dict] = []
+    for item in spec.get("resources", []) + spec.get("components", []):
+        path = directory / item
+        if path.is_dir():
+            objects += render(path)
+        else:
+            objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    generators = spec.get("configMapGenerator", []) + spec.get("secretGenerator", [])
+    if generators and not spec.get("generatorOptions", {}).get("disableNameSuffixHash"):
+        raise RenderError(f"{directory}: generated names with hash suffixes are not rendered here")
+    for gen in spec.get("configMapGenerator", []):
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]},
+                        "data": _generated_files(directory, gen["files"])})
+    for gen in spec.get("secretGenerator", []):
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in _generated_files(directory, gen["files"]).items()}
+        objects.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": gen["name"]},
+                        "data": data})
+    return objects
+
+
+def _index(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    index: dict[tuple[str, str], dict] = {}
+    for obj in objects:
+        key = (obj["kind"], obj["metadata"]["name"])
+        assert key not in index, f"{key} defined twice"
+        index[key] = obj
+    return index
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A copy of deploy/kubernetes with the two secret files an operator writes (never in git)."""
+    copy = tmp_path_factory.mktemp("kube") / "kubernetes"
+    shutil.copytree(KUBE, copy, ignore=shutil.ignore_patterns("service-secret", "enrolment-secret"))
+    for name in ("service-secret", "enrolment-secret"):
+        (copy / "base" / "secrets" / name).write_text(base64.b16encode(os.urandom(32)).decode())
+    return copy
+
+
+@pytest.fixture(scope="module")
+def base(checkout) -> dict[tuple[str, str], dict]:
+    return _index(render(checkout))
+
+
+@pytest.fixture(scope="module")
+def testbed(checkout) -> dict[tuple[str, str], dict]:
+    return _index(render(checkout / "overlays" / "testbed"))
+
+
+def _workloads(objects: dict) -> list[dict]:
+    return [o for (kind, _), o in objects.items() if kind in WORKLOADS]
+
+
+def _container(objects: dict, kind: str, name: str) -> dict:
+    containers = objects[(kind, name)]["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def _flags(container: dict) -> dict[str, str]:
+    """``--flag value`` pairs of a container's args (every flag used here takes a value)."""
+    args = container["args"]
+    return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--")}
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def test_render_refuses_missing_secrets():
+    """Without the operator's secret files there is nothing to apply (kustomize stops the same way)."""
+    present = [p for p in (KUBE / "base" / "secrets").iterdir() if p.name in ("service-secret", "enrolment-secret")]
+    if present:
+        pytest.skip("this checkout holds real secret files")
+    with pytest.raises(RenderError, match="no such file"):
+        render(KUBE)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
+@pytest.mark.parametrize("where", [".", "overlays/testbed"])
+def test_renderer_matches_kubectl_kustomize(checkout, where):
+    """The renderer gives exactly what kubectl's built-in kustomize gives, object for object."""
+    result = subprocess.run(["kubectl", "kustomize", str(checkout / where)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+
+    def decoded(objects: list[dict]) -> dict:
+        # kustomize wraps long base64 lines; compare the Secrets' values, not their encoding.
+        index = _index(objects)
+        for (kind, _), obj in index.items():
+            if kind == "Secret":
+                obj["data"] = {k: base64.b64decode(v) for k, v in obj["data"].items()}
+        return index
+
+    assert decoded(render(checkout / where)) == decoded(list(yaml.safe_load_all(result.stdout)))
+
+
+def test_base_and_testbed_contents(base, testbed):
+    assert set(base) == {("Service", "fed-server"), ("StatefulSet", "fed-server"), ("Service", "main-server"),
+                         ("StatefulSet", "main-server"), ("ConfigMap", "s2fl-run-config"),
+                         ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets")}
+    assert set(testbed) - set(base) == {("Service", "device-agents"), ("Deployment", "device-agents")}
+    assert base.keys() <= testbed.keys()
+
+
+@pytest.mark.parametrize("overlay", ["base", "testbed"])
+def test_objects_validate_against_kubernetes_schemas(overlay, request):
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
+    errors = []
+    for key, obj in request.getfixturevalue(overlay).items():
+        try:
+            kv.validate(obj, kv.latest_version(), strict=True)
+        except kv.ValidationError as exc:
+            errors.append(f"{key}: {exc.message} at {'/'.join(map(str, exc.path))}")
+    assert not errors, "\n".join(errors)
+
+
+def test_schema_validation_can_fail(base):
+    """The validator rejects what a typo would produce, so the test above can fail."""
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
+    import copy
+
+    broken = copy.deepcopy(base[("StatefulSet", "main-server")])
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/healthz"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, kv.latest_version(), strict=True)
+
+
+def test_services_select_workloads_and_their_ports(testbed):
+    for (kind, name), service in testbed.items():
+        if kind != "Service":
+            continue
+        selector = service["spec"]["selector"]
+        matched = [w for w in _workloads(testbed)
+                   if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, f"Service {name} selects {len(matched)} workloads"
+        ports = {p["name"]: p["containerPort"] for c in matched[0]["spec"]["template"]["spec"]["containers"]
+                 for p in c["ports"]}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, f"Service {name}: no container port {port['targetPort']}"
+            assert port["port"] == ports[port["targetPort"]], f"Service {name}: port differs from the container's"
+    for workload in _workloads(testbed):
+        spec = workload["spec"]
+        assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+        if workload["kind"] == "StatefulSet":
+            assert ("Service", spec["serviceName"]) in testbed
+
+
+def test_main_server_is_a_single_replica_behind_a_headless_service(base):
+    assert base[("Service", "main-server")]["spec"]["clusterIP"] == "None"
+    main = base[("StatefulSet", "main-server")]["spec"]
+    assert main["serviceName"] == "main-server"
+    # The Fed Server takes one Main Server URL until replica support exists (docs/deployment.md).
+    assert main["replicas"] == 1
+    assert base[("StatefulSet", "fed-server")]["spec"]["replicas"] == 1
+
+
+def test_volumes_refer_to_existing_configmaps_secrets_and_keys(testbed):
+    for workload in _workloads(testbed):
+        pod = workload["spec"]["template"]["spec"]
+        claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for volume in volumes.values():
+            source = volume.get("configMap") or volume.get("secret")
+            if source is None:
+                continue
+            kind, name = ("ConfigMap", source["name"]) if "configMap" in volume else ("Secret", source["secretName"])
+            assert (kind, name) in testbed, f"{workload['metadata']['name']}: no {kind} {name}"
+            for item in source.get("items", []):
+                assert item["key"] in testbed[(kind, name)]["data"]
+        for container in pod["containers"]:
+            for mount in container["volumeMounts"]:
+                assert mount["name"] in volumes or mount["name"] in claims, mount
+                if "subPath" in mount:
+                    source = volumes[mount["name"]]["configMap"]
+                    assert mount["subPath"] in testbed[("ConfigMap", source["name"])]["data"]
+
+
+def _mounted_key(objects: dict, workload: dict, container: dict, path: str) -> str:
+    """The ConfigMap/Secret key that a file path inside a container comes from (or fail)."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    for mount in container["volumeMounts"]:
+        volume = volumes.get(mount["name"], {})
+        source = volume.get("configMap") or volume.get("secret")
+        if source is None:
+            continue
+        kind, name = ("ConfigMap", source["name"]) if "configMap" in volume else ("Secret", source["secretName"])
+        if "subPath" in mount:
+            if path == mount["mountPath"]:
+                return mount["subPath"]
+        elif path.startswith(mount["mountPath"] + "/"):
+            rel = path[len(mount["mountPath"]) + 1:]
+            items = {i["path"]: i["key"] for i in source.get("items", [])} or {k: k for k in objects[(kind, name)]["data"]}
+            assert rel in items, f"{path}: not among the files of {kind} {name}"
+            return items[rel]
+    pytest.fail(f"{path} is not mounted from a ConfigMap or Secret")
+
+
+def test_file_flags_point_into_the_mounted_configmaps_and_secrets(testbed):
+    expected = {"--config": "run.yaml", "--service-secret-file": "service-secret",
+                "--enrolment-secret-file": "enrolment-secret"}
+    seen = set()
+    for workload in _workloads(testbed):
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        for flag, value in _flags(container).items():
+            if flag in expected:
+                assert _mounted_key(testbed, workload, container, value) == expected[flag], (flag, value)
+                seen.add((workload["metadata"]["name"], flag))
+        assert not {k for k in _env(container) if k.endswith("SECRET")}, "secrets only as files"
+    assert seen == {("fed-server", "--config"), ("fed-server", "--service-secret-file"),
+                    ("fed-server", "--enrolment-secret-file"), ("main-server", "--service-secret-file"),
+                    ("device-agents", "--enrolment-secret-file")}
+
+
+def _help(module: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
+                          timeout=300, check=True).stdout
+
+
+@pytest.mark.parametrize("kind,name,module", [("StatefulSet", "fed-server", "fed_server"),
+                                              ("StatefulSet", "main-server", "main_server"),
+                                              ("Deployment", "device-agents", "device_agent")])
+def test_flags_and_environment_exist_in_the_service(testbed, kind, name, module):
+    container = _container(testbed, kind, name)
+    args = container["args"]
+    if module != "device_agent":   # the server image's command; the device image's entrypoint runs the agent
+        assert args[:3] == ["python", "-m", module]
+    text = _help(module)
+    for flag in _flags(container):
+        assert re.search(rf"\[{re.escape(flag)}[ \]]", text), f"{module} has no flag {flag}"
+    for variable in _env(container):
+        assert f"env {variable}" in text, f"{module} reads no {variable}"
+
+
+def _resolve(objects: dict, url: str) -> int:
+    """The container port a URL of the manifests reaches: a Service, or a StatefulSet pod behind its
+    headless Service (``<set>-<ordinal>.<service>``)."""
+    parts = urlsplit(url)
+    labels = parts.hostname.split(".")
+    if len(labels) == 2:
+        pod, service = labels
+        workload = next(w for w in _workloads(objects) if w["spec"].get("serviceName") == service)
+        assert objects[("Service", service)]["spec"]["clusterIP"] == "None", "pod names need a headless Service"
+        set_name, _, ordinal = pod.rpartition("-")
+        assert set_name == workload["metadata"]["name"] and int(ordinal) < workload["spec"]["replicas"], url
+    else:
+        service = labels[0]
+    ports = [p for p in objects[("Service", service)]["spec"]["ports"] if p["port"] == parts.port]
+    assert len(ports) == 1, f"{url}: Service {service} has no port {parts.port}"
+    return ports[0]["port"]
+
+
+def test_urls_between_services_reach_the_right_ports(testbed):
+    fed = _container(testbed, "StatefulSet", "fed-server")
+    main = _container(testbed, "StatefulSet", "main-server")
+    agents = _container(testbed, "Deployment", "device-agents")
+    fed_port, main_port = int(_flags(fed)["--port"]), int(_flags(main)["--port"])
+    assert _resolve(testbed, _env(fed)["SFL_MAIN_SERVER_URL"]) == main_port
+    assert _resolve(testbed, _env(main)["SFL_FED_SERVER_URL"]) == fed_port
+    assert _resolve(testbed, _flags(agents)["--fed-server-url"]) == fed_port
+    assert urlsplit(_env(fed)["SFL_MAIN_SERVER_URL"]).hostname.split(".")[1] == "main-server"
+    assert int(_flags(agents)["--metrics-port"]) == agents["ports"][0]["containerPort"]
+
+
+def test_run_config_is_valid_and_the_agents_hold_every_shard(testbed, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(testbed[("ConfigMap", "s2fl-run-config")]["data"]["run.yaml"])
+    # The file alone, as the pod reads it: no SFL_RUN__* variables of this process mixed in.
+    config = resolve_run_config(path, env_prefix="SFL_KUBE_TEST_UNSET__")
+
+    shards = parse_shards(_flags(_container(testbed, "Deployment", "device-agents"))["--shards"])
+    assert sorted(shards) == list(range(config.data.num_devices))
+
+
+def test_fed_server_resumes_from_its_volume(base):
+    fed = base[("StatefulSet", "fed-server")]
+    container = fed["spec"]["template"]["spec"]["containers"][0]
+    claims = {t["metadata"]["name"]: t for t in fed["spec"]["volumeClaimTemplates"]}
+    run_dir = _flags(container)["--run-dir"]
+    mounts = [m for m in container["volumeMounts"] if m["name"] in claims]
+    assert any(run_dir.startswith(m["mountPath"] + "/") for m in mounts), "the run directory must be on the volume"
+
+
+def test_security_probes_and_resources(testbed):
+    server_image = yaml.safe_load(COMPOSE.read_text())["x-server"]["image"]
+    device_image = yaml.safe_load(COMPOSE.read_text())["x-agent"]["image"]
+    for workload in _workloads(testbed):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == UID and pod["securityContext"]["runAsGroup"] == UID
+        # Mounted secret files belong to root: the user reads them through the pod's fsGroup.
+        for volume in pod["volumes"]:
+            if "secret" in volume:
+                assert pod["securityContext"]["fsGroup"] == UID and volume["secret"]["defaultMode"] & 0o040
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+            assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/tmp"}
+            assert set(container["resources"]) == {"requests", "limits"}
+            assert _env(container)["SFL_TORCH_DEVICE"] == "cpu"
+            is_agent = workload["kind"] == "Deployment"
+            assert container["image"] == (device_image if is_agent else server_image)
+            for probe in ("readinessProbe", "livenessProbe"):
+                get = container[probe]["httpGet"]
+                assert get["path"] == ("/metrics" if is_agent else "/healthz")
+                assert get["port"] in {p["name"] for p in container["ports"]}
+
+
+def test_pods_carry_scrape_annotations(testbed):
+    for workload in _workloads(testbed):
+        template = workload["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        ports = {p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+        assert int(annotations["prometheus.io/port"]) in ports
+
+
+def test_scrape_config_targets_the_services(testbed):
+    config = yaml.safe_load(testbed[("ConfigMap", "s2fl-prometheus-scrape")]["data"]["prometheus.yml"])
+    compose = yaml.safe_load((ROOT / "docker" / "prometheus" / "prometheus.yml").read_text())
+    assert [j["job_name"] for j in config["scrape_configs"]] == [j["job_name"] for j in compose["scrape_configs"]]
+    for job, compose_job in zip(config["scrape_configs"], compose["scrape_configs"]):
+        assert job["relabel_configs"] == [{"target_label": "service",
+                                           "replacement": compose_job["static_configs"][0]["labels"]["service"]}]
+        for sd in job["dns_sd_configs"]:
+            for name in sd["names"]:
+                assert ("Service", name) in testbed, f"{job['job_name']}: no Service {name}"
+                assert sd["port"] in {p["port"] for p in testbed[("Service", name)]["spec"]["ports"]}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+def test_scrape_config_passes_promtool():
+    path = KUBE / "base" / "prometheus.yml"
+    result = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
