@@ -75,6 +75,8 @@ def test_image_folders_example_runs_s2fl_on_three_devices_own_folders(tmp_path: 
     for record in records:
         assert set(record["split_points"].values()) <= {1, 2, 3}, record["split_points"]
         assert record["groups"], record
+        # Federated evaluation: the accuracy is over the three devices' held-out images.
+        assert record["evaluated_devices"] == 3 and record["evaluated_samples"] > 0, record
     assert summary["model"] == "model:build"
     # Digits, 10 classes: well above chance after two rounds, measured on the devices' held-out images.
     assert summary["final_accuracy"] > 0.3, summary
@@ -85,8 +87,8 @@ def test_tabular_example_runs_fedavg_on_three_npz_files(tmp_path: Path) -> None:
     data = tmp_path / "data"
     assert sorted(p.name for p in (data / "devices").iterdir()) == ["device-0.npz", "device-1.npz", "device-2.npz"]
     records, summary = check_run(output, run_dir, devices=3)
-    for record in records:  # FedAvg: the whole model on the device, nothing for the Main Server
-        assert set(record["split_points"].values()) == {0} and not record["groups"], record
+    for record in records:  # FedAvg: the whole 3-block MLP on every device, nothing for the Main Server
+        assert set(record["split_points"].values()) == {3} and not record["groups"], record
     assert summary["model"] == "model:build"
     # Three wine cultivars, evaluated by the Fed Server on data/test.npz.
     assert summary["final_accuracy"] > 0.6, summary
