@@ -42,6 +42,13 @@ NUM_CLASSES = 10
 GROUP_SIZE = 5
 
 
+def gpu_name(torch_device: str) -> str | None:
+    """The GPU's name for a ``cuda[:N]`` device (as the benchmark process sees it), else None."""
+    if not torch_device.startswith("cuda"):
+        return None
+    return torch.cuda.get_device_name(torch.device(torch_device))
+
+
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
@@ -109,7 +116,9 @@ async def _drive(url: str, run_id: str, round_id: int, devices: int, steps: int,
     }
 
 
-def run(quick: bool, log: Callable[[str], None] = print) -> dict:
+def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cpu") -> dict:
+    """Drive one Main Server (computing on ``torch_device``, its ``--torch-device``) with each
+    population in turn; the figures and the setup, device included, as a JSON-friendly dict."""
     populations = [10] if quick else [10, 50, 100]
     steps = 5 if quick else 20
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-main-"))
@@ -121,7 +130,8 @@ def run(quick: bool, log: Callable[[str], None] = print) -> dict:
             dead = free_port()
         url = f"http://127.0.0.1:{port}"
         main = group.start("main_server", "main_server", [
-            "--fed-server-url", f"http://127.0.0.1:{dead}", "--port", str(port), "--log-level", "WARNING"])
+            "--fed-server-url", f"http://127.0.0.1:{dead}", "--port", str(port), "--log-level", "WARNING",
+            "--torch-device", torch_device])
         wait_healthy(url, main, timeout=120)
         for i, n in enumerate(populations, start=1):
             row = asyncio.run(_drive(url, "bench", i, n, steps, seed=i))
@@ -135,6 +145,7 @@ def run(quick: bool, log: Callable[[str], None] = print) -> dict:
     return {
         "setup": {"model": "cnn", "split_point": SPLIT, "fx_shape": [BATCH, 64, 7, 7],
                   "fx_bytes": BATCH * 64 * 7 * 7 * 4, "group_size": GROUP_SIZE, "grouping": "balanced",
+                  "torch_device": torch_device, "gpu": gpu_name(torch_device),
                   "client": "one asyncio httpx client in the benchmark process (shares the CPU with the server)",
                   "fed_server": "none (uploads fail fast against a closed port)"},
         "populations": rows,

@@ -65,7 +65,8 @@ def report(results: dict) -> str:
     c = results.get("main_server")
     if c:
         s = c["setup"]
-        out += ["", f"(c) Main Server steps: cnn split {s['split_point']}, fx {s['fx_shape']} "
+        device = s.get("torch_device", "cpu") + (f" ({s['gpu']})" if s.get("gpu") else "")
+        out += ["", f"(c) Main Server steps on {device}: cnn split {s['split_point']}, fx {s['fx_shape']} "
                     f"({s['fx_bytes'] / 1e3:.0f} KB), groups of {s['group_size']}, {c['populations'][0]['steps_per_device']} steps per device"]
         rows = [[str(r["devices"]), str(r["groups"]), f"{r['latency_p50_ms']:.1f}", f"{r['latency_p95_ms']:.1f}",
                  f"{r['server_step_p50_ms']:.1f}", f"{r['device_steps_per_s']:.1f}", f"{r['MB_per_s']:.1f}"]
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
     parser.add_argument("--only", default=",".join(PARTS),
                         help="comma-separated parts to run: a (with d), b, c, e (default: all)")
+    parser.add_argument("--torch-device", default="cpu",
+                        help="where the Main Server of (c) computes: auto, cpu, cuda, cuda:N, mps (default cpu); "
+                             "recorded in the results. (a), (d) and (e) stay on the CPU")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
     if not parts <= set(PARTS):
@@ -103,7 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
+    from shared.torch_device import resolve_torch_device
+
     torch.set_num_threads(1)
+    try:
+        torch_device = str(resolve_torch_device(args.torch_device))
+    except ValueError as exc:
+        parser.error(str(exc))
     from shared import machine
 
     results: dict = {"mode": "quick" if args.quick else "full", "machine": machine.describe_machine()}
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import main_server_load
 
         _log("(c) Main Server step latency and throughput")
-        results["main_server"] = main_server_load.run(args.quick, _log)
+        results["main_server"] = main_server_load.run(args.quick, _log, torch_device)
     if "e" in parts:
         from benchmarks import agent_memory
 

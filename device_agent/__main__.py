@@ -17,14 +17,25 @@ def main(argv: list[str] | None = None) -> None:
                     "(outbound calls only). One process can host many virtual devices.")
     parser.add_argument("--fed-server-url", default=env_default("fed_server_url", "http://127.0.0.1:8080"),
                         help="the Fed Server (env SFL_FED_SERVER_URL); the Main Server's URL comes with each task")
-    parser.add_argument("--shards", default=env_default("shards", "0"),
-                        help="data shards this agent's devices hold, e.g. 0-9 or 3 (env SFL_SHARDS); one device per shard")
+    parser.add_argument("--shards", default=env_default("shards", None),
+                        help="data shards of the run's built-in data set this agent's devices hold, e.g. 0-9 or 3 "
+                             "(env SFL_SHARDS; default 0); one device per shard. Not with --data")
+    parser.add_argument("--data", action="append", default=[], metavar="PATH",
+                        help="the device's own data for a run with data.dataset: local (repeatable; docs/data.md): an "
+                             ".npz file with x and y, a folder of images with one sub-folder per class, a function "
+                             "package.module:function, a folder of .npz files or of device folders (one device each)")
+    parser.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword passed (as a string) to a --data function (repeatable)")
+    parser.add_argument("--device-id", default=None,
+                        help="the id of the single --data device (default <prefix>-<file or folder name>)")
     parser.add_argument("--kinds", default=env_default("kinds", ""),
                         help="emulated device kinds assigned round-robin by shard, e.g. high,mid,low or high-low "
                              "(env SFL_KINDS; empty = real device, no emulation)")
     parser.add_argument("--time-scale", type=float, default=float(env_default("time_scale", DeviceMixConfig().time_scale)),
                         help="compress emulated transfer times by this factor (env SFL_TIME_SCALE)")
-    parser.add_argument("--prefix", default=env_default("prefix", "dev"), help="device id prefix; ids are <prefix>-<shard as 3 digits>, e.g. dev-007 (env SFL_PREFIX)")
+    parser.add_argument("--prefix", default=env_default("prefix", "dev"),
+                        help="device id prefix; ids are <prefix>-<shard as 3 digits>, e.g. dev-007, or with --data "
+                             "<prefix>-<file or folder name> (env SFL_PREFIX)")
     parser.add_argument("--ca-file", default=env_default("ca_file", None), help="CA bundle to verify HTTPS servers (env SFL_CA_FILE)")
     parser.add_argument("--metrics-port", type=int, default=int(env_default("metrics_port", 0)),
                         help="serve Prometheus metrics of this agent's devices on this port (env SFL_METRICS_PORT; "
@@ -37,18 +48,31 @@ def main(argv: list[str] | None = None) -> None:
                         help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
                              "when hosting one device; no = build the trained blocks for each task and free them "
                              "after the upload (memory follows the devices training at once); yes = always keep")
+    parser.add_argument("--model", default=env_default("model", None),
+                        help="the run's model when it is an import path package.module:function (env SFL_MODEL): a "
+                             "device builds an import path only if it equals this, never because the Fed Server "
+                             "names it (docs/security.md); built-in names need no flag")
     add_common_args(parser)
     args = parse_service_args(parser, argv)
-    configure_process(args.log_level, args.torch_threads)
-    from device_agent.agent import Agent, parse_shards
+    configure_process(args.log_level, args.torch_threads, args.torch_device)
+    from device_agent.agent import Agent, local_device_ids, parse_data_args, parse_shards
+    from shared.data.local import data_sources
     from shared.profiles import parse_kind
 
+    if args.data and args.shards is not None:
+        parser.error("--data and --shards are exclusive: a device either brings its own data or holds a shard "
+                     "of the run's built-in data set")
+    if (args.data_arg or args.device_id) and not args.data:
+        parser.error("--data-arg and --device-id are for --data devices")
     try:
-        shards = parse_shards(args.shards)
+        sources = [source for path in args.data for source in data_sources(path)]
+        data_args = parse_data_args(args.data_arg)
+        local_device_ids(sources, args.prefix, args.device_id)
+        shards = [] if sources else parse_shards(args.shards or "0")
         kinds = [k for k in args.kinds.split(",") if k.strip()]
         for k in kinds:
             parse_kind(k)
-    except ValueError as exc:
+    except ValueError as exc:  # DataError included: a --data path that is missing or ambiguous
         parser.error(str(exc))
     if args.keep_models not in KEEP_MODELS:  # argparse checks choices on the command line, not env defaults
         parser.error(f"--keep-models must be one of {sorted(KEEP_MODELS)}, got {args.keep_models!r}")
@@ -64,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
 
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
                   metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
-                  keep_models=KEEP_MODELS[args.keep_models])
+                  keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
+                  device_id=args.device_id, torch_device=args.torch_device, model=args.model)
     sys.exit(agent.run())
 
 

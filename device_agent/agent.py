@@ -6,10 +6,14 @@ other at every step, so training them one after another would deadlock the barri
 from __future__ import annotations
 
 import logging
+import re
 import threading
+
+import torch
 
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
+from shared.data.local import DataError, LocalSource
 from shared.profiles import kind_for
 
 log = logging.getLogger("device_agent")
@@ -32,25 +36,71 @@ def parse_shards(text: str) -> list[int]:
     return shards
 
 
+def parse_data_args(pairs: list[str]) -> dict[str, str]:
+    """``["root=/x", "n=3"]`` -> ``{"root": "/x", "n": "3"}``: the keywords a ``--data`` function gets."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"bad --data-arg {pair!r}: use KEY=VALUE with KEY a Python name")
+        if key in out:
+            raise ValueError(f"--data-arg {key} given twice")
+        out[key] = value
+    return out
+
+
+def local_device_ids(sources: list[LocalSource], prefix: str, device_id: str | None = None) -> list[str]:
+    """Ids of the devices of ``--data`` sources: ``--device-id`` for a single device, else
+    ``<prefix>-<name>`` with the name's characters outside ``[A-Za-z0-9_.-]`` replaced by ``_``
+    (64 characters at most). Two sources with the same id are refused."""
+    if device_id is not None:
+        if len(sources) != 1:
+            raise ValueError(f"--device-id names one device, but --data gives {len(sources)}; use --prefix")
+        ids = [device_id]
+    else:
+        ids = [f"{prefix}-{re.sub(r'[^A-Za-z0-9_.-]', '_', s.name)}"[:64] for s in sources]
+    for i in ids:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", i):
+            raise ValueError(f"device id {i!r} is not allowed: 1-64 characters of A-Z a-z 0-9 _ . -")
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ValueError(f"two --data sources give the same device id {twice}; rename a file/folder or set --prefix")
+    return ids
+
+
 class Agent:
     """Runs its devices until the run is done (or ``stop`` is set).
 
+    ``model``: the operator's ``--model`` (the only import path its devices will build).
     ``keep_models``: whether each device keeps its model between rounds (see :class:`Device`).
     ``None`` (the default) keeps it only when the agent hosts one device: a real board avoids
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
     otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
+    ``torch_device``: where every device's model trains (``--torch-device``; default the CPU).
     """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
                  prefix: str = "dev", verify: bool | str = True, metrics=None,
-                 enrolment_secret: bytes | None = None, keep_models: bool | None = None) -> None:
+                 enrolment_secret: bytes | None = None, keep_models: bool | None = None,
+                 sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
+                 device_id: str | None = None, torch_device: torch.device | None = None,
+                 model: str | None = None) -> None:
+        """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
+        then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
+        ``model``: the operator's ``--model`` (an import path the run may name)."""
         self.stop = threading.Event()
-        keep = len(shards) == 1 if keep_models is None else keep_models
+        sources = sources or []
+        count = len(sources) or len(shards)
+        keep = count == 1 if keep_models is None else keep_models
         connect_main = main_connector(verify)
+        places: list[tuple[str, int | None, LocalSource | None, int]] = (
+            [(i, None, s, n) for n, (i, s) in enumerate(zip(local_device_ids(sources, prefix, device_id), sources))]
+            if sources else [(f"{prefix}-{shard:03d}", shard, None, shard) for shard in shards])
         self.devices = [
-            Device(f"{prefix}-{shard:03d}", shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
-                   kind_for(shard, kinds) if kinds else None, time_scale, self.stop, keep_model=keep)
-            for shard in shards
+            Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
+                   kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
+                   source=source, data_args=data_args, torch_device=torch_device, model_ref=model)
+            for name, shard, source, index in places
         ]
         self.errors: dict[str, BaseException] = {}
         self.metrics = metrics  # device_agent.metrics.AgentMetrics or None (no --metrics-port)
@@ -62,6 +112,9 @@ class Agent:
     def _run_device(self, device: Device) -> None:
         try:
             device.run()
+        except DataError as exc:  # the operator's data: one line that names the file and field
+            self.errors[device.device_id] = exc
+            log.error("%s: not registered: %s", device.device_id, exc)
         except BaseException as exc:  # report and let the other devices carry on
             self.errors[device.device_id] = exc
             log.exception("%s stopped with an error", device.device_id)

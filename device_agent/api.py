@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from shared.schemas import (
-    JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest,
 )
 
@@ -37,6 +37,9 @@ class FedApi(Protocol):
 
     def upload(self, req: UpdateRequest) -> None:
         """The round's trained portion."""
+
+    def evaluation(self, req: EvaluationReport) -> None:
+        """Federated evaluation: the global model's results on the device's held-out part."""
 
 
 class MainApi(Protocol):

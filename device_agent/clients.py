@@ -15,7 +15,7 @@ from device_agent.api import Unreachable
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
 from shared.http_client import ServiceError, SyncClient
 from shared.schemas import (
-    API, Ack, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
+    API, Ack, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
     StepResponse, TaskResponse, UpdateRequest,
 )
 
@@ -74,6 +74,10 @@ class HttpFedClient:
     def upload(self, req: UpdateRequest) -> None:
         with _translated():
             self._http.call("POST", f"{API}/rounds/{req.round_id}/updates", Ack, req)
+
+    def evaluation(self, req: EvaluationReport) -> None:
+        with _translated():
+            self._http.call("POST", f"{API}/evaluation", Ack, req)
 
     def close(self) -> None:
         self._http.close()

@@ -19,11 +19,15 @@ from device_agent.trainer import TaskExpired, steps_per_round, train_round
 from shared.algorithms.base import Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
+from shared.data.holdout import evaluation_holdout
+from shared.data.local import DataError, LocalSource
 from shared.errors import Conflict, DomainError, NotFound
-from shared.models import SplitModel, build_model
+from shared.evaluation import evaluation_counts
+from shared.models import SplitModel, build_model, build_model_layout, check_model_origin, model_fingerprint
 from shared.profiles import EmulatedKind
+from shared.torch_device import synchronize
 from shared.schemas import (
-    DeviceProfileMsg, DeviceTimings, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
+    DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
     TaskResponse, UpdateRequest, WireTensor,
 )
 from shared.portions import decode_portion
@@ -40,8 +44,9 @@ _WARM_UP_LOCK = threading.Lock()
 _WARMED_UP: set[tuple] = set()
 
 
-def round_seed(seed: int, shard: int, round_id: int) -> int:
-    """Per device and round batch-order seed, identical in every process."""
+def round_seed(seed: int, shard: int | str, round_id: int) -> int:
+    """Per device and round batch-order seed, identical in every process (``shard``: the device's
+    shard, or its id when it brings its own data)."""
     digest = hashlib.sha256(f"{seed}/{shard}/{round_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
 
@@ -53,6 +58,10 @@ MainConnector = Callable[[str, str | None], MainApi]
 class Device:
     """A device agent's unit of work: its shard, its model copy, its clients and its profile.
 
+    ``shard`` is the partition shard it derives its data from; a device that brings its own data
+    (``python -m device_agent --data``) has ``shard=None`` and a ``source`` instead, loaded with
+    ``data_args`` (``--data-arg``), and gets a slot from the Fed Server when it registers.
+
     ``fed`` is this device's Fed Server client (it holds the device's enrolment secret and token);
     ``connect_main`` opens a Main Server client when a task names one.
 
@@ -61,25 +70,40 @@ class Device:
     weights only while it trains: each task materialises just the blocks it trains and frees
     them after the upload, so an agent's memory follows the devices training at once rather
     than the devices it hosts. Nothing else changes: every task carries all the weights it trains.
+
+    ``torch_device`` (``--torch-device``) is where the model's real weights live and train; the
+    data set and the meta-device layout stay where they are (CPU, meta).
     """
 
-    def __init__(self, device_id: str, shard: int, fed: FedApi, connect_main: MainConnector,
+    def __init__(self, device_id: str, shard: int | None, fed: FedApi, connect_main: MainConnector,
                  kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
-                 poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True) -> None:
+                 poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
+                 source: LocalSource | None = None, data_args: dict[str, str] | None = None,
+                 torch_device: torch.device | None = None, model_ref: str | None = None) -> None:
+        if (shard is None) == (source is None):
+            raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
         self.shard = shard
+        self.source = source
+        self.data_args = dict(data_args or {})
         self.kind = kind
         self.time_scale = time_scale
         self.stop = stop or threading.Event()
         self.poll_interval_s = poll_interval_s
         self.max_downtime_s = max_downtime_s
         self.keep_model = keep_model
+        self.torch_device = torch_device or torch.device("cpu")
+        #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
+        self.model_ref = model_ref
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main
         self.main: MainApi | None = None
         self.info: RunInfo | None = None
+        #: The data this device trains on (and counts in ``num_samples``): with federated
+        #: evaluation its data minus the held-out part, which it only evaluates on.
         self.data: ArrayDataset | None = None
+        self.held_out: ArrayDataset | None = None
         #: Real weights: for the whole run with ``keep_model``, else only while a task trains.
         self.model: SplitModel | None = None
         #: The model's structure on the meta device (names, shapes, dtypes; no memory), against
@@ -121,6 +145,12 @@ class Device:
             if task.status == "done":
                 self._receive_final(task)
                 return
+            if task.status == "evaluate":
+                try:
+                    self.run_evaluation(task)
+                except (DomainError, Unreachable, ValueError) as exc:  # ValueError: weights that do not fit
+                    log.warning("%s: evaluation of round %s abandoned: %s", self.device_id, task.round_id, exc)
+                continue
             if task.status == "wait" or task.phase != "train":
                 self.stop.wait(self._retry_delay(task))
                 continue
@@ -149,41 +179,68 @@ class Device:
                  "; final global model received" if task.weights and self.keep_model else "")
 
     def setup(self) -> None:
-        """Fetch the run spec, load this device's shard, register with the Fed Server."""
+        """Fetch the run spec, load and check this device's data, register with the Fed Server.
+
+        Bad data stops here with a :class:`DataError`, before the device registers. A run whose
+        model is an import path the operator did not name with ``--model`` stops the device here
+        (ValueError), before anything is imported: code is never taken from the network."""
         self.info = self._wait_for_run()
-        train, _ = load_dataset(self.info.data)
-        self.data = device_shard(self.info.data, train, self.shard)
-        with torch.device("meta"):
-            self.layout = self._build()
+        check_model_origin(self.info.model, self.model_ref)
+        # The one place the device's data becomes its training set. Federated evaluation: split
+        # once into the training part and the held-out part, before anything (registration,
+        # warm-up, training) sees the data.
+        self.data, self.held_out = evaluation_holdout(self._load_data(), self.info.holdout, self.info.seed,
+                                                      self.device_id)
+        self.layout = self._build(layout=True)
         if self.keep_model:
-            self.model = self._build()
+            # Built (and seeded) on the CPU, then moved: the same initial weights on every device.
+            self.model = self._build().to(self.torch_device)
         self._warm_up()
         self._profile = self.profile()
         self.register()
 
-    def _build(self) -> SplitModel:
+    def _load_data(self) -> ArrayDataset:
+        """This device's samples: its shard of the run's data set, or its own files (``--data``)."""
         assert self.info is not None
-        return build_model(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed)
+        spec = self.info.data
+        if self.source is not None:
+            return self.source.load(spec, self.data_args)
+        if spec.dataset == "local":
+            raise DataError(f"{self.device_id}: the run uses the devices' own data (dataset 'local'); start the "
+                            f"agent with --data PATH instead of --shards")
+        train, _ = load_dataset(spec)
+        assert self.shard is not None
+        return device_shard(spec, train, self.shard)
+
+    def _build(self, layout: bool = False) -> SplitModel:
+        """The run's model with real weights, or (``layout``) its structure on the meta device."""
+        assert self.info is not None
+        build = build_model_layout if layout else build_model
+        return build(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed,
+                     params=self.info.model_params)
 
     def _model_for(self, split_point: int) -> SplitModel:
         """The model to train ``blocks[:split_point]`` with. Without ``keep_model``, a fresh one
         whose trained blocks are allocated but not initialised (the task's weights overwrite
         every parameter and buffer of them) and whose other blocks stay on the meta device."""
         if self.model is None:
-            with torch.device("meta"):
-                model = self._build()
-            model.portion(0, split_point).to_empty(device="cpu")
+            model = self._build(layout=True)
+            model.portion(0, split_point).to_empty(device=self.torch_device)
             self.model = model
         return self.model
 
     def register(self) -> None:
-        """Announce this device, its shard and its profile to the Fed Server."""
-        assert self.data is not None
+        """Announce this device, its shard, its profile and its model's fingerprint to the Fed
+        Server. A fingerprint that differs from the run's is refused (Conflict): the device stops
+        rather than train on another model."""
+        assert self.data is not None and self.layout is not None and self.info is not None
         answer = self.fed.register(RegisterRequest(device_id=self.device_id, shard=self.shard,
-                                                   num_samples=len(self.data), profile=self._profile))
+                                                   num_samples=len(self.data), profile=self._profile,
+                                                   fingerprint=model_fingerprint(self.layout, self.info.data)))
         self.token = answer.token
         self._drop_main()  # the next task's Main Server client presents the new token
-        log.info("%s: registered shard %d (%d samples, %s)", self.device_id, self.shard, len(self.data), self._profile.kind)
+        log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",
+                 answer.shard, len(self.data), self._profile.kind)
 
     def _drop_main(self) -> None:
         if self.main is not None:
@@ -196,12 +253,12 @@ class Device:
         PyTorch builds in a process) do not land in the first round and skew the time table.
         They are per process: the first device of an agent with this architecture pays them."""
         assert self.info is not None and self.data is not None
-        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape))
+        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape), str(self.torch_device))
         with _WARM_UP_LOCK:
             if key in _WARMED_UP:
                 return
-            model = self.model or self._build()
-            x = self.data.x[: min(8, len(self.data))]
+            model = self.model or self._build().to(self.torch_device)
+            x = self.data.x[: min(8, len(self.data))].to(self.torch_device)
             model(x).sum().backward()
             torch.optim.SGD(model.parameters(), lr=0.0).step()  # lr 0: the weights stay as built
             model.zero_grad(set_to_none=True)
@@ -220,13 +277,16 @@ class Device:
                 delay = min(delay * 2, 5.0)
 
     def profile(self) -> DeviceProfileMsg:
-        """Nominal speed of an emulated kind, or a quick measurement on a real device."""
+        """Nominal speed of an emulated kind, or a quick measurement on a real device (on the
+        torch device it trains on)."""
         if self.kind is not None:
             return DeviceProfileMsg(kind=self.kind.name, flops=self.kind.flops, rate=self.kind.rate * self.time_scale)
-        a = torch.randn(256, 256)
+        a = torch.randn(256, 256, device=self.torch_device)
+        synchronize(self.torch_device)
         t0 = time.perf_counter()
         for _ in range(20):
             a @ a
+        synchronize(self.torch_device)
         flops = 20 * 2 * 256 ** 3 / max(1e-9, time.perf_counter() - t0)
         return DeviceProfileMsg(kind="native", flops=flops, rate=1e7)
 
@@ -243,6 +303,28 @@ class Device:
         finally:
             if not self.keep_model:
                 self.model = None
+
+    def run_evaluation(self, task: TaskResponse) -> None:
+        """Federated evaluation: run the task's global model on the held-out part and report the
+        counts. A device that held nothing out reports zero samples, so the round need not wait
+        for it (it sends no figures)."""
+        assert self.layout is not None and task.round_id is not None
+        held_out = self.held_out
+        correct, loss_sum, n = 0, 0.0, 0
+        if held_out is not None and len(held_out) > 0:
+            num_blocks = len(self.layout.blocks)
+            weights = decode_portion(task.weights or {}, self.layout, 0, num_blocks, what="evaluation weights")
+            try:
+                model = self._model_for(num_blocks)
+                model.portion(0, num_blocks).load_state_dict(weights, strict=True)
+                correct, loss_sum = evaluation_counts(model, held_out)
+                n = len(held_out)
+            finally:
+                if not self.keep_model:
+                    self.model = None
+        self.fed.evaluation(EvaluationReport(device_id=self.device_id, round_id=task.round_id, num_samples=n,
+                                             correct=correct, loss_sum=loss_sum))
+        log.info("%s: evaluated round %d on %d held-out samples (%d correct)", self.device_id, task.round_id, n, correct)
 
     def _train_and_upload(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
         assert self.layout is not None and self.data is not None and self.info is not None
@@ -266,7 +348,7 @@ class Device:
             send_step = self._join(task, clock)
         result = train_round(
             model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
-            train.batch_size, train.local_epochs, round_seed(self.info.seed, self.shard, task.round_id), clock,
+            train.batch_size, train.local_epochs, round_seed(self.info.seed, self.device_id if self.shard is None else self.shard, task.round_id), clock,
             send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
         )
         portion = model.portion(0, task.split_point)

@@ -12,6 +12,7 @@ from device_agent.timing import RoundClock
 from shared.algorithms.base import DeviceLogic, Payload
 from shared.data import ArrayDataset
 from shared.models import SplitModel
+from shared.torch_device import model_device, synchronize
 
 #: Sends (step, fx, labels) to the Main Server and returns (dfx, server-reported loss).
 StepFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, float]]
@@ -63,7 +64,8 @@ def train_round(
     extras: Payload | None = None,
     deadline: float | None = None,
 ) -> LocalResult:
-    """Train blocks[:split_point] of ``model`` in place for one round.
+    """Train blocks[:split_point] of ``model`` in place for one round, on the device its trained
+    blocks live on (``--torch-device``; the weights are copied there).
 
     With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
     Server and backpropagates the returned dfx; without it the device holds the whole model and
@@ -71,10 +73,15 @@ def train_round(
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
     round is given up with :class:`TaskExpired`. ``extras`` are the task's validated
     ``Algorithm.TaskExtras`` for ``logic.begin_round`` (none: the empty payload).
+
+    The data set stays on the CPU and each batch is moved to the device after it is drawn, so
+    the seeded batch order is the same on every device. Activations go back to the CPU (in
+    half precision first when asked, halving the copy) for the wire; dfx comes to the device.
     """
     logic = logic or DeviceLogic({})
     portion = model.portion(0, split_point)
     portion.load_state_dict(weights, strict=True)
+    device = model_device(portion)
     logic.begin_round(portion, extras if extras is not None else Payload(), data)
     data = logic.training_data(data)
     portion.train()
@@ -84,22 +91,26 @@ def train_round(
     for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
         if deadline is not None and time.monotonic() > deadline:
             raise TaskExpired(f"deadline passed after {steps} steps")
+        x = x.to(device)  # no copy on the CPU
         if send_step is None:
             with clock.compute():
-                loss = logic.loss(portion, x, y)
+                loss = logic.loss(portion, x, y.to(device))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
             losses.append(float(loss.detach()))
         else:
             with clock.compute():
                 fx = portion(x)
+                synchronize(device)
             sent = fx.detach().half() if half_precision else fx.detach()
-            dfx, loss_value = send_step(step, sent, y)
+            dfx, loss_value = send_step(step, sent.cpu(), y)
             with clock.compute():
                 optimizer.zero_grad(set_to_none=True)
-                fx.backward(dfx.to(fx.dtype))
+                fx.backward(dfx.to(device=fx.device, dtype=fx.dtype))
                 optimizer.step()
+                synchronize(device)
             losses.append(loss_value)
         steps += 1
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, as big as the weights

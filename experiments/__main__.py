@@ -11,6 +11,7 @@ from experiments.report import render_report
 from experiments.results import load_results
 from experiments.runner import is_finished, run_grid
 from experiments.spec import load_spec
+from shared.run_config import ConfigError, exit_on_config_error
 from testbed.processes import interrupt_on_sigterm
 
 
@@ -35,7 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         spec = load_spec(args.file)
         every = expand(spec)
         cells = expand(spec, parse_only(args.only))
-    except (OSError, ValueError) as exc:
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    except ValueError as exc:   # --only naming an unknown axis or label
         parser.error(str(exc))
     out = Path(args.out or f"runs/experiments/{spec.name}")
     command = "python -m experiments run " + " ".join(shlex.quote(a) for a in [args.file, *(

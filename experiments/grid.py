@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import RunConfig, set_dotted
-from shared.run_config import load_run_config
+from shared.run_config import ConfigError, load_run_config
 
 from experiments.spec import ExperimentSpec
 
@@ -50,8 +50,8 @@ def build_config(base: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:
 def expand(spec: ExperimentSpec, only: dict[str, list[str]] | None = None) -> list[Cell]:
     """Every cell of the grid in axis order (the first axis varies slowest), minus excluded ones.
 
-    ``only`` (axis -> labels) keeps a sub-grid, e.g. ``{"seed": ["0"]}``. Raises ValueError naming
-    the cell whose configuration is invalid.
+    ``only`` (axis -> labels) keeps a sub-grid, e.g. ``{"seed": ["0"]}``. Raises ConfigError
+    naming the cell whose configuration is invalid and each wrong field.
     """
     only = only or {}
     spec.check_selection(only, "--only")
@@ -66,8 +66,9 @@ def expand(spec: ExperimentSpec, only: dict[str, list[str]] | None = None) -> li
             overrides.update(axis_overrides)
         try:
             config = build_config(spec.base, overrides)
-        except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            raise ValueError(f"cell {', '.join(f'{k}={v}' for k, v in labels.items())}: invalid configuration: {exc}") from exc
+        except ConfigError as exc:
+            cell = ", ".join(f"{k}={v}" for k, v in labels.items())
+            raise ConfigError([f"cell {cell}: {line}" for line in exc.lines]) from None
         cells.append(Cell(labels, config))
     if not cells:
         raise ValueError("the grid has no cells (every combination is excluded or filtered out)")

@@ -6,6 +6,7 @@ figure answers one question across the whole grid.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ matplotlib.use("Agg")   # no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from shared.data import dataset_input_shape, dataset_num_classes  # noqa: E402
-from shared.models.zoo import build_model  # noqa: E402
+from shared.models import build_model  # noqa: E402
 
 from experiments.results import CellResult  # noqa: E402
 from experiments.spec import ExperimentSpec  # noqa: E402
@@ -101,7 +102,8 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
             continue
         label = spec.series_label(r.cell.labels)
         data = r.cell.config.data
-        blocks = model_blocks(r.cell.config.model, dataset_num_classes(data), dataset_input_shape(data))
+        blocks = model_blocks(r.cell.config.model, dataset_num_classes(data), dataset_input_shape(data),
+                              json.dumps(r.cell.config.model_params, sort_keys=True))
         for record in r.rounds:
             for device, times in record.get("device_times", {}).items():
                 kind = record.get("device_kinds", {}).get(device, "unknown")
@@ -136,9 +138,10 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
 
 
 @functools.lru_cache(maxsize=16)
-def model_blocks(model: str, num_classes: int, input_shape: tuple[int, ...]) -> int:
-    """Blocks in the whole model: a split point equal to it means the device trains everything."""
-    return len(build_model(model, num_classes, input_shape).blocks)
+def model_blocks(model: str, num_classes: int, input_shape: tuple[int, ...], params_json: str = "{}") -> int:
+    """Blocks in the whole model: a split point equal to it means the device trains everything.
+    (``model_params`` as JSON: the cache needs hashable arguments.)"""
+    return len(build_model(model, num_classes, input_shape, params=json.loads(params_json)).blocks)
 
 
 _KIND_ORDER = {"low": 0, "mid": 1, "high": 2}

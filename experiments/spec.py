@@ -22,8 +22,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared.config import load_config_file
+from shared.run_config import ConfigError, config_error_lines
 
 Overrides = dict[str, Any]   # dotted config key -> value
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]*$")
@@ -161,12 +163,13 @@ def normalise_axis(name: str, values: Any) -> dict[str, Overrides]:
 
 
 def load_spec(path: str | Path) -> ExperimentSpec:
-    """Read and validate an experiment file (ValueError with the reason if it is wrong)."""
-    text = Path(path).read_text()
+    """Read and validate an experiment file; :class:`~shared.run_config.ConfigError` says, one
+    line per problem, that the file is missing, where its YAML is wrong, or which field is."""
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping")
-    return ExperimentSpec.model_validate(raw)
+        raw = load_config_file(path)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    try:
+        return ExperimentSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError([f"{path}: {line}" for line in config_error_lines(exc, model=ExperimentSpec)]) from None

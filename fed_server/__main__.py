@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from shared.config import env_default
@@ -32,19 +31,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
                         help="secret devices present to register (or env SFL_ENROLMENT_SECRET); needs the service secret")
     args = parse_service_args(parser, argv)
-    configure_process(args.log_level, args.torch_threads)
+    configure_process(args.log_level, args.torch_threads, args.torch_device)
 
     from fed_server.app import create_app
     from fed_server.driver import FedServerSettings
-    from shared.auth import auth_from_settings
+    from shared.auth import auth_from_settings, warn_if_open
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
-    from shared.run_config import resolve_run_config
+    from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 
     try:
         config = resolve_run_config(args.config, args.overrides)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ConfigError as exc:
+        exit_on_config_error(exc)
     # Flag mistakes are reported before the Coordinator loads data and evaluates the model.
     try:
         auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)
@@ -55,11 +54,11 @@ def main(argv: list[str] | None = None) -> None:
                      "set --enrolment-secret-file or SFL_ENROLMENT_SECRET too")
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     try:
-        coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id)
+        coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id,
+                                  torch_device=args.torch_device)
     except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
         parser.error(str(exc))
-    if not auth.enabled:
-        logging.getLogger("fed_server").warning("no service secret: devices are not authenticated (docs/security.md)")
+    warn_if_open(auth, "fed_server", "register devices, upload models and server portions")
     settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
     serve(create_app(coordinator, settings), args)
 

@@ -1,5 +1,5 @@
 """The Fed Server's HTTP routes. Devices only call out (register, poll for a task, report,
-upload); the Main Server uploads group portions. The round driver (``driver.py``) starts with the
+upload, report an evaluation); the Main Server uploads group portions. The round driver (``driver.py``) starts with the
 app and runs beside the routes.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus, finite_json
 from shared.errors import NotFound
 from http_api.server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
-from shared.schemas import API, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
+from shared.schemas import API, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
 from shared.wire import packb
 
 log = logging.getLogger("fed_server")
@@ -101,6 +101,8 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         response = msgpack_response(answer)
         if answer.status == "train" and coordinator.round is not None:
             coordinator.round.task_bytes += len(response.body)
+        elif answer.status == "evaluate" and coordinator.evaluating is not None:
+            coordinator.evaluating.task_bytes += len(response.body)
         return response
 
     @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))
@@ -117,6 +119,13 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         req = await read_message(request, ReportRequest, settings.max_register_bytes)
         check_device(request, req.device_id)
         return msgpack_response(coordinator.accept_report(round_id, req))
+
+    @app.post(f"{API}/evaluation", response_class=Response, openapi_extra=msgpack_body_schema(EvaluationReport))
+    async def evaluation(request: Request) -> Response:
+        """Device (federated evaluation): how the round's global model did on its held-out part."""
+        req = await read_message(request, EvaluationReport, settings.max_register_bytes)
+        check_device(request, req.device_id)
+        return msgpack_response(coordinator.accept_evaluation(req))
 
     @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response,
               openapi_extra=msgpack_body_schema(ServerPortionUpload))

@@ -13,12 +13,14 @@ import logging
 import random
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
 from fed_server.devices import DeviceRegistry
+from fed_server.evaluation_round import EvaluationRound
 from fed_server.update_checks import check_claims, clip_update, table_time, update_norm
-from shared.evaluation import evaluate
+from shared.evaluation import combine_reports, evaluate, evaluation_mode, server_test_set
 from fed_server.records import RoundRecord, round_record, run_summary
 from fed_server.recorder import Recorder
 from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
@@ -30,11 +32,11 @@ from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import RoundContext, parse_payload
 from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
-from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
+from shared.data import dataset_input_shape, dataset_num_classes
 from shared.errors import Conflict, Invalid, NotAllowed
-from shared.models import build_model, profile_model
+from shared.models import build_model, fingerprint_differences, model_fingerprint, profile_model
 from shared.schemas import (
-    Ack, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
+    Ack, EvaluationReport, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
     TaskResponse, UpdateRequest,
 )
 from shared.portions import decode_portion, portion_state
@@ -50,11 +52,29 @@ IDLE_RETRY_S = 1.0
 SOON_RETRY_S = 0.2
 
 
-class Coordinator:
-    """Owns the global model, the client time table and the round lifecycle."""
+@dataclass
+class Aggregation:
+    """What aggregating a round attempt left for its record (``Coordinator.aggregate_round``)."""
 
-    def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_url: str | None, run_id: str | None = None) -> None:
+    used: list[str]              # devices whose updates were aggregated
+    dropped: set[str]
+    ok: bool                     # the quorum was met and the global model changed
+    extras: dict                 # the aggregated devices' validated upload extras
+    aggregation_s: float
+
+
+class Coordinator:
+    """Owns the global model, the client time table and the round lifecycle.
+
+    ``torch_device`` (``--torch-device``) is where the global model is evaluated; the model itself
+    stays on the CPU, where uploads arrive from the wire and are aggregated (a round's
+    aggregation is a weighted sum, cheap next to moving every upload to a GPU and back).
+    """
+
+    def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_url: str | None, run_id: str | None = None,
+                 torch_device: torch.device | None = None) -> None:
         self.config = config
+        self.torch_device = torch_device
         self.run_dir = run_dir
         self.recorder = Recorder(run_dir)
         self.main_server_url = main_server_url
@@ -62,16 +82,23 @@ class Coordinator:
         self.algorithm = build_algorithm(config)
         self.num_classes = dataset_num_classes(config.data)
         self.input_shape = dataset_input_shape(config.data)
-        self.model = build_model(config.model, self.num_classes, self.input_shape, seed=config.seed)
+        self.model = build_model(config.model, self.num_classes, self.input_shape, seed=config.seed,
+                                 params=config.model_params)
+        self.fingerprint = model_fingerprint(self.model, config.data)
         self.num_blocks = len(self.model.blocks)
         self.algorithm.bind_model(self.model)
         # The selection policy is composed here, beside the algorithm: every algorithm gets it
         # without having to call it (HiCS-FL learns from every aggregated upload).
         self.selector = build_selector(config, output_layer=self.algorithm.output_layer)
         self.profile = profile_model(self.model, config.model)
-        self.test_set = load_dataset(config.data)[1]
-        self.devices = DeviceRegistry(config.data.num_devices)
-        self.table = ClientTimeTable(len(self.model.split_points), config.split.smoothing)
+        self.evaluation_mode = evaluation_mode(config)
+        # Federated evaluation does not use a server test set even where one exists.
+        self.test_set = server_test_set(config.data) if self.evaluation_mode == "server" else None
+        self.evaluating: EvaluationRound | None = None   # the open federated evaluation phase
+        self.devices = DeviceRegistry(config.data.num_devices, local_data=config.data.dataset == "local")
+        # A model without split points runs only split-depth-zero algorithms (validate_run_config),
+        # which never consult the table: one placeholder candidate keeps it well-formed.
+        self.table = ClientTimeTable(max(1, len(self.model.split_points)), config.split.smoothing)
         self.planner = SplitPlanner(self.algorithm.split_mode(), self.model.split_points, self.num_blocks, self.profile,
                                     self.table, self.devices, config.train.local_epochs, config.split.server_flops)
         self.rng = random.Random(config.seed)
@@ -81,13 +108,16 @@ class Coordinator:
         self.failed_in_a_row = 0
         self.history: list[RoundRecord] = []
         self.finished = False
+        self._evaluation_weights: dict | None = None  # the evaluated global model, encoded once per phase
         self._done_answers: dict[bool, TaskResponse] = {}  # by final_weights: encoded once, polled by every device
         self.stop_reason: str | None = None
         self.started_at: float | None = None
         self.elapsed_before = 0.0     # run time before a restart
         self.cumulative_bytes = 0
-        initial_acc, initial_loss = evaluate(self.model, self.test_set)
-        self.initial = {"test_accuracy": initial_acc, "test_loss": initial_loss}
+        # With federated evaluation nothing evaluates the initial model: the devices are asked only
+        # after aggregating a round, so there is no round-0 accuracy (None).
+        initial_acc, initial_loss = evaluate(self.model, self.test_set, device=self.torch_device) if self.test_set is not None else (None, None)
+        self.initial: dict[str, float | None] = {"test_accuracy": initial_acc, "test_loss": initial_loss}
         self.resumed = self.resume()
         run_dir.write_config(config, self.run_id)
         if self.finished:  # a finished run killed before its summary was written gets it now
@@ -100,16 +130,26 @@ class Coordinator:
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
+        """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
+        its model or data pipeline differs from the run's (None: not checked, docs/models.md)."""
+        if req.fingerprint is not None:
+            differences = fingerprint_differences(req.fingerprint, self.fingerprint, "on the device", "in the run")
+            if differences:
+                raise Conflict(f"{req.device_id}: the device's model differs from the run's "
+                               f"(model {self.config.model!r}): " + "; ".join(differences))
         record = self.devices.register(req)
         self.changed.set()
-        log.info("registered %s (shard %d, %d samples, %s)", req.device_id, req.shard, req.num_samples, req.profile.kind)
+        log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if self.devices.local_data else "shard",
+                 record.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=self.run_id, device_id=record.device_id, shard=record.shard)
 
     def run_info(self) -> RunInfo:
         """The run's model and data spec, so a device can load its shard before registering."""
         return RunInfo(run_id=self.run_id, algorithm=self.config.algorithm, model=self.config.model,
+                       model_params=self.config.model_params, fingerprint=self.fingerprint,
                        num_classes=self.num_classes, input_shape=list(self.input_shape),
-                       data=self.config.data, seed=self.config.seed)
+                       data=self.config.data, seed=self.config.seed,
+                       holdout=self.config.evaluation.holdout if self.evaluation_mode == "federated" else None)
 
     def ready(self) -> bool:
         """Rounds start once every shard has a registered device, or, after the registration
@@ -146,7 +186,8 @@ class Coordinator:
         """What the Main Server needs: participants, splits, and the server-side weights."""
         start = min(a.split_point for a in fed_round.assignments.values())
         return RoundPlan(
-            run_id=self.run_id, round_id=fed_round.round_id, model=self.config.model, num_classes=self.num_classes,
+            run_id=self.run_id, round_id=fed_round.round_id, model=self.config.model,
+            model_params=self.config.model_params, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=self.config.seed,
             participants=[Participant(device_id=d, split_point=a.split_point, num_samples=max(1, self.devices.devices[d].num_samples),
                                       token_nonce=self.devices.token_nonce(d))
@@ -171,6 +212,8 @@ class Coordinator:
                     status="done", num_blocks=self.num_blocks,
                     weights=encode_state(portion_state(self.model, 0, self.num_blocks)) if final_weights else None)
             return self._done_answers[final_weights]
+        if self.evaluating is not None and device_id in self.evaluating.asked:
+            return self._evaluation_task(self.evaluating, device_id)
         fed_round = self.round
         if fed_round is None or not fed_round.ready:
             # Before the first round nothing is imminent; between rounds the next task is.
@@ -201,6 +244,17 @@ class Coordinator:
         return TaskResponse(status="train", phase="follow_up", round_id=fed_round.round_id,
                             deadline_s=self._remaining(fed_round), algorithm=self.config.algorithm,
                             extras=fed_round.follow_ups[device_id].to_wire())
+
+    def _evaluation_task(self, evaluation: EvaluationRound, device_id: str) -> TaskResponse:
+        """Federated evaluation: the whole new global model, once per asked device."""
+        if device_id in evaluation.dispatched or device_id in evaluation.reports:
+            return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
+        evaluation.dispatched.add(device_id)
+        if self._evaluation_weights is None:   # encoded once for every asked device
+            self._evaluation_weights = encode_state(portion_state(self.model, 0, self.num_blocks))
+        remaining = max(1.0, evaluation.deadline() - time.monotonic())
+        return TaskResponse(status="evaluate", round_id=evaluation.round_id, num_blocks=self.num_blocks,
+                            weights=self._evaluation_weights, deadline_s=remaining)
 
     @staticmethod
     def _remaining(fed_round: FedRound) -> float:
@@ -307,6 +361,41 @@ class Coordinator:
         self.changed.set()
         return Ack(detail=f"group {upload.group_id} of round {round_id} stored")
 
+    # --- federated evaluation -----------------------------------------------------------------
+    def begin_evaluation(self, fed_round: FedRound, aggregation: Aggregation) -> EvaluationRound | None:
+        """Federated evaluation of an aggregated round: ask its aggregated devices to evaluate the
+        new global model (their next poll answers ``status="evaluate"``). None when the round is
+        not evaluated this way (server evaluation, or a failed round, which changed no model).
+        Called on the event loop."""
+        if self.evaluation_mode != "federated" or not aggregation.ok:
+            return None
+        self._evaluation_weights = None
+        self.evaluating = EvaluationRound(
+            round_id=fed_round.round_id, asked={d: self.devices.devices[d].num_samples for d in aggregation.used},
+            holdout=self.config.evaluation.holdout, deadline_s=self.config.deadlines.evaluate_s)
+        log.info("round %d: asking %d devices to evaluate the new global model", fed_round.index, len(aggregation.used))
+        return self.evaluating
+
+    def accept_evaluation(self, report: EvaluationReport) -> Ack:
+        """A device's evaluation of the open phase's global model; checked before it is stored."""
+        self.devices.get(report.device_id)
+        evaluation = self.evaluating
+        if evaluation is None or evaluation.round_id != report.round_id:
+            current = evaluation.round_id if evaluation else None
+            raise Conflict(f"round {report.round_id} is not being evaluated (evaluating: {current})")
+        evaluation.accept(report)
+        self.changed.set()
+        return Ack(detail=f"evaluation of {report.device_id} for round {report.round_id} stored")
+
+    def close_evaluation(self) -> EvaluationRound | None:
+        """End the open evaluation phase (all reported, or its deadline passed): later reports are
+        stale. Called on the event loop, so no report lands between this and the record."""
+        evaluation, self.evaluating = self.evaluating, None
+        self._evaluation_weights = None
+        if evaluation is not None:
+            evaluation.closed = True
+        return evaluation
+
     def close_round(self) -> FedRound:
         """Stop accepting uploads for the open round (called on the event loop)."""
         if self.round is None:
@@ -315,9 +404,16 @@ class Coordinator:
         return fed_round
 
     def finish_round(self, fed_round: FedRound) -> RoundRecord:
-        """Aggregate (Algorithm 1 or the algorithm's rule), update the time table, evaluate, record,
-        checkpoint. A round below the quorum is recorded as failed and changes nothing: the same
-        logical round is retried. CPU work: run off the event loop."""
+        """Aggregate and record a closed round without an evaluation phase (server evaluation;
+        with federated evaluation the round is recorded without figures). CPU work: run off the
+        event loop."""
+        return self.record_round(fed_round, self.aggregate_round(fed_round))
+
+    def aggregate_round(self, fed_round: FedRound) -> Aggregation:
+        """Aggregate (Algorithm 1 or the algorithm's rule) and update the time table. A round below
+        the quorum changes nothing (``ok`` False): the same logical round is retried. Nothing is
+        written to disk here: a restart before :meth:`record_round` re-runs the round. CPU work:
+        run off the event loop."""
         dropped = fed_round.dropped()
         contributions: dict[str, Contribution] = {}
         for device, update in sorted(fed_round.updates.items()):
@@ -353,18 +449,36 @@ class Coordinator:
             self.failed_in_a_row += 1
             log.warning("round %d (attempt %d) failed: %d of %d required participants; retrying", fed_round.index,
                         fed_round.round_id, len(used), self.config.deadlines.min_participants)
-        if ok:
-            accuracy, loss = evaluate(self.model, self.test_set)
-        elif self.history:   # the model did not change: its last evaluation stands
-            accuracy, loss = self.history[-1].test_accuracy, self.history[-1].test_loss
+        return Aggregation(used, dropped, ok, extras, aggregation_s)
+
+    def record_round(self, fed_round: FedRound, aggregation: Aggregation,
+                     evaluation: EvaluationRound | None = None) -> RoundRecord:
+        """Evaluate (on the server's test set, or from the closed federated ``evaluation``
+        phase's reports), record, checkpoint. The record is written before the checkpoint that
+        counts it (``fed_server/recorder.py``). CPU work: run off the event loop."""
+        ok, used, extras = aggregation.ok, aggregation.used, aggregation.extras
+        evaluated: tuple[int | None, int | None] = (None, None)   # federated: devices, samples
+        if evaluation is not None:   # the evaluation tasks went down to the devices in this round
+            fed_round.task_bytes += evaluation.task_bytes
+        if not ok:   # the model did not change: its last evaluation stands
+            last = self.history[-1] if self.history else None
+            accuracy, loss = (last.test_accuracy, last.test_loss) if last else (self.initial["test_accuracy"], self.initial["test_loss"])
+            if self.evaluation_mode == "federated":
+                evaluated = (last.evaluated_devices or 0, last.evaluated_samples or 0) if last else (0, 0)
+        elif self.evaluation_mode == "server":
+            assert self.test_set is not None
+            accuracy, loss = evaluate(self.model, self.test_set, device=self.torch_device)
         else:
-            accuracy, loss = self.initial["test_accuracy"], self.initial["test_loss"]
+            # No report at all (or no phase): the round still counts, with no figures.
+            result = evaluation.result() if evaluation is not None else combine_reports([])
+            accuracy, loss, evaluated = result.accuracy, result.loss, (result.devices, result.samples)
         record = round_record(
-            fed_round, self.config.algorithm, used, dropped, "ok" if ok else "failed", accuracy, loss,
+            fed_round, self.config.algorithm, used, aggregation.dropped, "ok" if ok else "failed", accuracy, loss,
             time.monotonic() - fed_round.started_at, self._elapsed(), self.cumulative_bytes,
-            {d: r.kind for d, r in self.devices.devices.items()}, aggregation_s,
+            {d: r.kind for d, r in self.devices.devices.items()}, aggregation.aggregation_s,
             {**self.selector.metrics(), **self.algorithm.round_metrics(fed_round.context, extras),
-             **self.algorithm.evaluate(self.model)} if ok else {})
+             **self.algorithm.evaluate(self.model)} if ok else {},
+            evaluated_devices=evaluated[0], evaluated_samples=evaluated[1])
         self.cumulative_bytes = record.cumulative_bytes
         self.history.append(record)
         finished, stop_reason = False, None

@@ -1,4 +1,4 @@
-"""Registered devices: who they are, which shard they hold, what they say about their speed."""
+"""Registered devices: who they are, which shard (or slot) they hold, what they say about their speed."""
 from __future__ import annotations
 
 import secrets
@@ -28,19 +28,44 @@ class DeviceRegistry:
 
     Re-registering a known device keeps its place (same id and shard) but gives it a new token
     nonce: the restarted agent that registers again gets a new token and the old one is revoked.
+
+    With ``local_data`` (``dataset="local"``) there is no partition: a device registers without a
+    shard and gets the lowest free slot ``0..num_shards-1`` (kept when it registers again); a run
+    whose slots are all taken refuses newcomers. The slot stands where the shard stands elsewhere
+    (the device's place in the run, e.g. for emulated kinds), so the rest of the server is the same.
     """
 
-    def __init__(self, num_shards: int) -> None:
+    def __init__(self, num_shards: int, local_data: bool = False) -> None:
         self.num_shards = num_shards
+        self.local_data = local_data
         self.devices: dict[str, DeviceRecord] = {}
 
-    def register(self, req: RegisterRequest) -> DeviceRecord:
+    def _place(self, req: RegisterRequest) -> int:
+        """The shard or slot ``req`` gets; raises (changing nothing) when it cannot have one."""
+        if self.local_data:
+            if req.shard is not None:
+                raise Invalid(f"this run uses the devices' own data (dataset 'local'): register without a shard, "
+                              f"got shard {req.shard}")
+            known = self.devices.get(req.device_id)
+            if known is not None:
+                return known.shard
+            taken = {record.shard for record in self.devices.values()}
+            free = [slot for slot in range(self.num_shards) if slot not in taken]
+            if not free:
+                raise Conflict(f"the run is full: all {self.num_shards} device slots (data.num_devices) are taken")
+            return free[0]
+        if req.shard is None:
+            raise Invalid("this run partitions a built-in data set: register with the shard the device holds")
         if req.shard >= self.num_shards:
             raise Invalid(f"shard {req.shard} does not exist: the run has {self.num_shards} shards (0..{self.num_shards - 1})")
         for other in self.devices.values():
             if other.shard == req.shard and other.device_id != req.device_id:
                 raise Conflict(f"shard {req.shard} is already held by device {other.device_id!r}")
-        record = DeviceRecord(req.device_id, req.shard, req.num_samples,
+        return req.shard
+
+    def register(self, req: RegisterRequest) -> DeviceRecord:
+        """Add or refresh ``req``'s device in its shard (or slot) with a new token nonce."""
+        record = DeviceRecord(req.device_id, self._place(req), req.num_samples,
                               DeviceProfile(flops=req.profile.flops, rate=req.profile.rate), req.profile.kind)
         self.devices[req.device_id] = record
         return record

@@ -28,7 +28,9 @@ log = logging.getLogger("fed_server")
 @dataclass
 class FedServerSettings:
     max_update_bytes: int = 512 << 20
-    max_register_bytes: int = 64 << 10
+    # A registration carries the model fingerprint, ~80 bytes per parameter/buffer: 256 KiB fits
+    # models of ~3000 tensors (a ResNet-50 has ~320).
+    max_register_bytes: int = 256 << 10
     plan_retries: int = 5
     per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
     auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
@@ -54,7 +56,7 @@ async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSett
 async def wait_until(coordinator: Coordinator, done: Callable[[], bool], until: float) -> bool:
     """Wait until ``done()`` holds or the monotonic time ``until`` passes; whether it holds.
 
-    Wakes on ``coordinator.changed`` (set by every registration, report, update and portion), not
+    Wakes on ``coordinator.changed`` (set by every registration, report, update, portion and evaluation report), not
     on a timer. Clearing the event and checking ``done()`` happen without an ``await`` between
     them, so a change that lands while the driver is busy is never missed.
     """
@@ -93,7 +95,16 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
             log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
                         fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
         coordinator.close_round()
-        record = await asyncio.to_thread(coordinator.finish_round, fed_round)
+        aggregation = await asyncio.to_thread(coordinator.aggregate_round, fed_round)
+        evaluation = coordinator.begin_evaluation(fed_round, aggregation)
+        if evaluation is not None:
+            # Federated evaluation: wait for the asked devices' reports, woken by each one; at the
+            # deadline the round is recorded with what arrived (none: no figures, still recorded).
+            if not await wait_until(coordinator, evaluation.complete, evaluation.deadline()):
+                log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
+                            fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
+            coordinator.close_evaluation()
+        record = await asyncio.to_thread(coordinator.record_round, fed_round, aggregation, evaluation)
         if metrics is not None:
             metrics.observe_round(record)
             metrics.checkpoint_written()  # finish_round writes checkpoint.msgpack once per round

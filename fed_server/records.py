@@ -81,6 +81,10 @@ class RoundRecord(BaseModel):
     cumulative_bytes: int
     plan_error: str | None
     aggregation_s: float = 0.0
+    # Federated evaluation (docs/metrics.md): how many devices reported an evaluation of this
+    # round's global model and over how many held-out samples; None when the Fed Server evaluated.
+    evaluated_devices: int | None = None
+    evaluated_samples: int | None = None
     # Each algorithm's own per-round figures (FNR-FL's public accuracies, HiCS-FL's entropies...):
     # their shapes belong to the algorithms, so the record keeps them as the JSON they are.
     algorithm_metrics: dict[str, Any] = {}
@@ -111,7 +115,7 @@ class RunStatus(BaseModel):
     registered: int
     expected_devices: int
     open_round: int | None          # attempt id (``round_id``) of the round in progress
-    initial: dict[str, float]       # the initial model's test_accuracy and test_loss
+    initial: dict[str, float | None]  # the initial model's test_accuracy and test_loss (None: federated evaluation)
     history: list[RoundRecord]
     summary: dict[str, Any] | None  # summary.json's contents once finished
     driver_error: str | None
@@ -119,7 +123,8 @@ class RunStatus(BaseModel):
 
 def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropped: set[str], status: str,
                  accuracy: float | None, loss: float | None, duration: float, elapsed: float, cumulative_bytes: int,
-                 device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any]) -> RoundRecord:
+                 device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any],
+                 evaluated_devices: int | None = None, evaluated_samples: int | None = None) -> RoundRecord:
     """The record of one finished round attempt."""
     updates = fed_round.updates
     up, down, server = round_bytes(fed_round)
@@ -140,6 +145,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
         bytes_up=up, bytes_down=down, bytes_server=server, bytes_total=up + down + server,
         cumulative_bytes=cumulative_bytes + up + down + server, plan_error=fed_round.plan_failed,
         aggregation_s=aggregation_s, algorithm_metrics=dict(algorithm_metrics),
+        evaluated_devices=evaluated_devices, evaluated_samples=evaluated_samples,
     )
 
 
@@ -152,7 +158,7 @@ def round_bytes(fed_round: FedRound) -> tuple[int, int, int]:
     return up, down, server
 
 
-def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial_accuracy: float, rounds_done: int,
+def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial_accuracy: float | None, rounds_done: int,
                 cumulative_bytes: int, finished: bool, stop_reason: str | None) -> dict[str, Any]:
     """``summary.json``: what the run achieved. Accuracy figures come from completed rounds only."""
     ok = [r for r in history if r.status == "ok"]

@@ -18,18 +18,26 @@ def main(argv: list[str] | None = None) -> None:
                         help="where finished groups' server portions are uploaded (env SFL_FED_SERVER_URL)")
     parser.add_argument("--max-step-mb", type=float, default=float(env_default("max_step_mb", 64)),
                         help="largest accepted step body in MiB (env SFL_MAX_STEP_MB)")
+    parser.add_argument("--model", default=env_default("model", None),
+                        help="the run's model when it is an import path package.module:function (env SFL_MODEL): "
+                             "the Main Server builds an import path only if it equals this, never because a plan "
+                             "names it (docs/security.md); built-in names need no flag")
     args = parse_service_args(parser, argv)
-    configure_process(args.log_level, args.torch_threads)
+    configure_process(args.log_level, args.torch_threads, args.torch_device)
     from main_server.app import create_app
     from main_server.server import MainServerSettings
     from main_server.group_trainer import warm_up
-    from shared.auth import auth_from_settings
+    from shared.auth import auth_from_settings, warn_if_open
 
-    warm_up()
+    try:
+        auth = auth_from_settings(args.service_secret_file, None)
+    except ValueError as exc:   # an empty secret file
+        parser.error(str(exc))
+    warn_if_open(auth, "main_server", "open rounds, join them and send activations")
+    warm_up(args.torch_device)
 
-    auth = auth_from_settings(args.service_secret_file, None)
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),
-                                  auth=auth, ca_file=args.ca_file)
+                                  auth=auth, ca_file=args.ca_file, torch_device=args.torch_device, model=args.model)
     serve(create_app(settings), args)
 
 

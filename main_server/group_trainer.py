@@ -16,13 +16,14 @@ from shared.algorithms.group_loss import GroupLoss, PerMemberLoss
 from shared.models import SplitModel
 
 
-def warm_up() -> None:
-    """Pay PyTorch's first-optimizer cost (1-2 s of lazy imports, once per process) at start-up.
+def warm_up(device: torch.device | None = None) -> None:
+    """Pay PyTorch's first-optimizer cost (1-2 s of lazy imports, once per process) at start-up,
+    and on a GPU the context's creation (seconds), on ``device``.
 
     Otherwise round 1's first group holds every join for it (round 1 looks slower than it is),
     and the first step of round 1, whose server time feeds the time table, runs cold.
     """
-    param = torch.zeros(1, requires_grad=True)
+    param = torch.zeros(1, requires_grad=True, device=device)
     (param * 2.0).sum().backward()
     torch.optim.SGD([param], lr=0.0, momentum=0.9).step()
 
@@ -44,7 +45,14 @@ class MemberResult:
 
 
 class GroupTrainer:
-    """Trains one group's copy of the server portion ``blocks[start:]``."""
+    """Trains one group's copy of the server portion ``blocks[start:]`` on ``device``
+    (``--torch-device``; default the CPU).
+
+    ``model`` and ``weights`` arrive on the CPU (built from the plan, decoded from the wire); the
+    portion moves to the device, each step's activations and labels follow it there, and dfx and
+    :meth:`state` come back to the CPU for the wire. The blocks before ``start`` stay unused on
+    the CPU.
+    """
 
     def __init__(
         self,
@@ -55,11 +63,14 @@ class GroupTrainer:
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         group_loss: GroupLoss | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.start = start
+        self.device = device or torch.device("cpu")
         self.portion = model.portion(start, len(model.blocks))
         self.portion.load_state_dict(dict(weights), strict=True)
+        self.portion.to(self.device)
         self.portion.train()
         self.group_loss = group_loss if group_loss is not None else PerMemberLoss()
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -67,7 +78,7 @@ class GroupTrainer:
 
     def state(self) -> dict[str, torch.Tensor]:
         """The trained server portion, keyed by the full model's state_dict names."""
-        return {k: v.detach().clone() for k, v in self.portion.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.portion.state_dict().items()}
 
     def step(self, batches: list[MemberBatch]) -> dict[str, MemberResult]:
         """Forward the concatenated batch, one SGD step on the copy, each member's dfx and loss.
@@ -80,7 +91,8 @@ class GroupTrainer:
         for b in batches:
             if not self.start <= b.split_point < len(self.model.blocks):
                 raise ValueError(f"{b.device_id}: split {b.split_point} outside this group's portion")
-        inputs = {b.device_id: b.fx.detach().float().clone().requires_grad_(True) for b in batches}
+        inputs = {b.device_id: b.fx.detach().to(self.device, torch.float32, copy=True).requires_grad_(True)
+                  for b in batches}
         order: list[MemberBatch] = []
         h: torch.Tensor | None = None
         names = self.model.block_names()
@@ -94,8 +106,9 @@ class GroupTrainer:
                 h = self.model.blocks[names[index]](h)
         assert h is not None
         logits = torch.split(h, [b.labels.shape[0] for b in order], dim=0)
-        member_losses = [F.cross_entropy(out, b.labels) for out, b in zip(logits, order)]
-        total = self.group_loss.objective(h, [b.labels for b in order], member_losses)
+        labels = [b.labels.to(self.device) for b in order]
+        member_losses = [F.cross_entropy(out, y) for out, y in zip(logits, labels)]
+        total = self.group_loss.objective(h, labels, member_losses)
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
         divisor = self.group_loss.server_grad_divisor(len(order))
@@ -106,6 +119,6 @@ class GroupTrainer:
         self.optimizer.step()
         self.steps += 1
         return {
-            b.device_id: MemberResult(dfx=inputs[b.device_id].grad.detach().to(b.fx.dtype), loss=float(loss.detach()))
+            b.device_id: MemberResult(dfx=inputs[b.device_id].grad.detach().to("cpu", b.fx.dtype), loss=float(loss.detach()))
             for b, loss in zip(order, member_losses)
         }

@@ -24,7 +24,7 @@ from main_server.metrics import MainMetrics
 from shared.algorithms.grouping import grouping_rng, label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
-from shared.models import SplitModel, build_model
+from shared.models import SplitModel, build_model, check_model_origin
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.portions import decode_portion
 from shared.wire import WireError, decode_tensor
@@ -64,12 +64,18 @@ class Group:
 
 
 class RoundState:
-    """One round at the Main Server, from the Fed Server's plan to the groups' uploads."""
+    """One round at the Main Server, from the Fed Server's plan to the groups' uploads.
+
+    The template model, the plan's weights and the validation of every request stay on the CPU,
+    where the wire delivers them; each group's copy trains on ``device`` (:class:`GroupTrainer`).
+    """
 
     def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]],
-                 metrics: MainMetrics | None = None) -> None:
+                 metrics: MainMetrics | None = None, device: torch.device | None = None,
+                 model_ref: str | None = None) -> None:
         self.plan = plan
         self.metrics = metrics
+        self.device = device
         self.round_id = plan.round_id
         self.participants = {p.device_id: p for p in plan.participants}
         try:
@@ -78,8 +84,13 @@ class RoundState:
         except ValueError as exc:
             raise Invalid(f"invalid plan: {exc}") from None
         try:
-            self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed)
+            # An import path is code: built only when the operator named it (--model), never
+            # because a plan did (docs/security.md).
+            check_model_origin(plan.model, model_ref)
+            self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
+                                                    params=plan.model_params)
         except ValueError as exc:  # unknown model, bad input_shape or num_classes: the plan's fault, not ours
+            log.error("refusing round %d's plan: %s", plan.round_id, exc)
             raise Invalid(f"invalid plan: {exc}") from None
         n_blocks = len(self.template.blocks)
         for p in plan.participants:
@@ -90,10 +101,9 @@ class RoundState:
             self.server_weights = decode_portion(plan.server_weights, self.template, self.start, n_blocks, what="server_weights")
         except WireError as exc:
             raise Invalid(str(exc)) from None
-        try:
-            self.activation_shapes = self._activation_shapes()
-        except RuntimeError as exc:  # e.g. an input_shape too small for the model's pooling
-            raise Invalid(f"invalid plan: input_shape {plan.input_shape} does not fit model {plan.model!r}: {exc}") from None
+        # build_model has run one sample through the blocks: an input_shape the model cannot take
+        # (too small for its pooling) was refused above.
+        self.activation_shapes = self._activation_shapes()
         self.joined: dict[str, JoinRequest] = {}
         self.groups: list[Group] | None = None
         self.group_of: dict[str, Group] = {}
@@ -163,7 +173,7 @@ class RoundState:
             trainer = GroupTrainer(
                 copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
                 lr=self.plan.train.lr, momentum=self.plan.train.momentum,
-                weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss,
+                weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss, device=self.device,
             )
             group = Group(
                 group_id=gid, members=list(members), split=split,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.auth import Auth
@@ -33,6 +35,8 @@ class MainServerSettings:
     upload_retries: int = 5
     auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
     ca_file: str | None = None                 # CA bundle to verify the Fed Server's HTTPS certificate
+    torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where groups train
+    model: str | None = None                   # the operator's --model: the only import path a plan may name
 
 
 class MainServer:
@@ -55,7 +59,8 @@ class MainServer:
         """Open the plan's round, replacing (abandoning) the open one unless the plan is older."""
         if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
             raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
-        new = RoundState(plan, self.upload_portion, self.metrics)  # validates the plan before anything is replaced
+        # validates the plan before anything is replaced
+        new = RoundState(plan, self.upload_portion, self.metrics, self.settings.torch_device, model_ref=self.settings.model)
         if self.round is not None:
             self.round.abandon()
         self.round = new

@@ -21,12 +21,26 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import NotAllowed, Unauthenticated
 from shared.schemas import RoundPlan
+
+
+def warn_if_open(auth: "Auth", service: str, exposure: str) -> bool:
+    """At a server's start: log a WARNING when it runs without a service secret, saying what
+    anyone who can reach it may then do (``exposure``) and how to set the secret. One function for
+    both servers, so they say it the same way. Returns whether it warned."""
+    if auth.enabled:
+        return False
+    logging.getLogger(service).warning(
+        "no service secret: requests are not authenticated, so anyone who can reach this server can %s. "
+        "Set --service-secret-file FILE or SFL_SERVICE_SECRET (the same secret on the Fed Server and the "
+        "Main Server; docs/security.md)", exposure)
+    return True
 
 
 def load_secret(file: str | None, env_var: str) -> bytes | None:

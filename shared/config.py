@@ -178,13 +178,28 @@ class RunConfig(_Strict):
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a plain dict."""
-    text = Path(path).read_text()
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    """Read a YAML or JSON file (a run configuration, a service's settings, an experiment file)
+    into a plain dict. ValueError says that the file is missing or unreadable, or where (file,
+    line, column) its syntax is wrong, in one line a CLI can print."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the file: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}, line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(f"{path}{where}: not valid YAML: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level of a config file must be a mapping")
+        raise ValueError(f"{path}: the top level of the file must be a mapping")
     return data
 
 
@@ -201,7 +216,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like key.path=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"override {text!r}: the value is not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
 
 
 def merge_config_sources(

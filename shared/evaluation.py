@@ -1,23 +1,123 @@
-"""Test accuracy and loss of a model over a data set (the Fed Server's global model, per-domain and local evaluations)."""
+"""Where and how the global model is evaluated: on the Fed Server's test set, or federated (every
+device of the round evaluates it on its held-out part and reports counts, which this module
+combines). Also the evaluation of one model over one data set (the Fed Server's global model,
+per-domain and local evaluations, a device's held-out part).
+"""
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
-from shared.data import ArrayDataset
+from shared.data import ArrayDataset, load_dataset
+from shared.data.spec import DataSpec
+from shared.torch_device import model_device
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
+    from shared.schemas import EvaluationReport
+
+EvaluationMode = Literal["server", "federated"]
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int = 500) -> tuple[float, float]:
-    """(accuracy in [0, 1], mean cross-entropy) over ``data``, in eval mode."""
+def evaluation_counts(model: torch.nn.Module, data: ArrayDataset, batch_size: int = 500,
+                      device: torch.device | None = None) -> tuple[int, float]:
+    """(correct predictions, summed cross-entropy) over ``data``, in eval mode: what a device
+    reports, so that the server can weight every device by its sample count exactly.
+
+    Without ``device`` it runs where the model's weights are (a device agent's model on its
+    ``--torch-device``). With ``device`` (the Fed Server's ``--torch-device``) the model itself
+    stays where it is (the global model stays on the CPU, where uploads are aggregated): its
+    parameters and buffers are copied to ``device`` once per call and used through
+    ``torch.func.functional_call``, which is cheaper than copying the module (one copy of the
+    weights, none of the structure; no copy at all when ``device`` is where they already are,
+    so the CPU runs this same path bit for bit). The data set stays on the CPU and each batch
+    follows the weights.
+    """
     was_training = model.training
     model.eval()
+    weights = None
+    if device is None:
+        target = model_device(model)
+    else:
+        target = torch.device(device)
+        weights = {name: t.to(target) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
     correct, loss_sum = 0, 0.0
-    for start in range(0, len(data), batch_size):
-        x, y = data.x[start:start + batch_size], data.y[start:start + batch_size]
-        logits = model(x)
-        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
-    model.train(was_training)
+    try:
+        for start in range(0, len(data), batch_size):
+            x = data.x[start:start + batch_size].to(target)
+            y = data.y[start:start + batch_size].to(target)
+            logits = model(x) if weights is None else functional_call(model, weights, (x,))
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == y).sum())
+    finally:
+        model.train(was_training)
+    return correct, loss_sum
+
+
+def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int = 500,
+             device: torch.device | None = None) -> tuple[float, float]:
+    """(accuracy in [0, 1], mean cross-entropy) over ``data``, in eval mode (see
+    :func:`evaluation_counts` for ``device``)."""
+    correct, loss_sum = evaluation_counts(model, data, batch_size, device)
     n = max(1, len(data))
     return correct / n, loss_sum / n
+
+
+def has_server_test_set(spec: DataSpec) -> bool:
+    """Whether the Fed Server holds a test set: every built-in data set does; ``local`` only with
+    ``data.test_file``."""
+    return spec.dataset != "local" or spec.test_file is not None
+
+
+def evaluation_mode(config: "RunConfig") -> EvaluationMode:
+    """The run's evaluation: ``evaluation.mode``, with ``auto`` resolved to ``server`` when the Fed
+    Server has a test set and ``federated`` when it has none."""
+    if config.evaluation.mode != "auto":
+        return config.evaluation.mode
+    return "server" if has_server_test_set(config.data) else "federated"
+
+
+def server_test_set(spec: DataSpec) -> ArrayDataset | None:
+    """The Fed Server's test set: a built-in data set's test split, ``data.test_file`` for a local
+    run (loaded, checked and transformed like the devices' files), or None when there is none."""
+    if spec.dataset != "local":
+        return load_dataset(spec)[1]
+    if spec.test_file is None:
+        return None
+    # Imported here: the local loaders (Pillow, user functions) are only needed by local runs.
+    from shared.data.local import load_npz
+    return load_npz(spec.test_file, spec)
+
+
+@dataclass(frozen=True)
+class FederatedResult:
+    """The sample-weighted mean over the devices' evaluation reports."""
+
+    accuracy: float | None      # None: no device evaluated any sample
+    loss: float | None
+    devices: int                # devices that evaluated at least one sample
+    samples: int
+
+
+def combine_reports(reports: Iterable["EvaluationReport"]) -> FederatedResult:
+    """Sum correct predictions, losses and samples over the reports: the accuracy and loss are
+    then the means over every held-out sample of the round, i.e. each device weighted by its
+    held-out size. Reports of devices that held out nothing count for nothing."""
+    devices, samples, correct, loss_sum = 0, 0, 0, 0.0
+    for report in reports:
+        if report.num_samples == 0:
+            continue
+        devices += 1
+        samples += report.num_samples
+        correct += report.correct
+        loss_sum += report.loss_sum
+    if samples == 0:
+        return FederatedResult(None, None, 0, 0)
+    return FederatedResult(correct / samples, loss_sum / samples, devices, samples)

@@ -6,27 +6,38 @@ a cycle (the registry imports the algorithms, which import ``shared.config``). T
 above both. Every place that builds a ``RunConfig`` from outside data (the Fed Server and testbed
 CLIs, experiment grids, benchmarks, tests) goes through :func:`load_run_config` or
 :func:`resolve_run_config`, so a bad configuration fails when it is read, before any process
-starts, with a message naming the problem.
+starts, with a message naming the problem: a :class:`ConfigError` whose ``lines`` say, one line
+per wrong field, which field is wrong, what it must be and what it got, without pydantic's internals
+(the CLIs print them with :func:`exit_on_config_error`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from pydantic import BaseModel, ValidationError
 
 from shared.algorithms.registry import (
     ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_selector,
 )
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
-from shared.models.zoo import MODEL_NAMES, SPLIT_DEPTH_ZERO_MODELS
+from shared.data import dataset_input_shape, dataset_num_classes
+from shared.data.feature_skew import GaussianNoiseParams
+from shared.evaluation import has_server_test_set
+from shared.models import SplitModel, build_model_layout
+from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
 
 def validate_run_config(config: RunConfig) -> RunConfig:
-    """Check what the schema alone cannot: known algorithm, selection, model, grouping and
-    group-loss names, the
-    algorithm's and the selector's own parameters, the per-device data transform and its
-    parameters, and model/algorithm compatibility.
+    """Check what the schema alone cannot: known algorithm, selection, grouping and group-loss
+    names; the model (it is built: import path, model_params, shapes, see
+    :func:`build_config_model`); a server evaluation's test set; the algorithm's and the
+    selector's own parameters; the per-device data transform and its parameters; and
+    model/algorithm compatibility (a cut needs split points, FNR-FL/FedIPG/HiCS-FL need the parts
+    they name in ``model_parts_needed``).
 
     Returns ``config`` unchanged; raises ValueError naming the problem (and, for unknown names,
     the valid choices).
@@ -35,9 +46,11 @@ def validate_run_config(config: RunConfig) -> RunConfig:
         raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
     if config.selection not in SELECTORS:
         raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}")
-    if config.model not in MODEL_NAMES:
-        raise ValueError(f"unknown model {config.model!r}; choose one of {list(MODEL_NAMES)}")
+    model = build_config_model(config)
     check_device_transform(config.data)   # unknown names and bad parameters
+    if config.evaluation.mode == "server" and not has_server_test_set(config.data):
+        raise ValueError("evaluation.mode='server' needs a server-side test set: set data.test_file, "
+                         "or use evaluation.mode 'federated' (or 'auto')")
     if config.grouping.method is not None:
         build_grouping(config.grouping.method)   # an unknown plug-in name lists the known ones
     build_group_loss(config.grouping.group_loss)
@@ -45,17 +58,117 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     # algorithm's own requirements on the rest of the config (e.g. FNR-FL needs
     # data.public_samples), before any process starts.
     algorithm = build_algorithm(config)
-    build_selector(config)
+    selector = build_selector(config)
     if config.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
         raise ValueError(f"model {config.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
                          f"(e.g. fedavg, fedbc), not {config.algorithm!r}")
+    if algorithm.split_mode() != "zero" and not model.split_points:
+        raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
+                         f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
+    for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
+                       (f"selection {config.selection!r}", selector.model_parts_needed())):
+        for part in needs:
+            if getattr(model, part) is None:
+                what = "penultimate feature block" if part == "feature_block" else "output layer"
+                raise ValueError(f"{who} needs the model's {what}, which model {config.model!r} does not declare "
+                                 f"and it could not be inferred: return ModelDefinition(..., {part}=...) "
+                                 f"(docs/models.md)")
     return config
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot be used. ``lines`` holds one line per problem, each naming the
+    field (``train.lr: must be greater than 0 (got -1)``) or the file and line of a syntax error;
+    ``str()`` is the lines joined by newlines."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+def _fields_at(model: type[BaseModel] | None, loc: Sequence[str | int]) -> list[str] | None:
+    """The setting names of the (nested) schema at ``loc``, for an unknown key's message; None
+    where ``loc`` leads into a free-form mapping (``model_params``, a list item)."""
+    for part in loc:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        annotation = field.annotation if field is not None else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(model.model_fields) if model is not None else None
+
+
+def _shown(value: Any) -> str:
+    """A wrong value as the user wrote it, shortened: a whole sub-mapping is not repeated."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def config_error_lines(exc: ValidationError, prefix: str = "",
+                       model: type[BaseModel] | None = None) -> list[str]:
+    """One line per error of ``exc``: ``field.path: what it must be (got value)``.
+
+    ``prefix`` is where the validated mapping sits in the file (``algorithm_params`` for an
+    algorithm's ``Params``); ``model`` is the schema that was validated, so an unknown key's line
+    lists the keys valid in its place. pydantic's type codes, ``input_value=...`` dumps and
+    documentation links are left out: they describe pydantic, not the user's file.
+    """
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = [str(part) for part in err["loc"]]
+        path = [prefix, *loc] if prefix else loc
+        field = ".".join(path)   # empty for a check across the whole config
+        kind, message = err["type"], err["msg"]
+        if kind == "extra_forbidden":
+            where = ".".join(path[:-1]) or "the top level"
+            valid = _fields_at(model, loc[:-1])
+            message = f"unknown key in {where}" + ("" if valid is None else
+                                                   f" (valid keys: {', '.join(valid)})" if valid else " (it takes no keys)")
+        elif kind == "missing":
+            message = "is required"
+        elif kind == "model_type":
+            message = f"must be a mapping of settings (got {_shown(err['input'])})"
+        else:
+            message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+            message = "must be" + message[len("Input should be"):] if message.startswith("Input should be") else message
+            if kind != "value_error" and not isinstance(err.get("input"), (dict, list)):
+                message += f" (got {_shown(err.get('input'))})"
+        lines.append(f"{field}: {message}" if field else message)
+    return lines
+
+
+def _params_schema(exc: ValidationError, config: RunConfig) -> tuple[str, type[BaseModel] | None]:
+    """Which free-form mapping of ``config`` (and which model of its parameters) a ValidationError
+    raised by :func:`validate_run_config` came from: the algorithm's and the selector's ``Params``
+    validate ``algorithm_params`` and ``selection_params``; the Gaussian-noise transform validates
+    ``data.device_transform_params``."""
+    algorithm, selector = ALGORITHMS.get(config.algorithm), SELECTORS.get(config.selection)
+    for prefix, schema in (("algorithm_params", algorithm.Params if algorithm else None),
+                           ("selection_params", selector.Params if selector else None),
+                           ("data.device_transform_params", GaussianNoiseParams)):
+        if schema is not None and exc.title == schema.__name__:
+            return prefix, schema
+    return "", None
+
+
+def build_config_model(config: RunConfig) -> SplitModel:
+    """Build the run's model to check it (import, parameters, shapes, parts), cheaply: on the meta
+    device where its code runs there, else for real (``build_model_layout``)."""
+    return build_model_layout(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
+                              seed=config.seed, params=config.model_params)
+
+
 def load_run_config(data: Mapping[str, Any]) -> RunConfig:
-    """A plain (nested) dict -> a fully validated ``RunConfig``; ValueError (pydantic's
-    ValidationError is one) says what is wrong."""
-    return validate_run_config(RunConfig.model_validate(data))
+    """A plain (nested) dict -> a fully validated ``RunConfig``; :class:`ConfigError` (a
+    ValueError) says what is wrong, one line per problem."""
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(config_error_lines(exc, model=RunConfig)) from None
+    try:
+        return validate_run_config(config)
+    except ValidationError as exc:
+        raise ConfigError(config_error_lines(exc, *_params_schema(exc, config))) from None
+    except ValueError as exc:   # the registry's and the transforms' checks: one line each
+        raise ConfigError([str(exc)]) from None
 
 
 def resolve_run_config(
@@ -64,5 +177,18 @@ def resolve_run_config(
     env_prefix: str = "SFL_RUN__",
 ) -> RunConfig:
     """Defaults < config file < environment (``SFL_RUN__TRAIN__LR=0.1``) < ``key=value`` overrides,
-    validated completely (see :func:`shared.config.merge_config_sources`)."""
-    return load_run_config(merge_config_sources(config_file, overrides, env_prefix))
+    validated completely (see :func:`shared.config.merge_config_sources`). A missing or unreadable
+    file, a syntax error and a malformed override are :class:`ConfigError` too."""
+    try:
+        data = merge_config_sources(config_file, overrides, env_prefix)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    return load_run_config(data)
+
+
+def exit_on_config_error(exc: ConfigError) -> NoReturn:
+    """For the CLIs: print ``config error: <line>`` per problem to stderr and exit with status 2
+    (argparse's status for bad usage), without a traceback."""
+    for line in exc.lines:
+        print(f"config error: {line}", file=sys.stderr)
+    sys.exit(2)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, m
 
 from shared.config import TrainConfig
 from shared.data.spec import DataSpec
+from shared.models.fingerprint import ModelFingerprint
 from shared.wire import DTYPE_NAMES, MAX_RANK
 
 API = "/v1"
@@ -65,9 +66,15 @@ class DeviceProfileMsg(Message):
 
 class RegisterRequest(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
-    shard: int = Field(ge=0)
+    #: The partition shard the device derived its data from (built-in data sets). None with
+    #: ``dataset="local"``: the device brings its own data and the Fed Server gives it a slot.
+    shard: int | None = Field(default=None, ge=0)
     num_samples: int = Field(ge=0)
     profile: DeviceProfileMsg
+    # The device's own model fingerprint (shared/models/fingerprint.py); the Fed Server refuses one
+    # that differs from the run's with 409. None (a device that does not send one, e.g. written
+    # before fingerprints or in another language) is accepted unchecked.
+    fingerprint: ModelFingerprint | None = None
 
 
 class RunInfo(Message):
@@ -76,16 +83,21 @@ class RunInfo(Message):
     run_id: str
     algorithm: str
     model: str
+    model_params: dict[str, JsonValue] = Field(default_factory=dict)   # data passed to the model function, never code
     num_classes: int
     input_shape: list[int]
     data: DataSpec
     seed: int
+    #: Federated evaluation: the fraction of its data every device holds out (``evaluation.holdout``)
+    #: and evaluates the global model on when asked. None: the Fed Server evaluates on its test set.
+    holdout: float | None = Field(default=None, gt=0, lt=1)
+    fingerprint: ModelFingerprint   # what a device's own build must match to register (docs/models.md)
 
 
 class RegisterResponse(Message):
     run_id: str
     device_id: DeviceId
-    shard: int
+    shard: int   # the device's shard, or with dataset="local" the slot the Fed Server gave it
     token: str | None = None   # the device's bearer token (None when the servers run without auth)
 
 
@@ -100,15 +112,17 @@ class DeviceTimings(Message):
 
 
 class TaskResponse(Message):
-    """The answer to a device's poll: wait, train this round, act on a follow-up, or stop.
+    """The answer to a device's poll: wait, train this round, act on a follow-up, evaluate, or stop.
 
     ``phase="train"``: train ``weights`` (the device's portion of the global model).
     ``phase="follow_up"``: two-phase algorithms only; ``extras`` is the Fed Server's answer to the
     device's report for ``round_id``; no weights (the device continues from its trained model).
+    ``status="evaluate"``: federated evaluation of round ``round_id``: ``weights`` is the whole new
+    global model; evaluate it on the held-out part and POST an :class:`EvaluationReport`.
     ``status="done"``: the run is over; ``weights`` is the final global model (every device gets it).
     """
 
-    status: Literal["wait", "train", "done"]
+    status: Literal["wait", "train", "evaluate", "done"]
     retry_after_s: float = 0.5
     phase: Literal["train", "follow_up"] = "train"
     round_id: int | None = None
@@ -146,6 +160,25 @@ class UpdateRequest(Message):
     extras: dict[str, JsonValue] = {}      # algorithm-specific values (checked by the algorithm)
 
 
+class EvaluationReport(Message):
+    """Federated evaluation: how the global model of round ``round_id`` did on a device's held-out
+    part. ``num_samples`` 0: the device held nothing out (it reports so the round need not wait)."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0, strict=True)
+    num_samples: int = Field(ge=0, strict=True)
+    correct: int = Field(ge=0, strict=True)
+    loss_sum: float = Field(ge=0, allow_inf_nan=False)   # summed cross-entropy over the samples
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EvaluationReport":
+        if self.correct > self.num_samples:
+            raise ValueError(f"correct ({self.correct}) exceeds num_samples ({self.num_samples})")
+        if self.num_samples == 0 and self.loss_sum != 0:
+            raise ValueError("loss_sum must be 0 when no sample was evaluated")
+        return self
+
+
 class Ack(Message):
     ok: bool = True
     detail: str = ""
@@ -168,6 +201,7 @@ class RoundPlan(Message):
     run_id: str
     round_id: int = Field(ge=0)
     model: str
+    model_params: dict[str, JsonValue] = Field(default_factory=dict)
     num_classes: int
     input_shape: list[int]
     seed: int

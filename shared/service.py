@@ -5,12 +5,16 @@ import argparse
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 from shared.config import env_default
 
+if TYPE_CHECKING:   # torch is imported when a process starts, not when this module is
+    import torch
 
-def configure_process(log_level: str = "INFO", threads: int | None = None) -> None:
-    """Logging format and torch threads.
+
+def configure_process(log_level: str = "INFO", threads: int | None = None, torch_device: "torch.device | None" = None) -> None:
+    """Logging format and torch threads; logs the ``--torch-device`` when it is not the CPU.
 
     One torch thread per process by default: two processes each using two threads on two cores
     run many times slower than with one thread each (measured on the 2-core dev machines).
@@ -20,6 +24,8 @@ def configure_process(log_level: str = "INFO", threads: int | None = None) -> No
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the useful ones
     torch.set_num_threads(threads or int(os.environ.get("SFL_TORCH_THREADS", "1")))
+    if torch_device is not None and str(torch_device) != "cpu":
+        logging.getLogger("service").info("computing on torch device %s", torch_device)
 
 
 def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +46,11 @@ def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None =
             for flag in action.option_strings:
                 known[flag.lstrip("-").replace("-", "_")] = action.dest
         values = {}
-        for key, value in load_config_file(pre.settings).items():
+        try:
+            settings = load_config_file(pre.settings)
+        except ValueError as exc:   # missing, unreadable, or a syntax error: file and line, no traceback
+            parser.error(str(exc))
+        for key, value in settings.items():
             dest = known.get(key.replace("-", "_"))
             if dest is None or dest in ("help", "settings"):
                 parser.error(f"{pre.settings}: unknown setting {key!r}")
@@ -51,10 +61,17 @@ def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None =
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every service has: log level and torch threads."""
+    """Flags every service has: log level, torch threads and torch device."""
+    from shared.torch_device import TORCH_DEVICE_CHOICES, torch_device_flag
+
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"), help="logging level (env SFL_LOG_LEVEL)")
     parser.add_argument("--threads", dest="torch_threads", type=int, default=int(env_default("torch_threads", 1)),
                         help="torch threads for this process (env SFL_TORCH_THREADS; default 1)")
+    # Default cpu, not auto: seeded runs stay bit-for-bit reproducible, and a testbed's many
+    # processes on one machine do not each open a CUDA context unless asked (docs/deployment.md).
+    parser.add_argument("--torch-device", type=torch_device_flag, default=env_default("torch_device", "cpu"),
+                        help=f"where this process computes: {TORCH_DEVICE_CHOICES} (env SFL_TORCH_DEVICE; default cpu; "
+                             "auto = cuda if available, else mps, else cpu). Refused at start if not available")
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:

@@ -7,8 +7,9 @@ import time
 from collections import Counter
 
 from shared.algorithms.registry import ALGORITHMS
-from shared.run_config import resolve_run_config
+from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 from shared.models.zoo import MODEL_NAMES
+from shared.torch_device import TORCH_DEVICE_CHOICES, torch_device_flag
 from testbed.processes import interrupt_on_sigterm
 from testbed.runner import Testbed, TestbedError
 
@@ -19,8 +20,13 @@ def format_round(record: dict, status: dict) -> str:
     split_text = " ".join(f"{k}:{n}" for k, n in sorted(splits.items()))
     flag = "" if record["status"] == "ok" else f"  [{record['status']}]"
     dropped = f"  dropped {len(record['dropped'])}" if record["dropped"] else ""
-    return (f"round {record['round']:>3}/{status['rounds_total']}  acc {100 * record['test_accuracy']:6.2f}%  "
-            f"loss {record['test_loss']:.3f}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
+    # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)"; a round
+    # without figures (no device reported) shows n/a.
+    label = "acc(fed)" if record.get("evaluated_devices") is not None else "acc"
+    acc = "n/a" if record["test_accuracy"] is None else f"{100 * record['test_accuracy']:6.2f}%"
+    loss = "n/a" if record["test_loss"] is None else f"{record['test_loss']:.3f}"
+    return (f"round {record['round']:>3}/{status['rounds_total']}  {label} {acc}  "
+            f"loss {loss}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
             f"moved {record['bytes_total'] / 1e6:7.1f} MB (total {record['cumulative_bytes'] / 1e6:8.1f} MB)  "
             f"splits {split_text}{dropped}{flag}")
 
@@ -33,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
                     "round and writes a run directory (config, metrics.jsonl, checkpoint, summary, logs).")
     parser.add_argument("--config", help="run configuration file (YAML/JSON); see docs/configuration.md")
     parser.add_argument("--algorithm", help=f"one of {', '.join(ALGORITHMS)} (default s2fl)")
-    parser.add_argument("--model", help=f"one of {', '.join(MODEL_NAMES)} (default cnn)")
+    parser.add_argument("--model", help=f"a built-in model ({', '.join(MODEL_NAMES)}) or an import path "
+                                        "package.module:function (docs/models.md; default cnn)")
     parser.add_argument("--rounds", type=int, help="number of rounds (default 30)")
     parser.add_argument("--devices", type=int, help="number of devices / data shards (default 10)")
     parser.add_argument("--per-round", type=int, help="devices selected per round (default: all)")
@@ -41,9 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config value, e.g. --set data.alpha=0.1 --set train.lr=0.02 (repeatable)")
     parser.add_argument("--agents", type=int, default=1, help="device agent processes hosting the devices (default 1)")
+    parser.add_argument("--device-data", action="append", default=[], metavar="PATH",
+                        help="for a run with data.dataset: local, one device agent started with --data PATH (repeatable; "
+                             "docs/data.md); data.num_devices defaults to the number of devices these paths make")
     parser.add_argument("--run-dir", help="run directory (default runs/<time>-<algorithm>)")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     parser.add_argument("--log-level", default="INFO", help="log level of the services (their logs go to <run-dir>/logs)")
+    parser.add_argument("--torch-device", type=torch_device_flag, default=None,
+                        help=f"where the Main Server, the device agents and the Fed Server's evaluation compute: "
+                             f"{TORCH_DEVICE_CHOICES} (default: each service's own default, cpu, or SFL_TORCH_DEVICE)")
     args = parser.parse_args(argv)
 
     shortcuts = {"algorithm": args.algorithm, "model": args.model, "rounds": args.rounds,
@@ -52,17 +65,26 @@ def main(argv: list[str] | None = None) -> None:
         shortcuts["data.seed"] = args.seed
     overrides = [f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.overrides  # --set wins
     try:
+        if args.device_data and args.devices is None and not any(o.startswith("data.num_devices=") for o in args.overrides):
+            from shared.data.local import data_sources
+
+            count = sum(len(data_sources(path)) for path in args.device_data)
+            overrides = [f"data.num_devices={count}", *overrides]
         config = resolve_run_config(args.config, overrides)
-    except ValueError as exc:
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    except ValueError as exc:  # a --device-data path that is missing or ambiguous
         parser.error(str(exc))
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}"
-    print(f"testbed: {config.algorithm} | model {config.model} | {config.data.dataset} {config.data.partition}"
-          f"{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''} | {config.data.num_devices} devices, "
+    data = "local data" if config.data.dataset == "local" else (
+        f"{config.data.dataset} {config.data.partition}{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''}")
+    print(f"testbed: {config.algorithm} | model {config.model} | {data} | {config.data.num_devices} devices, "
           f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
-    testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level)
     interrupt_on_sigterm()
     try:
+        testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
+                          torch_device=str(args.torch_device) if args.torch_device else None)
         with testbed:
             print(f"fed server {testbed.fed_url}, main server {testbed.main_url}; waiting for devices ...", flush=True)
             status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout)
@@ -73,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted; services stopped", file=sys.stderr)
         sys.exit(130)
     s = status["summary"]
-    print(f"done: {s['rounds']} rounds, final accuracy {100 * s['final_accuracy']:.2f}% (best {100 * s['best_accuracy']:.2f}%), "
+    final = "n/a" if s["final_accuracy"] is None else f"{100 * s['final_accuracy']:.2f}%"
+    best = "n/a" if s["best_accuracy"] is None else f"{100 * s['best_accuracy']:.2f}%"
+    print(f"done: {s['rounds']} rounds, final accuracy {final} (best {best}), "
           f"median round {s['median_round_time_s']:.1f}s, total {s['total_time_s']:.1f}s, {s['total_bytes'] / 1e6:.1f} MB moved")
     print(f"results: {run_dir}/metrics.jsonl, {run_dir}/summary.json, {run_dir}/checkpoint.msgpack")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from shared.models.loading import is_import_path
 from shared.config import RunConfig
 from shared.http_client import tls_context
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
@@ -38,8 +39,19 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
-                 log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None) -> None:
+                 log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
+                 device_data: list[str] | None = None, torch_device: str | None = None) -> None:
+        """``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
+        ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
+        ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
         self.config = config
+        self.torch_device = torch_device
+        self.device_data = list(device_data or [])
+        if (config.data.dataset == "local") != bool(self.device_data):
+            raise TestbedError("a run with data.dataset: local needs --device-data PATH (each device's own data)"
+                               if self.device_data == [] else
+                               "--device-data is for runs with data.dataset: local; this run partitions "
+                               f"the built-in data set {config.data.dataset!r}")
         self.run_dir = Path(run_dir)
         self.agents = max(1, agents)
         self.host = host
@@ -66,7 +78,7 @@ class Testbed:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "testbed-config.yaml"
         config_path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
-        common = ["--log-level", self.log_level]
+        common = ["--log-level", self.log_level, *self._torch_device_args()]
         if self.tls:
             common += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--ca-file", self.tls.ca]
         if self.secrets:
@@ -77,22 +89,45 @@ class Testbed:
             *self._secret_args("service", "enrolment")])
         self.main = self.processes.start("main_server", "main_server", [
             "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common,
-            *self._secret_args("service")])
+            *self._model_args(), *self._secret_args("service")])
         wait_healthy(self.fed_url, self.fed, verify=self.verify)
         wait_healthy(self.main_url, self.main, verify=self.verify)
+        if self.device_data:
+            for i, path in enumerate(self.device_data):
+                self.agent_services.append(self.start_agent(f"agent-{i}", data=path, index=i))
+            return
         shards = list(range(self.config.data.num_devices))
         for i, chunk in enumerate(split_evenly(shards, self.agents)):
             self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
 
-    def start_agent(self, name: str, shards: list[int]) -> Service:
-        """Start one agent process hosting the devices of ``shards``."""
-        spec = ",".join(str(s) for s in shards)
-        args = ["--fed-server-url", self.fed_url, "--shards", spec, "--kinds", ",".join(self.config.devices.profiles),
-                "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level]
+    def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0) -> Service:
+        """Start one agent process hosting the devices of ``shards``, or those of the local data at
+        ``data`` (the ``index``-th such agent: its devices' ids start ``dev<index>-`` so two files
+        with the same name in different folders stay two devices, and the emulated kinds go on
+        round-robin from ``index``)."""
+        kinds = list(self.config.devices.profiles)
+        if data is not None:
+            kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
+            devices = ["--data", data, "--prefix", f"dev{index}"]
+        else:
+            devices = ["--shards", ",".join(str(s) for s in shards or [])]
+        args = ["--fed-server-url", self.fed_url, *devices, "--kinds", ",".join(kinds),
+                "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level,
+                *self._torch_device_args()]
         if self.tls:
             args += ["--ca-file", self.tls.ca]
+        args += self._model_args()
         # Devices know only the enrolment secret, never the service secret.
         return self.processes.start(name, "device_agent", [*args, *self._secret_args("enrolment")])
+
+    def _torch_device_args(self) -> list[str]:
+        return ["--torch-device", self.torch_device] if self.torch_device else []
+
+    def _model_args(self) -> list[str]:
+        """``--model REF`` when the run's model is an import path: the Main Server and the agents build
+        one only when their operator (here the testbed) names it. The children inherit the testbed's
+        working directory and PYTHONPATH (``service_env``), so the user's package imports there too."""
+        return ["--model", self.config.model] if is_import_path(self.config.model) else []
 
     def _secret_args(self, *names: str) -> list[str]:
         """``--<name>-secret-file PATH`` for each named secret (nothing when auth is off)."""
@@ -116,6 +151,11 @@ class Testbed:
         while True:
             for service in (self.fed, self.main):
                 if service is not None and not service.alive():
+                    raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+            # A device with its own data that stopped (bad data) never registers: the run would wait
+            # for it until the timeout, so its one-line reason ends the run at once.
+            for service in self.agent_services if self.device_data else ():
+                if not service.alive() and service.process.returncode != 0:
                     raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
             try:
                 status = self.status(done_round)

@@ -155,7 +155,13 @@ class Algorithm:
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Called once by the Fed Server with the global model (names of its output layer etc.)."""
-        self.output_layer: str = getattr(model, "output_layer", "")
+        self.output_layer: str = getattr(model, "output_layer", None) or ""
+
+    def model_parts_needed(self) -> tuple[str, ...]:
+        """The optional model parts this algorithm uses, as ``SplitModel`` attribute names
+        (``"feature_block"``, ``"output_layer"``): ``validate_run_config`` refuses a model that does
+        not declare them, at start, with a message saying what to add (docs/models.md)."""
+        return ()
 
     # --- Fed Server decisions ------------------------------------------------------------------
     def split_mode(self) -> SplitMode:

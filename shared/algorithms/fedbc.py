@@ -36,7 +36,6 @@ Open choices and deviations, each also in docs/algorithms/fedbc.md#deviations:
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -49,6 +48,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from shared.algorithms.aggregation import Contribution, check_state, layerwise_aggregate
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
+from shared.data.holdout import holdout_seed, holdout_split
 from shared.evaluation import evaluate
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FedBC", "FedBCLogic", "FedBCParams", "FedBCTaskExtras", "FedBCUploadExtras", "dual_step",
-    "lambda_weighted_average", "local_split", "squared_distance", "proximal_penalty",
+    "lambda_weighted_average", "squared_distance", "proximal_penalty",
 ]
 
 log = logging.getLogger("fed_server.fedbc")
@@ -124,7 +124,7 @@ class FedBCTaskExtras(Payload):
     gamma: float = Field(ge=0)
     """gamma_i, the tolerance subtracted inside the penalty."""
     split_seed: int = 0
-    """Seed of the device's fixed local train/test split (:func:`split_seed`)."""
+    """Seed of the device's fixed local train/test split (:func:`shared.data.holdout.holdout_seed`)."""
 
 
 class FedBCUploadExtras(Payload):
@@ -165,7 +165,8 @@ def squared_distance(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
         a, b = state[name], reference[name]
         if tuple(a.shape) != tuple(b.shape):
             raise ValueError(f"parameter {name!r} has shape {tuple(a.shape)}, expected {tuple(b.shape)}")
-        diff = a.detach().to(torch.float64) - b.detach().to(device=a.device, dtype=torch.float64)
+        # On the CPU: weights on a GPU come over (MPS has no float64); a no-op for CPU tensors.
+        diff = a.detach().to("cpu", torch.float64) - b.detach().to("cpu", torch.float64)
         total += float((diff * diff).sum())
     return total
 
@@ -232,31 +233,6 @@ def lambda_weighted_average(global_state: Mapping[str, torch.Tensor], states: Se
     return out
 
 
-def local_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A device's fixed (train, test) index split: ``floor(n * fraction)`` test samples, stratified.
-
-    Samples are shuffled with ``seed``, grouped by class (stable), and every position where
-    ``floor((k + 1) f) > floor(k f)`` goes to test, so each class gives about ``f`` of its samples
-    (docs/algorithms/fedbc.md#local-test-split: shuffled and stratified, not the code's unshuffled
-    tail). Both arrays sorted.
-    """
-    labels = np.asarray(labels).reshape(-1)
-    n = labels.shape[0]
-    if fraction <= 0 or n == 0:
-        return np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    perm = np.random.default_rng(seed).permutation(n)
-    order = perm[np.argsort(labels[perm], kind="stable")]
-    k = np.arange(n)
-    is_test = np.floor((k + 1) * fraction) > np.floor(k * fraction)
-    return np.sort(order[~is_test]).astype(np.int64), np.sort(order[is_test]).astype(np.int64)
-
-
-def split_seed(run_seed: int, device_id: str) -> int:
-    """Seed of a device's local split: fixed for the run and the device, the same every round."""
-    digest = hashlib.sha256(f"fedbc-local-split/{run_seed}/{device_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
-
-
 # --------------------------------------------------------------------------------------------- device
 class FedBCLogic(DeviceLogic):
     """Device side: the proximal local objective with the round's lambda_i, the local split, and
@@ -277,7 +253,7 @@ class FedBCLogic(DeviceLogic):
         """Read lambda_i, gamma_i; freeze z (the just-loaded global weights); fix the local split."""
         self.lam, self.gamma = extras.lam, extras.gamma
         self.reference = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-        self.train_idx, self.test_idx = local_split(data.y.numpy(), self.fraction, extras.split_seed)
+        self.train_idx, self.test_idx = holdout_split(data.y.numpy(), self.fraction, extras.split_seed)
 
     def training_data(self, data: "ArrayDataset") -> "ArrayDataset":
         """The shard minus the held-back local test split."""
@@ -344,7 +320,7 @@ class FedBC(Algorithm):
 
     def task_extras(self, device_id: str, ctx: RoundContext) -> FedBCTaskExtras:
         return FedBCTaskExtras(lam=self.lambda_of(device_id), gamma=self.gamma_of(device_id),
-                               split_seed=split_seed(self.config.seed, device_id))
+                               split_seed=holdout_seed("fedbc-local-split", self.config.seed, device_id))
 
     # --- uploads ------------------------------------------------------------------------------
     def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor],

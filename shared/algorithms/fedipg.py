@@ -225,6 +225,10 @@ class FedIPG(Algorithm):
         self._param_names = {n for n, p in model.named_parameters() if p.requires_grad}
 
     # --- exit strategy -------------------------------------------------------------------------
+    def model_parts_needed(self) -> tuple[str, ...]:
+        """The head-only penalty is taken over the output layer's parameters."""
+        return ("output_layer",) if self.params.penalty_scope == "head" else ()
+
     def eligible(self, devices: Sequence[str]) -> list[str]:
         """I_ID: every available device that has not exited (exited devices are never selected)."""
         new = set(devices) - self._known
@@ -320,6 +324,9 @@ class FedIPG(Algorithm):
         from shared.data.domains import color_dataset, color_domain, rotate_dataset, rotation_angle
 
         spec = self.config.data
+        if spec.dataset == "local":  # the domains are copies of a built-in test set, which a local run has not
+            self._domains = {}
+            return self._domains
         test = load_dataset(spec)[1]
         domains: dict[str, tuple[str, ArrayDataset]] = {}
         region = "foreground"

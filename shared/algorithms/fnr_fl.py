@@ -44,6 +44,7 @@ from torch import nn
 
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
 from shared.data import ArrayDataset, DataSpec, load_dataset, load_public_set
+from shared.torch_device import model_device
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -200,15 +201,17 @@ def class_average_feature_norms(model: nn.Module, data: ArrayDataset, feature_bl
     sums = torch.zeros(data.num_classes, dtype=torch.float64)
     counts = torch.zeros(data.num_classes, dtype=torch.float64)
     correct = 0
+    device = model_device(model)
     try:
         with torch.no_grad():
             for start in range(0, len(data), batch_size):
                 x, y = data.x[start:start + batch_size], data.y[start:start + batch_size]
-                feats, logits = features_and_logits(model, x, feature_block)
-                u = feats.double().norm(p=2, dim=1)
+                feats, logits = features_and_logits(model, x.to(device), feature_block)
+                # Norms in float64 on the CPU (MPS has no float64; a no-op on the CPU).
+                u = feats.cpu().double().norm(p=2, dim=1)
                 sums.index_add_(0, y, u)
                 counts.index_add_(0, y, torch.ones_like(u))
-                correct += int((logits.argmax(dim=1) == y).sum())
+                correct += int((logits.argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
     norms = {int(k): float(sums[k] / counts[k]) for k in torch.nonzero(counts > 0).flatten().tolist()}
@@ -255,9 +258,10 @@ def refine_on_public(model: nn.Module, public: ArrayDataset, delta: Mapping[int,
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     steps, ce_sum, j_sum, phi_sum = 0, 0.0, 0.0, 0.0
+    device = model_device(model)
     for _ in range(epochs):
         for start in range(0, len(public), batch_size):
-            x, y = public.x[start:start + batch_size], public.y[start:start + batch_size]
+            x, y = public.x[start:start + batch_size].to(device), public.y[start:start + batch_size].to(device)
             if penalty == "paper":
                 ce = F.cross_entropy(model(x), y)
                 j_value = penalty_term(y, delta)
@@ -449,10 +453,14 @@ class FNRFL(Algorithm):
 
     def bind_model(self, model: nn.Module) -> None:
         super().bind_model(model)
-        self.feature_block = str(getattr(model, "feature_block", ""))
+        self.feature_block = getattr(model, "feature_block", None) or ""
         self.num_classes = int(getattr(model, "num_classes", 0))
         if not self.feature_block or self.num_classes < 1:
             raise ValueError("fnr-fl needs a model that declares feature_block and num_classes")
+
+    def model_parts_needed(self) -> tuple[str, ...]:
+        """The penultimate features are the feature block's output."""
+        return ("feature_block",)
 
     @property
     def leaky(self) -> bool:

@@ -240,6 +240,10 @@ class HiCSSelector(DeviceSelector):
         self._skipped_now = 0
 
     # --- estimates ---------------------------------------------------------------------------
+    def model_parts_needed(self) -> tuple[str, ...]:
+        """The entropy estimate reads the output layer's update (its bias in the paper)."""
+        return ("output_layer",)
+
     def _scaled(self, device: str) -> np.ndarray:
         """The stored signal, with the optional (non-paper) normalisation applied."""
         entry = self.estimates[device]

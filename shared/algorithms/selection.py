@@ -34,6 +34,10 @@ class DeviceSelector:
         self.params = self.Params.model_validate(config.selection_params)
         self.output_layer = output_layer
 
+    def model_parts_needed(self) -> tuple[str, ...]:
+        """Optional model parts this policy uses (see ``Algorithm.model_parts_needed``)."""
+        return ()
+
     def select(self, ctx: "RoundContext", available: Sequence[str], count: int, rng: random.Random) -> list[str]:
         pool = sorted(available)
         return sorted(rng.sample(pool, min(count, len(pool))))

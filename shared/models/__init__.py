@@ -1,14 +1,26 @@
-"""Split-able models: the SplitModel abstraction, the model zoo, and per-split cost profiles."""
+"""Split-able models: the SplitModel abstraction, model loading (built-in names and import paths),
+the model zoo, per-split cost profiles and the model fingerprint."""
+from shared.models.fingerprint import ModelFingerprint, fingerprint_differences, model_fingerprint
+from shared.models.loading import (
+    ModelDefinition, build_model, build_model_layout, check_model_origin, is_import_path,
+)
 from shared.models.profile import ModelProfile, SplitCost, profile_model
 from shared.models.split_model import Portion, SplitModel
-from shared.models.zoo import MODEL_NAMES, build_model
+from shared.models.zoo import MODEL_NAMES
 
 __all__ = [
     "SplitModel",
     "Portion",
     "MODEL_NAMES",
+    "ModelDefinition",
     "build_model",
+    "build_model_layout",
+    "check_model_origin",
+    "is_import_path",
     "SplitCost",
     "ModelProfile",
     "profile_model",
+    "ModelFingerprint",
+    "model_fingerprint",
+    "fingerprint_differences",
 ]

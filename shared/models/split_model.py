@@ -41,15 +41,18 @@ class Portion(nn.Module):
 
 
 class SplitModel(nn.Module):
-    """A model as an ordered list of named blocks, with K=3 candidate split points.
+    """A model as an ordered list of named blocks, with candidate split points.
 
     Attributes:
         blocks: the ordered named blocks; the model is ``blocks[-1](...blocks[0](x))``.
         split_points: candidate cut positions ``k`` (client = ``blocks[:k]``, server = ``blocks[k:]``),
-            strictly increasing, each ``1 <= k < len(blocks)``.
-        feature_block: name of the block whose output is the flat penultimate feature vector.
-        output_layer: state_dict key prefix of the final Linear (``f"{output_layer}.bias"`` is a key).
-        input_shape: ``(C, H, W)`` of one sample.
+            strictly increasing, each ``1 <= k < len(blocks)``; may be empty (a model that is never
+            cut, usable only with split-depth-zero algorithms). The zoo's models have three.
+        feature_block: name of the block whose output is the flat penultimate feature vector, or
+            None when the model does not declare one (FNR-FL and FedIPG need it).
+        output_layer: state_dict key prefix of the final Linear (``f"{output_layer}.bias"`` is a
+            key), or None when the model does not declare one (FedIPG and HiCS-FL need it).
+        input_shape: the shape of one sample, any rank (``(C, H, W)`` for images, ``(F,)`` for tabular).
         num_classes: number of output logits.
     """
 
@@ -57,33 +60,35 @@ class SplitModel(nn.Module):
         self,
         blocks: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]],
         split_points: Iterable[int],
-        feature_block: str,
-        output_layer: str,
-        input_shape: tuple[int, int, int],
+        feature_block: str | None,
+        output_layer: str | None,
+        input_shape: tuple[int, ...],
         num_classes: int,
     ) -> None:
         super().__init__()
         self.blocks = nn.ModuleDict(OrderedDict(blocks.items() if isinstance(blocks, Mapping) else blocks))
         self.split_points: tuple[int, ...] = tuple(int(k) for k in split_points)
-        self.feature_block = str(feature_block)
-        self.output_layer = str(output_layer)
-        self.input_shape: tuple[int, int, int] = tuple(int(d) for d in input_shape)  # type: ignore[assignment]
+        self.feature_block = None if feature_block is None else str(feature_block)
+        self.output_layer = None if output_layer is None else str(output_layer)
+        self.input_shape: tuple[int, ...] = tuple(int(d) for d in input_shape)
         self.num_classes = int(num_classes)
+        #: The reference it was built from (set by ``build_model``; part of the fingerprint).
+        self.ref = ""
         self._validate()
 
     def _validate(self) -> None:
         n = len(self.blocks)
         if n < 2:
-            raise ValueError("a SplitModel needs at least two blocks")
+            raise ValueError(f"a SplitModel needs at least two blocks, got {n}: {self.block_names()}")
         ks = self.split_points
-        if not ks or any(not 1 <= k < n for k in ks) or any(a >= b for a, b in zip(ks, ks[1:])):
-            raise ValueError(f"split_points must be strictly increasing within [1, {n - 1}], got {ks}")
-        if self.feature_block not in self.blocks:
+        if any(not 1 <= k < n for k in ks) or any(a >= b for a, b in zip(ks, ks[1:])):
+            raise ValueError(f"split_points must be strictly increasing within [1, {n - 1}], got {list(ks)}")
+        if self.feature_block is not None and self.feature_block not in self.blocks:
             raise ValueError(f"feature_block {self.feature_block!r} is not a block: {self.block_names()}")
-        if f"{self.output_layer}.bias" not in self.state_dict():
+        if self.output_layer is not None and f"{self.output_layer}.bias" not in self.state_dict():
             raise ValueError(f"output_layer {self.output_layer!r} has no bias key in the state_dict")
-        if len(self.input_shape) != 3:
-            raise ValueError(f"input_shape must be (C, H, W), got {self.input_shape}")
+        if not self.input_shape or min(self.input_shape) < 1:
+            raise ValueError(f"input_shape must be positive sizes, got {list(self.input_shape)}")
 
     # ------------------------------------------------------------------ structure
     def block_names(self) -> list[str]:
@@ -108,6 +113,8 @@ class SplitModel(nn.Module):
 
     def features(self, x: Tensor) -> Tensor:
         """Penultimate features: the flat ``[N, D]`` output of ``feature_block``."""
+        if self.feature_block is None:
+            raise ValueError("this model declares no feature_block (docs/models.md)")
         end = self.block_names().index(self.feature_block) + 1
         return self.forward_blocks(x, 0, end).flatten(1)
 

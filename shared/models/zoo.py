@@ -1,9 +1,10 @@
 """The model zoo: small, CPU-friendly versions of the architectures used in the S2FL experiments.
 
-Every builder returns a :class:`SplitModel` with exactly three candidate split points. All models
+Every builder returns a :class:`SplitModel` with exactly three candidate split points; they are
+built through :func:`shared.models.build_model` like any user model (docs/models.md). All models
 accept both MNIST-like ``(1, 28, 28)`` and CIFAR-like ``(3, 32, 32)`` inputs: flatten sizes are
 computed from ``input_shape`` and spatial reductions end in adaptive pooling (or ceil-mode pooling).
-Initialisation is deterministic from ``seed`` and leaves the global RNG state untouched.
+Initialisation is deterministic from the seed ``build_model`` sets around the builder call.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from shared.models.split_model import SplitModel
 
-__all__ = ["MODEL_NAMES", "build_model", "DEFAULT_INPUT_SHAPES"]
+__all__ = ["MODEL_NAMES", "ZOO_BUILDERS", "DEFAULT_INPUT_SHAPES"]
 
 MODEL_NAMES: tuple[str, ...] = ("cnn", "resnet8", "vgg16", "mobilenet", "logreg")
 
@@ -213,34 +214,12 @@ def _kaiming_init(model: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
-_BUILDERS: dict[str, Callable[[int, tuple[int, int, int]], SplitModel]] = {
+#: The built-in models: name -> builder ``(num_classes, input_shape, **params) -> SplitModel``. They are
+#: the built-in entries of :func:`shared.models.build_model` (``shared/models/loading.py``).
+ZOO_BUILDERS: dict[str, Callable[..., SplitModel]] = {
     "cnn": _cnn,
     "resnet8": _resnet8,
     "vgg16": _vgg16,
     "mobilenet": _mobilenet,
     "logreg": _logreg,
 }
-
-
-def build_model(
-    name: str,
-    num_classes: int = 10,
-    input_shape: tuple[int, int, int] | None = None,
-    seed: int = 0,
-) -> SplitModel:
-    """Build zoo model ``name`` with weights initialised deterministically from ``seed``.
-
-    The same ``(name, num_classes, input_shape, seed)`` always gives an identical state_dict; the
-    global torch RNG state is saved and restored, so building a model never perturbs other code.
-    """
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)}")
-    if num_classes < 1:
-        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    shape = tuple(int(d) for d in (input_shape or DEFAULT_INPUT_SHAPES[name]))
-    if len(shape) != 3 or min(shape) < 1:
-        raise ValueError(f"input_shape must be (C, H, W) with positive sizes, got {input_shape}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = _BUILDERS[name](num_classes, shape)  # type: ignore[arg-type]
-    return model

@@ -12,9 +12,9 @@ from testbed.runner import Testbed
 def run_testbed(tmp_path):
     """Run a config to completion on a real testbed; returns (final status, metrics, run dir)."""
 
-    def run(config: RunConfig, agents: int = 1, timeout: float = 240.0, during=None):
+    def run(config: RunConfig, agents: int = 1, timeout: float = 240.0, during=None, torch_device: str | None = None):
         run_dir = tmp_path / f"run-{config.algorithm}"
-        with Testbed(config, run_dir, agents=agents) as testbed:
+        with Testbed(config, run_dir, agents=agents, torch_device=torch_device) as testbed:
             if during is not None:
                 during(testbed)
             status = testbed.follow(timeout=timeout)

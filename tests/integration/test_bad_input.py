@@ -17,8 +17,10 @@ import httpx
 import pytest
 import torch
 
+from fed_server.driver import FedServerSettings
 from integration_support import server_pair, small_config
 from shared.models import build_model
+from shared.models.zoo import ZOO_BUILDERS
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, ServerPortionUpload,
     StepRequest, UpdateRequest, WireTensor,
@@ -126,11 +128,11 @@ def test_fed_register_rejects_bad_bodies(services, client):
     assert_rejected(post(client, url, {**good, "profile": {**good["profile"], "rate": 0.0}}), 422, "rate")
     assert_rejected(post(client, url, {**good, "shard": 2}), 422, "shard 2")   # num_devices is 2
     assert_rejected(post(client, url, {**good, "shard": 2**62}), 422, "shard")
-    padded = {**good, "profile": {**good["profile"], "kind": "x" * (65 << 10)}}
+    padded = {**good, "profile": {**good["profile"], "kind": "x" * (FedServerSettings().max_register_bytes + 1)}}
     assert_rejected(post(client, url, padded), 413, "limit")
 
     def chunks():  # no content-length: the limit must hold while streaming too
-        for _ in range(80):
+        for _ in range(FedServerSettings().max_register_bytes // 1024 + 16):
             yield b"\x00" * 1024
 
     assert_rejected(client.post(url, content=chunks()), 413, "limit")
@@ -254,7 +256,8 @@ def test_main_rejects_bad_plans(services, client):
     # Weights that match a 1x2x2 input, which the cnn's pooling cannot take: refused, not a 500.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: "Initializing zero-element tensors is a no-op"
-        tiny = encode_state(build_model("cnn", NUM_CLASSES, (1, 2, 2)).portion(1, 4).state_dict())
+        # The zoo's builder itself: build_model refuses this model (its blocks do not chain).
+        tiny = encode_state(ZOO_BUILDERS["cnn"](NUM_CLASSES, (1, 2, 2)).portion(1, 4).state_dict())
     assert_rejected(post(client, url, make_plan(input_shape=[1, 2, 2], server_weights=tiny)), 422, "input_shape")
     assert main_status(client, services) == before
 

@@ -3,8 +3,9 @@
 ``shared/config.py`` is only the schema; the checks that need the algorithm registry, the model zoo
 and the device transforms live in ``shared/run_config.py``. These tests start the actual
 ``python -m fed_server`` and ``python -m testbed`` processes with configurations only that second
-layer can refuse, and check that each exits at once with a usage error naming the problem, before
-it creates a run directory.
+layer can refuse, with a wrong field and with a missing file, and check that each exits at once
+(status 2) with one ``config error:`` line per problem and no traceback, before it creates a run
+directory. The same holds for a ``--torch-device`` the machine does not have, for every service.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("module", ["fed_server", "testbed"])
 @pytest.mark.parametrize("overrides, message", [
     (["--set", "algorithm=nope"], "unknown algorithm 'nope'; choose one of"),
-    ([*FNR_FL, "--set", "algorithm_params.p=1.5"], "validation error for FNRFLParams"),
+    ([*FNR_FL, "--set", "algorithm_params.p=1.5"], "algorithm_params.p: must be less than or equal to 1 (got 1.5)"),
     (["--set", "data.device_transform=nope"], "unknown device_transform 'nope'"),
     (["--set", "model=logreg"], "model 'logreg' has no meaningful cut"),
 ])
@@ -36,7 +37,27 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path, module, override
     run_dir = tmp_path / "run"
     result = _run(module, "--run-dir", str(run_dir), *overrides)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert f"python -m {module}: error: " in result.stderr and message in result.stderr, result.stderr
+    assert result.stderr.startswith("config error: ") and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("module", ["fed_server", "testbed"])
+def test_wrong_fields_and_a_missing_file_are_one_line_each(tmp_path, module):
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  lr: -1\n  lrr: 0.1\nrounds: 2\n")
+    result = _run(module, "--run-dir", str(run_dir), "--config", str(config))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        "config error: train.lr: must be greater than 0 (got -1)",
+        "config error: train.lrr: unknown key in train (valid keys: lr, momentum, weight_decay, batch_size, "
+        "local_epochs)"], result.stderr
+
+    missing = tmp_path / "missing.yaml"
+    result = _run(module, "--run-dir", str(run_dir), "--config", str(missing))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [f"config error: {missing}: file not found"], result.stderr
     assert not run_dir.exists()
 
 
@@ -48,3 +69,24 @@ def test_a_good_config_gets_past_loading(tmp_path):
     result = _run("fed_server", "--run-dir", str(tmp_path / "run"), *FNR_FL, "--service-secret-file", str(secret))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "python -m fed_server: error: secret file" in result.stderr and "empty" in result.stderr, result.stderr
+
+
+def _unavailable_cuda() -> tuple[str, str]:
+    """A CUDA device this machine lacks, and the start of the resolver's reason for it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cuda", "torch device 'cuda' is not available: torch"
+    name = f"cuda:{torch.cuda.device_count()}"
+    return name, f"torch device '{name}' does not exist"
+
+
+@pytest.mark.parametrize("module", ["fed_server", "main_server", "device_agent"])
+def test_an_unavailable_torch_device_is_refused_at_start(tmp_path, module):
+    # --torch-device is checked while the flags are parsed: the service exits with a usage error
+    # saying why, before it loads data, binds a port or contacts anyone.
+    name, reason = _unavailable_cuda()
+    result = _run(module, "--torch-device", name, *(["--run-dir", str(tmp_path / "run")] if module == "fed_server" else []))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"python -m {module}: error: argument --torch-device: {reason}" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()

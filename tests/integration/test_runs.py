@@ -67,9 +67,13 @@ def test_sfl_and_fedavg_through_the_services_match_round_by_round(run_testbed):
     # With every device participating, singleton server copies and one learning rate on both
     # sides, SFL is mathematically FedAvg (the small CNN has no BatchNorm). Same seeds, same batch
     # order: the two runs must agree, although one trains through the Main Server step by step
-    # and the other trains whole models on the devices.
+    # and the other trains whole models on the devices. The SFL run names the CPU explicitly
+    # (--torch-device cpu on all three services), the FedAvg run uses the default: same figures.
     sfl_config = small_config(algorithm="sfl")
-    sfl_status, sfl, sfl_dir = run_testbed(sfl_config)
+    command_lines = []
+    sfl_status, sfl, sfl_dir = run_testbed(sfl_config, torch_device="cpu", during=lambda testbed: command_lines.extend(
+        " ".join(s.args) for s in (testbed.fed, testbed.main, *testbed.agent_services)))
+    assert len(command_lines) == 3 and all("--torch-device cpu" in line for line in command_lines)
     _check_common(sfl_status, sfl, sfl_dir, sfl_config)
     split_points = build_model("cnn").split_points
     for m in sfl:

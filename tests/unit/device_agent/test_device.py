@@ -8,7 +8,7 @@ from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from shared.data import DataSpec
 from shared.data import ArrayDataset
-from shared.models import build_model
+from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import RunInfo
 
@@ -17,7 +17,7 @@ def _device(keep_model: bool, model: str = "cnn") -> Device:
     device = Device("dev-000", 0, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=None, keep_model=keep_model)
     spec = DataSpec(num_devices=1)
     device.info = RunInfo(run_id="r", algorithm="s2fl", model=model, num_classes=10, input_shape=[1, 28, 28],
-                          data=spec, seed=3)
+                          data=spec, seed=3, fingerprint=model_fingerprint(build_model(model, 10, (1, 28, 28)), spec))
     device.data = ArrayDataset(torch.randn(16, 1, 28, 28), torch.arange(16) % 10, 10)
     with torch.device("meta"):
         device.layout = device._build()

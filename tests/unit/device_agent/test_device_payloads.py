@@ -11,7 +11,7 @@ from device_agent.device import Device
 from shared.config import TrainConfig
 from shared.data import ArrayDataset, DataSpec
 from shared.errors import Invalid
-from shared.models import build_model
+from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import RunInfo, TaskResponse
 from shared.wire import encode_state
@@ -31,8 +31,9 @@ def _no_main(*args, **kwargs):
 
 def _device() -> Device:
     device = Device("dev-000", 0, _NoServer(), _no_main, kind=None, keep_model=False)
+    spec = DataSpec(num_devices=1)
     device.info = RunInfo(run_id="r", algorithm="fedbc", model="logreg", num_classes=10, input_shape=[1, 1, 60],
-                          data=DataSpec(num_devices=1), seed=3)
+                          data=spec, seed=3, fingerprint=model_fingerprint(build_model("logreg", 10, (1, 1, 60)), spec))
     device.data = ArrayDataset(torch.randn(10, 1, 1, 60), torch.arange(10) % 10, 10)
     with torch.device("meta"):
         device.layout = device._build()

@@ -7,37 +7,43 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from device_agent.api import Unreachable
 from device_agent.device import Device
 from shared.config import TrainConfig
-from shared.data import DataSpec
+from shared.data import DataSpec, device_shard, load_dataset
+from shared.data.holdout import evaluation_holdout
 from shared.errors import NotFound
-from shared.models import build_model
+from shared.evaluation import evaluation_counts
+from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import (
-    JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WireTensor,
 )
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
 
 SPEC = DataSpec(num_devices=8, max_samples=400)
-INFO = RunInfo(run_id="run-1", algorithm="s2fl", model="cnn", num_classes=10, input_shape=[1, 28, 28], data=SPEC, seed=5)
+INFO = RunInfo(run_id="run-1", algorithm="s2fl", model="cnn", num_classes=10, input_shape=[1, 28, 28], data=SPEC, seed=5,
+               fingerprint=model_fingerprint(build_model("cnn", 10, (1, 28, 28), seed=5), SPEC))
 
 
 class FakeFed:
     """Answers polls from a script (a TaskResponse or an exception to raise), records the rest."""
 
-    def __init__(self, script: list) -> None:
+    def __init__(self, script: list, info: RunInfo = INFO) -> None:
         self.script = list(script)
+        self.info = info
         self.registrations: list[RegisterRequest] = []
         self.uploads: list[UpdateRequest] = []
         self.reports: list[ReportRequest] = []
+        self.evaluations: list[EvaluationReport] = []
 
     def run_info(self) -> RunInfo:
-        return INFO
+        return self.info
 
     def register(self, req: RegisterRequest) -> RegisterResponse:
         self.registrations.append(req)
@@ -55,6 +61,9 @@ class FakeFed:
 
     def upload(self, req: UpdateRequest) -> None:
         self.uploads.append(req)
+
+    def evaluation(self, req: EvaluationReport) -> None:
+        self.evaluations.append(req)
 
 
 class FakeMain:
@@ -93,12 +102,13 @@ def _train_task(round_id: int, split: int, main_url: str | None) -> TaskResponse
                         main_server_url=main_url, deadline_s=120.0, algorithm="fedavg" if main_url is None else "s2fl")
 
 
-def _device(fed: FakeFed, mains: list[FakeMain], split: int) -> Device:
+def _device(fed: FakeFed, mains: list[FakeMain], split: int, keep_model: bool = True) -> Device:
     def connect(url: str, token: str | None) -> FakeMain:
         mains.append(FakeMain(url, token, split))
         return mains[-1]
 
-    return Device("dev-003", 3, fed, connect, kind=None, stop=threading.Event(), poll_interval_s=0.01)
+    return Device("dev-003", 3, fed, connect, kind=None, stop=threading.Event(), poll_interval_s=0.01,
+                  keep_model=keep_model)
 
 
 def test_runner_registers_again_when_forgotten_rides_out_an_outage_and_uploads_its_round():
@@ -133,3 +143,37 @@ def test_runner_trains_split_rounds_through_the_main_server_interface_with_its_c
         assert main.steps == list(range(upload.steps)) and upload.steps > 0
         assert (upload.bytes_up, upload.bytes_down) == (main.bytes_up, main.bytes_down)
         assert set(decode_state(upload.weights)) == set(portion_state(build_model("cnn"), 0, split))
+
+
+@pytest.mark.parametrize("keep_model", [True, False])
+def test_with_federated_evaluation_the_device_trains_on_its_training_part_and_evaluates_its_held_out_part(keep_model):
+    info = INFO.model_copy(update={"holdout": 0.25})
+    model = build_model("cnn", seed=INFO.seed)
+    blocks = len(model.blocks)
+    evaluated = build_model("cnn", seed=11)   # the "new global model" the evaluation task carries
+    evaluate_task = TaskResponse(status="evaluate", round_id=4, num_blocks=blocks,
+                                 weights=encode_state(portion_state(evaluated, 0, blocks)), deadline_s=30.0)
+    fed = FakeFed([_train_task(4, blocks, None), evaluate_task, TaskResponse(status="done")], info)
+    device = _device(fed, [], blocks, keep_model)
+    device.run()
+    # The same split the device made, recomputed from the run's spec: the shard, then the holdout.
+    shard = device_shard(SPEC, load_dataset(SPEC)[0], 3)
+    train, held_out = evaluation_holdout(shard, 0.25, INFO.seed, "dev-003")
+    assert len(held_out) == len(shard) // 4 and len(train) + len(held_out) == len(shard)
+    assert fed.registrations[0].num_samples == len(train) == fed.uploads[0].num_samples
+    assert torch.equal(device.data.x, train.x) and torch.equal(device.held_out.y, held_out.y)
+    (report,) = fed.evaluations
+    correct, loss_sum = evaluation_counts(evaluated, held_out)
+    assert (report.device_id, report.round_id, report.num_samples, report.correct) == ("dev-003", 4, len(held_out), correct)
+    assert report.loss_sum == pytest.approx(loss_sum, rel=1e-5)
+    assert (device.model is None) == (not keep_model)
+
+
+def test_a_device_that_held_nothing_out_reports_zero_samples_and_the_server_evaluation_splits_nothing():
+    blocks = len(build_model("cnn").blocks)
+    fed = FakeFed([TaskResponse(status="evaluate", round_id=2, num_blocks=blocks), TaskResponse(status="done")])
+    device = _device(fed, [], blocks)
+    device.run()
+    assert device.held_out is None and fed.registrations[0].num_samples == len(device.data)
+    (report,) = fed.evaluations   # no weights needed: nothing to evaluate
+    assert (report.num_samples, report.correct, report.loss_sum) == (0, 0, 0.0)

@@ -271,6 +271,46 @@ def test_half_precision_sends_float16(model):
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in uploaded.values())
 
 
+@pytest.mark.parametrize("half", [False, True])
+def test_split_round_on_an_explicit_cpu_device_is_bit_identical_to_the_default(model, half):
+    """``--torch-device cpu`` changes nothing: the agent's model materialised the way a device
+    does it (meta layout, ``to_empty(device=torch.device("cpu"))``) and a Main Server group on
+    ``device=torch.device("cpu")`` give exactly today's weights and losses; what goes on the
+    wire is on the CPU, in float16 when asked."""
+    data = _separable(24, seed=5)
+    k, lr, bs, seed = 2, 0.05, 8, 3
+
+    def run(device: torch.device | None):
+        server = copy.deepcopy(model)
+        trainer = GroupTrainer(server, k, {kk: v.clone() for kk, v in server.portion(k, 4).state_dict().items()},
+                               lr=lr, momentum=0.9, device=device)
+        sent = []
+
+        def send_step(step, fx, labels):
+            sent.append((fx.device, fx.dtype, labels.device))
+            r = trainer.step([MemberBatch("dev", k, fx, labels)])["dev"]
+            return r.dfx, r.loss
+
+        if device is None:
+            client = copy.deepcopy(model)
+        else:
+            with torch.device("meta"):
+                client = build_model("cnn", num_classes=2, input_shape=SHAPE, seed=0)
+            client.portion(0, k).to_empty(device=device)
+        result = train_round(client, k, _weights(model, k), data, lr, 0.9, 1e-4, bs, 2, seed, RoundClock(None),
+                             send_step, half_precision=half)
+        return {**client.portion(0, k).state_dict(), **trainer.state()}, result, sent
+
+    default_state, default_result, _ = run(None)
+    cpu_state, cpu_result, sent = run(torch.device("cpu"))
+    assert list(cpu_state) == list(default_state)
+    for key, value in cpu_state.items():
+        assert value.device.type == "cpu" and torch.equal(value, default_state[key]), key
+    assert (cpu_result.steps, cpu_result.train_loss) == (default_result.steps, default_result.train_loss)
+    wire_dtype = torch.float16 if half else torch.float32
+    assert sent == [(torch.device("cpu"), wire_dtype, torch.device("cpu"))] * cpu_result.steps
+
+
 # ------------------------------------------------------------------------------------ RoundClock
 class _FakeTime:
     """Stands in for ``time`` in device_agent.timing: sleeping advances a virtual clock, so the

@@ -70,6 +70,31 @@ def test_an_invalid_cell_config_names_the_cell():
         expand(spec)
 
 
+def test_an_invalid_cell_config_is_one_line_per_field_with_the_cell():
+    from shared.run_config import ConfigError
+
+    spec = _spec(axes={"lr": {"neg": {"train.lr": -1, "rounds": 0}}})
+    with pytest.raises(ConfigError) as info:
+        expand(spec)
+    assert sorted(info.value.lines) == ["cell lr=neg: rounds: must be greater than or equal to 1 (got 0)",
+                                        "cell lr=neg: train.lr: must be greater than 0 (got -1)"]
+
+
+def test_experiment_file_errors_name_the_file_and_the_field(tmp_path):
+    from shared.run_config import ConfigError
+
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_spec(missing)
+    assert info.value.lines == [f"{missing}: file not found"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: t\naxes: {algorithm: [fedavg]}\nsurprise: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_spec(bad)
+    [line] = info.value.lines
+    assert line.startswith(f"{bad}: surprise: unknown key in the top level (valid keys: name, description, base, axes")
+
+
 def test_only_filters_are_checked():
     with pytest.raises(ValueError, match="unknown labels"):
         expand(_spec(), parse_only(["seed=7"]))

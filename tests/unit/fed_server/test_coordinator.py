@@ -10,6 +10,7 @@ from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import update_norm
 from shared.errors import Conflict, Invalid
+from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.run_config import load_run_config
 from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
@@ -238,3 +239,48 @@ def test_non_finite_numbers_are_written_as_null_and_read_back(tmp_path):
     line = c.run_dir.metrics_path.read_text().splitlines()[0]
     assert "Infinity" not in line and json.loads(line)["train_loss"] is None
     assert _coordinator(tmp_path).history == [record]
+
+
+def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slots(tmp_path, monkeypatch):
+    import numpy as np
+
+    import shared.evaluation as evaluation_module
+
+    def no_global_data(spec):
+        raise AssertionError("a local run must not load a global data set")
+
+    monkeypatch.setattr(evaluation_module, "load_dataset", no_global_data)
+    test_file = tmp_path / "test.npz"
+    np.savez(test_file, x=np.random.default_rng(0).integers(0, 256, (30, 28, 28)).astype(np.uint8),
+             y=np.arange(30) % 10)
+    local = {"dataset": "local", "num_devices": 2, "num_classes": 10, "input_shape": [1, 28, 28],
+             "input_transform": {"scale": 1 / 255}}
+    config = load_run_config({"algorithm": "fedavg", "model": "cnn", "data": {**local, "test_file": str(test_file)}})
+    coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    assert len(coordinator.test_set) == 30 and float(coordinator.test_set.x.max()) <= 1.0
+    profile = DeviceProfileMsg(flops=1e9, rate=1e6)
+    answers = [coordinator.register(RegisterRequest(device_id=d, num_samples=5, profile=profile)) for d in ("b", "a")]
+    assert [a.shard for a in answers] == [0, 1] and coordinator.ready()
+    with pytest.raises(Conflict, match="slots"):
+        coordinator.register(RegisterRequest(device_id="c", num_samples=5, profile=profile))
+    # Without a test file the devices evaluate (federated evaluation): still no global data set.
+    federated = Coordinator(load_run_config({"algorithm": "fedavg", "data": local}), RunDirectory(tmp_path / "run2"), None)
+    assert federated.test_set is None and federated.evaluation_mode == "federated"
+
+
+def test_registration_with_a_different_model_fingerprint_is_refused_and_changes_nothing(tmp_path):
+    c = _coordinator(tmp_path, **{"data.num_devices": 4})
+    assert c.run_info().fingerprint == c.fingerprint
+    other = model_fingerprint(build_model("cnn", 10, (1, 28, 28), params={}), c.config.data.model_copy(
+        update={"transform": "rgb32"}))
+    before = dict(c.devices.devices)
+    req = RegisterRequest(device_id="d2", shard=2, num_samples=10, profile=DeviceProfileMsg(flops=1e9, rate=1e6),
+                          fingerprint=other)
+    with pytest.raises(Conflict) as err:
+        c.register(req)
+    assert "transform: 'rgb32' on the device, 'none' in the run" in str(err.value)
+    assert c.devices.devices == before
+    # The run's own fingerprint, or none at all (a device that does not send one), registers.
+    c.register(req.model_copy(update={"fingerprint": c.fingerprint}))
+    c.register(req.model_copy(update={"device_id": "d3", "shard": 3, "fingerprint": None}))
+    assert {"d2", "d3"} <= set(c.devices.devices)

@@ -304,3 +304,31 @@ def test_warm_up_leaves_no_lazy_imports_for_the_first_group_step(warm):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     new_modules = int(out.stdout.strip())
     assert (new_modules == 0) if warm else (new_modules > 100), new_modules
+
+
+def test_explicit_cpu_device_is_bit_identical_to_the_default(model):
+    """``--torch-device cpu``: a group on ``device=torch.device("cpu")`` gives exactly today's dfx
+    (on the CPU, in each member's dtype), losses and weights, and its state is a copy."""
+    def run(device):
+        m = copy.deepcopy(model)
+        weights = {k: v.clone() for k, v in m.portion(1, len(m.blocks)).state_dict().items()}
+        trainer = GroupTrainer(m, 1, weights, lr=LR, momentum=0.9, device=device)
+        outputs = []
+        for step in range(3):
+            half = _member(model, "b", 2, 3, seed=20 + step)
+            half.fx = half.fx.half()
+            outputs.append(trainer.step([_member(model, "a", 1, 4, seed=10 + step), half]))
+        return trainer, outputs
+
+    default, default_out = run(None)
+    explicit, explicit_out = run(torch.device("cpu"))
+    for got, want in zip(explicit_out, default_out):
+        for member in ("a", "b"):
+            assert got[member].dfx.device.type == "cpu" and torch.equal(got[member].dfx, want[member].dfx)
+            assert got[member].loss == want[member].loss
+        assert got["b"].dfx.dtype == torch.float16
+    state = explicit.state()
+    for key, value in default.state().items():
+        assert torch.equal(state[key], value), key
+    live = explicit.portion.state_dict()
+    assert all(state[k].data_ptr() != live[k].data_ptr() for k in state)

@@ -8,6 +8,8 @@ newer plan replaces the round. Plans, joins and steps come from the ``kit`` fixt
 from __future__ import annotations
 
 import asyncio
+import builtins
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +24,29 @@ from shared.models import build_model
 from shared.schemas import JoinRequest, Participant
 
 # ------------------------------------------------------------------------------------------- plan
+def test_a_plan_naming_an_import_path_other_than_the_operators_is_refused_before_any_import(kit, tmp_path, monkeypatch):
+    # The module records that it was imported: it must not be unless the operator named it.
+    (tmp_path / "planted.py").write_text("import builtins\nbuiltins.PLANTED_IMPORTED = True\ndef net(): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "planted", raising=False)
+
+    async def body() -> None:
+        for model_ref in (None, "my_pkg.nets:build"):
+            with pytest.raises(Invalid, match="start this process with --model planted:net"):
+                RoundState(kit.make_plan(["a"], model="planted:net"), kit.Uploads(), model_ref=model_ref)
+        assert not hasattr(builtins, "PLANTED_IMPORTED")
+        # The operator's own --model is imported and built (and here found not to be a usable model).
+        with pytest.raises(Invalid, match="model 'planted:net': returned NoneType"):
+            RoundState(kit.make_plan(["a"], model="planted:net"), kit.Uploads(), model_ref="planted:net")
+        assert builtins.PLANTED_IMPORTED
+
+    try:
+        kit.run(body)
+    finally:
+        vars(builtins).pop("PLANTED_IMPORTED", None)
+        sys.modules.pop("planted", None)
+
+
 def test_bad_plans_are_invalid(kit):
     async def body() -> None:
         uploads = kit.Uploads()

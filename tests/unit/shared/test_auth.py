@@ -38,3 +38,19 @@ def test_no_current_enrolment_refuses_every_token_and_a_missing_token_is_unauthe
 
 def test_open_servers_check_nothing():
     Auth().check_device({}, "run-1", "dev-a", None)
+
+
+@pytest.mark.parametrize("auth, warned", [(Auth(), True), (Auth(b"service-secret"), False), (AUTH, False)])
+def test_a_server_without_a_service_secret_warns_at_start(caplog, auth, warned):
+    from shared.auth import warn_if_open
+
+    with caplog.at_level("WARNING", logger="main_server"):
+        assert warn_if_open(auth, "main_server", "send activations") is warned
+    lines = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    if warned:
+        [(name, level, message)] = lines
+        assert (name, level) == ("main_server", "WARNING")
+        assert "anyone who can reach this server can send activations" in message
+        assert "--service-secret-file" in message and "SFL_SERVICE_SECRET" in message
+    else:
+        assert lines == []

@@ -35,6 +35,19 @@ def test_unknown_setting_is_an_error(tmp_path):
         parse_service_args(_parser(), ["--settings", str(settings)])
 
 
+@pytest.mark.parametrize("text, message", [(None, "s.yaml: file not found"),
+                                           ("port: [1\n", "s.yaml, line 2, column 1: not valid YAML")])
+def test_a_missing_or_broken_settings_file_is_a_usage_error_naming_it(tmp_path, capsys, text, message):
+    settings = tmp_path / "s.yaml"
+    if text is not None:
+        settings.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        parse_service_args(_parser(), ["--settings", str(settings)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path}/{message}" in err and "Traceback" not in err, err
+
+
 def test_defaults_without_settings(monkeypatch):
     monkeypatch.delenv("SFL_PORT", raising=False)
     monkeypatch.delenv("SFL_SETTINGS", raising=False)

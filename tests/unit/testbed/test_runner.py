@@ -55,3 +55,12 @@ def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_att
     testbed.follow(lambda record, _: printed.append(record), poll_s=0.01)
     assert printed == attempts
     assert asked == [0, 0, 1]
+
+
+def test_device_data_and_local_runs_go_together(tmp_path):
+    local = RunConfig.model_validate({"data": {"dataset": "local", "num_classes": 2, "input_shape": [3]}})
+    with pytest.raises(TestbedError, match="needs --device-data"):
+        Testbed(local, tmp_path)
+    with pytest.raises(TestbedError, match="--device-data is for runs with data.dataset: local"):
+        Testbed(RunConfig(), tmp_path, device_data=["a.npz"])
+    assert Testbed(local, tmp_path, device_data=["a.npz", "b.npz"]).device_data == ["a.npz", "b.npz"]

@@ -15,7 +15,7 @@ from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import DeviceLogic, RoundContext, parse_payload
 from shared.algorithms.fedbc import (
-    FedBC, FedBCLogic, FedBCTaskExtras, FedBCUploadExtras, dual_step, lambda_weighted_average, local_split,
+    FedBC, FedBCLogic, FedBCTaskExtras, FedBCUploadExtras, dual_step, lambda_weighted_average,
     proximal_penalty, squared_distance,
 )
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
@@ -241,19 +241,6 @@ def test_zero_lambda_local_step_is_fedavg_bit_for_bit():
 
 
 # ----------------------------------------------------------------------------- device side
-def test_local_split_is_seeded_stratified_and_disjoint():
-    labels = np.array([0] * 50 + [1] * 30 + [2] * 20)
-    train, test = local_split(labels, 0.2, seed=4)
-    assert len(test) == 20 and len(train) == 80
-    assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(100))
-    assert np.bincount(labels[test], minlength=3).tolist() == [10, 6, 4]
-    again = local_split(labels, 0.2, seed=4)
-    assert np.array_equal(again[1], test) and not np.array_equal(local_split(labels, 0.2, seed=5)[1], test)
-    train, test = local_split(labels, 0.0, seed=4)
-    assert len(test) == 0 and len(train) == 100
-    assert len(local_split(np.array([3]), 0.2, 0)[0]) == 1  # never an empty training part
-
-
 def test_device_trains_on_80_percent_and_reports_local_accuracy_and_distance():
     model, data, weights = _tiny_task()
     logic = FedBCLogic({"local_test_fraction": 0.2, "eval_batch_size": 7})

@@ -1,0 +1,339 @@
+"""Data that lives on the device (``dataset="local"``): loaders for local files and the run's input transform.
+
+Three sources make one device's :class:`ArrayDataset` (docs/data.md):
+
+* an ``.npz`` file with arrays ``x`` (numeric, ``[N, *raw_shape]``) and ``y`` (integer labels);
+* a folder of images with one sub-folder per class (needs Pillow);
+* a user function by import path ``package.module:function``, called with the ``--data-arg``
+  strings as keywords, returning ``(x, y)`` or an :class:`ArrayDataset` (both taken as raw samples).
+
+Every source goes through the same steps: raw samples to the run's layout (:func:`to_layout`), the
+run's :class:`InputTransform` (:func:`apply_input_transform`), then the check that each sample has
+``data.input_shape`` (the three: :func:`model_inputs`) and that the labels are ``0..num_classes-1``. Anything wrong raises one
+:class:`DataError` naming the file and the field, before the device registers.
+
+Import paths come only from the operator's command line, never from a message.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from shared.data.datasets import ArrayDataset
+from shared.data.spec import DataSpec, InputTransform
+
+__all__ = [
+    "DataError",
+    "LocalSource",
+    "apply_input_transform",
+    "data_sources",
+    "load_image_folder",
+    "load_local",
+    "load_npz",
+    "load_samples",
+    "model_inputs",
+    "to_layout",
+]
+
+#: File name endings read as images in a class folder (others, and hidden files, are ignored).
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_PILLOW_HINT = "reading an image folder needs Pillow: pip install 's2fl-testbed[images]'"
+
+
+class DataError(ValueError):
+    """A device's local data cannot be used; the message names the file (or function) and the field."""
+
+
+# --------------------------------------------------------------------------------------------
+# Raw samples -> model inputs
+# --------------------------------------------------------------------------------------------
+def to_layout(x: np.ndarray | torch.Tensor, input_shape: list[int] | tuple[int, ...], where: str) -> torch.Tensor:
+    """Raw samples ``[N, *raw]`` as a tensor in the run's layout, before the transform.
+
+    When ``input_shape`` has three sizes ``[C, H, W]`` (images), raw samples may be ``[H, W]``
+    (one channel: becomes ``[1, H, W]``), ``[C, H, W]`` (channels first: kept) or ``[H, W, C]``
+    (channels last, e.g. uint8 photos: moved to ``[C, H, W]``). A raw shape whose first size is C
+    is read as channels first, so a ``[3, H, 3]`` array stays as it is. Otherwise (tabular
+    ``[N, D]``, or any other rank) the raw samples are kept as they are. Sizes are checked after
+    the transform (which may resize), by :func:`model_inputs`.
+    """
+    t = torch.as_tensor(np.asarray(x)) if not isinstance(x, torch.Tensor) else x
+    if len(input_shape) == 3:
+        channels = input_shape[0]
+        if t.ndim == 3:
+            t = t.unsqueeze(1)
+        elif t.ndim == 4 and t.shape[1] != channels and t.shape[3] == channels:
+            t = t.permute(0, 3, 1, 2)
+        elif t.ndim != 4:
+            raise DataError(f"{where}: field 'x' has samples of shape {list(t.shape[1:])}; images for "
+                            f"input_shape {list(input_shape)} must be [H, W], [C, H, W] or [H, W, C]")
+    return t.contiguous()
+
+
+def apply_input_transform(x: torch.Tensor, transform: InputTransform) -> torch.Tensor:
+    """The run's input transform on a batch ``[N, ...]``: float32, ``resize`` (images ``[N, C, H, W]``
+    only, bilinear), times ``scale``, then per channel (dimension 1) ``(x - mean) / std``.
+
+    Every device applies the same one (it is part of the run and of the model fingerprint).
+    """
+    out = x.to(torch.float32)
+    if transform.resize is not None:
+        if out.ndim != 4:
+            raise DataError(f"input_transform.resize is for images [N, C, H, W]; these samples are "
+                            f"{list(out.shape[1:])}")
+        if tuple(out.shape[2:]) != tuple(transform.resize):
+            out = F.interpolate(out, size=tuple(transform.resize), mode="bilinear", align_corners=False)
+    if transform.scale != 1.0:
+        out = out * transform.scale
+    if transform.mean is not None and transform.std is not None:
+        channels = out.shape[1] if out.ndim > 1 else 1
+        for name, values in (("mean", transform.mean), ("std", transform.std)):
+            if len(values) not in (1, channels):
+                raise DataError(f"input_transform.{name} has {len(values)} values; the samples have "
+                                f"{channels} channels (give one value or one per channel)")
+        view = (1, -1) + (1,) * max(0, out.ndim - 2)
+        mean = torch.tensor(transform.mean, dtype=torch.float32).view(view)
+        std = torch.tensor(transform.std, dtype=torch.float32).view(view)
+        out = (out - mean) / std
+    return out
+
+
+def model_inputs(raw: np.ndarray | torch.Tensor, spec: DataSpec, where: str) -> torch.Tensor:
+    """Raw samples of ``where`` as model inputs: the layout, the run's transform, then the check
+    that every sample has exactly ``data.input_shape``."""
+    assert spec.input_shape is not None
+    try:
+        x = apply_input_transform(to_layout(raw, spec.input_shape, where), spec.input_transform)
+    except DataError as exc:
+        message = str(exc)
+        raise DataError(message if message.startswith(f"{where}:") else f"{where}: {message}") from None
+    if list(x.shape[1:]) != list(spec.input_shape):
+        raise DataError(f"{where}: field 'x' gives samples of shape {list(x.shape[1:])} after "
+                        f"data.input_transform, but data.input_shape is {list(spec.input_shape)}")
+    return x
+
+
+def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
+    """Check raw ``x`` / ``y`` (arrays or tensors) and turn them into the run's model inputs.
+
+    The one path every source takes, so each check exists once: y integer 1-D labels in range,
+    x numeric and finite, equal lengths, at least one sample, and the shape after the transform.
+    """
+    assert spec.num_classes is not None and spec.input_shape is not None  # DataSpec enforces for "local"
+    x_np = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    y_np = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+    if y_np.dtype == np.bool_ or not np.issubdtype(y_np.dtype, np.integer):
+        raise DataError(f"{where}: field 'y' must hold integer class labels, got dtype {y_np.dtype}")
+    if y_np.ndim != 1:
+        raise DataError(f"{where}: field 'y' must be one label per sample (shape [N]), got shape {list(y_np.shape)}")
+    if x_np.dtype == np.bool_ or not (np.issubdtype(x_np.dtype, np.integer) or np.issubdtype(x_np.dtype, np.floating)):
+        raise DataError(f"{where}: field 'x' must be numeric, got dtype {x_np.dtype}")
+    if x_np.ndim < 2:
+        raise DataError(f"{where}: field 'x' must be [N, ...] (one row per sample), got shape {list(x_np.shape)}")
+    if x_np.shape[0] != y_np.shape[0]:
+        raise DataError(f"{where}: fields 'x' and 'y' differ in length ({x_np.shape[0]} samples, {y_np.shape[0]} labels)")
+    if y_np.shape[0] == 0:
+        raise DataError(f"{where}: no samples (fields 'x' and 'y' are empty)")
+    if np.issubdtype(x_np.dtype, np.floating) and not np.isfinite(x_np).all():
+        bad = int(np.flatnonzero(~np.isfinite(x_np.reshape(x_np.shape[0], -1)).all(axis=1))[0])
+        raise DataError(f"{where}: field 'x' holds NaN or infinite values (first in sample {bad})")
+    lo, hi = int(y_np.min()), int(y_np.max())
+    if lo < 0 or hi >= spec.num_classes:
+        raise DataError(f"{where}: field 'y' has labels {lo}..{hi}, outside 0..{spec.num_classes - 1} "
+                        f"(data.num_classes = {spec.num_classes})")
+    return ArrayDataset(x=model_inputs(x_np, spec, where), y=torch.from_numpy(y_np.astype(np.int64)), num_classes=spec.num_classes)
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------
+def load_npz(path: str | Path, spec: DataSpec) -> ArrayDataset:
+    """An ``.npz`` file with arrays ``x`` and ``y`` as the run's model inputs (a device's data, or
+    the Fed Server's ``data.test_file``). Never unpickles: object arrays are refused."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"{p}: data file not found")
+    if p.stat().st_size == 0:
+        raise DataError(f"{p}: data file is empty")
+    try:
+        archive = np.load(p, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        # np.load answers a text file or a truncated archive with these.
+        raise DataError(f"{p}: not a readable .npz file ({exc})") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise DataError(f"{p}: not an .npz archive (a single .npy array); save with numpy.savez(path, x=..., y=...)")
+    with archive:
+        missing = [k for k in ("x", "y") if k not in archive.files]
+        if missing:
+            raise DataError(f"{p}: missing array {' and '.join(repr(k) for k in missing)} "
+                            f"(the file holds {sorted(archive.files)}; it needs 'x' and 'y')")
+        try:
+            x, y = archive["x"], archive["y"]
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            # A damaged member, or an object array (refused: reading it would unpickle).
+            raise DataError(f"{p}: arrays 'x'/'y' are not readable ({exc})") from None
+    return load_samples(x, y, spec, str(p))
+
+
+def _class_folders(folder: Path, num_classes: int) -> list[tuple[int, Path]]:
+    """(class index, sub-folder) of an image folder: numeric names are the class index; otherwise
+    the position in the sorted names, and then every class needs its folder (an empty one for a
+    class this device does not have) so that all devices map names to the same indices."""
+    subs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not subs:
+        raise DataError(f"{folder}: no class sub-folders (an image folder holds one sub-folder per class)")
+    if all(d.name.isdigit() for d in subs):
+        out = [(int(d.name), d) for d in subs]
+        bad = [d.name for i, d in out if i >= num_classes]
+        if bad:
+            raise DataError(f"{folder}: class folder(s) {bad} outside 0..{num_classes - 1} (data.num_classes = {num_classes})")
+        return out
+    if len(subs) != num_classes:
+        raise DataError(f"{folder}: {len(subs)} class sub-folders with names, but data.num_classes = {num_classes}: "
+                        f"named classes need one folder per class (empty for a class this device lacks), "
+                        f"or name the folders 0..{num_classes - 1}")
+    return list(enumerate(subs))
+
+
+def _image_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.iterdir()
+                  if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def load_image_folder(path: str | Path, spec: DataSpec) -> ArrayDataset:
+    """A folder of images, one sub-folder per class (:func:`_class_folders` gives the indices), as
+    the run's model inputs. Images are converted to the channel count of ``data.input_shape``
+    (1: Pillow's "L", 3: "RGB") and transformed one at a time, so their sizes may differ when
+    ``input_transform.resize`` is set."""
+    assert spec.num_classes is not None and spec.input_shape is not None
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise DataError(_PILLOW_HINT) from None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise DataError(f"{folder}: image folder not found")
+    if len(spec.input_shape) != 3 or spec.input_shape[0] not in (1, 3):
+        raise DataError(f"{folder}: an image folder needs data.input_shape [1, H, W] or [3, H, W], "
+                        f"got {list(spec.input_shape)}")
+    mode = "L" if spec.input_shape[0] == 1 else "RGB"
+    xs: list[torch.Tensor] = []
+    ys: list[int] = []
+    for label, sub in _class_folders(folder, spec.num_classes):
+        for f in _image_files(sub):
+            try:
+                with Image.open(f) as img:
+                    pixels = np.asarray(img.convert(mode), dtype=np.uint8)
+            except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
+                raise DataError(f"{f}: unreadable image ({exc})") from None
+            xs.append(model_inputs(pixels[None], spec, str(f)))
+            ys.append(label)
+    if not xs:
+        raise DataError(f"{folder}: no images in its class sub-folders (read: {', '.join(sorted(IMAGE_SUFFIXES))})")
+    return ArrayDataset(x=torch.cat(xs), y=torch.tensor(ys, dtype=torch.int64), num_classes=spec.num_classes)
+
+
+def load_function(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayDataset:
+    """Call ``package.module:function(**data_args)``; it returns ``(x, y)`` or an ArrayDataset of
+    raw samples, which get the run's transform and checks like a file's."""
+    module_name, _, func_name = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise DataError(f"{ref}: cannot import module {module_name!r} ({exc})") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise DataError(f"{ref}: module {module_name!r} has no function {func_name!r}")
+    try:
+        result = func(**data_args)
+    except Exception as exc:  # the user's code: report it as theirs, in one line
+        raise DataError(f"{ref}: the data function failed: {type(exc).__name__}: {exc}") from exc
+    if isinstance(result, ArrayDataset):
+        x, y = result.x, result.y
+    elif isinstance(result, tuple) and len(result) == 2:
+        x, y = result
+    else:
+        raise DataError(f"{ref}: the data function must return (x, y) or an ArrayDataset, got {type(result).__name__}")
+    return load_samples(x, y, spec, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# --data PATH -> devices
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LocalSource:
+    """One device's data: ``ref`` is an .npz file, an image folder or an import path; ``name``
+    (the file's stem, the folder's or the function's name) becomes part of the device id."""
+
+    name: str
+    ref: str
+
+    def load(self, spec: DataSpec, data_args: dict[str, str] | None = None) -> ArrayDataset:
+        """The device's samples as model inputs; :class:`DataError` for anything unusable."""
+        return load_local(self.ref, spec, data_args or {})
+
+
+def is_import_path(ref: str) -> bool:
+    """``package.module:function`` that is not an existing file or folder."""
+    return bool(_IMPORT_PATH.match(ref)) and not Path(ref).exists()
+
+
+def load_local(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayDataset:
+    """One device's data from ``ref``: an import path, an .npz file or an image folder."""
+    if spec.dataset != "local":
+        raise DataError(f"--data {ref}: the run uses the built-in data set {spec.dataset!r} (partitioned with "
+                        f"--shards); --data needs a run with data.dataset: local")
+    if is_import_path(ref):
+        return load_function(ref, spec, data_args)
+    if Path(ref).expanduser().is_dir():
+        return load_image_folder(ref, spec)
+    return load_npz(ref, spec)
+
+
+def _holds_images(folder: Path) -> bool:
+    return any(f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES for f in folder.iterdir())
+
+
+def data_sources(ref: str) -> list[LocalSource]:
+    """The devices one ``--data`` value makes.
+
+    * an import path or a file: one device;
+    * a folder holding ``.npz`` files (and no sub-folders): one device per file;
+    * a folder whose sub-folders hold images (or are empty): one device, the sub-folders are its
+      classes;
+    * a folder whose sub-folders hold only sub-folders (no image files): a folder of device
+      folders, one device per sub-folder.
+
+    Anything else (a mix, an empty folder) is a :class:`DataError`, so the reading is never a guess.
+    """
+    if is_import_path(ref):
+        return [LocalSource(ref.rpartition(":")[2], ref)]
+    p = Path(ref).expanduser()
+    if not p.exists():
+        raise DataError(f"{p}: data file or folder not found (nor an import path package.module:function)")
+    if p.is_file():
+        return [LocalSource(p.stem, str(p))]
+    subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
+    npz = sorted(f for f in p.iterdir() if f.is_file() and f.suffix == ".npz")
+    if npz and not subs:
+        return [LocalSource(f.stem, str(f)) for f in npz]
+    if not subs:
+        raise DataError(f"{p}: neither .npz files nor sub-folders (a device folder holds one sub-folder per class)")
+    if npz:
+        raise DataError(f"{p}: holds both .npz files and sub-folders; give each device its own path")
+    nested = [d for d in subs if not _holds_images(d) and any(s.is_dir() for s in d.iterdir())]
+    if not nested:
+        return [LocalSource(p.name, str(p))]
+    if len(nested) != len(subs) or any(_holds_images(d) for d in subs):
+        raise DataError(f"{p}: some sub-folders hold images and some hold folders; a device folder's sub-folders "
+                        f"are classes (images), a folder of devices holds only device folders")
+    return [LocalSource(d.name, str(d)) for d in subs]

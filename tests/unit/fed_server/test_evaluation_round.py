@@ -1,0 +1,238 @@
+"""The Fed Server's federated evaluation phase, without HTTP: who is asked, which reports count,
+the record's figures, the deadline, and a restart in the middle of the phase."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+
+from fed_server.app import create_app
+from fed_server.coordinator import Coordinator
+from fed_server.driver import FedServerSettings, drive_rounds
+from fed_server.run_dir import RunDirectory
+from http_api.server import MSGPACK
+from shared.errors import Conflict, Invalid, NotAllowed, NotFound
+from shared.portions import portion_state
+from shared.run_config import load_run_config
+from shared.schemas import DeviceProfileMsg, DeviceTimings, EvaluationReport, RegisterRequest, UpdateRequest
+from shared.wire import decode_state, encode_state, packb
+
+TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
+SAMPLES = {"d0": 40, "d1": 60}   # registered training parts; with holdout 0.2 at most 10 and 15 held out
+
+
+def _coordinator(tmp_path, rounds: int = 2, evaluate_s: float = 30.0) -> Coordinator:
+    config = load_run_config({"algorithm": "fedavg", "rounds": rounds, "seed": 3,
+                              "data": {"num_devices": 2, "max_samples": 200},
+                              "evaluation": {"mode": "federated", "holdout": 0.2},
+                              "deadlines": {"evaluate_s": evaluate_s}})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    for i, (device, n) in enumerate(SAMPLES.items()):
+        c.register(RegisterRequest(device_id=device, shard=i, num_samples=n, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    return c
+
+
+def _upload(c: Coordinator, device: str, round_id: int) -> UpdateRequest:
+    state = {k: (v + 0.01 if v.is_floating_point() else v) for k, v in portion_state(c.model, 0, c.num_blocks).items()}
+    return UpdateRequest(device_id=device, round_id=round_id, num_samples=SAMPLES[device], steps=1, train_loss=1.0,
+                         weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0)
+
+
+def _aggregated(c: Coordinator, devices=("d0", "d1")):
+    """Open a round, upload from ``devices``, close and aggregate it; (round, aggregation)."""
+    fed_round = c.begin_round()
+    fed_round.ready = True
+    for d in devices:
+        c.accept_update(fed_round.round_id, _upload(c, d, fed_round.round_id), 100)
+    c.close_round()
+    return fed_round, c.aggregate_round(fed_round)
+
+
+def _report(device: str, round_id: int, n: int, correct: int, loss_sum: float) -> EvaluationReport:
+    return EvaluationReport(device_id=device, round_id=round_id, num_samples=n, correct=correct, loss_sum=loss_sum)
+
+
+def test_the_aggregated_devices_evaluate_the_new_model_and_the_record_holds_the_weighted_mean(tmp_path):
+    c = _coordinator(tmp_path)
+    assert c.initial == {"test_accuracy": None, "test_loss": None}   # nothing evaluates round 0
+    assert c.run_info().holdout == 0.2
+    fed_round, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    assert evaluation is not None and set(evaluation.asked) == {"d0", "d1"}
+    task = c.task_for("d0")
+    assert (task.status, task.round_id, task.num_blocks) == ("evaluate", fed_round.round_id, c.num_blocks)
+    sent = decode_state(task.weights)
+    assert all(torch.equal(sent[k], v) for k, v in c.model.state_dict().items())   # the aggregated model
+    assert c.task_for("d0").status == "wait"   # one evaluation task per device
+    c.accept_evaluation(_report("d0", fed_round.round_id, 10, 9, 3.0))
+    assert not evaluation.complete()
+    c.accept_evaluation(_report("d1", fed_round.round_id, 15, 6, 12.0))
+    assert evaluation.complete()
+    assert c.close_evaluation() is evaluation and c.task_for("d1").status == "wait"
+    record = c.record_round(fed_round, aggregation, evaluation)
+    assert record.status == "ok" and c.rounds_done == 1
+    assert record.test_accuracy == pytest.approx(15 / 25) and record.test_loss == pytest.approx(15.0 / 25)
+    assert (record.evaluated_devices, record.evaluated_samples) == (2, 25)
+    (line,) = c.run_dir.read_metrics()
+    assert (line["test_accuracy"], line["evaluated_devices"], line["evaluated_samples"]) == (pytest.approx(0.6), 2, 25)
+
+
+def test_bad_reports_are_refused_and_change_nothing(tmp_path):
+    c = _coordinator(tmp_path)
+    fed_round, aggregation = _aggregated(c, devices=("d0",))   # d1 never uploaded: not aggregated, not asked
+    with pytest.raises(Conflict, match="not being evaluated"):   # no phase open yet
+        c.accept_evaluation(_report("d0", fed_round.round_id, 10, 9, 3.0))
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    rid = fed_round.round_id
+    for bad, error in ((_report("d0", rid - 1, 10, 9, 3.0), Conflict),      # a stale round
+                       (_report("ghost", rid, 1, 1, 0.1), NotFound),        # an unknown device
+                       (_report("d1", rid, 1, 1, 0.1), NotAllowed),         # registered, but not asked
+                       (_report("d0", rid, 11, 9, 3.0), Invalid)):          # more than 40 training samples can hold out
+        with pytest.raises(error):
+            c.accept_evaluation(bad)
+        assert evaluation.reports == {}
+    c.accept_evaluation(_report("d0", rid, 10, 9, 3.0))
+    with pytest.raises(Conflict, match="already has"):                      # a duplicate
+        c.accept_evaluation(_report("d0", rid, 10, 1, 9.0))
+    assert evaluation.reports["d0"].correct == 9
+    c.close_evaluation()
+    with pytest.raises(Conflict):                                            # after the phase closed
+        c.accept_evaluation(_report("d0", rid, 10, 9, 3.0))
+    record = c.record_round(fed_round, aggregation, evaluation)
+    assert record.test_accuracy == pytest.approx(0.9) and (record.evaluated_devices, record.evaluated_samples) == (1, 10)
+
+
+def test_a_round_without_any_report_is_applied_and_recorded_without_figures(tmp_path):
+    c = _coordinator(tmp_path, rounds=1)
+    before = {k: v.clone() for k, v in c.model.state_dict().items()}
+    fed_round, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    c.close_evaluation()
+    record = c.record_round(fed_round, aggregation, evaluation)
+    assert record.status == "ok" and c.rounds_done == 1 and c.finished
+    assert (record.test_accuracy, record.test_loss, record.evaluated_devices, record.evaluated_samples) == (None, None, 0, 0)
+    assert any(not torch.equal(before[k], v) for k, v in c.model.state_dict().items())   # the round was applied
+    summary = c.summary()
+    assert summary["initial_accuracy"] is None and summary["final_accuracy"] is None and summary["rounds"] == 1
+
+
+def test_a_failed_round_keeps_the_last_federated_figures(tmp_path):
+    c = _coordinator(tmp_path, rounds=3)
+    fed_round, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    c.accept_evaluation(_report("d0", fed_round.round_id, 10, 7, 4.0))
+    c.close_evaluation()
+    c.record_round(fed_round, aggregation, evaluation)
+    c.config.deadlines.min_participants = 2
+    failed_round, failed = _aggregated(c, devices=("d0",))
+    assert not failed.ok and c.begin_evaluation(failed_round, failed) is None   # the model did not change
+    record = c.record_round(failed_round, failed)
+    assert record.status == "failed" and record.test_accuracy == pytest.approx(0.7)
+    assert (record.evaluated_devices, record.evaluated_samples) == (1, 10)
+
+
+def test_a_restart_during_the_evaluation_phase_neither_loses_nor_double_records_the_round(tmp_path):
+    c = _coordinator(tmp_path, rounds=3)
+    done, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(done, aggregation)
+    c.close_evaluation()
+    c.record_round(done, aggregation, evaluation)   # round 1: recorded, checkpointed
+    checkpointed = {k: v.clone() for k, v in c.model.state_dict().items()}
+    first, aggregation = _aggregated(c)
+    c.begin_evaluation(first, aggregation)
+    c.accept_evaluation(_report("d0", first.round_id, 10, 9, 3.0))
+    # The server dies here: round 2's aggregated model and its reports were in memory only.
+    resumed = _coordinator(tmp_path, rounds=3)
+    assert resumed.resumed and resumed.rounds_done == 1 and [r.round for r in resumed.history] == [1]
+    assert len(resumed.run_dir.read_metrics()) == 1
+    assert all(torch.equal(checkpointed[k], v) for k, v in resumed.model.state_dict().items())
+    with pytest.raises(Conflict):   # the interrupted phase's late report is stale
+        resumed.accept_evaluation(_report("d1", first.round_id, 15, 6, 12.0))
+    again, aggregation = _aggregated(resumed)   # the same logical round, under a new attempt id
+    assert again.index == 2 and again.round_id > first.round_id
+    evaluation = resumed.begin_evaluation(again, aggregation)
+    resumed.accept_evaluation(_report("d0", again.round_id, 10, 8, 3.0))
+    resumed.close_evaluation()
+    resumed.record_round(again, aggregation, evaluation)
+    # Once recorded (record, then checkpoint), a restart keeps it exactly once with its figures.
+    after = _coordinator(tmp_path, rounds=3)
+    assert after.resumed and after.rounds_done == 2
+    assert [(r.round, r.round_id, r.test_accuracy, r.evaluated_samples) for r in after.history[1:]] == \
+        [(2, again.round_id, pytest.approx(0.8), 10)]
+    assert [line["round"] for line in after.run_dir.read_metrics()] == [1, 2]
+
+
+def _drive(c: Coordinator, reporters: tuple[str, ...]) -> float:
+    """Run one round through the driver; the devices in ``reporters`` report their evaluation when
+    asked. Returns the seconds from the evaluation phase's start to the round's record."""
+    async def scenario() -> float:
+        driver = asyncio.get_running_loop().create_task(drive_rounds(c, FedServerSettings()))
+        while c.round is None or not c.round.ready:
+            await asyncio.sleep(0)
+        fed_round = c.round
+        for d in ("d0", "d1"):
+            c.accept_update(fed_round.round_id, _upload(c, d, fed_round.round_id), 100)
+        while c.evaluating is None:
+            await asyncio.sleep(0.01)   # aggregation runs in a worker thread
+        started = c.evaluating.started_at
+        for d in reporters:
+            c.accept_evaluation(_report(d, fed_round.round_id, 10, 5, 6.0))
+        await asyncio.wait_for(driver, 60)
+        return time.monotonic() - started
+
+    return asyncio.run(scenario())
+
+
+def test_the_driver_records_on_the_last_report_not_the_deadline(tmp_path):
+    c = _coordinator(tmp_path, rounds=1, evaluate_s=60.0)
+    took = _drive(c, ("d0", "d1"))
+    assert took < 30 and c.finished
+    (record,) = c.history
+    assert (record.test_accuracy, record.evaluated_devices, record.evaluated_samples) == (pytest.approx(0.5), 2, 20)
+
+
+def test_the_driver_records_what_arrived_when_the_evaluation_deadline_passes(tmp_path):
+    c = _coordinator(tmp_path, rounds=1, evaluate_s=0.5)
+    took = _drive(c, ("d1",))
+    assert took >= 0.5 and c.finished and c.evaluating is None
+    (record,) = c.history
+    assert record.status == "ok" and (record.evaluated_devices, record.evaluated_samples) == (1, 10)
+
+
+def test_the_evaluation_route_answers_4xx_for_bad_reports_and_stores_nothing(tmp_path):
+    c = _coordinator(tmp_path)
+    fed_round, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    good = _report("d0", fed_round.round_id, 10, 9, 3.0).model_dump()
+
+    async def post(body: dict) -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(c))   # no lifespan: no round driver
+        async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
+            return await client.post("/v1/evaluation", content=packb(body), headers={"content-type": MSGPACK})
+
+    async def poll() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(c))
+        async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
+            return await client.get("/v1/devices/d0/task")
+
+    task = asyncio.run(poll())
+    assert task.status_code == 200 and evaluation.task_bytes == len(task.content) > 0   # counted as bytes down
+
+    for body, code in (({**good, "correct": 11}, 422),                       # correct > num_samples
+                       ({**good, "loss_sum": float("nan")}, 422),
+                       ({**good, "extra": 1}, 422),
+                       ({**good, "round_id": fed_round.round_id + 7}, 409),   # not the evaluated round
+                       ({**good, "device_id": "ghost"}, 404)):
+        answer = asyncio.run(post(body))
+        assert answer.status_code == code, (body, answer.text)
+        assert evaluation.reports == {}
+    assert asyncio.run(post(good)).status_code == 200
+    assert asyncio.run(post(good)).status_code == 409                         # the duplicate
+    assert evaluation.reports["d0"].correct == 9
+    c.close_evaluation()
+    before = fed_round.task_bytes
+    record = c.record_round(fed_round, aggregation, evaluation)
+    assert record.bytes_down == before + evaluation.task_bytes

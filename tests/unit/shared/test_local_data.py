@@ -1,0 +1,256 @@
+"""Local data loaders (shared/data/local.py): each source, the input transform, each bad input."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from shared.data.local import (
+    DataError, apply_input_transform, data_sources, load_image_folder, load_local, load_npz, to_layout,
+)
+from shared.data.spec import DataSpec, InputTransform
+
+
+
+def spec(input_shape: list[int], num_classes: int = 3, **transform) -> DataSpec:
+    return DataSpec(dataset="local", num_classes=num_classes, input_shape=input_shape,
+                    input_transform=InputTransform(**transform))
+
+
+def write_npz(path: Path, **arrays) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def write_png(path: Path, value: int, size: tuple[int, int] = (4, 4), mode: str = "L") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, value if mode == "L" else (value, value, value)).save(path)
+
+
+# --- npz ------------------------------------------------------------------------------------------
+def test_npz_tabular_with_mean_std(tmp_path):
+    x = np.arange(12, dtype=np.float64).reshape(4, 3)
+    f = write_npz(tmp_path / "d.npz", x=x, y=np.array([0, 1, 2, 1]))
+    ds = load_npz(f, spec([3], mean=[1.0], std=[2.0]))
+    assert ds.x.dtype == torch.float32 and ds.y.dtype == torch.int64
+    assert torch.allclose(ds.x, torch.from_numpy((x - 1.0) / 2.0).float())
+    assert ds.label_counts().tolist() == [1, 2, 1]
+
+
+@pytest.mark.parametrize("raw_shape", [(5, 6, 7), (5, 6, 7, 3), (5, 3, 6, 7)])
+def test_npz_image_layouts_become_channels_first(tmp_path, raw_shape):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=raw_shape).astype(np.uint8)
+    channels = 1 if len(raw_shape) == 3 else 3
+    f = write_npz(tmp_path / "d.npz", x=x, y=np.zeros(5, dtype=np.int32))
+    ds = load_npz(f, spec([channels, 6, 7], scale=1 / 255))
+    assert tuple(ds.x.shape) == (5, channels, 6, 7)
+    expect = x if len(raw_shape) == 3 else (np.moveaxis(x, 3, 1) if raw_shape[3] == 3 else x)
+    assert torch.allclose(ds.x.reshape(5, -1), torch.from_numpy(expect.reshape(5, -1) / 255).float())
+
+
+def test_npz_resize_and_per_channel_normalisation(tmp_path):
+    x = np.full((2, 8, 8, 3), 255, dtype=np.uint8)
+    x[..., 1] = 0
+    f = write_npz(tmp_path / "d.npz", x=x, y=np.array([0, 1]))
+    ds = load_npz(f, spec([3, 4, 4], resize=(4, 4), scale=1 / 255, mean=[0.5, 0.5, 0.0], std=[0.5, 0.5, 1.0]))
+    assert tuple(ds.x.shape) == (2, 3, 4, 4)
+    assert torch.allclose(ds.x[:, 0], torch.ones(2, 4, 4)) and torch.allclose(ds.x[:, 1], -torch.ones(2, 4, 4))
+    assert torch.allclose(ds.x[:, 2], torch.ones(2, 4, 4))
+
+
+def test_apply_input_transform_rejects_resize_of_tabular():
+    with pytest.raises(DataError, match="resize"):
+        apply_input_transform(torch.zeros(2, 5), InputTransform(resize=(2, 2)))
+
+
+def test_to_layout_refuses_other_image_ranks():
+    with pytest.raises(DataError, match="'x'"):
+        to_layout(np.zeros((2, 3, 4, 5, 6)), [3, 4, 5], "f.npz")
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"x": np.zeros((3, 2))}, r"missing array 'y'"),
+    ({"y": np.zeros(3, dtype=int)}, r"missing array 'x'"),
+    ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, r"field 'y' must hold integer class labels, got dtype float64"),
+    ({"x": np.zeros((3, 2)), "y": np.zeros((3, 1), dtype=int)}, r"field 'y' must be one label per sample"),
+    ({"x": np.zeros((3, 2)), "y": np.array([0, 1, 3])}, r"field 'y' has labels 0\.\.3, outside 0\.\.2"),
+    ({"x": np.zeros((3, 2)), "y": np.array([0, -1, 1])}, r"field 'y' has labels -1\.\.1"),
+    ({"x": np.array([[0.0, 1.0], [np.nan, 0.0], [0.0, 0.0]]), "y": np.zeros(3, dtype=int)},
+     r"field 'x' holds NaN or infinite values \(first in sample 1\)"),
+    ({"x": np.array([[0.0, np.inf]]), "y": np.zeros(1, dtype=int)}, r"NaN or infinite"),
+    ({"x": np.zeros((3, 2)), "y": np.zeros(2, dtype=int)}, r"'x' and 'y' differ in length \(3 samples, 2 labels\)"),
+    ({"x": np.zeros((0, 2)), "y": np.zeros(0, dtype=int)}, r"no samples"),
+    ({"x": np.zeros((3, 4)), "y": np.zeros(3, dtype=int)}, r"samples of shape \[4\] .* data.input_shape is \[2\]"),
+    ({"x": np.array([["a", "b"]]), "y": np.zeros(1, dtype=int)}, r"field 'x' must be numeric"),
+])
+def test_npz_bad_contents_name_file_and_field(tmp_path, arrays, message):
+    f = write_npz(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(DataError, match=message) as info:
+        load_npz(f, spec([2]))
+    assert str(f) in str(info.value)
+
+
+def test_npz_missing_empty_corrupt_and_npy(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_npz(tmp_path / "nope.npz", spec([2]))
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(DataError, match="empty.npz: data file is empty"):
+        load_npz(tmp_path / "empty.npz", spec([2]))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
+    with pytest.raises(DataError, match="junk.npz: not a readable .npz file"):
+        load_npz(tmp_path / "junk.npz", spec([2]))
+    np.save(tmp_path / "one.npy", np.zeros((3, 2)))
+    with pytest.raises(DataError, match="one.npy: not an .npz archive"):
+        load_npz(tmp_path / "one.npy", spec([2]))
+
+
+def test_npz_object_array_is_refused_not_unpickled(tmp_path):
+    f = tmp_path / "obj.npz"
+    np.savez(f, x=np.array([object(), object()], dtype=object), y=np.zeros(2, dtype=int))
+    with pytest.raises(DataError, match="obj.npz: arrays 'x'/'y' are not readable"):
+        load_npz(f, spec([2]))
+
+
+def test_image_shape_mismatch_names_field(tmp_path):
+    f = write_npz(tmp_path / "d.npz", x=np.zeros((2, 5, 5), dtype=np.uint8), y=np.zeros(2, dtype=int))
+    with pytest.raises(DataError, match=r"d.npz: field 'x' gives samples of shape \[1, 5, 5\]"):
+        load_npz(f, spec([1, 6, 6]))
+
+
+# --- image folders --------------------------------------------------------------------------------
+def test_image_folder_numeric_classes_grey(tmp_path):
+    write_png(tmp_path / "dev" / "0" / "a.png", 0)
+    write_png(tmp_path / "dev" / "2" / "b.png", 255)
+    write_png(tmp_path / "dev" / "2" / "c.png", 255)
+    (tmp_path / "dev" / "2" / "notes.txt").write_text("ignored")
+    ds = load_image_folder(tmp_path / "dev", spec([1, 4, 4], scale=1 / 255))
+    assert ds.y.tolist() == [0, 2, 2] and tuple(ds.x.shape) == (3, 1, 4, 4)
+    assert float(ds.x[0].max()) == 0.0 and float(ds.x[1].min()) == 1.0
+
+
+def test_image_folder_named_classes_rgb_and_resize(tmp_path):
+    write_png(tmp_path / "dev" / "cat" / "a.png", 10, size=(8, 6), mode="RGB")
+    write_png(tmp_path / "dev" / "dog" / "b.png", 20, size=(4, 4), mode="L")  # converted to RGB
+    (tmp_path / "dev" / "eel").mkdir()  # a class this device lacks
+    ds = load_image_folder(tmp_path / "dev", spec([3, 4, 4], resize=(4, 4)))
+    assert ds.y.tolist() == [0, 1] and tuple(ds.x.shape) == (2, 3, 4, 4)
+    assert torch.allclose(ds.x[1], torch.full((3, 4, 4), 20.0))
+
+
+def test_image_folder_named_classes_need_every_class(tmp_path):
+    write_png(tmp_path / "dev" / "cat" / "a.png", 0)
+    with pytest.raises(DataError, match="1 class sub-folders with names, but data.num_classes = 3"):
+        load_image_folder(tmp_path / "dev", spec([1, 4, 4]))
+
+
+def test_image_folder_bad_inputs(tmp_path):
+    (tmp_path / "none").mkdir()
+    with pytest.raises(DataError, match="no class sub-folders"):
+        load_image_folder(tmp_path / "none", spec([1, 4, 4]))
+    write_png(tmp_path / "big" / "7" / "a.png", 0)
+    with pytest.raises(DataError, match=r"class folder\(s\) \['7'\] outside 0..2"):
+        load_image_folder(tmp_path / "big", spec([1, 4, 4]))
+    (tmp_path / "empty" / "0").mkdir(parents=True)
+    with pytest.raises(DataError, match="no images"):
+        load_image_folder(tmp_path / "empty", spec([1, 4, 4]))
+    write_png(tmp_path / "broken" / "0" / "a.png", 0)
+    (tmp_path / "broken" / "1").mkdir()
+    (tmp_path / "broken" / "1" / "b.png").write_bytes(b"\x89PNG garbage")
+    with pytest.raises(DataError, match=r"b.png: unreadable image"):
+        load_image_folder(tmp_path / "broken", spec([1, 4, 4]))
+    with pytest.raises(DataError, match=r"samples of shape \[1, 4, 4\] .* \[1, 5, 5\]"):
+        load_image_folder(tmp_path / "big", spec([1, 5, 5], num_classes=8))
+
+
+def test_image_folder_without_pillow_says_how_to_install(tmp_path, monkeypatch):
+    write_png(tmp_path / "dev" / "0" / "a.png", 0)
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with pytest.raises(DataError, match=r"needs Pillow: pip install 's2fl-testbed\[images\]'"):
+        load_image_folder(tmp_path / "dev", spec([1, 4, 4]))
+
+
+# --- user functions -------------------------------------------------------------------------------
+@pytest.fixture
+def data_module(tmp_path, monkeypatch):
+    (tmp_path / "my_data_mod.py").write_text(
+        "import numpy as np, torch\n"
+        "from shared.data import ArrayDataset\n"
+        "def pairs(n='4'):\n"
+        "    return np.ones((int(n), 2)), np.arange(int(n)) % 3\n"
+        "def dataset():\n"
+        "    return ArrayDataset(x=torch.ones(2, 2), y=torch.tensor([0, 1]), num_classes=3)\n"
+        "def broken():\n"
+        "    raise RuntimeError('disk on fire')\n"
+        "def nothing():\n"
+        "    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_data_mod"
+    sys.modules.pop("my_data_mod", None)
+
+
+def test_function_with_data_args_and_dataset_result(data_module):
+    ds = load_local(f"{data_module}:pairs", spec([2], scale=2.0), {"n": "5"})
+    assert len(ds) == 5 and float(ds.x.max()) == 2.0
+    assert len(load_local(f"{data_module}:dataset", spec([2]), {})) == 2
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("no_such_module_xyz:load", "cannot import module 'no_such_module_xyz'"),
+    ("my_data_mod:absent", "has no function 'absent'"),
+    ("my_data_mod:broken", "the data function failed: RuntimeError: disk on fire"),
+    ("my_data_mod:nothing", r"must return \(x, y\) or an ArrayDataset, got NoneType"),
+])
+def test_function_bad_inputs(data_module, ref, message):
+    with pytest.raises(DataError, match=message):
+        load_local(ref, spec([2]), {})
+
+
+def test_local_source_needs_a_local_run(tmp_path):
+    f = write_npz(tmp_path / "d.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
+    with pytest.raises(DataError, match="needs a run with data.dataset: local"):
+        load_local(str(f), DataSpec(), {})
+
+
+# --- --data PATH -> devices -----------------------------------------------------------------------
+def test_data_sources(tmp_path):
+    f = write_npz(tmp_path / "one.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
+    assert [(s.name, s.ref) for s in data_sources(str(f))] == [("one", str(f))]
+    assert [s.name for s in data_sources("pkg.mod:load_it")] == ["load_it"]
+    many = tmp_path / "many"
+    many.mkdir()
+    for n in ("b", "a"):
+        write_npz(many / f"{n}.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
+    assert [s.name for s in data_sources(str(many))] == ["a", "b"]
+    write_png(tmp_path / "dev" / "0" / "a.png", 0)
+    (tmp_path / "dev" / "1").mkdir()
+    assert [s.name for s in data_sources(str(tmp_path / "dev"))] == ["dev"]
+    for d in ("site1", "site2"):
+        write_png(tmp_path / "sites" / d / "0" / "a.png", 0)
+    assert [(s.name, Path(s.ref).name) for s in data_sources(str(tmp_path / "sites"))] == [("site1", "site1"), ("site2", "site2")]
+
+
+def test_data_sources_refuses_ambiguous_or_missing(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        data_sources(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="neither .npz files nor sub-folders"):
+        data_sources(str(tmp_path / "empty"))
+    write_png(tmp_path / "mixed" / "site1" / "0" / "a.png", 0)
+    write_png(tmp_path / "mixed" / "3" / "a.png", 0)
+    with pytest.raises(DataError, match="some sub-folders hold images and some hold folders"):
+        data_sources(str(tmp_path / "mixed"))
+    write_png(tmp_path / "both" / "0" / "a.png", 0)
+    write_npz(tmp_path / "both" / "d.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
+    with pytest.raises(DataError, match="both .npz files and sub-folders"):
+        data_sources(str(tmp_path / "both"))
+
+
+def test_transform_errors_name_the_file(tmp_path):
+    f = write_npz(tmp_path / "tab.npz", x=np.zeros((2, 3)), y=np.zeros(2, dtype=int))
+    with pytest.raises(DataError, match=r"tab.npz: input_transform.mean has 2 values; the samples have 3 channels"):
+        load_npz(f, spec([3], mean=[0.0, 0.0], std=[1.0, 1.0]))

@@ -1,0 +1,109 @@
+"""Unit tests for shared.run_config's error messages: one line per wrong field, naming the field,
+what it must be and what it got, without pydantic's internals; files that are missing or not
+valid YAML/JSON are named with the line."""
+from __future__ import annotations
+
+import pytest
+
+from shared.run_config import ConfigError, load_run_config, resolve_run_config
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SFL_RUN__"):
+            monkeypatch.delenv(name)
+
+
+def _lines(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_run_config(data)
+    assert str(info.value) == "\n".join(info.value.lines)
+    return info.value.lines
+
+
+def _assert_no_pydantic_internals(lines: list[str]) -> None:
+    for line in lines:
+        assert "\n" not in line
+        for internal in ("type=", "input_value", "input_type", "pydantic.dev", "validation error for",
+                         "Value error,", "Input should be"):
+            assert internal not in line, line
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"train": {"lr": -1}}, "train.lr: must be greater than 0 (got -1)"),
+    ({"rounds": "abc"}, "rounds: must be a valid integer, unable to parse string as an integer (got 'abc')"),
+    ({"data": {"partition": "foo"}}, "data.partition: must be 'iid', 'dirichlet' or 'natural' (got 'foo')"),
+    ({"train": 5}, "train: must be a mapping of settings (got 5)"),
+    ({"grouping": {"method": "random", "label_balance": True}},
+     "grouping: set grouping.method or grouping.label_balance, not both"),
+    ({"data": {"num_devices": 3}, "devices_per_round": 4}, "devices_per_round cannot exceed data.num_devices"),
+    ({"algorithm": "nope"}, "unknown algorithm 'nope'; choose one of "
+                            "['fedavg', 'fedbc', 'fedipg', 'fnr-fl', 's2fl', 'sfl']"),
+])
+def test_one_line_naming_the_field_what_it_must_be_and_what_it_got(data, expected):
+    lines = _lines(data)
+    assert lines == [expected]
+    _assert_no_pydantic_internals(lines)
+
+
+def test_every_wrong_field_gets_its_own_line():
+    lines = _lines({"train": {"lr": -1, "batch_size": 0}, "rounds": 0, "data": {"partition": "foo"}})
+    assert sorted(line.split(":")[0] for line in lines) == ["data.partition", "rounds", "train.batch_size", "train.lr"]
+    _assert_no_pydantic_internals(lines)
+
+
+def test_unknown_key_says_which_key_where_and_the_valid_ones():
+    from shared.config import TrainConfig
+
+    [line] = _lines({"train": {"lrr": 0.1}})
+    assert line == f"train.lrr: unknown key in train (valid keys: {', '.join(TrainConfig.model_fields)})"
+    [line] = _lines({"trian": {}})
+    assert line.startswith("trian: unknown key in the top level (valid keys: algorithm, model, ")
+
+
+def test_parameters_of_the_algorithm_selector_and_transform_are_named_under_their_mapping():
+    from shared.algorithms.fedbc import FedBCParams
+
+    [line] = _lines({"algorithm": "fedbc", "algorithm_params": {"lam": 1}})
+    assert line == ("algorithm_params.lam: unknown key in algorithm_params "
+                    f"(valid keys: {', '.join(FedBCParams.model_fields)})")
+    [line] = _lines({"algorithm": "s2fl", "algorithm_params": {"x": 1}})
+    assert line == "algorithm_params.x: unknown key in algorithm_params (it takes no keys)"
+    [line] = _lines({"algorithm": "fedbc", "algorithm_params": {"gamma": -1}})
+    assert line.startswith("algorithm_params.gamma: must be ") and line.endswith("(got -1)")
+    [line] = _lines({"selection": "hics", "selection_params": {"temperature": "hot"}})
+    assert line.startswith("selection_params.temperature: must be a valid number")
+    [line] = _lines({"algorithm": "fedavg", "data": {"num_devices": 3, "partition": "iid",
+                                                     "device_transform": "gaussian_noise",
+                                                     "device_transform_params": {"sigma": -1}}})
+    assert line == "data.device_transform_params.sigma: must be greater than or equal to 0 (got -1)"
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as info:
+        resolve_run_config(missing)
+    assert info.value.lines == [f"{missing}: file not found"]
+
+
+@pytest.mark.parametrize("name, text, where", [
+    ("run.yaml", "train:\n  lr: 0.1\n rounds: 3\n", ", line 3, column 2: not valid YAML: "),
+    ("run.json", '{"train": {"lr": 0.1,}}', ", line 1, column 22: not valid JSON: "),
+])
+def test_syntax_error_names_the_file_and_line(tmp_path, name, text, where):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        resolve_run_config(path)
+    [line] = info.value.lines
+    assert line.startswith(f"{path}{where}"), line
+
+
+def test_malformed_override_is_one_line():
+    with pytest.raises(ConfigError) as info:
+        resolve_run_config(overrides=["train.lr=[1"])
+    [line] = info.value.lines
+    assert line.startswith("override 'train.lr=[1': the value is not valid YAML")

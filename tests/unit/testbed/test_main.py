@@ -1,0 +1,55 @@
+"""``python -m testbed``'s command line (--device-data and the device count it implies) and its round
+line (server-evaluated, federated, and without figures)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+import testbed.__main__ as cli
+from testbed.__main__ import format_round
+
+
+def test_cli_counts_the_devices_of_device_data_paths(tmp_path, monkeypatch):
+    for name in ("a", "b"):
+        np.savez(tmp_path / f"{name}.npz", x=np.zeros((2, 3)), y=np.zeros(2, dtype=int))
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for name in ("d", "e"):
+        np.savez(folder / f"{name}.npz", x=np.zeros((2, 3)), y=np.zeros(2, dtype=int))
+    config = tmp_path / "local.yaml"
+    config.write_text(yaml.safe_dump({"algorithm": "fedavg", "model": "logreg",
+                                           "data": {"dataset": "local", "num_classes": 2, "input_shape": [1, 1, 3]}}))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_testbed(config, run_dir, **kwargs):
+        seen.update(num_devices=config.data.num_devices, device_data=kwargs["device_data"])
+        raise Stop
+
+    monkeypatch.setattr(cli, "Testbed", fake_testbed)
+    paths = [str(tmp_path / "a.npz"), str(folder)]
+    args = ["--config", str(config), "--run-dir", str(tmp_path / "run")]
+    with pytest.raises(Stop):
+        cli.main([*args, *(a for p in paths for a in ("--device-data", p))])
+    assert seen == {"num_devices": 3, "device_data": paths}
+    with pytest.raises(Stop):
+        cli.main([*args, "--device-data", paths[0], "--devices", "5"])
+    assert seen["num_devices"] == 5
+
+STATUS = {"rounds_total": 2}
+
+
+def _record(**fields) -> dict:
+    return {"round": 1, "status": "ok", "test_accuracy": 0.5, "test_loss": 1.25, "round_time_s": 1.0, "elapsed_s": 2.0,
+            "bytes_total": 1e6, "cumulative_bytes": 2e6, "split_points": {"d0": 3}, "dropped": [],
+            "evaluated_devices": None, **fields}
+
+
+def test_the_round_line_marks_federated_figures_and_shows_missing_ones_as_na():
+    assert "acc  50.00%  loss 1.250" in format_round(_record(), STATUS)
+    assert "acc(fed)  50.00%  loss 1.250" in format_round(_record(evaluated_devices=3), STATUS)
+    line = format_round(_record(evaluated_devices=0, test_accuracy=None, test_loss=None), STATUS)
+    assert "acc(fed) n/a  loss n/a" in line
