@@ -19,6 +19,8 @@ def build(num_classes: int, input_shape: tuple[int, ...], width: int = 16) -> nn
     ``num_classes`` and ``input_shape`` come from the run's ``data`` section; ``width`` (channels
     of the first conv block) comes from ``model_params`` in run.yaml.
     """
+    if len(input_shape) != 3:  # a clear config error instead of a failed unpacking
+        raise ValueError(f"this CNN takes images, data.input_shape [C, H, W]; got {list(input_shape)}")
     channels, height, width_px = input_shape
     flat = 2 * width * (height // 4) * (width_px // 4)  # two 2x2 max-pools
     return nn.Sequential(OrderedDict(

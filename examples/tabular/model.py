@@ -15,6 +15,8 @@ from torch import nn
 
 def build(num_classes: int, input_shape: tuple[int, ...], hidden: int = 32) -> nn.Sequential:
     """Two hidden layers of ``hidden`` units (``model_params.hidden`` in run.yaml), then the head."""
+    if len(input_shape) != 1:  # a clear config error instead of a failed unpacking
+        raise ValueError(f"this MLP takes feature vectors, data.input_shape [D]; got {list(input_shape)}")
     (features,) = input_shape
     return nn.Sequential(OrderedDict(
         layer1=nn.Sequential(nn.Linear(features, hidden), nn.ReLU()),
