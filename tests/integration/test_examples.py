@@ -7,6 +7,7 @@ user sees (round lines, the final line) and the run directory (metrics.jsonl, su
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -104,3 +105,17 @@ def test_tabular_example_transform_is_the_statistics_of_its_data() -> None:
     for key in ("mean", "std"):
         assert len(declared[key]) == 13
         np.testing.assert_allclose(declared[key], computed[key], rtol=1e-5)
+
+
+def test_image_folders_example_gives_each_device_its_own_images_with_a_label_skew() -> None:
+    """make_data.py's split: no image on two devices, every class on every device, and each
+    device rich in its home classes (what S2FL's label-balanced grouping has to balance)."""
+    spec = importlib.util.spec_from_file_location("image_make_data", EXAMPLES / "image_folders" / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    labels = np.repeat(np.arange(10), 100)
+    parts = make_data.device_indices(labels, devices=3, major=60, minor=6, seed=0)
+    assert sum(len(p) for p in parts) == len(set(np.concatenate(parts).tolist()))
+    for d, part in enumerate(parts):
+        counts = np.bincount(labels[part], minlength=10)
+        assert counts.tolist() == [60 if c % 3 == d else 6 for c in range(10)]
