@@ -107,7 +107,8 @@ class Testbed:
         round-robin from ``index``)."""
         kinds = list(self.config.devices.profiles)
         if data is not None:
-            kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
+            if kinds:  # none (devices.profiles: []): real devices, nothing to rotate
+                kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
             devices = ["--data", data, "--prefix", f"dev{index}"]
         else:
             devices = ["--shards", ",".join(str(s) for s in shards or [])]

@@ -64,3 +64,16 @@ def test_device_data_and_local_runs_go_together(tmp_path):
     with pytest.raises(TestbedError, match="--device-data is for runs with data.dataset: local"):
         Testbed(RunConfig(), tmp_path, device_data=["a.npz"])
     assert Testbed(local, tmp_path, device_data=["a.npz", "b.npz"]).device_data == ["a.npz", "b.npz"]
+
+
+def test_device_data_agents_of_real_devices_get_no_kinds(tmp_path):
+    # devices.profiles: [] means real devices (no emulation); rotating the empty kind list per
+    # agent divided by zero before any agent started.
+    local = RunConfig.model_validate({"data": {"dataset": "local", "num_classes": 2, "input_shape": [3]},
+                                      "devices": {"profiles": []}})
+    testbed = Testbed(local, tmp_path, device_data=["a.npz", "b.npz"])
+    started: list[list[str]] = []
+    testbed.processes.start = lambda name, module, args, env=None: started.append(list(args))
+    testbed.start_agent("agent-1", data="b.npz", index=1)
+    args = started[0]
+    assert args[args.index("--data") + 1] == "b.npz" and args[args.index("--kinds") + 1] == ""
