@@ -64,7 +64,8 @@ def to_layout(x: np.ndarray | torch.Tensor, input_shape: list[int] | tuple[int, 
     ``[N, D]``, or any other rank) the raw samples are kept as they are. Sizes are checked after
     the transform (which may resize), by :func:`model_inputs`.
     """
-    t = torch.as_tensor(np.asarray(x)) if not isinstance(x, torch.Tensor) else x
+    # np.require copies a read-only array (Pillow's, a memory-mapped one): torch refuses to share it quietly.
+    t = torch.as_tensor(np.require(x, requirements="W")) if not isinstance(x, torch.Tensor) else x
     if len(input_shape) == 3:
         channels = input_shape[0]
         if t.ndim == 3:
@@ -230,7 +231,7 @@ def load_image_folder(path: str | Path, spec: DataSpec) -> ArrayDataset:
         for f in _image_files(sub):
             try:
                 with Image.open(f) as img:
-                    pixels = np.asarray(img.convert(mode), dtype=np.uint8)
+                    pixels = np.array(img.convert(mode), dtype=np.uint8)   # a writable copy
             except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
                 raise DataError(f"{f}: unreadable image ({exc})") from None
             xs.append(model_inputs(pixels[None], spec, str(f)))
