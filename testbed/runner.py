@@ -141,7 +141,8 @@ class Testbed:
                          verify=tls_context(self.verify)).json()
 
     def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, poll_s: float = 0.5) -> dict:
-        """Wait for the run to finish, calling ``on_round(record, status)`` for each new round."""
+        """Wait for the run to finish, calling ``on_round(record, status)`` for each new round; return
+        the final status, with every round's record."""
         deadline = time.monotonic() + timeout if timeout else None
         # ``since`` names a logical round: the last one whose successful record was printed. A
         # failed attempt of the next round is printed once (by attempt id) and asked for again
@@ -181,7 +182,9 @@ class Testbed:
                 if on_round:
                     on_round(record, status)
             if status["state"] == "finished":
-                return status
+                # The polls above asked only for records after the last printed round; the caller
+                # gets the final status with the whole history (it raced to empty before).
+                return self.status()
             if deadline is not None and time.monotonic() > deadline:
                 raise TestbedError(f"run did not finish within {timeout:.0f}s (round {status['rounds_done']} of {status['rounds_total']})")
             time.sleep(poll_s)
