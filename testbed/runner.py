@@ -148,6 +148,7 @@ class Testbed:
         # failed attempt of the next round is printed once (by attempt id) and asked for again
         # until that round succeeds, so neither the retry nor later rounds are missed.
         done_round = 0
+        final = False   # the run finished; the last poll asks for the whole history
         printed: set[int] = set()
         failing_since: float | None = None
         while True:
@@ -160,7 +161,7 @@ class Testbed:
                 if not service.alive() and service.process.returncode != 0:
                     raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
             try:
-                status = self.status(done_round)
+                status = self.status(0 if final else done_round)
                 failing_since = None
             except httpx.HTTPError as exc:
                 # A busy Fed Server (a VGG-16 evaluation on a loaded 2-core machine) can miss one
@@ -182,9 +183,12 @@ class Testbed:
                 if on_round:
                     on_round(record, status)
             if status["state"] == "finished":
-                # The polls above asked only for records after the last printed round; the caller
-                # gets the final status with the whole history (it raced to empty before).
-                return self.status()
+                if final or done_round == 0:
+                    return status
+                # The polls asked only for records after the last printed round: poll once more
+                # for the whole history, which the caller gets (it could be empty before).
+                final = True
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 raise TestbedError(f"run did not finish within {timeout:.0f}s (round {status['rounds_done']} of {status['rounds_total']})")
             time.sleep(poll_s)

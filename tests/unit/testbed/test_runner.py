@@ -52,9 +52,10 @@ def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_att
 
     testbed.status = status
     printed: list[dict] = []
-    testbed.follow(lambda record, _: printed.append(record), poll_s=0.01)
+    final = testbed.follow(lambda record, _: printed.append(record), poll_s=0.01)
     assert printed == attempts
-    assert asked == [0, 0, 1]
+    assert asked == [0, 0, 1, 0]             # the last poll asks for the whole history ...
+    assert final["history"] == attempts      # ... which the caller gets
 
 
 def test_device_data_and_local_runs_go_together(tmp_path):
