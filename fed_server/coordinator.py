@@ -403,12 +403,6 @@ class Coordinator:
         fed_round, self.round = self.round, None
         return fed_round
 
-    def finish_round(self, fed_round: FedRound) -> RoundRecord:
-        """Aggregate and record a closed round without an evaluation phase (server evaluation;
-        with federated evaluation the round is recorded without figures). CPU work: run off the
-        event loop."""
-        return self.record_round(fed_round, self.aggregate_round(fed_round))
-
     def aggregate_round(self, fed_round: FedRound) -> Aggregation:
         """Aggregate (Algorithm 1 or the algorithm's rule) and update the time table. A round below
         the quorum changes nothing (``ok`` False): the same logical round is retried. Nothing is

@@ -107,7 +107,7 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         record = await asyncio.to_thread(coordinator.record_round, fed_round, aggregation, evaluation)
         if metrics is not None:
             metrics.observe_round(record)
-            metrics.checkpoint_written()  # finish_round writes checkpoint.msgpack once per round
+            metrics.checkpoint_written()  # record_round writes checkpoint.msgpack once per round
         log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
                  record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)
         if record.status != "ok" and not coordinator.finished:

@@ -5,7 +5,7 @@ honest upload, ``dev-001`` also sends harmful versions of it, each well-formed a
 schema:
 
 * timings of ``1e308`` s each (finite, but their sum is not: this used to kill the round driver
-  inside ``finish_round`` after the new model was in memory);
+  inside ``record_round`` after the new model was in memory);
 * timings whose sum exceeds the round deadline;
 * ``num_samples=10**12`` with zeroed weights (used to outweigh the honest device and pin the
   accuracy at chance; the sample count is the aggregation weight);

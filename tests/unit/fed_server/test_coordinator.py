@@ -50,7 +50,7 @@ def _complete_round(coordinator: Coordinator) -> None:
     for d in ("d0", "d1"):
         coordinator.accept_update(r.round_id, _upload(coordinator, d, r.round_id), 100)
     coordinator.close_round()
-    coordinator.finish_round(r)
+    coordinator.record_round(r, coordinator.aggregate_round(r))
 
 
 def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(tmp_path):
@@ -59,7 +59,7 @@ def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(t
     r1 = _open_round(c)
     c.accept_update(r1.round_id, _upload(c, "d0", r1.round_id), 100)
     c.close_round()
-    record = c.finish_round(r1)
+    record = c.record_round(r1, c.aggregate_round(r1))
     assert record.status == "failed" and c.rounds_done == 0
     assert all(torch.equal(before[k], v) for k, v in c.model.state_dict().items())
     r2 = _open_round(c)
@@ -134,7 +134,7 @@ def test_a_time_the_table_cannot_take_drops_that_cell_not_the_round(tmp_path):
     stored = r.updates["d0"].request
     stored.timings = stored.timings.model_copy(update={"compute_s": 1e308, "transfer_s": 1e308})  # sum: inf
     c.close_round()
-    record = c.finish_round(r)
+    record = c.record_round(r, c.aggregate_round(r))
     assert record.status == "ok" and c.rounds_done == 1
     assert c.table.get("d0", 0) is None and c.table.get("d1", 0) is not None
     assert c.run_dir.read_checkpoint()[0] == 1   # the round was checkpointed
@@ -246,7 +246,7 @@ def test_non_finite_numbers_are_written_as_null_and_read_back(tmp_path):
         # a record ever hold one, so the stored figure is changed behind the check.
         r.updates[d].request.train_loss = 1e308
     c.close_round()
-    record = c.finish_round(r)
+    record = c.record_round(r, c.aggregate_round(r))
     assert record.train_loss is None        # 1e308 * samples overflows to inf
     line = c.run_dir.metrics_path.read_text().splitlines()[0]
     assert "Infinity" not in line and json.loads(line)["train_loss"] is None

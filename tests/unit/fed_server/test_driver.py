@@ -86,7 +86,7 @@ def test_status_since_filters_on_the_logical_round_and_keeps_every_attempt(tmp_p
                 device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
                 timings=timings, bytes_up=0, bytes_down=0), 100)
         c.close_round()
-        c.finish_round(fed_round)
+        c.record_round(fed_round, c.aggregate_round(fed_round))
 
     async def history(since: int) -> list[tuple[int, int, str]]:
         transport = httpx.ASGITransport(app=create_app(c))   # no lifespan: no round driver
