@@ -237,12 +237,14 @@ class Device:
 
     def register(self) -> None:
         """Announce this device, its shard, its profile and its model's fingerprint to the Fed
-        Server. A fingerprint that differs from the run's is refused (Conflict): the device stops
+        Server, and its label counts when the run asks for them (several Main Server replicas). A fingerprint that differs from the run's is refused (Conflict): the device stops
         rather than train on another model."""
         assert self.data is not None and self.layout is not None and self.info is not None
         answer = self.fed.register(RegisterRequest(device_id=self.device_id, shard=self.shard,
                                                    num_samples=len(self.data), profile=self._profile,
-                                                   fingerprint=model_fingerprint(self.layout, self.info.data)))
+                                                   fingerprint=model_fingerprint(self.layout, self.info.data),
+                                                   label_counts=self.data.label_counts().tolist()
+                                                   if self.info.label_counts_at_registration else None))
         self.token = answer.token
         self._drop_main()  # the next task's Main Server client presents the new token
         log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",

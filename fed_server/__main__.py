@@ -22,8 +22,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", default=env_default("run_dir", None),
                         help="where config, metrics, checkpoint and summary are written (default runs/<time>-<algorithm>)")
     parser.add_argument("--run-id", default=env_default("run_id", None), help="run id (default: random)")
-    parser.add_argument("--main-server-url", default=env_default("main_server_url", "http://127.0.0.1:8081"),
-                        help="the Main Server, as devices and this server reach it (env SFL_MAIN_SERVER_URL)")
+    parser.add_argument("--main-server-url", dest="main_server_urls", action="append", default=None, metavar="URL",
+                        help="a Main Server replica, as devices and this server reach it; repeat it for several "
+                             "replicas, over which each round's groups are spread (env SFL_MAIN_SERVER_URL, "
+                             "comma-separated; default http://127.0.0.1:8081)")
     parser.add_argument("--per-device-metrics", action=argparse.BooleanOptionalAction,
                         default=str(env_default("per_device_metrics", "true")).lower() not in ("0", "false", "no", "off"),
                         help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default on). "
@@ -52,9 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     if auth.enabled and auth.enrolment_secret is None:
         parser.error("a service secret without an enrolment secret would refuse every device: "
                      "set --enrolment-secret-file or SFL_ENROLMENT_SECRET too")
+    main_server_urls = args.main_server_urls or [
+        url.strip() for url in str(env_default("main_server_url", "http://127.0.0.1:8081")).split(",") if url.strip()]
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     try:
-        coordinator = Coordinator(config, run_dir, args.main_server_url, run_id=args.run_id,
+        coordinator = Coordinator(config, run_dir, main_server_urls, run_id=args.run_id,
                                   torch_device=args.torch_device)
     except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
         parser.error(str(exc))

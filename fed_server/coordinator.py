@@ -13,6 +13,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +30,16 @@ from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.grouping import form_round_groups, spread_groups
 from shared.algorithms.base import RoundContext, parse_payload
-from shared.algorithms.registry import build_algorithm, build_selector
+from shared.algorithms.registry import build_algorithm, build_grouping, build_selector
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.models import build_model, fingerprint_differences, model_fingerprint, profile_model
 from shared.schemas import (
-    Ack, EvaluationReport, Participant, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo, ServerPortionUpload,
+    Ack, EvaluationReport, Participant, PlannedGroup, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo,
+    ServerPortionUpload,
     TaskResponse, UpdateRequest,
 )
 from shared.portions import decode_portion, portion_state
@@ -69,15 +72,22 @@ class Coordinator:
     ``torch_device`` (``--torch-device``) is where the global model is evaluated; the model itself
     stays on the CPU, where uploads arrive from the wire and are aggregated (a round's
     aggregation is a weighted sum, cheap next to moving every upload to a GPU and back).
+
+    ``main_server_urls``: the Main Server replicas (docs/deployment.md, "Main Server replicas").
+    With one, it groups the devices that join, as in the paper; with several, this server forms
+    each round's groups and spreads them over the replicas.
     """
 
-    def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_url: str | None, run_id: str | None = None,
-                 torch_device: torch.device | None = None) -> None:
+    def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_urls: Sequence[str] | None,
+                 run_id: str | None = None, torch_device: torch.device | None = None) -> None:
         self.config = config
         self.torch_device = torch_device
         self.run_dir = run_dir
         self.recorder = Recorder(run_dir)
-        self.main_server_url = main_server_url
+        self.main_server_urls = list(dict.fromkeys(main_server_urls or []))
+        # Replicas that refused the last plan sent to them or were lost during an attempt: their
+        # plans get a single try (a dead replica must not cost the plan retries every round).
+        self.replicas_down: set[str] = set()
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.algorithm = build_algorithm(config)
         self.num_classes = dataset_num_classes(config.data)
@@ -101,6 +111,9 @@ class Coordinator:
         self.table = ClientTimeTable(max(1, len(self.model.split_points)), config.split.smoothing)
         self.planner = SplitPlanner(self.algorithm.split_mode(), self.model.split_points, self.num_blocks, self.profile,
                                     self.table, self.devices, config.train.local_epochs, config.split.server_flops)
+        # Groups must be known before tasks go out to tell each device its replica, so with
+        # several replicas the Fed Server groups, from label counts sent at registration.
+        self.label_counts_at_registration = len(self.main_server_urls) > 1 and self.planner.mode != "zero"
         self.rng = random.Random(config.seed)
         self.round: FedRound | None = None
         self.rounds_done = 0          # completed logical rounds
@@ -132,6 +145,15 @@ class Coordinator:
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
         its model or data pipeline differs from the run's (None: not checked, docs/models.md)."""
+        if self.label_counts_at_registration:
+            if req.label_counts is None:
+                raise Invalid(f"{req.device_id}: this run has several Main Server replicas and groups at the Fed "
+                              f"Server: register with label_counts (RunInfo.label_counts_at_registration)")
+            if len(req.label_counts) != self.num_classes:
+                raise Invalid(f"label_counts has {len(req.label_counts)} entries; the model has {self.num_classes} classes")
+        elif req.label_counts is not None:
+            raise Invalid("this run takes label counts at the Main Server only (RunInfo.label_counts_at_registration "
+                          "is false): register without label_counts")
         if req.fingerprint is not None:
             differences = fingerprint_differences(req.fingerprint, self.fingerprint, "on the device", "in the run")
             if differences:
@@ -149,7 +171,8 @@ class Coordinator:
                        model_params=self.config.model_params, fingerprint=self.fingerprint,
                        num_classes=self.num_classes, input_shape=list(self.input_shape),
                        data=self.config.data, seed=self.config.seed,
-                       holdout=self.config.evaluation.holdout if self.evaluation_mode == "federated" else None)
+                       holdout=self.config.evaluation.holdout if self.evaluation_mode == "federated" else None,
+                       label_counts_at_registration=self.label_counts_at_registration)
 
     def ready(self) -> bool:
         """Rounds start once every shard has a registered device, or, after the registration
@@ -182,21 +205,78 @@ class Coordinator:
         log.info("round %d (attempt %d): %d devices, splits %s", index, self.attempts, len(selected), {d: a.split_point for d, a in self.round.assignments.items()})
         return self.round
 
-    def round_plan(self, fed_round: FedRound) -> RoundPlan:
-        """What the Main Server needs: participants, splits, and the server-side weights."""
-        start = min(a.split_point for a in fed_round.assignments.values())
+    def replica_plans(self, fed_round: FedRound, live: Sequence[str]) -> dict[str, RoundPlan]:
+        """The round plan of each replica in ``live`` that gets devices, and every assignment's
+        replica. Called again with fewer replicas when one refused its plan: the groups stay, their
+        spread is redone.
+
+        One replica: one plan with every participant and no groups (the Main Server groups, as in
+        the paper). Several: the groups are formed here, once per attempt, by the one grouping
+        function the Main Server uses (same plug-in, group size and rng), from the label counts
+        sent at registration, and spread by :func:`spread_groups` (largest first, to the least
+        loaded replica).
+        """
+        if not live:
+            raise ValueError("no live Main Server replica to plan for")
+        if len(self.main_server_urls) == 1:
+            for assignment in fed_round.assignments.values():
+                assignment.main_server_url = live[0]
+            return {live[0]: self.round_plan(fed_round, sorted(fed_round.assignments))}
+        if fed_round.planned_groups is None:
+            counts = {d: self.devices.devices[d].label_counts or [] for d in fed_round.assignments}
+            groups = form_round_groups(build_grouping(self.algorithm.grouping()), counts,
+                                       self.config.grouping.group_size, self.config.seed, fed_round.round_id)
+            fed_round.planned_groups = dict(enumerate(groups))
+        planned = fed_round.planned_groups
+        loads = [sum(max(1, self.devices.devices[m].num_samples) for m in planned[g]) for g in range(len(planned))]
+        placed = spread_groups(loads, len(live))
+        fed_round.group_replica = {g: live[placed[g]] for g in planned}
+        plans: dict[str, RoundPlan] = {}
+        for url in live:
+            mine = [g for g in sorted(planned) if fed_round.group_replica[g] == url]
+            if not mine:   # more replicas than groups
+                continue
+            for g in mine:
+                for m in planned[g]:
+                    fed_round.assignments[m].main_server_url = url
+            plans[url] = self.round_plan(fed_round, sorted(m for g in mine for m in planned[g]),
+                                         [PlannedGroup(group_id=g, members=planned[g]) for g in mine])
+        return plans
+
+    def round_plan(self, fed_round: FedRound, members: Sequence[str],
+                   groups: list[PlannedGroup] | None = None) -> RoundPlan:
+        """What one Main Server needs: its participants (``members``), their splits, the groups
+        when the Fed Server formed them, and the server-side weights from their smallest split."""
+        start = min(fed_round.assignments[d].split_point for d in members)
         return RoundPlan(
             run_id=self.run_id, round_id=fed_round.round_id, model=self.config.model,
             model_params=self.config.model_params, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=self.config.seed,
-            participants=[Participant(device_id=d, split_point=a.split_point, num_samples=max(1, self.devices.devices[d].num_samples),
+            participants=[Participant(device_id=d, split_point=fed_round.assignments[d].split_point,
+                                      num_samples=max(1, self.devices.devices[d].num_samples),
                                       token_nonce=self.devices.token_nonce(d))
-                          for d, a in sorted(fed_round.assignments.items())],
+                          for d in members],
             server_weights=encode_state(portion_state(self.model, start, self.num_blocks)), train=self.config.train,
             grouping=self.algorithm.grouping(), group_size=self.config.grouping.group_size,
             group_loss=self.config.grouping.group_loss, join_deadline_s=self.config.deadlines.join_s,
-            step_deadline_s=self.config.deadlines.step_s,
+            step_deadline_s=self.config.deadlines.step_s, groups=groups,
         )
+
+    def replica_lost(self, fed_round: FedRound, url: str, reason: str) -> None:
+        """Replica ``url`` is gone during the open attempt (its watch stream broke or fell silent):
+        its devices whose group portion has not arrived are excluded, so the attempt completes with
+        the other replicas' groups (or fails below the quorum and is retried, the usual rules).
+        Groups it already uploaded stay. Nothing for a closed attempt or a replica already lost."""
+        if self.round is not fed_round or url in fed_round.lost_replicas:
+            return
+        covered = {d for p in fed_round.portions.values() for d in (*p.upload.members, *p.upload.dropped, *p.upload.absent)}
+        lost = {d for d, a in fed_round.assignments.items() if a.main_server_url == url} - covered
+        fed_round.excluded |= lost
+        fed_round.lost_replicas.append(url)
+        self.replicas_down.add(url)
+        log.warning("round %d: Main Server replica %s lost (%s); excluding %d device(s) without a group portion: %s",
+                    fed_round.round_id, url, reason, len(lost), sorted(lost))
+        self.changed.set()
 
     def task_for(self, device_id: str, final_weights: bool = True) -> TaskResponse:
         """A polling device's next instruction.
@@ -229,7 +309,7 @@ class Coordinator:
         return TaskResponse(
             status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=self.num_blocks,
             weights=encode_state(portion_state(self.model, 0, assignment.split_point)), train=self.config.train,
-            main_server_url=self.main_server_url if fed_round.uses_main_server else None,
+            main_server_url=assignment.main_server_url if fed_round.uses_main_server else None,
             deadline_s=self._remaining(fed_round), half_precision=self.config.half_precision,
             algorithm=self.config.algorithm, params=self.algorithm.device_params(),
             extras=self.algorithm.task_extras(device_id, fed_round.context).to_wire(),
@@ -353,6 +433,21 @@ class Coordinator:
             raise Invalid(f"group members {sorted(unknown)} are not participants of round {round_id}")
         if upload.group_id in fed_round.portions:
             raise Conflict(f"group {upload.group_id} of round {round_id} was already received")
+        if fed_round.planned_groups is not None:
+            planned = fed_round.planned_groups.get(upload.group_id)
+            if planned is None:
+                raise Invalid(f"round {round_id} has no planned group {upload.group_id}")
+            if not members <= set(planned):
+                raise Invalid(f"group {upload.group_id} of round {round_id} was planned as {planned}; "
+                              f"{sorted(members - set(planned))} are not in it")
+            replicas = [fed_round.group_replica[upload.group_id]]
+        else:
+            replicas = fed_round.replicas()
+        if any(r in fed_round.lost_replicas for r in replicas):
+            # Its devices were excluded when the replica was declared lost: taking the portion now
+            # would count a group the attempt already gave up.
+            raise Conflict(f"group {upload.group_id} of round {round_id} belongs to a Main Server replica "
+                           f"declared lost in this round")
         splits = [fed_round.assignments[m].split_point for m in members]
         if splits and upload.start_block > min(splits):
             raise Invalid(f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")

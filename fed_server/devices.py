@@ -21,6 +21,9 @@ class DeviceRecord:
     #: registering again revokes the token of the registration before.
     token_nonce: str = field(default_factory=lambda: secrets.token_hex(16))
     last_seen: float = field(default_factory=time.monotonic)
+    #: Samples per class, sent at registration only in a run whose Fed Server forms the groups
+    #: (several Main Server replicas); None otherwise.
+    label_counts: list[int] | None = None
 
 
 class DeviceRegistry:
@@ -66,7 +69,8 @@ class DeviceRegistry:
     def register(self, req: RegisterRequest) -> DeviceRecord:
         """Add or refresh ``req``'s device in its shard (or slot) with a new token nonce."""
         record = DeviceRecord(req.device_id, self._place(req), req.num_samples,
-                              DeviceProfile(flops=req.profile.flops, rate=req.profile.rate), req.profile.kind)
+                              DeviceProfile(flops=req.profile.flops, rate=req.profile.rate), req.profile.kind,
+                              label_counts=req.label_counts)
         self.devices[req.device_id] = record
         return record
 

@@ -14,12 +14,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
+from pydantic import ValidationError
+
 from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
 from shared.auth import Auth
+from fed_server.round_state import FedRound
 from shared.http_client import decode_response, service_client
 from shared.retry import Backoff, retry_async
-from shared.schemas import API, Ack
+from shared.schemas import API, Ack, RoundPlan, RoundWatch
 from shared.wire import packb
 
 log = logging.getLogger("fed_server")
@@ -35,22 +39,85 @@ class FedServerSettings:
     per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
     auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
     ca_file: str | None = None        # CA bundle to verify the Main Server's HTTPS certificate
+    # Round watch streams (docs/deployment.md, "Main Server replicas"): the heartbeat a replica is
+    # asked for, and the silence after which it counts as lost (five missed heartbeats: a busy
+    # replica's event loop still answers, a frozen or unreachable one does not).
+    heartbeat_s: float = 2.0
+    replica_timeout_s: float = 10.0
 
 
-async def send_plan(coordinator: Coordinator, fed_round, settings: FedServerSettings) -> None:
-    """POST the round plan to the Main Server; on repeated failure the round is marked failed."""
-    plan = coordinator.round_plan(fed_round)
-    body = packb(plan.model_dump())
-    fed_round.plan_bytes = len(body)
-    url = f"{coordinator.main_server_url.rstrip('/')}{API}/rounds"
+async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: FedServerSettings) -> None:
+    """POST each replica its round plan, all at once. A replica that does not accept is down for
+    this attempt: its groups are spread again over those that did, which get their new plan (the
+    same round id replaces the open one there). No replica accepts: the round is marked failed.
+
+    A replica that was down before gets one try, not ``plan_retries``: a dead replica must not
+    cost the backoff every round; a live one that restarted accepts at the first try.
+    """
+    live = list(coordinator.main_server_urls)
+    errors: dict[str, str] = {}
+    fed_round.plan_bytes = 0
     async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
-        async def post() -> Ack:
-            return decode_response(await client.post(url, content=body), Ack)
-        try:
-            await retry_async(post, Backoff(settings.plan_retries, first_delay_s=0.5), (Exception,),
-                              f"round {fed_round.round_id}: plan to Main Server")
-        except Exception as exc:
-            fed_round.plan_failed = f"Main Server at {coordinator.main_server_url} did not accept the plan: {exc}"
+        async def post(url: str, plan: RoundPlan) -> str | None:
+            body = packb(plan.model_dump())
+            fed_round.plan_bytes += len(body)
+
+            async def attempt() -> Ack:
+                return decode_response(await client.post(f"{url.rstrip('/')}{API}/rounds", content=body), Ack)
+            tries = 1 if url in coordinator.replicas_down else settings.plan_retries
+            try:
+                await retry_async(attempt, Backoff(tries, first_delay_s=0.5), (Exception,),
+                                  f"round {fed_round.round_id}: plan to Main Server {url}")
+                return None
+            except Exception as exc:
+                return str(exc)
+
+        while live:
+            plans = coordinator.replica_plans(fed_round, live)
+            outcomes = await asyncio.gather(*(post(url, plan) for url, plan in plans.items()))
+            refused = {url: error for url, error in zip(plans, outcomes) if error is not None}
+            for url in plans:
+                if url in refused:
+                    coordinator.replicas_down.add(url)
+                else:
+                    coordinator.replicas_down.discard(url)
+            errors.update(refused)
+            if not refused:
+                return
+            log.warning("round %d: Main Server replica(s) %s did not accept the plan; spreading their groups "
+                        "over the others", fed_round.round_id, sorted(refused))
+            live = [url for url in live if url not in refused]
+    fed_round.plan_failed = "; ".join(f"Main Server at {url} did not accept the plan: {error}"
+                                      for url, error in errors.items())
+
+
+async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str, settings: FedServerSettings) -> None:
+    """Hold replica ``url``'s watch stream of the attempt until its ``done`` line; an end without
+    it, silence for ``replica_timeout_s`` or a connection error is the replica lost
+    (``Coordinator.replica_lost``). Events, not polling: a killed process closes its connection
+    at once; a frozen or cut-off one falls silent and times out."""
+    timeout = httpx.Timeout(10.0, read=settings.replica_timeout_s)
+    endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/watch"
+    try:
+        async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=10.0) as client:
+            async with client.stream("GET", endpoint, params={"heartbeat_s": settings.heartbeat_s},
+                                     timeout=timeout) as response:
+                if response.status_code != 200:
+                    reason = f"watch answered HTTP {response.status_code}"
+                else:
+                    reason = "watch stream ended before its last line"
+                    async for line in response.aiter_lines():
+                        if not line.strip():
+                            continue
+                        watch = RoundWatch.model_validate_json(line)
+                        if watch.state == "done":
+                            return
+                        if watch.state == "replaced":
+                            reason = "its round was replaced by another plan"
+                            break
+    except (httpx.HTTPError, ValidationError) as exc:
+        reason = f"watch failed: {exc!r}"
+    coordinator.replica_lost(fed_round, url, reason)
 
 
 async def wait_until(coordinator: Coordinator, done: Callable[[], bool], until: float) -> bool:
@@ -80,8 +147,12 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
              coordinator.config.rounds, coordinator.config.algorithm)
     while not coordinator.finished:
         fed_round = coordinator.begin_round()
+        watchers: list[asyncio.Task] = []
         if fed_round.uses_main_server:
-            await send_plan(coordinator, fed_round, settings)
+            await send_plans(coordinator, fed_round, settings)
+            if fed_round.plan_failed is None:
+                watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
+                            for url in fed_round.replicas()]
         fed_round.ready = True
         if coordinator.algorithm.needs_report and fed_round.plan_failed is None:
             # The report phase has its own deadline: the devices that reported by then get their
@@ -94,6 +165,8 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         if not await wait_until(coordinator, fed_round.complete, fed_round.deadline()):
             log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
                         fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
+        for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
+            watcher.cancel()
         coordinator.close_round()
         aggregation = await asyncio.to_thread(coordinator.aggregate_round, fed_round)
         evaluation = coordinator.begin_evaluation(fed_round, aggregation)

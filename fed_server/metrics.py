@@ -53,6 +53,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_fed_test_loss", "gauge", (), "global model's mean test cross-entropy after the last round (the initial model's before round 1)"),
     MetricSpec("sfl_fed_train_loss", "gauge", (), "sample-weighted mean training loss of the last round's aggregated devices"),
     MetricSpec("sfl_fed_round_bytes_total", "counter", ("direction",), "bytes of completed rounds as in the round record: up (device to servers), down (servers to devices), server (between the servers)"),
+    MetricSpec("sfl_fed_main_server_replicas_live", "gauge", (), "configured Main Server replicas that accepted their last plan and were not lost since"),
     MetricSpec("sfl_fed_checkpoint_writes_total", "counter", (), "checkpoint.msgpack writes (one per completed round)"),
     *HTTP_METRICS,
 )
@@ -80,6 +81,8 @@ class _LiveCollector(Collector):
         now = time.monotonic()
         active = sum(1 for d in devices if now - d.last_seen <= ACTIVE_WINDOW_S)
         yield GaugeMetricFamily("sfl_fed_devices_active", _HELP["sfl_fed_devices_active"], value=active)
+        yield GaugeMetricFamily("sfl_fed_main_server_replicas_live", _HELP["sfl_fed_main_server_replicas_live"],
+                                value=len(set(c.main_server_urls) - c.replicas_down))
         entries = _table_entries(c)
         yield GaugeMetricFamily("sfl_fed_time_table_entries", _HELP["sfl_fed_time_table_entries"],
                                 value=sum(len(row) for row in entries.values()))

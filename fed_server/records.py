@@ -81,6 +81,8 @@ class RoundRecord(BaseModel):
     cumulative_bytes: int
     plan_error: str | None
     aggregation_s: float = 0.0
+    # Main Server replicas lost during this attempt (their unfinished groups' devices were dropped).
+    lost_replicas: list[str] = []
     # Federated evaluation (docs/metrics.md): how many devices reported an evaluation of this
     # round's global model and over how many held-out samples; None when the Fed Server evaluated.
     evaluated_devices: int | None = None
@@ -144,7 +146,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
                             train_time_s=p.upload.train_time_s) for _, p in sorted(fed_round.portions.items())],
         bytes_up=up, bytes_down=down, bytes_server=server, bytes_total=up + down + server,
         cumulative_bytes=cumulative_bytes + up + down + server, plan_error=fed_round.plan_failed,
-        aggregation_s=aggregation_s, algorithm_metrics=dict(algorithm_metrics),
+        aggregation_s=aggregation_s, algorithm_metrics=dict(algorithm_metrics), lost_replicas=list(fed_round.lost_replicas),
         evaluated_devices=evaluated_devices, evaluated_samples=evaluated_samples,
     )
 

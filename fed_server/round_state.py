@@ -12,12 +12,14 @@ from shared.schemas import ServerPortionUpload, UpdateRequest
 
 @dataclass
 class Assignment:
-    """A selected device's task: its split (block count and candidate index)."""
+    """A selected device's task: its split (block count and candidate index) and the Main Server
+    replica that holds its group (None until the plans went out, and for split depth zero)."""
 
     device_id: str
     split_point: int
     candidate: int | None
     dispatched_at: float | None = None
+    main_server_url: str | None = None
 
 
 @dataclass
@@ -61,6 +63,11 @@ class FedRound:
     follow_ups: dict[str, Payload] | None = None
     follow_ups_sent: set[str] = field(default_factory=set)
     excluded: set[str] = field(default_factory=set)   # dropped by the Fed Server (e.g. never reported)
+    # Several Main Server replicas: the groups the Fed Server formed (group id -> members) and the
+    # replica each one went to; None with one replica (it forms the groups from the joins).
+    planned_groups: dict[int, list[str]] | None = None
+    group_replica: dict[int, str] = field(default_factory=dict)
+    lost_replicas: list[str] = field(default_factory=list)   # replicas lost during this attempt, in order
 
     @property
     def context(self) -> RoundContext:
@@ -77,6 +84,10 @@ class FedRound:
     def dropped(self) -> set[str]:
         """Selected devices that will not be aggregated: dropped by either server."""
         return self.dropped_at_main_server() | self.excluded
+
+    def replicas(self) -> list[str]:
+        """The Main Server replicas this attempt's devices were sent to, in first-use order."""
+        return list(dict.fromkeys(a.main_server_url for a in self.assignments.values() if a.main_server_url))
 
     def all_reported(self) -> bool:
         return all(d in self.reports for d in self.assignments)

@@ -5,8 +5,8 @@ Routes only: authentication, body parsing and the answer's encoding. The logic i
 """
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
 
 from http_api.server import create_service_app, msgpack_body_schema, msgpack_response, read_message
 from main_server.server import MainServer, MainServerSettings
@@ -34,6 +34,19 @@ def create_app(settings: MainServerSettings) -> FastAPI:
         plan = await read_message(request, RoundPlan, settings.max_plan_bytes)
         server.open_round(plan)
         return msgpack_response(Ack(detail=f"round {plan.round_id} open"))
+
+    @app.get(f"{API}/rounds/{{round_id}}/watch")
+    async def watch(round_id: int, request: Request,
+                    heartbeat_s: float = Query(2.0, ge=0.1, le=60.0)) -> StreamingResponse:
+        """Fed Server: one JSON line per heartbeat while the round is open here, then ``done``
+        (every group uploaded) or ``replaced``; 409 for a round that is not open."""
+        settings.auth.check_service(request.headers)
+        state = server.current(round_id)
+
+        async def lines():
+            async for line in server.watch(state, heartbeat_s):
+                yield line.model_dump_json() + "\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post(f"{API}/rounds/{{round_id}}/join", response_class=Response, openapi_extra=msgpack_body_schema(JoinRequest))
     async def join(round_id: int, request: Request) -> Response:

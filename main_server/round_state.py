@@ -21,7 +21,7 @@ import torch
 
 from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
 from main_server.metrics import MainMetrics
-from shared.algorithms.grouping import grouping_rng, label_distance
+from shared.algorithms.grouping import form_round_groups, label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model, check_model_origin
@@ -110,6 +110,10 @@ class RoundState:
         self.groups_ready = asyncio.Event()
         self.on_group_done = on_group_done
         self.abandoned = False
+        # Set once every group's portion went to the Fed Server (or the round was abandoned):
+        # what ends a round watch stream (``MainServer.watch``).
+        self.closed = asyncio.Event()
+        self._uploads_left: int | None = None
         self._tasks: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
         self._join_timer = loop.call_later(plan.join_deadline_s, self._form_groups)
@@ -158,15 +162,29 @@ class RoundState:
     def _join_answer(self, group: Group) -> JoinResponse:
         return JoinResponse(group_id=group.group_id, members=group.members, label_distance=group.distance)
 
+    def _planned_groups(self) -> list[tuple[int, list[str]]]:
+        """(group id, members) of this round: the plan's groups (several replicas: formed by the
+        Fed Server), less the members that never joined (absent, as with one replica); or the
+        groups formed here from the joins (one replica, as in the paper)."""
+        if self.plan.groups is not None:
+            planned = [(g.group_id, [m for m in g.members if m in self.joined]) for g in self.plan.groups]
+            return [(gid, members) for gid, members in planned if members]
+        counts = {d: r.label_counts for d, r in self.joined.items()}
+        return list(enumerate(form_round_groups(self.grouping, counts, self.plan.group_size, self.plan.seed,
+                                                self.round_id)))
+
     def _form_groups(self) -> None:
         if self.groups is not None or self.abandoned:
             return
         self._join_timer.cancel()
         counts = {d: np.asarray(r.label_counts, dtype=np.int64) for d, r in sorted(self.joined.items())}
-        member_lists = self.grouping.form(counts, self.plan.group_size, grouping_rng(self.plan.seed, self.round_id))
         self.groups = []
         n_blocks = len(self.template.blocks)
-        for gid, members in enumerate(member_lists):
+        planned = self._planned_groups()
+        self._uploads_left = len(planned)
+        if not planned:
+            self.closed.set()
+        for gid, members in planned:
             split = {m: self.participants[m].split_point for m in members}
             start = min(split.values())
             keys = self.template.portion_keys(start, n_blocks)
@@ -306,15 +324,26 @@ class RoundState:
             if self.metrics is not None:
                 self.metrics.group_finished(group.train_time_s)
             if not self.abandoned:
-                self._spawn(self.on_group_done(self, group))
+                self._spawn(self._upload(group))
             return True
         return False
+
+    async def _upload(self, group: Group) -> None:
+        """Hand a finished group to ``on_group_done`` (the upload); the last one closes the round."""
+        try:
+            await self.on_group_done(self, group)
+        finally:
+            assert self._uploads_left is not None
+            self._uploads_left -= 1
+            if self._uploads_left == 0:
+                self.closed.set()
 
     def abandon(self) -> None:
         """A newer plan replaced this round: release everyone who is waiting."""
         self.abandoned = True
         self._join_timer.cancel()
         self.groups_ready.set()
+        self.closed.set()
         for group in self.groups or []:
             if group.timer is not None:
                 group.timer.cancel()

@@ -7,7 +7,10 @@ of ``shared/errors.py``, which ``http_api/server.py`` maps to status codes.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +22,7 @@ from shared.errors import Conflict
 from shared.http_client import decode_response, service_client
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
-    API, Ack, JoinRequest, JoinResponse, RoundPlan, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
+    API, Ack, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
 )
 from shared.wire import encode_state, encode_tensor, packb
 
@@ -78,6 +81,17 @@ class MainServer:
             dfx=WireTensor(**encode_tensor(outcome.result.dfx)), loss=outcome.result.loss,
             wait_s=outcome.wait_s, server_s=outcome.server_s,
         )
+
+    async def watch(self, state: RoundState, heartbeat_s: float) -> AsyncIterator[RoundWatch]:
+        """The round's watch stream: ``open`` every ``heartbeat_s`` while it runs, then ``done`` once
+        every group uploaded, or ``replaced`` by a newer plan. The Fed Server holds one per replica
+        and round: a stream that ends without its last line, or falls silent, tells it the replica
+        is gone at once, without polling (docs/api.md)."""
+        while not state.closed.is_set():
+            yield RoundWatch(round_id=state.round_id, state="open")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.closed.wait(), heartbeat_s)
+        yield RoundWatch(round_id=state.round_id, state="replaced" if state.abandoned else "done")
 
     def status(self) -> dict:
         """A JSON-friendly view of the open round for ``/v1/status``."""

@@ -62,6 +62,22 @@ class DeviceProfileMsg(Message):
     rate: float = Field(gt=0, allow_inf_nan=False)   # bytes/s
 
 
+#: Largest sample count of one class a device may report: far more than any device holds, and
+#: small enough that the sum over any number of classes and devices fits an int64.
+MAX_LABEL_COUNT = 1 << 40
+
+
+def check_label_counts(value: list[int]) -> list[int]:
+    """Label counts as a device sends them (join, or registration with replicas): each in
+    ``0..MAX_LABEL_COUNT`` with a positive total; ValueError otherwise."""
+    # Bounded above too: grouping runs on int64 arrays of the counts. A count of 2**63 or more
+    # cannot be converted (grouping raised and no group was formed, leaving the round's devices
+    # waiting), and large smaller ones wrap the sums around.
+    if any(c < 0 or c > MAX_LABEL_COUNT for c in value) or sum(value) == 0:
+        raise ValueError(f"label_counts must be in 0..{MAX_LABEL_COUNT} with a positive total")
+    return value
+
+
 # --- Fed Server <- device -----------------------------------------------------------------------
 
 class RegisterRequest(Message):
@@ -75,6 +91,15 @@ class RegisterRequest(Message):
     # that differs from the run's with 409. None (a device that does not send one, e.g. written
     # before fingerprints or in another language) is accepted unchecked.
     fingerprint: ModelFingerprint | None = None
+    #: The device's samples per class, sent only when ``RunInfo.label_counts_at_registration``
+    #: asks for them (a run with several Main Server replicas, where the Fed Server forms the
+    #: groups; docs/security.md). The Fed Server checks the length against the run's classes.
+    label_counts: list[int] | None = Field(default=None, min_length=1)
+
+    @field_validator("label_counts")
+    @classmethod
+    def _counts(cls, value: list[int] | None) -> list[int] | None:
+        return None if value is None else check_label_counts(value)
 
 
 class RunInfo(Message):
@@ -92,6 +117,9 @@ class RunInfo(Message):
     #: and evaluates the global model on when asked. None: the Fed Server evaluates on its test set.
     holdout: float | None = Field(default=None, gt=0, lt=1)
     fingerprint: ModelFingerprint   # what a device's own build must match to register (docs/models.md)
+    #: True when the Fed Server forms the groups itself (several Main Server replicas and an
+    #: algorithm that uses them): the device must send ``RegisterRequest.label_counts``.
+    label_counts_at_registration: bool = False
 
 
 class RegisterResponse(Message):
@@ -195,6 +223,13 @@ class Participant(Message):
     token_nonce: str | None = Field(default=None, max_length=64)
 
 
+class PlannedGroup(Message):
+    """A group the Fed Server formed (several Main Server replicas): its round-wide id and members."""
+
+    group_id: int = Field(ge=0)
+    members: list[DeviceId] = Field(min_length=1)
+
+
 class RoundPlan(Message):
     """What the Main Server needs to serve one round."""
 
@@ -213,6 +248,9 @@ class RoundPlan(Message):
     group_loss: str                        # a name in GROUP_LOSSES
     join_deadline_s: float = Field(gt=0)
     step_deadline_s: float = Field(gt=0)
+    #: None: the Main Server groups the devices that join (one Main Server, as in the paper).
+    #: Otherwise the groups the Fed Server formed for this replica, with round-wide group ids.
+    groups: list[PlannedGroup] | None = None
 
     @field_validator("participants")
     @classmethod
@@ -221,6 +259,18 @@ class RoundPlan(Message):
         if len(set(ids)) != len(ids):
             raise ValueError("participants must be distinct devices")
         return value
+
+    @model_validator(mode="after")
+    def _groups_cover_participants(self) -> "RoundPlan":
+        if self.groups is None:
+            return self
+        members = [m for g in self.groups for m in g.members]
+        if sorted(members) != sorted(p.device_id for p in self.participants):
+            raise ValueError("planned groups must hold every participant exactly once")
+        ids = [g.group_id for g in self.groups]
+        if len(set(ids)) != len(ids):
+            raise ValueError("planned group ids must be distinct")
+        return self
 
 
 class ServerPortionUpload(Message):
@@ -241,11 +291,6 @@ class ServerPortionUpload(Message):
 
 # --- Main Server <- device ---------------------------------------------------------------------
 
-#: Largest sample count of one class a device may report: far more than any device holds, and
-#: small enough that the sum over any number of classes and devices fits an int64.
-MAX_LABEL_COUNT = 1 << 40
-
-
 class JoinRequest(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
     label_counts: list[int] = Field(min_length=1)
@@ -254,12 +299,15 @@ class JoinRequest(Message):
     @field_validator("label_counts")
     @classmethod
     def _non_negative(cls, value: list[int]) -> list[int]:
-        # Bounded above too: the Main Server groups with int64 arrays of the counts. A count of
-        # 2**63 or more cannot be converted (grouping raised and no group was formed, leaving the
-        # round's devices waiting), and large smaller ones wrap the sums around.
-        if any(c < 0 or c > MAX_LABEL_COUNT for c in value) or sum(value) == 0:
-            raise ValueError(f"label_counts must be in 0..{MAX_LABEL_COUNT} with a positive total")
-        return value
+        return check_label_counts(value)
+
+
+class RoundWatch(Message):
+    """One line of a Main Server's round watch stream (``GET /v1/rounds/{round_id}/watch``):
+    ``open`` is a heartbeat; ``done`` (every group uploaded) or ``replaced`` (a newer plan) ends it."""
+
+    round_id: int
+    state: Literal["open", "done", "replaced"]
 
 
 class JoinResponse(Message):

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config value, e.g. --set data.alpha=0.1 --set train.lr=0.02 (repeatable)")
     parser.add_argument("--agents", type=int, default=1, help="device agent processes hosting the devices (default 1)")
+    parser.add_argument("--main-servers", type=int, default=1,
+                        help="Main Server processes (replicas) the round's groups are spread over (default 1)")
     parser.add_argument("--device-data", action="append", default=[], metavar="PATH",
                         help="for a run with data.dataset: local, one device agent started with --data PATH (repeatable; "
                              "docs/data.md); data.num_devices defaults to the number of devices these paths make")
@@ -84,9 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     interrupt_on_sigterm()
     try:
         testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
-                          torch_device=str(args.torch_device) if args.torch_device else None)
+                          torch_device=str(args.torch_device) if args.torch_device else None,
+                          main_servers=args.main_servers)
         with testbed:
-            print(f"fed server {testbed.fed_url}, main server {testbed.main_url}; waiting for devices ...", flush=True)
+            print(f"fed server {testbed.fed_url}, main server {', '.join(testbed.main_urls)}; waiting for devices ...",
+                  flush=True)
             status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout)
     except (TestbedError, TimeoutError, RuntimeError) as exc:
         print(f"testbed failed: {exc}", file=sys.stderr)

@@ -40,8 +40,10 @@ class Testbed:
 
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
                  log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
-                 device_data: list[str] | None = None, torch_device: str | None = None) -> None:
-        """``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
+                 device_data: list[str] | None = None, torch_device: str | None = None,
+                 main_servers: int = 1) -> None:
+        """``main_servers``: Main Server processes (replicas); the Fed Server gets every URL
+        (docs/deployment.md, "Main Server replicas"). ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
         ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
         self.config = config
@@ -59,9 +61,14 @@ class Testbed:
         self.tls = tls
         scheme = "https" if tls else "http"
         self.fed_port = free_port(host)
-        self.main_port = free_port(host)
+        ports = [self.fed_port]
+        while len(ports) < 1 + max(1, main_servers):   # the OS may hand out the same free port twice
+            port = free_port(host)
+            if port not in ports:
+                ports.append(port)
         self.fed_url = f"{scheme}://{host}:{self.fed_port}"
-        self.main_url = f"{scheme}://{host}:{self.main_port}"
+        self.main_urls = [f"{scheme}://{host}:{port}" for port in ports[1:]]
+        self.main_port, self.main_url = ports[1], self.main_urls[0]   # the first replica (the only one by default)
         # Fresh secrets per run, handed to the children as owner-only files (never on a command
         # line or in their environment, where `ps eww` would show them; see SecretFiles).
         self.secrets = {"service": secrets.token_hex(32), "enrolment": secrets.token_hex(16)} if auth else {}
@@ -69,7 +76,8 @@ class Testbed:
         self.verify: bool | str = tls.ca if tls else True
         self.processes = ProcessGroup(self.run_dir / "logs")
         self.fed: Service | None = None
-        self.main: Service | None = None
+        self.main: Service | None = None   # the first Main Server replica
+        self.mains: list[Service] = []
         self.agent_services: list[Service] = []
         self.status_patience_s = 120.0   # how long status polls may fail before follow() gives up
 
@@ -85,13 +93,16 @@ class Testbed:
             self.secret_files = SecretFiles(self.secrets)
         self.fed = self.processes.start("fed_server", "fed_server", [
             "--host", self.host, "--port", str(self.fed_port), "--config", str(config_path),
-            "--run-dir", str(self.run_dir), "--main-server-url", self.main_url, *common,
-            *self._secret_args("service", "enrolment")])
-        self.main = self.processes.start("main_server", "main_server", [
-            "--host", self.host, "--port", str(self.main_port), "--fed-server-url", self.fed_url, *common,
-            *self._model_args(), *self._secret_args("service")])
+            "--run-dir", str(self.run_dir), *(a for url in self.main_urls for a in ("--main-server-url", url)),
+            *common, *self._secret_args("service", "enrolment")])
+        # One log per replica: main_server.log for the first (as with one), main_server-<i>.log after.
+        self.mains = [self.processes.start("main_server" if i == 0 else f"main_server-{i}", "main_server", [
+            "--host", self.host, "--port", url.rsplit(":", 1)[1], "--fed-server-url", self.fed_url, *common,
+            *self._model_args(), *self._secret_args("service")]) for i, url in enumerate(self.main_urls)]
+        self.main = self.mains[0]
         wait_healthy(self.fed_url, self.fed, verify=self.verify)
-        wait_healthy(self.main_url, self.main, verify=self.verify)
+        for url, main in zip(self.main_urls, self.mains):
+            wait_healthy(url, main, verify=self.verify)
         if self.device_data:
             for i, path in enumerate(self.device_data):
                 self.agent_services.append(self.start_agent(f"agent-{i}", data=path, index=i))
@@ -152,7 +163,10 @@ class Testbed:
         printed: set[int] = set()
         failing_since: float | None = None
         while True:
-            for service in (self.fed, self.main):
+            # The run goes on while one Main Server replica lives: the Fed Server spreads the
+            # groups over the others (docs/deployment.md, "Main Server replicas").
+            dead_mains = [m for m in self.mains if not m.alive()]
+            for service in (self.fed, *(dead_mains[:1] if len(dead_mains) == len(self.mains) else [])):
                 if service is not None and not service.alive():
                     raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
             # A device with its own data that stopped (bad data) never registers: the run would wait

@@ -41,6 +41,8 @@ __all__ = [
     "num_groups_for",
     "group_sizes",
     "grouping_rng",
+    "form_round_groups",
+    "spread_groups",
     "balanced_groups",
     "Grouping",
     "BalancedGrouping",
@@ -242,6 +244,39 @@ def grouping_rng(seed: int, round_id: int) -> np.random.Generator:
     """The generator a round's grouping draws from: the run's seed and the round id, so a replay
     (or a benchmark recomputing the groups) regroups identically and rounds differ."""
     return np.random.default_rng([seed, round_id])
+
+
+def form_round_groups(grouping: "Grouping", counts: Mapping[str, Sequence[int]], group_size: int, seed: int,
+                      round_id: int) -> list[list[str]]:
+    """A round's groups: ``grouping`` over ``counts`` (in device-id order, as int64 arrays) with the
+    round's :func:`grouping_rng`.
+
+    The one place groups are formed: by the Main Server from the joins (one replica, as in the
+    paper) and by the Fed Server from the counts sent at registration (several replicas, which
+    need the groups before tasks go out), so the same devices and counts give the same groups.
+    """
+    arrays = {d: np.asarray(counts[d], dtype=np.int64) for d in sorted(counts)}
+    return grouping.form(arrays, group_size, grouping_rng(seed, round_id))
+
+
+def spread_groups(loads: Sequence[int], replicas: int) -> list[int]:
+    """The replica (index into ``replicas`` live ones) of each group, by longest processing time
+    first: the group with the largest load (members' total samples) goes first, to the least
+    loaded replica; ties by group index, then by replica index. Deterministic.
+
+    Why LPT: a replica's round lasts as long as its groups' steps; samples stand in for steps
+    (every member runs ``local_epochs * ceil(samples / batch)``), and LPT keeps the largest
+    replica within 4/3 of the best spread without a search.
+    """
+    if replicas < 1:
+        raise ValueError(f"need at least one replica, got {replicas}")
+    placed = [0] * len(loads)
+    totals = [0] * replicas
+    for g in sorted(range(len(loads)), key=lambda g: (-loads[g], g)):
+        target = min(range(replicas), key=lambda r: (totals[r], r))
+        placed[g] = target
+        totals[target] += loads[g]
+    return placed
 
 
 class Grouping:

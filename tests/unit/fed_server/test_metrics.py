@@ -35,7 +35,8 @@ def fake_coordinator(round_open: bool = False):
     return NS(round=NS(round_id=4) if round_open else None, rounds_done=3,
               config=NS(rounds=10, data=NS(num_devices=3)), devices=NS(devices=devices),
               table=NS(entries=lambda: {"dev-000": {0: 1.5, 1: 2.5}, "dev-001": {2: 3.0}}),
-              initial={"test_accuracy": 0.1, "test_loss": 2.3})
+              initial={"test_accuracy": 0.1, "test_loss": 2.3},
+              main_server_urls=["http://a:8081", "http://b:8081", "http://c:8081"], replicas_down={"http://b:8081"})
 
 
 def sample(metrics: FedMetrics, name: str, labels: dict | None = None) -> float | None:
@@ -81,6 +82,7 @@ def test_scrape_time_values():
     assert sample(metrics, "sfl_fed_devices_registered") == 3
     assert sample(metrics, "sfl_fed_devices_active") == 2
     assert sample(metrics, "sfl_fed_time_table_entries") == 3
+    assert sample(metrics, "sfl_fed_main_server_replicas_live") == 2   # one of three is down
     assert sample(metrics, "sfl_fed_time_table_seconds", {"device": "dev-001", "candidate": "2"}) == 3.0
     assert sample(FedMetrics(fake_coordinator()), "sfl_fed_current_round") == 3
 
