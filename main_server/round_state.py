@@ -287,7 +287,11 @@ class RoundState:
         pending, group.pending = group.pending, {}
         started = time.monotonic()
         try:
-            results = await asyncio.to_thread(group.trainer.step, [b for b, _, _ in pending.values()])
+            # In device order, not arrival order: the union batch, and so the step, is then the same
+            # whatever order the members' requests came in (a replay, or a run with replicas,
+            # trains the same copy bit for bit).
+            batches = [pending[d][0] for d in sorted(pending)]
+            results = await asyncio.to_thread(group.trainer.step, batches)
         except Exception as exc:  # a training failure must not leave devices hanging
             log.exception("round %d group %d: step %d failed", self.round_id, group.group_id, group.step)
             if self.metrics is not None:
