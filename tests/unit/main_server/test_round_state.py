@@ -272,3 +272,57 @@ def test_abandon_releases_joins_and_steps_and_uploads_nothing(kit):
         assert state.groups[0].trainer.steps == 0 and state.groups[0].dropped == set()
         assert uploads.groups == []
     kit.run(body)
+
+
+# ------------------------------------------------------------------------ planned groups (replicas)
+def test_planned_groups_keep_their_ids_and_members_and_a_member_who_never_joins_is_absent(kit):
+    from shared.schemas import PlannedGroup
+
+    async def body() -> None:
+        uploads = kit.Uploads()
+        # Round-wide ids from the Fed Server (this replica holds groups 3 and 5), not 0..n-1, and
+        # members other than balanced grouping would choose here.
+        planned = [PlannedGroup(group_id=5, members=["a", "d"]), PlannedGroup(group_id=3, members=["b", "c"])]
+        state = RoundState(kit.make_plan(["a", "b", "c", "d"], join_s=kit.FAST, groups=planned), uploads)
+        answers = await asyncio.gather(*(state.join(kit.join_req(d)) for d in ("a", "b", "d")))
+        assert [(a.group_id, a.members) for a in answers] == [(5, ["a", "d"]), (3, ["b"]), (5, ["a", "d"])]
+        assert sorted(state.participants) == ["a", "b", "c", "d"] and "c" not in state.joined
+        assert not state.closed.is_set()
+        for d, seed in (("a", 1), ("d", 2), ("b", 3)):
+            step = asyncio.create_task(state.step(kit.step_req(d, 0, *kit.batch(seed))))
+            if d == "a":
+                assert await kit.pending(step)   # a waits for d at group 5's barrier
+        await asyncio.wait_for(state.closed.wait(), 5)   # both groups uploaded: the watch's "done"
+        assert sorted(g.group_id for g in uploads.groups) == [3, 5]
+    kit.run(body)
+
+
+def test_a_plan_whose_groups_do_not_cover_its_participants_is_refused(kit):
+    from pydantic import ValidationError
+
+    from shared.schemas import PlannedGroup
+    for groups in ([PlannedGroup(group_id=0, members=["a"])],
+                   [PlannedGroup(group_id=0, members=["a", "b"]), PlannedGroup(group_id=1, members=["b"])],
+                   [PlannedGroup(group_id=0, members=["a"]), PlannedGroup(group_id=0, members=["b"])]):
+        with pytest.raises(ValidationError, match="planned group"):
+            kit.make_plan(["a", "b"], groups=groups)
+
+
+def test_the_watch_stream_beats_until_every_group_uploaded_or_the_round_is_replaced(kit):
+    from main_server.server import MainServer, MainServerSettings
+
+    async def body() -> None:
+        server = MainServer(MainServerSettings(fed_server_url="http://unused"))
+        server.open_round(kit.make_plan(["a"], round_id=1))
+        lines: list[str] = []
+
+        async def watch() -> None:
+            async for line in server.watch(server.current(1), heartbeat_s=0.05):
+                lines.append(line.state)
+        watching = asyncio.create_task(watch())
+        while lines.count("open") < 2:   # heartbeats keep coming while the round is open
+            await asyncio.sleep(0.01)
+        server.open_round(kit.make_plan(["a"], round_id=2))   # a newer plan replaces round 1
+        await asyncio.wait_for(watching, 5)
+        assert lines[-1] == "replaced" and set(lines[:-1]) == {"open"}
+    kit.run(body)

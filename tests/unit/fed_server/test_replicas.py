@@ -1,0 +1,173 @@
+"""Main Server replicas at the Fed Server, without HTTP: label counts at registration, groups
+formed and spread over the replicas, each device told its replica, a lost replica's unfinished
+groups dropped, and portion uploads checked against the plan (docs/deployment.md)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fed_server.coordinator import Coordinator
+from fed_server.run_dir import RunDirectory
+from shared.algorithms.grouping import form_round_groups
+from shared.algorithms.registry import build_grouping
+from shared.errors import Conflict, Invalid
+from shared.portions import portion_state
+from shared.run_config import load_run_config
+from shared.schemas import DeviceProfileMsg, RegisterRequest, ServerPortionUpload
+from shared.wire import encode_state
+
+A, B = "http://main-a:8081", "http://main-b:8081"
+DEVICES = [f"d{i}" for i in range(6)]
+SAMPLES = {"d0": 50, "d1": 40, "d2": 30, "d3": 20, "d4": 10, "d5": 5}
+
+
+def _counts(device: str) -> list[int]:
+    # Skewed per-device label counts, so balanced grouping has something to balance.
+    i = int(device[1:])
+    counts = [0] * 10
+    counts[i % 10], counts[(i + 1) % 10] = SAMPLES[device] - 1, 1
+    return counts
+
+
+def _coordinator(tmp_path, urls, algorithm: str = "s2fl") -> Coordinator:
+    config = load_run_config({"algorithm": algorithm, "rounds": 2, "seed": 3, "grouping": {"group_size": 2},
+                              "data": {"num_devices": len(DEVICES), "max_samples": 200}})
+    return Coordinator(config, RunDirectory(tmp_path / "run"), urls)
+
+
+def _register(c: Coordinator, device: str, counts: list[int] | None) -> None:
+    c.register(RegisterRequest(device_id=device, shard=int(device[1:]), num_samples=SAMPLES[device],
+                               profile=DeviceProfileMsg(flops=1e9, rate=1e6), label_counts=counts))
+
+
+@pytest.fixture
+def replicated(tmp_path) -> Coordinator:
+    c = _coordinator(tmp_path, [A, B])
+    for d in DEVICES:
+        _register(c, d, _counts(d))
+    return c
+
+
+def _portion(c: Coordinator, round_id: int, group_id: int, members: list[str], dropped=(), absent=()) -> ServerPortionUpload:
+    start = min(c.round.assignments[m].split_point for m in [*members, *dropped])
+    return ServerPortionUpload(run_id=c.run_id, round_id=round_id, group_id=group_id, members=members,
+                               dropped=list(dropped), absent=list(absent), start_block=start,
+                               weights=encode_state(portion_state(c.model, start, c.num_blocks)),
+                               label_distance=0.0, steps=1, train_time_s=0.1)
+
+
+def test_label_counts_at_registration_only_with_several_replicas_of_a_split_algorithm(tmp_path):
+    assert _coordinator(tmp_path / "a", [A, B]).run_info().label_counts_at_registration
+    assert not _coordinator(tmp_path / "b", [A]).run_info().label_counts_at_registration
+    assert not _coordinator(tmp_path / "c", [A, B], algorithm="fedavg").run_info().label_counts_at_registration
+
+
+def test_registration_without_or_with_bad_counts_is_refused_and_changes_nothing(tmp_path):
+    c = _coordinator(tmp_path / "two", [A, B])
+    with pytest.raises(Invalid, match="register with label_counts"):
+        _register(c, "d0", None)
+    with pytest.raises(Invalid, match="label_counts has 3 entries; the model has 10 classes"):
+        _register(c, "d0", [1, 2, 3])
+    assert len(c.devices) == 0
+    one = _coordinator(tmp_path / "one", [A])
+    with pytest.raises(Invalid, match="register without label_counts"):
+        _register(one, "d0", _counts("d0"))   # one replica: the counts go to the Main Server only
+    assert len(one.devices) == 0
+
+
+def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
+    c = replicated
+    r = c.begin_round()
+    plans = c.replica_plans(r, [A, B])
+    r.ready = True
+    # The same function, plug-in, size and rng the Main Server uses on the joins.
+    expected = form_round_groups(build_grouping(c.algorithm.grouping()), {d: _counts(d) for d in DEVICES}, 2,
+                                 c.config.seed, r.round_id)
+    assert list(r.planned_groups.values()) == expected
+    loads = {g: sum(SAMPLES[m] for m in members) for g, members in r.planned_groups.items()}
+    # Every group on one replica, its members told that replica, the plans holding only theirs.
+    for url, plan in plans.items():
+        assert sorted(p.device_id for p in plan.participants) == sorted(m for g in plan.groups for m in g.members)
+        for g in plan.groups:
+            assert r.planned_groups[g.group_id] == g.members and r.group_replica[g.group_id] == url
+            assert all(c.task_for(m).main_server_url == url for m in g.members)
+    largest = max(loads, key=lambda g: (loads[g], -g))
+    assert r.group_replica[largest] == A    # LPT: the largest group first, to the first replica
+    per_replica = {u: sum(loads[g] for g, v in r.group_replica.items() if v == u) for u in (A, B)}
+    assert set(per_replica) == {A, B} and all(per_replica.values())
+    # Deterministic: planning again spreads the same way.
+    again = c.replica_plans(r, [A, B])
+    assert {u: p.model_dump() for u, p in again.items()} == {u: p.model_dump() for u, p in plans.items()}
+
+
+def test_a_replica_that_refused_gets_its_groups_spread_over_the_others(replicated):
+    c = replicated
+    r = c.begin_round()
+    c.replica_plans(r, [A, B])
+    groups = dict(r.planned_groups)
+    plans = c.replica_plans(r, [A])
+    assert list(plans) == [A] and r.planned_groups == groups   # same groups, one replica
+    assert sorted(g.group_id for g in plans[A].groups) == sorted(groups)
+    assert {a.main_server_url for a in r.assignments.values()} == {A}
+
+
+def test_one_replica_gets_every_participant_and_no_groups(tmp_path):
+    c = _coordinator(tmp_path, [A])
+    for d in DEVICES:
+        _register(c, d, None)
+    r = c.begin_round()
+    plans = c.replica_plans(r, [A])
+    assert list(plans) == [A] and plans[A].groups is None and r.planned_groups is None
+    assert len(plans[A].participants) == len(r.assignments)
+
+
+def test_a_lost_replica_drops_only_its_groups_without_a_portion(replicated):
+    c = replicated
+    r = c.begin_round()
+    r.ready = True
+    c.replica_plans(r, [A, B])
+    on_b = sorted(g for g, u in r.group_replica.items() if u == B)
+    assert len(on_b) >= 2, r.group_replica
+    uploaded, unfinished = on_b[0], on_b[1:]
+    c.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
+    c.changed.clear()
+    c.replica_lost(r, B, "test")
+    assert c.changed.is_set() and r.lost_replicas == [B] and B in c.replicas_down
+    assert r.excluded == {m for g in unfinished for m in r.planned_groups[g]}   # the uploaded group stays
+    # A portion of the lost replica's unfinished group is refused, changing nothing.
+    with pytest.raises(Conflict, match="declared lost"):
+        c.accept_portion(r.round_id, _portion(c, r.round_id, unfinished[0], r.planned_groups[unfinished[0]]), 10)
+    assert unfinished[0] not in r.portions
+    # Declared again, or for a closed round: nothing more happens.
+    c.replica_lost(r, B, "again")
+    assert r.lost_replicas == [B]
+    c.close_round()
+    c.replica_lost(r, A, "after the round")
+    assert r.lost_replicas == [B]
+
+
+def test_a_single_lost_main_server_drops_every_device_without_a_portion(tmp_path):
+    c = _coordinator(tmp_path, [A])
+    for d in DEVICES:
+        _register(c, d, None)
+    r = c.begin_round()
+    c.replica_plans(r, [A])
+    c.replica_lost(r, A, "killed")
+    assert r.excluded == set(r.assignments) and r.complete()   # the attempt ends now, not at the deadline
+
+
+def test_portions_must_match_the_planned_group(replicated):
+    c = replicated
+    r = c.begin_round()
+    c.replica_plans(r, [A, B])
+    g0, g1 = r.planned_groups[0], r.planned_groups[1]
+    with pytest.raises(Invalid, match="are not in it"):
+        c.accept_portion(r.round_id, _portion(c, r.round_id, 0, [g0[0], g1[0]]), 10)
+    with pytest.raises(Invalid, match="no planned group 99"):
+        c.accept_portion(r.round_id, _portion(c, r.round_id, 99, g0), 10)
+    assert r.portions == {}
+    # A subset is fine (a member dropped at a step deadline, or absent); the same group twice is not.
+    c.accept_portion(r.round_id, _portion(c, r.round_id, 0, g0[:1], dropped=g0[1:]), 10)
+    with pytest.raises(Conflict, match="already received"):
+        c.accept_portion(r.round_id, _portion(c, r.round_id, 0, g0), 10)
+    assert list(r.portions) == [0]
