@@ -13,6 +13,12 @@ sees it (includes waiting at the barrier for the group's other members); steps/s
 answered per second of wall time; MB/s = request + response body bytes per second.
 The finished groups' uploads go to a Fed Server URL nobody listens on: they fail fast in the
 background (connection refused, a few retries), which costs the Main Server next to nothing.
+
+Replicas (``replicas`` > 1, docs/deployment.md "Main Server replicas"): that many Main Server
+processes; the benchmark forms the groups from the label counts and spreads them over the
+replicas as the Fed Server does (``form_round_groups``, ``spread_groups``), posts each replica its
+plan with its groups, and each virtual device talks to its group's replica. With one replica the
+Main Server groups the joins itself, as in a one-replica run.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state
 from shared.http_client import HEADERS
-from shared.schemas import JoinRequest, Participant, RoundPlan, StepRequest, WireTensor
+from shared.algorithms.grouping import BalancedGrouping, form_round_groups, spread_groups
+from shared.schemas import JoinRequest, Participant, PlannedGroup, RoundPlan, StepRequest, WireTensor
 from shared.wire import decode_tensor, encode_state, encode_tensor, packb, unpackb
 from testbed.processes import ProcessGroup, free_port, wait_healthy
 
@@ -53,29 +60,50 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-async def _drive(url: str, run_id: str, round_id: int, devices: int, steps: int, seed: int) -> dict:
+def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: int,
+           label_counts: dict[str, list[int]]) -> tuple[dict[str, RoundPlan], dict[str, str]]:
+    """Each replica's plan, and each device's replica: one replica groups the joins itself; several
+    get the groups formed and spread the Fed Server's way (``Coordinator.replica_plans``)."""
     model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
+    weights = encode_state(portion_state(model, SPLIT, len(model.blocks)))
+
+    def plan(members: list[str], groups: list[PlannedGroup] | None) -> RoundPlan:
+        return RoundPlan(
+            run_id=run_id, round_id=round_id, model="cnn", num_classes=NUM_CLASSES, input_shape=[1, 28, 28], seed=0,
+            participants=[Participant(device_id=d, split_point=SPLIT, num_samples=BATCH * steps) for d in members],
+            server_weights=weights, train=TrainConfig(lr=0.05, batch_size=BATCH), grouping="balanced",
+            group_size=GROUP_SIZE, group_loss="per_member", join_deadline_s=300.0, step_deadline_s=300.0, groups=groups)
+    if len(urls) == 1:
+        return {urls[0]: plan(ids, None)}, {d: urls[0] for d in ids}
+    groups = form_round_groups(BalancedGrouping(), label_counts, GROUP_SIZE, 0, round_id)
+    # Every device has the same sample count here, so a group's load is its size.
+    placed = spread_groups([len(g) for g in groups], len(urls))
+    plans = {}
+    for r, url in enumerate(urls):
+        mine = [(g, members) for g, members in enumerate(groups) if placed[g] == r]
+        if mine:
+            plans[url] = plan(sorted(m for _, members in mine for m in members),
+                              [PlannedGroup(group_id=g, members=members) for g, members in mine])
+    return plans, {m: urls[placed[g]] for g, members in enumerate(groups) for m in members}
+
+
+async def _drive(urls: list[str], run_id: str, round_id: int, devices: int, steps: int, seed: int) -> dict:
     ids = [f"vdev-{i:03d}" for i in range(devices)]
-    plan = RoundPlan(
-        run_id=run_id, round_id=round_id, model="cnn", num_classes=NUM_CLASSES, input_shape=[1, 28, 28], seed=0,
-        participants=[Participant(device_id=d, split_point=SPLIT, num_samples=BATCH * steps) for d in ids],
-        server_weights=encode_state(portion_state(model, SPLIT, len(model.blocks))),
-        train=TrainConfig(lr=0.05, batch_size=BATCH), grouping="balanced", group_size=GROUP_SIZE,
-        group_loss="per_member", join_deadline_s=300.0, step_deadline_s=300.0,
-    )
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     fx = {d: torch.randn(BATCH, 64, 7, 7, generator=gen) for d in ids}
     labels = {d: torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen) for d in ids}
-    label_counts = {d: (rng.dirichlet([0.5] * NUM_CLASSES) * BATCH * steps).astype(int) + 1 for d in ids}
+    label_counts = {d: ((rng.dirichlet([0.5] * NUM_CLASSES) * BATCH * steps).astype(int) + 1).tolist() for d in ids}
+    plans, replica_of = _plans(urls, run_id, round_id, ids, steps, label_counts)
     limits = httpx.Limits(max_connections=devices + 8, max_keepalive_connections=devices + 8)
-    async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=600.0, limits=limits) as client:
-        resp = await client.post("/v1/rounds", content=packb(plan.model_dump()))
-        resp.raise_for_status()
+    async with httpx.AsyncClient(headers=HEADERS, timeout=600.0, limits=limits) as client:
+        for url, plan in plans.items():
+            resp = await client.post(f"{url}/v1/rounds", content=packb(plan.model_dump()))
+            resp.raise_for_status()
 
         async def join(d: str) -> None:
-            body = JoinRequest(device_id=d, label_counts=label_counts[d].tolist(), num_steps=steps).model_dump()
-            r = await client.post(f"/v1/rounds/{round_id}/join", content=packb(body))
+            body = JoinRequest(device_id=d, label_counts=label_counts[d], num_steps=steps).model_dump()
+            r = await client.post(f"{replica_of[d]}/v1/rounds/{round_id}/join", content=packb(body))
             r.raise_for_status()
 
         t_join = time.perf_counter()
@@ -92,7 +120,7 @@ async def _drive(url: str, run_id: str, round_id: int, devices: int, steps: int,
             for step in range(steps):
                 t0 = time.perf_counter()
                 body = packb(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
-                r = await client.post(f"/v1/rounds/{round_id}/step", content=body)
+                r = await client.post(f"{replica_of[d]}/v1/rounds/{round_id}/step", content=body)
                 if r.status_code != 200:
                     raise RuntimeError(f"{d} step {step}: HTTP {r.status_code}: {r.text[:300]}")
                 answer = unpackb(r.content)
@@ -106,39 +134,51 @@ async def _drive(url: str, run_id: str, round_id: int, devices: int, steps: int,
         wall = time.perf_counter() - t0
     total_steps = devices * steps
     return {
-        "devices": devices, "groups": -(-devices // GROUP_SIZE), "steps_per_device": steps,
+        "devices": devices, "replicas": len(plans), "groups": -(-devices // GROUP_SIZE), "steps_per_device": steps,
         "device_steps": total_steps, "wall_s": wall, "join_all_s": join_s,
         "latency_p50_ms": 1e3 * _percentile(latencies, 50), "latency_p95_ms": 1e3 * _percentile(latencies, 95),
-        "latency_max_ms": 1e3 * max(latencies),
+        "latency_p99_ms": 1e3 * _percentile(latencies, 99), "latency_max_ms": 1e3 * max(latencies),
         "server_step_p50_ms": 1e3 * _percentile(server_s, 50),
         "device_steps_per_s": total_steps / wall, "group_steps_per_s": -(-devices // GROUP_SIZE) * steps / wall,
         "MB_per_s": moved[0] / wall / 1e6, "MB_moved": moved[0] / 1e6,
     }
 
 
-def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cpu") -> dict:
-    """Drive one Main Server (computing on ``torch_device``, its ``--torch-device``) with each
-    population in turn; the figures and the setup, device included, as a JSON-friendly dict."""
-    populations = [10] if quick else [10, 50, 100]
+def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cpu",
+        replica_counts: tuple[int, ...] = (1,)) -> dict:
+    """Drive Main Server processes (computing on ``torch_device``, their ``--torch-device``) with
+    each population in turn, once per replica count in ``replica_counts`` (the devices' groups
+    spread over that many processes); the figures and the setup, device included, as a
+    JSON-friendly dict. Populations: 10, 50, 100 devices for one replica; 100 for more."""
     steps = 5 if quick else 20
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-main-"))
     group = ProcessGroup(root / "logs")
     rows = []
+    peak = None
     try:
-        port, dead = free_port(), free_port()
-        while dead == port:
-            dead = free_port()
-        url = f"http://127.0.0.1:{port}"
-        main = group.start("main_server", "main_server", [
+        ports: list[int] = []
+        while len(ports) < 1 + max(replica_counts):   # the last one is the closed "Fed Server" port
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        dead = ports.pop()
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        mains = [group.start(f"main_server-{i}", "main_server", [
             "--fed-server-url", f"http://127.0.0.1:{dead}", "--port", str(port), "--log-level", "WARNING",
-            "--torch-device", torch_device])
-        wait_healthy(url, main, timeout=120)
-        for i, n in enumerate(populations, start=1):
-            row = asyncio.run(_drive(url, "bench", i, n, steps, seed=i))
-            rows.append(row)
-            log(f"  main server {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, p95 {row['latency_p95_ms']:7.1f} ms, "
-                f"{row['device_steps_per_s']:6.1f} steps/s, {row['MB_per_s']:6.1f} MB/s")
-        peak = proc_status_kib(main.process.pid, "VmHWM")
+            "--torch-device", torch_device]) for i, port in enumerate(ports)]
+        for url, main in zip(urls, mains):
+            wait_healthy(url, main, timeout=120)
+        round_id = 0
+        for replicas in replica_counts:
+            populations = [10] if quick else ([10, 50, 100] if replicas == 1 else [100])
+            for n in populations:
+                round_id += 1   # a new round at every replica: each replaces the one before
+                row = asyncio.run(_drive(urls[:replicas], "bench", round_id, n, steps, seed=round_id))
+                rows.append(row)
+                log(f"  main server x{replicas} {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, "
+                    f"p95 {row['latency_p95_ms']:7.1f} ms, p99 {row['latency_p99_ms']:7.1f} ms, "
+                    f"{row['device_steps_per_s']:6.1f} steps/s, {row['MB_per_s']:6.1f} MB/s")
+        peak = proc_status_kib(mains[0].process.pid, "VmHWM")
     finally:
         group.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -147,7 +187,8 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                   "fx_bytes": BATCH * 64 * 7 * 7 * 4, "group_size": GROUP_SIZE, "grouping": "balanced",
                   "torch_device": torch_device, "gpu": gpu_name(torch_device),
                   "client": "one asyncio httpx client in the benchmark process (shares the CPU with the server)",
-                  "fed_server": "none (uploads fail fast against a closed port)"},
+                  "fed_server": "none (uploads fail fast against a closed port)",
+                  "replicas": "Main Server processes on the same machine; groups spread by spread_groups (LPT)"},
         "populations": rows,
         "main_server_peak_rss_mib": round(peak / 1024, 1) if peak else None,
     }

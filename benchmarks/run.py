@@ -68,10 +68,12 @@ def report(results: dict) -> str:
         device = s.get("torch_device", "cpu") + (f" ({s['gpu']})" if s.get("gpu") else "")
         out += ["", f"(c) Main Server steps on {device}: cnn split {s['split_point']}, fx {s['fx_shape']} "
                     f"({s['fx_bytes'] / 1e3:.0f} KB), groups of {s['group_size']}, {c['populations'][0]['steps_per_device']} steps per device"]
-        rows = [[str(r["devices"]), str(r["groups"]), f"{r['latency_p50_ms']:.1f}", f"{r['latency_p95_ms']:.1f}",
+        rows = [[str(r.get("replicas", 1)), str(r["devices"]), str(r["groups"]), f"{r['latency_p50_ms']:.1f}",
+                 f"{r['latency_p95_ms']:.1f}", f"{r['latency_p99_ms']:.1f}" if "latency_p99_ms" in r else "-",
                  f"{r['server_step_p50_ms']:.1f}", f"{r['device_steps_per_s']:.1f}", f"{r['MB_per_s']:.1f}"]
                 for r in c["populations"]]
-        out.append(_table(["devices", "groups", "p50 ms", "p95 ms", "server step p50 ms", "steps/s", "MB/s"], rows))
+        out.append(_table(["replicas", "devices", "groups", "p50 ms", "p95 ms", "p99 ms", "server step p50 ms", "steps/s",
+                           "MB/s"], rows))
         out.append(f"Main Server peak RSS after the load: {c['main_server_peak_rss_mib']} MiB")
     d = results.get("memory")
     if d:
@@ -95,11 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
     parser.add_argument("--only", default=",".join(PARTS),
                         help="comma-separated parts to run: a (with d), b, c, e (default: all)")
+    parser.add_argument("--main-servers", default="1",
+                        help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
+                             "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
     parser.add_argument("--torch-device", default="cpu",
                         help="where the Main Server of (c) computes: auto, cpu, cuda, cuda:N, mps (default cpu); "
                              "recorded in the results. (a), (d) and (e) stay on the CPU")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
+    try:
+        replica_counts = tuple(int(n) for n in args.main_servers.split(","))
+    except ValueError:
+        replica_counts = ()
+    if not replica_counts or min(replica_counts) < 1:
+        parser.error("--main-servers takes positive counts, e.g. 1,2")
     if not parts <= set(PARTS):
         parser.error(f"--only takes a subset of {','.join(PARTS)}")
 
@@ -132,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import main_server_load
 
         _log("(c) Main Server step latency and throughput")
-        results["main_server"] = main_server_load.run(args.quick, _log, torch_device)
+        results["main_server"] = main_server_load.run(args.quick, _log, torch_device, replica_counts)
     if "e" in parts:
         from benchmarks import agent_memory
 
