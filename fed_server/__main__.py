@@ -9,6 +9,16 @@ from http_api.serve import serve
 from shared.service import add_server_args, configure_process, parse_service_args
 
 
+def main_server_urls_of(value: str | list[str] | None) -> list[str]:
+    """The Main Server replicas from ``--main-server-url`` (repeated flags, a settings file's string
+    or list), each entry possibly comma-separated like ``SFL_MAIN_SERVER_URL``; that variable, else
+    one local Main Server, when none is given."""
+    if value is None:
+        value = str(env_default("main_server_url", "http://127.0.0.1:8081"))
+    entries = [value] if isinstance(value, str) else value
+    return [url.strip() for entry in entries for url in str(entry).split(",") if url.strip()]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m fed_server",
@@ -22,10 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", default=env_default("run_dir", None),
                         help="where config, metrics, checkpoint and summary are written (default runs/<time>-<algorithm>)")
     parser.add_argument("--run-id", default=env_default("run_id", None), help="run id (default: random)")
-    parser.add_argument("--main-server-url", dest="main_server_urls", action="append", default=None, metavar="URL",
-                        help="a Main Server replica, as devices and this server reach it; repeat it for several "
-                             "replicas, over which each round's groups are spread (env SFL_MAIN_SERVER_URL, "
-                             "comma-separated; default http://127.0.0.1:8081)")
+    parser.add_argument("--main-server-url", action="append", default=None, metavar="URL",
+                        help="a Main Server replica (env SFL_MAIN_SERVER_URL, comma-separated; default "
+                             "http://127.0.0.1:8081), as devices and this server reach it; repeat the flag for "
+                             "several replicas, over which each round's groups are spread")
     parser.add_argument("--per-device-metrics", action=argparse.BooleanOptionalAction,
                         default=str(env_default("per_device_metrics", "true")).lower() not in ("0", "false", "no", "off"),
                         help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default on). "
@@ -54,8 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     if auth.enabled and auth.enrolment_secret is None:
         parser.error("a service secret without an enrolment secret would refuse every device: "
                      "set --enrolment-secret-file or SFL_ENROLMENT_SECRET too")
-    main_server_urls = args.main_server_urls or [
-        url.strip() for url in str(env_default("main_server_url", "http://127.0.0.1:8081")).split(",") if url.strip()]
+    main_server_urls = main_server_urls_of(args.main_server_url)
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     try:
         coordinator = Coordinator(config, run_dir, main_server_urls, run_id=args.run_id,

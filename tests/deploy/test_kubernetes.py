@@ -215,12 +215,15 @@ def test_services_select_workloads_and_their_ports(testbed):
             assert ("Service", spec["serviceName"]) in testbed
 
 
-def test_main_server_is_a_single_replica_behind_a_headless_service(base):
+def test_main_server_replicas_behind_a_headless_service_are_each_in_the_fed_servers_list(base):
     assert base[("Service", "main-server")]["spec"]["clusterIP"] == "None"
     main = base[("StatefulSet", "main-server")]["spec"]
     assert main["serviceName"] == "main-server"
-    # The Fed Server takes one Main Server URL until replica support exists (docs/deployment.md).
-    assert main["replicas"] == 1
+    assert main["replicas"] >= 1
+    # The Fed Server spreads each round's groups over every replica it is given
+    # (docs/deployment.md, "Main Server replicas"): exactly the pods the StatefulSet runs, in order.
+    urls = _env(_container(base, "StatefulSet", "fed-server"))["SFL_MAIN_SERVER_URL"].split(",")
+    assert [urlsplit(u).hostname for u in urls] == [f"main-server-{i}.main-server" for i in range(main["replicas"])]
     assert base[("StatefulSet", "fed-server")]["spec"]["replicas"] == 1
 
 
@@ -325,10 +328,11 @@ def test_urls_between_services_reach_the_right_ports(testbed):
     main = _container(testbed, "StatefulSet", "main-server")
     agents = _container(testbed, "Deployment", "device-agents")
     fed_port, main_port = int(_flags(fed)["--port"]), int(_flags(main)["--port"])
-    assert _resolve(testbed, _env(fed)["SFL_MAIN_SERVER_URL"]) == main_port
+    for url in _env(fed)["SFL_MAIN_SERVER_URL"].split(","):
+        assert _resolve(testbed, url) == main_port
     assert _resolve(testbed, _env(main)["SFL_FED_SERVER_URL"]) == fed_port
     assert _resolve(testbed, _flags(agents)["--fed-server-url"]) == fed_port
-    assert urlsplit(_env(fed)["SFL_MAIN_SERVER_URL"]).hostname.split(".")[1] == "main-server"
+    assert {urlsplit(u).hostname.split(".")[1] for u in _env(fed)["SFL_MAIN_SERVER_URL"].split(",")} == {"main-server"}
     assert int(_flags(agents)["--metrics-port"]) == agents["ports"][0]["containerPort"]
 
 
