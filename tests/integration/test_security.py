@@ -1,6 +1,8 @@
 """Authentication and TLS against running servers: enrolment, per-device tokens, service tokens, HTTPS."""
 from __future__ import annotations
 
+import json
+
 import datetime
 import ipaddress
 import threading
@@ -179,6 +181,12 @@ def test_server_to_server_calls_need_the_service_token(servers):
     assert httpx.get(f"{main_url}/v1/status").json()["round"] == before
     assert _post(f"{main_url}/v1/rounds", plan, auth.service_headers()).status_code == 200
     assert httpx.get(f"{main_url}/v1/status").json()["round"]["round_id"] == 99
+    watch = f"{main_url}/v1/rounds/99/watch"
+    assert httpx.get(watch).status_code == 401
+    assert httpx.get(watch, headers=_bearer(auth.device_token("r", "dev-a", NONCES["dev-a"]))).status_code == 401
+    with httpx.stream("GET", watch, headers=auth.service_headers(), timeout=10) as response:
+        assert response.status_code == 200
+        assert json.loads(next(response.iter_lines())) == {"round_id": 99, "state": "open"}
     portion = {"run_id": "r", "round_id": 1, "group_id": 0, "members": [], "dropped": [], "start_block": 1,
                "weights": {}, "label_distance": 0.0, "steps": 0, "train_time_s": 0.0}
     assert _post(f"{fed_url}/v1/rounds/1/server-portions", portion).status_code == 401
