@@ -165,7 +165,11 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         mains = [group.start(f"main_server-{i}", "main_server", [
             "--fed-server-url", f"http://127.0.0.1:{dead}", "--port", str(port), "--log-level", "WARNING",
-            "--torch-device", torch_device]) for i, port in enumerate(ports)]
+            # The one client pools its connections over every virtual device; on a loaded machine a
+            # pooled connection can sit idle past the default 5 s keep-alive while its devices wait
+            # at barriers, and the server closing it just as the client reuses it ended a run
+            # with a ReadError. Real devices hold one connection each.
+            "--keep-alive-s", "120", "--torch-device", torch_device]) for i, port in enumerate(ports)]
         for url, main in zip(urls, mains):
             wait_healthy(url, main, timeout=120)
         round_id = 0

@@ -2,6 +2,7 @@
 processes on loopback trains the model one would, and survives one being killed mid-round."""
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -62,10 +63,17 @@ def test_a_replica_killed_mid_round_costs_only_its_groups(run_testbed):
         wait_for(stepping, 120, "the second replica's first step to be answered")
         members = [m for g in httpx.get(f"{url}/v1/status", timeout=5).json()["round"]["groups"] for m in g["members"]]
         os.kill(victim.process.pid, signal.SIGKILL)
+        killed_at, killed["wall"] = time.monotonic(), time.time()
         victim.process.wait()
-        killed.update(at=time.monotonic(), url=url, members=members)
+        killed.update(url=url, members=members)
 
-    status, metrics, _ = run_testbed(config, main_servers=2, during=kill_second_replica_while_stepping)
+        def recorded() -> bool:
+            history = httpx.get(f"{testbed.fed_url}/v1/status", timeout=5).json()["history"]
+            return any(r["lost_replicas"] for r in history)
+        wait_for(recorded, round_s, "the attempt with the lost replica to be recorded")
+        killed["to_record_s"] = time.monotonic() - killed_at
+
+    status, metrics, run_dir = run_testbed(config, main_servers=2, during=kill_second_replica_while_stepping)
     assert status["state"] == "finished", status
     hit = [m for m in metrics if m["lost_replicas"]]
     assert len(hit) == 1 and hit[0]["lost_replicas"] == [killed["url"]], [(m["round_id"], m["lost_replicas"]) for m in metrics]
@@ -83,5 +91,12 @@ def test_a_replica_killed_mid_round_costs_only_its_groups(run_testbed):
     assert len(ids) == len(set(ids))
     last = metrics[-1]
     assert last["status"] == "ok" and sorted(last["aggregated"]) == sorted(last["selected"])
-    print(f"\nreplica killed mid-round: attempt {lost['round_id']} took {lost['round_time_s']:.2f}s "
-          f"(round deadline {round_s:.0f}s)")
+    assert killed["to_record_s"] < round_s / 3
+    # The loss is known from the watch stream closing (the killed process's socket), well before
+    # its silence would time out (FedServerSettings.replica_timeout_s, 10 s).
+    line = next(x for x in (run_dir / "logs" / "fed_server.log").read_text().splitlines() if " lost (" in x)
+    detected_s = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp() - killed["wall"]
+    assert detected_s < 5.0, line
+    print(f"\nreplica killed mid-round: loss logged {detected_s:.2f}s after the kill; attempt {lost['round_id']} "
+          f"recorded {killed['to_record_s']:.2f}s after the kill, once the surviving group finished "
+          f"(whole attempt {lost['round_time_s']:.2f}s; round deadline {round_s:.0f}s)")

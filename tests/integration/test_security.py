@@ -1,10 +1,9 @@
 """Authentication and TLS against running servers: enrolment, per-device tokens, service tokens, HTTPS."""
 from __future__ import annotations
 
-import json
-
 import datetime
 import ipaddress
+import json
 import threading
 from pathlib import Path
 
