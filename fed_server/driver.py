@@ -55,6 +55,9 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
     cost the backoff every round; a live one that restarted accepts at the first try.
     """
     live = list(coordinator.main_server_urls)
+    if not live:
+        fed_round.plan_failed = "no Main Server URL is configured (--main-server-url)"
+        return
     errors: dict[str, str] = {}
     fed_round.plan_bytes = 0
     async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
