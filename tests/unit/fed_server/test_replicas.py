@@ -3,10 +3,13 @@ formed and spread over the replicas, each device told its replica, a lost replic
 groups dropped, and portion uploads checked against the plan (docs/deployment.md)."""
 from __future__ import annotations
 
-import numpy as np
+import asyncio
+import time
+
 import pytest
 
 from fed_server.coordinator import Coordinator
+from fed_server.driver import FedServerSettings, watch_replica
 from fed_server.run_dir import RunDirectory
 from shared.algorithms.grouping import form_round_groups
 from shared.algorithms.registry import build_grouping
@@ -171,3 +174,43 @@ def test_portions_must_match_the_planned_group(replicated):
     with pytest.raises(Conflict, match="already received"):
         c.accept_portion(r.round_id, _portion(c, r.round_id, 0, g0), 10)
     assert list(r.portions) == [0]
+
+
+@pytest.mark.parametrize("answer, lost", [
+    (b'{"round_id": ROUND, "state": "open"}\n{"round_id": ROUND, "state": "done"}\n', False),   # all uploaded
+    (b'{"round_id": ROUND, "state": "open"}\n', True),                                        # ends without done
+    (b'{"round_id": ROUND, "state": "open"}\n{"round_id": ROUND, "state": "replaced"}\n', True),
+    (None, True),                                                                              # falls silent
+])
+def test_the_watch_decides_whether_a_replica_is_lost(replicated, answer, lost):
+    # A raw loopback peer stands in for the replica, so a frozen one (heartbeats stop, the
+    # connection stays open) can be played without freezing a process.
+    c = replicated
+    r = c.begin_round()
+    c.replica_plans(r, [A, B])
+
+    async def scenario() -> float:
+        async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n")
+            if answer is None:   # one heartbeat, then silence on an open connection
+                writer.write(b"content-length: 1000\r\n\r\n" + f'{{"round_id": {r.round_id}, "state": "open"}}\n'.encode())
+                await writer.drain()
+                await asyncio.sleep(30)
+            body = answer.replace(b"ROUND", str(r.round_id).encode())
+            writer.write(f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(replica, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        for a in r.assignments.values():
+            if a.main_server_url == B:
+                a.main_server_url = url
+        started = time.monotonic()
+        await asyncio.wait_for(watch_replica(c, r, url, FedServerSettings(heartbeat_s=0.1, replica_timeout_s=0.5)), 10)
+        server.close()
+        return time.monotonic() - started
+
+    took = asyncio.run(scenario())
+    assert bool(r.lost_replicas) == lost and bool(r.excluded) == lost
+    assert took < 5
