@@ -9,12 +9,12 @@ shows up here. Steps, each timed:
    Prometheus image from Debian's package (docker/podman/prometheus.Dockerfile);
 3. ``podman-compose up`` of docker-compose.yml + docker/podman/compose.check.yml without Grafana,
    for a short S2FL run (the compose file's SFL_* variables: 2 rounds, 4 devices);
-4. waits until every service's own health check passes (run with ``podman healthcheck run``:
-   podman runs health checks on systemd timers, which a CI container does not have);
-5. waits for the run to finish while watching Prometheus' /api/v1/targets: every target of
-   docker/prometheus/prometheus.yml must be seen ``up`` (the agents exit when the run ends);
-6. reads summary.json from the ``runs`` volume: finished, the rounds asked for, an accuracy;
-7. always tears down containers, network and volumes (images stay cached) and prints PASS/FAIL
+4. waits for the run to finish; meanwhile every service's own health check must pass (run with
+   ``podman healthcheck run``: podman runs health checks on systemd timers, which a CI container
+   does not have) and Prometheus' /api/v1/targets must show every target of
+   docker/prometheus/prometheus.yml ``up`` (both watched during the run: the agents exit when it ends);
+5. reads summary.json from the ``runs`` volume: finished, the rounds asked for, an accuracy;
+6. always tears down containers, network and volumes (images stay cached) and prints PASS/FAIL
    with the timings; on failure, the logs of the services.
 
 Run from the repository root with the project's venv (it needs pyyaml and httpx).
@@ -159,33 +159,45 @@ def wait_until(what: str, timeout: float, predicate, poll_s: float = 2.0) -> Non
     raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def watch_run(env: Mapping[str, str], targets: set[str], timeout: float) -> dict:
-    """Poll the Fed Server's /v1/status until the run is finished, meanwhile collecting the
-    Prometheus targets seen up. Returns the final status."""
+def watch_run(env: Mapping[str, str], targets: set[str], timeout: float) -> tuple[dict, dict[str, float]]:
+    """Poll until the run is finished, every service's health check has passed once and
+    Prometheus has reported every target up once. Health and targets are collected while the run
+    goes on, since the agents exit when it ends. Returns the final /v1/status and the seconds
+    after which each service turned healthy."""
     seen: set[str] = set()
+    became_healthy: dict[str, float] = {}
     status: dict = {}
+    t0 = time.monotonic()
     with httpx.Client(timeout=5.0) as client:
         def done() -> bool:
             nonlocal status
+            for service in SERVICES:
+                if service not in became_healthy and running(env, service) and healthy(env, service):
+                    became_healthy[service] = time.monotonic() - t0
             try:
                 seen.update(up_targets(client.get("http://127.0.0.1:9090/api/v1/targets").json()))
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass  # Prometheus not up yet: its health check says so
+            try:
                 status = client.get("http://127.0.0.1:8080/v1/status").json()
             except (httpx.HTTPError, ValueError):
                 return False
             if status.get("driver_error"):
                 raise CheckFailed(f"the Fed Server's driver failed: {status['driver_error']}")
-            agents_gone = not any(running(env, s) for s in SERVICES if s.startswith("agent-"))
-            if agents_gone and status.get("state") != "finished":
+            if status.get("state") != "finished" and not any(running(env, s) for s in SERVICES if s.startswith("agent-")):
                 raise CheckFailed(f"every agent exited before the run finished (state {status.get('state')})")
-            return status.get("state") == "finished" and targets <= seen
+            return status.get("state") == "finished" and targets <= seen and set(SERVICES) <= set(became_healthy)
 
         try:
-            wait_until("the run to finish and Prometheus to scrape every target", timeout, done)
+            wait_until("the run to finish, every health check to pass and Prometheus to scrape every target",
+                       timeout, done)
         except CheckFailed as e:
             raise CheckFailed(f"{e}; run state {status.get('state')!r}, round {status.get('rounds_done')}, "
+                              f"never healthy: {sorted(set(SERVICES) - set(became_healthy))}, "
                               f"targets never seen up: {sorted(targets - seen)}") from None
-    log(f"Prometheus scraped every target up: {', '.join(sorted(seen & targets))}")
-    return status
+    log("healthy after: " + ", ".join(f"{s} {became_healthy[s]:.0f} s" for s in SERVICES))
+    log(f"Prometheus scraped every target up: {', '.join(sorted(targets))}")
+    return status, became_healthy
 
 
 def read_summary(env: Mapping[str, str]) -> dict:
@@ -215,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
     started = time.monotonic()
 
-    def step(name: str, fn, *a):
+    def step(name: str, fn, *a, **kw):
         t0 = time.monotonic()
         log(f"{name} ...")
-        result = fn(*a)
+        result = fn(*a, **kw)
         timings[name] = time.monotonic() - t0
         log(f"{name}: {timings[name]:.0f} s")
         return result
@@ -229,17 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         step("base image", sh, [str(HERE / "base-image.sh"), BASE_IMAGE], env)
         flags = build_args(local_torch_wheels(args.wheels), args.ca_bundle)
+        arch = sh(["podman", "info", "--format", "{{.Host.Arch}}"], env=env, capture=True).strip()
         for name, dockerfile, tag in (("server image", "docker/server.Dockerfile", SERVER_IMAGE),
                                       ("device image", "docker/device.Dockerfile", DEVICE_IMAGE),
                                       ("prometheus image", "docker/podman/prometheus.Dockerfile", PROMETHEUS_IMAGE)):
-            step(name, sh, ["podman", "build", "--quiet", "--layers", *flags, "-f", dockerfile, "-t", tag, "."], env)
+            # docker format: the OCI format drops SHELL and HEALTHCHECK. TARGETARCH is set by
+            # buildx, not by this podman.
+            step(name, sh, ["podman", "build", "--quiet", "--layers", "--format", "docker", "--build-arg",
+                            f"TARGETARCH={arch}", *flags, "-f", dockerfile, "-t", tag, "."], env, True)
         compose(env, "down", "-v", capture=True, check=False)  # leftovers of an interrupted check
         up = True
-        step("compose up", compose, env, "up", "-d", *SERVICES)
-        for service in SERVICES:
-            step(f"{service} healthy", wait_until, f"{service}'s health check", 180.0, lambda s=service: healthy(env, s))
-        status = step("run + scrape", watch_run, env, expected_targets(ROOT / "docker/prometheus/prometheus.yml"),
-                      args.timeout)
+        step("compose up", compose, env, "up", "-d", *SERVICES, capture=True)
+        status, _ = step("run", watch_run, env, expected_targets(ROOT / "docker/prometheus/prometheus.yml"),
+                         args.timeout)
         summary = read_summary(env)
         problems = summary_problems(summary, int(RUN_ENV["SFL_ROUNDS"]))
         if problems:
@@ -254,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         if up:
             t0 = time.monotonic()
             compose(env, "down", "-v", capture=True, check=False)
+            # podman-compose 1.0.3's down leaves the project's network behind.
+            sh(["podman", "network", "rm", "--force", f"{PROJECT}_default"], env=env, capture=True, check=False)
             timings["teardown"] = time.monotonic() - t0
     total = time.monotonic() - started
     log("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + f"; total {total:.0f} s")

@@ -125,6 +125,25 @@ def test_dockerfiles_are_shipped_and_run_as_non_root():
         assert users and users[-1].split(":")[0] not in ("root", "0"), f"{dockerfile.name} must end as a non-root user"
 
 
+def test_healthchecks_are_shell_strings():
+    # podman-compose 1.0.3 (Debian bookworm) turns the exec form ["CMD", ...] into a shell line that
+    # never succeeds (found by make compose-check); CMD-SHELL works with every compose tool.
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        test = service["healthcheck"]["test"]
+        assert isinstance(test, list) and test[0] == "CMD-SHELL" and len(test) == 2, f"{name}: {test}"
+
+
+@pytest.mark.parametrize("name", ["server.Dockerfile", "device.Dockerfile"])
+def test_images_take_a_base_image_and_install_into_a_venv(name):
+    text = (ROOT / "docker" / name).read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M), "users' default base stays python:3.11-slim"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    # Debian's python refuses pip installs (PEP 668): the venv must come first on PATH.
+    assert "PATH=/opt/venv/bin:$PATH" in text
+    assert re.search(r"^RUN python3 -m venv \"\$VIRTUAL_ENV\"$", text, re.M)
+
+
 def test_device_image_is_minimal_and_multi_arch():
     lines = (ROOT / "docker" / "device.Dockerfile").read_text().splitlines()
     text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
