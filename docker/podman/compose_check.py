@@ -103,11 +103,13 @@ def local_torch_wheels(folder: Path) -> Path | None:
 
 
 def compose(env: Mapping[str, str], *args: str, capture: bool = False, check: bool = True) -> str:
+    """podman-compose on docker-compose.yml + the check's override, with the check's SFL_* variables."""
     files = ["-f", str(ROOT / "docker-compose.yml"), "-f", str(HERE / "compose.check.yml")]
     return sh(["podman-compose", "-p", PROJECT, *files, *args], env={**env, **RUN_ENV}, capture=capture, check=check)
 
 
 def container(service: str) -> str:
+    """The container podman-compose 1.0.3 names for ``service``."""
     return f"{PROJECT}_{service}_1"
 
 
@@ -118,6 +120,7 @@ def healthy(env: Mapping[str, str], service: str) -> bool:
 
 
 def running(env: Mapping[str, str], service: str) -> bool:
+    """Whether ``service``'s container is running (the agents exit when the run ends)."""
     out = subprocess.run(["podman", "inspect", "--format", "{{.State.Running}}", container(service)],
                          env={**os.environ, **env}, capture_output=True, text=True).stdout.strip()
     return out == "true"
@@ -211,12 +214,14 @@ def read_summary(env: Mapping[str, str]) -> dict:
 
 
 def dump_logs(env: Mapping[str, str], services: Iterable[str]) -> None:
+    """The last lines of every service's log, to see why the check failed."""
     for service in services:
         print(f"----- logs of {service} -----", flush=True)
         subprocess.run(["podman", "logs", "--tail", "60", container(service)], env={**os.environ, **env})
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the check; 0 on PASS, 1 on FAIL."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, default=Path(os.environ.get("SFL_TORCH_WHEELS", "/opt/wheels")),
                         help="a folder with the CPU torch wheel, used when it holds one (env SFL_TORCH_WHEELS)")

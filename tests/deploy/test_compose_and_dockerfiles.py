@@ -157,6 +157,8 @@ def test_device_image_is_minimal_and_multi_arch():
     assert "download.pytorch.org/whl/cpu" in text, "CPU-only torch on amd64"
     assert "[server]" not in text and "fastapi" not in text and "uvicorn" not in text
     assert "--no-deps mlxtend==" in text
+    # python -m device_agent is PID 1, where SIGTERM is ignored; SIGINT is the agent's clean stop.
+    assert re.search(r"^STOPSIGNAL SIGINT$", text, re.M)
     assert not re.search(r"FROM\s+\S*(cuda|nvidia)", text, re.I)
 
 
