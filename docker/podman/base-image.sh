@@ -11,7 +11,7 @@ if podman image exists "$IMAGE"; then
     echo "base image $IMAGE cached" >&2
     exit 0
 fi
-root=$(mktemp -d "${SFL_PODMAN_DIR:-/var/tmp/sfl-containers}/rootfs.XXXX")
+root=$(mktemp -d "$SFL_PODMAN_DIR/rootfs.XXXX")
 trap 'rm -rf "$root"' EXIT
 start=$(date +%s)
 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root" "$MIRROR" >&2

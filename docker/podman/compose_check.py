@@ -69,7 +69,8 @@ def sh(args: list[str], env: Mapping[str, str] | None = None, capture: bool = Fa
 
 
 def podman_env() -> dict[str, str]:
-    """CONTAINERS_CONF / CONTAINERS_STORAGE_CONF from setup.sh (which also installs what is missing)."""
+    """SFL_PODMAN_DIR, CONTAINERS_CONF and CONTAINERS_STORAGE_CONF from setup.sh (which also
+    installs what is missing)."""
     out = sh([str(HERE / "setup.sh")], capture=True)
     env = {}
     for line in out.splitlines():
@@ -79,15 +80,16 @@ def podman_env() -> dict[str, str]:
     return env
 
 
-def build_args(wheels: Path | None, ca_bundle: Path) -> list[str]:
+def build_args(wheels: Path | None, ca_bundle: Path, workdir: Path) -> list[str]:
     """podman build flags that feed this host's torch wheel and CA bundle into the RUN steps.
 
     Where download.pytorch.org (the Dockerfiles' CPU index on amd64) cannot be reached, a folder
     holding the CPU torch wheel is mounted and pip finds it there (find-links); torch's own
     dependencies then come from PyPI, which replaces the CPU index. The CA bundle lets pip verify
     PyPI through this host's TLS setup. Users building with docker keep the Dockerfiles' defaults.
+    The pip.conf mounted for this is written into ``workdir``.
     """
-    pip_conf = Path(os.environ.get("SFL_PODMAN_DIR", "/var/tmp/sfl-containers")) / "pip.conf"
+    pip_conf = workdir / "pip.conf"
     lines = ["[global]", "cert = /etc/ssl/certs/host-ca-bundle.crt"]
     flags = ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--volume", f"{ca_bundle}:/etc/ssl/certs/host-ca-bundle.crt:ro"]
     if wheels is not None:
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: str | None = None
     try:
         step("base image", sh, [str(HERE / "base-image.sh"), BASE_IMAGE], env)
-        flags = build_args(local_torch_wheels(args.wheels), args.ca_bundle)
+        flags = build_args(local_torch_wheels(args.wheels), args.ca_bundle, Path(env["SFL_PODMAN_DIR"]))
         arch = sh(["podman", "info", "--format", "{{.Host.Arch}}"], env=env, capture=True).strip()
         for name, dockerfile, tag in (("server image", "docker/server.Dockerfile", SERVER_IMAGE),
                                       ("device image", "docker/device.Dockerfile", DEVICE_IMAGE),

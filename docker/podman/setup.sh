@@ -62,5 +62,6 @@ runroot = "$SFL_PODMAN_DIR/run"
 CONF
 fi
 
+echo "export SFL_PODMAN_DIR=$SFL_PODMAN_DIR"
 echo "export CONTAINERS_CONF=$conf"
 echo "export CONTAINERS_STORAGE_CONF=$storage"
