@@ -1,6 +1,7 @@
 # The server image: Fed Server and Main Server (x86_64 or arm64, CPU only).
 # Build from the repository root:  docker build -f docker/server.Dockerfile -t s2fl-server .
-# Run a service:                   docker run --rm -p 8081:8081 s2fl-server python -m main_server --host 0.0.0.0
+# Run a service:                   docker run --rm -p 8081:8081 -e SFL_PORT=8081 s2fl-server python -m main_server --host 0.0.0.0
+# (the port through SFL_PORT, not --port: the health check below reads it; without it, 8080)
 # BASE_IMAGE: any Debian-like image with python3 (3.11, the venv module) and bash. Users get
 # python:3.11-slim; where no registry can be reached, make compose-check builds a Debian bookworm
 # base from Debian's packages (docker/podman/base-image.sh) and passes it here.
