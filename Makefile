@@ -1,10 +1,11 @@
 # Two commands a user needs: `make run` (set up + run the default testbed) and `make test`.
+# `make check` is what CI runs: the test suite, then the containers built and run for real.
 # Everything installs into .venv; torch is pinned first so no CUDA build is pulled in.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test clean
+.PHONY: setup run test compose-check check clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +24,13 @@ run: setup
 
 test: setup
 	$(PY) -m pytest
+
+# Build the base, server, device and Prometheus images with podman and run the compose testbed
+# for a short S2FL run (docker/podman/compose_check.py; installs podman & co. when missing).
+compose-check: setup
+	$(PY) docker/podman/compose_check.py
+
+check: test compose-check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -3,7 +3,11 @@
 #   docker buildx build --platform linux/amd64,linux/arm64 -f docker/device.Dockerfile -t s2fl-device .
 # Only the agent's minimal install: no FastAPI/uvicorn (server-only), no testbed.
 #   docker run --rm s2fl-device --fed-server-url http://SERVER:8080 --shards 0-1 --kinds low
-FROM python:3.11-slim
+# BASE_IMAGE: any Debian-like image with python3 (3.11, the venv module) and bash. Users get
+# python:3.11-slim; where no registry can be reached, make compose-check builds a Debian bookworm
+# base from Debian's packages (docker/podman/base-image.sh) and passes it here.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 # Set by buildx per platform. On amd64 PyPI's torch is the CUDA build (gigabytes), so the CPU index
 # is used; PyPI's arm64 Linux wheel carries no CUDA and is taken from PyPI.
@@ -15,11 +19,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
     OMP_NUM_THREADS=1
 
 WORKDIR /app
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# A venv holds everything (python and pip on PATH are its own): Debian's system Python refuses
+# pip installs (PEP 668), and the same layout works on python:3.11-slim.
+RUN python3 -m venv "$VIRTUAL_ENV"
 RUN if [ "${TARGETARCH:-amd64}" = "amd64" ]; then \
         pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_AMD64}"; \
     else \
@@ -45,5 +54,9 @@ WORKDIR /home/sfl
 # Only outbound calls; 9100 is the optional metrics port (--metrics-port 9100 --metrics-host 0.0.0.0).
 EXPOSE 9100
 
+# Python as PID 1 ignores SIGTERM (no handler is installed for it), so `docker stop` waited 10 s and
+# killed the agent (found by make compose-check). SIGINT is the agent's own stop (KeyboardInterrupt:
+# its devices stop, it exits), so a stop takes about a second.
+STOPSIGNAL SIGINT
 ENTRYPOINT ["python", "-m", "device_agent"]
 CMD ["--help"]

@@ -1,7 +1,12 @@
 # The server image: Fed Server and Main Server (x86_64 or arm64, CPU only).
 # Build from the repository root:  docker build -f docker/server.Dockerfile -t s2fl-server .
-# Run a service:                   docker run --rm -p 8081:8081 s2fl-server python -m main_server --host 0.0.0.0
-FROM python:3.11-slim
+# Run a service:                   docker run --rm -p 8081:8081 -e SFL_PORT=8081 s2fl-server python -m main_server --host 0.0.0.0
+# (the port through SFL_PORT, not --port: the health check below reads it; without it, 8080)
+# BASE_IMAGE: any Debian-like image with python3 (3.11, the venv module) and bash. Users get
+# python:3.11-slim; where no registry can be reached, make compose-check builds a Debian bookworm
+# base from Debian's packages (docker/podman/base-image.sh) and passes it here.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ARG TARGETARCH
 # torch comes from the CPU index on x86_64: PyPI's x86_64 Linux wheel pulls the CUDA build
@@ -12,11 +17,16 @@ ARG TORCH_INDEX_AMD64=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
 
 WORKDIR /app
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# A venv holds everything (python and pip on PATH are its own): Debian's system Python refuses
+# pip installs (PEP 668), and the same layout works on python:3.11-slim.
+RUN python3 -m venv "$VIRTUAL_ENV"
 RUN if [ "${TARGETARCH:-amd64}" = "amd64" ]; then \
         pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_AMD64}"; \
     else \

