@@ -335,7 +335,9 @@ class Device:
     def _train_and_upload(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
         assert self.layout is not None and self.data is not None and self.info is not None
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
-        clock = RoundClock(self.kind, self.time_scale)
+        # Stretch CPU time where it measures the work (a CPU device, one torch thread; see RoundClock).
+        cpu_time = self.torch_device.type == "cpu" and torch.get_num_threads() == 1
+        clock = RoundClock(self.kind, self.time_scale, cpu_time=cpu_time)
         clock.transfer(task_bytes)
         train = task.train
         assert train is not None and task.round_id is not None and task.split_point is not None

@@ -318,10 +318,14 @@ class _FakeTime:
 
     def __init__(self) -> None:
         self.now = 100.0
+        self.cpu = 5.0   # the calling thread's CPU time (time.thread_time)
         self.slept: list[float] = []
 
     def monotonic(self) -> float:
         return self.now
+
+    def thread_time(self) -> float:
+        return self.cpu
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
@@ -365,6 +369,41 @@ def test_round_clock_real_device_does_not_stretch(fake_time):
     _timed_section(clock, fake_time, 0.03)
     _timed_section(clock, fake_time, 0.03)
     assert clock.compute_s == pytest.approx(0.06) and fake_time.slept == []
+
+
+def test_round_clock_cpu_time_stretches_the_work_not_the_wait(fake_time):
+    """With ``cpu_time`` the stretch multiplies the section's CPU time: 0.01 s of work that took
+    0.03 s of wall time (waiting for a core behind other devices) sleeps 9 x 0.01 s on a Low
+    device, and the wall time is counted once."""
+    low = parse_kind("low")
+    clock = RoundClock(low, cpu_time=True)
+    with clock.compute():
+        fake_time.now += 0.03
+        fake_time.cpu += 0.01
+    assert fake_time.slept == [pytest.approx(0.01 * (low.compute_stretch - 1))]
+    assert clock.compute_s == pytest.approx(0.03 + 0.01 * (low.compute_stretch - 1))
+    wall = RoundClock(low)   # the default: wall time, as on a GPU or with several torch threads
+    with wall.compute():
+        fake_time.now += 0.03
+        fake_time.cpu += 0.01
+    assert fake_time.slept[-1] == pytest.approx(0.03 * (low.compute_stretch - 1))
+
+
+def test_round_clock_cpu_time_measures_this_thread_for_real():
+    """Unfaked: a section that only sleeps does no work, so a CPU-time clock adds (almost) no
+    stretch, while a busy section is stretched by its CPU time."""
+    low = parse_kind("low")
+    clock = RoundClock(low, cpu_time=True)
+    t0 = time.monotonic()
+    with clock.compute():
+        time.sleep(0.05)
+    assert time.monotonic() - t0 < 0.05 * low.compute_stretch / 2
+    clock = RoundClock(low, cpu_time=True)
+    with clock.compute():
+        cpu0 = time.thread_time()
+        while time.thread_time() - cpu0 < 0.01:
+            pass
+    assert clock.compute_s >= 0.01 * low.compute_stretch * 0.98
 
 
 def test_round_clock_stretch_sleeps_for_real():
