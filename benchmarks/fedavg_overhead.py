@@ -178,23 +178,39 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
     data = {d: device_shard(config.data, train_set, shards[d]) for d in ids}
     device_model = copy.deepcopy(model)   # the agent, too, loads each task's weights into a model
     train = config.train
-    round_times, accuracies = [], []
+    round_times, accuracies, train_times, serial_times = [], [], [], []
     for record in records:
         t0 = time.perf_counter()
         global_portion = portion_state(model, 0, n_blocks)
         contributions: dict[str, Contribution] = {}
+        device_times: dict[str, float] = {}
         for d in sorted(record["aggregated"]):
+            t_device = time.perf_counter()
             train_round(device_model, n_blocks, global_portion, data[d], train.lr, train.momentum, train.weight_decay,
                         train.batch_size, train.local_epochs, round_seed(config.seed, shards[d], record["round_id"]),
                         RoundClock(None), None, logic=logic_class.device_logic(algorithm.device_params()))
             state = {k: v.detach().clone() for k, v in device_model.portion(0, n_blocks).state_dict().items()}
             contributions[d] = Contribution(weight=len(data[d]), client_state=state)
+            device_times[d] = time.perf_counter() - t_device
+        t_serial = time.perf_counter()
         model.load_state_dict(algorithm.aggregate(record["round"], model.state_dict(), contributions, {}))
         accuracy, _ = evaluate(model, test_set)
+        serial_times.append(time.perf_counter() - t_serial)
+        train_times.append(device_times)
         round_times.append(time.perf_counter() - t0)
         accuracies.append(accuracy)
         log(f"  in-process round {record['round']}/{len(records)}: {round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
-    return {"round_times_s": round_times, "accuracies": accuracies, "final_state": model.state_dict()}
+    return {"round_times_s": round_times, "accuracies": accuracies, "final_state": model.state_dict(),
+            "device_train_s": train_times, "aggregate_evaluate_s": serial_times,
+            "samples_per_device": {d: len(data[d]) for d in ids}}
+
+
+def critical_path_round_s(device_train_s: dict[str, float], serial_s: float, cores: int) -> float:
+    """A round's lower bound on ``cores`` cores from its one-thread parts: the devices' training
+    packed perfectly, but never shorter than the longest device (one device is one thread), plus
+    aggregation and evaluation, which run once the last upload is in."""
+    times = list(device_train_s.values())
+    return max(sum(times) / cores, max(times)) + serial_s
 
 
 # --- both -----------------------------------------------------------------------------------------
@@ -215,6 +231,8 @@ def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = No
     svc_times = [r["round_time_s"] for r in services["records"]]
     svc_median, inp_median = statistics.median(svc_times), statistics.median(inproc["round_times_s"])
     limit = inp_median / cores
+    critical = statistics.median(critical_path_round_s(t, s, cores)
+                                 for t, s in zip(inproc["device_train_s"], inproc["aggregate_evaluate_s"]))
     return {
         "config": {"algorithm": config.algorithm, "model": config.model, "devices": config.data.num_devices,
                    "rounds": config.rounds, "max_samples": config.data.max_samples, "alpha": config.data.alpha,
@@ -229,6 +247,13 @@ def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = No
         "limit_definition": "single-thread in-process median round / usable cores",
         "ratio_services_over_in_process": svc_median / inp_median,
         "ratio_services_over_limit": svc_median / limit,
+        # What the round's shape allows on these cores (see critical_path_round_s): the non-IID
+        # shards differ in size, so the largest device and the serial evaluation bound the round.
+        "critical_path_round_s": critical,
+        "ratio_services_over_critical_path": svc_median / critical,
+        "in_process_aggregate_evaluate_median_s": statistics.median(inproc["aggregate_evaluate_s"]),
+        "in_process_longest_device_median_s": statistics.median(max(t.values()) for t in inproc["device_train_s"]),
+        "samples_per_device": inproc["samples_per_device"],
         "goal_ratio_services_over_limit": GOAL_RATIO_OVER_LIMIT,
         "services_final_accuracy": services["records"][-1]["test_accuracy"],
         "in_process_final_accuracy": inproc["accuracies"][-1],
