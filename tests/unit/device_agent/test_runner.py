@@ -177,3 +177,26 @@ def test_a_device_that_held_nothing_out_reports_zero_samples_and_the_server_eval
     assert device.held_out is None and fed.registrations[0].num_samples == len(device.data)
     (report,) = fed.evaluations   # no weights needed: nothing to evaluate
     assert (report.num_samples, report.correct, report.loss_sum) == (0, 0, 0.0)
+
+
+def test_agent_limits_devices_computing_at_once_to_the_usable_cores_by_default():
+    """Several devices on the CPU share one semaphore of ``len(sched_getaffinity)`` slots; one device
+    (a real board) or ``compute_slots=0`` has no limit; a negative count is refused."""
+    import os
+
+    from device_agent.agent import Agent
+
+    cores = len(os.sched_getaffinity(0))
+    agent = Agent("http://127.0.0.1:9", [0, 1, 2], None)
+    slots = {id(d.compute_slot) for d in agent.devices}
+    assert agent.compute_slots == cores and len(slots) == 1 and agent.devices[0].compute_slot is not None
+    assert Agent("http://127.0.0.1:9", [0], None).devices[0].compute_slot is None
+    unlimited = Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=0)
+    assert all(d.compute_slot is None for d in unlimited.devices)
+    three = Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=3)
+    slot = three.devices[0].compute_slot
+    for _ in range(3):
+        assert slot.acquire(blocking=False)
+    assert not slot.acquire(blocking=False)
+    with pytest.raises(ValueError, match="compute_slots"):
+        Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=-1)
