@@ -85,6 +85,15 @@ def smaps_rollup_kib(pid: int) -> dict[str, int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (``/proc/<pid>/stat``), or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class PssSampler:
     """Samples the summed PSS and RSS of a set of processes together and keeps the peaks (of the
     sums, and of each process's PSS)."""
@@ -95,18 +104,34 @@ class PssSampler:
         self.peak_pss_sum_kib = 0
         self.peak_rss_sum_kib = 0
         self.peak_pss_kib: dict[str, int] = {}
+        self.cpu_s: dict[str, float] = {}   # the last CPU seconds read of each process
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pss", daemon=True)
 
     def sample(self) -> None:
         pss_sum = rss_sum = 0
         for name, pid in self.pids.items():
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                with self._lock:
+                    self.cpu_s[name] = cpu
             figures = smaps_rollup_kib(pid)
             pss, rss = figures.get("Pss", 0), figures.get("Rss", 0)
             pss_sum, rss_sum = pss_sum + pss, rss_sum + rss
             self.peak_pss_kib[name] = max(self.peak_pss_kib.get(name, 0), pss)
         self.peak_pss_sum_kib = max(self.peak_pss_sum_kib, pss_sum)
         self.peak_rss_sum_kib = max(self.peak_rss_sum_kib, rss_sum)
+
+    def cpu_total(self) -> float:
+        """CPU seconds of every process so far (read now where the process is still alive)."""
+        for name, pid in self.pids.items():
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                with self._lock:
+                    self.cpu_s[name] = cpu
+        with self._lock:
+            return sum(self.cpu_s.values())
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -142,8 +167,10 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
             for service in testbed.agent_services:
                 pids[f"device_agent ({config.data.num_devices} devices)"] = service.process.pid
             sampler = PssSampler(pids).start()
+            cpu_at_round: list[float] = []
 
             def on_round(record: dict, _status: dict) -> None:
+                cpu_at_round.append(sampler.cpu_total())
                 log(f"  services round {record['round']}/{config.rounds}: {record['round_time_s']:.2f}s, "
                     f"acc {100 * record['test_accuracy']:.2f}%")
 
@@ -159,7 +186,12 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
     ok = [r for r in records if r["status"] == "ok"]
     if len(ok) != config.rounds or any(r["dropped"] for r in ok):
         raise RuntimeError(f"the services run was not clean: {[(r['round'], r['status'], r['dropped']) for r in records]}")
-    return {"records": ok, "final_state": final_state, "memory": memory}
+    # CPU seconds of the whole testbed per round, from round 1's record to the last one (start-up,
+    # imports and round 1's cold start left out); the status polls see rounds up to 0.5 s late,
+    # which moves work between neighbouring rounds but not out of the total.
+    cpu_per_round = ((cpu_at_round[-1] - cpu_at_round[0]) / (len(cpu_at_round) - 1)
+                     if len(cpu_at_round) > 1 else None)
+    return {"records": ok, "final_state": final_state, "memory": memory, "cpu_s_per_round": cpu_per_round}
 
 
 # --- in-process ---------------------------------------------------------------------------------
@@ -178,9 +210,9 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
     data = {d: device_shard(config.data, train_set, shards[d]) for d in ids}
     device_model = copy.deepcopy(model)   # the agent, too, loads each task's weights into a model
     train = config.train
-    round_times, accuracies, train_times, serial_times = [], [], [], []
+    round_times, accuracies, train_times, serial_times, cpu_times = [], [], [], [], []
     for record in records:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         global_portion = portion_state(model, 0, n_blocks)
         contributions: dict[str, Contribution] = {}
         device_times: dict[str, float] = {}
@@ -198,10 +230,11 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         serial_times.append(time.perf_counter() - t_serial)
         train_times.append(device_times)
         round_times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - cpu0)
         accuracies.append(accuracy)
         log(f"  in-process round {record['round']}/{len(records)}: {round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
     return {"round_times_s": round_times, "accuracies": accuracies, "final_state": model.state_dict(),
-            "device_train_s": train_times, "aggregate_evaluate_s": serial_times,
+            "device_train_s": train_times, "cpu_s": cpu_times, "aggregate_evaluate_s": serial_times,
             "samples_per_device": {d: len(data[d]) for d in ids}}
 
 
@@ -254,6 +287,12 @@ def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = No
         "in_process_aggregate_evaluate_median_s": statistics.median(inproc["aggregate_evaluate_s"]),
         "in_process_longest_device_median_s": statistics.median(max(t.values()) for t in inproc["device_train_s"]),
         "samples_per_device": inproc["samples_per_device"],
+        # CPU seconds per round: the load of other jobs on a shared machine stretches wall time but
+        # hardly the CPU time a round needs, so this ratio is the steadier measure of the overhead.
+        "services_cpu_s_per_round": services["cpu_s_per_round"],
+        "in_process_cpu_s_per_round": statistics.mean(inproc["cpu_s"][1:] or inproc["cpu_s"]),
+        "ratio_cpu_services_over_in_process": (services["cpu_s_per_round"] / statistics.mean(inproc["cpu_s"][1:] or inproc["cpu_s"])
+                                               if services["cpu_s_per_round"] else None),
         "goal_ratio_services_over_limit": GOAL_RATIO_OVER_LIMIT,
         "services_final_accuracy": services["records"][-1]["test_accuracy"],
         "in_process_final_accuracy": inproc["accuracies"][-1],
