@@ -6,7 +6,6 @@ other at every step, so training them one after another would deadlock the barri
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 
@@ -79,12 +78,13 @@ class Agent:
     otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
     ``torch_device``: where every device's model trains (``--torch-device``; default the CPU).
     ``compute_slots``: how many devices may be inside a training compute section at once
-    (``--compute-slots``); 0 = no limit. ``None`` (the default): the usable cores when the agent
-    hosts several devices on the CPU, else no limit. With one torch thread per process, devices
+    (``--compute-slots``); 0 (the default) = no limit. With one torch thread per process, devices
     beyond the cores cannot compute sooner, but each one computing holds its activations: ten
     devices of the small cnn training at once peaked 136 MiB above two at a time, for the same CPU
-    time (issue 16, benchmarks/README.md). A slot is held only while computing, never while
-    waiting for the Main Server or sleeping.
+    time. It is not the default because on a machine shared with other jobs the kernel gives the
+    agent a share of the cores by its runnable threads: with 2 slots the FedAvg rounds of
+    benchmark (f) took about 1.5x longer at a load average of 7-9 (issue 16, benchmarks/README.md).
+    A slot is held only while computing, never while waiting for the Main Server or sleeping.
     """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
@@ -92,7 +92,7 @@ class Agent:
                  enrolment_secret: bytes | None = None, keep_models: bool | None = None,
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
                  device_id: str | None = None, torch_device: torch.device | None = None,
-                 model: str | None = None, compute_slots: int | None = None) -> None:
+                 model: str | None = None, compute_slots: int = 0) -> None:
         """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
         then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
         ``model``: the operator's ``--model`` (an import path the run may name)."""
@@ -100,9 +100,6 @@ class Agent:
         sources = sources or []
         count = len(sources) or len(shards)
         keep = count == 1 if keep_models is None else keep_models
-        if compute_slots is None:
-            on_cpu = torch_device is None or torch.device(torch_device).type == "cpu"
-            compute_slots = len(os.sched_getaffinity(0)) if count > 1 and on_cpu else 0
         if compute_slots < 0:
             raise ValueError(f"compute_slots must be >= 0 (0: no limit), got {compute_slots}")
         self.compute_slots = compute_slots
