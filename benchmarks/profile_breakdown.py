@@ -2,8 +2,8 @@
 
 Reads py-spy's raw (collapsed) output, one stack per line ending in its sample count, recorded
 with ``py-spy record -f raw --idle --threads -n -r 50 -d 30 -p PID -o FILE``: every thread is
-sampled, busy or not, so the shares are of thread time. A stack whose innermost Python frame
-waits (a blocked socket read, an idle event loop, a sleep, a lock) counts as waiting (py-spy's own
+sampled, busy or not, so the shares are of thread time. A stack whose innermost Python frames
+wait (a blocked socket read, an idle event loop, a sleep, a lock) counts as waiting (py-spy's own
 idle detection counts a blocked read as active, so it is not used); every other stack is work
 and goes to the first category whose marker it contains. The table gives each category's share
 of all samples and, for work, of the work samples. Used for the breakdown in benchmarks/README.md.
@@ -20,7 +20,7 @@ WAITING: list[tuple[str, tuple[str, ...]]] = [
     ("wait: reply from a peer (its work, the group barrier)", ("SyncStream.read",)),
     ("wait: idle event loop", ("Runner.run", "select (selectors.py", "BaseEventLoop._run_once")),
     ("wait: emulated device kinds (RoundClock sleeps)", ("RoundClock.",)),
-    ("wait: sleeps and poll intervals", ("sleep", "Event.wait")),
+    ("wait: sleeps and poll intervals (Event.wait)", ("sleep", "Event.wait")),
     ("wait: lock, queue or condition (idle workers)", ("Condition.wait", "SimpleQueue", "_worker (concurrent",
                                                        "Thread.join", "_wait_for_tstate_lock", "Lock", "Barrier", "queue.py")),
 ]
@@ -42,7 +42,7 @@ OTHER = "work: other Python"
 def classify(stack: str) -> str:
     """The category of one collapsed stack (``frame;frame;...``, outermost first)."""
     python_frames = [f for f in stack.split(";") if ".py:" in f]
-    leaf = python_frames[-1] if python_frames else ""
+    leaf = ";".join(python_frames[-2:])   # the innermost two: Event.wait sits on Condition.wait
     for name, markers in WAITING:
         if any(marker in leaf for marker in markers):
             return name

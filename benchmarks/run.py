@@ -100,8 +100,9 @@ def report(results: dict) -> str:
             ["critical path (longest device, evaluation)", f"{f['critical_path_round_s']:.2f}",
              f"{f['ratio_services_over_critical_path']:.2f}x", ""]]))
         if f.get("ratio_cpu_services_over_in_process"):
-            out.append(f"CPU seconds per round: services (all processes) {f['services_cpu_s_per_round']:.2f}, in-process "
-                       f"{f['in_process_cpu_s_per_round']:.2f}, ratio {f['ratio_cpu_services_over_in_process']:.2f}x")
+            out.append(f"CPU seconds per round: services (Fed Server, Main Server, agent) {f['services_cpu_s_per_round']:.2f}, in-process "
+                       f"{f['in_process_cpu_s_per_round']:.2f}, ratio {f['ratio_cpu_services_over_in_process']:.2f}x; "
+                       "per process " + ", ".join(f"{k} {v:.2f}" for k, v in f["services_cpu_s_per_round_per_process"].items()))
         out.append(f"final accuracy: services {100 * f['services_final_accuracy']:.2f}%, in-process "
                    f"{100 * f['in_process_final_accuracy']:.2f}%; max |weight difference| {f['max_abs_weight_diff_final_model']:.2e}")
         out.append(f"whole testbed peak PSS {mem['peak_pss_sum_mib']:.0f} MiB (goal <= {mem['goal_pss_sum_mib']:.0f} MiB), "
