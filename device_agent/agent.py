@@ -83,8 +83,8 @@ class Agent:
     devices of the small cnn training at once peaked 136 MiB above two at a time, for the same CPU
     time. It is not the default because on a machine shared with other jobs the kernel gives the
     agent a share of the cores by its runnable threads: with 2 slots the FedAvg rounds of
-    benchmark (f) took about 1.5x longer at a load average of 7-9 (issue 16, benchmarks/README.md).
-    A slot is held only while computing, never while waiting for the Main Server or sleeping.
+    benchmark (f) took about 1.4x as long (17.0 s against 12.1 s a round) at a load average of
+    7 to 9 (issue 16, benchmarks/README.md). A slot is held only while computing, never while waiting for the Main Server or sleeping.
     """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
