@@ -17,7 +17,7 @@ reach if the devices' compute spread perfectly over both cores and everything el
 Memory: the whole testbed's proportional set size (PSS: shared pages split between the processes
 that map them, so shared libraries count once in the sum) is the sum of ``Pss`` from
 ``/proc/<pid>/smaps_rollup`` over the launcher (this process, standing in for ``python -m
-testbed``), the Fed Server, the Main Server and the agent, sampled together every 0.25 s; the
+testbed``), the Fed Server, the Main Server and the agent, sampled together every second; the
 peak of that sum is the figure. The peak of the summed RSS is reported beside it.
 """
 from __future__ import annotations
