@@ -203,7 +203,8 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
 
 # --- both -----------------------------------------------------------------------------------------
 
-def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts (over ``b``'s keys), in float64."""
     return max(float((a[k].double() - v.double()).abs().max()) for k, v in b.items())
 
 
@@ -235,9 +236,9 @@ def run(quick: bool, log: Callable[[str], None] = print) -> tuple[dict, dict]:
         "in_process_final_accuracy": inproc["accuracies"][-1],
         "services_accuracy_per_round": [r["test_accuracy"] for r in services["records"]],
         "in_process_accuracy_per_round": inproc["accuracies"],
-        "max_abs_weight_diff_final_model": _max_abs_diff(services["final_state"], inproc["final_state"]),
+        "max_abs_weight_diff_final_model": max_abs_diff(services["final_state"], inproc["final_state"]),
         # How far the concatenation order alone moves the model: the yardstick for the line above.
-        "max_abs_weight_diff_member_order": _max_abs_diff(reversed_order["final_state"], inproc["final_state"]),
+        "max_abs_weight_diff_member_order": max_abs_diff(reversed_order["final_state"], inproc["final_state"]),
         "in_process_reversed_accuracy_per_round": reversed_order["accuracies"],
         "groups_match_services": inproc["groups_match_services"],
         "services_startup_s": services["startup_s"],

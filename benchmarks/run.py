@@ -3,7 +3,8 @@
 (a) the same S2FL run through the services vs in one process (network overhead ratio),
 (b) tensor encode/decode throughput, (c) Main Server step latency and throughput with 10, 50 and
 100 virtual devices, (d) peak memory of each service (measured during (a)), (e) peak memory of an
-agent hosting many virtual devices, models kept vs built per task. Prints a table and writes
+agent hosting many virtual devices, models kept vs built per task, (f) FedAvg through the services
+vs the same math in one process and vs the 2-core limit, with the whole testbed's peak PSS. Prints a table and writes
 every figure plus a description of the machine to a JSON file. Not part of the test suite.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
-PARTS = ("a", "b", "c", "e")  # (d) comes with (a)
+PARTS = ("a", "b", "c", "e", "f")  # (d) comes with (a)
 
 
 def _log(text: str) -> None:
@@ -88,6 +89,27 @@ def report(results: dict) -> str:
                           [["kept for the run", f"{e['agent_peak_rss_mib_kept']:.0f}", f"{e['mean_round_s_kept']:.2f}"],
                            ["built per task", f"{e['agent_peak_rss_mib_per_task']:.0f}", f"{e['mean_round_s_per_task']:.2f}"]]))
         out.append(f"kept / per task: {e['ratio_kept_over_per_task']:.2f}x; identical final models: {e['same_final_model']}")
+    f = results.get("fedavg")
+    if f:
+        c, mem = f["config"], f["memory"]
+        out += ["", f"(f) FedAvg through the services vs one process: {c['model']}, {c['devices']} devices, "
+                    f"{c['rounds']} rounds, no emulation; 2-core limit = one-thread time / {c['usable_cores']} cores"]
+        out.append(_table(["", "median round s", "services over it", "goal"], [
+            ["services", f"{f['services_median_round_s']:.2f}", "", ""],
+            ["in-process, one thread", f"{f['in_process_median_round_s']:.2f}", f"{f['ratio_services_over_in_process']:.2f}x", ""],
+            ["2-core limit", f"{f['two_core_limit_round_s']:.2f}", f"{f['ratio_services_over_limit']:.2f}x",
+             f"<= {f['goal_ratio_services_over_limit']:.2f}x"],
+            ["critical path (longest device, evaluation)", f"{f['critical_path_round_s']:.2f}",
+             f"{f['ratio_services_over_critical_path']:.2f}x", ""]]))
+        if f.get("ratio_cpu_services_over_in_process"):
+            out.append(f"CPU seconds per round: services (Fed Server, Main Server, agent) {f['services_cpu_s_per_round']:.2f}, in-process "
+                       f"{f['in_process_cpu_s_per_round']:.2f}, ratio {f['ratio_cpu_services_over_in_process']:.2f}x; "
+                       "per process " + ", ".join(f"{k} {v:.2f}" for k, v in f["services_cpu_s_per_round_per_process"].items()))
+        out.append(f"final accuracy: services {100 * f['services_final_accuracy']:.2f}%, in-process "
+                   f"{100 * f['in_process_final_accuracy']:.2f}%; max |weight difference| {f['max_abs_weight_diff_final_model']:.2e}")
+        out.append(f"whole testbed peak PSS {mem['peak_pss_sum_mib']:.0f} MiB (goal <= {mem['goal_pss_sum_mib']:.0f} MiB), "
+                   f"peak RSS sum {mem['peak_rss_sum_mib']:.0f} MiB; per process PSS "
+                   + ", ".join(f"{k} {v:.0f}" for k, v in mem["peak_pss_mib"].items()))
     return "\n".join(out)
 
 
@@ -96,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smallest sizes only (about a minute)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
     parser.add_argument("--only", default=",".join(PARTS),
-                        help="comma-separated parts to run: a (with d), b, c, e (default: all)")
+                        help="comma-separated parts to run: a (with d), b, c, e, f (default: all)")
     parser.add_argument("--main-servers", default="1",
                         help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
                              "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
+    parser.add_argument("--rounds-f", type=int, default=None,
+                        help="rounds of part (f) (default 10 in full mode, 2 in quick mode; the issue's task has 30)")
     parser.add_argument("--torch-device", default="cpu",
                         help="where the Main Server of (c) computes: auto, cpu, cuda, cuda:N, mps (default cpu); "
                              "recorded in the results. (a), (d) and (e) stay on the CPU")
@@ -149,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("(e) agent memory: models kept vs built per task")
         results["agent_memory"] = agent_memory.run(args.quick, _log)
+    if "f" in parts:
+        from benchmarks import fedavg_overhead
+
+        _log("(f) FedAvg: services vs one process vs the 2-core limit, whole-testbed PSS")
+        results["fedavg"] = fedavg_overhead.run(args.quick, _log, args.rounds_f)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
                              "when hosting one device; no = build the trained blocks for each task and free them "
                              "after the upload (memory follows the devices training at once); yes = always keep")
+    parser.add_argument("--compute-slots", default=env_default("compute_slots", "0"),
+                        help="devices of this agent computing at once (env SFL_COMPUTE_SLOTS; default 0: no limit); "
+                             "e.g. the usable cores, to cap the agent's memory on a machine it has to itself")
     parser.add_argument("--model", default=env_default("model", None),
                         help="the run's model when it is an import path package.module:function (env SFL_MODEL): a "
                              "device builds an import path only if it equals this, never because the Fed Server "
@@ -76,6 +79,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if args.keep_models not in KEEP_MODELS:  # argparse checks choices on the command line, not env defaults
         parser.error(f"--keep-models must be one of {sorted(KEEP_MODELS)}, got {args.keep_models!r}")
+    try:
+        compute_slots = int(args.compute_slots)
+    except ValueError:
+        compute_slots = -1
+    if compute_slots < 0:
+        parser.error(f"--compute-slots must be a whole number >= 0 (0: no limit), got {args.compute_slots!r}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be 0 (off) or a port number, got {args.metrics_port}")
     metrics = None
@@ -89,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
                   metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
                   keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
-                  device_id=args.device_id, torch_device=args.torch_device, model=args.model)
+                  device_id=args.device_id, torch_device=args.torch_device, model=args.model,
+                  compute_slots=compute_slots)
     sys.exit(agent.run())
 
 

@@ -77,6 +77,14 @@ class Agent:
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
     otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
     ``torch_device``: where every device's model trains (``--torch-device``; default the CPU).
+    ``compute_slots``: how many devices may be inside a training compute section at once
+    (``--compute-slots``); 0 (the default) = no limit. With one torch thread per process, devices
+    beyond the cores cannot compute sooner, but each one computing holds its activations: ten
+    devices of the small cnn training at once peaked 136 MiB above two at a time, for the same CPU
+    time. It is not the default because on a machine shared with other jobs the kernel gives the
+    agent a share of the cores by its runnable threads: with 2 slots the FedAvg rounds of
+    benchmark (f) took about 1.4x as long (17.0 s against 12.1 s a round) at a load average of
+    7 to 9 (issue 16, benchmarks/README.md). A slot is held only while computing, never while waiting for the Main Server or sleeping.
     """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
@@ -84,7 +92,7 @@ class Agent:
                  enrolment_secret: bytes | None = None, keep_models: bool | None = None,
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
                  device_id: str | None = None, torch_device: torch.device | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, compute_slots: int = 0) -> None:
         """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
         then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
         ``model``: the operator's ``--model`` (an import path the run may name)."""
@@ -92,6 +100,10 @@ class Agent:
         sources = sources or []
         count = len(sources) or len(shards)
         keep = count == 1 if keep_models is None else keep_models
+        if compute_slots < 0:
+            raise ValueError(f"compute_slots must be >= 0 (0: no limit), got {compute_slots}")
+        self.compute_slots = compute_slots
+        slot = threading.BoundedSemaphore(compute_slots) if compute_slots else None
         connect_main = main_connector(verify)
         places: list[tuple[str, int | None, LocalSource | None, int]] = (
             [(i, None, s, n) for n, (i, s) in enumerate(zip(local_device_ids(sources, prefix, device_id), sources))]
@@ -99,7 +111,8 @@ class Agent:
         self.devices = [
             Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
                    kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
-                   source=source, data_args=data_args, torch_device=torch_device, model_ref=model)
+                   source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
+                   compute_slot=slot)
             for name, shard, source, index in places
         ]
         self.errors: dict[str, BaseException] = {}

@@ -80,7 +80,8 @@ class Device:
                  kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
-                 torch_device: torch.device | None = None, model_ref: str | None = None) -> None:
+                 torch_device: torch.device | None = None, model_ref: str | None = None,
+                 compute_slot: threading.Semaphore | None = None) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -96,6 +97,8 @@ class Device:
         self.torch_device = torch_device or torch.device("cpu")
         #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
         self.model_ref = model_ref
+        #: Held during each training compute section (the agent's limit on devices computing at once).
+        self.compute_slot = compute_slot
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main
@@ -337,7 +340,9 @@ class Device:
     def _train_and_upload(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
         assert self.layout is not None and self.data is not None and self.info is not None
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
-        clock = RoundClock(self.kind, self.time_scale)
+        # Stretch CPU time where it measures the work (a CPU device, one torch thread; see RoundClock).
+        cpu_time = self.torch_device.type == "cpu" and torch.get_num_threads() == 1
+        clock = RoundClock(self.kind, self.time_scale, cpu_time=cpu_time)
         clock.transfer(task_bytes)
         train = task.train
         assert train is not None and task.round_id is not None and task.split_point is not None
@@ -358,6 +363,7 @@ class Device:
             model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
             train.batch_size, train.local_epochs, round_seed(self.info.seed, self.device_id if self.shard is None else self.shard, task.round_id), clock,
             send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
+            compute_slot=self.compute_slot,
         )
         portion = model.portion(0, task.split_point)
         if task.report:

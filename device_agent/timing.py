@@ -14,11 +14,22 @@ class RoundClock:
     Compute sections are stretched by ``kind.compute_stretch`` (sleeping the difference), and each
     message adds ``bytes / (rate * time_scale)`` seconds of emulated transfer. With ``kind=None``
     (a real device) nothing is added: the figures are what was measured.
+
+    ``cpu_time``: stretch the section's CPU time on the calling thread (``time.thread_time``)
+    instead of its wall time. An agent hosts many virtual devices on a few cores, so a section's
+    wall time includes waiting for the CPU behind the other devices (and other processes); a
+    wall-time stretch multiplies that waiting too (a Low device slept 9x its queueing), which made
+    emulated rounds slower the busier the machine was. The CPU time is the work itself: the
+    emulated device is ``stretch`` times slower than this CPU doing its work alone, and the
+    contention it really met is kept once, unstretched. Valid only where the section's work runs
+    on the calling thread: a CPU device with one torch thread (the testbed's setting); on a GPU, or
+    with more torch threads, the device uses wall time (``cpu_time=False``).
     """
 
-    def __init__(self, kind: EmulatedKind | None, time_scale: float = 1.0) -> None:
+    def __init__(self, kind: EmulatedKind | None, time_scale: float = 1.0, cpu_time: bool = False) -> None:
         self.kind = kind
         self.time_scale = time_scale
+        self.cpu_time = cpu_time
         self.started = time.monotonic()
         self.compute_s = 0.0
         self.transfer_s = 0.0
@@ -29,10 +40,12 @@ class RoundClock:
     def compute(self) -> Iterator[None]:
         """Time a compute section (forward, backward, optimizer step)."""
         t0 = time.monotonic()
+        cpu0 = time.thread_time() if self.cpu_time else 0.0
         yield
         measured = time.monotonic() - t0
         if self.kind is not None and self.kind.compute_stretch > 1.0:
-            extra = measured * (self.kind.compute_stretch - 1.0)
+            work = time.thread_time() - cpu0 if self.cpu_time else measured
+            extra = work * (self.kind.compute_stretch - 1.0)
             time.sleep(extra)
             measured += extra
         self.compute_s += measured

@@ -1,9 +1,11 @@
 """A device's local training for one round: split mode (through the Main Server) or whole model."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +65,7 @@ def train_round(
     logic: DeviceLogic | None = None,
     extras: Payload | None = None,
     deadline: float | None = None,
+    compute_slot: AbstractContextManager | None = None,
 ) -> LocalResult:
     """Train blocks[:split_point] of ``model`` in place for one round, on the device its trained
     blocks live on (``--torch-device``; the weights are copied there).
@@ -71,7 +74,10 @@ def train_round(
     Server and backpropagates the returned dfx; without it the device holds the whole model and
     trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
-    round is given up with :class:`TaskExpired`. ``extras`` are the task's validated
+    round is given up with :class:`TaskExpired`. ``compute_slot`` (the agent's semaphore, see
+    :class:`device_agent.agent.Agent`) is held during each compute section only, never while
+    waiting for the Main Server, so group members waiting for each other cannot deadlock; an
+    emulated kind's stretch sleeps after the slot is released. ``extras`` are the task's validated
     ``Algorithm.TaskExtras`` for ``logic.begin_round`` (none: the empty payload).
 
     The data set stays on the CPU and each batch is moved to the device after it is drawn, so
@@ -86,6 +92,7 @@ def train_round(
     data = logic.training_data(data)
     portion.train()
     optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    slot = compute_slot if compute_slot is not None else contextlib.nullcontext()
     losses: list[float] = []
     steps = 0
     for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
@@ -93,7 +100,7 @@ def train_round(
             raise TaskExpired(f"deadline passed after {steps} steps")
         x = x.to(device)  # no copy on the CPU
         if send_step is None:
-            with clock.compute():
+            with clock.compute(), slot:
                 loss = logic.loss(portion, x, y.to(device))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -101,12 +108,12 @@ def train_round(
                 synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
             losses.append(float(loss.detach()))
         else:
-            with clock.compute():
+            with clock.compute(), slot:
                 fx = portion(x)
                 synchronize(device)
             sent = fx.detach().half() if half_precision else fx.detach()
             dfx, loss_value = send_step(step, sent.cpu(), y)
-            with clock.compute():
+            with clock.compute(), slot:
                 optimizer.zero_grad(set_to_none=True)
                 fx.backward(dfx.to(device=fx.device, dtype=fx.dtype))
                 optimizer.step()

@@ -2,7 +2,8 @@
 
 A kind is ``"<flops>-<rate>"`` with each of ``low``, ``mid``, ``high`` (``"mid"`` alone means
 ``"mid-mid"``): nine kinds. Emulation stretches what is *measured*: compute sections sleep
-``(stretch - 1)`` times their measured duration, where ``stretch = server FLOPS / kind FLOPS``:
+``(stretch - 1)`` times their measured duration (CPU time on a CPU device, see
+``device_agent.timing.RoundClock``), where ``stretch = server FLOPS / kind FLOPS``:
 this machine plays the Main Server at the paper's 5e10 FLOP/s, so a High device runs 2.5x, a
 Mid one 5x and a Low one 10x slower than the real CPU, the paper's device-to-server ratios
 (with devices as fast as the server, server-side layers would look no cheaper than client

@@ -177,3 +177,19 @@ def test_a_device_that_held_nothing_out_reports_zero_samples_and_the_server_eval
     assert device.held_out is None and fed.registrations[0].num_samples == len(device.data)
     (report,) = fed.evaluations   # no weights needed: nothing to evaluate
     assert (report.num_samples, report.correct, report.loss_sum) == (0, 0, 0.0)
+
+
+def test_agent_compute_slots_are_one_semaphore_shared_by_its_devices():
+    """``compute_slots=N``: every device of the agent holds the same N-slot semaphore; the default
+    (0) sets no limit; a negative count is refused."""
+    from device_agent.agent import Agent
+
+    assert all(d.compute_slot is None for d in Agent("http://127.0.0.1:9", [0, 1], None).devices)
+    three = Agent("http://127.0.0.1:9", [0, 1, 2], None, compute_slots=3)
+    assert three.compute_slots == 3 and len({id(d.compute_slot) for d in three.devices}) == 1
+    slot = three.devices[0].compute_slot
+    for _ in range(3):
+        assert slot.acquire(blocking=False)
+    assert not slot.acquire(blocking=False)
+    with pytest.raises(ValueError, match="compute_slots"):
+        Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=-1)

@@ -253,6 +253,53 @@ def test_split_learning_through_group_trainer_equals_centralized(model):
         torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
+class _RecordingSlot:
+    """A compute slot that records when it is held (the agent passes a semaphore)."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.entries = 0
+
+    def __enter__(self) -> None:
+        assert not self.held
+        self.held, self.entries = True, self.entries + 1
+
+    def __exit__(self, *exc) -> None:
+        self.held = False
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_compute_slot_is_held_while_computing_and_never_while_waiting_for_the_server(model, split):
+    """The slot covers every compute section (two per step in split mode: forward, then backward
+    and the optimizer step) and is free while the step waits for the Main Server, so group members
+    waiting for each other cannot deadlock; the result is the same as without a slot."""
+    data = _separable(32, seed=4)
+    lr, bs, seed, k = 0.05, 8, 9, 2
+
+    def run(slot):
+        client = copy.deepcopy(model)
+        send_step = None
+        if split:
+            server = copy.deepcopy(model)
+            trainer = GroupTrainer(server, k, {kk: v.clone() for kk, v in server.portion(k, 4).state_dict().items()}, lr=lr)
+
+            def send_step(step, fx, labels):
+                assert slot is None or not slot.held
+                r = trainer.step([MemberBatch("dev", k, fx, labels)])["dev"]
+                return r.dfx, r.loss
+        blocks = k if split else len(client.blocks)
+        result = train_round(client, blocks, _weights(client, blocks), data, lr, 0.0, 0.0, bs, 1, seed,
+                             RoundClock(None), send_step, compute_slot=slot)
+        return client.portion(0, blocks).state_dict(), result
+
+    slot = _RecordingSlot()
+    with_slot, result = run(slot)
+    without, _ = run(None)
+    assert slot.entries == result.steps * (2 if split else 1) and not slot.held
+    for key, value in with_slot.items():
+        assert torch.equal(value, without[key]), key
+
+
 def test_half_precision_sends_float16(model):
     data = _separable(16, seed=2)
     _, send_step, _ = _fake_server(model, 2, 0.05)
@@ -318,10 +365,14 @@ class _FakeTime:
 
     def __init__(self) -> None:
         self.now = 100.0
+        self.cpu = 5.0   # the calling thread's CPU time (time.thread_time)
         self.slept: list[float] = []
 
     def monotonic(self) -> float:
         return self.now
+
+    def thread_time(self) -> float:
+        return self.cpu
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
@@ -365,6 +416,41 @@ def test_round_clock_real_device_does_not_stretch(fake_time):
     _timed_section(clock, fake_time, 0.03)
     _timed_section(clock, fake_time, 0.03)
     assert clock.compute_s == pytest.approx(0.06) and fake_time.slept == []
+
+
+def test_round_clock_cpu_time_stretches_the_work_not_the_wait(fake_time):
+    """With ``cpu_time`` the stretch multiplies the section's CPU time: 0.01 s of work that took
+    0.03 s of wall time (waiting for a core behind other devices) sleeps 9 x 0.01 s on a Low
+    device, and the wall time is counted once."""
+    low = parse_kind("low")
+    clock = RoundClock(low, cpu_time=True)
+    with clock.compute():
+        fake_time.now += 0.03
+        fake_time.cpu += 0.01
+    assert fake_time.slept == [pytest.approx(0.01 * (low.compute_stretch - 1))]
+    assert clock.compute_s == pytest.approx(0.03 + 0.01 * (low.compute_stretch - 1))
+    wall = RoundClock(low)   # the default: wall time, as on a GPU or with several torch threads
+    with wall.compute():
+        fake_time.now += 0.03
+        fake_time.cpu += 0.01
+    assert fake_time.slept[-1] == pytest.approx(0.03 * (low.compute_stretch - 1))
+
+
+def test_round_clock_cpu_time_measures_this_thread_for_real():
+    """Unfaked: a section that only sleeps does no work, so a CPU-time clock adds (almost) no
+    stretch, while a busy section is stretched by its CPU time."""
+    low = parse_kind("low")
+    clock = RoundClock(low, cpu_time=True)
+    t0 = time.monotonic()
+    with clock.compute():
+        time.sleep(0.05)
+    assert time.monotonic() - t0 < 0.05 * low.compute_stretch / 2
+    clock = RoundClock(low, cpu_time=True)
+    with clock.compute():
+        cpu0 = time.thread_time()
+        while time.thread_time() - cpu0 < 0.01:
+            pass
+    assert clock.compute_s >= 0.01 * low.compute_stretch * 0.98
 
 
 def test_round_clock_stretch_sleeps_for_real():

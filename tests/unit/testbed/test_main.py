@@ -39,6 +39,33 @@ def test_cli_counts_the_devices_of_device_data_paths(tmp_path, monkeypatch):
         cli.main([*args, "--device-data", paths[0], "--devices", "5"])
     assert seen["num_devices"] == 5
 
+def _config_of(argv: list[str], tmp_path, monkeypatch):
+    """The run configuration ``python -m testbed ARGV`` would start (the testbed is not started)."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_testbed(config, run_dir, **kwargs):
+        seen["config"] = config
+        raise Stop
+
+    monkeypatch.setattr(cli, "Testbed", fake_testbed)
+    with pytest.raises(Stop):
+        cli.main([*argv, "--run-dir", str(tmp_path / "run")])
+    return seen["config"]
+
+
+def test_paper_scale_is_one_flag_and_other_flags_win(tmp_path, monkeypatch):
+    default = _config_of([], tmp_path, monkeypatch)
+    assert (default.algorithm, default.data.num_devices, default.per_round, default.rounds) == ("s2fl", 10, 10, 20)
+    paper = _config_of(["--paper-scale"], tmp_path, monkeypatch)
+    assert (paper.data.num_devices, paper.per_round, paper.rounds) == (100, 10, 30)
+    assert paper.devices.profiles == default.devices.profiles   # the same emulated 5:3:2 mix
+    mixed = _config_of(["--paper-scale", "--rounds", "5", "--set", "devices_per_round=20"], tmp_path, monkeypatch)
+    assert (mixed.data.num_devices, mixed.per_round, mixed.rounds) == (100, 20, 5)
+
+
 STATUS = {"rounds_total": 2}
 
 
