@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from shared.config import DeviceMixConfig, env_default
-from shared.service import add_common_args, configure_process, parse_service_args
+from shared.service import add_common_args, configure_process, interrupt_on_sigterm, parse_service_args
 
 KEEP_MODELS = {"auto": None, "yes": True, "no": False}
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
+    interrupt_on_sigterm()   # SIGTERM (docker stop, a pod's end) stops the devices like Ctrl-C
     from device_agent.agent import Agent, local_device_ids, parse_data_args, parse_shards
     from shared.data.local import data_sources
     from shared.profiles import parse_kind

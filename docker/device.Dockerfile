@@ -54,9 +54,10 @@ WORKDIR /home/sfl
 # Only outbound calls; 9100 is the optional metrics port (--metrics-port 9100 --metrics-host 0.0.0.0).
 EXPOSE 9100
 
-# Python as PID 1 ignores SIGTERM (no handler is installed for it), so `docker stop` waited 10 s and
-# killed the agent (found by make compose-check). SIGINT is the agent's own stop (KeyboardInterrupt:
-# its devices stop, it exits), so a stop takes about a second.
+# Python as PID 1 ignored SIGTERM, so `docker stop` waited 10 s and killed the agent (found by make
+# compose-check). The agent now handles SIGTERM like Ctrl-C (shared/service.py interrupt_on_sigterm,
+# which also covers Kubernetes, where STOPSIGNAL is ignored); SIGINT stays the image's stop signal,
+# the agent's own stop, which the compose check exercised.
 STOPSIGNAL SIGINT
 ENTRYPOINT ["python", "-m", "device_agent"]
 CMD ["--help"]

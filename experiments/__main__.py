@@ -12,7 +12,7 @@ from experiments.results import load_results
 from experiments.runner import is_finished, run_grid
 from experiments.spec import load_spec
 from shared.run_config import ConfigError, exit_on_config_error
-from testbed.processes import interrupt_on_sigterm
+from shared.service import interrupt_on_sigterm
 
 
 def main(argv: list[str] | None = None) -> None:

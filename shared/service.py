@@ -5,6 +5,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 from typing import TYPE_CHECKING
 
 from shared.config import env_default
@@ -102,3 +103,15 @@ def positive_seconds(value: str | float) -> float:
     if not (math.isfinite(seconds) and seconds > 0):
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
     return seconds
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``, ``docker stop``, a Kubernetes pod's end) raise
+    KeyboardInterrupt in the main thread, so a process stops the way Ctrl-C stops it: the testbed's
+    ``with Testbed(...)`` blocks stop their services instead of orphaning them, and a device agent
+    stops its devices and exits instead of being killed at the end of the grace period (Python
+    running as a container's PID 1 otherwise ignores SIGTERM)."""
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)

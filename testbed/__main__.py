@@ -10,7 +10,7 @@ from shared.algorithms.registry import ALGORITHMS
 from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 from shared.models.zoo import MODEL_NAMES
 from shared.torch_device import TORCH_DEVICE_CHOICES, torch_device_flag
-from testbed.processes import interrupt_on_sigterm
+from shared.service import interrupt_on_sigterm
 from testbed.runner import Testbed, TestbedError
 
 

@@ -158,12 +158,3 @@ def split_evenly(items: Sequence[int], parts: int) -> list[list[int]]:
         out.append(list(items[start:end]))
         start = end
     return [c for c in out if c]
-
-
-def interrupt_on_sigterm() -> None:
-    """Make SIGTERM (``kill``, ``timeout``) raise KeyboardInterrupt in the main thread, so the
-    ``with Testbed(...)`` blocks unwind and stop their services instead of orphaning them."""
-    def _interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)
