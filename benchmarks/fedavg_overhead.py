@@ -32,8 +32,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from benchmarks.network_overhead import max_abs_diff
 from device_agent.device import round_seed
 from device_agent.timing import RoundClock

@@ -278,7 +278,6 @@ def test_compute_slot_is_held_while_computing_and_never_while_waiting_for_the_se
 
     def run(slot):
         client = copy.deepcopy(model)
-        send_step = None
         if split:
             server = copy.deepcopy(model)
             trainer = GroupTrainer(server, k, {kk: v.clone() for kk, v in server.portion(k, 4).state_dict().items()}, lr=lr)
@@ -287,6 +286,8 @@ def test_compute_slot_is_held_while_computing_and_never_while_waiting_for_the_se
                 assert slot is None or not slot.held
                 r = trainer.step([MemberBatch("dev", k, fx, labels)])["dev"]
                 return r.dfx, r.loss
+        else:
+            send_step = None
         blocks = k if split else len(client.blocks)
         result = train_round(client, blocks, _weights(client, blocks), data, lr, 0.0, 0.0, bs, 1, seed,
                              RoundClock(None), send_step, compute_slot=slot)
