@@ -43,6 +43,10 @@ IMAGE_TAG=localhost/s2fl-device:arm64
 VENV=/opt/s2fl-venv          # the measured install, inside the root
 SRC=/opt/s2fl-src            # this repository's files, copied into the root
 ROOT_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# Explicit, low limits for `podman run`: on hosts where runc may not raise a container's rlimits to
+# podman's defaults (runc fails with "error setting rlimit type 7: operation not permitted"); one
+# agent needs far fewer files and processes than these.
+read -r -a RUN_LIMITS <<<"${SFL_PODMAN_RUN_LIMITS:---ulimit nofile=1024:1024 --ulimit nproc=1024:1024}"
 
 log() { echo "[arm64_check] $*" >&2; }
 figure() { echo "$1=$2"; }
@@ -54,12 +58,15 @@ in_root() {
         PIP_ROOT_USER_ACTION=ignore PIP_CERT=/etc/ssl/certs/ca-certificates.crt chroot "$ROOT" "$@"
 }
 
+# /proc and /sys as on a board (torch's cpuinfo reads /sys/devices/system/cpu).
 mount_proc() {
     mountpoint -q "$ROOT/proc" || mount -t proc proc "$ROOT/proc"
+    mountpoint -q "$ROOT/sys" || mount -t sysfs sysfs "$ROOT/sys"
 }
 
 umount_proc() {
     if mountpoint -q "$ROOT/proc"; then umount "$ROOT/proc"; fi
+    if mountpoint -q "$ROOT/sys"; then umount "$ROOT/sys"; fi
 }
 
 step_root() {
@@ -117,7 +124,7 @@ free_port() {
 # Waits up to $2 seconds for $1/healthz to answer 200.
 wait_healthy() {
     local deadline=$((SECONDS + $2))
-    until curl -fsS -o /dev/null "$1/healthz"; do
+    until curl -fs -o /dev/null "$1/healthz"; do
         [ $SECONDS -lt "$deadline" ] || { log "$1 not healthy after $2 s"; return 1; }
         sleep 0.5
     done
@@ -177,7 +184,7 @@ chroot_agent() {
 }
 
 image_agent() {
-    podman run --rm --arch arm64 --network host --entrypoint python "$IMAGE_TAG" -c "$MEASURE" "$2" \
+    podman run --rm --arch arm64 "${RUN_LIMITS[@]}" --network host --entrypoint python "$IMAGE_TAG" -c "$MEASURE" "$2" \
         python -m device_agent --fed-server-url "$1" --shards 0 --threads 1
 }
 
@@ -197,7 +204,7 @@ step_image() {
     # packages.
     [ -x "$ROOT/opt/venv/bin/python" ] || in_root python3 -m venv /opt/venv
     log "importing the root as $BASE_TAG"
-    tar -C "$ROOT" --exclude=".$VENV" --exclude=".$SRC" --exclude='./proc/*' \
+    tar -C "$ROOT" --exclude=".$VENV" --exclude=".$SRC" --exclude='./proc/*' --exclude='./sys/*' \
         --exclude='./var/cache/apt/archives/*.deb' --exclude='./var/lib/apt/lists/*' -cf - . \
         | podman import --arch arm64 --change "ENV PATH=/opt/venv/bin:$ROOT_PATH" \
             --change "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt" --change 'CMD ["python3"]' \
@@ -210,7 +217,9 @@ step_image() {
         -t "$IMAGE_TAG" "$REPO" >&2
     figure image_build_s $((SECONDS - start))
     figure image_mib $(( $(podman image inspect --format '{{.Size}}' "$IMAGE_TAG") / 1048576 ))
-    figure image_help "$(podman run --rm --arch arm64 "$IMAGE_TAG" --help | head -1)"
+    local help
+    help=$(podman run --rm --arch arm64 "${RUN_LIMITS[@]}" "$IMAGE_TAG" --help)
+    figure image_help "$(head -1 <<<"$help")"
 }
 
 steps=("$@")
