@@ -30,6 +30,8 @@
 #
 # Needs root, debootstrap, qemu-user-static, binfmt-support, podman (image steps), and on the host
 # a Python with this repository's `server` extra ($SFL_HOST_PYTHON, default python3).
+# Settings (environment): SFL_ARM64_WORK (default /var/tmp/sfl-arm64: the root, run logs),
+# SFL_ARM64_SUITE (bookworm), SFL_ARM64_MIRROR (deb.debian.org), SFL_PODMAN_RUN_LIMITS (below).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
