@@ -4,7 +4,7 @@ PyPI's Linux aarch64 torch wheel is a CUDA 13 build from 2.11.0 on: the 2.13.0 w
 and pulls the nvidia-* packages (a 4.7 GB environment, too much for a 1-2 GB board), while
 2.10.0's is 139 MiB and has no CUDA dependency (PyPI's file list; installed and checked under qemu
 by deploy/edge/arm64_check.sh, docs/deployment.md). These checks are static: they read
-pyproject.toml and the device Dockerfile, and fail if aarch64 would get a release with CUDA.
+pyproject.toml and the Dockerfiles, and fail if aarch64 would get a release with CUDA.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def torch_pin(machine: str) -> Version:
     return Version(spec.version)
 
 
-def device_dockerfile_torch(arch: str) -> str:
-    """The command docker/device.Dockerfile installs torch with for TARGETARCH ``arch`` (amd64 or
+def dockerfile_torch(dockerfile: str, arch: str) -> str:
+    """The command docker/``dockerfile`` installs torch with for TARGETARCH ``arch`` (amd64 or
     another), its ARG defaults substituted."""
-    text = (ROOT / "docker" / "device.Dockerfile").read_text()
+    text = (ROOT / "docker" / dockerfile).read_text()
     args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, re.M))
     block = re.search(r'^RUN if \[ "\$\{TARGETARCH:-amd64\}" = "amd64" \]; then(.*?)\bfi\b', text, re.M | re.S)
     assert block, "the torch install branches on TARGETARCH"
@@ -59,8 +59,9 @@ def test_aarch64_pin_is_a_release_whose_pypi_wheel_has_no_cuda():
     assert torch_pin("aarch64") < FIRST_CUDA_AARCH64_ON_PYPI
 
 
-def test_device_image_arm64_installs_the_aarch64_pin_from_pypi():
-    command = device_dockerfile_torch("arm64")
+@pytest.mark.parametrize("dockerfile", ["device.Dockerfile", "server.Dockerfile"])
+def test_image_arm64_installs_the_aarch64_pin_from_pypi(dockerfile):
+    command = dockerfile_torch(dockerfile, "arm64")
     assert f'torch=={torch_pin("aarch64")}"' in command, command
     # PyPI only: a CUDA index (download.pytorch.org/whl/cu*) or any other index is not allowed here.
     assert "--index-url" not in command and "--extra-index-url" not in command, command
