@@ -17,13 +17,16 @@
 #   image-round  the round above with the agent in that image (podman run --network host).
 #   host-round   the round above with the agent on this host, natively ($SFL_HOST_PYTHON): the
 #                reference for the emulated figures (not part of the default five).
+#   unit-tests   adds pytest to the venv (after `venv` measured it) and runs the unit tests of the
+#                device agent, the wire format and the models in the root, on its torch (about 15
+#                minutes emulated; not part of the default five).
 #
 # Output: one `key=value` line per figure on stdout (progress and the tools' output go to stderr):
 #   root_arch, venv_mib (du -sm of the venv), venv_install_s, torch_version, torch_cuda (torch.version.cuda),
 #   cuda_available, nvidia_packages (number of installed distributions named nvidia-*),
 #   <agent>_exit, <agent>_wall_s, <agent>_peak_rss_mib (agent = chroot_agent, image_agent, host_agent),
 #   <agent>_run_state, <agent>_rounds_done, <agent>_test_accuracy, image_build_s, image_mib,
-#   image_help (the first line of the entrypoint's --help).
+#   image_help (the first line of the entrypoint's --help), unit_tests (pytest's last line), unit_tests_exit.
 # Peak RSS is the agent process's ru_maxrss (getrusage of a waiting parent). Under qemu-user that is
 # the emulator's resident set: the arm64 program's memory plus qemu's translated code, so an upper
 # bound of what the agent takes on a board. Wall times are emulated (10-50x slower than a board).
@@ -195,6 +198,20 @@ host_agent() {
     PYTHONPATH=$REPO "$HOST_PY" -c "$MEASURE" "$2" "$HOST_PY" -m device_agent --fed-server-url "$1" --shards 0 --threads 1
 }
 
+step_unit_tests() {
+    copy_source
+    mount_proc
+    in_root "$VENV/bin/pip" install --no-cache-dir pytest >&2
+    local code=0 out
+    out=$(in_root sh -c "cd $SRC && PYTHONPATH=$SRC $VENV/bin/python -m pytest -q -p no:cacheprovider tests/unit/device_agent \
+        tests/unit/shared/test_wire.py tests/unit/shared/test_wire_fast_paths.py tests/unit/shared/test_models.py") \
+        || code=$?
+    umount_proc
+    echo "$out" >&2
+    figure unit_tests "$(tail -1 <<<"$out")"
+    figure unit_tests_exit "$code"
+}
+
 step_round() { one_round chroot_agent chroot_agent; }
 step_host_round() { one_round host_agent host_agent; }
 step_image_round() { one_round image_agent image_agent; }
@@ -234,6 +251,7 @@ for step in "${steps[@]}"; do
         image) step_image ;;
         image-round) step_image_round ;;
         host-round) step_host_round ;;
-        *) echo "unknown step $step (root, venv, round, image, image-round, host-round)" >&2; exit 2 ;;
+        unit-tests) step_unit_tests ;;
+        *) echo "unknown step $step (root, venv, round, image, image-round, host-round, unit-tests)" >&2; exit 2 ;;
     esac
 done
