@@ -6,7 +6,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-# Set by buildx per platform. On amd64 PyPI's torch is the CUDA build (gigabytes), so the CPU index
+# Set by buildx per platform; podman 4.3 does not set it from --arch, so a podman arm64 build passes
+# --build-arg TARGETARCH=arm64 (deploy/edge/arm64_check.sh does). On amd64 PyPI's torch is the CUDA build (gigabytes), so the CPU index
 # is used. On arm64 PyPI's torch is a CUDA 13 build too from 2.11.0 on (2.13.0 pulls the nvidia-*
 # packages, 4.7 GB installed), so arm64 takes 2.10.0, the newest PyPI aarch64 wheel without CUDA
 # and the version pyproject.toml pins for aarch64 (a different one would be replaced by
