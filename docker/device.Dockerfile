@@ -9,10 +9,16 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-# Set by buildx per platform. On amd64 PyPI's torch is the CUDA build (gigabytes), so the CPU index
-# is used; PyPI's arm64 Linux wheel carries no CUDA and is taken from PyPI.
+# Set by buildx per platform; podman 4.3 does not set it from --arch, so a podman arm64 build passes
+# --build-arg TARGETARCH=arm64 (deploy/edge/arm64_check.sh does). On amd64 PyPI's torch is the CUDA build (gigabytes), so the CPU index
+# is used. On arm64 PyPI's torch is a CUDA 13 build too from 2.11.0 on (2.13.0 pulls the nvidia-*
+# packages, 4.7 GB installed), so arm64 takes 2.10.0, the newest PyPI aarch64 wheel without CUDA
+# and the version pyproject.toml pins for aarch64 (a different one would be replaced by
+# `pip install .`). Measured under qemu (deploy/edge/arm64_check.sh, docs/deployment.md): torch
+# 2.10.0 without any nvidia-* package; the image's size is in docs/deployment.md.
 ARG TARGETARCH
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_VERSION_ARM64=2.10.0
 ARG TORCH_INDEX_AMD64=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -32,7 +38,7 @@ RUN python3 -m venv "$VIRTUAL_ENV"
 RUN if [ "${TARGETARCH:-amd64}" = "amd64" ]; then \
         pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_AMD64}"; \
     else \
-        pip install "torch==${TORCH_VERSION}"; \
+        pip install "torch==${TORCH_VERSION_ARM64}"; \
     fi
 
 # `pip install .` = torch, numpy, msgpack, pydantic, httpx, pyyaml, prometheus-client; the

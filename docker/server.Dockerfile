@@ -10,8 +10,10 @@ FROM ${BASE_IMAGE}
 
 ARG TARGETARCH
 # torch comes from the CPU index on x86_64: PyPI's x86_64 Linux wheel pulls the CUDA build
-# (gigabytes). PyPI's arm64 Linux wheel has no CUDA.
+# (gigabytes). PyPI's arm64 Linux wheel is a CUDA 13 build too from 2.11.0 on, so arm64 takes
+# 2.10.0, the newest one without CUDA and the version pyproject.toml pins for aarch64.
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_VERSION_ARM64=2.10.0
 ARG TORCH_INDEX_AMD64=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -30,7 +32,7 @@ RUN python3 -m venv "$VIRTUAL_ENV"
 RUN if [ "${TARGETARCH:-amd64}" = "amd64" ]; then \
         pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_AMD64}"; \
     else \
-        pip install "torch==${TORCH_VERSION}"; \
+        pip install "torch==${TORCH_VERSION_ARM64}"; \
     fi
 
 # The project with the servers' extras (fastapi, uvicorn). The CPU torch installed above already
