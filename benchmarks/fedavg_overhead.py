@@ -1,9 +1,10 @@
 """(f) FedAvg through the services beside the same math in one process, and beside the 2-core limit.
 
-Services: the real testbed (Fed Server, Main Server, one device agent hosting every device, each
-its own process on loopback, one torch thread each) with real devices (``devices.profiles=[]``).
-FedAvg trains the whole model on the device, so the Main Server only idles: the figure is the
-cost of the deployment shape for the simplest algorithm (issue 16's first goal).
+Services: the real testbed (Fed Server and one device agent hosting every device, each its own
+process on loopback, one torch thread each) with real devices (``devices.profiles=[]``). FedAvg
+trains the whole model on the device and never calls a Main Server, so the testbed starts none
+(until 2026-11-24 it started an idle one, 269 MiB of PSS): the figure is the cost of the
+deployment shape for the simplest algorithm (issue 16's first goal).
 
 In-process: the same rounds in this process on one thread: every device of a round trains the
 whole model from the global weights with ``device_agent.trainer.train_round`` (the agent's own
@@ -17,7 +18,7 @@ reach if the devices' compute spread perfectly over both cores and everything el
 Memory: the whole testbed's proportional set size (PSS: shared pages split between the processes
 that map them, so shared libraries count once in the sum) is the sum of ``Pss`` from
 ``/proc/<pid>/smaps_rollup`` over the launcher (this process, standing in for ``python -m
-testbed``), the Fed Server, the Main Server and the agent, sampled together every second; the
+testbed``), the Fed Server and the agent, sampled together every second; the
 peak of that sum is the figure. The peak of the summed RSS is reported beside it.
 """
 from __future__ import annotations
@@ -164,9 +165,8 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
         sampler: PssSampler | None = None
         try:
             testbed.start()
-            assert testbed.fed is not None and testbed.main is not None
-            pids = {"launcher": os.getpid(), "fed_server": testbed.fed.process.pid,
-                    "main_server": testbed.main.process.pid}
+            assert testbed.fed is not None and testbed.main is None   # FedAvg: no Main Server is started
+            pids = {"launcher": os.getpid(), "fed_server": testbed.fed.process.pid}
             for service in testbed.agent_services:
                 pids[f"device_agent ({config.data.num_devices} devices)"] = service.process.pid
             sampler = PssSampler(pids).start()
@@ -309,5 +309,5 @@ def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = No
         "max_abs_weight_diff_final_model": max_abs_diff(services["final_state"], inproc["final_state"]),
         "memory": {**services["memory"], "goal_pss_sum_mib": round(GOAL_PSS_MIB, 1),
                    "source": "sum of Pss (and of Rss) in /proc/<pid>/smaps_rollup over the launcher, the Fed "
-                             "Server, the Main Server and the agent, sampled together every second"},
+                             "Server and the agent, sampled together every second"},
     }

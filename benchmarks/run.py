@@ -102,7 +102,7 @@ def report(results: dict) -> str:
             ["critical path (longest device, evaluation)", f"{f['critical_path_round_s']:.2f}",
              f"{f['ratio_services_over_critical_path']:.2f}x", ""]]))
         if f.get("ratio_cpu_services_over_in_process"):
-            out.append(f"CPU seconds per round: services (Fed Server, Main Server, agent) {f['services_cpu_s_per_round']:.2f}, in-process "
+            out.append(f"CPU seconds per round: services (every process) {f['services_cpu_s_per_round']:.2f}, in-process "
                        f"{f['in_process_cpu_s_per_round']:.2f}, ratio {f['ratio_cpu_services_over_in_process']:.2f}x; "
                        "per process " + ", ".join(f"{k} {v:.2f}" for k, v in f["services_cpu_s_per_round_per_process"].items()))
         out.append(f"final accuracy: services {100 * f['services_final_accuracy']:.2f}%, in-process "

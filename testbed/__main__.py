@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config value, e.g. --set data.alpha=0.1 --set train.lr=0.02 (repeatable)")
     parser.add_argument("--agents", type=int, default=1, help="device agent processes hosting the devices (default 1)")
-    parser.add_argument("--main-servers", type=int, default=1,
-                        help="Main Server processes (replicas) the round's groups are spread over (default 1)")
+    parser.add_argument("--main-servers", type=int, default=None,
+                        help="Main Server processes (replicas) the round's groups are spread over (default 1; none for "
+                             "a split-depth-zero algorithm such as fedavg, which never calls it)")
     parser.add_argument("--device-data", action="append", default=[], metavar="PATH",
                         help="for a run with data.dataset: local, one device agent started with --data PATH (repeatable; "
                              "docs/data.md); data.num_devices defaults to the number of devices these paths make")
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
                           torch_device=str(args.torch_device) if args.torch_device else None,
                           main_servers=args.main_servers)
         with testbed:
-            print(f"fed server {testbed.fed_url}, main server {', '.join(testbed.main_urls)}; waiting for devices ...",
+            mains = ", ".join(testbed.main_urls) or "none (split depth zero)"
+            print(f"fed server {testbed.fed_url}, main server {mains}; waiting for devices ...",
                   flush=True)
             status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout)
     except (TestbedError, TimeoutError, RuntimeError) as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from shared.algorithms.registry import build_algorithm
 from shared.models.loading import is_import_path
 from shared.config import RunConfig
 from shared.http_client import tls_context
@@ -41,9 +42,11 @@ class Testbed:
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
                  log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
                  device_data: list[str] | None = None, torch_device: str | None = None,
-                 main_servers: int = 1) -> None:
+                 main_servers: int | None = None) -> None:
         """``main_servers``: Main Server processes (replicas); the Fed Server gets every URL
-        (docs/deployment.md, "Main Server replicas"). ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
+        (docs/deployment.md, "Main Server replicas"). None: one when the algorithm uses the Main
+        Server, none for a split-depth-zero algorithm (FedAvg, FedBC, ...), which never calls it
+        (an idle one held 269 MiB of the FedAvg testbed's 1759 MiB PSS, benchmarks/README.md). ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
         ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
         self.config = config
@@ -62,13 +65,17 @@ class Testbed:
         scheme = "https" if tls else "http"
         self.fed_port = free_port(host)
         ports = [self.fed_port]
-        while len(ports) < 1 + max(1, main_servers):   # the OS may hand out the same free port twice
+        if main_servers is None:
+            main_servers = 0 if build_algorithm(config).split_mode() == "zero" else 1
+        while len(ports) < 1 + main_servers:   # the OS may hand out the same free port twice
             port = free_port(host)
             if port not in ports:
                 ports.append(port)
         self.fed_url = f"{scheme}://{host}:{self.fed_port}"
         self.main_urls = [f"{scheme}://{host}:{port}" for port in ports[1:]]
-        self.main_port, self.main_url = ports[1], self.main_urls[0]   # the first replica (the only one by default)
+        # The first replica (the only one by default); None without a Main Server.
+        self.main_port: int | None = ports[1] if main_servers else None
+        self.main_url: str | None = self.main_urls[0] if main_servers else None
         # Fresh secrets per run, handed to the children as owner-only files (never on a command
         # line or in their environment, where `ps eww` would show them; see SecretFiles).
         self.secrets = {"service": secrets.token_hex(32), "enrolment": secrets.token_hex(16)} if auth else {}
@@ -99,7 +106,7 @@ class Testbed:
         self.mains = [self.processes.start("main_server" if i == 0 else f"main_server-{i}", "main_server", [
             "--host", self.host, "--port", url.rsplit(":", 1)[1], "--fed-server-url", self.fed_url, *common,
             *self._model_args(), *self._secret_args("service")]) for i, url in enumerate(self.main_urls)]
-        self.main = self.mains[0]
+        self.main = self.mains[0] if self.mains else None
         wait_healthy(self.fed_url, self.fed, verify=self.verify)
         for url, main in zip(self.main_urls, self.mains):
             wait_healthy(url, main, verify=self.verify)

@@ -78,3 +78,14 @@ def test_device_data_agents_of_real_devices_get_no_kinds(tmp_path):
     testbed.start_agent("agent-1", data="b.npz", index=1)
     args = started[0]
     assert args[args.index("--data") + 1] == "b.npz" and args[args.index("--kinds") + 1] == ""
+
+
+@pytest.mark.parametrize("algorithm, expected", [("fedavg", 0), ("fedbc", 0), ("s2fl", 1), ("sfl", 1)])
+def test_main_servers_default_to_none_for_split_depth_zero(tmp_path, algorithm, expected):
+    """A split-depth-zero algorithm never calls a Main Server, so the testbed starts none unless
+    asked; a split algorithm gets one; an explicit count is kept."""
+    config = RunConfig(algorithm=algorithm)
+    default = Testbed(config, tmp_path / "a")
+    assert len(default.main_urls) == expected
+    assert (default.main_url is None) == (expected == 0)
+    assert len(Testbed(config, tmp_path / "b", main_servers=2).main_urls) == 2
