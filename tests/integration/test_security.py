@@ -80,7 +80,11 @@ def test_full_run_over_https_with_authentication(tmp_path):
 
 @pytest.fixture(scope="module")
 def servers():
-    config = small_config(**{"data.num_devices": 2, "data.max_samples": 200, "rounds": 1})
+    # The Fed Server must not start rounds while these tests post their own plan (round 99) to
+    # its Main Server: each of its attempts would replace that plan there. Four shards with two
+    # ever registered, and a registration deadline past the module, keep it waiting.
+    config = small_config(**{"data.num_devices": 4, "data.max_samples": 200, "rounds": 1,
+                             "deadlines.registration_s": 3600})
     with server_pair(config, "auth", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
                      main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:
         yield pair.fed_url, pair.main_url
@@ -148,7 +152,11 @@ def test_device_calls_need_their_own_current_token(servers):
 def test_a_token_from_another_run_is_refused(servers):
     """Two runs under the same service secret: a device's token of one run is worthless in the other."""
     fed_url, _ = servers
-    config = small_config(**{"data.num_devices": 2, "data.max_samples": 200, "rounds": 1})
+    # The Fed Server must not start rounds while these tests post their own plan (round 99) to
+    # its Main Server: each of its attempts would replace that plan there. Four shards with two
+    # ever registered, and a registration deadline past the module, keep it waiting.
+    config = small_config(**{"data.num_devices": 4, "data.max_samples": 200, "rounds": 1,
+                             "deadlines.registration_s": 3600})
     with server_pair(config, "auth2", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
                      main_env={"SFL_SERVICE_SECRET": SERVICE}) as other_run:
         foreign = _token(_register(other_run.fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
@@ -174,7 +182,7 @@ def test_server_to_server_calls_need_the_service_token(servers):
     fed_url, main_url = servers
     auth = Auth(SERVICE.encode())
     plan = _plan()
-    before = httpx.get(f"{main_url}/v1/status").json()["round"]  # the Fed Server's own round 1, if it started
+    before = httpx.get(f"{main_url}/v1/status").json()["round"]  # none: the Fed Server starts no round here
     assert _post(f"{main_url}/v1/rounds", plan).status_code == 401
     assert _post(f"{main_url}/v1/rounds", plan, _bearer(auth.device_token("r", "dev-a", NONCES["dev-a"]))).status_code == 401
     assert httpx.get(f"{main_url}/v1/status").json()["round"] == before
