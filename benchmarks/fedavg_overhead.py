@@ -33,11 +33,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.network_overhead import max_abs_diff
+from benchmarks.network_overhead import clean_run_results, max_abs_diff
 from device_agent.device import round_seed
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
-from fed_server.run_dir import RunDirectory
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
@@ -181,14 +180,9 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
         finally:
             memory = sampler.stop() if sampler is not None else {}
             testbed.stop()
-        finished_run = RunDirectory(run_dir)
-        records = finished_run.read_metrics()
-        _, final_state, _ = finished_run.read_checkpoint()
+        ok, final_state = clean_run_results(run_dir, config.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ok = [r for r in records if r["status"] == "ok"]
-    if len(ok) != config.rounds or any(r["dropped"] for r in ok):
-        raise RuntimeError(f"the services run was not clean: {[(r['round'], r['status'], r['dropped']) for r in records]}")
     # CPU seconds of the whole testbed per round, from round 1's record to the last one (start-up,
     # imports and round 1's cold start left out); the status polls see rounds up to 0.5 s late,
     # which moves work between neighbouring rounds but not out of the total.

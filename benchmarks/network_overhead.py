@@ -52,6 +52,19 @@ from shared.portions import portion_state
 from testbed.runner import Testbed
 
 
+
+def clean_run_results(run_dir: Path, rounds: int) -> tuple[list[dict], dict]:
+    """The round records and final model of a finished services run, for a comparison with the
+    in-process run; RuntimeError unless all ``rounds`` succeeded with no device dropped (a figure
+    of a run that lost devices would compare different math)."""
+    finished_run = RunDirectory(run_dir)
+    records = finished_run.read_metrics()
+    _, final_state, _ = finished_run.read_checkpoint()
+    ok = [r for r in records if r["status"] == "ok"]
+    if len(ok) != rounds or any(r["dropped"] for r in ok):
+        raise RuntimeError(f"the services run was not clean: {[(r['round'], r['status'], r['dropped']) for r in records]}")
+    return ok, final_state
+
 def bench_config(quick: bool) -> RunConfig:
     """S2FL on the embedded MNIST subset with real (non-emulated) devices."""
     if quick:
@@ -99,14 +112,9 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
             if sampler is not None:
                 peak = sampler.stop()
             testbed.stop()
-        finished_run = RunDirectory(run_dir)
-        records = finished_run.read_metrics()
-        _, final_state, _ = finished_run.read_checkpoint()
+        ok, final_state = clean_run_results(run_dir, config.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ok = [r for r in records if r["status"] == "ok"]
-    if len(ok) != config.rounds or any(r["dropped"] for r in ok):
-        raise RuntimeError(f"the services run was not clean: {[(r['round'], r['status'], r['dropped']) for r in records]}")
     return {
         "records": ok,
         "final_state": final_state,
