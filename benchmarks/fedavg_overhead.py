@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.network_overhead import clean_run_results, max_abs_diff
+from benchmarks.network_overhead import clean_run_results, max_abs_diff, round_periods
 from device_agent.device import round_seed
 from device_agent.timing import RoundClock
 from device_agent.trainer import train_round
@@ -262,7 +262,7 @@ def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = No
         f"{config.data.max_samples or 'all'} samples, real devices (no emulation), {cores} usable cores")
     services = run_services(config, log)
     inproc = run_in_process(config, services["records"], log)
-    svc_times = [r["round_time_s"] for r in services["records"]]
+    svc_times = round_periods(services["records"])
     svc_median, inp_median = statistics.median(svc_times), statistics.median(inproc["round_times_s"])
     limit = inp_median / cores
     critical = statistics.median(critical_path_round_s(t, s, cores)

@@ -29,8 +29,9 @@ class FedApi(Protocol):
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Enrol the device; the client presents the answer's token on every later call."""
 
-    def task(self, device_id: str, final_weights: bool) -> tuple[TaskResponse, int]:
-        """The device's next instruction and the size of the answer in bytes (for transfer timing)."""
+    def task(self, device_id: str, final_weights: bool, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
+        """The device's next instruction and the size of the answer in bytes (for transfer timing);
+        with ``wait_s``, the server may hold a ``wait`` answer that long for work to arrive."""
 
     def report(self, req: ReportRequest) -> None:
         """Two-phase algorithms: the post-training report."""

@@ -60,11 +60,15 @@ class HttpFedClient:
         self._http.set_token(answer.token)
         return answer
 
-    def task(self, device_id: str, final_weights: bool) -> tuple[TaskResponse, int]:
+    def task(self, device_id: str, final_weights: bool, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         before = self._http.bytes.down
-        params = None if final_weights else {"final_weights": "false"}
+        params: dict[str, str] = {} if final_weights else {"final_weights": "false"}
+        if wait_s > 0:
+            params["wait_s"] = f"{wait_s:g}"
         with _translated():
-            task = self._http.call("GET", f"{API}/devices/{device_id}/task", TaskResponse, params=params)
+            # The read may last the whole wait: the timeout covers it plus the usual allowance.
+            task = self._http.call("GET", f"{API}/devices/{device_id}/task", TaskResponse, params=params or None,
+                                   timeout=wait_s + 60.0 if wait_s > 0 else None)
         return task, self._http.bytes.down - before
 
     def report(self, req: ReportRequest) -> None:

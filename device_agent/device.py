@@ -1,4 +1,4 @@
-"""One (possibly virtual) device: registers, polls for tasks, trains, uploads. Only calls out.
+"""One (possibly virtual) device: registers, asks for tasks, trains, uploads. Only calls out.
 
 The runner here knows nothing of HTTP: it talks to the two servers through the typed interfaces
 of :mod:`device_agent.api` (HTTP implementations in :mod:`device_agent.clients`).
@@ -38,6 +38,10 @@ log = logging.getLogger("device_agent")
 
 #: Seconds a task without a deadline_s may take (the Fed Server's default round deadline).
 TASK_DEADLINE_DEFAULT_S = 300.0
+
+#: How long a device's task request may wait at the Fed Server for work (long-poll): the task
+#: arrives when the round opens, and an idle device asks about six times a minute.
+TASK_WAIT_S = 10.0
 
 # First-use costs (lazy imports, allocator, kernel selection) are per process, so one warm-up
 # per model architecture serves every device of an agent.
@@ -81,7 +85,7 @@ class Device:
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None, model_ref: str | None = None,
-                 compute_slot: threading.Semaphore | None = None) -> None:
+                 compute_slot: threading.Semaphore | None = None, task_wait_s: float = TASK_WAIT_S) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -92,6 +96,7 @@ class Device:
         self.time_scale = time_scale
         self.stop = stop or threading.Event()
         self.poll_interval_s = poll_interval_s
+        self.task_wait_s = task_wait_s
         self.max_downtime_s = max_downtime_s
         self.keep_model = keep_model
         self.torch_device = torch_device or torch.device("cpu")
@@ -131,8 +136,8 @@ class Device:
         delay = self.poll_interval_s
         while not self.stop.is_set():
             try:
-                received_at = time.monotonic()
-                task, size = self._poll()
+                asked_at = time.monotonic()
+                task, size = self._poll(self.task_wait_s)
             except NotFound:  # the Fed Server restarted and forgot us
                 log.info("%s: Fed Server does not know this device (restart?); registering again", self.device_id)
                 self.register()
@@ -156,17 +161,25 @@ class Device:
                     log.warning("%s: evaluation of round %s abandoned: %s", self.device_id, task.round_id, exc)
                 continue
             if task.status == "wait" or task.phase != "train":
-                self.stop.wait(self._retry_delay(task))
+                self._pause_after(task, asked_at, self.task_wait_s)
                 continue
             try:
-                self.run_task(task, size, received_at)
+                self.run_task(task, size, time.monotonic())
             except (DomainError, Unreachable, TaskExpired) as exc:  # DomainError includes Invalid: a malformed task
                 log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
 
-    def _poll(self) -> tuple[TaskResponse, int]:
+    def _poll(self, wait_s: float) -> tuple[TaskResponse, int]:
         # A device that does not keep its model has no use for the final one: not fetching it
         # spares the agent one copy per device, all arriving together when the run ends.
-        return self.fed.task(self.device_id, final_weights=self.keep_model)
+        return self.fed.task(self.device_id, final_weights=self.keep_model, wait_s=wait_s)
+
+    def _pause_after(self, task: TaskResponse, asked_at: float, wait_s: float) -> None:
+        """After an answer that is no task for now: ask again at once if the Fed Server held the
+        request for the whole ``wait_s`` (it long-polls: work would have ended the wait), else
+        (a server that answers at once) after its ``retry_after_s``."""
+        if wait_s > 0 and time.monotonic() - asked_at >= wait_s:
+            return
+        self.stop.wait(self._retry_delay(task))
 
     def _retry_delay(self, task: TaskResponse) -> float:
         """The server's ``retry_after_s``, bounded below by this device's poll interval and above
@@ -305,9 +318,11 @@ class Device:
     def run_task(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
         """Train the task's portion, report and follow up if the algorithm asks, and upload.
 
-        ``received_at`` is the ``time.monotonic()`` of the poll that brought the task: its
-        ``deadline_s`` (what remained of the attempt then) counts from there, and past it the Fed
-        Server has closed the attempt, so the device gives the task up (:class:`TaskExpired`).
+        ``received_at`` is the ``time.monotonic()`` at which the task arrived: its ``deadline_s``
+        (what remained of the attempt when the Fed Server answered, which may have held the
+        request for a while) counts from there, and past it the Fed Server has closed the attempt,
+        so the device gives the task up (:class:`TaskExpired`). The Fed Server's own deadline is
+        the one that counts; this one only spares the device work nobody will take.
         """
         try:
             self._train_and_upload(task, task_bytes, received_at)
@@ -402,13 +417,15 @@ class Device:
         self.fed.report(report)
         t0 = time.monotonic()
         while True:
-            follow, size = self._poll()
+            asked_at = time.monotonic()
+            wait_s = min(self.task_wait_s, max(0.0, deadline - asked_at))
+            follow, size = self._poll(wait_s)
             if follow.status == "train" and follow.phase == "follow_up" and follow.round_id == task.round_id:
                 break
             if follow.status == "done" or (follow.round_id is not None and follow.round_id != task.round_id) \
                     or time.monotonic() > deadline or self.stop.is_set():
                 raise Conflict(f"no follow-up for round {task.round_id}")
-            self.stop.wait(self._retry_delay(follow))
+            self._pause_after(follow, asked_at, wait_s)
         clock.wait_s += time.monotonic() - t0  # waiting for the other devices' reports
         clock.transfer(size)
         with clock.compute():

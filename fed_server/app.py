@@ -59,7 +59,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
         return RunStatus(
             run_id=c.run_id, algorithm=c.config.algorithm, state=state, rounds_total=c.config.rounds,
-            rounds_done=c.rounds_done, registered=len(c.devices), expected_devices=c.config.data.num_devices,
+            rounds_done=c.rounds_recorded, registered=len(c.devices), expected_devices=c.config.data.num_devices,
             open_round=c.round.round_id if c.round else None, initial=c.initial,
             history=[r for r in c.history if r.round > since],
             summary=finite_json(c.summary()) if c.finished else None, driver_error=_driver_error(app),
@@ -87,11 +87,12 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
-    async def task(device_id: str, request: Request, final_weights: bool = True) -> Response:
-        """Device: poll for work (wait / train with weights and split point / done, with the final
-        model unless ``final_weights=false``)."""
+    async def task(device_id: str, request: Request, final_weights: bool = True, wait_s: float = 0.0) -> Response:
+        """Device: ask for work (wait / train with weights and split point / evaluate / done, with
+        the final model unless ``final_weights=false``). With ``wait_s`` (at most 30) a ``wait``
+        answer is held until work is posted for the device or ``wait_s`` passes (long-poll)."""
         check_device(request, device_id)
-        answer = coordinator.task_for(device_id, final_weights)
+        answer = await coordinator.next_task(device_id, final_weights, wait_s)
         if answer.status == "done":
             # Every device polls for the same final answer at about the same time: one packed
             # body shared by all responses, not one copy of the model per device in flight.

@@ -9,6 +9,8 @@ split mode, grouping, aggregation) is asked of the algorithm object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import logging
 import random
 import time
@@ -66,6 +68,27 @@ class Aggregation:
     aggregation_s: float
 
 
+#: The longest a device's task request may wait for work (``GET .../task?wait_s=``): long enough that
+#: an idle device asks a few times a minute, short enough that a server shutting down is not held.
+MAX_TASK_WAIT_S = 30.0
+
+
+@dataclass
+class Conclusion:
+    """A round attempt whose outcome is fixed, waiting for its record (``Coordinator.conclude_round``).
+
+    Everything the record and the checkpoint need is taken here, when the attempt's model is final,
+    so that the next attempt may begin (select, draw from the rng, change algorithm state) while
+    the server's evaluation of this one runs beside it (``Coordinator.record``)."""
+
+    fed_round: FedRound
+    aggregation: Aggregation
+    record: RoundRecord          # complete but for the new model's evaluation (an aggregated attempt)
+    progress: RunProgress        # the checkpoint's progress as of the conclusion
+    finished: bool
+    stop_reason: str | None
+
+
 class Coordinator:
     """Owns the global model, the client time table and the round lifecycle.
 
@@ -116,7 +139,9 @@ class Coordinator:
         self.label_counts_at_registration = len(self.main_server_urls) > 1 and self.planner.mode != "zero"
         self.rng = random.Random(config.seed)
         self.round: FedRound | None = None
-        self.rounds_done = 0          # completed logical rounds
+        self.rounds_done = 0          # completed logical rounds (aggregated; recorded or about to be)
+        self.rounds_recorded = 0      # of those, the ones whose record and checkpoint are written
+        self._unrecorded: Conclusion | None = None   # a concluded attempt whose record is not written yet
         self.attempts = 0             # round attempts started; each one's wire round_id
         self.failed_in_a_row = 0
         self.history: list[RoundRecord] = []
@@ -140,6 +165,10 @@ class Coordinator:
         # registered, a report, an update or a group portion arrived): the driver wakes on it
         # instead of polling. Methods run on the event loop, so setting it needs no lock.
         self.changed = asyncio.Event()
+        # Replaced by a fresh event and set whenever a waiting device's answer may have changed (a
+        # round's tasks went out, follow-ups were planned, an evaluation phase began, the run
+        # finished): devices wait for work on it (long-poll, :meth:`next_task`) instead of polling.
+        self.work_posted = asyncio.Event()
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
@@ -278,6 +307,34 @@ class Coordinator:
                     fed_round.round_id, url, reason, len(lost), sorted(lost))
         self.changed.set()
 
+    def post_work(self) -> None:
+        """Wake every device waiting in :meth:`next_task`: its answer may have changed. Called on
+        the event loop."""
+        posted, self.work_posted = self.work_posted, asyncio.Event()
+        posted.set()
+
+    def open_tasks(self, fed_round: FedRound) -> None:
+        """The round's plans are out (or it has none): its devices may now get their tasks."""
+        fed_round.ready = True
+        self.post_work()
+
+    async def next_task(self, device_id: str, final_weights: bool = True, wait_s: float = 0.0) -> TaskResponse:
+        """:meth:`task_for`, but a ``wait`` answer is held for up to ``wait_s`` seconds until work is
+        posted for the device (long-poll): a device learns of its task when the round opens, not at
+        its next poll. Taking the event and checking happen without an ``await`` between them, so
+        work posted while the answer is computed is never missed."""
+        if not 0.0 <= wait_s <= MAX_TASK_WAIT_S:
+            raise Invalid(f"wait_s must be between 0 and {MAX_TASK_WAIT_S:g} seconds, got {wait_s}")
+        until = time.monotonic() + wait_s
+        while True:
+            posted = self.work_posted
+            answer = self.task_for(device_id, final_weights)
+            remaining = until - time.monotonic()
+            if answer.status != "wait" or remaining <= 0:
+                return answer
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(posted.wait(), remaining)
+
     def task_for(self, device_id: str, final_weights: bool = True) -> TaskResponse:
         """A polling device's next instruction.
 
@@ -367,6 +424,7 @@ class Coordinator:
             log.error("round %d: follow-ups could not be planned: %s", fed_round.round_id, exc)
             fed_round.follow_ups = {}
             fed_round.excluded |= set(fed_round.assignments)
+        self.post_work()
 
     def _open_round(self, round_id: int) -> FedRound:
         if self.round is None or self.round.round_id != round_id:
@@ -469,6 +527,7 @@ class Coordinator:
             round_id=fed_round.round_id, asked={d: self.devices.devices[d].num_samples for d in aggregation.used},
             holdout=self.config.evaluation.holdout, deadline_s=self.config.deadlines.evaluate_s)
         log.info("round %d: asking %d devices to evaluate the new global model", fed_round.index, len(aggregation.used))
+        self.post_work()
         return self.evaluating
 
     def accept_evaluation(self, report: EvaluationReport) -> Ack:
@@ -542,22 +601,29 @@ class Coordinator:
 
     def record_round(self, fed_round: FedRound, aggregation: Aggregation,
                      evaluation: EvaluationRound | None = None) -> RoundRecord:
-        """Evaluate (on the server's test set, or from the closed federated ``evaluation``
-        phase's reports), record, checkpoint. The record is written before the checkpoint that
-        counts it (``fed_server/recorder.py``). CPU work: run off the event loop."""
+        """Conclude and record an attempt in one go (:meth:`conclude_round`, then :meth:`record`)."""
+        return self.record(self.conclude_round(fed_round, aggregation, evaluation))
+
+    def conclude_round(self, fed_round: FedRound, aggregation: Aggregation,
+                       evaluation: EvaluationRound | None = None) -> Conclusion:
+        """Fix what an aggregated (or failed) attempt leaves: its record but for the server's
+        evaluation, the checkpoint's progress, whether the run ends with it. Called on the event
+        loop, before the next attempt begins; the previous conclusion must be recorded first (the
+        records and checkpoints are written in order)."""
+        if self._unrecorded is not None:
+            raise RuntimeError(f"attempt {self._unrecorded.fed_round.round_id} is concluded but not recorded yet")
         ok, used, extras = aggregation.ok, aggregation.used, aggregation.extras
         evaluated: tuple[int | None, int | None] = (None, None)   # federated: devices, samples
         if evaluation is not None:   # the evaluation tasks went down to the devices in this round
             fed_round.task_bytes += evaluation.task_bytes
+        accuracy: float | None = None
+        loss: float | None = None
         if not ok:   # the model did not change: its last evaluation stands
             last = self.history[-1] if self.history else None
             accuracy, loss = (last.test_accuracy, last.test_loss) if last else (self.initial["test_accuracy"], self.initial["test_loss"])
             if self.evaluation_mode == "federated":
                 evaluated = (last.evaluated_devices or 0, last.evaluated_samples or 0) if last else (0, 0)
-        elif self.evaluation_mode == "server":
-            assert self.test_set is not None
-            accuracy, loss = evaluate(self.model, self.test_set, device=self.torch_device)
-        else:
+        elif self.evaluation_mode == "federated":
             # No report at all (or no phase): the round still counts, with no figures.
             result = evaluation.result() if evaluation is not None else combine_reports([])
             accuracy, loss, evaluated = result.accuracy, result.loss, (result.devices, result.samples)
@@ -565,21 +631,45 @@ class Coordinator:
             fed_round, self.config.algorithm, used, aggregation.dropped, "ok" if ok else "failed", accuracy, loss,
             time.monotonic() - fed_round.started_at, self._elapsed(), self.cumulative_bytes,
             {d: r.kind for d, r in self.devices.devices.items()}, aggregation.aggregation_s,
-            {**self.selector.metrics(), **self.algorithm.round_metrics(fed_round.context, extras),
-             **self.algorithm.evaluate(self.model)} if ok else {},
+            {**self.selector.metrics(), **self.algorithm.round_metrics(fed_round.context, extras)} if ok else {},
             evaluated_devices=evaluated[0], evaluated_samples=evaluated[1])
         self.cumulative_bytes = record.cumulative_bytes
-        self.history.append(record)
         finished, stop_reason = False, None
         if self.rounds_done >= self.config.rounds:
             finished, stop_reason = True, "completed"
         elif self.failed_in_a_row >= self.config.deadlines.max_failed_attempts:
             finished, stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
-        self.recorder.record_round(record, self.model.state_dict(), self._progress(finished, stop_reason),
-                                   self._summary(finished, stop_reason) if finished else None)
+        progress = copy.deepcopy(self._progress(finished, stop_reason))
+        progress.history_len += 1   # the record this checkpoint will cover
+        self._unrecorded = Conclusion(fed_round, aggregation, record, progress, finished, stop_reason)
+        return self._unrecorded
+
+    def record(self, conclusion: Conclusion) -> RoundRecord:
+        """Evaluate the concluded attempt's new model (on the server's test set with server
+        evaluation, and the algorithm's own figures), then write its record and the checkpoint
+        counting it (``fed_server/recorder.py``).
+
+        CPU work: run off the event loop. It may run while the next attempt trains: the global
+        model does not change until that attempt is aggregated, and the driver awaits this first."""
+        if conclusion is not self._unrecorded:
+            raise RuntimeError(f"attempt {conclusion.fed_round.round_id} is not the one concluded last")
+        record = conclusion.record
+        if conclusion.aggregation.ok:   # the model changed: evaluate it
+            update: dict = {"algorithm_metrics": {**record.algorithm_metrics, **self.algorithm.evaluate(self.model)}}
+            if self.evaluation_mode == "server":
+                assert self.test_set is not None
+                started = time.perf_counter()
+                update["test_accuracy"], update["test_loss"] = evaluate(self.model, self.test_set, device=self.torch_device)
+                update["evaluation_s"] = time.perf_counter() - started
+            record = RoundRecord.model_validate({**record.model_dump(), **update})   # validated like any record
+        self.history.append(record)
+        self.recorder.record_round(record, self.model.state_dict(), conclusion.progress,
+                                   self._summary(conclusion.finished, conclusion.stop_reason) if conclusion.finished else None)
+        self._unrecorded = None
+        self.rounds_recorded = conclusion.progress.rounds_done
         # Only now, with the checkpoint and summary on disk, may /v1/status say "finished": a
         # testbed that stops the services on that answer must not kill the server mid-write.
-        self.finished, self.stop_reason = finished, stop_reason
+        self.finished, self.stop_reason = conclusion.finished, conclusion.stop_reason
         return record
 
     def _elapsed(self) -> float:
@@ -614,7 +704,7 @@ class Coordinator:
         state, progress, self.history = loaded
         self.model.load_state_dict(state)
         self.run_id = progress.run_id
-        self.rounds_done = progress.rounds_done
+        self.rounds_done = self.rounds_recorded = progress.rounds_done
         self.attempts = progress.attempts
         self.failed_in_a_row = progress.failed_in_a_row
         self.cumulative_bytes = progress.cumulative_bytes

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from fed_server.coordinator import Coordinator
 from fed_server.metrics import FedMetrics
+from fed_server.records import RoundRecord
 from shared.auth import Auth
 from fed_server.round_state import FedRound
 from shared.http_client import decode_response, service_client
@@ -141,52 +142,77 @@ async def wait_until(coordinator: Coordinator, done: Callable[[], bool], until: 
 
 
 async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:
-    """Run every round of the configuration, one after another."""
+    """Run every round of the configuration, one after another.
+
+    The server's evaluation of a round's model (its test set) runs beside the next round's
+    training: nothing the next round decides depends on it, the global model does not change
+    until the next aggregation, which waits for it, and on two cores it fills the core the
+    round's last, largest device leaves idle. The records and checkpoints are still written in
+    round order. The last round, and a run with federated evaluation, record at once.
+    """
     # Every shard registered, or the registration deadline passed; then (a resumed run whose
     # devices did not all come back) the quorum's registrations.
     await wait_until(coordinator, coordinator.ready, coordinator.registration_deadline())
     await wait_until(coordinator, coordinator.ready, math.inf)
     log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
              coordinator.config.rounds, coordinator.config.algorithm)
-    while not coordinator.finished:
-        fed_round = coordinator.begin_round()
-        watchers: list[asyncio.Task] = []
-        if fed_round.uses_main_server:
-            await send_plans(coordinator, fed_round, settings)
-            if fed_round.plan_failed is None:
-                watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
-                            for url in fed_round.replicas()]
-        fed_round.ready = True
-        if coordinator.algorithm.needs_report and fed_round.plan_failed is None:
-            # The report phase has its own deadline: the devices that reported by then get their
-            # follow-ups and the round waits for their uploads, so one silent device cannot hold
-            # every reporter until the round deadline.
-            if not await wait_until(coordinator, fed_round.all_reported, fed_round.report_deadline()):
-                log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
-                            len(fed_round.reports), len(fed_round.assignments))
-            coordinator.plan_follow_ups(fed_round)
-        if not await wait_until(coordinator, fed_round.complete, fed_round.deadline()):
-            log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
-                        fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
-        for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
-            watcher.cancel()
-        coordinator.close_round()
-        aggregation = await asyncio.to_thread(coordinator.aggregate_round, fed_round)
-        evaluation = coordinator.begin_evaluation(fed_round, aggregation)
-        if evaluation is not None:
-            # Federated evaluation: wait for the asked devices' reports, woken by each one; at the
-            # deadline the round is recorded with what arrived (none: no figures, still recorded).
-            if not await wait_until(coordinator, evaluation.complete, evaluation.deadline()):
-                log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
-                            fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
-            coordinator.close_evaluation()
-        record = await asyncio.to_thread(coordinator.record_round, fed_round, aggregation, evaluation)
-        if metrics is not None:
-            metrics.observe_round(record)
-            metrics.checkpoint_written()  # record_round writes checkpoint.msgpack once per round
-        log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
-                 record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)
-        if record.status != "ok" and not coordinator.finished:
-            # Back off before retrying, so a Main Server that is restarting gets time to come back.
-            await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
+    recording: asyncio.Task | None = None   # the previous attempt's evaluation and record
+    try:
+        while not coordinator.finished:   # a resumed run may have finished already
+            fed_round = coordinator.begin_round()
+            watchers: list[asyncio.Task] = []
+            if fed_round.uses_main_server:
+                await send_plans(coordinator, fed_round, settings)
+                if fed_round.plan_failed is None:
+                    watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
+                                for url in fed_round.replicas()]
+            coordinator.open_tasks(fed_round)
+            if coordinator.algorithm.needs_report and fed_round.plan_failed is None:
+                # The report phase has its own deadline: the devices that reported by then get their
+                # follow-ups and the round waits for their uploads, so one silent device cannot hold
+                # every reporter until the round deadline.
+                if not await wait_until(coordinator, fed_round.all_reported, fed_round.report_deadline()):
+                    log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
+                                len(fed_round.reports), len(fed_round.assignments))
+                coordinator.plan_follow_ups(fed_round)
+            if not await wait_until(coordinator, fed_round.complete, fed_round.deadline()):
+                log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
+                            fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
+            for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
+                watcher.cancel()
+            coordinator.close_round()
+            if recording is not None:   # the previous record first, and the model it evaluates unchanged till then
+                _observe(await recording, metrics)
+                recording = None
+            aggregation = await asyncio.to_thread(coordinator.aggregate_round, fed_round)
+            evaluation = coordinator.begin_evaluation(fed_round, aggregation)
+            if evaluation is not None:
+                # Federated evaluation: wait for the asked devices' reports, woken by each one; at the
+                # deadline the round is recorded with what arrived (none: no figures, still recorded).
+                if not await wait_until(coordinator, evaluation.complete, evaluation.deadline()):
+                    log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
+                                fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
+                coordinator.close_evaluation()
+            conclusion = coordinator.conclude_round(fed_round, aggregation, evaluation)
+            if conclusion.finished:
+                _observe(await asyncio.to_thread(coordinator.record, conclusion), metrics)
+                coordinator.post_work()   # the waiting devices' answer is now "done"
+                break
+            recording = asyncio.create_task(asyncio.to_thread(coordinator.record, conclusion))
+            if not aggregation.ok:
+                # Back off before retrying, so a Main Server that is restarting gets time to come back.
+                await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
+    finally:
+        if recording is not None:   # stopped mid-run: the record being written is finished, not torn
+            with contextlib.suppress(Exception):
+                await asyncio.shield(recording)
     log.info("run finished: %s", coordinator.summary())
+
+
+def _observe(record: RoundRecord, metrics: FedMetrics | None) -> None:
+    """A round's record is written: count it in the metrics and log it."""
+    if metrics is not None:
+        metrics.observe_round(record)
+        metrics.checkpoint_written()  # Coordinator.record writes checkpoint.msgpack once per round
+    log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
+             record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)

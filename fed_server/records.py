@@ -81,6 +81,9 @@ class RoundRecord(BaseModel):
     cumulative_bytes: int
     plan_error: str | None
     aggregation_s: float = 0.0
+    # Seconds the Fed Server took to evaluate this round's model on its test set, beside the next
+    # round's training (docs/configuration.md); None when it did not evaluate (federated, failed).
+    evaluation_s: float | None = None
     # Main Server replicas lost during this attempt (their unfinished groups' devices were dropped).
     lost_replicas: list[str] = []
     # Federated evaluation (docs/metrics.md): how many devices reported an evaluation of this
@@ -91,7 +94,7 @@ class RoundRecord(BaseModel):
     # their shapes belong to the algorithms, so the record keeps them as the JSON they are.
     algorithm_metrics: dict[str, Any] = {}
 
-    @field_validator("test_accuracy", "test_loss", "train_loss", "aggregation_s")
+    @field_validator("test_accuracy", "test_loss", "train_loss", "aggregation_s", "evaluation_s")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return value if value is None or math.isfinite(value) else None

@@ -161,6 +161,13 @@ def test_fed_register_then_shard_conflict(services, client):
     assert resp.status_code == 200 and unpackb(resp.content)["status"] == "wait"
     assert_rejected(client.get(f"{services['fed']}/v1/devices/dev-0/task", params={"final_weights": "maybe"}),
                     422, "final_weights")
+    for wait_s in ("-1", "31", "nan", "soon"):   # a long-poll of at most 30 s
+        assert_rejected(client.get(f"{services['fed']}/v1/devices/dev-0/task", params={"wait_s": wait_s}), 422, "wait_s")
+    # A long-poll with nothing to do is held for its wait, then told to wait.
+    started = time.monotonic()
+    resp = client.get(f"{services['fed']}/v1/devices/dev-0/task", params={"wait_s": "0.3"})
+    assert resp.status_code == 200 and unpackb(resp.content)["status"] == "wait"
+    assert time.monotonic() - started >= 0.3
     assert fed_state(client, services) == before
 
 

@@ -50,7 +50,7 @@ class FakeFed:
         return RegisterResponse(run_id=INFO.run_id, device_id=req.device_id, shard=req.shard,
                                 token=f"token-{len(self.registrations)}")
 
-    def task(self, device_id: str, final_weights: bool) -> tuple[TaskResponse, int]:
+    def task(self, device_id: str, final_weights: bool, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         answer = self.script.pop(0)
         if isinstance(answer, Exception):
             raise answer

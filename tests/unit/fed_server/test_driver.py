@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace as NS
 
 import httpx
+import pytest
 
 from fed_server.app import create_app
 from fed_server.driver import FedServerSettings, drive_rounds, wait_until
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
+from shared.errors import Invalid
 from shared.portions import portion_state
 from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
 from shared.wire import encode_state
@@ -97,3 +100,112 @@ def test_status_since_filters_on_the_logical_round_and_keeps_every_attempt(tmp_p
     assert asyncio.run(history(0)) == [(1, 1, "failed"), (1, 2, "ok"), (2, 3, "ok")]
     assert asyncio.run(history(1)) == [(2, 3, "ok")]
     assert asyncio.run(history(2)) == []
+
+
+def _registered(tmp_path, rounds: int) -> Coordinator:
+    config = RunConfig.model_validate({"algorithm": "fedavg", "rounds": rounds, "seed": 3,
+                                       "data": {"num_devices": 2, "max_samples": 200}, "deadlines": {"round_s": 60}})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    for i in range(2):
+        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10,
+                                   profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    return c
+
+
+def _upload_all(c: Coordinator) -> None:
+    fed_round = c.round
+    weights = encode_state(portion_state(c.model, 0, c.num_blocks))
+    timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
+    for d in fed_round.assignments:
+        c.accept_update(fed_round.round_id, UpdateRequest(
+            device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
+            timings=timings, bytes_up=0, bytes_down=0), 100)
+
+
+def test_the_next_round_trains_while_the_last_one_is_evaluated_and_records_stay_in_order(tmp_path):
+    """The server's evaluation and record of round r run beside round r+1: round 2 opens while
+    round 1's record is held back, and round 2 is not aggregated (the model round 1's record
+    evaluates does not change) until that record is written."""
+    c = _registered(tmp_path, rounds=3)
+    record = c.record
+    release = threading.Event()
+    order: list[str] = []
+
+    def held_record(conclusion):
+        if conclusion.fed_round.index == 1:
+            assert release.wait(25), "round 1's record was never released"
+        order.append(f"record {conclusion.fed_round.index}")
+        return record(conclusion)
+
+    aggregate = c.aggregate_round
+
+    def logged_aggregate(fed_round):
+        order.append(f"aggregate {fed_round.index}")
+        return aggregate(fed_round)
+
+    c.record, c.aggregate_round = held_record, logged_aggregate
+
+    async def scenario() -> tuple[int, int]:
+        driver = asyncio.get_running_loop().create_task(drive_rounds(c, FedServerSettings()))
+        for index in (1, 2, 3):
+            deadline = time.monotonic() + 20
+            while c.round is None or c.round.index != index or not c.round.ready:
+                assert time.monotonic() < deadline and not driver.done(), f"round {index} did not open"
+                await asyncio.sleep(0.01)
+            if index == 2:   # round 2 is open and training; round 1 is not recorded yet
+                opened_with = (len(c.history), c.rounds_recorded)
+            _upload_all(c)
+            if index == 2:
+                await asyncio.sleep(0.2)      # round 2 is complete, yet it waits for round 1's record
+                assert order == ["aggregate 1"]
+                release.set()
+        await asyncio.wait_for(driver, 30)
+        return opened_with
+
+    opened_with = asyncio.run(scenario())
+    assert opened_with == (0, 0)
+    assert order == ["aggregate 1", "record 1", "aggregate 2", "record 2", "aggregate 3", "record 3"]
+    assert c.finished and [r.round for r in c.history] == [1, 2, 3] and c.rounds_recorded == 3
+    assert all(r.test_accuracy is not None and r.evaluation_s is not None for r in c.history)
+    assert len(c.run_dir.read_metrics()) == 3
+
+
+def test_a_round_is_concluded_once_and_recorded_before_the_next_conclusion(tmp_path):
+    c = _registered(tmp_path, rounds=2)
+    for _ in range(2):
+        fed_round = c.begin_round()
+        c.open_tasks(fed_round)
+        _upload_all(c)
+        c.close_round()
+        conclusion = c.conclude_round(fed_round, c.aggregate_round(fed_round))
+        with pytest.raises(RuntimeError, match="not recorded yet"):
+            c.conclude_round(fed_round, c.aggregate_round(fed_round))
+        assert c.history == [] or c.history[-1].round == fed_round.index - 1
+        c.record(conclusion)
+        with pytest.raises(RuntimeError, match="not the one concluded last"):
+            c.record(conclusion)
+    assert c.finished and [r.round for r in c.history] == [1, 2]
+
+
+def test_a_waiting_device_gets_its_task_when_the_round_opens_not_at_its_next_poll(tmp_path):
+    c = _registered(tmp_path, rounds=1)
+
+    async def scenario() -> tuple[str, float, str, float]:
+        started = time.monotonic()
+        idle = await c.next_task("d0", wait_s=0.2)              # nothing happens: held, then "wait"
+        idle_after = time.monotonic() - started
+        waiting = asyncio.get_running_loop().create_task(c.next_task("d0", wait_s=20))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        started = time.monotonic()
+        c.open_tasks(c.begin_round())
+        answer = await asyncio.wait_for(waiting, 20)
+        return idle.status, idle_after, answer.status, time.monotonic() - started
+
+    idle, idle_after, status, woke_after = asyncio.run(scenario())
+    assert idle == "wait" and idle_after >= 0.2
+    assert status == "train" and woke_after < 5                  # on the event, not after the 20 s wait
+    for bad in (-1.0, 31.0, float("nan")):
+        with pytest.raises(Invalid, match="wait_s"):
+            asyncio.run(c.next_task("d1", wait_s=bad))
+    assert c.round.assignments["d1"].dispatched_at is None      # a refused request changed nothing
