@@ -81,7 +81,10 @@ class Conclusion:
     so that the next attempt may begin (select, draw from the rng, change algorithm state) while
     the server's evaluation of this one runs beside it (``Coordinator.record``)."""
 
-    fed_round: FedRound
+    # Not the FedRound: it holds the round's uploads, which must not live on beside the next
+    # round's (the record below already took what it needs from them).
+    index: int                   # the logical round
+    round_id: int                # the attempt
     aggregation: Aggregation
     record: RoundRecord          # complete but for the new model's evaluation (an aggregated attempt)
     progress: RunProgress        # the checkpoint's progress as of the conclusion
@@ -611,7 +614,7 @@ class Coordinator:
         loop, before the next attempt begins; the previous conclusion must be recorded first (the
         records and checkpoints are written in order)."""
         if self._unrecorded is not None:
-            raise RuntimeError(f"attempt {self._unrecorded.fed_round.round_id} is concluded but not recorded yet")
+            raise RuntimeError(f"attempt {self._unrecorded.round_id} is concluded but not recorded yet")
         ok, used, extras = aggregation.ok, aggregation.used, aggregation.extras
         evaluated: tuple[int | None, int | None] = (None, None)   # federated: devices, samples
         if evaluation is not None:   # the evaluation tasks went down to the devices in this round
@@ -641,7 +644,7 @@ class Coordinator:
             finished, stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
         progress = copy.deepcopy(self._progress(finished, stop_reason))
         progress.history_len += 1   # the record this checkpoint will cover
-        self._unrecorded = Conclusion(fed_round, aggregation, record, progress, finished, stop_reason)
+        self._unrecorded = Conclusion(fed_round.index, fed_round.round_id, aggregation, record, progress, finished, stop_reason)
         return self._unrecorded
 
     def record(self, conclusion: Conclusion) -> RoundRecord:
@@ -652,7 +655,7 @@ class Coordinator:
         CPU work: run off the event loop. It may run while the next attempt trains: the global
         model does not change until that attempt is aggregated, and the driver awaits this first."""
         if conclusion is not self._unrecorded:
-            raise RuntimeError(f"attempt {conclusion.fed_round.round_id} is not the one concluded last")
+            raise RuntimeError(f"attempt {conclusion.round_id} is not the one concluded last")
         record = conclusion.record
         if conclusion.aggregation.ok:   # the model changed: evaluate it
             update: dict = {"algorithm_metrics": {**record.algorithm_metrics, **self.algorithm.evaluate(self.model)}}

@@ -173,12 +173,12 @@ def test_device_gives_up_a_task_whose_deadline_passed():
         device = Device("dev-000", 0, HttpFedClient(servers.fed_url), main_connector(), kind=None)
         device.setup()
         give_up = time.monotonic() + 30
+        task, size = device._poll(0.0)
         received_at = time.monotonic()
-        task, size = device._poll()
         while task.status != "train" and time.monotonic() < give_up:
             time.sleep(0.05)
+            task, size = device._poll(0.0)
             received_at = time.monotonic()
-            task, size = device._poll()
         assert task.status == "train" and task.deadline_s is not None and task.deadline_s <= 1.0
         time.sleep(task.deadline_s + 0.1)
         with pytest.raises(TaskExpired, match="deadline passed after 0 steps"):
