@@ -150,6 +150,9 @@ class Coordinator:
         self.history: list[RoundRecord] = []
         self.finished = False
         self._evaluation_weights: dict | None = None  # the evaluated global model, encoded once per phase
+        # The open attempt's client portions by split point, encoded once for all the devices that
+        # train it (FedAvg: one encoding of the whole model a round, not one per device).
+        self._task_weights: tuple[int, dict[int, dict]] = (0, {})
         self._done_answers: dict[bool, TaskResponse] = {}  # by final_weights: encoded once, polled by every device
         self.stop_reason: str | None = None
         self.started_at: float | None = None
@@ -368,13 +371,24 @@ class Coordinator:
         assignment.dispatched_at = time.monotonic()
         return TaskResponse(
             status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=self.num_blocks,
-            weights=encode_state(portion_state(self.model, 0, assignment.split_point)), train=self.config.train,
+            weights=self._client_portion(fed_round, assignment.split_point), train=self.config.train,
             main_server_url=assignment.main_server_url if fed_round.uses_main_server else None,
             deadline_s=self._remaining(fed_round), half_precision=self.config.half_precision,
             algorithm=self.config.algorithm, params=self.algorithm.device_params(),
             extras=self.algorithm.task_extras(device_id, fed_round.context).to_wire(),
             report=self.algorithm.needs_report,
         )
+
+    def _client_portion(self, fed_round: FedRound, split_point: int) -> dict:
+        """Blocks ``[0, split_point)`` of the global model, encoded once per attempt and split point
+        (the model does not change while an attempt is open)."""
+        round_id, portions = self._task_weights
+        if round_id != fed_round.round_id:
+            portions = {}
+            self._task_weights = (fed_round.round_id, portions)
+        if split_point not in portions:
+            portions[split_point] = encode_state(portion_state(self.model, 0, split_point))
+        return portions[split_point]
 
     def _follow_up_for(self, fed_round: FedRound, device_id: str) -> TaskResponse:
         assert fed_round.follow_ups is not None
@@ -558,6 +572,7 @@ class Coordinator:
         if self.round is None:
             raise RuntimeError("no open round")
         fed_round, self.round = self.round, None
+        self._task_weights = (0, {})   # the model is about to change
         return fed_round
 
     def aggregate_round(self, fed_round: FedRound) -> Aggregation:

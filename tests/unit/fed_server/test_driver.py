@@ -112,9 +112,11 @@ def _registered(tmp_path, rounds: int) -> Coordinator:
     return c
 
 
-def _upload_all(c: Coordinator) -> None:
+def _upload_all(c: Coordinator, shift: float = 0.0) -> None:
+    """Every selected device uploads the global model, its floating tensors plus ``shift``."""
     fed_round = c.round
-    weights = encode_state(portion_state(c.model, 0, c.num_blocks))
+    weights = encode_state({k: v + shift if v.is_floating_point() else v
+                            for k, v in portion_state(c.model, 0, c.num_blocks).items()})
     timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
     for d in fed_round.assignments:
         c.accept_update(fed_round.round_id, UpdateRequest(
@@ -209,3 +211,28 @@ def test_a_waiting_device_gets_its_task_when_the_round_opens_not_at_its_next_pol
         with pytest.raises(Invalid, match="wait_s"):
             asyncio.run(c.next_task("d1", wait_s=bad))
     assert c.round.assignments["d1"].dispatched_at is None      # a refused request changed nothing
+
+
+def test_a_rounds_client_portion_is_encoded_once_for_all_its_devices(tmp_path, monkeypatch):
+    import fed_server.coordinator as coordinator_module
+    c = _registered(tmp_path, rounds=2)
+    encoded: list[int] = []
+    real = coordinator_module.encode_state
+
+    def counting(state):
+        encoded.append(len(state))
+        return real(state)
+
+    monkeypatch.setattr(coordinator_module, "encode_state", counting)
+    for index in (1, 2):
+        fed_round = c.begin_round()
+        c.open_tasks(fed_round)
+        tasks = [c.task_for(d) for d in ("d0", "d1")]
+        assert [t.status for t in tasks] == ["train", "train"] and len(encoded) == index
+        expected = portion_state(c.model, 0, c.num_blocks)
+        for task in tasks:   # each device gets the current global model
+            assert list(task.weights) == list(expected)
+            assert all(bytes(task.weights[k].data) == v.numpy().tobytes() for k, v in expected.items())
+        _upload_all(c, shift=0.5)   # the next round's portion must be the new model, not this one
+        c.close_round()
+        c.record_round(fed_round, c.aggregate_round(fed_round))
