@@ -176,26 +176,26 @@ _SPLICE_BYTES = 1 << 16  # from here on msgpack's header is bin 32
 
 
 class Body:
-    """A packed message body as its pieces, in order: what a client sends without joining them.
+    """A packed message body as its pieces, in order: what is sent without joining them.
 
-    ``b"".join(body)`` (or ``bytes(body)``, which is :func:`packb`) is byte for byte
-    ``msgpack.packb(obj, use_bin_type=True)``. Each long byte string of the message (a tensor's
-    ``data``) is a piece by itself, the very ``bytes`` object :func:`encode_tensor` made, not a copy;
-    everything between two of them is one piece packed by msgpack. A body is fixed once packed:
-    its pieces are immutable ``bytes``, and the tensor snapshots were taken by ``encode_tensor``.
+    ``b"".join(body)`` (:func:`packb`) is byte for byte ``msgpack.packb(obj, use_bin_type=True)``.
+    Each long byte string of the message (a tensor's ``data``) is a piece by itself, the very
+    ``bytes`` object :func:`encode_tensor` made, not a copy; everything between two of them is one
+    piece packed by msgpack. A body is fixed once packed: its pieces are immutable ``bytes``, and
+    the tensor snapshots were taken by ``encode_tensor``.
 
-    httpx takes it as ``content=`` (an iterable of ``bytes``) and writes it piece by piece, h11
-    passing each ``bytes`` to the socket as it is, provided the request carries a Content-Length
-    header (without one httpx frames an iterable with chunked encoding, which joins every piece
-    with its framing, a copy): ``shared.http_client.SyncClient`` sends one. Starlette's
-    ``Response`` takes only ``bytes`` or a ``memoryview``, so server answers use :func:`packb`.
+    Who sends one: ``shared.http_client.SyncClient`` gives it to httpx as ``content=`` (an iterable
+    of ``bytes``, written piece by piece, h11 passing each ``bytes`` to the socket as it is) with
+    the body's Content-Length (without one, httpx frames an iterable with chunked encoding, which
+    joins every piece with its frame: a copy); ``http_api.server.MsgpackResponse`` sends each piece
+    as an ASGI body message (Starlette's ``Response`` takes one buffer only).
     """
 
     __slots__ = ("pieces", "size")
 
     def __init__(self, pieces: tuple[bytes, ...]) -> None:
         self.pieces = pieces
-        self.size = sum(len(p) for p in pieces)
+        self.size = sum(map(len, pieces))
 
     def __len__(self) -> int:
         """The body's length in bytes (its Content-Length)."""
@@ -203,10 +203,6 @@ class Body:
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self.pieces)
-
-    def __bytes__(self) -> bytes:
-        """The body as one ``bytes``: a copy of every piece (none for a body of one piece)."""
-        return b"".join(self.pieces)
 
 
 def pack_body(obj: Any) -> Body:
@@ -223,20 +219,27 @@ def pack_body(obj: Any) -> Body:
     when both are freed, so every call faults 4 KB pages in again. The walk costs about 3 us
     per small message.
     """
-    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
-    pieces: list[bytes] = []
-    _pack_pieces(obj, packer, pieces)
-    pieces.append(packer.bytes())
-    return Body(tuple(p for p in pieces if p))
+    return Body(tuple(_pieces(obj)))
 
 
 def packb(obj: Any) -> bytes:
     """Serialize a message body into one ``bytes``: ``msgpack.packb(obj, use_bin_type=True)``.
 
-    For a body that must be one buffer (a Starlette ``Response``, a checkpoint file); a client
-    sends :func:`pack_body`'s pieces instead and saves this copy.
+    For a body that must be one buffer (a checkpoint file, an answer cached for many requests);
+    what is sent at once goes as :func:`pack_body`'s pieces and saves this copy.
     """
-    return bytes(pack_body(obj))
+    return b"".join(_pieces(obj))  # a body of one piece is returned as it is, not copied
+
+
+def _pieces(obj: Any) -> list[bytes]:
+    """The non-empty pieces of ``obj``'s msgpack encoding (see pack_body)."""
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    pieces: list[bytes] = []
+    _pack_pieces(obj, packer, pieces)
+    tail = packer.bytes()
+    if tail:
+        pieces.append(tail)
+    return pieces
 
 
 def _pack_pieces(obj: Any, packer: msgpack.Packer, pieces: list[bytes]) -> None:

@@ -100,7 +100,6 @@ def test_a_body_s_pieces_are_byte_for_byte_msgpack(obj):
     body = pack_body(obj)
     expected = msgpack.packb(obj, use_bin_type=True)
     assert b"".join(body) == expected
-    assert bytes(body) == expected
     assert len(body) == len(expected)
     assert all(isinstance(piece, bytes) and piece for piece in body)
 
@@ -120,7 +119,7 @@ def test_a_body_is_fixed_once_packed_even_if_the_tensor_changes():
     t = torch.zeros(1 << 16)
     body = pack_body({"t": encode_tensor(t)})
     t += 1  # the next training step, in place
-    assert torch.equal(decode_tensor(unpackb(bytes(body))["t"]), torch.zeros(1 << 16))
+    assert torch.equal(decode_tensor(unpackb(b"".join(body))["t"]), torch.zeros(1 << 16))
 
 
 def test_a_body_of_only_small_values_is_one_piece():
