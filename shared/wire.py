@@ -213,11 +213,12 @@ def pack_body(obj: Any) -> Body:
     becomes a piece itself. The tensor bytes are thus copied once on the way out, by
     ``encode_tensor``'s snapshot, where ``msgpack.packb`` copies them twice more (into its
     buffer, grown by reallocation, then into the result) and :func:`packb` once more. On the
-    2-core EPYC, ``pack_body({"fx": encode_tensor(t)})`` for 1.6 / 16 MB of float32 runs at
-    about 17 / 6 GB/s, ``packb`` at 0.4 / 0.6 GB/s (benchmarks/README.md, (b), with the load
-    average): joining needs a second buffer as large, and glibc returns the pair to the kernel
-    when both are freed, so every call faults 4 KB pages in again. The walk costs about 3 us
-    per small message.
+    2-core EPYC under load, ``pack_body({"fx": encode_tensor(t)})`` for 1.6 / 16 MB of float32
+    runs at 9.6 / 6.6 GB/s, ``packb`` at 0.33 / 0.43 (benchmarks/README.md, (b)): joining needs
+    a second buffer as large, and glibc returns the pair to the kernel when both are freed, so
+    every call faults its 4 KB pages in again; one buffer it keeps for the next call. (In fresh
+    memory the snapshot's own faults remain: 1.7 / 0.5 to 1.8 / 1.0 GB/s.) The walk costs a few
+    microseconds per small message.
     """
     return Body(tuple(_pieces(obj)))
 
