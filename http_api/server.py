@@ -125,6 +125,8 @@ class MsgpackResponse(Response):
         pieces = self.body.pieces
         for i, piece in enumerate(pieces):
             await send({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
+        if self.background is not None:  # FastAPI attaches a route's background tasks here
+            await self.background()
 
 
 def msgpack_response(message: BaseModel, status: int = 200) -> MsgpackResponse:

@@ -2,8 +2,8 @@
 
 Every byte that crosses the network goes through this module. Tensors travel as their raw
 little-endian bytes: :func:`encode_tensor` snapshots them, :func:`pack_body` packs a message
-around the snapshots without copying them (a client sends its pieces as they are) and
-:func:`packb` joins them into one ``bytes`` (a server's answer, a checkpoint);
+around the snapshots without copying them (clients and servers send its pieces as they are) and
+:func:`packb` joins them into one ``bytes`` (a checkpoint, a cached answer);
 :func:`decode_tensor` views the bytes msgpack parsed (``numpy.frombuffer`` -> ``torch.from_numpy``)
 and reads them once for the finiteness check. Nothing here (or anywhere in the project)
 unpickles received bytes.
@@ -68,7 +68,7 @@ def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
     # A copy on purpose, the snapshot: the sender may go on updating the tensor in place (the next
     # training step, the Fed Server's next aggregation into a model whose encoded weights it keeps
     # for later answers) before the body is written, and WireTensor holds ``bytes``. It is the only
-    # copy of the data on a client's way out: pack_body sends this very object.
+    # copy of the data on the way out: a Body (pack_body) sends this very object.
     return {"dtype": name, "shape": list(t.shape), "data": arr.tobytes()}
 
 

@@ -20,6 +20,7 @@ import torch
 import uvicorn
 from fastapi import Request
 from prometheus_client import CollectorRegistry
+from starlette.background import BackgroundTask
 
 from http_api.server import create_service_app, msgpack_response
 from shared.http_client import SyncClient
@@ -111,3 +112,15 @@ def test_an_answer_s_pieces_are_its_asgi_body_messages_uncopied():
     assert [(m["type"], m["more_body"]) for m in bodies] == [("http.response.body", True), ("http.response.body", False)]
     assert bodies[1]["body"] is answer.body  # the long byte string itself, not a copy
     assert b"".join(m["body"] for m in bodies) == msgpack.packb(answer.model_dump(), use_bin_type=True)
+
+
+def test_an_answer_runs_the_background_tasks_fastapi_attaches_after_its_body():
+    response = msgpack_response(Received(content_length=None, transfer_encoding=None, body=b""))
+    events: list[str] = []
+    response.background = BackgroundTask(events.append, "background")
+
+    async def send(message: dict) -> None:
+        events.append(message["type"])
+
+    asyncio.run(response({"type": "http"}, None, send))
+    assert events == ["http.response.start", "http.response.body", "background"]
