@@ -1,6 +1,8 @@
 """(b) Tensor encode/decode throughput of the wire format (shared/wire.py), msgpack vs JSON.
 
-encode = ``packb({"fx": encode_tensor(t)})`` (what a device does before sending activations);
+encode = ``pack_body({"fx": encode_tensor(t)})`` (what a device does before sending activations:
+its client writes the body's pieces to the socket as they are); encode+join =
+``packb({"fx": encode_tensor(t)})``, the same body joined into one ``bytes``, as a server answers;
 decode = ``decode_tensor(unpackb(body)["fx"])`` (zero-copy view plus the finiteness check every
 receiving service makes); decode+schema adds the pydantic ``WireTensor`` validation the HTTP
 layer runs on every tensor before decoding it. JSON = ``json.dumps(t.tolist())`` /
@@ -16,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from shared.schemas import WireTensor
-from shared.wire import decode_tensor, encode_tensor, packb, unpackb
+from shared.wire import decode_tensor, encode_tensor, pack_body, packb, unpackb
 
 #: (label, shape): float32 tensors of about 4 KB, 256 KB, 1.6 MB and 16 MB.
 SIZES: list[tuple[str, tuple[int, ...]]] = [
@@ -55,14 +57,17 @@ def run(quick: bool, log: Callable[[str], None] = print) -> dict:
         t = torch.randn(*shape, generator=gen)
         nbytes = t.numel() * t.element_size()
         body = packb({"fx": encode_tensor(t)})
-        enc_s = _time_per_call(lambda: packb({"fx": encode_tensor(t)}), budget)
+        enc_s = _time_per_call(lambda: pack_body({"fx": encode_tensor(t)}), budget)
+        enc_join_s = _time_per_call(lambda: packb({"fx": encode_tensor(t)}), budget)
         dec_s = _time_per_call(lambda: decode_tensor(unpackb(body)["fx"]), budget)
         dec_schema_s = _time_per_call(lambda: decode_tensor(WireTensor.model_validate(unpackb(body)["fx"])), budget)
         assert torch.equal(decode_tensor(unpackb(body)["fx"]), t)
         row = {
             "size": label, "shape": list(shape), "tensor_bytes": nbytes, "body_bytes": len(body),
-            "encode_ms": enc_s * 1e3, "decode_ms": dec_s * 1e3, "decode_schema_ms": dec_schema_s * 1e3,
-            "encode_MBps": nbytes / enc_s / 1e6, "decode_MBps": nbytes / dec_s / 1e6,
+            "encode_ms": enc_s * 1e3, "encode_join_ms": enc_join_s * 1e3, "decode_ms": dec_s * 1e3,
+            "decode_schema_ms": dec_schema_s * 1e3,
+            "encode_MBps": nbytes / enc_s / 1e6, "encode_join_MBps": nbytes / enc_join_s / 1e6,
+            "decode_MBps": nbytes / dec_s / 1e6,
             "decode_schema_MBps": nbytes / dec_schema_s / 1e6,
         }
         if label in json_sizes:
@@ -72,5 +77,6 @@ def run(quick: bool, log: Callable[[str], None] = print) -> dict:
             row.update({"json_body_bytes": len(text), "json_encode_MBps": nbytes / jenc_s / 1e6,
                         "json_decode_MBps": nbytes / jdec_s / 1e6})
         rows.append(row)
-        log(f"  wire {label:>7}: encode {row['encode_MBps']:9.0f} MB/s, decode {row['decode_MBps']:9.0f} MB/s")
+        log(f"  wire {label:>7}: encode {row['encode_MBps']:9.0f} MB/s (joined {row['encode_join_MBps']:.0f}), "
+            f"decode {row['decode_MBps']:9.0f} MB/s")
     return {"method": "median over batches of calls, ~%.2fs per measurement, one thread" % budget, "sizes": rows}

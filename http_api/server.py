@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
-from shared.wire import WireError, packb, unpackb
+from shared.wire import Body, WireError, pack_body, unpackb
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -102,9 +102,36 @@ def _short(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
-def msgpack_response(message: BaseModel, status: int = 200) -> Response:
+class MsgpackResponse(Response):
+    """A msgpack answer sent as its body's pieces (:class:`shared.wire.Body`), never joined.
+
+    Starlette's ``Response`` takes one ``bytes`` (or ``memoryview``), which for a body holding
+    tensors would copy every tensor's bytes once more into a buffer of the body's size. This one
+    sends each piece as its own ASGI body message under the body's Content-Length, so the server
+    writes the tensor snapshots to the socket as they are. ``body`` is the :class:`Body`:
+    ``len(response.body)`` is the number of body bytes, as for any ``Response``.
+    """
+
+    media_type = MSGPACK
+
+    def __init__(self, body: Body, status_code: int = 200) -> None:
+        self.status_code = status_code
+        self.background = None
+        self.body = body  # type: ignore[assignment]  # a Body, not bytes: sent piece by piece below
+        self.init_headers()  # Content-Length from len(body), Content-Type from media_type
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        pieces = self.body.pieces
+        for i, piece in enumerate(pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
+        if self.background is not None:  # FastAPI attaches a route's background tasks here
+            await self.background()
+
+
+def msgpack_response(message: BaseModel, status: int = 200) -> MsgpackResponse:
     """A msgpack response body from a schema instance."""
-    return Response(content=packb(message.model_dump()), status_code=status, media_type=MSGPACK)
+    return MsgpackResponse(pack_body(message.model_dump()), status_code=status)
 
 
 def create_service_app(service: str, title: str, description: str, lifespan=None, registry=None) -> FastAPI:

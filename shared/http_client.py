@@ -16,7 +16,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from shared.retry import Backoff, retry
-from shared.wire import WireError, packb, unpackb
+from shared.wire import WireError, pack_body, unpackb
 
 M = TypeVar("M", bound=BaseModel)
 HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
@@ -83,7 +83,11 @@ class SyncClient:
     def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
              params: dict | None = None, timeout: float | None = None, headers: dict | None = None) -> M:
         """Send ``body`` (msgpack) and decode the answer; retries only on connection failures."""
-        content = packb(body.model_dump()) if body is not None else None
+        # The body goes out as its pieces, the tensors' bytes straight from their snapshots (see
+        # shared.wire.Body); its length must be given, or httpx would send it chunked (a copy).
+        content = pack_body(body.model_dump()) if body is not None else None
+        if content is not None:
+            headers = {**(headers or {}), "content-length": str(len(content))}
         kwargs = {"timeout": timeout} if timeout is not None else {}
         resp = retry(lambda: self._http.request(method, path, content=content, params=params, headers=headers, **kwargs),
                      self.backoff, (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")

@@ -1,17 +1,19 @@
 """Wire format: msgpack bodies with tensors as ``{dtype, shape, data}`` maps.
 
 Every byte that crosses the network goes through this module. Tensors travel as their raw
-little-endian bytes: :func:`encode_tensor` snapshots them and :func:`packb` copies them once into
-the body; :func:`decode_tensor` views the bytes msgpack parsed (``numpy.frombuffer`` ->
-``torch.from_numpy``) and reads them once for the finiteness check. Nothing here (or anywhere in
-the project) unpickles received bytes.
+little-endian bytes: :func:`encode_tensor` snapshots them, :func:`pack_body` packs a message
+around the snapshots without copying them (clients and servers send its pieces as they are) and
+:func:`packb` joins them into one ``bytes`` (a checkpoint, a cached answer);
+:func:`decode_tensor` views the bytes msgpack parsed (``numpy.frombuffer`` -> ``torch.from_numpy``)
+and reads them once for the finiteness check. Nothing here (or anywhere in the project)
+unpickles received bytes.
 """
 from __future__ import annotations
 
 import math
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgpack
@@ -63,9 +65,10 @@ def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
     arr = t.contiguous().numpy()
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         arr = arr.astype(_DTYPES[name][1])
-    # A copy on purpose: the sender may go on updating the tensor in place (the next training step)
-    # before the body is written, and WireTensor holds ``bytes``. It is the cheap part: 0.06 / 1.0 ms
-    # for 1.6 / 16 MB on the 2-core EPYC, next to 1.9 / 24 ms for the whole encode.
+    # A copy on purpose, the snapshot: the sender may go on updating the tensor in place (the next
+    # training step, the Fed Server's next aggregation into a model whose encoded weights it keeps
+    # for later answers) before the body is written, and WireTensor holds ``bytes``. It is the only
+    # copy of the data on the way out: a Body (pack_body) sends this very object.
     return {"dtype": name, "shape": list(t.shape), "data": arr.tobytes()}
 
 
@@ -167,44 +170,97 @@ def decode_state(
     return out
 
 
-#: Byte strings at least this long are spliced into the body rather than copied through msgpack's buffer.
+#: Byte strings at least this long travel as their own piece of a :class:`Body` instead of being
+#: copied through msgpack's buffer.
 _SPLICE_BYTES = 1 << 16  # from here on msgpack's header is bin 32
 
 
-def packb(obj: Any) -> bytes:
-    """Serialize a message body (plain data with tensors already encoded).
+class Body:
+    """A packed message body as its pieces, in order: what is sent without joining them.
 
-    The output is byte for byte ``msgpack.packb(obj, use_bin_type=True)``, but tensor data is
-    copied once, into the result. msgpack copies each ``bytes`` into its internal buffer (grown
-    from 256 KB by reallocating), then copies that buffer into the result. Here containers are
-    walked in Python, every other value is packed by msgpack itself, and each long byte string
-    goes into the final ``b"".join`` behind its own bin header. Measured on the 2-core EPYC with
-    ``packb({"fx": encode_tensor(t)})`` (benchmarks/README.md, (b)): 1.6 / 16 MB float32 from
-    543 / 445 to 852 / 684 MB/s; the rest is page faults on the fresh memory glibc hands out
-    after trimming the freed buffers (with glibc told to keep them: 15.8 / 4.3 GB/s, where
-    msgpack's own packb gets 10.2 / 1.1 GB/s). The walk costs about 3 us per small message.
+    ``b"".join(body)`` (:func:`packb`) is byte for byte ``msgpack.packb(obj, use_bin_type=True)``.
+    Each long byte string of the message (a tensor's ``data``) is a piece by itself, the very
+    ``bytes`` object :func:`encode_tensor` made, not a copy; everything between two of them is one
+    piece packed by msgpack. A body is fixed once packed: its pieces are immutable ``bytes``, and
+    the tensor snapshots were taken by ``encode_tensor``.
+
+    Who sends one: ``shared.http_client.SyncClient`` gives it to httpx as ``content=`` (an iterable
+    of ``bytes``, written piece by piece, h11 passing each ``bytes`` to the socket as it is) with
+    the body's Content-Length (without one, httpx frames an iterable with chunked encoding, which
+    joins every piece with its frame: a copy); ``http_api.server.MsgpackResponse`` sends each piece
+    as an ASGI body message (Starlette's ``Response`` takes one buffer only).
     """
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self, pieces: tuple[bytes, ...]) -> None:
+        self.pieces = pieces
+        self.size = sum(map(len, pieces))
+
+    def __len__(self) -> int:
+        """The body's length in bytes (its Content-Length)."""
+        return self.size
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.pieces)
+
+
+def pack_body(obj: Any) -> Body:
+    """Serialize a message body (plain data with tensors already encoded) without copying tensor data.
+
+    Containers are walked in Python and every other value is packed by one msgpack ``Packer``
+    into its buffer; each long byte string ends the current piece (with its bin 32 header) and
+    becomes a piece itself. The tensor bytes are thus copied once on the way out, by
+    ``encode_tensor``'s snapshot, where ``msgpack.packb`` copies them twice more (into its
+    buffer, grown by reallocation, then into the result) and :func:`packb` once more. On the
+    2-core EPYC under load, ``pack_body({"fx": encode_tensor(t)})`` for 1.6 / 16 MB of float32
+    runs at 9.6 / 6.6 GB/s, ``packb`` at 0.33 / 0.43 (benchmarks/README.md, (b)): joining needs
+    a second buffer as large, and glibc returns the pair to the kernel when both are freed, so
+    every call faults its 4 KB pages in again; one buffer it keeps for the next call. (In fresh
+    memory the snapshot's own faults remain: 1.7 / 0.5 to 1.8 / 1.0 GB/s.) The walk costs a few
+    microseconds per small message.
+    """
+    return Body(tuple(_pieces(obj)))
+
+
+def packb(obj: Any) -> bytes:
+    """Serialize a message body into one ``bytes``: ``msgpack.packb(obj, use_bin_type=True)``.
+
+    For a body that must be one buffer (a checkpoint file, an answer cached for many requests);
+    what is sent at once goes as :func:`pack_body`'s pieces and saves this copy.
+    """
+    return b"".join(_pieces(obj))  # a body of one piece is returned as it is, not copied
+
+
+def _pieces(obj: Any) -> list[bytes]:
+    """The non-empty pieces of ``obj``'s msgpack encoding (see pack_body)."""
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
     pieces: list[bytes] = []
-    _pack_pieces(obj, msgpack.Packer(use_bin_type=True), pieces)
-    return b"".join(pieces)
+    _pack_pieces(obj, packer, pieces)
+    tail = packer.bytes()
+    if tail:
+        pieces.append(tail)
+    return pieces
 
 
 def _pack_pieces(obj: Any, packer: msgpack.Packer, pieces: list[bytes]) -> None:
-    """Append the msgpack encoding of ``obj`` to ``pieces``, long byte strings as themselves (see packb)."""
+    """Pack ``obj`` into ``packer``'s buffer, cutting a piece at each long byte string (see pack_body)."""
     if isinstance(obj, dict):
-        pieces.append(packer.pack_map_header(len(obj)))
+        packer.pack_map_header(len(obj))
         for key, value in obj.items():
-            pieces.append(packer.pack(key))
+            packer.pack(key)
             _pack_pieces(value, packer, pieces)
     elif isinstance(obj, (list, tuple)) and any(isinstance(x, (dict, list, tuple, bytes)) for x in obj):
-        pieces.append(packer.pack_array_header(len(obj)))
+        packer.pack_array_header(len(obj))
         for value in obj:
             _pack_pieces(value, packer, pieces)
     elif isinstance(obj, bytes) and _SPLICE_BYTES <= len(obj) <= 0xFFFFFFFF:
-        pieces.append(b"\xc6" + len(obj).to_bytes(4, "big"))  # bin 32, the header msgpack writes for this length
+        # bin 32, the header msgpack writes for this length, closes the piece before the data
+        pieces.append(packer.bytes() + b"\xc6" + len(obj).to_bytes(4, "big"))
+        packer.reset()
         pieces.append(obj)
     else:
-        pieces.append(packer.pack(obj))
+        packer.pack(obj)
 
 
 def unpackb(data: bytes, *, max_bytes: int | None = None) -> Any:

@@ -1,8 +1,8 @@
-"""Unit tests for shared.wire's fast paths: the one-pass finiteness check and packb's byte splicing.
+"""Unit tests for shared.wire's fast paths: the one-pass finiteness check and the bodies packed in pieces.
 
 Both must be exact: ``all_finite`` refuses NaN/inf wherever it sits (including the edges of the
-vectorised inner loops) and never refuses a finite value, however large; ``packb`` produces the same
-bytes as ``msgpack.packb`` for every shape of message.
+vectorised inner loops) and never refuses a finite value, however large; ``pack_body``'s pieces and
+``packb`` produce the same bytes as ``msgpack.packb`` for every shape of message.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import torch
 
-from shared.wire import WireError, all_finite, decode_tensor, encode_state, encode_tensor, packb, unpackb
+from shared.wire import WireError, all_finite, decode_tensor, encode_state, encode_tensor, pack_body, packb, unpackb
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -93,6 +93,37 @@ def _messages() -> list[object]:
 @pytest.mark.parametrize("obj", _messages(), ids=lambda o: type(o).__name__)
 def test_packb_is_byte_for_byte_msgpack(obj):
     assert packb(obj) == msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize("obj", _messages(), ids=lambda o: type(o).__name__)
+def test_a_body_s_pieces_are_byte_for_byte_msgpack(obj):
+    body = pack_body(obj)
+    expected = msgpack.packb(obj, use_bin_type=True)
+    assert b"".join(body) == expected
+    assert len(body) == len(expected)
+    assert all(isinstance(piece, bytes) and piece for piece in body)
+
+
+def test_a_body_holds_the_tensor_snapshots_themselves_between_packed_pieces():
+    gen = torch.Generator().manual_seed(3)
+    fx, small = encode_tensor(torch.randn(64, 32, 14, 14, generator=gen)), encode_tensor(torch.randn(10, generator=gen))
+    weights = encode_state({"a": torch.randn(300, 300, generator=gen), "b": torch.randn(300, generator=gen)})
+    body = pack_body({"fx": fx, "small": small, "weights": weights, "round": 3})
+    # Only the long byte strings are pieces of their own, and they are the very objects encode_tensor
+    # made (no copy); the packed values around them are one piece each.
+    assert [piece is fx["data"] or piece is weights["a"]["data"] for piece in body.pieces] == [False, True, False, True, False]
+    assert small["data"] in body.pieces[2] and weights["b"]["data"] in body.pieces[4]
+
+
+def test_a_body_is_fixed_once_packed_even_if_the_tensor_changes():
+    t = torch.zeros(1 << 16)
+    body = pack_body({"t": encode_tensor(t)})
+    t += 1  # the next training step, in place
+    assert torch.equal(decode_tensor(unpackb(b"".join(body))["t"]), torch.zeros(1 << 16))
+
+
+def test_a_body_of_only_small_values_is_one_piece():
+    assert pack_body({"a": 1, "b": [1, 2], "c": b"\x00" * 100}).pieces == (msgpack.packb({"a": 1, "b": [1, 2], "c": b"\x00" * 100}),)
 
 
 def test_packb_round_trips_a_large_tensor_bit_exactly():
