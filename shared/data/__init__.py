@@ -2,8 +2,8 @@
 
 The names below are imported from their modules on first use (PEP 562), not when the package is:
 ``shared.config`` needs only ``shared.data.spec`` (pydantic), and importing it must not import
-torch, which ``datasets`` and ``partition`` do. The testbed launcher reads the run configuration
-without torch (about 150 MiB per process; docs/architecture.md, "Memory").
+torch, which ``datasets`` and ``partition`` do: the testbed launcher reads the run configuration
+without torch (about 150 MiB per process; docs/configuration.md, ``python -m testbed``).
 """
 from __future__ import annotations
 
