@@ -69,7 +69,7 @@ class Device:
     With ``keep_model`` (a real device) the model lives for the whole run and ends holding the
     final global model. Without it (an agent hosting many virtual devices) a device holds real
     weights only while it trains: each task materialises just the blocks it trains and frees
-    them after the upload, so an agent's memory follows the devices training at once rather
+    them once the upload is encoded, so an agent's memory follows the devices training at once rather
     than the devices it hosts. Nothing else changes: every task carries all the weights it trains.
 
     ``torch_device`` (``--torch-device``) is where the model's real weights live and train; the
