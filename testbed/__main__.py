@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
                     "device agents start as separate processes on loopback and talk HTTP. Prints one line per "
                     "round and writes a run directory (config, metrics.jsonl, checkpoint, summary, logs).")
     parser.add_argument("--config", help="run configuration file (YAML/JSON); see docs/configuration.md")
-    parser.add_argument("--algorithm", help="s2fl, sfl, fedavg, fedbc, fnr-fl, fedipg or a registered one (docs/configuration.md; default s2fl)")
+    parser.add_argument("--algorithm", help="an algorithm: s2fl, sfl, fedavg, ... (all in docs/configuration.md; default s2fl)")
     parser.add_argument("--model", help="a built-in model (cnn, resnet8, ...: docs/builtin-models.md) or an import path "
                                         "package.module:function (docs/models.md; default cnn)")
     parser.add_argument("--rounds", type=int, help="number of rounds (default 20)")
