@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     if checked.usage_error:
         parser.error(checked.usage_error)
-    config = checked.run_config()
+    config = checked.config
+    assert config is not None and checked.split_mode is not None   # no usage error: the child checked it
     main_servers = args.main_servers if args.main_servers is not None else main_servers_for(checked.split_mode)
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}"
     data = "local data" if config.data.dataset == "local" else (

@@ -33,18 +33,15 @@ class CheckRequest(BaseModel):
 
 
 class CheckResult(BaseModel):
-    """The fully checked configuration (``config``, as JSON), the algorithm's split mode and the
+    """The fully checked configuration (``config``; read back by the launcher against the schema
+    only, the child having checked the rest), the algorithm's split mode and the
     resolved ``--torch-device`` (``auto`` resolved once, here); or ``usage_error``, the message of a
     bad flag (an unavailable torch device, a missing ``--device-data`` path)."""
 
-    config: dict | None = None
+    config: RunConfig | None = None
     split_mode: Literal["zero", "fixed", "sliding"] | None = None
     torch_device: str | None = None
     usage_error: str | None = None
-
-    def run_config(self) -> RunConfig:
-        """``config`` as a ``RunConfig`` (the schema only: the child checked the rest)."""
-        return RunConfig.model_validate(self.config)
 
 
 class CheckFailed(RuntimeError):
@@ -78,7 +75,7 @@ def check(request: CheckRequest) -> CheckResult:
         exit_on_config_error(exc)
     except ValueError as exc:  # a --device-data path that is missing or ambiguous
         return CheckResult(usage_error=str(exc))
-    return CheckResult(config=config.model_dump(mode="json"), split_mode=build_algorithm(config).split_mode(),
+    return CheckResult(config=config, split_mode=build_algorithm(config).split_mode(),
                        torch_device=torch_device)
 
 
