@@ -204,6 +204,8 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
                         while "device_agent" not in children and launcher.poll() is None:
                             time.sleep(0.05)
                             children = service_children(launcher.pid)
+                        if "device_agent" not in children:
+                            continue   # the launcher failed: its output is reported below
                         # FedAvg: no Main Server is started.
                         assert "main_server" not in children, children
                         pids = {"launcher": launcher.pid, "fed_server": children["fed_server"],
