@@ -17,9 +17,10 @@ reach if the devices' compute spread perfectly over both cores and everything el
 
 Memory: the whole testbed's proportional set size (PSS: shared pages split between the processes
 that map them, so shared libraries count once in the sum) is the sum of ``Pss`` from
-``/proc/<pid>/smaps_rollup`` over the launcher (this process, standing in for ``python -m
-testbed``), the Fed Server and the agent, sampled together every second; the
-peak of that sum is the figure. The peak of the summed RSS is reported beside it.
+``/proc/<pid>/smaps_rollup`` over the launcher (``python -m testbed``, started by this benchmark
+as a user starts it; until 2026-11-24 this process stood in for it, with torch, the model and
+the data loaded), the Fed Server and the agent, sampled together every second; the peak of that
+sum is the figure. The peak of the summed RSS is reported beside it.
 """
 from __future__ import annotations
 
@@ -27,11 +28,15 @@ import copy
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from benchmarks.network_overhead import clean_run_results, max_abs_diff, round_periods
 from device_agent.device import round_seed
@@ -45,7 +50,7 @@ from shared.evaluation import evaluate
 from shared.models import build_model
 from shared.portions import portion_state
 from shared.run_config import load_run_config
-from testbed.runner import Testbed
+from testbed.processes import service_env
 
 
 def bench_config(quick: bool, rounds: int | None = None) -> RunConfig:
@@ -155,41 +160,76 @@ class PssSampler:
 
 # --- services -----------------------------------------------------------------------------------
 
+def service_children(launcher_pid: int) -> dict[str, int]:
+    """The services ``python -m testbed`` has started so far: ``{module: pid}`` of its children
+    (``/proc/<pid>/task/<pid>/children``, the module from each ``python -m MODULE`` command line)."""
+    try:
+        pids = [int(p) for p in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return {}
+    found = {}
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue   # already gone (the configuration check's child)
+        if "-m" in argv[:-1]:
+            found[argv[argv.index("-m") + 1]] = pid
+    return found
+
+
 def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
-    """The run through the real services: per-round records, final model, peak PSS."""
+    """The run through the real ``python -m testbed`` (its own process, as a user starts it):
+    per-round records, final model, peak PSS of the launcher and the services it starts."""
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-f-"))
     run_dir = root / "run"
+    config_path = root / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    command = [sys.executable, "-m", "testbed", "--config", str(config_path), "--run-dir", str(run_dir),
+               "--log-level", "WARNING", "--timeout", "1800"]
     try:
-        testbed = Testbed(config, run_dir, agents=1, log_level="WARNING")
-        sampler: PssSampler | None = None
-        try:
-            testbed.start()
-            assert testbed.fed is not None and testbed.main is None   # FedAvg: no Main Server is started
-            pids = {"launcher": os.getpid(), "fed_server": testbed.fed.process.pid}
-            for service in testbed.agent_services:
-                pids[f"device_agent ({config.data.num_devices} devices)"] = service.process.pid
-            sampler = PssSampler(pids).start()
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=service_env()) as launcher:
+            assert launcher.stdout is not None
+            sampler: PssSampler | None = None
             cpu_at_round: list[dict[str, float]] = []
-
-            def on_round(record: dict, _status: dict) -> None:
-                cpu_at_round.append(sampler.cpu_now())
-                log(f"  services round {record['round']}/{config.rounds}: {record['round_time_s']:.2f}s, "
-                    f"acc {100 * record['test_accuracy']:.2f}%")
-
-            testbed.follow(on_round=on_round, timeout=1800)
-        finally:
-            memory = sampler.stop() if sampler is not None else {}
-            testbed.stop()
+            output: list[str] = []
+            try:
+                for line in launcher.stdout:
+                    output.append(line.rstrip())
+                    if sampler is None and line.startswith("fed server "):
+                        # Printed once the servers are healthy and the agent is started (its
+                        # process may take a moment to show in /proc).
+                        children = service_children(launcher.pid)
+                        while "device_agent" not in children and launcher.poll() is None:
+                            time.sleep(0.05)
+                            children = service_children(launcher.pid)
+                        if "device_agent" not in children:
+                            continue   # the launcher failed: its output is reported below
+                        # FedAvg: no Main Server is started.
+                        assert "main_server" not in children, children
+                        pids = {"launcher": launcher.pid, "fed_server": children["fed_server"],
+                                f"device_agent ({config.data.num_devices} devices)": children["device_agent"]}
+                        sampler = PssSampler(pids).start()
+                    elif sampler is not None and line.startswith("round "):
+                        cpu_at_round.append(sampler.cpu_now())
+                        log(f"  services {line.split('  moved')[0]}")
+            finally:
+                memory = sampler.stop() if sampler is not None else {}
+                if launcher.poll() is None:
+                    launcher.terminate()
+            if launcher.wait() != 0:
+                raise RuntimeError("python -m testbed failed:\n" + "\n".join(output[-30:]))
         ok, final_state = clean_run_results(run_dir, config.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    # CPU seconds of the whole testbed per round, from round 1's record to the last one (start-up,
-    # imports and round 1's cold start left out); the status polls see rounds up to 0.5 s late,
+    # CPU seconds of the whole testbed per round, from round 1's line to the last one (start-up,
+    # imports and round 1's cold start left out); the launcher prints a round up to 0.5 s late,
     # which moves work between neighbouring rounds but not out of the total.
     per_process = ({name: (cpu_at_round[-1].get(name, 0.0) - first) / (len(cpu_at_round) - 1)
                     for name, first in cpu_at_round[0].items()} if len(cpu_at_round) > 1 else {})
-    # The launcher here is this benchmark process, which also runs the sampler: its CPU is
-    # reported but left out of the services' sum (a plain ``python -m testbed`` only polls status).
+    # The launcher only follows the run (status polls); its CPU is reported but, as before it was
+    # its own process, left out of the services' sum.
     services_cpu = sum(v for name, v in per_process.items() if name != "launcher") if per_process else None
     return {"records": ok, "final_state": final_state, "memory": memory, "cpu_s_per_round": services_cpu,
             "cpu_s_per_round_per_process": per_process}

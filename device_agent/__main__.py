@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-models", choices=sorted(KEEP_MODELS), default=env_default("keep_models", "auto"),
                         help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
                              "when hosting one device; no = build the trained blocks for each task and free them "
-                             "after the upload (memory follows the devices training at once); yes = always keep")
+                             "once the upload is encoded (memory follows the devices training at once); yes = always keep")
     parser.add_argument("--compute-slots", default=env_default("compute_slots", "0"),
                         help="devices of this agent computing at once (env SFL_COMPUTE_SLOTS; default 0: no limit); "
                              "e.g. the usable cores, to cap the agent's memory on a machine it has to itself")

@@ -73,7 +73,7 @@ class Device:
     With ``keep_model`` (a real device) the model lives for the whole run and ends holding the
     final global model. Without it (an agent hosting many virtual devices) a device holds real
     weights only while it trains: each task materialises just the blocks it trains and frees
-    them after the upload, so an agent's memory follows the devices training at once rather
+    them once the upload is encoded, so an agent's memory follows the devices training at once rather
     than the devices it hosts. Nothing else changes: every task carries all the weights it trains.
 
     ``torch_device`` (``--torch-device``) is where the model's real weights live and train; the
@@ -325,10 +325,22 @@ class Device:
         the one that counts; this one only spares the device work nobody will take.
         """
         try:
-            self._train_and_upload(task, task_bytes, received_at)
+            body = self._train(task, task_bytes, received_at)
         finally:
             if not self.keep_model:
                 self.model = None
+        # Uploaded after the model is freed: its weights are in the body now, and the upload may
+        # wait on a Fed Server that is busy with the other devices' uploads.
+        self.fed.upload(body)
+        self.rounds_done += 1
+        assert task.split_point is not None
+        if self.on_upload is not None:
+            try:
+                self.on_upload(body, task.split_point)
+            except Exception:  # observability must never break training
+                log.debug("%s: on_upload hook failed", self.device_id, exc_info=True)
+        log.info("%s: round %d done (split %d, %d steps, loss %.3f, %.2fs)", self.device_id, task.round_id,
+                 task.split_point, body.steps, body.train_loss, body.timings.total_s)
 
     def run_evaluation(self, task: TaskResponse) -> None:
         """Federated evaluation: run the task's global model on the held-out part and report the
@@ -352,7 +364,9 @@ class Device:
                                              correct=correct, loss_sum=loss_sum))
         log.info("%s: evaluated round %d on %d held-out samples (%d correct)", self.device_id, task.round_id, n, correct)
 
-    def _train_and_upload(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
+    def _train(self, task: TaskResponse, task_bytes: int, received_at: float) -> UpdateRequest:
+        """Train the task and return the upload (the model, the decoded weights and the
+        training's other objects are freed when this returns)."""
         assert self.layout is not None and self.data is not None and self.info is not None
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
         # Stretch CPU time where it measures the work (a CPU device, one torch thread; see RoundClock).
@@ -363,6 +377,11 @@ class Device:
         assert train is not None and task.round_id is not None and task.split_point is not None
         weights = decode_portion(task.weights or {}, self.layout, 0, task.split_point, what="task weights")
         model = self._model_for(task.split_point)
+        model.portion(0, task.split_point).load_state_dict(weights, strict=True)
+        # The decoded tensors view the message's bytes (one copy of the portion): loaded, both go
+        # now instead of living through the round (``run()`` keeps the task until its next poll).
+        del weights
+        task.weights = None
         algorithm = ALGORITHMS[task.algorithm or "fedavg"]
         logic = algorithm.device_logic(dict(task.params))
         extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
@@ -375,7 +394,7 @@ class Device:
             main_bytes_before = (self.main.bytes_up, self.main.bytes_down)
             send_step = self._join(task, clock)
         result = train_round(
-            model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
+            model, task.split_point, None, self.data, train.lr, train.momentum, train.weight_decay,
             train.batch_size, train.local_epochs, round_seed(self.info.seed, self.device_id if self.shard is None else self.shard, task.round_id), clock,
             send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
             compute_slot=self.compute_slot,
@@ -387,7 +406,7 @@ class Device:
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
         clock.transfer(sum(t.numel() * t.element_size() for t in state.values()))
-        body = UpdateRequest(
+        return UpdateRequest(
             device_id=self.device_id, round_id=task.round_id, num_samples=len(self.data), steps=result.steps,
             train_loss=result.train_loss, weights=encode_state(state),
             timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
@@ -396,15 +415,6 @@ class Device:
             bytes_down=(self.main.bytes_down - main_bytes_before[1]) if self.main and send_step else 0,
             extras=logic.upload_extras(portion, self.data).to_wire(),
         )
-        self.fed.upload(body)
-        self.rounds_done += 1
-        if self.on_upload is not None:
-            try:
-                self.on_upload(body, task.split_point)
-            except Exception:  # observability must never break training
-                log.debug("%s: on_upload hook failed", self.device_id, exc_info=True)
-        log.info("%s: round %d done (split %d, %d steps, loss %.3f, %.2fs)", self.device_id, task.round_id,
-                 task.split_point, result.steps, result.train_loss, body.timings.total_s)
 
     def _report_and_follow_up(self, task: TaskResponse, follow_up_model: type[Payload], logic, portion,
                               clock: RoundClock, deadline: float) -> None:

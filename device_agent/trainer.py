@@ -51,7 +51,7 @@ def steps_per_round(num_samples: int, batch_size: int, epochs: int) -> int:
 def train_round(
     model: SplitModel,
     split_point: int,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None,
     data: ArrayDataset,
     lr: float,
     momentum: float,
@@ -68,7 +68,10 @@ def train_round(
     compute_slot: AbstractContextManager | None = None,
 ) -> LocalResult:
     """Train blocks[:split_point] of ``model`` in place for one round, on the device its trained
-    blocks live on (``--torch-device``; the weights are copied there).
+    blocks live on (``--torch-device``; the weights are copied there). ``weights`` None: the
+    portion already holds the round's starting weights (the agent loads a task's weights as soon
+    as it has decoded them, so the received message's bytes, which the decoded tensors view, are
+    freed before training rather than held through it).
 
     With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
     Server and backpropagates the returned dfx; without it the device holds the whole model and
@@ -86,7 +89,8 @@ def train_round(
     """
     logic = logic or DeviceLogic({})
     portion = model.portion(0, split_point)
-    portion.load_state_dict(weights, strict=True)
+    if weights is not None:
+        portion.load_state_dict(weights, strict=True)
     device = model_device(portion)
     logic.begin_round(portion, extras if extras is not None else Payload(), data)
     data = logic.training_data(data)

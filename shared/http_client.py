@@ -6,8 +6,6 @@ what the run's communication figures report.
 """
 from __future__ import annotations
 
-import functools
-import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -16,6 +14,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from shared.retry import Backoff, retry
+from shared.tls import tls_context
 from shared.wire import WireError, pack_body, unpackb
 
 M = TypeVar("M", bound=BaseModel)
@@ -51,19 +50,6 @@ def decode_response(resp: httpx.Response, model: type[M]) -> M:
         return model.model_validate(unpackb(resp.content))
     except (WireError, ValidationError) as exc:
         raise ServiceError(resp.status_code, f"unreadable {model.__name__} answer: {exc}", str(resp.request.url)) from None
-
-
-@functools.lru_cache(maxsize=8)
-def tls_context(verify: bool | str = True) -> ssl.SSLContext | bool:
-    """One TLS context per trust setting, shared by every client of the process.
-
-    Building a context loads the CA bundle (tens of milliseconds); a testbed agent with 100
-    virtual devices would otherwise pay that per device and per server, inside timed rounds.
-    ``verify`` is True (system CAs), False (no verification) or a CA bundle path.
-    """
-    if verify is False:
-        return False
-    return ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
 
 
 def service_client(service_headers: Mapping[str, str], ca_file: str | None, timeout: float) -> httpx.AsyncClient:

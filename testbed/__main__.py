@@ -6,12 +6,14 @@ import sys
 import time
 from collections import Counter
 
-from shared.algorithms.registry import ALGORITHMS
-from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
-from shared.models.zoo import MODEL_NAMES
-from shared.torch_device import TORCH_DEVICE_CHOICES, torch_device_flag
 from shared.service import interrupt_on_sigterm
-from testbed.runner import Testbed, TestbedError
+from testbed.config_check import CheckFailed, CheckRequest, check_in_child
+from testbed.runner import Testbed, TestbedError, main_servers_for
+
+# The launcher imports no torch (about 150 MiB a process): the configuration is checked in a child
+# (testbed/config_check.py), so the help texts point to the docs for the algorithm, model and
+# torch device names instead of importing the registries that list them; a wrong name is refused
+# by the check with the valid choices.
 
 
 #: ``--paper-scale``: the paper's device population (100 devices, 10 sampled per round) and 30
@@ -44,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
                     "device agents start as separate processes on loopback and talk HTTP. Prints one line per "
                     "round and writes a run directory (config, metrics.jsonl, checkpoint, summary, logs).")
     parser.add_argument("--config", help="run configuration file (YAML/JSON); see docs/configuration.md")
-    parser.add_argument("--algorithm", help=f"one of {', '.join(ALGORITHMS)} (default s2fl)")
-    parser.add_argument("--model", help=f"a built-in model ({', '.join(MODEL_NAMES)}) or an import path "
+    parser.add_argument("--algorithm", help="an algorithm: s2fl, sfl, fedavg, ... (all in docs/configuration.md; default s2fl)")
+    parser.add_argument("--model", help="a built-in model (cnn, resnet8, ...: docs/builtin-models.md) or an import path "
                                         "package.module:function (docs/models.md; default cnn)")
     parser.add_argument("--rounds", type=int, help="number of rounds (default 20)")
     parser.add_argument("--devices", type=int, help="number of devices / data shards (default 10)")
@@ -66,9 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", help="run directory (default runs/<time>-<algorithm>)")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     parser.add_argument("--log-level", default="INFO", help="log level of the services (their logs go to <run-dir>/logs)")
-    parser.add_argument("--torch-device", type=torch_device_flag, default=None,
-                        help=f"where the Main Server, the device agents and the Fed Server's evaluation compute: "
-                             f"{TORCH_DEVICE_CHOICES} (default: each service's own default, cpu, or SFL_TORCH_DEVICE)")
+    parser.add_argument("--torch-device", default=None,
+                        help="where the Main Server, the device agents and the Fed Server's evaluation compute: "
+                             "auto, cpu, cuda, cuda:N, mps (default: each service's own default, cpu, or SFL_TORCH_DEVICE)")
     args = parser.parse_args(argv)
 
     shortcuts = {"algorithm": args.algorithm, "model": args.model, "rounds": args.rounds,
@@ -77,17 +79,20 @@ def main(argv: list[str] | None = None) -> None:
         shortcuts["data.seed"] = args.seed
     overrides = ([*PAPER_SCALE] if args.paper_scale else []) + [
         f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.overrides  # --set wins
+    request = CheckRequest(config_file=args.config, overrides=overrides, device_data=args.device_data,
+                           count_given=args.devices is not None or any(o.startswith("data.num_devices=")
+                                                                       for o in args.overrides),
+                           torch_device=args.torch_device)
     try:
-        if args.device_data and args.devices is None and not any(o.startswith("data.num_devices=") for o in args.overrides):
-            from shared.data.local import data_sources
-
-            count = sum(len(data_sources(path)) for path in args.device_data)
-            overrides = [f"data.num_devices={count}", *overrides]
-        config = resolve_run_config(args.config, overrides)
-    except ConfigError as exc:
-        exit_on_config_error(exc)
-    except ValueError as exc:  # a --device-data path that is missing or ambiguous
-        parser.error(str(exc))
+        checked = check_in_child(request)   # exits with status 2 and its lines on a bad configuration
+    except CheckFailed as exc:
+        print(f"testbed failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+    if checked.usage_error:
+        parser.error(checked.usage_error)
+    config = checked.config
+    assert config is not None and checked.split_mode is not None   # no usage error: the child checked it
+    main_servers = args.main_servers if args.main_servers is not None else main_servers_for(checked.split_mode)
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}"
     data = "local data" if config.data.dataset == "local" else (
         f"{config.data.dataset} {config.data.partition}{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''}")
@@ -97,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     interrupt_on_sigterm()
     try:
         testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
-                          torch_device=str(args.torch_device) if args.torch_device else None,
-                          main_servers=args.main_servers)
+                          torch_device=checked.torch_device, main_servers=main_servers)
         with testbed:
             mains = ", ".join(testbed.main_urls) or "none (split depth zero)"
             print(f"fed server {testbed.fed_url}, main server {mains}; waiting for devices ...",

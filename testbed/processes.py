@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from shared.tls import tls_context
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS picks it)."""
@@ -133,7 +135,7 @@ class ProcessGroup:
 
 def wait_healthy(url: str, service: Service, timeout: float = 120.0, verify: bool | str = True) -> None:
     """Poll ``url/healthz`` until it answers 200; fail early if the process died."""
-    from shared.http_client import tls_context
+    from shared.tls import tls_context
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

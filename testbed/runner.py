@@ -10,10 +10,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from shared.algorithms.registry import build_algorithm
-from shared.models.loading import is_import_path
 from shared.config import RunConfig
-from shared.http_client import tls_context
+from shared.imports import is_import_path
+from shared.tls import tls_context
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
 
 ProgressFn = Callable[[dict, dict], None]
@@ -26,6 +25,13 @@ class TlsFiles:
     cert: str
     key: str
     ca: str
+
+
+def main_servers_for(split_mode: str) -> int:
+    """Main Server processes a run needs by default: one, none for a split-depth-zero algorithm
+    (FedAvg, FedBC, ...), which never calls it (an idle one held 269 MiB of the FedAvg testbed's
+    1759 MiB PSS, benchmarks/README.md)."""
+    return 0 if split_mode == "zero" else 1
 
 
 class TestbedError(RuntimeError):
@@ -44,9 +50,9 @@ class Testbed:
                  device_data: list[str] | None = None, torch_device: str | None = None,
                  main_servers: int | None = None) -> None:
         """``main_servers``: Main Server processes (replicas); the Fed Server gets every URL
-        (docs/deployment.md, "Main Server replicas"). None: one when the algorithm uses the Main
-        Server, none for a split-depth-zero algorithm (FedAvg, FedBC, ...), which never calls it
-        (an idle one held 269 MiB of the FedAvg testbed's 1759 MiB PSS, benchmarks/README.md). ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
+        (docs/deployment.md, "Main Server replicas"). None: :func:`main_servers_for` the
+        algorithm's split mode (``python -m testbed`` passes the number: its launcher never
+        imports the algorithms, which import torch). ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
         ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
         self.config = config
@@ -66,7 +72,9 @@ class Testbed:
         self.fed_port = free_port(host)
         ports = [self.fed_port]
         if main_servers is None:
-            main_servers = 0 if build_algorithm(config).split_mode() == "zero" else 1
+            from shared.algorithms.registry import build_algorithm   # torch: only for callers that have it
+
+            main_servers = main_servers_for(build_algorithm(config).split_mode())
         while len(ports) < 1 + main_servers:   # the OS may hand out the same free port twice
             port = free_port(host)
             if port not in ports:

@@ -81,12 +81,14 @@ def _unavailable_cuda() -> tuple[str, str]:
     return name, f"torch device '{name}' does not exist"
 
 
-@pytest.mark.parametrize("module", ["fed_server", "main_server", "device_agent"])
+@pytest.mark.parametrize("module", ["fed_server", "main_server", "device_agent", "testbed"])
 def test_an_unavailable_torch_device_is_refused_at_start(tmp_path, module):
-    # --torch-device is checked while the flags are parsed: the service exits with a usage error
-    # saying why, before it loads data, binds a port or contacts anyone.
+    # --torch-device is checked while the flags are parsed (the testbed's, by its configuration
+    # check's child): the service exits with a usage error saying why, before it loads data, binds
+    # a port or contacts anyone.
     name, reason = _unavailable_cuda()
-    result = _run(module, "--torch-device", name, *(["--run-dir", str(tmp_path / "run")] if module == "fed_server" else []))
+    run_dir = ["--run-dir", str(tmp_path / "run")] if module in ("fed_server", "testbed") else []
+    result = _run(module, "--torch-device", name, *run_dir)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"python -m {module}: error: argument --torch-device: {reason}" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()

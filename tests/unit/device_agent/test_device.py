@@ -59,7 +59,7 @@ def test_model_is_released_after_a_task_only_without_keep_model(keep_model):
         device._model_for(1)
         raise RuntimeError("round failed")
 
-    device._train_and_upload = fail
+    device._train = fail
     with pytest.raises(RuntimeError):
         device.run_task(None, 0, 0.0)
     assert device.model is (kept if keep_model else None)

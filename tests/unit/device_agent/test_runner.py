@@ -193,3 +193,29 @@ def test_agent_compute_slots_are_one_semaphore_shared_by_its_devices():
     assert not slot.acquire(blocking=False)
     with pytest.raises(ValueError, match="compute_slots"):
         Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=-1)
+
+
+def test_the_task_weights_are_freed_once_loaded_and_without_keep_model_the_model_before_the_upload():
+    # Memory (issue 16): the decoded task weights view the message's bytes, so the device drops
+    # the message's copy once the weights are in its model, and a device that does not keep its
+    # model frees it before the upload, which may wait on a busy Fed Server. The trained weights
+    # are the same either way.
+    blocks = len(build_model("cnn").blocks)
+    uploads = {}
+    for keep_model in (True, False):
+        task = _train_task(4, blocks, None)
+        at_upload = {}
+
+        class RecordingFed(FakeFed):
+            def upload(self, req: UpdateRequest) -> None:
+                at_upload["model"] = device.model
+                super().upload(req)
+
+        fed = RecordingFed([task, TaskResponse(status="done")])
+        device = _device(fed, [], blocks, keep_model)
+        device.run()
+        assert task.weights is None
+        assert (at_upload["model"] is None) == (not keep_model)
+        (upload,) = fed.uploads
+        uploads[keep_model] = decode_state(upload.weights)
+    assert all(torch.equal(uploads[True][k], uploads[False][k]) for k in uploads[True])

@@ -8,6 +8,16 @@ import yaml
 
 import testbed.__main__ as cli
 from testbed.__main__ import format_round
+from testbed.config_check import CheckResult, check
+
+
+@pytest.fixture(autouse=True)
+def check_in_this_process(monkeypatch):
+    """The launcher's configuration check, run here instead of in its child process (the same
+    function, without a torch import per call); test_the_launcher_never_imports_torch runs the
+    child."""
+    monkeypatch.setattr(cli, "check_in_child", lambda request: CheckResult.model_validate_json(
+        check(request).model_dump_json()))
 
 
 def test_cli_counts_the_devices_of_device_data_paths(tmp_path, monkeypatch):
@@ -80,3 +90,42 @@ def test_the_round_line_marks_federated_figures_and_shows_missing_ones_as_na():
     assert "acc(fed)  50.00%  loss 1.250" in format_round(_record(evaluated_devices=3), STATUS)
     line = format_round(_record(evaluated_devices=0, test_accuracy=None, test_loss=None), STATUS)
     assert "acc(fed) n/a  loss n/a" in line
+
+
+LAUNCH_WITHOUT_SERVICES = """
+import sys
+import testbed.__main__ as cli
+
+class Stop(Exception):
+    pass
+
+def fake_testbed(config, run_dir, **kwargs):
+    print(config.algorithm, config.rounds, kwargs["main_servers"], kwargs["torch_device"])
+    raise Stop
+
+cli.Testbed = fake_testbed
+try:
+    cli.main(sys.argv[1:])
+except Stop:
+    pass
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_the_launcher_never_imports_torch(tmp_path):
+    # The whole command line up to starting the services, the configuration check in its child
+    # included: the launcher process ends without torch, and gets the checked config, the Main
+    # Server count of the algorithm's split mode (FedAvg: none) and the torch device the child
+    # resolved ``auto`` to.
+    import subprocess
+    import sys
+
+    from shared.torch_device import resolve_torch_device
+    from testbed.processes import service_env
+
+    result = subprocess.run([sys.executable, "-c", LAUNCH_WITHOUT_SERVICES, "--algorithm", "fedavg", "--rounds", "3",
+                             "--torch-device", "auto", "--run-dir", str(tmp_path / "run")],
+                            env=service_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-2:] == [f"fedavg 3 0 {resolve_torch_device('auto')}",
+                                               "torch imported: False"], result.stdout
