@@ -135,8 +135,6 @@ class ProcessGroup:
 
 def wait_healthy(url: str, service: Service, timeout: float = 120.0, verify: bool | str = True) -> None:
     """Poll ``url/healthz`` until it answers 200; fail early if the process died."""
-    from shared.tls import tls_context
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not service.alive():
