@@ -6,8 +6,8 @@ point 2 (server portion = fc1 + head), balanced grouping with group size 5, then
 device joins concurrently and sends ``steps`` steps of activations ``[32, 64, 7, 7]`` (401 KB
 float32) with labels, each waiting for its dfx (the group's per-step barrier) before the next.
 
-The virtual devices are coroutines in the benchmark process, each with its own connection (an
-httpx.AsyncClient per device, as each real device has its own); on a 2-core machine this load
+The virtual devices are coroutines in the benchmark process, each with its own keep-alive
+connection (:class:`DeviceConnection`, as each real device has its own); on a 2-core machine this load
 generator competes with the server for CPU, so the figures are a lower bound of what the Main
 Server alone can do. Each row records the CPU seconds of both sides (``client_cpu_s``,
 ``server_cpu_s``) and the throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
@@ -25,10 +25,12 @@ Main Server groups the joins itself, as in a one-replica run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,6 +151,57 @@ def measure_group_step_s(torch_device: str, repeats: int = 30) -> float:
     return float(np.median(times))
 
 
+class DeviceConnection:
+    """One virtual device's keep-alive HTTP/1.1 connection to its Main Server: each request's head
+    and msgpack body are written as they are, and the answer is read by its Content-Length.
+
+    The load generator shares the cores with the server, so its own cost per step is taken from
+    the server's figure. One pooled httpx client for all devices cost it 20 ms of CPU a step at 100
+    devices (httpcore scans every pooled connection and queued request on each request's state
+    change); an httpx client per device still 4.7 ms (h11 parses and buffers the 401 KB bodies in
+    Python), three quarters of what the Main Server spent on the step (benchmarks/README.md,
+    "mainserver"). This speaks only what the Main Server answers (uvicorn sends a Content-Length
+    with every response) and fails loudly on anything else.
+    """
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or parts.hostname is None or parts.port is None:
+            raise ValueError(f"{url}: the benchmark speaks plain http to a host:port")
+        self.host, self.port = parts.hostname, parts.port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """POST a msgpack ``body`` to ``path``; (status, answer body)."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        assert self.reader is not None
+        fields = {"host": f"{self.host}:{self.port}", **HEADERS, "content-length": str(len(body))}
+        head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
+        self.writer.writelines((head.encode("latin-1"), body))
+        await self.writer.drain()
+        status_line, *lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "content-length" not in headers:
+            raise RuntimeError(f"{path}: an answer without a Content-Length ({status_line})")
+        content = await self.reader.readexactly(int(headers["content-length"]))
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        return int(status_line.split(" ", 2)[1]), content
+
+    async def close(self) -> None:
+        """Close the connection (the next request opens a new one)."""
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+            self.reader = self.writer = None
+
+
 async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, devices: int, steps: int,
                  seed: int) -> dict:
     ids = [f"vdev-{i:03d}" for i in range(devices)]
@@ -162,17 +215,14 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
         for url, plan in plans.items():
             resp = await fed.post(f"{url}/v1/rounds", content=packb(plan.model_dump()))
             resp.raise_for_status()
-    # One connection per virtual device, as each real device holds its own. One pooled client for
-    # all of them cost the load generator 20 ms of CPU a step at 100 devices (httpcore scans every
-    # pooled connection and queued request on each request's state change), more than the Main
-    # Server spent on the step: the benchmark measured its own client.
-    clients = {d: httpx.AsyncClient(headers=HEADERS, timeout=600.0, limits=httpx.Limits(max_connections=1))
-               for d in ids}
+    # One connection per virtual device, as each real device holds its own (DeviceConnection).
+    connections = {d: DeviceConnection(replica_of[d]) for d in ids}
     try:
         async def join(d: str) -> None:
             body = JoinRequest(device_id=d, label_counts=label_counts[d], num_steps=steps).model_dump()
-            r = await clients[d].post(f"{replica_of[d]}/v1/rounds/{round_id}/join", content=packb(body))
-            r.raise_for_status()
+            status, content = await connections[d].post(f"/v1/rounds/{round_id}/join", packb(body))
+            if status != 200:
+                raise RuntimeError(f"{d} join: HTTP {status}: {content[:300]!r}")
 
         t_join = time.perf_counter()
         await asyncio.gather(*(join(d) for d in ids))
@@ -188,14 +238,14 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
             for step in range(steps):
                 t0 = time.perf_counter()
                 body = packb(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
-                r = await clients[d].post(f"{replica_of[d]}/v1/rounds/{round_id}/step", content=body)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{d} step {step}: HTTP {r.status_code}: {r.text[:300]}")
-                answer = unpackb(r.content)
+                status, content = await connections[d].post(f"/v1/rounds/{round_id}/step", body)
+                if status != 200:
+                    raise RuntimeError(f"{d} step {step}: HTTP {status}: {content[:300]!r}")
+                answer = unpackb(content)
                 decode_tensor(answer["dfx"], expect_shape=(BATCH, 64, 7, 7))
                 latencies[step].append(time.perf_counter() - t0)
                 server_s.append(float(answer["server_s"]))
-                moved[0] += len(body) + len(r.content)
+                moved[0] += len(body) + len(content)
 
         cpu = CpuMeter(pids)
         t0 = time.perf_counter()
@@ -203,7 +253,7 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
         wall = time.perf_counter() - t0
         client_cpu_s, server_cpu_s = cpu.read()
     finally:
-        await asyncio.gather(*(c.aclose() for c in clients.values()))
+        await asyncio.gather(*(c.close() for c in connections.values()))
     total_steps = devices * steps
     return {
         "devices": devices, "replicas": len(plans), "groups": -(-devices // GROUP_SIZE), "steps_per_device": steps,
@@ -289,8 +339,8 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
         "setup": {"model": "cnn", "split_point": SPLIT, "fx_shape": [BATCH, 64, 7, 7],
                   "fx_bytes": BATCH * 64 * 7 * 7 * 4, "group_size": GROUP_SIZE, "grouping": "balanced",
                   "torch_device": torch_device, "gpu": gpu_name(torch_device),
-                  "client": "one asyncio httpx client per virtual device, all in the benchmark process "
-                            "(shares the CPU with the server)",
+                  "client": "one keep-alive HTTP/1.1 connection per virtual device (DeviceConnection), all in "
+                            "the benchmark process's event loop (shares the CPU with the server)",
                   "fed_server": "none (uploads fail fast against a closed port)",
                   "replicas": "Main Server processes on the same machine; groups spread by spread_groups (LPT)"},
         "group_step_ms_in_process": 1e3 * group_step_s, "usable_cores": cores,
