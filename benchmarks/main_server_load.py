@@ -133,21 +133,28 @@ def _latency_figures(latencies: dict[int, list[float]]) -> dict:
 def measure_group_step_s(torch_device: str, repeats: int = 30) -> float:
     """Median seconds of one group step (``GroupTrainer.step`` of GROUP_SIZE members' batches) in
     this process, on this machine, with this process's torch threads: the Main Server's pure
-    compute per group step, without HTTP, decoding or contention, for the compute limit."""
+    compute per group step, without HTTP, decoding or contention, for the compute limit.
+
+    On the CPU it is the thread's CPU time (one torch thread computes in the calling thread), so
+    other jobs taking the cores do not inflate it (wall time gave 23 and 42 ms a minute apart at a
+    load average of 5 to 10); on a GPU, the wall time of the synchronized step.
+    """
     model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
     trainer = GroupTrainer(model, SPLIT, portion_state(model, SPLIT, len(model.blocks)), lr=0.05,
                            device=torch.device(torch_device))
     gen = torch.Generator().manual_seed(0)
     batches = [MemberBatch(f"m{i}", SPLIT, torch.randn(BATCH, 64, 7, 7, generator=gen),
                            torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen)) for i in range(GROUP_SIZE)]
+    on_cpu = torch_device == "cpu"
+    clock = time.thread_time if on_cpu else time.perf_counter
     times = []
     for i in range(repeats + 5):   # the first few warm the allocator up
-        t0 = time.perf_counter()
+        t0 = clock()
         trainer.step(batches)
-        if torch_device.startswith("cuda"):
+        if not on_cpu and torch_device.startswith("cuda"):
             torch.cuda.synchronize()
         if i >= 5:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return float(np.median(times))
 
 

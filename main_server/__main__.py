@@ -22,11 +22,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="the run's model when it is an import path package.module:function (env SFL_MODEL): "
                              "the Main Server builds an import path only if it equals this, never because a plan "
                              "names it (docs/security.md); built-in names need no flag")
-    parser.add_argument("--train-workers", type=int, default=int(env_default("train_workers", 1)),
+    parser.add_argument("--train-workers", type=int, default=env_default("train_workers", None),
                         help="group steps trained at once, each on --threads torch threads (env SFL_TRAIN_WORKERS; "
-                             "default 1). Raise it where the cores outnumber --threads, or run replicas")
+                             "default: the usable cores divided by --threads, at least 1)")
     args = parse_service_args(parser, argv)
-    if args.train_workers < 1:
+    if args.train_workers is not None and args.train_workers < 1:
         parser.error("--train-workers must be at least 1")
     configure_process(args.log_level, args.torch_threads, args.torch_device)
     from main_server.app import create_app

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,24 +42,33 @@ class MainServerSettings:
     ca_file: str | None = None                 # CA bundle to verify the Fed Server's HTTPS certificate
     torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where groups train
     model: str | None = None                   # the operator's --model: the only import path a plan may name
-    # Group steps trained at once (--train-workers), each on the process's torch threads. One by
-    # default: with one torch thread per process, several steps at once share the same core(s),
-    # each taking longer, and cost more CPU in all (benchmarks/README.md, "mainserver").
-    train_workers: int = 1
+    # Group steps trained at once (--train-workers), each on the process's torch threads; None:
+    # default_train_workers(). Not asyncio's default executor (up to cores + 4 threads): more steps
+    # at once than cores only share the cores, each step taking longer (benchmarks/README.md,
+    # "mainserver").
+    train_workers: int | None = None
+
+
+def default_train_workers() -> int:
+    """One training worker per core this process may use, given its torch threads per step: with
+    one torch thread a Main Server trains as many groups at once as it has cores, as benchmark (c)'s
+    compute limit assumes, and no more."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, torch.get_num_threads()))
 
 
 class MainServer:
     """Holds the current round and pushes finished groups' server portions to the Fed Server.
 
-    Every round's group steps train in this server's ``train_workers`` threads (started on first
-    use), first ready, first trained.
+    Every round's group steps train in this server's training workers (``train_workers`` threads,
+    started on first use), first ready, first trained.
     """
 
     def __init__(self, settings: MainServerSettings, metrics: MainMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else MainMetrics(self)
         self.round: RoundState | None = None
-        self.trainers = ThreadPoolExecutor(settings.train_workers, thread_name_prefix="main-train")
+        self.trainers = ThreadPoolExecutor(settings.train_workers or default_train_workers(),
+                                           thread_name_prefix="main-train")
 
     def current(self, round_id: int) -> RoundState:
         """The open round if it is ``round_id``; Conflict for none open or a stale round id."""
