@@ -275,20 +275,14 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
 
 
 def _against_limits(row: dict, group_step_s: float, cores: int) -> dict:
-    """A row's throughput against the Main Server's compute limits (issue 16, benchmark (c)).
-
-    The issue's limit: every core trains group steps back to back, ``cores * GROUP_SIZE /
-    group_step_s`` device steps a second, with the group step timed in-process (pure compute). A
-    Main Server process trains one group step at a time on one torch thread, so ``replicas``
-    processes can use at most ``min(replicas, cores)`` cores for it: the second limit. The server
-    CPU share is the Main Servers' CPU seconds over the wall time times the cores.
+    """A row's throughput against the Main Server's compute limit (issue 16, benchmark (c)): every
+    core trains group steps back to back, ``cores * GROUP_SIZE / group_step_s`` device steps a
+    second, with the group step timed in-process (pure compute). The CPU shares are the Main
+    Servers' and the load generator's CPU seconds over the wall time times the cores.
     """
     limit = cores * GROUP_SIZE / group_step_s
-    process_limit = min(row["replicas"], cores) * GROUP_SIZE / group_step_s
     return {
         "compute_limit_steps_per_s": limit, "fraction_of_compute_limit": row["device_steps_per_s"] / limit,
-        "process_limit_steps_per_s": process_limit,
-        "fraction_of_process_limit": row["device_steps_per_s"] / process_limit,
         "server_cpu_share_of_cores": row["server_cpu_s"] / (row["wall_s"] * cores),
         "client_cpu_share_of_cores": row["client_cpu_s"] / (row["wall_s"] * cores),
     }

@@ -23,19 +23,15 @@ def test_latency_figures_keep_every_step_and_show_the_first_steps_apart() -> Non
     assert out["latency_p99_over_p50"] == pytest.approx(out["latency_p99_ms"] / out["latency_p50_ms"])
 
 
-def test_limits_scale_with_cores_and_replicas() -> None:
+def test_the_limit_scales_with_the_cores() -> None:
     row = {"replicas": 1, "device_steps_per_s": 100.0, "server_cpu_s": 5.0, "client_cpu_s": 2.0, "wall_s": 10.0}
     out = _against_limits(row, group_step_s=0.025, cores=2)
     per_core = GROUP_SIZE / 0.025
     assert out["compute_limit_steps_per_s"] == pytest.approx(2 * per_core)
-    assert out["process_limit_steps_per_s"] == pytest.approx(per_core)      # one process trains on one thread
     assert out["fraction_of_compute_limit"] == pytest.approx(100.0 / (2 * per_core))
     assert out["server_cpu_share_of_cores"] == pytest.approx(0.25)
     assert out["client_cpu_share_of_cores"] == pytest.approx(0.1)
-    two = _against_limits({**row, "replicas": 2}, group_step_s=0.025, cores=2)
-    assert two["process_limit_steps_per_s"] == pytest.approx(2 * per_core)
-    three = _against_limits({**row, "replicas": 3}, group_step_s=0.025, cores=2)
-    assert three["process_limit_steps_per_s"] == pytest.approx(2 * per_core)  # no more than the cores
+    assert _against_limits(row, group_step_s=0.025, cores=4)["compute_limit_steps_per_s"] == pytest.approx(4 * per_core)
 
 
 def test_cpu_meter_counts_this_process_and_the_servers() -> None:
