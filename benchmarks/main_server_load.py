@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.fedavg_overhead import cpu_seconds
 from main_server.group_trainer import GroupTrainer, MemberBatch
-from shared.machine import proc_status_kib
+from shared.machine import proc_status_kib, usable_cores
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state
@@ -295,7 +295,7 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
     spread over that many processes); the figures and the setup, device included, as a
     JSON-friendly dict. Populations: 10, 50, 100 devices for one replica; 100 for more."""
     steps = 5 if quick else 20
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     group_step_s = float("nan")
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-main-"))
     group = ProcessGroup(root / "logs")

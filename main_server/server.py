@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.errors import Conflict
 from shared.http_client import decode_response, service_client
+from shared.machine import usable_cores
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
     API, Ack, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
@@ -53,7 +53,7 @@ def default_train_workers() -> int:
     """One training worker per core this process may use, given its torch threads per step: with
     one torch thread a Main Server trains as many groups at once as it has cores, as benchmark (c)'s
     compute limit assumes, and no more."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, torch.get_num_threads()))
+    return max(1, usable_cores() // max(1, torch.get_num_threads()))
 
 
 class MainServer:

@@ -78,13 +78,12 @@ def test_logic_modules_know_nothing_of_fastapi():
 
 
 def test_default_train_workers_is_one_per_usable_core_given_the_torch_threads(monkeypatch):
-    import os
-
     import torch
 
     from main_server.server import default_train_workers
+    from shared.machine import usable_cores
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert default_train_workers() == cores
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2 * cores)   # more threads a step than cores
