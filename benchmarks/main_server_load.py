@@ -6,9 +6,11 @@ point 2 (server portion = fc1 + head), balanced grouping with group size 5, then
 device joins concurrently and sends ``steps`` steps of activations ``[32, 64, 7, 7]`` (401 KB
 float32) with labels, each waiting for its dfx (the group's per-step barrier) before the next.
 
-The virtual devices are coroutines of one asyncio client (httpx.AsyncClient) in the benchmark
-process; on a 2-core machine the client competes with the server for CPU, so the figures are a
-lower bound of what the Main Server alone can do. Latency = send to decoded answer as a device
+The virtual devices are coroutines in the benchmark process, each with its own keep-alive
+connection (:class:`DeviceConnection`, as each real device has its own); on a 2-core machine this load
+generator competes with the server for CPU, so the figures are a lower bound of what the Main
+Server alone can do. Each row records the CPU seconds of both sides (``client_cpu_s``,
+``server_cpu_s``) and the throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
 sees it (includes waiting at the barrier for the group's other members); steps/s = device steps
 answered per second of wall time; MB/s = request + response body bytes per second.
 The finished groups' uploads go to a Fed Server URL nobody listens on: they fail fast in the
@@ -23,9 +25,12 @@ Main Server groups the joins itself, as in a one-replica run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +38,9 @@ import httpx
 import numpy as np
 import torch
 
-from shared.machine import proc_status_kib
+from benchmarks.fedavg_overhead import cpu_seconds
+from main_server.group_trainer import GroupTrainer, MemberBatch
+from shared.machine import proc_status_kib, usable_cores
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state
@@ -87,7 +94,123 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
     return plans, {m: urls[placed[g]] for g, members in enumerate(groups) for m in members}
 
 
-async def _drive(urls: list[str], run_id: str, round_id: int, devices: int, steps: int, seed: int) -> dict:
+class CpuMeter:
+    """CPU seconds used from its creation to :meth:`read` by this process (the load generator) and
+    by the processes ``pids`` (the Main Servers), to tell the client's share of the cores from
+    the servers'."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.client0 = time.process_time()
+        self.server0 = [cpu_seconds(pid) or 0.0 for pid in pids]
+
+    def read(self) -> tuple[float, float]:
+        """(client CPU seconds, Main Servers' CPU seconds summed) since creation."""
+        server = sum((cpu_seconds(pid) or 0.0) - s0 for pid, s0 in zip(self.pids, self.server0))
+        return time.process_time() - self.client0, server
+
+
+def _latency_figures(latencies: dict[int, list[float]]) -> dict:
+    """Percentiles of every step's latency, and of the steps after each device's first apart.
+
+    A device's first step of the round waits for its whole group to send theirs, and 100 devices
+    that joined together send their first steps at once, so the first steps queue behind each
+    other: their latency is the round's start-up, not the steady state. Both figures are kept
+    (no data is dropped); ``first_step_*`` shows the start-up alone.
+    """
+    every = [v for values in latencies.values() for v in values]
+    later = [v for step, values in latencies.items() if step > 0 for v in values]
+    out = {f"latency_p{q}_ms": 1e3 * _percentile(every, q) for q in (50, 95, 99)}
+    out["latency_max_ms"] = 1e3 * max(every)
+    out["latency_p99_over_p50"] = out["latency_p99_ms"] / out["latency_p50_ms"]
+    out.update({f"later_steps_latency_p{q}_ms": 1e3 * _percentile(later, q) for q in (50, 95, 99)})
+    out["later_steps_latency_p99_over_p50"] = out["later_steps_latency_p99_ms"] / out["later_steps_latency_p50_ms"]
+    out["first_step_latency_p50_ms"] = 1e3 * _percentile(latencies[0], 50)
+    out["first_step_latency_max_ms"] = 1e3 * max(latencies[0])
+    return out
+
+
+def measure_group_step_s(torch_device: str, repeats: int = 30) -> float:
+    """Median seconds of one group step (``GroupTrainer.step`` of GROUP_SIZE members' batches) in
+    this process, on this machine, with this process's torch threads: the Main Server's pure
+    compute per group step, without HTTP, decoding or contention, for the compute limit.
+
+    On the CPU it is the thread's CPU time (one torch thread computes in the calling thread), so
+    other jobs taking the cores do not inflate it (wall time gave 23 and 42 ms a minute apart at a
+    load average of 5 to 10); on a GPU, the wall time of the synchronized step.
+    """
+    model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
+    trainer = GroupTrainer(model, SPLIT, portion_state(model, SPLIT, len(model.blocks)), lr=0.05,
+                           device=torch.device(torch_device))
+    gen = torch.Generator().manual_seed(0)
+    batches = [MemberBatch(f"m{i}", SPLIT, torch.randn(BATCH, 64, 7, 7, generator=gen),
+                           torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen)) for i in range(GROUP_SIZE)]
+    on_cpu = torch_device == "cpu"
+    clock = time.thread_time if on_cpu else time.perf_counter
+    times = []
+    for i in range(repeats + 5):   # the first few warm the allocator up
+        t0 = clock()
+        trainer.step(batches)
+        if not on_cpu and torch_device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i >= 5:
+            times.append(clock() - t0)
+    return float(np.median(times))
+
+
+class DeviceConnection:
+    """One virtual device's keep-alive HTTP/1.1 connection to its Main Server: each request's head
+    and msgpack body are written as they are, and the answer is read by its Content-Length.
+
+    The load generator shares the cores with the server, so its own cost per step is taken from
+    the server's figure. One pooled httpx client for all devices cost it 20 ms of CPU a step at 100
+    devices (httpcore scans every pooled connection and queued request on each request's state
+    change); an httpx client per device still 4.7 ms (h11 parses and buffers the 401 KB bodies in
+    Python), three quarters of what the Main Server spent on the step (benchmarks/README.md,
+    "mainserver"). This speaks only what the Main Server answers (uvicorn sends a Content-Length
+    with every response) and fails loudly on anything else.
+    """
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or parts.hostname is None or parts.port is None:
+            raise ValueError(f"{url}: the benchmark speaks plain http to a host:port")
+        self.host, self.port = parts.hostname, parts.port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """POST a msgpack ``body`` to ``path``; (status, answer body)."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        assert self.reader is not None
+        fields = {"host": f"{self.host}:{self.port}", **HEADERS, "content-length": str(len(body))}
+        head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
+        self.writer.writelines((head.encode("latin-1"), body))
+        await self.writer.drain()
+        status_line, *lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "content-length" not in headers:
+            raise RuntimeError(f"{path}: an answer without a Content-Length ({status_line})")
+        content = await self.reader.readexactly(int(headers["content-length"]))
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        return int(status_line.split(" ", 2)[1]), content
+
+    async def close(self) -> None:
+        """Close the connection (the next request opens a new one)."""
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+            self.reader = self.writer = None
+
+
+async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, devices: int, steps: int,
+                 seed: int) -> dict:
     ids = [f"vdev-{i:03d}" for i in range(devices)]
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -95,22 +218,24 @@ async def _drive(urls: list[str], run_id: str, round_id: int, devices: int, step
     labels = {d: torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen) for d in ids}
     label_counts = {d: ((rng.dirichlet([0.5] * NUM_CLASSES) * BATCH * steps).astype(int) + 1).tolist() for d in ids}
     plans, replica_of = _plans(urls, run_id, round_id, ids, steps, label_counts)
-    limits = httpx.Limits(max_connections=devices + 8, max_keepalive_connections=devices + 8)
-    async with httpx.AsyncClient(headers=HEADERS, timeout=600.0, limits=limits) as client:
+    async with httpx.AsyncClient(headers=HEADERS, timeout=600.0) as fed:
         for url, plan in plans.items():
-            resp = await client.post(f"{url}/v1/rounds", content=packb(plan.model_dump()))
+            resp = await fed.post(f"{url}/v1/rounds", content=packb(plan.model_dump()))
             resp.raise_for_status()
-
+    # One connection per virtual device, as each real device holds its own (DeviceConnection).
+    connections = {d: DeviceConnection(replica_of[d]) for d in ids}
+    try:
         async def join(d: str) -> None:
             body = JoinRequest(device_id=d, label_counts=label_counts[d], num_steps=steps).model_dump()
-            r = await client.post(f"{replica_of[d]}/v1/rounds/{round_id}/join", content=packb(body))
-            r.raise_for_status()
+            status, content = await connections[d].post(f"/v1/rounds/{round_id}/join", packb(body))
+            if status != 200:
+                raise RuntimeError(f"{d} join: HTTP {status}: {content[:300]!r}")
 
         t_join = time.perf_counter()
         await asyncio.gather(*(join(d) for d in ids))
         join_s = time.perf_counter() - t_join
 
-        latencies: list[float] = []
+        latencies: dict[int, list[float]] = {step: [] for step in range(steps)}
         server_s: list[float] = []
         moved = [0]
 
@@ -120,27 +245,46 @@ async def _drive(urls: list[str], run_id: str, round_id: int, devices: int, step
             for step in range(steps):
                 t0 = time.perf_counter()
                 body = packb(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
-                r = await client.post(f"{replica_of[d]}/v1/rounds/{round_id}/step", content=body)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{d} step {step}: HTTP {r.status_code}: {r.text[:300]}")
-                answer = unpackb(r.content)
+                status, content = await connections[d].post(f"/v1/rounds/{round_id}/step", body)
+                if status != 200:
+                    raise RuntimeError(f"{d} step {step}: HTTP {status}: {content[:300]!r}")
+                answer = unpackb(content)
                 decode_tensor(answer["dfx"], expect_shape=(BATCH, 64, 7, 7))
-                latencies.append(time.perf_counter() - t0)
+                latencies[step].append(time.perf_counter() - t0)
                 server_s.append(float(answer["server_s"]))
-                moved[0] += len(body) + len(r.content)
+                moved[0] += len(body) + len(content)
 
+        cpu = CpuMeter(pids)
         t0 = time.perf_counter()
         await asyncio.gather(*(device(d) for d in ids))
         wall = time.perf_counter() - t0
+        client_cpu_s, server_cpu_s = cpu.read()
+    finally:
+        await asyncio.gather(*(c.close() for c in connections.values()))
     total_steps = devices * steps
     return {
         "devices": devices, "replicas": len(plans), "groups": -(-devices // GROUP_SIZE), "steps_per_device": steps,
-        "device_steps": total_steps, "wall_s": wall, "join_all_s": join_s,
-        "latency_p50_ms": 1e3 * _percentile(latencies, 50), "latency_p95_ms": 1e3 * _percentile(latencies, 95),
-        "latency_p99_ms": 1e3 * _percentile(latencies, 99), "latency_max_ms": 1e3 * max(latencies),
+        "device_steps": total_steps, "wall_s": wall, "join_all_s": join_s, **_latency_figures(latencies),
+        "client_cpu_s": client_cpu_s, "server_cpu_s": server_cpu_s,
+        "client_cpu_ms_per_step": 1e3 * client_cpu_s / total_steps,
+        "server_cpu_ms_per_step": 1e3 * server_cpu_s / total_steps,
         "server_step_p50_ms": 1e3 * _percentile(server_s, 50),
         "device_steps_per_s": total_steps / wall, "group_steps_per_s": -(-devices // GROUP_SIZE) * steps / wall,
         "MB_per_s": moved[0] / wall / 1e6, "MB_moved": moved[0] / 1e6,
+    }
+
+
+def _against_limits(row: dict, group_step_s: float, cores: int) -> dict:
+    """A row's throughput against the Main Server's compute limit (issue 16, benchmark (c)): every
+    core trains group steps back to back, ``cores * GROUP_SIZE / group_step_s`` device steps a
+    second, with the group step timed in-process (pure compute). The CPU shares are the Main
+    Servers' and the load generator's CPU seconds over the wall time times the cores.
+    """
+    limit = cores * GROUP_SIZE / group_step_s
+    return {
+        "compute_limit_steps_per_s": limit, "fraction_of_compute_limit": row["device_steps_per_s"] / limit,
+        "server_cpu_share_of_cores": row["server_cpu_s"] / (row["wall_s"] * cores),
+        "client_cpu_share_of_cores": row["client_cpu_s"] / (row["wall_s"] * cores),
     }
 
 
@@ -151,6 +295,8 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
     spread over that many processes); the figures and the setup, device included, as a
     JSON-friendly dict. Populations: 10, 50, 100 devices for one replica; 100 for more."""
     steps = 5 if quick else 20
+    cores = usable_cores()
+    group_step_s = float("nan")
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-main-"))
     group = ProcessGroup(root / "logs")
     rows = []
@@ -165,23 +311,27 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         mains = [group.start(f"main_server-{i}", "main_server", [
             "--fed-server-url", f"http://127.0.0.1:{dead}", "--port", str(port), "--log-level", "WARNING",
-            # The one client pools its connections over every virtual device; on a loaded machine a
-            # pooled connection can sit idle past the default 5 s keep-alive while its devices wait
-            # at barriers, and the server closing it just as the client reuses it ended a run
-            # with a ReadError. Real devices hold one connection each.
-            "--keep-alive-s", "120", "--torch-device", torch_device]) for i, port in enumerate(ports)]
+            "--torch-device", torch_device]) for i, port in enumerate(ports)]
         for url, main in zip(urls, mains):
             wait_healthy(url, main, timeout=120)
+        pids = [main.process.pid for main in mains]
+        group_step_s = measure_group_step_s(torch_device)
+        log(f"  one group step in-process ({GROUP_SIZE} x {BATCH} samples, one torch thread): "
+            f"{1e3 * group_step_s:.1f} ms")
         round_id = 0
         for replicas in replica_counts:
             populations = [10] if quick else ([10, 50, 100] if replicas == 1 else [100])
             for n in populations:
                 round_id += 1   # a new round at every replica: each replaces the one before
-                row = asyncio.run(_drive(urls[:replicas], "bench", round_id, n, steps, seed=round_id))
+                load = os.getloadavg()[0]
+                row = asyncio.run(_drive(urls[:replicas], pids[:replicas], "bench", round_id, n, steps, seed=round_id))
+                row.update(_against_limits(row, group_step_s, cores), load_average_1min=[load, os.getloadavg()[0]])
                 rows.append(row)
                 log(f"  main server x{replicas} {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, "
                     f"p95 {row['latency_p95_ms']:7.1f} ms, p99 {row['latency_p99_ms']:7.1f} ms, "
-                    f"{row['device_steps_per_s']:6.1f} steps/s, {row['MB_per_s']:6.1f} MB/s")
+                    f"{row['device_steps_per_s']:6.1f} steps/s ({row['fraction_of_compute_limit']:.2f} of the "
+                    f"limit), CPU ms a step: client {row['client_cpu_ms_per_step']:.1f}, "
+                    f"server {row['server_cpu_ms_per_step']:.1f}")
         peak = proc_status_kib(mains[0].process.pid, "VmHWM")
     finally:
         group.stop()
@@ -190,9 +340,11 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
         "setup": {"model": "cnn", "split_point": SPLIT, "fx_shape": [BATCH, 64, 7, 7],
                   "fx_bytes": BATCH * 64 * 7 * 7 * 4, "group_size": GROUP_SIZE, "grouping": "balanced",
                   "torch_device": torch_device, "gpu": gpu_name(torch_device),
-                  "client": "one asyncio httpx client in the benchmark process (shares the CPU with the server)",
+                  "client": "one keep-alive HTTP/1.1 connection per virtual device (DeviceConnection), all in "
+                            "the benchmark process's event loop (shares the CPU with the server)",
                   "fed_server": "none (uploads fail fast against a closed port)",
                   "replicas": "Main Server processes on the same machine; groups spread by spread_groups (LPT)"},
+        "group_step_ms_in_process": 1e3 * group_step_s, "usable_cores": cores,
         "populations": rows,
         "main_server_peak_rss_mib": round(peak / 1024, 1) if peak else None,
     }

@@ -75,6 +75,17 @@ def report(results: dict) -> str:
                 for r in c["populations"]]
         out.append(_table(["replicas", "devices", "groups", "p50 ms", "p95 ms", "p99 ms", "server step p50 ms", "steps/s",
                            "MB/s"], rows))
+        if "fraction_of_compute_limit" in c["populations"][0]:
+            out += ["", f"one group step in-process: {c['group_step_ms_in_process']:.1f} ms; compute limit = "
+                        f"{c['usable_cores']} cores x {s['group_size']} device steps / that"]
+            out.append(_table(
+                ["replicas", "devices", "p99/p50", "p99/p50 after step 0", "client CPU ms/step", "server CPU ms/step",
+                 "of compute limit", "server + client share of cores", "load avg"],
+                [[str(r["replicas"]), str(r["devices"]), f"{r['latency_p99_over_p50']:.2f}",
+                  f"{r['later_steps_latency_p99_over_p50']:.2f}", f"{r['client_cpu_ms_per_step']:.2f}",
+                  f"{r['server_cpu_ms_per_step']:.2f}", f"{r['fraction_of_compute_limit']:.2f}",
+                  f"{r['server_cpu_share_of_cores'] + r['client_cpu_share_of_cores']:.2f}", " -> ".join(f"{x:.1f}" for x in r["load_average_1min"])]
+                 for r in c["populations"]]))
         out.append(f"Main Server peak RSS after the load: {c['main_server_peak_rss_mib']} MiB")
     d = results.get("memory")
     if d:

@@ -22,7 +22,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="the run's model when it is an import path package.module:function (env SFL_MODEL): "
                              "the Main Server builds an import path only if it equals this, never because a plan "
                              "names it (docs/security.md); built-in names need no flag")
+    parser.add_argument("--train-workers", type=int, default=env_default("train_workers", None),
+                        help="group steps trained at once, each on --threads torch threads (env SFL_TRAIN_WORKERS; "
+                             "default: the usable cores divided by --threads, at least 1)")
     args = parse_service_args(parser, argv)
+    if args.train_workers is not None and args.train_workers < 1:
+        parser.error("--train-workers must be at least 1")
     configure_process(args.log_level, args.torch_threads, args.torch_device)
     from main_server.app import create_app
     from main_server.server import MainServerSettings
@@ -37,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     warm_up(args.torch_device)
 
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),
-                                  auth=auth, ca_file=args.ca_file, torch_device=args.torch_device, model=args.model)
+                                  auth=auth, ca_file=args.ca_file, torch_device=args.torch_device, model=args.model,
+                                  train_workers=args.train_workers)
     serve(create_app(settings), args)
 
 

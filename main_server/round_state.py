@@ -13,6 +13,7 @@ import copy
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,17 +64,29 @@ class Group:
         return {m for m in self.members if m not in self.dropped and m not in self.done and self.num_steps[m] > self.step}
 
 
+def _timed_step(trainer: GroupTrainer, batches: list[MemberBatch]) -> tuple[float, float, dict[str, MemberResult]]:
+    """``trainer.step(batches)`` with its start and end (``time.monotonic``), taken in the worker
+    thread: the step's server time is its training alone, not its wait for a free worker nor the
+    hop back to the event loop."""
+    started = time.monotonic()
+    results = trainer.step(batches)
+    return started, time.monotonic(), results
+
+
 class RoundState:
     """One round at the Main Server, from the Fed Server's plan to the groups' uploads.
 
     The template model, the plan's weights and the validation of every request stay on the CPU,
-    where the wire delivers them; each group's copy trains on ``device`` (:class:`GroupTrainer`).
+    where the wire delivers them; each group's copy trains on ``device`` (:class:`GroupTrainer`),
+    in ``executor``'s threads (the Main Server's training workers; asyncio's default executor if
+    None).
     """
 
     def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]],
                  metrics: MainMetrics | None = None, device: torch.device | None = None,
-                 model_ref: str | None = None) -> None:
+                 model_ref: str | None = None, executor: Executor | None = None) -> None:
         self.plan = plan
+        self.executor = executor
         self.metrics = metrics
         self.device = device
         self.round_id = plan.round_id
@@ -285,13 +298,16 @@ class RoundState:
         if group.timer is not None:
             group.timer.cancel()
         pending, group.pending = group.pending, {}
-        started = time.monotonic()
         try:
             # In device order, not arrival order: the union batch, and so the step, is then the same
             # whatever order the members' requests came in (a replay, or a run with replicas,
             # trains the same copy bit for bit).
             batches = [pending[d][0] for d in sorted(pending)]
-            results = await asyncio.to_thread(group.trainer.step, batches)
+            # Ready group steps queue for the training workers first come, first served: a group's
+            # step waits only for the steps that were ready before it. That wait counts as the
+            # members' wait at the Main Server (wait_s), not as the step's server time.
+            started, ended, results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, _timed_step, group.trainer, batches)
         except Exception as exc:  # a training failure must not leave devices hanging
             log.exception("round %d group %d: step %d failed", self.round_id, group.group_id, group.step)
             if self.metrics is not None:
@@ -301,7 +317,7 @@ class RoundState:
                     fut.set_exception(Failed(f"server-side training failed: {exc}"))
             group.running = False
             return
-        server_s = time.monotonic() - started
+        server_s = ended - started
         group.train_time_s += server_s
         if self.metrics is not None:
             self.metrics.step_trained(

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.errors import Conflict
 from shared.http_client import decode_response, service_client
+from shared.machine import usable_cores
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
     API, Ack, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
@@ -40,15 +42,33 @@ class MainServerSettings:
     ca_file: str | None = None                 # CA bundle to verify the Fed Server's HTTPS certificate
     torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where groups train
     model: str | None = None                   # the operator's --model: the only import path a plan may name
+    # Group steps trained at once (--train-workers), each on the process's torch threads; None:
+    # default_train_workers(). Not asyncio's default executor (up to cores + 4 threads): more steps
+    # at once than cores only share the cores, each step taking longer (benchmarks/README.md,
+    # "mainserver").
+    train_workers: int | None = None
+
+
+def default_train_workers() -> int:
+    """One training worker per core this process may use, given its torch threads per step: with
+    one torch thread a Main Server trains as many groups at once as it has cores, as benchmark (c)'s
+    compute limit assumes, and no more."""
+    return max(1, usable_cores() // max(1, torch.get_num_threads()))
 
 
 class MainServer:
-    """Holds the current round and pushes finished groups' server portions to the Fed Server."""
+    """Holds the current round and pushes finished groups' server portions to the Fed Server.
+
+    Every round's group steps train in this server's training workers (``train_workers`` threads,
+    started on first use), first ready, first trained.
+    """
 
     def __init__(self, settings: MainServerSettings, metrics: MainMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else MainMetrics(self)
         self.round: RoundState | None = None
+        self.trainers = ThreadPoolExecutor(settings.train_workers or default_train_workers(),
+                                           thread_name_prefix="main-train")
 
     def current(self, round_id: int) -> RoundState:
         """The open round if it is ``round_id``; Conflict for none open or a stale round id."""
@@ -63,7 +83,8 @@ class MainServer:
         if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
             raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
         # validates the plan before anything is replaced
-        new = RoundState(plan, self.upload_portion, self.metrics, self.settings.torch_device, model_ref=self.settings.model)
+        new = RoundState(plan, self.upload_portion, self.metrics, self.settings.torch_device, model_ref=self.settings.model,
+                         executor=self.trainers)
         if self.round is not None:
             self.round.abandon()
         self.round = new

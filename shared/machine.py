@@ -28,15 +28,20 @@ def _mem_total_gib() -> float | None:
     return None
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask on Linux, else every CPU)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def describe_machine() -> dict:
     """CPU model, cores, memory, OS, Python/torch versions, date and the load at the start."""
     import msgpack
     import torch
 
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count()
+    usable = usable_cores()
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:  # pragma: no cover

@@ -7,6 +7,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from testbed.processes import free_port, service_env
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -41,3 +43,11 @@ def test_an_open_main_server_warns_at_start():
     assert len(warnings) == 1 and " main_server WARNING " in warnings[0], warnings
     assert "anyone who can reach this server can open rounds, join them and send activations" in warnings[0]
     assert "SFL_SERVICE_SECRET" in warnings[0]
+
+
+def test_train_workers_below_one_is_a_usage_error():
+    from main_server.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--train-workers", "0"])
+    assert stopped.value.code == 2

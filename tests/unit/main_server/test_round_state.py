@@ -326,3 +326,45 @@ def test_the_watch_stream_beats_until_every_group_uploaded_or_the_round_is_repla
         await asyncio.wait_for(watching, 5)
         assert lines[-1] == "replaced" and set(lines[:-1]) == {"open"}
     kit.run(body)
+
+
+def test_ready_group_steps_train_one_at_a_time_and_the_queue_counts_as_wait(kit):
+    """One training worker: a group whose step becomes ready while another group's step trains
+    waits for it; that wait is the members' wait_s, and server_s is its own training alone."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def body() -> None:
+        workers = ThreadPoolExecutor(1)
+        state = RoundState(kit.make_plan(["a", "b"], grouping="singleton"), kit.Uploads(), executor=workers)
+        await kit.joined(state, "a", "b")
+        release = threading.Event()
+        spans: dict[str, tuple[float, float, str]] = {}   # member -> (start, end, thread) of its group's step
+        for group in state.groups:
+            step = group.trainer.step
+
+            def traced(batches, step=step):
+                start = time.monotonic()
+                if batches[0].device_id == "a":
+                    release.wait(10)   # a's step holds the worker until the test lets it go
+                result = step(batches)
+                spans[batches[0].device_id] = (start, time.monotonic(), threading.current_thread().name)
+                return result
+            group.trainer.step = traced
+        a = asyncio.create_task(state.step(kit.step_req("a", 0, *kit.batch(1))))
+        assert await kit.pending(a)
+        b = asyncio.create_task(state.step(kit.step_req("b", 0, *kit.batch(2))))
+        assert await kit.pending(b) and state.group_of["b"].running   # b's step is queued behind a's
+        b_arrived_by = time.monotonic()
+        release.set()
+        out_a, out_b = await a, await b
+        answered = time.monotonic()
+        workers.shutdown()
+        a_end = spans["a"][1]
+        assert spans["a"][2] == spans["b"][2]   # the one worker trained both
+        assert spans["b"][0] >= a_end           # b's step began after a's ended
+        assert out_b.wait_s >= a_end - b_arrived_by > 0          # b waited for a's step to end
+        assert spans["b"][1] - spans["b"][0] <= out_b.server_s <= answered - a_end   # its own training only
+        assert out_a.server_s >= a_end - b_arrived_by            # a's step held the worker until released
+    kit.run(body)
