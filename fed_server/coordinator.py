@@ -83,13 +83,12 @@ class Conclusion:
 
     # Not the FedRound: it holds the round's uploads, which must not live on beside the next
     # round's (the record below already took what it needs from them).
-    index: int                   # the logical round
-    round_id: int                # the attempt
-    aggregation: Aggregation
     record: RoundRecord          # complete but for the new model's evaluation (an aggregated attempt)
-    progress: RunProgress        # the checkpoint's progress as of the conclusion
-    finished: bool
-    stop_reason: str | None
+    progress: RunProgress        # the checkpoint's progress as of the conclusion, whether the run ends with it
+
+    @property
+    def finished(self) -> bool:
+        return self.progress.finished
 
 
 class Coordinator:
@@ -629,7 +628,7 @@ class Coordinator:
         loop, before the next attempt begins; the previous conclusion must be recorded first (the
         records and checkpoints are written in order)."""
         if self._unrecorded is not None:
-            raise RuntimeError(f"attempt {self._unrecorded.round_id} is concluded but not recorded yet")
+            raise RuntimeError(f"attempt {self._unrecorded.record.round_id} is concluded but not recorded yet")
         ok, used, extras = aggregation.ok, aggregation.used, aggregation.extras
         evaluated: tuple[int | None, int | None] = (None, None)   # federated: devices, samples
         if evaluation is not None:   # the evaluation tasks went down to the devices in this round
@@ -659,7 +658,7 @@ class Coordinator:
             finished, stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
         progress = copy.deepcopy(self._progress(finished, stop_reason))
         progress.history_len += 1   # the record this checkpoint will cover
-        self._unrecorded = Conclusion(fed_round.index, fed_round.round_id, aggregation, record, progress, finished, stop_reason)
+        self._unrecorded = Conclusion(record, progress)
         return self._unrecorded
 
     def record(self, conclusion: Conclusion) -> RoundRecord:
@@ -670,9 +669,9 @@ class Coordinator:
         CPU work: run off the event loop. It may run while the next attempt trains: the global
         model does not change until that attempt is aggregated, and the driver awaits this first."""
         if conclusion is not self._unrecorded:
-            raise RuntimeError(f"attempt {conclusion.round_id} is not the one concluded last")
-        record = conclusion.record
-        if conclusion.aggregation.ok:   # the model changed: evaluate it
+            raise RuntimeError(f"attempt {conclusion.record.round_id} is not the one concluded last")
+        record, progress = conclusion.record, conclusion.progress
+        if record.status == "ok":   # the model changed: evaluate it
             update: dict = {"algorithm_metrics": {**record.algorithm_metrics, **self.algorithm.evaluate(self.model)}}
             if self.evaluation_mode == "server":
                 assert self.test_set is not None
@@ -681,13 +680,13 @@ class Coordinator:
                 update["evaluation_s"] = time.perf_counter() - started
             record = RoundRecord.model_validate({**record.model_dump(), **update})   # validated like any record
         self.history.append(record)
-        self.recorder.record_round(record, self.model.state_dict(), conclusion.progress,
-                                   self._summary(conclusion.finished, conclusion.stop_reason) if conclusion.finished else None)
+        self.recorder.record_round(record, self.model.state_dict(), progress,
+                                   self._summary(progress.finished, progress.stop_reason) if progress.finished else None)
         self._unrecorded = None
-        self.rounds_recorded = conclusion.progress.rounds_done
+        self.rounds_recorded = progress.rounds_done
         # Only now, with the checkpoint and summary on disk, may /v1/status say "finished": a
         # testbed that stops the services on that answer must not kill the server mid-write.
-        self.finished, self.stop_reason = conclusion.finished, conclusion.stop_reason
+        self.finished, self.stop_reason = progress.finished, progress.stop_reason
         return record
 
     def _elapsed(self) -> float:

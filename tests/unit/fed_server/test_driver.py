@@ -134,9 +134,9 @@ def test_the_next_round_trains_while_the_last_one_is_evaluated_and_records_stay_
     order: list[str] = []
 
     def held_record(conclusion):
-        if conclusion.index == 1:
+        if conclusion.record.round == 1:
             assert release.wait(25), "round 1's record was never released"
-        order.append(f"record {conclusion.index}")
+        order.append(f"record {conclusion.record.round}")
         return record(conclusion)
 
     aggregate = c.aggregate_round
