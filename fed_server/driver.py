@@ -148,7 +148,8 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     training: nothing the next round decides depends on it, the global model does not change
     until the next aggregation, which waits for it, and on two cores it fills the core the
     round's last, largest device leaves idle. The records and checkpoints are still written in
-    round order. The last round, and a run with federated evaluation, record at once.
+    round order. The last round records at once; a federated evaluation phase (the devices
+    evaluate) ends before the next round begins, and only its record is written beside it.
     """
     # Every shard registered, or the registration deadline passed; then (a resumed run whose
     # devices did not all come back) the quorum's registrations.
