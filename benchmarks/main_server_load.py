@@ -18,7 +18,7 @@ background (connection refused, a few retries), which costs the Main Server next
 
 Replicas (``replicas`` > 1, docs/deployment.md "Main Server replicas"): that many Main Server
 processes; the benchmark forms the groups from the label counts and spreads them over the
-replicas as the Fed Server does (``form_round_groups``, ``spread_groups``), posts each replica its
+replicas as the Fed Server does (``form_round_groups``, ``groups_per_replica``), posts each replica its
 plan with its groups, and each virtual device talks to its group's replica. With one replica the
 Main Server groups the joins itself, as in a one-replica run.
 """
@@ -45,7 +45,7 @@ from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state
 from shared.http_client import HEADERS
-from shared.algorithms.grouping import BalancedGrouping, form_round_groups, spread_groups
+from shared.algorithms.grouping import BalancedGrouping, form_round_groups, groups_per_replica
 from shared.schemas import JoinRequest, Participant, PlannedGroup, RoundPlan, StepRequest, WireTensor
 from shared.wire import decode_tensor, encode_state, encode_tensor, packb, unpackb
 from testbed.processes import ProcessGroup, free_port, wait_healthy
@@ -84,14 +84,12 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
         return {urls[0]: plan(ids, None)}, {d: urls[0] for d in ids}
     groups = form_round_groups(BalancedGrouping(), label_counts, GROUP_SIZE, 0, round_id)
     # Every device has the same sample count here, so a group's load is its size.
-    placed = spread_groups([len(g) for g in groups], len(urls))
-    plans = {}
-    for r, url in enumerate(urls):
-        mine = [(g, members) for g, members in enumerate(groups) if placed[g] == r]
-        if mine:
-            plans[url] = plan(sorted(m for _, members in mine for m in members),
-                              [PlannedGroup(group_id=g, members=members) for g, members in mine])
-    return plans, {m: urls[placed[g]] for g, members in enumerate(groups) for m in members}
+    spread = [(url, mine) for url, mine in zip(urls, groups_per_replica(groups, [len(g) for g in groups], len(urls)))
+              if mine]
+    plans = {url: plan(sorted(m for members in mine.values() for m in members),
+                       [PlannedGroup(group_id=g, members=members) for g, members in mine.items()])
+             for url, mine in spread}
+    return plans, {m: url for url, mine in spread for members in mine.values() for m in members}
 
 
 class CpuMeter:

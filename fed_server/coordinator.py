@@ -32,7 +32,7 @@ from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.grouping import form_round_groups, spread_groups
+from shared.algorithms.grouping import form_round_groups, groups_per_replica
 from shared.algorithms.base import RoundContext, parse_payload
 from shared.algorithms.registry import build_algorithm, build_grouping, build_selector
 from shared.config import RunConfig
@@ -247,7 +247,7 @@ class Coordinator:
         One replica: one plan with every participant and no groups (the Main Server groups, as in
         the paper). Several: the groups are formed here, once per attempt, by the one grouping
         function the Main Server uses (same plug-in, group size and rng), from the label counts
-        sent at registration, and spread by :func:`spread_groups` (largest first, to the least
+        sent at registration, and spread by :func:`groups_per_replica` (largest first, to the least
         loaded replica).
         """
         if not live:
@@ -261,20 +261,19 @@ class Coordinator:
             groups = form_round_groups(build_grouping(self.algorithm.grouping()), counts,
                                        self.config.grouping.group_size, self.config.seed, fed_round.round_id)
             fed_round.planned_groups = dict(enumerate(groups))
-        planned = fed_round.planned_groups
-        loads = [sum(max(1, self.devices.devices[m].num_samples) for m in planned[g]) for g in range(len(planned))]
-        placed = spread_groups(loads, len(live))
-        fed_round.group_replica = {g: live[placed[g]] for g in planned}
+        planned = [fed_round.planned_groups[g] for g in range(len(fed_round.planned_groups))]
+        loads = [sum(max(1, self.devices.devices[m].num_samples) for m in members) for members in planned]
+        fed_round.group_replica = {}
         plans: dict[str, RoundPlan] = {}
-        for url in live:
-            mine = [g for g in sorted(planned) if fed_round.group_replica[g] == url]
+        for url, mine in zip(live, groups_per_replica(planned, loads, len(live))):
             if not mine:   # more replicas than groups
                 continue
-            for g in mine:
-                for m in planned[g]:
+            for g, members in mine.items():
+                fed_round.group_replica[g] = url
+                for m in members:
                     fed_round.assignments[m].main_server_url = url
-            plans[url] = self.round_plan(fed_round, sorted(m for g in mine for m in planned[g]),
-                                         [PlannedGroup(group_id=g, members=planned[g]) for g in mine])
+            plans[url] = self.round_plan(fed_round, sorted(m for members in mine.values() for m in members),
+                                         [PlannedGroup(group_id=g, members=members) for g, members in mine.items()])
         return plans
 
     def round_plan(self, fed_round: FedRound, members: Sequence[str],

@@ -43,6 +43,7 @@ __all__ = [
     "grouping_rng",
     "form_round_groups",
     "spread_groups",
+    "groups_per_replica",
     "balanced_groups",
     "Grouping",
     "BalancedGrouping",
@@ -277,6 +278,16 @@ def spread_groups(loads: Sequence[int], replicas: int) -> list[int]:
         placed[g] = target
         totals[target] += loads[g]
     return placed
+
+
+def groups_per_replica(groups: Sequence[Sequence[str]], loads: Sequence[int], replicas: int) -> list[dict[int, list[str]]]:
+    """Each replica's groups (group id -> members, in id order) when ``groups`` (their index is
+    their id) are spread by :func:`spread_groups`; a replica may get none. What the Fed Server
+    plans for its replicas, and what benchmark (c) does in its place."""
+    mine: list[dict[int, list[str]]] = [{} for _ in range(replicas)]
+    for g, replica in enumerate(spread_groups(loads, replicas)):
+        mine[replica][g] = list(groups[g])
+    return mine
 
 
 class Grouping:
