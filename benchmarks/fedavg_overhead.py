@@ -47,6 +47,7 @@ from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes, device_shard, load_dataset
 from shared.evaluation import evaluate
+from shared.machine import usable_cores
 from shared.models import build_model
 from shared.portions import portion_state
 from shared.run_config import load_run_config
@@ -297,7 +298,7 @@ GOAL_PSS_MIB = 1.2e9 / 2 ** 20   # 1.2 GB, in MiB (1144.4)
 def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = None) -> dict:
     """(f) figures: median round times, the ratios, accuracy agreement, peak PSS of the testbed."""
     config = bench_config(quick, rounds)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     log(f"  FedAvg, {config.model}, {config.data.num_devices} devices, {config.rounds} rounds, "
         f"{config.data.max_samples or 'all'} samples, real devices (no emulation), {cores} usable cores")
     services = run_services(config, log)
