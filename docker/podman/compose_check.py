@@ -8,7 +8,7 @@ shows up here. Steps, each timed:
 2. the server and device images (docker/*.Dockerfile, with ``BASE_IMAGE`` = the local base) and a
    Prometheus image from Debian's package (docker/podman/prometheus.Dockerfile);
 3. ``podman-compose up`` of docker-compose.yml + docker/podman/compose.check.yml without Grafana,
-   for a short S2FL run (the compose file's SFL_* variables: 2 rounds, 4 devices);
+   for a short S2FL run (the compose file's SFL_* variables: 6 rounds, 4 devices);
 4. waits for the run to finish; meanwhile every service's own health check must pass (run with
    ``podman healthcheck run``: podman runs health checks on systemd timers, which a CI container
    does not have) and Prometheus' /api/v1/targets must show every target of
@@ -44,8 +44,11 @@ SERVER_IMAGE = "s2fl-server:latest"
 DEVICE_IMAGE = "s2fl-device:latest"
 SERVICES = ("fed-server", "main-server", "agent-high", "agent-mid", "agent-low", "prometheus")
 # The run: small enough for CI, still S2FL with every device kind (SFL_* variables of the compose file).
+# Six rounds, not fewer: the agents exit when the run ends, and Prometheus (5 s scrapes) must see
+# each of them up once; 2 rounds took 7 s once the devices long-polled for tasks, and an agent
+# went unscraped.
 RUN_ENV = {
-    "SFL_ALGORITHM": "s2fl", "SFL_ROUNDS": "2", "SFL_NUM_DEVICES": "4", "SFL_TIME_SCALE": "1000",
+    "SFL_ALGORITHM": "s2fl", "SFL_ROUNDS": "6", "SFL_NUM_DEVICES": "4", "SFL_TIME_SCALE": "1000",
     "SFL_HIGH_SHARDS": "0-1", "SFL_MID_SHARDS": "2", "SFL_LOW_SHARDS": "3",
 }
 
