@@ -57,6 +57,21 @@ def _fed_state(fed_url: str) -> tuple:
     return s["registered"], s["open_round"], s["rounds_done"], s["state"], s["history"], s["driver_error"]
 
 
+def _settled_state(fed_url: str, rounds_before: int) -> tuple:
+    """The Fed Server's state once it has recorded the rounds before the one being uploaded to.
+
+    The previous round's record (evaluation, history line) is written beside the next round
+    (docs/operations.md), so it may land while a harmful upload is in flight; waiting for it first
+    keeps "unchanged" about what the upload did, not about the record thread's timing.
+    """
+    deadline = time.monotonic() + 60
+    while True:
+        state = _fed_state(fed_url)
+        if state[2] >= rounds_before or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
 def test_harmful_uploads_are_refused_change_nothing_and_the_run_completes():
     config = small_config(algorithm="s2fl", rounds=ROUNDS, **{
         "data.num_devices": 2, "data.max_samples": 400, "train.batch_size": 32,
@@ -71,7 +86,7 @@ def test_harmful_uploads_are_refused_change_nothing_and_the_run_completes():
             def upload(self, req: UpdateRequest) -> None:
                 path = f"{API}/rounds/{req.round_id}/updates"
                 for what, bad, word in _harmful_versions(req):
-                    before = _fed_state(servers.fed_url)
+                    before = _settled_state(servers.fed_url, evil.rounds_done)
                     resp = httpx.post(f"{servers.fed_url}{path}", content=packb(bad), timeout=30,
                                       headers={"content-type": "application/msgpack"})
                     after = _fed_state(servers.fed_url)
