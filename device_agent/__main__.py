@@ -48,9 +48,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
                              "when hosting one device; no = build the trained blocks for each task and free them "
                              "once the upload is encoded (memory follows the devices training at once); yes = always keep")
-    parser.add_argument("--compute-slots", default=env_default("compute_slots", "0"),
-                        help="devices of this agent computing at once (env SFL_COMPUTE_SLOTS; default 0: no limit); "
-                             "e.g. the usable cores, to cap the agent's memory on a machine it has to itself")
+    parser.add_argument("--compute-slots", default=env_default("compute_slots", "auto"),
+                        help="threads that run this agent's devices' training compute (env SFL_COMPUTE_SLOTS): auto "
+                             "(default) = one per usable core given --torch-threads when the agent hosts more devices "
+                             "than that, else 0; 0 = each device computes on its own thread")
     parser.add_argument("--model", default=env_default("model", None),
                         help="the run's model when it is an import path package.module:function (env SFL_MODEL): a "
                              "device builds an import path only if it equals this, never because the Fed Server "
@@ -80,12 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if args.keep_models not in KEEP_MODELS:  # argparse checks choices on the command line, not env defaults
         parser.error(f"--keep-models must be one of {sorted(KEEP_MODELS)}, got {args.keep_models!r}")
-    try:
-        compute_slots = int(args.compute_slots)
-    except ValueError:
-        compute_slots = -1
-    if compute_slots < 0:
-        parser.error(f"--compute-slots must be a whole number >= 0 (0: no limit), got {args.compute_slots!r}")
+    compute_slots = None if args.compute_slots == "auto" else _whole_number(args.compute_slots)
+    if compute_slots is not None and compute_slots < 0:
+        parser.error(f"--compute-slots must be auto or a whole number >= 0 (0: each device on its own thread), "
+                     f"got {args.compute_slots!r}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be 0 (off) or a port number, got {args.metrics_port}")
     metrics = None
@@ -102,6 +101,14 @@ def main(argv: list[str] | None = None) -> None:
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots)
     sys.exit(agent.run())
+
+
+def _whole_number(text: str) -> int:
+    """``text`` as an int, or -1 when it is not one (refused by the caller with the flag's name)."""
+    try:
+        return int(text)
+    except ValueError:
+        return -1
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ import threading
 import torch
 
 from device_agent.clients import HttpFedClient, main_connector
+from device_agent.compute import compute_for
 from device_agent.device import Device
 from shared.data.local import DataError, LocalSource
+from shared.machine import compute_workers
 from shared.profiles import kind_for
 
 log = logging.getLogger("device_agent")
@@ -77,14 +79,15 @@ class Agent:
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
     otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
     ``torch_device``: where every device's model trains (``--torch-device``; default the CPU).
-    ``compute_slots``: how many devices may be inside a training compute section at once
-    (``--compute-slots``); 0 (the default) = no limit. With one torch thread per process, devices
-    beyond the cores cannot compute sooner, but each one computing holds its activations: ten
-    devices of the small cnn training at once peaked 136 MiB above two at a time, for the same CPU
-    time. It is not the default because on a machine shared with other jobs the kernel gives the
-    agent a share of the cores by its runnable threads: with 2 slots the FedAvg rounds of
-    benchmark (f) took about 1.4x as long (17.0 s against 12.1 s a round) at a load average of
-    7 to 9 (issue 16, benchmarks/README.md). A slot is held only while computing, never while waiting for the Main Server or sleeping.
+    ``compute_slots``: how many of the agent's threads run its devices' training compute
+    (``--compute-slots``, :mod:`device_agent.compute`). ``None`` (the default): one per core the
+    agent may use given its torch threads (:func:`shared.machine.compute_workers`) when it hosts
+    more devices than that, else 0; 0: each device computes on its own thread. With one torch
+    thread, devices beyond the cores cannot compute sooner, but each one computing holds its
+    training memory, and each thread that computes keeps an allocator arena of it: ten devices of
+    the small cnn computing on their own threads held about 55 MiB each at the agent's peak
+    (issue 16, benchmarks/README.md). A device never holds a compute thread while it waits for the
+    Main Server or sleeps an emulated kind's stretch.
     """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
@@ -92,7 +95,7 @@ class Agent:
                  enrolment_secret: bytes | None = None, keep_models: bool | None = None,
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
                  device_id: str | None = None, torch_device: torch.device | None = None,
-                 model: str | None = None, compute_slots: int = 0) -> None:
+                 model: str | None = None, compute_slots: int | None = None) -> None:
         """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
         then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
         ``model``: the operator's ``--model`` (an import path the run may name)."""
@@ -100,10 +103,11 @@ class Agent:
         sources = sources or []
         count = len(sources) or len(shards)
         keep = count == 1 if keep_models is None else keep_models
-        if compute_slots < 0:
-            raise ValueError(f"compute_slots must be >= 0 (0: no limit), got {compute_slots}")
+        if compute_slots is None:
+            workers = compute_workers()
+            compute_slots = workers if count > workers else 0
         self.compute_slots = compute_slots
-        slot = threading.BoundedSemaphore(compute_slots) if compute_slots else None
+        self.compute = compute_for(compute_slots)
         connect_main = main_connector(verify)
         places: list[tuple[str, int | None, LocalSource | None, int]] = (
             [(i, None, s, n) for n, (i, s) in enumerate(zip(local_device_ids(sources, prefix, device_id), sources))]
@@ -112,7 +116,7 @@ class Agent:
             Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
                    kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
                    source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
-                   compute_slot=slot)
+                   compute=self.compute)
             for name, shard, source, index in places
         ]
         self.errors: dict[str, BaseException] = {}
@@ -143,5 +147,7 @@ class Agent:
                     t.join(0.5)
         except KeyboardInterrupt:
             self.stop.set()
+        finally:
+            self.compute.close()
         return 1 if self.errors else 0
 

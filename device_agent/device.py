@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from device_agent.api import FedApi, MainApi, Unreachable
+from device_agent.compute import Compute, InlineCompute
 from device_agent.timing import RoundClock
 from device_agent.trainer import TaskExpired, steps_per_round, train_round
 from shared.algorithms.base import Payload, parse_payload
@@ -85,7 +86,7 @@ class Device:
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None, model_ref: str | None = None,
-                 compute_slot: threading.Semaphore | None = None, task_wait_s: float = TASK_WAIT_S) -> None:
+                 compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -103,7 +104,7 @@ class Device:
         #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
         self.model_ref = model_ref
         #: Held during each training compute section (the agent's limit on devices computing at once).
-        self.compute_slot = compute_slot
+        self.compute = compute if compute is not None else InlineCompute()
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main
@@ -397,7 +398,7 @@ class Device:
             model, task.split_point, None, self.data, train.lr, train.momentum, train.weight_decay,
             train.batch_size, train.local_epochs, round_seed(self.info.seed, self.device_id if self.shard is None else self.shard, task.round_id), clock,
             send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
-            compute_slot=self.compute_slot,
+            compute=self.compute,
         )
         portion = model.portion(0, task.split_point)
         if task.report:

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from collections.abc import Iterator
+from typing import TypeVar
 
+from device_agent.compute import Compute
 from shared.profiles import EmulatedKind
+
+T = TypeVar("T")
 
 
 class RoundClock:
@@ -15,14 +19,14 @@ class RoundClock:
     message adds ``bytes / (rate * time_scale)`` seconds of emulated transfer. With ``kind=None``
     (a real device) nothing is added: the figures are what was measured.
 
-    ``cpu_time``: stretch the section's CPU time on the calling thread (``time.thread_time``)
+    ``cpu_time``: stretch the section's CPU time on the thread that ran it (``time.thread_time``)
     instead of its wall time. An agent hosts many virtual devices on a few cores, so a section's
     wall time includes waiting for the CPU behind the other devices (and other processes); a
     wall-time stretch multiplies that waiting too (a Low device slept 9x its queueing), which made
     emulated rounds slower the busier the machine was. The CPU time is the work itself: the
     emulated device is ``stretch`` times slower than this CPU doing its work alone, and the
     contention it really met is kept once, unstretched. Valid only where the section's work runs
-    on the calling thread: a CPU device with one torch thread (the testbed's setting); on a GPU, or
+    on the thread that runs the section: a CPU device with one torch thread (the testbed's setting); on a GPU, or
     with more torch threads, the device uses wall time (``cpu_time=False``).
     """
 
@@ -38,17 +42,36 @@ class RoundClock:
 
     @contextmanager
     def compute(self) -> Iterator[None]:
-        """Time a compute section (forward, backward, optimizer step)."""
+        """Time a compute section run on the calling thread (the follow-ups' small sections)."""
         t0 = time.monotonic()
-        cpu0 = time.thread_time() if self.cpu_time else 0.0
+        cpu0 = time.thread_time()
         yield
-        measured = time.monotonic() - t0
-        if self.kind is not None and self.kind.compute_stretch > 1.0:
-            work = time.thread_time() - cpu0 if self.cpu_time else measured
-            extra = work * (self.kind.compute_stretch - 1.0)
+        self.computed(time.monotonic() - t0, time.thread_time() - cpu0)
+
+    def section(self, compute: Compute, section: Callable[[], T]) -> T:
+        """Run a compute section (forward, backward, optimizer step) on ``compute`` and time it.
+
+        Its wall time counts from here, so it includes waiting for one of the agent's compute
+        threads: like waiting for a core, that is contention the device really met."""
+        t0 = time.monotonic()
+        result, cpu_s = compute.run(section)
+        self.computed(time.monotonic() - t0, cpu_s)
+        return result
+
+    def computed(self, wall_s: float, cpu_s: float) -> None:
+        """Account a finished compute section: ``wall_s`` as measured, ``cpu_s`` the CPU time of
+        the thread that ran it. An emulated kind sleeps the stretch here, on the device's own
+        thread, after the section has left any compute thread."""
+        extra = self.stretch_of(wall_s, cpu_s)
+        if extra > 0:
             time.sleep(extra)
-            measured += extra
-        self.compute_s += measured
+        self.compute_s += wall_s + extra
+
+    def stretch_of(self, wall_s: float, cpu_s: float) -> float:
+        """The seconds an emulated kind adds to a section that took ``wall_s`` (``cpu_s`` of CPU)."""
+        if self.kind is None or self.kind.compute_stretch <= 1.0:
+            return 0.0
+        return (cpu_s if self.cpu_time else wall_s) * (self.kind.compute_stretch - 1.0)
 
     def transfer(self, num_bytes: int, measured_s: float = 0.0) -> None:
         """Account a message: the measured network time plus the emulated delay for its size."""

@@ -1,15 +1,14 @@
 """A device's local training for one round: split mode (through the Main Server) or whole model."""
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
+from device_agent.compute import Compute, InlineCompute
 from device_agent.timing import RoundClock
 from shared.algorithms.base import DeviceLogic, Payload
 from shared.data import ArrayDataset
@@ -65,7 +64,7 @@ def train_round(
     logic: DeviceLogic | None = None,
     extras: Payload | None = None,
     deadline: float | None = None,
-    compute_slot: AbstractContextManager | None = None,
+    compute: Compute | None = None,
 ) -> LocalResult:
     """Train blocks[:split_point] of ``model`` in place for one round, on the device its trained
     blocks live on (``--torch-device``; the weights are copied there). ``weights`` None: the
@@ -77,10 +76,11 @@ def train_round(
     Server and backpropagates the returned dfx; without it the device holds the whole model and
     trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
-    round is given up with :class:`TaskExpired`. ``compute_slot`` (the agent's semaphore, see
-    :class:`device_agent.agent.Agent`) is held during each compute section only, never while
-    waiting for the Main Server, so group members waiting for each other cannot deadlock; an
-    emulated kind's stretch sleeps after the slot is released. ``extras`` are the task's validated
+    round is given up with :class:`TaskExpired`. ``compute`` (the agent's compute threads, see
+    :mod:`device_agent.compute`; none: this thread) runs the compute sections: the whole local
+    training without a Main Server, and each step's forward and its backward in split mode, so
+    no section waits for the Main Server and group members waiting for each other cannot
+    deadlock; an emulated kind's stretch sleeps after the section, on this thread. ``extras`` are the task's validated
     ``Algorithm.TaskExtras`` for ``logic.begin_round`` (none: the empty payload).
 
     The data set stays on the CPU and each batch is moved to the device after it is drawn, so
@@ -96,33 +96,50 @@ def train_round(
     data = logic.training_data(data)
     portion.train()
     optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    slot = compute_slot if compute_slot is not None else contextlib.nullcontext()
+    compute = compute if compute is not None else InlineCompute()
     losses: list[float] = []
     steps = 0
-    for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
-        if deadline is not None and time.monotonic() > deadline:
+
+    def check_deadline(owed_s: float = 0.0) -> None:
+        if deadline is not None and time.monotonic() + owed_s > deadline:
             raise TaskExpired(f"deadline passed after {steps} steps")
-        x = x.to(device)  # no copy on the CPU
-        if send_step is None:
-            with clock.compute(), slot:
-                loss = logic.loss(portion, x, y.to(device))
+
+    if send_step is None:
+        # The whole local training is one section: nothing in it waits for anyone else. An
+        # emulated kind's stretch is slept once the section is done, so the deadline is checked
+        # against the time the device will have taken, stretch included.
+        def local_training() -> None:
+            nonlocal steps
+            t0, cpu0 = time.monotonic(), time.thread_time()
+            for x, y in batches(data, batch_size, epochs, seed):
+                check_deadline(clock.stretch_of(time.monotonic() - t0, time.thread_time() - cpu0))
+                loss = logic.loss(portion, x.to(device), y.to(device))  # .to: no copy on the CPU
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
-            losses.append(float(loss.detach()))
-        else:
-            with clock.compute(), slot:
-                fx = portion(x)
+                losses.append(float(loss.detach()))  # waits for CUDA/MPS: the clock sees the compute
+                steps += 1
+        clock.section(compute, local_training)
+    else:
+        for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
+            check_deadline()
+
+            def forward(x: torch.Tensor = x) -> torch.Tensor:
+                fx = portion(x.to(device))
                 synchronize(device)
+                return fx
+            fx = clock.section(compute, forward)
             sent = fx.detach().half() if half_precision else fx.detach()
             dfx, loss_value = send_step(step, sent.cpu(), y)
-            with clock.compute(), slot:
+
+            def backward(fx: torch.Tensor = fx, dfx: torch.Tensor = dfx) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 fx.backward(dfx.to(device=fx.device, dtype=fx.dtype))
                 optimizer.step()
-                synchronize(device)
+                synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
+            clock.section(compute, backward)
+            del fx, dfx, sent
             losses.append(loss_value)
-        steps += 1
+            steps += 1
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, as big as the weights
     return LocalResult(steps=steps, train_loss=sum(losses) / max(1, len(losses)))

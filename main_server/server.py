@@ -21,7 +21,7 @@ from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.errors import Conflict
 from shared.http_client import decode_response, service_client
-from shared.machine import usable_cores
+from shared.machine import compute_workers
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
     API, Ack, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
@@ -43,17 +43,10 @@ class MainServerSettings:
     torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where groups train
     model: str | None = None                   # the operator's --model: the only import path a plan may name
     # Group steps trained at once (--train-workers), each on the process's torch threads; None:
-    # default_train_workers(). Not asyncio's default executor (up to cores + 4 threads): more steps
+    # shared.machine.compute_workers(). Not asyncio's default executor (up to cores + 4 threads): more steps
     # at once than cores only share the cores, each step taking longer (benchmarks/README.md,
     # "mainserver").
     train_workers: int | None = None
-
-
-def default_train_workers() -> int:
-    """One training worker per core this process may use, given its torch threads per step: with
-    one torch thread a Main Server trains as many groups at once as it has cores, as benchmark (c)'s
-    compute limit assumes, and no more."""
-    return max(1, usable_cores() // max(1, torch.get_num_threads()))
 
 
 class MainServer:
@@ -67,7 +60,7 @@ class MainServer:
         self.settings = settings
         self.metrics = metrics if metrics is not None else MainMetrics(self)
         self.round: RoundState | None = None
-        self.trainers = ThreadPoolExecutor(settings.train_workers or default_train_workers(),
+        self.trainers = ThreadPoolExecutor(settings.train_workers or compute_workers(),
                                            thread_name_prefix="main-train")
 
     def current(self, round_id: int) -> RoundState:

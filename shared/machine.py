@@ -36,6 +36,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def compute_workers() -> int:
+    """Threads that compute at once in one process: one per core it may use, given the torch
+    threads each computation takes. With one torch thread, as many as there are cores, and no
+    more: more at once only share the cores, each taking longer and holding its memory meanwhile.
+    The Main Server's training workers and a device agent's compute threads both default to it."""
+    import torch
+
+    return max(1, usable_cores() // max(1, torch.get_num_threads()))
+
+
 def describe_machine() -> dict:
     """CPU model, cores, memory, OS, Python/torch versions, date and the load at the start."""
     import msgpack

@@ -143,3 +143,18 @@ def test_agent_reports_bad_data_in_one_line(tmp_path, caplog):
     lines = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [r.getMessage() for r in lines] == [f"dev-bad: not registered: {bad}: data file is empty"]
     assert lines[0].exc_info is None and fed.registrations == []
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), ("auto", None), ("0", 0), ("3", 3)])
+def test_the_compute_slots_flag_is_auto_or_a_whole_number(monkeypatch, value, expected):
+    """``--compute-slots``: auto (the default) lets the Agent choose; a count is passed as is."""
+    monkeypatch.delenv("SFL_COMPUTE_SLOTS", raising=False)
+    argv = ["--fed-server-url", "http://127.0.0.1:9", "--shards", "0"] + ([] if value is None else ["--compute-slots", value])
+    assert _run_cli(monkeypatch, argv)["compute_slots"] == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_compute_slots_value_is_refused_naming_the_flag(monkeypatch, capsys, value):
+    with pytest.raises(SystemExit):
+        _run_cli(monkeypatch, ["--fed-server-url", "http://127.0.0.1:9", "--compute-slots", value])
+    assert "--compute-slots" in capsys.readouterr().err

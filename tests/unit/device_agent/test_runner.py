@@ -179,18 +179,29 @@ def test_a_device_that_held_nothing_out_reports_zero_samples_and_the_server_eval
     assert (report.num_samples, report.correct, report.loss_sum) == (0, 0, 0.0)
 
 
-def test_agent_compute_slots_are_one_semaphore_shared_by_its_devices():
-    """``compute_slots=N``: every device of the agent holds the same N-slot semaphore; the default
-    (0) sets no limit; a negative count is refused."""
+def test_agent_compute_slots_are_compute_threads_shared_by_its_devices():
+    """``compute_slots=N``: every device of the agent computes on the same N compute threads; 0
+    computes on each device's own thread; the default is one compute thread per usable core when
+    the agent hosts more devices than that (else 0); a negative count is refused."""
     from device_agent.agent import Agent
+    from device_agent.compute import ComputeThreads, InlineCompute
+    from shared.machine import compute_workers
 
-    assert all(d.compute_slot is None for d in Agent("http://127.0.0.1:9", [0, 1], None).devices)
+    workers = compute_workers()
+    assert all(isinstance(d.compute, InlineCompute) for d in Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=0).devices)
+    few = Agent("http://127.0.0.1:9", list(range(workers)), None)
+    assert few.compute_slots == 0 and all(isinstance(d.compute, InlineCompute) for d in few.devices)
+    many = Agent("http://127.0.0.1:9", list(range(workers + 1)), None)
+    assert many.compute_slots == workers and isinstance(many.devices[0].compute, ComputeThreads)
+    assert many.devices[0].compute.count == workers
+    many.compute.close()
     three = Agent("http://127.0.0.1:9", [0, 1, 2], None, compute_slots=3)
-    assert three.compute_slots == 3 and len({id(d.compute_slot) for d in three.devices}) == 1
-    slot = three.devices[0].compute_slot
-    for _ in range(3):
-        assert slot.acquire(blocking=False)
-    assert not slot.acquire(blocking=False)
+    assert three.compute_slots == 3 and len({id(d.compute) for d in three.devices}) == 1
+    compute = three.devices[0].compute
+    assert isinstance(compute, ComputeThreads) and compute.count == 3
+    names = {compute.run(lambda: threading.current_thread().name)[0] for _ in range(3)}
+    assert names and all(n.startswith("compute") and n != threading.current_thread().name for n in names)
+    compute.close()
     with pytest.raises(ValueError, match="compute_slots"):
         Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=-1)
 
@@ -219,3 +230,4 @@ def test_the_task_weights_are_freed_once_loaded_and_without_keep_model_the_model
         (upload,) = fed.uploads
         uploads[keep_model] = decode_state(upload.weights)
     assert all(torch.equal(uploads[True][k], uploads[False][k]) for k in uploads[True])
+

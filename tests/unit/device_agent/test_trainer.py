@@ -6,12 +6,14 @@ the same plain SGD) produces exactly the weights of centralized SGD on the same 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from device_agent.compute import ComputeThreads
 from device_agent.timing import RoundClock
 from device_agent.trainer import TaskExpired, batches, steps_per_round, train_round
 from main_server.group_trainer import GroupTrainer, MemberBatch
@@ -161,6 +163,23 @@ def test_train_round_stops_when_its_deadline_passes_mid_round(model):
     assert time.monotonic() - t0 < 2.0
 
 
+def test_a_whole_model_round_counts_its_emulated_stretch_against_the_deadline(model):
+    """Without a Main Server the local training is one compute section, and an emulated kind's
+    stretch is slept after it: the deadline is checked against the time the device will have
+    taken, so a Low device (10x the server's speed) stops after about a tenth of the steps its
+    bare compute would have fitted before the deadline, not after all of them."""
+    m = copy.deepcopy(model)
+    weights = _weights(m, len(m.blocks))
+    low = parse_kind("low")
+    assert low.compute_stretch == 10.0
+    with pytest.raises(TaskExpired) as info:
+        train_round(m, len(m.blocks), weights, _separable(), lr=0.05, momentum=0.0, weight_decay=0.0,
+                    batch_size=4, epochs=5, seed=0, clock=RoundClock(low), send_step=None,
+                    logic=_SlowLogic({}), deadline=time.monotonic() + 0.6)
+    done = int(str(info.value).split("after ")[1].split()[0])
+    assert 1 <= done <= 3   # 0.6 s fits 11 steps of 50 ms unstretched, 1 stretched
+
+
 def test_train_round_trains_the_model_in_place_and_leaves_the_task_weights_alone(model):
     """The device uploads its portion's state_dict after training (and any follow-up): the
     trained weights must be there, and the task's weights must be unchanged."""
@@ -253,52 +272,80 @@ def test_split_learning_through_group_trainer_equals_centralized(model):
         torch.testing.assert_close(v, ref_state[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
-class _RecordingSlot:
-    """A compute slot that records when it is held (the agent passes a semaphore)."""
+class _RecordingCompute:
+    """The agent's compute threads (``ComputeThreads``), recording each section's thread and
+    whether a section is running while the device waits for the Main Server."""
 
-    def __init__(self) -> None:
-        self.held = False
-        self.entries = 0
+    def __init__(self, threads: int) -> None:
+        self.inner = ComputeThreads(threads)
+        self.running = 0
+        self.threads: list[str] = []
 
-    def __enter__(self) -> None:
-        assert not self.held
-        self.held, self.entries = True, self.entries + 1
+    def run(self, section):
+        def recorded():
+            self.running += 1
+            self.threads.append(threading.current_thread().name)
+            try:
+                return section()
+            finally:
+                self.running -= 1
+        return self.inner.run(recorded)
 
-    def __exit__(self, *exc) -> None:
-        self.held = False
+    def close(self) -> None:
+        self.inner.close()
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_compute_slot_is_held_while_computing_and_never_while_waiting_for_the_server(model, split):
-    """The slot covers every compute section (two per step in split mode: forward, then backward
-    and the optimizer step) and is free while the step waits for the Main Server, so group members
-    waiting for each other cannot deadlock; the result is the same as without a slot."""
+def test_compute_runs_on_the_agents_compute_threads_and_never_while_waiting_for_the_server(model, split):
+    """Every compute section runs on a compute thread (two per step in split mode: forward, then
+    backward and the optimizer step; the whole local training without a Main Server), none runs
+    while the step waits for the Main Server, so group members waiting for each other cannot
+    deadlock, and the result is bit for bit the one computed on the device's own thread."""
     data = _separable(32, seed=4)
     lr, bs, seed, k = 0.05, 8, 9, 2
 
-    def run(slot):
+    def run(compute):
         client = copy.deepcopy(model)
         if split:
             server = copy.deepcopy(model)
             trainer = GroupTrainer(server, k, {kk: v.clone() for kk, v in server.portion(k, 4).state_dict().items()}, lr=lr)
 
             def send_step(step, fx, labels):
-                assert slot is None or not slot.held
+                assert compute is None or compute.running == 0
                 r = trainer.step([MemberBatch("dev", k, fx, labels)])["dev"]
                 return r.dfx, r.loss
         else:
             send_step = None
         blocks = k if split else len(client.blocks)
-        result = train_round(client, blocks, _weights(client, blocks), data, lr, 0.0, 0.0, bs, 1, seed,
-                             RoundClock(None), send_step, compute_slot=slot)
+        result = train_round(client, blocks, _weights(client, blocks), data, lr, 0.9, 0.0, bs, 1, seed,
+                             RoundClock(None), send_step, compute=compute)
         return client.portion(0, blocks).state_dict(), result
 
-    slot = _RecordingSlot()
-    with_slot, result = run(slot)
-    without, _ = run(None)
-    assert slot.entries == result.steps * (2 if split else 1) and not slot.held
-    for key, value in with_slot.items():
-        assert torch.equal(value, without[key]), key
+    compute = _RecordingCompute(1)
+    on_threads, result = run(compute)
+    compute.close()
+    inline, inline_result = run(None)
+    assert len(compute.threads) == (result.steps * 2 if split else 1) and result.steps == 4
+    assert all(name.startswith("compute") for name in compute.threads), compute.threads
+    assert result.train_loss == inline_result.train_loss
+    for key, value in on_threads.items():
+        assert torch.equal(value, inline[key]), key
+
+
+def test_a_section_that_fails_on_a_compute_thread_raises_in_the_device_thread(model):
+    """A deadline passed during a whole-model round (``TaskExpired``) reaches the device's thread,
+    and the compute thread is free again for the next section."""
+    compute = ComputeThreads(1)
+    data = _separable(32, seed=4)
+    client = copy.deepcopy(model)
+    blocks = len(client.blocks)
+    with pytest.raises(TaskExpired):
+        train_round(client, blocks, _weights(client, blocks), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), None,
+                    deadline=time.monotonic() - 1, compute=compute)
+    result = train_round(client, blocks, _weights(client, blocks), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None),
+                         None, compute=compute)
+    assert result.steps == 4
+    compute.close()
 
 
 def test_half_precision_sends_float16(model):

@@ -80,14 +80,13 @@ def test_logic_modules_know_nothing_of_fastapi():
 def test_default_train_workers_is_one_per_usable_core_given_the_torch_threads(monkeypatch):
     import torch
 
-    from main_server.server import default_train_workers
-    from shared.machine import usable_cores
+    from shared.machine import compute_workers, usable_cores
 
     cores = usable_cores()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert default_train_workers() == cores
+    assert compute_workers() == cores
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2 * cores)   # more threads a step than cores
-    assert default_train_workers() == 1
+    assert compute_workers() == 1
     server = MainServer(SETTINGS)
     assert server.trainers._max_workers == 1
     assert MainServer(MainServerSettings(fed_server_url="http://127.0.0.1:9", train_workers=3)).trainers._max_workers == 3

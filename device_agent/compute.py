@@ -1,0 +1,78 @@
+"""Where a device's training compute runs: on its own thread, or on the agent's few compute threads.
+
+An agent hosting many virtual devices runs one thread per device (each waits on the network most of
+the time). Where the compute runs decides the agent's memory, not only its CPU share: glibc gives
+each thread that allocates its own arena, and an arena keeps what its thread's training freed
+for the next round. Ten devices training on their own ten threads held ten arenas of about 55
+MiB each at the agent's peak (issue 16, benchmarks/README.md); on two compute threads only two
+arenas ever hold training memory. The devices' results are the same either way: a section runs
+the same code on the same tensors, only on another thread.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Compute(Protocol):
+    """Runs a device's compute section and says how much CPU time it took on the thread it ran on."""
+
+    def run(self, section: Callable[[], T]) -> tuple[T, float]:
+        """``section()``'s result and the CPU seconds of the thread that ran it (``time.thread_time``)."""
+        ...
+
+    def close(self) -> None:
+        """Release the threads, if any, once no device computes any more."""
+        ...
+
+
+def _timed(section: Callable[[], T]) -> tuple[T, float]:
+    cpu0 = time.thread_time()
+    result = section()
+    return result, time.thread_time() - cpu0
+
+
+class InlineCompute:
+    """Each section on the calling device's own thread, as many at once as devices compute (the
+    agent's default, ``--compute-slots 0``)."""
+
+    def run(self, section: Callable[[], T]) -> tuple[T, float]:
+        return _timed(section)
+
+    def close(self) -> None:
+        pass
+
+
+class ComputeThreads:
+    """The agent's ``count`` compute threads, shared by its devices (``--compute-slots N``).
+
+    A section waits for a free thread, first come first served, and the device's thread waits for
+    it; its exception (``TaskExpired`` included) is raised in the device's thread. A device never
+    holds a compute thread while it waits for the Main Server: split training sends each step's
+    forward and backward as two sections, so group members waiting for each other at the Main
+    Server's barrier cannot deadlock, and a whole-model round (no Main Server) is one section.
+    """
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"compute threads must be >= 1, got {count}")
+        self.count = count
+        self._pool = ThreadPoolExecutor(count, thread_name_prefix="compute")
+
+    def run(self, section: Callable[[], T]) -> tuple[T, float]:
+        return self._pool.submit(_timed, section).result()
+
+    def close(self) -> None:
+        """Let the threads end once their sections are done (the agent's devices have stopped)."""
+        self._pool.shutdown(wait=False)
+
+
+def compute_for(slots: int) -> Compute:
+    """``--compute-slots``: 0 runs each device's compute on its own thread, N on N shared threads."""
+    if slots < 0:
+        raise ValueError(f"compute_slots must be >= 0 (0: each device on its own thread), got {slots}")
+    return ComputeThreads(slots) if slots else InlineCompute()
