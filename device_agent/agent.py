@@ -81,7 +81,7 @@ class Agent:
     ``torch_device``: where every device's model trains (``--torch-device``; default the CPU).
     ``compute_slots``: how many of the agent's threads run its devices' training compute
     (``--compute-slots``, :mod:`device_agent.compute`). ``None`` (the default): one per core the
-    agent may use given its torch threads (:func:`shared.machine.compute_workers`) when it hosts
+    agent may use given its torch threads (``--threads``, :func:`shared.machine.compute_workers`) when it hosts
     more devices than that, else 0; 0: each device computes on its own thread. With one torch
     thread, devices beyond the cores cannot compute sooner, but each one computing holds its
     training memory, and each thread that computes keeps an allocator arena of it: ten devices of

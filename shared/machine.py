@@ -1,6 +1,9 @@
-"""What machine a benchmark or experiment ran on, and the peak memory of a process (from /proc, no psutil)."""
+"""The machine a process runs on: its usable cores, the threads that should compute at once, its
+allocator's arenas, and for benchmarks what machine they ran on and a process's peak memory (from
+/proc, no psutil)."""
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
 import os
 import platform
@@ -44,6 +47,30 @@ def compute_workers() -> int:
     import torch
 
     return max(1, usable_cores() // max(1, torch.get_num_threads()))
+
+
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def limit_allocator_arenas(count: int) -> bool:
+    """Cap glibc's malloc arenas at ``count`` for this process; whether the cap was set.
+
+    glibc gives each thread that allocates while the others hold theirs an arena of its own, up
+    to 8 per core, and an arena keeps what its thread freed. A service's threads mostly wait (an
+    agent's device threads, a server's request and record threads) while a few compute, so each
+    waiting thread's arena held memory it had used once: ten device threads held about 55 MiB
+    each at the agent's peak (issue 16, benchmarks/README.md). Threads beyond the cap share
+    arenas, so what one freed serves the next. Nothing changes where glibc's malloc is not the
+    allocator (macOS, musl) or where ``MALLOC_ARENA_MAX`` is set in the environment (it wins).
+    """
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_ARENA_MAX, max(1, count)))
 
 
 def describe_machine() -> dict:
