@@ -10,9 +10,13 @@ the same code on the same tensors, only on another thread.
 """
 from __future__ import annotations
 
+import itertools
+import math
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -21,8 +25,10 @@ T = TypeVar("T")
 class Compute(Protocol):
     """Runs a device's compute section and says how much CPU time it took on the thread it ran on."""
 
-    def run(self, section: Callable[[], T]) -> tuple[T, float]:
-        """``section()``'s result and the CPU seconds of the thread that ran it (``time.thread_time``)."""
+    def run(self, section: Callable[[], T], work: float = 0.0) -> tuple[T, float]:
+        """``section()``'s result and the CPU seconds of the thread that ran it (``time.thread_time``).
+        ``work``: the section's expected size (any unit; 0 for a step's), which may order waiting
+        sections."""
         ...
 
     def close(self) -> None:
@@ -37,10 +43,10 @@ def _timed(section: Callable[[], T]) -> tuple[T, float]:
 
 
 class InlineCompute:
-    """Each section on the calling device's own thread, as many at once as devices compute (the
-    agent's default, ``--compute-slots 0``)."""
+    """Each section on the calling device's own thread, as many at once as devices compute
+    (``--compute-slots 0``)."""
 
-    def run(self, section: Callable[[], T]) -> tuple[T, float]:
+    def run(self, section: Callable[[], T], work: float = 0.0) -> tuple[T, float]:
         return _timed(section)
 
     def close(self) -> None:
@@ -50,25 +56,60 @@ class InlineCompute:
 class ComputeThreads:
     """The agent's ``count`` compute threads, shared by its devices (``--compute-slots N``).
 
-    A section waits for a free thread, first come first served, and the device's thread waits for
-    it; its exception (``TaskExpired`` included) is raised in the device's thread. A device never
-    holds a compute thread while it waits for the Main Server: split training sends each step's
-    forward and backward as two sections, so group members waiting for each other at the Main
-    Server's barrier cannot deadlock, and a whole-model round (no Main Server) is one section.
+    A section waits for a free thread and the device's thread waits for it; its exception
+    (``TaskExpired`` included) is raised in the device's thread. A device never holds a compute
+    thread while it waits for the Main Server: split training sends each step's forward and
+    backward as two sections, so group members waiting for each other at the Main Server's
+    barrier cannot deadlock, and a whole-model round (no Main Server) is one section.
+
+    Waiting sections go largest ``work`` first, then first come first served. A round ends when
+    its last device has uploaded, and whole-model rounds of unequal shards arrive together: the
+    largest first leaves the small ones to fill the last gaps, so no core idles while the
+    largest runs alone at the end (longest-processing-time-first scheduling). Steps (work 0)
+    keep their order.
     """
 
     def __init__(self, count: int) -> None:
         if count < 1:
             raise ValueError(f"compute threads must be >= 1, got {count}")
         self.count = count
-        self._pool = ThreadPoolExecutor(count, thread_name_prefix="compute")
+        self._waiting: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()   # ties (and every step) first come first served
+        self._threads: list[threading.Thread] = []
+        self._start = threading.Lock()
+        self._closed = False
 
-    def run(self, section: Callable[[], T]) -> tuple[T, float]:
-        return self._pool.submit(_timed, section).result()
+    def run(self, section: Callable[[], T], work: float = 0.0) -> tuple[T, float]:
+        self._started()
+        done: Future = Future()
+        self._waiting.put((-work, next(self._order), section, done))
+        return done.result()
+
+    def _started(self) -> None:
+        with self._start:   # the threads start with the first section, not with the agent
+            if self._closed:
+                raise RuntimeError("the agent's compute threads are closed")
+            while len(self._threads) < self.count:
+                thread = threading.Thread(target=self._serve, name=f"compute-{len(self._threads)}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _serve(self) -> None:
+        while True:
+            _, _, section, done = self._waiting.get()
+            if section is None:
+                return
+            try:
+                done.set_result(_timed(section))
+            except BaseException as exc:  # raised again in the device's thread by done.result()
+                done.set_exception(exc)
 
     def close(self) -> None:
-        """Let the threads end once their sections are done (the agent's devices have stopped)."""
-        self._pool.shutdown(wait=False)
+        """Let the threads end once the sections waiting now are done (the devices have stopped)."""
+        with self._start:
+            self._closed = True
+            for _ in self._threads:
+                self._waiting.put((math.inf, next(self._order), None, None))
 
 
 def compute_for(slots: int) -> Compute:

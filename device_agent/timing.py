@@ -48,13 +48,14 @@ class RoundClock:
         yield
         self.computed(time.monotonic() - t0, time.thread_time() - cpu0)
 
-    def section(self, compute: Compute, section: Callable[[], T]) -> T:
-        """Run a compute section (forward, backward, optimizer step) on ``compute`` and time it.
+    def section(self, compute: Compute, section: Callable[[], T], work: float = 0.0) -> T:
+        """Run a compute section (forward, backward, optimizer step) on ``compute`` and time it
+        (``work``: its expected size, see :class:`device_agent.compute.ComputeThreads`).
 
         Its wall time counts from here, so it includes waiting for one of the agent's compute
         threads: like waiting for a core, that is contention the device really met."""
         t0 = time.monotonic()
-        result, cpu_s = compute.run(section)
+        result, cpu_s = compute.run(section, work)
         self.computed(time.monotonic() - t0, cpu_s)
         return result
 

@@ -119,7 +119,7 @@ def train_round(
                 optimizer.step()
                 losses.append(float(loss.detach()))  # waits for CUDA/MPS: the clock sees the compute
                 steps += 1
-        clock.section(compute, local_training)
+        clock.section(compute, local_training, work=len(data) * epochs)
     else:
         for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
             check_deadline()

@@ -281,7 +281,7 @@ class _RecordingCompute:
         self.running = 0
         self.threads: list[str] = []
 
-    def run(self, section):
+    def run(self, section, work=0.0):
         def recorded():
             self.running += 1
             self.threads.append(threading.current_thread().name)
@@ -289,7 +289,7 @@ class _RecordingCompute:
                 return section()
             finally:
                 self.running -= 1
-        return self.inner.run(recorded)
+        return self.inner.run(recorded, work)
 
     def close(self) -> None:
         self.inner.close()
