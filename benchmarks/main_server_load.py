@@ -47,7 +47,7 @@ from shared.portions import portion_state
 from shared.http_client import HEADERS
 from shared.algorithms.grouping import BalancedGrouping, form_round_groups, groups_per_replica
 from shared.schemas import JoinRequest, Participant, PlannedGroup, RoundPlan, StepRequest, WireTensor
-from shared.wire import decode_tensor, encode_state, encode_tensor, packb, unpackb
+from shared.wire import Body, decode_tensor, encode_state, encode_tensor, pack_body, packb, unpackb
 from testbed.processes import ProcessGroup, free_port, wait_healthy
 
 SPLIT = 2
@@ -177,14 +177,19 @@ class DeviceConnection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """POST a msgpack ``body`` to ``path``; (status, answer body)."""
+    async def post(self, path: str, body: Body) -> tuple[int, bytes]:
+        """POST a msgpack ``body`` (:func:`shared.wire.pack_body`'s pieces, as a device's client
+        sends it) to ``path``; (status, answer body)."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
         assert self.reader is not None
         fields = {"host": f"{self.host}:{self.port}", **HEADERS, "content-length": str(len(body))}
         head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
-        self.writer.writelines((head.encode("latin-1"), body))
+        # Piece by piece: the transport sends each at once (what the socket does not take it
+        # buffers), where writelines would join them first, copying the activation (Python 3.11).
+        self.writer.write(head.encode("latin-1"))
+        for piece in body:
+            self.writer.write(piece)
         await self.writer.drain()
         status_line, *lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         headers = {}
@@ -225,7 +230,7 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
     try:
         async def join(d: str) -> None:
             body = JoinRequest(device_id=d, label_counts=label_counts[d], num_steps=steps).model_dump()
-            status, content = await connections[d].post(f"/v1/rounds/{round_id}/join", packb(body))
+            status, content = await connections[d].post(f"/v1/rounds/{round_id}/join", pack_body(body))
             if status != 200:
                 raise RuntimeError(f"{d} join: HTTP {status}: {content[:300]!r}")
 
@@ -242,7 +247,7 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
             labels_wire = WireTensor(**encode_tensor(labels[d]))
             for step in range(steps):
                 t0 = time.perf_counter()
-                body = packb(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
+                body = pack_body(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
                 status, content = await connections[d].post(f"/v1/rounds/{round_id}/step", body)
                 if status != 200:
                     raise RuntimeError(f"{d} step {step}: HTTP {status}: {content[:300]!r}")
