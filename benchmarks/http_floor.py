@@ -83,7 +83,7 @@ async def _drive(url: str, pid: int, devices: int, requests: int) -> dict:
         t0 = time.perf_counter()
         await asyncio.gather(*(device(c, requests) for c in connections))
         wall = time.perf_counter() - t0
-        client_cpu_s, server_cpu_s = cpu.read()
+        client_cpu_s, server_cpu_s, _ = cpu.read()
     finally:
         await asyncio.gather(*(c.close() for c in connections))
     n = devices * requests

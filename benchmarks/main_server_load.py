@@ -10,7 +10,7 @@ The virtual devices are coroutines in the benchmark process, each with its own k
 connection (:class:`DeviceConnection`, as each real device has its own); on a 2-core machine this load
 generator competes with the server for CPU, so the figures are a lower bound of what the Main
 Server alone can do. Each row records the CPU seconds of both sides (``client_cpu_s``,
-``server_cpu_s``) and the throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
+``server_cpu_s``, of which ``server_event_loop_cpu_s`` on the servers' event-loop threads) and the throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
 sees it (includes waiting at the barrier for the group's other members); steps/s = device steps
 answered per second of wall time; MB/s = request + response body bytes per second.
 The finished groups' uploads go to a Fed Server URL nobody listens on: they fail fast in the
@@ -92,20 +92,33 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
     return plans, {m: url for url, mine in spread for members in mine.values() for m in members}
 
 
+def event_loop_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process's main thread (``/proc/<pid>/task/<pid>/stat``): in a
+    Main Server, uvicorn's event loop, which parses, checks and answers every request; its training
+    workers are other threads. 0 when the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class CpuMeter:
     """CPU seconds used from its creation to :meth:`read` by this process (the load generator) and
     by the processes ``pids`` (the Main Servers), to tell the client's share of the cores from
-    the servers'."""
+    the servers', and the servers' event loops' part of theirs."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.client0 = time.process_time()
         self.server0 = [cpu_seconds(pid) or 0.0 for pid in pids]
+        self.loop0 = [event_loop_cpu_seconds(pid) for pid in pids]
 
-    def read(self) -> tuple[float, float]:
-        """(client CPU seconds, Main Servers' CPU seconds summed) since creation."""
+    def read(self) -> tuple[float, float, float]:
+        """(client CPU seconds, Main Servers' CPU seconds summed, their event loops' part) since creation."""
         server = sum((cpu_seconds(pid) or 0.0) - s0 for pid, s0 in zip(self.pids, self.server0))
-        return time.process_time() - self.client0, server
+        loop = sum(event_loop_cpu_seconds(pid) - s0 for pid, s0 in zip(self.pids, self.loop0))
+        return time.process_time() - self.client0, server, loop
 
 
 def _latency_figures(latencies: dict[int, list[float]]) -> dict:
@@ -261,16 +274,17 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
         t0 = time.perf_counter()
         await asyncio.gather(*(device(d) for d in ids))
         wall = time.perf_counter() - t0
-        client_cpu_s, server_cpu_s = cpu.read()
+        client_cpu_s, server_cpu_s, loop_cpu_s = cpu.read()
     finally:
         await asyncio.gather(*(c.close() for c in connections.values()))
     total_steps = devices * steps
     return {
         "devices": devices, "replicas": len(plans), "groups": -(-devices // GROUP_SIZE), "steps_per_device": steps,
         "device_steps": total_steps, "wall_s": wall, "join_all_s": join_s, **_latency_figures(latencies),
-        "client_cpu_s": client_cpu_s, "server_cpu_s": server_cpu_s,
+        "client_cpu_s": client_cpu_s, "server_cpu_s": server_cpu_s, "server_event_loop_cpu_s": loop_cpu_s,
         "client_cpu_ms_per_step": 1e3 * client_cpu_s / total_steps,
         "server_cpu_ms_per_step": 1e3 * server_cpu_s / total_steps,
+        "server_event_loop_cpu_ms_per_step": 1e3 * loop_cpu_s / total_steps,
         "server_step_p50_ms": 1e3 * _percentile(server_s, 50),
         "device_steps_per_s": total_steps / wall, "group_steps_per_s": -(-devices // GROUP_SIZE) * steps / wall,
         "MB_per_s": moved[0] / wall / 1e6, "MB_moved": moved[0] / 1e6,
@@ -333,8 +347,8 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                 log(f"  main server x{replicas} {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, "
                     f"p95 {row['latency_p95_ms']:7.1f} ms, p99 {row['latency_p99_ms']:7.1f} ms, "
                     f"{row['device_steps_per_s']:6.1f} steps/s ({row['fraction_of_compute_limit']:.2f} of the "
-                    f"limit), CPU ms a step: client {row['client_cpu_ms_per_step']:.1f}, "
-                    f"server {row['server_cpu_ms_per_step']:.1f}")
+                    f"limit), CPU ms a step: client {row['client_cpu_ms_per_step']:.2f}, "
+                    f"server {row['server_cpu_ms_per_step']:.2f} (event loop {row['server_event_loop_cpu_ms_per_step']:.2f})")
         peak = proc_status_kib(mains[0].process.pid, "VmHWM")
     finally:
         group.stop()
