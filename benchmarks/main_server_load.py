@@ -10,7 +10,7 @@ The virtual devices are coroutines in the benchmark process, each with its own k
 connection (:class:`DeviceConnection`, as each real device has its own); on a 2-core machine this load
 generator competes with the server for CPU, so the figures are a lower bound of what the Main
 Server alone can do. Each row records the CPU seconds of both sides (``client_cpu_s``,
-``server_cpu_s``) and the throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
+``server_cpu_s``, of which ``server_event_loop_cpu_s`` on the servers' event-loop threads) and the throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
 sees it (includes waiting at the barrier for the group's other members); steps/s = device steps
 answered per second of wall time; MB/s = request + response body bytes per second.
 The finished groups' uploads go to a Fed Server URL nobody listens on: they fail fast in the
@@ -25,7 +25,6 @@ Main Server groups the joins itself, as in a one-replica run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import tempfile
@@ -47,7 +46,7 @@ from shared.portions import portion_state
 from shared.http_client import HEADERS
 from shared.algorithms.grouping import BalancedGrouping, form_round_groups, groups_per_replica
 from shared.schemas import JoinRequest, Participant, PlannedGroup, RoundPlan, StepRequest, WireTensor
-from shared.wire import decode_tensor, encode_state, encode_tensor, packb, unpackb
+from shared.wire import Body, decode_tensor, encode_state, encode_tensor, pack_body, packb, unpackb
 from testbed.processes import ProcessGroup, free_port, wait_healthy
 
 SPLIT = 2
@@ -92,20 +91,33 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
     return plans, {m: url for url, mine in spread for members in mine.values() for m in members}
 
 
+def event_loop_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process's main thread (``/proc/<pid>/task/<pid>/stat``): in a
+    Main Server, uvicorn's event loop, which parses, checks and answers every request; its training
+    workers are other threads. 0 when the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class CpuMeter:
     """CPU seconds used from its creation to :meth:`read` by this process (the load generator) and
     by the processes ``pids`` (the Main Servers), to tell the client's share of the cores from
-    the servers'."""
+    the servers', and the servers' event loops' part of theirs."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.client0 = time.process_time()
         self.server0 = [cpu_seconds(pid) or 0.0 for pid in pids]
+        self.loop0 = [event_loop_cpu_seconds(pid) for pid in pids]
 
-    def read(self) -> tuple[float, float]:
-        """(client CPU seconds, Main Servers' CPU seconds summed) since creation."""
+    def read(self) -> tuple[float, float, float]:
+        """(client CPU seconds, Main Servers' CPU seconds summed, their event loops' part) since creation."""
         server = sum((cpu_seconds(pid) or 0.0) - s0 for pid, s0 in zip(self.pids, self.server0))
-        return time.process_time() - self.client0, server
+        loop = sum(event_loop_cpu_seconds(pid) - s0 for pid, s0 in zip(self.pids, self.loop0))
+        return time.process_time() - self.client0, server, loop
 
 
 def _latency_figures(latencies: dict[int, list[float]]) -> dict:
@@ -156,9 +168,81 @@ def measure_group_step_s(torch_device: str, repeats: int = 30) -> float:
     return float(np.median(times))
 
 
+class _AnswerReader(asyncio.BufferedProtocol):
+    """The reading side of a :class:`DeviceConnection`: the event loop receives each answer's head
+    into a small buffer and its body straight into a buffer of its Content-Length (``recv_into``),
+    with no copy in between (asyncio's StreamReader appended every chunk to its buffer and
+    ``readexactly`` copied the body out of it again: two copies of 401 KB a step)."""
+
+    HEAD_BYTES = 4096
+
+    def __init__(self) -> None:
+        self.head = bytearray(self.HEAD_BYTES)
+        self.head_len = 0
+        self.answer: tuple[int, dict[str, str]] | None = None
+        self.body = bytearray()
+        self.body_len = 0
+        self.waiter: asyncio.Future | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def expect(self) -> asyncio.Future:
+        """A future for the next answer: (status, lower-case headers, body)."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.answer is None:
+            return memoryview(self.head)[self.head_len:]
+        return memoryview(self.body)[self.body_len:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.answer is not None:
+            self.body_len += nbytes
+        else:
+            self.head_len += nbytes
+            end = self.head.find(b"\r\n\r\n", 0, self.head_len)
+            if end < 0:
+                if self.head_len == len(self.head):
+                    self._fail(RuntimeError(f"an answer head longer than {self.HEAD_BYTES} bytes"))
+                return
+            status_line, *lines = self.head[:end].decode("latin-1").split("\r\n")
+            headers = {}
+            for line in lines:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if "content-length" not in headers:
+                self._fail(RuntimeError(f"an answer without a Content-Length ({status_line})"))
+                return
+            self.answer = int(status_line.split(" ", 2)[1]), headers
+            self.body = bytearray(int(headers["content-length"]))
+            early = self.head[end + 4:self.head_len]   # the body's start came with the head
+            if len(early) > len(self.body):
+                self._fail(RuntimeError("more bytes than the answer's Content-Length"))
+                return
+            self.body[:len(early)] = early
+            self.body_len, self.head_len = len(early), 0
+        if self.body_len == len(self.body) and self.waiter is not None and not self.waiter.done():
+            (status, headers), body = self.answer, self.body
+            self.answer, self.body, self.body_len = None, bytearray(), 0
+            self.waiter.set_result((status, headers, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("the Main Server closed the connection"))
+
+    def _fail(self, exc: Exception) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+
 class DeviceConnection:
     """One virtual device's keep-alive HTTP/1.1 connection to its Main Server: each request's head
-    and msgpack body are written as they are, and the answer is read by its Content-Length.
+    and msgpack body are written as they are, and the answer is read by its Content-Length
+    (:class:`_AnswerReader`).
 
     The load generator shares the cores with the server, so its own cost per step is taken from
     the server's figure. One pooled httpx client for all devices cost it 20 ms of CPU a step at 100
@@ -174,37 +258,35 @@ class DeviceConnection:
         if parts.scheme != "http" or parts.hostname is None or parts.port is None:
             raise ValueError(f"{url}: the benchmark speaks plain http to a host:port")
         self.host, self.port = parts.hostname, parts.port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.transport: asyncio.Transport | None = None
+        self.reader: _AnswerReader | None = None
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """POST a msgpack ``body`` to ``path``; (status, answer body)."""
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+    async def post(self, path: str, body: Body) -> tuple[int, bytearray]:
+        """POST a msgpack ``body`` (:func:`shared.wire.pack_body`'s pieces, as a device's client
+        sends it) to ``path``; (status, answer body)."""
+        if self.transport is None or self.transport.is_closing():
+            self.transport, self.reader = await asyncio.get_running_loop().create_connection(
+                _AnswerReader, self.host, self.port)
         assert self.reader is not None
+        answer = self.reader.expect()
         fields = {"host": f"{self.host}:{self.port}", **HEADERS, "content-length": str(len(body))}
         head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
-        self.writer.writelines((head.encode("latin-1"), body))
-        await self.writer.drain()
-        status_line, *lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "content-length" not in headers:
-            raise RuntimeError(f"{path}: an answer without a Content-Length ({status_line})")
-        content = await self.reader.readexactly(int(headers["content-length"]))
+        # Piece by piece: the transport sends each at once (what the socket does not take it
+        # buffers until it can), where writelines would join them first, copying the activation
+        # (Python 3.11). The answer comes after the whole body, so waiting for it waits for the send.
+        self.transport.write(head.encode("latin-1"))
+        for piece in body:
+            self.transport.write(piece)
+        status, headers, content = await answer
         if headers.get("connection", "").lower() == "close":
             await self.close()
-        return int(status_line.split(" ", 2)[1]), content
+        return status, content
 
     async def close(self) -> None:
         """Close the connection (the next request opens a new one)."""
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(OSError):
-                await self.writer.wait_closed()
-            self.reader = self.writer = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = self.reader = None
 
 
 async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, devices: int, steps: int,
@@ -225,7 +307,7 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
     try:
         async def join(d: str) -> None:
             body = JoinRequest(device_id=d, label_counts=label_counts[d], num_steps=steps).model_dump()
-            status, content = await connections[d].post(f"/v1/rounds/{round_id}/join", packb(body))
+            status, content = await connections[d].post(f"/v1/rounds/{round_id}/join", pack_body(body))
             if status != 200:
                 raise RuntimeError(f"{d} join: HTTP {status}: {content[:300]!r}")
 
@@ -242,7 +324,7 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
             labels_wire = WireTensor(**encode_tensor(labels[d]))
             for step in range(steps):
                 t0 = time.perf_counter()
-                body = packb(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
+                body = pack_body(StepRequest(device_id=d, step=step, fx=fx_wire, labels=labels_wire).model_dump())
                 status, content = await connections[d].post(f"/v1/rounds/{round_id}/step", body)
                 if status != 200:
                     raise RuntimeError(f"{d} step {step}: HTTP {status}: {content[:300]!r}")
@@ -256,16 +338,17 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
         t0 = time.perf_counter()
         await asyncio.gather(*(device(d) for d in ids))
         wall = time.perf_counter() - t0
-        client_cpu_s, server_cpu_s = cpu.read()
+        client_cpu_s, server_cpu_s, loop_cpu_s = cpu.read()
     finally:
         await asyncio.gather(*(c.close() for c in connections.values()))
     total_steps = devices * steps
     return {
         "devices": devices, "replicas": len(plans), "groups": -(-devices // GROUP_SIZE), "steps_per_device": steps,
         "device_steps": total_steps, "wall_s": wall, "join_all_s": join_s, **_latency_figures(latencies),
-        "client_cpu_s": client_cpu_s, "server_cpu_s": server_cpu_s,
+        "client_cpu_s": client_cpu_s, "server_cpu_s": server_cpu_s, "server_event_loop_cpu_s": loop_cpu_s,
         "client_cpu_ms_per_step": 1e3 * client_cpu_s / total_steps,
         "server_cpu_ms_per_step": 1e3 * server_cpu_s / total_steps,
+        "server_event_loop_cpu_ms_per_step": 1e3 * loop_cpu_s / total_steps,
         "server_step_p50_ms": 1e3 * _percentile(server_s, 50),
         "device_steps_per_s": total_steps / wall, "group_steps_per_s": -(-devices // GROUP_SIZE) * steps / wall,
         "MB_per_s": moved[0] / wall / 1e6, "MB_moved": moved[0] / 1e6,
@@ -328,8 +411,8 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                 log(f"  main server x{replicas} {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, "
                     f"p95 {row['latency_p95_ms']:7.1f} ms, p99 {row['latency_p99_ms']:7.1f} ms, "
                     f"{row['device_steps_per_s']:6.1f} steps/s ({row['fraction_of_compute_limit']:.2f} of the "
-                    f"limit), CPU ms a step: client {row['client_cpu_ms_per_step']:.1f}, "
-                    f"server {row['server_cpu_ms_per_step']:.1f}")
+                    f"limit), CPU ms a step: client {row['client_cpu_ms_per_step']:.2f}, "
+                    f"server {row['server_cpu_ms_per_step']:.2f} (event loop {row['server_event_loop_cpu_ms_per_step']:.2f})")
         peak = proc_status_kib(mains[0].process.pid, "VmHWM")
     finally:
         group.stop()

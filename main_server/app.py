@@ -5,16 +5,17 @@ Routes only: authentication, body parsing and the answer's encoding. The logic i
 """
 from __future__ import annotations
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Query, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.datastructures import Headers
 
-from http_api.server import create_service_app, msgpack_body_schema, msgpack_response, read_message
+from http_api.server import ServiceApp, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from main_server.server import MainServer, MainServerSettings
 from shared.auth import token_nonce
-from shared.schemas import API, Ack, JoinRequest, RoundPlan, StepRequest
+from shared.schemas import API, Ack, JoinRequest, JoinResponse, RoundPlan, StepRequest, StepResponse
 
 
-def create_app(settings: MainServerSettings) -> FastAPI:
+def create_app(settings: MainServerSettings) -> ServiceApp:
     """The Main Server as an ASGI app."""
     server = MainServer(settings)
     app = create_service_app("main_server", "S2FL Main Server",
@@ -48,25 +49,25 @@ def create_app(settings: MainServerSettings) -> FastAPI:
                 yield line.model_dump_json() + "\n"
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.post(f"{API}/rounds/{{round_id}}/join", response_class=Response, openapi_extra=msgpack_body_schema(JoinRequest))
-    async def join(round_id: int, request: Request) -> Response:
+    # Joins and steps are lean routes (http_api.server.ServiceApp.msgpack_post): a step is the
+    # Main Server's hot path, 401 KB each way for every device's every batch.
+    @app.msgpack_post(f"{API}/rounds/{{round_id}}/join", JoinRequest, settings.max_join_bytes)
+    async def join(round_id: int, headers: Headers, message: JoinRequest) -> JoinResponse:
         """Device: join the round with label counts; answered when groups are formed."""
-        req = await read_message(request, JoinRequest, settings.max_join_bytes)
-        _check_token(settings, server, request, round_id, req.device_id)
-        return msgpack_response(await server.join(round_id, req))
+        _check_token(settings, server, headers, round_id, message.device_id)
+        return await server.join(round_id, message)
 
-    @app.post(f"{API}/rounds/{{round_id}}/step", response_class=Response, openapi_extra=msgpack_body_schema(StepRequest))
-    async def step(round_id: int, request: Request) -> Response:
+    @app.msgpack_post(f"{API}/rounds/{{round_id}}/step", StepRequest, settings.max_step_bytes)
+    async def step(round_id: int, headers: Headers, message: StepRequest) -> StepResponse:
         """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
-        req = await read_message(request, StepRequest, settings.max_step_bytes)
-        _check_token(settings, server, request, round_id, req.device_id)
-        return msgpack_response(await server.step(round_id, req))
+        _check_token(settings, server, headers, round_id, message.device_id)
+        return await server.step(round_id, message)
 
     return app
 
 
-def _check_token(settings: MainServerSettings, server: MainServer, request: Request, round_id: int, device_id: str) -> None:
+def _check_token(settings: MainServerSettings, server: MainServer, headers: Headers, round_id: int, device_id: str) -> None:
     """A device's bearer token must be the one of its current registration in this run: the round
     plan carries each participant's token nonce (docs/security.md)."""
     plan = server.current(round_id).plan
-    settings.auth.check_device(request.headers, plan.run_id, device_id, token_nonce(plan, device_id))
+    settings.auth.check_device(headers, plan.run_id, device_id, token_nonce(plan, device_id))

@@ -255,7 +255,8 @@ class RoundState:
                                 f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {k}")
         if list(labels.shape) != [batch]:
             raise Invalid(f"labels: shape {list(labels.shape)} where [{batch}] was expected")
-        if batch and (int(labels.min()) < 0 or int(labels.max()) >= self.plan.num_classes):
+        lowest, highest = torch.aminmax(labels)   # batch >= 1 here; both bounds in one torch call
+        if int(lowest) < 0 or int(highest) >= self.plan.num_classes:
             raise Invalid(f"labels: values must lie in [0, {self.plan.num_classes})")
         return group, MemberBatch(req.device_id, k, fx, labels)
 

@@ -79,30 +79,40 @@ class BodyBytesMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        received = 0
-        sent = 0
+        await call_counting_body_bytes(self.app, self.counter, scope, receive, send)
 
-        async def counting_receive():
-            nonlocal received
-            message = await receive()
-            if message.get("type") == "http.request":
-                received += len(message.get("body", b""))
-            return message
 
-        async def counting_send(message) -> None:
-            nonlocal sent
-            if message.get("type") == "http.response.body":
-                sent += len(message.get("body", b""))
-            await send(message)
+async def call_counting_body_bytes(app, counter: Counter, scope, receive, send, route: str | None = None) -> None:
+    """Run the ASGI ``app`` on an HTTP request, counting its request and response body bytes under
+    ``route`` (None: the template of the route the router matched, see BodyBytesMiddleware).
 
-        try:
-            await self.app(scope, counting_receive, counting_send)
-        finally:
-            route = _route_template(scope)
-            if received:
-                self.counter.labels(route, "received").inc(received)
-            if sent:
-                self.counter.labels(route, "sent").inc(sent)
+    The middleware and the servers' lean routes (``http_api.server.ServiceApp``), which are served
+    before the middleware stack, count through this one function.
+    """
+    received = 0
+    sent = 0
+
+    async def counting_receive():
+        nonlocal received
+        message = await receive()
+        if message.get("type") == "http.request":
+            received += len(message.get("body", b""))
+        return message
+
+    async def counting_send(message) -> None:
+        nonlocal sent
+        if message.get("type") == "http.response.body":
+            sent += len(message.get("body", b""))
+        await send(message)
+
+    try:
+        await app(scope, counting_receive, counting_send)
+    finally:
+        label = route if route is not None else _route_template(scope)
+        if received:
+            counter.labels(label, "received").inc(received)
+        if sent:
+            counter.labels(label, "sent").inc(sent)
 
 
 def family_name(spec: MetricSpec) -> str:

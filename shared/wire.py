@@ -129,10 +129,13 @@ def all_finite(t: torch.Tensor) -> bool:
     stay finite (unlike a sum, which could overflow). It reads the tensor once and allocates two
     scalars, where ``torch.isfinite(t).all()`` writes a full-size bool tensor and reads it again:
     on the 2-core EPYC the check costs 0.04 / 0.6 ms for 1.6 / 16 MB of float32 instead of
-    0.9 / 11 ms (``np.isfinite(a).all()``: 0.06 / 0.9 ms).
+    0.9 / 11 ms (``np.isfinite(a).all()``: 0.06 / 0.9 ms). The two scalars are read as Python
+    floats (float16's infinities and NaN stay what they are): two 0-d ``torch.isfinite`` calls
+    took 25 us, twice the pass itself over a 401 KB activation, and each torch call on a server's
+    event loop gives up the GIL to the training threads and waits to get it back.
     """
     lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
 def encode_state(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -263,7 +266,7 @@ def _pack_pieces(obj: Any, packer: msgpack.Packer, pieces: list[bytes]) -> None:
         packer.pack(obj)
 
 
-def unpackb(data: bytes, *, max_bytes: int | None = None) -> Any:
+def unpackb(data: bytes | bytearray, *, max_bytes: int | None = None) -> Any:
     """Parse a message body; raises :class:`WireError` for anything that is not valid msgpack."""
     if max_bytes is not None and len(data) > max_bytes:
         raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
