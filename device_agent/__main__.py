@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                              "when hosting one device; no = build the trained blocks for each task and free them "
                              "once the upload is encoded (memory follows the devices training at once); yes = always keep")
     parser.add_argument("--compute-slots", default=env_default("compute_slots", "auto"),
-                        help="threads that run this agent's devices' training compute (env SFL_COMPUTE_SLOTS): auto "
+                        help="threads that run this agent's devices' whole-model training (env SFL_COMPUTE_SLOTS; split "
+                             "training computes on each device's thread): auto "
                              "(default) = one per usable core given --threads when the agent hosts more devices "
                              "than that, else 0; 0 = each device computes on its own thread")
     parser.add_argument("--model", default=env_default("model", None),

@@ -79,15 +79,16 @@ class Agent:
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
     otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
     ``torch_device``: where every device's model trains (``--torch-device``; default the CPU).
-    ``compute_slots``: how many of the agent's threads run its devices' training compute
-    (``--compute-slots``, :mod:`device_agent.compute`). ``None`` (the default): one per core the
+    ``compute_slots``: how many of the agent's threads run its devices' whole-model training
+    (``--compute-slots``, :mod:`device_agent.compute`; split training computes on each device's
+    own thread, see :func:`device_agent.trainer.train_round`). ``None`` (the default): one per core the
     agent may use given its torch threads (``--threads``, :func:`shared.machine.compute_workers`) when it hosts
     more devices than that, else 0; 0: each device computes on its own thread. With one torch
     thread, devices beyond the cores cannot compute sooner, but each one computing holds its
     training memory, and each thread that computes keeps an allocator arena of it: ten devices of
     the small cnn computing on their own threads held about 55 MiB each at the agent's peak
-    (issue 16, benchmarks/README.md). A device never holds a compute thread while it waits for the
-    Main Server or sleeps an emulated kind's stretch.
+    (issue 16, benchmarks/README.md). A device never holds a compute thread while it sleeps an
+    emulated kind's stretch.
     """
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,

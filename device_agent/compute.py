@@ -27,8 +27,7 @@ class Compute(Protocol):
 
     def run(self, section: Callable[[], T], work: float = 0.0) -> tuple[T, float]:
         """``section()``'s result and the CPU seconds of the thread that ran it (``time.thread_time``).
-        ``work``: the section's expected size (any unit; 0 for a step's), which may order waiting
-        sections."""
+        ``work``: the section's expected size (any unit), which may order waiting sections."""
         ...
 
     def close(self) -> None:
@@ -57,16 +56,16 @@ class ComputeThreads:
     """The agent's ``count`` compute threads, shared by its devices (``--compute-slots N``).
 
     A section waits for a free thread and the device's thread waits for it; its exception
-    (``TaskExpired`` included) is raised in the device's thread. A device never holds a compute
-    thread while it waits for the Main Server: split training sends each step's forward and
-    backward as two sections, so group members waiting for each other at the Main Server's
-    barrier cannot deadlock, and a whole-model round (no Main Server) is one section.
+    (``TaskExpired`` included) is raised in the device's thread. A whole-model round (no Main
+    Server) is one section; split training computes on the device's own thread
+    (:func:`device_agent.trainer.train_round` says why), so no device ever holds a compute
+    thread while it waits for the Main Server.
 
     Waiting sections go largest ``work`` first, then first come first served. A round ends when
     its last device has uploaded, and whole-model rounds of unequal shards arrive together: the
     largest first leaves the small ones to fill the last gaps, so no core idles while the
-    largest runs alone at the end (longest-processing-time-first scheduling). Steps (work 0)
-    keep their order.
+    largest runs alone at the end (longest-processing-time-first scheduling). Equal work keeps
+    the order of arrival.
     """
 
     def __init__(self, count: int) -> None:

@@ -42,14 +42,15 @@ class RoundClock:
 
     @contextmanager
     def compute(self) -> Iterator[None]:
-        """Time a compute section run on the calling thread (the follow-ups' small sections)."""
+        """Time a compute section run on the calling thread (a split step's forward or backward,
+        a follow-up)."""
         t0 = time.monotonic()
         cpu0 = time.thread_time()
         yield
         self.computed(time.monotonic() - t0, time.thread_time() - cpu0)
 
     def section(self, compute: Compute, section: Callable[[], T], work: float = 0.0) -> T:
-        """Run a compute section (forward, backward, optimizer step) on ``compute`` and time it
+        """Run a compute section (a whole-model round's local training) on ``compute`` and time it
         (``work``: its expected size, see :class:`device_agent.compute.ComputeThreads`).
 
         Its wall time counts from here, so it includes waiting for one of the agent's compute

@@ -77,10 +77,13 @@ def train_round(
     trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
     round is given up with :class:`TaskExpired`. ``compute`` (the agent's compute threads, see
-    :mod:`device_agent.compute`; none: this thread) runs the compute sections: the whole local
-    training without a Main Server, and each step's forward and its backward in split mode, so
-    no section waits for the Main Server and group members waiting for each other cannot
-    deadlock; an emulated kind's stretch sleeps after the section, on this thread. ``extras`` are the task's validated
+    :mod:`device_agent.compute`; none: this thread) runs the whole local training when there is
+    no Main Server, as one section; an emulated kind's stretch sleeps after it, on this thread.
+    Split mode computes on this thread: its forward and backward sections are short and each
+    waits for the Main Server in between, and queueing them on the compute threads changed the
+    emulated times the sliding split is decided on (measured: the default S2FL run's median rule
+    then put every device at split 1 from round 7 on; benchmarks/README.md, "memory (tenth
+    session)"). ``extras`` are the task's validated
     ``Algorithm.TaskExtras`` for ``logic.begin_round`` (none: the empty payload).
 
     The data set stays on the CPU and each batch is moved to the device after it is drawn, so
@@ -121,24 +124,20 @@ def train_round(
                 steps += 1
         clock.section(compute, local_training, work=len(data) * epochs)
     else:
+        # Split mode computes on this thread: a step's sections are short and interleaved with the
+        # Main Server's answers (see the docstring).
         for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
             check_deadline()
-
-            def forward(x: torch.Tensor = x) -> torch.Tensor:
-                fx = portion(x.to(device))
+            with clock.compute():
+                fx = portion(x.to(device))  # .to: no copy on the CPU
                 synchronize(device)
-                return fx
-            fx = clock.section(compute, forward)
             sent = fx.detach().half() if half_precision else fx.detach()
             dfx, loss_value = send_step(step, sent.cpu(), y)
-
-            def backward(fx: torch.Tensor = fx, dfx: torch.Tensor = dfx) -> None:
+            with clock.compute():
                 optimizer.zero_grad(set_to_none=True)
                 fx.backward(dfx.to(device=fx.device, dtype=fx.dtype))
                 optimizer.step()
                 synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
-            clock.section(compute, backward)
-            del fx, dfx, sent
             losses.append(loss_value)
             steps += 1
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, as big as the weights
