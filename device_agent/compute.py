@@ -62,9 +62,10 @@ class ComputeThreads:
     thread while it waits for the Main Server.
 
     Waiting sections go largest ``work`` first, then first come first served. A round ends when
-    its last device has uploaded, and whole-model rounds of unequal shards arrive together: the
+    its last device has uploaded, and whole-model rounds of unequal sizes arrive together: the
     largest first leaves the small ones to fill the last gaps, so no core idles while the
-    largest runs alone at the end (longest-processing-time-first scheduling). Equal work keeps
+    largest runs alone at the end (longest-processing-time-first scheduling; the trainer's work
+    is samples x epochs x an emulated kind's stretch). Equal work keeps
     the order of arrival.
     """
 

@@ -69,6 +69,10 @@ class RoundClock:
             time.sleep(extra)
         self.compute_s += wall_s + extra
 
+    def stretch_factor(self) -> float:
+        """How many times its measured compute an emulated section takes in all (1 for a real device)."""
+        return max(1.0, self.kind.compute_stretch) if self.kind is not None else 1.0
+
     def stretch_of(self, wall_s: float, cpu_s: float) -> float:
         """The seconds an emulated kind adds to a section that took ``wall_s`` (``cpu_s`` of CPU)."""
         if self.kind is None or self.kind.compute_stretch <= 1.0:

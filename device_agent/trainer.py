@@ -122,7 +122,9 @@ def train_round(
                 optimizer.step()
                 losses.append(float(loss.detach()))  # waits for CUDA/MPS: the clock sees the compute
                 steps += 1
-        clock.section(compute, local_training, work=len(data) * epochs)
+        # Its size for the queue: the samples it trains on, times an emulated kind's stretch (a Low
+        # device sleeps 10x its compute afterwards, so it is the round's longest and goes first).
+        clock.section(compute, local_training, work=len(data) * epochs * clock.stretch_factor())
     else:
         # Split mode computes on this thread: a step's sections are short and interleaved with the
         # Main Server's answers (see the docstring).

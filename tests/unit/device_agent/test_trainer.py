@@ -278,8 +278,11 @@ class _RecordingCompute:
     def __init__(self, threads: int) -> None:
         self.inner = ComputeThreads(threads)
         self.threads: list[str] = []
+        self.works: list[float] = []
 
     def run(self, section, work=0.0):
+        self.works.append(work)
+
         def recorded():
             self.threads.append(threading.current_thread().name)
             return section()
@@ -323,6 +326,21 @@ def test_a_whole_model_round_runs_on_a_compute_thread_and_split_training_on_the_
     assert result.train_loss == inline_result.train_loss
     for key, value in on_threads.items():
         assert torch.equal(value, inline[key]), key
+
+
+@pytest.mark.parametrize("kind, stretch", [(None, 1.0), ("high", 2.5), ("low", 10.0)])
+def test_a_whole_model_round_queues_as_its_samples_times_its_emulated_stretch(model, kind, stretch):
+    """The compute threads take the largest round first: its size is the samples it trains on
+    (times epochs) times an emulated kind's stretch, which the device sleeps afterwards, so a Low
+    device's round, the longest, starts before a High one's of the same shard."""
+    data = _separable(32, seed=4)
+    compute = _RecordingCompute(1)
+    client = copy.deepcopy(model)
+    blocks = len(client.blocks)
+    clock = RoundClock(parse_kind(kind) if kind else None, time_scale=1e6)
+    train_round(client, blocks, _weights(client, blocks), data, 0.05, 0.0, 0.0, 8, 2, 0, clock, None, compute=compute)
+    compute.close()
+    assert compute.works == [pytest.approx(len(data) * 2 * stretch)]
 
 
 def test_a_section_that_fails_on_a_compute_thread_raises_in_the_device_thread(model):
