@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from device_agent.api import FedApi, MainApi, Unreachable
-from device_agent.compute import Compute, InlineCompute
+from device_agent.compute import Compute
 from device_agent.timing import RoundClock
 from device_agent.trainer import TaskExpired, steps_per_round, train_round
 from shared.algorithms.base import Payload, parse_payload
@@ -103,8 +103,9 @@ class Device:
         self.torch_device = torch_device or torch.device("cpu")
         #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
         self.model_ref = model_ref
-        #: Held during each training compute section (the agent's limit on devices computing at once).
-        self.compute = compute if compute is not None else InlineCompute()
+        #: Where a whole-model round's training runs: the agent's compute threads, or (None) this
+        #: device's own thread (``train_round``'s default).
+        self.compute = compute
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main

@@ -75,9 +75,7 @@ class RoundClock:
 
     def stretch_of(self, wall_s: float, cpu_s: float) -> float:
         """The seconds an emulated kind adds to a section that took ``wall_s`` (``cpu_s`` of CPU)."""
-        if self.kind is None or self.kind.compute_stretch <= 1.0:
-            return 0.0
-        return (cpu_s if self.cpu_time else wall_s) * (self.kind.compute_stretch - 1.0)
+        return (cpu_s if self.cpu_time else wall_s) * (self.stretch_factor() - 1.0)
 
     def transfer(self, num_bytes: int, measured_s: float = 0.0) -> None:
         """Account a message: the measured network time plus the emulated delay for its size."""

@@ -26,7 +26,7 @@ import httpx
 
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
-from integration_support import server_pair, small_config
+from integration_support import server_pair, small_config, wait_for
 from shared.schemas import API, UpdateRequest
 from shared.wire import packb
 
@@ -64,12 +64,8 @@ def _settled_state(fed_url: str, rounds_before: int) -> tuple:
     (docs/operations.md), so it may land while a harmful upload is in flight; waiting for it first
     keeps "unchanged" about what the upload did, not about the record thread's timing.
     """
-    deadline = time.monotonic() + 60
-    while True:
-        state = _fed_state(fed_url)
-        if state[2] >= rounds_before or time.monotonic() > deadline:
-            return state
-        time.sleep(0.05)
+    wait_for(lambda: _fed_state(fed_url)[2] >= rounds_before, 60, f"the record of round {rounds_before}", poll_s=0.05)
+    return _fed_state(fed_url)
 
 
 def test_harmful_uploads_are_refused_change_nothing_and_the_run_completes():
