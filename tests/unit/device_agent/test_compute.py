@@ -51,6 +51,25 @@ def test_a_section_runs_on_a_compute_thread_returns_its_result_and_cpu_time_and_
         compute.run(lambda: 0)
 
 
+def test_close_returns_once_every_compute_thread_has_ended():
+    """``close`` waits for a section still running, then for the threads themselves: none may be
+    ending while the agent's process exits (that aborted the agent, see ``ComputeThreads.close``)."""
+    compute = ComputeThreads(2)
+    running, release = threading.Event(), threading.Event()
+    device = threading.Thread(target=compute.run, args=(lambda: (running.set(), release.wait(10)),))
+    device.start()
+    assert running.wait(10)
+    closer = threading.Thread(target=compute.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close returned while a section was still running"
+    release.set()
+    closer.join(10)
+    device.join(10)
+    assert not closer.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("compute-")]
+
+
 def test_compute_for_zero_is_the_devices_own_thread_and_refuses_a_negative_count():
     inline = compute_for(0)
     assert isinstance(inline, InlineCompute)
