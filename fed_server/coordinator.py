@@ -195,6 +195,10 @@ class Coordinator:
                                f"(model {self.config.model!r}): " + "; ".join(differences))
         record = self.devices.register(req)
         self.changed.set()
+        if self.round is not None and self.round.uses_main_server and req.device_id in self.round.assignments \
+                and self.round.assignments[req.device_id].dispatched_at is None:
+            log.warning("%s enrolled again during attempt %d: it sits that attempt out (the Main Server's plan "
+                        "carries its previous enrolment)", req.device_id, self.round.round_id)
         log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if self.devices.local_data else "shard",
                  record.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=self.run_id, device_id=record.device_id, shard=record.shard)
@@ -232,7 +236,7 @@ class Coordinator:
         splits = self.planner.choose(index, selected)
         self.round = FedRound(
             round_id=self.attempts, index=index, split_mode=self.planner.mode,
-            assignments={d: Assignment(d, k, j) for d, (j, k) in splits.items()},
+            assignments={d: Assignment(d, k, j, self.devices.token_nonce(d)) for d, (j, k) in splits.items()},
             deadline_s=self.config.deadlines.round_s,
             report_deadline_s=self.config.deadlines.report_s or self.config.deadlines.round_s / 2,
         )
@@ -287,7 +291,7 @@ class Coordinator:
             input_shape=list(self.input_shape), seed=self.config.seed,
             participants=[Participant(device_id=d, split_point=fed_round.assignments[d].split_point,
                                       num_samples=max(1, self.devices.devices[d].num_samples),
-                                      token_nonce=self.devices.token_nonce(d))
+                                      token_nonce=fed_round.assignments[d].token_nonce)
                           for d in members],
             server_weights=encode_state(portion_state(self.model, start, self.num_blocks)), train=self.config.train,
             grouping=self.algorithm.grouping(), group_size=self.config.grouping.group_size,
@@ -366,6 +370,11 @@ class Coordinator:
         assignment = fed_round.assignments[device_id]
         if assignment.dispatched_at is not None:  # one task per device and round; a follow-up may come
             return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
+        if fed_round.uses_main_server and assignment.token_nonce != self.devices.token_nonce(device_id):
+            # Enrolled again since the attempt began (a restarted agent): the Main Server's plan
+            # carries the enrolment the device had then, so the device sits this attempt out
+            # rather than be refused there; the next attempt's plan carries its new one.
+            return TaskResponse(status="wait", retry_after_s=IDLE_RETRY_S)
         assignment.dispatched_at = time.monotonic()
         return TaskResponse(
             status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=self.num_blocks,

@@ -12,12 +12,15 @@ from shared.schemas import ServerPortionUpload, UpdateRequest
 
 @dataclass
 class Assignment:
-    """A selected device's task: its split (block count and candidate index) and the Main Server
-    replica that holds its group (None until the plans went out, and for split depth zero)."""
+    """A selected device's task: its split (block count and candidate index), the Main Server
+    replica that holds its group (None until the plans went out, and for split depth zero), and
+    the nonce of the device's enrolment when the attempt began: the one the Main Server's plan
+    carries, so a device that enrols again during the attempt cannot take part in it there."""
 
     device_id: str
     split_point: int
     candidate: int | None
+    token_nonce: str | None = None
     dispatched_at: float | None = None
     main_server_url: str | None = None
 

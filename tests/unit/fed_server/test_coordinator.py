@@ -22,8 +22,8 @@ TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s
 def _coordinator(tmp_path, **overrides) -> Coordinator:
     data = {"algorithm": "fedavg", "rounds": 2, "data": {"num_devices": 2, "max_samples": 200}, "seed": 3}
     for key, value in overrides.items():
-        section, name = key.split(".")
-        data.setdefault(section, {})[name] = value
+        *section, name = key.split(".")
+        (data.setdefault(section[0], {}) if section else data)[name] = value
     coordinator = Coordinator(load_run_config(data), RunDirectory(tmp_path / "run"), None)
     for i in range(2):
         coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10 + i,
@@ -183,6 +183,24 @@ def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
     assert c.task_for(chosen).status == "train"
     assert c.task_for(chosen).retry_after_s == SOON_RETRY_S        # a participant may get a follow-up
     assert IDLE_RETRY_S > SOON_RETRY_S
+
+
+def test_a_device_enrolled_again_during_a_split_attempt_sits_it_out_and_takes_part_in_the_next(tmp_path):
+    # The Main Server checks tokens against the nonces in the attempt's plan: a restarted agent's
+    # device, enrolled again after the attempt began, would be refused there, so it is not sent
+    # this attempt's task (and its plan entry keeps the nonce the Main Server was given).
+    c = _coordinator(tmp_path, algorithm="s2fl")
+    fed_round = _open_round(c)
+    before = fed_round.assignments["d1"].token_nonce
+    assert before == c.devices.token_nonce("d1")
+    c.register(RegisterRequest(device_id="d1", shard=1, num_samples=11, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    assert c.devices.token_nonce("d1") != before
+    assert c.task_for("d1").status == "wait"
+    assert c.task_for("d0").status == "train"
+    plan = c.round_plan(fed_round, ["d0", "d1"])
+    assert {p.device_id: p.token_nonce for p in plan.participants}["d1"] == before
+    c.round = None
+    assert _open_round(c).assignments["d1"].token_nonce == c.devices.token_nonce("d1")
 
 
 def test_finished_run_sends_the_final_model_unless_the_device_declines_it(tmp_path):
