@@ -291,6 +291,9 @@ class Device:
             _WARMED_UP.add(key)
 
     def _wait_for_run(self) -> RunInfo:
+        """The run spec, asked for until the Fed Server answers. Every second at most: an agent
+        started beside its servers (the testbed starts them together) registers as soon as
+        the Fed Server is up, not seconds later."""
         delay = 0.2
         while True:
             try:
@@ -300,7 +303,7 @@ class Device:
                     raise
                 log.debug("%s: Fed Server not reachable yet (%s)", self.device_id, exc)
                 self.stop.wait(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, 1.0)
 
     def profile(self) -> DeviceProfileMsg:
         """Nominal speed of an emulated kind, or a quick measurement on a real device (on the

@@ -97,7 +97,7 @@ class Testbed:
         self.status_patience_s = 120.0   # how long status polls may fail before follow() gives up
 
     def start(self) -> None:
-        """Write the config, start both servers, wait until healthy, start the agents."""
+        """Write the config, start the servers and the agents, wait until the servers are healthy."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "testbed-config.yaml"
         config_path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
@@ -115,16 +115,18 @@ class Testbed:
             "--host", self.host, "--port", url.rsplit(":", 1)[1], "--fed-server-url", self.fed_url, *common,
             *self._model_args(), *self._secret_args("service")]) for i, url in enumerate(self.main_urls)]
         self.main = self.mains[0] if self.mains else None
-        wait_healthy(self.fed_url, self.fed, verify=self.verify)
-        for url, main in zip(self.main_urls, self.mains):
-            wait_healthy(url, main, verify=self.verify)
+        # The agents start beside the servers (each waits for the Fed Server's run spec): their
+        # imports and data loading overlap the servers' instead of following them.
         if self.device_data:
             for i, path in enumerate(self.device_data):
                 self.agent_services.append(self.start_agent(f"agent-{i}", data=path, index=i))
-            return
-        shards = list(range(self.config.data.num_devices))
-        for i, chunk in enumerate(split_evenly(shards, self.agents)):
-            self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
+        else:
+            shards = list(range(self.config.data.num_devices))
+            for i, chunk in enumerate(split_evenly(shards, self.agents)):
+                self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
+        wait_healthy(self.fed_url, self.fed, verify=self.verify)
+        for url, main in zip(self.main_urls, self.mains):
+            wait_healthy(url, main, verify=self.verify)
 
     def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0) -> Service:
         """Start one agent process hosting the devices of ``shards``, or those of the local data at
