@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.fedavg_overhead import cpu_seconds
 from main_server.group_trainer import GroupTrainer, MemberBatch
-from shared.machine import proc_status_kib, usable_cores
+from shared.machine import proc_status_kib
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state
@@ -355,28 +355,48 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
     }
 
 
-def _against_limits(row: dict, group_step_s: float, cores: int) -> dict:
-    """A row's throughput against the Main Server's compute limit (issue 16, benchmark (c)): every
-    core trains group steps back to back, ``cores * GROUP_SIZE / group_step_s`` device steps a
-    second, with the group step timed in-process (pure compute). The CPU shares are the Main
-    Servers' and the load generator's CPU seconds over the wall time times the cores.
+def _against_limits(row: dict, group_step_s: float, cores: int, client_cores: int) -> dict:
+    """A row's throughput against the Main Server's compute limit (issue 16, benchmark (c)): each
+    of the server's ``cores`` trains group steps back to back, ``cores * GROUP_SIZE /
+    group_step_s`` device steps a second, with the group step timed in-process (pure compute).
+    The CPU shares are the Main Servers' CPU seconds over the wall time times their cores, and the
+    load generator's over the wall time times its cores (the same cores when they share them).
     """
     limit = cores * GROUP_SIZE / group_step_s
     return {
         "compute_limit_steps_per_s": limit, "fraction_of_compute_limit": row["device_steps_per_s"] / limit,
         "server_cpu_share_of_cores": row["server_cpu_s"] / (row["wall_s"] * cores),
-        "client_cpu_share_of_cores": row["client_cpu_s"] / (row["wall_s"] * cores),
+        "client_cpu_share_of_cores": row["client_cpu_s"] / (row["wall_s"] * client_cores),
     }
 
 
+def split_cores(server_cores: int | None) -> tuple[set[int], set[int]]:
+    """The cores the Main Servers run on and the cores the load generator runs on.
+
+    None: both share every usable core, the load generator's CPU taken from the server's limit.
+    N: the first N usable cores for the Main Servers and the rest for the load generator, as when
+    the devices are machines of their own; the limit then counts the N cores. At least one core
+    must be left to each side."""
+    usable = sorted(os.sched_getaffinity(0))
+    if server_cores is None:
+        return set(usable), set(usable)
+    if not 1 <= server_cores < len(usable):
+        raise ValueError(f"--server-cores must leave at least one of the {len(usable)} usable cores to each side "
+                         f"(1 to {len(usable) - 1}), got {server_cores}")
+    return set(usable[:server_cores]), set(usable[server_cores:])
+
+
 def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cpu",
-        replica_counts: tuple[int, ...] = (1,)) -> dict:
+        replica_counts: tuple[int, ...] = (1,), server_cores: int | None = None) -> dict:
     """Drive Main Server processes (computing on ``torch_device``, their ``--torch-device``) with
     each population in turn, once per replica count in ``replica_counts`` (the devices' groups
     spread over that many processes); the figures and the setup, device included, as a
-    JSON-friendly dict. Populations: 10, 50, 100 devices for one replica; 100 for more."""
+    JSON-friendly dict. Populations: 10, 50, 100 devices for one replica; 100 for more.
+    ``server_cores``: see :func:`split_cores` (None: server and load generator share the cores)."""
     steps = 5 if quick else 20
-    cores = usable_cores()
+    server_set, client_set = split_cores(server_cores)
+    cores = len(server_set)
+    own_affinity = os.sched_getaffinity(0)
     group_step_s = float("nan")
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-main-"))
     group = ProcessGroup(root / "logs")
@@ -390,9 +410,14 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                 ports.append(port)
         dead = ports.pop()
         urls = [f"http://127.0.0.1:{port}" for port in ports]
+        # A child inherits the affinity of the thread that starts it: the Main Servers get their
+        # cores from birth (so their own count of usable cores, and their training workers, say
+        # the same), then this process moves to the load generator's cores.
+        os.sched_setaffinity(0, server_set)
         mains = [group.start(f"main_server-{i}", "main_server", [
             "--fed-server-url", f"http://127.0.0.1:{dead}", "--port", str(port), "--log-level", "WARNING",
             "--torch-device", torch_device]) for i, port in enumerate(ports)]
+        os.sched_setaffinity(0, client_set)
         for url, main in zip(urls, mains):
             wait_healthy(url, main, timeout=120)
         pids = [main.process.pid for main in mains]
@@ -406,7 +431,8 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                 round_id += 1   # a new round at every replica: each replaces the one before
                 load = os.getloadavg()[0]
                 row = asyncio.run(_drive(urls[:replicas], pids[:replicas], "bench", round_id, n, steps, seed=round_id))
-                row.update(_against_limits(row, group_step_s, cores), load_average_1min=[load, os.getloadavg()[0]])
+                row.update(_against_limits(row, group_step_s, cores, len(client_set)),
+                           load_average_1min=[load, os.getloadavg()[0]])
                 rows.append(row)
                 log(f"  main server x{replicas} {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, "
                     f"p95 {row['latency_p95_ms']:7.1f} ms, p99 {row['latency_p99_ms']:7.1f} ms, "
@@ -415,6 +441,7 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                     f"server {row['server_cpu_ms_per_step']:.2f} (event loop {row['server_event_loop_cpu_ms_per_step']:.2f})")
         peak = proc_status_kib(mains[0].process.pid, "VmHWM")
     finally:
+        os.sched_setaffinity(0, own_affinity)
         group.stop()
         shutil.rmtree(root, ignore_errors=True)
     return {
@@ -422,10 +449,12 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                   "fx_bytes": BATCH * 64 * 7 * 7 * 4, "group_size": GROUP_SIZE, "grouping": "balanced",
                   "torch_device": torch_device, "gpu": gpu_name(torch_device),
                   "client": "one keep-alive HTTP/1.1 connection per virtual device (DeviceConnection), all in "
-                            "the benchmark process's event loop (shares the CPU with the server)",
+                            "the benchmark process's event loop",
+                  "server_cores": sorted(server_set), "client_cores": sorted(client_set),
+                  "cores_shared": server_set == client_set,
                   "fed_server": "none (uploads fail fast against a closed port)",
                   "replicas": "Main Server processes on the same machine; groups spread by spread_groups (LPT)"},
-        "group_step_ms_in_process": 1e3 * group_step_s, "usable_cores": cores,
+        "group_step_ms_in_process": 1e3 * group_step_s, "usable_cores": len(own_affinity), "server_cores": cores,
         "populations": rows,
         "main_server_peak_rss_mib": round(peak / 1024, 1) if peak else None,
     }

@@ -76,15 +76,18 @@ def report(results: dict) -> str:
         out.append(_table(["replicas", "devices", "groups", "p50 ms", "p95 ms", "p99 ms", "server step p50 ms", "steps/s",
                            "MB/s"], rows))
         if "fraction_of_compute_limit" in c["populations"][0]:
+            cores = ("server and load generator share all of them" if s["cores_shared"] else
+                     f"server on cores {s['server_cores']}, load generator on {s['client_cores']}")
             out += ["", f"one group step in-process: {c['group_step_ms_in_process']:.1f} ms; compute limit = "
-                        f"{c['usable_cores']} cores x {s['group_size']} device steps / that"]
+                        f"{c['server_cores']} cores x {s['group_size']} device steps / that ({cores})"]
             out.append(_table(
                 ["replicas", "devices", "p99/p50", "p99/p50 after step 0", "client CPU ms/step", "server CPU ms/step",
-                 "of compute limit", "server + client share of cores", "load avg"],
+                 "of compute limit", "server share of its cores", "client share of its cores", "load avg"],
                 [[str(r["replicas"]), str(r["devices"]), f"{r['latency_p99_over_p50']:.2f}",
                   f"{r['later_steps_latency_p99_over_p50']:.2f}", f"{r['client_cpu_ms_per_step']:.2f}",
                   f"{r['server_cpu_ms_per_step']:.2f}", f"{r['fraction_of_compute_limit']:.2f}",
-                  f"{r['server_cpu_share_of_cores'] + r['client_cpu_share_of_cores']:.2f}", " -> ".join(f"{x:.1f}" for x in r["load_average_1min"])]
+                  f"{r['server_cpu_share_of_cores']:.2f}", f"{r['client_cpu_share_of_cores']:.2f}",
+                  " -> ".join(f"{x:.1f}" for x in r["load_average_1min"])]
                  for r in c["populations"]]))
         out.append(f"Main Server peak RSS after the load: {c['main_server_peak_rss_mib']} MiB")
     d = results.get("memory")
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                              "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
     parser.add_argument("--rounds-f", type=int, default=None,
                         help="rounds of part (f) (default 10 in full mode, 2 in quick mode; the issue's task has 30)")
+    parser.add_argument("--server-cores", type=int, default=None,
+                        help="(c) only: pin the Main Servers to this many of the usable cores and the load generator "
+                             "to the rest, as when the devices are machines of their own; the compute limit then "
+                             "counts these cores (default: both share every core)")
     parser.add_argument("--torch-device", default="cpu",
                         help="where the Main Server of (c) computes: auto, cpu, cuda, cuda:N, mps (default cpu); "
                              "recorded in the results. (a), (d) and (e) stay on the CPU")
@@ -146,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         replica_counts = ()
     if not replica_counts or min(replica_counts) < 1:
         parser.error("--main-servers takes positive counts, e.g. 1,2")
+    if args.server_cores is not None:
+        from benchmarks.main_server_load import split_cores
+
+        try:
+            split_cores(args.server_cores)
+        except ValueError as exc:
+            parser.error(str(exc))
     if not parts <= set(PARTS):
         parser.error(f"--only takes a subset of {','.join(PARTS)}")
 
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import main_server_load
 
         _log("(c) Main Server step latency and throughput")
-        results["main_server"] = main_server_load.run(args.quick, _log, torch_device, replica_counts)
+        results["main_server"] = main_server_load.run(args.quick, _log, torch_device, replica_counts, args.server_cores)
     if "e" in parts:
         from benchmarks import agent_memory
 

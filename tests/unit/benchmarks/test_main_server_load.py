@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from benchmarks.main_server_load import GROUP_SIZE, CpuMeter, _against_limits, _latency_figures
+from benchmarks.main_server_load import GROUP_SIZE, CpuMeter, _against_limits, _latency_figures, split_cores
 
 
 def test_latency_figures_keep_every_step_and_show_the_first_steps_apart() -> None:
@@ -25,13 +25,30 @@ def test_latency_figures_keep_every_step_and_show_the_first_steps_apart() -> Non
 
 def test_the_limit_scales_with_the_cores() -> None:
     row = {"replicas": 1, "device_steps_per_s": 100.0, "server_cpu_s": 5.0, "client_cpu_s": 2.0, "wall_s": 10.0}
-    out = _against_limits(row, group_step_s=0.025, cores=2)
+    out = _against_limits(row, group_step_s=0.025, cores=2, client_cores=2)
     per_core = GROUP_SIZE / 0.025
     assert out["compute_limit_steps_per_s"] == pytest.approx(2 * per_core)
     assert out["fraction_of_compute_limit"] == pytest.approx(100.0 / (2 * per_core))
     assert out["server_cpu_share_of_cores"] == pytest.approx(0.25)
     assert out["client_cpu_share_of_cores"] == pytest.approx(0.1)
-    assert _against_limits(row, group_step_s=0.025, cores=4)["compute_limit_steps_per_s"] == pytest.approx(4 * per_core)
+    assert _against_limits(row, group_step_s=0.025, cores=4, client_cores=4)["compute_limit_steps_per_s"] \
+        == pytest.approx(4 * per_core)
+    # cores of their own: the server's limit counts its one core, the client's share its one core
+    apart = _against_limits(row, group_step_s=0.025, cores=1, client_cores=1)
+    assert apart["compute_limit_steps_per_s"] == pytest.approx(per_core)
+    assert apart["server_cpu_share_of_cores"] == pytest.approx(0.5)
+    assert apart["client_cpu_share_of_cores"] == pytest.approx(0.2)
+
+
+def test_split_cores_shares_by_default_and_otherwise_leaves_each_side_a_core() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    assert split_cores(None) == (set(usable), set(usable))
+    if len(usable) >= 2:
+        server, client = split_cores(1)
+        assert server == {usable[0]} and client == set(usable[1:])
+    for bad in (0, len(usable)):
+        with pytest.raises(ValueError, match="--server-cores"):
+            split_cores(bad)
 
 
 def test_cpu_meter_counts_this_process_and_the_servers() -> None:
