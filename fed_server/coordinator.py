@@ -195,8 +195,7 @@ class Coordinator:
                                f"(model {self.config.model!r}): " + "; ".join(differences))
         record = self.devices.register(req)
         self.changed.set()
-        if self.round is not None and self.round.uses_main_server and req.device_id in self.round.assignments \
-                and self.round.assignments[req.device_id].dispatched_at is None:
+        if self.round is not None and self._sits_out(self.round, req.device_id):
             log.warning("%s enrolled again during attempt %d: it sits that attempt out (the Main Server's plan "
                         "carries its previous enrolment)", req.device_id, self.round.round_id)
         log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if self.devices.local_data else "shard",
@@ -370,10 +369,7 @@ class Coordinator:
         assignment = fed_round.assignments[device_id]
         if assignment.dispatched_at is not None:  # one task per device and round; a follow-up may come
             return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
-        if fed_round.uses_main_server and assignment.token_nonce != self.devices.token_nonce(device_id):
-            # Enrolled again since the attempt began (a restarted agent): the Main Server's plan
-            # carries the enrolment the device had then, so the device sits this attempt out
-            # rather than be refused there; the next attempt's plan carries its new one.
+        if self._sits_out(fed_round, device_id):
             return TaskResponse(status="wait", retry_after_s=IDLE_RETRY_S)
         assignment.dispatched_at = time.monotonic()
         return TaskResponse(
@@ -385,6 +381,15 @@ class Coordinator:
             extras=self.algorithm.task_extras(device_id, fed_round.context).to_wire(),
             report=self.algorithm.needs_report,
         )
+
+    def _sits_out(self, fed_round: FedRound, device_id: str) -> bool:
+        """Whether ``device_id``, selected for ``fed_round`` and not yet sent its task, enrolled
+        again since the attempt began (a restarted agent): the Main Server's plan carries the
+        enrolment the device had then and would refuse its new token, so it sits this attempt out;
+        the next attempt's plan carries its new one."""
+        assignment = fed_round.assignments.get(device_id)
+        return (fed_round.uses_main_server and assignment is not None and assignment.dispatched_at is None
+                and assignment.token_nonce != self.devices.token_nonce(device_id))
 
     def _client_portion(self, fed_round: FedRound, split_point: int) -> dict:
         """Blocks ``[0, split_point)`` of the global model, encoded once per attempt and split point
