@@ -14,6 +14,7 @@ import torch
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
 from device_agent.device import Device
+from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
 from shared.profiles import kind_for
@@ -109,6 +110,8 @@ class Agent:
             compute_slots = workers if count > workers else 0
         self.compute_slots = compute_slots
         self.compute = compute_for(compute_slots)
+        # The weights tasks name, fetched once for all the devices they are named to.
+        self.weights = WeightsCache()
         connect_main = main_connector(verify)
         places: list[tuple[str, int | None, LocalSource | None, int]] = (
             [(i, None, s, n) for n, (i, s) in enumerate(zip(local_device_ids(sources, prefix, device_id), sources))]
@@ -117,7 +120,7 @@ class Agent:
             Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
                    kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
                    source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
-                   compute=self.compute)
+                   compute=self.compute, weights_cache=self.weights)
             for name, shard, source, index in places
         ]
         self.errors: dict[str, BaseException] = {}

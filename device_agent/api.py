@@ -12,7 +12,7 @@ from typing import Protocol
 
 from shared.schemas import (
     EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
-    TaskResponse, UpdateRequest,
+    TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
 )
 
 
@@ -29,9 +29,12 @@ class FedApi(Protocol):
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Enrol the device; the client presents the answer's token on every later call."""
 
-    def task(self, device_id: str, final_weights: bool, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
+    def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         """The device's next instruction and the size of the answer in bytes (for transfer timing);
         with ``wait_s``, the server may hold a ``wait`` answer that long for work to arrive."""
+
+    def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
+        """The weights a task named, and the size of the answer in bytes."""
 
     def report(self, req: ReportRequest) -> None:
         """Two-phase algorithms: the post-training report."""

@@ -16,7 +16,7 @@ from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, No
 from shared.http_client import ServiceError, SyncClient
 from shared.schemas import (
     API, Ack, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
-    StepResponse, TaskResponse, UpdateRequest,
+    StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
 )
 
 #: The domain error of each status the servers answer with (see http_api/server.py).
@@ -60,16 +60,20 @@ class HttpFedClient:
         self._http.set_token(answer.token)
         return answer
 
-    def task(self, device_id: str, final_weights: bool, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
+    def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         before = self._http.bytes.down
-        params: dict[str, str] = {} if final_weights else {"final_weights": "false"}
-        if wait_s > 0:
-            params["wait_s"] = f"{wait_s:g}"
         with _translated():
             # The read may last the whole wait: the timeout covers it plus the usual allowance.
-            task = self._http.call("GET", f"{API}/devices/{device_id}/task", TaskResponse, params=params or None,
+            task = self._http.call("GET", f"{API}/devices/{device_id}/task", TaskResponse,
+                                   params={"wait_s": f"{wait_s:g}"} if wait_s > 0 else None,
                                    timeout=wait_s + 60.0 if wait_s > 0 else None)
         return task, self._http.bytes.down - before
+
+    def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
+        before = self._http.bytes.down
+        with _translated():
+            answer = self._http.call("GET", f"{API}/devices/{device_id}/weights/{weights_id}", WeightsResponse)
+        return answer, self._http.bytes.down - before
 
     def report(self, req: ReportRequest) -> None:
         with _translated():

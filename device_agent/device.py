@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -18,12 +19,13 @@ from device_agent.api import FedApi, MainApi, Unreachable
 from device_agent.compute import Compute
 from device_agent.timing import RoundClock
 from device_agent.trainer import TaskExpired, steps_per_round, train_round
+from device_agent.weights_cache import FetchedWeights, WeightsCache
 from shared.algorithms.base import Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.data.local import DataError, LocalSource
-from shared.errors import Conflict, DomainError, NotFound
+from shared.errors import Conflict, DomainError, Invalid, NotFound
 from shared.evaluation import evaluation_counts
 from shared.models import SplitModel, build_model, build_model_layout, check_model_origin, model_fingerprint
 from shared.profiles import EmulatedKind
@@ -32,7 +34,7 @@ from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
     TaskResponse, UpdateRequest, WireTensor,
 )
-from shared.portions import decode_portion
+from shared.portions import decode_portion, load_portion
 from shared.wire import decode_tensor, encode_state, encode_tensor
 
 log = logging.getLogger("device_agent")
@@ -73,9 +75,13 @@ class Device:
 
     With ``keep_model`` (a real device) the model lives for the whole run and ends holding the
     final global model. Without it (an agent hosting many virtual devices) a device holds real
-    weights only while it trains: each task materialises just the blocks it trains and frees
-    them once the upload is encoded, so an agent's memory follows the devices training at once rather
-    than the devices it hosts. Nothing else changes: every task carries all the weights it trains.
+    weights only while it trains: each task materialises just the blocks it trains when its
+    training starts and frees them once the upload is encoded, so an agent's memory follows the
+    devices training at once rather than the devices it hosts. Nothing else changes: every task
+    starts from all the weights it trains.
+
+    A task names its weights; ``weights_cache`` (one per agent, shared by its devices) fetches
+    each named portion once and holds it while a device uses it (:mod:`device_agent.weights_cache`).
 
     ``torch_device`` (``--torch-device``) is where the model's real weights live and train; the
     data set and the meta-device layout stay where they are (CPU, meta).
@@ -86,7 +92,8 @@ class Device:
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None, model_ref: str | None = None,
-                 compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S) -> None:
+                 compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S,
+                 weights_cache: WeightsCache | None = None) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -106,6 +113,7 @@ class Device:
         #: Where a whole-model round's training runs: the agent's compute threads, or (None) this
         #: device's own thread (``train_round``'s default).
         self.compute = compute
+        self.weights_cache = weights_cache if weights_cache is not None else WeightsCache()
         self.token: str | None = None
         self.fed = fed
         self.connect_main = connect_main
@@ -171,9 +179,15 @@ class Device:
                 log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
 
     def _poll(self, wait_s: float) -> tuple[TaskResponse, int]:
-        # A device that does not keep its model has no use for the final one: not fetching it
-        # spares the agent one copy per device, all arriving together when the run ends.
-        return self.fed.task(self.device_id, final_weights=self.keep_model, wait_s=wait_s)
+        return self.fed.task(self.device_id, wait_s=wait_s)
+
+    def _named_weights(self, task: TaskResponse) -> AbstractContextManager[FetchedWeights]:
+        """The weights ``task`` names, fetched once for all the agent's devices it names them to,
+        held until the ``with`` block ends."""
+        weights_id = task.weights_id
+        if weights_id is None:
+            raise Invalid(f"a {task.status} task of round {task.round_id} names no weights")
+        return self.weights_cache.use(weights_id, lambda: self.fed.weights(self.device_id, weights_id))
 
     def _pause_after(self, task: TaskResponse, asked_at: float, wait_s: float) -> None:
         """After an answer that is no task for now: ask again at once if the Fed Server held the
@@ -189,13 +203,16 @@ class Device:
         return min(max(task.retry_after_s, self.poll_interval_s), 5.0)
 
     def _receive_final(self, task: TaskResponse) -> None:
-        """Load the run's final global model (sent to every device that keeps its model)."""
-        if task.weights and self.keep_model:
+        """Load the run's final global model, on a device that keeps its model (a virtual device
+        has no use for it, and does not fetch it)."""
+        received = task.weights_id is not None and self.keep_model
+        if received:
             assert self.layout is not None and self.model is not None
-            self.model.load_state_dict(
-                decode_portion(task.weights, self.layout, 0, len(self.layout.blocks), what="final weights"))
+            with self._named_weights(task) as final:
+                self.model.load_state_dict(decode_portion(final.weights, self.layout, 0, len(self.layout.blocks),
+                                                          what="final weights"))
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
-                 "; final global model received" if task.weights and self.keep_model else "")
+                 "; final global model received" if received else "")
 
     def setup(self) -> None:
         """Fetch the run spec, load and check this device's data, register with the Fed Server.
@@ -238,19 +255,17 @@ class Device:
         return build(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed,
                      params=self.info.model_params)
 
-    def _model_for(self, split_point: int) -> SplitModel:
-        """The model to train ``blocks[:split_point]`` with. Without ``keep_model``, a fresh one
-        whose trained blocks are allocated but not initialised (the task's weights overwrite
-        every parameter and buffer of them) and whose other blocks stay on the meta device.
+    def _model_for(self) -> SplitModel:
+        """The model to train or evaluate with. Without ``keep_model``, a fresh one on the meta
+        device: the blocks a task uses are allocated when their weights are loaded into them
+        (:func:`shared.portions.load_portion`), the others never are.
 
         The fresh one is a copy of the checked meta layout, not a new build: copying costs
         milliseconds (6 ms for vgg16 here, against 42 ms to build and check it again), and the
         user's model code runs once per device, not once per task."""
         if self.model is None:
             assert self.layout is not None
-            model = copy.deepcopy(self.layout)
-            model.portion(0, split_point).to_empty(device=self.torch_device)
-            self.model = model
+            self.model = copy.deepcopy(self.layout)
         return self.model
 
     def register(self) -> None:
@@ -356,10 +371,11 @@ class Device:
         correct, loss_sum, n = 0, 0.0, 0
         if held_out is not None and len(held_out) > 0:
             num_blocks = len(self.layout.blocks)
-            weights = decode_portion(task.weights or {}, self.layout, 0, num_blocks, what="evaluation weights")
             try:
-                model = self._model_for(num_blocks)
-                model.portion(0, num_blocks).load_state_dict(weights, strict=True)
+                with self._named_weights(task) as named:
+                    model = self._model_for()
+                    load_portion(model.portion(0, num_blocks), decode_portion(
+                        named.weights, self.layout, 0, num_blocks, what="evaluation weights"), self.torch_device)
                 correct, loss_sum = evaluation_counts(model, held_out)
                 n = len(held_out)
             finally:
@@ -377,33 +393,36 @@ class Device:
         # Stretch CPU time where it measures the work (a CPU device, one torch thread; see RoundClock).
         cpu_time = self.torch_device.type == "cpu" and torch.get_num_threads() == 1
         clock = RoundClock(self.kind, self.time_scale, cpu_time=cpu_time)
-        clock.transfer(task_bytes)
         train = task.train
         assert train is not None and task.round_id is not None and task.split_point is not None
-        weights = decode_portion(task.weights or {}, self.layout, 0, task.split_point, what="task weights")
-        model = self._model_for(task.split_point)
-        model.portion(0, task.split_point).load_state_dict(weights, strict=True)
-        # The decoded tensors view the message's bytes (one copy of the portion): loaded, both go
-        # now instead of living through the round (``run()`` keeps the task until its next poll).
-        del weights
-        task.weights = None
         algorithm = ALGORITHMS[task.algorithm or "fedavg"]
         logic = algorithm.device_logic(dict(task.params))
         extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
-        send_step = None
-        main_bytes_before = (0, 0)
-        if task.main_server_url is not None:
-            if self.main is None or self.main.url != task.main_server_url.rstrip("/"):
-                self._drop_main()
-                self.main = self.connect_main(task.main_server_url, self.token)
-            main_bytes_before = (self.main.bytes_up, self.main.bytes_down)
-            send_step = self._join(task, clock)
-        result = train_round(
-            model, task.split_point, None, self.data, train.lr, train.momentum, train.weight_decay,
-            train.batch_size, train.local_epochs, round_seed(self.info.seed, self.device_id if self.shard is None else self.shard, task.round_id), clock,
-            send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
-            compute=self.compute,
-        )
+        with self._named_weights(task) as named:
+            # Charged whether this device fetched them or another device of its agent did: an
+            # emulated device downloads its task's weights itself.
+            clock.transfer(task_bytes + named.size)
+            # Decoded, they view the fetched body, which the agent's devices share: each device
+            # copies them into its own model when its training starts (train_round), so a device
+            # waiting for a compute thread holds no copy of its own.
+            weights = decode_portion(named.weights, self.layout, 0, task.split_point, what="task weights")
+            model = self._model_for()
+            send_step = None
+            main_bytes_before = (0, 0)
+            if task.main_server_url is not None:
+                if self.main is None or self.main.url != task.main_server_url.rstrip("/"):
+                    self._drop_main()
+                    self.main = self.connect_main(task.main_server_url, self.token)
+                main_bytes_before = (self.main.bytes_up, self.main.bytes_down)
+                send_step = self._join(task, clock)
+            result = train_round(
+                model, task.split_point, weights, self.data, train.lr, train.momentum, train.weight_decay,
+                train.batch_size, train.local_epochs,
+                round_seed(self.info.seed, self.device_id if self.shard is None else self.shard, task.round_id), clock,
+                send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
+                compute=self.compute, torch_device=self.torch_device,
+            )
+            del weights
         portion = model.portion(0, task.split_point)
         if task.report:
             self._report_and_follow_up(task, algorithm.FollowUp, logic, portion, clock, deadline)

@@ -13,6 +13,7 @@ from device_agent.timing import RoundClock
 from shared.algorithms.base import DeviceLogic, Payload
 from shared.data import ArrayDataset
 from shared.models import SplitModel
+from shared.portions import load_portion
 from shared.torch_device import model_device, synchronize
 
 #: Sends (step, fx, labels) to the Main Server and returns (dfx, server-reported loss).
@@ -65,12 +66,14 @@ def train_round(
     extras: Payload | None = None,
     deadline: float | None = None,
     compute: Compute | None = None,
+    torch_device: torch.device | None = None,
 ) -> LocalResult:
     """Train blocks[:split_point] of ``model`` in place for one round, on the device its trained
-    blocks live on (``--torch-device``; the weights are copied there). ``weights`` None: the
-    portion already holds the round's starting weights (the agent loads a task's weights as soon
-    as it has decoded them, so the received message's bytes, which the decoded tensors view, are
-    freed before training rather than held through it).
+    blocks live on (``--torch-device``; the weights are copied there). ``weights``: the round's
+    starting weights, loaded when the training starts (on a compute thread, for a whole-model
+    round); blocks still on the meta device (a virtual device's model, built per task) are
+    allocated on ``torch_device`` (default the CPU) first. ``weights`` None: the portion already
+    holds them.
 
     With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
     Server and backpropagates the returned dfx; without it the device holds the whole model and
@@ -92,16 +95,20 @@ def train_round(
     """
     logic = logic or DeviceLogic({})
     portion = model.portion(0, split_point)
-    if weights is not None:
-        portion.load_state_dict(weights, strict=True)
-    device = model_device(portion)
-    logic.begin_round(portion, extras if extras is not None else Payload(), data)
-    data = logic.training_data(data)
-    portion.train()
-    optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     compute = compute if compute is not None else InlineCompute()
     losses: list[float] = []
     steps = 0
+
+    def start() -> tuple[torch.optim.Optimizer, ArrayDataset, torch.device]:
+        # Where the training runs (a compute thread, for a whole-model round): a device waiting
+        # for its turn holds no weights of its own, only the task's, which its agent's devices
+        # share (device_agent/weights_cache.py).
+        if weights is not None:
+            load_portion(portion, weights, torch_device)
+        logic.begin_round(portion, extras if extras is not None else Payload(), data)
+        portion.train()
+        optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return optimizer, logic.training_data(data), model_device(portion)
 
     def check_deadline(owed_s: float = 0.0) -> None:
         if deadline is not None and time.monotonic() + owed_s > deadline:
@@ -114,7 +121,8 @@ def train_round(
         def local_training() -> None:
             nonlocal steps
             t0, cpu0 = time.monotonic(), time.thread_time()
-            for x, y in batches(data, batch_size, epochs, seed):
+            optimizer, train_data, device = start()
+            for x, y in batches(train_data, batch_size, epochs, seed):
                 check_deadline(clock.stretch_of(time.monotonic() - t0, time.thread_time() - cpu0))
                 loss = logic.loss(portion, x.to(device), y.to(device))  # .to: no copy on the CPU
                 optimizer.zero_grad(set_to_none=True)
@@ -122,13 +130,17 @@ def train_round(
                 optimizer.step()
                 losses.append(float(loss.detach()))  # waits for CUDA/MPS: the clock sees the compute
                 steps += 1
-        # Its size for the queue: the samples it trains on, times an emulated kind's stretch (a Low
+            optimizer.zero_grad(set_to_none=True)  # the last step's gradients: as big as the weights
+        # Its size for the queue: the device's samples, times an emulated kind's stretch (a Low
         # device sleeps 10x its compute afterwards, so it is the round's longest and goes first).
+        # The samples of the shard, not of the algorithm's training part, which is known only
+        # once the round has begun in the section (FedBC holds the same fraction back everywhere).
         clock.section(compute, local_training, work=len(data) * epochs * clock.stretch_factor())
     else:
         # Split mode computes on this thread: a step's sections are short and interleaved with the
         # Main Server's answers (see the docstring).
-        for step, (x, y) in enumerate(batches(data, batch_size, epochs, seed)):
+        optimizer, train_data, device = start()
+        for step, (x, y) in enumerate(batches(train_data, batch_size, epochs, seed)):
             check_deadline()
             with clock.compute():
                 fx = portion(x.to(device))  # .to: no copy on the CPU
@@ -142,5 +154,5 @@ def train_round(
                 synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
             losses.append(loss_value)
             steps += 1
-    optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, as big as the weights
+        optimizer.zero_grad(set_to_none=True)  # the last step's gradients: as big as the weights
     return LocalResult(steps=steps, train_loss=sum(losses) / max(1, len(losses)))

@@ -16,9 +16,8 @@ from fed_server.driver import FedServerSettings, drive_rounds
 from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus, finite_json
 from shared.errors import NotFound
-from http_api.server import MSGPACK, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from http_api.server import MsgpackResponse, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import API, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
-from shared.wire import packb
 
 log = logging.getLogger("fed_server")
 
@@ -40,7 +39,6 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         "Global model, client time table, device selection, split choice, layer-wise aggregation."))
     app.state.coordinator = coordinator
     app.state.metrics = metrics
-    packed_done: dict[bool, bytes] = {}  # the final answer's body by final_weights (see task())
 
     def check_device(request: Request, device_id: str) -> None:
         """The caller holds ``device_id``'s current token in this run. A caller with a token for a
@@ -87,24 +85,30 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
-    async def task(device_id: str, request: Request, final_weights: bool = True, wait_s: float = 0.0) -> Response:
-        """Device: ask for work (wait / train with weights and split point / evaluate / done, with
-        the final model unless ``final_weights=false``). With ``wait_s`` (at most 30) a ``wait``
-        answer is held until work is posted for the device or ``wait_s`` passes (long-poll)."""
+    async def task(device_id: str, request: Request, wait_s: float = 0.0) -> Response:
+        """Device: ask for work (wait / train this split point / evaluate / done), the weights named
+        by ``weights_id``. With ``wait_s`` (at most 30) a ``wait`` answer is held until work is
+        posted for the device or ``wait_s`` passes (long-poll)."""
         check_device(request, device_id)
-        answer = await coordinator.next_task(device_id, final_weights, wait_s)
-        if answer.status == "done":
-            # Every device polls for the same final answer at about the same time: one packed
-            # body shared by all responses, not one copy of the model per device in flight.
-            if final_weights not in packed_done:
-                packed_done[final_weights] = packb(answer.model_dump())
-            return Response(content=packed_done[final_weights], media_type=MSGPACK)
+        answer = await coordinator.next_task(device_id, wait_s)
         response = msgpack_response(answer)
-        if answer.status == "train" and coordinator.round is not None:
-            coordinator.round.task_bytes += len(response.body)
-        elif answer.status == "evaluate" and coordinator.evaluating is not None:
-            coordinator.evaluating.task_bytes += len(response.body)
+        if answer.status in ("train", "evaluate"):
+            # The round's bytes down count each device's task with the weights it names, whether
+            # its agent fetches them or already holds them for another of its devices: the
+            # algorithm's traffic per device, as with one device per agent (docs/api.md).
+            sent = len(response.body) + (coordinator.weights.size(answer.weights_id) if answer.weights_id else 0)
+            if answer.status == "train" and coordinator.round is not None:
+                coordinator.round.task_bytes += sent
+            elif answer.status == "evaluate" and coordinator.evaluating is not None:
+                coordinator.evaluating.task_bytes += sent
         return response
+
+    @app.get(f"{API}/devices/{{device_id}}/weights/{{weights_id}}", response_class=Response)
+    async def weights(device_id: str, weights_id: str, request: Request) -> Response:
+        """Device: the weights a task named (a ``WeightsResponse``), served while that task's attempt,
+        evaluation phase or final answer lasts (404 after). One packed body serves every fetch."""
+        check_device(request, device_id)
+        return MsgpackResponse(coordinator.weights.body(weights_id))
 
     @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))
     async def update(round_id: int, request: Request) -> Response:

@@ -31,6 +31,7 @@ from fed_server.checkpoint import RunProgress
 from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
+from fed_server.weights_store import WeightsStore
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.grouping import form_round_groups, groups_per_replica
 from shared.algorithms.base import RoundContext, parse_payload
@@ -41,8 +42,7 @@ from shared.errors import Conflict, Invalid, NotAllowed
 from shared.models import build_model, fingerprint_differences, model_fingerprint, profile_model
 from shared.schemas import (
     Ack, EvaluationReport, Participant, PlannedGroup, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo,
-    ServerPortionUpload,
-    TaskResponse, UpdateRequest,
+    ServerPortionUpload, TaskResponse, UpdateRequest, WeightsId,
 )
 from shared.portions import decode_portion, portion_state
 from shared.wire import WireError, encode_state
@@ -148,11 +148,13 @@ class Coordinator:
         self.failed_in_a_row = 0
         self.history: list[RoundRecord] = []
         self.finished = False
-        self._evaluation_weights: dict | None = None  # the evaluated global model, encoded once per phase
-        # The open attempt's client portions by split point, encoded once for all the devices that
+        #: The weights tasks name, packed once each and fetched by id (fed_server/weights_store.py).
+        self.weights = WeightsStore()
+        self._evaluation_weights: WeightsId | None = None  # the evaluated global model, once per phase
+        # The open attempt's client portions by split point, published once for all the devices that
         # train it (FedAvg: one encoding of the whole model a round, not one per device).
-        self._task_weights: tuple[int, dict[int, dict]] = (0, {})
-        self._done_answers: dict[bool, TaskResponse] = {}  # by final_weights: encoded once, polled by every device
+        self._task_weights: tuple[int, dict[int, WeightsId]] = (0, {})
+        self._done_answer: TaskResponse | None = None  # the final answer, polled by every device
         self.stop_reason: str | None = None
         self.started_at: float | None = None
         self.elapsed_before = 0.0     # run time before a restart
@@ -325,7 +327,7 @@ class Coordinator:
         fed_round.ready = True
         self.post_work()
 
-    async def next_task(self, device_id: str, final_weights: bool = True, wait_s: float = 0.0) -> TaskResponse:
+    async def next_task(self, device_id: str, wait_s: float = 0.0) -> TaskResponse:
         """:meth:`task_for`, but a ``wait`` answer is held for up to ``wait_s`` seconds until work is
         posted for the device (long-poll): a device learns of its task when the round opens, not at
         its next poll. Taking the event and checking happen without an ``await`` between them, so
@@ -335,27 +337,25 @@ class Coordinator:
         until = time.monotonic() + wait_s
         while True:
             posted = self.work_posted
-            answer = self.task_for(device_id, final_weights)
+            answer = self.task_for(device_id)
             remaining = until - time.monotonic()
             if answer.status != "wait" or remaining <= 0:
                 return answer
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(posted.wait(), remaining)
 
-    def task_for(self, device_id: str, final_weights: bool = True) -> TaskResponse:
+    def task_for(self, device_id: str) -> TaskResponse:
         """A polling device's next instruction.
 
-        Every device, selected or not, receives the final global model, unless it asks not to
-        (``final_weights=False``: a virtual device that would drop it, whose agent would otherwise
-        receive one copy per device at once).
+        Every device, selected or not, is told the final global model's ``weights_id`` when the
+        run is done; a device that keeps its model fetches it, a virtual one does not.
         """
         self.devices.get(device_id)
         if self.finished:
-            if final_weights not in self._done_answers:
-                self._done_answers[final_weights] = TaskResponse(
-                    status="done", num_blocks=self.num_blocks,
-                    weights=encode_state(portion_state(self.model, 0, self.num_blocks)) if final_weights else None)
-            return self._done_answers[final_weights]
+            if self._done_answer is None:
+                self._done_answer = TaskResponse(status="done", num_blocks=self.num_blocks,
+                                                 weights_id=self.weights.publish(self._portion(self.num_blocks)))
+            return self._done_answer
         if self.evaluating is not None and device_id in self.evaluating.asked:
             return self._evaluation_task(self.evaluating, device_id)
         fed_round = self.round
@@ -374,7 +374,7 @@ class Coordinator:
         assignment.dispatched_at = time.monotonic()
         return TaskResponse(
             status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=self.num_blocks,
-            weights=self._client_portion(fed_round, assignment.split_point), train=self.config.train,
+            weights_id=self._client_portion(fed_round, assignment.split_point), train=self.config.train,
             main_server_url=assignment.main_server_url if fed_round.uses_main_server else None,
             deadline_s=self._remaining(fed_round), half_precision=self.config.half_precision,
             algorithm=self.config.algorithm, params=self.algorithm.device_params(),
@@ -391,16 +391,32 @@ class Coordinator:
         return (fed_round.uses_main_server and assignment is not None and assignment.dispatched_at is None
                 and assignment.token_nonce != self.devices.token_nonce(device_id))
 
-    def _client_portion(self, fed_round: FedRound, split_point: int) -> dict:
-        """Blocks ``[0, split_point)`` of the global model, encoded once per attempt and split point
-        (the model does not change while an attempt is open)."""
+    def _portion(self, end: int) -> dict[str, torch.Tensor]:
+        return portion_state(self.model, 0, end)
+
+    def _client_portion(self, fed_round: FedRound, split_point: int) -> WeightsId:
+        """Blocks ``[0, split_point)`` of the global model, published once per attempt and split
+        point (the model does not change while an attempt is open)."""
         round_id, portions = self._task_weights
         if round_id != fed_round.round_id:
+            self._release_task_weights()
             portions = {}
             self._task_weights = (fed_round.round_id, portions)
         if split_point not in portions:
-            portions[split_point] = encode_state(portion_state(self.model, 0, split_point))
+            portions[split_point] = self.weights.publish(self._portion(split_point))
         return portions[split_point]
+
+    def _release_task_weights(self) -> None:
+        """The attempt's portions are no longer served: its tasks have ended (or the model is about
+        to change)."""
+        for weights_id in self._task_weights[1].values():
+            self.weights.release(weights_id)
+        self._task_weights = (0, {})
+
+    def _release_evaluation_weights(self) -> None:
+        if self._evaluation_weights is not None:
+            self.weights.release(self._evaluation_weights)
+            self._evaluation_weights = None
 
     def _follow_up_for(self, fed_round: FedRound, device_id: str) -> TaskResponse:
         assert fed_round.follow_ups is not None
@@ -416,11 +432,11 @@ class Coordinator:
         if device_id in evaluation.dispatched or device_id in evaluation.reports:
             return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
         evaluation.dispatched.add(device_id)
-        if self._evaluation_weights is None:   # encoded once for every asked device
-            self._evaluation_weights = encode_state(portion_state(self.model, 0, self.num_blocks))
+        if self._evaluation_weights is None:   # published once for every asked device
+            self._evaluation_weights = self.weights.publish(self._portion(self.num_blocks))
         remaining = max(1.0, evaluation.deadline() - time.monotonic())
         return TaskResponse(status="evaluate", round_id=evaluation.round_id, num_blocks=self.num_blocks,
-                            weights=self._evaluation_weights, deadline_s=remaining)
+                            weights_id=self._evaluation_weights, deadline_s=remaining)
 
     @staticmethod
     def _remaining(fed_round: FedRound) -> float:
@@ -551,7 +567,7 @@ class Coordinator:
         Called on the event loop."""
         if self.evaluation_mode != "federated" or not aggregation.ok:
             return None
-        self._evaluation_weights = None
+        self._release_evaluation_weights()
         self.evaluating = EvaluationRound(
             round_id=fed_round.round_id, asked={d: self.devices.devices[d].num_samples for d in aggregation.used},
             holdout=self.config.evaluation.holdout, deadline_s=self.config.deadlines.evaluate_s)
@@ -574,7 +590,7 @@ class Coordinator:
         """End the open evaluation phase (all reported, or its deadline passed): later reports are
         stale. Called on the event loop, so no report lands between this and the record."""
         evaluation, self.evaluating = self.evaluating, None
-        self._evaluation_weights = None
+        self._release_evaluation_weights()
         if evaluation is not None:
             evaluation.closed = True
         return evaluation
@@ -584,7 +600,7 @@ class Coordinator:
         if self.round is None:
             raise RuntimeError("no open round")
         fed_round, self.round = self.round, None
-        self._task_weights = (0, {})   # the model is about to change
+        self._release_task_weights()   # the model is about to change
         return fed_round
 
     def aggregate_round(self, fed_round: FedRound) -> Aggregation:

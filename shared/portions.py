@@ -1,6 +1,7 @@
 """Model portions on the wire: blocks[start:end] of a model as an ordered name -> tensor map."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,3 +24,12 @@ def decode_portion(wire_state: Mapping[str, Any], model: SplitModel, start: int,
     Raises :class:`shared.wire.WireError` (a ValueError) naming the first problem.
     """
     return decode_state(wire_state, expect=portion_state(model, start, end), what=what)
+
+
+def load_portion(portion: torch.nn.Module, weights: Mapping[str, torch.Tensor], device: torch.device | None = None) -> None:
+    """Load ``weights`` (every parameter and buffer of ``portion``, names relative to it) into
+    ``portion``, first allocating on ``device`` (default the CPU) whatever of it is still on the
+    meta device: a model built per task has no memory until the weights it trains arrive."""
+    if any(t.is_meta for t in itertools.chain(portion.parameters(), portion.buffers())):
+        portion.to_empty(device=device or torch.device("cpu"))
+    portion.load_state_dict(weights, strict=True)

@@ -51,6 +51,16 @@ class WireTensor(Message):
 
 WireState = dict[str, WireTensor]
 
+#: A published portion of the global model, named by its content (:class:`TaskResponse`).
+WeightsId = str
+_WEIGHTS_ID_PATTERN = r"^[0-9a-f]{32}$"
+
+
+class WeightsResponse(Message):
+    """Weights a task named by ``weights_id``: a portion of the global model (blocks ``[0, end)``)."""
+
+    weights: WireState
+
 
 # --- device profile ---------------------------------------------------------------------------
 
@@ -142,12 +152,17 @@ class DeviceTimings(Message):
 class TaskResponse(Message):
     """The answer to a device's poll: wait, train this round, act on a follow-up, evaluate, or stop.
 
-    ``phase="train"``: train ``weights`` (the device's portion of the global model).
+    ``phase="train"``: train the weights ``weights_id`` names (the device's portion of the global
+    model, blocks ``[0, split_point)``).
     ``phase="follow_up"``: two-phase algorithms only; ``extras`` is the Fed Server's answer to the
     device's report for ``round_id``; no weights (the device continues from its trained model).
-    ``status="evaluate"``: federated evaluation of round ``round_id``: ``weights`` is the whole new
-    global model; evaluate it on the held-out part and POST an :class:`EvaluationReport`.
-    ``status="done"``: the run is over; ``weights`` is the final global model (every device gets it).
+    ``status="evaluate"``: federated evaluation of round ``round_id``: ``weights_id`` names the whole
+    new global model; evaluate it on the held-out part and POST an :class:`EvaluationReport`.
+    ``status="done"``: the run is over; ``weights_id`` names the final global model.
+
+    The weights themselves are fetched by id (``GET /v1/devices/{device_id}/weights/{weights_id}``,
+    a :class:`WeightsResponse`): every device of an attempt with the same split point is named the
+    same weights, so an agent hosting many devices fetches them once, not once per device.
     """
 
     status: Literal["wait", "train", "evaluate", "done"]
@@ -156,7 +171,7 @@ class TaskResponse(Message):
     round_id: int | None = None
     split_point: int | None = None         # number of model blocks on the device
     num_blocks: int | None = None
-    weights: WireState | None = None
+    weights_id: WeightsId | None = Field(default=None, pattern=_WEIGHTS_ID_PATTERN)
     train: TrainConfig | None = None
     main_server_url: str | None = None     # None: split depth zero, train locally
     deadline_s: float | None = None

@@ -159,8 +159,9 @@ def test_fed_register_then_shard_conflict(services, client):
     # The registered device polls and is told to wait: no round runs with 1 of 2 devices.
     resp = client.get(f"{services['fed']}/v1/devices/dev-0/task")
     assert resp.status_code == 200 and unpackb(resp.content)["status"] == "wait"
-    assert_rejected(client.get(f"{services['fed']}/v1/devices/dev-0/task", params={"final_weights": "maybe"}),
-                    422, "final_weights")
+    # Weights no task names (or no longer does): 404, whatever the id looks like.
+    for weights_id in ("0" * 32, "not-an-id"):
+        assert_rejected(client.get(f"{services['fed']}/v1/devices/dev-0/weights/{weights_id}"), 404, "not served")
     for wait_s in ("-1", "31", "nan", "soon"):   # a long-poll of at most 30 s
         assert_rejected(client.get(f"{services['fed']}/v1/devices/dev-0/task", params={"wait_s": wait_s}), 422, "wait_s")
     # A long-poll with nothing to do is held for its wait, then told to wait.

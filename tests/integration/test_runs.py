@@ -1,8 +1,10 @@
 """S2FL, SFL and FedAvg end to end through the real services (separate processes, real HTTP)."""
 from __future__ import annotations
 
+import re
 import statistics
 
+import httpx
 import pytest
 
 from fed_server.update_checks import table_time
@@ -12,6 +14,7 @@ import torch
 
 from integration_support import read_metrics, small_config
 from shared.models import build_model
+from shared.portions import portion_state
 
 
 def _model_changed(run_dir, config) -> bool:
@@ -128,6 +131,20 @@ def test_device_killed_mid_round_is_dropped_and_round_completes(run_testbed):
     assert _model_changed(run_dir, config)
 
 
+def _body_bytes_sent(testbed, route: str) -> float:
+    """The testbed's Fed Server's ``sfl_http_body_bytes_total`` sent on ``route`` (docs/metrics.md)."""
+    text = httpx.get(f"{testbed.fed_url}/metrics", timeout=10, verify=testbed.verify).text
+    # Route templates hold braces themselves: the labels are matched on the whole line.
+    pattern = r'^sfl_http_body_bytes_total\{(?=.*direction="sent")(?=.*route="' + re.escape(route) + r'").*\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, text, flags=re.M))
+
+
+def _portion_bytes(end: int) -> int:
+    """Tensor bytes of the cnn's blocks [0, end) (a weights body is these plus a few hundred)."""
+    model = build_model("cnn")
+    return sum(t.numel() * t.element_size() for t in portion_state(model, 0, end).values())
+
+
 def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(tmp_path, monkeypatch):
     # One agent hosting four devices builds each device's trained blocks per task and frees them
     # (the default for many devices); SFL_KEEP_MODELS=yes keeps a full model per device. Rounds
@@ -144,14 +161,22 @@ def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(
         run_dir = tmp_path / f"keep-{keep}"
         with Testbed(config, run_dir, agents=1) as testbed:
             status = testbed.follow(timeout=240)
+            weights_sent = _body_bytes_sent(testbed, "/v1/devices/{device_id}/weights/{weights_id}")
         assert status["state"] == "finished"
-        assert [set(m["split_points"].values()) for m in read_metrics(run_dir)] == \
-            [{k} for k in build_model("cnn").split_points]
+        metrics = read_metrics(run_dir)
+        assert [set(m["split_points"].values()) for m in metrics] == [{k} for k in build_model("cnn").split_points]
         states[keep] = RunDirectory(run_dir).read_checkpoint()[1]
-        # Only devices that keep their model fetch the final one (the others poll with
-        # final_weights=false, sparing the agent one copy per device at the end).
+        # Only devices that keep their model fetch the final one: the others have no use for it.
         log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*agent*.log"))
         assert log.count("final global model received") == (4 if keep == "yes" else 0), log[-2000:]
         assert log.count("run finished after") == 4
+        # The four devices of a round are named the same portion, which their agent fetches once
+        # for all of them (twice at most, should one device ask after the others let it go):
+        # each round's weights cross the network once or twice, not four times. The round
+        # records still count them once per device (the algorithm's traffic per device).
+        portions = [_portion_bytes(k) for k in build_model("cnn").split_points] + \
+            ([_portion_bytes(len(build_model("cnn").blocks))] if keep == "yes" else [])
+        assert sum(portions) <= weights_sent <= 2 * sum(portions) * 1.01, (weights_sent, portions)
+        assert all(m["bytes_down"] >= 4 * p for m, p in zip(metrics, portions))
     for key, kept in states["yes"].items():
         assert torch.equal(states["no"][key], kept), key

@@ -126,6 +126,10 @@ def test_enrolment_needs_the_secret_and_each_enrolment_revokes_the_previous_toke
     assert second != first
     assert _task(fed_url, "dev-a", first) == 403
     assert _task(fed_url, "dev-a", second) == 200
+    # Weights are fetched under the same check, before the lookup: a revoked token learns nothing.
+    weights = f"{fed_url}/v1/devices/dev-a/weights/{'0' * 32}"
+    assert httpx.get(weights).status_code == 401 and httpx.get(weights, headers=_bearer(first)).status_code == 403
+    assert httpx.get(weights, headers=_bearer(second)).status_code == 404   # none served before a round
     assert httpx.get(f"{fed_url}/v1/status").json()["registered"] == 1
     # Re-enrolling cannot take another device's shard, and a refused enrolment revokes nothing.
     other = _token(_register(fed_url, "dev-b", 1, {"x-enrolment-secret": ENROL}))

@@ -9,7 +9,7 @@ from device_agent.device import Device
 from shared.data import DataSpec
 from shared.data import ArrayDataset
 from shared.models import build_model, model_fingerprint
-from shared.portions import portion_state
+from shared.portions import load_portion, portion_state
 from shared.schemas import RunInfo
 
 
@@ -26,27 +26,28 @@ def _device(keep_model: bool, model: str = "cnn") -> Device:
     return device
 
 
-def test_per_task_model_allocates_only_the_trained_blocks():
+def test_per_task_model_allocates_only_the_trained_blocks_when_their_weights_are_loaded():
     device = _device(keep_model=False)
     split = build_model("cnn").split_points[0]
-    model = device._model_for(split)
+    model = device._model_for()
+    assert all(t.is_meta for t in model.state_dict().values())  # nothing allocated before the weights
+    reference = build_model("cnn", seed=3)
+    portion = model.portion(0, split)
+    # The task's weights overwrite every parameter and buffer of the trained blocks.
+    load_portion(portion, portion_state(reference, 0, split))
     names = model.block_names()
     for i, name in enumerate(names):
         devices = {t.device.type for t in model.blocks[name].state_dict().values()}
         assert devices == ({"cpu"} if i < split else {"meta"}), (name, devices)
-    # The task's weights overwrite every parameter and buffer of the trained blocks.
-    reference = build_model("cnn", seed=3)
-    portion = model.portion(0, split)
-    portion.load_state_dict(portion_state(reference, 0, split), strict=True)
     x = torch.randn(4, 1, 28, 28)
     assert torch.equal(portion(x), reference.portion(0, split)(x))
-    assert device._model_for(split) is model  # one model per task, reused within it
+    assert device._model_for() is model  # one model per task, reused within it
 
 
 def test_kept_model_is_the_same_full_model_every_task():
     device = _device(keep_model=True)
-    model = device._model_for(1)
-    assert model is device.model and device._model_for(len(model.blocks)) is model
+    model = device._model_for()
+    assert model is device.model and device._model_for() is model
     assert all(t.device.type == "cpu" for t in model.state_dict().values())
 
 
@@ -56,7 +57,7 @@ def test_model_is_released_after_a_task_only_without_keep_model(keep_model):
     kept = device.model
 
     def fail(*args, **kwargs):  # stands in for a round that fails after the model was built
-        device._model_for(1)
+        device._model_for()
         raise RuntimeError("round failed")
 
     device._train = fail

@@ -22,7 +22,7 @@ from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import (
     EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
-    TaskResponse, UpdateRequest, WireTensor,
+    TaskResponse, UpdateRequest, WeightsResponse, WireTensor,
 )
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
 
@@ -31,8 +31,20 @@ INFO = RunInfo(run_id="run-1", algorithm="s2fl", model="cnn", num_classes=10, in
                fingerprint=model_fingerprint(build_model("cnn", 10, (1, 28, 28), seed=5), SPEC))
 
 
+#: Weights the scripted tasks name, by id (what the Fed Server's weights route serves).
+PUBLISHED: dict[str, WeightsResponse] = {}
+
+
+def _publish(model, end: int) -> str:
+    """Blocks [0, end) of ``model`` as weights a task can name."""
+    weights_id = f"{len(PUBLISHED):032x}"
+    PUBLISHED[weights_id] = WeightsResponse(weights=encode_state(portion_state(model, 0, end)))
+    return weights_id
+
+
 class FakeFed:
-    """Answers polls from a script (a TaskResponse or an exception to raise), records the rest."""
+    """Answers polls from a script (a TaskResponse or an exception to raise), serves the weights
+    the tasks name, records the rest."""
 
     def __init__(self, script: list, info: RunInfo = INFO) -> None:
         self.script = list(script)
@@ -41,6 +53,7 @@ class FakeFed:
         self.uploads: list[UpdateRequest] = []
         self.reports: list[ReportRequest] = []
         self.evaluations: list[EvaluationReport] = []
+        self.fetched: list[str] = []
 
     def run_info(self) -> RunInfo:
         return self.info
@@ -50,10 +63,15 @@ class FakeFed:
         return RegisterResponse(run_id=INFO.run_id, device_id=req.device_id, shard=req.shard,
                                 token=f"token-{len(self.registrations)}")
 
-    def task(self, device_id: str, final_weights: bool, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
+    def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         answer = self.script.pop(0)
         if isinstance(answer, Exception):
             raise answer
+        return answer, len(packb(answer.model_dump()))
+
+    def weights(self, device_id: str, weights_id: str) -> tuple[WeightsResponse, int]:
+        self.fetched.append(weights_id)
+        answer = PUBLISHED[weights_id]
         return answer, len(packb(answer.model_dump()))
 
     def report(self, req: ReportRequest) -> None:
@@ -98,7 +116,7 @@ class FakeMain:
 def _train_task(round_id: int, split: int, main_url: str | None) -> TaskResponse:
     model = build_model("cnn", seed=INFO.seed)
     return TaskResponse(status="train", round_id=round_id, split_point=split, num_blocks=len(model.blocks),
-                        weights=encode_state(portion_state(model, 0, split)), train=TrainConfig(batch_size=32),
+                        weights_id=_publish(model, split), train=TrainConfig(batch_size=32),
                         main_server_url=main_url, deadline_s=120.0, algorithm="fedavg" if main_url is None else "s2fl")
 
 
@@ -152,7 +170,7 @@ def test_with_federated_evaluation_the_device_trains_on_its_training_part_and_ev
     blocks = len(model.blocks)
     evaluated = build_model("cnn", seed=11)   # the "new global model" the evaluation task carries
     evaluate_task = TaskResponse(status="evaluate", round_id=4, num_blocks=blocks,
-                                 weights=encode_state(portion_state(evaluated, 0, blocks)), deadline_s=30.0)
+                                 weights_id=_publish(evaluated, blocks), deadline_s=30.0)
     fed = FakeFed([_train_task(4, blocks, None), evaluate_task, TaskResponse(status="done")], info)
     device = _device(fed, [], blocks, keep_model)
     device.run()
@@ -197,6 +215,7 @@ def test_agent_compute_slots_are_compute_threads_shared_by_its_devices():
     many.compute.close()
     three = Agent("http://127.0.0.1:9", [0, 1, 2], None, compute_slots=3)
     assert three.compute_slots == 3 and len({id(d.compute) for d in three.devices}) == 1
+    assert {id(d.weights_cache) for d in three.devices} == {id(three.weights)}   # one fetch serves them all
     compute = three.devices[0].compute
     assert isinstance(compute, ComputeThreads) and compute.count == 3
     names = {compute.run(lambda: threading.current_thread().name)[0] for _ in range(3)}
@@ -206,11 +225,10 @@ def test_agent_compute_slots_are_compute_threads_shared_by_its_devices():
         Agent("http://127.0.0.1:9", [0, 1], None, compute_slots=-1)
 
 
-def test_the_task_weights_are_freed_once_loaded_and_without_keep_model_the_model_before_the_upload():
-    # Memory (issue 16): the decoded task weights view the message's bytes, so the device drops
-    # the message's copy once the weights are in its model, and a device that does not keep its
-    # model frees it before the upload, which may wait on a busy Fed Server. The trained weights
-    # are the same either way.
+def test_the_named_weights_are_held_only_while_the_device_trains_and_without_keep_model_the_model_is_freed_before_the_upload():
+    # Memory (issue 16): the task's weights are fetched by id and shared through the agent's cache
+    # only while a device uses them, and a device that does not keep its model frees it before the
+    # upload, which may wait on a busy Fed Server. The trained weights are the same either way.
     blocks = len(build_model("cnn").blocks)
     uploads = {}
     for keep_model in (True, False):
@@ -220,14 +238,27 @@ def test_the_task_weights_are_freed_once_loaded_and_without_keep_model_the_model
         class RecordingFed(FakeFed):
             def upload(self, req: UpdateRequest) -> None:
                 at_upload["model"] = device.model
+                at_upload["cached"] = len(device.weights_cache)
                 super().upload(req)
 
         fed = RecordingFed([task, TaskResponse(status="done")])
         device = _device(fed, [], blocks, keep_model)
         device.run()
-        assert task.weights is None
+        assert fed.fetched == [task.weights_id] and at_upload["cached"] == 0
         assert (at_upload["model"] is None) == (not keep_model)
         (upload,) = fed.uploads
         uploads[keep_model] = decode_state(upload.weights)
     assert all(torch.equal(uploads[True][k], uploads[False][k]) for k in uploads[True])
 
+
+def test_a_device_that_keeps_its_model_fetches_the_final_model_and_a_virtual_one_does_not():
+    blocks = len(build_model("cnn").blocks)
+    final = build_model("cnn", seed=21)
+    for keep_model in (True, False):
+        done = TaskResponse(status="done", num_blocks=blocks, weights_id=_publish(final, blocks))
+        fed = FakeFed([done], INFO)
+        device = _device(fed, [], blocks, keep_model)
+        device.run()
+        assert fed.fetched == ([done.weights_id] if keep_model else [])
+        if keep_model:
+            assert all(torch.equal(device.model.state_dict()[k], v) for k, v in final.state_dict().items())

@@ -13,8 +13,8 @@ from shared.errors import Conflict, Invalid
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.run_config import load_run_config
-from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
-from shared.wire import encode_state
+from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest, WeightsResponse
+from shared.wire import decode_state, encode_state, unpackb
 
 TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
 
@@ -203,14 +203,16 @@ def test_a_device_enrolled_again_during_a_split_attempt_sits_it_out_and_takes_pa
     assert _open_round(c).assignments["d1"].token_nonce == c.devices.token_nonce("d1")
 
 
-def test_finished_run_sends_the_final_model_unless_the_device_declines_it(tmp_path):
+def test_finished_run_names_the_final_model_to_every_device_and_serves_it(tmp_path):
     c = _coordinator(tmp_path)
     c.finished = True
-    full = c.task_for("d0")
-    assert full.status == "done" and list(full.weights) == c.model.portion_keys(0, c.num_blocks)
-    declined = c.task_for("d0", final_weights=False)
-    assert declined.status == "done" and declined.weights is None and declined.num_blocks == c.num_blocks
-    assert c.task_for("d1") is full  # encoded once: every device polls for the same final model
+    done = c.task_for("d0")
+    assert done.status == "done" and done.num_blocks == c.num_blocks and done.weights_id is not None
+    assert c.task_for("d1") is done  # one answer for every device, one body for every fetch
+    final = WeightsResponse.model_validate(unpackb(b"".join(c.weights.body(done.weights_id))))
+    state = decode_state(final.weights)
+    assert list(state) == c.model.portion_keys(0, c.num_blocks)
+    assert all(torch.equal(state[k], v) for k, v in c.model.state_dict().items())
 
 
 def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):

@@ -8,16 +8,17 @@ from types import SimpleNamespace as NS
 
 import httpx
 import pytest
+import torch
 
 from fed_server.app import create_app
 from fed_server.driver import FedServerSettings, drive_rounds, wait_until
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
-from shared.errors import Invalid
+from shared.errors import Invalid, NotFound
 from shared.portions import portion_state
-from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest
-from shared.wire import encode_state
+from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest, WeightsResponse
+from shared.wire import decode_state, encode_state, unpackb
 
 
 def test_wait_until_wakes_on_the_event_and_times_out_at_the_deadline():
@@ -213,26 +214,24 @@ def test_a_waiting_device_gets_its_task_when_the_round_opens_not_at_its_next_pol
     assert c.round.assignments["d1"].dispatched_at is None      # a refused request changed nothing
 
 
-def test_a_rounds_client_portion_is_encoded_once_for_all_its_devices(tmp_path, monkeypatch):
-    import fed_server.coordinator as coordinator_module
+def test_a_rounds_client_portion_is_published_once_for_all_its_devices_and_served_while_the_attempt_lasts(tmp_path):
     c = _registered(tmp_path, rounds=2)
-    encoded: list[int] = []
-    real = coordinator_module.encode_state
-
-    def counting(state):
-        encoded.append(len(state))
-        return real(state)
-
-    monkeypatch.setattr(coordinator_module, "encode_state", counting)
-    for index in (1, 2):
+    ids = []
+    for _ in (1, 2):
         fed_round = c.begin_round()
         c.open_tasks(fed_round)
         tasks = [c.task_for(d) for d in ("d0", "d1")]
-        assert [t.status for t in tasks] == ["train", "train"] and len(encoded) == index
+        assert [t.status for t in tasks] == ["train", "train"]
+        (weights_id,) = {t.weights_id for t in tasks}   # one portion named to both devices
+        assert len(c.weights) == 1
+        sent = decode_state(WeightsResponse.model_validate(unpackb(b"".join(c.weights.body(weights_id)))).weights)
         expected = portion_state(c.model, 0, c.num_blocks)
-        for task in tasks:   # each device gets the current global model
-            assert list(task.weights) == list(expected)
-            assert all(bytes(task.weights[k].data) == v.numpy().tobytes() for k, v in expected.items())
+        assert list(sent) == list(expected)   # each device gets the current global model
+        assert all(torch.equal(sent[k], v) for k, v in expected.items())
         _upload_all(c, shift=0.5)   # the next round's portion must be the new model, not this one
         c.close_round()
+        with pytest.raises(NotFound):   # the attempt is over: its weights are no longer served
+            c.weights.body(weights_id)
         c.record_round(fed_round, c.aggregate_round(fed_round))
+        ids.append(weights_id)
+    assert ids[0] != ids[1]

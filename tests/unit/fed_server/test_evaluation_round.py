@@ -17,8 +17,8 @@ from http_api.server import MSGPACK
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.portions import portion_state
 from shared.run_config import load_run_config
-from shared.schemas import DeviceProfileMsg, DeviceTimings, EvaluationReport, RegisterRequest, UpdateRequest
-from shared.wire import decode_state, encode_state, packb
+from shared.schemas import DeviceProfileMsg, DeviceTimings, EvaluationReport, RegisterRequest, UpdateRequest, WeightsResponse
+from shared.wire import decode_state, encode_state, packb, unpackb
 
 TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
 SAMPLES = {"d0": 40, "d1": 60}   # registered training parts; with holdout 0.2 at most 10 and 15 held out
@@ -64,7 +64,7 @@ def test_the_aggregated_devices_evaluate_the_new_model_and_the_record_holds_the_
     assert evaluation is not None and set(evaluation.asked) == {"d0", "d1"}
     task = c.task_for("d0")
     assert (task.status, task.round_id, task.num_blocks) == ("evaluate", fed_round.round_id, c.num_blocks)
-    sent = decode_state(task.weights)
+    sent = decode_state(WeightsResponse.model_validate(unpackb(b"".join(c.weights.body(task.weights_id)))).weights)
     assert all(torch.equal(sent[k], v) for k, v in c.model.state_dict().items())   # the aggregated model
     assert c.task_for("d0").status == "wait"   # one evaluation task per device
     c.accept_evaluation(_report("d0", fed_round.round_id, 10, 9, 3.0))
@@ -213,13 +213,17 @@ def test_the_evaluation_route_answers_4xx_for_bad_reports_and_stores_nothing(tmp
         async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
             return await client.post("/v1/evaluation", content=packb(body), headers={"content-type": MSGPACK})
 
-    async def poll() -> httpx.Response:
+    async def get(path: str) -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(c))
         async with httpx.AsyncClient(transport=transport, base_url="http://fed") as client:
-            return await client.get("/v1/devices/d0/task")
+            return await client.get(path)
 
-    task = asyncio.run(poll())
-    assert task.status_code == 200 and evaluation.task_bytes == len(task.content) > 0   # counted as bytes down
+    task = asyncio.run(get("/v1/devices/d0/task"))
+    weights_path = f"/v1/devices/d0/weights/{unpackb(task.content)['weights_id']}"
+    weights = asyncio.run(get(weights_path))
+    assert task.status_code == weights.status_code == 200
+    # Counted as bytes down: the task and the weights it names.
+    assert evaluation.task_bytes == len(task.content) + len(weights.content) and len(weights.content) > 1000
 
     for body, code in (({**good, "correct": 11}, 422),                       # correct > num_samples
                        ({**good, "loss_sum": float("nan")}, 422),
@@ -233,6 +237,7 @@ def test_the_evaluation_route_answers_4xx_for_bad_reports_and_stores_nothing(tmp
     assert asyncio.run(post(good)).status_code == 409                         # the duplicate
     assert evaluation.reports["d0"].correct == 9
     c.close_evaluation()
+    assert asyncio.run(get(weights_path)).status_code == 404   # the phase is over: no longer served
     before = fed_round.task_bytes
     record = c.record_round(fed_round, aggregation, evaluation)
     assert record.bytes_down == before + evaluation.task_bytes
