@@ -398,6 +398,8 @@ class Device:
         algorithm = ALGORITHMS[task.algorithm or "fedavg"]
         logic = algorithm.device_logic(dict(task.params))
         extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
+        if time.monotonic() > deadline:   # a stalled device: its weights may no longer be served either
+            raise TaskExpired("deadline passed before the task started")
         with self._named_weights(task) as named:
             # Charged whether this device fetched them or another device of its agent did: an
             # emulated device downloads its task's weights itself.
