@@ -208,9 +208,13 @@ class Device:
         received = task.weights_id is not None and self.keep_model
         if received:
             assert self.layout is not None and self.model is not None
-            with self._named_weights(task) as final:
-                self.model.load_state_dict(decode_portion(final.weights, self.layout, 0, len(self.layout.blocks),
-                                                          what="final weights"))
+            try:
+                with self._named_weights(task) as final:
+                    self.model.load_state_dict(decode_portion(final.weights, self.layout, 0, len(self.layout.blocks),
+                                                              what="final weights"))
+            except (DomainError, Unreachable) as exc:   # the run is over either way: the device ends cleanly
+                log.warning("%s: the final global model could not be fetched: %s", self.device_id, exc)
+                received = False
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
                  "; final global model received" if received else "")
 

@@ -262,3 +262,16 @@ def test_a_device_that_keeps_its_model_fetches_the_final_model_and_a_virtual_one
         assert fed.fetched == ([done.weights_id] if keep_model else [])
         if keep_model:
             assert all(torch.equal(device.model.state_dict()[k], v) for k, v in final.state_dict().items())
+
+
+def test_a_final_model_that_cannot_be_fetched_ends_the_device_cleanly(caplog):
+    # Once the run is done the Fed Server may be going away: the device ends, warning, not failing.
+    blocks = len(build_model("cnn").blocks)
+
+    class Gone(FakeFed):
+        def weights(self, device_id: str, weights_id: str):
+            raise Unreachable("connection refused")
+
+    device = _device(Gone([TaskResponse(status="done", num_blocks=blocks, weights_id="f" * 32)]), [], blocks)
+    device.run()
+    assert "final global model could not be fetched" in caplog.text
