@@ -105,8 +105,10 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
         sampler: PeakMemorySampler | None = None
         try:
             testbed.start()
-            assert testbed.fed is not None and testbed.main is not None
-            pids = {"fed_server": testbed.fed.process.pid, "main_server": testbed.main.process.pid}
+            assert testbed.fed is not None
+            pids = {"fed_server": testbed.fed.process.pid}
+            if testbed.main is not None:   # a split-depth-zero run, (e)'s FedAvg, starts no Main Server
+                pids["main_server"] = testbed.main.process.pid
             for service in testbed.agent_services:
                 pids[f"device_agent ({service.name}, {config.data.num_devices} devices)"] = service.process.pid
             sampler = PeakMemorySampler(pids).start()
