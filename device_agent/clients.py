@@ -13,7 +13,7 @@ import httpx
 
 from device_agent.api import Unreachable
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
-from shared.http_client import ServiceError, SyncClient
+from shared.http_client import M, ServiceError, SyncClient
 from shared.schemas import (
     API, Ack, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
     StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
@@ -61,18 +61,20 @@ class HttpFedClient:
         return answer
 
     def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
-        before = self._http.bytes.down
-        with _translated():
-            # The read may last the whole wait: the timeout covers it plus the usual allowance.
-            task = self._http.call("GET", f"{API}/devices/{device_id}/task", TaskResponse,
-                                   params={"wait_s": f"{wait_s:g}"} if wait_s > 0 else None,
-                                   timeout=wait_s + 60.0 if wait_s > 0 else None)
-        return task, self._http.bytes.down - before
+        # The read may last the whole wait: the timeout covers it plus the usual allowance.
+        return self._sized_get(f"{API}/devices/{device_id}/task", TaskResponse,
+                               params={"wait_s": f"{wait_s:g}"} if wait_s > 0 else None,
+                               timeout=wait_s + 60.0 if wait_s > 0 else None)
 
     def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
+        return self._sized_get(f"{API}/devices/{device_id}/weights/{weights_id}", WeightsResponse)
+
+    def _sized_get(self, path: str, model: type[M], params: dict | None = None,
+                   timeout: float | None = None) -> tuple[M, int]:
+        """GET ``path`` as ``model``, with the answer's body size (the device's transfer timing)."""
         before = self._http.bytes.down
         with _translated():
-            answer = self._http.call("GET", f"{API}/devices/{device_id}/weights/{weights_id}", WeightsResponse)
+            answer = self._http.call("GET", path, model, params=params, timeout=timeout)
         return answer, self._http.bytes.down - before
 
     def report(self, req: ReportRequest) -> None:

@@ -428,7 +428,9 @@ class Device:
                 send_step, task.half_precision, logic=logic, extras=extras, deadline=deadline,
                 compute=self.compute, torch_device=self.torch_device,
             )
-            del weights
+            # Both view the shared body: dropped here, they do not keep it alive through the
+            # upload once the agent's last device has let it go (``as`` names outlive the block).
+            del weights, named
         portion = model.portion(0, task.split_point)
         if task.report:
             self._report_and_follow_up(task, algorithm.FollowUp, logic, portion, clock, deadline)
