@@ -1,7 +1,8 @@
 """Start the services as separate processes on loopback, wait for them, stop them.
 
 Used by the local testbed and by the integration tests, so the tests exercise exactly what users
-run.
+run. The tests may start the same command lines by forking a warm process instead of a fresh
+interpreter (``warm``: :mod:`testbed.warm_start` says what that changes).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from shared.tls import tls_context
+from testbed.warm_start import WarmProcess, WarmStarter
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,7 +75,7 @@ class Service:
     """One child process and where its output goes."""
 
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | WarmProcess
     log_path: Path
     module: str = ""
     args: tuple[str, ...] = ()
@@ -91,9 +93,13 @@ class Service:
 
 @dataclass
 class ProcessGroup:
-    """Every process a testbed started; stopping it stops them all."""
+    """Every process a testbed started; stopping it stops them all.
+
+    ``warm``: fork the processes from this warm starter instead of starting ``python -m`` afresh.
+    """
 
     log_dir: Path
+    warm: WarmStarter | None = None
     services: list[Service] = field(default_factory=list)
 
     def start(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Service:
@@ -103,9 +109,12 @@ class ProcessGroup:
         self.services.append(service)
         return service
 
-    def _spawn(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None) -> subprocess.Popen:
+    def _spawn(self, name: str, module: str, args: Sequence[str],
+               env: dict[str, str] | None) -> subprocess.Popen | WarmProcess:
         """``python -m module args`` in its own session, appending to ``log_dir/name.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.warm is not None:
+            return self.warm.start(module, args, service_env(env), self.log_dir / f"{name}.log")
         with open(self.log_dir / f"{name}.log", "ab") as log_file:
             return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
                                     env=service_env(env), start_new_session=True)

@@ -14,6 +14,7 @@ from shared.config import RunConfig
 from shared.imports import is_import_path
 from shared.tls import tls_context
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
+from testbed.warm_start import WarmStarter
 
 ProgressFn = Callable[[dict, dict], None]
 
@@ -48,11 +49,12 @@ class Testbed:
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
                  log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
                  device_data: list[str] | None = None, torch_device: str | None = None,
-                 main_servers: int | None = None) -> None:
+                 main_servers: int | None = None, warm: WarmStarter | None = None) -> None:
         """``main_servers``: Main Server processes (replicas); the Fed Server gets every URL
         (docs/deployment.md, "Main Server replicas"). None: :func:`main_servers_for` the
         algorithm's split mode (``python -m testbed`` passes the number: its launcher never
-        imports the algorithms, which import torch). ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
+        imports the algorithms, which import torch). ``warm``: fork the processes from this warm
+        starter (:mod:`testbed.warm_start`; the integration tests do) instead of ``python -m``. ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
         ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
         self.config = config
@@ -89,7 +91,7 @@ class Testbed:
         self.secrets = {"service": secrets.token_hex(32), "enrolment": secrets.token_hex(16)} if auth else {}
         self.secret_files: SecretFiles | None = None
         self.verify: bool | str = tls.ca if tls else True
-        self.processes = ProcessGroup(self.run_dir / "logs")
+        self.processes = ProcessGroup(self.run_dir / "logs", warm)
         self.fed: Service | None = None
         self.main: Service | None = None   # the first Main Server replica
         self.mains: list[Service] = []

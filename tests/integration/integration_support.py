@@ -20,6 +20,7 @@ from shared.data import load_embedded_mnist
 from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from shared.run_config import load_run_config
 from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
+from testbed.warm_start import shared_starter
 
 
 def small_config(**overrides) -> RunConfig:
@@ -74,7 +75,7 @@ def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (),
     while main_port == fed_port:  # the OS may hand out the same free port twice
         main_port = free_port()
     fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
-    group = ProcessGroup(root / "logs")
+    group = ProcessGroup(root / "logs", shared_starter())
     try:
         fed = group.start("fed_server", "fed_server", [
             "--config", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--main-server-url", main_url,

@@ -10,6 +10,7 @@ import numpy as np
 from integration_support import read_metrics, small_config, wait_for, write_raw_mnist
 from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
 
 
 # S2FL on device files, with a user's model and federated evaluation: test_own_model.py.
@@ -22,7 +23,7 @@ def test_device_files_train_and_a_bad_device_stops_before_registering(tmp_path):
     bad = tmp_path / "bad.npz"
     np.savez(bad, x=np.zeros((4, 28, 28), dtype=np.uint8), y=np.array([0, 1, 2, 10]))
     run_dir = tmp_path / "run"
-    with Testbed(config, run_dir, device_data=paths) as testbed:
+    with Testbed(config, run_dir, device_data=paths, warm=shared_starter()) as testbed:
         status = testbed.follow(timeout=240)
         # The run is over but the Fed Server still serves its spec: a fourth device with a bad
         # file fetches it, checks its data and stops without registering.

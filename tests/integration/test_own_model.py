@@ -18,6 +18,7 @@ from shared.schemas import RunInfo
 from shared.wire import unpackb
 from testbed.processes import ProcessGroup
 from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
 
 REF = "user_models:mnist_net"
 PARAMS = {"width": 4, "hidden": 24}
@@ -46,7 +47,7 @@ def test_a_model_from_the_users_package_trains_on_the_devices_own_files(algorith
     config = small_config(algorithm=algorithm, model=REF, model_params=PARAMS, data=data,
                           **{"deadlines.min_participants": 3})
     run_dir = tmp_path / "run"
-    with Testbed(config, run_dir, device_data=paths) as testbed:
+    with Testbed(config, run_dir, device_data=paths, warm=shared_starter()) as testbed:
         status = testbed.follow(timeout=240)
     metrics = read_metrics(run_dir)
     assert status["state"] == "finished" and status["registered"] == 3
@@ -74,7 +75,7 @@ def test_a_device_whose_package_builds_another_model_is_refused(tmp_path, user_p
         run = RunInfo.model_validate(unpackb(httpx.get(f"{servers.fed_url}/v1/run").content))
         assert run.fingerprint == model_fingerprint(build_model(REF, 10, (1, 28, 28), params=PARAMS), config.data)
         assert run.model_params == PARAMS
-        agents = ProcessGroup(tmp_path / "logs")
+        agents = ProcessGroup(tmp_path / "logs", shared_starter())
         try:
             common = ["--fed-server-url", servers.fed_url, "--shards", "0"]
             refused = agents.start("refused", "device_agent", [*common, "--model", REF],

@@ -18,6 +18,7 @@ import yaml
 from integration_support import small_config
 from testbed.processes import free_port
 from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docker" / "prometheus" / "prometheus.yml"
@@ -64,7 +65,7 @@ def value(result: list[dict]) -> float:
 
 def test_prometheus_scrapes_round_and_accuracy(tmp_path):
     config = small_config(rounds=2)
-    with Testbed(config, tmp_path / "run") as testbed:
+    with Testbed(config, tmp_path / "run", warm=shared_starter()) as testbed:
         prom_port = free_port()
         config_path = tmp_path / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(scrape_config_for(f"127.0.0.1:{testbed.fed_port}",

@@ -153,13 +153,14 @@ def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(
     # sums (docs/results: up to 2e-2 after a few rounds), so only with one member is the run
     # reproducible to the bit, and any difference is the device's doing.
     from testbed.runner import Testbed
+    from testbed.warm_start import shared_starter
 
     config = small_config(rounds=3, **{"grouping.group_size": 1})
     states = {}
     for keep in ("no", "yes"):
         monkeypatch.setenv("SFL_KEEP_MODELS", keep)
         run_dir = tmp_path / f"keep-{keep}"
-        with Testbed(config, run_dir, agents=1) as testbed:
+        with Testbed(config, run_dir, agents=1, warm=shared_starter()) as testbed:
             status = testbed.follow(timeout=240)
             weights_sent = _body_bytes_sent(testbed, "/v1/devices/{device_id}/weights/{weights_id}")
         assert status["state"] == "finished"

@@ -25,6 +25,7 @@ from shared.schemas import (
 from shared.config import TrainConfig
 from shared.wire import encode_state, encode_tensor, packb, unpackb
 from testbed.runner import Testbed, TlsFiles
+from testbed.warm_start import shared_starter
 
 SERVICE = "service-secret-for-tests"
 ENROL = "enrolment-secret-for-tests"
@@ -65,7 +66,7 @@ def make_tls(folder: Path) -> TlsFiles:
 def test_full_run_over_https_with_authentication(tmp_path):
     tls = make_tls(tmp_path)
     config = small_config(rounds=2)
-    with Testbed(config, tmp_path / "run", tls=tls) as testbed:
+    with Testbed(config, tmp_path / "run", tls=tls, warm=shared_starter()) as testbed:
         assert testbed.fed_url.startswith("https://") and testbed.secrets
         status = testbed.follow(timeout=240)
     assert status["state"] == "finished"
@@ -237,6 +238,8 @@ def test_sigkilled_agent_rejoins_under_authentication_and_no_child_holds_a_secre
     # away (a restart takes about 5 s here), so the last round aggregates their updates.
     config = small_config(rounds=5, **{"deadlines.round_s": 60, "deadlines.join_s": 5, "deadlines.step_s": 5})
     run_dir = tmp_path / "run"
+    # Started with exec, not forked from the warm starter: /proc/<pid>/environ and cmdline of a
+    # forked child show the warm process's, so only exec'd children make this check mean something.
     with Testbed(config, run_dir, agents=2) as testbed:
         for service in testbed.processes.services:  # what `ps eww` shows: command line and environment
             seen = Path(f"/proc/{service.process.pid}/environ").read_bytes() + \

@@ -5,6 +5,7 @@ import threading
 
 from integration_support import freeze_agent_through_a_failed_attempt, read_metrics, small_config
 from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
 
 
 def test_follow_prints_the_retry_and_later_rounds_after_a_failed_attempt(tmp_path):
@@ -16,7 +17,7 @@ def test_follow_prints_the_retry_and_later_rounds_after_a_failed_attempt(tmp_pat
     config = small_config(algorithm="fedavg", rounds=2, **{"deadlines.min_participants": 4, "deadlines.round_s": 20})
     printed: list[tuple[int, int, str]] = []
     run_dir = tmp_path / "run"
-    with Testbed(config, run_dir, agents=2) as testbed:
+    with Testbed(config, run_dir, agents=2, warm=shared_starter()) as testbed:
         fault = threading.Thread(target=freeze_agent_through_a_failed_attempt, args=(testbed,), daemon=True)
         fault.start()
         status = testbed.follow(lambda record, _: printed.append((record["round"], record["round_id"], record["status"])),
