@@ -31,6 +31,7 @@ from typing import TextIO
 
 from shared.machine import describe_machine
 from testbed.runner import Testbed, TestbedError
+from testbed.warm_start import WarmStarter
 
 from experiments.grid import Cell
 from experiments.spec import ExperimentSpec
@@ -151,8 +152,9 @@ def _clock(seconds: float) -> str:
 
 
 def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[dict, dict], None] | None = None,
-             log_level: str = "WARNING") -> CellOutcome:
-    """Run one cell from scratch through the services; a failure is recorded, not raised."""
+             log_level: str = "WARNING", warm: WarmStarter | None = None) -> CellOutcome:
+    """Run one cell from scratch through the services; a failure is recorded, not raised.
+    ``warm``: fork the cell's processes from this warm starter (``--warm-start``)."""
     path = cell_dir(out, cell)
     if path.exists():
         shutil.rmtree(path)
@@ -164,7 +166,7 @@ def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[di
     record("running")
     t0 = time.monotonic()
     try:
-        with Testbed(cell.config, path, agents=spec.agents, log_level=log_level) as testbed:
+        with Testbed(cell.config, path, agents=spec.agents, log_level=log_level, warm=warm) as testbed:
             status = testbed.follow(on_round, timeout=spec.timeout_s)
     except KeyboardInterrupt:
         record("interrupted", wall_s=time.monotonic() - t0)
@@ -202,7 +204,8 @@ def recover_finished(out: Path, cell: Cell, wall_s: float | None, note: str) -> 
 
 
 def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
-             stream: TextIO = sys.stdout, log_level: str = "WARNING") -> list[CellOutcome]:
+             stream: TextIO = sys.stdout, log_level: str = "WARNING",
+             warm: WarmStarter | None = None) -> list[CellOutcome]:
     """Run every unfinished cell in order, with a progress bar; returns one outcome per cell."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "experiment.yaml").write_text(spec_text)
@@ -233,7 +236,7 @@ def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
                 elif recover_finished(out, cell, None, "recovered: the run had completed (summary.json)"):
                     outcome = CellOutcome(cell, "recovered", 0.0)
                 else:
-                    outcome = run_cell(out, cell, spec, on_round, log_level)
+                    outcome = run_cell(out, cell, spec, on_round, log_level, warm)
             finally:
                 _release(out, cell)
         outcomes.append(outcome)
