@@ -113,11 +113,12 @@ class ProcessGroup:
                env: dict[str, str] | None) -> subprocess.Popen | WarmProcess:
         """``python -m module args`` in its own session, appending to ``log_dir/name.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path, child_env = self.log_dir / f"{name}.log", service_env(env)
         if self.warm is not None:
-            return self.warm.start(module, args, service_env(env), self.log_dir / f"{name}.log")
-        with open(self.log_dir / f"{name}.log", "ab") as log_file:
+            return self.warm.start(module, args, child_env, log_path)
+        with open(log_path, "ab") as log_file:
             return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
-                                    env=service_env(env), start_new_session=True)
+                                    env=child_env, start_new_session=True)
 
     def restart(self, service: Service, sig: int = signal.SIGKILL) -> Service:
         """Kill ``service`` with ``sig`` (default SIGKILL: no chance to clean up) and start it

@@ -54,7 +54,8 @@ class Testbed:
         (docs/deployment.md, "Main Server replicas"). None: :func:`main_servers_for` the
         algorithm's split mode (``python -m testbed`` passes the number: its launcher never
         imports the algorithms, which import torch). ``warm``: fork the processes from this warm
-        starter (:mod:`testbed.warm_start`; the integration tests do) instead of ``python -m``. ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
+        starter (:mod:`testbed.warm_start`; the integration tests do) instead of ``python -m``.
+        ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
         ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
         self.config = config

@@ -45,11 +45,12 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-# What every service imports before it serves: torch (with torch._dynamo, which torch imports on the
-# first meta-device shape check and the first optimizer step), the web stack, the services' modules.
+# What every service imports before it serves: the services' modules (which import torch, numpy,
+# httpx and FastAPI), torch._dynamo (which torch imports at the first meta-device shape check and the
+# first optimizer step), and the event loop and HTTP protocol uvicorn picks when it starts serving.
 # A module that fails to import here is imported (and fails) in the child instead.
-PRELOAD = ("torch", "torch._dynamo", "numpy", "httpx", "uvicorn", "fastapi", "fed_server.app", "fed_server.coordinator",
-           "main_server.app", "device_agent.agent", "uvicorn.loops.auto", "uvicorn.protocols.http.auto")
+PRELOAD = ("fed_server.app", "main_server.app", "device_agent.agent", "torch._dynamo", "uvicorn.loops.auto",
+           "uvicorn.protocols.http.auto")
 
 
 class WarmStartError(RuntimeError):
@@ -96,12 +97,12 @@ class WarmStarter:
     ends the warm process, not the children it started.
     """
 
-    def __init__(self, preload: Sequence[str] = PRELOAD, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
         from testbed.processes import service_env   # the one place that decides a child's defaults
 
         self._process = subprocess.Popen([sys.executable, "-m", "testbed.warm_start", *preload],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env=dict(env) if env is not None else service_env())
+                                         env=service_env())
         self._lock = threading.Lock()           # one start request at a time
         self._replies: list[WarmProcess | str] = []   # a started child, or why none started
         self._replied = threading.Condition()
@@ -117,7 +118,7 @@ class WarmStarter:
                    "log": str(log_path)}
         open(log_path, "ab").close()   # there once start returns, as when Popen is handed the file
         with self._lock:
-            if self._closed or self._process.poll() is not None:
+            if not self.running():
                 raise WarmStartError("the warm process is not running")
             self._process.stdin.write(json.dumps(request).encode() + b"\n")
             self._process.stdin.flush()
@@ -131,6 +132,10 @@ class WarmStarter:
             raise WarmStartError(f"could not start {module}: {reply}")
         reply.args = [sys.executable, "-m", module, *args]
         return reply
+
+    def running(self) -> bool:
+        """Whether the warm process is there to fork children (not closed, not exited)."""
+        return not self._closed and self._process.poll() is None
 
     def _read(self) -> None:
         """Hand start replies to :meth:`start` and children's ends to their :class:`WarmProcess`."""
@@ -184,7 +189,7 @@ def shared_starter() -> WarmStarter:
     """One warm starter for this process, started on first use (the integration tests share it)."""
     global _shared
     with _shared_lock:
-        if _shared is None or _shared._closed or _shared._process.poll() is not None:
+        if _shared is None or not _shared.running():
             _shared = WarmStarter()
         return _shared
 
