@@ -4,6 +4,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# pytest-xdist workers for `make test`: two, as the 2-core development and CI machines have cores;
+# in one process the suite left more than half of them idle (the integration tests mostly wait on
+# rounds, barriers and emulated devices). 0 runs the suite in one process.
+TEST_WORKERS ?= 2
 # The CPU torch first, so `pip install -e .` finds its pin satisfied and pulls no CUDA build:
 # 2.13.0 (the CPU wheel on x86_64 here). On aarch64 the pin is PyPI's 2.10.0, a CPU build
 # (pyproject.toml explains why), which `pip install -e .` installs itself.
@@ -27,7 +31,7 @@ run: setup
 	$(PY) -m testbed $(ARGS)
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # Build the base, server, device and Prometheus images with podman and run the compose testbed
 # for a short S2FL run (docker/podman/compose_check.py; installs podman & co. when missing).
