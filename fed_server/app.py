@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
@@ -21,16 +21,24 @@ from shared.schemas import API, EvaluationReport, RegisterRequest, ReportRequest
 
 log = logging.getLogger("fed_server")
 
+#: The longest a ``/v1/status`` answer is held (``wait_s``).
+MAX_STATUS_WAIT_S = 30.0
+
 
 def create_app(coordinator: Coordinator, settings: FedServerSettings | None = None) -> FastAPI:
     """The Fed Server as an ASGI app; the round driver starts with the app."""
     settings = settings or FedServerSettings()
     metrics = FedMetrics(coordinator, per_device=settings.per_device_metrics)
 
+    def _driver_stopped(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("round driver failed", exc_info=task.exception())
+        coordinator.status_posted.post()   # a failed driver is news to a status request waiting for a record
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(drive_rounds(coordinator, settings, metrics))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error("round driver failed", exc_info=t.exception()))
+        task.add_done_callback(_driver_stopped)
         app.state.driver = task
         yield
         task.cancel()
@@ -50,18 +58,25 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         settings.auth.check_device(request.headers, coordinator.run_id, device_id, nonce)
 
     @app.get(f"{API}/status")
-    async def status(since: int = 0) -> RunStatus:
+    async def status(since: int = 0, seen: int = Query(0, ge=0),
+                     wait_s: float = Query(0.0, ge=0.0, le=MAX_STATUS_WAIT_S)) -> RunStatus:
         """Run progress as JSON: state, round, and the records of the logical rounds after ``since``
-        (every attempt of them, failed ones included)."""
-        c = coordinator
-        state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
-        return RunStatus(
-            run_id=c.run_id, algorithm=c.config.algorithm, state=state, rounds_total=c.config.rounds,
-            rounds_done=c.rounds_recorded, registered=len(c.devices), expected_devices=c.config.data.num_devices,
-            open_round=c.round.round_id if c.round else None, initial=c.initial,
-            history=[r for r in c.history if r.round > since],
-            summary=finite_json(c.summary()) if c.finished else None, driver_error=_driver_error(app),
-        )
+        (every attempt of them, failed ones included). With ``wait_s``, the answer is held until
+        the run has more than ``seen`` records, has finished or its driver failed (long-poll)."""
+        def current() -> RunStatus:
+            c = coordinator
+            state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
+            return RunStatus(
+                run_id=c.run_id, algorithm=c.config.algorithm, state=state, rounds_total=c.config.rounds,
+                rounds_done=c.rounds_recorded, registered=len(c.devices), expected_devices=c.config.data.num_devices,
+                open_round=c.round.round_id if c.round else None, initial=c.initial, records=len(c.history),
+                history=[r for r in c.history if r.round > since],
+                summary=finite_json(c.summary()) if c.finished else None, driver_error=_driver_error(app),
+            )
+
+        def news(answer: RunStatus) -> bool:
+            return answer.records > seen or answer.state == "finished" or answer.driver_error is not None
+        return await coordinator.status_posted.hold(current, news, wait_s)
 
     @app.get(f"{API}/run", response_class=Response)
     async def run_info() -> Response:

@@ -9,7 +9,6 @@ split mode, grouping, aggregation) is asked of the algorithm object.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import random
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fed_server.broadcast import Broadcast
 from fed_server.devices import DeviceRegistry
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.update_checks import check_claims, clip_update, table_time, update_norm
@@ -172,10 +172,13 @@ class Coordinator:
         # registered, a report, an update or a group portion arrived): the driver wakes on it
         # instead of polling. Methods run on the event loop, so setting it needs no lock.
         self.changed = asyncio.Event()
-        # Replaced by a fresh event and set whenever a waiting device's answer may have changed (a
-        # round's tasks went out, follow-ups were planned, an evaluation phase began, the run
-        # finished): devices wait for work on it (long-poll, :meth:`next_task`) instead of polling.
-        self.work_posted = asyncio.Event()
+        # Posted whenever a waiting device's answer may have changed (a round's tasks went out,
+        # follow-ups were planned, an evaluation phase began, the run finished): devices wait for
+        # work on it (long-poll, :meth:`next_task`) instead of polling.
+        self.work_posted = Broadcast()
+        # Posted whenever a round record was written (the run's "finished" comes with its last
+        # record) or the round driver stopped: ``/v1/status?wait_s=`` holds its answer on it.
+        self.status_posted = Broadcast()
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
@@ -319,8 +322,7 @@ class Coordinator:
     def post_work(self) -> None:
         """Wake every device waiting in :meth:`next_task`: its answer may have changed. Called on
         the event loop."""
-        posted, self.work_posted = self.work_posted, asyncio.Event()
-        posted.set()
+        self.work_posted.post()
 
     def open_tasks(self, fed_round: FedRound) -> None:
         """The round's plans are out (or it has none): its devices may now get their tasks."""
@@ -330,19 +332,11 @@ class Coordinator:
     async def next_task(self, device_id: str, wait_s: float = 0.0) -> TaskResponse:
         """:meth:`task_for`, but a ``wait`` answer is held for up to ``wait_s`` seconds until work is
         posted for the device (long-poll): a device learns of its task when the round opens, not at
-        its next poll. Taking the event and checking happen without an ``await`` between them, so
-        work posted while the answer is computed is never missed."""
+        its next poll (:meth:`Broadcast.hold`: work posted while the answer is computed is never
+        missed)."""
         if not 0.0 <= wait_s <= MAX_TASK_WAIT_S:
             raise Invalid(f"wait_s must be between 0 and {MAX_TASK_WAIT_S:g} seconds, got {wait_s}")
-        until = time.monotonic() + wait_s
-        while True:
-            posted = self.work_posted
-            answer = self.task_for(device_id)
-            remaining = until - time.monotonic()
-            if answer.status != "wait" or remaining <= 0:
-                return answer
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(posted.wait(), remaining)
+        return await self.work_posted.hold(lambda: self.task_for(device_id), lambda answer: answer.status != "wait", wait_s)
 
     def task_for(self, device_id: str) -> TaskResponse:
         """A polling device's next instruction.

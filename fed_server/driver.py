@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 from pydantic import ValidationError
 
-from fed_server.coordinator import Coordinator
+from fed_server.coordinator import Conclusion, Coordinator
 from fed_server.metrics import FedMetrics
 from fed_server.records import RoundRecord
 from shared.auth import Auth
@@ -196,10 +196,10 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
                 coordinator.close_evaluation()
             conclusion = coordinator.conclude_round(fed_round, aggregation, evaluation)
             if conclusion.finished:
-                _observe(await asyncio.to_thread(coordinator.record, conclusion), metrics)
+                _observe(await _record(coordinator, conclusion), metrics)
                 coordinator.post_work()   # the waiting devices' answer is now "done"
                 break
-            recording = asyncio.create_task(asyncio.to_thread(coordinator.record, conclusion))
+            recording = asyncio.create_task(_record(coordinator, conclusion))
             if not aggregation.ok:
                 # Back off before retrying, so a Main Server that is restarting gets time to come back.
                 await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
@@ -208,6 +208,14 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
             with contextlib.suppress(Exception):
                 await asyncio.shield(recording)
     log.info("run finished: %s", coordinator.summary())
+
+
+async def _record(coordinator: Coordinator, conclusion: Conclusion) -> RoundRecord:
+    """Evaluate and write a concluded attempt's record off the event loop, then wake the status
+    requests waiting for it (``/v1/status?wait_s=``) at once, not when the driver next looks."""
+    record = await asyncio.to_thread(coordinator.record, conclusion)
+    coordinator.status_posted.post()
+    return record
 
 
 def _observe(record: RoundRecord, metrics: FedMetrics | None) -> None:

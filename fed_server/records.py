@@ -121,6 +121,7 @@ class RunStatus(BaseModel):
     expected_devices: int
     open_round: int | None          # attempt id (``round_id``) of the round in progress
     initial: dict[str, float | None]  # the initial model's test_accuracy and test_loss (None: federated evaluation)
+    records: int                    # round records written so far, every attempt (``history`` may hold fewer)
     history: list[RoundRecord]
     summary: dict[str, Any] | None  # summary.json's contents once finished
     driver_error: str | None

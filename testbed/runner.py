@@ -167,19 +167,30 @@ class Testbed:
             return []
         return [arg for name in names for arg in (f"--{name}-secret-file", self.secret_files.paths[name])]
 
-    def status(self, since: int = 0) -> dict:
-        return httpx.get(f"{self.fed_url}/v1/status", params={"since": since}, timeout=10.0,
-                         verify=tls_context(self.verify)).json()
+    def status(self, since: int = 0, seen: int = 0, wait_s: float = 0.0) -> dict:
+        """The Fed Server's ``/v1/status``: the records of the logical rounds after ``since``; with
+        ``wait_s``, answered once the run has more than ``seen`` records or has finished (or after
+        ``wait_s``)."""
+        return httpx.get(f"{self.fed_url}/v1/status", params={"since": since, "seen": seen, "wait_s": wait_s},
+                         timeout=10.0 + wait_s, verify=tls_context(self.verify)).json()
 
-    def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, poll_s: float = 0.5) -> dict:
+    def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, wait_s: float = 1.0,
+               retry_s: float = 0.5) -> dict:
         """Wait for the run to finish, calling ``on_round(record, status)`` for each new round; return
-        the final status, with every round's record."""
+        the final status, with every round's record.
+
+        Each status request is held by the Fed Server until a new record is written or the run
+        finishes (long-poll), so a round is printed as soon as it is recorded; ``wait_s`` bounds
+        the hold, and so how often the services' processes are checked between records. A failed
+        request is tried again after ``retry_s``."""
         deadline = time.monotonic() + timeout if timeout else None
         # ``since`` names a logical round: the last one whose successful record was printed. A
         # failed attempt of the next round is printed once (by attempt id) and asked for again
-        # until that round succeeds, so neither the retry nor later rounds are missed.
+        # until that round succeeds, so neither the retry nor later rounds are missed. ``seen``
+        # is the server's count of records at its last answer: the next answer waits for more.
         done_round = 0
-        final = False   # the run finished; the last poll asks for the whole history
+        seen = 0
+        final = False   # the run finished; the last request asks for the whole history
         printed: set[int] = set()
         failing_since: float | None = None
         while True:
@@ -195,17 +206,18 @@ class Testbed:
                 if not service.alive() and service.process.returncode != 0:
                     raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
             try:
-                status = self.status(0 if final else done_round)
+                status = self.status(0 if final else done_round, seen, 0.0 if final else wait_s)
                 failing_since = None
             except httpx.HTTPError as exc:
                 # A busy Fed Server (a VGG-16 evaluation on a loaded 2-core machine) can miss one
-                # status poll; only a server that stays unreachable ends the run (a dead one is
+                # status request; only a server that stays unreachable ends the run (a dead one is
                 # caught above).
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self.status_patience_s:
                     raise TestbedError(f"Fed Server status failed for {self.status_patience_s:.0f}s: {exc}") from exc
-                time.sleep(poll_s)
+                time.sleep(retry_s)
                 continue
+            seen = status["records"]
             if status.get("driver_error"):
                 raise TestbedError(f"Fed Server round driver failed: {status['driver_error']}\n{self.fed.log_tail() if self.fed else ''}")
             for record in status["history"]:
@@ -219,13 +231,12 @@ class Testbed:
             if status["state"] == "finished":
                 if final or done_round == 0:
                     return status
-                # The polls asked only for records after the last printed round: poll once more
+                # The requests asked only for records after the last printed round: ask once more
                 # for the whole history, which the caller gets (it could be empty before).
                 final = True
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 raise TestbedError(f"run did not finish within {timeout:.0f}s (round {status['rounds_done']} of {status['rounds_total']})")
-            time.sleep(poll_s)
 
     def stop(self, agent_grace_s: float = 15.0) -> None:
         """Give the agents a moment to collect the final model and exit on their own, then stop all."""

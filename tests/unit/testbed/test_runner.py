@@ -1,4 +1,4 @@
-"""The testbed's progress follower: a missed status poll is not the end of a run."""
+"""The testbed's progress follower: a missed status request is not the end of a run; each asks for what is new."""
 from __future__ import annotations
 
 import httpx
@@ -7,13 +7,13 @@ import pytest
 from shared.config import RunConfig
 from testbed.runner import Testbed, TestbedError
 
-FINISHED = {"state": "finished", "history": [], "rounds_done": 1, "rounds_total": 1, "summary": {}}
+FINISHED = {"state": "finished", "records": 0, "history": [], "rounds_done": 1, "rounds_total": 1, "summary": {}}
 
 
 def _testbed(tmp_path, answers):
     testbed = Testbed(RunConfig(), tmp_path)   # never started: no processes to check
 
-    def status(since: int = 0) -> dict:
+    def status(since: int = 0, seen: int = 0, wait_s: float = 0.0) -> dict:
         answer = answers.pop(0) if answers else answers_default
         if isinstance(answer, Exception):
             raise answer
@@ -26,35 +26,38 @@ def _testbed(tmp_path, answers):
 
 def test_follow_rides_out_a_few_failed_status_polls(tmp_path):
     testbed = _testbed(tmp_path, [httpx.ReadTimeout("busy"), httpx.ConnectError("refused"), FINISHED])
-    assert testbed.follow(poll_s=0.01) == FINISHED
+    assert testbed.follow(retry_s=0.01) == FINISHED
 
 
 def test_follow_gives_up_when_the_server_stays_unreachable(tmp_path):
     testbed = _testbed(tmp_path, [])
     testbed.status_patience_s = 0.2
     with pytest.raises(TestbedError, match="status failed for"):
-        testbed.follow(poll_s=0.01)
+        testbed.follow(retry_s=0.01)
 
 
 def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_attempt_once(tmp_path):
-    # The server's history grows by one attempt per poll; status(since) filters on the logical
-    # round as the Fed Server does. A failed attempt of round 1 must not hide its retry.
+    # The server's history grows by one attempt per answer; status(since) filters on the logical
+    # round as the Fed Server does. A failed attempt of round 1 must not hide its retry. Each
+    # request but the last (the whole history, at once) waits for more records than the last
+    # answer counted.
     attempts = [{"round": 1, "round_id": 1, "status": "failed"}, {"round": 1, "round_id": 2, "status": "ok"},
                 {"round": 2, "round_id": 3, "status": "ok"}]
-    asked: list[int] = []
+    asked: list[tuple[int, int, float]] = []
     testbed = Testbed(RunConfig(), tmp_path)
 
-    def status(since: int = 0) -> dict:
-        asked.append(since)
+    def status(since: int = 0, seen: int = 0, wait_s: float = 0.0) -> dict:
+        asked.append((since, seen, wait_s))
         known = attempts[:len(asked)]
         done = len(asked) >= len(attempts)
-        return {**FINISHED, "state": "finished" if done else "running", "history": [r for r in known if r["round"] > since]}
+        return {**FINISHED, "state": "finished" if done else "running", "records": len(known),
+                "history": [r for r in known if r["round"] > since]}
 
     testbed.status = status
     printed: list[dict] = []
-    final = testbed.follow(lambda record, _: printed.append(record), poll_s=0.01)
+    final = testbed.follow(lambda record, _: printed.append(record), wait_s=5.0)
     assert printed == attempts
-    assert asked == [0, 0, 1, 0]             # the last poll asks for the whole history ...
+    assert asked == [(0, 0, 5.0), (0, 1, 5.0), (1, 2, 5.0), (0, 3, 0.0)]   # the last asks for the whole history ...
     assert final["history"] == attempts      # ... which the caller gets
 
 
