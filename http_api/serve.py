@@ -65,9 +65,13 @@ def head_timeout_protocol(head_timeout_s: float) -> type:
 
 def serve(app, args: argparse.Namespace) -> None:
     """Run an ASGI app with uvicorn in this process, over HTTPS when a certificate is given, with
-    the connection timeouts of ``--head-timeout-s`` and ``--keep-alive-s``."""
+    the connection timeouts of ``--head-timeout-s`` and ``--keep-alive-s``.
+
+    On SIGTERM uvicorn waits for the requests still running before it stops, with no limit of its
+    own; a status or task answer held for up to 30 s (long-poll) would hold the shutdown that long.
+    ``--shutdown-grace-s`` bounds that wait: what still runs then is cancelled."""
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
                 ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key, http=head_timeout_protocol(args.head_timeout_s),
-                timeout_keep_alive=args.keep_alive_s)
+                timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_grace_s)

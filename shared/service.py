@@ -99,6 +99,11 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--keep-alive-s", type=positive_seconds, default=positive_seconds(env_default("keep_alive_s", 5)),
                         help="close a kept-alive connection idle this many seconds after a response "
                              "(env SFL_KEEP_ALIVE_S; default 5)")
+    parser.add_argument("--shutdown-grace-s", type=positive_seconds,
+                        default=positive_seconds(env_default("shutdown_grace_s", 3)),
+                        help="on SIGTERM or Ctrl-C, cancel the requests still running this many seconds later: "
+                             "answers held for work or status (long-poll), watch streams, steps at a barrier "
+                             "(env SFL_SHUTDOWN_GRACE_S; default 3)")
     add_common_args(parser)
 
 

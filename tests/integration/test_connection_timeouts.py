@@ -1,12 +1,16 @@
 """Slow and idle connections against the real servers: a request head that does not complete in
 ``--head-timeout-s`` (slowloris, or nothing sent at all) is closed, and so is a kept-alive
 connection idle for ``--keep-alive-s`` after a response; a client within both limits is served.
+A request still running ``--shutdown-grace-s`` after SIGTERM is cancelled, so that it cannot hold
+the server's exit.
 
 Raw sockets on loopback; every loop is bounded by a deadline.
 """
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -133,3 +137,32 @@ def test_a_slow_head_within_the_limit_is_served_then_the_idle_connection_is_clos
         sock.close()
     assert KEEP_ALIVE_S * 0.8 <= took <= KEEP_ALIVE_S + 5.0, took
 
+
+
+def test_sigterm_cancels_a_held_status_request_after_the_shutdown_grace():
+    # A status request held for up to 30 s (long-poll) would hold uvicorn's shutdown as long:
+    # after SIGTERM the server waits --shutdown-grace-s (default 3) for running requests, then
+    # cancels them and exits.
+    config = small_config(algorithm="fedavg", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    with server_pair(config, "grace") as pair:
+        held: dict = {}
+
+        def ask() -> None:
+            started = time.monotonic()
+            try:
+                held["answer"] = httpx.get(f"{pair.fed_url}/v1/status", params={"wait_s": 30}, timeout=60).status_code
+            except httpx.HTTPError as exc:
+                held["answer"] = type(exc).__name__
+            held["took_s"] = time.monotonic() - started
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        time.sleep(1.0)   # the request is being held: no device registers, so no record comes
+        assert "answer" not in held
+        started = time.monotonic()
+        pair.fed.process.send_signal(signal.SIGTERM)
+        pair.fed.process.wait(timeout=GIVE_UP_S)
+        exited_s = time.monotonic() - started
+        asker.join(timeout=GIVE_UP_S)
+    assert exited_s < 12.0, f"the Fed Server took {exited_s:.1f}s to exit: the held request held it"
+    assert held["took_s"] < 15.0, held

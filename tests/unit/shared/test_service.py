@@ -58,10 +58,13 @@ def test_defaults_without_settings(monkeypatch):
 def test_connection_timeouts_default_and_must_be_positive_seconds(monkeypatch):
     monkeypatch.delenv("SFL_HEAD_TIMEOUT_S", raising=False)
     monkeypatch.delenv("SFL_KEEP_ALIVE_S", raising=False)
+    monkeypatch.delenv("SFL_SHUTDOWN_GRACE_S", raising=False)
     args = parse_service_args(_parser(), [])
-    assert (args.head_timeout_s, args.keep_alive_s) == (10.0, 5.0)
-    args = parse_service_args(_parser(), ["--head-timeout-s", "2.5", "--keep-alive-s", "1"])
-    assert (args.head_timeout_s, args.keep_alive_s) == (2.5, 1.0)
+    assert (args.head_timeout_s, args.keep_alive_s, args.shutdown_grace_s) == (10.0, 5.0, 3.0)
+    args = parse_service_args(_parser(), ["--head-timeout-s", "2.5", "--keep-alive-s", "1", "--shutdown-grace-s", "0.5"])
+    assert (args.head_timeout_s, args.keep_alive_s, args.shutdown_grace_s) == (2.5, 1.0, 0.5)
+    monkeypatch.setenv("SFL_SHUTDOWN_GRACE_S", "7")
+    assert parse_service_args(_parser(), []).shutdown_grace_s == 7.0
     assert positive_seconds("2.5") == 2.5
     for bad in ("0", "-1", "nan", "inf"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive number of seconds"):
