@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import Counter
 
 from shared.service import interrupt_on_sigterm
 from testbed.config_check import CheckFailed, CheckRequest, check_in_child
+from testbed.follow import format_done, format_round
 from testbed.runner import Testbed, TestbedError, main_servers_for
 
 # The launcher imports no torch (about 150 MiB a process): the configuration is checked in a child
@@ -20,23 +20,6 @@ from testbed.runner import Testbed, TestbedError, main_servers_for
 #: rounds (the default before issue 16). The default run is 10 devices, all per round, 20 rounds:
 #: about 3 minutes on 2 cores.
 PAPER_SCALE = ("data.num_devices=100", "devices_per_round=10", "rounds=30")
-
-
-def format_round(record: dict, status: dict) -> str:
-    """One progress line per round."""
-    splits = Counter(record["split_points"].values())
-    split_text = " ".join(f"{k}:{n}" for k, n in sorted(splits.items()))
-    flag = "" if record["status"] == "ok" else f"  [{record['status']}]"
-    dropped = f"  dropped {len(record['dropped'])}" if record["dropped"] else ""
-    # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)"; a round
-    # without figures (no device reported) shows n/a.
-    label = "acc(fed)" if record.get("evaluated_devices") is not None else "acc"
-    acc = "n/a" if record["test_accuracy"] is None else f"{100 * record['test_accuracy']:6.2f}%"
-    loss = "n/a" if record["test_loss"] is None else f"{record['test_loss']:.3f}"
-    return (f"round {record['round']:>3}/{status['rounds_total']}  {label} {acc}  "
-            f"loss {loss}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
-            f"moved {record['bytes_total'] / 1e6:7.1f} MB (total {record['cumulative_bytes'] / 1e6:8.1f} MB)  "
-            f"splits {split_text}{dropped}{flag}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,11 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted; services stopped", file=sys.stderr)
         sys.exit(130)
-    s = status["summary"]
-    final = "n/a" if s["final_accuracy"] is None else f"{100 * s['final_accuracy']:.2f}%"
-    best = "n/a" if s["best_accuracy"] is None else f"{100 * s['best_accuracy']:.2f}%"
-    print(f"done: {s['rounds']} rounds, final accuracy {final} (best {best}), "
-          f"median round {s['median_round_time_s']:.1f}s, total {s['total_time_s']:.1f}s, {s['total_bytes'] / 1e6:.1f} MB moved")
+    print(format_done(status["summary"]))
     print(f"results: {run_dir}/metrics.jsonl, {run_dir}/summary.json, {run_dir}/checkpoint.msgpack")
 
 

@@ -3,21 +3,16 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import yaml
 
 from shared.config import RunConfig
 from shared.imports import is_import_path
-from shared.tls import tls_context
+from testbed.follow import FollowError, ProgressFn, fetch_status, follow_run
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
 from testbed.warm_start import WarmStarter
-
-ProgressFn = Callable[[dict, dict], None]
-
 
 @dataclass(frozen=True)
 class TlsFiles:
@@ -97,7 +92,7 @@ class Testbed:
         self.main: Service | None = None   # the first Main Server replica
         self.mains: list[Service] = []
         self.agent_services: list[Service] = []
-        self.status_patience_s = 120.0   # how long status polls may fail before follow() gives up
+        self.status_patience_s = 120.0   # how long status requests may fail before follow() gives up
 
     def start(self) -> None:
         """Write the config, start the servers and the agents, wait until the servers are healthy."""
@@ -168,75 +163,33 @@ class Testbed:
         return [arg for name in names for arg in (f"--{name}-secret-file", self.secret_files.paths[name])]
 
     def status(self, since: int = 0, seen: int = 0, wait_s: float = 0.0) -> dict:
-        """The Fed Server's ``/v1/status``: the records of the logical rounds after ``since``; with
-        ``wait_s``, answered once the run has more than ``seen`` records or has finished (or after
-        ``wait_s``)."""
-        return httpx.get(f"{self.fed_url}/v1/status", params={"since": since, "seen": seen, "wait_s": wait_s},
-                         timeout=10.0 + wait_s, verify=tls_context(self.verify)).json()
+        """The Fed Server's ``/v1/status`` (:func:`testbed.follow.fetch_status`)."""
+        return fetch_status(self.fed_url, self.verify)(since, seen, wait_s)
 
     def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, wait_s: float = 1.0,
                retry_s: float = 0.5) -> dict:
         """Wait for the run to finish, calling ``on_round(record, status)`` for each new round; return
-        the final status, with every round's record.
+        the final status, with every round's record (:func:`testbed.follow.follow_run`: each status
+        request waits for a new record; the services' processes are checked at least every
+        ``wait_s``). A failure carries the Fed Server's log tail."""
+        try:
+            return follow_run(self.status, on_round, timeout, wait_s, retry_s, self.status_patience_s, self._check_services)
+        except FollowError as exc:
+            raise TestbedError(f"{exc}\n{self.fed.log_tail() if self.fed else ''}") from exc
 
-        Each status request is held by the Fed Server until a new record is written or the run
-        finishes (long-poll), so a round is printed as soon as it is recorded; ``wait_s`` bounds
-        the hold, and so how often the services' processes are checked between records. A failed
-        request is tried again after ``retry_s``."""
-        deadline = time.monotonic() + timeout if timeout else None
-        # ``since`` names a logical round: the last one whose successful record was printed. A
-        # failed attempt of the next round is printed once (by attempt id) and asked for again
-        # until that round succeeds, so neither the retry nor later rounds are missed. ``seen``
-        # is the server's count of records at its last answer: the next answer waits for more.
-        done_round = 0
-        seen = 0
-        final = False   # the run finished; the last request asks for the whole history
-        printed: set[int] = set()
-        failing_since: float | None = None
-        while True:
-            # The run goes on while one Main Server replica lives: the Fed Server spreads the
-            # groups over the others (docs/deployment.md, "Main Server replicas").
-            dead_mains = [m for m in self.mains if not m.alive()]
-            for service in (self.fed, *(dead_mains[:1] if len(dead_mains) == len(self.mains) else [])):
-                if service is not None and not service.alive():
-                    raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
-            # A device with its own data that stopped (bad data) never registers: the run would wait
-            # for it until the timeout, so its one-line reason ends the run at once.
-            for service in self.agent_services if self.device_data else ():
-                if not service.alive() and service.process.returncode != 0:
-                    raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
-            try:
-                status = self.status(0 if final else done_round, seen, 0.0 if final else wait_s)
-                failing_since = None
-            except httpx.HTTPError as exc:
-                # A busy Fed Server (a VGG-16 evaluation on a loaded 2-core machine) can miss one
-                # status request; only a server that stays unreachable ends the run (a dead one is
-                # caught above).
-                failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > self.status_patience_s:
-                    raise TestbedError(f"Fed Server status failed for {self.status_patience_s:.0f}s: {exc}") from exc
-                time.sleep(retry_s)
-                continue
-            seen = status["records"]
-            if status.get("driver_error"):
-                raise TestbedError(f"Fed Server round driver failed: {status['driver_error']}\n{self.fed.log_tail() if self.fed else ''}")
-            for record in status["history"]:
-                if record["round_id"] in printed:
-                    continue
-                printed.add(record["round_id"])
-                if record["status"] == "ok":
-                    done_round = max(done_round, record["round"])
-                if on_round:
-                    on_round(record, status)
-            if status["state"] == "finished":
-                if final or done_round == 0:
-                    return status
-                # The requests asked only for records after the last printed round: ask once more
-                # for the whole history, which the caller gets (it could be empty before).
-                final = True
-                continue
-            if deadline is not None and time.monotonic() > deadline:
-                raise TestbedError(f"run did not finish within {timeout:.0f}s (round {status['rounds_done']} of {status['rounds_total']})")
+    def _check_services(self) -> None:
+        """Raise if a service the run needs has died."""
+        # The run goes on while one Main Server replica lives: the Fed Server spreads the groups
+        # over the others (docs/deployment.md, "Main Server replicas").
+        dead_mains = [m for m in self.mains if not m.alive()]
+        for service in (self.fed, *(dead_mains[:1] if len(dead_mains) == len(self.mains) else [])):
+            if service is not None and not service.alive():
+                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+        # A device with its own data that stopped (bad data) never registers: the run would wait
+        # for it until the timeout, so its one-line reason ends the run at once.
+        for service in self.agent_services if self.device_data else ():
+            if not service.alive() and service.process.returncode != 0:
+                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
 
     def stop(self, agent_grace_s: float = 15.0) -> None:
         """Give the agents a moment to collect the final model and exit on their own, then stop all."""

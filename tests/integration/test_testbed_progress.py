@@ -2,14 +2,21 @@
 each status request is held until there is something new."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 from integration_support import freeze_agent_through_a_failed_attempt, read_metrics, small_config
+from testbed.follow import format_done, format_round
+from testbed.processes import free_port, service_env
 from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_follow_prints_the_retry_and_later_rounds_after_a_failed_attempt(tmp_path):
@@ -34,13 +41,17 @@ def test_follow_prints_the_retry_and_later_rounds_after_a_failed_attempt(tmp_pat
     assert printed == [(m["round"], m["round_id"], m["status"]) for m in metrics]
 
 
-def test_status_is_held_until_a_new_record_is_written_or_the_run_finished(tmp_path):
+def test_status_is_held_until_a_new_record_is_written_and_a_second_terminal_follows_the_run(tmp_path):
     # GET /v1/status?seen=K&wait_s=W answers once the run has more than K records (or finished),
     # not at once and not only when W runs out: the first request, made before any round ran,
     # comes back with round 1's record while the run goes on (woken by that record, not by the
     # run's end), before its 30 s (the longest a request is held; a round here takes seconds).
+    # Meanwhile `python -m testbed.follow URL`, as a user runs it against a Fed Server, prints
+    # the same round lines and summary as the testbed's own follower.
     config = small_config(algorithm="fedavg", rounds=3)
     with Testbed(config, tmp_path / "run", agents=2, warm=shared_starter()) as testbed:
+        watcher = subprocess.Popen([sys.executable, "-m", "testbed.follow", testbed.fed_url, "--timeout", "240"],
+                                   cwd=REPO, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         started = time.monotonic()
         first = testbed.status(seen=0, wait_s=30.0)
         waited = time.monotonic() - started
@@ -53,3 +64,19 @@ def test_status_is_held_until_a_new_record_is_written_or_the_run_finished(tmp_pa
         started = time.monotonic()
         again = testbed.status(seen=final["records"], wait_s=30.0)   # finished is news: answered at once
         assert again["state"] == "finished" and time.monotonic() - started < 10.0
+        try:
+            out, err = watcher.communicate(timeout=60)
+        finally:
+            watcher.kill()
+    assert watcher.returncode == 0, err
+    assert out.splitlines() == [format_round(r, final) for r in final["history"]] + [format_done(final["summary"])], out
+
+
+def test_follow_command_fails_at_once_without_a_fed_server():
+    # A wrong address is one line and status 1 at once, not two minutes of retries.
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "testbed.follow", f"http://127.0.0.1:{free_port()}"], cwd=REPO,
+                            env=service_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("follow failed: no Fed Server status at http://127.0.0.1:"), result.stderr
+    assert time.monotonic() - started < 30.0

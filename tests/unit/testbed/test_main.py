@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 import testbed.__main__ as cli
-from testbed.__main__ import format_round
+from testbed.follow import format_round
 from testbed.config_check import CheckResult, check
 
 

@@ -1,0 +1,153 @@
+"""Following a run on a Fed Server: one line per round as it is recorded, then the run's summary.
+
+``python -m testbed`` follows the run it started; ``python -m testbed.follow URL`` follows any Fed
+Server's run, such as one whose devices are other machines (docs/deployment.md). Both wait on
+the Fed Server's status long-poll (``GET /v1/status?seen=K&wait_s=W``, docs/api.md): a round is
+printed as soon as its record is written, without polling.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+
+from shared.tls import tls_context
+
+#: ``on_round(record, status)``: called once per round attempt, in order.
+ProgressFn = Callable[[dict, dict], None]
+#: ``status(since, seen, wait_s)``: the Fed Server's ``/v1/status`` answer as a dict.
+StatusFn = Callable[[int, int, float], dict]
+
+
+class FollowError(RuntimeError):
+    """The run could not be followed to its end: the Fed Server stayed unreachable, its round
+    driver failed, or the run did not finish in time."""
+
+
+def fetch_status(fed_url: str, verify: bool | str = True) -> StatusFn:
+    """A :data:`StatusFn` asking the Fed Server at ``fed_url`` (``verify``: as httpx's, or a CA file)."""
+    def status(since: int = 0, seen: int = 0, wait_s: float = 0.0) -> dict:
+        return httpx.get(f"{fed_url.rstrip('/')}/v1/status", params={"since": since, "seen": seen, "wait_s": wait_s},
+                         timeout=10.0 + wait_s, verify=tls_context(verify)).json()
+    return status
+
+
+def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: float | None = None,
+               wait_s: float = 1.0, retry_s: float = 0.5, patience_s: float = 120.0,
+               check: Callable[[], None] | None = None) -> dict:
+    """Wait for the run to finish, calling ``on_round(record, status)`` for each new round attempt;
+    return the final status, with every round's record.
+
+    Each request is held by the Fed Server until a new record is written or the run finishes
+    (long-poll); ``wait_s`` bounds the hold, and so how often ``check()`` runs between records
+    (the testbed checks its processes there and raises if one died). A failed request is tried
+    again after ``retry_s``; one that keeps failing for ``patience_s`` ends the follow.
+    """
+    deadline = time.monotonic() + timeout if timeout else None
+    # ``since`` names a logical round: the last one whose successful record was printed. A
+    # failed attempt of the next round is printed once (by attempt id) and asked for again until
+    # that round succeeds, so neither the retry nor later rounds are missed. ``seen`` is the
+    # server's count of records at its last answer: the next answer waits for more.
+    done_round = 0
+    seen = 0
+    final = False   # the run finished; the last request asks for the whole history
+    printed: set[int] = set()
+    failing_since: float | None = None
+    while True:
+        if check is not None:
+            check()
+        try:
+            answer = status(0 if final else done_round, seen, 0.0 if final else wait_s)
+            failing_since = None
+        except httpx.HTTPError as exc:
+            # A busy Fed Server (a VGG-16 evaluation on a loaded 2-core machine) can miss one
+            # status request; only a server that stays unreachable ends the follow.
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since > patience_s:
+                raise FollowError(f"Fed Server status failed for {patience_s:.0f}s: {exc}") from exc
+            time.sleep(retry_s)
+            continue
+        seen = answer["records"]
+        if answer.get("driver_error"):
+            raise FollowError(f"Fed Server round driver failed: {answer['driver_error']}")
+        for record in answer["history"]:
+            if record["round_id"] in printed:
+                continue
+            printed.add(record["round_id"])
+            if record["status"] == "ok":
+                done_round = max(done_round, record["round"])
+            if on_round:
+                on_round(record, answer)
+        if answer["state"] == "finished":
+            if final or done_round == 0:
+                return answer
+            # The requests asked only for records after the last printed round: ask once more
+            # for the whole history, which the caller gets (it could be empty before).
+            final = True
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            raise FollowError(f"run did not finish within {timeout:.0f}s (round {answer['rounds_done']} of {answer['rounds_total']})")
+
+
+def format_round(record: dict, status: dict) -> str:
+    """One progress line per round."""
+    splits = Counter(record["split_points"].values())
+    split_text = " ".join(f"{k}:{n}" for k, n in sorted(splits.items()))
+    flag = "" if record["status"] == "ok" else f"  [{record['status']}]"
+    dropped = f"  dropped {len(record['dropped'])}" if record["dropped"] else ""
+    # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)"; a round
+    # without figures (no device reported) shows n/a.
+    label = "acc(fed)" if record.get("evaluated_devices") is not None else "acc"
+    acc = "n/a" if record["test_accuracy"] is None else f"{100 * record['test_accuracy']:6.2f}%"
+    loss = "n/a" if record["test_loss"] is None else f"{record['test_loss']:.3f}"
+    return (f"round {record['round']:>3}/{status['rounds_total']}  {label} {acc}  "
+            f"loss {loss}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
+            f"moved {record['bytes_total'] / 1e6:7.1f} MB (total {record['cumulative_bytes'] / 1e6:8.1f} MB)  "
+            f"splits {split_text}{dropped}{flag}")
+
+
+def format_done(summary: dict) -> str:
+    """The last line: the run's summary (``summary.json``)."""
+    final = "n/a" if summary["final_accuracy"] is None else f"{100 * summary['final_accuracy']:.2f}%"
+    best = "n/a" if summary["best_accuracy"] is None else f"{100 * summary['best_accuracy']:.2f}%"
+    return (f"done: {summary['rounds']} rounds, final accuracy {final} (best {best}), "
+            f"median round {summary['median_round_time_s']:.1f}s, total {summary['total_time_s']:.1f}s, "
+            f"{summary['total_bytes'] / 1e6:.1f} MB moved")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m testbed.follow URL``: print a Fed Server's rounds as they are recorded (the ones
+    recorded before too), then the summary line; exit 0 when the run finished, 1 if it could not
+    be followed, 130 on Ctrl-C."""
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.follow",
+        description="Follow the run of a Fed Server: one line per round as it is recorded (the earlier rounds "
+                    "first), then the run's summary. Reads GET /v1/status, which needs no credentials.")
+    parser.add_argument("fed_server_url", help="the Fed Server, e.g. http://server:8080")
+    parser.add_argument("--ca-file", default=None, help="CA bundle to verify an HTTPS Fed Server's certificate")
+    parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    args = parser.parse_args(argv)
+    status = fetch_status(args.fed_server_url, args.ca_file or True)
+    try:   # a wrong address fails at once, not after the patience for a busy server
+        first = status(0, 0, 0.0)
+    except (httpx.HTTPError, ValueError) as exc:
+        parser.exit(1, f"follow failed: no Fed Server status at {args.fed_server_url}: {exc}\n")
+    if not isinstance(first, dict) or not {"records", "history", "state"} <= first.keys():
+        parser.exit(1, f"follow failed: {args.fed_server_url}/v1/status is not a Fed Server's status (a Main Server?)\n")
+    try:
+        final = follow_run(status, lambda record, answer: print(format_round(record, answer), flush=True),
+                           timeout=args.timeout)
+    except FollowError as exc:
+        print(f"follow failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    print(format_done(final["summary"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

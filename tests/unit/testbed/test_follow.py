@@ -1,0 +1,27 @@
+"""``python -m testbed.follow``: refuses what is not a Fed Server's status before following."""
+from __future__ import annotations
+
+import pytest
+
+import testbed.follow as follow
+
+
+def test_an_address_that_answers_something_else_is_refused_in_one_line(monkeypatch, capsys):
+    # A Main Server's /v1/status (its open round) is not a run's status.
+    monkeypatch.setattr(follow, "fetch_status", lambda url, verify: lambda since, seen, wait_s: {"round": None})
+    with pytest.raises(SystemExit) as exited:
+        follow.main(["http://main:8081"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "follow failed: http://main:8081/v1/status is not a Fed Server's status (a Main Server?)\n"
+
+
+def test_a_finished_run_prints_every_round_and_the_summary(monkeypatch, capsys):
+    record = {"round": 1, "round_id": 1, "status": "ok", "split_points": {"d0": 2}, "dropped": [], "test_accuracy": 0.5,
+              "test_loss": 1.25, "round_time_s": 1.0, "elapsed_s": 1.0, "bytes_total": 1e6, "cumulative_bytes": 1e6}
+    summary = {"rounds": 1, "final_accuracy": 0.5, "best_accuracy": 0.5, "median_round_time_s": 1.0,
+               "total_time_s": 1.0, "total_bytes": 1e6}
+    finished = {"state": "finished", "records": 1, "history": [record], "rounds_done": 1, "rounds_total": 1,
+                "summary": summary}
+    monkeypatch.setattr(follow, "fetch_status", lambda url, verify: lambda since, seen, wait_s: finished)
+    follow.main(["http://fed:8080"])
+    assert capsys.readouterr().out.splitlines() == [follow.format_round(record, finished), follow.format_done(summary)]
