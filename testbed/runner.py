@@ -14,6 +14,7 @@ from testbed.follow import FollowError, ProgressFn, fetch_status, follow_run
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
 from testbed.warm_start import WarmStarter
 
+
 @dataclass(frozen=True)
 class TlsFiles:
     """Certificate and key the servers serve HTTPS with, and the CA everyone verifies against."""
