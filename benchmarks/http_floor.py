@@ -8,11 +8,10 @@ Two servers, each in its own process, under the (c) load generator's connections
   httptools, uvloop, no access log) serving a bare ASGI app that reads each request's body into
   one buffer and answers a preallocated body of a step answer's size;
 - ``asyncio``: no HTTP server at all, the least Python can do per request: an asyncio
-  ``BufferedProtocol`` on uvloop (:class:`BareProtocol`) that receives each request's head into a
-  buffer and its body straight into a buffer of its Content-Length, and writes the same answer.
-  It understands only what the load generator sends (a Content-Length body on a kept-alive
-  connection) and checks nothing: a yardstick for what an HTTP server of our own could save,
-  not a server.
+  ``BufferedProtocol`` on uvloop (``benchmarks.bare_http.BareProtocol``) that receives each
+  request's head into a buffer and its body straight into a buffer of its Content-Length, and
+  writes the same answer. It checks nothing: a yardstick for what an HTTP server of our own could
+  save, not a server.
 
 No msgpack, no validation, no tensors, no training in either. The server's CPU per request (and
 its event loop's, the main thread) is the least any app on that server pays for a step on this
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import bare_http
 from benchmarks.main_server_load import BATCH, CpuMeter, DeviceConnection, split_cores
 from shared.machine import describe_machine
 from shared.schemas import StepRequest, WireTensor
@@ -71,52 +71,6 @@ async def bare_app(scope, receive, send) -> None:
 
 
 _ANSWER = bytes(ANSWER_BYTES)
-_ANSWER_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\ncontent-length: "
-                + str(ANSWER_BYTES).encode() + b"\r\n\r\n")
-
-
-class BareProtocol(asyncio.BufferedProtocol):
-    """The ``asyncio`` server's connection: each request's head into a 8 KB buffer, its body
-    (Content-Length bytes) received straight into a buffer of that size, then the answer written;
-    any path, any method. Not an HTTP server: it parses nothing else and checks nothing."""
-
-    HEAD_BYTES = 8192
-
-    def __init__(self) -> None:
-        self.head = bytearray(self.HEAD_BYTES)
-        self.head_len = 0
-        self.body: bytearray | None = None
-        self.body_len = 0
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.body is None:
-            return memoryview(self.head)[self.head_len:]
-        return memoryview(self.body)[self.body_len:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.body is None:
-            self.head_len += nbytes
-            end = self.head.find(b"\r\n\r\n", 0, self.head_len)
-            if end < 0:
-                return
-            size = 0
-            for line in bytes(self.head[:end]).split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    size = int(value)
-            extra = self.head_len - end - 4   # body bytes that came with the head
-            self.body = bytearray(size)
-            self.body[:extra] = self.head[end + 4:self.head_len]
-            self.body_len, self.head_len = extra, 0
-        else:
-            self.body_len += nbytes
-        if self.body_len >= len(self.body):
-            self.body, self.body_len = None, 0
-            self.transport.writelines([_ANSWER_HEAD, _ANSWER])
 
 
 def train_beside() -> None:
@@ -146,12 +100,7 @@ def serve(server: str, port: int, training_thread: bool) -> None:
         uvicorn.run(bare_app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
                     http=head_timeout_protocol(10.0), timeout_keep_alive=5)
         return
-    import uvloop
-
-    async def forever() -> None:
-        listener = await asyncio.get_running_loop().create_server(BareProtocol, "127.0.0.1", port)
-        await listener.serve_forever()
-    uvloop.run(forever())
+    bare_http.run(port, bare_http.http_answer(_ANSWER))
 
 
 async def _drive(url: str, pid: int, devices: int, requests: int) -> dict:
