@@ -1,4 +1,5 @@
-"""Following a run on a Fed Server: one line per round as it is recorded, then the run's summary.
+"""Following a run on a Fed Server: one line per round as it is recorded, then the run's summary
+(``python -m testbed.follow`` also says how many devices have registered while the run waits).
 
 ``python -m testbed`` follows the run it started; ``python -m testbed.follow URL`` follows any Fed
 Server's run, such as one whose devices are other machines (docs/deployment.md). Both wait on
@@ -21,6 +22,9 @@ from shared.tls import tls_context
 ProgressFn = Callable[[dict, dict], None]
 #: ``status(since, seen, wait_s)``: the Fed Server's ``/v1/status`` answer as a dict.
 StatusFn = Callable[[int, int, float], dict]
+#: ``on_waiting(registered, expected)``: called while the run waits for its devices, each time
+#: the number registered changes (and once at first).
+WaitingFn = Callable[[int, int], None]
 
 
 class FollowError(RuntimeError):
@@ -38,9 +42,10 @@ def fetch_status(fed_url: str, verify: bool | str = True) -> StatusFn:
 
 def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: float | None = None,
                wait_s: float = 1.0, retry_s: float = 0.5, patience_s: float = 120.0,
-               check: Callable[[], None] | None = None) -> dict:
-    """Wait for the run to finish, calling ``on_round(record, status)`` for each new round attempt;
-    return the final status, with every round's record.
+               check: Callable[[], None] | None = None, on_waiting: WaitingFn | None = None) -> dict:
+    """Wait for the run to finish, calling ``on_round(record, status)`` for each new round attempt
+    (and ``on_waiting`` while the run waits for its devices); return the final status, with every
+    round's record.
 
     Each request is held by the Fed Server until a new record is written or the run finishes
     (long-poll); ``wait_s`` bounds the hold, and so how often ``check()`` runs between records
@@ -56,6 +61,7 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
     seen = 0
     final = False   # the run finished; the last request asks for the whole history
     printed: set[int] = set()
+    registered: int | None = None   # the count last passed to on_waiting
     failing_since: float | None = None
     while True:
         if check is not None:
@@ -72,6 +78,9 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
             time.sleep(retry_s)
             continue
         seen = answer["records"]
+        if on_waiting and answer["state"] == "waiting_for_devices" and answer["registered"] != registered:
+            registered = answer["registered"]
+            on_waiting(registered, answer["expected_devices"])
         if answer.get("driver_error"):
             raise FollowError(f"Fed Server round driver failed: {answer['driver_error']}")
         for record in answer["history"]:
@@ -110,6 +119,11 @@ def format_round(record: dict, status: dict) -> str:
             f"splits {split_text}{dropped}{flag}")
 
 
+def format_waiting(registered: int, expected: int) -> str:
+    """A line while the run waits for its devices (the rounds start when enough have registered)."""
+    return f"waiting for devices: {registered} of {expected} registered"
+
+
 def format_done(summary: dict) -> str:
     """The last line: the run's summary (``summary.json``)."""
     final = "n/a" if summary["final_accuracy"] is None else f"{100 * summary['final_accuracy']:.2f}%"
@@ -120,13 +134,15 @@ def format_done(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m testbed.follow URL``: print a Fed Server's rounds as they are recorded (the ones
-    recorded before too), then the summary line; exit 0 when the run finished, 1 if it could not
+    """``python -m testbed.follow URL``: print how many devices have registered while the run waits
+    for them, a Fed Server's rounds as they are recorded (the ones recorded before too), then the
+    summary line; exit 0 when the run finished, 1 if it could not
     be followed, 130 on Ctrl-C."""
     parser = argparse.ArgumentParser(
         prog="python -m testbed.follow",
-        description="Follow the run of a Fed Server: one line per round as it is recorded (the earlier rounds "
-                    "first), then the run's summary. Reads GET /v1/status, which needs no credentials.")
+        description="Follow the run of a Fed Server: while it waits for its devices, how many have registered "
+                    "(a line when the number changes); then one line per round as it is recorded (the earlier rounds first), then the "
+                    "run's summary. Reads GET /v1/status, which needs no credentials.")
     parser.add_argument("fed_server_url", help="the Fed Server, e.g. http://server:8080")
     parser.add_argument("--ca-file", default=None, help="CA bundle to verify an HTTPS Fed Server's certificate")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
@@ -140,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(1, f"follow failed: {args.fed_server_url}/v1/status is not a Fed Server's status (a Main Server?)\n")
     try:
         final = follow_run(status, lambda record, answer: print(format_round(record, answer), flush=True),
-                           timeout=args.timeout)
+                           timeout=args.timeout,
+                           on_waiting=lambda registered, expected: print(format_waiting(registered, expected), flush=True))
     except FollowError as exc:
         print(f"follow failed: {exc}", file=sys.stderr)
         sys.exit(1)

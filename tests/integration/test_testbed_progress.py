@@ -10,8 +10,11 @@ from pathlib import Path
 
 import httpx
 
-from integration_support import freeze_agent_through_a_failed_attempt, read_metrics, small_config
-from testbed.follow import format_done, format_round
+from integration_support import freeze_agent_through_a_failed_attempt, read_metrics, server_pair, small_config
+from shared.http_client import HEADERS
+from shared.schemas import DeviceProfileMsg, RegisterRequest
+from shared.wire import packb
+from testbed.follow import format_done, format_round, format_waiting
 from testbed.processes import free_port, service_env
 from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
@@ -69,7 +72,32 @@ def test_status_is_held_until_a_new_record_is_written_and_a_second_terminal_foll
         finally:
             watcher.kill()
     assert watcher.returncode == 0, err
-    assert out.splitlines() == [format_round(r, final) for r in final["history"]] + [format_done(final["summary"])], out
+    # It may have started while the devices registered: those lines come first.
+    lines = out.splitlines()
+    waiting = [line for line in lines if line.startswith("waiting for devices: ")]
+    assert lines[:len(waiting)] == waiting, out
+    assert lines[len(waiting):] == [format_round(r, final) for r in final["history"]] + [format_done(final["summary"])], out
+
+
+def test_follow_command_reports_the_devices_as_they_register(tmp_path):
+    # A Fed Server waiting for 2 devices: the follower says 0 of 2, then 1 of 2 once one registers
+    # (its status is asked every second while nothing is recorded), and gives up at its timeout.
+    config = small_config(algorithm="fedavg", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    with server_pair(config, "follow-waiting") as pair:
+        watcher = subprocess.Popen([sys.executable, "-m", "testbed.follow", pair.fed_url, "--timeout", "8"], cwd=REPO,
+                                   env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert watcher.stdout.readline() == format_waiting(0, 2) + "\n"
+            register = RegisterRequest(device_id="dev-0", shard=0, num_samples=100,
+                                       profile=DeviceProfileMsg(kind="high", flops=1e10, rate=1e7))
+            httpx.post(f"{pair.fed_url}/v1/devices/register", content=packb(register.model_dump()), headers=HEADERS,
+                       timeout=30).raise_for_status()
+            assert watcher.stdout.readline() == format_waiting(1, 2) + "\n"
+            out, err = watcher.communicate(timeout=60)
+        finally:
+            watcher.kill()
+    assert watcher.returncode == 1 and out == "", out
+    assert err.startswith("follow failed: run did not finish within 8s"), err
 
 
 def test_follow_command_fails_at_once_without_a_fed_server():

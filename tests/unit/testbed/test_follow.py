@@ -25,3 +25,17 @@ def test_a_finished_run_prints_every_round_and_the_summary(monkeypatch, capsys):
     monkeypatch.setattr(follow, "fetch_status", lambda url, verify: lambda since, seen, wait_s: finished)
     follow.main(["http://fed:8080"])
     assert capsys.readouterr().out.splitlines() == [follow.format_round(record, finished), follow.format_done(summary)]
+
+
+def test_while_the_run_waits_for_its_devices_each_new_count_is_reported_once():
+    def waiting(registered: int) -> dict:
+        return {"state": "waiting_for_devices", "registered": registered, "expected_devices": 3, "records": 0,
+                "history": [], "rounds_done": 0, "rounds_total": 1, "summary": None}
+    answers = iter([waiting(0), waiting(0), waiting(2), waiting(2), waiting(3),
+                    {**waiting(3), "state": "running"}, {**waiting(3), "state": "finished"}])
+    reported: list[tuple[int, int]] = []
+    final = follow.follow_run(lambda since, seen, wait_s: next(answers),
+                              on_waiting=lambda registered, expected: reported.append((registered, expected)))
+    assert final["state"] == "finished"
+    assert reported == [(0, 3), (2, 3), (3, 3)]
+    assert follow.format_waiting(2, 3) == "waiting for devices: 2 of 3 registered"
