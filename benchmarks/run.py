@@ -78,7 +78,8 @@ def report(results: dict) -> str:
         if "fraction_of_compute_limit" in c["populations"][0]:
             cores = ("server and load generator share all of them" if s["cores_shared"] else
                      f"server on cores {s['server_cores']}, load generator on {s['client_cores']}")
-            out += ["", f"one group step in-process: {c['group_step_ms_in_process']:.1f} ms; compute limit = "
+            out += ["", f"one group step in-process: {c['group_step_ms_in_process']:.1f} ms (the faster of "
+                        f"before and after the load); compute limit = "
                         f"{c['server_cores']} cores x {s['group_size']} device steps / that ({cores})"]
             out.append(_table(
                 ["replicas", "devices", "p99/p50", "p99/p50 after step 0", "client CPU ms/step", "server CPU ms/step",
