@@ -136,13 +136,13 @@ def format_done(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     """``python -m testbed.follow URL``: print how many devices have registered while the run waits
     for them, a Fed Server's rounds as they are recorded (the ones recorded before too), then the
-    summary line; exit 0 when the run finished, 1 if it could not
-    be followed, 130 on Ctrl-C."""
+    summary line; exit 0 when the run finished, 1 if it could not be followed, 130 on Ctrl-C."""
     parser = argparse.ArgumentParser(
         prog="python -m testbed.follow",
-        description="Follow the run of a Fed Server: while it waits for its devices, how many have registered "
-                    "(a line when the number changes); then one line per round as it is recorded (the earlier rounds first), then the "
-                    "run's summary. Reads GET /v1/status, which needs no credentials.")
+        description="Follow the run of a Fed Server: while it waits for its devices, how many have "
+                    "registered (a line when the number changes); then one line per round as it is recorded "
+                    "(the earlier rounds first), then the run's summary. Reads GET /v1/status, which needs no "
+                    "credentials.")
     parser.add_argument("fed_server_url", help="the Fed Server, e.g. http://server:8080")
     parser.add_argument("--ca-file", default=None, help="CA bundle to verify an HTTPS Fed Server's certificate")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         final = follow_run(status, lambda record, answer: print(format_round(record, answer), flush=True),
                            timeout=args.timeout,
-                           on_waiting=lambda registered, expected: print(format_waiting(registered, expected), flush=True))
+                           on_waiting=lambda count, expected: print(format_waiting(count, expected), flush=True))
     except FollowError as exc:
         print(f"follow failed: {exc}", file=sys.stderr)
         sys.exit(1)
