@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import bare_http
-from benchmarks.main_server_load import BATCH, CpuMeter, DeviceConnection, split_cores
+from benchmarks.main_server_load import BATCH, CpuMeter, DeviceConnection, group_step_inputs, split_cores
 from shared.machine import describe_machine
 from shared.schemas import StepRequest, WireTensor
 from shared.wire import encode_tensor, pack_body
@@ -75,15 +75,7 @@ _ANSWER = bytes(ANSWER_BYTES)
 
 def train_beside() -> None:
     """The Main Server's training, back to back, in this thread (as (c)'s training worker runs)."""
-    from benchmarks.main_server_load import GROUP_SIZE, NUM_CLASSES, SPLIT
-    from main_server.group_trainer import GroupTrainer, MemberBatch
-    from shared.models import build_model
-    from shared.portions import portion_state
-    model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
-    trainer = GroupTrainer(model, SPLIT, portion_state(model, SPLIT, len(model.blocks)), lr=0.05)
-    gen = torch.Generator().manual_seed(0)
-    batches = [MemberBatch(f"m{i}", SPLIT, torch.randn(*FX_SHAPE, generator=gen),
-                           torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen)) for i in range(GROUP_SIZE)]
+    trainer, batches = group_step_inputs()
     while True:
         trainer.step(batches)
 

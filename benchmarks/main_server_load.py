@@ -143,6 +143,18 @@ def _latency_figures(latencies: dict[int, list[float]]) -> dict:
     return out
 
 
+def group_step_inputs(torch_device: str = "cpu") -> tuple[GroupTrainer, list[MemberBatch]]:
+    """A group's trainer of the cnn's server portion (split 2) and GROUP_SIZE members' batches:
+    one group step of (c), to run in-process."""
+    model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
+    trainer = GroupTrainer(model, SPLIT, portion_state(model, SPLIT, len(model.blocks)), lr=0.05,
+                           device=torch.device(torch_device))
+    gen = torch.Generator().manual_seed(0)
+    batches = [MemberBatch(f"m{i}", SPLIT, torch.randn(BATCH, 64, 7, 7, generator=gen),
+                           torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen)) for i in range(GROUP_SIZE)]
+    return trainer, batches
+
+
 def measure_group_step_s(torch_device: str, repeats: int = 30) -> float:
     """Median seconds of one group step (``GroupTrainer.step`` of GROUP_SIZE members' batches) in
     this process, on this machine, with this process's torch threads: the Main Server's pure
@@ -152,12 +164,7 @@ def measure_group_step_s(torch_device: str, repeats: int = 30) -> float:
     other jobs taking the cores do not inflate it (wall time gave 23 and 42 ms a minute apart at a
     load average of 5 to 10); on a GPU, the wall time of the synchronized step.
     """
-    model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
-    trainer = GroupTrainer(model, SPLIT, portion_state(model, SPLIT, len(model.blocks)), lr=0.05,
-                           device=torch.device(torch_device))
-    gen = torch.Generator().manual_seed(0)
-    batches = [MemberBatch(f"m{i}", SPLIT, torch.randn(BATCH, 64, 7, 7, generator=gen),
-                           torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen)) for i in range(GROUP_SIZE)]
+    trainer, batches = group_step_inputs(torch_device)
     on_cpu = torch_device == "cpu"
     clock = time.thread_time if on_cpu else time.perf_counter
     times = []
@@ -411,7 +418,8 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
             port = free_port()
             if port not in ports:
                 ports.append(port)
-        fed_url = f"http://127.0.0.1:{ports.pop()}"
+        fed_port = ports.pop()
+        fed_url = f"http://127.0.0.1:{fed_port}"
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         # A child inherits the affinity of the thread that starts it: the Main Servers get their
         # cores from birth (so their own count of usable cores, and their training workers, say
@@ -421,7 +429,7 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
             "--fed-server-url", fed_url, "--port", str(port), "--log-level", "WARNING",
             "--torch-device", torch_device]) for i, port in enumerate(ports)]
         os.sched_setaffinity(0, client_set)
-        fed = group.start("fed_server_stand_in", "benchmarks.bare_http", ["--port", fed_url.rsplit(":", 1)[1]])
+        fed = group.start("fed_server_stand_in", "benchmarks.bare_http", ["--port", str(fed_port)])
         for url, service in [*zip(urls, mains), (fed_url, fed)]:
             wait_healthy(url, service, timeout=120)
         pids = [main.process.pid for main in mains]
