@@ -22,10 +22,10 @@ from fed_server.metrics import FedMetrics
 from fed_server.records import RoundRecord
 from shared.auth import Auth
 from fed_server.round_state import FedRound
-from shared.http_client import decode_response, service_client
+from shared.http_client import decode_response, post_body, service_client
 from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, RoundPlan, RoundWatch
-from shared.wire import packb
+from shared.wire import pack_body
 
 log = logging.getLogger("fed_server")
 
@@ -63,11 +63,11 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
     fed_round.plan_bytes = 0
     async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
         async def post(url: str, plan: RoundPlan) -> str | None:
-            body = packb(plan.model_dump())
+            body = pack_body(plan.model_dump())
             fed_round.plan_bytes += len(body)
 
             async def attempt() -> Ack:
-                return decode_response(await client.post(f"{url.rstrip('/')}{API}/rounds", content=body), Ack)
+                return decode_response(await post_body(client, f"{url.rstrip('/')}{API}/rounds", body), Ack)
             tries = 1 if url in coordinator.replicas_down else settings.plan_retries
             try:
                 await retry_async(attempt, Backoff(tries, first_delay_s=0.5), (Exception,),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from shared.algorithms.group_loss import GroupLoss, PerMemberLoss
 from shared.models import SplitModel
+from shared.wire import encode_state
 
 
 def warm_up(device: torch.device | None = None) -> None:
@@ -79,6 +80,12 @@ class GroupTrainer:
     def state(self) -> dict[str, torch.Tensor]:
         """The trained server portion, keyed by the full model's state_dict names."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.portion.state_dict().items()}
+
+    def wire_state(self) -> dict[str, dict]:
+        """The trained server portion encoded for the wire (:func:`shared.wire.encode_state`), keyed
+        as :meth:`state`: each tensor copied once, by the encoder's snapshot (on a GPU, after its
+        move to the CPU). ``encode_state(self.state())`` copied each one twice."""
+        return encode_state(self.portion.state_dict())
 
     def step(self, batches: list[MemberBatch]) -> dict[str, MemberResult]:
         """Forward the concatenated batch, one SGD step on the copy, each member's dfx and loss.

@@ -20,13 +20,13 @@ from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.errors import Conflict
-from shared.http_client import decode_response, service_client
+from shared.http_client import decode_response, post_body, service_client
 from shared.machine import compute_workers
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
     API, Ack, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
 )
-from shared.wire import encode_state, encode_tensor, packb
+from shared.wire import encode_tensor, pack_body
 
 log = logging.getLogger("main_server")
 
@@ -118,15 +118,15 @@ class MainServer:
             run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
             members=sorted(group.done), dropped=sorted(group.dropped),
             absent=sorted(set(state.participants) - set(state.joined)), start_block=group.trainer.start,
-            weights=encode_state(group.trainer.state()), label_distance=group.distance,
+            weights=group.trainer.wire_state(), label_distance=group.distance,
             steps=group.trainer.steps, train_time_s=group.train_time_s,
         )
-        body = packb(upload.model_dump())
+        body = pack_body(upload.model_dump())
         url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
         what = f"round {state.round_id} group {group.group_id} upload"
         async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
             async def post() -> Ack:
-                return decode_response(await client.post(url, content=body), Ack)
+                return decode_response(await post_body(client, url, body), Ack)
             try:  # keep trying: the Fed Server may be restarting
                 await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), (Exception,), what)
             except Exception as exc:

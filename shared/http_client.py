@@ -6,7 +6,7 @@ what the run's communication figures report.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared.retry import Backoff, retry
 from shared.tls import tls_context
-from shared.wire import WireError, pack_body, unpackb
+from shared.wire import Body, WireError, pack_body, unpackb
 
 M = TypeVar("M", bound=BaseModel)
 HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
@@ -55,6 +55,21 @@ def decode_response(resp: httpx.Response, model: type[M]) -> M:
 def service_client(service_headers: Mapping[str, str], ca_file: str | None, timeout: float) -> httpx.AsyncClient:
     """An async client for server-to-server calls: msgpack headers, the service token, TLS trust."""
     return httpx.AsyncClient(timeout=timeout, headers={**HEADERS, **service_headers}, verify=tls_context(ca_file or True))
+
+
+async def post_body(client: httpx.AsyncClient, url: str, body: Body) -> httpx.Response:
+    """POST a packed body (:func:`shared.wire.pack_body`) as its pieces, never joined.
+
+    Joining (``shared.wire.packb``) copies every tensor's bytes once more into a body-sized buffer,
+    which a 6.5 MB server portion or plan pays in fresh memory: its pages faulted in on the
+    sender's event loop (benchmarks/README.md, sixteenth session). An async client takes pieces as
+    an async iterable, a new one for each call, so a retry sends the body whole again; the
+    Content-Length keeps httpx from framing it chunked (which would copy each piece into its frame).
+    """
+    async def pieces() -> AsyncIterator[bytes]:
+        for piece in body.pieces:
+            yield piece
+    return await client.post(url, content=pieces(), headers={"content-length": str(len(body))})
 
 
 class SyncClient:

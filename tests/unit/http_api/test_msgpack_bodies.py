@@ -1,7 +1,7 @@
 """Bodies holding tensors travel as their pieces (shared.wire.Body), both ways, and arrive whole.
 
-The device's blocking client (shared/http_client.py) sends a request body piece by piece, and the
-servers' msgpack answers (http_api/server.py) go out the same way; both under the body's
+The device's blocking client and the servers' async sender (``post_body``: uploads, round plans;
+shared/http_client.py) send a request body piece by piece, and the servers' msgpack answers (http_api/server.py) go out the same way; both under the body's
 Content-Length, never chunked. A real uvicorn server on a loopback port, built by
 ``create_service_app`` like the Fed and Main Servers, runs an echo route that answers what it
 received: the framing headers and the raw body bytes.
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from starlette.background import BackgroundTask
 
 from http_api.server import create_service_app, msgpack_response
-from shared.http_client import SyncClient
+from shared.http_client import SyncClient, post_body
 from shared.schemas import Message, StepRequest, WireTensor
 from shared.wire import encode_tensor, pack_body
 
@@ -81,6 +81,21 @@ def test_the_client_sends_a_body_in_pieces_with_its_length(echo):
     # Sized, not chunked: chunked framing would make h11 join every piece with its frame (a copy).
     assert got.content_length == str(len(expected)) and got.transfer_encoding is None
     assert client.bytes.up == len(expected)
+
+
+def test_the_async_sender_posts_a_body_in_pieces_with_its_length_and_again_whole(echo):
+    url, _ = echo
+    req = _step_request()
+    body = pack_body(req.model_dump())
+    expected = msgpack.packb(req.model_dump(), use_bin_type=True)
+
+    async def post_twice() -> list[Received]:
+        async with httpx.AsyncClient() as client:   # the same body twice: what a retry sends
+            return [Received.model_validate(msgpack.unpackb((await post_body(client, f"{url}/echo", body)).content))
+                    for _ in range(2)]
+    for got in asyncio.run(post_twice()):
+        assert got.body == expected
+        assert got.content_length == str(len(expected)) and got.transfer_encoding is None
 
 
 def test_a_server_answers_a_body_in_pieces_with_its_length(echo):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.algorithms.registry import build_group_loss
 from shared.models import build_model
+from shared.wire import decode_state
 
 LR = 0.1
 ATOL = 1e-6
@@ -118,6 +119,21 @@ def test_server_portion_starting_before_member_split(model):
 def test_state_has_server_portion_keys(model):
     trainer = _trainer(model, 2)
     assert list(trainer.state()) == model.portion_keys(2, len(model.blocks))
+
+
+def test_wire_state_is_the_state_encoded_and_a_snapshot(model):
+    trainer = _trainer(model, 2)
+    wire = trainer.wire_state()
+    state = trainer.state()
+    decoded = decode_state(wire)
+    assert list(decoded) == list(state)
+    for k, v in state.items():
+        assert torch.equal(decoded[k], v)
+    with torch.no_grad():   # the trainer's later updates do not reach what was encoded
+        for p in trainer.portion.parameters():
+            p.add_(1.0)
+    for k, v in decode_state(wire).items():
+        assert torch.equal(v, state[k])
 
 
 # ------------------------------------------------------------------------------------ same split
