@@ -10,7 +10,10 @@ The virtual devices are coroutines in the benchmark process, each with its own k
 connection (:class:`DeviceConnection`, as each real device has its own); on a 2-core machine this load
 generator competes with the server for CPU, so the figures are a lower bound of what the Main
 Server alone can do. Each row records the CPU seconds of both sides (``client_cpu_s``,
-``server_cpu_s``, of which ``server_event_loop_cpu_s`` on the servers' event-loop threads) and the throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
+``server_cpu_s``, of which ``server_event_loop_cpu_s`` on the servers' event-loop threads), the
+servers' minor page faults a step (``server_minor_faults_per_step``, the event loops' part beside
+it: on these VMs a fault costs several microseconds, mostly the host backing the page) and the
+throughput against the compute limits (:func:`_against_limits`). Latency = send to decoded answer as a device
 sees it (includes waiting at the barrier for the group's other members); steps/s = device steps
 answered per second of wall time; MB/s = request + response body bytes per second.
 The finished groups' uploads go to a stand-in for the Fed Server (``benchmarks/bare_http.py``, its
@@ -94,15 +97,28 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
     return plans, {m: url for url, mine in spread for members in mine.values() for m in members}
 
 
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a ``/proc/.../stat`` file after the command name, or None when it is gone."""
+    try:
+        return Path(path).read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def event_loop_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process's main thread (``/proc/<pid>/task/<pid>/stat``): in a
     Main Server, uvicorn's event loop, which parses, checks and answers every request; its training
     workers are other threads. 0 when the process is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    fields = _stat_fields(f"/proc/{pid}/task/{pid}/stat")
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def minor_faults(pid: int, thread: bool = False) -> int:
+    """Minor page faults of a process (or, with ``thread``, of its main thread alone) so far: each
+    is a page the kernel mapped in on first touch, a few microseconds of the server's CPU that
+    its allocator's reuse of freed memory would have saved. 0 when the process is gone."""
+    fields = _stat_fields(f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat")
+    return 0 if fields is None else int(fields[7])
 
 
 class CpuMeter:
@@ -115,6 +131,13 @@ class CpuMeter:
         self.client0 = time.process_time()
         self.server0 = [cpu_seconds(pid) or 0.0 for pid in pids]
         self.loop0 = [event_loop_cpu_seconds(pid) for pid in pids]
+        self.faults0 = [(minor_faults(pid), minor_faults(pid, thread=True)) for pid in pids]
+
+    def faults(self) -> tuple[int, int]:
+        """(the Main Servers' minor page faults summed, their event loops' part) since creation."""
+        now = [(minor_faults(pid), minor_faults(pid, thread=True)) for pid in self.pids]
+        return (sum(n[0] - f[0] for n, f in zip(now, self.faults0)),
+                sum(n[1] - f[1] for n, f in zip(now, self.faults0)))
 
     def read(self) -> tuple[float, float, float]:
         """(client CPU seconds, Main Servers' CPU seconds summed, their event loops' part) since creation."""
@@ -349,6 +372,7 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
         await asyncio.gather(*(device(d) for d in ids))
         wall = time.perf_counter() - t0
         client_cpu_s, server_cpu_s, loop_cpu_s = cpu.read()
+        server_faults, loop_faults = cpu.faults()
     finally:
         await asyncio.gather(*(c.close() for c in connections.values()))
     total_steps = devices * steps
@@ -359,6 +383,8 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
         "client_cpu_ms_per_step": 1e3 * client_cpu_s / total_steps,
         "server_cpu_ms_per_step": 1e3 * server_cpu_s / total_steps,
         "server_event_loop_cpu_ms_per_step": 1e3 * loop_cpu_s / total_steps,
+        "server_minor_faults_per_step": server_faults / total_steps,
+        "server_event_loop_minor_faults_per_step": loop_faults / total_steps,
         "server_step_p50_ms": 1e3 * _percentile(server_s, 50),
         "device_steps_per_s": total_steps / wall, "group_steps_per_s": -(-devices // GROUP_SIZE) * steps / wall,
         "MB_per_s": moved[0] / wall / 1e6, "MB_moved": moved[0] / 1e6,
@@ -448,7 +474,9 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                 log(f"  main server x{replicas} {n:>3} devices: p50 {row['latency_p50_ms']:7.1f} ms, "
                     f"p95 {row['latency_p95_ms']:7.1f} ms, p99 {row['latency_p99_ms']:7.1f} ms, "
                     f"{row['device_steps_per_s']:6.1f} steps/s, CPU ms a step: client {row['client_cpu_ms_per_step']:.2f}, "
-                    f"server {row['server_cpu_ms_per_step']:.2f} (event loop {row['server_event_loop_cpu_ms_per_step']:.2f})")
+                    f"server {row['server_cpu_ms_per_step']:.2f} (event loop {row['server_event_loop_cpu_ms_per_step']:.2f}); "
+                    f"server page faults a step {row['server_minor_faults_per_step']:.0f} "
+                    f"(event loop {row['server_event_loop_minor_faults_per_step']:.0f})")
         # The yardstick is timed again after the load, and the limit takes the faster of the two
         # (the higher limit, the lower fraction): single timings before the load read up to 25 %
         # slower than others minutes apart (benchmarks/README.md, fifteenth session).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import time
 
@@ -61,3 +62,15 @@ def test_cpu_meter_counts_this_process_and_the_servers() -> None:
     assert server > 0.0   # the "server" here is this process too
     # its main thread burned the CPU: the "event loop" part is most of it (read a clock tick later)
     assert 0.5 * server <= loop <= server + 0.02
+
+
+def test_cpu_meter_counts_the_page_faults_of_fresh_memory() -> None:
+    meter = CpuMeter([os.getpid()])
+    pages = 64 << 20 >> 12
+    fresh = mmap.mmap(-1, pages << 12)   # anonymous: each page is mapped in on its first touch
+    for offset in range(0, pages << 12, 4096):
+        fresh[offset] = 1
+    fresh.close()
+    faults, loop_faults = meter.faults()
+    # this thread touched them all (the main thread: the "event loop" in a Main Server)
+    assert loop_faults >= pages and faults >= loop_faults
