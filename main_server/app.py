@@ -11,7 +11,6 @@ from starlette.datastructures import Headers
 
 from http_api.server import ServiceApp, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from main_server.server import MainServer, MainServerSettings
-from shared.auth import token_nonce
 from shared.schemas import API, Ack, JoinRequest, JoinResponse, RoundPlan, StepRequest, StepResponse
 
 
@@ -69,5 +68,5 @@ def create_app(settings: MainServerSettings) -> ServiceApp:
 def _check_token(settings: MainServerSettings, server: MainServer, headers: Headers, round_id: int, device_id: str) -> None:
     """A device's bearer token must be the one of its current registration in this run: the round
     plan carries each participant's token nonce (docs/security.md)."""
-    plan = server.current(round_id).plan
-    settings.auth.check_device(headers, plan.run_id, device_id, token_nonce(plan, device_id))
+    state = server.current(round_id)
+    settings.auth.check_device(headers, state.plan.run_id, device_id, state.token_nonce(device_id))

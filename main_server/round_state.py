@@ -149,6 +149,12 @@ class RoundState:
                 h = self.template.forward_blocks(h, k, k + 1)
         return shapes
 
+    def token_nonce(self, device_id: str) -> str | None:
+        """The token nonce the plan carries for ``device_id`` (docs/security.md); None if it is no
+        participant. A dictionary look-up: every join and step of every device asks it."""
+        participant = self.participants.get(device_id)
+        return None if participant is None else participant.token_nonce
+
     # --- joining and grouping -------------------------------------------------------------------
     async def join(self, req: JoinRequest) -> JoinResponse:
         """Record a device's label counts; answer once groups are formed."""

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import NotAllowed, Unauthenticated
-from shared.schemas import RoundPlan
 
 
 def warn_if_open(auth: "Auth", service: str, exposure: str) -> bool:
@@ -111,11 +110,6 @@ class Auth:
         token = _bearer(headers)
         if token is None or not hmac.compare_digest(token, self.service_token()):
             raise Unauthenticated("server-to-server call without a valid service token")
-
-
-def token_nonce(plan: RoundPlan, device_id: str) -> str | None:
-    """The token nonce the round plan carries for ``device_id``; None if it is no participant."""
-    return next((p.token_nonce for p in plan.participants if p.device_id == device_id), None)
 
 
 def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None) -> Auth:
