@@ -190,8 +190,9 @@ class Body:
     Who sends one: ``shared.http_client.SyncClient`` gives it to httpx as ``content=`` (an iterable
     of ``bytes``, written piece by piece, h11 passing each ``bytes`` to the socket as it is) with
     the body's Content-Length (without one, httpx frames an iterable with chunked encoding, which
-    joins every piece with its frame: a copy); ``http_api.server.MsgpackResponse`` sends each piece
-    as an ASGI body message (Starlette's ``Response`` takes one buffer only).
+    joins every piece with its frame: a copy); ``shared.http_client.post_body`` does the same for
+    the servers' async uploads and plans; ``http_api.server.MsgpackResponse`` sends each piece as
+    an ASGI body message (Starlette's ``Response`` takes one buffer only).
     """
 
     __slots__ = ("pieces", "size")
