@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from shared.config import DeviceMixConfig, env_default
 from shared.service import add_common_args, configure_process, interrupt_on_sigterm, parse_service_args
 
 KEEP_MODELS = {"auto": None, "yes": True, "no": False}
+log = logging.getLogger("device_agent")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,6 +44,10 @@ def main(argv: list[str] | None = None) -> None:
                              "default 0 = off). Timings also reach the Fed Server with every upload")
     parser.add_argument("--metrics-host", default=env_default("metrics_host", "127.0.0.1"),
                         help="address the metrics port binds (env SFL_METRICS_HOST; 0.0.0.0 to be scraped from another host)")
+    parser.add_argument("--metrics-linger-s", type=float, default=float(env_default("metrics_linger_s", 0)),
+                        help="with --metrics-port, once the run is over keep serving until Prometheus scrapes once more "
+                             "(so it records the last round's figures), at most this many seconds (env "
+                             "SFL_METRICS_LINGER_S; default 0 = exit at once)")
     parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
                         help="the deployment's enrolment secret, presented once to register (or env SFL_ENROLMENT_SECRET)")
     parser.add_argument("--keep-models", choices=sorted(KEEP_MODELS), default=env_default("keep_models", "auto"),
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"got {args.compute_slots!r}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be 0 (off) or a port number, got {args.metrics_port}")
+    if not 0 <= args.metrics_linger_s < float("inf"):
+        parser.error(f"--metrics-linger-s must be a number of seconds >= 0, got {args.metrics_linger_s}")
     metrics = None
     if args.metrics_port:
         from device_agent.metrics import AgentMetrics
@@ -101,7 +109,14 @@ def main(argv: list[str] | None = None) -> None:
                   keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots)
-    sys.exit(agent.run())
+    code = agent.run()
+    if metrics is not None and args.metrics_linger_s > 0:
+        log.info("run over: serving metrics until Prometheus scrapes them once more (at most %.0f s)",
+                 args.metrics_linger_s)
+        if not metrics.wait_for_scrape(args.metrics_linger_s):
+            log.warning("no Prometheus scrape within --metrics-linger-s %.0f s: the last figures were not recorded",
+                        args.metrics_linger_s)
+    sys.exit(code)
 
 
 def _whole_number(text: str) -> int:

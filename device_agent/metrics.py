@@ -7,7 +7,12 @@ shards the agent hosts. prometheus-client is pure Python and part of the agent's
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from shared.http_metrics import MetricSpec, metric_maker, new_registry
 
@@ -26,11 +31,26 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 
 
+#: The header Prometheus sends with every scrape: how a scrape is told from a health check's GET.
+SCRAPE_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:   # no line per scrape
+        pass
+
+
 class AgentMetrics:
     """Per-device round timings of one agent process, in their own registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
+        self._scrapes = 0
+        self._scraped = threading.Condition()
         make = metric_maker(self.registry, METRICS)
 
         self.rounds = make(Counter, "sfl_device_rounds_completed_total")
@@ -66,8 +86,34 @@ class AgentMetrics:
         self.main_bytes.labels(device, "sent").inc(update.bytes_up)
         self.main_bytes.labels(device, "received").inc(update.bytes_down)
 
-    def serve(self, port: int, host: str = "127.0.0.1"):
-        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns (server, thread)."""
-        from prometheus_client import start_http_server
+    def serve(self, port: int, host: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns (server, thread).
 
-        return start_http_server(port, addr=host, registry=self.registry)
+        prometheus-client's own server, but for noting each scrape by Prometheus (a request with
+        :data:`SCRAPE_HEADER`) as it arrives, before the figures are collected, so that
+        :meth:`wait_for_scrape` knows the final figures were taken."""
+        exposition = make_wsgi_app(self.registry)
+
+        def app(environ, start_response):
+            if "HTTP_" + SCRAPE_HEADER.upper().replace("-", "_") in environ:
+                with self._scraped:
+                    self._scrapes += 1
+                    self._scraped.notify_all()
+            return exposition(environ, start_response)
+
+        server_class = type("MetricsServer", (_MetricsServer,), {
+            "address_family": socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]})   # "::" too
+        server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        thread = threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True)
+        thread.start()
+        return server, thread
+
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Wait until Prometheus scrapes ``/metrics`` once more (a scrape that arrives after this
+        call, so it takes every figure recorded before it), or ``timeout_s``; whether it did.
+
+        An agent exits when its run ends; without this its last round's figures, recorded after
+        the previous scrape, would never reach Prometheus (``--metrics-linger-s``)."""
+        with self._scraped:
+            seen = self._scrapes
+            return self._scraped.wait_for(lambda: self._scrapes > seen, timeout_s)

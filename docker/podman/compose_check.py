@@ -44,9 +44,9 @@ SERVER_IMAGE = "s2fl-server:latest"
 DEVICE_IMAGE = "s2fl-device:latest"
 SERVICES = ("fed-server", "main-server", "agent-high", "agent-mid", "agent-low", "prometheus")
 # The run: small enough for CI, still S2FL with every device kind (SFL_* variables of the compose file).
-# Six rounds, not fewer: the agents exit when the run ends, and Prometheus (5 s scrapes) must see
-# each of them up once; 2 rounds took 7 s once the devices long-polled for tasks, and an agent
-# went unscraped.
+# Prometheus (5 s scrapes) must see each agent up once. An agent exits when the run ends, after
+# waiting for one more scrape (SFL_METRICS_LINGER_S in docker-compose.yml): in a fast hour the six
+# rounds took about 7 s, and before the agents waited, none of them was ever scraped.
 RUN_ENV = {
     "SFL_ALGORITHM": "s2fl", "SFL_ROUNDS": "6", "SFL_NUM_DEVICES": "4", "SFL_TIME_SCALE": "1000",
     "SFL_HIGH_SHARDS": "0-1", "SFL_MID_SHARDS": "2", "SFL_LOW_SHARDS": "3",

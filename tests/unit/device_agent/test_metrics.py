@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import httpx
 
-from device_agent.metrics import METRICS, AgentMetrics
+import threading
+
+import pytest
+
+from device_agent.metrics import METRICS, SCRAPE_HEADER, AgentMetrics
 from shared.http_metrics import spec_mismatches
 from shared.schemas import DeviceTimings, UpdateRequest
 from testbed.processes import free_port
@@ -30,6 +34,28 @@ def test_exports_documented_metrics_and_serves_them():
     try:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert 'sfl_device_rounds_completed_total{device="dev-001"} 1.0' in text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_waiting_for_a_scrape_ends_at_prometheus_s_next_scrape_not_at_another_get():
+    metrics = AgentMetrics()
+    port = free_port()
+    server, _ = metrics.serve(port)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        httpx.get(url, headers={SCRAPE_HEADER: "4"}, timeout=5)   # before the wait: does not count
+        outcome: list[bool] = []
+        waiter = threading.Thread(target=lambda: outcome.append(metrics.wait_for_scrape(30.0)))
+        waiter.start()
+        assert httpx.get(url, timeout=5).status_code == 200       # a health check's GET: no header
+        waiter.join(0.5)
+        assert waiter.is_alive() and outcome == []
+        assert httpx.get(url, headers={SCRAPE_HEADER: "4"}, timeout=5).status_code == 200
+        waiter.join(10)
+        assert outcome == [True]
+        assert metrics.wait_for_scrape(0.05) is False              # none came: the bound ends it
     finally:
         server.shutdown()
         server.server_close()
@@ -69,6 +95,29 @@ def test_metrics_port_flag_serves(monkeypatch):
     kwargs = _run_cli(monkeypatch, ["--shards", "0", "--metrics-port", "9100", "--metrics-host", "0.0.0.0"])
     assert isinstance(kwargs["metrics"], AgentMetrics)
     assert served == [(9100, "0.0.0.0")]
+
+
+@pytest.mark.parametrize("linger, waits", [([], []), (["--metrics-linger-s", "12"], [12.0])])
+def test_the_agent_waits_for_a_last_scrape_only_when_asked(monkeypatch, linger, waits):
+    import device_agent.__main__ as cli
+    import device_agent.agent as agent_module
+
+    waited: list[float] = []
+    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
+    monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": None)
+    monkeypatch.setattr(AgentMetrics, "wait_for_scrape", lambda self, timeout_s: waited.append(timeout_s) or True)
+    monkeypatch.setattr(agent_module, "Agent", lambda *a, **k: type("Done", (), {"run": lambda self: 3})())
+    monkeypatch.delenv("SFL_METRICS_LINGER_S", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--shards", "0", "--metrics-port", "9100", *linger])
+    assert exit_.value.code == 3 and waited == waits   # the run's exit code either way
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf"])
+def test_a_bad_linger_is_refused(monkeypatch, bad):
+    with pytest.raises(SystemExit) as exit_:
+        _run_cli(monkeypatch, ["--shards", "0", "--metrics-linger-s", bad])
+    assert exit_.value.code == 2
 
 
 def test_agent_feeds_metrics_from_the_devices_uploads():
