@@ -83,10 +83,12 @@ def report(results: dict) -> str:
                         f"{c['server_cores']} cores x {s['group_size']} device steps / that ({cores})"]
             out.append(_table(
                 ["replicas", "devices", "p99/p50", "p99/p50 after step 0", "client CPU ms/step", "server CPU ms/step",
-                 "of compute limit", "server share of its cores", "client share of its cores", "load avg"],
+                 "server faults/step", "of compute limit", "server share of its cores", "client share of its cores",
+                 "load avg"],
                 [[str(r["replicas"]), str(r["devices"]), f"{r['latency_p99_over_p50']:.2f}",
                   f"{r['later_steps_latency_p99_over_p50']:.2f}", f"{r['client_cpu_ms_per_step']:.2f}",
-                  f"{r['server_cpu_ms_per_step']:.2f}", f"{r['fraction_of_compute_limit']:.2f}",
+                  f"{r['server_cpu_ms_per_step']:.2f}", f"{r['server_minor_faults_per_step']:.0f}",
+                  f"{r['fraction_of_compute_limit']:.2f}",
                   f"{r['server_cpu_share_of_cores']:.2f}", f"{r['client_cpu_share_of_cores']:.2f}",
                   " -> ".join(f"{x:.1f}" for x in r["load_average_1min"])]
                  for r in c["populations"]]))
