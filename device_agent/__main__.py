@@ -113,9 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     if metrics is not None and args.metrics_linger_s > 0:
         log.info("run over: serving metrics until Prometheus scrapes them once more (at most %.0f s)",
                  args.metrics_linger_s)
-        if not metrics.wait_for_scrape(args.metrics_linger_s):
-            log.warning("no Prometheus scrape within --metrics-linger-s %.0f s: the last figures were not recorded",
-                        args.metrics_linger_s)
+        try:
+            if not metrics.wait_for_scrape(args.metrics_linger_s):
+                log.warning("no Prometheus scrape within --metrics-linger-s %.0f s: the last figures were not recorded",
+                            args.metrics_linger_s)
+        except KeyboardInterrupt:   # Ctrl-C or SIGTERM (docker stop) while lingering: the run is over anyway
+            log.info("stopped while waiting for a last scrape")
     sys.exit(code)
 
 

@@ -113,6 +113,21 @@ def test_the_agent_waits_for_a_last_scrape_only_when_asked(monkeypatch, linger, 
     assert exit_.value.code == 3 and waited == waits   # the run's exit code either way
 
 
+def test_a_stop_while_lingering_ends_the_wait_with_the_run_s_exit_code(monkeypatch):
+    import device_agent.__main__ as cli
+    import device_agent.agent as agent_module
+
+    def interrupted(self, timeout_s):
+        raise KeyboardInterrupt   # what SIGTERM raises in the main thread (interrupt_on_sigterm)
+    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
+    monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": None)
+    monkeypatch.setattr(AgentMetrics, "wait_for_scrape", interrupted)
+    monkeypatch.setattr(agent_module, "Agent", lambda *a, **k: type("Done", (), {"run": lambda self: 0})())
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--shards", "0", "--metrics-port", "9100", "--metrics-linger-s", "30"])
+    assert exit_.value.code == 0
+
+
 @pytest.mark.parametrize("bad", ["-1", "nan", "inf"])
 def test_a_bad_linger_is_refused(monkeypatch, bad):
     with pytest.raises(SystemExit) as exit_:
