@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -44,12 +45,35 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class _AfterSent:
+    """A WSGI answer whose ``close()``, which wsgiref calls once every byte of it is written to the
+    socket, then calls ``sent``: an agent that exits at that point has handed its answer to the
+    kernel, which delivers it."""
+
+    def __init__(self, body: Iterable[bytes], sent: Callable[[], None]) -> None:
+        self.body = body
+        self.sent = sent
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self.sent()
+
+
 class AgentMetrics:
     """Per-device round timings of one agent process, in their own registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
-        self._scrapes = 0
+        # Prometheus's scrapes in the order they arrived, and the newest of them whose answer is sent.
+        self._scrapes_begun = 0
+        self._newest_sent = -1
         self._scraped = threading.Condition()
         make = metric_maker(self.registry, METRICS)
 
@@ -90,16 +114,19 @@ class AgentMetrics:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns (server, thread).
 
         prometheus-client's own server, but for noting each scrape by Prometheus (a request with
-        :data:`SCRAPE_HEADER`) as it arrives, before the figures are collected, so that
-        :meth:`wait_for_scrape` knows the final figures were taken."""
+        :data:`SCRAPE_HEADER`): numbered when it arrives, before the figures are collected, and
+        marked sent once its answer is written, so that :meth:`wait_for_scrape` knows the final
+        figures were taken and delivered."""
         exposition = make_wsgi_app(self.registry)
+        scrape_key = "HTTP_" + SCRAPE_HEADER.upper().replace("-", "_")
 
         def app(environ, start_response):
-            if "HTTP_" + SCRAPE_HEADER.upper().replace("-", "_") in environ:
-                with self._scraped:
-                    self._scrapes += 1
-                    self._scraped.notify_all()
-            return exposition(environ, start_response)
+            if scrape_key not in environ:
+                return exposition(environ, start_response)
+            with self._scraped:
+                index = self._scrapes_begun
+                self._scrapes_begun += 1
+            return _AfterSent(exposition(environ, start_response), lambda: self._scrape_sent(index))
 
         server_class = type("MetricsServer", (_MetricsServer,), {
             "address_family": socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]})   # "::" too
@@ -108,12 +135,20 @@ class AgentMetrics:
         thread.start()
         return server, thread
 
+    def _scrape_sent(self, index: int) -> None:
+        with self._scraped:
+            self._newest_sent = max(self._newest_sent, index)
+            self._scraped.notify_all()
+
     def wait_for_scrape(self, timeout_s: float) -> bool:
-        """Wait until Prometheus scrapes ``/metrics`` once more (a scrape that arrives after this
-        call, so it takes every figure recorded before it), or ``timeout_s``; whether it did.
+        """Wait until Prometheus scrapes ``/metrics`` once more and has its answer (a scrape that
+        arrives after this call, so it takes every figure recorded before it), or ``timeout_s``;
+        whether it did.
 
         An agent exits when its run ends; without this its last round's figures, recorded after
-        the previous scrape, would never reach Prometheus (``--metrics-linger-s``)."""
+        the previous scrape, would never reach Prometheus (``--metrics-linger-s``). Waiting for
+        the answer to be written, not only for the request: an agent that exited as the request
+        came in cut the answer off, and Prometheus marked it down (the compose check, once)."""
         with self._scraped:
-            seen = self._scrapes
-            return self._scraped.wait_for(lambda: self._scrapes > seen, timeout_s)
+            first = self._scrapes_begun
+            return self._scraped.wait_for(lambda: self._newest_sent >= first, timeout_s)

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import httpx
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,8 @@ from device_agent.metrics import METRICS, SCRAPE_HEADER, AgentMetrics
 from shared.http_metrics import spec_mismatches
 from shared.schemas import DeviceTimings, UpdateRequest
 from testbed.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def update(device: str = "dev-001", round_id: int = 2) -> UpdateRequest:
@@ -59,6 +64,62 @@ def test_waiting_for_a_scrape_ends_at_prometheus_s_next_scrape_not_at_another_ge
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_waiting_for_a_scrape_ends_only_once_its_answer_is_written():
+    metrics = AgentMetrics()
+    collecting, release = threading.Event(), threading.Event()
+
+    class Slow:
+        """A collector that holds the scrape's answer until released."""
+
+        def describe(self):   # registering asks this instead of collecting
+            return []
+
+        def collect(self):
+            collecting.set()
+            release.wait(10)
+            return iter(())
+    port = free_port()
+    server, _ = metrics.serve(port)
+    metrics.registry.register(Slow())
+    try:
+        outcome: list[bool] = []
+        waiter = threading.Thread(target=lambda: outcome.append(metrics.wait_for_scrape(30.0)))
+        waiter.start()
+        answers: list[int] = []
+        scrape = threading.Thread(target=lambda: answers.append(httpx.get(
+            f"http://127.0.0.1:{port}/metrics", headers={SCRAPE_HEADER: "4"}, timeout=20).status_code))
+        scrape.start()
+        assert collecting.wait(10)
+        waiter.join(0.5)
+        assert waiter.is_alive() and outcome == []   # the scrape arrived; its answer is not written yet
+        release.set()
+        scrape.join(20)
+        waiter.join(10)
+        assert answers == [200] and outcome == [True]
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_agent_exiting_after_its_last_scrape_delivers_the_answer_whole():
+    """A process that exits as soon as the wait ends, as the agent does: the scrape still gets its
+    whole answer (exiting when the request came in cut it off, and Prometheus saw the agent down)."""
+    port = free_port()
+    program = ("import sys; from device_agent.metrics import AgentMetrics; m = AgentMetrics(); m.add_device('dev-001'); "
+               f"m.serve({port}); print('serving', flush=True); sys.exit(0 if m.wait_for_scrape(30) else 1)")
+    process = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "serving"
+        answer = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={SCRAPE_HEADER: "4"}, timeout=10)
+        assert answer.status_code == 200
+        assert 'sfl_device_rounds_completed_total{device="dev-001"} 0.0' in answer.text
+        assert process.wait(10) == 0
+    finally:
+        process.kill()
+        process.wait()
 
 
 def _run_cli(monkeypatch, argv: list[str]) -> dict:
