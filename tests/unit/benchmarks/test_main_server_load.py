@@ -68,6 +68,8 @@ def test_cpu_meter_counts_the_page_faults_of_fresh_memory() -> None:
     meter = CpuMeter([os.getpid()])
     pages = 64 << 20 >> 12
     fresh = mmap.mmap(-1, pages << 12)   # anonymous: each page is mapped in on its first touch
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):   # 4 KiB pages even where transparent huge pages are always on
+        fresh.madvise(mmap.MADV_NOHUGEPAGE)
     for offset in range(0, pages << 12, 4096):
         fresh[offset] = 1
     fresh.close()
