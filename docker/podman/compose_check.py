@@ -12,7 +12,8 @@ shows up here. Steps, each timed:
 4. waits for the run to finish; meanwhile every service's own health check must pass (run with
    ``podman healthcheck run``: podman runs health checks on systemd timers, which a CI container
    does not have) and Prometheus' /api/v1/targets must show every target of
-   docker/prometheus/prometheus.yml ``up`` (both watched during the run: the agents exit when it ends);
+   docker/prometheus/prometheus.yml ``up`` (both watched during the run: the agents exit when it ends,
+   once Prometheus has scraped them again);
 5. reads summary.json from the ``runs`` volume: finished, the rounds asked for, an accuracy;
 6. always tears down containers, network and volumes (images stay cached) and prints PASS/FAIL
    with the timings; on failure, the logs of the services.
