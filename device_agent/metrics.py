@@ -46,16 +46,21 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class _AfterSent:
-    """A WSGI answer whose ``close()``, which wsgiref calls once every byte of it is written to the
-    socket, then calls ``sent``: an agent that exits at that point has handed its answer to the
-    kernel, which delivers it."""
+    """A WSGI answer that calls ``sent`` once every byte of it is written to the socket: an agent
+    that exits then has handed its answer to the kernel, which delivers it.
+
+    wsgiref writes each piece before it asks for the next, so the iteration runs past the last
+    piece only after that piece is written; it then calls ``close()``, also after a failed write,
+    which therefore calls ``sent`` only for an answer written whole."""
 
     def __init__(self, body: Iterable[bytes], sent: Callable[[], None]) -> None:
         self.body = body
         self.sent = sent
+        self.written = False
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self.body)
+        yield from self.body
+        self.written = True
 
     def close(self) -> None:
         try:
@@ -63,7 +68,8 @@ class _AfterSent:
             if close is not None:
                 close()
         finally:
-            self.sent()
+            if self.written:
+                self.sent()
 
 
 class AgentMetrics:

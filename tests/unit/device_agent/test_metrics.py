@@ -122,6 +122,20 @@ def test_an_agent_exiting_after_its_last_scrape_delivers_the_answer_whole():
         process.wait()
 
 
+def test_an_answer_counts_as_sent_only_when_written_whole():
+    from device_agent.metrics import _AfterSent
+
+    sent: list[str] = []
+    whole = _AfterSent([b"a", b"b"], lambda: sent.append("whole"))
+    assert list(whole) == [b"a", b"b"]   # wsgiref asks for more after writing the last piece
+    whole.close()
+    cut = _AfterSent([b"a", b"b"], lambda: sent.append("cut"))
+    pieces = iter(cut)
+    next(pieces)                          # the write of the first piece failed: no more asked
+    cut.close()
+    assert sent == ["whole"]
+
+
 def _run_cli(monkeypatch, argv: list[str]) -> dict:
     """Run ``python -m device_agent`` up to building the Agent; return the Agent's keyword arguments."""
     import device_agent.__main__ as cli
