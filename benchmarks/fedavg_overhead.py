@@ -89,13 +89,20 @@ def smaps_rollup_kib(pid: int) -> dict[str, int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds a process has used (``/proc/<pid>/stat``), or None when it is gone."""
+def stat_fields(pid: int, thread: bool = False) -> list[str] | None:
+    """The fields after the command name of ``/proc/<pid>/stat`` (with ``thread``, of the process's
+    main thread alone: ``/proc/<pid>/task/<pid>/stat``), or None when it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        return Path(f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
         return None
+
+
+def cpu_seconds(pid: int, thread: bool = False) -> float | None:
+    """User + system CPU seconds a process (with ``thread``, its main thread) has used, or None
+    when it is gone."""
+    fields = stat_fields(pid, thread)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class PssSampler:

@@ -43,7 +43,7 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.fedavg_overhead import cpu_seconds
+from benchmarks.fedavg_overhead import cpu_seconds, stat_fields
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.machine import proc_status_kib
 from shared.config import TrainConfig
@@ -97,27 +97,18 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
     return plans, {m: url for url, mine in spread for members in mine.values() for m in members}
 
 
-def _stat_fields(path: str) -> list[str] | None:
-    """The fields of a ``/proc/.../stat`` file after the command name, or None when it is gone."""
-    try:
-        return Path(path).read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
 def event_loop_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process's main thread (``/proc/<pid>/task/<pid>/stat``): in a
-    Main Server, uvicorn's event loop, which parses, checks and answers every request; its training
-    workers are other threads. 0 when the process is gone."""
-    fields = _stat_fields(f"/proc/{pid}/task/{pid}/stat")
-    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process's main thread: in a Main Server, uvicorn's event loop,
+    which parses, checks and answers every request; its training workers are other threads. 0 when
+    the process is gone."""
+    return cpu_seconds(pid, thread=True) or 0.0
 
 
 def minor_faults(pid: int, thread: bool = False) -> int:
     """Minor page faults of a process (or, with ``thread``, of its main thread alone) so far: each
     is a page the kernel mapped in on first touch, a few microseconds of the server's CPU that
     its allocator's reuse of freed memory would have saved. 0 when the process is gone."""
-    fields = _stat_fields(f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat")
+    fields = stat_fields(pid, thread)
     return 0 if fields is None else int(fields[7])
 
 

@@ -1,13 +1,12 @@
 """The agent's optional metrics port: documented series, fed from uploads; off by default."""
 from __future__ import annotations
 
-import httpx
-
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from device_agent.metrics import METRICS, SCRAPE_HEADER, AgentMetrics
