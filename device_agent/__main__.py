@@ -6,6 +6,7 @@ import logging
 import sys
 
 from shared.config import DeviceMixConfig, env_default
+from shared.profiles import AUTO_TRANSFER_RATIO, TimeScale, parse_time_scale
 from shared.service import add_common_args, configure_process, interrupt_on_sigterm, parse_service_args
 
 KEEP_MODELS = {"auto": None, "yes": True, "no": False}
@@ -33,8 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", default=env_default("kinds", ""),
                         help="emulated device kinds assigned round-robin by shard, e.g. high,mid,low or high-low "
                              "(env SFL_KINDS; empty = real device, no emulation)")
-    parser.add_argument("--time-scale", type=float, default=float(env_default("time_scale", DeviceMixConfig().time_scale)),
-                        help="compress emulated transfer times by this factor (env SFL_TIME_SCALE)")
+    parser.add_argument("--time-scale", type=_time_scale, default=str(env_default("time_scale", DeviceMixConfig().time_scale)),
+                        help="compress emulated transfer times by this factor, or auto (the default): by "
+                             f"{AUTO_TRANSFER_RATIO:g} times the factor by which this host, measured training the run's model, outpaces the "
+                             "paper's 5e10 FLOP/s server (env SFL_TIME_SCALE; docs/configuration.md)")
     parser.add_argument("--prefix", default=env_default("prefix", "dev"),
                         help="device id prefix; ids are <prefix>-<shard as 3 digits>, e.g. dev-007, or with --data "
                              "<prefix>-<file or folder name> (env SFL_PREFIX)")
@@ -120,6 +123,14 @@ def main(argv: list[str] | None = None) -> None:
         except KeyboardInterrupt:   # Ctrl-C or SIGTERM (docker stop) while lingering: the run is over anyway
             log.info("stopped while waiting for a last scrape")
     sys.exit(code)
+
+
+def _time_scale(text: str) -> TimeScale:
+    """``--time-scale``'s value (argparse shows the error with the flag's name)."""
+    try:
+        return parse_time_scale(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _whole_number(text: str) -> int:

@@ -17,7 +17,7 @@ from device_agent.device import Device
 from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
-from shared.profiles import kind_for
+from shared.profiles import TimeScale, kind_for
 
 log = logging.getLogger("device_agent")
 
@@ -92,7 +92,7 @@ class Agent:
     emulated kind's stretch.
     """
 
-    def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: float = 1.0,
+    def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: TimeScale = 1.0,
                  prefix: str = "dev", verify: bool | str = True, metrics=None,
                  enrolment_secret: bytes | None = None, keep_models: bool | None = None,
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,

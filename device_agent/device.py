@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from device_agent.api import FedApi, MainApi, Unreachable
+from device_agent.calibration import CALIBRATION_BATCH, training_flops
 from device_agent.compute import Compute
 from device_agent.timing import RoundClock
 from device_agent.trainer import TaskExpired, steps_per_round, train_round
@@ -28,7 +29,7 @@ from shared.data.local import DataError, LocalSource
 from shared.errors import Conflict, DomainError, Invalid, NotFound
 from shared.evaluation import evaluation_counts
 from shared.models import SplitModel, build_model, build_model_layout, check_model_origin, model_fingerprint
-from shared.profiles import EmulatedKind
+from shared.profiles import AUTO_TRANSFER_RATIO, SERVER_FLOPS, EmulatedKind, TimeScale, auto_time_scale
 from shared.torch_device import synchronize
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
@@ -50,6 +51,9 @@ TASK_WAIT_S = 10.0
 # per model architecture serves every device of an agent.
 _WARM_UP_LOCK = threading.Lock()
 _WARMED_UP: set[tuple] = set()
+# The host's measured training speed (FLOP/s) per model architecture, for ``time_scale: auto``:
+# measured once per process, under the warm-up's lock, so no other device computes meanwhile.
+_HOST_FLOPS: dict[tuple, float] = {}
 
 
 def round_seed(seed: int, shard: int | str, round_id: int) -> int:
@@ -88,7 +92,7 @@ class Device:
     """
 
     def __init__(self, device_id: str, shard: int | None, fed: FedApi, connect_main: MainConnector,
-                 kind: EmulatedKind | None, time_scale: float = 1.0, stop: threading.Event | None = None,
+                 kind: EmulatedKind | None, time_scale: TimeScale = 1.0, stop: threading.Event | None = None,
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None, model_ref: str | None = None,
@@ -101,7 +105,10 @@ class Device:
         self.source = source
         self.data_args = dict(data_args or {})
         self.kind = kind
-        self.time_scale = time_scale
+        #: The configured ``time_scale`` (a factor, or "auto") and the factor this device emulates
+        #: transfers with (for "auto" resolved in :meth:`setup`, from the host's measured speed).
+        self.time_scale_setting = time_scale
+        self.time_scale = 1.0 if time_scale == "auto" else float(time_scale)
         self.stop = stop or threading.Event()
         self.poll_interval_s = poll_interval_s
         self.task_wait_s = task_wait_s
@@ -236,6 +243,7 @@ class Device:
             # Built (and seeded) on the CPU, then moved: the same initial weights on every device.
             self.model = self._build().to(self.torch_device)
         self._warm_up()
+        self._resolve_time_scale()
         self._profile = self.profile()
         self.register()
 
@@ -308,6 +316,34 @@ class Device:
             torch.optim.SGD(model.parameters(), lr=0.0).step()  # lr 0: the weights stay as built
             model.zero_grad(set_to_none=True)
             _WARMED_UP.add(key)
+
+    def _resolve_time_scale(self) -> None:
+        """``time_scale: auto`` on an emulated device: compress transfers by
+        :func:`shared.profiles.auto_time_scale` of the host's measured speed, before the device
+        reports its (compressed) rate. A factor given as a number is used as it is; a real device
+        emulates nothing and measures nothing."""
+        if self.kind is not None and self.time_scale_setting == "auto":
+            self.time_scale = auto_time_scale(self._host_flops())
+
+    def _cpu_time(self) -> bool:
+        """Whether compute is timed by the thread's CPU time: where it measures the work, a CPU
+        device with one torch thread (see :class:`RoundClock`)."""
+        return self.torch_device.type == "cpu" and torch.get_num_threads() == 1
+
+    def _host_flops(self) -> float:
+        """This host's training speed on the run's model (FLOP/s), measured once per process on a
+        model built for it, a batch of this device's data and the clock its compute sections use."""
+        assert self.info is not None and self.data is not None
+        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape), str(self.torch_device))
+        with _WARM_UP_LOCK:
+            if key not in _HOST_FLOPS:
+                x = self.data.x[:CALIBRATION_BATCH].to(self.torch_device)
+                flops = training_flops(self._build().to(self.torch_device), x, self._cpu_time())
+                _HOST_FLOPS[key] = flops
+                log.info("time scale auto: this host trains %s at %.1f GFLOP/s (batch %d), so emulated transfers "
+                         "are compressed %.1fx (%g x %.3g / %.3g FLOP/s)", self.info.model, flops / 1e9, len(x),
+                         auto_time_scale(flops), AUTO_TRANSFER_RATIO, flops, SERVER_FLOPS)
+            return _HOST_FLOPS[key]
 
     def _wait_for_run(self) -> RunInfo:
         """The run spec, asked for until the Fed Server answers. Every second at most: an agent
@@ -394,9 +430,7 @@ class Device:
         training's other objects are freed when this returns)."""
         assert self.layout is not None and self.data is not None and self.info is not None
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
-        # Stretch CPU time where it measures the work (a CPU device, one torch thread; see RoundClock).
-        cpu_time = self.torch_device.type == "cpu" and torch.get_num_threads() == 1
-        clock = RoundClock(self.kind, self.time_scale, cpu_time=cpu_time)
+        clock = RoundClock(self.kind, self.time_scale, cpu_time=self._cpu_time())
         train = task.train
         assert train is not None and task.round_id is not None and task.split_point is not None
         algorithm = ALGORITHMS[task.algorithm or "fedavg"]

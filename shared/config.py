@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -109,8 +109,9 @@ class DeviceMixConfig(_Strict):
     """
 
     profiles: list[str] = Field(default_factory=lambda: list(MIX_532))
-    # Emulated transfer times are compressed by this factor so a testbed round takes seconds.
-    time_scale: float = Field(20.0, gt=0)
+    # Emulated transfer times are compressed by this factor so a testbed round takes seconds;
+    # "auto": by a factor derived from the agent's measured host speed (shared/profiles.py).
+    time_scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] = "auto"
 
     @field_validator("profiles")
     @classmethod

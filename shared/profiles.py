@@ -10,14 +10,35 @@ Mid one 5x and a Low one 10x slower than the real CPU, the paper's device-to-ser
 ones and the sliding split would have nothing to trade). Every
 message adds ``bytes / (rate * time_scale)`` seconds, because loopback transfer is nearly free.
 ``time_scale`` compresses the paper's transfer rates so a testbed round takes seconds.
+
+Compute is compressed too, by how much faster this machine is than the paper's server: a section
+of ``F`` FLOPs takes ``F / host_flops`` seconds here and is stretched to
+``(F / kind_flops) * (5e10 / host_flops)``, the paper's time divided by ``host_flops / 5e10``.
+So which of compute and transfer dominates a round, and with it which split points the median
+rule hands out, depends on ``time_scale`` against the host's speed. ``time_scale: auto`` keeps that
+ratio the same on every host: ``AUTO_TRANSFER_RATIO * host_flops / 5e10``, with ``host_flops`` this
+host's measured training speed on the run's model (``device_agent.calibration``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 FLOPS = {"low": 5e9, "mid": 1e10, "high": 2e10}   # FLOP/s, paper Table 1
 RATES = {"low": 1e6, "mid": 2e6, "high": 5e6}     # bytes/s, paper Table 1
 SERVER_FLOPS = 5e10
+
+#: ``time_scale``: a factor > 0, or ``"auto"`` (:func:`auto_time_scale` of the measured host speed).
+TimeScale = float | Literal["auto"]
+
+#: With ``time_scale: auto``, emulated transfers are compressed this many times more than emulated
+#: compute. A testbed choice, not the paper's (which would be 1: transfers as long as compute
+#: relative to Table 1, and a 10-device round of minutes). 24 is about the ratio the former fixed
+#: default of 20 gave in the hours it was chosen in, which kept Low devices at shallow splits and
+#: High ones at deep ones; in hours about three times faster (the cnn trained at 123 GFLOP/s) the
+#: fixed 20 gave a ratio of 8 and put nearly every device at split 1, and 60 (a ratio of 24) showed
+#: the split again. Chosen after seeing those runs (docs/configuration.md, benchmarks/README.md).
+AUTO_TRANSFER_RATIO = 24.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +56,27 @@ class EmulatedKind:
     def transfer_delay(self, num_bytes: int, time_scale: float) -> float:
         """Seconds one message of ``num_bytes`` takes at this kind's (compressed) rate."""
         return num_bytes / (self.rate * time_scale)
+
+
+def auto_time_scale(host_flops: float) -> float:
+    """The ``time_scale`` that compresses transfer :data:`AUTO_TRANSFER_RATIO` times more than
+    compute on a host that trains at ``host_flops`` FLOP/s (it plays the 5e10 FLOP/s server)."""
+    if not host_flops > 0:
+        raise ValueError(f"host FLOP/s must be > 0, got {host_flops}")
+    return AUTO_TRANSFER_RATIO * host_flops / SERVER_FLOPS
+
+
+def parse_time_scale(text: str) -> TimeScale:
+    """``"auto"`` or a number > 0 (a flag's or an environment variable's text); ValueError otherwise."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"time scale must be auto or a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"time scale must be auto or a number > 0, got {text!r}")
+    return value
 
 
 def parse_kind(name: str) -> EmulatedKind:

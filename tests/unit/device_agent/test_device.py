@@ -4,17 +4,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from device_agent import device as device_module
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
 from shared.data import DataSpec
 from shared.data import ArrayDataset
 from shared.models import build_model, model_fingerprint
 from shared.portions import load_portion, portion_state
+from shared.profiles import EmulatedKind, TimeScale, auto_time_scale, parse_kind
 from shared.schemas import RunInfo
 
 
-def _device(keep_model: bool, model: str = "cnn") -> Device:
-    device = Device("dev-000", 0, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=None, keep_model=keep_model)
+def _device(keep_model: bool, model: str = "cnn", kind: EmulatedKind | None = None,
+            time_scale: TimeScale = 1.0) -> Device:
+    device = Device("dev-000", 0, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=kind,
+                    time_scale=time_scale, keep_model=keep_model)
     spec = DataSpec(num_devices=1)
     device.info = RunInfo(run_id="r", algorithm="s2fl", model=model, num_classes=10, input_shape=[1, 28, 28],
                           data=spec, seed=3, fingerprint=model_fingerprint(build_model(model, 10, (1, 28, 28)), spec))
@@ -64,3 +68,38 @@ def test_model_is_released_after_a_task_only_without_keep_model(keep_model):
     with pytest.raises(RuntimeError):
         device.run_task(None, 0, 0.0)
     assert device.model is (kept if keep_model else None)
+
+
+def test_auto_time_scale_is_measured_once_per_process_and_reported_in_the_rate(monkeypatch):
+    monkeypatch.setattr(device_module, "_HOST_FLOPS", {})
+    measured: list[int] = []
+
+    def fake_training_flops(model, x, cpu_time):
+        measured.append(len(x))
+        return 1e11
+
+    monkeypatch.setattr(device_module, "training_flops", fake_training_flops)
+    high, low = (_device(False, kind=parse_kind(k), time_scale="auto") for k in ("high", "low"))
+    for device in (high, low):
+        assert device.time_scale == 1.0   # not yet known before setup
+        device._resolve_time_scale()
+        assert device.time_scale == pytest.approx(auto_time_scale(1e11))
+    assert measured == [16]   # one measurement (a batch of the device's 16 samples) serves the agent's devices
+    assert high.profile().rate == pytest.approx(parse_kind("high").rate * auto_time_scale(1e11))
+
+
+@pytest.mark.parametrize("kind,time_scale", [("high", 60.0), (None, "auto")])
+def test_no_measurement_for_a_given_factor_or_a_real_device(monkeypatch, kind, time_scale):
+    monkeypatch.setattr(device_module, "_HOST_FLOPS", {})
+    monkeypatch.setattr(device_module, "training_flops", lambda *a: pytest.fail("measured"))
+    device = _device(False, kind=parse_kind(kind) if kind else None, time_scale=time_scale)
+    device._resolve_time_scale()
+    assert device.time_scale == (60.0 if kind else 1.0)
+
+
+def test_auto_time_scale_with_the_real_measurement(monkeypatch):
+    monkeypatch.setattr(device_module, "_HOST_FLOPS", {})
+    device = _device(False, kind=parse_kind("mid"), time_scale="auto")
+    device._resolve_time_scale()
+    host_flops = device_module._HOST_FLOPS[("cnn", 10, (1, 28, 28), "cpu")]
+    assert 1e8 < host_flops < 1e13 and device.time_scale == pytest.approx(auto_time_scale(host_flops))

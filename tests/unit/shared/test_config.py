@@ -142,11 +142,17 @@ def test_devices_per_round_cannot_exceed_num_devices():
 @pytest.mark.parametrize(
     "override",
     ["train.lr=0", "train.lr=-1", "train.momentum=1", "train.batch_size=0", "rounds=0", "devices_per_round=0",
-     "grouping.group_loss=sum", "devices.time_scale=0"],
+     "grouping.group_loss=sum", "devices.time_scale=0", "devices.time_scale=-2", "devices.time_scale=fast"],
 )
 def test_out_of_range_values_rejected(override):
     with pytest.raises(ValueError):  # pydantic's ValidationError, or run_config's check of plug-in names
         resolve_run_config(overrides=[override])
+
+
+def test_time_scale_is_auto_by_default_or_a_number():
+    assert resolve_run_config().devices.time_scale == "auto"
+    assert resolve_run_config(overrides=["devices.time_scale=60"]).devices.time_scale == 60.0
+    assert resolve_run_config(overrides=["devices.time_scale=auto"]).devices.time_scale == "auto"
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -5,7 +5,10 @@ import itertools
 
 import pytest
 
-from shared.profiles import FLOPS, RATES, SERVER_FLOPS, EmulatedKind, kind_for, parse_kind
+from shared.profiles import (
+    AUTO_TRANSFER_RATIO, FLOPS, RATES, SERVER_FLOPS, EmulatedKind, auto_time_scale, kind_for, parse_kind,
+    parse_time_scale,
+)
 
 LEVELS = ["low", "mid", "high"]
 
@@ -78,3 +81,29 @@ def test_transfer_delay(rate, bps):
     assert kind.transfer_delay(0, 1.0) == 0.0
     assert kind.transfer_delay(1_000_000, 1.0) == pytest.approx(1e6 / bps)
     assert kind.transfer_delay(1_000_000, 10.0) == pytest.approx(1e6 / bps / 10)
+
+
+def test_auto_time_scale_keeps_transfer_to_compute_ratio_on_any_host():
+    # Emulated compute is the paper's time divided by host_flops / 5e10; transfer by time_scale.
+    for host_flops in (5e9, 4e10, 1.25e11):
+        scale = auto_time_scale(host_flops)
+        assert scale == pytest.approx(AUTO_TRANSFER_RATIO * host_flops / SERVER_FLOPS)
+        assert scale / (host_flops / SERVER_FLOPS) == pytest.approx(AUTO_TRANSFER_RATIO)
+    assert auto_time_scale(3e11) == pytest.approx(3 * auto_time_scale(1e11))  # a 3x faster host: 3x shorter transfers
+
+
+@pytest.mark.parametrize("host_flops", [0.0, -1.0, float("nan")])
+def test_auto_time_scale_needs_a_measured_speed(host_flops):
+    with pytest.raises(ValueError, match="FLOP/s must be > 0"):
+        auto_time_scale(host_flops)
+
+
+@pytest.mark.parametrize("text,value", [("auto", "auto"), (" AUTO ", "auto"), ("20", 20.0), ("0.5", 0.5), ("1e3", 1000.0)])
+def test_parse_time_scale(text, value):
+    assert parse_time_scale(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "fast", "0", "-1", "inf", "nan", "20x"])
+def test_parse_time_scale_refuses(text):
+    with pytest.raises(ValueError, match="time scale must be auto or a number > 0"):
+        parse_time_scale(text)
