@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     data = "local data" if config.data.dataset == "local" else (
         f"{config.data.dataset} {config.data.partition}{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''}")
     print(f"testbed: {config.algorithm} | model {config.model} | {data} | {config.data.num_devices} devices, "
-          f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}", flush=True)
+          f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}"
+          + (f" | time scale {config.devices.time_scale}" if config.devices.profiles else "")
+          + (" (each agent logs what it measured: <run dir>/logs/agent-*.log)"
+             if config.devices.profiles and config.devices.time_scale == "auto" else ""), flush=True)
     print(f"run directory: {run_dir}", flush=True)
     interrupt_on_sigterm()
     try:
