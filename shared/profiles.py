@@ -14,10 +14,10 @@ message adds ``bytes / (rate * time_scale)`` seconds, because loopback transfer 
 Compute is compressed too, by how much faster this machine is than the paper's server: a section
 of ``F`` FLOPs takes ``F / host_flops`` seconds here and is stretched to
 ``(F / kind_flops) * (5e10 / host_flops)``, the paper's time divided by ``host_flops / 5e10``.
-So which of compute and transfer dominates a round, and with it which split points the median
-rule hands out, depends on ``time_scale`` against the host's speed. ``time_scale: auto`` keeps that
-ratio the same on every host: ``AUTO_TRANSFER_RATIO * host_flops / 5e10``, with ``host_flops`` this
-host's measured training speed on the run's model (``device_agent.calibration``).
+So with a fixed ``time_scale`` the weight of transfer against compute moves with the host's speed.
+``time_scale: auto`` keeps the proportion the same on every host: ``AUTO_TRANSFER_RATIO *
+host_flops / 5e10``, with ``host_flops`` this host's measured training speed on the run's model
+(``device_agent.calibration``).
 """
 from __future__ import annotations
 
@@ -34,10 +34,8 @@ TimeScale = float | Literal["auto"]
 #: With ``time_scale: auto``, emulated transfers are compressed this many times more than emulated
 #: compute. A testbed choice, not the paper's (which would be 1: transfers as long as compute
 #: relative to Table 1, and a 10-device round of minutes). 24 is about the ratio the former fixed
-#: default of 20 gave in the hours it was chosen in, which kept Low devices at shallow splits and
-#: High ones at deep ones; in hours about three times faster (the cnn trained at 123 GFLOP/s) the
-#: fixed 20 gave a ratio of 8 and put nearly every device at split 1, and 60 (a ratio of 24) showed
-#: the split again. Chosen after seeing those runs (docs/configuration.md, benchmarks/README.md).
+#: default of 20 gave on the 2-core machine it was chosen on, in hours about three times slower
+#: than one that measured the cnn at 123 GFLOP/s (an estimate; docs/configuration.md).
 AUTO_TRANSFER_RATIO = 24.0
 
 
