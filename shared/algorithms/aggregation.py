@@ -76,27 +76,42 @@ def layerwise_aggregate(
             if part is not None:
                 check_state(global_state, part, f"contribution {idx}: {part_name}")
 
+    # The float64 sums live in two scratch buffers per device the model's tensors are on, sized
+    # for the largest tensor and reused for every key: a fresh product and sum per contribution
+    # and key cost about 40,000 page faults and 80 ms for ten uploads of the 1.66 M-parameter cnn
+    # (issue 16). The arithmetic is the same, operation for operation (convert to float64,
+    # multiply by the weight, add, divide), so the result is bit for bit what it was.
+    scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    largest = max((g.numel() for g in global_state.values()), default=0)
     out: dict[str, torch.Tensor] = {}
-    for key, g in global_state.items():
-        total_w = 0.0
-        acc: torch.Tensor | None = None
-        for contrib in contributions:
-            if key in contrib.client_state:
-                value = contrib.client_state[key]
-            elif contrib.server_state is not None and key in contrib.server_state:
-                value = contrib.server_state[key]
-            else:
+    with torch.no_grad():
+        for key, g in global_state.items():
+            if g.device not in scratch:
+                scratch[g.device] = (torch.empty(largest, dtype=torch.float64, device=g.device),
+                                     torch.empty(largest, dtype=torch.float64, device=g.device))
+            acc_buffer, term_buffer = scratch[g.device]
+            acc = acc_buffer[:g.numel()].view(g.shape)
+            term = term_buffer[:g.numel()].view(g.shape)
+            total_w = 0.0
+            supplied = False
+            for contrib in contributions:
+                if key in contrib.client_state:
+                    value = contrib.client_state[key]
+                elif contrib.server_state is not None and key in contrib.server_state:
+                    value = contrib.server_state[key]
+                else:
+                    continue
+                w = float(contrib.weight)
+                target = term if supplied else acc
+                target.copy_(value)
+                target.mul_(w)
+                if supplied:
+                    acc.add_(term)
+                supplied = True
+                total_w += w
+            if not supplied:
+                out[key] = g.detach().clone()
                 continue
-            w = float(contrib.weight)
-            term = value.detach().to(device=g.device, dtype=torch.float64) * w
-            acc = term if acc is None else acc + term
-            total_w += w
-        if acc is None:
-            out[key] = g.detach().clone()
-            continue
-        mean = acc / total_w
-        if g.is_floating_point():
-            out[key] = mean.to(g.dtype)
-        else:
-            out[key] = torch.round(mean).to(g.dtype)
+            acc.div_(total_w)
+            out[key] = acc.to(g.dtype) if g.is_floating_point() else acc.round_().to(g.dtype)
     return out

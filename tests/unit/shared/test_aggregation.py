@@ -165,3 +165,49 @@ def test_identical_states_are_a_fixed_point():
     out = layerwise_aggregate(st, [Contribution(1.0, st), Contribution(4.0, st)])
     for k in st:
         torch.testing.assert_close(out[k], st[k])
+
+
+def _reference(global_state, contributions):
+    """Algorithm 1 written plainly, a fresh float64 product and sum per contribution: what the
+    scratch-buffer implementation must equal bit for bit."""
+    out = {}
+    for key, g in global_state.items():
+        acc, total = None, 0.0
+        for c in contributions:
+            value = c.client_state.get(key, (c.server_state or {}).get(key))
+            if value is None:
+                continue
+            term = value.to(torch.float64) * float(c.weight)
+            acc = term if acc is None else acc + term
+            total += float(c.weight)
+        if acc is None:
+            out[key] = g.clone()
+        else:
+            mean = acc / total
+            out[key] = mean.to(g.dtype) if g.is_floating_point() else torch.round(mean).to(g.dtype)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_equals_the_plain_formula_bit_for_bit_and_leaves_inputs_alone(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 6 * 6, 5), nn.Linear(5, 3))
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = list(global_state)
+    contributions = []
+    for i in range(5):
+        state = {k: (v + torch.randn_like(v) if v.is_floating_point() else v + 7 * i) for k, v in global_state.items()}
+        if i % 2:   # a float64 upload: the scratch buffers must copy it, never write into it
+            state = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
+        cut = 1 + (seed + i) % (len(keys) - 1)
+        client = {k: state[k] for k in keys[:cut]}
+        server = {k: state[k] for k in keys[cut:-1]} if i < 4 else None   # the last key: not everyone
+        contributions.append(Contribution(13.0 + 101.5 * i, client, server))
+    before = [{k: v.clone() for k, v in {**c.client_state, **(c.server_state or {})}.items()} for c in contributions]
+    out = layerwise_aggregate(global_state, contributions)
+    expected = _reference(global_state, contributions)
+    assert list(out) == list(expected)
+    for k in out:
+        assert out[k].dtype == global_state[k].dtype and torch.equal(out[k], expected[k]), k
+    for c, kept in zip(contributions, before):
+        assert all(torch.equal(v, kept[k]) for k, v in {**c.client_state, **(c.server_state or {})}.items())
