@@ -306,7 +306,7 @@ class Device:
         PyTorch builds in a process) do not land in the first round and skew the time table.
         They are per process: the first device of an agent with this architecture pays them."""
         assert self.info is not None and self.data is not None
-        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape), str(self.torch_device))
+        key = self._architecture()
         with _WARM_UP_LOCK:
             if key in _WARMED_UP:
                 return
@@ -316,6 +316,11 @@ class Device:
             torch.optim.SGD(model.parameters(), lr=0.0).step()  # lr 0: the weights stay as built
             model.zero_grad(set_to_none=True)
             _WARMED_UP.add(key)
+
+    def _architecture(self) -> tuple:
+        """What a process's warm-up and speed measurement are per: the run's model on this torch device."""
+        assert self.info is not None
+        return self.info.model, self.info.num_classes, tuple(self.info.input_shape), str(self.torch_device)
 
     def _resolve_time_scale(self) -> None:
         """``time_scale: auto`` on an emulated device: compress transfers by
@@ -334,7 +339,7 @@ class Device:
         """This host's training speed on the run's model (FLOP/s), measured once per process on a
         model built for it, a batch of this device's data and the clock its compute sections use."""
         assert self.info is not None and self.data is not None
-        key = (self.info.model, self.info.num_classes, tuple(self.info.input_shape), str(self.torch_device))
+        key = self._architecture()
         with _WARM_UP_LOCK:
             if key not in _HOST_FLOPS:
                 x = self.data.x[:CALIBRATION_BATCH].to(self.torch_device)
