@@ -342,7 +342,9 @@ class Device:
         key = self._architecture()
         with _WARM_UP_LOCK:
             if key not in _HOST_FLOPS:
-                x = self.data.x[:CALIBRATION_BATCH].to(self.torch_device)
+                # A full batch even from a device with fewer samples (repeated): the same work
+                # on every host, and a batch BatchNorm can train on.
+                x = self.data.x[torch.arange(CALIBRATION_BATCH) % len(self.data)].to(self.torch_device)
                 flops = training_flops(self._build().to(self.torch_device), x, self._cpu_time())
                 _HOST_FLOPS[key] = flops
                 log.info("time scale auto: this host trains %s at %.1f GFLOP/s (batch %d), so emulated transfers "

@@ -84,7 +84,7 @@ def test_auto_time_scale_is_measured_once_per_process_and_reported_in_the_rate(m
         assert device.time_scale == 1.0   # not yet known before setup
         device._resolve_time_scale()
         assert device.time_scale == pytest.approx(auto_time_scale(1e11))
-    assert measured == [16]   # one measurement (a batch of the device's 16 samples) serves the agent's devices
+    assert measured == [32]   # one measurement (a batch of 32, the device's 16 samples twice) serves the agent's devices
     assert high.profile().rate == pytest.approx(parse_kind("high").rate * auto_time_scale(1e11))
 
 
