@@ -98,11 +98,15 @@ def stat_fields(pid: int, thread: bool = False) -> list[str] | None:
         return None
 
 
-def cpu_seconds(pid: int, thread: bool = False) -> float | None:
-    """User + system CPU seconds a process (with ``thread``, its main thread) has used, or None
-    when it is gone."""
-    fields = stat_fields(pid, thread)
-    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def fields_cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds in :func:`stat_fields`' fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used, or None when it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else fields_cpu_seconds(fields)
 
 
 class PssSampler:

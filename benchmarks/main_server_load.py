@@ -37,13 +37,14 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 import torch
 
-from benchmarks.fedavg_overhead import cpu_seconds, stat_fields
+from benchmarks.fedavg_overhead import fields_cpu_seconds, stat_fields
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.machine import proc_status_kib
 from shared.config import TrainConfig
@@ -97,44 +98,52 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
     return plans, {m: url for url, mine in spread for members in mine.values() for m in members}
 
 
-def event_loop_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process's main thread: in a Main Server, uvicorn's event loop,
-    which parses, checks and answers every request; its training workers are other threads. 0 when
-    the process is gone."""
-    return cpu_seconds(pid, thread=True) or 0.0
+@dataclass(frozen=True)
+class ServerCounters:
+    """A Main Server's counters at one moment, from one read of ``/proc/<pid>/stat`` and one of its
+    main thread's: CPU seconds (user + system) and minor page faults, of the whole process and of
+    the main thread, uvicorn's event loop, which parses, checks and answers every request (the
+    training workers are other threads). A page fault is a page the kernel mapped in on first
+    touch, a few microseconds of the server's CPU that its allocator's reuse of freed memory
+    would have saved. All 0 when the process is gone."""
 
+    cpu_s: float = 0.0
+    loop_cpu_s: float = 0.0
+    faults: int = 0
+    loop_faults: int = 0
 
-def minor_faults(pid: int, thread: bool = False) -> int:
-    """Minor page faults of a process (or, with ``thread``, of its main thread alone) so far: each
-    is a page the kernel mapped in on first touch, a few microseconds of the server's CPU that
-    its allocator's reuse of freed memory would have saved. 0 when the process is gone."""
-    fields = stat_fields(pid, thread)
-    return 0 if fields is None else int(fields[7])
+    @classmethod
+    def read(cls, pid: int) -> ServerCounters:
+        process, loop = stat_fields(pid), stat_fields(pid, thread=True)
+        if process is None or loop is None:
+            return cls()
+        return cls(fields_cpu_seconds(process), fields_cpu_seconds(loop), int(process[7]), int(loop[7]))
 
 
 class CpuMeter:
     """CPU seconds used from its creation to :meth:`read` by this process (the load generator) and
     by the processes ``pids`` (the Main Servers), to tell the client's share of the cores from
-    the servers', and the servers' event loops' part of theirs."""
+    the servers', and the servers' event loops' part of theirs; and the servers' page faults."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.client0 = time.process_time()
-        self.server0 = [cpu_seconds(pid) or 0.0 for pid in pids]
-        self.loop0 = [event_loop_cpu_seconds(pid) for pid in pids]
-        self.faults0 = [(minor_faults(pid), minor_faults(pid, thread=True)) for pid in pids]
+        self.start = [ServerCounters.read(pid) for pid in pids]
+
+    def _since_start(self) -> list[tuple[ServerCounters, ServerCounters]]:
+        return [(ServerCounters.read(pid), start) for pid, start in zip(self.pids, self.start)]
 
     def faults(self) -> tuple[int, int]:
         """(the Main Servers' minor page faults summed, their event loops' part) since creation."""
-        now = [(minor_faults(pid), minor_faults(pid, thread=True)) for pid in self.pids]
-        return (sum(n[0] - f[0] for n, f in zip(now, self.faults0)),
-                sum(n[1] - f[1] for n, f in zip(now, self.faults0)))
+        pairs = self._since_start()
+        return (sum(now.faults - start.faults for now, start in pairs),
+                sum(now.loop_faults - start.loop_faults for now, start in pairs))
 
     def read(self) -> tuple[float, float, float]:
         """(client CPU seconds, Main Servers' CPU seconds summed, their event loops' part) since creation."""
-        server = sum((cpu_seconds(pid) or 0.0) - s0 for pid, s0 in zip(self.pids, self.server0))
-        loop = sum(event_loop_cpu_seconds(pid) - s0 for pid, s0 in zip(self.pids, self.loop0))
-        return time.process_time() - self.client0, server, loop
+        pairs = self._since_start()
+        return (time.process_time() - self.client0, sum(now.cpu_s - start.cpu_s for now, start in pairs),
+                sum(now.loop_cpu_s - start.loop_cpu_s for now, start in pairs))
 
 
 def _latency_figures(latencies: dict[int, list[float]]) -> dict:
