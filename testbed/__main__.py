@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from shared.config import DeviceMixConfig
 from shared.service import interrupt_on_sigterm
 from testbed.config_check import CheckFailed, CheckRequest, check_in_child
 from testbed.follow import format_done, format_round
@@ -80,10 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     data = "local data" if config.data.dataset == "local" else (
         f"{config.data.dataset} {config.data.partition}{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''}")
     print(f"testbed: {config.algorithm} | model {config.model} | {data} | {config.data.num_devices} devices, "
-          f"{config.per_round} per round | {config.rounds} rounds | kinds {','.join(config.devices.profiles)}"
-          + (f" | time scale {config.devices.time_scale}" if config.devices.profiles else "")
-          + (" (each agent logs what it measured: <run dir>/logs/agent-*.log)"
-             if config.devices.profiles and config.devices.time_scale == "auto" else ""), flush=True)
+          f"{config.per_round} per round | {config.rounds} rounds | {_emulation(config.devices)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     interrupt_on_sigterm()
     try:
@@ -102,6 +100,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     print(format_done(status["summary"]))
     print(f"results: {run_dir}/metrics.jsonl, {run_dir}/summary.json, {run_dir}/checkpoint.msgpack")
+
+
+def _emulation(devices: DeviceMixConfig) -> str:
+    """The header's device-kind part: the kinds, and with emulated kinds the time scale."""
+    text = f"kinds {','.join(devices.profiles)}"
+    if not devices.profiles:
+        return text
+    text += f" | time scale {devices.time_scale}"
+    if devices.time_scale == "auto":
+        text += " (each agent logs what it measured: <run dir>/logs/agent-*.log)"
+    return text
 
 
 if __name__ == "__main__":
