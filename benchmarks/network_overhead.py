@@ -150,7 +150,8 @@ def _train_group(model_template, device_models: dict, global_model, members: lis
     trainer = GroupTrainer(copy.deepcopy(model_template), grouping_start,
                            portion_state(global_model, grouping_start, n_blocks), lr=train.lr,
                            momentum=train.momentum, weight_decay=train.weight_decay,
-                           group_loss=build_group_loss(config.grouping.group_loss))
+                           group_loss=build_group_loss(config.grouping.group_loss),
+                           member_samples={m: len(data[m]) for m in members})
     clients, optimizers, iters, num_steps = {}, {}, {}, {}
     for m in members:
         portion = device_models[m].portion(0, split[m])

@@ -47,7 +47,8 @@ class MemberResult:
 
 class GroupTrainer:
     """Trains one group's copy of the server portion ``blocks[start:]`` on ``device``
-    (``--torch-device``; default the CPU).
+    (``--torch-device``; default the CPU). ``member_samples`` are the members' data sizes
+    ``|D_i|``, from which each step's group-loss plug-in gets the members' shares.
 
     ``model`` and ``weights`` arrive on the CPU (built from the plan, decoded from the wire); the
     portion moves to the device, each step's activations and labels follow it there, and dfx and
@@ -65,6 +66,7 @@ class GroupTrainer:
         weight_decay: float = 0.0,
         group_loss: GroupLoss | None = None,
         device: torch.device | None = None,
+        member_samples: Mapping[str, int] | None = None,
     ) -> None:
         self.model = model
         self.start = start
@@ -74,6 +76,9 @@ class GroupTrainer:
         self.portion.to(self.device)
         self.portion.train()
         self.group_loss = group_loss if group_loss is not None else PerMemberLoss()
+        self.member_samples = dict(member_samples) if member_samples is not None else None
+        if self.member_samples is not None and not all(n > 0 for n in self.member_samples.values()):
+            raise ValueError("every member's data size must be positive")
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.steps = 0
 
@@ -98,6 +103,7 @@ class GroupTrainer:
         for b in batches:
             if not self.start <= b.split_point < len(self.model.blocks):
                 raise ValueError(f"{b.device_id}: split {b.split_point} outside this group's portion")
+        share_of = self._shares(batches)
         inputs = {b.device_id: b.fx.detach().to(self.device, torch.float32, copy=True).requires_grad_(True)
                   for b in batches}
         order: list[MemberBatch] = []
@@ -115,7 +121,8 @@ class GroupTrainer:
         logits = torch.split(h, [b.labels.shape[0] for b in order], dim=0)
         labels = [b.labels.to(self.device) for b in order]
         member_losses = [F.cross_entropy(out, y) for out, y in zip(logits, labels)]
-        total = self.group_loss.objective(h, labels, member_losses)
+        shares = [share_of[b.device_id] for b in order]
+        total = self.group_loss.objective(h, labels, member_losses, shares)
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
         divisor = self.group_loss.server_grad_divisor(len(order))
@@ -125,7 +132,22 @@ class GroupTrainer:
                     p.grad.div_(divisor)
         self.optimizer.step()
         self.steps += 1
-        return {
-            b.device_id: MemberResult(dfx=inputs[b.device_id].grad.detach().to("cpu", b.fx.dtype), loss=float(loss.detach()))
-            for b, loss in zip(order, member_losses)
-        }
+        results = {}
+        for b, loss, share in zip(order, member_losses, shares):
+            grad = inputs[b.device_id].grad.detach()
+            multiplier = self.group_loss.dfx_multiplier(share)
+            if multiplier != 1.0:
+                grad = grad.mul_(multiplier)
+            results[b.device_id] = MemberResult(dfx=grad.to("cpu", b.fx.dtype), loss=float(loss.detach()))
+        return results
+
+    def _shares(self, batches: list[MemberBatch]) -> dict[str, float]:
+        """Each member's share of the group's data (``member_samples``; without them, the step's
+        members count as the whole group, in equal parts)."""
+        if self.member_samples is None:
+            return {b.device_id: 1.0 / len(batches) for b in batches}
+        total = sum(self.member_samples.values())
+        unknown = [b.device_id for b in batches if b.device_id not in self.member_samples]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r}: not a member of this group")
+        return {b.device_id: self.member_samples[b.device_id] / total for b in batches}

@@ -211,6 +211,7 @@ class RoundState:
                 copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
                 lr=self.plan.train.lr, momentum=self.plan.train.momentum,
                 weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss, device=self.device,
+                member_samples={m: int(sum(self.joined[m].label_counts)) for m in members},
             )
             group = Group(
                 group_id=gid, members=list(members), split=split,

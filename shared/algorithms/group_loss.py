@@ -17,19 +17,28 @@ class GroupLoss:
     """The objective of one group step and the scale of the server copy's gradient.
 
     ``logits`` is the group's concatenated output and ``member_labels`` / ``member_losses`` (each
-    member's mean cross-entropy) are in the same member order. Backpropagating :meth:`objective`
-    gives every member's dfx and the copy's gradient; the trainer divides the latter by
-    :meth:`server_grad_divisor` before the SGD step. Stateless: one instance serves every group
-    of a round.
+    member's mean cross-entropy) / ``member_shares`` are in the same member order, for the members
+    in this step. A member's share is its part of the whole group's data, ``|D_i| / sum_G |D_j|``
+    (the weight Algorithm 1 gives the copy's layers on the member's behalf); the shares of a step
+    sum to less than 1 once some members have sent all their steps. Backpropagating
+    :meth:`objective` gives every member's activation gradient, which the trainer multiplies by
+    :meth:`dfx_multiplier` to make the member's dfx, and the copy's gradient, which it divides
+    by :meth:`server_grad_divisor` before the SGD step. Stateless: one instance serves every
+    group of a round.
     """
 
     def objective(self, logits: torch.Tensor, member_labels: Sequence[torch.Tensor],
-                  member_losses: Sequence[torch.Tensor]) -> torch.Tensor:
+                  member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         raise NotImplementedError
 
     def server_grad_divisor(self, members: int) -> int:
         """What the copy's gradient is divided by (1: as the objective gives it)."""
         return 1
+
+    def dfx_multiplier(self, share: float) -> float:
+        """What a member's activation gradient is multiplied by to make its dfx (1: as the
+        objective gives it)."""
+        return 1.0
 
 
 class PerMemberSumLoss(GroupLoss):
@@ -38,13 +47,15 @@ class PerMemberSumLoss(GroupLoss):
     ``per_member`` step: the spec's further choice of server step size)."""
 
     def objective(self, logits: torch.Tensor, member_labels: Sequence[torch.Tensor],
-                  member_losses: Sequence[torch.Tensor]) -> torch.Tensor:
+                  member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return torch.stack(list(member_losses)).sum()
 
 
 class PerMemberLoss(PerMemberSumLoss):
-    """``per_member`` (the default): the same dfx as ``per_member_sum``; the copy's gradient is divided
-    by the member count, i.e. the copy steps on the mean of the member losses."""
+    """``per_member``: the same dfx as ``per_member_sum``; the copy's gradient is divided
+    by the number of members in the step, i.e. the copy steps on the mean of their losses (once
+    the smaller members have sent all their steps, on the remaining members' losses alone, at
+    full weight: docs/s2fl.md, "Members with more steps than others")."""
 
     def server_grad_divisor(self, members: int) -> int:
         return members
@@ -55,5 +66,5 @@ class UnionMeanLoss(GroupLoss):
     each member's dfx is then scaled by its share of the batch."""
 
     def objective(self, logits: torch.Tensor, member_labels: Sequence[torch.Tensor],
-                  member_losses: Sequence[torch.Tensor]) -> torch.Tensor:
+                  member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return F.cross_entropy(logits, torch.cat(list(member_labels)))

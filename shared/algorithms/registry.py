@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shared.algorithms.base import Algorithm
+from shared.algorithms.data_weighted_loss import DataWeightedLoss
 from shared.algorithms.fedavg import FedAvg
 from shared.algorithms.fedbc import FedBC
 from shared.algorithms.fnr_fl import FNRFL
@@ -48,6 +49,7 @@ GROUP_LOSSES: dict[str, type[GroupLoss]] = {
     "per_member": PerMemberLoss,
     "per_member_sum": PerMemberSumLoss,
     "union_mean": UnionMeanLoss,
+    "data_weighted": DataWeightedLoss,
 }
 
 

@@ -255,6 +255,62 @@ def test_per_member_update_is_mean_of_separate_gradients_over_two_steps(model):
     assert trainer.steps == 2
 
 
+# ------------------------------------------------------------------------------------ data_weighted
+@pytest.mark.parametrize("splits", [(2, 2), (1, 2)])
+def test_data_weighted_copy_moves_by_each_member_s_share_and_dfx_stay_their_own(model, splits):
+    """Members of 10 and 30 samples (shares 1/4 and 3/4): the copy steps on the shares-weighted
+    member gradients, also in the step only the larger member is in; each dfx is the gradient of
+    the member's own mean loss."""
+    start = min(splits)
+    b1 = _member(model, "a", splits[0], 5, seed=81)
+    b2 = _member(model, "b", splits[1], 6, seed=82)
+    m = copy.deepcopy(model)
+    weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
+    trainer = GroupTrainer(m, start, weights, lr=LR, group_loss=build_group_loss("data_weighted"),
+                           member_samples={"a": 10, "b": 30})
+    ga, pa, _ = _solo_grads(model, b1, start)
+    gb, pb, _ = _solo_grads(model, b2, start)
+    out = trainer.step([b1, b2])
+    _assert_close(out["a"].dfx, ga)
+    _assert_close(out["b"].dfx, gb)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, p in _server_params(ref, start).items():
+            p -= LR * (0.25 * pa[k] + 0.75 * pb[k])
+    for k, p in _server_params(ref, start).items():
+        _assert_close(_server_params(trainer.model, start)[k].detach(), p.detach())
+    # b's surplus step: at 3/4 of the rate (per_member would take it at the full rate)
+    gb2, pb2, _ = _solo_grads(ref, b2, start)
+    out = trainer.step([b2])
+    _assert_close(out["b"].dfx, gb2)
+    for k, p in _server_params(ref, start).items():
+        _assert_close(_server_params(trainer.model, start)[k].detach(), p.detach() - 0.75 * LR * pb2[k])
+
+
+def test_without_data_sizes_a_step_s_members_weigh_equally(model):
+    b1 = _member(model, "a", 2, 5, seed=83)
+    b2 = _member(model, "b", 2, 6, seed=84)
+    per = _trainer(model, 2, "per_member")
+    weighted = _trainer(model, 2, "data_weighted")
+    per_out, weighted_out = per.step([b1, b2]), weighted.step([b1, b2])
+    for k, p in _server_params(per.model, 2).items():
+        _assert_close(_server_params(weighted.model, 2)[k].detach(), p.detach())
+    _assert_close(weighted_out["a"].dfx, per_out["a"].dfx)
+
+
+def test_member_data_sizes_must_be_positive_and_cover_the_step(model):
+    m = copy.deepcopy(model)
+    weights = {k: v.clone() for k, v in m.portion(2, len(m.blocks)).state_dict().items()}
+    with pytest.raises(ValueError, match="positive"):
+        GroupTrainer(m, 2, weights, lr=LR, member_samples={"a": 0})
+    trainer = GroupTrainer(m, 2, weights, lr=LR, group_loss=build_group_loss("data_weighted"), member_samples={"a": 3})
+    before = {k: v.detach().clone() for k, v in trainer.portion.state_dict().items()}
+    with pytest.raises(ValueError, match="'b': not a member"):
+        trainer.step([_member(model, "b", 2, 4, seed=85)])
+    assert trainer.steps == 0
+    assert all(torch.equal(v, before[k]) for k, v in trainer.portion.state_dict().items())
+
+
 # ------------------------------------------------------------------------------------ dtypes and errors
 def test_half_precision_fx_gets_half_dfx(model):
     b = _member(model, "d0", 2, 4, seed=71)

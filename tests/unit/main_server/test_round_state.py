@@ -216,6 +216,30 @@ def test_members_with_fewer_steps_leave_the_barrier(kit):
     kit.run(body)
 
 
+def test_a_group_trainer_knows_its_members_data_sizes_from_their_joins(kit):
+    """What the group-loss plug-in gets as the members' shares (``data_weighted``): the label
+    counts' totals, so the surplus steps of the larger member move the copy by its share only."""
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b"], group_loss="data_weighted"), kit.Uploads())
+        await asyncio.gather(state.join(kit.join_req("a", [1] * kit.CLASSES, num_steps=1)),
+                             state.join(kit.join_req("b", [3] * kit.CLASSES, num_steps=2)))
+        group = state.groups[0]
+        assert group.trainer.member_samples == {"a": kit.CLASSES, "b": 3 * kit.CLASSES}
+        await asyncio.gather(state.step(kit.step_req("a", 0, *kit.batch(1))), state.step(kit.step_req("b", 0, *kit.batch(2))))
+        head = group.trainer.portion
+        before = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        x, y = kit.batch(3)
+        reference = build_model("logreg", kit.CLASSES, (1, 1, kit.FEATURES), seed=0).blocks["head"]
+        reference.load_state_dict({k.removeprefix("blocks.head."): v for k, v in before.items()})
+        fx = x.clone().requires_grad_(True)
+        F.cross_entropy(reference(fx), y).backward()
+        out = await state.step(kit.step_req("b", 1, x, y))
+        torch.testing.assert_close(out.result.dfx, fx.grad)     # b's own mean loss, as always
+        for name, p in reference.named_parameters():             # the copy moved by b's share, 3/4
+            torch.testing.assert_close(head.state_dict()[f"blocks.head.{name}"], before[f"blocks.head.{name}"] - 0.75 * kit.LR * p.grad)
+    kit.run(body)
+
+
 # ---------------------------------------------------------------------------------------- deadlines
 def test_step_deadline_drops_the_late_and_releases_the_rest(kit):
     async def body() -> None:
