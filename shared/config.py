@@ -57,7 +57,10 @@ class GroupingConfig(_Strict):
     # 4, not 5: with two groups of five the default run's sliding split collapsed to split 1 in
     # most runs on a fast host (docs/s2fl.md, "Data-balance grouping").
     group_size: int = Field(4, ge=1)
-    group_loss: str = "per_member"
+    # data_weighted, not per_member: with members of different data sizes, per_member's surplus
+    # steps (only the larger members left) move the whole group's copy at full rate, which made
+    # S2FL unstable on non-IID shards (docs/s2fl.md, "Members with more steps than others").
+    group_loss: str = "data_weighted"
 
     @model_validator(mode="after")
     def _one_switch(self) -> "GroupingConfig":

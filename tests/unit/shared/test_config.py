@@ -30,6 +30,8 @@ def test_defaults():
     assert cfg == RunConfig()
     assert cfg.train.lr == 0.05 and cfg.algorithm == "s2fl" and cfg.model == "cnn"
     assert cfg.per_round == cfg.data.num_devices == 10
+    # the documented S2FL choices (docs/s2fl.md: "Why group size 4", "Members with more steps than others")
+    assert cfg.grouping.group_size == 4 and cfg.grouping.group_loss == "data_weighted"
 
 
 def test_file_overrides_defaults(tmp_path):
