@@ -40,7 +40,7 @@ from device_agent.device import round_seed
 from device_agent.trainer import batches, steps_per_round
 from shared.evaluation import evaluate
 from fed_server.run_dir import RunDirectory
-from main_server.group_trainer import GroupTrainer, MemberBatch
+from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.grouping import grouping_rng
 from shared.algorithms.registry import build_algorithm, build_group_loss, build_grouping
@@ -151,7 +151,7 @@ def _train_group(model_template, device_models: dict, global_model, members: lis
                            portion_state(global_model, grouping_start, n_blocks), lr=train.lr,
                            momentum=train.momentum, weight_decay=train.weight_decay,
                            group_loss=build_group_loss(config.grouping.group_loss),
-                           member_samples={m: len(data[m]) for m in members})
+                           members={m: GroupMember(len(data[m]), split[m]) for m in members})
     clients, optimizers, iters, num_steps = {}, {}, {}, {}
     for m in members:
         portion = device_models[m].portion(0, split[m])

@@ -39,6 +39,14 @@ class MemberBatch:
     labels: torch.Tensor
 
 
+@dataclass(frozen=True)
+class GroupMember:
+    """What the group-loss plug-in may weigh a member by: its data size ``|D_i|`` and its cut."""
+
+    samples: int
+    split_point: int
+
+
 @dataclass
 class MemberResult:
     dfx: torch.Tensor
@@ -47,8 +55,10 @@ class MemberResult:
 
 class GroupTrainer:
     """Trains one group's copy of the server portion ``blocks[start:]`` on ``device``
-    (``--torch-device``; default the CPU). ``member_samples`` are the members' data sizes
-    ``|D_i|``, from which each step's group-loss plug-in gets the members' shares.
+    (``--torch-device``; default the CPU). ``members`` are the group's members (data size and
+    cut), from which each step's group-loss plug-in gets the members' shares of the group's data
+    and each block's share (the members cut at or before it); without them a step's members
+    count as the whole group, in equal parts.
 
     ``model`` and ``weights`` arrive on the CPU (built from the plan, decoded from the wire); the
     portion moves to the device, each step's activations and labels follow it there, and dfx and
@@ -66,7 +76,7 @@ class GroupTrainer:
         weight_decay: float = 0.0,
         group_loss: GroupLoss | None = None,
         device: torch.device | None = None,
-        member_samples: Mapping[str, int] | None = None,
+        members: Mapping[str, GroupMember] | None = None,
     ) -> None:
         self.model = model
         self.start = start
@@ -76,8 +86,8 @@ class GroupTrainer:
         self.portion.to(self.device)
         self.portion.train()
         self.group_loss = group_loss if group_loss is not None else PerMemberLoss()
-        self.member_samples = dict(member_samples) if member_samples is not None else None
-        if self.member_samples is not None and not all(n > 0 for n in self.member_samples.values()):
+        self.members = dict(members) if members is not None else None
+        if self.members is not None and not all(m.samples > 0 for m in self.members.values()):
             raise ValueError("every member's data size must be positive")
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.steps = 0
@@ -103,7 +113,7 @@ class GroupTrainer:
         for b in batches:
             if not self.start <= b.split_point < len(self.model.blocks):
                 raise ValueError(f"{b.device_id}: split {b.split_point} outside this group's portion")
-        share_of = self._shares(batches)
+        share_of, block_share = self._shares(batches)
         inputs = {b.device_id: b.fx.detach().to(self.device, torch.float32, copy=True).requires_grad_(True)
                   for b in batches}
         order: list[MemberBatch] = []
@@ -130,6 +140,14 @@ class GroupTrainer:
             for p in self.portion.parameters():
                 if p.grad is not None:
                     p.grad.div_(divisor)
+        for index in range(self.start, len(names)):
+            if block_share[index] == 0.0:   # nobody passes this block: it got no gradient
+                continue
+            multiplier = self.group_loss.block_grad_multiplier(block_share[index])
+            if multiplier != 1.0:
+                for p in self.model.blocks[names[index]].parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(multiplier)
         self.optimizer.step()
         self.steps += 1
         results = {}
@@ -141,13 +159,20 @@ class GroupTrainer:
             results[b.device_id] = MemberResult(dfx=grad.to("cpu", b.fx.dtype), loss=float(loss.detach()))
         return results
 
-    def _shares(self, batches: list[MemberBatch]) -> dict[str, float]:
-        """Each member's share of the group's data (``member_samples``; without them, the step's
-        members count as the whole group, in equal parts)."""
-        if self.member_samples is None:
-            return {b.device_id: 1.0 / len(batches) for b in batches}
-        total = sum(self.member_samples.values())
-        unknown = [b.device_id for b in batches if b.device_id not in self.member_samples]
-        if unknown:
-            raise ValueError(f"{unknown[0]!r}: not a member of this group")
-        return {b.device_id: self.member_samples[b.device_id] / total for b in batches}
+    def _shares(self, batches: list[MemberBatch]) -> tuple[dict[str, float], dict[int, float]]:
+        """Each stepping member's share of the group's data, and for each block of the portion
+        the share of the members cut at or before it (:class:`GroupLoss`)."""
+        if self.members is None:
+            members = {b.device_id: GroupMember(1, b.split_point) for b in batches}
+        else:
+            members = self.members
+            for b in batches:
+                known = members.get(b.device_id)
+                if known is None:
+                    raise ValueError(f"{b.device_id!r}: not a member of this group")
+                if known.split_point != b.split_point:
+                    raise ValueError(f"{b.device_id!r}: split {b.split_point}, where the group has it cut at {known.split_point}")
+        total = sum(m.samples for m in members.values())
+        block_share = {index: sum(m.samples for m in members.values() if m.split_point <= index) / total
+                       for index in range(self.start, len(self.model.blocks))}
+        return {b.device_id: members[b.device_id].samples / total for b in batches}, block_share

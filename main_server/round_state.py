@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult
+from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult
 from main_server.metrics import MainMetrics
 from shared.algorithms.grouping import form_round_groups, label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
@@ -211,7 +211,7 @@ class RoundState:
                 copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
                 lr=self.plan.train.lr, momentum=self.plan.train.momentum,
                 weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss, device=self.device,
-                member_samples={m: int(sum(self.joined[m].label_counts)) for m in members},
+                members={m: GroupMember(int(sum(self.joined[m].label_counts)), split[m]) for m in members},
             )
             group = Group(
                 group_id=gid, members=list(members), split=split,

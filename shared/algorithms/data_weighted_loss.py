@@ -5,11 +5,14 @@ the group's later steps carry only the members that still owe one. With ``per_me
 steps move the copy at full rate on the remaining members' losses, yet Algorithm 1 weighs the
 copy by the whole group's data: a large member's surplus steps (down to a last batch of one
 sample) count for every member. Here each member's loss enters every step with its share of
-the group's data, ``|D_i| / sum_G |D_j|``, whichever members are in the step, so over a round the
-copy moves by the data-weighted sum of what each member's own copy would have moved (to first
-order): the FedAvg of its members, the same weights Algorithm 1 then uses. With members of equal
-data and equal step counts it is ``per_member``. The paper does not say how a group steps once
-some members are done (docs/s2fl.md, "Members with more steps than others").
+the data the copy's block stands for, whichever members are in the step: for a block, the
+members cut at or before it (the others train it on their devices, and Algorithm 1 takes
+theirs), ``|D_i| / sum_{j cut at or before the block} |D_j|``. Over a round each block of the copy
+then moves by the data-weighted sum of what those members' own copies would have moved (to
+first order): the FedAvg of the members it stands for, with the weights Algorithm 1 then uses.
+With members of equal data, equal step counts and one split point it is ``per_member``. The
+paper does not say how a group steps once some members are done, nor how a block that only
+some members pass is scaled (docs/s2fl.md, "Members with more steps than others").
 
 Each member's dfx stays the gradient of its own mean loss, as with ``per_member``.
 """
@@ -23,7 +26,8 @@ from shared.algorithms.group_loss import GroupLoss
 
 
 class DataWeightedLoss(GroupLoss):
-    """The shares-weighted sum of the members' mean losses; dfx rescaled to each member's own."""
+    """The shares-weighted sum of the members' mean losses, each block's gradient renormalised to
+    the members that pass it; dfx rescaled to each member's own."""
 
     def objective(self, logits: torch.Tensor, member_labels: Sequence[torch.Tensor],
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
@@ -33,3 +37,8 @@ class DataWeightedLoss(GroupLoss):
         # The objective scaled this member's activation gradient by its share; undo it so the
         # device trains on the gradient of its own mean loss.
         return 1.0 / share
+
+    def block_grad_multiplier(self, block_share: float) -> float:
+        # The objective weighed each member by its share of the whole group; a block that only
+        # part of the group passes stands for that part alone, so its shares are renormalised.
+        return 1.0 / block_share

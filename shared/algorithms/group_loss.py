@@ -23,7 +23,8 @@ class GroupLoss:
     sum to less than 1 once some members have sent all their steps. Backpropagating
     :meth:`objective` gives every member's activation gradient, which the trainer multiplies by
     :meth:`dfx_multiplier` to make the member's dfx, and the copy's gradient, which it divides
-    by :meth:`server_grad_divisor` before the SGD step. Stateless: one instance serves every
+    by :meth:`server_grad_divisor` and multiplies, block by block, by
+    :meth:`block_grad_multiplier` before the SGD step. Stateless: one instance serves every
     group of a round.
     """
 
@@ -38,6 +39,13 @@ class GroupLoss:
     def dfx_multiplier(self, share: float) -> float:
         """What a member's activation gradient is multiplied by to make its dfx (1: as the
         objective gives it)."""
+        return 1.0
+
+    def block_grad_multiplier(self, block_share: float) -> float:
+        """What the gradient of one block of the copy is multiplied by, given ``block_share``: the
+        part of the group's data whose members pass that block on the server (cut at or before
+        it; the others train the block on their devices, and Algorithm 1 takes theirs). 1: as
+        the objective gives it."""
         return 1.0
 
 

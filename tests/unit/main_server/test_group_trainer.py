@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from main_server.group_trainer import GroupTrainer, MemberBatch
+from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
 from shared.algorithms.registry import build_group_loss
 from shared.models import build_model
 from shared.wire import decode_state
@@ -256,38 +256,65 @@ def test_per_member_update_is_mean_of_separate_gradients_over_two_steps(model):
 
 
 # ------------------------------------------------------------------------------------ data_weighted
-@pytest.mark.parametrize("splits", [(2, 2), (1, 2)])
-def test_data_weighted_copy_moves_by_each_member_s_share_and_dfx_stay_their_own(model, splits):
-    """Members of 10 and 30 samples (shares 1/4 and 3/4): the copy steps on the shares-weighted
-    member gradients, also in the step only the larger member is in; each dfx is the gradient of
-    the member's own mean loss."""
-    start = min(splits)
-    b1 = _member(model, "a", splits[0], 5, seed=81)
-    b2 = _member(model, "b", splits[1], 6, seed=82)
+def _data_weighted(model, start: int, members: dict[str, GroupMember]) -> GroupTrainer:
     m = copy.deepcopy(model)
     weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
-    trainer = GroupTrainer(m, start, weights, lr=LR, group_loss=build_group_loss("data_weighted"),
-                           member_samples={"a": 10, "b": 30})
-    ga, pa, _ = _solo_grads(model, b1, start)
-    gb, pb, _ = _solo_grads(model, b2, start)
+    return GroupTrainer(m, start, weights, lr=LR, group_loss=build_group_loss("data_weighted"), members=members)
+
+
+def test_data_weighted_copy_moves_by_each_member_s_share_also_in_a_surplus_step(model):
+    """Members of 10 and 30 samples (shares 1/4 and 3/4), both cut after conv2: the copy steps on
+    the shares-weighted member gradients, also in the step only the larger member is in (where
+    per_member would take the full rate); each dfx is the gradient of the member's own mean loss."""
+    b1 = _member(model, "a", 2, 5, seed=81)
+    b2 = _member(model, "b", 2, 6, seed=82)
+    trainer = _data_weighted(model, 2, {"a": GroupMember(10, 2), "b": GroupMember(30, 2)})
+    ga, pa, _ = _solo_grads(model, b1, 2)
+    gb, pb, _ = _solo_grads(model, b2, 2)
     out = trainer.step([b1, b2])
     _assert_close(out["a"].dfx, ga)
     _assert_close(out["b"].dfx, gb)
     ref = copy.deepcopy(model)
     with torch.no_grad():
-        for k, p in _server_params(ref, start).items():
+        for k, p in _server_params(ref, 2).items():
             p -= LR * (0.25 * pa[k] + 0.75 * pb[k])
-    for k, p in _server_params(ref, start).items():
-        _assert_close(_server_params(trainer.model, start)[k].detach(), p.detach())
-    # b's surplus step: at 3/4 of the rate (per_member would take it at the full rate)
-    gb2, pb2, _ = _solo_grads(ref, b2, start)
+    for k, p in _server_params(ref, 2).items():
+        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach())
+    gb2, pb2, _ = _solo_grads(ref, b2, 2)
     out = trainer.step([b2])
     _assert_close(out["b"].dfx, gb2)
-    for k, p in _server_params(ref, start).items():
-        _assert_close(_server_params(trainer.model, start)[k].detach(), p.detach() - 0.75 * LR * pb2[k])
+    for k, p in _server_params(ref, 2).items():
+        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach() - 0.75 * LR * pb2[k])
 
 
-def test_without_data_sizes_a_step_s_members_weigh_equally(model):
+def test_data_weighted_block_only_some_members_pass_stands_for_them_alone(model):
+    """a (10 samples) cut after conv1, b (30) after conv2: the copy's conv2 is a's alone (b trains
+    its own conv2, which Algorithm 1 takes for b), so it steps on a's gradient at the full rate;
+    fc1 and head step on 1/4 of a's and 3/4 of b's. dfx stay each member's own."""
+    b1 = _member(model, "a", 1, 5, seed=86)
+    b2 = _member(model, "b", 2, 6, seed=87)
+    trainer = _data_weighted(model, 1, {"a": GroupMember(10, 1), "b": GroupMember(30, 2)})
+    ga, pa, _ = _solo_grads(model, b1, 1)
+    gb, pb, _ = _solo_grads(model, b2, 1)
+    before = {k: v.detach().clone() for k, v in _server_params(model, 1).items()}
+    out = trainer.step([b2, b1])
+    _assert_close(out["a"].dfx, ga)
+    _assert_close(out["b"].dfx, gb)
+    after = _server_params(trainer.model, 1)
+    for k in before:
+        expected = pa[k] if k.startswith("blocks.conv2.") else 0.25 * pa[k] + 0.75 * pb[k]
+        _assert_close(after[k].detach(), before[k] - LR * expected)
+    # a done, b's surplus step: conv2 untouched (nobody passes it), the rest at b's 3/4
+    moved = {k: v.detach().clone() for k, v in after.items()}
+    ref = copy.deepcopy(trainer.model)
+    _, pb2, _ = _solo_grads(ref, b2, 1)
+    trainer.step([b2])
+    for k in moved:
+        expected = 0.0 * pb2[k] if k.startswith("blocks.conv2.") else 0.75 * pb2[k]
+        _assert_close(_server_params(trainer.model, 1)[k].detach(), moved[k] - LR * expected)
+
+
+def test_without_members_a_step_s_members_weigh_equally(model):
     b1 = _member(model, "a", 2, 5, seed=83)
     b2 = _member(model, "b", 2, 6, seed=84)
     per = _trainer(model, 2, "per_member")
@@ -298,15 +325,17 @@ def test_without_data_sizes_a_step_s_members_weigh_equally(model):
     _assert_close(weighted_out["a"].dfx, per_out["a"].dfx)
 
 
-def test_member_data_sizes_must_be_positive_and_cover_the_step(model):
+def test_members_must_have_data_and_match_the_step(model):
     m = copy.deepcopy(model)
     weights = {k: v.clone() for k, v in m.portion(2, len(m.blocks)).state_dict().items()}
     with pytest.raises(ValueError, match="positive"):
-        GroupTrainer(m, 2, weights, lr=LR, member_samples={"a": 0})
-    trainer = GroupTrainer(m, 2, weights, lr=LR, group_loss=build_group_loss("data_weighted"), member_samples={"a": 3})
+        GroupTrainer(m, 2, weights, lr=LR, members={"a": GroupMember(0, 2)})
+    trainer = _data_weighted(model, 2, {"a": GroupMember(3, 2)})
     before = {k: v.detach().clone() for k, v in trainer.portion.state_dict().items()}
     with pytest.raises(ValueError, match="'b': not a member"):
         trainer.step([_member(model, "b", 2, 4, seed=85)])
+    with pytest.raises(ValueError, match="'a': split 3, where the group has it cut at 2"):
+        trainer.step([_member(model, "a", 3, 4, seed=85)])
     assert trainer.steps == 0
     assert all(torch.equal(v, before[k]) for k, v in trainer.portion.state_dict().items())
 

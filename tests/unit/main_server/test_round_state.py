@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from main_server.group_trainer import GroupMember
 from main_server.round_state import RoundState
 from shared.algorithms.grouping import balanced_groups, grouping_rng
 from shared.algorithms.random_grouping import RandomGrouping
@@ -217,14 +218,15 @@ def test_members_with_fewer_steps_leave_the_barrier(kit):
 
 
 def test_a_group_trainer_knows_its_members_data_sizes_from_their_joins(kit):
-    """What the group-loss plug-in gets as the members' shares (``data_weighted``): the label
-    counts' totals, so the surplus steps of the larger member move the copy by its share only."""
+    """What the group-loss plug-in weighs members by (``data_weighted``): the label counts'
+    totals and the plan's cuts, so the surplus steps of the larger member move the copy by its
+    share only."""
     async def body() -> None:
         state = RoundState(kit.make_plan(["a", "b"], group_loss="data_weighted"), kit.Uploads())
         await asyncio.gather(state.join(kit.join_req("a", [1] * kit.CLASSES, num_steps=1)),
                              state.join(kit.join_req("b", [3] * kit.CLASSES, num_steps=2)))
         group = state.groups[0]
-        assert group.trainer.member_samples == {"a": kit.CLASSES, "b": 3 * kit.CLASSES}
+        assert group.trainer.members == {"a": GroupMember(kit.CLASSES, 1), "b": GroupMember(3 * kit.CLASSES, 1)}
         await asyncio.gather(state.step(kit.step_req("a", 0, *kit.batch(1))), state.step(kit.step_req("b", 0, *kit.batch(2))))
         head = group.trainer.portion
         before = {k: v.detach().clone() for k, v in head.state_dict().items()}

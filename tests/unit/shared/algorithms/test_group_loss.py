@@ -1,5 +1,5 @@
-"""The group-loss plug-ins on their own: objectives, server-gradient divisors and dfx multipliers by
-registered name.
+"""The group-loss plug-ins on their own: objectives, server-gradient divisors, dfx and block-gradient
+multipliers by registered name.
 
 (Their effect on a real group step is checked against hand autograd in
 tests/unit/main_server/test_group_trainer.py.)"""
@@ -59,3 +59,10 @@ def test_server_gradient_divisor(name, divisors):
 def test_dfx_multiplier(name, multipliers):
     """Only data_weighted rescales a member's activation gradient: back to its own mean loss's."""
     assert [build_group_loss(name).dfx_multiplier(share) for share in SHARES] == multipliers
+
+
+@pytest.mark.parametrize("name, multipliers", [("per_member", [1.0, 1.0]), ("per_member_sum", [1.0, 1.0]),
+                                               ("union_mean", [1.0, 1.0]), ("data_weighted", [5.0, 2.0])])
+def test_block_gradient_multiplier(name, multipliers):
+    """Only data_weighted renormalises a block to the members that pass it on the server."""
+    assert [build_group_loss(name).block_grad_multiplier(share) for share in SHARES] == multipliers
