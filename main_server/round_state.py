@@ -211,7 +211,8 @@ class RoundState:
                 copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
                 lr=self.plan.train.lr, momentum=self.plan.train.momentum,
                 weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss, device=self.device,
-                members={m: GroupMember(int(sum(self.joined[m].label_counts)), split[m]) for m in members},
+                # |D_i| as the Fed Server registered it, the weight Algorithm 1 gives the device
+                members={m: GroupMember(self.participants[m].num_samples, split[m]) for m in members},
             )
             group = Group(
                 group_id=gid, members=list(members), split=split,

@@ -217,16 +217,18 @@ def test_members_with_fewer_steps_leave_the_barrier(kit):
     kit.run(body)
 
 
-def test_a_group_trainer_knows_its_members_data_sizes_from_their_joins(kit):
-    """What the group-loss plug-in weighs members by (``data_weighted``): the label counts'
-    totals and the plan's cuts, so the surplus steps of the larger member move the copy by its
-    share only."""
+def test_a_group_trainer_knows_its_members_data_sizes_and_cuts_from_the_plan(kit):
+    """What the group-loss plug-in weighs members by (``data_weighted``): the plan's data sizes
+    (the Fed Server's, which Algorithm 1 weighs by; not the label counts a device joins with) and
+    cuts, so the surplus steps of the larger member move the copy by its share only."""
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b"], group_loss="data_weighted"), kit.Uploads())
-        await asyncio.gather(state.join(kit.join_req("a", [1] * kit.CLASSES, num_steps=1)),
-                             state.join(kit.join_req("b", [3] * kit.CLASSES, num_steps=2)))
+        participants = [Participant(device_id="a", split_point=1, num_samples=10),
+                        Participant(device_id="b", split_point=1, num_samples=30)]
+        plan = kit.make_plan(["a", "b"], group_loss="data_weighted", participants=participants)
+        state = RoundState(plan, kit.Uploads())
+        await asyncio.gather(state.join(kit.join_req("a", num_steps=1)), state.join(kit.join_req("b", num_steps=2)))
         group = state.groups[0]
-        assert group.trainer.members == {"a": GroupMember(kit.CLASSES, 1), "b": GroupMember(3 * kit.CLASSES, 1)}
+        assert group.trainer.members == {"a": GroupMember(10, 1), "b": GroupMember(30, 1)}
         await asyncio.gather(state.step(kit.step_req("a", 0, *kit.batch(1))), state.step(kit.step_req("b", 0, *kit.batch(2))))
         head = group.trainer.portion
         before = {k: v.detach().clone() for k, v in head.state_dict().items()}
