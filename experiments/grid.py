@@ -5,6 +5,7 @@ import copy
 import hashlib
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,43 @@ class Cell:
         """Fingerprint of the resolved configuration: a cell whose file changed is run again."""
         text = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def ran_as(self, record_hash: object, ran_config: Mapping[str, Any] | None) -> bool:
+        """Whether a run recorded with ``record_hash`` and configuration ``ran_config`` (its run
+        directory's ``config.yaml``) is this cell's configuration.
+
+        The same hash is. Otherwise the run's configuration is compared key by key: a setting
+        added to the configuration after the run (absent from ``ran_config``) matches when this
+        cell has it at its default, the value that keeps the earlier behaviour (how settings are
+        added here); any other difference, a changed default included, means the cell is run
+        again. Without this, every setting the project added made every committed cell look
+        unrun (the hash covers every setting).
+        """
+        if record_hash == self.config_hash:
+            return True
+        if ran_config is None:
+            return False
+        ran = _flatten({k: v for k, v in ran_config.items() if k != "run_id"})
+        now = _flatten(self.config.model_dump(mode="json"))
+        default = _flatten(RunConfig().model_dump(mode="json"))
+        if set(ran) - set(now):   # a setting the configuration no longer has
+            return False
+        return all(ran[key] == value if key in ran else value == default.get(key, _MISSING)
+                   for key, value in now.items())
+
+
+_MISSING = object()
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _excluded(labels: dict[str, str], rules: list[dict[str, list[str]]]) -> bool:

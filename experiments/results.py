@@ -13,7 +13,7 @@ from typing import Any
 from fed_server.run_dir import RunDirectory
 
 from experiments.grid import Cell
-from experiments.runner import cell_dir, read_cell_record
+from experiments.runner import cell_dir, ran_as, read_cell_record
 from experiments.spec import ExperimentSpec
 
 
@@ -34,7 +34,7 @@ def load_results(spec: ExperimentSpec, cells: Sequence[Cell], out: Path) -> list
     for cell in cells:
         path = cell_dir(out, cell)
         record = read_cell_record(path)
-        if record is None or record.get("config_hash") != cell.config_hash:
+        if not ran_as(path, record, cell):
             results.append(CellResult(cell, "not run"))
             continue
         rounds = [r for r in RunDirectory(path).read_metrics() if r.get("status") == "ok"]

@@ -11,9 +11,10 @@ Layout of an experiment folder::
 Several runners may work on one grid at once (separate processes): each takes a cell's lock file
 before running it and skips cells another live runner holds.
 
-A cell counts as finished when its ``cell.json`` says so and names the same configuration hash;
-anything else (never run, failed, interrupted, or the file changed the cell's configuration) is
-run again from scratch. Restarting instead of resuming keeps each cell's wall-clock figures from
+A cell counts as finished when its ``cell.json`` says so and it ran the cell's configuration (the
+same hash, or the same settings apart from settings added since at their defaults:
+:meth:`experiments.grid.Cell.ran_as`); anything else (never run, failed, interrupted, or the file
+changed the cell's configuration) is run again from scratch. Restarting instead of resuming keeps each cell's wall-clock figures from
 one uninterrupted run.
 """
 from __future__ import annotations
@@ -29,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import yaml
+
+from fed_server.run_dir import RunDirectory
 from shared.machine import describe_machine
 from testbed.runner import Testbed, TestbedError
 from testbed.warm_start import WarmStarter
@@ -61,10 +65,23 @@ def read_cell_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def ran_as(path: Path, record: dict | None, cell: Cell) -> bool:
+    """Whether the run in cell directory ``path`` (``record``: its ``cell.json``) ran ``cell``'s
+    configuration (:meth:`Cell.ran_as`: the same hash, or the same settings but those added since)."""
+    if record is None:
+        return False
+    try:
+        ran_config = RunDirectory(path).read_config()
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):   # unreadable: as if never written
+        ran_config = None
+    return cell.ran_as(record.get("config_hash"), ran_config)
+
+
 def is_finished(out: Path, cell: Cell) -> bool:
-    record = read_cell_record(cell_dir(out, cell))
-    return bool(record and record.get("status") == "finished" and record.get("config_hash") == cell.config_hash
-                and (cell_dir(out, cell) / "metrics.jsonl").exists())
+    path = cell_dir(out, cell)
+    record = read_cell_record(path)
+    return bool(record and record.get("status") == "finished" and ran_as(path, record, cell)
+                and (path / "metrics.jsonl").exists())
 
 
 def _claim(out: Path, cell: Cell) -> bool:
@@ -195,7 +212,7 @@ def recover_finished(out: Path, cell: Cell, wall_s: float | None, note: str) -> 
         summary = json.loads((path / "summary.json").read_text())
     except (OSError, ValueError):
         return False
-    if not (record and record.get("config_hash") == cell.config_hash and summary.get("finished")
+    if not (record and ran_as(path, record, cell) and summary.get("finished")
             and summary.get("stop_reason") == "completed" and (path / "metrics.jsonl").exists()):
         return False
     _write_record(path, cell, "finished", wall_s=wall_s if wall_s is not None else record.get("wall_s"),

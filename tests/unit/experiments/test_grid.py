@@ -48,6 +48,46 @@ def test_config_hash_follows_the_resolved_config_not_the_labels():
     assert a.cell_id == b.cell_id and a.config_hash != b.config_hash
 
 
+def _ran(cell, **drop_or_set) -> dict:
+    """The config.yaml a run of ``cell`` wrote (run_id included), with settings removed (value
+    None: a setting the project added after the run) or changed."""
+    ran = {"run_id": "abc123", **cell.config.model_dump(mode="json")}
+    for dotted, value in drop_or_set.items():
+        *parents, leaf = dotted.split("__")
+        node = ran
+        for part in parents:
+            node = node[part]
+        if value is None:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return ran
+
+
+def test_a_run_is_the_cell_s_when_only_settings_added_since_at_their_defaults_differ():
+    cell = expand(_spec())[1]   # s2fl, with every setting at its default but those the file sets
+    assert cell.ran_as(cell.config_hash, None)                       # the same hash: no reading needed
+    assert cell.ran_as("old-hash", _ran(cell))                       # the same settings, another hash
+    # settings added after the run (absent from its config.yaml), here at their defaults
+    assert cell.ran_as("old-hash", _ran(cell, deadlines__evaluate_s=None, evaluation=None))
+    assert not cell.ran_as("old-hash", None)                         # nothing to compare with
+
+
+@pytest.mark.parametrize("changes", [
+    {"rounds": 3},                                  # the file changed a setting
+    {"grouping__group_loss": "per_member"},          # a default changed since the run
+    {"train__retired_setting": 1},                   # a setting the configuration no longer has
+])
+def test_a_run_with_any_other_difference_is_not_the_cell_s(changes):
+    cell = expand(_spec())[1]
+    assert not cell.ran_as("old-hash", _ran(cell, **changes))
+
+
+def test_an_added_setting_the_cell_sets_away_from_its_default_is_a_difference():
+    cell = expand(_spec(base={"rounds": 2, "data": {"num_devices": 4}, "deadlines": {"evaluate_s": 5.0}}))[1]
+    assert not cell.ran_as("old-hash", _ran(cell, deadlines__evaluate_s=None))
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"axes": {}}, "non-empty"),
     ({"axes": {"algorithm": ["fedavg", "fedavg"]}}, "duplicate"),

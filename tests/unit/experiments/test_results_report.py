@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+import yaml
 
 from experiments.grid import expand
 from experiments.report import render_report
@@ -86,6 +87,27 @@ def test_only_finished_cells_with_the_same_config_are_skipped(written):
     assert changed[0].cell_id == cells[0].cell_id and not is_finished(out, changed[0])
     (cell_dir(out, cells[1]) / "metrics.jsonl").unlink()
     assert not is_finished(out, cells[1])
+
+
+def test_a_cell_recorded_under_an_older_hash_counts_by_the_config_it_ran(written):
+    """A setting the project added since changes every cell's hash; the run's config.yaml shows
+    whether the cell's configuration really changed (experiments.grid.Cell.ran_as)."""
+    out, cells = written
+    path = cell_dir(out, cells[2])
+    record = json.loads((path / "cell.json").read_text())
+    (path / "cell.json").write_text(json.dumps({**record, "config_hash": "0123456789abcdef"}))
+    assert not is_finished(out, cells[2])                          # no config.yaml to compare with
+    assert load_results(SPEC, cells, out)[2].status == "not run"
+    ran = {"run_id": "r", **cells[2].config.model_dump(mode="json")}
+    del ran["deadlines"]["evaluate_s"]                            # added after the run, at its default now
+    (path / "config.yaml").write_text(yaml.safe_dump(ran))
+    assert is_finished(out, cells[2])
+    assert load_results(SPEC, cells, out)[2].status == "finished"
+    ran["rounds"] = 7                                               # it ran something else
+    (path / "config.yaml").write_text(yaml.safe_dump(ran))
+    assert not is_finished(out, cells[2])
+    (path / "config.yaml").write_text("rounds: [unclosed")          # unreadable: as if missing
+    assert not is_finished(out, cells[2])
 
 
 def test_report_renders_tables_plots_and_failures(written):
