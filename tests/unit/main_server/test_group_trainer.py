@@ -44,11 +44,12 @@ def _member(model, device_id: str, split: int, n: int, seed: int) -> MemberBatch
     return MemberBatch(device_id=device_id, split_point=split, fx=fx.clone(), labels=y)
 
 
-def _trainer(model, start: int, group_loss: str = "per_member", lr: float = LR) -> GroupTrainer:
+def _trainer(model, start: int, group_loss: str = "per_member", lr: float = LR,
+             members: dict[str, GroupMember] | None = None) -> GroupTrainer:
     """A trainer of ``blocks[start:]`` with the group-loss plug-in registered as ``group_loss``."""
     m = copy.deepcopy(model)
     weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
-    return GroupTrainer(m, start, weights, lr=lr, group_loss=build_group_loss(group_loss))
+    return GroupTrainer(m, start, weights, lr=lr, group_loss=build_group_loss(group_loss), members=members)
 
 
 def _server_params(model, start: int) -> dict[str, torch.Tensor]:
@@ -68,6 +69,21 @@ def _solo_grads(model, b: MemberBatch, start: int) -> tuple[torch.Tensor, dict[s
 
 def _assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+def _stepped(model, start: int, update: dict[str, torch.Tensor]):
+    """A copy of ``model`` whose server portion took one hand SGD step: ``p -= LR * update[k]``."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, p in _server_params(ref, start).items():
+            p -= LR * update[k]
+    return ref
+
+
+def _assert_portion(trainer: GroupTrainer, expected, start: int) -> None:
+    """The trainer's server portion equals ``expected``'s (a model)."""
+    for k, p in _server_params(expected, start).items():
+        _assert_close(_server_params(trainer.model, start)[k].detach(), p.detach())
 
 
 # ------------------------------------------------------------------------------------ one member
@@ -241,50 +257,34 @@ def test_per_member_update_is_mean_of_separate_gradients_over_two_steps(model):
     _, p1, _ = _solo_grads(model, b1, 2)
     _, p2, _ = _solo_grads(model, b2, 2)
     _, p3, _ = _solo_grads(model, b3, 2)
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for k, p in _server_params(ref, 2).items():
-            p -= LR * (p1[k] + p2[k] + p3[k]) / 3
-    for k, p in _server_params(ref, 2).items():
-        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach())
+    ref = _stepped(model, 2, {k: (p1[k] + p2[k] + p3[k]) / 3 for k in p1})
+    _assert_portion(trainer, ref, 2)
     g, pg, _ = _solo_grads(ref, b1, 2)
     out = trainer.step([b1])
     _assert_close(out["a"].dfx, g)
-    for k, p in _server_params(ref, 2).items():
-        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach() - LR * pg[k])
+    _assert_portion(trainer, _stepped(ref, 2, pg), 2)
     assert trainer.steps == 2
 
 
 # ------------------------------------------------------------------------------------ data_weighted
-def _data_weighted(model, start: int, members: dict[str, GroupMember]) -> GroupTrainer:
-    m = copy.deepcopy(model)
-    weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
-    return GroupTrainer(m, start, weights, lr=LR, group_loss=build_group_loss("data_weighted"), members=members)
-
-
 def test_data_weighted_copy_moves_by_each_member_s_share_also_in_a_surplus_step(model):
     """Members of 10 and 30 samples (shares 1/4 and 3/4), both cut after conv2: the copy steps on
     the shares-weighted member gradients, also in the step only the larger member is in (where
     per_member would take the full rate); each dfx is the gradient of the member's own mean loss."""
     b1 = _member(model, "a", 2, 5, seed=81)
     b2 = _member(model, "b", 2, 6, seed=82)
-    trainer = _data_weighted(model, 2, {"a": GroupMember(10, 2), "b": GroupMember(30, 2)})
+    trainer = _trainer(model, 2, "data_weighted", members={"a": GroupMember(10, 2), "b": GroupMember(30, 2)})
     ga, pa, _ = _solo_grads(model, b1, 2)
     gb, pb, _ = _solo_grads(model, b2, 2)
     out = trainer.step([b1, b2])
     _assert_close(out["a"].dfx, ga)
     _assert_close(out["b"].dfx, gb)
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for k, p in _server_params(ref, 2).items():
-            p -= LR * (0.25 * pa[k] + 0.75 * pb[k])
-    for k, p in _server_params(ref, 2).items():
-        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach())
+    ref = _stepped(model, 2, {k: 0.25 * pa[k] + 0.75 * pb[k] for k in pa})
+    _assert_portion(trainer, ref, 2)
     gb2, pb2, _ = _solo_grads(ref, b2, 2)
     out = trainer.step([b2])
     _assert_close(out["b"].dfx, gb2)
-    for k, p in _server_params(ref, 2).items():
-        _assert_close(_server_params(trainer.model, 2)[k].detach(), p.detach() - 0.75 * LR * pb2[k])
+    _assert_portion(trainer, _stepped(ref, 2, {k: 0.75 * v for k, v in pb2.items()}), 2)
 
 
 def test_data_weighted_block_only_some_members_pass_stands_for_them_alone(model):
@@ -293,7 +293,7 @@ def test_data_weighted_block_only_some_members_pass_stands_for_them_alone(model)
     fc1 and head step on 1/4 of a's and 3/4 of b's. dfx stay each member's own."""
     b1 = _member(model, "a", 1, 5, seed=86)
     b2 = _member(model, "b", 2, 6, seed=87)
-    trainer = _data_weighted(model, 1, {"a": GroupMember(10, 1), "b": GroupMember(30, 2)})
+    trainer = _trainer(model, 1, "data_weighted", members={"a": GroupMember(10, 1), "b": GroupMember(30, 2)})
     ga, pa, _ = _solo_grads(model, b1, 1)
     gb, pb, _ = _solo_grads(model, b2, 1)
     before = {k: v.detach().clone() for k, v in _server_params(model, 1).items()}
@@ -326,11 +326,9 @@ def test_without_members_a_step_s_members_weigh_equally(model):
 
 
 def test_members_must_have_data_and_match_the_step(model):
-    m = copy.deepcopy(model)
-    weights = {k: v.clone() for k, v in m.portion(2, len(m.blocks)).state_dict().items()}
     with pytest.raises(ValueError, match="positive"):
-        GroupTrainer(m, 2, weights, lr=LR, members={"a": GroupMember(0, 2)})
-    trainer = _data_weighted(model, 2, {"a": GroupMember(3, 2)})
+        _trainer(model, 2, members={"a": GroupMember(0, 2)})
+    trainer = _trainer(model, 2, "data_weighted", members={"a": GroupMember(3, 2)})
     before = {k: v.detach().clone() for k, v in trainer.portion.state_dict().items()}
     with pytest.raises(ValueError, match="'b': not a member"):
         trainer.step([_member(model, "b", 2, 4, seed=85)])
