@@ -89,6 +89,8 @@ class GroupTrainer:
         self.members = dict(members) if members is not None else None
         if self.members is not None and not all(m.samples > 0 for m in self.members.values()):
             raise ValueError("every member's data size must be positive")
+        # The whole group's shares do not change during a round: computed once, not every step.
+        self._group_shares = None if self.members is None else _data_shares(self.members, start, len(model.blocks))
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.steps = 0
 
@@ -160,19 +162,25 @@ class GroupTrainer:
         return results
 
     def _shares(self, batches: list[MemberBatch]) -> tuple[dict[str, float], dict[int, float]]:
-        """Each stepping member's share of the group's data, and for each block of the portion
-        the share of the members cut at or before it (:class:`GroupLoss`)."""
+        """Each member's share of the group's data, and for each block of the portion the share
+        of the members cut at or before it (:class:`GroupLoss`); without ``members``, the step's
+        members in equal parts."""
         if self.members is None:
             members = {b.device_id: GroupMember(1, b.split_point) for b in batches}
-        else:
-            members = self.members
-            for b in batches:
-                known = members.get(b.device_id)
-                if known is None:
-                    raise ValueError(f"{b.device_id!r}: not a member of this group")
-                if known.split_point != b.split_point:
-                    raise ValueError(f"{b.device_id!r}: split {b.split_point}, where the group has it cut at {known.split_point}")
-        total = sum(m.samples for m in members.values())
-        block_share = {index: sum(m.samples for m in members.values() if m.split_point <= index) / total
-                       for index in range(self.start, len(self.model.blocks))}
-        return {b.device_id: members[b.device_id].samples / total for b in batches}, block_share
+            return _data_shares(members, self.start, len(self.model.blocks))
+        for b in batches:
+            known = self.members.get(b.device_id)
+            if known is None:
+                raise ValueError(f"{b.device_id!r}: not a member of this group")
+            if known.split_point != b.split_point:
+                raise ValueError(f"{b.device_id!r}: split {b.split_point}, where the group has it cut at {known.split_point}")
+        return self._group_shares
+
+
+def _data_shares(members: Mapping[str, GroupMember], start: int, n_blocks: int) -> tuple[dict[str, float], dict[int, float]]:
+    """Each member's part of the members' data, and for each block ``start..n_blocks-1`` the part
+    of the members cut at or before it."""
+    total = sum(m.samples for m in members.values())
+    block_share = {index: sum(m.samples for m in members.values() if m.split_point <= index) / total
+                   for index in range(start, n_blocks)}
+    return {device: m.samples / total for device, m in members.items()}, block_share
