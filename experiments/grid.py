@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -50,14 +51,20 @@ class Cell:
             return False
         ran = _flatten({k: v for k, v in ran_config.items() if k != "run_id"})
         now = _flatten(self.config.model_dump(mode="json"))
-        default = _flatten(RunConfig().model_dump(mode="json"))
         if set(ran) - set(now):   # a setting the configuration no longer has
             return False
+        default = _defaults()
         return all(ran[key] == value if key in ran else value == default.get(key, _MISSING)
                    for key, value in now.items())
 
 
 _MISSING = object()
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """Every setting's default, flattened (built once: a grid compares each of its cells)."""
+    return _flatten(RunConfig().model_dump(mode="json"))
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -14,8 +14,8 @@ before running it and skips cells another live runner holds.
 A cell counts as finished when its ``cell.json`` says so and it ran the cell's configuration (the
 same hash, or the same settings apart from settings added since at their defaults:
 :meth:`experiments.grid.Cell.ran_as`); anything else (never run, failed, interrupted, or the file
-changed the cell's configuration) is run again from scratch. Restarting instead of resuming keeps each cell's wall-clock figures from
-one uninterrupted run.
+changed the cell's configuration) is run again from scratch. Restarting instead of resuming keeps
+each cell's wall-clock figures from one uninterrupted run.
 """
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def ran_as(path: Path, record: dict | None, cell: Cell) -> bool:
 def is_finished(out: Path, cell: Cell) -> bool:
     path = cell_dir(out, cell)
     record = read_cell_record(path)
-    return bool(record and record.get("status") == "finished" and ran_as(path, record, cell)
-                and (path / "metrics.jsonl").exists())
+    return bool(record and record.get("status") == "finished" and (path / "metrics.jsonl").exists()
+                and ran_as(path, record, cell))
 
 
 def _claim(out: Path, cell: Cell) -> bool:
