@@ -7,7 +7,7 @@ import sys
 
 from shared.config import DeviceMixConfig, env_default
 from shared.profiles import AUTO_TRANSFER_RATIO, TimeScale, parse_time_scale
-from shared.service import add_common_args, configure_process, interrupt_on_sigterm, parse_service_args
+from shared.service import add_common_args, configure_process, freeze_startup_objects, interrupt_on_sigterm, parse_service_args
 
 KEEP_MODELS = {"auto": None, "yes": True, "no": False}
 log = logging.getLogger("device_agent")
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                   keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots)
+    freeze_startup_objects()   # what the agent keeps for the run is built: out of full collections' way
     code = agent.run()
     if metrics is not None and args.metrics_linger_s > 0:
         log.info("run over: serving metrics until Prometheus scrapes them once more (at most %.0f s)",

@@ -12,6 +12,8 @@ import logging
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from shared.service import freeze_startup_objects
+
 log = logging.getLogger("http_api")
 
 
@@ -69,9 +71,13 @@ def serve(app, args: argparse.Namespace) -> None:
 
     On SIGTERM uvicorn waits for the requests still running before it stops, with no limit of its
     own; a status or task answer held for up to 30 s (long-poll) would hold the shutdown that long.
-    ``--shutdown-grace-s`` bounds that wait: what still runs then is cancelled."""
+    ``--shutdown-grace-s`` bounds that wait: what still runs then is cancelled.
+
+    The app and what it holds are built by now: they are frozen out of the garbage collector's
+    full collections first (:func:`shared.service.freeze_startup_objects`)."""
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
+    freeze_startup_objects()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
                 ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key, http=head_timeout_protocol(args.head_timeout_s),
                 timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_grace_s)

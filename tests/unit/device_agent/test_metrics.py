@@ -178,6 +178,7 @@ def test_the_agent_waits_for_a_last_scrape_only_when_asked(monkeypatch, linger, 
 
     waited: list[float] = []
     monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "freeze_startup_objects", lambda: None)   # not the test process's objects
     monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": None)
     monkeypatch.setattr(AgentMetrics, "wait_for_scrape", lambda self, timeout_s: waited.append(timeout_s) or True)
     monkeypatch.setattr(agent_module, "Agent", lambda *a, **k: type("Done", (), {"run": lambda self: 3})())
@@ -194,6 +195,7 @@ def test_a_stop_while_lingering_ends_the_wait_with_the_run_s_exit_code(monkeypat
     def interrupted(self, timeout_s):
         raise KeyboardInterrupt   # what SIGTERM raises in the main thread (interrupt_on_sigterm)
     monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "freeze_startup_objects", lambda: None)   # not the test process's objects
     monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": None)
     monkeypatch.setattr(AgentMetrics, "wait_for_scrape", interrupted)
     monkeypatch.setattr(agent_module, "Agent", lambda *a, **k: type("Done", (), {"run": lambda self: 0})())

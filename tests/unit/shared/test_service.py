@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -71,3 +74,33 @@ def test_connection_timeouts_default_and_must_be_positive_seconds(monkeypatch):
             positive_seconds(bad)
         with pytest.raises(SystemExit):
             parse_service_args(_parser(), ["--head-timeout-s", bad])
+
+
+def test_freezing_startup_objects_collects_first_then_keeps_them_out_of_every_collection():
+    """In a process of its own: the test process's objects are not to be frozen."""
+    code = textwrap.dedent("""
+        import gc, weakref
+        from shared.service import freeze_startup_objects
+
+        class Node:
+            pass
+
+        kept = Node()                      # alive at start: lives as long as the process
+        dropped = Node()
+        dropped.self = dropped             # a cycle already garbage at start
+        dropped_ref = weakref.ref(dropped)
+        del dropped
+        freeze_startup_objects()
+        assert dropped_ref() is None, "garbage alive at the freeze must be collected, not frozen for good"
+        assert gc.get_freeze_count() > 1000, gc.get_freeze_count()
+        assert not any(o is kept for o in gc.get_objects()), "a frozen object is traversed by no generation"
+        later = Node()
+        later.self = later                 # made after the freeze: collected as before
+        later_ref = weakref.ref(later)
+        del later
+        gc.collect()
+        assert later_ref() is None
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -1,0 +1,32 @@
+"""``http_api.serve.serve``: what a server process does between building its app and serving it."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import http_api.serve as serve_module
+
+
+def _args(**overrides) -> argparse.Namespace:
+    values = dict(host="127.0.0.1", port=8081, log_level="INFO", tls_cert=None, tls_key=None,
+                  head_timeout_s=10.0, keep_alive_s=5.0, shutdown_grace_s=3.0)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_the_app_is_frozen_out_of_full_collections_before_uvicorn_serves_it(monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(serve_module, "freeze_startup_objects", lambda: calls.append("freeze"))
+    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: calls.append(f"run {app} on {kwargs['port']}"))
+    serve_module.serve("the app", _args())
+    assert calls == ["freeze", "run the app on 8081"]
+
+
+def test_a_certificate_without_its_key_stops_before_anything_is_frozen_or_served(monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(serve_module, "freeze_startup_objects", lambda: calls.append("freeze"))
+    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: calls.append("run"))
+    with pytest.raises(SystemExit, match="go together"):
+        serve_module.serve("the app", _args(tls_cert="cert.pem"))
+    assert calls == []
