@@ -44,8 +44,9 @@ def freeze_startup_objects() -> None:
     about 330 thousand tracked objects in a Main Server) lives as long as the process, so no
     collection ever frees any of it; yet every full collection traversed all of it, holding the
     GIL: 160 to 170 ms in a Main Server on the 2-core EPYC, every thread stopped, a device step
-    answered that much later. Frozen, a full collection costs well under a millisecond; objects
-    made later are collected as before (benchmarks/README.md, issue 16, twentieth session).
+    answered that much later. Frozen, a full collection walks only what was made since (0.0 ms
+    right after the freeze); objects made later are collected as before (benchmarks/README.md,
+    issue 16, twentieth session).
     """
     gc.collect()
     gc.freeze()
