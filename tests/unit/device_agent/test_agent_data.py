@@ -14,50 +14,25 @@ from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
 LOCAL = DataSpec(dataset="local", num_classes=3, input_shape=[1, 2, 2], num_devices=2)  # images: the zoo models take [C, H, W]
 
 
-def _run_cli(monkeypatch, argv: list[str]) -> dict:
-    """Run ``python -m device_agent`` up to building the Agent; return the Agent's keyword arguments."""
-    import device_agent.__main__ as cli
-    import device_agent.agent as agent_module
-
-    captured: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_agent(*args, **kwargs):
-        captured.update(kwargs, shards=args[1])
-        raise Stop
-
-    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
-    monkeypatch.setattr(agent_module, "Agent", fake_agent)
-    for name in ("SFL_METRICS_PORT", "SFL_SHARDS", "SFL_PREFIX"):
-        monkeypatch.delenv(name, raising=False)
-    try:
-        cli.main(argv)
-    except Stop:
-        pass
-    return captured
-
-
 def _npz(path, n: int = 6) -> str:
     np.savez(path, x=np.ones((n, 2, 2), dtype=np.float32), y=np.arange(n) % 3)
     return str(path)
 
 
-def test_data_flags_make_one_device_per_source(monkeypatch, tmp_path):
+def test_data_flags_make_one_device_per_source(agent_cli, tmp_path):
     one = _npz(tmp_path / "site a.npz")
     folder = tmp_path / "more"
     folder.mkdir()
     _npz(folder / "b.npz")
     _npz(folder / "c.npz")
-    kwargs = _run_cli(monkeypatch, ["--data", one, "--data", str(folder), "--data-arg", "k=v=w", "--prefix", "lab"])
+    kwargs = agent_cli.built_with(["--data", one, "--data", str(folder), "--data-arg", "k=v=w", "--prefix", "lab"])
     assert [s.name for s in kwargs["sources"]] == ["site a", "b", "c"]
     assert kwargs["shards"] == [] and kwargs["data_args"] == {"k": "v=w"}
     assert local_device_ids(kwargs["sources"], "lab") == ["lab-site_a", "lab-b", "lab-c"]
 
 
-def test_shards_stay_the_default_without_data(monkeypatch):
-    kwargs = _run_cli(monkeypatch, [])
+def test_shards_stay_the_default_without_data(agent_cli):
+    kwargs = agent_cli.built_with([])
     assert kwargs["shards"] == [0] and kwargs["sources"] == []
 
 
@@ -69,9 +44,9 @@ def test_shards_stay_the_default_without_data(monkeypatch):
     (["--data", "pkg.mod:load", "--data", "other.mod:load"], "the same device id"),
     (["--data", "pkg.mod:load", "--data", "other.mod:get", "--device-id", "me"], "--device-id names one device"),
 ])
-def test_bad_data_flags_are_usage_errors(monkeypatch, capsys, argv, message):
+def test_bad_data_flags_are_usage_errors(agent_cli, capsys, argv, message):
     with pytest.raises(SystemExit) as info:
-        _run_cli(monkeypatch, argv)
+        agent_cli.built_with(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -146,15 +121,15 @@ def test_agent_reports_bad_data_in_one_line(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("value, expected", [(None, None), ("auto", None), ("0", 0), ("3", 3)])
-def test_the_compute_slots_flag_is_auto_or_a_whole_number(monkeypatch, value, expected):
+def test_the_compute_slots_flag_is_auto_or_a_whole_number(monkeypatch, agent_cli, value, expected):
     """``--compute-slots``: auto (the default) lets the Agent choose; a count is passed as is."""
     monkeypatch.delenv("SFL_COMPUTE_SLOTS", raising=False)
     argv = ["--fed-server-url", "http://127.0.0.1:9", "--shards", "0"] + ([] if value is None else ["--compute-slots", value])
-    assert _run_cli(monkeypatch, argv)["compute_slots"] == expected
+    assert agent_cli.built_with(argv)["compute_slots"] == expected
 
 
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
-def test_a_bad_compute_slots_value_is_refused_naming_the_flag(monkeypatch, capsys, value):
+def test_a_bad_compute_slots_value_is_refused_naming_the_flag(agent_cli, capsys, value):
     with pytest.raises(SystemExit):
-        _run_cli(monkeypatch, ["--fed-server-url", "http://127.0.0.1:9", "--compute-slots", value])
+        agent_cli.built_with(["--fed-server-url", "http://127.0.0.1:9", "--compute-slots", value])
     assert "--compute-slots" in capsys.readouterr().err

@@ -4,11 +4,8 @@ from __future__ import annotations
 import pytest
 
 
-def test_the_agent_is_frozen_out_of_full_collections_before_its_devices_run(monkeypatch):
-    import device_agent.__main__ as cli
-    import device_agent.agent as agent_module
-
-    calls: list[str] = []
+def test_the_agent_is_frozen_out_of_full_collections_before_its_devices_run(agent_cli):
+    calls = agent_cli.calls   # the harness records the freeze here
 
     class Built:
         def __init__(self, *args, **kwargs) -> None:
@@ -18,11 +15,6 @@ def test_the_agent_is_frozen_out_of_full_collections_before_its_devices_run(monk
             calls.append("run")
             return 0
 
-    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
-    monkeypatch.setattr(cli, "freeze_startup_objects", lambda: calls.append("freeze"))
-    monkeypatch.setattr(agent_module, "Agent", Built)
-    for name in ("SFL_METRICS_PORT", "SFL_SHARDS", "SFL_PREFIX"):
-        monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--shards", "0"])
+        agent_cli.run(["--shards", "0"], Built)
     assert exit_.value.code == 0 and calls == ["built", "freeze", "run"]

@@ -135,79 +135,44 @@ def test_an_answer_counts_as_sent_only_when_written_whole():
     assert sent == ["whole"]
 
 
-def _run_cli(monkeypatch, argv: list[str]) -> dict:
-    """Run ``python -m device_agent`` up to building the Agent; return the Agent's keyword arguments."""
-    import device_agent.__main__ as cli
-    import device_agent.agent as agent_module
-
-    captured: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_agent(*args, **kwargs):
-        captured.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
-    monkeypatch.setattr(agent_module, "Agent", fake_agent)
-    monkeypatch.delenv("SFL_METRICS_PORT", raising=False)
-    try:
-        cli.main(argv)
-    except Stop:
-        pass
-    return captured
+def test_metrics_port_is_off_by_default(agent_cli):
+    assert agent_cli.built_with(["--shards", "0"])["metrics"] is None
 
 
-def test_metrics_port_is_off_by_default(monkeypatch):
-    assert _run_cli(monkeypatch, ["--shards", "0"])["metrics"] is None
-
-
-def test_metrics_port_flag_serves(monkeypatch):
+def test_metrics_port_flag_serves(monkeypatch, agent_cli):
     served = []
     monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": served.append((port, host)))
-    kwargs = _run_cli(monkeypatch, ["--shards", "0", "--metrics-port", "9100", "--metrics-host", "0.0.0.0"])
+    kwargs = agent_cli.built_with(["--shards", "0", "--metrics-port", "9100", "--metrics-host", "0.0.0.0"])
     assert isinstance(kwargs["metrics"], AgentMetrics)
     assert served == [(9100, "0.0.0.0")]
 
 
 @pytest.mark.parametrize("linger, waits", [([], []), (["--metrics-linger-s", "12"], [12.0])])
-def test_the_agent_waits_for_a_last_scrape_only_when_asked(monkeypatch, linger, waits):
-    import device_agent.__main__ as cli
-    import device_agent.agent as agent_module
-
+def test_the_agent_waits_for_a_last_scrape_only_when_asked(monkeypatch, agent_cli, linger, waits):
     waited: list[float] = []
-    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
-    monkeypatch.setattr(cli, "freeze_startup_objects", lambda: None)   # not the test process's objects
     monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": None)
     monkeypatch.setattr(AgentMetrics, "wait_for_scrape", lambda self, timeout_s: waited.append(timeout_s) or True)
-    monkeypatch.setattr(agent_module, "Agent", lambda *a, **k: type("Done", (), {"run": lambda self: 3})())
-    monkeypatch.delenv("SFL_METRICS_LINGER_S", raising=False)
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--shards", "0", "--metrics-port", "9100", *linger])
+        agent_cli.run(["--shards", "0", "--metrics-port", "9100", *linger],
+                      lambda *a, **k: type("Done", (), {"run": lambda self: 3})())
     assert exit_.value.code == 3 and waited == waits   # the run's exit code either way
 
 
-def test_a_stop_while_lingering_ends_the_wait_with_the_run_s_exit_code(monkeypatch):
-    import device_agent.__main__ as cli
-    import device_agent.agent as agent_module
-
+def test_a_stop_while_lingering_ends_the_wait_with_the_run_s_exit_code(monkeypatch, agent_cli):
     def interrupted(self, timeout_s):
         raise KeyboardInterrupt   # what SIGTERM raises in the main thread (interrupt_on_sigterm)
-    monkeypatch.setattr(cli, "configure_process", lambda *a, **k: None)
-    monkeypatch.setattr(cli, "freeze_startup_objects", lambda: None)   # not the test process's objects
     monkeypatch.setattr(AgentMetrics, "serve", lambda self, port, host="127.0.0.1": None)
     monkeypatch.setattr(AgentMetrics, "wait_for_scrape", interrupted)
-    monkeypatch.setattr(agent_module, "Agent", lambda *a, **k: type("Done", (), {"run": lambda self: 0})())
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--shards", "0", "--metrics-port", "9100", "--metrics-linger-s", "30"])
+        agent_cli.run(["--shards", "0", "--metrics-port", "9100", "--metrics-linger-s", "30"],
+                      lambda *a, **k: type("Done", (), {"run": lambda self: 0})())
     assert exit_.value.code == 0
 
 
 @pytest.mark.parametrize("bad", ["-1", "nan", "inf"])
-def test_a_bad_linger_is_refused(monkeypatch, bad):
+def test_a_bad_linger_is_refused(agent_cli, bad):
     with pytest.raises(SystemExit) as exit_:
-        _run_cli(monkeypatch, ["--shards", "0", "--metrics-linger-s", bad])
+        agent_cli.built_with(["--shards", "0", "--metrics-linger-s", bad])
     assert exit_.value.code == 2
 
 

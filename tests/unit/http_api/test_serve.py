@@ -15,18 +15,21 @@ def _args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-def test_the_app_is_frozen_out_of_full_collections_before_uvicorn_serves_it(monkeypatch):
-    calls: list[str] = []
-    monkeypatch.setattr(serve_module, "freeze_startup_objects", lambda: calls.append("freeze"))
-    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: calls.append(f"run {app} on {kwargs['port']}"))
+@pytest.fixture
+def calls(monkeypatch) -> list[str]:
+    """What ``serve`` did, in order: the freeze, and uvicorn's run (neither done for real)."""
+    done: list[str] = []
+    monkeypatch.setattr(serve_module, "freeze_startup_objects", lambda: done.append("freeze"))
+    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: done.append(f"run {app} on {kwargs['port']}"))
+    return done
+
+
+def test_the_app_is_frozen_out_of_full_collections_before_uvicorn_serves_it(calls):
     serve_module.serve("the app", _args())
     assert calls == ["freeze", "run the app on 8081"]
 
 
-def test_a_certificate_without_its_key_stops_before_anything_is_frozen_or_served(monkeypatch):
-    calls: list[str] = []
-    monkeypatch.setattr(serve_module, "freeze_startup_objects", lambda: calls.append("freeze"))
-    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: calls.append("run"))
+def test_a_certificate_without_its_key_stops_before_anything_is_frozen_or_served(calls):
     with pytest.raises(SystemExit, match="go together"):
         serve_module.serve("the app", _args(tls_cert="cert.pem"))
     assert calls == []
