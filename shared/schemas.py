@@ -190,6 +190,16 @@ class ReportRequest(Message):
     extras: dict[str, JsonValue]
 
 
+class WithdrawRequest(Message):
+    """A device that cannot contribute to round ``round_id`` (a task it cannot build or decode, a
+    group that dropped it) says so, and the Fed Server takes it out of the attempt at once
+    (``POST /v1/rounds/{round_id}/withdrawals``) instead of waiting for its upload."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0)
+    reason: str = Field(max_length=500)
+
+
 class UpdateRequest(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
     round_id: int = Field(ge=0)
@@ -319,10 +329,19 @@ class JoinRequest(Message):
 
 class RoundWatch(Message):
     """One line of a Main Server's round watch stream (``GET /v1/rounds/{round_id}/watch``):
-    ``open`` is a heartbeat; ``done`` (every group uploaded) or ``replaced`` (a newer plan) ends it."""
+    ``open`` is a heartbeat; ``done`` (every group's upload ended) or ``replaced`` (a newer plan)
+    ends it.
+
+    ``dropped``: the members this replica has dropped from the round so far, each with why (a
+    missed step deadline, activations that failed the checks, a failed group step), so the Fed
+    Server takes them out of the attempt at once instead of waiting for their uploads.
+    ``undelivered``: groups whose server portion could not be delivered to the Fed Server; their
+    members cannot be aggregated in this attempt."""
 
     round_id: int
     state: Literal["open", "done", "replaced"]
+    dropped: dict[DeviceId, str] = {}
+    undelivered: list[int] = []
 
 
 class JoinResponse(Message):
