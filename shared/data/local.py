@@ -12,25 +12,35 @@ run's :class:`InputTransform` (:func:`apply_input_transform`), then the check th
 ``data.input_shape`` (the three: :func:`model_inputs`) and that the labels are ``0..num_classes-1``. Anything wrong raises one
 :class:`DataError` naming the file and the field, before the device registers.
 
+What a file declares is checked against :class:`FileLimits` before it is decompressed or decoded
+(an ``.npz`` member's npy header and zip entry, an image's header), so a file that would unpack to
+more than the device can hold is refused in the same way.
+
 Import paths come only from the operator's command line, never from a message.
 """
 from __future__ import annotations
 
+import math
+import warnings
 import zipfile
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numpy.lib import format as npformat
 
 from shared.data.datasets import ArrayDataset
+from shared.data.limits import FileLimits
 from shared.data.spec import DataSpec, InputTransform
 from shared.imports import import_callable, is_import_path
 
 __all__ = [
     "DataError",
+    "FileLimits",
     "LocalSource",
     "apply_input_transform",
     "data_sources",
@@ -116,9 +126,14 @@ def model_inputs(raw: np.ndarray | torch.Tensor, spec: DataSpec, where: str) -> 
         message = str(exc)
         raise DataError(message if message.startswith(f"{where}:") else f"{where}: {message}") from None
     if list(x.shape[1:]) != list(spec.input_shape):
-        raise DataError(f"{where}: field 'x' gives samples of shape {list(x.shape[1:])} after "
-                        f"data.input_transform, but data.input_shape is {list(spec.input_shape)}")
+        raise DataError(_shape_mismatch(where, list(x.shape[1:]), spec.input_shape))
     return x
+
+
+def _shape_mismatch(where: str, shape: list[int], input_shape: list[int]) -> str:
+    """The message for samples of ``shape`` (after the transform) in a run of ``input_shape``."""
+    return (f"{where}: field 'x' gives samples of shape {shape} after data.input_transform, but "
+            f"data.input_shape is {list(input_shape)}")
 
 
 def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
@@ -155,32 +170,95 @@ def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
 # --------------------------------------------------------------------------------------------
 # Sources
 # --------------------------------------------------------------------------------------------
-def load_npz(path: str | Path, spec: DataSpec) -> ArrayDataset:
+def load_npz(path: str | Path, spec: DataSpec, limits: FileLimits | None = None) -> ArrayDataset:
     """An ``.npz`` file with arrays ``x`` and ``y`` as the run's model inputs (a device's data, or
-    the Fed Server's ``data.test_file``). Never unpickles: object arrays are refused."""
+    the Fed Server's ``data.test_file``). Never unpickles: object arrays are refused. Sizes are
+    checked against ``limits`` (default :class:`FileLimits`) before anything is decompressed."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"{p}: data file not found")
     if p.stat().st_size == 0:
         raise DataError(f"{p}: data file is empty")
+    arrays = _read_npz_arrays(p, ("x", "y"), limits or FileLimits())
+    return load_samples(arrays["x"], arrays["y"], spec, str(p))
+
+
+def _read_npz_arrays(p: Path, keys: tuple[str, ...], limits: FileLimits) -> dict[str, np.ndarray]:
+    """The arrays ``keys`` of the ``.npz`` file ``p``, each member's npy header and zip entry checked
+    first (:func:`_member_bytes`), and their declared bytes together against ``limits.max_bytes``.
+
+    Reads the archive with :mod:`zipfile` and :func:`numpy.lib.format.read_array` rather than
+    ``numpy.load``, which allocates whatever a header declares (a 2^40-element header: a
+    MemoryError) and decompresses whatever a member holds (2.5 GB from a 2.4 MB file) before
+    anything could be checked. A member is found by its key or as ``key.npy``, as ``numpy.load``
+    finds it.
+    """
+    with p.open("rb") as fh:
+        if fh.read(len(npformat.MAGIC_PREFIX)) == npformat.MAGIC_PREFIX:
+            raise DataError(f"{p}: not an .npz archive (a single .npy array); save with numpy.savez(path, x=..., y=...)")
     try:
-        archive = np.load(p, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        # np.load answers a text file or a truncated archive with these.
+        archive = zipfile.ZipFile(p)
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:   # a text file, a truncated archive
         raise DataError(f"{p}: not a readable .npz file ({exc})") from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise DataError(f"{p}: not an .npz archive (a single .npy array); save with numpy.savez(path, x=..., y=...)")
     with archive:
-        missing = [k for k in ("x", "y") if k not in archive.files]
+        names = archive.namelist()
+        members = {key: key if key in names else f"{key}.npy" for key in keys}
+        missing = [key for key, name in members.items() if name not in names]
         if missing:
+            held = sorted(name.removesuffix(".npy") for name in names)
             raise DataError(f"{p}: missing array {' and '.join(repr(k) for k in missing)} "
-                            f"(the file holds {sorted(archive.files)}; it needs 'x' and 'y')")
-        try:
-            x, y = archive["x"], archive["y"]
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-            # A damaged member, or an object array (refused: reading it would unpickle).
-            raise DataError(f"{p}: arrays 'x'/'y' are not readable ({exc})") from None
-    return load_samples(x, y, spec, str(p))
+                            f"(the file holds {held}; it needs {' and '.join(repr(k) for k in keys)})")
+        declared = {key: _member_bytes(archive, archive.getinfo(name), f"{p}: array {key!r}", limits)
+                    for key, name in members.items()}
+        if sum(declared.values()) > limits.max_bytes:
+            raise DataError(f"{p}: arrays {' and '.join(repr(k) for k in keys)} hold {sum(declared.values())} "
+                            f"bytes together, over the limit of {limits.max_bytes} bytes (--max-data-bytes)")
+        arrays = {}
+        for key, name in members.items():
+            try:
+                with archive.open(name) as stream:
+                    arrays[key] = npformat.read_array(stream, allow_pickle=False)
+            except _UNREADABLE as exc:   # damaged data: a bad CRC, or shorter than its header says
+                raise DataError(f"{p}: array {key!r} is not readable ({exc})") from None
+        return arrays
+
+
+#: What zipfile and numpy raise for a damaged archive member (an encrypted one: RuntimeError; an
+#: unknown compression method: NotImplementedError).
+_UNREADABLE = (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError)
+
+
+def _member_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str, limits: FileLimits) -> int:
+    """The bytes of the array in the archive member ``info``, from its npy header, once the header
+    and the entry are checked: no object dtype (reading it would unpickle), neither the header's
+    shape x item size nor the entry's uncompressed size over ``limits.max_bytes``, and the two
+    agreeing. Only the header is decompressed."""
+    try:
+        with archive.open(info) as stream:
+            version = npformat.read_magic(stream)
+            read_header = _NPY_HEADER_READERS.get(version)
+            if read_header is None:
+                raise ValueError(f"npy format version {version[0]}.{version[1]}; numpy.savez writes 1.0 or 2.0")
+            shape, _, dtype = read_header(stream)
+            header_bytes = stream.tell()
+    except _UNREADABLE as exc:
+        raise DataError(f"{where} is not readable ({exc})") from None
+    if dtype.hasobject:
+        raise DataError(f"{where} has dtype {dtype}, which holds Python objects: refused (reading it would unpickle)")
+    stored = info.file_size - header_bytes
+    if stored > limits.max_bytes:
+        raise DataError(f"{where} unpacks to {stored} bytes, over the limit of {limits.max_bytes} bytes (--max-data-bytes)")
+    declared = math.prod(shape) * dtype.itemsize
+    if declared > limits.max_bytes:
+        raise DataError(f"{where} declares shape {list(shape)} of {dtype} ({declared} bytes), over the limit of "
+                        f"{limits.max_bytes} bytes (--max-data-bytes)")
+    if declared != stored:
+        raise DataError(f"{where}: its header declares {declared} bytes (shape {list(shape)} of {dtype}) but the "
+                        f"archive holds {stored}")
+    return declared
+
+
+_NPY_HEADER_READERS = {(1, 0): npformat.read_array_header_1_0, (2, 0): npformat.read_array_header_2_0}
 
 
 def _class_folders(folder: Path, num_classes: int) -> list[tuple[int, Path]]:
@@ -208,11 +286,12 @@ def _image_files(folder: Path) -> list[Path]:
                   if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def load_image_folder(path: str | Path, spec: DataSpec) -> ArrayDataset:
+def load_image_folder(path: str | Path, spec: DataSpec, limits: FileLimits | None = None) -> ArrayDataset:
     """A folder of images, one sub-folder per class (:func:`_class_folders` gives the indices), as
     the run's model inputs. Images are converted to the channel count of ``data.input_shape``
     (1: Pillow's "L", 3: "RGB") and transformed one at a time, so their sizes may differ when
-    ``input_transform.resize`` is set."""
+    ``input_transform.resize`` is set. Each image's size is checked from its header before it is
+    decoded (:func:`_check_image_size`)."""
     assert spec.num_classes is not None and spec.input_shape is not None
     try:
         from PIL import Image, UnidentifiedImageError
@@ -225,13 +304,20 @@ def load_image_folder(path: str | Path, spec: DataSpec) -> ArrayDataset:
         raise DataError(f"{folder}: an image folder needs data.input_shape [1, H, W] or [3, H, W], "
                         f"got {list(spec.input_shape)}")
     mode = "L" if spec.input_shape[0] == 1 else "RGB"
+    limits = limits or FileLimits()
+    # Pillow warns at open about an image over its own 89-megapixel mark; _check_image_size refuses
+    # one over the device's limit in a line of its own right after, so the warning adds only noise.
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
     xs: list[torch.Tensor] = []
     ys: list[int] = []
     for label, sub in _class_folders(folder, spec.num_classes):
         for f in _image_files(sub):
             try:
-                with Image.open(f) as img:
+                with Image.open(f) as img:   # reads the header only
+                    _check_image_size(img.size, spec, limits, str(f))
                     pixels = np.array(img.convert(mode), dtype=np.uint8)   # a writable copy
+            except DataError:
+                raise
             except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
                 raise DataError(f"{f}: unreadable image ({exc})") from None
             xs.append(model_inputs(pixels[None], spec, str(f)))
@@ -239,6 +325,19 @@ def load_image_folder(path: str | Path, spec: DataSpec) -> ArrayDataset:
     if not xs:
         raise DataError(f"{folder}: no images in its class sub-folders (read: {', '.join(sorted(IMAGE_SUFFIXES))})")
     return ArrayDataset(x=torch.cat(xs), y=torch.tensor(ys, dtype=torch.int64), num_classes=spec.num_classes)
+
+
+def _check_image_size(size: tuple[int, int], spec: DataSpec, limits: FileLimits, where: str) -> None:
+    """Refuse an image from the (width, height) in its header, before it is decoded: more than
+    ``limits.max_pixels``, or, without ``input_transform.resize``, another size than
+    ``data.input_shape`` (the check :func:`model_inputs` would make after decoding it)."""
+    assert spec.input_shape is not None
+    width, height = size
+    if width * height > limits.max_pixels:
+        raise DataError(f"{where}: image of {width} x {height} = {width * height} pixels, over the limit of "
+                        f"{limits.max_pixels} pixels (--max-image-pixels)")
+    if spec.input_transform.resize is None and [height, width] != list(spec.input_shape[1:]):
+        raise DataError(_shape_mismatch(where, [spec.input_shape[0], height, width], spec.input_shape))
 
 
 def load_function(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayDataset:
@@ -267,14 +366,17 @@ def load_function(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayD
 @dataclass(frozen=True)
 class LocalSource:
     """One device's data: ``ref`` is an .npz file, an image folder or an import path; ``name``
-    (the file's stem, the folder's or the function's name) becomes part of the device id."""
+    (the file's stem, the folder's or the function's name) becomes part of the device id;
+    ``limits`` bound what its files may hold (the agent's ``--max-data-bytes`` and
+    ``--max-image-pixels``)."""
 
     name: str
     ref: str
+    limits: FileLimits = field(default_factory=FileLimits)
 
     def load(self, spec: DataSpec, data_args: dict[str, str] | None = None) -> ArrayDataset:
         """The device's samples as model inputs; :class:`DataError` for anything unusable."""
-        return load_local(self.ref, spec, data_args or {})
+        return load_local(self.ref, spec, data_args or {}, self.limits)
 
 
 def is_data_function(ref: str) -> bool:
@@ -282,24 +384,26 @@ def is_data_function(ref: str) -> bool:
     return is_import_path(ref) and not Path(ref).exists()
 
 
-def load_local(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayDataset:
-    """One device's data from ``ref``: an import path, an .npz file or an image folder."""
+def load_local(ref: str, spec: DataSpec, data_args: dict[str, str], limits: FileLimits | None = None) -> ArrayDataset:
+    """One device's data from ``ref``: an import path, an .npz file or an image folder, its files
+    checked against ``limits`` (default :class:`FileLimits`)."""
     if spec.dataset != "local":
         raise DataError(f"--data {ref}: the run uses the built-in data set {spec.dataset!r} (partitioned with "
                         f"--shards); --data needs a run with data.dataset: local")
     if is_data_function(ref):
         return load_function(ref, spec, data_args)
     if Path(ref).expanduser().is_dir():
-        return load_image_folder(ref, spec)
-    return load_npz(ref, spec)
+        return load_image_folder(ref, spec, limits)
+    return load_npz(ref, spec, limits)
 
 
 def _holds_images(folder: Path) -> bool:
     return any(f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES for f in folder.iterdir())
 
 
-def data_sources(ref: str) -> list[LocalSource]:
-    """The devices one ``--data`` value makes.
+def data_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource]:
+    """The devices one ``--data`` value makes, their files to be checked against ``limits``
+    (default :class:`FileLimits`).
 
     * an import path or a file: one device;
     * a folder holding ``.npz`` files (and no sub-folders): one device per file;
@@ -310,25 +414,26 @@ def data_sources(ref: str) -> list[LocalSource]:
 
     Anything else (a mix, an empty folder) is a :class:`DataError`, so the reading is never a guess.
     """
+    limits = limits or FileLimits()
     if is_data_function(ref):
-        return [LocalSource(ref.rpartition(":")[2], ref)]
+        return [LocalSource(ref.rpartition(":")[2], ref, limits)]
     p = Path(ref).expanduser()
     if not p.exists():
         raise DataError(f"{p}: data file or folder not found (nor an import path package.module:function)")
     if p.is_file():
-        return [LocalSource(p.stem, str(p))]
+        return [LocalSource(p.stem, str(p), limits)]
     subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
     npz = sorted(f for f in p.iterdir() if f.is_file() and f.suffix == ".npz")
     if npz and not subs:
-        return [LocalSource(f.stem, str(f)) for f in npz]
+        return [LocalSource(f.stem, str(f), limits) for f in npz]
     if not subs:
         raise DataError(f"{p}: neither .npz files nor sub-folders (a device folder holds one sub-folder per class)")
     if npz:
         raise DataError(f"{p}: holds both .npz files and sub-folders; give each device its own path")
     nested = [d for d in subs if not _holds_images(d) and any(s.is_dir() for s in d.iterdir())]
     if not nested:
-        return [LocalSource(p.name, str(p))]
+        return [LocalSource(p.name, str(p), limits)]
     if len(nested) != len(subs) or any(_holds_images(d) for d in subs):
         raise DataError(f"{p}: some sub-folders hold images and some hold folders; a device folder's sub-folders "
                         f"are classes (images), a folder of devices holds only device folders")
-    return [LocalSource(d.name, str(d)) for d in subs]
+    return [LocalSource(d.name, str(d), limits) for d in subs]
