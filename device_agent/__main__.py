@@ -6,6 +6,7 @@ import logging
 import sys
 
 from shared.config import DeviceMixConfig, env_default
+from shared.data.limits import DEFAULT_MAX_IMAGE_PIXELS, FileLimits, default_max_data_bytes
 from shared.profiles import AUTO_TRANSFER_RATIO, TimeScale, parse_time_scale
 from shared.service import add_common_args, configure_process, freeze_startup_objects, interrupt_on_sigterm, parse_service_args
 
@@ -29,6 +30,13 @@ def main(argv: list[str] | None = None) -> None:
                              "package.module:function, a folder of .npz files or of device folders (one device each)")
     parser.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword passed (as a string) to a --data function (repeatable)")
+    parser.add_argument("--max-data-bytes", type=_positive_int, default=env_default("max_data_bytes", default_max_data_bytes()),
+                        help="refuse a --data .npz file whose arrays x and y declare or unpack to more bytes than this, "
+                             "before reading them (env SFL_MAX_DATA_BYTES; default 1/16 of this machine's memory)")
+    parser.add_argument("--max-image-pixels", type=_positive_int,
+                        default=env_default("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
+                        help="refuse a --data image whose header says it has more pixels (width x height) than this, "
+                             f"before decoding it (env SFL_MAX_IMAGE_PIXELS; default {DEFAULT_MAX_IMAGE_PIXELS})")
     parser.add_argument("--device-id", default=None,
                         help="the id of the single --data device (default <prefix>-<file or folder name>)")
     parser.add_argument("--kinds", default=env_default("kinds", ""),
@@ -80,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.data_arg or args.device_id) and not args.data:
         parser.error("--data-arg and --device-id are for --data devices")
     try:
-        sources = [source for path in args.data for source in data_sources(path)]
+        limits = FileLimits(max_bytes=args.max_data_bytes, max_pixels=args.max_image_pixels)
+        sources = [source for path in args.data for source in data_sources(path, limits)]
         data_args = parse_data_args(args.data_arg)
         local_device_ids(sources, args.prefix, args.device_id)
         shards = [] if sources else parse_shards(args.shards or "0")
@@ -132,6 +141,14 @@ def _time_scale(text: str) -> TimeScale:
         return parse_time_scale(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    """A limit flag's value: a whole number above zero (argparse shows the error with the flag's name)."""
+    value = _whole_number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number above zero")
+    return value
 
 
 def _whole_number(text: str) -> int:
