@@ -107,6 +107,16 @@ class UpdateCheckConfig(_Strict):
     action: Literal["reject", "clip"] = "reject"
 
 
+class AggregationConfig(_Strict):
+    """How the Fed Server combines a round's uploads: ``rule`` names a rule registered in
+    ``AGGREGATION_RULES`` (``shared/algorithms/registry.py``) and ``params`` are its parameters,
+    both checked by ``shared/run_config.py`` (this schema imports no algorithm). The default bounds
+    each device's weight and each update relative to the round (docs/configuration.md#aggregation)."""
+
+    rule: str = "bounded_mean"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
 class DeviceMixConfig(_Strict):
     """Emulated device kinds (paper Table 1, see shared/profiles.py), assigned round-robin to shards.
 
@@ -161,6 +171,7 @@ class RunConfig(_Strict):
     grouping: GroupingConfig = Field(default_factory=GroupingConfig)
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
     updates: UpdateCheckConfig = Field(default_factory=UpdateCheckConfig)
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     half_precision: bool = False

@@ -20,6 +20,7 @@ that need the run's state.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
@@ -28,12 +29,15 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from shared.algorithms.aggregation import Contribution, layerwise_aggregate
+from shared.algorithms.aggregation import Contribution
+from shared.algorithms.robust_aggregation import AggregationRule
 from shared.errors import Invalid
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
     from shared.data import ArrayDataset
+
+log = logging.getLogger(__name__)
 
 SplitMode = Literal["sliding", "fixed", "zero"]
 #: A JSON-able map that is not a payload: device parameters, metrics, checkpoint state.
@@ -131,7 +135,7 @@ class DeviceLogic:
 
 
 class Algorithm:
-    """Fed Server side. Defaults: split depth zero, Algorithm 1 aggregation.
+    """Fed Server side. Defaults: split depth zero, the configured aggregation rule (``aggregation``).
 
     Which devices train is not the algorithm's business: the coordinator composes the configured
     selection policy (``shared/algorithms/selection.py``) with :meth:`eligible`.
@@ -150,8 +154,12 @@ class Algorithm:
     UploadExtras: ClassVar[type[Payload]] = Payload
 
     def __init__(self, config: "RunConfig") -> None:
+        # The registry imports this module, so its rule table is looked up when an algorithm is built.
+        from shared.algorithms.registry import build_aggregation_rule
+
         self.config = config
         self.params = self.Params.model_validate(config.algorithm_params)
+        self.aggregation_rule: AggregationRule = build_aggregation_rule(config)
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Called once by the Fed Server with the global model (names of its output layer etc.)."""
@@ -193,9 +201,23 @@ class Algorithm:
 
     def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
                   contributions: Mapping[str, Contribution], extras: Mapping[str, Payload]) -> dict[str, torch.Tensor]:
-        """New global model from the round's uploads, keyed by device (S2FL Algorithm 1; FedAvg
-        when nothing is split). Also the place to update per-device state from the uploads."""
-        return layerwise_aggregate(global_state, list(contributions.values()))
+        """New global model from the round's uploads, keyed by device: the configured aggregation
+        rule (default: S2FL Algorithm 1's mean with bounded weights and updates; FedAvg when nothing
+        is split). Also the place to update per-device state from the uploads."""
+        return self.apply_aggregation_rule(ctx, global_state, contributions)
+
+    def apply_aggregation_rule(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
+                               contributions: Mapping[str, Contribution]) -> dict[str, torch.Tensor]:
+        """The configured rule (``aggregation``) over ``contributions``; logs which devices' weights
+        or updates its bounds changed, since an honest run should rarely see that."""
+        result = self.aggregation_rule.aggregate(global_state, contributions)
+        if result.capped:
+            log.info("round %d (attempt %d): aggregation weight bounded for %s", ctx.index, ctx.attempt,
+                     ", ".join(f"{d} ({contributions[d].weight:g} -> {w:g})" for d, w in sorted(result.capped.items())))
+        if result.clipped:
+            log.info("round %d (attempt %d): update clipped to the round's norm bound for %s", ctx.index, ctx.attempt,
+                     "; ".join(f"{d} on {', '.join(keys)}" for d, keys in sorted(result.clipped.items())))
+        return result.state
 
     def evaluate(self, model: torch.nn.Module) -> JsonMap:
         """Extra evaluation of the new global model (e.g. out-of-distribution accuracy)."""

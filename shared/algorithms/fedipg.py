@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 
-from shared.algorithms.aggregation import Contribution, layerwise_aggregate
+from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
 from shared.evaluation import evaluate
 
@@ -259,7 +259,9 @@ class FedIPG(Algorithm):
     def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
                   contributions: Mapping[str, Contribution],
                   extras: Mapping[str, FedIPGUploadExtras]) -> dict[str, torch.Tensor]:
-        """w^{t+1} = sum_{i in I_ID^t} a_i w_i^t with a_i normalised over the round's ID uploads."""
+        """w^{t+1} = sum_{i in I_ID^t} a_i w_i^t with a_i normalised over the round's ID uploads,
+        combined by the configured aggregation rule (default: with bounded weights and updates).
+        ``last_weights`` are the a_i before the rule's weight bound."""
         kept = {d: c for d, c in contributions.items() if d not in self.exited}  # defence in depth
         if not kept:
             self.last_weights = {}
@@ -271,7 +273,7 @@ class FedIPG(Algorithm):
         self.last_weights = {d: c.weight / total for d, c in sorted(kept.items())}
         if self.params.exit_policy == "contribution":
             self._contribution_exit(ctx.index, global_state, kept)
-        return layerwise_aggregate(global_state, list(kept.values()))
+        return self.apply_aggregation_rule(ctx, global_state, kept)
 
     def _contribution_exit(self, round_id: int, global_state: Mapping[str, torch.Tensor],
                            kept: Mapping[str, Contribution]) -> None:

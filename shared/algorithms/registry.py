@@ -1,8 +1,10 @@
-"""Algorithms, selection policies and the Main Server's split-learning plug-ins (grouping, group
-loss) by name. Adding one: write its module, add one line here."""
+"""Algorithms, selection policies, aggregation rules and the Main Server's split-learning plug-ins
+(grouping, group loss) by name. Adding one: write its module, add one line here."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 from shared.algorithms.base import Algorithm
 from shared.algorithms.data_weighted_loss import DataWeightedLoss
@@ -14,6 +16,9 @@ from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumL
 from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
 from shared.algorithms.hics import HiCSSelector
 from shared.algorithms.random_grouping import RandomGrouping
+from shared.algorithms.robust_aggregation import (
+    AggregationRule, BoundedMean, Krum, Mean, Median, MultiKrum, TrimmedMean, rule_params_error,
+)
 from shared.algorithms.selection import DeviceSelector
 from shared.algorithms.split_learning import S2FL, SFL
 
@@ -33,6 +38,17 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 SELECTORS: dict[str, type[DeviceSelector]] = {
     "random": DeviceSelector,
     "hics": HiCSSelector,
+}
+
+
+#: How the Fed Server combines a round's uploads (``aggregation.rule``; docs/configuration.md#aggregation).
+AGGREGATION_RULES: dict[str, type[AggregationRule]] = {
+    "bounded_mean": BoundedMean,
+    "mean": Mean,
+    "median": Median,
+    "trimmed_mean": TrimmedMean,
+    "krum": Krum,
+    "multi_krum": MultiKrum,
 }
 
 
@@ -67,6 +83,16 @@ def build_selector(config: "RunConfig", output_layer: str | None = None) -> Devi
         return SELECTORS[config.selection](config, output_layer)
     except KeyError:
         raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}") from None
+
+
+def build_aggregation_rule(config: "RunConfig") -> AggregationRule:
+    """The configured aggregation rule; ValueError names an unknown rule (with the choices) or
+    each bad parameter (``aggregation.params.clip: ...``)."""
+    rule = _plug_in(AGGREGATION_RULES, "aggregation rule", config.aggregation.rule)
+    try:
+        return rule(config.aggregation.params)
+    except ValidationError as exc:   # a plain ValueError: the config loader prints it as it is
+        raise ValueError(rule_params_error(rule, exc)) from None
 
 
 def build_grouping(name: str) -> Grouping:
