@@ -111,7 +111,7 @@ class AggregationConfig(_Strict):
     """How the Fed Server combines a round's uploads: ``rule`` names a rule registered in
     ``AGGREGATION_RULES`` (``shared/algorithms/registry.py``) and ``params`` are its parameters,
     both checked by ``shared/run_config.py`` (this schema imports no algorithm). The default bounds
-    each device's weight and each update relative to the round (docs/configuration.md#aggregation)."""
+    each device's weight and each update relative to the round (docs/configuration.md, ``aggregation.*``)."""
 
     rule: str = "bounded_mean"
     params: dict[str, Any] = Field(default_factory=dict)

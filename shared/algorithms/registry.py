@@ -41,7 +41,7 @@ SELECTORS: dict[str, type[DeviceSelector]] = {
 }
 
 
-#: How the Fed Server combines a round's uploads (``aggregation.rule``; docs/configuration.md#aggregation).
+#: How the Fed Server combines a round's uploads (``aggregation.rule``; docs/configuration.md, ``aggregation.*``).
 AGGREGATION_RULES: dict[str, type[AggregationRule]] = {
     "bounded_mean": BoundedMean,
     "mean": Mean,

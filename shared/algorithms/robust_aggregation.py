@@ -25,7 +25,7 @@ Algorithm 1, with the bounded weights, under every rule.
 
 Adding a rule: a subclass of :class:`AggregationRule` with its own ``Params`` (a subclass of
 :class:`RuleParams`) and :meth:`AggregationRule.combine`, and one line in ``AGGREGATION_RULES``
-(``shared/algorithms/registry.py``); docs/configuration.md#aggregation describes the rules.
+(``shared/algorithms/registry.py``); docs/configuration.md (``aggregation.*``) describes the rules.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from shared.algorithms.aggregation import Contribution, check_contributions, lay
 __all__ = ["AggregationRule", "Aggregated", "BoundedMean", "Krum", "Mean", "Median", "MultiKrum", "RuleParams",
            "TrimmedMean"]
 
-#: The defaults of the two bounds (docs/configuration.md#aggregation says how they were chosen).
+#: The defaults of the two bounds (docs/configuration.md, ``aggregation.*``, says how they were chosen).
 DEFAULT_CLIP = 3.0
 DEFAULT_MAX_WEIGHT_RATIO = 4.0
 
