@@ -1,8 +1,13 @@
-"""``python -m fed_server``: run the Fed Server for one run configuration."""
+"""``python -m fed_server``: run the Fed Server for one run configuration;
+``python -m fed_server credentials issue``: write the devices' enrolment credentials."""
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
 import time
+from pathlib import Path
 
 from shared.config import env_default
 from http_api.serve import serve
@@ -20,6 +25,10 @@ def main_server_urls_of(value: str | list[str] | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["credentials"]:
+        credentials_main(argv[1:])
+        return
     parser = argparse.ArgumentParser(
         prog="python -m fed_server",
         description="S2FL Fed Server: selects devices, picks split points from the client time table, "
@@ -41,7 +50,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default on). "
                              "Turn off for very large deployments: per-phase and per-split aggregates remain")
     parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
-                        help="secret devices present to register (or env SFL_ENROLMENT_SECRET); needs the service secret")
+                        help="the shared enrolment secret: any device that presents it may register (or env "
+                             "SFL_ENROLMENT_SECRET); needs the service secret. See --enrolment-secret-max-devices")
+    parser.add_argument("--enrolment-secret-max-devices", type=int,
+                        default=env_default("enrolment_secret_max_devices", None), metavar="N",
+                        help="at most N devices may register with the shared enrolment secret (env "
+                             "SFL_ENROLMENT_SECRET_MAX_DEVICES; default: no cap)")
+    parser.add_argument("--enrolment-key-file", default=env_default("enrolment_key_file", None),
+                        help="key the devices' enrolment credentials were issued with (python -m fed_server credentials "
+                             "issue; or env SFL_ENROLMENT_KEY): a device registers with its own credential, only as the "
+                             "devices it was issued for; needs the service secret")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
 
@@ -58,12 +76,15 @@ def main(argv: list[str] | None = None) -> None:
         exit_on_config_error(exc)
     # Flag mistakes are reported before the Coordinator loads data and evaluates the model.
     try:
-        auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file)
+        auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file, args.enrolment_key_file,
+                                  args.enrolment_secret_max_devices)
     except ValueError as exc:
         parser.error(str(exc))
-    if auth.enabled and auth.enrolment_secret is None:
-        parser.error("a service secret without an enrolment secret would refuse every device: "
-                     "set --enrolment-secret-file or SFL_ENROLMENT_SECRET too")
+    if auth.enabled and auth.enrolment_secret is None and auth.enrolment_key is None:
+        parser.error("a service secret without an enrolment secret or key would refuse every device: set "
+                     "--enrolment-key-file / SFL_ENROLMENT_KEY or --enrolment-secret-file / SFL_ENROLMENT_SECRET too")
+    if args.enrolment_secret_max_devices is not None and args.enrolment_secret_max_devices < 1:
+        parser.error(f"--enrolment-secret-max-devices must be at least 1, got {args.enrolment_secret_max_devices}")
     main_server_urls = main_server_urls_of(args.main_server_url)
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     try:
@@ -74,6 +95,71 @@ def main(argv: list[str] | None = None) -> None:
     warn_if_open(auth, "fed_server", "register devices, upload models and server portions")
     settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
     serve(create_app(coordinator, settings), args)
+
+
+def credentials_main(argv: list[str]) -> None:
+    """``python -m fed_server credentials issue``: enrolment credentials for the devices named, one
+    owner-only file per device to copy onto it (or one for an agent hosting them all). They are
+    derived from the enrolment key, so the Fed Server needs only that key to verify them."""
+    from device_agent.agent import parse_shards
+    from shared.auth import CredentialScope, issue_credential, load_secret, shard_ranges
+    from shared.schemas import _ID_PATTERN
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fed_server credentials",
+        description="Issue the devices' enrolment credentials (docs/security.md). Each lets its holder register "
+                    "only the devices it names, and enrol them again after a restart.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    issue = commands.add_parser("issue", help="write enrolment credential files",
+                                description="Write enrolment credential files for the devices named.")
+    issue.add_argument("--key-file", default=env_default("enrolment_key_file", None),
+                       help="the enrolment key, the Fed Server's --enrolment-key-file (or env SFL_ENROLMENT_KEY)")
+    devices = issue.add_mutually_exclusive_group(required=True)
+    devices.add_argument("--devices", metavar="ID,ID,...",
+                         help="device ids, each allowed on any shard or slot (e.g. the --data devices of a run with "
+                              "dataset: local)")
+    devices.add_argument("--shards", metavar="SHARDS",
+                         help="shards of a built-in data set, e.g. 0-9 or 0,2,4 (an agent's --shards): devices "
+                              "<prefix>-<shard as 3 digits>, each allowed only on its own shard")
+    issue.add_argument("--prefix", default="dev", help="the agents' --prefix, with --shards (default dev)")
+    issue.add_argument("--one-file", metavar="NAME",
+                       help="one credential for all these devices, written to OUT/NAME.credential, for one agent "
+                            "that hosts them all (default: one file per device, OUT/<device id>.credential)")
+    issue.add_argument("--out", required=True, help="folder for the credential files (created owner-only)")
+    args = parser.parse_args(argv)
+    key = load_secret(args.key_file, "SFL_ENROLMENT_KEY")
+    if key is None:
+        issue.error("no enrolment key: give --key-file FILE or SFL_ENROLMENT_KEY (a new one: "
+                    "python -c 'import secrets; print(secrets.token_hex(32))' > enrolment.key)")
+    for flag, name in (("--one-file", args.one_file), ("--prefix", args.prefix)):
+        if name is not None and not re.fullmatch(_ID_PATTERN, name):
+            issue.error(f"{flag} {name!r}: 1 to 64 letters, digits, '_', '.' or '-'")
+    if args.devices is not None:
+        ids = [part.strip() for part in args.devices.split(",") if part.strip()]
+        bad = [d for d in ids if not re.fullmatch(_ID_PATTERN, d)]
+        if not ids or bad:
+            issue.error(f"--devices: bad device ids {bad or args.devices!r}: 1 to 64 letters, digits, '_', '.' or '-'")
+        each = {d: CredentialScope(ids=(d,)) for d in ids}
+        together = CredentialScope(ids=tuple(ids))
+    else:
+        try:
+            shards = parse_shards(args.shards)
+        except ValueError as exc:
+            issue.error(f"--shards: {exc}")
+        each = {f"{args.prefix}-{s:03d}": CredentialScope(ranges=shard_ranges(args.prefix, [s])) for s in shards}
+        together = CredentialScope(ranges=shard_ranges(args.prefix, shards))
+    scopes = each if args.one_file is None else {args.one_file: together}
+    out = Path(args.out)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name, scope in scopes.items():
+        path = out / f"{name}.credential"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)   # a file that existed keeps its mode otherwise
+        with os.fdopen(fd, "w") as f:
+            f.write(issue_credential(key, scope) + "\n")
+        print(f"{path}: {scope.describe()}")
+    print("Copy each file onto its device (its agent's --enrolment-secret-file); start the Fed Server with "
+          "--enrolment-key-file on the key.")
 
 
 if __name__ == "__main__":

@@ -86,10 +86,10 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     @app.post(f"{API}/devices/register", response_class=Response, openapi_extra=msgpack_body_schema(RegisterRequest))
     async def register(request: Request) -> Response:
         """Device: announce itself, its shard and its profile; get the run's data and model spec."""
-        settings.auth.check_enrolment(request.headers)
+        enrolment = settings.auth.check_enrolment(request.headers)
         req = await read_message(request, RegisterRequest, settings.max_register_bytes)
         known = req.device_id in coordinator.devices.devices
-        answer = coordinator.register(req)
+        answer = coordinator.devices.enrol(req, enrolment, lambda: coordinator.register(req))
         if settings.auth.enabled:
             # Enrolment under a known id (an agent restarted and lost its token) issues a new
             # token and revokes the old one: the registry drew a new nonce (docs/security.md).

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fed_server.time_table import DeviceProfile
-from shared.errors import Conflict, Invalid, NotFound
+from shared.auth import Enrolment
+from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.schemas import RegisterRequest
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -24,6 +29,10 @@ class DeviceRecord:
     #: Samples per class, sent at registration only in a run whose Fed Server forms the groups
     #: (several Main Server replicas); None otherwise.
     label_counts: list[int] | None = None
+    #: Who enrolled the device (shared/auth.py ``Enrolment.holder``): the enrolment credential or
+    #: the shared enrolment secret. Only that holder may enrol the device again. None on an open
+    #: server. Kept as long as the registration; a restarted Fed Server forgets it with the rest.
+    holder: str | None = None
 
 
 class DeviceRegistry:
@@ -31,6 +40,7 @@ class DeviceRegistry:
 
     Re-registering a known device keeps its place (same id and shard) but gives it a new token
     nonce: the restarted agent that registers again gets a new token and the old one is revoked.
+    Only the holder that enrolled a device may enrol it again (:meth:`enrol`).
 
     With ``local_data`` (``dataset="local"``) there is no partition: a device registers without a
     shard and gets the lowest free slot ``0..num_shards-1`` (kept when it registers again); a run
@@ -73,6 +83,28 @@ class DeviceRegistry:
                               label_counts=req.label_counts)
         self.devices[req.device_id] = record
         return record
+
+    def enrol(self, req: RegisterRequest, enrolment: Enrolment | None, register: Callable[[], T]) -> T:
+        """Register ``req``'s device through ``register`` (the run's registration, which ends in
+        :meth:`register`) if ``enrolment`` may, and record it as the device's holder. Refused,
+        changing nothing: a device outside the enrolment's scope (NotAllowed), a device held under
+        another credential or secret (Conflict: taking it over would revoke its holder's token and
+        stop that device), a new device beyond the enrolment's cap (NotAllowed). ``None`` (an open
+        server) registers as before."""
+        if enrolment is not None:
+            enrolment.check_scope(req.device_id, req.shard)
+            known = self.devices.get(req.device_id)
+            if known is not None and known.holder != enrolment.holder:
+                raise Conflict(f"device {req.device_id!r} is held under another enrolment credential: only the "
+                               f"credential it registered with can enrol it again")
+            if known is None and enrolment.max_devices is not None:
+                held = sum(record.holder == enrolment.holder for record in self.devices.values())
+                if held >= enrolment.max_devices:
+                    raise NotAllowed(f"{enrolment.holder} may register at most {enrolment.max_devices} devices and "
+                                     f"holds {held}: enrol further devices with their own enrolment credentials")
+        answer = register()
+        self.devices[req.device_id].holder = enrolment.holder if enrolment is not None else None
+        return answer
 
     def get(self, device_id: str) -> DeviceRecord:
         record = self.devices.get(device_id)

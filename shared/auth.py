@@ -1,10 +1,18 @@
 """Who may call what: enrolment, per-device tokens, and the two servers' mutual authentication.
 
-- A device enrols (``POST /v1/devices/register``) by presenting the deployment's enrolment
-  secret in ``X-Enrolment-Secret``; the Fed Server answers with a fresh per-device token. Every
-  enrolment draws a new random *token nonce* for the device, which revokes the token issued
-  before (so an agent that restarted, and lost its token, enrols again and the dead process's
-  token stops working).
+- A device enrols (``POST /v1/devices/register``) by presenting, in ``X-Enrolment-Secret``,
+  either its **enrolment credential** or the deployment's shared **enrolment secret**; the Fed
+  Server answers with a fresh per-device token. Every enrolment draws a new random *token nonce*
+  for the device, which revokes the token issued before (so an agent that restarted, and lost its
+  token, enrols again and the dead process's token stops working).
+- An enrolment credential is ``sfl-enrol-1:<scope>:<HMAC-SHA256(enrolment key, "enrol:<scope>")>``,
+  issued by the operator (``python -m fed_server credentials issue``). The scope names the device
+  ids it may register (``dev-a,dev-b``: any shard or slot) and shard ranges in the agent's naming
+  (``dev/0-9``: ``dev-000`` .. ``dev-009``, each only on its own shard). The Fed Server keeps the
+  enrolment key and no list of credentials: it verifies the MAC and reads the scope. The device
+  registry records which credential holds each device, so one credential cannot take over a
+  device held under another (fed_server/devices.py).
+- The shared enrolment secret may register any device id; ``shared_max_devices`` caps how many.
 - The token is ``HMAC-SHA256(service secret, "device:<run id>:<device id>:<nonce>")``: bound to
   the device, to the run and to that enrolment. The Fed Server keeps each device's current nonce;
   the Main Server has no registry of its own and learns it from the round plan (each
@@ -14,8 +22,9 @@
 - The Fed Server and the Main Server share the service secret and call each other with
   ``HMAC(service secret, "service")`` (the secret itself never travels).
 
-Secrets come from files or environment variables, never from code. With no service secret the
-servers run open (the local testbed's default is to generate secrets; see docs/security.md).
+Secrets and keys come from files or environment variables, never from code. With no service
+secret the servers run open (the local testbed's default is to generate secrets; see
+docs/security.md).
 """
 from __future__ import annotations
 
@@ -23,10 +32,12 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import NotAllowed, Unauthenticated
+from shared.schemas import _ID_PATTERN as DEVICE_ID_PATTERN
 
 
 def warn_if_open(auth: "Auth", service: str, exposure: str) -> bool:
@@ -58,12 +69,137 @@ def _bearer(headers) -> str | None:
     return value[7:].strip() if value.lower().startswith("bearer ") else None
 
 
+#: How an enrolment credential begins: what tells it from the shared enrolment secret.
+CREDENTIAL_PREFIX = "sfl-enrol-1:"
+_RANGE = re.compile(r"(.+)/([0-9]{1,9})(?:-([0-9]{1,9}))?")
+_SHARD_ID = re.compile(r"(.+)-([0-9]+)")
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Devices ``<prefix>-<shard as 3 digits>`` of shards ``first..last``, each only on its own
+    shard: the ids a device agent gives the devices of ``--shards`` (device_agent/agent.py)."""
+
+    prefix: str
+    first: int
+    last: int
+
+    def shard_of(self, device_id: str) -> int | None:
+        """The shard ``device_id`` is bound to in this range; None when the range does not name it."""
+        match = _SHARD_ID.fullmatch(device_id)
+        if match is None or match.group(1) != self.prefix:
+            return None
+        shard = int(match.group(2))
+        return shard if self.first <= shard <= self.last and device_id == f"{self.prefix}-{shard:03d}" else None
+
+    def __str__(self) -> str:
+        return f"{self.prefix}/{self.first}" + (f"-{self.last}" if self.last != self.first else "")
+
+    def describe(self) -> str:
+        if self.first == self.last:
+            return f"{self.prefix}-{self.first:03d} (shard {self.first})"
+        return f"{self.prefix}-{self.first:03d}..{self.prefix}-{self.last:03d} (shards {self.first}-{self.last})"
+
+
+def shard_ranges(prefix: str, shards: list[int]) -> tuple[ShardRange, ...]:
+    """The devices of ``shards`` (named with ``prefix``) as the fewest ranges of consecutive shards."""
+    ranges: list[ShardRange] = []
+    for shard in sorted(shards):
+        if ranges and ranges[-1].last == shard - 1:
+            ranges[-1] = ShardRange(prefix, ranges[-1].first, shard)
+        else:
+            ranges.append(ShardRange(prefix, shard, shard))
+    return tuple(ranges)
+
+
+@dataclass(frozen=True)
+class CredentialScope:
+    """The devices one enrolment credential may register: named ids (on any shard or slot) and
+    shard ranges (each id on its own shard). Written ``dev-a,dev-b,dev/0-9``."""
+
+    ids: tuple[str, ...] = ()
+    ranges: tuple[ShardRange, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "CredentialScope":
+        """The scope written ``text``; ValueError when it is not one."""
+        ids: list[str] = []
+        ranges: list[ShardRange] = []
+        for entry in text.split(","):
+            match = _RANGE.fullmatch(entry)
+            if match is not None and re.fullmatch(DEVICE_ID_PATTERN, match.group(1)):
+                first = int(match.group(2))
+                last = int(match.group(3) if match.group(3) is not None else first)
+                if last < first:
+                    raise ValueError(f"bad shard range {entry!r}: the first shard is above the last")
+                ranges.append(ShardRange(match.group(1), first, last))
+            elif re.fullmatch(DEVICE_ID_PATTERN, entry):
+                ids.append(entry)
+            else:
+                raise ValueError(f"bad scope entry {entry!r}: a device id or <prefix>/<shard>[-<shard>]")
+        return cls(tuple(ids), tuple(ranges))
+
+    def __str__(self) -> str:
+        return ",".join([*self.ids, *(str(r) for r in self.ranges)])
+
+    def describe(self) -> str:
+        """The devices covered, for messages: ``devices dev-a, dev-000..dev-009 (shards 0-9)``."""
+        return "devices " + ", ".join([*self.ids, *(r.describe() for r in self.ranges)])
+
+    def check(self, device_id: str, shard: int | None) -> None:
+        """Refuse (NotAllowed) a registration of ``device_id`` on ``shard`` this scope does not cover."""
+        if device_id in self.ids:
+            return
+        bound = [s for s in (r.shard_of(device_id) for r in self.ranges) if s is not None]
+        if not bound:
+            raise NotAllowed(f"this enrolment credential covers {self.describe()}: it cannot register "
+                             f"device {device_id!r}")
+        if shard not in bound:
+            raise NotAllowed(f"this enrolment credential covers device {device_id!r} on shard {bound[0]} only, "
+                             f"not {'without a shard' if shard is None else f'on shard {shard}'}")
+
+
+def issue_credential(key: bytes, scope: CredentialScope) -> str:
+    """The enrolment credential for ``scope`` under the deployment's enrolment ``key``. The same
+    key and scope always give the same credential, so the Fed Server needs only the key."""
+    return f"{CREDENTIAL_PREFIX}{scope}:{_credential_mac(key, str(scope))}"
+
+
+def _credential_mac(key: bytes, scope: str) -> str:
+    return hmac.new(key, f"enrol:{scope}".encode(), hashlib.sha256).hexdigest()
+
+
+#: Who holds the devices registered with the shared enrolment secret (fed_server/devices.py).
+SHARED_SECRET_HOLDER = "the shared enrolment secret"
+
+
+@dataclass(frozen=True)
+class Enrolment:
+    """What a registration presented, once it is verified: who holds the devices it registers
+    (the device registry keeps it, and refuses a device held by another holder), what it may
+    register (``scope``; None: any device id) and how many (``max_devices``; None: no cap)."""
+
+    holder: str
+    scope: CredentialScope | None = None
+    max_devices: int | None = None
+
+    def check_scope(self, device_id: str, shard: int | None) -> None:
+        """Refuse (NotAllowed) a device this enrolment may not register."""
+        if self.scope is not None:
+            self.scope.check(device_id, shard)
+
+
 @dataclass(frozen=True)
 class Auth:
     """The checks one server applies. ``service_secret=None`` turns authentication off."""
 
     service_secret: bytes | None = None
+    #: The shared enrolment secret (any device id), None when devices need credentials.
     enrolment_secret: bytes | None = None
+    #: The key enrolment credentials are issued with; None when only the shared secret enrols.
+    enrolment_key: bytes | None = None
+    #: At most this many devices registered with the shared enrolment secret (None: no cap).
+    shared_max_devices: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -83,13 +219,20 @@ class Auth:
         """Headers for a server-to-server call."""
         return {"authorization": f"Bearer {self.service_token()}"} if self.enabled else {}
 
-    def check_enrolment(self, headers) -> None:
-        """A registering device must present the enrolment secret."""
+    def check_enrolment(self, headers) -> Enrolment | None:
+        """Who enrols: the holder of the enrolment credential or of the shared enrolment secret
+        in ``X-Enrolment-Secret`` (Unauthenticated for anything else). None on an open server."""
         if not self.enabled:
-            return
+            return None
         given = headers.get("x-enrolment-secret", "")
-        if self.enrolment_secret is None or not hmac.compare_digest(given.encode(), self.enrolment_secret):
-            raise Unauthenticated("enrolment refused: a valid X-Enrolment-Secret header is required")
+        if self.enrolment_key is not None and given.startswith(CREDENTIAL_PREFIX):
+            scope, _, mac = given[len(CREDENTIAL_PREFIX):].rpartition(":")
+            if hmac.compare_digest(mac.encode(), _credential_mac(self.enrolment_key, scope).encode()):
+                return Enrolment(f"credential {scope}", CredentialScope.parse(scope))
+        if self.enrolment_secret is not None and hmac.compare_digest(given.encode(), self.enrolment_secret):
+            return Enrolment(SHARED_SECRET_HOLDER, max_devices=self.shared_max_devices)
+        raise Unauthenticated("enrolment refused: X-Enrolment-Secret must carry this device's enrolment credential "
+                              "or the deployment's enrolment secret")
 
     def check_device(self, headers, run_id: str, device_id: str, nonce: str | None) -> None:
         """The caller must hold ``device_id``'s current token in this run (not another device's,
@@ -112,8 +255,11 @@ class Auth:
             raise Unauthenticated("server-to-server call without a valid service token")
 
 
-def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None) -> Auth:
-    """The servers' Auth from ``--service-secret-file`` / ``SFL_SERVICE_SECRET`` and
-    ``--enrolment-secret-file`` / ``SFL_ENROLMENT_SECRET``."""
+def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None,
+                       enrolment_key_file: str | None = None, shared_max_devices: int | None = None) -> Auth:
+    """The servers' Auth from ``--service-secret-file`` / ``SFL_SERVICE_SECRET``,
+    ``--enrolment-secret-file`` / ``SFL_ENROLMENT_SECRET`` and ``--enrolment-key-file`` /
+    ``SFL_ENROLMENT_KEY``."""
     return Auth(load_secret(service_secret_file, "SFL_SERVICE_SECRET"),
-                load_secret(enrolment_secret_file, "SFL_ENROLMENT_SECRET"))
+                load_secret(enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
+                load_secret(enrolment_key_file, "SFL_ENROLMENT_KEY"), shared_max_devices)

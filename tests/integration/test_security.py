@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import json
+import math
+import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,19 +21,23 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from integration_support import read_metrics, server_pair, small_config, wait_for
-from shared.auth import Auth
+from shared.auth import Auth, CredentialScope, issue_credential
+from shared.data import device_shard, load_dataset
 from shared.models import build_model
 from shared.schemas import (
-    DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, StepRequest, UpdateRequest,
-    WireTensor,
+    DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, RunInfo, StepRequest,
+    UpdateRequest, WireTensor,
 )
 from shared.config import TrainConfig
 from shared.wire import encode_state, encode_tensor, packb, unpackb
+from testbed.processes import ProcessGroup, service_env
 from testbed.runner import Testbed, TlsFiles
 from testbed.warm_start import shared_starter
 
 SERVICE = "service-secret-for-tests"
 ENROL = "enrolment-secret-for-tests"
+KEY = "enrolment-key-for-tests"
+ROOT = Path(__file__).resolve().parents[2]
 MSGPACK = {"content-type": "application/msgpack"}
 
 
@@ -91,13 +100,28 @@ def servers():
         yield pair.fed_url, pair.main_url
 
 
+def _samples(fed_url: str, shard: int) -> int:
+    """The count an honest device of ``shard`` registers with: its shard of the run's data spec, less
+    the part it holds out for federated evaluation."""
+    return _run_samples(unpackb(httpx.get(f"{fed_url}/v1/run").content)["run_id"], fed_url, shard)
+
+
+@functools.lru_cache
+def _run_samples(run_id: str, fed_url: str, shard: int) -> int:
+    run = RunInfo.model_validate(unpackb(httpx.get(f"{fed_url}/v1/run").content))
+    n = len(device_shard(run.data, load_dataset(run.data)[0], shard))
+    return n - math.floor(n * run.holdout) if run.holdout else n
+
+
 def _post(url: str, body, headers: dict | None = None) -> httpx.Response:
     return httpx.post(url, content=packb(body.model_dump() if hasattr(body, "model_dump") else body),
                       headers={**MSGPACK, **(headers or {})}, timeout=30)
 
 
 def _register(fed_url: str, device: str, shard: int, headers: dict | None) -> httpx.Response:
-    req = RegisterRequest(device_id=device, shard=shard, num_samples=100, profile=DeviceProfileMsg(flops=1e9, rate=1e6))
+    """Register ``device`` on ``shard`` with the count an honest device of that shard sends."""
+    req = RegisterRequest(device_id=device, shard=shard, num_samples=_samples(fed_url, shard),
+                          profile=DeviceProfileMsg(flops=1e9, rate=1e6))
     return _post(f"{fed_url}/v1/devices/register", req, headers)
 
 
@@ -198,7 +222,8 @@ def test_server_to_server_calls_need_the_service_token(servers):
     assert httpx.get(watch, headers=_bearer(auth.device_token("r", "dev-a", NONCES["dev-a"]))).status_code == 401
     with httpx.stream("GET", watch, headers=auth.service_headers(), timeout=10) as response:
         assert response.status_code == 200
-        assert json.loads(next(response.iter_lines())) == {"round_id": 99, "state": "open"}
+        first = json.loads(next(response.iter_lines()))
+        assert (first["round_id"], first["state"]) == (99, "open")
     portion = {"run_id": "r", "round_id": 1, "group_id": 0, "members": [], "dropped": [], "start_block": 1,
                "weights": {}, "label_distance": 0.0, "steps": 0, "train_time_s": 0.0}
     assert _post(f"{fed_url}/v1/rounds/1/server-portions", portion).status_code == 401
@@ -258,3 +283,114 @@ def test_sigkilled_agent_rejoins_under_authentication_and_no_child_holds_a_secre
     fed_log = (run_dir / "logs" / "fed_server.log").read_text()
     assert "device dev-002 enrolled again: its previous token is revoked" in fed_log
     assert not testbed.secret_files.folder.exists()  # the secret files go with the testbed
+
+
+# --- per-device enrolment credentials ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory) -> Path:
+    """The operator's command, run as the operator runs it: one credential file per device of shards
+    0-3, issued with the enrolment key. Returns the key file's folder; the files are in ``out/``."""
+    folder = tmp_path_factory.mktemp("credentials")
+    (folder / "enrolment.key").write_text(KEY + "\n")
+    done = subprocess.run([sys.executable, "-m", "fed_server", "credentials", "issue", "--key-file",
+                           str(folder / "enrolment.key"), "--shards", "0-3", "--out", str(folder / "out")],
+                          cwd=ROOT, env=service_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{folder / 'out' / 'dev-002.credential'}: devices dev-002 (shard 2)" in done.stdout
+    return folder
+
+
+def _credential(credentials: Path, device: str) -> dict:
+    return {"x-enrolment-secret": (credentials / "out" / f"{device}.credential").read_text().strip()}
+
+
+def test_the_command_writes_one_owner_only_credential_file_per_device(credentials):
+    files = sorted((credentials / "out").iterdir())
+    assert [f.name for f in files] == [f"dev-00{i}.credential" for i in range(4)]
+    assert stat.S_IMODE((credentials / "out").stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    assert KEY not in "".join(f.read_text() for f in files)
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    """A Fed Server that takes enrolment credentials and the shared secret, capped at two devices.
+    Eight shards and a registration deadline past the module keep it from starting rounds."""
+    config = small_config(**{"data.num_devices": 8, "data.max_samples": 400, "rounds": 1,
+                             "deadlines.registration_s": 3600})
+    with server_pair(config, "keyed", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL,
+                                               "SFL_ENROLMENT_KEY": KEY, "SFL_ENROLMENT_SECRET_MAX_DEVICES": "2"},
+                     main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:
+        yield pair.fed_url
+
+
+def _registered(fed_url: str) -> int:
+    return httpx.get(f"{fed_url}/v1/status").json()["registered"]
+
+
+def test_a_credential_registers_only_the_device_and_shard_it_was_issued_for(keyed, credentials):
+    own = _credential(credentials, "dev-000")
+    before = _registered(keyed)
+    another_id = _register(keyed, "dev-001", 1, own)
+    assert another_id.status_code == 403
+    assert "covers devices dev-000 (shard 0): it cannot register device 'dev-001'" in another_id.text
+    another_shard = _register(keyed, "dev-000", 2, own)
+    assert another_shard.status_code == 403 and "on shard 0 only, not on shard 2" in another_shard.text
+    forged = {"x-enrolment-secret": own["x-enrolment-secret"].replace("dev/0", "dev/0-7")}
+    assert _register(keyed, "dev-001", 1, forged).status_code == 401
+    assert _registered(keyed) == before
+    token = _token(_register(keyed, "dev-000", 0, own))
+    assert _task(keyed, "dev-000", token) == 200 and _registered(keyed) == before + 1
+
+
+def test_a_device_held_under_one_credential_cannot_be_taken_over_with_another(keyed, credentials):
+    own = _credential(credentials, "dev-001")
+    token = _token(_register(keyed, "dev-001", 1, own))
+    overlapping = {"x-enrolment-secret": issue_credential(KEY.encode(), CredentialScope.parse("dev/0-7"))}
+    for other in (overlapping, {"x-enrolment-secret": ENROL}):
+        refused = _register(keyed, "dev-001", 1, other)
+        assert refused.status_code == 409, refused.text
+        assert "'dev-001' is held under another enrolment credential" in refused.text
+    assert _task(keyed, "dev-001", token) == 200   # the refused enrolments revoked nothing
+    again = _token(_register(keyed, "dev-001", 1, own))   # its own agent, restarted, enrols again
+    assert _task(keyed, "dev-001", token) == 403 and _task(keyed, "dev-001", again) == 200
+
+
+def test_the_shared_secret_registers_no_more_devices_than_its_cap(keyed):
+    shared = {"x-enrolment-secret": ENROL}
+    tokens = [_token(_register(keyed, device, shard, shared)) for device, shard in (("dev-s4", 4), ("dev-s5", 5))]
+    before = _registered(keyed)
+    third = _register(keyed, "dev-s6", 6, shared)
+    assert third.status_code == 403
+    assert "the shared enrolment secret may register at most 2 devices and holds 2" in third.text
+    assert _registered(keyed) == before
+    assert _task(keyed, "dev-s5", _token(_register(keyed, "dev-s5", 5, shared))) == 200   # enrolling again is no new device
+    assert _task(keyed, "dev-s4", tokens[0]) == 200
+
+
+def test_honest_devices_keep_training_while_their_ids_are_claimed_under_other_credentials(tmp_path, credentials):
+    """One agent per device, each with its own credential file; once they have registered, the shared
+    secret and a credential covering both ids try to enrol them again (which would revoke their
+    tokens and stop them): both refused, and every round aggregates both devices."""
+    config = small_config(rounds=2, **{"data.num_devices": 2, "data.max_samples": 400})
+    with server_pair(config, "held", fed_args=["--enrolment-key-file", str(credentials / "enrolment.key")],
+                     fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
+                     main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:
+        agents = ProcessGroup(tmp_path / "logs", shared_starter())
+        try:
+            for shard in (0, 1):
+                agents.start(f"agent-{shard}", "device_agent", [
+                    "--fed-server-url", pair.fed_url, "--shards", str(shard),
+                    "--enrolment-secret-file", str(credentials / "out" / f"dev-00{shard}.credential")])
+            wait_for(lambda: _registered(pair.fed_url) == 2, 120, "both devices to register")
+            both = {"x-enrolment-secret": issue_credential(KEY.encode(), CredentialScope.parse("dev/0-1"))}
+            for claim in ({"x-enrolment-secret": ENROL}, both):
+                assert _register(pair.fed_url, "dev-000", 0, claim).status_code == 409
+            wait_for(lambda: httpx.get(f"{pair.fed_url}/v1/status").json()["state"] == "finished", 240,
+                     "the run to finish")
+            status = httpx.get(f"{pair.fed_url}/v1/status").json()
+        finally:
+            agents.stop()
+    assert [(r["status"], r["aggregated"]) for r in status["history"]] == [("ok", ["dev-000", "dev-001"])] * 2

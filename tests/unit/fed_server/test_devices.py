@@ -1,10 +1,12 @@
-"""The device registry: shards, slots of a local-data run, and the token nonce every registration draws afresh."""
+"""The device registry: shards, slots of a local-data run, the token nonce every registration draws
+afresh, and who holds each device (the enrolment that registered it)."""
 from __future__ import annotations
 
 import pytest
 
 from fed_server.devices import DeviceRegistry
-from shared.errors import Conflict, Invalid
+from shared.auth import SHARED_SECRET_HOLDER, CredentialScope, Enrolment
+from shared.errors import Conflict, Invalid, NotAllowed
 from shared.schemas import DeviceProfileMsg, RegisterRequest
 
 
@@ -48,3 +50,68 @@ def test_shard_and_slot_runs_refuse_each_others_registrations():
         DeviceRegistry(num_shards=2, local_data=True).register(_req("dev-a", 0))
     with pytest.raises(Invalid, match="register with the shard"):
         DeviceRegistry(num_shards=2).register(_req("dev-a", None))
+
+
+# --- who holds a device: enrolment credentials and the shared secret -------------------------------
+
+def _enrolment(scope: str | None, max_devices: int | None = None) -> Enrolment:
+    """A credential's enrolment for ``scope``, or the shared secret's (``None``) with its cap."""
+    if scope is None:
+        return Enrolment(SHARED_SECRET_HOLDER, max_devices=max_devices)
+    return Enrolment(f"credential {scope}", CredentialScope.parse(scope))
+
+
+def _enrol(registry: DeviceRegistry, req: RegisterRequest, enrolment: Enrolment | None):
+    return registry.enrol(req, enrolment, lambda: registry.register(req))
+
+
+def test_a_credential_registers_only_its_devices_and_records_itself_as_their_holder():
+    registry = DeviceRegistry(num_shards=4)
+    mine = _enrolment("dev/1")
+    assert _enrol(registry, _req("dev-001", 1), mine).holder == mine.holder
+    for device_id, shard in [("dev-002", 2), ("dev-001", 3), ("dev-000", 0)]:
+        with pytest.raises(NotAllowed):
+            _enrol(registry, _req(device_id, shard), mine)
+    assert registry.ids() == ["dev-001"] and registry.get("dev-001").shard == 1
+
+
+def test_only_the_holder_enrols_a_device_again_and_a_refusal_revokes_nothing():
+    registry = DeviceRegistry(num_shards=4)
+    honest, overlapping, shared = _enrolment("dev/0-1"), _enrolment("dev/1"), _enrolment(None)
+    _enrol(registry, _req("dev-001", 1), honest)
+    nonce = registry.token_nonce("dev-001")
+    for other in (overlapping, shared):
+        with pytest.raises(Conflict, match="'dev-001' is held under another enrolment credential"):
+            _enrol(registry, _req("dev-001", 1), other)
+    assert registry.token_nonce("dev-001") == nonce and registry.get("dev-001").holder == honest.holder
+    _enrol(registry, _req("dev-001", 1), honest)   # its agent restarted: a new token, the old one revoked
+    assert registry.token_nonce("dev-001") != nonce
+    # and the other way round: a device of the shared secret is not the credential's to take
+    _enrol(registry, _req("dev-a", 2), shared)
+    with pytest.raises(Conflict):
+        _enrol(registry, _req("dev-a", 2), _enrolment("dev-a"))
+
+
+def test_the_shared_secret_registers_at_most_its_cap_of_devices_and_enrols_them_again():
+    registry = DeviceRegistry(num_shards=4)
+    _enrol(registry, _req("dev-x", 3), _enrolment("dev-x"))   # a credential's device takes none of the cap
+    shared = _enrolment(None, max_devices=2)
+    _enrol(registry, _req("dev-a", 0), shared)
+    _enrol(registry, _req("dev-b", 1), shared)
+    with pytest.raises(NotAllowed, match="the shared enrolment secret may register at most 2 devices and holds 2"):
+        _enrol(registry, _req("dev-c", 2), shared)
+    _enrol(registry, _req("dev-b", 1), shared)
+    assert registry.ids() == ["dev-a", "dev-b", "dev-x"]
+
+
+def test_a_registration_the_run_refuses_records_no_holder_and_an_open_server_records_none():
+    registry = DeviceRegistry(num_shards=2)
+
+    def refuse():
+        raise Conflict("the device's model differs from the run's")
+    with pytest.raises(Conflict):
+        registry.enrol(_req("dev-a", 0), _enrolment("dev-a"), refuse)
+    assert registry.ids() == []
+    _enrol(registry, _req("dev-a", 0), _enrolment(None))
+    _enrol(registry, _req("dev-a", 0), None)   # open: who registers is not known, and not checked
+    assert registry.get("dev-a").holder is None

@@ -54,3 +54,79 @@ def test_a_server_without_a_service_secret_warns_at_start(caplog, auth, warned):
         assert "--service-secret-file" in message and "SFL_SERVICE_SECRET" in message
     else:
         assert lines == []
+
+
+# --- enrolment: per-device credentials and the shared secret ---------------------------------------
+
+KEYED = Auth(b"service-secret", b"enrolment-secret", enrolment_key=b"enrolment-key", shared_max_devices=3)
+
+
+def _enrol(auth: Auth, value: str | None):
+    return auth.check_enrolment({} if value is None else {"x-enrolment-secret": value})
+
+
+def test_a_credential_enrols_as_its_own_holder_with_its_scope_and_the_shared_secret_with_its_cap():
+    from shared.auth import SHARED_SECRET_HOLDER, CredentialScope, issue_credential
+
+    scope = CredentialScope.parse("dev-a,dev/0-9")
+    enrolment = _enrol(KEYED, issue_credential(b"enrolment-key", scope))
+    assert (enrolment.holder, enrolment.scope, enrolment.max_devices) == ("credential dev-a,dev/0-9", scope, None)
+    shared = _enrol(KEYED, "enrolment-secret")
+    assert (shared.holder, shared.scope, shared.max_devices) == (SHARED_SECRET_HOLDER, None, 3)
+    assert _enrol(Auth(), "anything") is None   # an open server checks nothing
+
+
+def test_a_forged_tampered_or_foreign_credential_is_unauthenticated():
+    from shared.auth import CredentialScope, issue_credential
+
+    own = issue_credential(b"enrolment-key", CredentialScope.parse("dev/3"))
+    mac = own.rsplit(":", 1)[1]
+    for value in (None, "", "wrong", f"sfl-enrol-1:dev/0-9:{mac}",           # its MAC on a wider scope
+                  issue_credential(b"another-key", CredentialScope.parse("dev/3")), own + "0", own[:-1]):
+        with pytest.raises(Unauthenticated, match="enrolment credential"):
+            _enrol(KEYED, value)
+    with pytest.raises(Unauthenticated):   # a server without an enrolment key takes no credential
+        _enrol(AUTH, own)
+    with pytest.raises(Unauthenticated):   # nor the shared secret where there is none
+        _enrol(Auth(b"service-secret", enrolment_key=b"enrolment-key"), "enrolment-secret")
+
+
+@pytest.mark.parametrize("text", ["dev-a", "dev/3", "dev/0-9", "a.b_c-d,dev/0-2,x/7-7"])
+def test_a_scope_reads_back_as_written(text):
+    from shared.auth import CredentialScope
+
+    assert str(CredentialScope.parse(text)) == text.replace("x/7-7", "x/7")
+
+
+@pytest.mark.parametrize("text", ["", "a,,b", "dev/9-0", "dev/x", "a b", "a:b", "a/b/3", "x" * 65, "dev/1234567890"])
+def test_a_malformed_scope_is_refused(text):
+    from shared.auth import CredentialScope
+
+    with pytest.raises(ValueError):
+        CredentialScope.parse(text)
+
+
+def test_a_scope_covers_its_ids_anywhere_and_its_ranges_each_on_its_own_shard():
+    from shared.auth import CredentialScope
+
+    scope = CredentialScope.parse("dev-a,dev/0-9,x/12")
+    for device_id, shard in [("dev-a", 5), ("dev-a", None), ("dev-000", 0), ("dev-009", 9), ("x-012", 12)]:
+        scope.check(device_id, shard)
+    for device_id, shard, message in [
+        ("dev-b", 0, "covers devices dev-a, dev-000..dev-009 (shards 0-9), x-012 (shard 12): it cannot register device 'dev-b'"),
+        ("dev-010", 10, "cannot register device 'dev-010'"),
+        ("dev-3", 3, "cannot register device 'dev-3'"),       # not the agent's naming of shard 3
+        ("dev-0003", 3, "cannot register device 'dev-0003'"),
+        ("x-000", 0, "cannot register device 'x-000'"),
+        ("dev-003", 4, "covers device 'dev-003' on shard 3 only, not on shard 4"),
+        ("dev-003", None, "covers device 'dev-003' on shard 3 only, not without a shard"),
+    ]:
+        with pytest.raises(NotAllowed) as refused:
+            scope.check(device_id, shard)
+        assert message in str(refused.value)
+
+
+def test_shard_ranges_join_consecutive_shards():
+    from shared.auth import shard_ranges
+
+    assert [str(r) for r in shard_ranges("dev", [7, 0, 1, 2, 5, 8])] == ["dev/0-2", "dev/5", "dev/7-8"]
