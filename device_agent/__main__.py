@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
                              "(so it records the last round's figures), at most this many seconds (env "
                              "SFL_METRICS_LINGER_S; default 0 = exit at once)")
     parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
-                        help="the deployment's enrolment secret, presented once to register (or env SFL_ENROLMENT_SECRET)")
+                        help="this agent's enrolment credential (python -m fed_server credentials issue) or the "
+                             "deployment's shared enrolment secret, presented to register (or env SFL_ENROLMENT_SECRET)")
     parser.add_argument("--keep-models", choices=sorted(KEEP_MODELS), default=env_default("keep_models", "auto"),
                         help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
                              "when hosting one device; no = build the trained blocks for each task and free them "
