@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
     interrupt_on_sigterm()   # SIGTERM (docker stop, a pod's end) stops the devices like Ctrl-C
-    from device_agent.agent import Agent, local_device_ids, parse_data_args, parse_shards
+    from device_agent.agent import Agent, RunRefused, local_device_ids, parse_data_args, parse_shards
     from shared.data.local import data_sources
     from shared.profiles import parse_kind
 
@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots)
     freeze_startup_objects()   # what the agent keeps for the run is built: out of full collections' way
-    code = agent.run()
+    try:
+        code = agent.run()
+    except RunRefused as exc:   # a run this agent cannot train: one line, before any device registers
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if metrics is not None and args.metrics_linger_s > 0:
         log.info("run over: serving metrics until Prometheus scrapes them once more (at most %.0f s)",
                  args.metrics_linger_s)

@@ -13,13 +13,18 @@ import torch
 
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
-from device_agent.device import Device
+from device_agent.device import Device, check_run, wait_for_run
 from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
 from shared.profiles import TimeScale, kind_for
 
 log = logging.getLogger("device_agent")
+
+
+class RunRefused(Exception):
+    """The Fed Server's run is one this agent cannot train (:func:`device_agent.device.check_run`):
+    refused at start, before any of its devices registers."""
 
 
 def parse_shards(text: str) -> list[int]:
@@ -102,6 +107,7 @@ class Agent:
         then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
         ``model``: the operator's ``--model`` (an import path the run may name)."""
         self.stop = threading.Event()
+        self.model = model
         sources = sources or []
         count = len(sources) or len(shards)
         keep = count == 1 if keep_models is None else keep_models
@@ -140,12 +146,23 @@ class Agent:
             self.errors[device.device_id] = exc
             log.exception("%s stopped with an error", device.device_id)
 
-    def run(self) -> int:
-        """Start every device thread and wait for them; exit code 1 if any device failed."""
-        threads = [threading.Thread(target=self._run_device, args=(d,), name=d.device_id, daemon=True) for d in self.devices]
-        for t in threads:
-            t.start()
+    def check_run(self) -> None:
+        """Wait for the Fed Server's run spec and refuse (:class:`RunRefused`) a run this agent
+        cannot train, once for all its devices and before any registers: a device that joined
+        it would fail every task it is given."""
         try:
+            check_run(wait_for_run(self.devices[0].fed, self.stop, "agent"), self.model)
+        except ValueError as exc:
+            raise RunRefused(str(exc)) from None
+
+    def run(self) -> int:
+        """Check the run (:meth:`check_run`, which may raise :class:`RunRefused`), then start
+        every device thread and wait for them; exit code 1 if any device failed."""
+        threads = [threading.Thread(target=self._run_device, args=(d,), name=d.device_id, daemon=True) for d in self.devices]
+        try:
+            self.check_run()
+            for t in threads:
+                t.start()
             for t in threads:
                 while t.is_alive():
                     t.join(0.5)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from shared.schemas import (
     EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
-    TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
+    TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
 
@@ -44,6 +44,9 @@ class FedApi(Protocol):
 
     def evaluation(self, req: EvaluationReport) -> None:
         """Federated evaluation: the global model's results on the device's held-out part."""
+
+    def withdraw(self, req: WithdrawRequest) -> None:
+        """Leave a round the device cannot contribute to, so the attempt need not wait for its upload."""
 
 
 class MainApi(Protocol):

@@ -16,7 +16,7 @@ from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, No
 from shared.http_client import M, ServiceError, SyncClient
 from shared.schemas import (
     API, Ack, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
-    StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
+    StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
 #: The domain error of each status the servers answer with (see http_api/server.py).
@@ -88,6 +88,10 @@ class HttpFedClient:
     def evaluation(self, req: EvaluationReport) -> None:
         with _translated():
             self._http.call("POST", f"{API}/evaluation", Ack, req)
+
+    def withdraw(self, req: WithdrawRequest) -> None:
+        with _translated():
+            self._http.call("POST", f"{API}/rounds/{req.round_id}/withdrawals", Ack, req)
 
     def close(self) -> None:
         self._http.close()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
+from pydantic import ValidationError
 
 from device_agent.api import FedApi, MainApi, Unreachable
 from device_agent.calibration import CALIBRATION_BATCH, training_flops
@@ -33,15 +34,26 @@ from shared.profiles import AUTO_TRANSFER_RATIO, SERVER_FLOPS, EmulatedKind, Tim
 from shared.torch_device import synchronize
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, RegisterRequest, ReportRequest, RunInfo, StepRequest,
-    TaskResponse, UpdateRequest, WireTensor,
+    TaskResponse, UpdateRequest, WireTensor, WithdrawRequest,
 )
 from shared.portions import decode_portion, load_portion
-from shared.wire import decode_tensor, encode_state, encode_tensor
+from shared.wire import WireError, decode_tensor, encode_state, encode_tensor
 
 log = logging.getLogger("device_agent")
 
 #: Seconds a task without a deadline_s may take (the Fed Server's default round deadline).
 TASK_DEADLINE_DEFAULT_S = 300.0
+
+#: What a training task may fail with that is no fault of this process: a task it cannot build or
+#: decode (Invalid; WireError: weights or a Main Server's gradient that do not decode; pydantic's
+#: ValidationError: parameters the algorithm's device logic refuses, or an upload a diverged
+#: training made invalid), a refusal by either server (a Main Server group that dropped the device
+#: answers its join or step with 409 or 422), a server it cannot reach.
+TASK_FAILURES: tuple[type[Exception], ...] = (DomainError, Unreachable, WireError, ValidationError)
+
+#: The longest reason a withdrawal may give (``WithdrawRequest.reason``'s limit).
+WITHDRAW_REASON_MAX: int = next(m.max_length for m in WithdrawRequest.model_fields["reason"].metadata
+                                if hasattr(m, "max_length"))
 
 #: How long a device's task request may wait at the Fed Server for work (long-poll): the task
 #: arrives when the round opens, and an idle device asks about six times a minute.
@@ -61,6 +73,40 @@ def round_seed(seed: int, shard: int | str, round_id: int) -> int:
     shard, or its id when it brings its own data)."""
     digest = hashlib.sha256(f"{seed}/{shard}/{round_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
+
+
+def build_run_model(info: RunInfo, layout: bool = False) -> SplitModel:
+    """The run's model with real weights, or (``layout``) its structure on the meta device."""
+    build = build_model_layout if layout else build_model
+    return build(info.model, info.num_classes, tuple(info.input_shape), seed=info.seed, params=info.model_params)
+
+
+def check_run(info: RunInfo, model_ref: str | None) -> SplitModel:
+    """The run's model layout, once the run is known to be one this process can train: its
+    algorithm is one it knows, and its model one it may build (an import path only when it is
+    the operator's ``--model``, checked before anything is imported) and can. ValueError
+    naming what is wrong otherwise."""
+    if info.algorithm not in ALGORITHMS:
+        raise ValueError(f"the run's algorithm {info.algorithm!r} is not one this agent knows "
+                         f"({', '.join(ALGORITHMS)}): run an agent of the Fed Server's version")
+    check_model_origin(info.model, model_ref)
+    return build_run_model(info, layout=True)
+
+
+def wait_for_run(fed: FedApi, stop: threading.Event, who: str) -> RunInfo:
+    """The run spec, asked for until the Fed Server answers (or ``stop`` is set). Every second
+    at most: an agent started beside its servers (the testbed starts them together) registers
+    as soon as the Fed Server is up, not seconds later."""
+    delay = 0.2
+    while True:
+        try:
+            return fed.run_info()
+        except Exception as exc:  # the Fed Server may still be starting
+            if stop.is_set():
+                raise
+            log.debug("%s: Fed Server not reachable yet (%s)", who, exc)
+            stop.wait(delay)
+            delay = min(delay * 2, 1.0)
 
 
 #: Opens a Main Server client for a task's URL, presenting the device's current token.
@@ -146,7 +192,8 @@ class Device:
 
         Survives server restarts: connection failures back off and retry (up to
         ``max_downtime_s`` without any answer), and a Fed Server that no longer knows the device
-        (it restarted from its checkpoint) gets a new registration.
+        (it restarted from its checkpoint) gets a new registration. A task that fails, for any
+        reason, is given up (:meth:`_abandon`) and the device asks for its next one.
         """
         self.setup()
         down_since: float | None = None
@@ -171,19 +218,44 @@ class Device:
             if task.status == "done":
                 self._receive_final(task)
                 return
-            if task.status == "evaluate":
-                try:
-                    self.run_evaluation(task)
-                except (DomainError, Unreachable, ValueError) as exc:  # ValueError: weights that do not fit
-                    log.warning("%s: evaluation of round %s abandoned: %s", self.device_id, task.round_id, exc)
-                continue
-            if task.status == "wait" or task.phase != "train":
+            if task.status == "wait" or (task.status == "train" and task.phase != "train"):
                 self._pause_after(task, asked_at, self.task_wait_s)
                 continue
             try:
-                self.run_task(task, size, time.monotonic())
-            except (DomainError, Unreachable, TaskExpired) as exc:  # DomainError includes Invalid: a malformed task
-                log.warning("%s: round %s abandoned: %s", self.device_id, task.round_id, exc)
+                if task.status == "evaluate":
+                    self.run_evaluation(task)
+                else:
+                    self.run_task(task, size, time.monotonic())
+            except Exception as exc:   # one task's failure, whatever it is, must not end the device
+                self._abandon(task, exc)
+
+    def _abandon(self, task: TaskResponse, exc: Exception) -> None:
+        """Give up a task that failed and say why in one line; from a training task, withdraw,
+        so its attempt need not wait for this device. The device then asks for its next task.
+
+        An expected failure (:data:`TASK_FAILURES`) is one WARNING line. Anything else is a fault
+        in this process (a bug, memory running out): an ERROR with its traceback, and the device
+        is still withdrawn and goes on, since it keeps nothing of the failed task and one task's
+        fault need not cost it every later round. Either way the agent's other devices go on. A
+        task past its deadline (:class:`TaskExpired`) is not withdrawn: the Fed Server has closed
+        its attempt already.
+        """
+        expected = isinstance(exc, (*TASK_FAILURES, TaskExpired))
+        reason = " ".join(str(exc).split())   # one line: pydantic's messages span several
+        if not expected:
+            reason = f"{type(exc).__name__}: {reason}"
+        # The attempt to withdraw from; none for an evaluation, an expired task or a malformed one.
+        attempt = task.round_id if task.status == "train" and not isinstance(exc, TaskExpired) else None
+        log.log(logging.WARNING if expected else logging.ERROR, "%s: %s %s abandoned%s: %s", self.device_id,
+                "evaluation of attempt" if task.status == "evaluate" else "attempt", task.round_id,
+                "" if attempt is None else ", withdrawing", reason, exc_info=not expected)
+        if attempt is None:
+            return
+        try:
+            self.fed.withdraw(WithdrawRequest(device_id=self.device_id, round_id=attempt,
+                                              reason=reason[:WITHDRAW_REASON_MAX]))
+        except (DomainError, Unreachable) as failed:   # best effort: the attempt's deadline ends it anyway
+            log.warning("%s: attempt %d: withdrawal not taken: %s", self.device_id, attempt, failed)
 
     def _poll(self, wait_s: float) -> tuple[TaskResponse, int]:
         return self.fed.task(self.device_id, wait_s=wait_s)
@@ -228,17 +300,17 @@ class Device:
     def setup(self) -> None:
         """Fetch the run spec, load and check this device's data, register with the Fed Server.
 
-        Bad data stops here with a :class:`DataError`, before the device registers. A run whose
-        model is an import path the operator did not name with ``--model`` stops the device here
-        (ValueError), before anything is imported: code is never taken from the network."""
-        self.info = self._wait_for_run()
-        check_model_origin(self.info.model, self.model_ref)
+        Bad data stops here with a :class:`DataError`, before the device registers. A run this
+        process cannot train (:func:`check_run`: an unknown algorithm, a model it may not or cannot
+        build) stops the device here (ValueError), before anything is imported: code is never
+        taken from the network."""
+        self.info = wait_for_run(self.fed, self.stop, self.device_id)
+        self.layout = check_run(self.info, self.model_ref)
         # The one place the device's data becomes its training set. Federated evaluation: split
         # once into the training part and the held-out part, before anything (registration,
         # warm-up, training) sees the data.
         self.data, self.held_out = evaluation_holdout(self._load_data(), self.info.holdout, self.info.seed,
                                                       self.device_id)
-        self.layout = self._build(layout=True)
         if self.keep_model:
             # Built (and seeded) on the CPU, then moved: the same initial weights on every device.
             self.model = self._build().to(self.torch_device)
@@ -260,12 +332,10 @@ class Device:
         assert self.shard is not None
         return device_shard(spec, train, self.shard)
 
-    def _build(self, layout: bool = False) -> SplitModel:
-        """The run's model with real weights, or (``layout``) its structure on the meta device."""
+    def _build(self) -> SplitModel:
+        """The run's model with real weights."""
         assert self.info is not None
-        build = build_model_layout if layout else build_model
-        return build(self.info.model, self.info.num_classes, tuple(self.info.input_shape), seed=self.info.seed,
-                     params=self.info.model_params)
+        return build_run_model(self.info)
 
     def _model_for(self) -> SplitModel:
         """The model to train or evaluate with. Without ``keep_model``, a fresh one on the meta
@@ -352,21 +422,6 @@ class Device:
                          auto_time_scale(flops), AUTO_TRANSFER_RATIO, flops, SERVER_FLOPS)
             return _HOST_FLOPS[key]
 
-    def _wait_for_run(self) -> RunInfo:
-        """The run spec, asked for until the Fed Server answers. Every second at most: an agent
-        started beside its servers (the testbed starts them together) registers as soon as
-        the Fed Server is up, not seconds later."""
-        delay = 0.2
-        while True:
-            try:
-                return self.fed.run_info()
-            except Exception as exc:  # the Fed Server may still be starting
-                if self.stop.is_set():
-                    raise
-                log.debug("%s: Fed Server not reachable yet (%s)", self.device_id, exc)
-                self.stop.wait(delay)
-                delay = min(delay * 2, 1.0)
-
     def profile(self) -> DeviceProfileMsg:
         """Nominal speed of an emulated kind, or a quick measurement on a real device (on the
         torch device it trains on)."""
@@ -439,9 +494,13 @@ class Device:
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
         clock = RoundClock(self.kind, self.time_scale, cpu_time=self._cpu_time())
         train = task.train
-        assert train is not None and task.round_id is not None and task.split_point is not None
-        algorithm = ALGORITHMS[task.algorithm or "fedavg"]
-        logic = algorithm.device_logic(dict(task.params))
+        if train is None or task.round_id is None or task.split_point is None:
+            raise Invalid("a training task must name its round_id, split_point and train settings")
+        algorithm = ALGORITHMS.get(task.algorithm or "fedavg")
+        if algorithm is None:
+            raise Invalid(f"the task's algorithm {task.algorithm!r} is not one this agent knows "
+                          f"({', '.join(ALGORITHMS)})")
+        logic = algorithm.device_logic(dict(task.params))   # pydantic's ValidationError for refused params
         extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
         if time.monotonic() > deadline:   # a stalled device: its weights may no longer be served either
             raise TaskExpired("deadline passed before the task started")

@@ -5,6 +5,7 @@ portion, so the split exchange (activations up, gradients down) is the one a rea
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -16,13 +17,13 @@ from device_agent.device import Device
 from shared.config import TrainConfig
 from shared.data import DataSpec, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
-from shared.errors import NotFound
+from shared.errors import Conflict, Invalid, NotFound
 from shared.evaluation import evaluation_counts
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import (
     EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
-    TaskResponse, UpdateRequest, WeightsResponse, WireTensor,
+    TaskResponse, UpdateRequest, WeightsResponse, WireTensor, WithdrawRequest,
 )
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
 
@@ -37,8 +38,13 @@ PUBLISHED: dict[str, WeightsResponse] = {}
 
 def _publish(model, end: int) -> str:
     """Blocks [0, end) of ``model`` as weights a task can name."""
+    return _publish_state(portion_state(model, 0, end))
+
+
+def _publish_state(state: dict[str, torch.Tensor]) -> str:
+    """``state`` as weights a task can name."""
     weights_id = f"{len(PUBLISHED):032x}"
-    PUBLISHED[weights_id] = WeightsResponse(weights=encode_state(portion_state(model, 0, end)))
+    PUBLISHED[weights_id] = WeightsResponse(weights=encode_state(state))
     return weights_id
 
 
@@ -53,6 +59,7 @@ class FakeFed:
         self.uploads: list[UpdateRequest] = []
         self.reports: list[ReportRequest] = []
         self.evaluations: list[EvaluationReport] = []
+        self.withdrawals: list[WithdrawRequest] = []
         self.fetched: list[str] = []
 
     def run_info(self) -> RunInfo:
@@ -82,6 +89,9 @@ class FakeFed:
 
     def evaluation(self, req: EvaluationReport) -> None:
         self.evaluations.append(req)
+
+    def withdraw(self, req: WithdrawRequest) -> None:
+        self.withdrawals.append(req)
 
 
 class FakeMain:
@@ -120,9 +130,10 @@ def _train_task(round_id: int, split: int, main_url: str | None) -> TaskResponse
                         main_server_url=main_url, deadline_s=120.0, algorithm="fedavg" if main_url is None else "s2fl")
 
 
-def _device(fed: FakeFed, mains: list[FakeMain], split: int, keep_model: bool = True) -> Device:
+def _device(fed: FakeFed, mains: list[FakeMain], split: int, keep_model: bool = True,
+            main: type[FakeMain] = FakeMain) -> Device:
     def connect(url: str, token: str | None) -> FakeMain:
-        mains.append(FakeMain(url, token, split))
+        mains.append(main(url, token, split))
         return mains[-1]
 
     return Device("dev-003", 3, fed, connect, kind=None, stop=threading.Event(), poll_interval_s=0.01,
@@ -275,3 +286,170 @@ def test_a_final_model_that_cannot_be_fetched_ends_the_device_cleanly(caplog):
     device = _device(Gone([TaskResponse(status="done", num_blocks=blocks, weights_id="f" * 32)]), [], blocks)
     device.run()
     assert "final global model could not be fetched" in caplog.text
+
+
+# --- a task the device cannot carry out ----------------------------------------------------------
+class _DroppedAtJoin(FakeMain):
+    """A Main Server whose group refuses the device when it joins attempt 1."""
+
+    def join(self, round_id: int, req: JoinRequest, timeout: float) -> JoinResponse:
+        if round_id == 1:
+            raise Conflict("round 1: dev-003 was dropped from its group")
+        return super().join(round_id, req, timeout)
+
+
+class _DroppedMidRound(FakeMain):
+    """A Main Server that refuses the device's second step of attempt 1 (its group dropped it)."""
+
+    def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
+        if round_id == 1 and req.step == 1:
+            raise Invalid("step 1: dev-003 is no longer in group 0")
+        return super().step(round_id, req, timeout)
+
+
+class _NonFiniteGradients(FakeMain):
+    """A Main Server whose group copy went non-finite in attempt 1: it answers NaN gradients."""
+
+    def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
+        resp = super().step(round_id, req, timeout)
+        if round_id == 1:
+            shape = decode_tensor(resp.dfx).shape
+            resp = resp.model_copy(update={"dfx": WireTensor(**encode_tensor(torch.full(shape, float("nan"))))})
+        return resp
+
+
+class _Broken(FakeMain):
+    """A Main Server client that fails in a way no task failure should (a bug, for the device)."""
+
+    def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
+        if round_id == 1:
+            raise RuntimeError("boom")
+        return super().step(round_id, req, timeout)
+
+
+def _undecodable_weights_task(round_id: int, split: int) -> TaskResponse:
+    state = portion_state(build_model("cnn", seed=INFO.seed), 0, split)
+    first = next(iter(state))
+    state[first] = torch.zeros(3)   # well-formed on the wire, but not the shape the layout has
+    return _train_task(round_id, split, None).model_copy(update={"weights_id": _publish_state(state)})
+
+
+def _full(round_id: int) -> TaskResponse:
+    return _train_task(round_id, len(build_model("cnn").blocks), None)
+
+
+def _split(round_id: int) -> TaskResponse:
+    return _train_task(round_id, build_model("cnn").split_points[0], "mem://main")
+
+
+# (the task of attempt 1, the Main Server, a word the reason names, a split round)
+FAILED_TASKS = {
+    "unknown algorithm": (lambda: _full(1).model_copy(update={"algorithm": "no-such"}), FakeMain,
+                          "'no-such' is not one this agent knows"),
+    "params the device logic refuses": (lambda: _full(1).model_copy(update={
+        "algorithm": "fedbc", "params": {"local_test_fraction": 5.0}}), FakeMain, "local_test_fraction"),
+    "extras that do not parse": (lambda: _full(1).model_copy(update={
+        "algorithm": "fedbc", "extras": {"lambda": -1.0, "gamma": 0.0, "split_seed": 1}}), FakeMain, "task extras: lambda"),
+    "weights that do not decode": (lambda: _undecodable_weights_task(1, len(build_model("cnn").blocks)), FakeMain,
+                                   "task weights"),
+    "no training settings": (lambda: _full(1).model_copy(update={"train": None}), FakeMain, "must name"),
+    "group dropped it at join": (lambda: _split(1), _DroppedAtJoin, "dropped from its group"),
+    "group dropped it mid-round": (lambda: _split(1).model_copy(update={"train": TrainConfig(batch_size=8)}),
+                                   _DroppedMidRound, "no longer in group 0"),
+    "non-finite gradients": (lambda: _split(1), _NonFiniteGradients, "dfx"),
+}
+
+
+def _problems(caplog) -> list:
+    return [r for r in caplog.records if r.name == "device_agent" and r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("case", FAILED_TASKS)
+def test_a_task_the_device_cannot_carry_out_is_one_warning_and_one_withdrawal_and_the_device_trains_the_next(case, caplog):
+    make_task, main, word = FAILED_TASKS[case]
+    task = make_task()
+    fed = FakeFed([task, _split(2) if task.main_server_url else _full(2), TaskResponse(status="done")])
+    device = _device(fed, [], task.split_point, main=main)
+    device.run()
+    (line,) = _problems(caplog)
+    assert line.levelname == "WARNING" and not line.exc_info
+    assert line.getMessage().startswith("dev-003: attempt 1 abandoned, withdrawing: ") and word in line.getMessage()
+    (withdrawal,) = fed.withdrawals
+    assert (withdrawal.device_id, withdrawal.round_id) == ("dev-003", 1) and word in withdrawal.reason
+    assert "\n" not in withdrawal.reason
+    assert [u.round_id for u in fed.uploads] == [2] and device.rounds_done == 1 and fed.script == []
+
+
+def test_an_unexpected_error_in_a_task_is_logged_with_its_traceback_and_the_device_withdraws_and_goes_on(caplog):
+    fed = FakeFed([_split(1), _split(2), TaskResponse(status="done")])
+    device = _device(fed, [], build_model("cnn").split_points[0], main=_Broken)
+    device.run()
+    (line,) = _problems(caplog)
+    assert line.levelname == "ERROR" and line.exc_info and line.exc_info[0] is RuntimeError
+    assert line.getMessage() == "dev-003: attempt 1 abandoned, withdrawing: RuntimeError: boom"
+    assert [(w.round_id, w.reason) for w in fed.withdrawals] == [(1, "RuntimeError: boom")]
+    assert [u.round_id for u in fed.uploads] == [2]
+
+
+@pytest.mark.parametrize("refusal", [Unreachable("connection refused"), Conflict("attempt 1 is not open"),
+                                     NotFound("no such route")])
+def test_a_withdrawal_that_fails_is_one_more_line_and_the_device_goes_on(refusal, caplog):
+    class Refusing(FakeFed):
+        def withdraw(self, req: WithdrawRequest) -> None:
+            raise refusal
+
+    fed = Refusing([_full(1).model_copy(update={"algorithm": "no-such"}), _full(2), TaskResponse(status="done")])
+    _device(fed, [], len(build_model("cnn").blocks)).run()
+    assert [r.getMessage() for r in _problems(caplog)][1:] == [f"dev-003: attempt 1: withdrawal not taken: {refusal}"]
+    assert [u.round_id for u in fed.uploads] == [2]
+
+
+def test_a_task_past_its_deadline_is_given_up_without_a_withdrawal(caplog):
+    # The Fed Server closed the attempt at that deadline: there is nothing left to withdraw from.
+    fed = FakeFed([_full(1).model_copy(update={"deadline_s": 1e-9}), _full(2), TaskResponse(status="done")])
+    _device(fed, [], len(build_model("cnn").blocks)).run()
+    (line,) = _problems(caplog)
+    assert line.getMessage() == "dev-003: attempt 1 abandoned: deadline passed before the task started"
+    assert fed.withdrawals == [] and [u.round_id for u in fed.uploads] == [2]
+
+
+def test_a_device_whose_tasks_fail_leaves_the_agents_other_devices_training():
+    from device_agent.agent import Agent
+
+    agent = Agent("http://127.0.0.1:9", [3, 4], None, compute_slots=0)
+    failing = FakeFed([_full(1).model_copy(update={"algorithm": "no-such"}),
+                       _full(2).model_copy(update={"params": {"unknown": 1}, "algorithm": "fedbc"}),
+                       TaskResponse(status="done")])
+    honest = FakeFed([_full(1), _full(2), TaskResponse(status="done")])
+    agent.devices[0].fed, agent.devices[1].fed = failing, honest   # type: ignore[assignment]
+    assert agent.run() == 0 and agent.errors == {}
+    assert [w.round_id for w in failing.withdrawals] == [1, 2] and failing.uploads == [] and failing.script == []
+    assert [u.round_id for u in honest.uploads] == [1, 2] and honest.withdrawals == []
+    assert [d.rounds_done for d in agent.devices] == [0, 2]
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"algorithm": "no-such"}, "the run's algorithm 'no-such' is not one this agent knows (s2fl, sfl, fedavg, "
+                               "fedbc, fnr-fl, fedipg): run an agent of the Fed Server's version"),
+    ({"model": "no_such_model"}, "unknown model 'no_such_model'"),
+    ({"model": "my_pkg.nets:declared"}, "start this process with"),
+])
+def test_an_agent_refuses_a_run_it_cannot_train_in_one_line_before_any_device_registers(agent_cli, capsys, update,
+                                                                                        message):
+    from device_agent.agent import Agent
+
+    feds: list[FakeFed] = []
+
+    def agent(*args, **kwargs) -> Agent:   # the real agent, its devices talking to a Fed Server of the test's
+        built = Agent(*args, **kwargs)
+        for device in built.devices:
+            feds.append(FakeFed([], INFO.model_copy(update=update)))
+            device.fed = feds[-1]
+        return built
+
+    with pytest.raises(SystemExit) as exit_:
+        agent_cli.run(["--shards", "0-1"], agent)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"python -m device_agent: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert [f.registrations for f in feds] == [[], []]
