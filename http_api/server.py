@@ -330,13 +330,21 @@ def error_response(exc: Exception) -> JSONResponse | None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map :class:`ApiError`, domain errors and stray wire errors to JSON answers (:func:`error_response`)."""
+    """Map :class:`ApiError`, domain errors and stray wire errors to JSON answers (:func:`error_response`),
+    and a client gone mid-body to no answer at all."""
 
     async def _known_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
     for cls in (ApiError, DomainError, WireError):
         app.add_exception_handler(cls, _known_error)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, exc: ClientDisconnect) -> Response:
+        # The client went away while its body was read, or was cut off for sending it too slowly
+        # (http_api/serve.py): nobody reads an answer, and it is no crash to log, as a lean route
+        # sees it too (LeanRoute.__call__).
+        return Response(status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _path_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -100,6 +100,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                              "auto = cuda if available, else mps, else cpu). Refused at start if not available")
 
 
+#: A request body slower than this many bytes a second on average, judged from
+#: ``DEFAULT_BODY_GRACE_S`` after its head on, is cut off (--min-body-rate, --body-grace-s): far
+#: below any real link, far above a slowloris trickle.
+DEFAULT_MIN_BODY_RATE = 1024
+DEFAULT_BODY_GRACE_S = 10.0
+
+
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     """``--host``/``--port``, TLS and secrets, plus the common flags."""
     parser.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to bind (env SFL_HOST)")
@@ -115,7 +122,17 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                              "calls (or env SFL_SERVICE_SECRET). Without it the server runs open")
     parser.add_argument("--head-timeout-s", type=positive_seconds, default=positive_seconds(env_default("head_timeout_s", 10)),
                         help="close a connection whose request head (request line and headers) is not complete "
-                             "this many seconds after it opened or after the head's first byte (env SFL_HEAD_TIMEOUT_S; default 10)")
+                             "this many seconds after the head's first byte, or after the connection opened when "
+                             "nothing comes (env SFL_HEAD_TIMEOUT_S; default 10)")
+    parser.add_argument("--min-body-rate", type=positive_rate,
+                        default=positive_rate(env_default("min_body_rate", DEFAULT_MIN_BODY_RATE)),
+                        help="answer 408 and close a connection whose request body comes slower than this many bytes "
+                             "a second on average, judged from --body-grace-s after its head on (env SFL_MIN_BODY_RATE; "
+                             f"default {DEFAULT_MIN_BODY_RATE})")
+    parser.add_argument("--body-grace-s", type=positive_seconds,
+                        default=positive_seconds(env_default("body_grace_s", DEFAULT_BODY_GRACE_S)),
+                        help="seconds a request body may take before --min-body-rate is applied to it "
+                             f"(env SFL_BODY_GRACE_S; default {DEFAULT_BODY_GRACE_S:g})")
     parser.add_argument("--keep-alive-s", type=positive_seconds, default=positive_seconds(env_default("keep_alive_s", 5)),
                         help="close a kept-alive connection idle this many seconds after a response "
                              "(env SFL_KEEP_ALIVE_S; default 5)")
@@ -129,10 +146,19 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
 
 def positive_seconds(value: str | float) -> float:
     """A duration flag's value: a finite number of seconds above zero."""
-    seconds = float(value)
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
-    return seconds
+    return _positive(value, "seconds")
+
+
+def positive_rate(value: str | float) -> float:
+    """A rate flag's value: a finite number of bytes a second above zero."""
+    return _positive(value, "bytes a second")
+
+
+def _positive(value: str | float, unit: str) -> float:
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of {unit}")
+    return number
 
 
 def interrupt_on_sigterm() -> None:

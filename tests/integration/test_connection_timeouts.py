@@ -1,6 +1,8 @@
 """Slow and idle connections against the real servers: a request head that does not complete in
-``--head-timeout-s`` (slowloris, or nothing sent at all) is closed, and so is a kept-alive
-connection idle for ``--keep-alive-s`` after a response; a client within both limits is served.
+``--head-timeout-s`` from its first byte (slowloris, or nothing sent at all) is closed, a request
+body slower than ``--min-body-rate`` after ``--body-grace-s`` is answered 408 and closed, and a
+kept-alive connection idle for ``--keep-alive-s`` after a response is closed; a client within the
+limits is served.
 A request still running ``--shutdown-grace-s`` after SIGTERM is cancelled, so that it cannot hold
 the server's exit.
 
@@ -20,7 +22,13 @@ from integration_support import server_pair, small_config
 
 HEAD_TIMEOUT_S = 1.5
 KEEP_ALIVE_S = 1.0
-TIMEOUT_ARGS = ["--head-timeout-s", str(HEAD_TIMEOUT_S), "--keep-alive-s", str(KEEP_ALIVE_S)]
+MIN_BODY_RATE = 2000
+BODY_GRACE_S = 1.0
+TIMEOUT_ARGS = ["--head-timeout-s", str(HEAD_TIMEOUT_S), "--keep-alive-s", str(KEEP_ALIVE_S),
+                "--min-body-rate", str(MIN_BODY_RATE), "--body-grace-s", str(BODY_GRACE_S)]
+#: A route of each server that reads a msgpack body: the Fed Server's registration (a FastAPI
+#: route) and the Main Server's step (a lean route, served before FastAPI).
+BODY_ROUTES = {"fed": "/v1/devices/register", "main": "/v1/rounds/1/step"}
 GIVE_UP_S = 20.0   # far beyond both limits: a server that never closes fails the test, not hangs it
 
 
@@ -28,7 +36,7 @@ GIVE_UP_S = 20.0   # far beyond both limits: a server that never closes fails th
 def services():
     config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
     with server_pair(config, "timeouts", fed_args=TIMEOUT_ARGS, main_args=TIMEOUT_ARGS) as pair:
-        yield {"fed": pair.fed_url, "main": pair.main_url}
+        yield {"fed": pair.fed_url, "main": pair.main_url, "processes": {"fed": pair.fed, "main": pair.main}}
 
 
 def _connect(url: str) -> socket.socket:
@@ -137,6 +145,71 @@ def test_a_slow_head_within_the_limit_is_served_then_the_idle_connection_is_clos
         sock.close()
     assert KEEP_ALIVE_S * 0.8 <= took <= KEEP_ALIVE_S + 5.0, took
 
+
+
+@pytest.mark.parametrize("server", ["fed", "main"])
+def test_a_head_begun_late_on_an_open_connection_has_its_full_time(services, server):
+    sock = _connect(services[server])
+    try:
+        time.sleep(HEAD_TIMEOUT_S * 0.7)   # connected, nothing sent yet
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        for i in range(0, len(head), 12):   # complete 1.3 timeouts after connecting, 0.6 after its first byte
+            sock.sendall(head[i:i + 12])
+            time.sleep(HEAD_TIMEOUT_S * 0.2)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+    finally:
+        sock.close()
+
+
+def _post_head(server: str, length: int) -> bytes:
+    return (f"POST {BODY_ROUTES[server]} HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("server", ["fed", "main"])
+def test_a_body_trickled_below_the_minimum_rate_is_answered_408_and_closed(services, server):
+    sock = _connect(services[server])
+    try:
+        sock.sendall(_post_head(server, 5_000))
+        started = time.monotonic()
+        answer = b""
+        while not answer and time.monotonic() - started < GIVE_UP_S:
+            try:
+                sock.sendall(b"\x00")   # 20 bytes a second: a hundredth of the minimum
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            deadline = time.monotonic() + 0.05
+            while not answer and time.monotonic() < deadline:
+                try:
+                    answer = sock.recv(65536)
+                except (socket.timeout, BlockingIOError):
+                    pass
+        took = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer
+        assert b"request body too slow: under 2000 bytes/s" in answer
+        assert _wait_closed(sock) < 5.0
+    finally:
+        sock.close()
+    assert BODY_GRACE_S * 0.8 <= took <= BODY_GRACE_S + 5.0, took
+    assert httpx.get(f"{services[server]}/healthz", timeout=10).status_code == 200
+    log = (services["processes"][server]).log_tail(200)
+    assert f"the body of POST {BODY_ROUTES[server]} came at" in log and "Exception in ASGI application" not in log
+
+
+@pytest.mark.parametrize("server", ["fed", "main"])
+def test_an_upload_above_the_minimum_rate_reaches_its_handler(services, server):
+    # 12 KB in 1 KB pieces over 2.4 s (5 KB/s), past the grace: the handler reads it whole and
+    # answers it (400: zeros are not a msgpack message), where a slow one got 408.
+    sock = _connect(services[server])
+    try:
+        sock.sendall(_post_head(server, 12_000))
+        for _ in range(12):
+            sock.sendall(b"\x00" * 1_000)
+            time.sleep(0.2)
+        answer = _read_response(sock)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
 
 
 def test_sigterm_cancels_a_held_status_request_after_the_shutdown_grace():

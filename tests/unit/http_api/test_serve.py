@@ -10,7 +10,7 @@ import http_api.serve as serve_module
 
 def _args(**overrides) -> argparse.Namespace:
     values = dict(host="127.0.0.1", port=8081, log_level="INFO", tls_cert=None, tls_key=None,
-                  head_timeout_s=10.0, keep_alive_s=5.0, shutdown_grace_s=3.0)
+                  head_timeout_s=10.0, min_body_rate=1024.0, body_grace_s=10.0, keep_alive_s=5.0, shutdown_grace_s=3.0)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -33,3 +33,12 @@ def test_a_certificate_without_its_key_stops_before_anything_is_frozen_or_served
     with pytest.raises(SystemExit, match="go together"):
         serve_module.serve("the app", _args(tls_cert="cert.pem"))
     assert calls == []
+
+
+def test_the_connection_limits_reach_uvicorn(calls, monkeypatch):
+    ran: dict = {}
+    monkeypatch.setattr(serve_module, "head_timeout_protocol", lambda *limits: ("protocol with", limits))
+    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: ran.update(kwargs))
+    serve_module.serve("the app", _args(head_timeout_s=2.0, min_body_rate=500.0, body_grace_s=4.0, keep_alive_s=6.0))
+    assert ran["http"] == ("protocol with", (2.0, 500.0, 4.0))
+    assert (ran["timeout_keep_alive"], ran["timeout_graceful_shutdown"]) == (6.0, 3.0)
