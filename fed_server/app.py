@@ -17,7 +17,9 @@ from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus, finite_json
 from shared.errors import NotFound
 from http_api.server import MsgpackResponse, create_service_app, msgpack_body_schema, msgpack_response, read_message
-from shared.schemas import API, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest
+from shared.schemas import (
+    API, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest, WithdrawRequest,
+)
 
 log = logging.getLogger("fed_server")
 
@@ -139,6 +141,14 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         req = await read_message(request, ReportRequest, settings.max_register_bytes)
         check_device(request, req.device_id)
         return msgpack_response(coordinator.accept_report(round_id, req))
+
+    @app.post(f"{API}/rounds/{{round_id}}/withdrawals", response_class=Response,
+              openapi_extra=msgpack_body_schema(WithdrawRequest))
+    async def withdrawal(round_id: int, request: Request) -> Response:
+        """Device: it cannot contribute to this attempt; it is taken out at once (no wait for it)."""
+        req = await read_message(request, WithdrawRequest, settings.max_register_bytes)
+        check_device(request, req.device_id)
+        return msgpack_response(coordinator.withdraw(round_id, req))
 
     @app.post(f"{API}/evaluation", response_class=Response, openapi_extra=msgpack_body_schema(EvaluationReport))
     async def evaluation(request: Request) -> Response:

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +22,10 @@ import torch
 from fed_server.broadcast import Broadcast
 from fed_server.devices import DeviceRegistry
 from fed_server.evaluation_round import EvaluationRound
-from fed_server.update_checks import check_claims, clip_update, table_time, update_norm
+from fed_server.update_checks import (
+    check_claims, check_registered_samples, clip_update, held_out_count, max_held_out, shard_sizes, table_time,
+    update_norm,
+)
 from shared.evaluation import combine_reports, evaluate, evaluation_mode, server_test_set
 from fed_server.records import RoundRecord, round_record, run_summary
 from fed_server.recorder import Recorder
@@ -42,7 +45,7 @@ from shared.errors import Conflict, Invalid, NotAllowed
 from shared.models import build_model, fingerprint_differences, model_fingerprint, profile_model
 from shared.schemas import (
     Ack, EvaluationReport, Participant, PlannedGroup, RegisterRequest, RegisterResponse, ReportRequest, RoundPlan, RunInfo,
-    ServerPortionUpload, TaskResponse, UpdateRequest, WeightsId,
+    ServerPortionUpload, TaskResponse, UpdateRequest, WeightsId, WithdrawRequest,
 )
 from shared.portions import decode_portion, portion_state
 from shared.wire import WireError, encode_state
@@ -131,6 +134,8 @@ class Coordinator:
         self.test_set = server_test_set(config.data) if self.evaluation_mode == "server" else None
         self.evaluating: EvaluationRound | None = None   # the open federated evaluation phase
         self.devices = DeviceRegistry(config.data.num_devices, local_data=config.data.dataset == "local")
+        #: Each shard's size, which its device's registered count must match (None: ``dataset: local``).
+        self.shard_sizes = shard_sizes(config.data)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
         # which never consult the table: one placeholder candidate keeps it well-formed.
         self.table = ClientTimeTable(max(1, len(self.model.split_points)), config.split.smoothing)
@@ -183,7 +188,8 @@ class Coordinator:
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
-        its model or data pipeline differs from the run's (None: not checked, docs/models.md)."""
+        its model or data pipeline differs from the run's (None: not checked, docs/models.md);
+        Invalid (422), changing nothing, for a sample count the run rules out."""
         if self.label_counts_at_registration:
             if req.label_counts is None:
                 raise Invalid(f"{req.device_id}: this run has several Main Server replicas and groups at the Fed "
@@ -193,6 +199,7 @@ class Coordinator:
         elif req.label_counts is not None:
             raise Invalid("this run takes label counts at the Main Server only (RunInfo.label_counts_at_registration "
                           "is false): register without label_counts")
+        check_registered_samples(req, self.shard_sizes, self._holdout(), self.config.data.max_device_samples)
         if req.fingerprint is not None:
             differences = fingerprint_differences(req.fingerprint, self.fingerprint, "on the device", "in the run")
             if differences:
@@ -213,7 +220,7 @@ class Coordinator:
                        model_params=self.config.model_params, fingerprint=self.fingerprint,
                        num_classes=self.num_classes, input_shape=list(self.input_shape),
                        data=self.config.data, seed=self.config.seed,
-                       holdout=self.config.evaluation.holdout if self.evaluation_mode == "federated" else None,
+                       holdout=self._holdout(),
                        label_counts_at_registration=self.label_counts_at_registration)
 
     def ready(self) -> bool:
@@ -301,6 +308,7 @@ class Coordinator:
             grouping=self.algorithm.grouping(), group_size=self.config.grouping.group_size,
             group_loss=self.config.grouping.group_loss, join_deadline_s=self.config.deadlines.join_s,
             step_deadline_s=self.config.deadlines.step_s, groups=groups,
+            max_activation=self.config.grouping.max_activation,
         )
 
     def replica_lost(self, fed_round: FedRound, url: str, reason: str) -> None:
@@ -310,14 +318,47 @@ class Coordinator:
         Groups it already uploaded stay. Nothing for a closed attempt or a replica already lost."""
         if self.round is not fed_round or url in fed_round.lost_replicas:
             return
-        covered = {d for p in fed_round.portions.values() for d in (*p.upload.members, *p.upload.dropped, *p.upload.absent)}
-        lost = {d for d, a in fed_round.assignments.items() if a.main_server_url == url} - covered
-        fed_round.excluded |= lost
         fed_round.lost_replicas.append(url)
         self.replicas_down.add(url)
-        log.warning("round %d: Main Server replica %s lost (%s); excluding %d device(s) without a group portion: %s",
-                    fed_round.round_id, url, reason, len(lost), sorted(lost))
-        self.changed.set()
+        log.warning("round %d (attempt %d): Main Server replica %s lost (%s)", fed_round.index, fed_round.round_id,
+                    url, reason)
+        self._exclude_without_portion(fed_round, url, f"its Main Server replica {url} was lost ({reason})")
+
+    def replica_done(self, fed_round: FedRound, url: str, undelivered: Sequence[int]) -> None:
+        """Replica ``url`` says every group of the open attempt has ended (its watch stream's
+        ``done`` line, sent after each group's portion upload ended): its devices that no stored
+        portion covers will get none, so they are taken out now, not at the round deadline.
+        ``undelivered``: the groups whose portion it could not deliver (named in the reason)."""
+        if self.round is not fed_round:
+            return
+        why = f" (groups {sorted(undelivered)} could not be delivered)" if undelivered else ""
+        self._exclude_without_portion(fed_round, url, f"its group portion never arrived{why}")
+
+    def main_server_dropped(self, fed_round: FedRound, url: str, dropped: Mapping[str, str]) -> None:
+        """Replica ``url`` dropped these members of the open attempt (each with why, from its watch
+        stream): they cannot be aggregated, so the attempt stops waiting for them. A replica speaks
+        only for the devices planned on it."""
+        if self.round is not fed_round:
+            return
+        for device, why in sorted(dropped.items()):
+            assignment = fed_round.assignments.get(device)
+            if assignment is not None and assignment.main_server_url == url:
+                self._exclude(fed_round, [device], f"dropped by the Main Server: {why}")
+
+    def _exclude_without_portion(self, fed_round: FedRound, url: str, reason: str) -> None:
+        """Take out replica ``url``'s devices of the attempt that no stored group portion covers:
+        groups it already uploaded stay."""
+        mine = {d for d, a in fed_round.assignments.items() if a.main_server_url == url}
+        self._exclude(fed_round, mine - fed_round.covered_by_portions(), reason)
+
+    def _exclude(self, fed_round: FedRound, devices: Iterable[str], reason: str) -> None:
+        """Take ``devices`` out of the attempt (:meth:`FedRound.exclude`) and wake the driver, which
+        may now find the attempt complete."""
+        new = fed_round.exclude(devices, reason)
+        if new:
+            log.warning("round %d (attempt %d): %s taken out: %s", fed_round.index, fed_round.round_id,
+                        ", ".join(sorted(new)), reason)
+            self.changed.set()
 
     def post_work(self) -> None:
         """Wake every device waiting in :meth:`next_task`: its answer may have changed. Called on
@@ -456,13 +497,14 @@ class Coordinator:
 
     def plan_follow_ups(self, fed_round: FedRound) -> None:
         """Close reporting: devices that did not report are dropped; the algorithm answers the rest."""
-        fed_round.excluded |= set(fed_round.assignments) - set(fed_round.reports)
+        self._exclude(fed_round, set(fed_round.assignments) - set(fed_round.reports), "no report by the report deadline")
         try:
             fed_round.follow_ups = self.algorithm.plan_follow_ups(fed_round.context, fed_round.reports)
         except ValueError as exc:
-            log.error("round %d: follow-ups could not be planned: %s", fed_round.round_id, exc)
+            log.error("round %d (attempt %d): follow-ups could not be planned: %s", fed_round.index,
+                      fed_round.round_id, exc)
             fed_round.follow_ups = {}
-            fed_round.excluded |= set(fed_round.assignments)
+            self._exclude(fed_round, fed_round.assignments, f"follow-ups could not be planned: {exc}")
         self.post_work()
 
     def _open_round(self, round_id: int) -> FedRound:
@@ -503,19 +545,44 @@ class Coordinator:
         if req.device_id in fed_round.updates:
             # A retried upload (the first answer was lost): accepted once, acknowledged again.
             return Ack(detail=f"update of {req.device_id} for round {round_id} was already stored")
+        if req.device_id in fed_round.excluded:
+            raise Conflict(f"device {req.device_id!r} was taken out of round {round_id}: "
+                           f"{fed_round.excluded[req.device_id]}")
         if self.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
             raise Conflict(f"device {req.device_id!r} must report and receive its follow-up before uploading")
-        check_claims(req, record.num_samples, fed_round.deadline_s)
-        state = self._checked_update(req.device_id, self._decode(req.weights, 0, assignment.split_point))
-        extras = parse_payload(self.algorithm.UploadExtras, req.extras, "extras")
         try:
-            self.algorithm.accept_update(req.device_id, fed_round.context, state, extras, req.num_samples,
-                                         self.model.state_dict())
-        except ValueError as exc:
-            raise Invalid(f"extras: {exc}") from None
+            check_claims(req, record.num_samples, fed_round.deadline_s)
+            state = self._checked_update(req.device_id, self._decode(req.weights, 0, assignment.split_point))
+            extras = parse_payload(self.algorithm.UploadExtras, req.extras, "extras")
+            try:
+                self.algorithm.accept_update(req.device_id, fed_round.context, state, extras, req.num_samples,
+                                             self.model.state_dict())
+            except ValueError as exc:
+                raise Invalid(f"extras: {exc}") from None
+        except Invalid as refused:
+            # The device's own upload is unusable and it has no other for this attempt: waiting for
+            # it would hold every other device to the round deadline.
+            self._exclude(fed_round, [req.device_id], f"upload refused: {refused.detail}")
+            raise
         fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes, extras)
         self.changed.set()
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
+
+    def withdraw(self, round_id: int, req: WithdrawRequest) -> Ack:
+        """A selected device cannot contribute to the open attempt (a task it cannot build or decode,
+        a group that dropped it): it is taken out at once, so the attempt does not wait for its
+        upload. Idempotent; Conflict, changing nothing, once its update is stored or for an
+        attempt that is not open; NotAllowed for a device that was not selected."""
+        if req.round_id != round_id:
+            raise Invalid(f"body round_id {req.round_id} does not match the path's round {round_id}")
+        self.devices.get(req.device_id)
+        fed_round = self._open_round(round_id)
+        if req.device_id not in fed_round.assignments:
+            raise NotAllowed(f"device {req.device_id!r} was not selected for round {round_id}")
+        if req.device_id in fed_round.updates:
+            raise Conflict(f"the update of {req.device_id!r} for round {round_id} is already stored")
+        self._exclude(fed_round, [req.device_id], f"withdrew: {req.reason}")
+        return Ack(detail=f"{req.device_id} is out of round {round_id}: {fed_round.excluded[req.device_id]}")
 
     def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:
         """A group's trained server-side copy from the Main Server."""
@@ -563,11 +630,26 @@ class Coordinator:
             return None
         self._release_evaluation_weights()
         self.evaluating = EvaluationRound(
-            round_id=fed_round.round_id, asked={d: self.devices.devices[d].num_samples for d in aggregation.used},
-            holdout=self.config.evaluation.holdout, deadline_s=self.config.deadlines.evaluate_s)
+            round_id=fed_round.round_id, asked={d: self.held_out_limit(d) for d in aggregation.used},
+            deadline_s=self.config.deadlines.evaluate_s)
         log.info("round %d: asking %d devices to evaluate the new global model", fed_round.index, len(aggregation.used))
         self.post_work()
         return self.evaluating
+
+    def _holdout(self) -> float | None:
+        """The fraction every device holds out for federated evaluation; None: the server evaluates."""
+        return self.config.evaluation.holdout if self.evaluation_mode == "federated" else None
+
+    def held_out_limit(self, device_id: str) -> int:
+        """The most held-out samples ``device_id`` may report an evaluation over: its shard's held-out
+        part, or with its own data (``dataset: local``) the most a device training on its
+        registered count can hold out."""
+        holdout = self._holdout()
+        assert holdout is not None, "asked only with federated evaluation"
+        record = self.devices.devices[device_id]
+        if self.shard_sizes is not None:
+            return held_out_count(self.shard_sizes[record.shard], holdout)
+        return max_held_out(record.num_samples, holdout)
 
     def accept_evaluation(self, report: EvaluationReport) -> Ack:
         """A device's evaluation of the open phase's global model; checked before it is stored."""
@@ -599,8 +681,9 @@ class Coordinator:
 
     def aggregate_round(self, fed_round: FedRound) -> Aggregation:
         """Aggregate (Algorithm 1 or the algorithm's rule) and update the time table. A round below
-        the quorum changes nothing (``ok`` False): the same logical round is retried. Nothing is
-        written to disk here: a restart before :meth:`record_round` re-runs the round. CPU work:
+        the quorum changes nothing (``ok`` False): the same logical round is retried. A split device
+        whose group portion is missing is not aggregated: it is taken out with that reason. Nothing
+        is written to disk here: a restart before :meth:`record_round` re-runs the round. CPU work:
         run off the event loop."""
         dropped = fed_round.dropped()
         contributions: dict[str, Contribution] = {}
@@ -608,8 +691,16 @@ class Coordinator:
             if device in dropped:
                 continue
             portion = fed_round.group_of(device) if fed_round.uses_main_server else None
+            if fed_round.uses_main_server and portion is None:
+                # Its server-side layers never came back: its client layers alone would be averaged
+                # against server layers trained without them. (Off the event loop: no driver to wake.)
+                fed_round.exclude([device], "its group portion never arrived")
+                log.warning("round %d (attempt %d): %s not aggregated: its group portion never arrived",
+                            fed_round.index, fed_round.round_id, device)
+                continue
             contributions[device] = Contribution(weight=update.request.num_samples, client_state=update.state,
                                                  server_state=portion.state if portion else None)
+        dropped = fed_round.dropped()
         used = list(contributions)
         extras = {d: fed_round.updates[d].extras for d in used}
         ok = len(used) >= self.config.deadlines.min_participants

@@ -22,7 +22,7 @@ from fed_server.metrics import FedMetrics
 from fed_server.records import RoundRecord
 from shared.auth import Auth
 from fed_server.round_state import FedRound
-from shared.http_client import decode_response, post_body, service_client
+from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, RoundPlan, RoundWatch
 from shared.wire import pack_body
@@ -47,13 +47,23 @@ class FedServerSettings:
     replica_timeout_s: float = 10.0
 
 
+#: What a plan POST is retried on: no connection, a dropped one, an error answer (a replica that is
+#: restarting). Not a timeout: a replica that took a plan's body and sent no answer within
+#: ``replica_timeout_s`` is frozen or overloaded, and each further try would cost that again.
+PLAN_RETRY_ON = (httpx.NetworkError, httpx.RemoteProtocolError, ServiceError)
+
+
 async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: FedServerSettings) -> None:
     """POST each replica its round plan, all at once. A replica that does not accept is down for
     this attempt: its groups are spread again over those that did, which get their new plan (the
     same round id replaces the open one there). No replica accepts: the round is marked failed.
 
-    A replica that was down before gets one try, not ``plan_retries``: a dead replica must not
-    cost the backoff every round; a live one that restarted accepts at the first try.
+    The plan phase is part of the attempt, so its waits are bounded: each try by
+    ``replica_timeout_s`` (no answer by then is no answer), and each pass over the replicas by what
+    is left of ``deadlines.join_s`` since the attempt began (at least one try's time, so the
+    replicas left after a refusal still get their new plans). A replica that was down before gets
+    one try, not ``plan_retries``: a dead replica must not cost the backoff every round; a live one
+    that restarted accepts at the first try.
     """
     live = list(coordinator.main_server_urls)
     if not live:
@@ -61,8 +71,10 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
         return
     errors: dict[str, str] = {}
     fed_round.plan_bytes = 0
-    async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=120.0) as client:
-        async def post(url: str, plan: RoundPlan) -> str | None:
+    budget_ends = fed_round.started_at + coordinator.config.deadlines.join_s
+    async with service_client(settings.auth.service_headers(), settings.ca_file,
+                              timeout=settings.replica_timeout_s) as client:
+        async def post(url: str, plan: RoundPlan, within_s: float) -> str | None:
             body = pack_body(plan.model_dump())
             fed_round.plan_bytes += len(body)
 
@@ -70,15 +82,21 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
                 return decode_response(await post_body(client, f"{url.rstrip('/')}{API}/rounds", body), Ack)
             tries = 1 if url in coordinator.replicas_down else settings.plan_retries
             try:
-                await retry_async(attempt, Backoff(tries, first_delay_s=0.5), (Exception,),
-                                  f"round {fed_round.round_id}: plan to Main Server {url}")
+                await asyncio.wait_for(retry_async(attempt, Backoff(tries, first_delay_s=0.5), PLAN_RETRY_ON,
+                                                   f"round {fed_round.index} (attempt {fed_round.round_id}): "
+                                                   f"plan to Main Server {url}"), within_s)
                 return None
+            except asyncio.TimeoutError:
+                return f"no answer within the plan phase's {within_s:.1f}s"
+            except httpx.TimeoutException as exc:
+                return f"no answer within {settings.replica_timeout_s:g}s ({type(exc).__name__})"
             except Exception as exc:
                 return str(exc)
 
         while live:
             plans = coordinator.replica_plans(fed_round, live)
-            outcomes = await asyncio.gather(*(post(url, plan) for url, plan in plans.items()))
+            within_s = max(settings.replica_timeout_s, budget_ends - time.monotonic())
+            outcomes = await asyncio.gather(*(post(url, plan, within_s) for url, plan in plans.items()))
             refused = {url: error for url, error in zip(plans, outcomes) if error is not None}
             for url in plans:
                 if url in refused:
@@ -88,8 +106,9 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
             errors.update(refused)
             if not refused:
                 return
-            log.warning("round %d: Main Server replica(s) %s did not accept the plan; spreading their groups "
-                        "over the others", fed_round.round_id, sorted(refused))
+            log.warning("round %d (attempt %d): Main Server replica(s) %s did not accept the plan (%s); spreading "
+                        "their groups over the others", fed_round.index, fed_round.round_id, sorted(refused),
+                        "; ".join(refused.values()))
             live = [url for url in live if url not in refused]
     fed_round.plan_failed = "; ".join(f"Main Server at {url} did not accept the plan: {error}"
                                       for url, error in errors.items())
@@ -99,7 +118,11 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
     """Hold replica ``url``'s watch stream of the attempt until its ``done`` line; an end without
     it, silence for ``replica_timeout_s`` or a connection error is the replica lost
     (``Coordinator.replica_lost``). Events, not polling: a killed process closes its connection
-    at once; a frozen or cut-off one falls silent and times out."""
+    at once; a frozen or cut-off one falls silent and times out.
+
+    Every line names the members the replica has dropped so far, which leave the attempt at once
+    (``Coordinator.main_server_dropped``); at ``done``, its devices without a stored group
+    portion leave it too (``Coordinator.replica_done``)."""
     timeout = httpx.Timeout(10.0, read=settings.replica_timeout_s)
     endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/watch"
     try:
@@ -114,7 +137,9 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
                         if not line.strip():
                             continue
                         watch = RoundWatch.model_validate_json(line)
+                        coordinator.main_server_dropped(fed_round, url, watch.dropped)
                         if watch.state == "done":
+                            coordinator.replica_done(fed_round, url, watch.undelivered)
                             return
                         if watch.state == "replaced":
                             reason = "its round was replaced by another plan"

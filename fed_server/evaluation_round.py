@@ -18,15 +18,13 @@ from shared.schemas import EvaluationReport
 class EvaluationRound:
     """Who was asked to evaluate round ``round_id``'s global model, and what came back.
 
-    ``train_samples``: each asked device's registered (training-part) sample count, which bounds
-    the held-out size it may claim: the split holds out ``floor(n * holdout)`` of ``n`` samples,
-    so ``held_out <= train * holdout / (1 - holdout)``. A device cannot outweigh the others by
-    claiming more samples than it can hold.
+    ``asked``: each asked device's held-out size as the Fed Server knows it from the device's
+    registration (``Coordinator.held_out_limit``): a report may not claim more samples, so a
+    device cannot outweigh the others with samples it does not hold.
     """
 
     round_id: int
-    asked: dict[str, int]        # device id -> its training-part sample count
-    holdout: float
+    asked: dict[str, int]        # device id -> the most held-out samples it may report
     deadline_s: float
     started_at: float = field(default_factory=time.monotonic)
     dispatched: set[str] = field(default_factory=set)
@@ -42,10 +40,9 @@ class EvaluationRound:
             raise NotAllowed(f"device {report.device_id!r} was not asked to evaluate round {self.round_id}")
         if report.device_id in self.reports:
             raise Conflict(f"round {self.round_id} already has the evaluation of {report.device_id!r}")
-        limit = self.asked[report.device_id] * self.holdout / (1 - self.holdout)
-        if report.num_samples > limit + 1e-6:
-            raise Invalid(f"{report.num_samples} evaluated samples exceed what a device training on "
-                          f"{self.asked[report.device_id]} holds out (holdout {self.holdout})")
+        if report.num_samples > self.asked[report.device_id]:
+            raise Invalid(f"{report.num_samples} evaluated samples exceed the {self.asked[report.device_id]} "
+                          f"samples {report.device_id!r} holds out")
         self.reports[report.device_id] = report
 
     def complete(self) -> bool:

@@ -86,6 +86,9 @@ class RoundRecord(BaseModel):
     evaluation_s: float | None = None
     # Main Server replicas lost during this attempt (their unfinished groups' devices were dropped).
     lost_replicas: list[str] = []
+    # Why each selected device that was not aggregated was left out (a refused upload with the
+    # refusal, a withdrawal with its reason, dropped by the Main Server, no upload by the deadline...).
+    left: dict[str, str] = {}
     # Federated evaluation (docs/metrics.md): how many devices reported an evaluation of this
     # round's global model and over how many held-out samples; None when the Fed Server evaluated.
     evaluated_devices: int | None = None
@@ -151,6 +154,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
         bytes_up=up, bytes_down=down, bytes_server=server, bytes_total=up + down + server,
         cumulative_bytes=cumulative_bytes + up + down + server, plan_error=fed_round.plan_failed,
         aggregation_s=aggregation_s, algorithm_metrics=dict(algorithm_metrics), lost_replicas=list(fed_round.lost_replicas),
+        left=fed_round.left(used),
         evaluated_devices=evaluated_devices, evaluated_samples=evaluated_samples,
     )
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +66,9 @@ class FedRound:
     reports: dict[str, Payload] = field(default_factory=dict)
     follow_ups: dict[str, Payload] | None = None
     follow_ups_sent: set[str] = field(default_factory=set)
-    excluded: set[str] = field(default_factory=set)   # dropped by the Fed Server (e.g. never reported)
+    # Taken out of the attempt by the Fed Server, each with why (no report, a refused upload, a
+    # withdrawal, dropped at the Main Server, no group portion): the attempt waits for none of them.
+    excluded: dict[str, str] = field(default_factory=dict)
     # Several Main Server replicas: the groups the Fed Server formed (group id -> members) and the
     # replica each one went to; None with one replica (it forms the groups from the joins).
     planned_groups: dict[int, list[str]] | None = None
@@ -84,16 +87,44 @@ class FedRound:
     def dropped_at_main_server(self) -> set[str]:
         return {d for p in self.portions.values() for d in (*p.upload.dropped, *p.upload.absent)}
 
+    def covered_by_portions(self) -> set[str]:
+        """Devices some stored group portion accounts for (as a member, dropped or absent)."""
+        return {d for p in self.portions.values() for d in (*p.upload.members, *p.upload.dropped, *p.upload.absent)}
+
     def dropped(self) -> set[str]:
         """Selected devices that will not be aggregated: dropped by either server."""
-        return self.dropped_at_main_server() | self.excluded
+        return self.dropped_at_main_server() | set(self.excluded)
+
+    def exclude(self, devices: Iterable[str], reason: str) -> set[str]:
+        """Take selected ``devices`` out of the attempt for ``reason``; the ones newly taken out.
+        A device keeps the first reason it was taken out for: that is what stopped it."""
+        new = {d for d in devices if d in self.assignments and d not in self.excluded}
+        for device in sorted(new):
+            self.excluded[device] = reason
+        return new
+
+    def left(self, used: Collection[str]) -> dict[str, str]:
+        """Why each selected device that is not in ``used`` (the aggregated ones) was left out."""
+        at_main_server: dict[str, str] = {}
+        for group_id, portion in sorted(self.portions.items()):
+            for device in portion.upload.dropped:
+                at_main_server.setdefault(device, f"dropped by the Main Server from group {group_id}")
+            for device in portion.upload.absent:
+                at_main_server.setdefault(device, "never joined a group at the Main Server")
+        missing = ("no Main Server replica accepted the round plan" if self.plan_failed is not None
+                   else "no upload by the round deadline")
+        # Every uploader that is not aggregated was dropped by one server or the other, so a
+        # device with neither reason never uploaded.
+        return {d: self.excluded.get(d) or at_main_server.get(d) or missing
+                for d in sorted(set(self.assignments) - set(used))}
 
     def replicas(self) -> list[str]:
         """The Main Server replicas this attempt's devices were sent to, in first-use order."""
         return list(dict.fromkeys(a.main_server_url for a in self.assignments.values() if a.main_server_url))
 
     def all_reported(self) -> bool:
-        return all(d in self.reports for d in self.assignments)
+        """Every selected device reported or was taken out of the attempt (two-phase algorithms)."""
+        return all(d in self.reports or d in self.excluded for d in self.assignments)
 
     def group_of(self, device_id: str) -> ReceivedPortion | None:
         for portion in self.portions.values():

@@ -1,5 +1,6 @@
-"""Checks on a device's upload before it is accepted: its claims (sample count, timings) and the
-size of its update. What a device may still do within these bounds: docs/security.md."""
+"""Checks on what a device claims before the Fed Server believes it: the sample count it registers
+with, its upload's claims (sample count, timings) and the size of its update. What a device may
+still do within these bounds: docs/security.md."""
 from __future__ import annotations
 
 import math
@@ -7,8 +8,63 @@ from collections.abc import Mapping
 
 import torch
 
+from shared.data.spec import DataSpec
 from shared.errors import Invalid
-from shared.schemas import DeviceTimings, UpdateRequest
+from shared.schemas import DeviceTimings, RegisterRequest, UpdateRequest
+
+
+def held_out_count(num_samples: int, fraction: float | None) -> int:
+    """How many of a device's ``num_samples`` samples it holds out for federated evaluation: the
+    size of :func:`shared.data.holdout.holdout_split`'s held-out part, ``floor(n * fraction)``
+    (0 without a fraction). Its tests hold it to that function's split."""
+    return math.floor(num_samples * fraction) if fraction else 0
+
+
+def max_held_out(train_samples: int, fraction: float) -> int:
+    """The most samples a device that trains on ``train_samples`` can hold out with ``fraction``: the
+    largest ``h`` for which ``n = train_samples + h`` samples split into exactly ``train_samples``
+    training ones (:func:`held_out_count`), about ``train_samples * fraction / (1 - fraction)``,
+    found in the device's own arithmetic."""
+    held = math.floor(train_samples * fraction / (1 - fraction)) + 2   # above the answer, float error included
+    while held > 0 and train_samples + held - held_out_count(train_samples + held, fraction) != train_samples:
+        held -= 1
+    return held
+
+
+def shard_sizes(spec: DataSpec) -> list[int] | None:
+    """The size of each shard of the run's built-in data set (``shared.data.partition``: the same
+    pure function of the spec every device computes); None for ``dataset: local``, whose devices
+    bring data the Fed Server does not know.
+
+    Loads the training set once at start-up; the Fed Server loads it (with its test split) for
+    server evaluation anyway, and a partition of it costs milliseconds."""
+    if spec.dataset == "local":
+        return None
+    from shared.data import load_dataset, partition_dataset   # torch-heavy: only where rounds run
+
+    train, _ = load_dataset(spec)
+    return [len(shard) for shard in partition_dataset(spec, train)]
+
+
+def check_registered_samples(req: RegisterRequest, sizes: list[int] | None, holdout: float | None,
+                             max_device_samples: int) -> None:
+    """Refuse (:class:`Invalid`) a registration whose ``num_samples`` the run rules out.
+
+    ``num_samples`` becomes the device's aggregation weight, and bounds what its uploads and
+    evaluation reports may claim. A built-in data set's device holds exactly its shard (``sizes``,
+    :func:`shard_sizes`) less the part it holds out for federated evaluation (``holdout``; None:
+    the server evaluates), so any other count is refused; a device with its own data
+    (``dataset: local``) may claim at most ``data.max_device_samples``. A shard the run does not
+    have is left to the registry to refuse.
+    """
+    if sizes is not None and req.shard is not None and req.shard < len(sizes):
+        expected = sizes[req.shard] - held_out_count(sizes[req.shard], holdout)
+        if req.num_samples != expected:
+            raise Invalid(f"num_samples={req.num_samples} of {req.device_id!r}: shard {req.shard} trains on "
+                          f"{expected} samples")
+    elif req.num_samples > max_device_samples:
+        raise Invalid(f"num_samples={req.num_samples} of {req.device_id!r} exceeds data.max_device_samples="
+                      f"{max_device_samples}")
 
 
 def table_time(timings: DeviceTimings) -> float:

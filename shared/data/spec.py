@@ -91,6 +91,9 @@ class DataSpec(BaseModel):
     for images or [20] for 20 tabular features."""
     input_transform: InputTransform = Field(default_factory=InputTransform)
     """dataset="local": what every device applies to its raw samples (see :class:`InputTransform`)."""
+    max_device_samples: int = Field(default=1_000_000, ge=1)
+    """The most samples a device may register with; the count is its aggregation weight. It binds
+    ``dataset="local"`` devices: a built-in data set's device must register its shard's exact count."""
     test_file: str | None = None
     """dataset="local": an ``.npz`` file (arrays ``x``, ``y``, raw like the devices' files) the Fed
     Server evaluates the global model on. None: no server-side test set, so the devices evaluate

@@ -8,12 +8,16 @@ import torch
 
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
-from fed_server.update_checks import update_norm
-from shared.errors import Conflict, Invalid
+from fed_server.update_checks import held_out_count, max_held_out, update_norm
+from shared.data import device_shard, load_dataset
+from shared.data.holdout import evaluation_holdout
+from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.run_config import load_run_config
-from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, UpdateRequest, WeightsResponse
+from shared.schemas import (
+    DeviceProfileMsg, DeviceTimings, RegisterRequest, ServerPortionUpload, UpdateRequest, WeightsResponse, WithdrawRequest,
+)
 from shared.wire import decode_state, encode_state, unpackb
 
 TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
@@ -26,9 +30,14 @@ def _coordinator(tmp_path, **overrides) -> Coordinator:
         (data.setdefault(section[0], {}) if section else data)[name] = value
     coordinator = Coordinator(load_run_config(data), RunDirectory(tmp_path / "run"), None)
     for i in range(2):
-        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10 + i,
+        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=_trains_on(coordinator, i),
                                              profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     return coordinator
+
+
+def _trains_on(coordinator: Coordinator, shard: int) -> int:
+    """The count the device of ``shard`` registers with: its shard less its held-out part."""
+    return coordinator.shard_sizes[shard] - held_out_count(coordinator.shard_sizes[shard], coordinator.run_info().holdout)
 
 
 def _open_round(coordinator: Coordinator):
@@ -94,16 +103,165 @@ def test_update_norm_limit(tmp_path, action):
         assert update_norm(r.updates["d0"].state, c.model.state_dict()) == pytest.approx(1.0, rel=1e-5)
 
 
-def test_upload_claiming_other_than_its_registered_samples_is_refused_and_not_stored(tmp_path):
+@pytest.mark.parametrize("claimed", [10**12, 1, -1], ids=["huge", "one more", "one less"])
+def test_upload_claiming_other_than_its_registered_samples_is_refused_and_not_stored(tmp_path, claimed):
     c = _coordinator(tmp_path)
     r = _open_round(c)
     registered = c.devices.get("d1").num_samples
-    for claimed in (10**12, registered + 1, registered - 1):
-        with pytest.raises(Invalid) as refused:
-            c.accept_update(r.round_id, _upload(c, "d1", r.round_id).model_copy(update={"num_samples": claimed}), 100)
-        assert f"num_samples={claimed}" in refused.value.detail and f"{registered} samples" in refused.value.detail
+    claimed = claimed if claimed > 1 else registered + claimed
+    with pytest.raises(Invalid) as refused:
+        c.accept_update(r.round_id, _upload(c, "d1", r.round_id).model_copy(update={"num_samples": claimed}), 100)
+    assert f"num_samples={claimed}" in refused.value.detail and f"{registered} samples" in refused.value.detail
     assert "d1" not in r.updates
-    assert c.accept_update(r.round_id, _upload(c, "d1", r.round_id), 100).ok
+
+
+def test_a_refused_upload_takes_its_device_out_of_the_attempt_which_then_waits_only_for_the_others(tmp_path):
+    c = _coordinator(tmp_path, **{"deadlines.round_s": 120})
+    r = _open_round(c)
+    bad = _upload(c, "d1", r.round_id)
+    bad = bad.model_copy(update={"timings": bad.timings.model_copy(update={"compute_s": 1e6})})
+    c.changed.clear()
+    with pytest.raises(Invalid) as refused:
+        c.accept_update(r.round_id, bad, 100)
+    assert c.changed.is_set()   # the driver wakes to look again
+    assert r.excluded == {"d1": f"upload refused: {refused.value.detail}"}
+    with pytest.raises(Conflict, match="taken out of round .*upload refused"):   # even a good one now
+        c.accept_update(r.round_id, _upload(c, "d1", r.round_id), 100)
+    assert "d1" not in r.updates and not r.complete()
+    c.accept_update(r.round_id, _upload(c, "d0", r.round_id), 100)
+    assert r.complete()   # the last device that can contribute has uploaded: no wait for the deadline
+    c.close_round()
+    record = c.record_round(r, c.aggregate_round(r))
+    assert record.status == "ok" and record.aggregated == ["d0"] and record.dropped == ["d1"]
+    assert record.left == {"d1": r.excluded["d1"]} and "compute_s" in record.left["d1"]
+
+
+def test_a_stale_round_or_a_duplicate_does_not_take_a_device_out(tmp_path):
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    with pytest.raises(Conflict, match="not open"):
+        c.accept_update(r.round_id + 1, _upload(c, "d0", r.round_id + 1), 100)
+    c.accept_update(r.round_id, _upload(c, "d0", r.round_id), 100)
+    assert "already stored" in c.accept_update(r.round_id, _upload(c, "d0", r.round_id, shift=0.5), 100).detail
+    assert r.excluded == {}
+
+
+def _withdrawal(device: str, round_id: int, reason: str = "cannot build the task") -> WithdrawRequest:
+    return WithdrawRequest(device_id=device, round_id=round_id, reason=reason)
+
+
+def test_a_withdrawal_takes_the_device_out_at_once_and_is_idempotent(tmp_path):
+    c = _coordinator(tmp_path, **{"deadlines.round_s": 120})
+    r = _open_round(c)
+    c.accept_update(r.round_id, _upload(c, "d0", r.round_id), 100)
+    assert not r.complete()
+    c.changed.clear()
+    ack = c.withdraw(r.round_id, _withdrawal("d1", r.round_id))
+    assert ack.ok and "withdrew: cannot build the task" in ack.detail and c.changed.is_set()
+    assert r.excluded == {"d1": "withdrew: cannot build the task"} and r.complete()
+    assert c.withdraw(r.round_id, _withdrawal("d1", r.round_id, "again")).ok   # idempotent: the first reason stays
+    assert r.excluded == {"d1": "withdrew: cannot build the task"}
+    with pytest.raises(Conflict, match="taken out"):
+        c.accept_update(r.round_id, _upload(c, "d1", r.round_id), 100)
+    c.close_round()
+    record = c.record_round(r, c.aggregate_round(r))
+    assert record.aggregated == ["d0"] and record.left == {"d1": "withdrew: cannot build the task"}
+
+
+def test_withdrawals_that_do_not_fit_are_refused_and_change_nothing(tmp_path):
+    c = _coordinator(tmp_path, **{"data.num_devices": 3, "devices_per_round": 2})
+    c.register(RegisterRequest(device_id="d2", shard=2, num_samples=c.shard_sizes[2],
+                               profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    with pytest.raises(Conflict, match="not open"):
+        c.withdraw(1, _withdrawal("d0", 1))
+    r = _open_round(c)
+    outsider = next(d for d in ("d0", "d1", "d2") if d not in r.assignments)
+    inside = sorted(r.assignments)
+    with pytest.raises(NotAllowed, match="not selected"):
+        c.withdraw(r.round_id, _withdrawal(outsider, r.round_id))
+    with pytest.raises(Conflict, match="not open"):
+        c.withdraw(r.round_id + 1, _withdrawal(inside[0], r.round_id + 1))
+    with pytest.raises(Invalid, match="does not match"):
+        c.withdraw(r.round_id, _withdrawal(inside[0], r.round_id + 1))
+    with pytest.raises(NotFound):
+        c.withdraw(r.round_id, _withdrawal("ghost", r.round_id))
+    c.accept_update(r.round_id, _upload(c, inside[0], r.round_id), 100)
+    with pytest.raises(Conflict, match="already stored"):
+        c.withdraw(r.round_id, _withdrawal(inside[0], r.round_id))
+    assert r.excluded == {} and list(r.updates) == [inside[0]]
+
+
+def test_a_split_device_without_its_group_portion_is_not_aggregated(tmp_path):
+    c = _coordinator(tmp_path, algorithm="s2fl")
+    r = _open_round(c)
+    before = {k: v.clone() for k, v in c.model.state_dict().items()}
+    for d in ("d0", "d1"):
+        c.accept_update(r.round_id, _upload_split(c, d, r), 100)
+    c.accept_portion(r.round_id, _portion(c, r, 0, ["d0"]), 10)
+    assert not r.complete()   # d1's group is still out: the round waits for it (until its deadline)
+    c.close_round()
+    record = c.record_round(r, c.aggregate_round(r))
+    assert record.aggregated == ["d0"] and record.left == {"d1": "its group portion never arrived"}
+    # Only d0 (client layers shifted by 0.01, its group's server layers unchanged) moved the model.
+    split = r.assignments["d0"].split_point
+    client_keys = set(portion_state(c.model, 0, split))
+    for key, value in c.model.state_dict().items():
+        if value.is_floating_point():
+            assert torch.allclose(value, before[key] + (0.01 if key in client_keys else 0.0), atol=1e-6), key
+
+
+def _upload_split(c: Coordinator, device: str, fed_round) -> UpdateRequest:
+    split = fed_round.assignments[device].split_point
+    state = {k: v + 0.01 for k, v in portion_state(c.model, 0, split).items()}
+    return _upload(c, device, fed_round.round_id).model_copy(update={"weights": encode_state(state)})
+
+
+def _portion(c: Coordinator, fed_round, group_id: int, members: list[str]) -> ServerPortionUpload:
+    start = min(fed_round.assignments[m].split_point for m in members)
+    return ServerPortionUpload(run_id=c.run_id, round_id=fed_round.round_id, group_id=group_id, members=members,
+                               dropped=[], start_block=start,
+                               weights=encode_state(portion_state(c.model, start, c.num_blocks)),
+                               label_distance=0.0, steps=1, train_time_s=0.1)
+
+
+def test_registration_must_claim_its_shards_exact_count(tmp_path):
+    c = _coordinator(tmp_path, **{"data.num_devices": 3})
+    before = dict(c.devices.devices)
+    for claimed in (10**12, c.shard_sizes[2] + 1, c.shard_sizes[2] - 1, 0):
+        with pytest.raises(Invalid, match=f"num_samples={claimed} of 'd2': shard 2 trains on {c.shard_sizes[2]} samples"):
+            c.register(RegisterRequest(device_id="d2", shard=2, num_samples=claimed,
+                                       profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    assert c.devices.devices == before
+    c.register(RegisterRequest(device_id="d2", shard=2, num_samples=c.shard_sizes[2],
+                               profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    # The shards are the devices' own: the same partition of the same data set.
+    train, _ = load_dataset(c.config.data)
+    assert c.shard_sizes == [len(device_shard(c.config.data, train, i)) for i in range(3)]
+
+
+def test_with_federated_evaluation_a_device_registers_its_shard_less_its_held_out_part(tmp_path):
+    c = _coordinator(tmp_path, **{"data.num_devices": 3, "evaluation.mode": "federated", "evaluation.holdout": 0.3})
+    train, _ = load_dataset(c.config.data)
+    shard = device_shard(c.config.data, train, 2)
+    kept, held_out = evaluation_holdout(shard, 0.3, c.config.seed, "d2")   # what the device computes
+    profile = DeviceProfileMsg(flops=1e9, rate=1e6)
+    with pytest.raises(Invalid, match=f"trains on {len(kept)} samples"):
+        c.register(RegisterRequest(device_id="d2", shard=2, num_samples=len(shard), profile=profile))
+    c.register(RegisterRequest(device_id="d2", shard=2, num_samples=len(kept), profile=profile))
+    assert c.held_out_limit("d2") == len(held_out)
+
+
+def test_a_local_device_may_claim_at_most_max_device_samples(tmp_path):
+    local = {"dataset": "local", "num_devices": 2, "num_classes": 10, "input_shape": [1, 28, 28],
+             "max_device_samples": 500}
+    c = Coordinator(load_run_config({"algorithm": "fedavg", "data": local}), RunDirectory(tmp_path / "run"), None)
+    profile = DeviceProfileMsg(flops=1e9, rate=1e6)
+    for claimed in (501, 10**12):
+        with pytest.raises(Invalid, match=f"num_samples={claimed} of 'a' exceeds data.max_device_samples=500"):
+            c.register(RegisterRequest(device_id="a", num_samples=claimed, profile=profile))
+    assert len(c.devices) == 0
+    c.register(RegisterRequest(device_id="a", num_samples=500, profile=profile))
+    assert c.held_out_limit("a") == max_held_out(500, c.config.evaluation.holdout)
 
 
 @pytest.mark.parametrize("timings, word", [
@@ -193,7 +351,8 @@ def test_a_device_enrolled_again_during_a_split_attempt_sits_it_out_and_takes_pa
     fed_round = _open_round(c)
     before = fed_round.assignments["d1"].token_nonce
     assert before == c.devices.token_nonce("d1")
-    c.register(RegisterRequest(device_id="d1", shard=1, num_samples=11, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    c.register(RegisterRequest(device_id="d1", shard=1, num_samples=c.shard_sizes[1],
+                               profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     assert c.devices.token_nonce("d1") != before
     assert c.task_for("d1").status == "wait"
     assert c.task_for("d0").status == "train"
@@ -306,7 +465,7 @@ def test_registration_with_a_different_model_fingerprint_is_refused_and_changes_
     other = model_fingerprint(build_model("cnn", 10, (1, 28, 28), params={}), c.config.data.model_copy(
         update={"transform": "rgb32"}))
     before = dict(c.devices.devices)
-    req = RegisterRequest(device_id="d2", shard=2, num_samples=10, profile=DeviceProfileMsg(flops=1e9, rate=1e6),
+    req = RegisterRequest(device_id="d2", shard=2, num_samples=c.shard_sizes[2], profile=DeviceProfileMsg(flops=1e9, rate=1e6),
                           fingerprint=other)
     with pytest.raises(Conflict) as err:
         c.register(req)
@@ -314,5 +473,5 @@ def test_registration_with_a_different_model_fingerprint_is_refused_and_changes_
     assert c.devices.devices == before
     # The run's own fingerprint, or none at all (a device that does not send one), registers.
     c.register(req.model_copy(update={"fingerprint": c.fingerprint}))
-    c.register(req.model_copy(update={"device_id": "d3", "shard": 3, "fingerprint": None}))
+    c.register(req.model_copy(update={"device_id": "d3", "shard": 3, "num_samples": c.shard_sizes[3], "fingerprint": None}))
     assert {"d2", "d3"} <= set(c.devices.devices)

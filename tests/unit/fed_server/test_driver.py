@@ -55,7 +55,7 @@ def test_a_round_closes_on_its_last_upload_not_its_deadline(tmp_path):
     async def scenario() -> float:
         driver = asyncio.get_running_loop().create_task(drive_rounds(c, FedServerSettings()))
         for i in range(2):                 # registering the last device starts the round
-            c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10,
+            c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.shard_sizes[i],
                                        profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
         while c.round is None or not c.round.ready:
             await asyncio.sleep(0)        # let the driver open the round
@@ -63,7 +63,7 @@ def test_a_round_closes_on_its_last_upload_not_its_deadline(tmp_path):
         weights = encode_state(portion_state(c.model, 0, c.num_blocks))
         for d in ("d0", "d1"):
             c.accept_update(fed_round.round_id, UpdateRequest(
-                device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
+                device_id=d, round_id=fed_round.round_id, num_samples=c.devices.get(d).num_samples, steps=1, train_loss=1.0, weights=weights,
                 timings=timings, bytes_up=0, bytes_down=0), 100)
         await asyncio.wait_for(driver, 30)
         return time.monotonic() - fed_round.started_at
@@ -80,14 +80,14 @@ def test_status_since_filters_on_the_logical_round_and_keeps_every_attempt(tmp_p
     c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
     for i in range(2):
-        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.shard_sizes[i], profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     weights = encode_state(portion_state(c.model, 0, c.num_blocks))
     for uploaders in (["d0"], ["d0", "d1"], ["d0", "d1"]):   # round 1 fails once, then rounds 1 and 2
         fed_round = c.begin_round()
         fed_round.ready = True
         for d in uploaders:
             c.accept_update(fed_round.round_id, UpdateRequest(
-                device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
+                device_id=d, round_id=fed_round.round_id, num_samples=c.devices.get(d).num_samples, steps=1, train_loss=1.0, weights=weights,
                 timings=timings, bytes_up=0, bytes_down=0), 100)
         c.close_round()
         c.record_round(fed_round, c.aggregate_round(fed_round))
@@ -108,7 +108,7 @@ def _registered(tmp_path, rounds: int) -> Coordinator:
                                        "data": {"num_devices": 2, "max_samples": 200}, "deadlines": {"round_s": 60}})
     c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     for i in range(2):
-        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=10,
+        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.shard_sizes[i],
                                    profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     return c
 
@@ -121,7 +121,7 @@ def _upload_all(c: Coordinator, shift: float = 0.0) -> None:
     timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
     for d in fed_round.assignments:
         c.accept_update(fed_round.round_id, UpdateRequest(
-            device_id=d, round_id=fed_round.round_id, num_samples=10, steps=1, train_loss=1.0, weights=weights,
+            device_id=d, round_id=fed_round.round_id, num_samples=c.devices.get(d).num_samples, steps=1, train_loss=1.0, weights=weights,
             timings=timings, bytes_up=0, bytes_down=0), 100)
 
 

@@ -13,6 +13,7 @@ from fed_server.app import create_app
 from fed_server.coordinator import Coordinator
 from fed_server.driver import FedServerSettings, drive_rounds
 from fed_server.run_dir import RunDirectory
+from fed_server.update_checks import held_out_count
 from http_api.server import MSGPACK
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.portions import portion_state
@@ -21,7 +22,7 @@ from shared.schemas import DeviceProfileMsg, DeviceTimings, EvaluationReport, Re
 from shared.wire import decode_state, encode_state, packb, unpackb
 
 TIMINGS = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
-SAMPLES = {"d0": 40, "d1": 60}   # registered training parts; with holdout 0.2 at most 10 and 15 held out
+DEVICES = ("d0", "d1")   # their shards of 200 samples, less 20 % held out, leave 23 and 16 held-out samples
 
 
 def _coordinator(tmp_path, rounds: int = 2, evaluate_s: float = 30.0) -> Coordinator:
@@ -30,14 +31,15 @@ def _coordinator(tmp_path, rounds: int = 2, evaluate_s: float = 30.0) -> Coordin
                               "evaluation": {"mode": "federated", "holdout": 0.2},
                               "deadlines": {"evaluate_s": evaluate_s}})
     c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
-    for i, (device, n) in enumerate(SAMPLES.items()):
+    for i, device in enumerate(DEVICES):
+        n = c.shard_sizes[i] - held_out_count(c.shard_sizes[i], 0.2)   # the training part it registers
         c.register(RegisterRequest(device_id=device, shard=i, num_samples=n, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     return c
 
 
 def _upload(c: Coordinator, device: str, round_id: int) -> UpdateRequest:
     state = {k: (v + 0.01 if v.is_floating_point() else v) for k, v in portion_state(c.model, 0, c.num_blocks).items()}
-    return UpdateRequest(device_id=device, round_id=round_id, num_samples=SAMPLES[device], steps=1, train_loss=1.0,
+    return UpdateRequest(device_id=device, round_id=round_id, num_samples=c.devices.get(device).num_samples, steps=1, train_loss=1.0,
                          weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0)
 
 
@@ -61,7 +63,7 @@ def test_the_aggregated_devices_evaluate_the_new_model_and_the_record_holds_the_
     assert c.run_info().holdout == 0.2
     fed_round, aggregation = _aggregated(c)
     evaluation = c.begin_evaluation(fed_round, aggregation)
-    assert evaluation is not None and set(evaluation.asked) == {"d0", "d1"}
+    assert evaluation is not None and evaluation.asked == {"d0": 23, "d1": 16}
     task = c.task_for("d0")
     assert (task.status, task.round_id, task.num_blocks) == ("evaluate", fed_round.round_id, c.num_blocks)
     sent = decode_state(WeightsResponse.model_validate(unpackb(b"".join(c.weights.body(task.weights_id)))).weights)
@@ -90,7 +92,7 @@ def test_bad_reports_are_refused_and_change_nothing(tmp_path):
     for bad, error in ((_report("d0", rid - 1, 10, 9, 3.0), Conflict),      # a stale round
                        (_report("ghost", rid, 1, 1, 0.1), NotFound),        # an unknown device
                        (_report("d1", rid, 1, 1, 0.1), NotAllowed),         # registered, but not asked
-                       (_report("d0", rid, 11, 9, 3.0), Invalid)):          # more than 40 training samples can hold out
+                       (_report("d0", rid, 24, 9, 3.0), Invalid)):          # more than d0 holds out
         with pytest.raises(error):
             c.accept_evaluation(bad)
         assert evaluation.reports == {}

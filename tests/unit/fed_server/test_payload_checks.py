@@ -21,7 +21,7 @@ def _coordinator(tmp_path, algorithm: str, **data) -> Coordinator:
                                        "data": {"num_devices": 2, "max_samples": 200, **data}})
     coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     for i in range(2):
-        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=20,
+        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=coordinator.shard_sizes[i],
                                              profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     fed_round = coordinator.begin_round()
     fed_round.ready = True
@@ -33,26 +33,38 @@ def _coordinator(tmp_path, algorithm: str, **data) -> Coordinator:
 def _upload(coordinator: Coordinator, device: str, extras: dict) -> UpdateRequest:
     state = portion_state(coordinator.model, 0, coordinator.num_blocks)
     assert coordinator.round is not None
-    return UpdateRequest(device_id=device, round_id=coordinator.round.round_id, num_samples=20, steps=1,
+    return UpdateRequest(device_id=device, round_id=coordinator.round.round_id,
+                         num_samples=coordinator.devices.get(device).num_samples, steps=1,
                          train_loss=1.0, weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0,
                          extras=extras)
 
 
-def test_fedbc_task_extras_keep_their_wire_keys_and_bad_upload_extras_are_refused(tmp_path):
+def _fedbc_extras(c: Coordinator, **changes) -> dict:
+    """FedBC upload extras that fit d0's registered count (train_samples + local_total)."""
+    return {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": c.devices.get("d0").num_samples - 4,
+            **changes}
+
+
+@pytest.mark.parametrize("changes, refusal", [
+    ({"local_total": -4}, "^extras: local_total: Input should be greater than or equal to 0$"),
+    ({"d": float("nan")}, "^extras: d: Input should be a finite number$"),
+    # the algorithm's own check (needs the upload's num_samples) also ends as Invalid
+    ({"train_samples": 15}, "train_samples=15 \\+ local_total=4 must equal"),
+])
+def test_fedbc_bad_upload_extras_are_refused(tmp_path, changes, refusal):
+    c = _coordinator(tmp_path, "fedbc")
+    with pytest.raises(Invalid, match=refusal):
+        c.accept_update(c.round.round_id, _upload(c, "d0", _fedbc_extras(c, **changes)), 100)
+    assert c.round.updates == {}
+
+
+def test_fedbc_task_extras_keep_their_wire_keys_and_upload_extras_are_stored_typed(tmp_path):
     c = _coordinator(tmp_path, "fedbc")
     task = c.task_for("d0")
     assert task.status == "train" and set(task.extras) == {"lambda", "gamma", "split_seed"}
-    good = {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": 16}
-    with pytest.raises(Invalid, match="^extras: local_total: Input should be greater than or equal to 0$"):
-        c.accept_update(c.round.round_id, _upload(c, "d0", {**good, "local_total": -4}), 100)
-    with pytest.raises(Invalid, match="^extras: d: Input should be a finite number$"):
-        c.accept_update(c.round.round_id, _upload(c, "d0", {**good, "d": float("nan")}), 100)
-    # the algorithm's own check (needs the upload's num_samples) also ends as Invalid
-    with pytest.raises(Invalid, match="train_samples=15 \\+ local_total=4 must equal"):
-        c.accept_update(c.round.round_id, _upload(c, "d0", {**good, "train_samples": 15}), 100)
-    assert c.round.updates == {}
+    good = _fedbc_extras(c)
     c.accept_update(c.round.round_id, _upload(c, "d0", good), 100)
-    assert c.round.updates["d0"].extras.train_samples == 16  # stored typed, for aggregate and metrics
+    assert c.round.updates["d0"].extras.train_samples == good["train_samples"]  # stored typed, for aggregate and metrics
 
 
 def test_fedavg_takes_no_upload_extras(tmp_path):

@@ -9,19 +9,19 @@ import time
 import pytest
 
 from fed_server.coordinator import Coordinator
-from fed_server.driver import FedServerSettings, watch_replica
+from fed_server.driver import FedServerSettings, send_plans, watch_replica
 from fed_server.run_dir import RunDirectory
 from shared.algorithms.grouping import form_round_groups
 from shared.algorithms.registry import build_grouping
 from shared.errors import Conflict, Invalid
 from shared.portions import portion_state
 from shared.run_config import load_run_config
-from shared.schemas import DeviceProfileMsg, RegisterRequest, ServerPortionUpload
-from shared.wire import encode_state
+from shared.schemas import Ack, DeviceProfileMsg, RegisterRequest, ServerPortionUpload
+from shared.wire import encode_state, packb
 
 A, B = "http://main-a:8081", "http://main-b:8081"
 DEVICES = [f"d{i}" for i in range(6)]
-SAMPLES = {"d0": 50, "d1": 40, "d2": 30, "d3": 20, "d4": 10, "d5": 5}
+SAMPLES = {"d0": 50, "d1": 40, "d2": 30, "d3": 20, "d4": 10, "d5": 5}   # label counts' totals
 
 
 def _counts(device: str) -> list[int]:
@@ -39,7 +39,7 @@ def _coordinator(tmp_path, urls, algorithm: str = "s2fl") -> Coordinator:
 
 
 def _register(c: Coordinator, device: str, counts: list[int] | None) -> None:
-    c.register(RegisterRequest(device_id=device, shard=int(device[1:]), num_samples=SAMPLES[device],
+    c.register(RegisterRequest(device_id=device, shard=int(device[1:]), num_samples=c.shard_sizes[int(device[1:])],
                                profile=DeviceProfileMsg(flops=1e9, rate=1e6), label_counts=counts))
 
 
@@ -87,7 +87,7 @@ def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     expected = form_round_groups(build_grouping(c.algorithm.grouping()), {d: _counts(d) for d in DEVICES}, 2,
                                  c.config.seed, r.round_id)
     assert list(r.planned_groups.values()) == expected
-    loads = {g: sum(SAMPLES[m] for m in members) for g, members in r.planned_groups.items()}
+    loads = {g: sum(c.devices.devices[m].num_samples for m in members) for g, members in r.planned_groups.items()}
     # Every group on one replica, its members told that replica, the plans holding only theirs.
     for url, plan in plans.items():
         assert sorted(p.device_id for p in plan.participants) == sorted(m for g in plan.groups for m in g.members)
@@ -136,7 +136,8 @@ def test_a_lost_replica_drops_only_its_groups_without_a_portion(replicated):
     c.changed.clear()
     c.replica_lost(r, B, "test")
     assert c.changed.is_set() and r.lost_replicas == [B] and B in c.replicas_down
-    assert r.excluded == {m for g in unfinished for m in r.planned_groups[g]}   # the uploaded group stays
+    assert set(r.excluded) == {m for g in unfinished for m in r.planned_groups[g]}   # the uploaded group stays
+    assert set(r.excluded.values()) == {f"its Main Server replica {B} was lost (test)"}
     # A portion of the lost replica's unfinished group is refused, changing nothing.
     with pytest.raises(Conflict, match="declared lost"):
         c.accept_portion(r.round_id, _portion(c, r.round_id, unfinished[0], r.planned_groups[unfinished[0]]), 10)
@@ -156,7 +157,7 @@ def test_a_single_lost_main_server_drops_every_device_without_a_portion(tmp_path
     r = c.begin_round()
     c.replica_plans(r, [A])
     c.replica_lost(r, A, "killed")
-    assert r.excluded == set(r.assignments) and r.complete()   # the attempt ends now, not at the deadline
+    assert set(r.excluded) == set(r.assignments) and r.complete()   # the attempt ends now, not at the deadline
 
 
 def test_portions_must_match_the_planned_group(replicated):
@@ -176,18 +177,27 @@ def test_portions_must_match_the_planned_group(replicated):
     assert list(r.portions) == [0]
 
 
-@pytest.mark.parametrize("answer, lost", [
-    (b'{"round_id": ROUND, "state": "open"}\n{"round_id": ROUND, "state": "done"}\n', False),   # all uploaded
-    (b'{"round_id": ROUND, "state": "open"}\n', True),                                        # ends without done
-    (b'{"round_id": ROUND, "state": "open"}\n{"round_id": ROUND, "state": "replaced"}\n', True),
-    (None, True),                                                                              # falls silent
-])
-def test_the_watch_decides_whether_a_replica_is_lost(replicated, answer, lost):
+DONE = b'{"round_id": ROUND, "state": "open"}\n{"round_id": ROUND, "state": "done"}\n'
+
+
+@pytest.mark.parametrize("answer, lost, why", [
+    (DONE, False, "its group portion never arrived"),      # ended, but none of its portions came
+    (b'{"round_id": ROUND, "state": "open"}\n', True, "was lost (watch stream ended"),    # ends without done
+    (b'{"round_id": ROUND, "state": "open"}\n{"round_id": ROUND, "state": "replaced"}\n', True, "replaced"),
+    (None, True, "was lost (watch failed"),                                                   # falls silent
+    (b'{"round_id": ROUND, "state": "open", "dropped": {"DEV": "missed step 3"}}\n'
+     b'{"round_id": ROUND, "state": "done", "dropped": {"DEV": "missed step 3"}, "undelivered": [GROUP]}\n',
+     False, "its group portion never arrived (groups [GROUP] could not be delivered)"),
+], ids=["done", "no done", "replaced", "silent", "dropped and undelivered"])
+def test_the_watch_decides_whether_a_replica_is_lost_and_who_leaves_the_attempt(replicated, answer, lost, why):
     # A raw loopback peer stands in for the replica, so a frozen one (heartbeats stop, the
     # connection stays open) can be played without freezing a process.
     c = replicated
     r = c.begin_round()
     c.replica_plans(r, [A, B])
+    on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
+    group = min(g for g, url in r.group_replica.items() if url == B)
+    why = why.replace("GROUP", str(group))
 
     async def scenario() -> float:
         async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -197,7 +207,8 @@ def test_the_watch_decides_whether_a_replica_is_lost(replicated, answer, lost):
                 writer.write(b"content-length: 1000\r\n\r\n" + f'{{"round_id": {r.round_id}, "state": "open"}}\n'.encode())
                 await writer.drain()
                 await asyncio.sleep(30)
-            body = answer.replace(b"ROUND", str(r.round_id).encode())
+            body = (answer.replace(b"ROUND", str(r.round_id).encode()).replace(b"DEV", on_b[0].encode())
+                    .replace(b"GROUP", str(group).encode()))
             writer.write(f"content-length: {len(body)}\r\n\r\n".encode() + body)
             await writer.drain()
             writer.close()
@@ -212,5 +223,69 @@ def test_the_watch_decides_whether_a_replica_is_lost(replicated, answer, lost):
         return time.monotonic() - started
 
     took = asyncio.run(scenario())
-    assert bool(r.lost_replicas) == lost and bool(r.excluded) == lost
+    assert bool(r.lost_replicas) == lost and sorted(r.excluded) == on_b   # A's devices stay in
+    dropped = b"dropped" in (answer or b"")
+    if dropped:   # the member the replica dropped leaves with the replica's reason
+        assert r.excluded[on_b[0]] == "dropped by the Main Server: missed step 3"
+    assert all(why in r.excluded[d] for d in on_b[int(dropped):]), r.excluded
     assert took < 5
+
+
+def test_a_replica_speaks_only_for_its_own_devices_and_only_in_the_open_attempt(replicated):
+    c = replicated
+    r = c.begin_round()
+    c.replica_plans(r, [A, B])
+    on_a = sorted(d for d, a in r.assignments.items() if a.main_server_url == A)
+    on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
+    c.main_server_dropped(r, B, {on_a[0]: "not its device", on_b[0]: "missed step 1"})
+    assert r.excluded == {on_b[0]: "dropped by the Main Server: missed step 1"}
+    # A portion that arrived keeps its group in, whatever the done line says.
+    uploaded = next(g for g, url in r.group_replica.items() if url == A)
+    c.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
+    c.replica_done(r, A, [uploaded])
+    assert set(r.excluded) == {on_b[0], *(set(on_a) - set(r.planned_groups[uploaded]))}
+    c.close_round()
+    c.main_server_dropped(r, B, {on_b[1]: "too late"})
+    c.replica_done(r, B, [])
+    assert on_b[1] not in r.excluded
+
+
+def test_a_frozen_replica_costs_the_plan_phase_one_try_and_its_groups_go_to_the_live_one(tmp_path):
+    # The frozen replica's kernel accepts the connection and takes the body; the process never
+    # answers (a SIGSTOPped Main Server). Each plan try waits replica_timeout_s, and a try without
+    # an answer is not retried: it used to wait 120 s, five times over.
+    plans_seen: list[bytes] = []
+
+    async def scenario() -> tuple[Coordinator, float, list[str]]:
+        async def live(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            plans_seen.append(await reader.readexactly(length))
+            body = packb(Ack().model_dump())
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\nconnection: close\r\n"
+                         + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+            writer.close()
+
+        async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()   # takes everything, answers nothing
+
+        servers = [await asyncio.start_server(handler, "127.0.0.1", 0) for handler in (live, frozen)]
+        urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+        c = _coordinator(tmp_path, urls)
+        for d in DEVICES:
+            _register(c, d, _counts(d))
+        r = c.begin_round()
+        started = time.monotonic()
+        await asyncio.wait_for(send_plans(c, r, FedServerSettings(replica_timeout_s=0.5)), 30)
+        took = time.monotonic() - started
+        for s in servers:
+            s.close()
+        return c, took, urls
+
+    c, took, (live_url, frozen_url) = asyncio.run(scenario())
+    r = c.round
+    assert r.plan_failed is None and {a.main_server_url for a in r.assignments.values()} == {live_url}
+    assert frozen_url in c.replicas_down and live_url not in c.replicas_down
+    assert len(plans_seen) == 2   # its own plan, then the one with every group
+    assert took < 20   # one 0.5 s try for the frozen replica, not 5 x 120 s

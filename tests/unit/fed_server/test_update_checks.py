@@ -2,10 +2,14 @@
 update norms (hand-computed norms, clipping into the ball, integer buffers untouched)."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from fed_server.update_checks import MAX_TRAIN_LOSS, check_claims, clip_update, table_time, update_norm
+from fed_server.update_checks import (
+    MAX_TRAIN_LOSS, check_claims, clip_update, held_out_count, max_held_out, table_time, update_norm,
+)
+from shared.data.holdout import holdout_split
 from shared.errors import Invalid
 from shared.schemas import DeviceTimings, UpdateRequest
 
@@ -68,3 +72,17 @@ def test_a_training_loss_beyond_the_bound_is_invalid(loss):
 def test_table_time_is_the_sum_of_the_device_own_costs():
     assert table_time(_timings()) == pytest.approx(1.8)   # compute + transfer + server, not the barrier wait
     assert table_time(_timings(compute_s=0.0, transfer_s=0.0, server_s=0.0)) > 0
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.2, 0.25, 0.3, 1 / 3, 0.5, 0.7, 0.95])
+def test_held_out_counts_are_the_devices_own_split_and_the_bound_is_exact(fraction):
+    # The Fed Server's figures come from the function the devices split their data with.
+    largest: dict[int, int] = {}   # training count -> the most held out over every n that leaves it
+    for n in range(0, 400):
+        train, held = holdout_split(np.arange(n) % 7, fraction, seed=n)
+        assert held_out_count(n, fraction) == len(held)
+        largest[len(train)] = max(largest.get(len(train), 0), len(held))
+    for train_samples, held in largest.items():
+        if train_samples + held < 399 - 1 / (1 - fraction):   # every n that leaves it was tried
+            assert max_held_out(train_samples, fraction) == held, train_samples
+    assert held_out_count(10, None) == 0
