@@ -1,0 +1,64 @@
+"""One device's failing tasks stop neither its agent nor the run: an agent through the real servers.
+
+A real Fed Server and Main Server (FedAvg, cnn) and one real agent hosting two devices in this
+process. ``dev-001`` receives every training task with an algorithm name its agent does not know
+(what a task it cannot build looks like to it; its client rewrites the task as it arrives). It
+must give each task up and withdraw from the attempt, while the agent's other device trains every
+round to the end of the run, and the Fed Server's round records must say that ``dev-001`` withdrew
+and why.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from device_agent.agent import Agent
+from device_agent.clients import HttpFedClient
+from integration_support import server_pair, small_config
+from shared.schemas import API, TaskResponse
+
+ROUNDS = 2
+
+
+class UnbuildableTasks(HttpFedClient):
+    """Hands the device every training task with an algorithm it does not know."""
+
+    def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
+        task, size = super().task(device_id, wait_s)
+        if task.status == "train" and task.phase == "train":
+            task = task.model_copy(update={"algorithm": "no-such-algorithm"})
+        return task, size
+
+
+def test_a_device_whose_tasks_fail_withdraws_and_its_agents_other_device_trains_to_the_end():
+    config = small_config(algorithm="fedavg", rounds=ROUNDS, **{
+        "data.num_devices": 2, "data.max_samples": 400, "train.batch_size": 32, "deadlines.round_s": 60})
+    with server_pair(config, "agent-resilience") as servers:
+        agent = Agent(servers.fed_url, [0, 1], None, compute_slots=0)
+        agent.devices[1].fed = UnbuildableTasks(servers.fed_url)
+        code: list[int] = []
+        thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 240
+        status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
+        while status["state"] != "finished" and status["driver_error"] is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
+        thread.join(60)
+        if thread.is_alive():
+            agent.stop.set()
+            thread.join(30)
+        logs = servers.fed.log_tail(40) + "\n" + servers.main.log_tail(20)
+
+    assert status["state"] == "finished" and status["driver_error"] is None, (status, logs)
+    # The agent ended with the run, no device of it stopped by an error.
+    assert code == [0] and agent.errors == {}, (code, agent.errors)
+    assert [d.rounds_done for d in agent.devices] == [ROUNDS, 0]
+    ok = [r for r in status["history"] if r["status"] == "ok"]
+    assert [r["round"] for r in ok] == list(range(1, ROUNDS + 1)), status["history"]
+    for record in ok:
+        assert record["aggregated"] == ["dev-000"], record
+        reason = record["left"]["dev-001"]
+        assert reason.startswith("withdrew: ") and "'no-such-algorithm' is not one this agent knows" in reason, record
