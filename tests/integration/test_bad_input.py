@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fed_server.driver import FedServerSettings
+from fed_server.update_checks import shard_sizes
 from integration_support import server_pair, small_config
 from shared.models import build_model
 from shared.models.zoo import ZOO_BUILDERS
@@ -42,6 +43,7 @@ def services():
     """A Fed Server waiting for 2 devices (so it stays quiet) and a Main Server with a 1 MiB step limit
     whose group uploads go to a closed port."""
     config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    assert config.data == SPEC
     with server_pair(config, "bad-input", fed_args=["--run-id", "badinput"], main_args=["--max-step-mb", "1"],
                      main_reports_to=f"http://127.0.0.1:{free_port()}") as pair:
         yield {"fed": pair.fed_url, "main": pair.main_url, "run_id": "badinput"}
@@ -95,8 +97,18 @@ def profile() -> DeviceProfileMsg:
     return DeviceProfileMsg(kind="high", flops=1e10, rate=1e7)
 
 
+#: The services' data spec, whose shard sizes a registration must claim (the Fed Server checks them).
+SPEC = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200}).data
+
+
+def shard_samples(shard: int) -> int:
+    sizes = shard_sizes(SPEC)
+    assert sizes is not None
+    return sizes[shard]
+
+
 def register_request(device_id: str = "dev-0", shard: int = 0) -> RegisterRequest:
-    return RegisterRequest(device_id=device_id, shard=shard, num_samples=100, profile=profile())
+    return RegisterRequest(device_id=device_id, shard=shard, num_samples=shard_samples(shard), profile=profile())
 
 
 def wire(t: torch.Tensor) -> WireTensor:
@@ -176,7 +188,7 @@ def _update(round_id: int = 1, device_id: str = "dev-0", weights=None) -> dict:
     model = build_model("cnn")
     state = weights if weights is not None else model.portion(0, 1).state_dict()
     return UpdateRequest(
-        device_id=device_id, round_id=round_id, num_samples=100, steps=3, train_loss=1.5,
+        device_id=device_id, round_id=round_id, num_samples=shard_samples(0), steps=3, train_loss=1.5,
         weights=encode_state(state),
         timings=DeviceTimings(compute_s=1.0, transfer_s=0.1, wait_s=0.2, server_s=0.3, total_s=1.6),
         bytes_up=10, bytes_down=10,

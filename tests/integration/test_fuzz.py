@@ -365,7 +365,8 @@ def test_fuzz_fed_server(services, client):
     ops = operations(schema)
     posts = {op.path for op in ops if op.method.upper() == "POST"}
     assert posts == {"/v1/devices/register", "/v1/rounds/{round_id}/updates", "/v1/rounds/{round_id}/reports",
-                     "/v1/rounds/{round_id}/server-portions", "/v1/evaluation"}, posts
+                     "/v1/rounds/{round_id}/server-portions", "/v1/evaluation",
+                     "/v1/rounds/{round_id}/withdrawals"}, posts
     before = fed_state(client, services)
     assert before["registered"] == 0 and before["state"] == "waiting_for_devices", before
     state = lambda: fed_state(client, services)  # noqa: E731

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from fed_server.update_checks import shard_sizes
 from integration_support import freeze_agent_through_a_failed_attempt, read_metrics, server_pair, small_config
 from shared.http_client import HEADERS
 from shared.schemas import DeviceProfileMsg, RegisterRequest
@@ -88,7 +89,7 @@ def test_follow_command_reports_the_devices_as_they_register(tmp_path):
                                    env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert watcher.stdout.readline() == format_waiting(0, 2) + "\n"
-            register = RegisterRequest(device_id="dev-0", shard=0, num_samples=100,
+            register = RegisterRequest(device_id="dev-0", shard=0, num_samples=shard_sizes(config.data)[0],
                                        profile=DeviceProfileMsg(kind="high", flops=1e10, rate=1e7))
             httpx.post(f"{pair.fed_url}/v1/devices/register", content=packb(register.model_dump()), headers=HEADERS,
                        timeout=30).raise_for_status()
