@@ -4,7 +4,8 @@
 (b) tensor encode/decode throughput, (c) Main Server step latency and throughput with 10, 50 and
 100 virtual devices, (d) peak memory of each service (measured during (a)), (e) peak memory of an
 agent hosting many virtual devices, models kept vs built per task, (f) FedAvg through the services
-vs the same math in one process and vs the 2-core limit, with the whole testbed's peak PSS. Prints a table and writes
+vs the same math in one process and vs the 2-core limit, with the whole testbed's peak PSS, (g) harmful devices
+against an honest control (benchmarks/attacks.py; 30 to 40 minutes, so only when named). Prints a table and writes
 every figure plus a description of the machine to a JSON file. Not part of the test suite.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
-PARTS = ("a", "b", "c", "e", "f")  # (d) comes with (a)
+PARTS = ("a", "b", "c", "e", "f", "g")  # (d) comes with (a)
+DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) runs only when named
 
 
 def _log(text: str) -> None:
@@ -106,6 +108,11 @@ def report(results: dict) -> str:
                           [["kept for the run", f"{e['agent_peak_rss_mib_kept']:.0f}", f"{e['mean_round_s_kept']:.2f}"],
                            ["built per task", f"{e['agent_peak_rss_mib_per_task']:.0f}", f"{e['mean_round_s_per_task']:.2f}"]]))
         out.append(f"kept / per task: {e['ratio_kept_over_per_task']:.2f}x; identical final models: {e['same_final_model']}")
+    g = results.get("attacks")
+    if g:
+        from benchmarks.attacks import report as attacks_report
+
+        out += ["", "(g) harmful devices against an honest control", attacks_report(g)]
     f = results.get("fedavg")
     if f:
         c, mem = f["config"], f["memory"]
@@ -134,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smallest sizes only (about a minute)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
-    parser.add_argument("--only", default=",".join(PARTS),
-                        help="comma-separated parts to run: a (with d), b, c, e, f (default: all)")
+    parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
+                        help="comma-separated parts to run: a (with d), b, c, e, f, g (default: all but g; "
+                             "g's subsets: python -m benchmarks.attacks --help)")
     parser.add_argument("--main-servers", default="1",
                         help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
                              "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
@@ -206,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("(f) FedAvg: services vs one process vs the 2-core limit, whole-testbed PSS")
         results["fedavg"] = fedavg_overhead.run(args.quick, _log, args.rounds_f)
+    if "g" in parts:
+        from benchmarks import attacks
+
+        _log("(g) harmful devices against an honest control")
+        results["attacks"] = attacks.run(attacks.Selection.quick() if args.quick else attacks.Selection(), _log)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 

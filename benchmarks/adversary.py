@@ -1,0 +1,444 @@
+"""``python -m benchmarks.adversary --behaviour NAME [python -m device_agent's arguments]``: harmful devices.
+
+A benchmark-only entry point for the attack benchmark (:mod:`benchmarks.attacks`). It runs the
+normal device agent (``python -m device_agent``, same arguments, same code) and wraps each of its
+devices' clients so that what goes out is altered: every harmful device is a real process that
+talks real HTTP to the real servers, and nothing in the services knows it is being tested.
+
+The agent is built by ``device_agent.__main__.main`` as always; only the class it builds is
+:class:`HarmfulAgent` (a subclass of the agent) for the duration of the call. Each harmful action
+is logged at WARNING with :data:`ACTION_MARK`, so the benchmark can count that the attack really
+happened (a behaviour that never engaged would otherwise read as a harmless device).
+
+``honest`` alters nothing: the benchmark's control runs its devices through this entry point too,
+so a control and an attack run have the same processes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import ClassVar
+from unittest import mock
+
+import torch
+
+import device_agent.agent
+from device_agent.api import FedApi, MainApi
+from device_agent.clients import HttpFedClient
+from device_agent.device import Device
+from shared.errors import DomainError
+from shared.schemas import (
+    DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
+    ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
+    WireState, WireTensor,
+)
+from shared.wire import decode_tensor, encode_tensor
+
+log = logging.getLogger("adversary")
+
+#: The start of every log line that records a harmful action (counted by the benchmark).
+ACTION_MARK = "harmful action:"
+
+#: Sample count a ``zero_update_huge_count`` device claims, and evaluated samples a
+#: ``fake_evaluation`` device claims.
+HUGE_COUNT = 10 ** 12
+FAKE_EVALUATION_SAMPLES = 10 ** 9
+
+
+def _acted(behaviour: str, device_id: str, what: str) -> None:
+    log.warning("%s %s %s: %s", ACTION_MARK, behaviour, device_id, what)
+
+
+def _scaled_update(weights: WireState, global_state: WireState, factor: float) -> WireState:
+    """``global + factor * (weights - global)`` for every floating-point entry; the others (batch
+    counters) as uploaded."""
+    out: WireState = {}
+    for key, wire in weights.items():
+        trained = decode_tensor(wire, what=key)
+        if not trained.is_floating_point():
+            out[key] = wire
+            continue
+        start = decode_tensor(global_state[key], expect_shape=tuple(trained.shape), what=key)
+        out[key] = WireTensor(**encode_tensor(start + factor * (trained - start)))
+    return out
+
+
+class Behaviour:
+    """What one harmful device alters. The base alters nothing (``honest``); each behaviour
+    overrides the hooks it needs. A hook gets the outgoing message (or the incoming task) and
+    returns what to send instead (``None``: send nothing)."""
+
+    name: ClassVar[str] = "honest"
+    #: Only meaningful where a Main Server trains the deeper layers (n/a under FedAvg).
+    split_only: ClassVar[bool] = False
+    #: Needs a run whose devices evaluate the global model (``evaluation.mode: federated``).
+    federated_evaluation: ClassVar[bool] = False
+    #: The benchmark starts the honest devices only once this behaviour's process is ready.
+    goes_first: ClassVar[bool] = False
+    summary: ClassVar[str] = "alters nothing (the control)"
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+
+    def acted(self, what: str) -> None:
+        _acted(self.name, self.device.device_id, what)
+
+    @classmethod
+    def before_run(cls, agent: "HarmfulAgent") -> None:
+        """Called once per process before its devices start."""
+
+    def register(self, req: RegisterRequest) -> RegisterRequest:
+        return req
+
+    def task(self, task: TaskResponse) -> TaskResponse:
+        return task
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        return req
+
+    def evaluation(self, req: EvaluationReport) -> EvaluationReport:
+        return req
+
+    def join(self, req: JoinRequest) -> JoinRequest:
+        return req
+
+    def step(self, req: StepRequest) -> StepRequest:
+        return req
+
+
+class Silent(Behaviour):
+    name = "silent"
+    summary = "registers and takes every training task, then never joins nor uploads"
+
+    def task(self, task: TaskResponse) -> TaskResponse:
+        if task.status != "train" or task.phase != "train":
+            return task
+        self.acted(f"took the task of round {task.round_id} and stays silent for its {task.deadline_s} s")
+        self.device.stop.wait(task.deadline_s or 0.0)
+        return TaskResponse(status="wait", retry_after_s=0.5)
+
+
+class RefusedUploads(Behaviour):
+    name = "refused_uploads"
+    summary = "uploads a sample count other than the registered one (the Fed Server refuses it)"
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        self.acted(f"round {req.round_id}: uploads num_samples {req.num_samples + 1} (registered {req.num_samples})")
+        return req.model_copy(update={"num_samples": req.num_samples + 1})
+
+
+class LyingTimings(Behaviour):
+    name = "lying_timings"
+    summary = "reports every timing as 1 microsecond, so the time table says it is the fastest device"
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        self.acted(f"round {req.round_id}: timings of 1e-6 s instead of {req.timings.total_s:.3f} s")
+        return req.model_copy(update={"timings": DeviceTimings(compute_s=1e-6, transfer_s=1e-6, wait_s=1e-6,
+                                                              server_s=1e-6, total_s=1e-6)})
+
+
+class ScaledActivations(Behaviour):
+    name = "activations_1e30"
+    split_only = True
+    summary = "sends every step's activations times 1e30 (finite)"
+    factor: ClassVar[float] = 1e30
+
+    def _altered(self, fx: torch.Tensor) -> torch.Tensor:
+        return fx * self.factor
+
+    def step(self, req: StepRequest) -> StepRequest:
+        self.acted(f"step {req.step}: activations altered")
+        fx = self._altered(decode_tensor(req.fx, what="fx"))
+        return req.model_copy(update={"fx": WireTensor(**encode_tensor(fx))})
+
+
+class NanActivations(ScaledActivations):
+    name = "nan_activations"
+    summary = "sends every step's activations as NaN"
+
+    def _altered(self, fx: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(fx, float("nan"))
+
+
+class ScaledUpdate(Behaviour):
+    name = "update_x1e6"
+    summary = "uploads global + 1e6 x (trained - global)"
+    factor: ClassVar[float] = 1e6
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        if global_state is None:   # every upload follows a fetch of its task's weights
+            raise RuntimeError(f"{self.device.device_id}: no global weights seen for round {req.round_id}")
+        self.acted(f"round {req.round_id}: update scaled by {self.factor:g}")
+        return req.model_copy(update={"weights": _scaled_update(req.weights, global_state, self.factor)})
+
+
+class SignFlip(ScaledUpdate):
+    name = "sign_flip_x10"
+    summary = "uploads global - 10 x (trained - global)"
+    factor = -10.0
+
+
+class LabelFlip(Behaviour):
+    name = "label_flip"
+    summary = "trains on its data with every label moved to the next class"
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+        self._flipped = False
+
+    def register(self, req: RegisterRequest) -> RegisterRequest:
+        # Registration follows the loading of the device's data and precedes all training.
+        data = self.device.data
+        if not self._flipped and data is not None:
+            self.device.data = dataclasses.replace(data, y=(data.y + 1) % data.num_classes)
+            self._flipped = True
+            self.acted(f"{len(data)} labels moved to the next class")
+        return req
+
+
+class ZeroUpdateHugeCount(Behaviour):
+    name = "zero_update_huge_count"
+    summary = f"registers {HUGE_COUNT:.0e} samples and uploads the global weights unchanged"
+
+    def register(self, req: RegisterRequest) -> RegisterRequest:
+        self.acted(f"registers num_samples {HUGE_COUNT} (holds {req.num_samples})")
+        return req.model_copy(update={"num_samples": HUGE_COUNT})
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        if global_state is None:
+            raise RuntimeError(f"{self.device.device_id}: no global weights seen for round {req.round_id}")
+        self.acted(f"round {req.round_id}: uploads the global weights with num_samples {HUGE_COUNT}")
+        return req.model_copy(update={"num_samples": HUGE_COUNT,
+                                      "weights": {k: global_state[k] for k in req.weights}})
+
+
+class FakeEvaluation(Behaviour):
+    name = "fake_evaluation"
+    federated_evaluation = True
+    summary = f"reports 99 % accuracy on {FAKE_EVALUATION_SAMPLES:.0e} held-out samples in federated evaluation"
+
+    def evaluation(self, req: EvaluationReport) -> EvaluationReport:
+        n = FAKE_EVALUATION_SAMPLES
+        self.acted(f"round {req.round_id}: reports {n} samples, 99 % correct (evaluated {req.num_samples})")
+        return req.model_copy(update={"num_samples": n, "correct": n - n // 100, "loss_sum": 0.01 * n})
+
+
+class FakeLabelCounts(Behaviour):
+    name = "fake_label_counts"
+    split_only = True
+    summary = "tells the Main Server (and the Fed Server, when it groups) that all its samples are of class 0"
+
+    @staticmethod
+    def _fake(counts: list[int]) -> list[int]:
+        return [sum(counts)] + [0] * (len(counts) - 1)
+
+    def register(self, req: RegisterRequest) -> RegisterRequest:
+        if req.label_counts is None:
+            return req
+        self.acted("registers label counts of class 0 only")
+        return req.model_copy(update={"label_counts": self._fake(req.label_counts)})
+
+    def join(self, req: JoinRequest) -> JoinRequest:
+        self.acted(f"joins with label counts of class 0 only (holds {req.label_counts})")
+        return req.model_copy(update={"label_counts": self._fake(req.label_counts)})
+
+
+class SybilBurst(Behaviour):
+    name = "sybil_burst"
+    goes_first = True
+    summary = "registers a made-up device on every other shard with its enrolment secret, before the honest devices"
+
+    @classmethod
+    def before_run(cls, agent: "HarmfulAgent") -> None:
+        fed = HttpFedClient(agent.fed_server_url, agent.verify, agent.enrolment_secret)
+        try:
+            info = _wait_for_run(fed, agent.stop)
+            own = {d.shard for d in agent.devices}
+            taken = 0
+            for shard in range(info.data.num_devices):
+                if shard in own:
+                    continue
+                req = RegisterRequest(
+                    device_id=f"sybil-{shard:03d}", shard=shard, num_samples=1,
+                    profile=DeviceProfileMsg(kind="native", flops=1e9, rate=1e7), fingerprint=info.fingerprint,
+                    label_counts=[1] * info.num_classes if info.label_counts_at_registration else None)
+                try:
+                    fed.register(req)
+                    taken += 1
+                except DomainError as exc:
+                    log.info("sybil-%03d not registered: %s", shard, exc)
+            _acted(cls.name, ",".join(d.device_id for d in agent.devices),
+                   f"registered {taken} made-up devices on the other shards")
+        finally:
+            fed.close()
+
+
+def _wait_for_run(fed: FedApi, stop: threading.Event) -> RunInfo:
+    """The run spec, asked for until the Fed Server (started beside this process) answers."""
+    delay = 0.2
+    while True:
+        try:
+            return fed.run_info()
+        except Exception:
+            if stop.is_set():
+                raise
+            stop.wait(delay)
+            delay = min(delay * 2, 1.0)
+
+
+BEHAVIOURS: dict[str, type[Behaviour]] = {b.name: b for b in (
+    Behaviour, Silent, RefusedUploads, LyingTimings, ScaledActivations, NanActivations, ScaledUpdate, SignFlip,
+    LabelFlip, ZeroUpdateHugeCount, FakeEvaluation, FakeLabelCounts, SybilBurst)}
+
+
+class GlobalWeights:
+    """The global weights the process's devices fetched, by weights id (the last few): the
+    update attacks need the global model their task started from. One per process, because the
+    agent fetches weights shared by its devices once, through whichever device asks first."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._keep = keep
+        self._by_id: OrderedDict[WeightsId, WireState] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, weights_id: WeightsId, weights: WireState) -> None:
+        with self._lock:
+            self._by_id[weights_id] = weights
+            while len(self._by_id) > self._keep:
+                self._by_id.popitem(last=False)
+
+    def get(self, weights_id: WeightsId | None) -> WireState | None:
+        with self._lock:
+            return None if weights_id is None else self._by_id.get(weights_id)
+
+
+class HarmfulFed:
+    """:class:`device_agent.api.FedApi` that passes every call to the device's real client
+    through its behaviour's hooks."""
+
+    def __init__(self, inner: FedApi, behaviour: Behaviour, seen: GlobalWeights) -> None:
+        self.inner = inner
+        self.behaviour = behaviour
+        self.seen = seen
+        self.task_weights: WeightsId | None = None   # the weights the current training task named
+
+    def run_info(self) -> RunInfo:
+        return self.inner.run_info()
+
+    def register(self, req: RegisterRequest) -> RegisterResponse:
+        return self.inner.register(self.behaviour.register(req))
+
+    def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
+        task, size = self.inner.task(device_id, wait_s=wait_s)
+        if task.status == "train" and task.phase == "train":
+            self.task_weights = task.weights_id
+        return self.behaviour.task(task), size
+
+    def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
+        answer, size = self.inner.weights(device_id, weights_id)
+        self.seen.put(weights_id, answer.weights)
+        return answer, size
+
+    def report(self, req: ReportRequest) -> None:
+        self.inner.report(req)
+
+    def upload(self, req: UpdateRequest) -> None:
+        altered = self.behaviour.upload(req, self.seen.get(self.task_weights))
+        if altered is not None:
+            self.inner.upload(altered)
+
+    def evaluation(self, req: EvaluationReport) -> None:
+        self.inner.evaluation(self.behaviour.evaluation(req))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class HarmfulMain:
+    """:class:`device_agent.api.MainApi` that passes joins and steps through the behaviour's hooks."""
+
+    def __init__(self, inner: MainApi, behaviour: Behaviour) -> None:
+        self.inner = inner
+        self.behaviour = behaviour
+        self.url = inner.url
+
+    @property
+    def bytes_up(self) -> int:
+        return self.inner.bytes_up
+
+    @property
+    def bytes_down(self) -> int:
+        return self.inner.bytes_down
+
+    def join(self, round_id: int, req: JoinRequest, timeout: float) -> JoinResponse:
+        return self.inner.join(round_id, self.behaviour.join(req), timeout)
+
+    def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
+        return self.inner.step(round_id, self.behaviour.step(req), timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+#: The agent's arguments, to find the ones a ``before_run`` needs however the agent was called.
+_AGENT_SIGNATURE = inspect.signature(device_agent.agent.Agent.__init__)
+
+
+class HarmfulAgent(device_agent.agent.Agent):
+    """The device agent with every device's clients wrapped by ``behaviour``. Takes the agent's
+    own arguments; ``ready_file`` is written once :meth:`Behaviour.before_run` is over."""
+
+    def __init__(self, *args, behaviour: type[Behaviour], ready_file: Path | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        bound = _AGENT_SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        self.fed_server_url: str = bound.arguments["fed_server_url"]
+        self.verify: bool | str = bound.arguments["verify"]
+        self.enrolment_secret: bytes | None = bound.arguments["enrolment_secret"]
+        self.behaviour = behaviour
+        self.ready_file = ready_file
+        seen = GlobalWeights()
+        for device in self.devices:
+            hooks = behaviour(device)
+            device.fed = HarmfulFed(device.fed, hooks, seen)
+            connect = device.connect_main
+            device.connect_main = functools.partial(_harmful_main, connect, hooks)
+        log.info("devices %s behave as %r: %s", [d.device_id for d in self.devices], behaviour.name, behaviour.summary)
+
+    def run(self) -> int:
+        self.behaviour.before_run(self)
+        if self.ready_file is not None:
+            self.ready_file.write_text(self.behaviour.name + "\n")
+        return super().run()
+
+
+def _harmful_main(connect, behaviour: Behaviour, url: str, token: str | None) -> HarmfulMain:
+    return HarmfulMain(connect(url, token), behaviour)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``--behaviour`` and ``--ready-file``; hand every other argument to ``python -m device_agent``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.adversary",
+        description="Harmful devices for the attack benchmark: python -m device_agent with every device's "
+                    "outgoing messages altered. Every other argument is python -m device_agent's.")
+    parser.add_argument("--behaviour", required=True, choices=sorted(BEHAVIOURS),
+                        help="; ".join(f"{name}: {b.summary}" for name, b in sorted(BEHAVIOURS.items())))
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="written once the process is ready for the honest devices (after a sybil burst)")
+    ours, rest = parser.parse_known_args(argv)
+    from device_agent.__main__ import main as agent_main
+
+    build = functools.partial(HarmfulAgent, behaviour=BEHAVIOURS[ours.behaviour], ready_file=ours.ready_file)
+    with mock.patch.object(device_agent.agent, "Agent", build):
+        agent_main(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""(g) The attack benchmark: can a device that is alive but wrong stop, stall or steer a run?
+
+Every harmful behaviour of :mod:`benchmarks.adversary` runs as its own device-agent process
+(``python -m benchmarks.adversary``) holding the last 1 or 2 of the run's 10 shards, beside an
+honest agent holding the others, against the real Fed Server (and Main Server for split
+algorithms), under each algorithm and aggregation policy asked for. Each (algorithm, policy,
+evaluation mode) has an honest control in the same invocation: the same configuration, seed and
+processes, the adversary's process running ``--behaviour honest``.
+
+Per run: logical rounds completed of those planned (a run that has not finished within the
+per-run time limit is stopped and counted as incomplete), the run's wall time (servers healthy to
+run over) over the control's, and the final model's accuracy minus the control's, in points. The
+accuracy is the benchmark's own evaluation of the final checkpoint on the test set, not the
+recorded one, which a ``fake_evaluation`` device writes (the recorded figure is kept beside it).
+
+``python -m benchmarks.attacks [--behaviours ...] [--algorithms ...] [--harmful 1,2] [--policies ...]``
+prints the table and writes it as JSON and Markdown (``benchmarks/results/attacks_<date>.json``
+and ``.md`` by default); ``python -m benchmarks.run --only g`` runs the same part.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.adversary import ACTION_MARK, BEHAVIOURS, Behaviour
+from shared.config import RunConfig, set_dotted
+from shared.run_config import load_run_config
+from testbed.processes import ProcessGroup, Service
+from testbed.runner import Testbed, TestbedError
+from testbed.warm_start import PRELOAD, WarmStarter
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ALGORITHMS = ("s2fl", "fedavg")
+#: The harmful behaviours (``honest`` is the control's).
+ATTACKS = tuple(name for name in BEHAVIOURS if name != "honest")
+HARMFUL = (1, 2)
+#: The robust aggregation rule the ``robust`` policy selects (``--set aggregation.rule=...``).
+ROBUST_RULE = "trimmed_mean"
+#: Overrides of each aggregation policy: ``default`` is the run's default rule.
+POLICIES: dict[str, dict[str, str]] = {"default": {}, "robust": {"aggregation.rule": ROBUST_RULE}}
+
+# The goals printed beside the figures.
+GOAL_TIME_RATIO = 1.3        # wall time at most this many times the control's
+GOAL_ROBUST_POINTS = 3.0     # robust policy: final accuracy at most this many points below the control's
+GOAL_DEFAULT_ACCURACY = 0.5  # default policy: one harmful device leaves the final accuracy at least this
+
+DEVICES = 10
+ROUNDS = 5
+ROUND_S = 20.0
+
+
+def base_config(algorithm: str, rounds: int = ROUNDS, federated_evaluation: bool = False) -> dict:
+    """The benchmark's run: the small cnn on 2,000 images of the embedded MNIST over 10 real devices
+    (no emulated kinds: no sleeps), every device in every round, and deadlines short enough that
+    a device that never answers costs seconds, not minutes, yet long enough for an honest round on
+    a busy 2-core machine (10 s was not: at a load average of 13, 7 of 10 honest devices missed it)."""
+    data = {
+        "algorithm": algorithm,
+        "rounds": rounds,
+        "data": {"num_devices": DEVICES, "partition": "dirichlet", "alpha": 1.0, "seed": 1, "max_samples": 2000},
+        "train": {"lr": 0.05, "batch_size": 32},
+        "deadlines": {"round_s": ROUND_S, "join_s": 5.0, "step_s": 5.0, "registration_s": 30.0, "evaluate_s": 5.0},
+        "devices": {"profiles": []},
+        "seed": 1,
+    }
+    if federated_evaluation:
+        data["evaluation"] = {"mode": "federated"}
+    return data
+
+
+def policy_config(data: dict, policy: str) -> RunConfig | None:
+    """``data`` under the aggregation ``policy``; None when this build does not know the policy's
+    settings (the robust rules came after the benchmark)."""
+    data = json.loads(json.dumps(data))
+    for key, value in POLICIES[policy].items():
+        set_dotted(data, key, value)
+    try:
+        return load_run_config(data)
+    except ValueError:
+        if POLICIES[policy]:
+            return None
+        raise
+
+
+class HarmfulProcessGroup(ProcessGroup):
+    """The testbed's processes, with the last ``harmful`` shards of its (one) device agent moved
+    to a ``python -m benchmarks.adversary --behaviour NAME`` process started with the same
+    arguments. A behaviour that must act before the honest devices (:attr:`Behaviour.goes_first`)
+    gets its process ready before the honest agent starts."""
+
+    def __init__(self, log_dir: Path, warm: WarmStarter | None, behaviour: type[Behaviour], harmful: int) -> None:
+        super().__init__(log_dir, warm)
+        self.behaviour = behaviour
+        self.harmful = harmful
+        self.adversary: Service | None = None
+
+    def start(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Service:
+        if module != "device_agent" or self.adversary is not None:
+            return super().start(name, module, args, env)
+        args = list(args)
+        at = args.index("--shards") + 1
+        shards = args[at].split(",")
+        honest, harmful = shards[:-self.harmful], shards[-self.harmful:]
+        ready = self.log_dir / "adversary.ready"
+        adversary_args = [*args[:at], ",".join(harmful), *args[at + 1:],
+                          "--behaviour", self.behaviour.name, "--ready-file", str(ready)]
+        self.adversary = super().start("adversary", "benchmarks.adversary", adversary_args, env)
+        if self.behaviour.goes_first:
+            _wait_ready(ready, self.adversary)
+        return super().start(name, module, [*args[:at], ",".join(honest), *args[at + 1:]], env)
+
+
+def _wait_ready(path: Path, service: Service, timeout: float = 120.0) -> None:
+    """Wait for another process's ready file (the only signal it gives), failing if it dies."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if not service.alive():
+            raise TestbedError(f"{service.name} exited before it was ready:\n{service.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TestbedError(f"{service.name} was not ready within {timeout:.0f}s:\n{service.log_tail()}")
+        time.sleep(0.1)
+
+
+@dataclass
+class RunResult:
+    """One run's figures."""
+
+    rounds_completed: int
+    rounds_planned: int
+    wall_s: float
+    accuracy: float             # the final checkpoint on the test set, evaluated here
+    recorded_accuracy: float | None   # the last successful record's, as the Fed Server wrote it
+    harmful_actions: int        # ACTION_MARK lines in the adversary's log
+    failed_attempts: int
+    error: str | None           # why the run did not finish (time limit, a service that died)
+
+    @property
+    def complete(self) -> bool:
+        return self.rounds_completed == self.rounds_planned and self.error is None
+
+
+def run_once(config: RunConfig, behaviour: str, harmful: int, run_dir: Path, time_limit_s: float,
+             warm: WarmStarter | None = None) -> RunResult:
+    """One testbed run with ``harmful`` of its devices behaving as ``behaviour``; stopped after
+    ``time_limit_s`` of rounds if it has not finished."""
+    testbed = Testbed(config, run_dir, agents=1, log_level="WARNING", warm=warm)
+    group = HarmfulProcessGroup(testbed.processes.log_dir, warm, BEHAVIOURS[behaviour], harmful)
+    testbed.processes = group
+    error: str | None = None
+    finished = False
+    try:
+        testbed.start()
+        started = time.monotonic()
+        try:
+            testbed.follow(timeout=time_limit_s)
+            finished = True
+        except (TestbedError, TimeoutError, RuntimeError) as exc:
+            error = str(exc).splitlines()[0]
+        wall = time.monotonic() - started
+    finally:
+        testbed.stop(agent_grace_s=5.0 if finished else 0.0)
+    return _result(config, run_dir, wall, error, group)
+
+
+def _result(config: RunConfig, run_dir: Path, wall: float, error: str | None, group: HarmfulProcessGroup) -> RunResult:
+    from fed_server.run_dir import RunDirectory
+
+    records = RunDirectory(run_dir).read_metrics()
+    ok = [r for r in records if r["status"] == "ok"]
+    log_path = group.log_dir / "adversary.log"
+    actions = log_path.read_text(errors="replace").count(ACTION_MARK) if log_path.exists() else 0
+    return RunResult(rounds_completed=len({r["round"] for r in ok}), rounds_planned=config.rounds, wall_s=wall,
+                     accuracy=final_accuracy(config, run_dir), recorded_accuracy=ok[-1]["test_accuracy"] if ok else None,
+                     harmful_actions=actions, failed_attempts=len(records) - len(ok), error=error)
+
+
+def final_accuracy(config: RunConfig, run_dir: Path) -> float:
+    """Test accuracy of the run's last checkpoint (the initial model when no round completed),
+    evaluated in this process: the figure no device can write."""
+    from fed_server.run_dir import RunDirectory
+    from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
+    from shared.evaluation import evaluate
+    from shared.models import build_model
+
+    model = build_model(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
+                        seed=config.seed, params=config.model_params)
+    run = RunDirectory(run_dir)
+    if run.checkpoint_path.exists():
+        model.load_state_dict(run.read_checkpoint()[1])
+    accuracy, _ = evaluate(model, load_dataset(config.data)[1])
+    return float(accuracy)
+
+
+# --- the part ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Selection:
+    """What to run: behaviours, algorithms, harmful counts, policies."""
+
+    behaviours: tuple[str, ...] = ATTACKS
+    algorithms: tuple[str, ...] = ALGORITHMS
+    harmful: tuple[int, ...] = HARMFUL
+    policies: tuple[str, ...] = tuple(POLICIES)
+    rounds: int = ROUNDS
+
+    @classmethod
+    def quick(cls) -> "Selection":
+        """``benchmarks.run --quick``: two behaviours, FedAvg, one harmful device, default policy, 3 rounds."""
+        return cls(behaviours=("update_x1e6", "silent"), algorithms=("fedavg",), harmful=(1,), policies=("default",),
+                   rounds=3)
+
+
+def applies(behaviour: str, config: RunConfig) -> bool:
+    """Whether ``behaviour`` means anything in a run of ``config`` (activations and label counts
+    only exist where a Main Server trains the deeper layers)."""
+    from shared.algorithms.registry import build_algorithm
+
+    return not BEHAVIOURS[behaviour].split_only or build_algorithm(config).split_mode() != "zero"
+
+
+def default_time_limit(rounds: int) -> float:
+    """Per run: twice every round held to its deadline, plus a minute."""
+    return 2 * rounds * ROUND_S + 60.0
+
+
+def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: float | None = None) -> dict:
+    """Every selected run and its control; the figures and the goals, as a dict (see :func:`report`)."""
+    from shared.machine import describe_machine
+
+    limit = time_limit_s or default_time_limit(selection.rounds)
+    layout = max(selection.harmful)
+    warm = WarmStarter((*PRELOAD, "benchmarks.adversary"))
+    root = Path(tempfile.mkdtemp(prefix="sfl-bench-g-"))
+    results: dict = {"machine": describe_machine(), "settings": {
+        "devices": DEVICES, "rounds": selection.rounds, "round_s": ROUND_S, "time_limit_s": limit,
+        "robust_rule": ROBUST_RULE, "model": "cnn", "data": "2,000 images of the embedded MNIST, Dirichlet 1.0",
+        "control": f"the same run with the last {layout} shard(s) in a --behaviour honest process"},
+        "goals": {"time_ratio_max": GOAL_TIME_RATIO, "robust_points_below_control_max": GOAL_ROBUST_POINTS,
+                  "default_one_harmful_accuracy_min": GOAL_DEFAULT_ACCURACY},
+        "controls": [], "runs": []}
+    started = time.perf_counter()
+    count = 0
+    try:
+        for algorithm in selection.algorithms:
+            for policy in selection.policies:
+                controls: dict[bool, tuple[dict, RunResult]] = {}
+                for behaviour in selection.behaviours:
+                    cell = {"behaviour": behaviour, "algorithm": algorithm, "policy": policy}
+                    federated = BEHAVIOURS[behaviour].federated_evaluation
+                    config = policy_config(base_config(algorithm, selection.rounds, federated), policy)
+                    status = "unsupported" if config is None else None if applies(behaviour, config) else "n/a"
+                    if status is not None:
+                        results["runs"] += [{**cell, "harmful": k, "status": status} for k in selection.harmful]
+                        continue
+                    if federated not in controls:
+                        count += 1
+                        result = run_once(config, "honest", layout, root / f"{count:03d}-control", limit, warm)
+                        control = {"algorithm": algorithm, "policy": policy, "federated_evaluation": federated,
+                                   "harmful_layout": layout, **_figures(result)}
+                        results["controls"].append(control)
+                        controls[federated] = control, result
+                        log(f"  control {algorithm}/{policy}{' (federated evaluation)' if federated else ''}: "
+                            f"{_line(result)}")
+                    control, control_result = controls[federated]
+                    for k in selection.harmful:
+                        count += 1
+                        result = run_once(config, behaviour, k, root / f"{count:03d}-{behaviour}-{k}", limit, warm)
+                        row = {**cell, "harmful": k, "status": "ran", **_figures(result),
+                               "time_ratio": result.wall_s / control_result.wall_s,
+                               "accuracy_points_vs_control": 100 * (result.accuracy - control_result.accuracy)}
+                        row["goals_missed"] = goals_missed(row)
+                        results["runs"].append(row)
+                        log(f"  {behaviour} x{k} {algorithm}/{policy}: {_line(result)}, "
+                            f"{row['time_ratio']:.2f}x control, {row['accuracy_points_vs_control']:+.1f} points")
+    finally:
+        warm.close()
+        shutil.rmtree(root, ignore_errors=True)
+    results["total_s"] = time.perf_counter() - started
+    results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return results
+
+
+def _figures(result: RunResult) -> dict:
+    return {"rounds_completed": result.rounds_completed, "rounds_planned": result.rounds_planned,
+            "wall_s": round(result.wall_s, 2), "accuracy": result.accuracy,
+            "recorded_accuracy": result.recorded_accuracy, "harmful_actions": result.harmful_actions,
+            "failed_attempts": result.failed_attempts, "complete": result.complete, "error": result.error}
+
+
+def _line(result: RunResult) -> str:
+    return (f"{result.rounds_completed}/{result.rounds_planned} rounds, {result.wall_s:.1f}s, "
+            f"accuracy {100 * result.accuracy:.1f}%, {result.harmful_actions} harmful actions"
+            + (f" ({result.error})" if result.error else ""))
+
+
+def goals_missed(row: dict) -> list[str]:
+    """The goals a run missed: ``rounds`` (not every round completed), ``time`` (over
+    :data:`GOAL_TIME_RATIO` x the control), ``accuracy`` (robust policy: more than
+    :data:`GOAL_ROBUST_POINTS` below the control; default policy, one harmful device: below
+    :data:`GOAL_DEFAULT_ACCURACY`)."""
+    missed = []
+    if not row["complete"]:
+        missed.append("rounds")
+    if row["time_ratio"] > GOAL_TIME_RATIO:
+        missed.append("time")
+    if row["policy"] == "robust" and row["accuracy_points_vs_control"] < -GOAL_ROBUST_POINTS:
+        missed.append("accuracy")
+    if row["policy"] == "default" and row["harmful"] == 1 and row["accuracy"] < GOAL_DEFAULT_ACCURACY:
+        missed.append("accuracy")
+    return missed
+
+
+# --- the table --------------------------------------------------------------------------------
+
+def _cell(row: dict | None) -> list[str]:
+    """rounds, time vs control, accuracy vs control, goals: one policy's cells of a table row."""
+    if row is None:
+        return ["", "", "", ""]
+    if row["status"] != "ran":
+        return [row["status"], "", "", ""]
+    return [f"{row['rounds_completed']}/{row['rounds_planned']}", f"{row['time_ratio']:.2f}x",
+            f"{row['accuracy_points_vs_control']:+.1f}", ", ".join(row["goals_missed"]) or "met"]
+
+
+def report(results: dict) -> str:
+    """The part as Markdown: the machine, the goals, the table, the controls."""
+    m, s, g = results["machine"], results["settings"], results["goals"]
+    out = [f"Machine: {m['cpu_model']}, {m['cpus_usable']} of {m['cpu_count']} CPUs usable, {m['memory_gib']} GiB, "
+           f"Python {m['python']}, torch {m['torch']}, {m['date_utc']}, load average {m['load_average_at_start']} "
+           f"at the start, {m.get('load_average_at_end')} at the end; {results['total_s'] / 60:.1f} min in all.",
+           "",
+           f"Runs: {s['model']} on {s['data']}, {s['devices']} devices, {s['rounds']} rounds, deadlines.round_s "
+           f"{s['round_s']:g}, stopped after {s['time_limit_s']:g} s (incomplete); robust policy: aggregation.rule="
+           f"{s['robust_rule']}; control: {s['control']}.",
+           "",
+           f"Goals: every run completes all rounds; wall time <= {g['time_ratio_max']}x the control's; robust policy: "
+           f"final accuracy at most {g['robust_points_below_control_max']:g} points below the control's; default "
+           f"policy: one harmful device leaves the final accuracy >= {100 * g['default_one_harmful_accuracy_min']:.0f} %. "
+           "Accuracy: the final checkpoint on the test set, evaluated by the benchmark.",
+           ""]
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in results["runs"])]
+    header = ["behaviour", "algorithm", "harmful"] + [f"{p}: {c}" for p in policies
+                                                      for c in ("rounds", "time", "accuracy", "goals")]
+    rows: dict[tuple, dict[str, dict]] = {}
+    for r in results["runs"]:
+        rows.setdefault((r["behaviour"], r["algorithm"], r["harmful"]), {})[r["policy"]] = r
+    lines = [header] + [[b, a, f"{k} of {s['devices']}"] + [c for p in policies for c in _cell(cells.get(p))]
+                        for (b, a, k), cells in rows.items()]
+    out += _markdown(lines)
+    out += ["", "Controls:", ""]
+    out += _markdown([["algorithm", "policy", "evaluation", "rounds", "wall s", "accuracy %"]] + [
+        [c["algorithm"], c["policy"], "federated" if c["federated_evaluation"] else "server",
+         f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}"]
+        for c in results["controls"]])
+    fakes = [r for r in results["runs"] if r["status"] == "ran" and r["behaviour"] == "fake_evaluation"]
+    if fakes:
+        out += ["", "Recorded against evaluated accuracy (fake_evaluation): " + "; ".join(
+            f"{r['algorithm']}/{r['policy']} x{r['harmful']}: recorded {_percent(r['recorded_accuracy'])}, "
+            f"evaluated {_percent(r['accuracy'])}" for r in fakes)]
+    return "\n".join(out)
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"
+
+
+def _markdown(lines: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(lines[0])] + [
+        "| " + " | ".join(line) + " |" for line in lines[1:]]
+
+
+# --- the command ------------------------------------------------------------------------------
+
+def _names(text: str, allowed: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in allowed]
+    if not names or unknown:
+        parser.error(f"{flag} takes a comma-separated subset of {','.join(allowed)}" +
+                     (f"; unknown: {','.join(unknown)}" if unknown else ""))
+    return names
+
+
+def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.Namespace]:
+    """The command line's selection and the other options."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attacks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--behaviours", default=",".join(ATTACKS), help="harmful behaviours (default: all)")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="algorithms (default: s2fl,fedavg)")
+    parser.add_argument("--harmful", default=",".join(map(str, HARMFUL)), help="harmful devices of 10 (default: 1,2)")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"aggregation policies: default, robust (aggregation.rule={ROBUST_RULE}) (default: both)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per run (default {ROUNDS})")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds of rounds after which a run is stopped and counted incomplete "
+                             "(default: 2 x rounds x deadlines.round_s + 60)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON result file; the Markdown table goes beside it with .md "
+                             "(default benchmarks/results/attacks_<UTC date>.json)")
+    args = parser.parse_args(argv)
+    try:
+        harmful = tuple(int(n) for n in args.harmful.split(","))
+    except ValueError:
+        harmful = ()
+    if not harmful or not all(1 <= k < DEVICES for k in harmful):
+        parser.error(f"--harmful takes counts between 1 and {DEVICES - 1}, e.g. 1,2")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    selection = Selection(_names(args.behaviours, ATTACKS, "--behaviours", parser),
+                          _names(args.algorithms, ALGORITHMS, "--algorithms", parser), harmful,
+                          _names(args.policies, tuple(POLICIES), "--policies", parser), args.rounds)
+    return selection, args
+
+
+def write(results: dict, out: Path) -> Path:
+    """``out`` (JSON) and the Markdown table beside it; the Markdown file's path."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    markdown = out.with_suffix(".md")
+    markdown.write_text(report(results) + "\n")
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    selection, args = parse_selection(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = run(selection, lambda text: print(text, flush=True), args.time_limit)
+    print()
+    print(report(results))
+    out = args.out or RESULTS / f"attacks_{results['machine']['date_utc'][:10]}.json"
+    markdown = write(results, out)
+    print(f"\nresults: {out}, {markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
