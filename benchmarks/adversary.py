@@ -36,7 +36,7 @@ from shared.errors import DomainError
 from shared.schemas import (
     DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
     ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
-    WireState, WireTensor,
+    WireState, WireTensor, WithdrawRequest,
 )
 from shared.wire import decode_tensor, encode_tensor
 
@@ -355,6 +355,9 @@ class HarmfulFed:
 
     def evaluation(self, req: EvaluationReport) -> None:
         self.inner.evaluation(self.behaviour.evaluation(req))
+
+    def withdraw(self, req: WithdrawRequest) -> None:
+        self.inner.withdraw(req)
 
     def close(self) -> None:
         self.inner.close()

@@ -7,7 +7,6 @@ and the final model (evaluated here from the checkpoint, not as recorded) is not
 """
 from __future__ import annotations
 
-import pytest
 
 from benchmarks.attacks import run_once
 from integration_support import read_metrics, small_config
@@ -49,8 +48,6 @@ def test_an_update_times_1e6_does_not_wreck_the_model_under_fedavg(tmp_path):
     _assert_not_stopped_nor_wrecked(result, records)
 
 
-@pytest.mark.xfail(strict=True, reason="a device whose upload was refused stays in the attempt, so the round waits "
-                                      "for it until deadlines.round_s")
 def test_a_device_whose_uploads_are_refused_does_not_hold_rounds_to_their_deadline(tmp_path):
     result, records, fed_log = _attack(tmp_path, "fedavg", "refused_uploads")
     _assert_not_stopped_nor_wrecked(result, records)
