@@ -225,6 +225,10 @@ def clip_updates(global_state: Mapping[str, torch.Tensor], contributions: Mappin
         return dict(contributions), {}
     replaced: dict[int, torch.Tensor] = {}   # id of a clipped tensor -> its clipped value
     clipped: dict[str, list[str]] = {}
+    # The differences go through one float64 scratch buffer per device (as in layerwise_aggregate):
+    # a fresh float64 copy per upload and key made this pass cost five times the mean itself.
+    largest = max((g.numel() for g in global_state.values()), default=0)
+    scratch: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for key, g in global_state.items():
             if not g.is_floating_point():
@@ -233,10 +237,14 @@ def clip_updates(global_state: Mapping[str, torch.Tensor], contributions: Mappin
             if not supplied:
                 continue
             base = g.detach().to(torch.float64)
+            if g.device not in scratch:
+                scratch[g.device] = torch.empty(largest, dtype=torch.float64, device=g.device)
+            difference = scratch[g.device][:g.numel()].view(g.shape)
             norms: dict[int, float] = {}
             for value in supplied.values():
                 if id(value) not in norms:
-                    norms[id(value)] = float(torch.linalg.vector_norm(value.detach().to(base.device, torch.float64) - base))
+                    difference.copy_(value.detach())
+                    norms[id(value)] = float(torch.linalg.vector_norm(difference.sub_(base)))
             bound = clip * statistics.median(norms[id(v)] for v in supplied.values())
             for device, value in supplied.items():
                 norm = norms[id(value)]
