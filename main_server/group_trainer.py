@@ -7,8 +7,10 @@ when members hold different numbers of layers.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,18 @@ class MemberResult:
     loss: float
 
 
+class NonFiniteStep(Exception):
+    """A step whose losses, member gradients (dfx), copy gradients or BatchNorm statistics were not
+    all finite: the copy was left as it was. ``culprits``: each member to leave out, with why;
+    ``attributed``: whether their own results showed it (False: the step cannot tell whose
+    activations caused it, and ``culprits`` names every member of the step)."""
+
+    def __init__(self, culprits: dict[str, str], attributed: bool) -> None:
+        super().__init__("; ".join(f"{d}: {why}" for d, why in culprits.items()))
+        self.culprits = culprits
+        self.attributed = attributed
+
+
 class GroupTrainer:
     """Trains one group's copy of the server portion ``blocks[start:]`` on ``device``
     (``--torch-device``; default the CPU). ``members`` are the group's members (data size and
@@ -93,6 +107,11 @@ class GroupTrainer:
         self._group_shares = None if self.members is None else _data_shares(self.members, start, len(model.blocks))
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.steps = 0
+        # The buffers a forward pass updates in place (BatchNorm's running statistics and batch
+        # count) and a copy of them, allocated once: a refused step puts them back as they were.
+        self._buffers = list(self.portion.buffers())
+        self._saved_buffers = [b.detach().clone() for b in self._buffers]
+        self._float_buffers = [b for b in self._buffers if b.is_floating_point()]
 
     def state(self) -> dict[str, torch.Tensor]:
         """The trained server portion, keyed by the full model's state_dict names."""
@@ -108,7 +127,9 @@ class GroupTrainer:
         """Forward the concatenated batch, one SGD step on the copy, each member's dfx and loss.
 
         The objective and the scale of the copy's gradient come from the group-loss plug-in
-        (``shared/algorithms/group_loss.py``).
+        (``shared/algorithms/group_loss.py``). A step whose results are not all finite is not
+        applied: :class:`NonFiniteStep` names the members to leave out, and the copy (weights,
+        momentum, BatchNorm statistics) stays as it was.
         """
         if not batches:
             raise ValueError("a step needs at least one member batch")
@@ -116,6 +137,8 @@ class GroupTrainer:
             if not self.start <= b.split_point < len(self.model.blocks):
                 raise ValueError(f"{b.device_id}: split {b.split_point} outside this group's portion")
         share_of, block_share = self._shares(batches)
+        if self._buffers:
+            torch._foreach_copy_(self._saved_buffers, self._buffers)
         inputs = {b.device_id: b.fx.detach().to(self.device, torch.float32, copy=True).requires_grad_(True)
                   for b in batches}
         order: list[MemberBatch] = []
@@ -150,6 +173,7 @@ class GroupTrainer:
                 for p in self.model.blocks[names[index]].parameters():
                     if p.grad is not None:
                         p.grad.mul_(multiplier)
+        self._check_finite(order, member_losses, total, inputs)
         self.optimizer.step()
         self.steps += 1
         results = {}
@@ -160,6 +184,36 @@ class GroupTrainer:
                 grad = grad.mul_(multiplier)
             results[b.device_id] = MemberResult(dfx=grad.to("cpu", b.fx.dtype), loss=float(loss.detach()))
         return results
+
+    def _check_finite(self, order: list[MemberBatch], member_losses: list[torch.Tensor], total: torch.Tensor,
+                      inputs: dict[str, torch.Tensor]) -> None:
+        """Raise :class:`NonFiniteStep` (after putting the copy back as it was) unless every
+        member's loss and dfx, the step's objective, the copy's gradients and its BatchNorm
+        statistics are finite.
+
+        One read of tensors already in hand, brought back in one transfer: the sum of each (NaN
+        and infinities propagate through a sum; a sum that overflows reads as a failure too, which
+        only values already far out of range give). A sum is the cheapest exact pass, about half
+        of ``torch._foreach_norm`` or ``torch.aminmax``. On the Main Server load benchmark's group
+        step (five members of 32 samples cut at the cnn's split 2: 6.4 MB of gradients, 2 MB of
+        dfx), one torch thread on the loaded 2-core EPYC: about 0.5 ms beside a 21 ms step.
+        """
+        grads = [p.grad for p in self.portion.parameters() if p.grad is not None]
+        sums = [x for b, loss in zip(order, member_losses) for x in (loss.detach(), inputs[b.device_id].grad.sum())]
+        sums += [total.detach(), *(t.sum() for t in grads + self._float_buffers)]
+        values = torch.stack([x.float() for x in sums]).tolist()
+        if all(map(math.isfinite, values)):
+            return
+        culprits = {b.device_id: "its loss or its gradient (dfx) was not finite"
+                    for i, b in enumerate(order) if not all(map(math.isfinite, values[2 * i:2 * i + 2]))}
+        attributed = bool(culprits) and (len(culprits) < len(order) or len(order) == 1)
+        if not attributed:
+            culprits = {b.device_id: "the group's step was not finite and no member's own results showed whose "
+                                     "activations caused it" for b in order}
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._buffers:
+            torch._foreach_copy_(self._buffers, self._saved_buffers)
+        raise NonFiniteStep(culprits, attributed)
 
     def _shares(self, batches: list[MemberBatch]) -> tuple[dict[str, float], dict[int, float]]:
         """Each member's share of the group's data, and for each block of the portion the share

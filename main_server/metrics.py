@@ -36,6 +36,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_main_server_training_seconds_total", "counter", (), "server-portion training time, summed over all group steps"),
     MetricSpec("sfl_main_group_training_duration_seconds", "histogram", (), "server-portion training time of each finished group in its round"),
     MetricSpec("sfl_main_devices_dropped_total", "counter", ("deadline",), "participants dropped at a deadline: join (never joined before groups were formed), step (missed a step deadline)"),
+    MetricSpec("sfl_main_steps_refused_total", "counter", (), "member steps refused by the value checks (activations not finite or beyond grouping.max_activation, labels out of range); each dropped its sender from its group"),
+    MetricSpec("sfl_main_members_not_finite_total", "counter", (), "members dropped because a group step came out not finite (their own loss or dfx, or nobody could be singled out); the step was not applied"),
     *HTTP_METRICS,
 )
 _HELP = {s.name: s.help for s in METRICS}
@@ -79,6 +81,8 @@ class MainMetrics:
         self.dropped = make(Counter, "sfl_main_devices_dropped_total")
         for deadline in DEADLINES:
             self.dropped.labels(deadline)
+        self.refused = make(Counter, "sfl_main_steps_refused_total")
+        self.not_finite = make(Counter, "sfl_main_members_not_finite_total")
         for stat in ("mean", "min", "max"):
             self.round_distance.labels(stat)
         if server is not None:
@@ -111,9 +115,16 @@ class MainMetrics:
     def step_failed(self) -> None:
         self.step_failures.inc()
 
-    def dropped_at_step(self, count: int) -> None:
-        if count:
+    def members_dropped(self, cause: str, count: int) -> None:
+        """``count`` members dropped from their group for ``cause``: ``deadline`` (a missed step
+        deadline), ``checks`` (a refused step), ``non_finite`` (a step not finite) or
+        ``failed_step`` (counted as the step's failure, :meth:`step_failed`)."""
+        if cause == "deadline":
             self.dropped.labels("step").inc(count)
+        elif cause == "checks":
+            self.refused.inc(count)
+        elif cause == "non_finite":
+            self.not_finite.inc(count)
 
     def group_finished(self, train_time_s: float) -> None:
         self.group_training.observe(train_time_s)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult
+from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
 from main_server.metrics import MainMetrics
 from shared.algorithms.grouping import form_round_groups, label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
-from shared.errors import Conflict, Failed, Invalid, NotFound
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model, check_model_origin
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.portions import decode_portion
@@ -54,6 +55,7 @@ class Group:
     done: set[str] = field(default_factory=set)
     dropped: set[str] = field(default_factory=set)
     pending: dict[str, tuple[MemberBatch, asyncio.Future, float]] = field(default_factory=dict)
+    training: set[str] = field(default_factory=set)   # members whose step is being trained
     running: bool = False
     train_time_s: float = 0.0
     finished: bool = False
@@ -64,13 +66,36 @@ class Group:
         return {m for m in self.members if m not in self.dropped and m not in self.done and self.num_steps[m] > self.step}
 
 
-def _timed_step(trainer: GroupTrainer, batches: list[MemberBatch]) -> tuple[float, float, dict[str, MemberResult]]:
+@dataclass
+class TrainedStep:
+    """What a group step came to: each trained member's result, each member left out and why."""
+
+    started: float
+    ended: float
+    results: dict[str, MemberResult]
+    refused: dict[str, DomainError]
+
+
+def _timed_step(trainer: GroupTrainer, batches: list[MemberBatch]) -> TrainedStep:
     """``trainer.step(batches)`` with its start and end (``time.monotonic``), taken in the worker
     thread: the step's server time is its training alone, not its wait for a free worker nor the
-    hop back to the event loop."""
+    hop back to the event loop.
+
+    A step the trainer refuses as not finite (:class:`NonFiniteStep`, the copy untouched) is
+    trained again without the members it names, until it is finite or nobody is left: the others
+    get gradients of a step their own data made, never a non-finite one."""
     started = time.monotonic()
-    results = trainer.step(batches)
-    return started, time.monotonic(), results
+    refused: dict[str, DomainError] = {}
+    results: dict[str, MemberResult] = {}
+    while batches:
+        try:
+            results = trainer.step(batches)
+            break
+        except NonFiniteStep as exc:
+            kind = Invalid if exc.attributed else Failed
+            refused.update({d: kind(f"step not finite: {why}") for d, why in exc.culprits.items()})
+            batches = [b for b in batches if b.device_id not in exc.culprits]
+    return TrainedStep(started, time.monotonic(), results, refused)
 
 
 class RoundState:
@@ -126,6 +151,11 @@ class RoundState:
         # Set once every group's portion went to the Fed Server (or the round was abandoned):
         # what ends a round watch stream (``MainServer.watch``).
         self.closed = asyncio.Event()
+        # Every member dropped from its group so far, with why, and the groups whose portion did
+        # not reach the Fed Server: what the watch stream reports (docs/api.md).
+        self.dropped: dict[str, str] = {}
+        self.undelivered: list[int] = []
+        self._changed = asyncio.Event()
         self._uploads_left: int | None = None
         self._tasks: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
@@ -202,7 +232,7 @@ class RoundState:
         planned = self._planned_groups()
         self._uploads_left = len(planned)
         if not planned:
-            self.closed.set()
+            self._close()
         for gid, members in planned:
             split = {m: self.participants[m].split_point for m in members}
             start = min(split.values())
@@ -234,23 +264,25 @@ class RoundState:
 
     # --- the per-step barrier -------------------------------------------------------------------
     def validate_step(self, req: StepRequest) -> tuple[Group, MemberBatch]:
-        """Check a step request completely (shapes, dtypes, finiteness, order) without side effects."""
+        """Check that a step request is this member's next step and fits the round (order, dtypes,
+        shapes), without side effects. Its values are checked by :meth:`harmful_values`."""
         group = self.group_of.get(req.device_id)
         if group is None:
             if req.device_id in self.participants:
                 raise Conflict(f"device {req.device_id!r} has not joined round {self.round_id} (or joined too late)")
             raise NotFound(f"device {req.device_id!r} is not a participant of round {self.round_id}")
         if req.device_id in group.dropped:
-            raise Conflict(f"device {req.device_id!r} was dropped from round {self.round_id} after missing a step deadline")
+            raise Conflict(f"device {req.device_id!r} was dropped from round {self.round_id}: {self.dropped[req.device_id]}")
         if req.device_id in group.done:
             raise Conflict(f"device {req.device_id!r} has already sent all its {group.num_steps[req.device_id]} steps")
         if req.step != group.step:
             raise Conflict(f"step {req.step} is out of order: the group is at step {group.step}")
-        if req.device_id in group.pending:
+        if req.device_id in group.pending or req.device_id in group.training:
             raise Conflict(f"step {req.step} of {req.device_id!r} was already received")
         k = group.split[req.device_id]
         try:
-            fx = decode_tensor(req.fx, what="fx")
+            # finiteness with the magnitude, in harmful_values' one pass
+            fx = decode_tensor(req.fx, require_finite=False, what="fx")
             labels = decode_tensor(req.labels, expect_dtype="int64", what="labels")
         except WireError as exc:
             raise Invalid(str(exc)) from None
@@ -263,20 +295,76 @@ class RoundState:
                                 f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {k}")
         if list(labels.shape) != [batch]:
             raise Invalid(f"labels: shape {list(labels.shape)} where [{batch}] was expected")
-        lowest, highest = torch.aminmax(labels)   # batch >= 1 here; both bounds in one torch call
-        if int(lowest) < 0 or int(highest) >= self.plan.num_classes:
-            raise Invalid(f"labels: values must lie in [0, {self.plan.num_classes})")
         return group, MemberBatch(req.device_id, k, fx, labels)
 
+    def harmful_values(self, batch: MemberBatch) -> str | None:
+        """Why a well-formed step's values must not join the group batch, or None: activations
+        that are not finite or exceed ``max_activation`` in magnitude (one such member's
+        activations, joined into the batch, swamp or poison the copy every member trains), or
+        labels outside the model's classes. One pass over each tensor (``torch.aminmax``)."""
+        lowest, highest = (v.item() for v in torch.aminmax(batch.fx))   # NaN propagates to both
+        if not (math.isfinite(lowest) and math.isfinite(highest)):
+            return "fx: contains NaN or Inf"
+        peak = max(-lowest, highest)
+        if peak > self.plan.max_activation:
+            return f"fx: |activation| up to {peak:.3g}, beyond the bound {self.plan.max_activation:g} (grouping.max_activation)"
+        lowest, highest = torch.aminmax(batch.labels)   # batch >= 1 here; both bounds in one torch call
+        if int(lowest) < 0 or int(highest) >= self.plan.num_classes:
+            return f"labels: values must lie in [0, {self.plan.num_classes})"
+        return None
+
     async def step(self, req: StepRequest) -> StepOutcome:
-        """Wait at the group's barrier for this step, train the copy once, return this device's dfx."""
+        """Wait at the group's barrier for this step, train the copy once, return this device's dfx.
+
+        A step whose values are harmful (:meth:`harmful_values`) drops its sender from the group
+        (Invalid): the others go on without it at this step."""
         group, batch = self.validate_step(req)
+        harm = self.harmful_values(batch)
+        if harm is not None:
+            reason = f"step {req.step} refused: {harm}"
+            self._drop(group, {req.device_id: reason}, cause="checks")
+            raise Invalid(f"{reason}; device {req.device_id!r} is dropped from round {self.round_id}")
         arrived = time.monotonic()
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         group.pending[req.device_id] = (batch, future, arrived)
-        if group.expected() <= set(group.pending):
-            self._spawn(self._run_step(group))
+        self._release(group)
         return await future
+
+    def _drop(self, group: Group, reasons: Mapping[str, str], cause: str) -> None:
+        """Take members out of their group for the rest of the round, each with why (``cause``:
+        see :meth:`MainMetrics.members_dropped`); the watch stream reports them at once, and the
+        group goes on without them (its barrier may now be complete, or nobody may be left)."""
+        for device, reason in reasons.items():
+            log.warning("round %d group %d: dropping %s: %s", self.round_id, group.group_id, device, reason)
+            group.dropped.add(device)
+            self.dropped[device] = reason
+        if self.metrics is not None:
+            self.metrics.members_dropped(cause, len(reasons))
+        self._announce()
+        self._release(group)
+
+    def _release(self, group: Group) -> None:
+        """Train the group's step once every member still owing it has sent it; finish the group
+        once nobody owes a step. Nothing while a step trains (its end does this)."""
+        if group.running or group.finished or self.abandoned:
+            return
+        if group.pending and group.expected() <= set(group.pending):
+            self._spawn(self._run_step(group))
+        elif not group.pending:
+            self._check_finished(group)
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change the watch stream reports (a member dropped, the round
+        closed); take it before reading the state, so no change is missed."""
+        return self._changed
+
+    def _announce(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _close(self) -> None:
+        self.closed.set()
+        self._announce()
 
     def _arm_step_timer(self, group: Group) -> None:
         if group.timer is not None:
@@ -290,15 +378,10 @@ class RoundState:
             return
         late = group.expected() - set(group.pending)
         if late:
-            log.warning("round %d group %d: dropping %s at step %d (deadline %.1fs)",
-                        self.round_id, group.group_id, sorted(late), step, self.plan.step_deadline_s)
-            group.dropped |= late
-            if self.metrics is not None:
-                self.metrics.dropped_at_step(len(late))
-        if group.pending:
-            self._spawn(self._run_step(group))
+            reason = f"missed the deadline of step {step} ({self.plan.step_deadline_s:g} s)"
+            self._drop(group, {d: reason for d in sorted(late)}, cause="deadline")
         else:
-            self._check_finished(group)
+            self._release(group)
 
     async def _run_step(self, group: Group) -> None:
         if group.running or not group.pending:
@@ -307,6 +390,8 @@ class RoundState:
         if group.timer is not None:
             group.timer.cancel()
         pending, group.pending = group.pending, {}
+        group.training = set(pending)
+        step = group.step
         try:
             # In device order, not arrival order: the union batch, and so the step, is then the same
             # whatever order the members' requests came in (a replay, or a run with replicas,
@@ -315,33 +400,48 @@ class RoundState:
             # Ready group steps queue for the training workers first come, first served: a group's
             # step waits only for the steps that were ready before it. That wait counts as the
             # members' wait at the Main Server (wait_s), not as the step's server time.
-            started, ended, results = await asyncio.get_running_loop().run_in_executor(
+            trained = await asyncio.get_running_loop().run_in_executor(
                 self.executor, _timed_step, group.trainer, batches)
-        except Exception as exc:  # a training failure must not leave devices hanging
-            log.exception("round %d group %d: step %d failed", self.round_id, group.group_id, group.step)
+        except Exception as exc:  # a training failure must not leave devices hanging, nor the group
+            log.exception("round %d group %d: step %d failed", self.round_id, group.group_id, step)
             if self.metrics is not None:
                 self.metrics.step_failed()
-            for _, fut, _ in pending.values():
-                if not fut.done():
-                    fut.set_exception(Failed(f"server-side training failed: {exc}"))
+            trained = TrainedStep(0.0, 0.0, {}, {d: Failed(f"server-side training of step {step} failed: {exc}")
+                                                 for d in pending})
+            cause = "failed_step"
+        else:
+            cause = "non_finite"
+        finally:
             group.running = False
-            return
-        server_s = ended - started
+            group.training = set()
+        if trained.results:
+            self._answer(group, {d: pending[d] for d in trained.results}, trained)
+        for device, error in trained.refused.items():
+            fut = pending[device][1]
+            if not fut.done():
+                fut.set_exception(type(error)(f"{error.detail}; device {device!r} is dropped from round {self.round_id}"))
+        if trained.refused:
+            self._drop(group, {d: error.detail for d, error in trained.refused.items()}, cause=cause)
+        if not self._check_finished(group):
+            self._arm_step_timer(group)
+
+    def _answer(self, group: Group, members: dict[str, tuple[MemberBatch, asyncio.Future, float]],
+                trained: TrainedStep) -> None:
+        """The step trained on ``members``: count it, advance the group, answer each its dfx."""
+        server_s = trained.ended - trained.started
         group.train_time_s += server_s
         if self.metrics is not None:
             self.metrics.step_trained(
-                server_s, fastest_wait_s=started - min(arrived for _, _, arrived in pending.values()),
-                activation_bytes=sum(b.fx.numel() * b.fx.element_size() for b, _, _ in pending.values()),
-                gradient_bytes=sum(r.dfx.numel() * r.dfx.element_size() for r in results.values()))
+                server_s, fastest_wait_s=trained.started - min(arrived for _, _, arrived in members.values()),
+                activation_bytes=sum(b.fx.numel() * b.fx.element_size() for b, _, _ in members.values()),
+                gradient_bytes=sum(r.dfx.numel() * r.dfx.element_size() for r in trained.results.values()))
         group.step += 1
-        for device, (_, fut, arrived) in pending.items():
+        for device, (_, fut, arrived) in members.items():
             if group.num_steps[device] <= group.step:
                 group.done.add(device)
             if not fut.done():
-                fut.set_result(StepOutcome(results[device], wait_s=max(0.0, started - arrived), server_s=server_s))
-        group.running = False
-        if not self._check_finished(group):
-            self._arm_step_timer(group)
+                fut.set_result(StepOutcome(trained.results[device], wait_s=max(0.0, trained.started - arrived),
+                                           server_s=server_s))
 
     def _check_finished(self, group: Group) -> bool:
         if group.finished:
@@ -361,18 +461,21 @@ class RoundState:
         """Hand a finished group to ``on_group_done`` (the upload); the last one closes the round."""
         try:
             await self.on_group_done(self, group)
+        except Exception as exc:   # its members cannot be aggregated: the watch's done line says so
+            log.error("round %d group %d: server portion not delivered: %s", self.round_id, group.group_id, exc)
+            self.undelivered.append(group.group_id)
         finally:
             assert self._uploads_left is not None
             self._uploads_left -= 1
             if self._uploads_left == 0:
-                self.closed.set()
+                self._close()
 
     def abandon(self) -> None:
         """A newer plan replaced this round: release everyone who is waiting."""
         self.abandoned = True
         self._join_timer.cancel()
         self.groups_ready.set()
-        self.closed.set()
+        self._close()
         for group in self.groups or []:
             if group.timer is not None:
                 group.timer.cancel()

@@ -97,15 +97,19 @@ class MainServer:
         )
 
     async def watch(self, state: RoundState, heartbeat_s: float) -> AsyncIterator[RoundWatch]:
-        """The round's watch stream: ``open`` every ``heartbeat_s`` while it runs, then ``done`` once
-        every group uploaded, or ``replaced`` by a newer plan. The Fed Server holds one per replica
-        and round: a stream that ends without its last line, or falls silent, tells it the replica
-        is gone at once, without polling (docs/api.md)."""
+        """The round's watch stream: ``open`` every ``heartbeat_s`` while it runs, and at once
+        whenever a member is dropped, then ``done`` once every group's upload ended, or ``replaced``
+        by a newer plan. Every line carries the members dropped so far, with why; ``done`` also the
+        groups whose portion was not delivered. The Fed Server holds one per replica and round: it
+        excludes those members at once, and a stream that ends without its last line, or falls
+        silent, tells it the replica is gone, without polling (docs/api.md)."""
         while not state.closed.is_set():
-            yield RoundWatch(round_id=state.round_id, state="open")
+            changed = state.changed()   # taken before the line: a drop while it is sent wakes us
+            yield RoundWatch(round_id=state.round_id, state="open", dropped=dict(state.dropped))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(state.closed.wait(), heartbeat_s)
-        yield RoundWatch(round_id=state.round_id, state="replaced" if state.abandoned else "done")
+                await asyncio.wait_for(changed.wait(), heartbeat_s)
+        yield RoundWatch(round_id=state.round_id, state="replaced" if state.abandoned else "done",
+                         dropped=dict(state.dropped), undelivered=sorted(state.undelivered))
 
     def status(self) -> dict:
         """A JSON-friendly view of the open round for ``/v1/status``."""
@@ -113,7 +117,8 @@ class MainServer:
 
     async def upload_portion(self, state: RoundState, group: Group) -> None:
         """Send a finished group's server portion to the Fed Server, retrying with backoff
-        (the Fed Server may be restarting)."""
+        (the Fed Server may be restarting); the last try's failure reaches the caller (the round
+        reports the group as undelivered)."""
         upload = ServerPortionUpload(
             run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
             members=sorted(group.done), dropped=sorted(group.dropped),
@@ -127,9 +132,6 @@ class MainServer:
         async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
             async def post() -> Ack:
                 return decode_response(await post_body(client, url, body), Ack)
-            try:  # keep trying: the Fed Server may be restarting
-                await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), (Exception,), what)
-            except Exception as exc:
-                log.error("%s abandoned: %s", what, exc)
-                return
+            # keep trying: the Fed Server may be restarting
+            await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), (Exception,), what)
         log.info("%s done (%d bytes)", what, len(body))

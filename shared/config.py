@@ -61,6 +61,10 @@ class GroupingConfig(_Strict):
     # steps (only the larger members left) move the whole group's copy at full rate, which made
     # S2FL unstable on non-IID shards (docs/s2fl.md, "Members with more steps than others").
     group_loss: str = "data_weighted"
+    # The largest |activation| the Main Server accepts in a member's step; a member whose step
+    # exceeds it is dropped from its group. The built-in models' activations on MNIST stay below
+    # 20 (docs/configuration.md), so 1e4 refuses only what would swamp the group's shared copy.
+    max_activation: float = Field(1e4, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_switch(self) -> "GroupingConfig":

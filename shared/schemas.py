@@ -276,6 +276,9 @@ class RoundPlan(Message):
     #: None: the Main Server groups the devices that join (one Main Server, as in the paper).
     #: Otherwise the groups the Fed Server formed for this replica, with round-wide group ids.
     groups: list[PlannedGroup] | None = None
+    #: The largest |activation| a member's step may carry (``grouping.max_activation``); a step
+    #: beyond it drops its sender from the group.
+    max_activation: float = Field(1e4, gt=0, allow_inf_nan=False)
 
     @field_validator("participants")
     @classmethod

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
+from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, NonFiniteStep
 from shared.algorithms.registry import build_group_loss
 from shared.models import build_model
 from shared.wire import decode_state
@@ -431,3 +431,39 @@ def test_explicit_cpu_device_is_bit_identical_to_the_default(model):
         assert torch.equal(state[key], value), key
     live = explicit.portion.state_dict()
     assert all(state[k].data_ptr() != live[k].data_ptr() for k in state)
+
+
+# ------------------------------------------------------------------------------------ non-finite steps
+def test_a_member_whose_own_loss_is_not_finite_is_named_and_the_copy_is_left_as_it_was(model):
+    trainer = _trainer(model, 2)
+    trainer.optimizer.param_groups[0]["momentum"] = 0.9   # a momentum buffer that must not move either
+    trainer.step([_member(model, "warm", 2, 4, seed=90)])
+    before = {k: v.clone() for k, v in trainer.state().items()}
+    momentum = {id(p): trainer.optimizer.state[p]["momentum_buffer"].clone() for p in trainer.portion.parameters()}
+    good, bad = _member(model, "good", 2, 4, seed=91), _member(model, "bad", 2, 4, seed=92)
+    bad.fx[1, 0, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteStep) as refused:
+        trainer.step([good, bad])
+    assert refused.value.attributed and list(refused.value.culprits) == ["bad"]
+    assert all(torch.equal(v, before[k]) for k, v in trainer.state().items()) and trainer.steps == 1
+    assert all(torch.equal(trainer.optimizer.state[p]["momentum_buffer"], momentum[id(p)])
+               for p in trainer.portion.parameters())
+    out = trainer.step([good])   # the step without it trains as usual, on finite values
+    assert torch.isfinite(out["good"].dfx).all() and trainer.steps == 2
+
+
+def test_a_step_that_cannot_tell_whose_activations_broke_it_names_everyone_and_restores_batchnorm():
+    """BatchNorm normalises the union batch: one member's overflowing activations make every
+    member's loss NaN. Nobody can be singled out, and the running statistics, which the forward
+    pass had already updated, are put back."""
+    resnet = build_model("resnet8", seed=0)
+    trainer = GroupTrainer(copy.deepcopy(resnet), 1, resnet.portion(1, len(resnet.blocks)).state_dict(), lr=LR)
+    before = {k: v.clone() for k, v in trainer.state().items()}
+    assert any("running_var" in k for k in before)
+    gen = torch.Generator().manual_seed(93)
+    members = [MemberBatch(d, 1, torch.rand(2, 16, 32, 32, generator=gen), torch.tensor([0, 1])) for d in ("a", "b")]
+    members[1].fx[0] = 3e38
+    with pytest.raises(NonFiniteStep) as refused:
+        trainer.step(members)
+    assert not refused.value.attributed and set(refused.value.culprits) == {"a", "b"}
+    assert all(torch.equal(v, before[k]) for k, v in trainer.state().items()) and trainer.steps == 0

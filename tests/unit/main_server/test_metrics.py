@@ -25,7 +25,9 @@ def test_exports_exactly_the_documented_metrics():
     metrics.groups_formed_with([0.1, 0.3], absent=1)
     metrics.step_trained(0.02, 0.5, 1000, 1000)
     metrics.step_failed()
-    metrics.dropped_at_step(2)
+    metrics.members_dropped("deadline", 2)
+    metrics.members_dropped("checks", 1)
+    metrics.members_dropped("non_finite", 1)
     metrics.group_finished(1.5)
     assert spec_mismatches(metrics.registry, METRICS) == []
 
@@ -40,8 +42,13 @@ def test_event_values():
     assert abs(sample(metrics, "sfl_main_round_label_distance", {"stat": "mean"}) - 0.2) < 1e-12
     assert sample(metrics, "sfl_main_group_label_distance_count") == 2
     assert sample(metrics, "sfl_main_devices_dropped_total", {"deadline": "join"}) == 1
-    metrics.dropped_at_step(2)
+    metrics.members_dropped("deadline", 2)
     assert sample(metrics, "sfl_main_devices_dropped_total", {"deadline": "step"}) == 2
+    metrics.members_dropped("checks", 1)
+    metrics.members_dropped("non_finite", 3)
+    metrics.members_dropped("failed_step", 2)   # counted as the step's failure (step_failed)
+    assert sample(metrics, "sfl_main_steps_refused_total") == 1
+    assert sample(metrics, "sfl_main_members_not_finite_total") == 3
     metrics.step_trained(0.02, 0.5, 1000, 800)
     metrics.step_trained(0.04, 0.0, 1000, 800)
     assert sample(metrics, "sfl_main_steps_total") == 2

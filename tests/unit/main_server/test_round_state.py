@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import math
 import sys
 
 import numpy as np
@@ -174,13 +175,106 @@ def test_bad_steps_are_refused_without_touching_the_barrier(kit):
             await state.step(kit.step_req("a", 0, torch.zeros(kit.BATCH, kit.FEATURES + 1), y))
         with pytest.raises(Invalid, match="fx: shape"):
             await state.step(kit.step_req("a", 0, torch.zeros(kit.BATCH + 1, kit.FEATURES), torch.zeros(kit.BATCH + 1, dtype=torch.int64)))
-        with pytest.raises(Invalid, match="labels: values"):
-            await state.step(kit.step_req("a", 0, x, torch.full((kit.BATCH,), kit.CLASSES)))
         with pytest.raises(Invalid, match="labels: shape"):
             await state.step(kit.step_req("a", 0, x, y[:-1]))
         with pytest.raises(Invalid):
             await state.step(kit.step_req("a", 0, x.to(torch.float64), y))
-        assert all(g.step == 0 and not g.pending and g.trainer.steps == 0 for g in state.groups)
+        assert all(g.step == 0 and not g.pending and g.trainer.steps == 0 and not g.dropped for g in state.groups)
+        assert state.dropped == {}
+    kit.run(body)
+
+
+def _nan_bits(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros but for one element holding a NaN bit pattern with a payload (not torch's own NaN)."""
+    bits = {torch.float32: (torch.int32, 0x7FC00123), torch.float16: (torch.int16, 0x7E01)}
+    int_dtype, pattern = bits[dtype]
+    raw = torch.zeros(shape, dtype=int_dtype)
+    raw.view(-1)[5] = pattern
+    return raw.view(dtype)
+
+
+@pytest.mark.parametrize("harm, word", [
+    ("x1e30", "beyond the bound 10000"), ("nan-float32", "NaN"), ("nan-float16", "NaN"), ("inf-float16", "Inf"),
+    ("labels", "labels: values"),
+])
+def test_a_member_whose_step_values_are_harmful_is_dropped_and_the_others_train_without_it(kit, harm, word):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a", "b", "c"], group_size=3), uploads)
+        await asyncio.gather(*(state.join(kit.join_req(d, num_steps=2)) for d in ("a", "b", "c")))
+        group = state.groups[0]
+        (xa, ya), (xb, yb), (xc, yc) = kit.batch(1), kit.batch(2), kit.batch(3)
+        if harm == "x1e30":
+            xb = xb * 1e30
+        elif harm == "labels":
+            yb = torch.full_like(yb, kit.CLASSES)
+        else:
+            xb = _nan_bits(getattr(torch, harm.split("-")[1]), tuple(xb.shape))
+            if harm.startswith("inf"):
+                xb = torch.zeros_like(xb)
+                xb[1, 2] = -math.inf
+        a = asyncio.create_task(state.step(kit.step_req("a", 0, xa, ya)))
+        c = asyncio.create_task(state.step(kit.step_req("c", 0, xc, yc)))
+        assert await kit.pending(a) and await kit.pending(c)   # both wait for b
+        with pytest.raises(Invalid, match=word) as refused:
+            await state.step(kit.step_req("b", 0, xb, yb))
+        assert "dropped" in str(refused.value)
+        # b no longer holds the barrier: a and c are answered at once, each with the gradient of
+        # its own loss on the copy as it was (per_member): b's values never joined the batch.
+        reference = build_model("logreg", kit.CLASSES, (1, 1, kit.FEATURES), seed=0).blocks["head"]
+        for x, y, task in ((xa, ya, a), (xc, yc, c)):
+            out = await task
+            fx = x.clone().requires_grad_(True)
+            F.cross_entropy(reference(fx), y).backward()
+            torch.testing.assert_close(out.result.dfx, fx.grad)
+        assert group.dropped == {"b"} and word in state.dropped["b"] and group.trainer.steps == 1
+        assert all(torch.isfinite(v).all() for v in group.trainer.state().values())
+        with pytest.raises(Conflict, match=f"dropped from round 1: step 0 refused: .*{word}"):
+            await state.step(kit.step_req("b", 1, *kit.batch(4)))
+        await asyncio.gather(state.step(kit.step_req("a", 1, *kit.batch(5))), state.step(kit.step_req("c", 1, *kit.batch(6))))
+        await asyncio.wait_for(uploads.arrived.wait(), 5)
+        assert uploads.groups == [group] and group.done == {"a", "c"}
+    kit.run(body)
+
+
+def test_a_harmful_last_member_releases_the_barrier_and_a_group_of_one_finishes(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a"]), uploads)
+        await kit.joined(state, "a")
+        x, y = kit.batch(1)
+        with pytest.raises(Invalid, match="beyond the bound"):
+            await state.step(kit.step_req("a", 0, x * 1e30, y))
+        await asyncio.wait_for(uploads.arrived.wait(), 5)   # nobody is left: the group uploads
+        group = state.groups[0]
+        assert group.finished and group.dropped == {"a"} and group.trainer.steps == 0
+    kit.run(body)
+
+
+def test_a_member_whose_own_results_are_not_finite_is_dropped_and_the_step_trains_without_it(kit, monkeypatch):
+    """The last line of defence, past the value checks (here switched off): b's NaN activations
+    make its loss, its dfx and the copy's gradient NaN; the step is not applied, b is dropped
+    (422), and the step trains again on a alone, whose dfx is then exactly its solo gradient."""
+    async def body() -> None:
+        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        monkeypatch.setattr(state, "harmful_values", lambda batch: None)
+        await kit.joined(state, "a", "b")
+        group = state.groups[0]
+        before = {k: v.clone() for k, v in group.trainer.state().items()}
+        (xa, ya), (xb, yb) = kit.batch(1), kit.batch(2)
+        xb[0, 0] = math.nan
+        a = asyncio.create_task(state.step(kit.step_req("a", 0, xa, ya)))
+        with pytest.raises(Invalid, match="not finite") as refused:
+            await state.step(kit.step_req("b", 0, xb, yb))
+        assert "dropped" in str(refused.value)
+        out = await a
+        reference = build_model("logreg", kit.CLASSES, (1, 1, kit.FEATURES), seed=0).blocks["head"]
+        fx = xa.clone().requires_grad_(True)
+        F.cross_entropy(reference(fx), ya).backward()
+        torch.testing.assert_close(out.result.dfx, fx.grad)
+        for name, p in reference.named_parameters():   # one step, on a's loss alone
+            torch.testing.assert_close(group.trainer.state()[f"blocks.head.{name}"], before[f"blocks.head.{name}"] - kit.LR * p.grad)
+        assert group.dropped == {"b"} and "not finite" in state.dropped["b"] and group.trainer.steps == 1
     kit.run(body)
 
 
@@ -253,7 +347,7 @@ def test_step_deadline_drops_the_late_and_releases_the_rest(kit):
         group = state.groups[0]
         out = await state.step(kit.step_req("a", 0, *kit.batch(10)))  # b never sends: answered at the deadline
         assert out.wait_s > 0 and group.dropped == {"b"} and group.trainer.steps == 1
-        with pytest.raises(Conflict, match="dropped"):
+        with pytest.raises(Conflict, match=r"dropped from round 1: missed the deadline of step 0 \(0.2 s\)"):
             await state.step(kit.step_req("b", 0, *kit.batch(11)))
         await state.step(kit.step_req("a", 1, *kit.batch(12)))
         await asyncio.wait_for(uploads.arrived.wait(), 5)
@@ -272,9 +366,10 @@ def test_a_group_nobody_steps_in_finishes_with_everyone_dropped(kit):
     kit.run(body)
 
 
-def test_training_failure_answers_every_waiting_member(kit):
+def test_a_failed_step_drops_its_members_and_the_group_finishes_and_uploads(kit):
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a", "b"]), uploads)
         await kit.joined(state, "a", "b")
 
         def broken(batches):
@@ -284,7 +379,14 @@ def test_training_failure_answers_every_waiting_member(kit):
         results = await asyncio.gather(state.step(kit.step_req("a", 0, *kit.batch(13))),
                                        state.step(kit.step_req("b", 0, *kit.batch(14))), return_exceptions=True)
         assert all(isinstance(r, Failed) and "boom" in str(r) for r in results)
-        assert not state.groups[0].running
+        group = state.groups[0]
+        assert not group.running
+        # The group does not hang until the round deadline: both are out, and it uploads at once.
+        await asyncio.wait_for(uploads.arrived.wait(), 5)
+        assert uploads.groups == [group] and group.finished and group.dropped == {"a", "b"}
+        assert all("training of step 0 failed: boom" in state.dropped[d] for d in ("a", "b"))
+        with pytest.raises(Conflict, match="dropped from round 1: server-side training of step 0 failed"):
+            await state.step(kit.step_req("a", 1, *kit.batch(15)))
     kit.run(body)
 
 
@@ -367,6 +469,34 @@ def test_the_watch_stream_beats_until_every_group_uploaded_or_the_round_is_repla
     kit.run(body)
 
 
+def test_the_watch_stream_reports_a_dropped_member_at_once_and_an_undelivered_group_on_done(kit):
+    """A drop wakes the stream at once (the heartbeat here is longer than the test may run), and
+    a group whose portion cannot reach the Fed Server (a closed port) is named on ``done``."""
+    from main_server.server import MainServer, MainServerSettings
+    from testbed.processes import free_port
+
+    async def body() -> None:
+        server = MainServer(MainServerSettings(fed_server_url=f"http://127.0.0.1:{free_port()}", upload_retries=1))
+        server.open_round(kit.make_plan(["a", "b"], round_id=1))
+        state = server.current(1)
+        lines = server.watch(state, heartbeat_s=60.0)
+        first = await anext(lines)
+        assert (first.state, first.dropped, first.undelivered) == ("open", {}, [])
+        await kit.joined(state, "a", "b")
+        x, y = kit.batch(1)
+        with pytest.raises(Invalid):
+            await state.step(kit.step_req("b", 0, x * 1e30, y))
+        dropped = await asyncio.wait_for(anext(lines), 5)
+        assert dropped.state == "open" and list(dropped.dropped) == ["b"] and "beyond the bound" in dropped.dropped["b"]
+        await state.step(kit.step_req("a", 0, x, y))   # a alone: the group finishes, its upload fails
+        last = await asyncio.wait_for(anext(lines), 10)
+        while last.state == "open":
+            last = await asyncio.wait_for(anext(lines), 10)
+        assert last.state == "done" and last.undelivered == [state.groups[0].group_id] and set(last.dropped) == {"b"}
+        server.trainers.shutdown()
+    kit.run(body)
+
+
 def test_ready_group_steps_train_one_at_a_time_and_the_queue_counts_as_wait(kit):
     """One training worker: a group whose step becomes ready while another group's step trains
     waits for it; that wait is the members' wait_s, and server_s is its own training alone."""
@@ -393,6 +523,8 @@ def test_ready_group_steps_train_one_at_a_time_and_the_queue_counts_as_wait(kit)
             group.trainer.step = traced
         a = asyncio.create_task(state.step(kit.step_req("a", 0, *kit.batch(1))))
         assert await kit.pending(a)
+        with pytest.raises(Conflict, match="already received"):   # a's step is training: a resend is no next step
+            await state.step(kit.step_req("a", 0, *kit.batch(1)))
         b = asyncio.create_task(state.step(kit.step_req("b", 0, *kit.batch(2))))
         assert await kit.pending(b) and state.group_of["b"].running   # b's step is queued behind a's
         b_arrived_by = time.monotonic()
