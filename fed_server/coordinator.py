@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +184,10 @@ class Coordinator:
         # Posted whenever a round record was written (the run's "finished" comes with its last
         # record) or the round driver stopped: ``/v1/status?wait_s=`` holds its answer on it.
         self.status_posted = Broadcast()
+        # Called with (attempt, replica URL, device -> why) when devices of a split attempt leave
+        # it at the Fed Server (a refused upload, a withdrawal), so that replica stops waiting for
+        # them at its join or group barrier; the round driver sends it (``driver.send_departures``).
+        self.on_departure: Callable[[FedRound, str, dict[str, str]], None] | None = None
 
     # --- devices ------------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterResponse:
@@ -351,14 +355,24 @@ class Coordinator:
         mine = {d for d, a in fed_round.assignments.items() if a.main_server_url == url}
         self._exclude(fed_round, mine - fed_round.covered_by_portions(), reason)
 
-    def _exclude(self, fed_round: FedRound, devices: Iterable[str], reason: str) -> None:
+    def _exclude(self, fed_round: FedRound, devices: Iterable[str], reason: str, tell_main_server: bool = False) -> None:
         """Take ``devices`` out of the attempt (:meth:`FedRound.exclude`) and wake the driver, which
-        may now find the attempt complete."""
+        may now find the attempt complete. ``tell_main_server``: the Main Server does not know yet
+        (the device left at the Fed Server), so its replica is told (:attr:`on_departure`)."""
         new = fed_round.exclude(devices, reason)
-        if new:
-            log.warning("round %d (attempt %d): %s taken out: %s", fed_round.index, fed_round.round_id,
-                        ", ".join(sorted(new)), reason)
-            self.changed.set()
+        if not new:
+            return
+        log.warning("round %d (attempt %d): %s taken out: %s", fed_round.index, fed_round.round_id,
+                    ", ".join(sorted(new)), reason)
+        self.changed.set()
+        if tell_main_server and fed_round.uses_main_server and self.on_departure is not None:
+            by_replica: dict[str, dict[str, str]] = {}
+            for device in sorted(new):
+                url = fed_round.assignments[device].main_server_url
+                if url is not None:
+                    by_replica.setdefault(url, {})[device] = reason
+            for url, reasons in by_replica.items():
+                self.on_departure(fed_round, url, reasons)
 
     def post_work(self) -> None:
         """Wake every device waiting in :meth:`next_task`: its answer may have changed. Called on
@@ -562,7 +576,7 @@ class Coordinator:
         except Invalid as refused:
             # The device's own upload is unusable and it has no other for this attempt: waiting for
             # it would hold every other device to the round deadline.
-            self._exclude(fed_round, [req.device_id], f"upload refused: {refused.detail}")
+            self._exclude(fed_round, [req.device_id], f"upload refused: {refused.detail}", tell_main_server=True)
             raise
         fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes, extras)
         self.changed.set()
@@ -581,7 +595,7 @@ class Coordinator:
             raise NotAllowed(f"device {req.device_id!r} was not selected for round {round_id}")
         if req.device_id in fed_round.updates:
             raise Conflict(f"the update of {req.device_id!r} for round {round_id} is already stored")
-        self._exclude(fed_round, [req.device_id], f"withdrew: {req.reason}")
+        self._exclude(fed_round, [req.device_id], f"withdrew: {req.reason}", tell_main_server=True)
         return Ack(detail=f"{req.device_id} is out of round {round_id}: {fed_round.excluded[req.device_id]}")
 
     def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:

@@ -24,7 +24,7 @@ from shared.auth import Auth
 from fed_server.round_state import FedRound
 from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.retry import Backoff, retry_async
-from shared.schemas import API, Ack, RoundPlan, RoundWatch
+from shared.schemas import API, Ack, Departures, RoundPlan, RoundWatch
 from shared.wire import pack_body
 
 log = logging.getLogger("fed_server")
@@ -114,6 +114,22 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
                                       for url, error in errors.items())
 
 
+async def send_departures(fed_round: FedRound, url: str, reasons: dict[str, str], settings: FedServerSettings) -> None:
+    """Tell replica ``url`` which of its participants left the attempt at the Fed Server, so its
+    join and group barriers stop waiting for them. One try, bounded like a plan try: the attempt
+    no longer counts on these devices whatever the answer, and a replica that does not take it
+    only waits for them until its own deadlines, as it would have."""
+    body = pack_body(Departures(round_id=fed_round.round_id, devices=reasons).model_dump())
+    endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/departures"
+    try:
+        async with service_client(settings.auth.service_headers(), settings.ca_file,
+                                  timeout=settings.replica_timeout_s) as client:
+            decode_response(await post_body(client, endpoint, body), Ack)
+    except Exception as exc:   # noqa: BLE001 - whatever went wrong, the attempt goes on
+        log.warning("round %d (attempt %d): Main Server %s not told that %s left: %s", fed_round.index,
+                    fed_round.round_id, url, sorted(reasons), exc)
+
+
 async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str, settings: FedServerSettings) -> None:
     """Hold replica ``url``'s watch stream of the attempt until its ``done`` line; an end without
     it, silence for ``replica_timeout_s`` or a connection error is the replica lost
@@ -183,6 +199,13 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
              coordinator.config.rounds, coordinator.config.algorithm)
     recording: asyncio.Task | None = None   # the previous attempt's evaluation and record
+    departing: set[asyncio.Task] = set()     # departures on their way to replicas (held until sent)
+
+    def depart(fed_round: FedRound, url: str, reasons: dict[str, str]) -> None:
+        task = asyncio.get_running_loop().create_task(send_departures(fed_round, url, reasons, settings))
+        departing.add(task)
+        task.add_done_callback(departing.discard)
+    coordinator.on_departure = depart
     try:
         while not coordinator.finished:   # a resumed run may have finished already
             fed_round = coordinator.begin_round()

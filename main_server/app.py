@@ -11,7 +11,7 @@ from starlette.datastructures import Headers
 
 from http_api.server import ServiceApp, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from main_server.server import MainServer, MainServerSettings
-from shared.schemas import API, Ack, JoinRequest, JoinResponse, RoundPlan, StepRequest, StepResponse
+from shared.schemas import API, Ack, Departures, JoinRequest, JoinResponse, RoundPlan, StepRequest, StepResponse
 
 
 def create_app(settings: MainServerSettings) -> ServiceApp:
@@ -34,6 +34,15 @@ def create_app(settings: MainServerSettings) -> ServiceApp:
         plan = await read_message(request, RoundPlan, settings.max_plan_bytes)
         server.open_round(plan)
         return msgpack_response(Ack(detail=f"round {plan.round_id} open"))
+
+    @app.post(f"{API}/rounds/{{round_id}}/departures", response_class=Response,
+              openapi_extra=msgpack_body_schema(Departures))
+    async def departures(round_id: int, request: Request) -> Response:
+        """Fed Server -> Main Server: participants taken out of the attempt (a refused upload, a
+        withdrawal); the join and their groups' barriers stop waiting for them."""
+        settings.auth.check_service(request.headers)
+        body = await read_message(request, Departures, settings.max_join_bytes)
+        return msgpack_response(server.depart(round_id, body))
 
     @app.get(f"{API}/rounds/{{round_id}}/watch")
     async def watch(round_id: int, request: Request,

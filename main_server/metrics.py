@@ -117,8 +117,9 @@ class MainMetrics:
 
     def members_dropped(self, cause: str, count: int) -> None:
         """``count`` members dropped from their group for ``cause``: ``deadline`` (a missed step
-        deadline), ``checks`` (a refused step), ``non_finite`` (a step not finite) or
-        ``failed_step`` (counted as the step's failure, :meth:`step_failed`)."""
+        deadline), ``checks`` (a refused step), ``non_finite`` (a step not finite),
+        ``failed_step`` (counted as the step's failure, :meth:`step_failed`) or ``departed`` (the
+        Fed Server took it out of the attempt; counted there, ``sfl_fed_devices_dropped_total``)."""
         if cause == "deadline":
             self.dropped.labels("step").inc(count)
         elif cause == "checks":

@@ -143,6 +143,9 @@ class RoundState:
         # (too small for its pooling) was refused above.
         self.activation_shapes = self._activation_shapes()
         self.joined: dict[str, JoinRequest] = {}
+        # Participants the Fed Server took out of the attempt before groups were formed, with why:
+        # the join no longer waits for them and they are grouped with nobody.
+        self.departed: dict[str, str] = {}
         self.groups: list[Group] | None = None
         self.group_of: dict[str, Group] = {}
         self.groups_ready = asyncio.Event()
@@ -192,21 +195,54 @@ class RoundState:
             raise NotFound(f"device {req.device_id!r} is not a participant of round {self.round_id}")
         if len(req.label_counts) != self.plan.num_classes:
             raise Invalid(f"label_counts has {len(req.label_counts)} entries; the model has {self.plan.num_classes} classes")
+        if req.device_id in self.departed:
+            raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.departed[req.device_id]}")
         if self.groups is not None:
             group = self.group_of.get(req.device_id)
             if group is None:
                 raise Conflict(f"device {req.device_id!r} joined after the join deadline of round {self.round_id}")
             return self._join_answer(group)
         self.joined[req.device_id] = req
-        if len(self.joined) == len(self.participants):
-            self._form_groups()
+        self._form_groups_if_all_joined()
         await self.groups_ready.wait()
         if self.abandoned:
             raise Conflict(f"round {self.round_id} was abandoned")
         group = self.group_of.get(req.device_id)
-        if group is None:  # pragma: no cover - joined devices are always grouped
-            raise Conflict("not grouped")
+        if group is None:   # it left the round while it waited for the groups
+            raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.departed[req.device_id]}")
         return self._join_answer(group)
+
+    def _form_groups_if_all_joined(self) -> None:
+        """Groups form as soon as every participant has joined or left, not at the join deadline."""
+        if len(self.joined) + len(self.departed) == len(self.participants):
+            self._form_groups()
+
+    def depart(self, reasons: Mapping[str, str]) -> None:
+        """The Fed Server took these participants out of the attempt (a refused upload, a
+        withdrawal), each with why: the round stops waiting for them. Before the groups are formed
+        they are grouped with nobody (and the groups form at once if everyone else has joined);
+        after, each leaves its group's barrier as a dropped member. NotFound, changing nothing,
+        for a device that is no participant; a device already done or dropped stays as it is."""
+        unknown = sorted(set(reasons) - set(self.participants))
+        if unknown:
+            raise NotFound(f"{unknown} are not participants of round {self.round_id}")
+        if self.abandoned:
+            return
+        if self.groups is None:
+            for device, reason in reasons.items():
+                self.joined.pop(device, None)
+                self.departed.setdefault(device, reason)
+            log.info("round %d: %s left before the groups were formed", self.round_id, sorted(reasons))
+            self._form_groups_if_all_joined()
+            return
+        for device, reason in sorted(reasons.items()):
+            group = self.group_of.get(device)
+            if group is None or device in group.done or device in group.dropped:
+                continue
+            waiting = group.pending.pop(device, None)
+            if waiting is not None and not waiting[1].done():
+                waiting[1].set_exception(Conflict(f"device {device!r} left round {self.round_id}: {reason}"))
+            self._drop(group, {device: f"taken out by the Fed Server: {reason}"}, cause="departed")
 
     def _join_answer(self, group: Group) -> JoinResponse:
         return JoinResponse(group_id=group.group_id, members=group.members, label_distance=group.distance)
@@ -253,7 +289,7 @@ class RoundState:
             for m in members:
                 self.group_of[m] = group
             self._arm_step_timer(group)
-        missing = sorted(set(self.participants) - set(self.joined))
+        missing = sorted(set(self.participants) - set(self.joined) - set(self.departed))
         if self.metrics is not None:
             self.metrics.groups_formed_with([g.distance for g in self.groups], len(missing))
         if missing:

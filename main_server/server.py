@@ -19,12 +19,13 @@ import torch
 from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.auth import Auth
-from shared.errors import Conflict
+from shared.errors import Conflict, Invalid
 from shared.http_client import decode_response, post_body, service_client
 from shared.machine import compute_workers
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
-    API, Ack, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
+    API, Ack, Departures, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest,
+    StepResponse, WireTensor,
 )
 from shared.wire import encode_tensor, pack_body
 
@@ -87,6 +88,14 @@ class MainServer:
     async def join(self, round_id: int, req: JoinRequest) -> JoinResponse:
         """A device joins round ``round_id``; answered once the round's groups are formed."""
         return await self.current(round_id).join(req)
+
+    def depart(self, round_id: int, departures: Departures) -> Ack:
+        """Participants the Fed Server took out of round ``round_id``: the round stops waiting for
+        them (:meth:`RoundState.depart`)."""
+        if departures.round_id != round_id:
+            raise Invalid(f"body round_id {departures.round_id} does not match the path's round {round_id}")
+        self.current(round_id).depart(departures.devices)
+        return Ack(detail=f"{len(departures.devices)} device(s) left round {round_id}")
 
     async def step(self, round_id: int, req: StepRequest) -> StepResponse:
         """One device step of round ``round_id``; answered with its dfx after the group's barrier."""

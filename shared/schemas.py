@@ -7,7 +7,7 @@ against what the round expects and decodes them zero-copy with :mod:`shared.wire
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
@@ -345,6 +345,15 @@ class RoundWatch(Message):
     state: Literal["open", "done", "replaced"]
     dropped: dict[DeviceId, str] = {}
     undelivered: list[int] = []
+
+
+class Departures(Message):
+    """Fed Server -> Main Server (``POST /v1/rounds/{round_id}/departures``): participants the Fed
+    Server took out of the attempt (a refused upload, a withdrawal), each with why, so the Main
+    Server stops waiting for them at the join or at their group's barrier."""
+
+    round_id: int = Field(ge=0)
+    devices: dict[DeviceId, Annotated[str, Field(max_length=1000)]] = Field(min_length=1)
 
 
 class JoinResponse(Message):

@@ -1,11 +1,12 @@
 """One device's failing tasks stop neither its agent nor the run: an agent through the real servers.
 
-A real Fed Server and Main Server (FedAvg, cnn) and one real agent hosting two devices in this
-process. ``dev-001`` receives every training task with an algorithm name its agent does not know
-(what a task it cannot build looks like to it; its client rewrites the task as it arrives). It
-must give each task up and withdraw from the attempt, while the agent's other device trains every
-round to the end of the run, and the Fed Server's round records must say that ``dev-001`` withdrew
-and why.
+A real Fed Server and Main Server (FedAvg and S2FL, cnn) and one real agent hosting two devices in
+this process. ``dev-001`` receives every training task with an algorithm name its agent does not
+know (what a task it cannot build looks like to it; its client rewrites the task as it arrives).
+It must give each task up and withdraw from the attempt, while the agent's other device trains
+every round to the end of the run, and the Fed Server's round records must say that ``dev-001``
+withdrew and why. Under S2FL the Main Server is told at once, so the round waits neither for the
+withdrawn device's join nor for its upload.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from device_agent.agent import Agent
 from device_agent.clients import HttpFedClient
@@ -32,9 +34,16 @@ class UnbuildableTasks(HttpFedClient):
         return task, size
 
 
-def test_a_device_whose_tasks_fail_withdraws_and_its_agents_other_device_trains_to_the_end():
-    config = small_config(algorithm="fedavg", rounds=ROUNDS, **{
-        "data.num_devices": 2, "data.max_samples": 400, "train.batch_size": 32, "deadlines.round_s": 60})
+#: Deadlines long next to a round of this size (seconds): waiting for the withdrawn device's join or
+#: upload would show in the round time.
+JOIN_S = ROUND_S = 60.0
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "s2fl"])
+def test_a_device_whose_tasks_fail_withdraws_and_its_agents_other_device_trains_to_the_end(algorithm):
+    config = small_config(algorithm=algorithm, rounds=ROUNDS, **{
+        "data.num_devices": 2, "data.max_samples": 400, "train.batch_size": 32, "deadlines.round_s": ROUND_S,
+        "deadlines.join_s": JOIN_S})
     with server_pair(config, "agent-resilience") as servers:
         agent = Agent(servers.fed_url, [0, 1], None, compute_slots=0)
         agent.devices[1].fed = UnbuildableTasks(servers.fed_url)
@@ -60,5 +69,6 @@ def test_a_device_whose_tasks_fail_withdraws_and_its_agents_other_device_trains_
     assert [r["round"] for r in ok] == list(range(1, ROUNDS + 1)), status["history"]
     for record in ok:
         assert record["aggregated"] == ["dev-000"], record
+        assert record["round_time_s"] < JOIN_S / 2, record
         reason = record["left"]["dev-001"]
         assert reason.startswith("withdrew: ") and "'no-such-algorithm' is not one this agent knows" in reason, record

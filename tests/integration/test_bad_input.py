@@ -3,7 +3,9 @@
 Every malformed, oversized, out-of-order or inconsistent request must get a clear 4xx (JSON
 ``{"detail": ...}``) and must change nothing: the servers' ``/v1/status`` is checked after each
 batch of rejected requests, and the Main Server then trains a valid step, which proves the
-rejected steps left the group's barrier untouched.
+rejected steps left the group's barrier untouched. The one refusal that changes something is a
+well-formed step whose values are harmful (NaN activations here): it drops its sender from the
+group, and the waiting member's step trains without it at once.
 """
 from __future__ import annotations
 
@@ -362,15 +364,6 @@ def test_main_rejects_bad_steps_then_trains(services, client, main_round):
         assert_rejected(post(client, url, {**good, "labels": {"dtype": "int64", "shape": dims, "data": b""}}), 422,
                         "labels", "shape")
     assert_rejected(post(client, url, step_body(fx=torch.ones(*FX_SHAPE, dtype=torch.int64))), 422, "fx", "int64")
-    nan_fx = torch.randn(*FX_SHAPE)
-    nan_fx[3, 2, 1, 0] = math.nan
-    assert_rejected(post(client, url, step_body(fx=nan_fx)), 422, "fx", "nan")
-    inf_fx = torch.randn(*FX_SHAPE)
-    inf_fx[0, 0, 0, 0] = -math.inf
-    assert_rejected(post(client, url, step_body(fx=inf_fx)), 422, "fx", "inf")
-    assert_rejected(post(client, url, step_body(labels=torch.full((BATCH,), NUM_CLASSES, dtype=torch.int64))),
-                    422, "labels", "[0, 10)")
-    assert_rejected(post(client, url, step_body(labels=torch.full((BATCH,), -1, dtype=torch.int64))), 422, "labels")
     assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH - 1, dtype=torch.int64))), 422, "labels", "shape")
     assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH, dtype=torch.int32))), 422, "labels", "int64")
     assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH, dtype=torch.float32))), 422, "labels")
@@ -399,8 +392,11 @@ def test_main_rejects_bad_steps_then_trains(services, client, main_round):
     group = after["groups"][0]
     assert group["step"] == 0 and group["dropped"] == [] and group["done"] == [] and not group["finished"]
 
-    # dev-a's valid step waits at the barrier; a duplicate meanwhile is refused; dev-b's step releases both.
+    # dev-a's valid step waits at the barrier; a duplicate meanwhile is refused; dev-b's step with
+    # NaN activations is refused and drops dev-b, which releases dev-a's step, trained without it.
     fx_a, fx_b = torch.randn(*FX_SHAPE), torch.randn(*FX_SHAPE)
+    nan_fx = torch.randn(*FX_SHAPE)
+    nan_fx[3, 2, 1, 0] = math.nan
     labels = torch.arange(BATCH, dtype=torch.int64) % NUM_CLASSES
     results: dict[str, httpx.Response] = {}
 
@@ -413,25 +409,18 @@ def test_main_rejects_bad_steps_then_trains(services, client, main_round):
     time.sleep(0.3)
     assert "dev-a" not in results, "dev-a's step must wait for dev-b at the barrier"
     assert_rejected(post(client, url, step_body("dev-a", 0, fx_a, labels)), 409, "already received")
-    # A bad step from dev-b while dev-a waits does not release the barrier either.
-    assert_rejected(post(client, url, step_body("dev-b", 0, nan_fx, labels)), 422, "nan")
-    time.sleep(0.1)
-    assert "dev-a" not in results
-    thread_b = threading.Thread(target=send, args=("dev-b", fx_b))
-    thread_b.start()
+    assert_rejected(post(client, url, step_body("dev-b", 0, nan_fx, labels)), 422, "fx", "nan", "dropped")
     thread_a.join(30)
-    thread_b.join(30)
-    for device in ("dev-a", "dev-b"):
-        resp = results[device]
-        assert resp.status_code == 200, resp.text
-        answer = unpackb(resp.content)
-        assert answer["dfx"]["shape"] == FX_SHAPE and answer["dfx"]["dtype"] == "float32"
-        assert math.isfinite(answer["loss"]) and answer["wait_s"] >= 0
-    assert results["dev-a"].content != results["dev-b"].content
+    resp = results["dev-a"]
+    assert resp.status_code == 200, resp.text
+    answer = unpackb(resp.content)
+    assert answer["dfx"]["shape"] == FX_SHAPE and answer["dfx"]["dtype"] == "float32"
+    assert math.isfinite(answer["loss"]) and answer["wait_s"] >= 0
+    assert_rejected(post(client, url, step_body("dev-b", 0, fx_b, labels)), 409, "dropped", "nan")
 
     status = main_status(client, services)
     group = status["groups"][0]
-    assert group["step"] == 1 and group["dropped"] == [] and group["done"] == [] and not group["finished"]
+    assert group["step"] == 1 and group["dropped"] == ["dev-b"] and group["done"] == [] and not group["finished"]
     # Step 0 is now behind the group.
     assert_rejected(post(client, url, step_body("dev-a", 0)), 409, "out of order")
     assert main_status(client, services) == status

@@ -41,7 +41,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("hypothesis")
@@ -57,8 +56,8 @@ from schemathesis.transport.serialization import Binary  # noqa: E402
 from integration_support import server_pair, small_config  # noqa: E402
 from shared.models import build_model  # noqa: E402
 from shared.schemas import MAX_LABEL_COUNT  # noqa: E402
-from shared.wire import MAX_ELEMENTS, encode_state, encode_tensor, packb, unpackb  # noqa: E402
-from test_bad_input import BATCH, FX_SHAPE, HEADERS, NUM_CLASSES, make_plan, step_body  # noqa: E402
+from shared.wire import MAX_ELEMENTS, encode_state, packb, unpackb  # noqa: E402
+from test_bad_input import HEADERS, NUM_CLASSES, make_plan, step_body  # noqa: E402
 from test_bad_input import _update as update_body  # noqa: E402
 from testbed.processes import free_port  # noqa: E402
 
@@ -121,16 +120,6 @@ def zero_element_huge_dims(draw, dtype: str = "float32") -> dict:
     dims[zero] = 0
     dims[huge] = draw(st.integers(MAX_ELEMENTS + 1, (1 << 64) - 1))
     return {"dtype": dtype, "shape": dims, "data": b""}
-
-
-@st.composite
-def non_finite_tensor(draw, shape: list[int]) -> dict:
-    """A float32 tensor of the expected shape with NaN or infinities at drawn positions."""
-    t = torch.zeros(shape)
-    flat = t.view(-1)
-    for index in draw(st.lists(st.integers(0, flat.numel() - 1), min_size=1, max_size=4)):
-        flat[index] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
-    return encode_tensor(t)
 
 
 def leaf_paths(body, prefix: tuple = ()) -> list[tuple]:
@@ -302,7 +291,8 @@ def test_fuzz_main_server(services, client):
     schema = load_schema(services["main"])
     ops = operations(schema)
     posts = {op.path for op in ops if op.method.upper() == "POST"}
-    assert posts == {"/v1/rounds", "/v1/rounds/{round_id}/join", "/v1/rounds/{round_id}/step"}, posts
+    assert posts == {"/v1/rounds", "/v1/rounds/{round_id}/join", "/v1/rounds/{round_id}/step",
+                     "/v1/rounds/{round_id}/departures"}, posts
     for op in ops:
         if op.method.upper() == "POST":
             assert MSGPACK in schema.get_request_payload_content_types(op), op.label
@@ -465,27 +455,21 @@ def test_harmful_values_main_server(main_round):
     assert all(answers[d].status_code == 200 for d in ("dev-a", "dev-b")), {d: r.text for d, r in answers.items()}
     assert unpackb(answers["dev-a"].content)["members"] == ["dev-a", "dev-b"]
 
-    # Steps: harmful leaves anywhere, zero-element tensors of huge dimensions, NaN/inf activations,
-    # labels out of range. Every one is refused before it reaches the barrier or the training.
+    # Steps: harmful leaves anywhere, zero-element tensors of huge dimensions. Every one is refused
+    # before it reaches the barrier or the training. (A well-formed step with NaN/inf activations or
+    # labels out of range is refused too, and drops its sender from the group:
+    # tests/integration/test_misbehaving_members.py, tests/unit/main_server/test_round_state.py.)
     good = step_body()
-    labels = {"dtype": "int64", "shape": [BATCH]}
 
     @st.composite
     def harmful_step(draw):
-        kind = draw(st.sampled_from(["leaf", "fx-dims", "labels-dims", "fx-non-finite", "labels-range"]))
+        kind = draw(st.sampled_from(["leaf", "fx-dims", "labels-dims"]))
         body = {**good, "device_id": draw(st.sampled_from(["dev-a", "dev-b"]))}
         if kind == "leaf":
             return draw(harmful_variant(body))
         if kind == "fx-dims":
             return {**body, "fx": draw(zero_element_huge_dims("float32"))}
-        if kind == "labels-dims":
-            return {**body, "labels": draw(zero_element_huge_dims("int64"))}
-        if kind == "fx-non-finite":
-            return {**body, "fx": draw(non_finite_tensor(FX_SHAPE))}
-        bad_label = draw(st.integers(NUM_CLASSES, (1 << 63) - 1) | st.integers(-(1 << 63), -1))
-        values = torch.zeros(BATCH, dtype=torch.int64)
-        values[draw(st.integers(0, BATCH - 1))] = bad_label
-        return {**body, "labels": {**labels, "data": values.numpy().tobytes()}}
+        return {**body, "labels": draw(zero_element_huge_dims("int64"))}
 
     @_settings(2 * EXAMPLES)
     @given(bad=harmful_step())

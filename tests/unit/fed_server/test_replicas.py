@@ -16,7 +16,7 @@ from shared.algorithms.registry import build_grouping
 from shared.errors import Conflict, Invalid
 from shared.portions import portion_state
 from shared.run_config import load_run_config
-from shared.schemas import Ack, DeviceProfileMsg, RegisterRequest, ServerPortionUpload
+from shared.schemas import Ack, DeviceProfileMsg, RegisterRequest, ServerPortionUpload, WithdrawRequest
 from shared.wire import encode_state, packb
 
 A, B = "http://main-a:8081", "http://main-b:8081"
@@ -248,6 +248,25 @@ def test_a_replica_speaks_only_for_its_own_devices_and_only_in_the_open_attempt(
     c.main_server_dropped(r, B, {on_b[1]: "too late"})
     c.replica_done(r, B, [])
     assert on_b[1] not in r.excluded
+
+
+def test_devices_that_leave_at_the_fed_server_are_reported_to_their_replica_and_no_other_exclusion_is(replicated):
+    c = replicated
+    told: list[tuple[int, str, dict[str, str]]] = []
+    c.on_departure = lambda fed_round, url, reasons: told.append((fed_round.round_id, url, reasons))
+    r = c.begin_round()
+    c.replica_plans(r, [A, B])
+    r.ready = True
+    on_a = sorted(d for d, a in r.assignments.items() if a.main_server_url == A)
+    on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
+    c.withdraw(r.round_id, WithdrawRequest(device_id=on_a[0], round_id=r.round_id, reason="no data"))
+    assert told == [(r.round_id, A, {on_a[0]: "withdrew: no data"})]
+    c.withdraw(r.round_id, WithdrawRequest(device_id=on_a[0], round_id=r.round_id, reason="again"))
+    assert len(told) == 1   # already out: nothing new to tell
+    # What a replica itself reported is not sent back to it.
+    c.main_server_dropped(r, B, {on_b[0]: "missed step 1"})
+    c.replica_done(r, B, [])
+    assert len(told) == 1 and on_b[0] in r.excluded
 
 
 def test_a_frozen_replica_costs_the_plan_phase_one_try_and_its_groups_go_to_the_live_one(tmp_path):

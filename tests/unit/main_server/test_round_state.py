@@ -112,6 +112,51 @@ def test_join_deadline_groups_who_came_and_refuses_latecomers(kit):
     kit.run(body)
 
 
+def test_a_participant_that_left_at_the_fed_server_is_not_waited_for_at_the_join(kit):
+    async def body() -> None:
+        # The join deadline is long: only the departure can release a here.
+        state = RoundState(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=600), kit.Uploads())
+        first = asyncio.create_task(state.join(kit.join_req("a")))
+        assert await kit.pending(first)
+        state.depart({"b": "withdrew: its task named an unknown algorithm"})
+        assert await kit.pending(first)          # c has neither joined nor left
+        joined_c = asyncio.create_task(state.join(kit.join_req("c")))
+        state.depart({"c": "upload refused: bad"})   # c joined, then left before the groups formed
+        answer = await asyncio.wait_for(first, 5)
+        assert answer.members == ["a"] and set(state.group_of) == {"a"}
+        with pytest.raises(Conflict, match="left round 1: upload refused: bad"):
+            await joined_c
+        with pytest.raises(Conflict, match="left round 1: withdrew: its task named an unknown algorithm"):
+            await state.join(kit.join_req("b"))
+        with pytest.raises(NotFound, match="stranger"):
+            state.depart({"stranger": "x"})
+        assert set(state.departed) == {"b", "c"}
+    kit.run(body)
+
+
+def test_a_member_that_left_at_the_fed_server_releases_its_group_s_barrier(kit):
+    async def body() -> None:
+        uploads = kit.Uploads()
+        state = RoundState(kit.make_plan(["a", "b", "c"], group_size=3, step_s=600), uploads)
+        await kit.joined(state, "a", "b", "c")
+        group = state.groups[0]
+        assert group.members == ["a", "b", "c"]
+        waiting_b = asyncio.create_task(state.step(kit.step_req("b", 0, *kit.batch(11))))
+        waiting_a = asyncio.create_task(state.step(kit.step_req("a", 0, *kit.batch(10))))
+        assert await kit.pending(waiting_a)      # c owes the step
+        state.depart({"b": "withdrew: lost its data", "c": "upload refused: bad"})
+        out = await asyncio.wait_for(waiting_a, 5)   # a trains alone: nobody else owes the step
+        assert math.isfinite(out.result.loss) and group.trainer.steps == 1
+        with pytest.raises(Conflict, match="left round 1: withdrew: lost its data"):
+            await waiting_b
+        assert group.dropped == {"b", "c"}
+        assert state.dropped == {"b": "taken out by the Fed Server: withdrew: lost its data",
+                                 "c": "taken out by the Fed Server: upload refused: bad"}
+        await asyncio.wait_for(uploads.arrived.wait(), 5)
+        assert uploads.groups == [group] and group.done == {"a"}
+    kit.run(body)
+
+
 @pytest.mark.parametrize("grouping", ["balanced", "singleton", "random"])
 def test_groups_come_from_the_plans_plug_in(grouping, kit):
     async def body() -> None:
