@@ -9,7 +9,7 @@ from shared.config import DeviceMixConfig
 from shared.service import interrupt_on_sigterm
 from testbed.config_check import CheckFailed, CheckRequest, check_in_child
 from testbed.follow import format_done, format_round
-from testbed.runner import Testbed, TestbedError, main_servers_for
+from testbed.runner import ENROLMENTS, Testbed, TestbedError, main_servers_for
 
 # The launcher imports no torch (about 150 MiB a process): the configuration is checked in a child
 # (testbed/config_check.py), so the help texts point to the docs for the algorithm, model and
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device-data", action="append", default=[], metavar="PATH",
                         help="for a run with data.dataset: local, one device agent started with --data PATH (repeatable; "
                              "docs/data.md); data.num_devices defaults to the number of devices these paths make")
+    parser.add_argument("--enrolment", choices=ENROLMENTS, default="secret",
+                        help="how the devices enrol: secret, every agent with the run's shared enrolment secret "
+                             "(default); credentials, each agent with its own enrolment credential covering exactly "
+                             "its shards, under a fresh enrolment key (docs/security.md); not with --device-data")
     parser.add_argument("--run-dir", help="run directory (default runs/<time>-<algorithm>)")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     parser.add_argument("--log-level", default="INFO", help="log level of the services (their logs go to <run-dir>/logs)")
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     interrupt_on_sigterm()
     try:
         testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
-                          torch_device=checked.torch_device, main_servers=main_servers)
+                          torch_device=checked.torch_device, main_servers=main_servers, enrolment=args.enrolment)
         with testbed:
             mains = ", ".join(testbed.main_urls) or "none (split depth zero)"
             print(f"fed server {testbed.fed_url}, main server {mains}; waiting for devices ...",

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import secrets
+import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,16 @@ class TlsFiles:
     cert: str
     key: str
     ca: str
+
+
+#: How the testbed's devices enrol (``--enrolment``): ``secret``, every agent with the run's shared
+#: enrolment secret; ``credentials``, each agent with its own enrolment credential covering exactly
+#: its shards, issued under a per-run enrolment key (docs/security.md, "Enrolment credentials").
+ENROLMENTS = ("secret", "credentials")
+
+#: The device-id prefix the agents use for their shards (device_agent's default ``--prefix``),
+#: which a credential's shard ranges name.
+AGENT_PREFIX = "dev"
 
 
 def main_servers_for(split_mode: str) -> int:
@@ -45,7 +57,8 @@ class Testbed:
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
                  log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
                  device_data: list[str] | None = None, torch_device: str | None = None,
-                 main_servers: int | None = None, warm: WarmStarter | None = None) -> None:
+                 main_servers: int | None = None, warm: WarmStarter | None = None,
+                 enrolment: str = "secret") -> None:
         """``main_servers``: Main Server processes (replicas); the Fed Server gets every URL
         (docs/deployment.md, "Main Server replicas"). None: :func:`main_servers_for` the
         algorithm's split mode (``python -m testbed`` passes the number: its launcher never
@@ -53,7 +66,15 @@ class Testbed:
         starter (:mod:`testbed.warm_start`; the integration tests do) instead of ``python -m``.
         ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
-        ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu)."""
+        ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu).
+        ``enrolment``: one of :data:`ENROLMENTS` (with ``auth``); ``credentials`` needs a built-in
+        data set, whose shards the credentials name."""
+        if enrolment not in ENROLMENTS:
+            raise TestbedError(f"enrolment {enrolment!r}: one of {', '.join(ENROLMENTS)}")
+        if enrolment == "credentials" and device_data:
+            raise TestbedError("--enrolment credentials covers the shards of a built-in data set; a run with "
+                               "--device-data enrols with the shared secret (or issue its devices' credentials with "
+                               "python -m fed_server credentials issue --devices)")
         self.config = config
         self.torch_device = torch_device
         self.device_data = list(device_data or [])
@@ -84,8 +105,12 @@ class Testbed:
         self.main_port: int | None = ports[1] if main_servers else None
         self.main_url: str | None = self.main_urls[0] if main_servers else None
         # Fresh secrets per run, handed to the children as owner-only files (never on a command
-        # line or in their environment, where `ps eww` would show them; see SecretFiles).
-        self.secrets = {"service": secrets.token_hex(32), "enrolment": secrets.token_hex(16)} if auth else {}
+        # line or in their environment, where `ps eww` would show them; see SecretFiles), each
+        # named by its flag: --<name>-file PATH.
+        self.enrolment = enrolment
+        enrolling = {"enrolment-secret": secrets.token_hex(16)} if enrolment == "secret" else {
+            "enrolment-key": secrets.token_hex(32)}
+        self.secrets = {"service-secret": secrets.token_hex(32), **enrolling} if auth else {}
         self.secret_files: SecretFiles | None = None
         self.verify: bool | str = tls.ca if tls else True
         self.processes = ProcessGroup(self.run_dir / "logs", warm)
@@ -108,11 +133,11 @@ class Testbed:
         self.fed = self.processes.start("fed_server", "fed_server", [
             "--host", self.host, "--port", str(self.fed_port), "--config", str(config_path),
             "--run-dir", str(self.run_dir), *(a for url in self.main_urls for a in ("--main-server-url", url)),
-            *common, *self._secret_args("service", "enrolment")])
+            *common, *self._secret_args("service-secret", "enrolment-secret", "enrolment-key")])
         # One log per replica: main_server.log for the first (as with one), main_server-<i>.log after.
         self.mains = [self.processes.start("main_server" if i == 0 else f"main_server-{i}", "main_server", [
             "--host", self.host, "--port", url.rsplit(":", 1)[1], "--fed-server-url", self.fed_url, *common,
-            *self._model_args(), *self._secret_args("service")]) for i, url in enumerate(self.main_urls)]
+            *self._model_args(), *self._secret_args("service-secret")]) for i, url in enumerate(self.main_urls)]
         self.main = self.mains[0] if self.mains else None
         # The agents start beside the servers (each waits for the Fed Server's run spec): their
         # imports and data loading overlap the servers' instead of following them.
@@ -127,26 +152,29 @@ class Testbed:
         for url, main in zip(self.main_urls, self.mains):
             wait_healthy(url, main, verify=self.verify)
 
-    def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0) -> Service:
+    def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
+                    module: str = "device_agent", extra: Sequence[str] = ()) -> Service:
         """Start one agent process hosting the devices of ``shards``, or those of the local data at
         ``data`` (the ``index``-th such agent: its devices' ids start ``dev<index>-`` so two files
         with the same name in different folders stay two devices, and the emulated kinds go on
-        round-robin from ``index``)."""
+        round-robin from ``index``). ``module``: the agent's program, ``python -m device_agent`` or
+        one that takes its arguments (the attack benchmark's ``benchmarks.adversary``), given
+        ``extra`` arguments of its own."""
         kinds = list(self.config.devices.profiles)
         if data is not None:
             if kinds:  # none (devices.profiles: []): real devices, nothing to rotate
                 kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
             devices = ["--data", data, "--prefix", f"dev{index}"]
         else:
-            devices = ["--shards", ",".join(str(s) for s in shards or [])]
+            devices = ["--shards", _shard_list(shards or [])]
         args = ["--fed-server-url", self.fed_url, *devices, "--kinds", ",".join(kinds),
                 "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level,
                 *self._torch_device_args()]
         if self.tls:
             args += ["--ca-file", self.tls.ca]
         args += self._model_args()
-        # Devices know only the enrolment secret, never the service secret.
-        return self.processes.start(name, "device_agent", [*args, *self._secret_args("enrolment")])
+        # Devices know only the enrolment secret (or their own credential), never the service secret.
+        return self.processes.start(name, module, [*args, *self._enrolment_args(name, shards or []), *extra])
 
     def _torch_device_args(self) -> list[str]:
         return ["--torch-device", self.torch_device] if self.torch_device else []
@@ -158,10 +186,37 @@ class Testbed:
         return ["--model", self.config.model] if is_import_path(self.config.model) else []
 
     def _secret_args(self, *names: str) -> list[str]:
-        """``--<name>-secret-file PATH`` for each named secret (nothing when auth is off)."""
+        """``--<name>-file PATH`` for each named secret this run has (nothing when auth is off)."""
         if self.secret_files is None:
             return []
-        return [arg for name in names for arg in (f"--{name}-secret-file", self.secret_files.paths[name])]
+        paths = self.secret_files.paths
+        return [arg for name in names if name in paths for arg in (f"--{name}-file", paths[name])]
+
+    def _enrolment_args(self, agent: str, shards: list[int]) -> list[str]:
+        """What agent ``agent`` enrols with: ``--enrolment-secret-file`` on the shared secret, or on
+        its own credential for ``shards`` (nothing when auth is off)."""
+        if self.secret_files is None or self.enrolment == "secret":
+            return self._secret_args("enrolment-secret")
+        return ["--enrolment-secret-file", self._issue_credential(agent, shards)]
+
+    def _issue_credential(self, agent: str, shards: list[int], timeout: float = 120.0) -> str:
+        """Issue ``agent``'s enrolment credential for exactly ``shards`` with the operator's own
+        command (``python -m fed_server credentials issue``, as a child: it imports torch, which
+        this process never does), into the owner-only secrets folder; its path."""
+        assert self.secret_files is not None
+        issuer = self.processes.start(f"credential-{agent}", "fed_server", [
+            "credentials", "issue", "--key-file", self.secret_files.paths["enrolment-key"],
+            "--shards", _shard_list(shards), "--prefix", AGENT_PREFIX, "--one-file", agent,
+            "--out", str(self.secret_files.folder)])
+        try:
+            code = issuer.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            issuer.process.kill()
+            code = issuer.process.wait()
+        if code != 0:
+            raise TestbedError(f"issuing {agent}'s enrolment credential failed (exit code {code}):\n"
+                               f"{issuer.log_tail()}")
+        return str(self.secret_files.folder / f"{agent}.credential")
 
     def status(self, since: int = 0, seen: int = 0, wait_s: float = 0.0) -> dict:
         """The Fed Server's ``/v1/status`` (:func:`testbed.follow.fetch_status`)."""
@@ -212,3 +267,8 @@ class Testbed:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _shard_list(shards: Sequence[int]) -> str:
+    """``--shards`` as the agent and ``credentials issue`` read it: ``0,1,2``."""
+    return ",".join(str(s) for s in shards)

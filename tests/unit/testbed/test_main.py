@@ -49,21 +49,34 @@ def test_cli_counts_the_devices_of_device_data_paths(tmp_path, monkeypatch):
         cli.main([*args, "--device-data", paths[0], "--devices", "5"])
     assert seen["num_devices"] == 5
 
-def _config_of(argv: list[str], tmp_path, monkeypatch):
-    """The run configuration ``python -m testbed ARGV`` would start (the testbed is not started)."""
+def _testbed_of(argv: list[str], tmp_path, monkeypatch) -> tuple:
+    """The run configuration and the other Testbed arguments ``python -m testbed ARGV`` would
+    start (the testbed is not started)."""
     seen = {}
 
     class Stop(Exception):
         pass
 
     def fake_testbed(config, run_dir, **kwargs):
-        seen["config"] = config
+        seen.update(config=config, kwargs=kwargs)
         raise Stop
 
     monkeypatch.setattr(cli, "Testbed", fake_testbed)
     with pytest.raises(Stop):
         cli.main([*argv, "--run-dir", str(tmp_path / "run")])
-    return seen["config"]
+    return seen["config"], seen["kwargs"]
+
+
+def _config_of(argv: list[str], tmp_path, monkeypatch):
+    """The run configuration ``python -m testbed ARGV`` would start."""
+    return _testbed_of(argv, tmp_path, monkeypatch)[0]
+
+
+def test_enrolment_defaults_to_the_shared_secret_and_credentials_is_passed_on(tmp_path, monkeypatch):
+    assert _testbed_of([], tmp_path, monkeypatch)[1]["enrolment"] == "secret"
+    assert _testbed_of(["--enrolment", "credentials"], tmp_path, monkeypatch)[1]["enrolment"] == "credentials"
+    with pytest.raises(SystemExit):
+        cli.main(["--enrolment", "keys"])
 
 
 def test_paper_scale_is_one_flag_and_other_flags_win(tmp_path, monkeypatch):

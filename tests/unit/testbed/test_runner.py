@@ -92,3 +92,100 @@ def test_main_servers_default_to_none_for_split_depth_zero(tmp_path, algorithm, 
     assert len(default.main_urls) == expected
     assert (default.main_url is None) == (expected == 0)
     assert len(Testbed(config, tmp_path / "b", main_servers=2).main_urls) == 2
+
+
+# --- how the devices enrol -------------------------------------------------------------------------
+
+
+class _Started:
+    """A started child that stays up (a service) or has exited (a one-shot command)."""
+
+    def __init__(self, returncode: int | None) -> None:
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode or 0
+
+    def send_signal(self, sig: int) -> None:
+        pass
+
+
+def _start_without_services(testbed: Testbed, monkeypatch) -> dict[str, tuple[str, list[str]]]:
+    """Start ``testbed`` with every child faked but ``python -m fed_server credentials``, which runs
+    here for real; each child's module and arguments by name."""
+    import fed_server.__main__ as fed_main
+    import testbed.runner as runner
+    from testbed.processes import ProcessGroup
+
+    started: dict[str, tuple[str, list[str]]] = {}
+
+    def spawn(group, name, module, args, env):
+        started[name] = (module, list(args))
+        if args[:1] == ["credentials"]:
+            fed_main.main(list(args))
+            return _Started(0)
+        return _Started(None)
+
+    monkeypatch.setattr(ProcessGroup, "_spawn", spawn)
+    monkeypatch.setattr(runner, "wait_healthy", lambda *args, **kwargs: None)
+    testbed.start()
+    return started
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_credentials_enrolment_gives_the_fed_server_a_fresh_key_and_each_agent_a_credential_for_its_shards(
+        tmp_path, monkeypatch):
+    from shared.auth import Auth
+    from shared.errors import NotAllowed
+
+    config = RunConfig.model_validate({"algorithm": "fedavg", "data": {"num_devices": 5}})
+    testbed = Testbed(config, tmp_path, agents=2, main_servers=0, enrolment="credentials")
+    try:
+        started = _start_without_services(testbed, monkeypatch)
+        fed_args = started["fed_server"][1]
+        key_file = _flag(fed_args, "--enrolment-key-file")
+        assert key_file is not None and _flag(fed_args, "--enrolment-secret-file") is None
+        auth = Auth(service_secret=b"s", enrolment_key=open(key_file).read().encode())
+        for agent, shards, other in (("agent-0", [0, 1, 2], 3), ("agent-1", [3, 4], 0)):
+            module, args = started[agent]
+            assert module == "device_agent" and _flag(args, "--shards") == ",".join(map(str, shards))
+            credential = open(_flag(args, "--enrolment-secret-file")).read().strip()
+            assert credential.startswith("sfl-enrol-1:")
+            enrolment = auth.check_enrolment({"x-enrolment-secret": credential})
+            for shard in shards:
+                enrolment.check_scope(f"dev-{shard:03d}", shard)
+            with pytest.raises(NotAllowed):
+                enrolment.check_scope(f"dev-{other:03d}", other)
+        assert {m for m, _ in started.values()} == {"fed_server", "device_agent"}
+    finally:
+        testbed.stop(agent_grace_s=0)
+    assert not testbed.secret_files.folder.exists()
+
+
+def test_secret_enrolment_stays_the_default_one_shared_secret(tmp_path, monkeypatch):
+    config = RunConfig.model_validate({"algorithm": "fedavg", "data": {"num_devices": 4}})
+    testbed = Testbed(config, tmp_path, agents=2, main_servers=1)
+    try:
+        started = _start_without_services(testbed, monkeypatch)
+        secret = _flag(started["fed_server"][1], "--enrolment-secret-file")
+        assert secret is not None and _flag(started["fed_server"][1], "--enrolment-key-file") is None
+        assert [_flag(started[a][1], "--enrolment-secret-file") for a in ("agent-0", "agent-1")] == [secret, secret]
+        main_args = started["main_server"][1]
+        assert _flag(main_args, "--service-secret-file") and _flag(main_args, "--enrolment-secret-file") is None
+        assert not any("credential" in name for name in started)
+    finally:
+        testbed.stop(agent_grace_s=0)
+
+
+def test_credentials_enrolment_is_refused_for_local_data_and_unknown_modes(tmp_path):
+    local = RunConfig.model_validate({"data": {"dataset": "local", "num_classes": 2, "input_shape": [3]}})
+    with pytest.raises(TestbedError, match="--enrolment credentials covers the shards of a built-in data set"):
+        Testbed(local, tmp_path, device_data=["a.npz"], enrolment="credentials")
+    with pytest.raises(TestbedError, match="enrolment 'keys': one of secret, credentials"):
+        Testbed(RunConfig(), tmp_path, enrolment="keys")
