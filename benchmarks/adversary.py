@@ -252,7 +252,8 @@ class FakeLabelCounts(Behaviour):
 class SybilBurst(Behaviour):
     name = "sybil_burst"
     goes_first = True
-    summary = "registers a made-up device on every other shard with its enrolment secret, before the honest devices"
+    summary = ("registers a made-up device on every other shard with its enrolment secret or credential, "
+               "claiming the shard's true size, before the honest devices")
 
     @classmethod
     def before_run(cls, agent: "HarmfulAgent") -> None:
@@ -260,23 +261,44 @@ class SybilBurst(Behaviour):
         try:
             info = _wait_for_run(fed, agent.stop)
             own = {d.shard for d in agent.devices}
-            taken = 0
-            for shard in range(info.data.num_devices):
+            sizes = training_sizes(info)
+            taken, refusals = 0, []
+            for shard, size in enumerate(sizes):
                 if shard in own:
                     continue
                 req = RegisterRequest(
-                    device_id=f"sybil-{shard:03d}", shard=shard, num_samples=1,
+                    device_id=f"sybil-{shard:03d}", shard=shard, num_samples=size,
                     profile=DeviceProfileMsg(kind="native", flops=1e9, rate=1e7), fingerprint=info.fingerprint,
-                    label_counts=[1] * info.num_classes if info.label_counts_at_registration else None)
+                    label_counts=_spread(size, info.num_classes) if info.label_counts_at_registration else None)
                 try:
                     fed.register(req)
                     taken += 1
                 except DomainError as exc:
-                    log.info("sybil-%03d not registered: %s", shard, exc)
+                    refusals.append(f"sybil-{shard:03d}: {exc}")
             _acted(cls.name, ",".join(d.device_id for d in agent.devices),
-                   f"registered {taken} made-up devices on the other shards")
+                   f"registered {taken} of {len(sizes) - len(own)} made-up devices on the other shards"
+                   + (f"; refused, e.g. {refusals[0]}" if refusals else ""))
         finally:
             fed.close()
+
+
+def training_sizes(info: RunInfo) -> list[int]:
+    """The sample count each shard's device registers with: its shard of the built-in data set
+    less the part it holds out for federated evaluation. All of it follows from the public run
+    spec (the partition is the same pure function of it on every device and on the Fed Server),
+    so any attacker can claim the counts the Fed Server checks."""
+    from fed_server.update_checks import held_out_count, shard_sizes
+
+    sizes = shard_sizes(info.data)
+    if sizes is None:
+        raise RuntimeError("sybil_burst claims shards of a built-in data set; this run uses the devices' own data")
+    return [size - held_out_count(size, info.holdout) for size in sizes]
+
+
+def _spread(total: int, classes: int) -> list[int]:
+    """``total`` samples spread as evenly as possible over ``classes`` label counts."""
+    share, extra = divmod(total, classes)
+    return [share + (1 if c < extra else 0) for c in range(classes)]
 
 
 def _wait_for_run(fed: FedApi, stop: threading.Event) -> RunInfo:

@@ -5,7 +5,10 @@ Every harmful behaviour of :mod:`benchmarks.adversary` runs as its own device-ag
 honest agent holding the others, against the real Fed Server (and Main Server for split
 algorithms), under each algorithm and aggregation policy asked for. Each (algorithm, policy,
 evaluation mode) has an honest control in the same invocation: the same configuration, seed and
-processes, the adversary's process running ``--behaviour honest``.
+processes, the adversary's process running ``--behaviour honest``. Every run, controls included,
+enrols its devices with per-device enrolment credentials (the testbed's ``enrolment="credentials"``):
+the honest agent and the adversary each hold one credential covering exactly their own shards, so
+a harmful device can register no device of another shard (``sybil_burst`` measures that).
 
 Per run: logical rounds completed of those planned (a run that has not finished within the
 per-run time limit is stopped and counted as incomplete), the run's wall time (servers healthy to
@@ -32,7 +35,7 @@ from pathlib import Path
 from benchmarks.adversary import ACTION_MARK, BEHAVIOURS, Behaviour
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
-from testbed.processes import ProcessGroup, Service
+from testbed.processes import Service
 from testbed.runner import Testbed, TestbedError
 from testbed.warm_start import PRELOAD, WarmStarter
 
@@ -89,32 +92,33 @@ def policy_config(data: dict, policy: str) -> RunConfig | None:
         raise
 
 
-class HarmfulProcessGroup(ProcessGroup):
-    """The testbed's processes, with the last ``harmful`` shards of its (one) device agent moved
-    to a ``python -m benchmarks.adversary --behaviour NAME`` process started with the same
-    arguments. A behaviour that must act before the honest devices (:attr:`Behaviour.goes_first`)
+class HarmfulTestbed(Testbed):
+    """The testbed of one run, with the last ``harmful`` shards of its (one) device agent moved to
+    a ``python -m benchmarks.adversary --behaviour NAME`` process started with the agent's
+    arguments. Every agent, the adversary included, enrols with its own enrolment credential
+    covering exactly its shards (``enrolment="credentials"``), as a deployment that issues
+    credentials runs: a harmful device holds its own credential, never one that covers the
+    others. A behaviour that must act before the honest devices (:attr:`Behaviour.goes_first`)
     gets its process ready before the honest agent starts."""
 
-    def __init__(self, log_dir: Path, warm: WarmStarter | None, behaviour: type[Behaviour], harmful: int) -> None:
-        super().__init__(log_dir, warm)
+    def __init__(self, config: RunConfig, run_dir: Path, behaviour: type[Behaviour], harmful: int,
+                 warm: WarmStarter | None = None) -> None:
+        super().__init__(config, run_dir, agents=1, log_level="WARNING", warm=warm, enrolment="credentials")
         self.behaviour = behaviour
         self.harmful = harmful
         self.adversary: Service | None = None
 
-    def start(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Service:
-        if module != "device_agent" or self.adversary is not None:
-            return super().start(name, module, args, env)
-        args = list(args)
-        at = args.index("--shards") + 1
-        shards = args[at].split(",")
+    def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
+                    module: str = "device_agent", extra: Sequence[str] = ()) -> Service:
+        if self.adversary is not None or not shards:
+            return super().start_agent(name, shards, data, index, module, extra)
         honest, harmful = shards[:-self.harmful], shards[-self.harmful:]
-        ready = self.log_dir / "adversary.ready"
-        adversary_args = [*args[:at], ",".join(harmful), *args[at + 1:],
-                          "--behaviour", self.behaviour.name, "--ready-file", str(ready)]
-        self.adversary = super().start("adversary", "benchmarks.adversary", adversary_args, env)
+        ready = self.processes.log_dir / "adversary.ready"
+        self.adversary = super().start_agent("adversary", harmful, module="benchmarks.adversary",
+                                             extra=["--behaviour", self.behaviour.name, "--ready-file", str(ready)])
         if self.behaviour.goes_first:
             _wait_ready(ready, self.adversary)
-        return super().start(name, module, [*args[:at], ",".join(honest), *args[at + 1:]], env)
+        return super().start_agent(name, honest, data, index, module, extra)
 
 
 def _wait_ready(path: Path, service: Service, timeout: float = 120.0) -> None:
@@ -150,9 +154,7 @@ def run_once(config: RunConfig, behaviour: str, harmful: int, run_dir: Path, tim
              warm: WarmStarter | None = None) -> RunResult:
     """One testbed run with ``harmful`` of its devices behaving as ``behaviour``; stopped after
     ``time_limit_s`` of rounds if it has not finished."""
-    testbed = Testbed(config, run_dir, agents=1, log_level="WARNING", warm=warm)
-    group = HarmfulProcessGroup(testbed.processes.log_dir, warm, BEHAVIOURS[behaviour], harmful)
-    testbed.processes = group
+    testbed = HarmfulTestbed(config, run_dir, BEHAVIOURS[behaviour], harmful, warm)
     error: str | None = None
     finished = False
     try:
@@ -166,15 +168,15 @@ def run_once(config: RunConfig, behaviour: str, harmful: int, run_dir: Path, tim
         wall = time.monotonic() - started
     finally:
         testbed.stop(agent_grace_s=5.0 if finished else 0.0)
-    return _result(config, run_dir, wall, error, group)
+    return _result(config, run_dir, wall, error, testbed.processes.log_dir)
 
 
-def _result(config: RunConfig, run_dir: Path, wall: float, error: str | None, group: HarmfulProcessGroup) -> RunResult:
+def _result(config: RunConfig, run_dir: Path, wall: float, error: str | None, log_dir: Path) -> RunResult:
     from fed_server.run_dir import RunDirectory
 
     records = RunDirectory(run_dir).read_metrics()
     ok = [r for r in records if r["status"] == "ok"]
-    log_path = group.log_dir / "adversary.log"
+    log_path = log_dir / "adversary.log"
     actions = log_path.read_text(errors="replace").count(ACTION_MARK) if log_path.exists() else 0
     return RunResult(rounds_completed=len({r["round"] for r in ok}), rounds_planned=config.rounds, wall_s=wall,
                      accuracy=final_accuracy(config, run_dir), recorded_accuracy=ok[-1]["test_accuracy"] if ok else None,

@@ -60,3 +60,13 @@ def test_a_device_whose_uploads_are_refused_does_not_hold_rounds_to_their_deadli
 def test_activations_times_1e30_do_not_cost_the_honest_group_members_under_s2fl(tmp_path):
     result, records, _ = _attack(tmp_path, "s2fl", "activations_1e30")
     _assert_not_stopped_nor_wrecked(result, records)
+
+
+def test_a_sybil_burst_is_refused_by_the_credentials_and_the_honest_devices_keep_their_shards(tmp_path):
+    # The adversary registers made-up devices on the other shards, each with its true sample
+    # count, before the honest agent starts. Its credential covers its own shard only, so each is
+    # refused (403) and every honest device takes its own shard.
+    result, records, _ = _attack(tmp_path, "fedavg", "sybil_burst")
+    _assert_not_stopped_nor_wrecked(result, records)
+    adversary_log = (tmp_path / "run" / "logs" / "adversary.log").read_text()
+    assert "registered 0 of 3 made-up devices on the other shards; refused, e.g. sybil-000:" in adversary_log

@@ -212,3 +212,38 @@ def test_the_entry_point_runs_the_device_agents_command_with_the_harmful_agent(m
     assert seen["argv"] == ["--shards", "9", "--fed-server-url", "http://x"]
     assert seen["agent"].func is HarmfulAgent and seen["agent"].keywords["behaviour"] is BEHAVIOURS["silent"]
     assert device_agent.agent.Agent is not seen["agent"]   # the real agent class again once the call is over
+
+
+@pytest.mark.parametrize("holdout", [None, 0.2])
+def test_sybil_burst_claims_each_other_shards_true_size_so_the_fed_server_takes_its_registrations(
+        monkeypatch, holdout) -> None:
+    # The Fed Server refuses a registration whose sample count is not its shard's training size
+    # (fed_server/update_checks.py); with the right count, a shard is the first registrant's.
+    from fed_server.update_checks import check_registered_samples, shard_sizes
+    from shared.run_config import load_run_config
+
+    config = load_run_config({"algorithm": "fedavg", "data": {"num_devices": 4, "max_samples": 600}})
+    info = SimpleNamespace(data=config.data, holdout=holdout, fingerprint=None, num_classes=10,
+                           label_counts_at_registration=True)
+    registered: list[RegisterRequest] = []
+
+    class Fed:
+        def __init__(self, url, verify, secret) -> None:
+            assert secret == b"enrol"
+
+        def run_info(self):
+            return info
+
+        def register(self, req: RegisterRequest) -> None:
+            check_registered_samples(req, shard_sizes(config.data), holdout, config.data.max_device_samples)
+            registered.append(req)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(adversary, "HttpFedClient", Fed)
+    agent = SimpleNamespace(fed_server_url="u", verify=True, enrolment_secret=b"enrol", stop=threading.Event(),
+                            devices=[SimpleNamespace(shard=3, device_id="dev-003")])
+    BEHAVIOURS["sybil_burst"].before_run(agent)
+    assert [(r.device_id, r.shard) for r in registered] == [("sybil-000", 0), ("sybil-001", 1), ("sybil-002", 2)]
+    assert all(sum(r.label_counts) == r.num_samples for r in registered)

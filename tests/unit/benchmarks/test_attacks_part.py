@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 import benchmarks.attacks as attacks
+import testbed.runner as runner
 from benchmarks.adversary import BEHAVIOURS
 from testbed.processes import ProcessGroup
+from testbed.runner import Testbed
 
 
 class _Alive:
@@ -17,45 +19,86 @@ class _Alive:
     def poll(self):
         return None
 
+    def wait(self, timeout=None):
+        return 0
 
-def _started(tmp_path: Path, behaviour: str, harmful: int, monkeypatch) -> list[tuple[str, str, list[str]]]:
+    def send_signal(self, sig):
+        pass
+
+
+class _Dead(_Alive):
+    returncode = 1
+
+    def poll(self):
+        return 1
+
+
+def _testbed(tmp_path: Path, behaviour: str, harmful: int, monkeypatch, process=_Alive):
+    """A HarmfulTestbed of 4 shards whose children are not started: each start is recorded as
+    (name, module, args); a credential is issued as the path ``<agent>:<shards>``."""
     calls: list[tuple[str, str, list[str]]] = []
 
     def spawn(self, name, module, args, env):
         calls.append((name, module, list(args)))
-        return _Alive()
+        return process()
 
     monkeypatch.setattr(ProcessGroup, "_spawn", spawn)
-    group = attacks.HarmfulProcessGroup(tmp_path, None, BEHAVIOURS[behaviour], harmful)
+    monkeypatch.setattr(Testbed, "_issue_credential", lambda self, agent, shards, timeout=0: f"{agent}:{shards}")
+    monkeypatch.setattr(runner, "wait_healthy", lambda *args, **kwargs: None)
+    config = attacks.policy_config(attacks.base_config("fedavg"), "default").model_copy(deep=True)
+    config.data.num_devices = 4
+    testbed = attacks.HarmfulTestbed(config, tmp_path, BEHAVIOURS[behaviour], harmful)
     if BEHAVIOURS[behaviour].goes_first:
-        (tmp_path / "adversary.ready").write_text("ready\n")
-    group.start("fed_server", "fed_server", ["--port", "1"])
-    honest = group.start("agent-0", "device_agent", ["--fed-server-url", "u", "--shards", "0,1,2,3", "--kinds", ""])
-    assert honest.name == "agent-0" and [s.name for s in group.services] == ["fed_server", "adversary", "agent-0"]
-    return calls
+        testbed.processes.log_dir.mkdir(parents=True)
+        (testbed.processes.log_dir / "adversary.ready").write_text("ready\n")
+    return testbed, calls
+
+
+def _without(args: list[str], *flags: str) -> list[str]:
+    """``args`` less each ``flag VALUE`` pair named."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
 @pytest.mark.parametrize("behaviour", ["update_x1e6", "sybil_burst"])
-def test_the_last_shards_go_to_an_adversary_process_with_the_agents_other_arguments(tmp_path, monkeypatch, behaviour):
-    calls = _started(tmp_path, behaviour, 2, monkeypatch)
-    assert calls[1] == ("adversary", "benchmarks.adversary", [
-        "--fed-server-url", "u", "--shards", "2,3", "--kinds", "", "--behaviour", behaviour,
-        "--ready-file", str(tmp_path / "adversary.ready")])
-    assert calls[2] == ("agent-0", "device_agent", ["--fed-server-url", "u", "--shards", "0,1", "--kinds", ""])
+def test_the_last_shards_go_to_an_adversary_process_each_agent_with_its_own_credential(tmp_path, monkeypatch, behaviour):
+    testbed, calls = _testbed(tmp_path, behaviour, 2, monkeypatch)
+    try:
+        testbed.start()
+    finally:
+        testbed.stop(agent_grace_s=0)
+    assert [name for name, _, _ in calls] == ["fed_server", "adversary", "agent-0"]
+    fed_args = calls[0][2]
+    assert "--enrolment-key-file" in fed_args and "--enrolment-secret-file" not in fed_args
+    (_, module, adversary), (_, honest_module, honest) = calls[1], calls[2]
+    assert (module, honest_module) == ("benchmarks.adversary", "device_agent")
+    assert adversary[adversary.index("--shards"):adversary.index("--shards") + 2] == ["--shards", "2,3"]
+    assert honest[honest.index("--shards"):honest.index("--shards") + 2] == ["--shards", "0,1"]
+    assert adversary[-6:] == ["--enrolment-secret-file", "adversary:[2, 3]", "--behaviour", behaviour,
+                              "--ready-file", str(testbed.processes.log_dir / "adversary.ready")]
+    assert honest[-2:] == ["--enrolment-secret-file", "agent-0:[0, 1]"]
+    # Otherwise the same command line.
+    assert _without(adversary, "--shards", "--enrolment-secret-file", "--behaviour", "--ready-file") == \
+        _without(honest, "--shards", "--enrolment-secret-file")
 
 
 def test_a_behaviour_that_goes_first_fails_the_run_when_its_process_dies_before_it_is_ready(tmp_path, monkeypatch):
-    class Dead:
-        returncode = 1
-
-        def poll(self):
-            return 1
-
-    monkeypatch.setattr(ProcessGroup, "_spawn", lambda self, name, module, args, env: Dead())
-    group = attacks.HarmfulProcessGroup(tmp_path, None, BEHAVIOURS["sybil_burst"], 1)
-    with pytest.raises(attacks.TestbedError, match="adversary exited before it was ready"):
-        group.start("agent-0", "device_agent", ["--shards", "0,1"])
-    assert [s.name for s in group.services] == ["adversary"]   # the honest agent never started
+    testbed, calls = _testbed(tmp_path, "honest", 1, monkeypatch, process=_Dead)
+    testbed.behaviour = BEHAVIOURS["sybil_burst"]
+    try:
+        with pytest.raises(attacks.TestbedError, match="adversary exited before it was ready"):
+            testbed.start()
+    finally:
+        testbed.stop(agent_grace_s=0)
+    assert [name for name, _, _ in calls] == ["fed_server", "adversary"]   # the honest agent never started
 
 
 def _row(policy: str = "default", harmful: int = 1, complete: bool = True, ratio: float = 1.0, points: float = 0.0,
