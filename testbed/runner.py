@@ -31,8 +31,8 @@ class TlsFiles:
 #: its shards, issued under a per-run enrolment key (docs/security.md, "Enrolment credentials").
 ENROLMENTS = ("secret", "credentials")
 
-#: The device-id prefix the agents use for their shards (device_agent's default ``--prefix``),
-#: which a credential's shard ranges name.
+#: The device-id prefix the testbed gives its agents' shards (``--prefix``: given, not left to the
+#: agent's default or ``SFL_PREFIX``), which their credentials' shard ranges name.
 AGENT_PREFIX = "dev"
 
 
@@ -166,7 +166,7 @@ class Testbed:
                 kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
             devices = ["--data", data, "--prefix", f"dev{index}"]
         else:
-            devices = ["--shards", _shard_list(shards or [])]
+            devices = ["--shards", _shard_list(shards or []), "--prefix", AGENT_PREFIX]
         args = ["--fed-server-url", self.fed_url, *devices, "--kinds", ",".join(kinds),
                 "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level,
                 *self._torch_device_args()]
