@@ -155,6 +155,7 @@ def test_credentials_enrolment_gives_the_fed_server_a_fresh_key_and_each_agent_a
         for agent, shards, other in (("agent-0", [0, 1, 2], 3), ("agent-1", [3, 4], 0)):
             module, args = started[agent]
             assert module == "device_agent" and _flag(args, "--shards") == ",".join(map(str, shards))
+            assert _flag(args, "--prefix") == "dev"   # the ids the credential names, whatever SFL_PREFIX says
             credential = open(_flag(args, "--enrolment-secret-file")).read().strip()
             assert credential.startswith("sfl-enrol-1:")
             enrolment = auth.check_enrolment({"x-enrolment-secret": credential})
