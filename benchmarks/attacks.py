@@ -46,8 +46,12 @@ ATTACKS = tuple(name for name in BEHAVIOURS if name != "honest")
 HARMFUL = (1, 2)
 #: The robust aggregation rule the ``robust`` policy selects (``--set aggregation.rule=...``).
 ROBUST_RULE = "trimmed_mean"
+#: Its trim at each end: the most harmful devices a run holds (2 of 10), as a trimmed mean is meant
+#: to be set (at least the number of devices it must withstand); chosen before any robust run.
+ROBUST_TRIM = 0.2
 #: Overrides of each aggregation policy: ``default`` is the run's default rule.
-POLICIES: dict[str, dict[str, str]] = {"default": {}, "robust": {"aggregation.rule": ROBUST_RULE}}
+POLICIES: dict[str, dict[str, object]] = {
+    "default": {}, "robust": {"aggregation.rule": ROBUST_RULE, "aggregation.params.fraction": ROBUST_TRIM}}
 
 # The goals printed beside the figures.
 GOAL_TIME_RATIO = 1.3        # wall time at most this many times the control's
@@ -242,7 +246,7 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-g-"))
     results: dict = {"machine": describe_machine(), "settings": {
         "devices": DEVICES, "rounds": selection.rounds, "round_s": ROUND_S, "time_limit_s": limit,
-        "robust_rule": ROBUST_RULE, "model": "cnn", "data": "2,000 images of the embedded MNIST, Dirichlet 1.0",
+        "robust_rule": f"{ROBUST_RULE} (fraction {ROBUST_TRIM})", "model": "cnn", "data": "2,000 images of the embedded MNIST, Dirichlet 1.0",
         "control": f"the same run with the last {layout} shard(s) in a --behaviour honest process"},
         "goals": {"time_ratio_max": GOAL_TIME_RATIO, "robust_points_below_control_max": GOAL_ROBUST_POINTS,
                   "default_one_harmful_accuracy_min": GOAL_DEFAULT_ACCURACY},
@@ -396,7 +400,8 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="algorithms (default: s2fl,fedavg)")
     parser.add_argument("--harmful", default=",".join(map(str, HARMFUL)), help="harmful devices of 10 (default: 1,2)")
     parser.add_argument("--policies", default=",".join(POLICIES),
-                        help=f"aggregation policies: default, robust (aggregation.rule={ROBUST_RULE}) (default: both)")
+                        help=f"aggregation policies: default, robust (aggregation.rule={ROBUST_RULE}, "
+                             f"aggregation.params.fraction={ROBUST_TRIM}) (default: both)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per run (default {ROUNDS})")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of rounds after which a run is stopped and counted incomplete "
