@@ -41,7 +41,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_fed_devices_expected", "gauge", (), "devices the run waits for (data.num_devices)"),
     MetricSpec("sfl_fed_devices_active", "gauge", (), f"registered devices that called the Fed Server in the last {ACTIVE_WINDOW_S:.0f} s"),
     MetricSpec("sfl_fed_round_devices", "gauge", ("state",), "devices of the last completed round by state: selected, aggregated, dropped"),
-    MetricSpec("sfl_fed_devices_dropped_total", "counter", (), "selected devices that were dropped or absent at the Main Server or did not upload before the round deadline"),
+    MetricSpec("sfl_fed_devices_dropped_total", "counter", (), "selected devices that were not aggregated: taken out of the attempt (refused upload, withdrawal, dropped or absent at the Main Server, no group portion) or without an upload by the round deadline; the round record's left says why"),
     MetricSpec("sfl_fed_split_point_devices", "gauge", ("split_point",), "devices of the last completed round cut after each split point (blocks on the device)"),
     MetricSpec("sfl_fed_device_split_point", "gauge", ("device",), "blocks on the device in the last round it was selected (per-device series)"),
     MetricSpec("sfl_fed_device_round_seconds", "gauge", ("device", "phase"), "the device's reported timings of its last uploaded round: compute, transfer, wait, server, total (per-device series)"),
