@@ -672,7 +672,11 @@ class Coordinator:
         if evaluation is None or evaluation.round_id != report.round_id:
             current = evaluation.round_id if evaluation else None
             raise Conflict(f"round {report.round_id} is not being evaluated (evaluating: {current})")
-        evaluation.accept(report)
+        try:
+            evaluation.accept(report)
+        except Invalid:
+            self.changed.set()   # a refused report may complete the phase (EvaluationRound.refused)
+            raise
         self.changed.set()
         return Ack(detail=f"evaluation of {report.device_id} for round {report.round_id} stored")
 

@@ -29,25 +29,35 @@ class EvaluationRound:
     started_at: float = field(default_factory=time.monotonic)
     dispatched: set[str] = field(default_factory=set)
     reports: dict[str, EvaluationReport] = field(default_factory=dict)
+    # Asked devices whose report was refused, with why: the phase does not wait for them.
+    refused: dict[str, str] = field(default_factory=dict)
     task_bytes: int = 0          # evaluation task bodies sent (counted in the round's bytes_down)
     closed: bool = False
 
     def accept(self, report: EvaluationReport) -> None:
-        """Store one device's report, after every check (a refused report changes nothing)."""
+        """Store one device's report, after every check. A report claiming more samples than the
+        device holds out is refused and ends that device's part in the phase (:attr:`refused`);
+        any other refusal changes nothing."""
         if self.closed:
             raise Conflict(f"evaluation of round {self.round_id} is closed")
         if report.device_id not in self.asked:
             raise NotAllowed(f"device {report.device_id!r} was not asked to evaluate round {self.round_id}")
         if report.device_id in self.reports:
             raise Conflict(f"round {self.round_id} already has the evaluation of {report.device_id!r}")
+        if report.device_id in self.refused:
+            raise Conflict(f"the evaluation of {report.device_id!r} for round {self.round_id} was refused: "
+                           f"{self.refused[report.device_id]}")
         if report.num_samples > self.asked[report.device_id]:
-            raise Invalid(f"{report.num_samples} evaluated samples exceed the {self.asked[report.device_id]} "
-                          f"samples {report.device_id!r} holds out")
+            reason = (f"{report.num_samples} evaluated samples exceed the {self.asked[report.device_id]} "
+                      f"samples {report.device_id!r} holds out")
+            # Its one report is unusable: waiting for another would hold the phase to its deadline.
+            self.refused[report.device_id] = reason
+            raise Invalid(reason)
         self.reports[report.device_id] = report
 
     def complete(self) -> bool:
-        """Every asked device reported."""
-        return len(self.reports) == len(self.asked)
+        """Every asked device reported, or had its report refused."""
+        return len(self.reports) + len(self.refused) == len(self.asked)
 
     def deadline(self) -> float:
         """The monotonic time at which the phase closes with the reports that arrived."""

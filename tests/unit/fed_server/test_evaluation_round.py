@@ -91,8 +91,7 @@ def test_bad_reports_are_refused_and_change_nothing(tmp_path):
     rid = fed_round.round_id
     for bad, error in ((_report("d0", rid - 1, 10, 9, 3.0), Conflict),      # a stale round
                        (_report("ghost", rid, 1, 1, 0.1), NotFound),        # an unknown device
-                       (_report("d1", rid, 1, 1, 0.1), NotAllowed),         # registered, but not asked
-                       (_report("d0", rid, 24, 9, 3.0), Invalid)):          # more than d0 holds out
+                       (_report("d1", rid, 1, 1, 0.1), NotAllowed)):        # registered, but not asked
         with pytest.raises(error):
             c.accept_evaluation(bad)
         assert evaluation.reports == {}
@@ -105,6 +104,24 @@ def test_bad_reports_are_refused_and_change_nothing(tmp_path):
         c.accept_evaluation(_report("d0", rid, 10, 9, 3.0))
     record = c.record_round(fed_round, aggregation, evaluation)
     assert record.test_accuracy == pytest.approx(0.9) and (record.evaluated_devices, record.evaluated_samples) == (1, 10)
+
+
+def test_a_report_claiming_more_than_the_device_holds_out_is_refused_and_the_phase_does_not_wait_for_it(tmp_path):
+    c = _coordinator(tmp_path)
+    fed_round, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    rid = fed_round.round_id
+    c.accept_evaluation(_report("d1", rid, 15, 6, 12.0))
+    c.changed.clear()
+    with pytest.raises(Invalid, match="exceed the 23 samples 'd0' holds out"):   # a fake count to outweigh d1
+        c.accept_evaluation(_report("d0", rid, 10**9, 10**9, 0.0))
+    assert evaluation.reports.keys() == {"d1"} and c.changed.is_set()
+    assert evaluation.complete()   # d0 has no other report to send: the phase ends without its deadline
+    with pytest.raises(Conflict, match="was refused"):
+        c.accept_evaluation(_report("d0", rid, 10, 9, 3.0))
+    c.close_evaluation()
+    record = c.record_round(fed_round, aggregation, evaluation)
+    assert record.test_accuracy == pytest.approx(0.4) and (record.evaluated_devices, record.evaluated_samples) == (1, 15)
 
 
 def test_a_round_without_any_report_is_applied_and_recorded_without_figures(tmp_path):
