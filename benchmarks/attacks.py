@@ -246,7 +246,8 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-g-"))
     results: dict = {"machine": describe_machine(), "settings": {
         "devices": DEVICES, "rounds": selection.rounds, "round_s": ROUND_S, "time_limit_s": limit,
-        "robust_rule": f"{ROBUST_RULE} (fraction {ROBUST_TRIM})", "model": "cnn", "data": "2,000 images of the embedded MNIST, Dirichlet 1.0",
+        "robust_rule": f"{ROBUST_RULE} (fraction {ROBUST_TRIM})", "model": "cnn",
+        "data": "2,000 images of the embedded MNIST, Dirichlet 1.0",
         "control": f"the same run with the last {layout} shard(s) in a --behaviour honest process"},
         "goals": {"time_ratio_max": GOAL_TIME_RATIO, "robust_points_below_control_max": GOAL_ROBUST_POINTS,
                   "default_one_harmful_accuracy_min": GOAL_DEFAULT_ACCURACY},

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 import yaml
 
@@ -98,6 +99,18 @@ def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.1) -> None:
             return
         time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def final_status(fed_url: str, timeout: float) -> dict:
+    """The Fed Server's ``/v1/status`` once the run has finished or its driver failed, or as it
+    is after ``timeout`` seconds; held by the server until something is recorded (long-poll)."""
+    deadline = time.monotonic() + timeout
+    status = httpx.get(f"{fed_url}/v1/status", timeout=10).json()
+    while status["state"] != "finished" and status["driver_error"] is None and time.monotonic() < deadline:
+        wait_s = max(0.0, min(30.0, deadline - time.monotonic()))
+        status = httpx.get(f"{fed_url}/v1/status", params={"seen": status["records"], "wait_s": wait_s},
+                           timeout=wait_s + 10).json()
+    return status
 
 
 def freeze_agent_through_a_failed_attempt(testbed, agent: int = 1, timeout: float = 240.0) -> None:

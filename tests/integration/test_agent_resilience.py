@@ -11,15 +11,13 @@ withdrawn device's join nor for its upload.
 from __future__ import annotations
 
 import threading
-import time
 
-import httpx
 import pytest
 
 from device_agent.agent import Agent
 from device_agent.clients import HttpFedClient
-from integration_support import server_pair, small_config
-from shared.schemas import API, TaskResponse
+from integration_support import final_status, server_pair, small_config
+from shared.schemas import TaskResponse
 
 ROUNDS = 2
 
@@ -50,11 +48,7 @@ def test_a_device_whose_tasks_fail_withdraws_and_its_agents_other_device_trains_
         code: list[int] = []
         thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
         thread.start()
-        deadline = time.monotonic() + 240
-        status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
-        while status["state"] != "finished" and status["driver_error"] is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-            status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
+        status = final_status(servers.fed_url, 240)
         thread.join(60)
         if thread.is_alive():
             agent.stop.set()

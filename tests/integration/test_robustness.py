@@ -22,13 +22,12 @@ records.
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
-from integration_support import server_pair, small_config, wait_for
+from integration_support import final_status, server_pair, small_config
 from shared.schemas import API, UpdateRequest
 from shared.wire import packb
 
@@ -53,22 +52,6 @@ def _harmful_versions(body: UpdateRequest) -> list[tuple[str, dict, str]]:
         ("a training loss of 1e308", {**honest, "train_loss": 1e308}, "train_loss"),
         ("a zero-element tensor of dimension 2**63", {**honest, "weights": huge_dim}, "shape"),
     ]
-
-
-def _fed_state(fed_url: str) -> tuple:
-    s = httpx.get(f"{fed_url}{API}/status", timeout=10).json()
-    return s["registered"], s["open_round"], s["rounds_done"], s["state"], s["history"], s["driver_error"]
-
-
-def _settled_state(fed_url: str, rounds_before: int) -> tuple:
-    """The Fed Server's state once it has recorded the rounds before the one being uploaded to.
-
-    The previous round's record (evaluation, history line) is written beside the next round
-    (docs/operations.md), so it may land while a harmful upload is in flight; waiting for it first
-    keeps "unchanged" about what the upload did, not about the record thread's timing.
-    """
-    wait_for(lambda: _fed_state(fed_url)[2] >= rounds_before, 60, f"the record of round {rounds_before}", poll_s=0.05)
-    return _fed_state(fed_url)
 
 
 def test_harmful_uploads_are_refused_take_the_device_out_and_the_run_completes():
@@ -109,11 +92,7 @@ def test_harmful_uploads_are_refused_take_the_device_out_and_the_run_completes()
         threads = [threading.Thread(target=run, args=(d,), daemon=True) for d in (honest, evil)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 300
-        status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
-        while status["state"] != "finished" and status["driver_error"] is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-            status = httpx.get(f"{servers.fed_url}{API}/status", timeout=10).json()
+        status = final_status(servers.fed_url, 300)
         stop.set()
         for t in threads:
             t.join(30)
