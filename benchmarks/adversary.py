@@ -287,12 +287,12 @@ def training_sizes(info: RunInfo) -> list[int]:
     less the part it holds out for federated evaluation. All of it follows from the public run
     spec (the partition is the same pure function of it on every device and on the Fed Server),
     so any attacker can claim the counts the Fed Server checks."""
-    from fed_server.update_checks import held_out_count, shard_sizes
+    from fed_server.update_checks import shard_sizes, trained_samples
 
     sizes = shard_sizes(info.data)
     if sizes is None:
         raise RuntimeError("sybil_burst claims shards of a built-in data set; this run uses the devices' own data")
-    return [size - held_out_count(size, info.holdout) for size in sizes]
+    return [trained_samples(size, info.holdout) for size in sizes]
 
 
 def _spread(total: int, classes: int) -> list[int]:

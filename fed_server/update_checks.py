@@ -20,6 +20,12 @@ def held_out_count(num_samples: int, fraction: float | None) -> int:
     return math.floor(num_samples * fraction) if fraction else 0
 
 
+def trained_samples(shard_size: int, holdout: float | None) -> int:
+    """The count a device of a built-in data set registers with: its shard less the part it holds
+    out for federated evaluation (``holdout``; None: the server evaluates)."""
+    return shard_size - held_out_count(shard_size, holdout)
+
+
 def max_held_out(train_samples: int, fraction: float) -> int:
     """The most samples a device that trains on ``train_samples`` can hold out with ``fraction``: the
     largest ``h`` for which ``n = train_samples + h`` samples split into exactly ``train_samples``
@@ -58,7 +64,7 @@ def check_registered_samples(req: RegisterRequest, sizes: list[int] | None, hold
     have is left to the registry to refuse.
     """
     if sizes is not None and req.shard is not None and req.shard < len(sizes):
-        expected = sizes[req.shard] - held_out_count(sizes[req.shard], holdout)
+        expected = trained_samples(sizes[req.shard], holdout)
         if req.num_samples != expected:
             raise Invalid(f"num_samples={req.num_samples} of {req.device_id!r}: shard {req.shard} trains on "
                           f"{expected} samples")

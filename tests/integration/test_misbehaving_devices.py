@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from fed_server.update_checks import held_out_count, shard_sizes
+from fed_server.update_checks import held_out_count, shard_sizes, trained_samples
 from integration_support import ServerPair, server_pair, small_config, wait_for
 from shared.config import RunConfig
 from shared.schemas import (
@@ -63,7 +63,7 @@ def _register(client: httpx.Client, fed_url: str, device: str, shard: int, num_s
 def _trains_on(config: RunConfig, shard: int) -> int:
     """The sample count the device of ``shard`` registers with: its shard less its held-out part."""
     size = shard_sizes(config.data)[shard]
-    return size - held_out_count(size, config.evaluation.holdout if config.evaluation.mode == "federated" else None)
+    return trained_samples(size, config.evaluation.holdout if config.evaluation.mode == "federated" else None)
 
 
 def _register_all(client: httpx.Client, config: RunConfig, fed_url: str) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
-from fed_server.update_checks import held_out_count, max_held_out, update_norm
+from fed_server.update_checks import max_held_out, trained_samples, update_norm
 from shared.data import device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound
@@ -37,7 +37,7 @@ def _coordinator(tmp_path, **overrides) -> Coordinator:
 
 def _trains_on(coordinator: Coordinator, shard: int) -> int:
     """The count the device of ``shard`` registers with: its shard less its held-out part."""
-    return coordinator.shard_sizes[shard] - held_out_count(coordinator.shard_sizes[shard], coordinator.run_info().holdout)
+    return trained_samples(coordinator.shard_sizes[shard], coordinator.run_info().holdout)
 
 
 def _open_round(coordinator: Coordinator):
