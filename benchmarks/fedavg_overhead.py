@@ -3,8 +3,8 @@
 Services: the real testbed (Fed Server and one device agent hosting every device, each its own
 process on loopback, one torch thread each) with real devices (``devices.profiles=[]``). FedAvg
 trains the whole model on the device and never calls a Main Server, so the testbed starts none
-(until 2026-11-24 it started an idle one, 269 MiB of PSS): the figure is the cost of the
-deployment shape for the simplest algorithm (issue 16's first goal).
+(an idle one held 269 MiB of PSS): the figure is the cost of the deployment shape for the
+simplest algorithm (the first of the goals in benchmarks/README.md).
 
 In-process: the same rounds in this process on one thread: every device of a round trains the
 whole model from the global weights with ``device_agent.trainer.train_round`` (the agent's own
@@ -55,8 +55,8 @@ from testbed.processes import service_env
 
 
 def bench_config(quick: bool, rounds: int | None = None) -> RunConfig:
-    """Issue 16's FedAvg task: small cnn, embedded MNIST, Dirichlet 0.5, 10 devices, batch 32,
-    lr 0.05, one epoch, no emulation. Full mode runs 10 of the issue's 30 rounds (the median
+    """The goals' FedAvg task: small cnn, embedded MNIST, Dirichlet 0.5, 10 devices, batch 32,
+    lr 0.05, one epoch, no emulation. Full mode runs 10 of the task's 30 rounds (the median
     round settles after the first; 30 rounds on both sides would take about 8 minutes here);
     quick mode 4 devices, 2 rounds, 600 samples."""
     if quick:
@@ -301,7 +301,7 @@ def critical_path_round_s(device_train_s: dict[str, float], serial_s: float, cor
 
 # --- both -----------------------------------------------------------------------------------------
 
-#: Issue 16's goals for this part.
+#: This part's goals (benchmarks/README.md, "Goals").
 GOAL_RATIO_OVER_LIMIT = 1.15
 GOAL_PSS_MIB = 1.2e9 / 2 ** 20   # 1.2 GB, in MiB (1144.4)
 

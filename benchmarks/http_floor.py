@@ -21,8 +21,7 @@ packing the step and decoding the answer. ``--training-thread`` runs the Main Se
 (``GroupTrainer.step`` of a group of 5 on the cnn, back to back) in a thread of the server's
 process, to see whether training beside the event loop raises the event loop's CPU per request
 (with ``--server-cores 1`` the two share one core, as in (c) with ``--server-cores 1``).
-benchmarks/README.md ("mainserver-lean", "Fifteenth session") compares the figures with the Main
-Server's.
+benchmarks/README.md ("The HTTP floor") compares the figures with the Main Server's.
 
 ``python -m benchmarks.http_floor [--servers uvicorn,asyncio] [--training-thread] [--server-cores N]
 [--devices 100] [--requests 20] [--repeats 1] [--out FILE]``

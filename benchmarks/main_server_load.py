@@ -18,9 +18,8 @@ sees it (includes waiting at the barrier for the group's other members); steps/s
 answered per second of wall time; MB/s = request + response body bytes per second.
 The finished groups' uploads go to a stand-in for the Fed Server (``benchmarks/bare_http.py``, its
 own process on the load generator's cores), which reads each one and acknowledges it, so that an
-upload costs the Main Server one delivered POST, as in a run. (Until the fifteenth session they
-went to a port nobody listened on, each failed and retried with backoff, partly into the next
-population's steps; the figures moved by no more than the noise: benchmarks/README.md.)
+upload costs the Main Server one delivered POST, as in a run (sent to a closed port, each would
+fail and be retried with backoff, partly into the next population's steps).
 
 Replicas (``replicas`` > 1, docs/deployment.md "Main Server replicas"): that many Main Server
 processes; the benchmark forms the groups from the label counts and spreads them over the
@@ -281,8 +280,8 @@ class DeviceConnection:
     the server's figure. One pooled httpx client for all devices cost it 20 ms of CPU a step at 100
     devices (httpcore scans every pooled connection and queued request on each request's state
     change); an httpx client per device still 4.7 ms (h11 parses and buffers the 401 KB bodies in
-    Python), three quarters of what the Main Server spent on the step (benchmarks/README.md,
-    "mainserver"). This speaks only what the Main Server answers (uvicorn sends a Content-Length
+    Python), three quarters of what the Main Server spent on the step (measured 2026-11-24;
+    benchmarks/README.md, "(c) Main Server step latency and throughput"). This speaks only what the Main Server answers (uvicorn sends a Content-Length
     with every response) and fails loudly on anything else.
     """
 
@@ -392,7 +391,7 @@ async def _drive(urls: list[str], pids: list[int], run_id: str, round_id: int, d
 
 
 def _against_limits(row: dict, group_step_s: float, cores: int, client_cores: int) -> dict:
-    """A row's throughput against the Main Server's compute limit (issue 16, benchmark (c)): each
+    """A row's throughput against the Main Server's compute limit (benchmark (c); goal: at least 0.80): each
     of the server's ``cores`` trains group steps back to back, ``cores * GROUP_SIZE /
     group_step_s`` device steps a second, with the group step timed in-process (pure compute).
     The CPU shares are the Main Servers' CPU seconds over the wall time times their cores, and the
@@ -479,7 +478,7 @@ def run(quick: bool, log: Callable[[str], None] = print, torch_device: str = "cp
                     f"(event loop {row['server_event_loop_minor_faults_per_step']:.0f})")
         # The yardstick is timed again after the load, and the limit takes the faster of the two
         # (the higher limit, the lower fraction): single timings before the load read up to 25 %
-        # slower than others minutes apart (benchmarks/README.md, fifteenth session).
+        # slower than others minutes apart (measured 2026-11-25).
         step_after = measure_group_step_s(torch_device)
         group_step_s = min(step_before, step_after)
         for row in rows:

@@ -16,11 +16,11 @@ the algorithm's ``aggregate`` (Algorithm 1) and ``evaluate`` on the same test se
 
 Figures: seconds per round of both (the Fed Server's round time: dispatch to evaluated model;
 in-process: training + aggregation + evaluation), their ratio, final accuracies, and the
-largest absolute difference between the two final global models. Only float summation order
-differs: members' batches are concatenated in arrival order at the Main Server, in id order
-here. Training amplifies that rounding, so a second, untimed replay with every group's members
-in reverse order measures how far order alone moves the model: the yardstick for the first
-difference.
+largest absolute difference between the two final global models. The Main Server concatenates
+a group's members' batches in device order whatever order their steps arrive in, as this replay
+does, so the two compute the same floats. Float summation order would otherwise move the model
+(training amplifies rounding), so a second, untimed replay with every group's members in reverse
+order measures how far order alone moves it: the yardstick for the first difference.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ sampled, busy or not, so the shares are of thread time. A stack whose innermost 
 wait (a blocked socket read, an idle event loop, a sleep, a lock) counts as waiting (py-spy's own
 idle detection counts a blocked read as active, so it is not used); every other stack is work
 and goes to the first category whose marker it contains. The table gives each category's share
-of all samples and, for work, of the work samples. Used for the breakdown in benchmarks/README.md.
+of all samples and, for work, of the work samples (benchmarks/README.md, "Profiles").
 """
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
                              "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
     parser.add_argument("--rounds-f", type=int, default=None,
-                        help="rounds of part (f) (default 10 in full mode, 2 in quick mode; the issue's task has 30)")
+                        help="rounds of part (f) (default 10 in full mode, 2 in quick mode; the goals' FedAvg task has 30)")
     parser.add_argument("--server-cores", type=int, default=None,
                         help="(c) only: pin the Main Servers to this many of the usable cores and the load generator "
                              "to the rest, as when the devices are machines of their own; the compute limit then "
