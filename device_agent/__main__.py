@@ -7,7 +7,7 @@ import sys
 
 from shared.config import DeviceMixConfig, env_default
 from shared.data.limits import DEFAULT_MAX_IMAGE_PIXELS, FileLimits, default_max_data_bytes
-from shared.profiles import AUTO_TRANSFER_RATIO, TimeScale, parse_time_scale
+from shared.profiles import AUTO_TRANSFER_RATIO, LINKS, TimeScale, parse_time_scale
 from shared.service import add_common_args, configure_process, freeze_startup_objects, interrupt_on_sigterm, parse_service_args
 
 KEEP_MODELS = {"auto": None, "yes": True, "no": False}
@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", default=env_default("kinds", ""),
                         help="emulated device kinds assigned round-robin by shard, e.g. high,mid,low or high-low "
                              "(env SFL_KINDS; empty = real device, no emulation)")
+    parser.add_argument("--links", choices=LINKS, default=env_default("links", "emulated"),
+                        help="with --kinds: emulated (default) = sleep each transfer at the kind's rate; real = the "
+                             "agent's link is really that slow (a shaped link, docs/real-links.md): emulate compute only "
+                             "(env SFL_LINKS)")
+    parser.add_argument("--request-delay-ms", type=float, default=float(env_default("request_delay_ms", 0)),
+                        help="wait this many milliseconds before each request the devices send: an emulated round-trip "
+                             "time where the kernel cannot add one (env SFL_REQUEST_DELAY_MS; default 0)")
     parser.add_argument("--time-scale", type=_time_scale, default=str(env_default("time_scale", DeviceMixConfig().time_scale)),
                         help="compress emulated transfer times by this factor, or auto (the default): by "
                              f"{AUTO_TRANSFER_RATIO:g} times the factor by which this host, measured training the run's model, outpaces the "
@@ -105,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     if compute_slots is not None and compute_slots < 0:
         parser.error(f"--compute-slots must be auto or a whole number >= 0 (0: each device on its own thread), "
                      f"got {args.compute_slots!r}")
+    if args.links not in LINKS:  # argparse checks choices on the command line, not env defaults
+        parser.error(f"--links must be one of {', '.join(LINKS)}, got {args.links!r}")
+    if not 0 <= args.request_delay_ms < 60_000:
+        parser.error(f"--request-delay-ms must be a number of milliseconds from 0 to 60000, got {args.request_delay_ms}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be 0 (off) or a port number, got {args.metrics_port}")
     if not 0 <= args.metrics_linger_s < float("inf"):
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                   metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
                   keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
-                  compute_slots=compute_slots)
+                  compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000)
     freeze_startup_objects()   # what the agent keeps for the run is built: out of full collections' way
     try:
         code = agent.run()

@@ -17,7 +17,7 @@ from device_agent.device import Device, check_run, wait_for_run
 from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
-from shared.profiles import TimeScale, kind_for
+from shared.profiles import LINKS, TimeScale, kind_for
 
 log = logging.getLogger("device_agent")
 
@@ -102,10 +102,16 @@ class Agent:
                  enrolment_secret: bytes | None = None, keep_models: bool | None = None,
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
                  device_id: str | None = None, torch_device: torch.device | None = None,
-                 model: str | None = None, compute_slots: int | None = None) -> None:
+                 model: str | None = None, compute_slots: int | None = None, links: str = "emulated",
+                 request_delay_s: float = 0.0) -> None:
         """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
         then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
-        ``model``: the operator's ``--model`` (an import path the run may name)."""
+        ``model``: the operator's ``--model`` (an import path the run may name). ``links``
+        (``--links``): ``emulated``, the kinds' transfers are slept; ``real``, the kinds stretch
+        compute only and the link is what it is (:data:`LINKS`). ``request_delay_s``: a delay
+        before each request the devices send (``--request-delay-ms``, an emulated round trip)."""
+        if links not in LINKS:
+            raise ValueError(f"links must be one of {', '.join(LINKS)}, got {links!r}")
         self.stop = threading.Event()
         self.model = model
         sources = sources or []
@@ -118,15 +124,15 @@ class Agent:
         self.compute = compute_for(compute_slots)
         # The weights tasks name, fetched once for all the devices they are named to.
         self.weights = WeightsCache()
-        connect_main = main_connector(verify)
+        connect_main = main_connector(verify, request_delay_s)
         places: list[tuple[str, int | None, LocalSource | None, int]] = (
             [(i, None, s, n) for n, (i, s) in enumerate(zip(local_device_ids(sources, prefix, device_id), sources))]
             if sources else [(f"{prefix}-{shard:03d}", shard, None, shard) for shard in shards])
         self.devices = [
-            Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret), connect_main,
-                   kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
+            Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret, request_delay_s=request_delay_s),
+                   connect_main, kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
                    source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
-                   compute=self.compute, weights_cache=self.weights)
+                   compute=self.compute, weights_cache=self.weights, emulate_links=links == "emulated")
             for name, shard, source, index in places
         ]
         self.errors: dict[str, BaseException] = {}

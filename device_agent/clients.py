@@ -45,8 +45,8 @@ class HttpFedClient:
     """:class:`device_agent.api.FedApi` over HTTP. One per device: it carries that device's token."""
 
     def __init__(self, url: str, verify: bool | str = True, enrolment_secret: bytes | None = None,
-                 retries: int = 3) -> None:
-        self._http = SyncClient(url, retries=retries, verify=verify)
+                 retries: int = 3, request_delay_s: float = 0.0) -> None:
+        self._http = SyncClient(url, retries=retries, verify=verify, request_delay_s=request_delay_s)
         self._enrolment_secret = enrolment_secret
 
     def run_info(self) -> RunInfo:
@@ -100,8 +100,9 @@ class HttpFedClient:
 class HttpMainClient:
     """:class:`device_agent.api.MainApi` over HTTP, for one Main Server URL and one device token."""
 
-    def __init__(self, url: str, token: str | None, verify: bool | str = True, retries: int = 3) -> None:
-        self._http = SyncClient(url, retries=retries, verify=verify)
+    def __init__(self, url: str, token: str | None, verify: bool | str = True, retries: int = 3,
+                 request_delay_s: float = 0.0) -> None:
+        self._http = SyncClient(url, retries=retries, verify=verify, request_delay_s=request_delay_s)
         self._http.set_token(token)
         self.url = self._http.base_url
 
@@ -125,6 +126,6 @@ class HttpMainClient:
         self._http.close()
 
 
-def main_connector(verify: bool | str = True) -> Callable[[str, str | None], HttpMainClient]:
+def main_connector(verify: bool | str = True, request_delay_s: float = 0.0) -> Callable[[str, str | None], HttpMainClient]:
     """How a device opens a Main Server client for a task's URL with its current token."""
-    return lambda url, token: HttpMainClient(url, token, verify=verify)
+    return lambda url, token: HttpMainClient(url, token, verify=verify, request_delay_s=request_delay_s)

@@ -143,7 +143,7 @@ class Device:
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None, model_ref: str | None = None,
                  compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S,
-                 weights_cache: WeightsCache | None = None) -> None:
+                 weights_cache: WeightsCache | None = None, emulate_links: bool = True) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -151,6 +151,9 @@ class Device:
         self.source = source
         self.data_args = dict(data_args or {})
         self.kind = kind
+        #: Whether an emulated kind's transfers are emulated too (sleeps for its rate), or only its
+        #: compute, on a link that is really as slow as the kind (``--links real``).
+        self.emulate_links = emulate_links
         #: The configured ``time_scale`` (a factor, or "auto") and the factor this device emulates
         #: transfers with (for "auto" resolved in :meth:`setup`, from the host's measured speed).
         self.time_scale_setting = time_scale
@@ -424,9 +427,12 @@ class Device:
 
     def profile(self) -> DeviceProfileMsg:
         """Nominal speed of an emulated kind, or a quick measurement on a real device (on the
-        torch device it trains on)."""
+        torch device it trains on). The rate is the emulated link's; a real link's is not known
+        before it has carried a round (``rate`` None): the Fed Server measures it from the device's
+        timed transfers (docs/s2fl.md, "The client time table")."""
         if self.kind is not None:
-            return DeviceProfileMsg(kind=self.kind.name, flops=self.kind.flops, rate=self.kind.rate * self.time_scale)
+            return DeviceProfileMsg(kind=self.kind.name, flops=self.kind.flops,
+                                    rate=self.kind.rate * self.time_scale if self.emulate_links else None)
         a = torch.randn(256, 256, device=self.torch_device)
         synchronize(self.torch_device)
         t0 = time.perf_counter()
@@ -434,7 +440,7 @@ class Device:
             a @ a
         synchronize(self.torch_device)
         flops = 20 * 2 * 256 ** 3 / max(1e-9, time.perf_counter() - t0)
-        return DeviceProfileMsg(kind="native", flops=flops, rate=1e7)
+        return DeviceProfileMsg(kind="native", flops=flops, rate=None)
 
     # --- one round ----------------------------------------------------------------------------
     def run_task(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
@@ -454,6 +460,7 @@ class Device:
         # Uploaded after the model is freed: its weights are in the body now, and the upload may
         # wait on a Fed Server that is busy with the other devices' uploads.
         self.fed.upload(body)
+        spent_s = time.monotonic() - received_at
         self.rounds_done += 1
         assert task.split_point is not None
         if self.on_upload is not None:
@@ -461,8 +468,8 @@ class Device:
                 self.on_upload(body, task.split_point)
             except Exception:  # observability must never break training
                 log.debug("%s: on_upload hook failed", self.device_id, exc_info=True)
-        log.info("%s: round %d done (split %d, %d steps, loss %.3f, %.2fs)", self.device_id, task.round_id,
-                 task.split_point, body.steps, body.train_loss, body.timings.total_s)
+        log.info("%s: round %d done (split %d, %d steps, loss %.3f, spent %.2fs, %.2fs waiting)", self.device_id,
+                 task.round_id, task.split_point, body.steps, body.train_loss, spent_s, body.timings.wait_s)
 
     def run_evaluation(self, task: TaskResponse) -> None:
         """Federated evaluation: run the task's global model on the held-out part and report the
@@ -492,7 +499,7 @@ class Device:
         training's other objects are freed when this returns)."""
         assert self.layout is not None and self.data is not None and self.info is not None
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
-        clock = RoundClock(self.kind, self.time_scale, cpu_time=self._cpu_time())
+        clock = RoundClock(self.kind, self.time_scale, cpu_time=self._cpu_time(), emulate_links=self.emulate_links)
         train = task.train
         if train is None or task.round_id is None or task.split_point is None:
             raise Invalid("a training task must name its round_id, split_point and train settings")
@@ -504,10 +511,12 @@ class Device:
         extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
         if time.monotonic() > deadline:   # a stalled device: its weights may no longer be served either
             raise TaskExpired("deadline passed before the task started")
+        fetch_started = time.monotonic()
         with self._named_weights(task) as named:
             # Charged whether this device fetched them or another device of its agent did: an
-            # emulated device downloads its task's weights itself.
-            clock.transfer(task_bytes + named.size)
+            # emulated device downloads its task's weights itself. The measured part is the time
+            # this device waited for them (the task itself came with a long poll, untimed).
+            clock.transfer(task_bytes + named.size, time.monotonic() - fetch_started)
             # Decoded, they view the fetched body, which the agent's devices share: each device
             # copies them into its own model when its training starts (train_round), so a device
             # waiting for a compute thread holds no copy of its own.

@@ -16,8 +16,10 @@ class RoundClock:
     """Accumulates one round's timings; sleeps to emulate a slower device when ``kind`` is set.
 
     Compute sections are stretched by ``kind.compute_stretch`` (sleeping the difference), and each
-    message adds ``bytes / (rate * time_scale)`` seconds of emulated transfer. With ``kind=None``
-    (a real device) nothing is added: the figures are what was measured.
+    message adds ``bytes / (rate * time_scale)`` seconds of emulated transfer, unless
+    ``emulate_links`` is False (the device's link is real, shaped to its kind's rate: only its
+    compute is emulated). With ``kind=None`` (a real device) nothing is added: the figures are
+    what was measured.
 
     ``cpu_time``: stretch the section's CPU time on the thread that ran it (``time.thread_time``)
     instead of its wall time. An agent hosts many virtual devices on a few cores, so a section's
@@ -30,8 +32,10 @@ class RoundClock:
     with more torch threads, the device uses wall time (``cpu_time=False``).
     """
 
-    def __init__(self, kind: EmulatedKind | None, time_scale: float = 1.0, cpu_time: bool = False) -> None:
+    def __init__(self, kind: EmulatedKind | None, time_scale: float = 1.0, cpu_time: bool = False,
+                 emulate_links: bool = True) -> None:
         self.kind = kind
+        self.emulate_links = emulate_links
         self.time_scale = time_scale
         self.cpu_time = cpu_time
         self.started = time.monotonic()
@@ -79,7 +83,8 @@ class RoundClock:
 
     def transfer(self, num_bytes: int, measured_s: float = 0.0) -> None:
         """Account a message: the measured network time plus the emulated delay for its size."""
-        delay = self.kind.transfer_delay(num_bytes, self.time_scale) if self.kind is not None else 0.0
+        delay = (self.kind.transfer_delay(num_bytes, self.time_scale)
+                 if self.kind is not None and self.emulate_links else 0.0)
         if delay > 0:
             time.sleep(delay)
         self.transfer_s += max(0.0, measured_s) + delay

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
@@ -16,7 +17,7 @@ from fed_server.driver import FedServerSettings, drive_rounds
 from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus, finite_json
 from shared.errors import NotFound
-from http_api.server import MsgpackResponse, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from http_api.server import MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import (
     API, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest, WithdrawRequest,
 )
@@ -130,10 +131,12 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))
     async def update(round_id: int, request: Request) -> Response:
         """Device: trained client portion (or whole model), sample count and timings."""
+        read_since = time.monotonic()
         req = await read_message(request, UpdateRequest, settings.max_update_bytes)
+        upload_s = arrival_seconds(request, read_since)
         check_device(request, req.device_id)
         size = int(request.headers.get("content-length", 0))
-        return msgpack_response(coordinator.accept_update(round_id, req, size))
+        return msgpack_response(coordinator.accept_update(round_id, req, size, upload_s))
 
     @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response, openapi_extra=msgpack_body_schema(ReportRequest))
     async def report(round_id: int, request: Request) -> Response:

@@ -23,7 +23,7 @@ from fed_server.broadcast import Broadcast
 from fed_server.devices import DeviceRegistry
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.update_checks import (
-    check_claims, check_registered_samples, clip_update, held_out_count, max_held_out, shard_sizes, table_time,
+    check_claims, check_registered_samples, clip_update, held_out_count, max_held_out, shard_sizes,
     update_norm,
 )
 from shared.evaluation import combine_reports, evaluate, evaluation_mode, server_test_set
@@ -547,8 +547,9 @@ class Coordinator:
         log.warning("clipping the update of %s from norm %.4g to %.4g", device_id, norm, limit)
         return clip_update(state, global_state, limit, norm)
 
-    def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int) -> Ack:
-        """A device's trained portion. Fully checked before it is stored."""
+    def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int, upload_s: float = 0.0) -> Ack:
+        """A device's trained portion. Fully checked before it is stored. ``upload_s``: how long
+        its body took to arrive (part of the device's round time)."""
         if req.round_id != round_id:
             raise Invalid(f"body round_id {req.round_id} does not match the path's round {round_id}")
         record = self.devices.get(req.device_id)
@@ -578,7 +579,7 @@ class Coordinator:
             # it would hold every other device to the round deadline.
             self._exclude(fed_round, [req.device_id], f"upload refused: {refused.detail}", tell_main_server=True)
             raise
-        fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes, extras)
+        fed_round.updates[req.device_id] = ReceivedUpdate(req, state, body_bytes, extras, upload_s)
         self.changed.set()
         return Ack(detail=f"update of {req.device_id} for round {round_id} stored")
 
@@ -734,8 +735,10 @@ class Coordinator:
             for device in used:
                 assignment = fed_round.assignments[device]
                 if assignment.candidate is not None:
+                    update = fed_round.updates[device]
+                    self.planner.observe(device, assignment.candidate, update.request.timings.transfer_s + update.upload_s)
                     try:
-                        self.table.record(device, assignment.candidate, table_time(fed_round.updates[device].request.timings))
+                        self.table.record(device, assignment.candidate, update.round_time)
                     except ValueError as exc:
                         # accept_update bounds the timings; should one device's figures still be
                         # unusable, that device's cell is not updated, and the round goes on.

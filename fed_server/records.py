@@ -73,6 +73,11 @@ class RoundRecord(BaseModel):
     split_points: dict[str, int]
     device_times: dict[str, DeviceTimings]
     device_kinds: dict[str, str]
+    # Per device: seconds its upload took to arrive, timed by the Fed Server (not in its own
+    # device_times, which travel inside that upload), and its round time for the client time
+    # table (compute + transfer + server + upload; fed_server/update_checks.py table_time).
+    upload_times: dict[str, float] = {}
+    table_times: dict[str, float] = {}
     groups: list[GroupRecord]
     bytes_up: int
     bytes_down: int
@@ -147,6 +152,8 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
         selected=sorted(fed_round.assignments), aggregated=list(used), dropped=sorted(dropped | set(missing)),
         split_points={d: a.split_point for d, a in sorted(fed_round.assignments.items())},
         device_times={d: u.request.timings for d, u in sorted(updates.items())},
+        upload_times={d: u.upload_s for d, u in sorted(updates.items())},
+        table_times={d: u.round_time for d, u in sorted(updates.items())},
         device_kinds={d: device_kinds.get(d, "unknown") for d in sorted(fed_round.assignments)},
         groups=[GroupRecord(group_id=p.upload.group_id, members=p.upload.members, dropped=p.upload.dropped,
                             label_distance=p.upload.label_distance, start_block=p.upload.start_block,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fed_server.update_checks import table_time
 from shared.algorithms.base import Payload, RoundContext
 from shared.schemas import ServerPortionUpload, UpdateRequest
 
@@ -32,6 +33,13 @@ class ReceivedUpdate:
     state: dict[str, torch.Tensor]
     body_bytes: int
     extras: Payload   # request.extras validated as the algorithm's UploadExtras
+    #: Seconds the upload took to arrive, timed by the Fed Server (http_api.server.arrival_seconds).
+    upload_s: float = 0.0
+
+    @property
+    def round_time(self) -> float:
+        """What the device's round cost it, for the time table (:func:`table_time`)."""
+        return table_time(self.request.timings, self.upload_s)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Which split point each selected device gets (S2FL's adaptive sliding split, or a fixed one)."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 from fed_server.devices import DeviceRegistry
@@ -13,9 +15,15 @@ class SplitPlanner:
     """Maps devices to candidate indices ``j`` (into ``split_points``) and to block counts ``k``.
 
     ``sliding``: the client time table (warm-up, then the median rule); devices with no
-    measurements get Eq. 1 estimates from their reported profile, calibrated by the measured /
-    predicted ratio of devices already in the table. ``fixed``: the largest client portion for
-    everyone (SFL). ``zero``: the whole model on the device.
+    measurements get Eq. 1 estimates from their profile, calibrated by the measured / predicted
+    ratio of devices already in the table. ``fixed``: the largest client portion for everyone
+    (SFL). ``zero``: the whole model on the device.
+
+    The link rate Eq. 1 uses is measured (:meth:`observe`): after each of a device's rounds, the
+    rate at which Eq. 1's bytes for that split (``2|Wc| + 2pq``) take the transfer time the round
+    really had (the device's timed transfers and the upload the Fed Server timed). Before that,
+    it is the rate the device registered with; a real device registers none (its link is not
+    known), and until its first round its cells come from the other devices' entries.
     """
 
     def __init__(self, mode: SplitMode, split_points: Sequence[int], num_blocks: int, profile: ModelProfile,
@@ -29,12 +37,29 @@ class SplitPlanner:
         self.local_epochs = local_epochs
         self.server_flops = server_flops
 
-    def estimate(self, device_id: str, j: int) -> float:
-        """Eq. 1 prediction of the device's round time at candidate ``j`` (uncalibrated)."""
-        record = self.devices.devices[device_id]
+    def _view(self, j: int) -> SplitCostView:
         cost = self.profile.cost(self.split_points[j])
-        view = SplitCostView(cost.client_param_bytes, cost.activation_bytes, cost.client_flops, cost.server_flops)
-        return eq1_time(record.profile, view, record.num_samples * self.local_epochs, self.server_flops)
+        return SplitCostView(cost.client_param_bytes, cost.activation_bytes, cost.client_flops, cost.server_flops)
+
+    def estimate(self, device_id: str, j: int) -> float:
+        """Eq. 1 prediction of the device's round time at candidate ``j`` (uncalibrated); NaN
+        while its link rate is not known."""
+        record = self.devices.devices[device_id]
+        if record.profile.rate is None:
+            return math.nan
+        return eq1_time(record.profile, self._view(j), record.num_samples * self.local_epochs, self.server_flops)
+
+    def observe(self, device_id: str, j: int, transfer_s: float) -> None:
+        """Set the device's link rate from a round at candidate ``j`` whose transfers took
+        ``transfer_s`` seconds in all: Eq. 1's bytes for ``j`` over that time. A device that is
+        no longer registered, or a round with no transfer time, changes nothing."""
+        record = self.devices.devices.get(device_id)
+        if record is None or not transfer_s > 0:
+            return
+        view = self._view(j)
+        moved = 2.0 * view.client_param_bytes + 2.0 * record.num_samples * self.local_epochs * view.activation_bytes
+        if moved > 0 and math.isfinite(moved / transfer_s):
+            record.profile = dataclasses.replace(record.profile, rate=moved / transfer_s)
 
     def choose(self, round_index: int, devices: Sequence[str]) -> dict[str, tuple[int | None, int]]:
         """device -> (candidate index or None, number of blocks on the device)."""

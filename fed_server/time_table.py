@@ -12,7 +12,8 @@ Decisions where the paper is silent (documented here and in the methods):
 * running average ``new = (1 - s) * old + s * measured``; the first measurement is stored as is;
 * a missing cell (the device was never measured at ``j``) is filled with the Eq. 1 estimate
   times :meth:`ClientTimeTable.calibration` (median measured/predicted ratio over the table, which
-  scales the analytical model to this testbed's real overheads); with no estimator, with the
+  scales the analytical model to this testbed's real overheads); with no estimate (no estimator,
+  or a device whose link rate is not known yet: a real device before its first round), with the
   median of the other devices' entries for ``j``; if neither exists the cell stays unknown and is
   left out of the median and of the device's choices;
 * a device with no known time at all after warm-up keeps cycling through the candidates,
@@ -34,10 +35,11 @@ __all__ = ["DeviceProfile", "SplitCostView", "eq1_time", "ClientTimeTable"]
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """What a device reports about itself: compute speed (FLOP/s) and transfer rate (bytes/s)."""
+    """What a device reports about itself: compute speed (FLOP/s) and transfer rate (bytes/s;
+    None: not known, see :meth:`fed_server.split_planner.SplitPlanner.rate_of`)."""
 
     flops: float
-    rate: float
+    rate: float | None
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def eq1_time(profile: DeviceProfile, cost: SplitCostView, samples: int, server_f
     ``Fs = cost.server_flops * p``, ``R = profile.rate``, ``Comp_c = profile.flops`` and
     ``Comp_s = server_flops`` (the Main Server's FLOP/s).
     """
-    if not (profile.flops > 0 and profile.rate > 0 and server_flops > 0):
+    if not (profile.flops > 0 and profile.rate is not None and profile.rate > 0 and server_flops > 0):
         raise ValueError("device flops, device rate and server flops must be > 0")
     if samples < 0:
         raise ValueError(f"samples must be >= 0, got {samples}")
@@ -175,12 +177,11 @@ class ClientTimeTable:
             row: dict[int, float] = {}
             for j in range(k):
                 t = self.get(d, j)
+                if t is None and estimate is not None:
+                    est = float(estimate(d, j))
+                    t = est * cal if math.isfinite(est) and est >= 0.0 else None
                 if t is None:
-                    if estimate is not None:
-                        est = float(estimate(d, j))
-                        t = est * cal if math.isfinite(est) and est >= 0.0 else None
-                    else:
-                        t = self._column_median(j, exclude=d)
+                    t = self._column_median(j, exclude=d)
                 if t is not None:
                     row[j] = t
             times[d] = row

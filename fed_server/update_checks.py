@@ -73,15 +73,17 @@ def check_registered_samples(req: RegisterRequest, sizes: list[int] | None, hold
                       f"{max_device_samples}")
 
 
-def table_time(timings: DeviceTimings) -> float:
+def table_time(timings: DeviceTimings, upload_s: float = 0.0) -> float:
     """The time-table value of one device round: Eq. 1's terms, each measured.
 
-    Client compute + transfer + the server-side training of the device's steps. Not included:
+    Client compute + transfer + the server-side training of the device's steps, + ``upload_s``:
+    the seconds the device's upload took to reach the Fed Server, which the Fed Server times
+    itself (the device's figures travel inside that upload, so they cannot include it). Not included:
     waiting at the group barrier for slower members (not the device's own cost) and the
     host-process overhead between those sections, which on a testbed with many virtual devices in
     one Python process is mostly interpreter contention, a cost no real device has.
     """
-    return max(1e-6, timings.compute_s + timings.transfer_s + timings.server_s)
+    return max(1e-6, timings.compute_s + timings.transfer_s + timings.server_s + upload_s)
 
 
 #: Largest training loss an upload may report (either sign). Far above any loss of a training

@@ -9,10 +9,12 @@ import argparse
 import asyncio
 import json
 import logging
+import time
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from http_api.server import ARRIVAL
 from shared.service import DEFAULT_BODY_GRACE_S, DEFAULT_MIN_BODY_RATE, freeze_startup_objects
 
 log = logging.getLogger("http_api")
@@ -41,6 +43,10 @@ def head_timeout_protocol(head_timeout_s: float, min_body_rate: float = DEFAULT_
     that arrive while the server is busy are read before a timer that fell due meanwhile runs
     (asyncio and uvloop both poll sockets first), so they count. A body that arrives with its head
     (a step on loopback) arms no timer at all.
+
+    Each request's scope also carries when its head's first byte and its body's last byte came
+    in (:data:`http_api.server.ARRIVAL`): how long the request took on the wire, which the Fed
+    Server puts in a device's round time for its upload (:func:`http_api.server.arrival_seconds`).
     """
     class LimitedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
@@ -48,6 +54,7 @@ def head_timeout_protocol(head_timeout_s: float, min_body_rate: float = DEFAULT_
         _body_timer: asyncio.TimerHandle | None = None
         _body_since = 0.0
         _body_bytes = 0
+        _head_at = 0.0
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -56,17 +63,23 @@ def head_timeout_protocol(head_timeout_s: float, min_body_rate: float = DEFAULT_
         def data_received(self, data: bytes) -> None:
             if not self._head_started and (self.cycle is None or self.cycle.response_complete):
                 self._head_started = True
+                self._head_at = time.monotonic()
                 self._arm_head_timer()   # the head's first byte: its time counts from here
             before = self.cycle
+            more_before = before is not None and before.more_body
             super().data_received(data)
             cycle = self.cycle
             if cycle is not before:   # a head is complete
                 self._head_started = False
                 self._cancel_head_timer()
                 self._cancel_body_timer()
+                cycle.scope[ARRIVAL] = [self._head_at, None if cycle.more_body else time.monotonic()]
                 if cycle.more_body and not self.transport.is_closing():
                     self._restart_body_clock()
-            elif self._body_timer is not None:
+                return
+            if more_before and not cycle.more_body:
+                cycle.scope[ARRIVAL][1] = time.monotonic()   # the body's last byte
+            if self._body_timer is not None:
                 if cycle.more_body:
                     self._body_bytes += len(data)
                 else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -35,6 +36,27 @@ from shared.wire import Body, WireError, pack_body, unpackb
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("http_api")
+
+
+#: The scope key under which the server's protocol (:func:`http_api.serve.head_timeout_protocol`)
+#: notes when a request's head began to arrive and when its body's last byte came in
+#: (``[head_at, body_at]``, ``time.monotonic()``; ``body_at`` None while the body comes in).
+ARRIVAL = "sfl.arrival"
+
+
+def arrival_seconds(request: Request, read_since: float) -> float:
+    """Seconds ``request`` took to arrive, from its head's first byte to its body's last, once its
+    body has been read: what a client spent sending it, on a link slower than this server.
+
+    Measured by the server's protocol where it runs (:data:`ARRIVAL`); under another server (a
+    test's in-process app) from ``read_since``, when the handler began to read the body, to now.
+    """
+    arrival = request.scope.get(ARRIVAL)
+    now = time.monotonic()
+    if arrival is None:
+        return max(0.0, now - read_since)
+    head_at, body_at = arrival
+    return max(0.0, (body_at if body_at is not None else now) - head_at)
 
 
 class ApiError(Exception):

@@ -6,6 +6,7 @@ what the run's communication figures report.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -75,9 +76,13 @@ async def post_body(client: httpx.AsyncClient, url: str, body: Body) -> httpx.Re
 class SyncClient:
     """Blocking msgpack client for one base URL, counting body bytes."""
 
-    def __init__(self, base_url: str, timeout: float = 60.0, retries: int = 3, verify: bool | str = True) -> None:
+    def __init__(self, base_url: str, timeout: float = 60.0, retries: int = 3, verify: bool | str = True,
+                 request_delay_s: float = 0.0) -> None:
+        """``request_delay_s``: a delay before every request is sent, as if each took that much
+        longer on the wire (an emulated round-trip time, where the kernel cannot add one)."""
         self.base_url = base_url.rstrip("/")
         self.bytes = ByteCounter()
+        self.request_delay_s = request_delay_s
         self.backoff = Backoff(attempts=retries + 1, first_delay_s=0.2)
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=HEADERS, verify=tls_context(verify))
 
@@ -90,6 +95,8 @@ class SyncClient:
         if content is not None:
             headers = {**(headers or {}), "content-length": str(len(content))}
         kwargs = {"timeout": timeout} if timeout is not None else {}
+        if self.request_delay_s > 0:
+            time.sleep(self.request_delay_s)
         resp = retry(lambda: self._http.request(method, path, content=content, params=params, headers=headers, **kwargs),
                      self.backoff, (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")
         self.bytes.up += len(content or b"")

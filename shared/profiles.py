@@ -28,6 +28,12 @@ FLOPS = {"low": 5e9, "mid": 1e10, "high": 2e10}   # FLOP/s, paper Table 1
 RATES = {"low": 1e6, "mid": 2e6, "high": 5e6}     # bytes/s, paper Table 1
 SERVER_FLOPS = 5e10
 
+#: An agent's ``--links``: ``emulated``, an emulated kind sleeps its transfers at its rate (the
+#: agent's link is loopback); ``real``, the agent's link is really as slow as its kinds (a shaped
+#: link, ``python -m testbed --real-links``), so only their compute is emulated and every transfer
+#: is the measured one.
+LINKS = ("emulated", "real")
+
 #: ``time_scale``: a factor > 0, or ``"auto"`` (:func:`auto_time_scale` of the measured host speed).
 TimeScale = float | Literal["auto"]
 

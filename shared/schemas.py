@@ -69,7 +69,9 @@ class DeviceProfileMsg(Message):
 
     kind: str = "unknown"
     flops: float = Field(gt=0, allow_inf_nan=False)  # FLOP/s
-    rate: float = Field(gt=0, allow_inf_nan=False)   # bytes/s
+    #: Bytes/s of the device's link; None: not known (a real link, measured by the Fed Server
+    #: from the device's timed transfers once it has trained a round).
+    rate: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 #: Largest sample count of one class a device may report: far more than any device holds, and

@@ -52,9 +52,12 @@ def test_s2fl_slides_splits_by_device_profile(run_testbed):
     split_points = build_model("cnn").split_points
     assert [set(m["split_points"].values()) for m in metrics[:3]] == [{k} for k in split_points]
 
-    # Rebuild the table from what the devices reported (compute + transfer + server time; one
-    # entry per cell after warm-up) and check round 4 followed the paper's median rule.
-    table = {d: [table_time(DeviceTimings(**m["device_times"][d])) for m in metrics[:3]] for d in metrics[3]["selected"]}
+    # Rebuild the table from what the devices reported (compute + transfer + server time) and the
+    # upload time the Fed Server measured (one entry per cell after warm-up), and check round 4
+    # followed the paper's median rule.
+    table = {d: [table_time(DeviceTimings(**m["device_times"][d]), m["upload_times"][d]) for m in metrics[:3]]
+             for d in metrics[3]["selected"]}
+    assert all(m["table_times"][d] == pytest.approx(table[d][i]) for i, m in enumerate(metrics[:3]) for d in table)
     times = sorted(t for row in table.values() for t in row)
     median = statistics.median(times)
     chosen = metrics[3]["split_points"]

@@ -1,6 +1,8 @@
 """The device's HTTP clients translate answers into the runner's terms (no HTTP past them)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from device_agent.api import Unreachable
@@ -22,3 +24,14 @@ def test_a_server_that_is_not_there_is_unreachable():
     with pytest.raises(Unreachable):
         client.run_info()
     client.close()
+
+
+def test_a_request_delay_comes_before_every_request():
+    # An emulated round trip: the client waits before it sends (here, before it finds no server).
+    for delay_s, at_least, below in ((0.0, 0.0, 0.25), (0.4, 0.4, 5.0)):
+        client = HttpFedClient(f"http://127.0.0.1:{free_port()}", retries=0, request_delay_s=delay_s)
+        started = time.monotonic()
+        with pytest.raises(Unreachable):
+            client.run_info()
+        assert at_least <= time.monotonic() - started < below
+        client.close()

@@ -16,9 +16,9 @@ from shared.schemas import RunInfo
 
 
 def _device(keep_model: bool, model: str = "cnn", kind: EmulatedKind | None = None,
-            time_scale: TimeScale = 1.0) -> Device:
+            time_scale: TimeScale = 1.0, emulate_links: bool = True) -> Device:
     device = Device("dev-000", 0, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=kind,
-                    time_scale=time_scale, keep_model=keep_model)
+                    time_scale=time_scale, keep_model=keep_model, emulate_links=emulate_links)
     spec = DataSpec(num_devices=1)
     device.info = RunInfo(run_id="r", algorithm="s2fl", model=model, num_classes=10, input_shape=[1, 28, 28],
                           data=spec, seed=3, fingerprint=model_fingerprint(build_model(model, 10, (1, 28, 28)), spec))
@@ -103,3 +103,15 @@ def test_auto_time_scale_with_the_real_measurement(monkeypatch):
     device._resolve_time_scale()
     host_flops = device_module._HOST_FLOPS[("cnn", 10, (1, 28, 28), "cpu")]
     assert 1e8 < host_flops < 1e13 and device.time_scale == pytest.approx(auto_time_scale(host_flops))
+
+
+@pytest.mark.parametrize("kind,emulate_links,rate", [
+    ("low", True, parse_kind("low").rate * 60.0),   # an emulated link: its (compressed) rate
+    ("low", False, None),                           # a real link shaped like the kind: not known yet
+    (None, True, None),                             # a real device: not known until measured
+])
+def test_a_device_registers_the_rate_of_an_emulated_link_only(kind, emulate_links, rate):
+    device = _device(False, kind=parse_kind(kind) if kind else None, time_scale=60.0, emulate_links=emulate_links)
+    profile = device.profile()
+    assert profile.rate == (pytest.approx(rate) if rate else None)
+    assert profile.flops > 0

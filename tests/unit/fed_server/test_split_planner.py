@@ -1,6 +1,8 @@
 """The split planner: which block count each selected device gets, per split mode."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fed_server.devices import DeviceRegistry
@@ -12,12 +14,12 @@ from shared.schemas import DeviceProfileMsg, RegisterRequest
 DEVICES = ["d0", "d1", "d2"]
 
 
-def _planner(mode: str) -> SplitPlanner:
+def _planner(mode: str, rate: float | None = 1e6) -> SplitPlanner:
     config = "cnn"
     model = build_model(config, 10, (1, 28, 28), seed=0)
     devices = DeviceRegistry(len(DEVICES))
     for i, (d, flops) in enumerate(zip(DEVICES, (1e8, 1e9, 1e10))):
-        devices.register(RegisterRequest(device_id=d, shard=i, num_samples=100, profile=DeviceProfileMsg(flops=flops, rate=1e6)))
+        devices.register(RegisterRequest(device_id=d, shard=i, num_samples=100, profile=DeviceProfileMsg(flops=flops, rate=rate)))
     table = ClientTimeTable(len(model.split_points), 1.0)
     return SplitPlanner(mode, model.split_points, len(model.blocks), profile_model(model, config), table, devices,
                         local_epochs=1, server_flops=1e11)
@@ -54,3 +56,25 @@ def test_estimates_grow_with_a_slower_device():
     assert p.estimate("d0", 0) > p.estimate("d2", 0) > 0
     with pytest.raises(KeyError):
         p.estimate("unknown", 0)
+
+
+def test_a_device_with_no_registered_rate_has_no_estimate_until_a_round_measures_its_link():
+    p = _planner("sliding", rate=None)
+    assert math.isnan(p.estimate("d0", 0))
+    cost = p.profile.cost(p.split_points[1])
+    moved = 2 * cost.client_param_bytes + 2 * 100 * cost.activation_bytes   # Eq. 1's bytes at j=1, 100 samples
+    p.observe("d0", 1, transfer_s=4.0)
+    assert p.devices.devices["d0"].profile.rate == pytest.approx(moved / 4.0)
+    # With that rate, Eq. 1 gives back the measured transfer time at j=1 (plus the compute terms).
+    compute = cost.client_flops * 100 / 1e8 + cost.server_flops * 100 / 1e11
+    assert p.estimate("d0", 1) == pytest.approx(4.0 + compute)
+
+
+def test_a_measured_rate_replaces_the_registered_one_and_nothing_else_changes_it():
+    p = _planner("sliding")
+    before = p.estimate("d1", 2)
+    p.observe("d1", 2, transfer_s=0.0)         # no transfer time: nothing to measure
+    p.observe("gone", 2, transfer_s=1.0)       # not registered (any more): ignored
+    assert p.estimate("d1", 2) == before
+    p.observe("d1", 2, transfer_s=1000.0)      # a far slower link than the 1e6 B/s it registered
+    assert p.devices.devices["d1"].profile.rate < 1e6 and p.estimate("d1", 2) > before

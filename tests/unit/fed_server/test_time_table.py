@@ -144,6 +144,20 @@ def test_no_estimate_falls_back_to_other_devices_column_median():
     assert tt.choose(4, ["fast", "slow", "new"]) == {"fast": 2, "slow": 0, "new": 1}
 
 
+def test_a_device_without_an_estimate_gets_the_column_median_beside_estimated_devices():
+    # "real" registered no link rate (its estimate is NaN), "est" did: "real" is priced like a
+    # device with no estimator, "est" by its calibrated estimate; NaN never enters the calibration.
+    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12]})
+    est = {"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12], "est": [4, 8, 12]}
+
+    def estimate(dev: str, j: int) -> float:
+        return est[dev][j] if dev in est else math.nan
+
+    assert tt.calibration(estimate) == pytest.approx(1.0)
+    # fast 1 2 3, real (column medians) 2 4 6, est 4 8 12 -> m = 4: fast 2, real 1, est 0
+    assert tt.choose(4, ["fast", "real", "est"], estimate) == {"fast": 2, "real": 1, "est": 0}
+
+
 def test_nothing_known_keeps_cycling_candidates():
     tt = ClientTimeTable(num_candidates=3)
     assert tt.choose(4, ["x", "y"]) == {"x": 0, "y": 0}

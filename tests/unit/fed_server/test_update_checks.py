@@ -72,6 +72,8 @@ def test_a_training_loss_beyond_the_bound_is_invalid(loss):
 def test_table_time_is_the_sum_of_the_device_own_costs():
     assert table_time(_timings()) == pytest.approx(1.8)   # compute + transfer + server, not the barrier wait
     assert table_time(_timings(compute_s=0.0, transfer_s=0.0, server_s=0.0)) > 0
+    # The upload the Fed Server timed (the device's figures travel inside it) is part of the round.
+    assert table_time(_timings(), upload_s=0.7) == pytest.approx(2.5)
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.2, 0.25, 0.3, 1 / 3, 0.5, 0.7, 0.95])

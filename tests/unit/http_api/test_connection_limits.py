@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import Request
 
 from http_api.serve import head_timeout_protocol
-from http_api.server import create_service_app, read_body
+from http_api.server import arrival_seconds, create_service_app, read_body
 
 HEAD_TIMEOUT_S = 1.0
 MIN_BODY_RATE = 20_000.0
@@ -41,6 +41,13 @@ def url() -> Iterator[Address]:
         await asyncio.sleep(wait_s)
         body = await read_body(request.stream(), request.headers.get("content-length"), 10 ** 7)
         return {"bytes": len(body)}
+
+    @app.post("/timed")
+    async def timed(request: Request, wait_s: float = 0.0) -> dict:
+        await asyncio.sleep(wait_s)
+        since = time.monotonic()
+        body = await read_body(request.stream(), request.headers.get("content-length"), 10 ** 7)
+        return {"bytes": len(body), "arrival_s": arrival_seconds(request, since)}
 
     @app.get("/block")
     async def block() -> dict:
@@ -84,8 +91,8 @@ def response(sock: socket.socket) -> tuple[int, dict]:
     raise AssertionError(f"no complete response: {data[:300]!r}")
 
 
-def post_head(length: int, wait_s: float = 0.0, *extra: str) -> bytes:
-    lines = [f"POST /late?wait_s={wait_s} HTTP/1.1", "Host: x", f"Content-Length: {length}", *extra]
+def post_head(length: int, wait_s: float = 0.0, *extra: str, path: str = "/late") -> bytes:
+    lines = [f"POST {path}?wait_s={wait_s} HTTP/1.1", "Host: x", f"Content-Length: {length}", *extra]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
@@ -196,3 +203,30 @@ def test_a_body_that_arrived_while_the_server_was_busy_is_not_judged_slow(url):
         assert response(blocker)[0] == 200
     finally:
         sock.close()
+
+
+def test_a_request_is_timed_from_its_heads_first_byte_to_its_bodys_last(url):
+    # What the client spent sending it (a device's upload over a slow link): 5 pieces 0.2 s apart.
+    sock = connect(url)
+    try:
+        sock.sendall(post_head(50_000, path="/timed"))
+        for _ in range(5):
+            time.sleep(0.2)
+            sock.sendall(b"x" * 10_000)
+        status, answer = response(sock)
+    finally:
+        sock.close()
+    assert status == 200 and answer["bytes"] == 50_000
+    assert 0.95 <= answer["arrival_s"] <= 1.5, answer
+
+
+def test_a_handler_that_reads_late_does_not_lengthen_what_the_client_spent(url):
+    # The whole request arrives at once; the handler reads it 1 s later: the client spent ~0 s.
+    sock = connect(url)
+    try:
+        sock.sendall(post_head(20_000, 1.0, path="/timed") + b"x" * 20_000)
+        status, answer = response(sock)
+    finally:
+        sock.close()
+    assert status == 200 and answer["bytes"] == 20_000
+    assert answer["arrival_s"] < 0.3, answer

@@ -1,0 +1,36 @@
+"""The device's round clock: what a transfer costs on an emulated link and on a real one."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from device_agent.timing import RoundClock
+from shared.profiles import parse_kind
+
+
+def test_an_emulated_link_sleeps_and_charges_the_kinds_delay_beside_what_was_measured():
+    clock = RoundClock(parse_kind("low"), time_scale=10.0)   # 1e6 B/s compressed 10x: 1e7 B/s
+    started = time.monotonic()
+    clock.transfer(2_000_000, measured_s=0.05)
+    assert time.monotonic() - started >= 0.2
+    assert clock.transfer_s == pytest.approx(0.05 + 0.2)
+
+
+@pytest.mark.parametrize("kind", ["low", None])
+def test_a_real_link_charges_only_what_was_measured(kind):
+    # --links real (a shaped link as slow as the kind) or a real device: nothing is slept.
+    clock = RoundClock(parse_kind(kind) if kind else None, time_scale=10.0, emulate_links=False)
+    started = time.monotonic()
+    clock.transfer(2_000_000, measured_s=0.3)
+    clock.transfer(1_000, measured_s=-1.0)   # a clock that stepped back counts as nothing
+    assert time.monotonic() - started < 0.1
+    assert clock.transfer_s == pytest.approx(0.3)
+
+
+def test_a_real_link_still_stretches_an_emulated_kinds_compute():
+    clock = RoundClock(parse_kind("low"), emulate_links=False)   # Low: 10x the server's compute time
+    started = time.monotonic()
+    clock.computed(wall_s=0.02, cpu_s=0.02)
+    assert time.monotonic() - started >= 0.18
+    assert clock.compute_s == pytest.approx(0.2)
