@@ -63,8 +63,8 @@ async def post_body(client: httpx.AsyncClient, url: str, body: Body) -> httpx.Re
 
     Joining (``shared.wire.packb``) copies every tensor's bytes once more into a body-sized buffer,
     which a 6.5 MB server portion or plan pays in fresh memory: its pages faulted in on the
-    sender's event loop (benchmarks/README.md, sixteenth session). An async client takes pieces as
-    an async iterable, a new one for each call, so a retry sends the body whole again; the
+    sender's event loop (benchmarks/README.md, "Why the code is as it is"). An async client takes
+    pieces as an async iterable, a new one for each call, so a retry sends the body whole again; the
     Content-Length keeps httpx from framing it chunked (which would copy each piece into its frame).
     """
     async def pieces() -> AsyncIterator[bytes]:

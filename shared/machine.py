@@ -59,8 +59,8 @@ def limit_allocator_arenas(count: int) -> bool:
     to 8 per core, and an arena keeps what its thread freed. A service's threads mostly wait (an
     agent's device threads, a server's request and record threads) while a few compute, so each
     waiting thread's arena held memory it had used once: ten device threads held about 55 MiB
-    each at the agent's peak (issue 16, benchmarks/README.md). Threads beyond the cap share
-    arenas, so what one freed serves the next. Nothing changes where glibc's malloc is not the
+    each at the agent's peak (benchmarks/README.md, "Why the code is as it is"). Threads beyond
+    the cap share arenas, so what one freed serves the next. Nothing changes where glibc's malloc is not the
     allocator (macOS, musl) or where ``MALLOC_ARENA_MAX`` is set in the environment (it wins).
     """
     if os.environ.get("MALLOC_ARENA_MAX"):

@@ -46,7 +46,7 @@ def freeze_startup_objects() -> None:
     GIL: 160 to 170 ms in a Main Server on the 2-core EPYC, every thread stopped, a device step
     answered that much later. Frozen, a full collection walks only what was made since (0.0 ms
     right after the freeze); objects made later are collected as before (benchmarks/README.md,
-    issue 16, twentieth session). The collection first costs one full traversal at start (about
+    "Why the code is as it is"). The collection first costs one full traversal at start (about
     0.17 s in a Main Server here) and frees what is already garbage then (186 objects in a Main
     Server), which a freeze alone would keep for good.
     """

@@ -87,8 +87,9 @@ def layerwise_aggregate(
     # The float64 sums live in two scratch buffers per device the model's tensors are on, sized
     # for the largest tensor and reused for every key: a fresh product and sum per contribution
     # and key cost about 40,000 page faults and 80 ms for ten uploads of the 1.66 M-parameter cnn
-    # (issue 16). The arithmetic is the same, operation for operation (convert to float64,
-    # multiply by the weight, add, divide), so the result is bit for bit what it was.
+    # (benchmarks/README.md, "Why the code is as it is"). The arithmetic is the same, operation for
+    # operation (convert to float64, multiply by the weight, add, divide), so the result is bit for
+    # bit that of a fresh product and sum.
     scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     largest = max((g.numel() for g in global_state.values()), default=0)
     out: dict[str, torch.Tensor] = {}
