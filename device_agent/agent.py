@@ -93,7 +93,7 @@ class Agent:
     thread, devices beyond the cores cannot compute sooner, but each one computing holds its
     training memory, and each thread that computes keeps an allocator arena of it: ten devices of
     the small cnn computing on their own threads held about 55 MiB each at the agent's peak
-    (issue 16, benchmarks/README.md). A device never holds a compute thread while it sleeps an
+    (benchmarks/README.md, "Why the code is as it is"). A device never holds a compute thread while it sleeps an
     emulated kind's stretch.
     """
 

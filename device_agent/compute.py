@@ -4,7 +4,7 @@ An agent hosting many virtual devices runs one thread per device (each waits on 
 the time). Where the compute runs decides the agent's memory, not only its CPU share: glibc gives
 each thread that allocates its own arena, and an arena keeps what its thread's training freed
 for the next round. Ten devices training on their own ten threads held ten arenas of about 55
-MiB each at the agent's peak (issue 16, benchmarks/README.md); on two compute threads only two
+MiB each at the agent's peak (benchmarks/README.md, "Why the code is as it is"); on two compute threads only two
 arenas ever hold training memory. The devices' results are the same either way: a section runs
 the same code on the same tensors, only on another thread.
 """
@@ -111,7 +111,7 @@ class ComputeThreads:
         The wait matters at the agent's exit: a compute thread that has run torch code and is
         still ending while the process exits (its thread-local state torn down beside the exit's
         static destructors) aborted the agent with "terminate called without an active
-        exception" in about one run in four of examples/tabular (CI, eleventh session).
+        exception" in about one run in four of examples/tabular (in CI).
         """
         with self._start:
             self._closed = True

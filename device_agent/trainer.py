@@ -85,8 +85,8 @@ def train_round(
     Split mode computes on this thread: its forward and backward sections are short and each
     waits for the Main Server in between, and queueing them on the compute threads changed the
     emulated times the sliding split is decided on (measured: the default S2FL run's median rule
-    then put every device at split 1 from round 7 on; benchmarks/README.md, "memory (tenth
-    session)"). ``extras`` are the task's validated
+    then put every device at split 1 from round 7 on; benchmarks/README.md, "Measured and not
+    adopted"). ``extras`` are the task's validated
     ``Algorithm.TaskExtras`` for ``logic.begin_round`` (none: the empty payload).
 
     The data set stays on the CPU and each batch is moved to the device after it is drawn, so

@@ -176,7 +176,7 @@ def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[di
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    # Each cell names its own machine: a grid continued in a later session may run on another
+    # Each cell names its own machine: a grid continued later may run on another
     # CPU, and float results differ between CPUs (their kernels round differently), so two cells
     # are bit-comparable only when their machines match.
     record = functools.partial(_write_record, path, cell, machine=describe_machine())

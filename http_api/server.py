@@ -11,7 +11,7 @@ Errors are answered as JSON ``{"detail": ...}`` so that they read well in curl a
 The hot routes (a device's step: 401 KB each way, hundreds a second at the Main Server) are
 declared with :meth:`ServiceApp.msgpack_post` and served straight from the ASGI call, before
 FastAPI's middleware, routing and dependency machinery, with the same parsing, checks, error
-answers and body-bytes counting as a FastAPI route (benchmarks/README.md, "mainserver-lean").
+answers and body-bytes counting as a FastAPI route (benchmarks/README.md, "Why the code is as it is").
 """
 from __future__ import annotations
 

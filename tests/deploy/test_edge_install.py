@@ -1,4 +1,4 @@
-"""The edge install takes a CPU-only torch on every architecture (issue 15).
+"""The edge install takes a CPU-only torch on every architecture.
 
 PyPI's Linux aarch64 torch wheel is a CUDA 13 build from 2.11.0 on: the 2.13.0 wheel is 407 MiB
 and pulls the nvidia-* packages (a 4.7 GB environment, too much for a 1-2 GB board), while

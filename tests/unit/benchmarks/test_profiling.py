@@ -1,4 +1,4 @@
-"""The measuring tools of issue 16: the py-spy stack classifier and the /proc readers of benchmark (f)."""
+"""The benchmark's measuring tools: the py-spy stack classifier and the /proc readers of benchmark (f)."""
 from __future__ import annotations
 
 import os

@@ -237,7 +237,7 @@ def test_agent_compute_slots_are_compute_threads_shared_by_its_devices():
 
 
 def test_the_named_weights_are_held_only_while_the_device_trains_and_without_keep_model_the_model_is_freed_before_the_upload():
-    # Memory (issue 16): the task's weights are fetched by id and shared through the agent's cache
+    # Memory: the task's weights are fetched by id and shared through the agent's cache
     # only while a device uses them, and a device that does not keep its model frees it before the
     # upload, which may wait on a busy Fed Server. The trained weights are the same either way.
     blocks = len(build_model("cnn").blocks)
