@@ -36,7 +36,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_main_server_training_seconds_total", "counter", (), "server-portion training time, summed over all group steps"),
     MetricSpec("sfl_main_group_training_duration_seconds", "histogram", (), "server-portion training time of each finished group in its round"),
     MetricSpec("sfl_main_devices_dropped_total", "counter", ("deadline",), "participants dropped at a deadline: join (never joined before groups were formed), step (missed a step deadline)"),
-    MetricSpec("sfl_main_steps_refused_total", "counter", (), "member steps refused by the value checks (activations not finite or beyond grouping.max_activation, labels out of range); each dropped its sender from its group"),
+    MetricSpec("sfl_main_steps_refused_total", "counter", (), "member steps refused by the step checks (tensors that do not decode or do not fit the group's batch, activations not finite or beyond grouping.max_activation, labels out of range); each dropped its sender from its group"),
     MetricSpec("sfl_main_members_not_finite_total", "counter", (), "members dropped because a group step came out not finite (their own loss or dfx, or nobody could be singled out); the step was not applied"),
     *HTTP_METRICS,
 )

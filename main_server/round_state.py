@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -300,8 +300,16 @@ class RoundState:
 
     # --- the per-step barrier -------------------------------------------------------------------
     def validate_step(self, req: StepRequest) -> tuple[Group, MemberBatch]:
-        """Check that a step request is this member's next step and fits the round (order, dtypes,
-        shapes), without side effects. Its values are checked by :meth:`harmful_values`."""
+        """Check that a step request is this member's next step (:meth:`stepping_group`) and fits
+        the round (:meth:`decode_batch`), without side effects. Its values are checked by
+        :meth:`harmful_values`."""
+        group = self.stepping_group(req)
+        return group, self.decode_batch(req, group.split[req.device_id])
+
+    def stepping_group(self, req: StepRequest) -> Group:
+        """The group of the step's sender if the step is its next one: NotFound for a stranger,
+        Conflict for a member that may not send this step now (not joined, dropped, done, out of
+        order, a duplicate). Nothing of the step's content is read."""
         group = self.group_of.get(req.device_id)
         if group is None:
             if req.device_id in self.participants:
@@ -315,7 +323,12 @@ class RoundState:
             raise Conflict(f"step {req.step} is out of order: the group is at step {group.step}")
         if req.device_id in group.pending or req.device_id in group.training:
             raise Conflict(f"step {req.step} of {req.device_id!r} was already received")
-        k = group.split[req.device_id]
+        return group
+
+    def decode_batch(self, req: StepRequest, split_point: int) -> MemberBatch:
+        """The step's activations and labels, Invalid unless they decode and fit the group's batch
+        at ``split_point``: fx float32 or float16 of shape [B, the activation shape there] with
+        1 <= B <= the batch size, labels int64 of shape [B]."""
         try:
             # finiteness with the magnitude, in harmful_values' one pass
             fx = decode_tensor(req.fx, require_finite=False, what="fx")
@@ -324,14 +337,14 @@ class RoundState:
             raise Invalid(str(exc)) from None
         if fx.dtype not in (torch.float32, torch.float16):
             raise Invalid(f"fx: dtype {req.fx.dtype} where float32 or float16 was expected")
-        expected_tail = self.activation_shapes[k]
+        expected_tail = self.activation_shapes[split_point]
         batch = fx.shape[0] if fx.dim() else 0
         if tuple(fx.shape[1:]) != expected_tail or not 1 <= batch <= self.plan.train.batch_size:
             raise Invalid(f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
-                                f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {k}")
+                          f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {split_point}")
         if list(labels.shape) != [batch]:
             raise Invalid(f"labels: shape {list(labels.shape)} where [{batch}] was expected")
-        return group, MemberBatch(req.device_id, k, fx, labels)
+        return MemberBatch(req.device_id, split_point, fx, labels)
 
     def harmful_values(self, batch: MemberBatch) -> str | None:
         """Why a well-formed step's values must not join the group batch, or None: activations
@@ -352,19 +365,30 @@ class RoundState:
     async def step(self, req: StepRequest) -> StepOutcome:
         """Wait at the group's barrier for this step, train the copy once, return this device's dfx.
 
-        A step whose values are harmful (:meth:`harmful_values`) drops its sender from the group
-        (Invalid): the others go on without it at this step."""
-        group, batch = self.validate_step(req)
+        A member's step that does not fit the group's batch (:meth:`decode_batch`: its encoding,
+        dtypes or shapes) or whose values are harmful (:meth:`harmful_values`) drops its sender
+        from the group (Invalid): left in it, the member would hold the barrier until the step
+        deadline, as it could never send a step that fits; the others go on without it at this
+        step. A request that is not the member's next step (:meth:`stepping_group`) drops nobody."""
+        group = self.stepping_group(req)
+        try:
+            batch = self.decode_batch(req, group.split[req.device_id])
+        except Invalid as exc:
+            self._refuse_step(group, req, exc.detail)
         harm = self.harmful_values(batch)
         if harm is not None:
-            reason = f"step {req.step} refused: {harm}"
-            self._drop(group, {req.device_id: reason}, cause="checks")
-            raise Invalid(f"{reason}; device {req.device_id!r} is dropped from round {self.round_id}")
+            self._refuse_step(group, req, harm)
         arrived = time.monotonic()
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         group.pending[req.device_id] = (batch, future, arrived)
         self._release(group)
         return await future
+
+    def _refuse_step(self, group: Group, req: StepRequest, why: str) -> NoReturn:
+        """Drop the step's sender from its group for ``why`` and refuse the step (Invalid)."""
+        reason = f"step {req.step} refused: {why}"
+        self._drop(group, {req.device_id: reason}, cause="checks")
+        raise Invalid(f"{reason}; device {req.device_id!r} is dropped from round {self.round_id}")
 
     def _drop(self, group: Group, reasons: Mapping[str, str], cause: str) -> None:
         """Take members out of their group for the rest of the round, each with why (``cause``:

@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import httpx
 import torch
 
 from main_server.metrics import MainMetrics
 from main_server.round_state import Group, RoundState
 from shared.auth import Auth
 from shared.errors import Conflict, Invalid
-from shared.http_client import decode_response, post_body, service_client
+from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.machine import compute_workers
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
@@ -30,6 +31,14 @@ from shared.schemas import (
 from shared.wire import encode_tensor, pack_body
 
 log = logging.getLogger("main_server")
+
+# What another try of a portion upload may get past: no answer (the Fed Server restarting, a
+# network fault) or a server error. A refusal (:class:`PortionRefused`) is final.
+_UPLOAD_RETRY_ON = (httpx.HTTPError, ServiceError)
+
+
+class PortionRefused(Exception):
+    """The Fed Server refused a group's portion (a 4xx answer): sent again, it would be again."""
 
 
 @dataclass
@@ -125,8 +134,9 @@ class MainServer:
         return {"round": self.round.summary() if self.round else None}
 
     async def upload_portion(self, state: RoundState, group: Group) -> None:
-        """Send a finished group's server portion to the Fed Server, retrying with backoff
-        (the Fed Server may be restarting); the last try's failure reaches the caller (the round
+        """Send a finished group's server portion to the Fed Server, retrying with backoff when it
+        did not answer or answered a server error (it may be restarting); the last try's failure,
+        or a refusal (4xx: the same portion would be refused again), reaches the caller (the round
         reports the group as undelivered)."""
         upload = ServerPortionUpload(
             run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
@@ -140,7 +150,11 @@ class MainServer:
         what = f"round {state.round_id} group {group.group_id} upload"
         async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
             async def post() -> Ack:
-                return decode_response(await post_body(client, url, body), Ack)
-            # keep trying: the Fed Server may be restarting
-            await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), (Exception,), what)
+                try:
+                    return decode_response(await post_body(client, url, body), Ack)
+                except ServiceError as exc:
+                    if exc.status < 500:
+                        raise PortionRefused(str(exc)) from None
+                    raise
+            await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), _UPLOAD_RETRY_ON, what)
         log.info("%s done (%d bytes)", what, len(body))

@@ -1,6 +1,7 @@
 """The Main Server's round registry (main_server/server.py), without HTTP: a newer plan replaces
 the open round, an older plan of the same run and a stale round id are conflicts, a bad plan
-leaves the open round as it was."""
+leaves the open round as it was; and a group portion's upload, which tries again only what another
+try may get past."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import pytest
 from main_server.server import MainServer, MainServerSettings
 from shared.errors import Conflict, Invalid
 
-# Nothing here finishes a group, so nothing is uploaded: the URL is never dialled.
+# The registry tests finish no group, so nothing is uploaded: the URL is never dialled.
 SETTINGS = MainServerSettings(fed_server_url="http://127.0.0.1:9")
 
 
@@ -90,3 +91,39 @@ def test_default_train_workers_is_one_per_usable_core_given_the_torch_threads(mo
     server = MainServer(SETTINGS)
     assert server.trainers._max_workers == 1
     assert MainServer(MainServerSettings(fed_server_url="http://127.0.0.1:9", train_workers=3)).trainers._max_workers == 3
+
+
+@pytest.mark.parametrize("status, tries", [(422, 1), (409, 1), (503, 3)])
+def test_a_refused_portion_is_not_sent_again_and_a_server_error_is(kit, status, tries):
+    """A Fed Server on loopback that answers every portion upload with ``status``: a refusal (4xx)
+    ends the upload at once, a server error is tried again (three tries here); either way the
+    group is reported undelivered."""
+    async def body() -> None:
+        uploads: list[bytes] = []
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            uploads.append(head.split(b" ")[1])
+            detail = b'{"detail": "not this portion"}'
+            writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                         % (status, len(detail), detail))
+            await writer.drain()
+            writer.close()
+
+        fed = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = fed.sockets[0].getsockname()[1]
+        server = MainServer(MainServerSettings(fed_server_url=f"http://127.0.0.1:{port}", upload_retries=3))
+        try:
+            server.open_round(kit.make_plan(["a"], round_id=1))
+            state = server.current(1)
+            await kit.joined(state, "a")
+            await state.step(kit.step_req("a", 0, *kit.batch(1)))
+            await asyncio.wait_for(state.closed.wait(), 10)
+        finally:
+            fed.close()
+            server.trainers.shutdown()
+        assert uploads == [b"/v1/rounds/1/server-portions"] * tries
+        assert state.undelivered == [state.groups[0].group_id]
+    kit.run(body)
