@@ -3,9 +3,10 @@
 Every malformed, oversized, out-of-order or inconsistent request must get a clear 4xx (JSON
 ``{"detail": ...}``) and must change nothing: the servers' ``/v1/status`` is checked after each
 batch of rejected requests, and the Main Server then trains a valid step, which proves the
-rejected steps left the group's barrier untouched. The one refusal that changes something is a
-well-formed step whose values are harmful (NaN activations here): it drops its sender from the
-group, and the waiting member's step trains without it at once.
+rejected steps left the group's barrier untouched. The refusals that change something are a
+member's next step whose tensors do not decode or do not fit the group's batch, and one whose
+values are harmful (NaN activations here): each drops its sender from the group, and the waiting
+member's step trains without it at once.
 """
 from __future__ import annotations
 
@@ -349,26 +350,13 @@ def test_main_rejects_bad_steps_then_trains(services, client, main_round):
     assert_rejected(post(client, url, b"\xc1garbage"), 400, "msgpack")
     assert_rejected(post(client, url, b""), 400, "empty")
     assert_rejected(post(client, url, {k: v for k, v in good.items() if k != "labels"}), 422, "labels")
+    # Tensors the body's schema refuses: not a step at all, so nobody's.
     assert_rejected(post(client, url, {**good, "fx": {**good["fx"], "data": good["fx"]["data"][:-1]}}), 422, "fx")
     assert_rejected(post(client, url, {**good, "fx": {**good["fx"], "dtype": "complex64"}}), 422, "complex64")
     assert_rejected(post(client, url, {**good, "fx": {**good["fx"], "shape": [1] * 9}}), 422, "shape")
-    assert_rejected(post(client, url, step_body(fx=torch.randn(BATCH, 5))), 422, "fx", "shape")
-    assert_rejected(post(client, url, step_body(fx=torch.randn(BATCH, 32, 7, 7))), 422, "fx", "shape")
-    assert_rejected(post(client, url, step_body(fx=torch.randn(0, 32, 14, 14), labels=torch.zeros(0, dtype=torch.int64))),
-                    422, "fx")
-    assert_rejected(post(client, url, step_body(fx=torch.tensor(1.0))), 422, "fx")
-    # Zero elements and zero bytes, but a dimension of 2**63 or more: refused by the decoder, not a 500.
-    for dims in ([0, 1 << 63], [1 << 63, 0, 14, 14], [0, (1 << 64) - 1]):
-        assert_rejected(post(client, url, {**good, "fx": {"dtype": "float32", "shape": dims, "data": b""}}), 422,
-                        "fx", "shape")
-        assert_rejected(post(client, url, {**good, "labels": {"dtype": "int64", "shape": dims, "data": b""}}), 422,
-                        "labels", "shape")
-    assert_rejected(post(client, url, step_body(fx=torch.ones(*FX_SHAPE, dtype=torch.int64))), 422, "fx", "int64")
-    assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH - 1, dtype=torch.int64))), 422, "labels", "shape")
-    assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH, dtype=torch.int32))), 422, "labels", "int64")
-    assert_rejected(post(client, url, step_body(labels=torch.zeros(BATCH, dtype=torch.float32))), 422, "labels")
-    big = step_body(fx=torch.randn(BATCH + 1, 32, 14, 14), labels=torch.zeros(BATCH + 1, dtype=torch.int64))
-    assert_rejected(post(client, url, big), 422, "fx", f"B <= {BATCH}")
+    # A step that does not fit, sent out of order: refused for its order, its content never read.
+    misfit, _ = misfit_steps(good)[0]
+    assert_rejected(post(client, url, {**misfit, "step": 3}), 409, "step 3", "step 0")
     assert_rejected(post(client, url, step_body(step=3)), 409, "step 3", "step 0")
     assert_rejected(post(client, url, {**good, "step": -1}), 422, "step")
     assert_rejected(post(client, url, step_body(device_id="dev-zzz")), 404, "dev-zzz")
@@ -424,3 +412,43 @@ def test_main_rejects_bad_steps_then_trains(services, client, main_round):
     # Step 0 is now behind the group.
     assert_rejected(post(client, url, step_body("dev-a", 0)), 409, "out of order")
     assert main_status(client, services) == status
+
+
+def misfit_steps(good: dict) -> list[tuple[dict, tuple[str, ...]]]:
+    """dev-a's step 0 with tensors that pass the body's schema but do not decode or do not fit the
+    group's batch, each with the words its refusal must name."""
+    steps = [
+        (step_body(fx=torch.randn(BATCH, 5)), ("fx", "shape")),
+        (step_body(fx=torch.randn(BATCH, 32, 7, 7)), ("fx", "shape")),
+        (step_body(fx=torch.randn(0, 32, 14, 14), labels=torch.zeros(0, dtype=torch.int64)), ("fx",)),
+        (step_body(fx=torch.tensor(1.0)), ("fx",)),
+        (step_body(fx=torch.ones(*FX_SHAPE, dtype=torch.int64)), ("fx", "int64")),
+        (step_body(labels=torch.zeros(BATCH - 1, dtype=torch.int64)), ("labels", "shape")),
+        (step_body(labels=torch.zeros(BATCH, dtype=torch.int32)), ("labels", "int64")),
+        (step_body(labels=torch.zeros(BATCH, dtype=torch.float32)), ("labels",)),
+        (step_body(fx=torch.randn(BATCH + 1, 32, 14, 14), labels=torch.zeros(BATCH + 1, dtype=torch.int64)),
+         ("fx", f"B <= {BATCH}")),
+    ]
+    # Zero elements and zero bytes, but a dimension of 2**63 or more: refused by the decoder, not a 500.
+    for dims in ([0, 1 << 63], [1 << 63, 0, 14, 14], [0, (1 << 64) - 1]):
+        steps.append(({**good, "fx": {"dtype": "float32", "shape": dims, "data": b""}}, ("fx", "shape")))
+        steps.append(({**good, "labels": {"dtype": "int64", "shape": dims, "data": b""}}, ("labels", "shape")))
+    return steps
+
+
+def test_main_drops_the_sender_of_a_step_that_does_not_fit(services, client, main_round):
+    """Each such step, in a round of its own (the plan of round 2, 3, ... replaces the open one),
+    is refused (422) and drops its sender, which could never send a step that fits and would hold
+    the group's barrier until the step deadline; the other member stays, at step 0."""
+    main = services["main"]
+    for round_id, (bad, words) in enumerate(misfit_steps(step_body()), start=2):
+        resp = post(client, f"{main}/v1/rounds", make_plan(round_id=round_id))
+        assert resp.status_code == 200, resp.text
+        with ThreadPoolExecutor(2) as pool:
+            joins = list(pool.map(lambda d: join(client, services, d, round_id=round_id), ["dev-a", "dev-b"]))
+        assert all(r.status_code == 200 for r in joins), [r.text for r in joins]
+        url = f"{main}/v1/rounds/{round_id}/step"
+        assert_rejected(post(client, url, bad), 422, *words, "dropped")
+        group = main_status(client, services)["groups"][0]
+        assert group["dropped"] == ["dev-a"] and group["step"] == 0 and group["done"] == [], (words, group)
+        assert_rejected(post(client, url, step_body()), 409, "dropped")

@@ -27,6 +27,8 @@ sample counts of 10**12 and beyond, label counts past int64, NaN and infinities.
 gets them with no round open (the run-level effects are ``test_robustness.py``'s); the Main
 Server gets them with a round open and both devices joined, so they reach the tensor decoder and
 the step checks, and its "server-side training failed" answer (a 500) cannot be reached by a body.
+A step refused by those checks drops its sender (and nothing else changes); the round is then
+opened again, so every example meets the checks with both devices in the group.
 
 ``SFL_FUZZ_EXAMPLES`` overrides ``EXAMPLES`` (default 25);
 generation is derandomized, so a run is reproducible (set ``SFL_FUZZ_RANDOM=1`` to explore).
@@ -441,25 +443,49 @@ def test_harmful_values_main_server(main_round):
     harmful_join()
     assert status()["joined"] == 0
 
-    answers: dict[str, httpx.Response] = {}
+    round_id = 1
 
-    def join_one(device: str) -> None:
-        with httpx.Client(timeout=30.0, headers=HEADERS) as c:
-            answers[device] = c.post(f"{main}/v1/rounds/1/join", content=packb({**join, "device_id": device}))
+    def join_both() -> None:
+        answers: dict[str, httpx.Response] = {}
 
-    threads = [threading.Thread(target=join_one, args=(d,)) for d in ("dev-a", "dev-b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(answers[d].status_code == 200 for d in ("dev-a", "dev-b")), {d: r.text for d, r in answers.items()}
-    assert unpackb(answers["dev-a"].content)["members"] == ["dev-a", "dev-b"]
+        def join_one(device: str) -> None:
+            with httpx.Client(timeout=30.0, headers=HEADERS) as c:
+                answers[device] = c.post(f"{main}/v1/rounds/{round_id}/join", content=packb({**join, "device_id": device}))
+
+        threads = [threading.Thread(target=join_one, args=(d,)) for d in ("dev-a", "dev-b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(answers[d].status_code == 200 for d in ("dev-a", "dev-b")), {d: r.text for d, r in answers.items()}
+        assert unpackb(answers["dev-a"].content)["members"] == ["dev-a", "dev-b"]
+
+    join_both()
 
     # Steps: harmful leaves anywhere, zero-element tensors of huge dimensions. Every one is refused
-    # before it reaches the barrier or the training. (A well-formed step with NaN/inf activations or
-    # labels out of range is refused too, and drops its sender from the group:
+    # before it reaches the barrier or the training. One that passes the body's schema meets the
+    # step checks, which drop its sender: then that is the only change, and the round is opened
+    # again. (Well-formed steps with NaN/inf activations or labels out of range:
     # tests/integration/test_misbehaving_members.py, tests/unit/main_server/test_round_state.py.)
     good = step_body()
+
+    def refused_step(bad: dict) -> None:
+        nonlocal round_id
+        before = status()
+        resp = own.post(f"{main}/v1/rounds/{round_id}/step", content=packb(bad))
+        assert 400 <= resp.status_code < 500, (resp.status_code, resp.text[:500], str(bad)[:1500], pair.main.log_tail(40))
+        assert resp.json()["detail"], resp.text
+        after = status()
+        if after == before:
+            return
+        sender = bad["device_id"]
+        assert resp.status_code == 422 and "dropped" in resp.json()["detail"], (resp.text, str(bad)[:1500])
+        (group,) = before["groups"]
+        assert after == {**before, "groups": [{**group, "dropped": [sender]}]}, (after, str(bad)[:1500])
+        round_id += 1
+        resp = own.post(f"{main}/v1/rounds", content=packb(make_plan(round_id=round_id)))
+        assert resp.status_code == 200, resp.text
+        join_both()
 
     @st.composite
     def harmful_step(draw):
@@ -474,10 +500,11 @@ def test_harmful_values_main_server(main_round):
     @_settings(2 * EXAMPLES)
     @given(bad=harmful_step())
     def send_step(bad):
-        refused("/v1/rounds/1/step", bad)
+        refused_step(bad)
 
     send_step()
     after = status()
     group = after["groups"][0]
     assert group["step"] == 0 and group["dropped"] == [] and group["done"] == [], after
+    print(f"\nharmful steps: {round_id - 1} met the step checks and dropped their sender")
     assert pair.main.alive()
