@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,13 @@ class Payload(BaseModel):
 
 
 P = TypeVar("P", bound=Payload)
+# The payload models an algorithm's hooks receive: a subclass names its own (e.g.
+# ``Algorithm[Payload, Payload, FedBCUploadExtras]``), the framework has validated every value
+# against them, and a plain ``Algorithm`` / ``DeviceLogic`` leaves them open.
+TaskExtrasT = TypeVar("TaskExtrasT", bound=Payload)
+ReportT = TypeVar("ReportT", bound=Payload)
+FollowUpT = TypeVar("FollowUpT", bound=Payload)
+UploadExtrasT = TypeVar("UploadExtrasT", bound=Payload)
 
 
 def parse_payload(model: type[P], raw: Mapping[str, Any], what: str) -> P:
@@ -98,7 +105,7 @@ class AlgorithmParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DeviceLogic:
+class DeviceLogic(Generic[TaskExtrasT, FollowUpT]):
     """What an algorithm changes on a device in one round. Defaults: plain cross-entropy.
 
     Only split-depth-zero rounds use :meth:`loss` (in split mode the Main Server computes the
@@ -108,7 +115,7 @@ class DeviceLogic:
     def __init__(self, params: JsonMap) -> None:
         self.params = params
 
-    def begin_round(self, model: torch.nn.Module, extras: Payload, data: "ArrayDataset") -> None:
+    def begin_round(self, model: torch.nn.Module, extras: TaskExtrasT, data: "ArrayDataset") -> None:
         """Called with the freshly loaded model (the global weights) and the task's validated
         ``Algorithm.TaskExtras`` before training."""
 
@@ -125,7 +132,7 @@ class DeviceLogic:
         ``Algorithm.Report``)."""
         return Payload()
 
-    def follow_up(self, model: torch.nn.Module, data: "ArrayDataset", instruction: Payload) -> None:
+    def follow_up(self, model: torch.nn.Module, data: "ArrayDataset", instruction: FollowUpT) -> None:
         """Two-phase algorithms: act on the Fed Server's validated answer to the report (an
         ``Algorithm.FollowUp``, e.g. refine)."""
 
@@ -134,7 +141,7 @@ class DeviceLogic:
         return Payload()
 
 
-class Algorithm:
+class Algorithm(Generic[ReportT, FollowUpT, UploadExtrasT]):
     """Fed Server side. Defaults: split depth zero, the configured aggregation rule (``aggregation``).
 
     Which devices train is not the algorithm's business: the coordinator composes the configured
@@ -189,18 +196,19 @@ class Algorithm:
         """Per-device values for this round's task (a ``TaskExtras``; e.g. FedBC's dual variable)."""
         return self.TaskExtras()
 
-    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, Payload]) -> dict[str, Payload]:
+    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, ReportT]) -> dict[str, FollowUpT]:
         """Two-phase algorithms: each reporting device's ``FollowUp`` to its validated ``Report``
         (raise ValueError when no plan can be made)."""
-        return {device: self.FollowUp() for device in reports}
+        # ``FollowUp`` is the model that FollowUpT names (a class attribute cannot be typed by it).
+        return {device: cast(FollowUpT, self.FollowUp()) for device in reports}
 
-    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: Payload,
+    def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: UploadExtrasT,
                       num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:
         """Checks of an upload that need the run's state, on its validated ``UploadExtras``
         (ValueError -> 422, nothing stored) before it is accepted."""
 
     def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
-                  contributions: Mapping[str, Contribution], extras: Mapping[str, Payload]) -> dict[str, torch.Tensor]:
+                  contributions: Mapping[str, Contribution], extras: Mapping[str, UploadExtrasT]) -> dict[str, torch.Tensor]:
         """New global model from the round's uploads, keyed by device: the configured aggregation
         rule (default: S2FL Algorithm 1's mean with bounded weights and updates; FedAvg when nothing
         is split). Also the place to update per-device state from the uploads."""
@@ -223,7 +231,7 @@ class Algorithm:
         """Extra evaluation of the new global model (e.g. out-of-distribution accuracy)."""
         return {}
 
-    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, Payload]) -> JsonMap:
+    def round_metrics(self, ctx: RoundContext, extras: Mapping[str, UploadExtrasT]) -> JsonMap:
         """Extra fields for the round's metrics record (``extras``: the aggregated uploads' ``UploadExtras``)."""
         return {}
 

@@ -234,7 +234,7 @@ def lambda_weighted_average(global_state: Mapping[str, torch.Tensor], states: Se
 
 
 # --------------------------------------------------------------------------------------------- device
-class FedBCLogic(DeviceLogic):
+class FedBCLogic(DeviceLogic[FedBCTaskExtras, Payload]):
     """Device side: the proximal local objective with the round's lambda_i, the local split, and
     the local evaluation sent with the upload."""
 
@@ -257,7 +257,7 @@ class FedBCLogic(DeviceLogic):
 
     def training_data(self, data: "ArrayDataset") -> "ArrayDataset":
         """The shard minus the held-back local test split."""
-        if self.test_idx is None or len(self.test_idx) == 0:
+        if self.train_idx is None or self.test_idx is None or len(self.test_idx) == 0:
             return data
         return data.subset(self.train_idx)
 
@@ -283,7 +283,7 @@ class FedBCLogic(DeviceLogic):
 
 
 # --------------------------------------------------------------------------------------------- server
-class FedBC(Algorithm):
+class FedBC(Algorithm[Payload, Payload, FedBCUploadExtras]):
     """Fed Server side: per-device lambda_i, gamma_i; dual/tolerance steps; lambda-weighted average."""
 
     Params = FedBCParams
@@ -348,9 +348,10 @@ class FedBC(Algorithm):
         n_train: dict[str, float] = {}
         for device in devices:
             contribution = contributions[device]
-            distances[device] = self._upload_distance.get(device)
-            if distances[device] is None:  # an upload that did not pass accept_update (a test calling aggregate)
-                distances[device] = self._checked_distance(device, contribution.client_state, global_state)
+            distance = self._upload_distance.get(device)
+            if distance is None:  # an upload that did not pass accept_update (a test calling aggregate)
+                distance = self._checked_distance(device, contribution.client_state, global_state)
+            distances[device] = distance
             ex = extras.get(device)
             n_train[device] = float(ex.train_samples if ex is not None else contribution.weight)
             lam, gam = self.lambda_of(device), self.gamma_of(device)

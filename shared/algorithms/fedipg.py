@@ -192,7 +192,7 @@ class FedIPGLogic(DeviceLogic):
                                   penalty_abs_s=self._abs_s_sum / n)
 
 
-class FedIPG(Algorithm):
+class FedIPG(Algorithm[Payload, Payload, FedIPGUploadExtras]):
     """Fed Server side: exit strategy (I_OOD never selected nor aggregated) and ID/OOD evaluation."""
 
     Params = FedIPGParams
@@ -285,7 +285,8 @@ class FedIPG(Algorithm):
         total = sum(c.weight for c in kept.values())
         deltas = {d: torch.cat([(global_state[k].double() - c.client_state[k].double()).flatten()
                                 for k in names if k in c.client_state]) for d, c in kept.items()}
-        mean = sum((c.weight / total) * deltas[d] for d, c in kept.items())
+        weighted = [(c.weight / total) * deltas[d] for d, c in kept.items()]
+        mean = sum(weighted[1:], weighted[0])  # ``kept`` is never empty (aggregate returns before)
         norm2 = float(mean.dot(mean))
         if norm2 <= 0.0 or not math.isfinite(norm2):
             return
@@ -323,7 +324,7 @@ class FedIPG(Algorithm):
         if self._domains is not None:
             return self._domains
         from shared.data import load_dataset
-        from shared.data.domains import color_dataset, color_domain, rotate_dataset, rotation_angle
+        from shared.data.domains import ColorRegion, color_dataset, color_domain, rotate_dataset, rotation_angle
 
         spec = self.config.data
         if spec.dataset == "local":  # the domains are copies of a built-in test set, which a local run has not
@@ -331,7 +332,7 @@ class FedIPG(Algorithm):
             return self._domains
         test = load_dataset(spec)[1]
         domains: dict[str, tuple[str, ArrayDataset]] = {}
-        region = "foreground"
+        region: ColorRegion = "foreground"
         if spec.device_transform == "rotation":
             for i in range(spec.num_devices):
                 angle = rotation_angle(i, spec.device_transform_params)

@@ -384,7 +384,7 @@ def public_set(data: Mapping[str, Any] | DataSpec, source: str = "holdout") -> A
 # ------------------------------------------------------------------------------------------------
 # device logic
 # ------------------------------------------------------------------------------------------------
-class FNRFLLogic(DeviceLogic):
+class FNRFLLogic(DeviceLogic[Payload, FNRFLFollowUp]):
     """Device side: plain CE local training (base), report (A_i, F_i), refinement if instructed."""
 
     def __init__(self, params: JsonMap) -> None:
@@ -430,7 +430,7 @@ class FNRFLLogic(DeviceLogic):
 # ------------------------------------------------------------------------------------------------
 # Fed Server side
 # ------------------------------------------------------------------------------------------------
-class FNRFL(Algorithm):
+class FNRFL(Algorithm[FNRFLReport, FNRFLFollowUp, FNRFLUploadExtras]):
     """FNR-FL on the Fed Server: ranks reports, plans refinements, FedAvg aggregation (base)."""
 
     Params = FNRFLParams
