@@ -94,10 +94,11 @@ class SyncClient:
         content = pack_body(body.model_dump()) if body is not None else None
         if content is not None:
             headers = {**(headers or {}), "content-length": str(len(content))}
-        kwargs = {"timeout": timeout} if timeout is not None else {}
+        request_timeout = timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
         if self.request_delay_s > 0:
             time.sleep(self.request_delay_s)
-        resp = retry(lambda: self._http.request(method, path, content=content, params=params, headers=headers, **kwargs),
+        resp = retry(lambda: self._http.request(method, path, content=content, params=params, headers=headers,
+                                                timeout=request_timeout),
                      self.backoff, (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")
         self.bytes.up += len(content or b"")
         self.bytes.down += len(resp.content)

@@ -68,8 +68,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
     """Where ``model``'s parameters (or, without any, buffers) live; the CPU for an empty module."""
     for tensor in model.parameters():
         return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 

@@ -256,10 +256,10 @@ def clip_updates(global_state: Mapping[str, torch.Tensor], contributions: Mappin
     if not replaced:
         return dict(contributions), {}
 
-    def swap(state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-        return None if state is None else {k: replaced.get(id(v), v) for k, v in state.items()}
+    def swap(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: replaced.get(id(v), v) for k, v in state.items()}
 
-    return {d: Contribution(c.weight, swap(c.client_state), swap(c.server_state))
+    return {d: Contribution(c.weight, swap(c.client_state), None if c.server_state is None else swap(c.server_state))
             for d, c in contributions.items()}, clipped
 
 
@@ -290,7 +290,7 @@ def _value(contribution: Contribution, key: str) -> torch.Tensor | None:
 def _candidates(key: str, contributions: Mapping[str, Contribution], distinct: bool) -> list[tuple[torch.Tensor, float]]:
     """(value, weight) per device supplying ``key``; with ``distinct``, one per tensor, the
     weights of the devices sharing it summed."""
-    out: dict[int, list] = {}
+    out: dict[int | str, list[Any]] = {}  # [value, summed weight] per tensor id or device
     for device, contribution in contributions.items():
         value = _value(contribution, key)
         if value is None:

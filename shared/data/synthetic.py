@@ -96,7 +96,8 @@ def generate_synthetic(num_devices: int = 30, alpha: float = 0.5, beta: float = 
             raise ValueError(f"synthetic {name} must be a finite standard deviation >= 0, got {value!r}")
     xs, ys, samples, _ = generate_raw(int(num_devices), float(alpha), float(beta), bool(iid), int(seed))
     shuffler = random.Random(seed)
-    parts: tuple[list[np.ndarray], ...] = ([], [], [], [])
+    # x_train, y_train, x_test, y_test: one array per device each
+    parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [], [])
     for x, y in zip(xs, ys):
         # random.shuffle's permutation depends only on the length, so shuffling indices equals the
         # original's shuffle of the list of (x, y) pairs.
@@ -104,6 +105,6 @@ def generate_synthetic(num_devices: int = 30, alpha: float = 0.5, beta: float = 
         shuffler.shuffle(order)
         idx = np.asarray(order, dtype=np.int64)
         n_train = int(TRAIN_FRACTION * len(y))
-        for target, value in zip(parts, (x[idx[:n_train]], y[idx[:n_train]], x[idx[n_train:]], y[idx[n_train:]])):
-            target.append(value)
+        for target, part in zip(parts, (x[idx[:n_train]], y[idx[:n_train]], x[idx[n_train:]], y[idx[n_train:]])):
+            target.append(part)
     return SyntheticFederated(*parts, samples_per_device=samples)

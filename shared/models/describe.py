@@ -70,9 +70,11 @@ def _dwsep(module: nn.Module) -> str | None:
     """``dwsep 32->64 s2`` for MobileNet's depthwise-separable unit (depthwise 3x3 conv, BN, ReLU,
     pointwise 1x1 conv, BN, ReLU); None for anything else."""
     layers = list(module.children())
-    if len(layers) != 6 or not all(isinstance(m, nn.Conv2d) for m in (layers[0], layers[3])):
+    if len(layers) != 6:
         return None
     depthwise, pointwise = layers[0], layers[3]
+    if not isinstance(depthwise, nn.Conv2d) or not isinstance(pointwise, nn.Conv2d):
+        return None
     if depthwise.groups != depthwise.in_channels or pointwise.kernel_size != (1, 1):
         return None
     stride = f" s{depthwise.stride[0]}" if depthwise.stride != (1, 1) else ""
