@@ -174,11 +174,12 @@ class MsgpackResponse(Response):
     """
 
     media_type = MSGPACK
+    body: Body  # type: ignore[assignment]  # a Body, not bytes: sent piece by piece below
 
     def __init__(self, body: Body, status_code: int = 200) -> None:
         self.status_code = status_code
         self.background = None
-        self.body = body  # type: ignore[assignment]  # a Body, not bytes: sent piece by piece below
+        self.body = body
         self.init_headers()  # Content-Length from len(body), Content-Type from media_type
 
     async def __call__(self, scope, receive, send) -> None:
@@ -233,7 +234,7 @@ class LeanRoute:
         except ClientDisconnect:
             return   # nobody to answer
         except Exception as exc:
-            response = error_response(exc)
+            response: Response | None = error_response(exc)
             if response is None:   # as Starlette's ServerErrorMiddleware answers a FastAPI route's crash
                 log.exception("%s %s failed", scope["method"], scope["path"])
                 response = PlainTextResponse("Internal Server Error", status_code=500)
@@ -296,7 +297,8 @@ class ServiceApp(FastAPI):
                 message = await read_message(request, model, max_bytes)
                 return msgpack_response(await handler(**params, headers=request.headers, message=message))
 
-            endpoint.__signature__ = inspect.Signature(   # what FastAPI reads: the path's integers and the request
+            # What FastAPI reads: the path's integers and the request (a function takes any attribute).
+            endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
                 [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=int) for name in route.params]
                 + [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request)])
             endpoint.__name__, endpoint.__doc__ = handler.__name__, handler.__doc__
@@ -356,7 +358,9 @@ def install_error_handlers(app: FastAPI) -> None:
     and a client gone mid-body to no answer at all."""
 
     async def _known_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+        response = error_response(exc)
+        assert response is not None, exc  # registered below only for the classes it answers
+        return response
 
     for cls in (ApiError, DomainError, WireError):
         app.add_exception_handler(cls, _known_error)
