@@ -53,6 +53,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="how the devices enrol: secret, every agent with the run's shared enrolment secret "
                              "(default); credentials, each agent with its own enrolment credential covering exactly "
                              "its shards, under a fresh enrolment key (docs/security.md); not with --device-data")
+    parser.add_argument("--real-links", action="store_true",
+                        help="run each device's agent in a network namespace of its own, its link shaped with tbf to "
+                             "its kind's rate times devices.time_scale (a number, not auto); emulates compute only. "
+                             "Linux, root and iproute2 (ip, tc); docs/real-links.md")
+    parser.add_argument("--agent-per-device", action="store_true",
+                        help="one agent process per device, its kind (transfers included) emulated on loopback: the "
+                             "layout of --real-links without the namespaces, to compare the two")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, metavar="MS",
+                        help="a round-trip delay the agents add to each request of their devices (default 0): "
+                             "application-level, as the shaped links add none (tc netem may be missing)")
     parser.add_argument("--run-dir", help="run directory (default runs/<time>-<algorithm>)")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     parser.add_argument("--log-level", default="INFO", help="log level of the services (their logs go to <run-dir>/logs)")
@@ -60,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the Main Server, the device agents and the Fed Server's evaluation compute: "
                              "auto, cpu, cuda, cuda:N, mps (default: each service's own default, cpu, or SFL_TORCH_DEVICE)")
     args = parser.parse_args(argv)
+    if (args.real_links or args.agent_per_device) and (args.agents != 1 or args.device_data):
+        parser.error("--real-links and --agent-per-device start one agent per device of the built-in data set: "
+                     "not with --agents or --device-data")
 
     shortcuts = {"algorithm": args.algorithm, "model": args.model, "rounds": args.rounds,
                  "data.num_devices": args.devices, "devices_per_round": args.per_round, "seed": args.seed}
@@ -85,12 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     data = "local data" if config.data.dataset == "local" else (
         f"{config.data.dataset} {config.data.partition}{f'({config.data.alpha})' if config.data.partition == 'dirichlet' else ''}")
     print(f"testbed: {config.algorithm} | model {config.model} | {data} | {config.data.num_devices} devices, "
-          f"{config.per_round} per round | {config.rounds} rounds | {_emulation(config.devices)}", flush=True)
+          f"{config.per_round} per round | {config.rounds} rounds | {_emulation(config.devices)}"
+          f"{_layout(args.real_links, args.agent_per_device, args.rtt_ms)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     interrupt_on_sigterm()
     try:
         testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
-                          torch_device=checked.torch_device, main_servers=main_servers, enrolment=args.enrolment)
+                          torch_device=checked.torch_device, main_servers=main_servers, enrolment=args.enrolment,
+                          real_links=args.real_links, agent_per_device=args.agent_per_device, rtt_ms=args.rtt_ms)
         with testbed:
             mains = ", ".join(testbed.main_urls) or "none (split depth zero)"
             print(f"fed server {testbed.fed_url}, main server {mains}; waiting for devices ...",
@@ -115,6 +130,13 @@ def _emulation(devices: DeviceMixConfig) -> str:
     if devices.time_scale == "auto":
         text += " (each agent logs what it measured: <run dir>/logs/agent-*.log)"
     return text
+
+
+def _layout(real_links: bool, agent_per_device: bool, rtt_ms: float) -> str:
+    """The header's part on the agents' layout, links and round-trip delay (nothing for the default)."""
+    text = (" | real links: an agent per device, each in its own network namespace, shaped with tbf" if real_links
+            else " | an agent per device, links emulated" if agent_per_device else "")
+    return text + (f" | rtt {rtt_ms:g} ms" if rtt_ms else "")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,9 @@ class Service:
     module: str = ""
     args: tuple[str, ...] = ()
     env: dict[str, str] | None = None
+    # Started afresh under this command (``ip netns exec NS``; () for none) by ProcessGroup.start_under;
+    # None: started as its group starts children (forked from the warm starter if there is one).
+    prefix: tuple[str, ...] | None = None
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -104,21 +107,36 @@ class ProcessGroup:
 
     def start(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Service:
         """Start ``python -m module`` as a member of this group (stopped with it)."""
-        service = Service(name, self._spawn(name, module, args, env), self.log_dir / f"{name}.log", module,
-                          tuple(args), env)
+        return self._add(Service(name, self._spawn(name, module, args, env), self.log_dir / f"{name}.log", module,
+                                 tuple(args), env))
+
+    def start_under(self, prefix: Sequence[str], name: str, module: str, args: Sequence[str],
+                    env: dict[str, str] | None = None) -> Service:
+        """:meth:`start` under the command ``prefix`` (``ip netns exec NS``, which then becomes the
+        interpreter), always afresh: what the prefix does (enter a network namespace) a child forked
+        from the warm starter could not do to itself on Python 3.11 (no ``os.setns``)."""
+        return self._add(Service(name, self._exec(name, module, args, env, tuple(prefix)),
+                                 self.log_dir / f"{name}.log", module, tuple(args), env, tuple(prefix)))
+
+    def _add(self, service: Service) -> Service:
         self.services.append(service)
         return service
 
     def _spawn(self, name: str, module: str, args: Sequence[str],
                env: dict[str, str] | None) -> subprocess.Popen | WarmProcess:
-        """``python -m module args`` in its own session, appending to ``log_dir/name.log``."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path, child_env = self.log_dir / f"{name}.log", service_env(env)
+        """``python -m module args``, forked from the warm starter if this group has one, else :meth:`_exec`."""
         if self.warm is not None:
-            return self.warm.start(module, args, child_env, log_path)
-        with open(log_path, "ab") as log_file:
-            return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
-                                    env=child_env, start_new_session=True)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            return self.warm.start(module, args, service_env(env), self.log_dir / f"{name}.log")
+        return self._exec(name, module, args, env, ())
+
+    def _exec(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None,
+              prefix: tuple[str, ...]) -> subprocess.Popen:
+        """``prefix python -m module args`` in its own session, appending to ``log_dir/name.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log_file:
+            return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], stdout=log_file,
+                                    stderr=subprocess.STDOUT, env=service_env(env), start_new_session=True)
 
     def restart(self, service: Service, sig: int = signal.SIGKILL) -> Service:
         """Kill ``service`` with ``sig`` (default SIGKILL: no chance to clean up) and start it
@@ -126,7 +144,8 @@ class ProcessGroup:
         if service.alive():
             service.process.send_signal(sig)
         service.process.wait()
-        service.process = self._spawn(service.name, service.module, service.args, service.env)
+        service.process = (self._spawn(service.name, service.module, service.args, service.env) if service.prefix is None
+                           else self._exec(service.name, service.module, service.args, service.env, service.prefix))
         return service
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -1,6 +1,9 @@
-"""The local testbed: Fed Server, Main Server and device agents as separate processes on loopback."""
+"""The local testbed: Fed Server, Main Server and device agents as separate processes on loopback,
+or with real links, each device's agent in a network namespace of its own behind a shaped link
+(:mod:`testbed.links`)."""
 from __future__ import annotations
 
+import math
 import secrets
 import subprocess
 import time
@@ -12,7 +15,10 @@ import yaml
 
 from shared.config import RunConfig
 from shared.imports import is_import_path
+from shared.profiles import parse_kind
+from testbed.errors import TestbedError
 from testbed.follow import FollowError, ProgressFn, fetch_status, follow_run
+from testbed.links import LinksNetwork, check_host
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
 from testbed.warm_start import WarmStarter
 
@@ -43,12 +49,6 @@ def main_servers_for(split_mode: str) -> int:
     return 0 if split_mode == "zero" else 1
 
 
-class TestbedError(RuntimeError):
-    """A service died or the run did not finish in time; the message carries its log tail."""
-
-    __test__ = False  # not a pytest test class
-
-
 class Testbed:
     """Starts every process of one run, follows its progress, stops everything at the end."""
 
@@ -58,7 +58,8 @@ class Testbed:
                  log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
                  device_data: list[str] | None = None, torch_device: str | None = None,
                  main_servers: int | None = None, warm: WarmStarter | None = None,
-                 enrolment: str = "secret") -> None:
+                 enrolment: str = "secret", real_links: bool = False, agent_per_device: bool = False,
+                 rtt_ms: float = 0.0) -> None:
         """``main_servers``: Main Server processes (replicas); the Fed Server gets every URL
         (docs/deployment.md, "Main Server replicas"). None: :func:`main_servers_for` the
         algorithm's split mode (``python -m testbed`` passes the number: its launcher never
@@ -68,7 +69,13 @@ class Testbed:
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
         ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu).
         ``enrolment``: one of :data:`ENROLMENTS` (with ``auth``); ``credentials`` needs a built-in
-        data set, whose shards the credentials name."""
+        data set, whose shards the credentials name.
+        ``agent_per_device``: one agent process per device (``agents`` is then unused), each
+        emulating its device's kind, transfers included, on loopback. ``real_links``: the same
+        layout with each agent in a network namespace of its own behind a link shaped to its kind's
+        rate times ``devices.time_scale`` (:mod:`testbed.links`; Linux, root, iproute2); the
+        servers listen on the network's service address, known once started. ``rtt_ms``: a
+        round-trip delay every agent adds to each request (``--request-delay-ms``)."""
         if enrolment not in ENROLMENTS:
             raise TestbedError(f"enrolment {enrolment!r}: one of {', '.join(ENROLMENTS)}")
         if enrolment == "credentials" and device_data:
@@ -83,27 +90,22 @@ class Testbed:
                                if self.device_data == [] else
                                "--device-data is for runs with data.dataset: local; this run partitions "
                                f"the built-in data set {config.data.dataset!r}")
+        if not (math.isfinite(rtt_ms) and rtt_ms >= 0):
+            raise TestbedError(f"rtt {rtt_ms} ms: a number of milliseconds >= 0")
         self.run_dir = Path(run_dir)
         self.agents = max(1, agents)
-        self.host = host
+        self.agent_per_device = agent_per_device or real_links
+        self.rtt_ms = rtt_ms
         self.log_level = log_level
         self.tls = tls
-        scheme = "https" if tls else "http"
-        self.fed_port = free_port(host)
-        ports = [self.fed_port]
+        self.network = self._links_network(config) if real_links else None
         if main_servers is None:
             from shared.algorithms.registry import build_algorithm   # torch: only for callers that have it
 
             main_servers = main_servers_for(build_algorithm(config).split_mode())
-        while len(ports) < 1 + main_servers:   # the OS may hand out the same free port twice
-            port = free_port(host)
-            if port not in ports:
-                ports.append(port)
-        self.fed_url = f"{scheme}://{host}:{self.fed_port}"
-        self.main_urls = [f"{scheme}://{host}:{port}" for port in ports[1:]]
-        # The first replica (the only one by default); None without a Main Server.
-        self.main_port: int | None = ports[1] if main_servers else None
-        self.main_url: str | None = self.main_urls[0] if main_servers else None
+        self.main_servers = main_servers
+        if self.network is None:
+            self._listen_on(host)
         # Fresh secrets per run, handed to the children as owner-only files (never on a command
         # line or in their environment, where `ps eww` would show them; see SecretFiles), each
         # named by its flag: --<name>-file PATH.
@@ -120,8 +122,50 @@ class Testbed:
         self.agent_services: list[Service] = []
         self.status_patience_s = 120.0   # how long status requests may fail before follow() gives up
 
+    def _links_network(self, config: RunConfig) -> LinksNetwork:
+        """The real-links network of this run's devices (made by :meth:`start`): each device's link
+        shaped to its kind's rate times ``devices.time_scale``; TestbedError where it cannot be."""
+        devices = config.devices
+        if self.device_data:
+            raise TestbedError("real links run a built-in data set's shards, one agent per device; not --device-data")
+        if self.tls:
+            raise TestbedError("real links: the testbed's TLS certificates name loopback, not the service address")
+        if not devices.profiles:
+            raise TestbedError("real links shape each device's link to its kind's rate: devices.profiles must name kinds")
+        if devices.time_scale == "auto":
+            raise TestbedError("real links shape each device's link to its kind's rate times devices.time_scale, which "
+                               "must be a number here, not auto (e.g. --set devices.time_scale=20)")
+        check_host()
+        return LinksNetwork([parse_kind(self._kind(i)).rate * devices.time_scale
+                             for i in range(config.data.num_devices)])
+
+    def _kind(self, device: int) -> str:
+        """The emulated kind of device (shard) ``device``: the run's kinds go round-robin."""
+        kinds = self.config.devices.profiles
+        return kinds[device % len(kinds)]
+
+    def _listen_on(self, host: str) -> None:
+        """Pick the servers' ports on ``host`` and their URLs."""
+        scheme = "https" if self.tls else "http"
+        self.host = host
+        self.fed_port = free_port(host)
+        ports = [self.fed_port]
+        while len(ports) < 1 + self.main_servers:   # the OS may hand out the same free port twice
+            port = free_port(host)
+            if port not in ports:
+                ports.append(port)
+        self.fed_url = f"{scheme}://{host}:{self.fed_port}"
+        self.main_urls = [f"{scheme}://{host}:{port}" for port in ports[1:]]
+        # The first replica (the only one by default); None without a Main Server.
+        self.main_port: int | None = ports[1] if self.main_servers else None
+        self.main_url: str | None = self.main_urls[0] if self.main_servers else None
+
     def start(self) -> None:
-        """Write the config, start the servers and the agents, wait until the servers are healthy."""
+        """Make the real-links network (with real links), write the config, start the servers and
+        the agents, wait until the servers are healthy."""
+        if self.network is not None:
+            self.network.create()
+            self._listen_on(self.network.service_address)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "testbed-config.yaml"
         config_path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
@@ -144,6 +188,9 @@ class Testbed:
         if self.device_data:
             for i, path in enumerate(self.device_data):
                 self.agent_services.append(self.start_agent(f"agent-{i}", data=path, index=i))
+        elif self.agent_per_device:
+            for i in range(self.config.data.num_devices):
+                self.agent_services.append(self.start_agent(f"agent-{i}", [i]))
         else:
             shards = list(range(self.config.data.num_devices))
             for i, chunk in enumerate(split_evenly(shards, self.agents)):
@@ -159,22 +206,40 @@ class Testbed:
         with the same name in different folders stay two devices, and the emulated kinds go on
         round-robin from ``index``). ``module``: the agent's program, ``python -m device_agent`` or
         one that takes its arguments (the attack benchmark's ``benchmarks.adversary``), given
-        ``extra`` arguments of its own."""
+        ``extra`` arguments of its own. With one agent per device, ``shards`` is that device's
+        alone and the agent is given its kind alone; with real links it starts in the device's
+        namespace."""
         kinds = list(self.config.devices.profiles)
+        prefix: list[str] = []
         if data is not None:
             if kinds:  # none (devices.profiles: []): real devices, nothing to rotate
                 kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
             devices = ["--data", data, "--prefix", f"dev{index}"]
         else:
             devices = ["--shards", _shard_list(shards or []), "--prefix", AGENT_PREFIX]
+            if self.agent_per_device and shards:
+                kinds = [self._kind(shards[0])] if kinds else []
+                prefix = self.network.exec_prefix(shards[0]) if self.network is not None else []
         args = ["--fed-server-url", self.fed_url, *devices, "--kinds", ",".join(kinds),
                 "--time-scale", str(self.config.devices.time_scale), "--log-level", self.log_level,
-                *self._torch_device_args()]
+                *self._torch_device_args(), *self._link_args()]
         if self.tls:
             args += ["--ca-file", self.tls.ca]
         args += self._model_args()
         # Devices know only the enrolment secret (or their own credential), never the service secret.
-        return self.processes.start(name, module, [*args, *self._enrolment_args(name, shards or []), *extra])
+        args += [*self._enrolment_args(name, shards or []), *extra]
+        # One agent per device starts afresh (never forked from a warm starter) with or without real
+        # links, as an agent entering its namespace must: the emulated layout then differs from the
+        # real one in its links alone, not in its agents' cold start.
+        if self.agent_per_device and shards:
+            return self.processes.start_under(prefix, name, module, args)
+        return self.processes.start(name, module, args)
+
+    def _link_args(self) -> list[str]:
+        """An agent's ``--links real`` (its link is shaped: only compute is emulated) and
+        ``--request-delay-ms`` (the run's round-trip delay), where they differ from the defaults."""
+        return [*(["--links", "real"] if self.network is not None else []),
+                *(["--request-delay-ms", f"{self.rtt_ms:g}"] if self.rtt_ms else [])]
 
     def _torch_device_args(self) -> list[str]:
         return ["--torch-device", self.torch_device] if self.torch_device else []
@@ -241,21 +306,28 @@ class Testbed:
         for service in (self.fed, *(dead_mains[:1] if len(dead_mains) == len(self.mains) else [])):
             if service is not None and not service.alive():
                 raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
-        # A device with its own data that stopped (bad data) never registers: the run would wait
-        # for it until the timeout, so its one-line reason ends the run at once.
-        for service in self.agent_services if self.device_data else ():
+        # A device with its own data that stopped (bad data), or the one device of an agent that
+        # failed (say, in its namespace), never registers: the run would wait for it until the
+        # timeout, so its one-line reason ends the run at once.
+        for service in self.agent_services if self.device_data or self.agent_per_device else ():
             if not service.alive() and service.process.returncode != 0:
                 raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
 
     def stop(self, agent_grace_s: float = 15.0) -> None:
-        """Give the agents a moment to collect the final model and exit on their own, then stop all."""
-        deadline = time.monotonic() + agent_grace_s
-        for agent in self.agent_services:
-            while agent.alive() and time.monotonic() < deadline and self.fed is not None and self.fed.alive():
-                time.sleep(0.1)
-        self.processes.stop()
-        if self.secret_files is not None:
-            self.secret_files.remove()
+        """Give the agents a moment to collect the final model and exit on their own, then stop all
+        and remove the secrets and the real-links network, even when interrupted (Ctrl-C, SIGTERM)
+        while stopping the processes."""
+        try:
+            deadline = time.monotonic() + agent_grace_s
+            for agent in self.agent_services:
+                while agent.alive() and time.monotonic() < deadline and self.fed is not None and self.fed.alive():
+                    time.sleep(0.1)
+            self.processes.stop()
+        finally:
+            if self.secret_files is not None:
+                self.secret_files.remove()
+            if self.network is not None:
+                self.network.remove()
 
     def __enter__(self) -> "Testbed":
         try:
