@@ -357,8 +357,8 @@ class RoundState:
         peak = max(-lowest, highest)
         if peak > self.plan.max_activation:
             return f"fx: |activation| up to {peak:.3g}, beyond the bound {self.plan.max_activation:g} (grouping.max_activation)"
-        lowest, highest = torch.aminmax(batch.labels)   # batch >= 1 here; both bounds in one torch call
-        if int(lowest) < 0 or int(highest) >= self.plan.num_classes:
+        low_label, high_label = torch.aminmax(batch.labels)   # batch >= 1 here; both bounds in one torch call
+        if int(low_label) < 0 or int(high_label) >= self.plan.num_classes:
             return f"labels: values must lie in [0, {self.plan.num_classes})"
         return None
 
