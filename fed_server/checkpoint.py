@@ -35,6 +35,8 @@ class RunProgress:
     algorithm_state: dict[str, Any] = field(default_factory=dict)
     selector_state: dict[str, Any] = field(default_factory=dict)
     time_table: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Devices sitting out after missed deadlines (fed_server/missed_deadlines.py).
+    missed_deadlines: dict[str, list[int]] = field(default_factory=dict)
     finished: bool = False
     stop_reason: str | None = None
 

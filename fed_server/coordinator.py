@@ -29,7 +29,8 @@ from fed_server.update_checks import (
 from shared.evaluation import combine_reports, evaluate, evaluation_mode, server_test_set
 from fed_server.records import RoundRecord, round_record, run_summary
 from fed_server.recorder import Recorder
-from fed_server.round_state import Assignment, FedRound, ReceivedPortion, ReceivedUpdate
+from fed_server.missed_deadlines import MissedDeadlines
+from fed_server.round_state import NO_REPORT, Assignment, FedRound, ReceivedPortion, ReceivedUpdate
 from fed_server.checkpoint import RunProgress
 from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
@@ -128,6 +129,7 @@ class Coordinator:
         # The selection policy is composed here, beside the algorithm: every algorithm gets it
         # without having to call it (HiCS-FL learns from every aggregated upload).
         self.selector = build_selector(config, output_layer=self.algorithm.output_layer)
+        self.missed = MissedDeadlines(config.deadlines.max_skip_rounds)
         self.profile = profile_model(self.model, config.model)
         self.evaluation_mode = evaluation_mode(config)
         # Federated evaluation does not use a server test set even where one exists.
@@ -210,6 +212,7 @@ class Coordinator:
                 raise Conflict(f"{req.device_id}: the device's model differs from the run's "
                                f"(model {self.config.model!r}): " + "; ".join(differences))
         record = self.devices.register(req)
+        self.missed.answered([req.device_id])   # a restarted agent's device is tried again at once
         self.changed.set()
         if self.round is not None and self._sits_out(self.round, req.device_id):
             log.warning("%s enrolled again during attempt %d: it sits that attempt out (the Main Server's plan "
@@ -246,7 +249,7 @@ class Coordinator:
         self.attempts = self.recorder.reserve_attempt(self.attempts + 1)
         index = self.rounds_done + 1
         ctx = RoundContext(index=index, attempt=self.attempts)
-        pool = self.algorithm.eligible(self.devices.ids())
+        pool = self._selectable(self.algorithm.eligible(self.devices.ids()))
         selected = self.selector.select(ctx, pool, min(self.config.per_round, len(pool)), self.rng)
         splits = self.planner.choose(index, selected)
         self.round = FedRound(
@@ -257,6 +260,16 @@ class Coordinator:
         )
         log.info("round %d (attempt %d): %d devices, splits %s", index, self.attempts, len(selected), {d: a.split_point for d, a in self.round.assignments.items()})
         return self.round
+
+    def _selectable(self, eligible: list[str]) -> list[str]:
+        """``eligible`` less the devices sitting out after a missed deadline
+        (:mod:`fed_server.missed_deadlines`), unless that would leave fewer than the quorum."""
+        skipped = self.missed.skipped(self.attempts)
+        pool = [d for d in eligible if d not in skipped]
+        if skipped & set(eligible) and len(pool) >= self.config.deadlines.min_participants:
+            log.info("attempt %d: %s sit out after missing a deadline", self.attempts, sorted(skipped & set(eligible)))
+            return pool
+        return eligible
 
     def replica_plans(self, fed_round: FedRound, live: Sequence[str]) -> dict[str, RoundPlan]:
         """The round plan of each replica in ``live`` that gets devices, and every assignment's
@@ -511,7 +524,7 @@ class Coordinator:
 
     def plan_follow_ups(self, fed_round: FedRound) -> None:
         """Close reporting: devices that did not report are dropped; the algorithm answers the rest."""
-        self._exclude(fed_round, set(fed_round.assignments) - set(fed_round.reports), "no report by the report deadline")
+        self._exclude(fed_round, set(fed_round.assignments) - set(fed_round.reports), NO_REPORT)
         try:
             fed_round.follow_ups = self.algorithm.plan_follow_ups(fed_round.context, fed_round.reports)
         except ValueError as exc:
@@ -786,6 +799,7 @@ class Coordinator:
             {**self.selector.metrics(), **self.algorithm.round_metrics(fed_round.context, extras)} if ok else {},
             evaluated_devices=evaluated[0], evaluated_samples=evaluated[1])
         self.cumulative_bytes = record.cumulative_bytes
+        self._note_deadlines(fed_round, used)
         finished, stop_reason = False, None
         if self.rounds_done >= self.config.rounds:
             finished, stop_reason = True, "completed"
@@ -795,6 +809,17 @@ class Coordinator:
         progress.history_len += 1   # the record this checkpoint will cover
         self._unrecorded = Conclusion(record, progress)
         return self._unrecorded
+
+    def _note_deadlines(self, fed_round: FedRound, used: Sequence[str]) -> None:
+        """Clear the record of every device that uploaded; make those the attempt waited a
+        deadline for sit out (:mod:`fed_server.missed_deadlines`). A device that enrolled again
+        meanwhile (a restarted agent, which sits out the attempt it restarted in) is not counted."""
+        self.missed.answered(fed_round.updates)
+        late = {d for d in fed_round.missed_deadline(used)
+                if fed_round.assignments[d].token_nonce == self.devices.token_nonce(d)}
+        for device, skip in self.missed.missed(late, fed_round.round_id).items():
+            log.warning("round %d (attempt %d): %s missed a deadline; it sits out the next %d attempt%s",
+                        fed_round.index, fed_round.round_id, device, skip, "" if skip == 1 else "s")
 
     def record(self, conclusion: Conclusion) -> RoundRecord:
         """Evaluate the concluded attempt's new model (on the server's test set with server
@@ -835,7 +860,7 @@ class Coordinator:
             failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
             cumulative_bytes=self.cumulative_bytes, elapsed_s=self._elapsed(), rng_state=self.rng.getstate(),
             algorithm_state=self.algorithm.state_dict(), selector_state=self.selector.state_dict(), time_table=self.table.entries(),
-            finished=finished, stop_reason=stop_reason)
+            missed_deadlines=self.missed.state_dict(), finished=finished, stop_reason=stop_reason)
 
     def resume(self) -> bool:
         """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
@@ -865,6 +890,7 @@ class Coordinator:
         self.algorithm.load_state_dict(progress.algorithm_state)
         self.selector.load_state_dict(progress.selector_state)
         self.table.load_entries(progress.time_table)
+        self.missed.load_state_dict(progress.missed_deadlines)
         self.finished = progress.finished
         self.stop_reason = progress.stop_reason
         log.info("resumed run %s after round %d (attempt %d)", self.run_id, self.rounds_done, self.attempts)

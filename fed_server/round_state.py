@@ -12,6 +12,13 @@ from shared.algorithms.base import Payload, RoundContext
 from shared.schemas import ServerPortionUpload, UpdateRequest
 
 
+#: Why a device left an attempt when the attempt waited a deadline for it (``FedRound.left``).
+NEVER_JOINED = "never joined a group at the Main Server"
+NO_REPORT = "no report by the report deadline"
+NO_UPLOAD = "no upload by the round deadline"
+MISSED_DEADLINE = frozenset({NEVER_JOINED, NO_REPORT, NO_UPLOAD})
+
+
 @dataclass
 class Assignment:
     """A selected device's task: its split (block count and candidate index), the Main Server
@@ -118,13 +125,17 @@ class FedRound:
             for device in portion.upload.dropped:
                 at_main_server.setdefault(device, f"dropped by the Main Server from group {group_id}")
             for device in portion.upload.absent:
-                at_main_server.setdefault(device, "never joined a group at the Main Server")
-        missing = ("no Main Server replica accepted the round plan" if self.plan_failed is not None
-                   else "no upload by the round deadline")
+                at_main_server.setdefault(device, NEVER_JOINED)
+        missing = "no Main Server replica accepted the round plan" if self.plan_failed is not None else NO_UPLOAD
         # Every uploader that is not aggregated was dropped by one server or the other, so a
         # device with neither reason never uploaded.
         return {d: self.excluded.get(d) or at_main_server.get(d) or missing
                 for d in sorted(set(self.assignments) - set(used))}
+
+    def missed_deadline(self, used: Collection[str]) -> set[str]:
+        """The selected devices the attempt had to wait a deadline for: they never joined their
+        group, never reported or never uploaded (:data:`MISSED_DEADLINE`)."""
+        return {d for d, why in self.left(used).items() if why in MISSED_DEADLINE}
 
     def replicas(self) -> list[str]:
         """The Main Server replicas this attempt's devices were sent to, in first-use order."""

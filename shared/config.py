@@ -94,6 +94,11 @@ class DeadlineConfig(_Strict):
     # Federated evaluation: after aggregating, the Fed Server waits this long for the devices'
     # evaluation reports; the round's accuracy is the mean over those that arrived.
     evaluate_s: float = Field(30.0, gt=0)
+    # A selected device that let a deadline pass (never joined its group, reported or uploaded)
+    # is not selected for the next 1, 2, 4, ... attempts (doubling with each miss in a row), at
+    # most this many; an upload or a new registration clears it. 0: always selectable
+    # (fed_server/missed_deadlines.py).
+    max_skip_rounds: int = Field(16, ge=0)
 
 
 #: The paper's High:Mid:Low = 5:3:2 composition, interleaved so any 10 consecutive shards hold it.

@@ -79,3 +79,18 @@ def test_a_sybil_burst_is_refused_by_the_credentials_and_the_honest_devices_keep
     _assert_not_stopped_nor_wrecked(result, records)
     adversary_log = (tmp_path / "run" / "logs" / "adversary.log").read_text()
     assert "registered 0 of 3 made-up devices on the other shards; refused, e.g. sybil-000:" in adversary_log
+
+
+def test_a_silent_device_sits_out_the_attempt_after_its_miss_then_is_tried_again(tmp_path):
+    # It takes its task and never joins its group: the first attempt waits join_s for it, the
+    # next one does not select it, the one after tries it again (and it misses again).
+    rounds = 3
+    config = _config("s2fl").model_copy(update={"rounds": rounds})
+    result = run_once(config, "silent", 1, tmp_path / "run", time_limit_s=rounds * ROUND_S + 30, warm=shared_starter())
+    records = read_metrics(tmp_path / "run")
+    assert result.complete, f"{result.rounds_completed} of {result.rounds_planned} rounds: {result.error}"
+    assert ["dev-003" in r["selected"] for r in records] == [True, False, True]
+    assert records[0]["left"] == {"dev-003": "never joined a group at the Main Server"}
+    fed_log = (tmp_path / "run" / "logs" / "fed_server.log").read_text()
+    assert "dev-003 missed a deadline; it sits out the next 1 attempt" in fed_log
+    assert "dev-003 missed a deadline; it sits out the next 2 attempts" in fed_log
