@@ -53,8 +53,14 @@ class MainApi(Protocol):
     """The Main Server of one round's split training, as one device sees it."""
 
     url: str
-    bytes_up: int     # body bytes sent and received so far (the device's communication figures)
-    bytes_down: int
+
+    @property
+    def bytes_up(self) -> int:
+        """Body bytes sent so far (the device's communication figures)."""
+
+    @property
+    def bytes_down(self) -> int:
+        """Body bytes received so far."""
 
     def join(self, round_id: int, req: JoinRequest, timeout: float) -> JoinResponse:
         """Join the round; answered when the groups are formed."""

@@ -584,7 +584,7 @@ class Device:
 
     def _join(self, task: TaskResponse, clock: RoundClock):
         """Join the round at the Main Server; return the per-step exchange function."""
-        assert self.main is not None and self.data is not None and task.train is not None
+        assert self.main is not None and self.data is not None and task.train is not None and task.round_id is not None
         main = self.main
         round_id = task.round_id
         num_steps = steps_per_round(len(self.data), task.train.batch_size, task.train.local_epochs)

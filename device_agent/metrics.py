@@ -136,7 +136,7 @@ class AgentMetrics:
 
         server_class = type("MetricsServer", (_MetricsServer,), {
             "address_family": socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]})   # "::" too
-        server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        server: WSGIServer = make_server(host, port, app, server_class, handler_class=_QuietHandler)
         thread = threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True)
         thread.start()
         return server, thread
