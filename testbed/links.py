@@ -213,9 +213,14 @@ def host_problem(platform: str, euid: int, which: Callable[[str], str | None]) -
     return None
 
 
+def problem_here() -> str | None:
+    """:func:`host_problem` of this machine and process."""
+    return host_problem(sys.platform, os.geteuid() if hasattr(os, "geteuid") else -1, shutil.which)
+
+
 def check_host() -> None:
     """TestbedError with :func:`host_problem`'s line when real links cannot be made here."""
-    problem = host_problem(sys.platform, os.geteuid() if hasattr(os, "geteuid") else -1, shutil.which)
+    problem = problem_here()
     if problem:
         raise TestbedError(problem)
 
