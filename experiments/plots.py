@@ -55,8 +55,8 @@ def _mean_curve(cells: list[CellResult], xy: XY) -> tuple[list[float], list[floa
     length = min(len(c.rounds) for c in cells)
     xs, ys, sds = [], [], []
     for i in range(length):
-        points = [xy(c.rounds[i]) for c in cells]
-        if any(p is None for p in points):   # a round without an accuracy (federated, nobody reported)
+        points = [p for c in cells if (p := xy(c.rounds[i])) is not None]
+        if len(points) < len(cells):   # a round without an accuracy (federated, nobody reported)
             continue
         xs.append(statistics.fmean(p[0] for p in points))
         ys.append(statistics.fmean(p[1] for p in points))
@@ -117,10 +117,10 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
     if not by_kind:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, data, title in ((axes[0], by_kind, "by device kind (FLOPS-rate)"), (axes[1], by_split, "by split point")):
-        categories = sorted({c for per in data.values() for c in per}, key=_category_order)
-        width = 0.8 / max(1, len(data))
-        for i, (label, per) in enumerate(data.items()):
+    for ax, by_label, title in ((axes[0], by_kind, "by device kind (FLOPS-rate)"), (axes[1], by_split, "by split point")):
+        categories = sorted({c for per in by_label.values() for c in per}, key=_category_order)
+        width = 0.8 / max(1, len(by_label))
+        for i, (label, per) in enumerate(by_label.items()):
             xs = [j + i * width for j in range(len(categories))]
             means = [statistics.fmean(per[c]) if c in per else 0.0 for c in categories]
             bars = ax.bar(xs, means, width=width, label=label)
@@ -128,7 +128,7 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
                 if c in per:
                     ax.annotate(f"{len(per[c])}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=6)
-        ax.set_xticks([j + width * (len(data) - 1) / 2 for j in range(len(categories))])
+        ax.set_xticks([j + width * (len(by_label) - 1) / 2 for j in range(len(categories))])
         ax.set_xticklabels(categories, rotation=30, fontsize=8)
         ax.set_ylabel("mean device round time (s)")
         ax.set_title(f"Per-device round time {title}", fontsize=9)

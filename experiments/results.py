@@ -34,7 +34,7 @@ def load_results(spec: ExperimentSpec, cells: Sequence[Cell], out: Path) -> list
     for cell in cells:
         path = cell_dir(out, cell)
         record = read_cell_record(path)
-        if not ran_as(path, record, cell):
+        if record is None or not ran_as(path, record, cell):
             results.append(CellResult(cell, "not run"))
             continue
         rounds = [r for r in RunDirectory(path).read_metrics() if r.get("status") == "ok"]
@@ -87,8 +87,8 @@ def cell_row(result: CellResult, spec: ExperimentSpec) -> dict[str, Any]:
         row[f"time_to_{key}_s"] = hit["elapsed_s"] if hit else None
         row[f"bytes_to_{key}"] = hit["cumulative_bytes"] if hit else None
     for name in spec.report.metrics:
-        value = _metric(rounds[-1], name) if rounds else None
-        row[name] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        metric = _metric(rounds[-1], name) if rounds else None
+        row[name] = metric if isinstance(metric, (int, float)) and not isinstance(metric, bool) else None
     return row
 
 

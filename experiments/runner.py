@@ -65,11 +65,9 @@ def read_cell_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def ran_as(path: Path, record: dict | None, cell: Cell) -> bool:
+def ran_as(path: Path, record: dict, cell: Cell) -> bool:
     """Whether the run in cell directory ``path`` (``record``: its ``cell.json``) ran ``cell``'s
     configuration (:meth:`Cell.ran_as`: the same hash, or the same settings but those added since)."""
-    if record is None:
-        return False
     try:
         ran_config = RunDirectory(path).read_config()
     except (OSError, UnicodeDecodeError, yaml.YAMLError):   # unreadable: as if never written
