@@ -381,9 +381,6 @@ class HarmfulFed:
     def withdraw(self, req: WithdrawRequest) -> None:
         self.inner.withdraw(req)
 
-    def close(self) -> None:
-        self.inner.close()
-
 
 class HarmfulMain:
     """:class:`device_agent.api.MainApi` that passes joins and steps through the behaviour's hooks."""

@@ -262,8 +262,8 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                     cell = {"behaviour": behaviour, "algorithm": algorithm, "policy": policy}
                     federated = BEHAVIOURS[behaviour].federated_evaluation
                     config = policy_config(base_config(algorithm, selection.rounds, federated), policy)
-                    status = "unsupported" if config is None else None if applies(behaviour, config) else "n/a"
-                    if status is not None:
+                    if config is None or not applies(behaviour, config):
+                        status = "unsupported" if config is None else "n/a"
                         results["runs"] += [{**cell, "harmful": k, "status": status} for k in selection.harmful]
                         continue
                     if federated not in controls:

@@ -33,6 +33,7 @@ class BareProtocol(asyncio.BufferedProtocol):
     buffer of its Content-Length, then ``answer`` (pieces written as they are)."""
 
     HEAD_BYTES = 8192
+    transport: asyncio.Transport   # set by connection_made, before any data arrives
 
     def __init__(self, answer: Sequence[bytes]) -> None:
         self.answer = answer
@@ -40,7 +41,6 @@ class BareProtocol(asyncio.BufferedProtocol):
         self.head_len = 0
         self.body: bytearray | None = None
         self.body_len = 0
-        self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport

@@ -36,7 +36,7 @@ def _time_per_call(fn: Callable[[], object], budget_s: float, min_calls: int = 3
     fn()
     one = max(time.perf_counter() - t0, 1e-7)
     per_batch = max(1, int(budget_s / 5 / one))
-    samples = []
+    samples: list[float] = []
     deadline = time.perf_counter() + budget_s
     while len(samples) < min_calls or time.perf_counter() < deadline:
         t0 = time.perf_counter()
