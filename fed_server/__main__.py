@@ -1,5 +1,6 @@
 """``python -m fed_server``: run the Fed Server for one run configuration;
-``python -m fed_server credentials issue``: write the devices' enrolment credentials."""
+``python -m fed_server credentials issue``: write the devices' enrolment credentials;
+``python -m fed_server export RUN_DIR``: the run's global model as files plain PyTorch loads."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["credentials"]:
         credentials_main(argv[1:])
+        return
+    if argv[:1] == ["export"]:
+        export_main(argv[1:])
         return
     parser = argparse.ArgumentParser(
         prog="python -m fed_server",
@@ -95,6 +99,38 @@ def main(argv: list[str] | None = None) -> None:
     warn_if_open(auth, "fed_server", "register devices, upload models and server portions")
     settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
     serve(create_app(coordinator, settings), args)
+
+
+def export_main(argv: list[str]) -> None:
+    """``python -m fed_server export RUN_DIR``: write the run's global model (its last completed
+    round) as ``model.pt``, ``model.safetensors``, ``model.pt2``, ``model.torchscript.pt`` and, where
+    the onnx package is installed, ``model.onnx``, with ``model.json`` saying which model they hold."""
+    from shared.models.export import FORMATS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fed_server export",
+        description="Export a run's global model (docs/operations.md, 'Using the trained model'): a PyTorch state "
+                    "dict with the model's own key names, safetensors, torch.export, TorchScript and ONNX.")
+    parser.add_argument("run_dir", help="the run directory (config.yaml and checkpoint.msgpack)")
+    parser.add_argument("--out", default=None, help="folder for the files (default: the run directory)")
+    parser.add_argument("--format", dest="formats", action="append", choices=list(FORMATS), default=None,
+                        help="a format to write (repeatable; default: all)")
+    args = parser.parse_args(argv)
+    from fed_server.export_run import export_run
+
+    try:
+        result = export_run(args.run_dir, args.out, args.formats or list(FORMATS))
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    accuracy = "" if result.test_accuracy is None else f", test accuracy {result.test_accuracy:.4f}"
+    print(f"global model of round {result.round}{accuracy}:")
+    for fmt, path in result.exported.files.items():
+        print(f"  {fmt:<12} {path}")
+    for fmt, reason in result.exported.skipped.items():
+        print(f"  {fmt:<12} skipped: {reason}")
+    folder = args.out or args.run_dir
+    print(f"load it: torch.load('{Path(folder) / FORMATS['pt']}', weights_only=True) into your model, or "
+          f"shared.models.export.load_trained('{folder}')")
 
 
 def credentials_main(argv: list[str]) -> None:

@@ -5,15 +5,21 @@ refused at registration."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from fed_server.run_dir import RunDirectory
 from integration_support import read_metrics, server_pair, small_config, wait_for, write_raw_mnist
 from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from shared.models import build_model, model_fingerprint
+from shared.models.export import load_trained
 from shared.schemas import RunInfo
 from shared.wire import unpackb
 from testbed.processes import ProcessGroup
@@ -63,6 +69,38 @@ def test_a_model_from_the_users_package_trains_on_the_devices_own_files(algorith
     initial = build_model(REF, 10, (1, 28, 28), seed=config.seed, params=PARAMS).state_dict()
     assert state.keys() == initial.keys()
     assert any(not (state[k] == initial[k]).all() for k in initial)
+    _check_export(run_dir, tmp_path / "export", state,
+                  (tmp_path / "test.npz", metrics[-1]["test_accuracy"]) if algorithm == "fedavg" else None)
+
+
+def _check_export(run_dir: Path, out: Path, state: dict, test: tuple[Path, float] | None) -> None:
+    """``python -m fed_server export``, then the files loaded with plain PyTorch into the user's own
+    ``nn.Sequential`` (built by calling their function, not through this project); with a test file,
+    that model's accuracy on it is the one the Fed Server recorded for the last round."""
+    done = subprocess.run([sys.executable, "-m", "fed_server", "export", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(HERE)})
+    assert done.returncode == 0, done.stderr
+    assert f"pt           {out / 'model.pt'}" in done.stdout and "safetensors  " in done.stdout, done.stdout
+    from user_models import mnist_net
+
+    for weights in (torch.load(out / "model.pt", weights_only=True), load_file(str(out / "model.safetensors"))):
+        net = mnist_net(10, (1, 28, 28), **PARAMS)
+        net.load_state_dict(weights)   # strict: exactly the user's own key names
+        assert all(torch.equal(v, state[f"blocks.{k}"]) for k, v in net.state_dict().items())
+    scripted = torch.jit.load(str(out / "model.torchscript.pt"))
+    loaded = load_trained(out)
+    x = torch.randn(5, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.allclose(scripted(x), loaded(x), atol=1e-6)
+    if test is not None:
+        path, recorded = test
+        with np.load(path) as data:
+            x = torch.tensor(data["x"], dtype=torch.float32).reshape(-1, 1, 28, 28) * (1 / 255)
+            y = torch.tensor(data["y"], dtype=torch.int64)
+        net.eval()
+        with torch.no_grad():
+            correct = (net((x - MNIST_MEAN) / MNIST_STD).argmax(1) == y).sum().item()
+        assert correct / len(y) == pytest.approx(recorded, abs=1.5 / len(y)), (correct, len(y), recorded)
 
 
 def test_a_device_whose_package_builds_another_model_is_refused(tmp_path, user_package):

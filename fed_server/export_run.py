@@ -1,0 +1,51 @@
+"""``python -m fed_server export``: a run directory's global model as files plain PyTorch loads.
+
+Reads the run's ``config.yaml`` (which model, which data) and ``checkpoint.msgpack`` (the global
+model after the last completed round), and writes the formats of :mod:`shared.models.export`.
+Nothing here comes from the network: the run directory is the operator's own.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.data import dataset_input_shape, dataset_num_classes
+from shared.models import build_model
+from shared.models.export import FORMATS, Exported, export_model
+from shared.run_config import load_run_config
+
+
+@dataclass(frozen=True)
+class RunExport:
+    """What was exported: the files, the round the model is from, and its recorded accuracy."""
+
+    exported: Exported
+    round: int
+    test_accuracy: float | None
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path | None = None,
+               formats: Sequence[str] = tuple(FORMATS)) -> RunExport:
+    """Export ``run_dir``'s global model into ``out_dir`` (default: the run directory itself).
+    ValueError, one line, for a folder that holds no run or no checkpoint yet."""
+    from fed_server.run_dir import RunDirectory
+
+    path = Path(run_dir)
+    if not (path / "config.yaml").is_file():
+        raise ValueError(f"{path} holds no run (no config.yaml): give the run directory a Fed Server wrote")
+    run = RunDirectory(path)
+    if not run.checkpoint_path.is_file():
+        raise ValueError(f"{path} has no checkpoint yet: no round of this run has completed")
+    raw = run.read_config() or {}
+    config = load_run_config({k: v for k, v in raw.items() if k != "run_id"})
+    rounds_done, state, _ = run.read_checkpoint()
+    num_classes, input_shape = dataset_num_classes(config.data), dataset_input_shape(config.data)
+    model = build_model(config.model, num_classes, input_shape, seed=config.seed, params=config.model_params)
+    records = [r for r in run.read_metrics() if r.get("status") == "ok" and r.get("round") == rounds_done]
+    accuracy = records[-1].get("test_accuracy") if records else None
+    description = {"model": config.model, "model_params": config.model_params, "num_classes": num_classes,
+                   "input_shape": list(input_shape), "run_id": raw.get("run_id"), "round": rounds_done,
+                   "test_accuracy": accuracy}
+    exported = export_model(model, state, out_dir if out_dir is not None else path, formats, description)
+    return RunExport(exported, rounds_done, accuracy)

@@ -1,0 +1,142 @@
+"""A trained model out of a run: files plain PyTorch loads, and a one-line loader for the user's module.
+
+The global model is a :class:`~shared.models.SplitModel` whose state_dict keys carry a ``blocks.``
+prefix (``blocks.conv1.0.weight``). The user's own model is the blocks in order: the
+``nn.Sequential`` their function returned, or ``nn.Sequential(OrderedDict(blocks))`` for a mapping
+or a :class:`~shared.models.ModelDefinition`. Its keys are the global model's without the prefix
+(``conv1.0.weight``), which is what every exported file holds, so ``net.load_state_dict(
+torch.load("model.pt", weights_only=True))`` loads into the user's own ``net`` without this project.
+
+Formats: ``pt`` (a state dict of plain tensors, ``torch.save``; loads with ``weights_only=True``),
+``safetensors``, ``pt2`` (``torch.export``'s program, any batch size: ``torch.export.load``),
+``torchscript`` (the blocks traced on a zero batch, for runtimes that still take TorchScript, which
+PyTorch now deprecates) and ``onnx`` (where the ``onnx`` package is installed). ``model.json`` beside them says which model
+(reference, parameters, classes, input shape) the weights are for, and :func:`load_trained` reads it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shared.models.loading import build_model
+from shared.models.split_model import SplitModel
+
+__all__ = ["FORMATS", "Exported", "export_model", "load_trained", "plain_model", "user_state"]
+
+#: The formats :func:`export_model` writes, and the file each one goes to.
+FORMATS: dict[str, str] = {
+    "pt": "model.pt", "safetensors": "model.safetensors", "pt2": "model.pt2", "torchscript": "model.torchscript.pt",
+    "onnx": "model.onnx",
+}
+#: What says which model the weights are for (read by :func:`load_trained`).
+DESCRIPTION = "model.json"
+_PREFIX = "blocks."
+
+
+def user_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The global model's state under the user's own key names (``blocks.`` dropped), each tensor
+    contiguous and on the CPU (what ``safetensors`` and ``weights_only`` loading want)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if not key.startswith(_PREFIX):
+            raise ValueError(f"state key {key!r} is not a block's: the model is not a SplitModel's")
+        out[key[len(_PREFIX):]] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def plain_model(model: SplitModel) -> nn.Sequential:
+    """The model's blocks in order as a plain ``nn.Sequential`` (the same modules, no copy)."""
+    return nn.Sequential(OrderedDict(model.blocks.items()))
+
+
+@dataclass
+class Exported:
+    """What :func:`export_model` wrote (format -> file) and what it could not, with the reason."""
+
+    files: dict[str, Path] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def export_model(model: SplitModel, state: Mapping[str, torch.Tensor], out_dir: str | Path,
+                 formats: Sequence[str] = tuple(FORMATS), description: Mapping[str, Any] | None = None) -> Exported:
+    """Write ``state`` (the global model's, as checkpointed) for ``model``'s architecture into
+    ``out_dir`` in each of ``formats``, and ``model.json`` with ``description`` (the model's
+    reference, parameters, classes and input shape; the round it is from). A format that cannot be
+    written here (ONNX without the ``onnx`` package, a model that does not trace) is skipped with
+    the reason; an unknown format is a ValueError before anything is written."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown export format(s) {unknown}: choose from {', '.join(FORMATS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.load_state_dict(dict(state))
+    weights = user_state(state)
+    net = plain_model(model).to("cpu").eval()
+    example = torch.zeros((1, *model.input_shape))
+    done = Exported()
+    for fmt in formats:
+        path = out / FORMATS[fmt]
+        try:
+            reason = _write(fmt, path, weights, net, example)
+        except Exception as exc:   # one format failing (a model torch cannot trace) leaves the others
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if reason is None:
+            done.files[fmt] = path
+        else:
+            done.skipped[fmt] = reason
+    info = {**(description or {}), "keys": list(weights), "files": {f: p.name for f, p in done.files.items()}}
+    (out / DESCRIPTION).write_text(json.dumps(info, indent=2) + "\n")
+    return done
+
+
+def _write(fmt: str, path: Path, weights: dict[str, torch.Tensor], net: nn.Sequential, example: torch.Tensor) -> str | None:
+    """Write one format; the reason it cannot be written here, or None once written."""
+    if fmt == "pt":
+        torch.save(weights, path)
+    elif fmt == "safetensors":
+        if importlib.util.find_spec("safetensors") is None:
+            return "the safetensors package is not installed (pip install safetensors)"
+        from safetensors.torch import save_file
+        save_file(weights, str(path))
+    elif fmt == "pt2":
+        batch = torch.export.Dim("batch", min=1)
+        torch.export.save(torch.export.export(net, (example.expand(2, *example.shape[1:]),),
+                                              dynamic_shapes=({0: batch},)), str(path))
+    elif fmt == "torchscript":
+        with torch.no_grad():
+            torch.jit.trace(net, example).save(str(path))
+    elif fmt == "onnx":
+        if importlib.util.find_spec("onnx") is None:
+            return "the onnx package is not installed (pip install onnx onnxscript)"
+        torch.onnx.export(net, (example,), str(path), input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+    return None
+
+
+def load_trained(path: str | Path) -> nn.Sequential:
+    """The trained model of an export (``path``: its folder, or its ``model.pt`` /
+    ``model.safetensors``): the model ``model.json`` names, built as an ``nn.Sequential`` of its
+    blocks, with the exported weights, in eval mode. A model given by an import path is imported,
+    so its package must be importable here, as it was for the run."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    info = json.loads((folder / DESCRIPTION).read_text())
+    weights_file = path if path.is_file() else folder / FORMATS["pt"]
+    if weights_file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        weights = load_file(str(weights_file))
+    else:
+        weights = torch.load(weights_file, map_location="cpu", weights_only=True)
+    model = build_model(info["model"], int(info["num_classes"]), tuple(info["input_shape"]),
+                        params=info.get("model_params") or {})
+    net = plain_model(model)
+    net.load_state_dict(weights)
+    return net.eval()

@@ -1,0 +1,53 @@
+"""Exporting a trained model: the user's own key names, every format plain PyTorch loads, clear refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shared.models import build_model
+from shared.models.export import export_model, load_trained, plain_model, user_state
+
+
+def _trained(seed: int = 1):
+    model = build_model("cnn", 10, (1, 28, 28), seed=0)
+    return model, build_model("cnn", 10, (1, 28, 28), seed=seed).state_dict()
+
+
+def test_the_files_hold_the_blocks_under_their_own_names_and_give_the_same_outputs(tmp_path):
+    model, state = _trained()
+    done = export_model(model, state, tmp_path, description={"model": "cnn", "num_classes": 10, "input_shape": [1, 28, 28]})
+    assert set(done.files) == {"pt", "safetensors", "pt2", "torchscript"} | ({"onnx"} if "onnx" not in done.skipped else set())
+    expected = {k[len("blocks."):]: v for k, v in state.items()}
+    for weights in (torch.load(tmp_path / "model.pt", weights_only=True), load_file(str(tmp_path / "model.safetensors"))):
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+    x = torch.randn(3, 1, 28, 28)
+    reference = build_model("cnn", 10, (1, 28, 28), seed=1).eval()
+    with torch.no_grad():
+        want = reference(x)
+        assert torch.allclose(load_trained(tmp_path)(x), want, atol=1e-6)
+        assert torch.allclose(load_trained(tmp_path / "model.safetensors")(x), want, atol=1e-6)
+        assert torch.allclose(torch.jit.load(str(tmp_path / "model.torchscript.pt"))(x), want, atol=1e-6)
+        assert torch.allclose(torch.export.load(str(tmp_path / "model.pt2")).module()(x), want, atol=1e-6)
+    info = json.loads((tmp_path / "model.json").read_text())
+    assert info["model"] == "cnn" and info["keys"] == list(expected) and info["files"]["pt"] == "model.pt"
+
+
+def test_a_plain_sequential_of_the_blocks_loads_the_pt_strictly():
+    model, state = _trained()
+    net = plain_model(build_model("cnn", 10, (1, 28, 28)))
+    net.load_state_dict(user_state(state))   # strict by default: no key missing or left over
+
+
+def test_an_unknown_format_is_refused_before_anything_is_written(tmp_path):
+    model, state = _trained()
+    with pytest.raises(ValueError, match="unknown export format.*'tflite'"):
+        export_model(model, state, tmp_path / "out", ["pt", "tflite"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_state_that_is_not_a_split_models_is_refused():
+    with pytest.raises(ValueError, match="not a block's"):
+        user_state({"conv.weight": torch.zeros(1)})
