@@ -18,7 +18,7 @@ from testbed.runner import ENROLMENTS, Testbed, TestbedError, main_servers_for
 
 
 #: ``--paper-scale``: the paper's device population (100 devices, 10 sampled per round) and 30
-#: rounds (the default before issue 16). The default run is 10 devices, all per round, 20 rounds:
+#: rounds (the paper's round count). The default run is 10 devices, all per round, 20 rounds:
 #: about 3 minutes on 2 cores.
 PAPER_SCALE = ("data.num_devices=100", "devices_per_round=10", "rounds=30")
 
