@@ -48,6 +48,7 @@ def head_timeout_protocol(head_timeout_s: float, min_body_rate: float = DEFAULT_
     in (:data:`http_api.server.ARRIVAL`): how long the request took on the wire, which the Fed
     Server puts in a device's round time for its upload (:func:`http_api.server.arrival_seconds`).
     """
+    # uvicorn picks AutoHTTPProtocol at import (httptools or h11), a variable to a type checker.
     class LimitedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
         _head_started = False
@@ -56,7 +57,7 @@ def head_timeout_protocol(head_timeout_s: float, min_body_rate: float = DEFAULT_
         _body_bytes = 0
         _head_at = 0.0
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm_head_timer()   # a connection that never sends a byte is closed too
 
