@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 import time
+from pathlib import Path
 
 from shared.config import DeviceMixConfig
 from shared.service import interrupt_on_sigterm
@@ -115,10 +118,32 @@ def main(argv: list[str] | None = None) -> None:
         print(f"testbed failed: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("interrupted; services stopped", file=sys.stderr)
+        summary = _summary(run_dir)
+        if summary is not None:   # it finished while it was being interrupted
+            print(format_done(summary))
+            print(f"finished; services stopped. Results: {run_dir}", file=sys.stderr)
+            sys.exit(0)
+        resume = shlex.join(["python", "-m", "testbed", *(sys.argv[1:] if argv is None else argv),
+                             *([] if args.run_dir else ["--run-dir", run_dir])])
+        print(f"interrupted after {_rounds_done(run_dir)} of {config.rounds} rounds; services stopped. Resume from "
+              f"its checkpoint with: {resume}", file=sys.stderr)
         sys.exit(130)
     print(format_done(status["summary"]))
     print(f"results: {run_dir}/metrics.jsonl, {run_dir}/summary.json, {run_dir}/checkpoint.msgpack")
+
+
+def _summary(run_dir: str) -> dict | None:
+    """``summary.json`` of a finished run (None while the run is not finished)."""
+    path = Path(run_dir) / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _rounds_done(run_dir: str) -> int:
+    """Completed rounds the run directory's records hold (what a resumed run starts after)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("status") == "ok")
 
 
 def _emulation(devices: DeviceMixConfig) -> str:

@@ -37,6 +37,9 @@ class TlsFiles:
 #: its shards, issued under a per-run enrolment key (docs/security.md, "Enrolment credentials").
 ENROLMENTS = ("secret", "credentials")
 
+#: Seconds an interrupted testbed's processes get after SIGTERM before they are killed.
+INTERRUPT_STOP_S = 1.5
+
 #: The device-id prefix the testbed gives its agents' shards (``--prefix``: given, not left to the
 #: agent's default or ``SFL_PREFIX``), which their credentials' shard ranges name.
 AGENT_PREFIX = "dev"
@@ -313,16 +316,24 @@ class Testbed:
             if not service.alive() and service.process.returncode != 0:
                 raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
 
-    def stop(self, agent_grace_s: float = 15.0) -> None:
+    def stop(self, agent_grace_s: float = 15.0, interrupted: bool = False) -> None:
         """Give the agents a moment to collect the final model and exit on their own, then stop all
         and remove the secrets and the real-links network, even when interrupted (Ctrl-C, SIGTERM)
-        while stopping the processes."""
+        while stopping the processes.
+
+        ``interrupted`` (the user pressed Ctrl-C): no grace, and whoever has not exited
+        :data:`INTERRUPT_STOP_S` after SIGTERM is killed, so the testbed is gone within about 2 s
+        and no further round runs meanwhile. Killing the Fed Server loses nothing a resumed run
+        needs: its checkpoint is written whole or not at all (docs/operations.md, "Crashes")."""
         try:
-            deadline = time.monotonic() + agent_grace_s
+            deadline = time.monotonic() + (0.0 if interrupted else agent_grace_s)
             for agent in self.agent_services:
                 while agent.alive() and time.monotonic() < deadline and self.fed is not None and self.fed.alive():
                     time.sleep(0.1)
-            self.processes.stop()
+            if interrupted:
+                self.processes.stop(INTERRUPT_STOP_S)
+            else:
+                self.processes.stop()
         finally:
             if self.secret_files is not None:
                 self.secret_files.remove()
@@ -337,8 +348,8 @@ class Testbed:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.stop(interrupted=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
 
 def _shard_list(shards: Sequence[int]) -> str:

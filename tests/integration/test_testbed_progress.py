@@ -2,6 +2,8 @@
 each status request is held until there is something new."""
 from __future__ import annotations
 
+import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -109,3 +111,35 @@ def test_follow_command_fails_at_once_without_a_fed_server():
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("follow failed: no Fed Server status at http://127.0.0.1:"), result.stderr
     assert time.monotonic() - started < 30.0
+
+
+def test_ctrl_c_stops_the_testbed_at_once_and_the_command_it_prints_resumes_the_run(tmp_path):
+    # The first Ctrl-C stops every process within about 2 s (no grace for the agents, no further
+    # round) and says how to resume; that command continues from the checkpoint, losing and
+    # repeating no round. Interrupted runs used to go on for up to 15 s while the agents were
+    # given time to exit, and said only "interrupted".
+    run_dir = tmp_path / "run"
+    args = ["--algorithm", "fedavg", "--rounds", "5", "--devices", "3", "--set", "data.max_samples=300",
+            "--set", "devices.profiles=[]", "--run-dir", str(run_dir)]
+    testbed = subprocess.Popen([sys.executable, "-m", "testbed", *args], cwd=REPO, env=service_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert testbed.stdout is not None
+    for line in testbed.stdout:
+        if line.startswith("round   1/5"):
+            break
+    interrupted_at = time.monotonic()
+    testbed.send_signal(signal.SIGINT)
+    _, err = testbed.communicate(timeout=30)
+    took = time.monotonic() - interrupted_at
+    assert testbed.returncode == 130, err
+    assert took < 3.0, took
+    done = len(read_metrics(run_dir))
+    assert done < 5, "the run went on after Ctrl-C"
+    assert f"interrupted after {done} of 5 rounds; services stopped. Resume from its checkpoint with: " in err, err
+    resume = shlex.split(err.rsplit("Resume from its checkpoint with: ", 1)[1].strip())
+    assert resume[:3] == ["python", "-m", "testbed"] and resume[3:] == args
+    resumed = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=service_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "done: 5 rounds" in resumed.stdout
+    assert [m["round"] for m in read_metrics(run_dir) if m["status"] == "ok"] == [1, 2, 3, 4, 5]
