@@ -161,8 +161,8 @@ class FedMetrics:
             counts[str(k)] = counts.get(str(k), 0) + 1
             if self.per_device:
                 self.device_split_point.labels(device).set(k)
-        for k in self._known_splits | set(counts):  # a split point no longer used drops to 0
-            self.split_point_devices.labels(k).set(counts.get(k, 0))
+        for split in self._known_splits | set(counts):  # a split point no longer used drops to 0
+            self.split_point_devices.labels(split).set(counts.get(split, 0))
         self._known_splits |= set(counts)
         for device, timings in record.device_times.items():
             for phase in PHASES:

@@ -116,7 +116,7 @@ class ClientTimeTable:
     @classmethod
     def from_entries(
         cls,
-        entries: Mapping[str, Mapping[int | str, float]],
+        entries: Mapping[str, Mapping[int, float]] | Mapping[str, Mapping[str, float]],
         num_candidates: int = 3,
         smoothing: float = 0.5,
     ) -> ClientTimeTable:

@@ -75,7 +75,8 @@ class WarmProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)   # only a wait with a timeout ends unset
+        assert self.returncode is not None   # set before _exited is
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -103,6 +104,8 @@ class WarmStarter:
         self._process = subprocess.Popen([sys.executable, "-m", "testbed.warm_start", *preload],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          env=service_env())
+        assert self._process.stdin is not None and self._process.stdout is not None   # both piped above
+        self._requests, self._messages = self._process.stdin, self._process.stdout
         self._lock = threading.Lock()           # one start request at a time
         self._replies: list[WarmProcess | str] = []   # a started child, or why none started
         self._replied = threading.Condition()
@@ -120,8 +123,8 @@ class WarmStarter:
         with self._lock:
             if not self.running():
                 raise WarmStartError("the warm process is not running")
-            self._process.stdin.write(json.dumps(request).encode() + b"\n")
-            self._process.stdin.flush()
+            self._requests.write(json.dumps(request).encode() + b"\n")
+            self._requests.flush()
             with self._replied:
                 if not self._replied.wait_for(lambda: self._replies or self._process.poll() is not None, timeout=60):
                     raise WarmStartError(f"the warm process did not answer a start of {module} within 60 s")
@@ -139,7 +142,7 @@ class WarmStarter:
 
     def _read(self) -> None:
         """Hand start replies to :meth:`start` and children's ends to their :class:`WarmProcess`."""
-        for line in self._process.stdout:
+        for line in self._messages:
             message = json.loads(line)
             if "exited" in message:
                 child = self._children.pop(message["exited"], None)
@@ -171,7 +174,7 @@ class WarmStarter:
             return
         self._closed = True
         try:
-            self._process.stdin.close()
+            self._requests.close()
         except OSError:
             pass
         try:
@@ -238,7 +241,7 @@ def _run_child(request: dict, base_path: list[str]) -> int:
         traceback.print_exc()
         code = 1
     # What the interpreter does at its end: wait for non-daemon threads, then the atexit handlers.
-    threading._shutdown()
+    threading._shutdown()   # type: ignore[attr-defined]  # private: what the interpreter calls at its exit
     atexit._run_exitfuncs()
     return code
 
