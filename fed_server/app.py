@@ -13,9 +13,10 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
-from fed_server.driver import FedServerSettings, drive_rounds
+from fed_server.driver import drive_rounds
+from fed_server.settings import FedServerSettings
 from fed_server.metrics import FedMetrics
-from fed_server.records import RunStatus, finite_json
+from fed_server.records import RunStatus
 from shared.errors import NotFound
 from http_api.server import MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import (
@@ -67,15 +68,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         (every attempt of them, failed ones included). With ``wait_s``, the answer is held until
         the run has more than ``seen`` records, has finished or its driver failed (long-poll)."""
         def current() -> RunStatus:
-            c = coordinator
-            state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
-            return RunStatus(
-                run_id=c.run_id, algorithm=c.config.algorithm, state=state, rounds_total=c.config.rounds,
-                rounds_done=c.rounds_recorded, registered=len(c.devices), expected_devices=c.config.data.num_devices,
-                open_round=c.round.round_id if c.round else None, initial=c.initial, records=len(c.history),
-                history=[r for r in c.history if r.round > since],
-                summary=finite_json(c.summary()) if c.finished else None, driver_error=_driver_error(app),
-            )
+            return coordinator.status(since, _driver_error(app))
 
         def news(answer: RunStatus) -> bool:
             return answer.records > seen or answer.state == "finished" or answer.driver_error is not None
@@ -91,16 +84,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         """Device: announce itself, its shard and its profile; get the run's data and model spec."""
         enrolment = settings.auth.check_enrolment(request.headers)
         req = await read_message(request, RegisterRequest, settings.max_register_bytes)
-        known = req.device_id in coordinator.devices.devices
-        answer = coordinator.devices.enrol(req, enrolment, lambda: coordinator.register(req))
-        if settings.auth.enabled:
-            # Enrolment under a known id (an agent restarted and lost its token) issues a new
-            # token and revokes the old one: the registry drew a new nonce (docs/security.md).
-            if known:
-                log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
-            answer.token = settings.auth.device_token(coordinator.run_id, req.device_id,
-                                                      coordinator.devices.devices[req.device_id].token_nonce)
-        return msgpack_response(answer)
+        return msgpack_response(coordinator.enrolment.enrol(req, enrolment, settings.auth))
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
     async def task(device_id: str, request: Request, wait_s: float = 0.0) -> Response:
@@ -110,15 +94,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         check_device(request, device_id)
         answer = await coordinator.next_task(device_id, wait_s)
         response = msgpack_response(answer)
-        if answer.status in ("train", "evaluate"):
-            # The round's bytes down count each device's task with the weights it names, whether
-            # its agent fetches them or already holds them for another of its devices: the
-            # algorithm's traffic per device, as with one device per agent (docs/api.md).
-            sent = len(response.body) + (coordinator.weights.size(answer.weights_id) if answer.weights_id else 0)
-            if answer.status == "train" and coordinator.round is not None:
-                coordinator.round.task_bytes += sent
-            elif answer.status == "evaluate" and coordinator.evaluating is not None:
-                coordinator.evaluating.task_bytes += sent
+        coordinator.dispatch.count_task_bytes(answer, len(response.body))
         return response
 
     @app.get(f"{API}/devices/{{device_id}}/weights/{{weights_id}}", response_class=Response)
@@ -126,7 +102,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         """Device: the weights a task named (a ``WeightsResponse``), served while that task's attempt,
         evaluation phase or final answer lasts (404 after). One packed body serves every fetch."""
         check_device(request, device_id)
-        return MsgpackResponse(coordinator.weights.body(weights_id))
+        return MsgpackResponse(coordinator.core.weights.body(weights_id))
 
     @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))
     async def update(round_id: int, request: Request) -> Response:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from fed_server.round_state import FedRound
+from fed_server.fed_round import FedRound
 from shared.schemas import DeviceTimings
 
 
