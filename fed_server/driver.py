@@ -16,7 +16,9 @@ from collections.abc import Callable
 import httpx
 from pydantic import ValidationError
 
+from fed_server.aggregation import Aggregation
 from fed_server.coordinator import Coordinator
+from fed_server.evaluation_round import EvaluationRound
 from fed_server.progress import Conclusion
 from fed_server.metrics import FedMetrics
 from fed_server.settings import FedServerSettings
@@ -188,40 +190,12 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     coordinator.on_departure = depart
     try:
         while not coordinator.finished:   # a resumed run may have finished already
-            fed_round = coordinator.begin_round()
-            watchers: list[asyncio.Task] = []
-            if fed_round.uses_main_server:
-                await send_plans(coordinator, fed_round, settings)
-                if fed_round.plan_failed is None:
-                    watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
-                                for url in fed_round.replicas()]
-            coordinator.dispatch.open_tasks(fed_round)
-            if coordinator.core.algorithm.needs_report and fed_round.plan_failed is None:
-                # The report phase has its own deadline: the devices that reported by then get their
-                # follow-ups and the round waits for their uploads, so one silent device cannot hold
-                # every reporter until the round deadline.
-                if not await wait_until(coordinator.core.changed, fed_round.all_reported, fed_round.report_deadline()):
-                    log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
-                                len(fed_round.reports), len(fed_round.assignments))
-                coordinator.uploads.plan_follow_ups(fed_round)
-            if not await wait_until(coordinator.core.changed, fed_round.complete, fed_round.deadline()):
-                log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
-                            fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
-            for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
-                watcher.cancel()
-            coordinator.close_round()
+            fed_round = await _train_attempt(coordinator, settings)
             if recording is not None:   # the previous record first, and the model it evaluates unchanged till then
                 _observe(await recording, metrics)
                 recording = None
             aggregation = await asyncio.to_thread(coordinator.aggregate_round, fed_round)
-            evaluation = coordinator.begin_evaluation(fed_round, aggregation)
-            if evaluation is not None:
-                # Federated evaluation: wait for the asked devices' reports, woken by each one; at the
-                # deadline the round is recorded with what arrived (none: no figures, still recorded).
-                if not await wait_until(coordinator.core.changed, evaluation.complete, evaluation.deadline()):
-                    log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
-                                fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
-                coordinator.close_evaluation()
+            evaluation = await _evaluate(coordinator, fed_round, aggregation)
             conclusion = coordinator.conclude_round(fed_round, aggregation, evaluation)
             if conclusion.finished:
                 _observe(await _record(coordinator, conclusion), metrics)
@@ -238,6 +212,47 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     log.info("run finished: %s", coordinator.summary())
 
 
+async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) -> FedRound:
+    """Begin an attempt, send its plans, hand out its tasks and wait for its reports and uploads
+    until it is complete or its deadlines pass; the attempt, closed."""
+    changed = coordinator.core.changed
+    fed_round = coordinator.begin_round()
+    watchers: list[asyncio.Task] = []
+    if fed_round.uses_main_server:
+        await send_plans(coordinator, fed_round, settings)
+        if fed_round.plan_failed is None:
+            watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
+                        for url in fed_round.replicas()]
+    coordinator.dispatch.open_tasks(fed_round)
+    if coordinator.core.algorithm.needs_report and fed_round.plan_failed is None:
+        # The report phase has its own deadline: the devices that reported by then get their
+        # follow-ups and the round waits for their uploads, so one silent device cannot hold
+        # every reporter until the round deadline.
+        if not await wait_until(changed, fed_round.all_reported, fed_round.report_deadline()):
+            log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
+                        len(fed_round.reports), len(fed_round.assignments))
+        coordinator.uploads.plan_follow_ups(fed_round)
+    if not await wait_until(changed, fed_round.complete, fed_round.deadline()):
+        log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
+                    fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
+    for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
+        watcher.cancel()
+    return coordinator.close_round()
+
+
+async def _evaluate(coordinator: Coordinator, fed_round: FedRound, aggregation: Aggregation) -> EvaluationRound | None:
+    """Federated evaluation of an aggregated attempt: wait for the asked devices' reports, woken by
+    each one; at the deadline the round is recorded with what arrived (none: no figures, still
+    recorded). None when the attempt is not evaluated this way."""
+    evaluation = coordinator.begin_evaluation(fed_round, aggregation)
+    if evaluation is not None:
+        if not await wait_until(coordinator.core.changed, evaluation.complete, evaluation.deadline()):
+            log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
+                        fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
+        coordinator.close_evaluation()
+    return evaluation
+
+
 async def _record(coordinator: Coordinator, conclusion: Conclusion) -> RoundRecord:
     """Evaluate and write a concluded attempt's record off the event loop, then wake the status
     requests waiting for it (``/v1/status?wait_s=``) at once, not when the driver next looks."""
@@ -250,6 +265,6 @@ def _observe(record: RoundRecord, metrics: FedMetrics | None) -> None:
     """A round's record is written: count it in the metrics and log it."""
     if metrics is not None:
         metrics.observe_round(record)
-        metrics.checkpoint_written()  # Coordinator.record writes checkpoint.msgpack once per round
+        metrics.checkpoint_written()  # Progress.record writes checkpoint.msgpack once per round
     log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
              record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
 from shared.auth import Auth, Enrolment
-from shared.errors import Conflict, Invalid
+from shared.errors import Conflict, Invalid, NotFound
 from shared.models import fingerprint_differences
 from shared.models.fingerprint import ModelFingerprint
 from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
@@ -57,6 +58,15 @@ class DeviceEnrolment:
             answer.token = auth.device_token(self.core.run_id, req.device_id,
                                              devices.devices[req.device_id].token_nonce)
         return answer
+
+    def check_token(self, headers: Mapping[str, str], device_id: str, auth: Auth) -> None:
+        """The caller holds ``device_id``'s current token in this run. A caller with a token for a
+        device this server does not know gets 404 (NotFound), not 403: that is how an agent learns
+        that a restarted Fed Server forgot it and registers again."""
+        nonce = self.core.devices.token_nonce(device_id)
+        if nonce is None and auth.enabled and "authorization" in headers:
+            raise NotFound(f"unknown device {device_id!r}: register first")
+        auth.check_device(headers, self.core.run_id, device_id, nonce)
 
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
