@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_process(args.log_level, args.torch_threads, args.torch_device)
 
     from fed_server.app import create_app
-    from fed_server.driver import FedServerSettings
+    from fed_server.settings import FedServerSettings
     from shared.auth import auth_from_settings, warn_if_open
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory

@@ -13,10 +13,10 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
-from fed_server.driver import FedServerSettings, drive_rounds
+from fed_server.driver import drive_rounds
+from fed_server.settings import FedServerSettings
 from fed_server.metrics import FedMetrics
-from fed_server.records import RunStatus, finite_json
-from shared.errors import NotFound
+from fed_server.records import RunStatus
 from http_api.server import MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import (
     API, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest, WithdrawRequest,
@@ -32,7 +32,19 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     """The Fed Server as an ASGI app; the round driver starts with the app."""
     settings = settings or FedServerSettings()
     metrics = FedMetrics(coordinator, per_device=settings.per_device_metrics)
+    app = create_service_app("fed_server", "S2FL Fed Server", lifespan=_lifespan(coordinator, settings, metrics),
+                             registry=metrics.registry, description=(
+        "Global model, client time table, device selection, split choice, layer-wise aggregation."))
+    app.state.coordinator = coordinator
+    app.state.metrics = metrics
+    _add_run_routes(app, coordinator, settings)
+    _add_device_routes(app, coordinator, settings)
+    _add_upload_routes(app, coordinator, settings)
+    return app
 
+
+def _lifespan(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics):
+    """Start the round driver with the app, stop it with the app."""
     def _driver_stopped(task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("round driver failed", exc_info=task.exception())
@@ -45,21 +57,11 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         app.state.driver = task
         yield
         task.cancel()
+    return lifespan
 
-    app = create_service_app("fed_server", "S2FL Fed Server", lifespan=lifespan, registry=metrics.registry, description=(
-        "Global model, client time table, device selection, split choice, layer-wise aggregation."))
-    app.state.coordinator = coordinator
-    app.state.metrics = metrics
 
-    def check_device(request: Request, device_id: str) -> None:
-        """The caller holds ``device_id``'s current token in this run. A caller with a token for a
-        device this server does not know gets 404, not 403: that is how an agent learns that a
-        restarted Fed Server forgot it and registers again."""
-        nonce = coordinator.devices.token_nonce(device_id)
-        if nonce is None and settings.auth.enabled and "authorization" in request.headers:
-            raise NotFound(f"unknown device {device_id!r}: register first")
-        settings.auth.check_device(request.headers, coordinator.run_id, device_id, nonce)
-
+def _add_run_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerSettings) -> None:
+    """Anyone: the run's progress; the Main Server: group portions."""
     @app.get(f"{API}/status")
     async def status(since: int = 0, seen: int = Query(0, ge=0),
                      wait_s: float = Query(0.0, ge=0.0, le=MAX_STATUS_WAIT_S)) -> RunStatus:
@@ -67,98 +69,11 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         (every attempt of them, failed ones included). With ``wait_s``, the answer is held until
         the run has more than ``seen`` records, has finished or its driver failed (long-poll)."""
         def current() -> RunStatus:
-            c = coordinator
-            state = "finished" if c.finished else ("running" if c.ready() else "waiting_for_devices")
-            return RunStatus(
-                run_id=c.run_id, algorithm=c.config.algorithm, state=state, rounds_total=c.config.rounds,
-                rounds_done=c.rounds_recorded, registered=len(c.devices), expected_devices=c.config.data.num_devices,
-                open_round=c.round.round_id if c.round else None, initial=c.initial, records=len(c.history),
-                history=[r for r in c.history if r.round > since],
-                summary=finite_json(c.summary()) if c.finished else None, driver_error=_driver_error(app),
-            )
+            return coordinator.status(since, _driver_error(app))
 
         def news(answer: RunStatus) -> bool:
             return answer.records > seen or answer.state == "finished" or answer.driver_error is not None
         return await coordinator.status_posted.hold(current, news, wait_s)
-
-    @app.get(f"{API}/run", response_class=Response)
-    async def run_info() -> Response:
-        """Device: the run's model and data spec (to load its shard before registering)."""
-        return msgpack_response(coordinator.run_info())
-
-    @app.post(f"{API}/devices/register", response_class=Response, openapi_extra=msgpack_body_schema(RegisterRequest))
-    async def register(request: Request) -> Response:
-        """Device: announce itself, its shard and its profile; get the run's data and model spec."""
-        enrolment = settings.auth.check_enrolment(request.headers)
-        req = await read_message(request, RegisterRequest, settings.max_register_bytes)
-        known = req.device_id in coordinator.devices.devices
-        answer = coordinator.devices.enrol(req, enrolment, lambda: coordinator.register(req))
-        if settings.auth.enabled:
-            # Enrolment under a known id (an agent restarted and lost its token) issues a new
-            # token and revokes the old one: the registry drew a new nonce (docs/security.md).
-            if known:
-                log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
-            answer.token = settings.auth.device_token(coordinator.run_id, req.device_id,
-                                                      coordinator.devices.devices[req.device_id].token_nonce)
-        return msgpack_response(answer)
-
-    @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
-    async def task(device_id: str, request: Request, wait_s: float = 0.0) -> Response:
-        """Device: ask for work (wait / train this split point / evaluate / done), the weights named
-        by ``weights_id``. With ``wait_s`` (at most 30) a ``wait`` answer is held until work is
-        posted for the device or ``wait_s`` passes (long-poll)."""
-        check_device(request, device_id)
-        answer = await coordinator.next_task(device_id, wait_s)
-        response = msgpack_response(answer)
-        if answer.status in ("train", "evaluate"):
-            # The round's bytes down count each device's task with the weights it names, whether
-            # its agent fetches them or already holds them for another of its devices: the
-            # algorithm's traffic per device, as with one device per agent (docs/api.md).
-            sent = len(response.body) + (coordinator.weights.size(answer.weights_id) if answer.weights_id else 0)
-            if answer.status == "train" and coordinator.round is not None:
-                coordinator.round.task_bytes += sent
-            elif answer.status == "evaluate" and coordinator.evaluating is not None:
-                coordinator.evaluating.task_bytes += sent
-        return response
-
-    @app.get(f"{API}/devices/{{device_id}}/weights/{{weights_id}}", response_class=Response)
-    async def weights(device_id: str, weights_id: str, request: Request) -> Response:
-        """Device: the weights a task named (a ``WeightsResponse``), served while that task's attempt,
-        evaluation phase or final answer lasts (404 after). One packed body serves every fetch."""
-        check_device(request, device_id)
-        return MsgpackResponse(coordinator.weights.body(weights_id))
-
-    @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))
-    async def update(round_id: int, request: Request) -> Response:
-        """Device: trained client portion (or whole model), sample count and timings."""
-        read_since = time.monotonic()
-        req = await read_message(request, UpdateRequest, settings.max_update_bytes)
-        upload_s = arrival_seconds(request, read_since)
-        check_device(request, req.device_id)
-        size = int(request.headers.get("content-length", 0))
-        return msgpack_response(coordinator.accept_update(round_id, req, size, upload_s))
-
-    @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response, openapi_extra=msgpack_body_schema(ReportRequest))
-    async def report(round_id: int, request: Request) -> Response:
-        """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
-        req = await read_message(request, ReportRequest, settings.max_register_bytes)
-        check_device(request, req.device_id)
-        return msgpack_response(coordinator.accept_report(round_id, req))
-
-    @app.post(f"{API}/rounds/{{round_id}}/withdrawals", response_class=Response,
-              openapi_extra=msgpack_body_schema(WithdrawRequest))
-    async def withdrawal(round_id: int, request: Request) -> Response:
-        """Device: it cannot contribute to this attempt; it is taken out at once (no wait for it)."""
-        req = await read_message(request, WithdrawRequest, settings.max_register_bytes)
-        check_device(request, req.device_id)
-        return msgpack_response(coordinator.withdraw(round_id, req))
-
-    @app.post(f"{API}/evaluation", response_class=Response, openapi_extra=msgpack_body_schema(EvaluationReport))
-    async def evaluation(request: Request) -> Response:
-        """Device (federated evaluation): how the round's global model did on its held-out part."""
-        req = await read_message(request, EvaluationReport, settings.max_register_bytes)
-        check_device(request, req.device_id)
-        return msgpack_response(coordinator.accept_evaluation(req))
 
     @app.post(f"{API}/rounds/{{round_id}}/server-portions", response_class=Response,
               openapi_extra=msgpack_body_schema(ServerPortionUpload))
@@ -169,7 +84,79 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.accept_portion(round_id, upload, size))
 
-    return app
+
+def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerSettings) -> None:
+    """Devices: the run's spec, registration, tasks and the weights they name."""
+    @app.get(f"{API}/run", response_class=Response)
+    async def run_info() -> Response:
+        """Device: the run's model and data spec (to load its shard before registering)."""
+        return msgpack_response(coordinator.run_info())
+
+    @app.post(f"{API}/devices/register", response_class=Response, openapi_extra=msgpack_body_schema(RegisterRequest))
+    async def register(request: Request) -> Response:
+        """Device: announce itself, its shard and its profile; get the run's data and model spec."""
+        enrolment = settings.auth.check_enrolment(request.headers)
+        req = await read_message(request, RegisterRequest, settings.max_register_bytes)
+        return msgpack_response(coordinator.enrolment.enrol(req, enrolment, settings.auth))
+
+    @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
+    async def task(device_id: str, request: Request, wait_s: float = 0.0) -> Response:
+        """Device: ask for work (wait / train this split point / evaluate / done), the weights named
+        by ``weights_id``. With ``wait_s`` (at most 30) a ``wait`` answer is held until work is
+        posted for the device or ``wait_s`` passes (long-poll)."""
+        _check_device(coordinator, settings, request, device_id)
+        answer = await coordinator.next_task(device_id, wait_s)
+        response = msgpack_response(answer)
+        coordinator.dispatch.count_task_bytes(answer, len(response.body))
+        return response
+
+    @app.get(f"{API}/devices/{{device_id}}/weights/{{weights_id}}", response_class=Response)
+    async def weights(device_id: str, weights_id: str, request: Request) -> Response:
+        """Device: the weights a task named (a ``WeightsResponse``), served while that task's attempt,
+        evaluation phase or final answer lasts (404 after). One packed body serves every fetch."""
+        _check_device(coordinator, settings, request, device_id)
+        return MsgpackResponse(coordinator.core.weights.body(weights_id))
+
+
+def _add_upload_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerSettings) -> None:
+    """Devices: updates, reports, withdrawals and evaluation reports, each from a device holding
+    its current token."""
+    @app.post(f"{API}/rounds/{{round_id}}/updates", response_class=Response, openapi_extra=msgpack_body_schema(UpdateRequest))
+    async def update(round_id: int, request: Request) -> Response:
+        """Device: trained client portion (or whole model), sample count and timings."""
+        read_since = time.monotonic()
+        req = await read_message(request, UpdateRequest, settings.max_update_bytes)
+        upload_s = arrival_seconds(request, read_since)
+        _check_device(coordinator, settings, request, req.device_id)
+        size = int(request.headers.get("content-length", 0))
+        return msgpack_response(coordinator.accept_update(round_id, req, size, upload_s))
+
+    @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response, openapi_extra=msgpack_body_schema(ReportRequest))
+    async def report(round_id: int, request: Request) -> Response:
+        """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
+        req = await read_message(request, ReportRequest, settings.max_register_bytes)
+        _check_device(coordinator, settings, request, req.device_id)
+        return msgpack_response(coordinator.accept_report(round_id, req))
+
+    @app.post(f"{API}/rounds/{{round_id}}/withdrawals", response_class=Response,
+              openapi_extra=msgpack_body_schema(WithdrawRequest))
+    async def withdrawal(round_id: int, request: Request) -> Response:
+        """Device: it cannot contribute to this attempt; it is taken out at once (no wait for it)."""
+        req = await read_message(request, WithdrawRequest, settings.max_register_bytes)
+        _check_device(coordinator, settings, request, req.device_id)
+        return msgpack_response(coordinator.withdraw(round_id, req))
+
+    @app.post(f"{API}/evaluation", response_class=Response, openapi_extra=msgpack_body_schema(EvaluationReport))
+    async def evaluation(request: Request) -> Response:
+        """Device (federated evaluation): how the round's global model did on its held-out part."""
+        req = await read_message(request, EvaluationReport, settings.max_register_bytes)
+        _check_device(coordinator, settings, request, req.device_id)
+        return msgpack_response(coordinator.accept_evaluation(req))
+
+
+def _check_device(coordinator: Coordinator, settings: FedServerSettings, request: Request, device_id: str) -> None:
+    """The caller holds ``device_id``'s current token (:meth:`DeviceEnrolment.check_token`)."""
+    coordinator.enrolment.check_token(request.headers, device_id, settings.auth)
 
 
 def _driver_error(app: FastAPI) -> str | None:

@@ -12,39 +12,24 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import httpx
 from pydantic import ValidationError
 
-from fed_server.coordinator import Conclusion, Coordinator
+from fed_server.aggregation import Aggregation
+from fed_server.coordinator import Coordinator
+from fed_server.evaluation_round import EvaluationRound
+from fed_server.progress import Conclusion
 from fed_server.metrics import FedMetrics
+from fed_server.settings import FedServerSettings
 from fed_server.records import RoundRecord
-from shared.auth import Auth
-from fed_server.round_state import FedRound
+from fed_server.fed_round import FedRound
 from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, Departures, RoundPlan, RoundWatch
 from shared.wire import pack_body
 
 log = logging.getLogger("fed_server")
-
-
-@dataclass
-class FedServerSettings:
-    max_update_bytes: int = 512 << 20
-    # A registration carries the model fingerprint, ~80 bytes per parameter/buffer: 256 KiB fits
-    # models of ~3000 tensors (a ResNet-50 has ~320).
-    max_register_bytes: int = 256 << 10
-    plan_retries: int = 5
-    per_device_metrics: bool = True   # per-device Prometheus series (off for very large deployments)
-    auth: Auth = field(default_factory=Auth)   # no service secret: open (docs/security.md)
-    ca_file: str | None = None        # CA bundle to verify the Main Server's HTTPS certificate
-    # Round watch streams (docs/deployment.md, "Main Server replicas"): the heartbeat a replica is
-    # asked for, and the silence after which it counts as lost (five missed heartbeats: a busy
-    # replica's event loop still answers, a frozen or unreachable one does not).
-    heartbeat_s: float = 2.0
-    replica_timeout_s: float = 10.0
 
 
 #: What a plan POST is retried on: no connection, a dropped one, an error answer (a replica that is
@@ -65,7 +50,7 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
     one try, not ``plan_retries``: a dead replica must not cost the backoff every round; a live one
     that restarted accepts at the first try.
     """
-    live = list(coordinator.main_server_urls)
+    live = list(coordinator.replicas.urls)
     if not live:
         fed_round.plan_failed = "no Main Server URL is configured (--main-server-url)"
         return
@@ -80,7 +65,7 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
 
             async def attempt() -> Ack:
                 return decode_response(await post_body(client, f"{url.rstrip('/')}{API}/rounds", body), Ack)
-            tries = 1 if url in coordinator.replicas_down else settings.plan_retries
+            tries = coordinator.replicas.plan_tries(url, settings.plan_retries)
             try:
                 await asyncio.wait_for(retry_async(attempt, Backoff(tries, first_delay_s=0.5), PLAN_RETRY_ON,
                                                    f"round {fed_round.index} (attempt {fed_round.round_id}): "
@@ -94,15 +79,12 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
                 return str(exc)
 
         while live:
-            plans = coordinator.replica_plans(fed_round, live)
+            plans = coordinator.replicas.plans(fed_round, live)
             within_s = max(settings.replica_timeout_s, budget_ends - time.monotonic())
             outcomes = await asyncio.gather(*(post(url, plan, within_s) for url, plan in plans.items()))
             refused = {url: error for url, error in zip(plans, outcomes) if error is not None}
             for url in plans:
-                if url in refused:
-                    coordinator.replicas_down.add(url)
-                else:
-                    coordinator.replicas_down.discard(url)
+                coordinator.replicas.plan_answered(url, accepted=url not in refused)
             errors.update(refused)
             if not refused:
                 return
@@ -133,12 +115,12 @@ async def send_departures(fed_round: FedRound, url: str, reasons: dict[str, str]
 async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str, settings: FedServerSettings) -> None:
     """Hold replica ``url``'s watch stream of the attempt until its ``done`` line; an end without
     it, silence for ``replica_timeout_s`` or a connection error is the replica lost
-    (``Coordinator.replica_lost``). Events, not polling: a killed process closes its connection
+    (``ReplicaPlanning.lost``). Events, not polling: a killed process closes its connection
     at once; a frozen or cut-off one falls silent and times out.
 
     Every line names the members the replica has dropped so far, which leave the attempt at once
-    (``Coordinator.main_server_dropped``); at ``done``, its devices without a stored group
-    portion leave it too (``Coordinator.replica_done``)."""
+    (``ReplicaPlanning.dropped``); at ``done``, its devices without a stored group
+    portion leave it too (``ReplicaPlanning.done``)."""
     timeout = httpx.Timeout(10.0, read=settings.replica_timeout_s)
     endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/watch"
     try:
@@ -153,32 +135,32 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
                         if not line.strip():
                             continue
                         watch = RoundWatch.model_validate_json(line)
-                        coordinator.main_server_dropped(fed_round, url, watch.dropped)
+                        coordinator.replicas.dropped(fed_round, url, watch.dropped)
                         if watch.state == "done":
-                            coordinator.replica_done(fed_round, url, watch.undelivered)
+                            coordinator.replicas.done(fed_round, url, watch.undelivered)
                             return
                         if watch.state == "replaced":
                             reason = "its round was replaced by another plan"
                             break
     except (httpx.HTTPError, ValidationError) as exc:
         reason = f"watch failed: {exc!r}"
-    coordinator.replica_lost(fed_round, url, reason)
+    coordinator.replicas.lost(fed_round, url, reason)
 
 
-async def wait_until(coordinator: Coordinator, done: Callable[[], bool], until: float) -> bool:
+async def wait_until(changed: asyncio.Event, done: Callable[[], bool], until: float) -> bool:
     """Wait until ``done()`` holds or the monotonic time ``until`` passes; whether it holds.
 
-    Wakes on ``coordinator.changed`` (set by every registration, report, update, portion and evaluation report), not
-    on a timer. Clearing the event and checking ``done()`` happen without an ``await`` between
+    Wakes on ``changed`` (``RunCore.changed``: set by every registration, report, update, portion
+    and evaluation report), not on a timer. Clearing the event and checking ``done()`` happen without an ``await`` between
     them, so a change that lands while the driver is busy is never missed.
     """
     while not done():
         remaining = until - time.monotonic()
         if remaining <= 0:
             return False
-        coordinator.changed.clear()
+        changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(coordinator.changed.wait(), None if math.isinf(remaining) else remaining)
+            await asyncio.wait_for(changed.wait(), None if math.isinf(remaining) else remaining)
     return True
 
 
@@ -194,8 +176,8 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     """
     # Every shard registered, or the registration deadline passed; then (a resumed run whose
     # devices did not all come back) the quorum's registrations.
-    await wait_until(coordinator, coordinator.ready, coordinator.registration_deadline())
-    await wait_until(coordinator, coordinator.ready, math.inf)
+    await wait_until(coordinator.core.changed, coordinator.ready, coordinator.enrolment.registration_deadline())
+    await wait_until(coordinator.core.changed, coordinator.ready, math.inf)
     log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
              coordinator.config.rounds, coordinator.config.algorithm)
     recording: asyncio.Task | None = None   # the previous attempt's evaluation and record
@@ -208,54 +190,67 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     coordinator.on_departure = depart
     try:
         while not coordinator.finished:   # a resumed run may have finished already
-            fed_round = coordinator.begin_round()
-            watchers: list[asyncio.Task] = []
-            if fed_round.uses_main_server:
-                await send_plans(coordinator, fed_round, settings)
-                if fed_round.plan_failed is None:
-                    watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
-                                for url in fed_round.replicas()]
-            coordinator.open_tasks(fed_round)
-            if coordinator.algorithm.needs_report and fed_round.plan_failed is None:
-                # The report phase has its own deadline: the devices that reported by then get their
-                # follow-ups and the round waits for their uploads, so one silent device cannot hold
-                # every reporter until the round deadline.
-                if not await wait_until(coordinator, fed_round.all_reported, fed_round.report_deadline()):
-                    log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
-                                len(fed_round.reports), len(fed_round.assignments))
-                coordinator.plan_follow_ups(fed_round)
-            if not await wait_until(coordinator, fed_round.complete, fed_round.deadline()):
-                log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
-                            fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
-            for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
-                watcher.cancel()
-            coordinator.close_round()
+            fed_round = await _train_attempt(coordinator, settings)
             if recording is not None:   # the previous record first, and the model it evaluates unchanged till then
                 _observe(await recording, metrics)
                 recording = None
             aggregation = await asyncio.to_thread(coordinator.aggregate_round, fed_round)
-            evaluation = coordinator.begin_evaluation(fed_round, aggregation)
-            if evaluation is not None:
-                # Federated evaluation: wait for the asked devices' reports, woken by each one; at the
-                # deadline the round is recorded with what arrived (none: no figures, still recorded).
-                if not await wait_until(coordinator, evaluation.complete, evaluation.deadline()):
-                    log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
-                                fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
-                coordinator.close_evaluation()
+            evaluation = await _evaluate(coordinator, fed_round, aggregation)
             conclusion = coordinator.conclude_round(fed_round, aggregation, evaluation)
             if conclusion.finished:
                 _observe(await _record(coordinator, conclusion), metrics)
-                coordinator.post_work()   # the waiting devices' answer is now "done"
+                coordinator.core.post_work()   # the waiting devices' answer is now "done"
                 break
             recording = asyncio.create_task(_record(coordinator, conclusion))
             if not aggregation.ok:
                 # Back off before retrying, so a Main Server that is restarting gets time to come back.
-                await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.failed_in_a_row))
+                await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.progress.failed_in_a_row))
     finally:
         if recording is not None:   # stopped mid-run: the record being written is finished, not torn
             with contextlib.suppress(Exception):
                 await asyncio.shield(recording)
     log.info("run finished: %s", coordinator.summary())
+
+
+async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) -> FedRound:
+    """Begin an attempt, send its plans, hand out its tasks and wait for its reports and uploads
+    until it is complete or its deadlines pass; the attempt, closed."""
+    changed = coordinator.core.changed
+    fed_round = coordinator.begin_round()
+    watchers: list[asyncio.Task] = []
+    if fed_round.uses_main_server:
+        await send_plans(coordinator, fed_round, settings)
+        if fed_round.plan_failed is None:
+            watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
+                        for url in fed_round.replicas()]
+    coordinator.dispatch.open_tasks(fed_round)
+    if coordinator.core.algorithm.needs_report and fed_round.plan_failed is None:
+        # The report phase has its own deadline: the devices that reported by then get their
+        # follow-ups and the round waits for their uploads, so one silent device cannot hold
+        # every reporter until the round deadline.
+        if not await wait_until(changed, fed_round.all_reported, fed_round.report_deadline()):
+            log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
+                        len(fed_round.reports), len(fed_round.assignments))
+        coordinator.uploads.plan_follow_ups(fed_round)
+    if not await wait_until(changed, fed_round.complete, fed_round.deadline()):
+        log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
+                    fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
+    for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
+        watcher.cancel()
+    return coordinator.close_round()
+
+
+async def _evaluate(coordinator: Coordinator, fed_round: FedRound, aggregation: Aggregation) -> EvaluationRound | None:
+    """Federated evaluation of an aggregated attempt: wait for the asked devices' reports, woken by
+    each one; at the deadline the round is recorded with what arrived (none: no figures, still
+    recorded). None when the attempt is not evaluated this way."""
+    evaluation = coordinator.begin_evaluation(fed_round, aggregation)
+    if evaluation is not None:
+        if not await wait_until(coordinator.core.changed, evaluation.complete, evaluation.deadline()):
+            log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
+                        fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
+        coordinator.close_evaluation()
+    return evaluation
 
 
 async def _record(coordinator: Coordinator, conclusion: Conclusion) -> RoundRecord:
@@ -270,6 +265,6 @@ def _observe(record: RoundRecord, metrics: FedMetrics | None) -> None:
     """A round's record is written: count it in the metrics and log it."""
     if metrics is not None:
         metrics.observe_round(record)
-        metrics.checkpoint_written()  # Coordinator.record writes checkpoint.msgpack once per round
+        metrics.checkpoint_written()  # Progress.record writes checkpoint.msgpack once per round
     log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
              record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)

@@ -19,7 +19,7 @@ class EvaluationRound:
     """Who was asked to evaluate round ``round_id``'s global model, and what came back.
 
     ``asked``: each asked device's held-out size as the Fed Server knows it from the device's
-    registration (``Coordinator.held_out_limit``): a report may not claim more samples, so a
+    registration (``DeviceEnrolment.held_out_limit``): a report may not claim more samples, so a
     device cannot outweigh the others with samples it does not hold.
     """
 

@@ -72,7 +72,7 @@ class _LiveCollector(Collector):
 
     def collect(self):
         c = self.coordinator
-        current = c.round.round_id if c.round is not None else c.rounds_done
+        current = c.round.round_id if c.round is not None else c.progress.rounds_done
         yield GaugeMetricFamily("sfl_fed_current_round", _HELP["sfl_fed_current_round"], value=current)
         yield GaugeMetricFamily("sfl_fed_rounds_configured", _HELP["sfl_fed_rounds_configured"], value=c.config.rounds)
         devices = list(c.devices.devices.values())
@@ -82,7 +82,7 @@ class _LiveCollector(Collector):
         active = sum(1 for d in devices if now - d.last_seen <= ACTIVE_WINDOW_S)
         yield GaugeMetricFamily("sfl_fed_devices_active", _HELP["sfl_fed_devices_active"], value=active)
         yield GaugeMetricFamily("sfl_fed_main_server_replicas_live", _HELP["sfl_fed_main_server_replicas_live"],
-                                value=len(set(c.main_server_urls) - c.replicas_down))
+                                value=c.replicas.live())
         entries = _table_entries(c)
         yield GaugeMetricFamily("sfl_fed_time_table_entries", _HELP["sfl_fed_time_table_entries"],
                                 value=sum(len(row) for row in entries.values()))
@@ -136,7 +136,7 @@ class FedMetrics:
             self.device_phase.labels(phase)
         self._known_splits: set[str] = set()
         if coordinator is not None:
-            initial = getattr(coordinator, "initial", None) or {}
+            initial = coordinator.progress.initial
             if initial.get("test_accuracy") is not None:
                 self.test_accuracy.set(initial["test_accuracy"])
             if initial.get("test_loss") is not None:

@@ -1,6 +1,6 @@
 """What a round and a run leave behind: the typed record of one round attempt and the run summary.
 
-A ``RoundRecord`` is held in ``Coordinator.history``, served by ``GET /v1/status``, folded into
+A ``RoundRecord`` is held in ``Progress.history`` (``fed_server/progress.py``), served by ``GET /v1/status``, folded into
 the Prometheus metrics and written as one line of ``metrics.jsonl``. The line's keys are the
 model's field names, unchanged from the dict records this model replaced, so ``experiments/`` and
 committed results still parse (docs/metrics.md lists the fields).
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from fed_server.round_state import FedRound
+from fed_server.fed_round import FedRound
 from shared.schemas import DeviceTimings
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from fed_server.driver import FedServerSettings
+from fed_server.settings import FedServerSettings
 from fed_server.update_checks import shard_sizes
 from integration_support import server_pair, small_config
 from shared.models import build_model

@@ -37,7 +37,7 @@ def _coordinator(tmp_path, **overrides) -> Coordinator:
 
 def _trains_on(coordinator: Coordinator, shard: int) -> int:
     """The count the device of ``shard`` registers with: its shard less its held-out part."""
-    return trained_samples(coordinator.shard_sizes[shard], coordinator.run_info().holdout)
+    return trained_samples(coordinator.enrolment.shard_sizes[shard], coordinator.run_info().holdout)
 
 
 def _open_round(coordinator: Coordinator):
@@ -47,7 +47,7 @@ def _open_round(coordinator: Coordinator):
 
 
 def _upload(coordinator: Coordinator, device: str, round_id: int, shift: float = 0.01) -> UpdateRequest:
-    state = {k: (v + shift if v.is_floating_point() else v) for k, v in portion_state(coordinator.model, 0, coordinator.num_blocks).items()}
+    state = {k: (v + shift if v.is_floating_point() else v) for k, v in portion_state(coordinator.core.model, 0, coordinator.core.num_blocks).items()}
     return UpdateRequest(device_id=device, round_id=round_id, num_samples=coordinator.devices.get(device).num_samples,
                          steps=1, train_loss=1.0,
                          weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0)
@@ -64,13 +64,13 @@ def _complete_round(coordinator: Coordinator) -> None:
 
 def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(tmp_path):
     c = _coordinator(tmp_path, **{"deadlines.min_participants": 2})
-    before = {k: v.clone() for k, v in c.model.state_dict().items()}
+    before = {k: v.clone() for k, v in c.core.model.state_dict().items()}
     r1 = _open_round(c)
     c.accept_update(r1.round_id, _upload(c, "d0", r1.round_id), 100)
     c.close_round()
     record = c.record_round(r1, c.aggregate_round(r1))
-    assert record.status == "failed" and c.rounds_done == 0
-    assert all(torch.equal(before[k], v) for k, v in c.model.state_dict().items())
+    assert record.status == "failed" and c.progress.rounds_done == 0
+    assert all(torch.equal(before[k], v) for k, v in c.core.model.state_dict().items())
     r2 = _open_round(c)
     assert (r2.index, r2.round_id) == (1, r1.round_id + 1)
     with pytest.raises(Conflict):  # the failed attempt's id is stale now
@@ -85,7 +85,7 @@ def test_duplicate_upload_is_acknowledged_once_stored_once(tmp_path):
     assert first.ok and again.ok and "already" in again.detail
     floats = sum(t.numel() for t in r.updates["d0"].state.values() if t.is_floating_point())
     # the first upload (every weight shifted by 0.01) stays; the retry's 0.5 shift is ignored
-    assert update_norm(r.updates["d0"].state, c.model.state_dict()) == pytest.approx(0.01 * floats ** 0.5, rel=1e-3)
+    assert update_norm(r.updates["d0"].state, c.core.model.state_dict()) == pytest.approx(0.01 * floats ** 0.5, rel=1e-3)
 
 
 @pytest.mark.parametrize("action", ["reject", "clip"])
@@ -100,7 +100,7 @@ def test_update_norm_limit(tmp_path, action):
         assert "d0" not in r.updates
     else:
         c.accept_update(r.round_id, huge, 100)
-        assert update_norm(r.updates["d0"].state, c.model.state_dict()) == pytest.approx(1.0, rel=1e-5)
+        assert update_norm(r.updates["d0"].state, c.core.model.state_dict()) == pytest.approx(1.0, rel=1e-5)
 
 
 @pytest.mark.parametrize("claimed", [10**12, 1, -1], ids=["huge", "one more", "one less"])
@@ -120,10 +120,10 @@ def test_a_refused_upload_takes_its_device_out_of_the_attempt_which_then_waits_o
     r = _open_round(c)
     bad = _upload(c, "d1", r.round_id)
     bad = bad.model_copy(update={"timings": bad.timings.model_copy(update={"compute_s": 1e6})})
-    c.changed.clear()
+    c.core.changed.clear()
     with pytest.raises(Invalid) as refused:
         c.accept_update(r.round_id, bad, 100)
-    assert c.changed.is_set()   # the driver wakes to look again
+    assert c.core.changed.is_set()   # the driver wakes to look again
     assert r.excluded == {"d1": f"upload refused: {refused.value.detail}"}
     with pytest.raises(Conflict, match="taken out of round .*upload refused"):   # even a good one now
         c.accept_update(r.round_id, _upload(c, "d1", r.round_id), 100)
@@ -155,9 +155,9 @@ def test_a_withdrawal_takes_the_device_out_at_once_and_is_idempotent(tmp_path):
     r = _open_round(c)
     c.accept_update(r.round_id, _upload(c, "d0", r.round_id), 100)
     assert not r.complete()
-    c.changed.clear()
+    c.core.changed.clear()
     ack = c.withdraw(r.round_id, _withdrawal("d1", r.round_id))
-    assert ack.ok and "withdrew: cannot build the task" in ack.detail and c.changed.is_set()
+    assert ack.ok and "withdrew: cannot build the task" in ack.detail and c.core.changed.is_set()
     assert r.excluded == {"d1": "withdrew: cannot build the task"} and r.complete()
     assert c.withdraw(r.round_id, _withdrawal("d1", r.round_id, "again")).ok   # idempotent: the first reason stays
     assert r.excluded == {"d1": "withdrew: cannot build the task"}
@@ -170,7 +170,7 @@ def test_a_withdrawal_takes_the_device_out_at_once_and_is_idempotent(tmp_path):
 
 def test_withdrawals_that_do_not_fit_are_refused_and_change_nothing(tmp_path):
     c = _coordinator(tmp_path, **{"data.num_devices": 3, "devices_per_round": 2})
-    c.register(RegisterRequest(device_id="d2", shard=2, num_samples=c.shard_sizes[2],
+    c.register(RegisterRequest(device_id="d2", shard=2, num_samples=c.enrolment.shard_sizes[2],
                                profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     with pytest.raises(Conflict, match="not open"):
         c.withdraw(1, _withdrawal("d0", 1))
@@ -194,7 +194,7 @@ def test_withdrawals_that_do_not_fit_are_refused_and_change_nothing(tmp_path):
 def test_a_split_device_without_its_group_portion_is_not_aggregated(tmp_path):
     c = _coordinator(tmp_path, algorithm="s2fl")
     r = _open_round(c)
-    before = {k: v.clone() for k, v in c.model.state_dict().items()}
+    before = {k: v.clone() for k, v in c.core.model.state_dict().items()}
     for d in ("d0", "d1"):
         c.accept_update(r.round_id, _upload_split(c, d, r), 100)
     c.accept_portion(r.round_id, _portion(c, r, 0, ["d0"]), 10)
@@ -204,15 +204,15 @@ def test_a_split_device_without_its_group_portion_is_not_aggregated(tmp_path):
     assert record.aggregated == ["d0"] and record.left == {"d1": "its group portion never arrived"}
     # Only d0 (client layers shifted by 0.01, its group's server layers unchanged) moved the model.
     split = r.assignments["d0"].split_point
-    client_keys = set(portion_state(c.model, 0, split))
-    for key, value in c.model.state_dict().items():
+    client_keys = set(portion_state(c.core.model, 0, split))
+    for key, value in c.core.model.state_dict().items():
         if value.is_floating_point():
             assert torch.allclose(value, before[key] + (0.01 if key in client_keys else 0.0), atol=1e-6), key
 
 
 def _upload_split(c: Coordinator, device: str, fed_round) -> UpdateRequest:
     split = fed_round.assignments[device].split_point
-    state = {k: v + 0.01 for k, v in portion_state(c.model, 0, split).items()}
+    state = {k: v + 0.01 for k, v in portion_state(c.core.model, 0, split).items()}
     return _upload(c, device, fed_round.round_id).model_copy(update={"weights": encode_state(state)})
 
 
@@ -220,23 +220,23 @@ def _portion(c: Coordinator, fed_round, group_id: int, members: list[str]) -> Se
     start = min(fed_round.assignments[m].split_point for m in members)
     return ServerPortionUpload(run_id=c.run_id, round_id=fed_round.round_id, group_id=group_id, members=members,
                                dropped=[], start_block=start,
-                               weights=encode_state(portion_state(c.model, start, c.num_blocks)),
+                               weights=encode_state(portion_state(c.core.model, start, c.core.num_blocks)),
                                label_distance=0.0, steps=1, train_time_s=0.1)
 
 
 def test_registration_must_claim_its_shards_exact_count(tmp_path):
     c = _coordinator(tmp_path, **{"data.num_devices": 3})
     before = dict(c.devices.devices)
-    for claimed in (10**12, c.shard_sizes[2] + 1, c.shard_sizes[2] - 1, 0):
-        with pytest.raises(Invalid, match=f"num_samples={claimed} of 'd2': shard 2 trains on {c.shard_sizes[2]} samples"):
+    for claimed in (10**12, c.enrolment.shard_sizes[2] + 1, c.enrolment.shard_sizes[2] - 1, 0):
+        with pytest.raises(Invalid, match=f"num_samples={claimed} of 'd2': shard 2 trains on {c.enrolment.shard_sizes[2]} samples"):
             c.register(RegisterRequest(device_id="d2", shard=2, num_samples=claimed,
                                        profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     assert c.devices.devices == before
-    c.register(RegisterRequest(device_id="d2", shard=2, num_samples=c.shard_sizes[2],
+    c.register(RegisterRequest(device_id="d2", shard=2, num_samples=c.enrolment.shard_sizes[2],
                                profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     # The shards are the devices' own: the same partition of the same data set.
     train, _ = load_dataset(c.config.data)
-    assert c.shard_sizes == [len(device_shard(c.config.data, train, i)) for i in range(3)]
+    assert c.enrolment.shard_sizes == [len(device_shard(c.config.data, train, i)) for i in range(3)]
 
 
 def test_with_federated_evaluation_a_device_registers_its_shard_less_its_held_out_part(tmp_path):
@@ -248,7 +248,7 @@ def test_with_federated_evaluation_a_device_registers_its_shard_less_its_held_ou
     with pytest.raises(Invalid, match=f"trains on {len(kept)} samples"):
         c.register(RegisterRequest(device_id="d2", shard=2, num_samples=len(shard), profile=profile))
     c.register(RegisterRequest(device_id="d2", shard=2, num_samples=len(kept), profile=profile))
-    assert c.held_out_limit("d2") == len(held_out)
+    assert c.enrolment.held_out_limit("d2") == len(held_out)
 
 
 def test_a_local_device_may_claim_at_most_max_device_samples(tmp_path):
@@ -261,7 +261,7 @@ def test_a_local_device_may_claim_at_most_max_device_samples(tmp_path):
             c.register(RegisterRequest(device_id="a", num_samples=claimed, profile=profile))
     assert len(c.devices) == 0
     c.register(RegisterRequest(device_id="a", num_samples=500, profile=profile))
-    assert c.held_out_limit("a") == max_held_out(500, c.config.evaluation.holdout)
+    assert c.enrolment.held_out_limit("a") == max_held_out(500, c.config.evaluation.holdout)
 
 
 @pytest.mark.parametrize("timings, word", [
@@ -293,7 +293,7 @@ def test_a_time_the_table_cannot_take_drops_that_cell_not_the_round(tmp_path):
     stored.timings = stored.timings.model_copy(update={"compute_s": 1e308, "transfer_s": 1e308})  # sum: inf
     c.close_round()
     record = c.record_round(r, c.aggregate_round(r))
-    assert record.status == "ok" and c.rounds_done == 1
+    assert record.status == "ok" and c.progress.rounds_done == 1
     assert c.table.get("d0", 0) is None and c.table.get("d1", 0) is not None
     assert c.run_dir.read_checkpoint()[0] == 1   # the round was checkpointed
 
@@ -304,11 +304,11 @@ def test_restart_resumes_from_the_checkpoint_without_losing_or_repeating_a_round
     rng_at_checkpoint = c.rng.getstate()
     _open_round(c)  # round 2 starts, then the server dies before it finishes
     resumed = _coordinator(tmp_path)
-    assert resumed.resumed and resumed.rounds_done == 1 and resumed.run_id == c.run_id
-    assert resumed.attempts == 2  # the interrupted attempt (id 2) was reserved before it was handed out ...
-    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), c.model.state_dict().values()))
+    assert resumed.resumed and resumed.progress.rounds_done == 1 and resumed.run_id == c.run_id
+    assert resumed.progress.attempts == 2  # the interrupted attempt (id 2) was reserved before it was handed out ...
+    assert all(torch.equal(a, b) for a, b in zip(resumed.core.model.state_dict().values(), c.core.model.state_dict().values()))
     assert resumed.rng.getstate() == rng_at_checkpoint
-    assert [m.round for m in resumed.history] == [1]
+    assert [m.round for m in resumed.progress.history] == [1]
     r2 = _open_round(resumed)
     assert r2.index == 2 and r2.round_id == 3  # ... so its id is skipped, never reused
 
@@ -318,16 +318,16 @@ def test_resume_drops_metrics_lines_the_checkpoint_does_not_cover_and_else_leave
     _complete_round(c)
     metrics = c.run_dir.metrics_path
     inode = metrics.stat().st_ino
-    assert [m.round for m in _coordinator(tmp_path).history] == [1]
+    assert [m.round for m in _coordinator(tmp_path).progress.history] == [1]
     assert metrics.stat().st_ino == inode  # nothing to drop: not rewritten
     with open(metrics, "a") as fh:  # a round recorded after the last checkpoint, then a crash
         fh.write('{"round": 2, "status": "ok"}\n')
-    assert [m.round for m in _coordinator(tmp_path).history] == [1]
+    assert [m.round for m in _coordinator(tmp_path).progress.history] == [1]
     assert [m["round"] for m in c.run_dir.read_metrics()] == [1]
 
 
 def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
-    from fed_server.coordinator import IDLE_RETRY_S, SOON_RETRY_S
+    from fed_server.task_dispatch import IDLE_RETRY_S, SOON_RETRY_S
 
     c = _coordinator(tmp_path)
     c.config.devices_per_round = 1
@@ -351,12 +351,12 @@ def test_a_device_enrolled_again_during_a_split_attempt_sits_it_out_and_takes_pa
     fed_round = _open_round(c)
     before = fed_round.assignments["d1"].token_nonce
     assert before == c.devices.token_nonce("d1")
-    c.register(RegisterRequest(device_id="d1", shard=1, num_samples=c.shard_sizes[1],
+    c.register(RegisterRequest(device_id="d1", shard=1, num_samples=c.enrolment.shard_sizes[1],
                                profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     assert c.devices.token_nonce("d1") != before
     assert c.task_for("d1").status == "wait"
     assert c.task_for("d0").status == "train"
-    plan = c.round_plan(fed_round, ["d0", "d1"])
+    plan = c.replicas.round_plan(fed_round, ["d0", "d1"])
     assert {p.device_id: p.token_nonce for p in plan.participants}["d1"] == before
     c.round = None
     assert _open_round(c).assignments["d1"].token_nonce == c.devices.token_nonce("d1")
@@ -366,12 +366,12 @@ def test_finished_run_names_the_final_model_to_every_device_and_serves_it(tmp_pa
     c = _coordinator(tmp_path)
     c.finished = True
     done = c.task_for("d0")
-    assert done.status == "done" and done.num_blocks == c.num_blocks and done.weights_id is not None
+    assert done.status == "done" and done.num_blocks == c.core.num_blocks and done.weights_id is not None
     assert c.task_for("d1") is done  # one answer for every device, one body for every fetch
-    final = WeightsResponse.model_validate(unpackb(b"".join(c.weights.body(done.weights_id))))
+    final = WeightsResponse.model_validate(unpackb(b"".join(c.core.weights.body(done.weights_id))))
     state = decode_state(final.weights)
-    assert list(state) == c.model.portion_keys(0, c.num_blocks)
-    assert all(torch.equal(state[k], v) for k, v in c.model.state_dict().items())
+    assert list(state) == c.core.model.portion_keys(0, c.core.num_blocks)
+    assert all(torch.equal(state[k], v) for k, v in c.core.model.state_dict().items())
 
 
 def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):
@@ -381,7 +381,7 @@ def test_resume_refuses_a_checkpoint_of_a_different_configuration(tmp_path):
         _coordinator(tmp_path, **{"train.lr": 0.2})
     # More rounds and other deadlines are fine: that is how an interrupted run is extended.
     resumed = _coordinator(tmp_path, **{"deadlines.round_s": 99.0})
-    assert resumed.resumed and resumed.rounds_done == 1
+    assert resumed.resumed and resumed.progress.rounds_done == 1
 
 
 def test_attempt_ids_are_never_reused_across_restarts_that_never_checkpoint(tmp_path):
@@ -401,7 +401,7 @@ def test_a_restart_before_the_first_checkpoint_reuses_no_attempt_id_and_keeps_no
     with open(again.run_dir.metrics_path, "a") as fh:   # a record written, the checkpoint never
         fh.write('{"round": 1, "status": "ok"}\n')
     third = _coordinator(tmp_path)
-    assert third.history == [] and third.run_dir.read_metrics() == []
+    assert third.progress.history == [] and third.run_dir.read_metrics() == []
     assert _open_round(third).round_id == 3
 
 
@@ -429,7 +429,7 @@ def test_non_finite_numbers_are_written_as_null_and_read_back(tmp_path):
     assert record.train_loss is None        # 1e308 * samples overflows to inf
     line = c.run_dir.metrics_path.read_text().splitlines()[0]
     assert "Infinity" not in line and json.loads(line)["train_loss"] is None
-    assert _coordinator(tmp_path).history == [record]
+    assert _coordinator(tmp_path).progress.history == [record]
 
 
 def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slots(tmp_path, monkeypatch):
@@ -448,7 +448,7 @@ def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slot
              "input_transform": {"scale": 1 / 255}}
     config = load_run_config({"algorithm": "fedavg", "model": "cnn", "data": {**local, "test_file": str(test_file)}})
     coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
-    assert len(coordinator.test_set) == 30 and float(coordinator.test_set.x.max()) <= 1.0
+    assert len(coordinator.progress.test_set) == 30 and float(coordinator.progress.test_set.x.max()) <= 1.0
     profile = DeviceProfileMsg(flops=1e9, rate=1e6)
     answers = [coordinator.register(RegisterRequest(device_id=d, num_samples=5, profile=profile)) for d in ("b", "a")]
     assert [a.shard for a in answers] == [0, 1] and coordinator.ready()
@@ -456,22 +456,22 @@ def test_a_local_run_evaluates_on_its_test_file_loads_no_data_set_and_gives_slot
         coordinator.register(RegisterRequest(device_id="c", num_samples=5, profile=profile))
     # Without a test file the devices evaluate (federated evaluation): still no global data set.
     federated = Coordinator(load_run_config({"algorithm": "fedavg", "data": local}), RunDirectory(tmp_path / "run2"), None)
-    assert federated.test_set is None and federated.evaluation_mode == "federated"
+    assert federated.progress.test_set is None and federated.core.evaluation_mode == "federated"
 
 
 def test_registration_with_a_different_model_fingerprint_is_refused_and_changes_nothing(tmp_path):
     c = _coordinator(tmp_path, **{"data.num_devices": 4})
-    assert c.run_info().fingerprint == c.fingerprint
+    assert c.run_info().fingerprint == c.enrolment.fingerprint
     other = model_fingerprint(build_model("cnn", 10, (1, 28, 28), params={}), c.config.data.model_copy(
         update={"transform": "rgb32"}))
     before = dict(c.devices.devices)
-    req = RegisterRequest(device_id="d2", shard=2, num_samples=c.shard_sizes[2], profile=DeviceProfileMsg(flops=1e9, rate=1e6),
+    req = RegisterRequest(device_id="d2", shard=2, num_samples=c.enrolment.shard_sizes[2], profile=DeviceProfileMsg(flops=1e9, rate=1e6),
                           fingerprint=other)
     with pytest.raises(Conflict) as err:
         c.register(req)
     assert "transform: 'rgb32' on the device, 'none' in the run" in str(err.value)
     assert c.devices.devices == before
     # The run's own fingerprint, or none at all (a device that does not send one), registers.
-    c.register(req.model_copy(update={"fingerprint": c.fingerprint}))
-    c.register(req.model_copy(update={"device_id": "d3", "shard": 3, "num_samples": c.shard_sizes[3], "fingerprint": None}))
+    c.register(req.model_copy(update={"fingerprint": c.enrolment.fingerprint}))
+    c.register(req.model_copy(update={"device_id": "d3", "shard": 3, "num_samples": c.enrolment.shard_sizes[3], "fingerprint": None}))
     assert {"d2", "d3"} <= set(c.devices.devices)

@@ -4,14 +4,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from types import SimpleNamespace as NS
 
 import httpx
 import pytest
 import torch
 
 from fed_server.app import create_app
-from fed_server.driver import FedServerSettings, drive_rounds, wait_until
+from fed_server.driver import drive_rounds, wait_until
+from fed_server.settings import FedServerSettings
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
@@ -23,22 +23,22 @@ from shared.wire import decode_state, encode_state, unpackb
 
 def test_wait_until_wakes_on_the_event_and_times_out_at_the_deadline():
     async def scenario() -> tuple[bool, float, bool, float]:
-        c = NS(changed=asyncio.Event())
+        changed = asyncio.Event()
         state = {"done": False}
 
         async def arrive() -> None:
             await asyncio.sleep(0.05)
-            c.changed.set()               # a change that does not finish the wait
+            changed.set()               # a change that does not finish the wait
             await asyncio.sleep(0.05)
             state["done"] = True
-            c.changed.set()
+            changed.set()
 
         started = time.monotonic()
         asyncio.get_running_loop().create_task(arrive())
-        woke = await wait_until(c, lambda: state["done"], started + 30)
+        woke = await wait_until(changed, lambda: state["done"], started + 30)
         woke_after = time.monotonic() - started
         started = time.monotonic()
-        timed_out = await wait_until(c, lambda: False, started + 0.2)
+        timed_out = await wait_until(changed, lambda: False, started + 0.2)
         return woke, woke_after, timed_out, time.monotonic() - started
 
     woke, woke_after, timed_out, waited = asyncio.run(scenario())
@@ -55,12 +55,12 @@ def test_a_round_closes_on_its_last_upload_not_its_deadline(tmp_path):
     async def scenario() -> float:
         driver = asyncio.get_running_loop().create_task(drive_rounds(c, FedServerSettings()))
         for i in range(2):                 # registering the last device starts the round
-            c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.shard_sizes[i],
+            c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.enrolment.shard_sizes[i],
                                        profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
         while c.round is None or not c.round.ready:
             await asyncio.sleep(0)        # let the driver open the round
         fed_round = c.round
-        weights = encode_state(portion_state(c.model, 0, c.num_blocks))
+        weights = encode_state(portion_state(c.core.model, 0, c.core.num_blocks))
         for d in ("d0", "d1"):
             c.accept_update(fed_round.round_id, UpdateRequest(
                 device_id=d, round_id=fed_round.round_id, num_samples=c.devices.get(d).num_samples, steps=1, train_loss=1.0, weights=weights,
@@ -69,7 +69,7 @@ def test_a_round_closes_on_its_last_upload_not_its_deadline(tmp_path):
         return time.monotonic() - fed_round.started_at
 
     took = asyncio.run(scenario())
-    assert c.finished and [r.status for r in c.history] == ["ok"]
+    assert c.finished and [r.status for r in c.progress.history] == ["ok"]
     assert took < 30 < config.deadlines.round_s
 
 
@@ -80,8 +80,8 @@ def test_status_since_filters_on_the_logical_round_and_keeps_every_attempt(tmp_p
     c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
     for i in range(2):
-        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.shard_sizes[i], profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
-    weights = encode_state(portion_state(c.model, 0, c.num_blocks))
+        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.enrolment.shard_sizes[i], profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    weights = encode_state(portion_state(c.core.model, 0, c.core.num_blocks))
     for uploaders in (["d0"], ["d0", "d1"], ["d0", "d1"]):   # round 1 fails once, then rounds 1 and 2
         fed_round = c.begin_round()
         fed_round.ready = True
@@ -108,7 +108,7 @@ def _registered(tmp_path, rounds: int) -> Coordinator:
                                        "data": {"num_devices": 2, "max_samples": 200}, "deadlines": {"round_s": 60}})
     c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     for i in range(2):
-        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.shard_sizes[i],
+        c.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=c.enrolment.shard_sizes[i],
                                    profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     return c
 
@@ -117,7 +117,7 @@ def _upload_all(c: Coordinator, shift: float = 0.0) -> None:
     """Every selected device uploads the global model, its floating tensors plus ``shift``."""
     fed_round = c.round
     weights = encode_state({k: v + shift if v.is_floating_point() else v
-                            for k, v in portion_state(c.model, 0, c.num_blocks).items()})
+                            for k, v in portion_state(c.core.model, 0, c.core.num_blocks).items()})
     timings = DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1)
     for d in fed_round.assignments:
         c.accept_update(fed_round.round_id, UpdateRequest(
@@ -156,7 +156,7 @@ def test_the_next_round_trains_while_the_last_one_is_evaluated_and_records_stay_
                 assert time.monotonic() < deadline and not driver.done(), f"round {index} did not open"
                 await asyncio.sleep(0.01)
             if index == 2:   # round 2 is open and training; round 1 is not recorded yet
-                opened_with = (len(c.history), c.rounds_recorded)
+                opened_with = (len(c.progress.history), c.progress.rounds_recorded)
             _upload_all(c)
             if index == 2:
                 await asyncio.sleep(0.2)      # round 2 is complete, yet it waits for round 1's record
@@ -168,8 +168,8 @@ def test_the_next_round_trains_while_the_last_one_is_evaluated_and_records_stay_
     opened_with = asyncio.run(scenario())
     assert opened_with == (0, 0)
     assert order == ["aggregate 1", "record 1", "aggregate 2", "record 2", "aggregate 3", "record 3"]
-    assert c.finished and [r.round for r in c.history] == [1, 2, 3] and c.rounds_recorded == 3
-    assert all(r.test_accuracy is not None and r.evaluation_s is not None for r in c.history)
+    assert c.finished and [r.round for r in c.progress.history] == [1, 2, 3] and c.progress.rounds_recorded == 3
+    assert all(r.test_accuracy is not None and r.evaluation_s is not None for r in c.progress.history)
     assert len(c.run_dir.read_metrics()) == 3
 
 
@@ -177,17 +177,17 @@ def test_a_round_is_concluded_once_and_recorded_before_the_next_conclusion(tmp_p
     c = _registered(tmp_path, rounds=2)
     for _ in range(2):
         fed_round = c.begin_round()
-        c.open_tasks(fed_round)
+        c.dispatch.open_tasks(fed_round)
         _upload_all(c)
         c.close_round()
         conclusion = c.conclude_round(fed_round, c.aggregate_round(fed_round))
         with pytest.raises(RuntimeError, match="not recorded yet"):
             c.conclude_round(fed_round, c.aggregate_round(fed_round))
-        assert c.history == [] or c.history[-1].round == fed_round.index - 1
+        assert c.progress.history == [] or c.progress.history[-1].round == fed_round.index - 1
         c.record(conclusion)
         with pytest.raises(RuntimeError, match="not the one concluded last"):
             c.record(conclusion)
-    assert c.finished and [r.round for r in c.history] == [1, 2]
+    assert c.finished and [r.round for r in c.progress.history] == [1, 2]
 
 
 def test_a_waiting_device_gets_its_task_when_the_round_opens_not_at_its_next_poll(tmp_path):
@@ -201,7 +201,7 @@ def test_a_waiting_device_gets_its_task_when_the_round_opens_not_at_its_next_pol
         await asyncio.sleep(0.1)
         assert not waiting.done()
         started = time.monotonic()
-        c.open_tasks(c.begin_round())
+        c.dispatch.open_tasks(c.begin_round())
         answer = await asyncio.wait_for(waiting, 20)
         return idle.status, idle_after, answer.status, time.monotonic() - started
 
@@ -219,19 +219,19 @@ def test_a_rounds_client_portion_is_published_once_for_all_its_devices_and_serve
     ids = []
     for _ in (1, 2):
         fed_round = c.begin_round()
-        c.open_tasks(fed_round)
+        c.dispatch.open_tasks(fed_round)
         tasks = [c.task_for(d) for d in ("d0", "d1")]
         assert [t.status for t in tasks] == ["train", "train"]
         (weights_id,) = {t.weights_id for t in tasks}   # one portion named to both devices
-        assert len(c.weights) == 1
-        sent = decode_state(WeightsResponse.model_validate(unpackb(b"".join(c.weights.body(weights_id)))).weights)
-        expected = portion_state(c.model, 0, c.num_blocks)
+        assert len(c.core.weights) == 1
+        sent = decode_state(WeightsResponse.model_validate(unpackb(b"".join(c.core.weights.body(weights_id)))).weights)
+        expected = portion_state(c.core.model, 0, c.core.num_blocks)
         assert list(sent) == list(expected)   # each device gets the current global model
         assert all(torch.equal(sent[k], v) for k, v in expected.items())
         _upload_all(c, shift=0.5)   # the next round's portion must be the new model, not this one
         c.close_round()
         with pytest.raises(NotFound):   # the attempt is over: its weights are no longer served
-            c.weights.body(weights_id)
+            c.core.weights.body(weights_id)
         c.record_round(fed_round, c.aggregate_round(fed_round))
         ids.append(weights_id)
     assert ids[0] != ids[1]

@@ -11,7 +11,8 @@ import torch
 
 from fed_server.app import create_app
 from fed_server.coordinator import Coordinator
-from fed_server.driver import FedServerSettings, drive_rounds
+from fed_server.driver import drive_rounds
+from fed_server.settings import FedServerSettings
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import held_out_count
 from http_api.server import MSGPACK
@@ -32,13 +33,13 @@ def _coordinator(tmp_path, rounds: int = 2, evaluate_s: float = 30.0) -> Coordin
                               "deadlines": {"evaluate_s": evaluate_s}})
     c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     for i, device in enumerate(DEVICES):
-        n = c.shard_sizes[i] - held_out_count(c.shard_sizes[i], 0.2)   # the training part it registers
+        n = c.enrolment.shard_sizes[i] - held_out_count(c.enrolment.shard_sizes[i], 0.2)   # the training part it registers
         c.register(RegisterRequest(device_id=device, shard=i, num_samples=n, profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     return c
 
 
 def _upload(c: Coordinator, device: str, round_id: int) -> UpdateRequest:
-    state = {k: (v + 0.01 if v.is_floating_point() else v) for k, v in portion_state(c.model, 0, c.num_blocks).items()}
+    state = {k: (v + 0.01 if v.is_floating_point() else v) for k, v in portion_state(c.core.model, 0, c.core.num_blocks).items()}
     return UpdateRequest(device_id=device, round_id=round_id, num_samples=c.devices.get(device).num_samples, steps=1, train_loss=1.0,
                          weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0)
 
@@ -59,15 +60,15 @@ def _report(device: str, round_id: int, n: int, correct: int, loss_sum: float) -
 
 def test_the_aggregated_devices_evaluate_the_new_model_and_the_record_holds_the_weighted_mean(tmp_path):
     c = _coordinator(tmp_path)
-    assert c.initial == {"test_accuracy": None, "test_loss": None}   # nothing evaluates round 0
+    assert c.progress.initial == {"test_accuracy": None, "test_loss": None}   # nothing evaluates round 0
     assert c.run_info().holdout == 0.2
     fed_round, aggregation = _aggregated(c)
     evaluation = c.begin_evaluation(fed_round, aggregation)
     assert evaluation is not None and evaluation.asked == {"d0": 23, "d1": 16}
     task = c.task_for("d0")
-    assert (task.status, task.round_id, task.num_blocks) == ("evaluate", fed_round.round_id, c.num_blocks)
-    sent = decode_state(WeightsResponse.model_validate(unpackb(b"".join(c.weights.body(task.weights_id)))).weights)
-    assert all(torch.equal(sent[k], v) for k, v in c.model.state_dict().items())   # the aggregated model
+    assert (task.status, task.round_id, task.num_blocks) == ("evaluate", fed_round.round_id, c.core.num_blocks)
+    sent = decode_state(WeightsResponse.model_validate(unpackb(b"".join(c.core.weights.body(task.weights_id)))).weights)
+    assert all(torch.equal(sent[k], v) for k, v in c.core.model.state_dict().items())   # the aggregated model
     assert c.task_for("d0").status == "wait"   # one evaluation task per device
     c.accept_evaluation(_report("d0", fed_round.round_id, 10, 9, 3.0))
     assert not evaluation.complete()
@@ -75,7 +76,7 @@ def test_the_aggregated_devices_evaluate_the_new_model_and_the_record_holds_the_
     assert evaluation.complete()
     assert c.close_evaluation() is evaluation and c.task_for("d1").status == "wait"
     record = c.record_round(fed_round, aggregation, evaluation)
-    assert record.status == "ok" and c.rounds_done == 1
+    assert record.status == "ok" and c.progress.rounds_done == 1
     assert record.test_accuracy == pytest.approx(15 / 25) and record.test_loss == pytest.approx(15.0 / 25)
     assert (record.evaluated_devices, record.evaluated_samples) == (2, 25)
     (line,) = c.run_dir.read_metrics()
@@ -112,10 +113,10 @@ def test_a_report_claiming_more_than_the_device_holds_out_is_refused_and_the_pha
     evaluation = c.begin_evaluation(fed_round, aggregation)
     rid = fed_round.round_id
     c.accept_evaluation(_report("d1", rid, 15, 6, 12.0))
-    c.changed.clear()
+    c.core.changed.clear()
     with pytest.raises(Invalid, match="exceed the 23 samples 'd0' holds out"):   # a fake count to outweigh d1
         c.accept_evaluation(_report("d0", rid, 10**9, 10**9, 0.0))
-    assert evaluation.reports.keys() == {"d1"} and c.changed.is_set()
+    assert evaluation.reports.keys() == {"d1"} and c.core.changed.is_set()
     assert evaluation.complete()   # d0 has no other report to send: the phase ends without its deadline
     with pytest.raises(Conflict, match="was refused"):
         c.accept_evaluation(_report("d0", rid, 10, 9, 3.0))
@@ -126,14 +127,14 @@ def test_a_report_claiming_more_than_the_device_holds_out_is_refused_and_the_pha
 
 def test_a_round_without_any_report_is_applied_and_recorded_without_figures(tmp_path):
     c = _coordinator(tmp_path, rounds=1)
-    before = {k: v.clone() for k, v in c.model.state_dict().items()}
+    before = {k: v.clone() for k, v in c.core.model.state_dict().items()}
     fed_round, aggregation = _aggregated(c)
     evaluation = c.begin_evaluation(fed_round, aggregation)
     c.close_evaluation()
     record = c.record_round(fed_round, aggregation, evaluation)
-    assert record.status == "ok" and c.rounds_done == 1 and c.finished
+    assert record.status == "ok" and c.progress.rounds_done == 1 and c.finished
     assert (record.test_accuracy, record.test_loss, record.evaluated_devices, record.evaluated_samples) == (None, None, 0, 0)
-    assert any(not torch.equal(before[k], v) for k, v in c.model.state_dict().items())   # the round was applied
+    assert any(not torch.equal(before[k], v) for k, v in c.core.model.state_dict().items())   # the round was applied
     summary = c.summary()
     assert summary["initial_accuracy"] is None and summary["final_accuracy"] is None and summary["rounds"] == 1
 
@@ -159,15 +160,15 @@ def test_a_restart_during_the_evaluation_phase_neither_loses_nor_double_records_
     evaluation = c.begin_evaluation(done, aggregation)
     c.close_evaluation()
     c.record_round(done, aggregation, evaluation)   # round 1: recorded, checkpointed
-    checkpointed = {k: v.clone() for k, v in c.model.state_dict().items()}
+    checkpointed = {k: v.clone() for k, v in c.core.model.state_dict().items()}
     first, aggregation = _aggregated(c)
     c.begin_evaluation(first, aggregation)
     c.accept_evaluation(_report("d0", first.round_id, 10, 9, 3.0))
     # The server dies here: round 2's aggregated model and its reports were in memory only.
     resumed = _coordinator(tmp_path, rounds=3)
-    assert resumed.resumed and resumed.rounds_done == 1 and [r.round for r in resumed.history] == [1]
+    assert resumed.resumed and resumed.progress.rounds_done == 1 and [r.round for r in resumed.progress.history] == [1]
     assert len(resumed.run_dir.read_metrics()) == 1
-    assert all(torch.equal(checkpointed[k], v) for k, v in resumed.model.state_dict().items())
+    assert all(torch.equal(checkpointed[k], v) for k, v in resumed.core.model.state_dict().items())
     with pytest.raises(Conflict):   # the interrupted phase's late report is stale
         resumed.accept_evaluation(_report("d1", first.round_id, 15, 6, 12.0))
     again, aggregation = _aggregated(resumed)   # the same logical round, under a new attempt id
@@ -178,8 +179,8 @@ def test_a_restart_during_the_evaluation_phase_neither_loses_nor_double_records_
     resumed.record_round(again, aggregation, evaluation)
     # Once recorded (record, then checkpoint), a restart keeps it exactly once with its figures.
     after = _coordinator(tmp_path, rounds=3)
-    assert after.resumed and after.rounds_done == 2
-    assert [(r.round, r.round_id, r.test_accuracy, r.evaluated_samples) for r in after.history[1:]] == \
+    assert after.resumed and after.progress.rounds_done == 2
+    assert [(r.round, r.round_id, r.test_accuracy, r.evaluated_samples) for r in after.progress.history[1:]] == \
         [(2, again.round_id, pytest.approx(0.8), 10)]
     assert [line["round"] for line in after.run_dir.read_metrics()] == [1, 2]
 
@@ -194,9 +195,9 @@ def _drive(c: Coordinator, reporters: tuple[str, ...]) -> float:
         fed_round = c.round
         for d in ("d0", "d1"):
             c.accept_update(fed_round.round_id, _upload(c, d, fed_round.round_id), 100)
-        while c.evaluating is None:
+        while c.core.evaluating is None:
             await asyncio.sleep(0.01)   # aggregation runs in a worker thread
-        started = c.evaluating.started_at
+        started = c.core.evaluating.started_at
         for d in reporters:
             c.accept_evaluation(_report(d, fed_round.round_id, 10, 5, 6.0))
         await asyncio.wait_for(driver, 60)
@@ -209,15 +210,15 @@ def test_the_driver_records_on_the_last_report_not_the_deadline(tmp_path):
     c = _coordinator(tmp_path, rounds=1, evaluate_s=60.0)
     took = _drive(c, ("d0", "d1"))
     assert took < 30 and c.finished
-    (record,) = c.history
+    (record,) = c.progress.history
     assert (record.test_accuracy, record.evaluated_devices, record.evaluated_samples) == (pytest.approx(0.5), 2, 20)
 
 
 def test_the_driver_records_what_arrived_when_the_evaluation_deadline_passes(tmp_path):
     c = _coordinator(tmp_path, rounds=1, evaluate_s=0.5)
     took = _drive(c, ("d1",))
-    assert took >= 0.5 and c.finished and c.evaluating is None
-    (record,) = c.history
+    assert took >= 0.5 and c.finished and c.core.evaluating is None
+    (record,) = c.progress.history
     assert record.status == "ok" and (record.evaluated_devices, record.evaluated_samples) == (1, 10)
 
 

@@ -21,7 +21,7 @@ def _coordinator(tmp_path, algorithm: str, **data) -> Coordinator:
                                        "data": {"num_devices": 2, "max_samples": 200, **data}})
     coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     for i in range(2):
-        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=coordinator.shard_sizes[i],
+        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=coordinator.enrolment.shard_sizes[i],
                                              profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     fed_round = coordinator.begin_round()
     fed_round.ready = True
@@ -31,7 +31,7 @@ def _coordinator(tmp_path, algorithm: str, **data) -> Coordinator:
 
 
 def _upload(coordinator: Coordinator, device: str, extras: dict) -> UpdateRequest:
-    state = portion_state(coordinator.model, 0, coordinator.num_blocks)
+    state = portion_state(coordinator.core.model, 0, coordinator.core.num_blocks)
     assert coordinator.round is not None
     return UpdateRequest(device_id=device, round_id=coordinator.round.round_id,
                          num_samples=coordinator.devices.get(device).num_samples, steps=1,
@@ -87,6 +87,6 @@ def test_fnr_fl_malformed_report_is_refused_and_not_stored(tmp_path):
                          extras={"public_accuracy": 0.5, "feature_norms": {"1": 2.0}, "num_samples": 20})
     c.accept_report(round_id, good)
     assert c.round.reports["d0"].feature_norms == {1: 2.0}
-    c.plan_follow_ups(c.round)
+    c.uploads.plan_follow_ups(c.round)
     follow_up = c.task_for("d0")
     assert follow_up.phase == "follow_up" and follow_up.extras == {"refine": False}  # p=0.5 of one reporter: none

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from fed_server.coordinator import Coordinator
-from fed_server.driver import FedServerSettings, send_plans, watch_replica
+from fed_server.driver import send_plans, watch_replica
+from fed_server.settings import FedServerSettings
 from fed_server.run_dir import RunDirectory
 from shared.algorithms.grouping import form_round_groups
 from shared.algorithms.registry import build_grouping
@@ -39,7 +40,7 @@ def _coordinator(tmp_path, urls, algorithm: str = "s2fl") -> Coordinator:
 
 
 def _register(c: Coordinator, device: str, counts: list[int] | None) -> None:
-    c.register(RegisterRequest(device_id=device, shard=int(device[1:]), num_samples=c.shard_sizes[int(device[1:])],
+    c.register(RegisterRequest(device_id=device, shard=int(device[1:]), num_samples=c.enrolment.shard_sizes[int(device[1:])],
                                profile=DeviceProfileMsg(flops=1e9, rate=1e6), label_counts=counts))
 
 
@@ -55,7 +56,7 @@ def _portion(c: Coordinator, round_id: int, group_id: int, members: list[str], d
     start = min(c.round.assignments[m].split_point for m in [*members, *dropped])
     return ServerPortionUpload(run_id=c.run_id, round_id=round_id, group_id=group_id, members=members,
                                dropped=list(dropped), absent=list(absent), start_block=start,
-                               weights=encode_state(portion_state(c.model, start, c.num_blocks)),
+                               weights=encode_state(portion_state(c.core.model, start, c.core.num_blocks)),
                                label_distance=0.0, steps=1, train_time_s=0.1)
 
 
@@ -81,10 +82,10 @@ def test_registration_without_or_with_bad_counts_is_refused_and_changes_nothing(
 def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     c = replicated
     r = c.begin_round()
-    plans = c.replica_plans(r, [A, B])
+    plans = c.replicas.plans(r, [A, B])
     r.ready = True
     # The same function, plug-in, size and rng the Main Server uses on the joins.
-    expected = form_round_groups(build_grouping(c.algorithm.grouping()), {d: _counts(d) for d in DEVICES}, 2,
+    expected = form_round_groups(build_grouping(c.core.algorithm.grouping()), {d: _counts(d) for d in DEVICES}, 2,
                                  c.config.seed, r.round_id)
     assert list(r.planned_groups.values()) == expected
     loads = {g: sum(c.devices.devices[m].num_samples for m in members) for g, members in r.planned_groups.items()}
@@ -99,16 +100,16 @@ def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     per_replica = {u: sum(loads[g] for g, v in r.group_replica.items() if v == u) for u in (A, B)}
     assert set(per_replica) == {A, B} and all(per_replica.values())
     # Deterministic: planning again spreads the same way.
-    again = c.replica_plans(r, [A, B])
+    again = c.replicas.plans(r, [A, B])
     assert {u: p.model_dump() for u, p in again.items()} == {u: p.model_dump() for u, p in plans.items()}
 
 
 def test_a_replica_that_refused_gets_its_groups_spread_over_the_others(replicated):
     c = replicated
     r = c.begin_round()
-    c.replica_plans(r, [A, B])
+    c.replicas.plans(r, [A, B])
     groups = dict(r.planned_groups)
-    plans = c.replica_plans(r, [A])
+    plans = c.replicas.plans(r, [A])
     assert list(plans) == [A] and r.planned_groups == groups   # same groups, one replica
     assert sorted(g.group_id for g in plans[A].groups) == sorted(groups)
     assert {a.main_server_url for a in r.assignments.values()} == {A}
@@ -119,7 +120,7 @@ def test_one_replica_gets_every_participant_and_no_groups(tmp_path):
     for d in DEVICES:
         _register(c, d, None)
     r = c.begin_round()
-    plans = c.replica_plans(r, [A])
+    plans = c.replicas.plans(r, [A])
     assert list(plans) == [A] and plans[A].groups is None and r.planned_groups is None
     assert len(plans[A].participants) == len(r.assignments)
 
@@ -128,14 +129,14 @@ def test_a_lost_replica_drops_only_its_groups_without_a_portion(replicated):
     c = replicated
     r = c.begin_round()
     r.ready = True
-    c.replica_plans(r, [A, B])
+    c.replicas.plans(r, [A, B])
     on_b = sorted(g for g, u in r.group_replica.items() if u == B)
     assert len(on_b) >= 2, r.group_replica
     uploaded, unfinished = on_b[0], on_b[1:]
     c.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
-    c.changed.clear()
-    c.replica_lost(r, B, "test")
-    assert c.changed.is_set() and r.lost_replicas == [B] and B in c.replicas_down
+    c.core.changed.clear()
+    c.replicas.lost(r, B, "test")
+    assert c.core.changed.is_set() and r.lost_replicas == [B] and B in c.replicas.down
     assert set(r.excluded) == {m for g in unfinished for m in r.planned_groups[g]}   # the uploaded group stays
     assert set(r.excluded.values()) == {f"its Main Server replica {B} was lost (test)"}
     # A portion of the lost replica's unfinished group is refused, changing nothing.
@@ -143,10 +144,10 @@ def test_a_lost_replica_drops_only_its_groups_without_a_portion(replicated):
         c.accept_portion(r.round_id, _portion(c, r.round_id, unfinished[0], r.planned_groups[unfinished[0]]), 10)
     assert unfinished[0] not in r.portions
     # Declared again, or for a closed round: nothing more happens.
-    c.replica_lost(r, B, "again")
+    c.replicas.lost(r, B, "again")
     assert r.lost_replicas == [B]
     c.close_round()
-    c.replica_lost(r, A, "after the round")
+    c.replicas.lost(r, A, "after the round")
     assert r.lost_replicas == [B]
 
 
@@ -155,15 +156,15 @@ def test_a_single_lost_main_server_drops_every_device_without_a_portion(tmp_path
     for d in DEVICES:
         _register(c, d, None)
     r = c.begin_round()
-    c.replica_plans(r, [A])
-    c.replica_lost(r, A, "killed")
+    c.replicas.plans(r, [A])
+    c.replicas.lost(r, A, "killed")
     assert set(r.excluded) == set(r.assignments) and r.complete()   # the attempt ends now, not at the deadline
 
 
 def test_portions_must_match_the_planned_group(replicated):
     c = replicated
     r = c.begin_round()
-    c.replica_plans(r, [A, B])
+    c.replicas.plans(r, [A, B])
     g0, g1 = r.planned_groups[0], r.planned_groups[1]
     with pytest.raises(Invalid, match="are not in it"):
         c.accept_portion(r.round_id, _portion(c, r.round_id, 0, [g0[0], g1[0]]), 10)
@@ -194,7 +195,7 @@ def test_the_watch_decides_whether_a_replica_is_lost_and_who_leaves_the_attempt(
     # connection stays open) can be played without freezing a process.
     c = replicated
     r = c.begin_round()
-    c.replica_plans(r, [A, B])
+    c.replicas.plans(r, [A, B])
     on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
     group = min(g for g, url in r.group_replica.items() if url == B)
     why = why.replace("GROUP", str(group))
@@ -234,19 +235,19 @@ def test_the_watch_decides_whether_a_replica_is_lost_and_who_leaves_the_attempt(
 def test_a_replica_speaks_only_for_its_own_devices_and_only_in_the_open_attempt(replicated):
     c = replicated
     r = c.begin_round()
-    c.replica_plans(r, [A, B])
+    c.replicas.plans(r, [A, B])
     on_a = sorted(d for d, a in r.assignments.items() if a.main_server_url == A)
     on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
-    c.main_server_dropped(r, B, {on_a[0]: "not its device", on_b[0]: "missed step 1"})
+    c.replicas.dropped(r, B, {on_a[0]: "not its device", on_b[0]: "missed step 1"})
     assert r.excluded == {on_b[0]: "dropped by the Main Server: missed step 1"}
     # A portion that arrived keeps its group in, whatever the done line says.
     uploaded = next(g for g, url in r.group_replica.items() if url == A)
     c.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
-    c.replica_done(r, A, [uploaded])
+    c.replicas.done(r, A, [uploaded])
     assert set(r.excluded) == {on_b[0], *(set(on_a) - set(r.planned_groups[uploaded]))}
     c.close_round()
-    c.main_server_dropped(r, B, {on_b[1]: "too late"})
-    c.replica_done(r, B, [])
+    c.replicas.dropped(r, B, {on_b[1]: "too late"})
+    c.replicas.done(r, B, [])
     assert on_b[1] not in r.excluded
 
 
@@ -255,7 +256,7 @@ def test_devices_that_leave_at_the_fed_server_are_reported_to_their_replica_and_
     told: list[tuple[int, str, dict[str, str]]] = []
     c.on_departure = lambda fed_round, url, reasons: told.append((fed_round.round_id, url, reasons))
     r = c.begin_round()
-    c.replica_plans(r, [A, B])
+    c.replicas.plans(r, [A, B])
     r.ready = True
     on_a = sorted(d for d, a in r.assignments.items() if a.main_server_url == A)
     on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
@@ -264,8 +265,8 @@ def test_devices_that_leave_at_the_fed_server_are_reported_to_their_replica_and_
     c.withdraw(r.round_id, WithdrawRequest(device_id=on_a[0], round_id=r.round_id, reason="again"))
     assert len(told) == 1   # already out: nothing new to tell
     # What a replica itself reported is not sent back to it.
-    c.main_server_dropped(r, B, {on_b[0]: "missed step 1"})
-    c.replica_done(r, B, [])
+    c.replicas.dropped(r, B, {on_b[0]: "missed step 1"})
+    c.replicas.done(r, B, [])
     assert len(told) == 1 and on_b[0] in r.excluded
 
 
@@ -305,6 +306,6 @@ def test_a_frozen_replica_costs_the_plan_phase_one_try_and_its_groups_go_to_the_
     c, took, (live_url, frozen_url) = asyncio.run(scenario())
     r = c.round
     assert r.plan_failed is None and {a.main_server_url for a in r.assignments.values()} == {live_url}
-    assert frozen_url in c.replicas_down and live_url not in c.replicas_down
+    assert frozen_url in c.replicas.down and live_url not in c.replicas.down
     assert len(plans_seen) == 2   # its own plan, then the one with every group
     assert took < 20   # one 0.5 s try for the frozen replica, not 5 x 120 s

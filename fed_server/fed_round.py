@@ -145,11 +145,25 @@ class FedRound:
         """Every selected device reported or was taken out of the attempt (two-phase algorithms)."""
         return all(d in self.reports or d in self.excluded for d in self.assignments)
 
-    def group_of(self, device_id: str) -> ReceivedPortion | None:
+    def portion_of(self, device_id: str) -> ReceivedPortion | None:
+        """The stored group portion that ``device_id`` is a member of; None before it arrived."""
         for portion in self.portions.values():
             if device_id in portion.upload.members:
                 return portion
         return None
+
+    def sits_out(self, device_id: str, current_nonce: str | None) -> bool:
+        """Whether ``device_id``, selected and not yet sent its task, enrolled again since the
+        attempt began (a restarted agent; ``current_nonce`` is its enrolment's nonce now): the Main
+        Server's plan carries the enrolment the device had then and would refuse its new token, so
+        it sits this attempt out; the next attempt's plan carries its new one."""
+        assignment = self.assignments.get(device_id)
+        return (self.uses_main_server and assignment is not None and assignment.dispatched_at is None
+                and assignment.token_nonce != current_nonce)
+
+    def remaining_s(self) -> float:
+        """Seconds a task sent now has until the attempt's deadline (at least one)."""
+        return max(1.0, self.deadline_s - (time.monotonic() - self.started_at))
 
     def complete(self) -> bool:
         """Every selected device has uploaded or was dropped, and every uploader's group is back
@@ -161,7 +175,7 @@ class FedRound:
             if device not in self.updates and device not in dropped:
                 return False
         if self.uses_main_server:
-            return all(self.group_of(d) is not None for d in self.updates if d not in dropped)
+            return all(self.portion_of(d) is not None for d in self.updates if d not in dropped)
         return True
 
     def deadline(self) -> float:

@@ -1,0 +1,126 @@
+"""Devices joining the run: the run's spec they load their data by, their registration (checked
+against the run's model fingerprint, shards and label-count rule), their device token, and when
+the run has enough of them to start."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from fed_server.run_core import RunCore
+from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
+from shared.auth import Auth, Enrolment
+from shared.errors import Conflict, Invalid, NotFound
+from shared.models import fingerprint_differences
+from shared.models.fingerprint import ModelFingerprint
+from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
+
+log = logging.getLogger("fed_server")
+
+
+class DeviceEnrolment:
+    """Registers devices and says when rounds may start.
+
+    ``shard_sizes``: each shard's size, which its device's registered count must match (None:
+    ``dataset: local``). ``label_counts_at_registration``: the Fed Server forms the groups (several
+    Main Server replicas), so devices send their label counts here."""
+
+    def __init__(self, core: RunCore, fingerprint: ModelFingerprint, input_shape: tuple[int, ...], num_classes: int,
+                 shard_sizes: list[int] | None, label_counts_at_registration: bool) -> None:
+        self.core = core
+        self.fingerprint = fingerprint
+        self.input_shape = input_shape
+        self.num_classes = num_classes
+        self.shard_sizes = shard_sizes
+        self.label_counts_at_registration = label_counts_at_registration
+        self.created_at = time.monotonic()
+
+    def run_info(self) -> RunInfo:
+        """The run's model and data spec, so a device can load its shard before registering."""
+        config = self.core.config
+        return RunInfo(run_id=self.core.run_id, algorithm=config.algorithm, model=config.model,
+                       model_params=config.model_params, fingerprint=self.fingerprint,
+                       num_classes=self.num_classes, input_shape=list(self.input_shape),
+                       data=config.data, seed=config.seed, holdout=self.core.holdout(),
+                       label_counts_at_registration=self.label_counts_at_registration)
+
+    def enrol(self, req: RegisterRequest, enrolment: Enrolment | None, auth: Auth) -> RegisterResponse:
+        """Register ``req``'s device as ``enrolment``'s holder (:meth:`DeviceRegistry.enrol`) and,
+        with authentication on, issue its device token. Enrolment under a known id (an agent
+        restarted and lost its token) issues a new token and revokes the old one: the registry
+        drew a new nonce (docs/security.md)."""
+        devices = self.core.devices
+        known = req.device_id in devices.devices
+        answer = devices.enrol(req, enrolment, lambda: self.register(req))
+        if auth.enabled:
+            if known:
+                log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
+            answer.token = auth.device_token(self.core.run_id, req.device_id,
+                                             devices.devices[req.device_id].token_nonce)
+        return answer
+
+    def check_token(self, headers: Mapping[str, str], device_id: str, auth: Auth) -> None:
+        """The caller holds ``device_id``'s current token in this run. A caller with a token for a
+        device this server does not know gets 404 (NotFound), not 403: that is how an agent learns
+        that a restarted Fed Server forgot it and registers again."""
+        nonce = self.core.devices.token_nonce(device_id)
+        if nonce is None and auth.enabled and "authorization" in headers:
+            raise NotFound(f"unknown device {device_id!r}: register first")
+        auth.check_device(headers, self.core.run_id, device_id, nonce)
+
+    def register(self, req: RegisterRequest) -> RegisterResponse:
+        """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
+        its model or data pipeline differs from the run's (None: not checked, docs/models.md);
+        Invalid (422), changing nothing, for a sample count the run rules out."""
+        self._check_label_counts(req)
+        core = self.core
+        check_registered_samples(req, self.shard_sizes, core.holdout(), core.config.data.max_device_samples)
+        if req.fingerprint is not None:
+            differences = fingerprint_differences(req.fingerprint, self.fingerprint, "on the device", "in the run")
+            if differences:
+                raise Conflict(f"{req.device_id}: the device's model differs from the run's "
+                               f"(model {core.config.model!r}): " + "; ".join(differences))
+        record = core.devices.register(req)
+        core.missed.answered([req.device_id])   # a restarted agent's device is tried again at once
+        core.changed.set()
+        if core.round is not None and core.round.sits_out(req.device_id, core.devices.token_nonce(req.device_id)):
+            log.warning("%s enrolled again during attempt %d: it sits that attempt out (the Main Server's plan "
+                        "carries its previous enrolment)", req.device_id, core.round.round_id)
+        log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if core.devices.local_data else "shard",
+                 record.shard, req.num_samples, req.profile.kind)
+        return RegisterResponse(run_id=core.run_id, device_id=record.device_id, shard=record.shard)
+
+    def _check_label_counts(self, req: RegisterRequest) -> None:
+        """Label counts come with a registration exactly when the Fed Server forms the groups."""
+        if self.label_counts_at_registration:
+            if req.label_counts is None:
+                raise Invalid(f"{req.device_id}: this run has several Main Server replicas and groups at the Fed "
+                              f"Server: register with label_counts (RunInfo.label_counts_at_registration)")
+            if len(req.label_counts) != self.num_classes:
+                raise Invalid(f"label_counts has {len(req.label_counts)} entries; the model has {self.num_classes} classes")
+        elif req.label_counts is not None:
+            raise Invalid("this run takes label counts at the Main Server only (RunInfo.label_counts_at_registration "
+                          "is false): register without label_counts")
+
+    def held_out_limit(self, device_id: str) -> int:
+        """The most held-out samples ``device_id`` may report an evaluation over: its shard's held-out
+        part, or with its own data (``dataset: local``) the most a device training on its
+        registered count can hold out."""
+        holdout = self.core.holdout()
+        assert holdout is not None, "asked only with federated evaluation"
+        record = self.core.devices.devices[device_id]
+        if self.shard_sizes is not None:
+            return held_out_count(self.shard_sizes[record.shard], holdout)
+        return max_held_out(record.num_samples, holdout)
+
+    def ready(self) -> bool:
+        """Rounds start once every shard has a registered device, or, after the registration
+        deadline, once the quorum has (a resumed run whose devices did not all come back)."""
+        config = self.core.config
+        if len(self.core.devices) >= config.data.num_devices:
+            return True
+        return time.monotonic() >= self.registration_deadline() and len(self.core.devices) >= config.deadlines.min_participants
+
+    def registration_deadline(self) -> float:
+        """The monotonic time after which the quorum of registered devices suffices."""
+        return self.created_at + self.core.config.deadlines.registration_s

@@ -1,0 +1,239 @@
+"""How far the run has come: the attempt and round counters, each attempt's conclusion and record
+(with the server's evaluation of the new model), the checkpoint it is written with, the resume
+from that checkpoint after a restart, and the run's summary.
+
+What a checkpoint holds and when a restart may resume from it: ``fed_server/checkpoint.py``; the
+order the files are written in: ``fed_server/recorder.py``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fed_server.aggregation import Aggregation
+from fed_server.checkpoint import RunProgress
+from fed_server.evaluation_round import EvaluationRound
+from fed_server.fed_round import FedRound
+from fed_server.recorder import Recorder
+from fed_server.records import RoundRecord, round_record, run_summary
+from fed_server.run_core import RunCore
+from fed_server.time_table import ClientTimeTable
+from shared.data import ArrayDataset
+from shared.evaluation import combine_reports, evaluate
+
+log = logging.getLogger("fed_server")
+
+
+@dataclass
+class Conclusion:
+    """A round attempt whose outcome is fixed, waiting for its record (:meth:`Progress.conclude`).
+
+    Everything the record and the checkpoint need is taken here, when the attempt's model is final,
+    so that the next attempt may begin (select, draw from the rng, change algorithm state) while
+    the server's evaluation of this one runs beside it (:meth:`Progress.record`)."""
+
+    # Not the FedRound: it holds the round's uploads, which must not live on beside the next
+    # round's (the record below already took what it needs from them).
+    record: RoundRecord          # complete but for the new model's evaluation (an aggregated attempt)
+    progress: RunProgress        # the checkpoint's progress as of the conclusion, whether the run ends with it
+
+    @property
+    def finished(self) -> bool:
+        return self.progress.finished
+
+
+class Progress:
+    """The run's counters, records and checkpoints. ``test_set``: the server's (None: federated
+    evaluation, where nothing evaluates the initial model, so there is no round-0 accuracy)."""
+
+    def __init__(self, core: RunCore, recorder: Recorder, rng: random.Random, table: ClientTimeTable,
+                 test_set: ArrayDataset | None) -> None:
+        self.core = core
+        self.recorder = recorder
+        self.rng = rng
+        self.table = table
+        self.test_set = test_set
+        self.rounds_done = 0          # completed logical rounds (aggregated; recorded or about to be)
+        self.rounds_recorded = 0      # of those, the ones whose record and checkpoint are written
+        self._unrecorded: Conclusion | None = None   # a concluded attempt whose record is not written yet
+        self.attempts = 0             # round attempts started; each one's wire round_id
+        self.failed_in_a_row = 0
+        self.history: list[RoundRecord] = []
+        self.stop_reason: str | None = None
+        self.elapsed_before = 0.0     # run time before a restart
+        self.cumulative_bytes = 0
+        initial_acc, initial_loss = (evaluate(core.model, test_set, device=core.torch_device)
+                                     if test_set is not None else (None, None))
+        self.initial: dict[str, float | None] = {"test_accuracy": initial_acc, "test_loss": initial_loss}
+
+    def next_attempt(self) -> int:
+        """Reserve the next attempt's id (never reused, even across a restart) and return it."""
+        if self.core.started_at is None:
+            self.core.started_at = time.monotonic()
+        self.attempts = self.recorder.reserve_attempt(self.attempts + 1)
+        return self.attempts
+
+    def count(self, fed_round: FedRound, aggregation: Aggregation) -> None:
+        """An aggregated attempt completes its logical round; a failed one counts toward
+        ``deadlines.max_failed_attempts``."""
+        if aggregation.ok:
+            self.rounds_done = fed_round.index
+            self.failed_in_a_row = 0
+        else:
+            self.failed_in_a_row += 1
+            log.warning("round %d (attempt %d) failed: %d of %d required participants; retrying", fed_round.index,
+                        fed_round.round_id, len(aggregation.used), self.core.config.deadlines.min_participants)
+
+    def conclude(self, fed_round: FedRound, aggregation: Aggregation,
+                 evaluation: EvaluationRound | None = None) -> Conclusion:
+        """Fix what an aggregated (or failed) attempt leaves: its record but for the server's
+        evaluation, the checkpoint's progress, whether the run ends with it. Called on the event
+        loop, before the next attempt begins; the previous conclusion must be recorded first (the
+        records and checkpoints are written in order)."""
+        if self._unrecorded is not None:
+            raise RuntimeError(f"attempt {self._unrecorded.record.round_id} is concluded but not recorded yet")
+        core, config, ok = self.core, self.core.config, aggregation.ok
+        if evaluation is not None:   # the evaluation tasks went down to the devices in this round
+            fed_round.task_bytes += evaluation.task_bytes
+        accuracy, loss, evaluated = self._figures(ok, evaluation)
+        record = round_record(
+            fed_round, config.algorithm, aggregation.used, aggregation.dropped, "ok" if ok else "failed", accuracy,
+            loss, time.monotonic() - fed_round.started_at, self.elapsed(), self.cumulative_bytes,
+            {d: r.kind for d, r in core.devices.devices.items()}, aggregation.aggregation_s,
+            {**core.selector.metrics(), **core.algorithm.round_metrics(fed_round.context, aggregation.extras)} if ok else {},
+            evaluated_devices=evaluated[0], evaluated_samples=evaluated[1])
+        self.cumulative_bytes = record.cumulative_bytes
+        self._note_deadlines(fed_round, aggregation.used)
+        finished, stop_reason = False, None
+        if self.rounds_done >= config.rounds:
+            finished, stop_reason = True, "completed"
+        elif self.failed_in_a_row >= config.deadlines.max_failed_attempts:
+            finished, stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
+        progress = copy.deepcopy(self._snapshot(finished, stop_reason))
+        progress.history_len += 1   # the record this checkpoint will cover
+        self._unrecorded = Conclusion(record, progress)
+        return self._unrecorded
+
+    def _figures(self, ok: bool, evaluation: EvaluationRound | None
+                 ) -> tuple[float | None, float | None, tuple[int | None, int | None]]:
+        """Accuracy, loss and (federated) the devices and samples evaluated, as far as known at the
+        conclusion: a failed attempt's model did not change, so its last evaluation stands; the
+        server's evaluation of a new model comes with the record."""
+        federated = self.core.evaluation_mode == "federated"
+        if not ok:
+            last = self.history[-1] if self.history else None
+            if last is None:
+                return self.initial["test_accuracy"], self.initial["test_loss"], ((0, 0) if federated else (None, None))
+            evaluated = (last.evaluated_devices or 0, last.evaluated_samples or 0) if federated else (None, None)
+            return last.test_accuracy, last.test_loss, evaluated
+        if federated:
+            # No report at all (or no phase): the round still counts, with no figures.
+            result = evaluation.result() if evaluation is not None else combine_reports([])
+            return result.accuracy, result.loss, (result.devices, result.samples)
+        return None, None, (None, None)
+
+    def _note_deadlines(self, fed_round: FedRound, used: Sequence[str]) -> None:
+        """Clear the record of every device that uploaded; make those the attempt waited a
+        deadline for sit out (:mod:`fed_server.missed_deadlines`). A device that enrolled again
+        meanwhile (a restarted agent, which sits out the attempt it restarted in) is not counted."""
+        missed = self.core.missed
+        missed.answered(fed_round.updates)
+        late = {d for d in fed_round.missed_deadline(used)
+                if fed_round.assignments[d].token_nonce == self.core.devices.token_nonce(d)}
+        for device, skip in missed.missed(late, fed_round.round_id).items():
+            log.warning("round %d (attempt %d): %s missed a deadline; it sits out the next %d attempt%s",
+                        fed_round.index, fed_round.round_id, device, skip, "" if skip == 1 else "s")
+
+    def record(self, conclusion: Conclusion) -> RoundRecord:
+        """Evaluate the concluded attempt's new model (on the server's test set with server
+        evaluation, and the algorithm's own figures), then write its record and the checkpoint
+        counting it (``fed_server/recorder.py``).
+
+        CPU work: run off the event loop. It may run while the next attempt trains: the global
+        model does not change until that attempt is aggregated, and the driver awaits this first."""
+        if conclusion is not self._unrecorded:
+            raise RuntimeError(f"attempt {conclusion.record.round_id} is not the one concluded last")
+        core = self.core
+        record, progress = conclusion.record, conclusion.progress
+        if record.status == "ok":   # the model changed: evaluate it
+            update: dict = {"algorithm_metrics": {**record.algorithm_metrics, **core.algorithm.evaluate(core.model)}}
+            if core.evaluation_mode == "server":
+                assert self.test_set is not None
+                started = time.perf_counter()
+                update["test_accuracy"], update["test_loss"] = evaluate(core.model, self.test_set, device=core.torch_device)
+                update["evaluation_s"] = time.perf_counter() - started
+            record = RoundRecord.model_validate({**record.model_dump(), **update})   # validated like any record
+        self.history.append(record)
+        self.recorder.record_round(record, core.model.state_dict(), progress,
+                                   self._summary(progress.finished, progress.stop_reason) if progress.finished else None)
+        self._unrecorded = None
+        self.rounds_recorded = progress.rounds_done
+        # Only now, with the checkpoint and summary on disk, may /v1/status say "finished": a
+        # testbed that stops the services on that answer must not kill the server mid-write.
+        core.finished, self.stop_reason = progress.finished, progress.stop_reason
+        return record
+
+    def elapsed(self) -> float:
+        """Run time so far, across restarts."""
+        started_at = self.core.started_at
+        return self.elapsed_before + (time.monotonic() - started_at if started_at is not None else 0.0)
+
+    def _snapshot(self, finished: bool, stop_reason: str | None) -> RunProgress:
+        """What the checkpoint holds besides the model (``fed_server/checkpoint.py``)."""
+        core = self.core
+        return RunProgress(
+            run_id=core.run_id, rounds_done=self.rounds_done, attempts=self.attempts,
+            failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
+            cumulative_bytes=self.cumulative_bytes, elapsed_s=self.elapsed(), rng_state=self.rng.getstate(),
+            algorithm_state=core.algorithm.state_dict(), selector_state=core.selector.state_dict(),
+            time_table=self.table.entries(), missed_deadlines=core.missed.state_dict(), finished=finished,
+            stop_reason=stop_reason)
+
+    def resume(self) -> bool:
+        """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
+
+        Restores the global model, the round counters, the client time table, the algorithm's
+        per-device state and the selection RNG, and the records the checkpoint covers, so the
+        resumed run neither loses nor repeats a round. The attempt counter continues from the
+        last id ever reserved, never reusing one (``fed_server/recorder.py``). ValueError for a
+        checkpoint of a different configuration (``fed_server/checkpoint.py``).
+        """
+        core = self.core
+        loaded = self.recorder.resume(core.config)
+        if loaded is None:
+            # No checkpoint yet, but attempts may have been handed out (the server stopped during
+            # its first attempt): their ids are never used again, so a device's stale upload for
+            # one of them cannot land in a new attempt.
+            self.attempts = self.recorder.last_attempt()
+            return False
+        state, progress, self.history = loaded
+        core.model.load_state_dict(state)
+        core.run_id = progress.run_id
+        self.rounds_done = self.rounds_recorded = progress.rounds_done
+        self.attempts = progress.attempts
+        self.failed_in_a_row = progress.failed_in_a_row
+        self.cumulative_bytes = progress.cumulative_bytes
+        self.elapsed_before = progress.elapsed_s
+        self.rng.setstate(progress.rng_state)
+        core.algorithm.load_state_dict(progress.algorithm_state)
+        core.selector.load_state_dict(progress.selector_state)
+        self.table.load_entries(progress.time_table)
+        core.missed.load_state_dict(progress.missed_deadlines)
+        core.finished = progress.finished
+        self.stop_reason = progress.stop_reason
+        log.info("resumed run %s after round %d (attempt %d)", core.run_id, self.rounds_done, self.attempts)
+        return True
+
+    def summary(self) -> dict:
+        """What the run achieved, for ``summary.json`` and the testbed's final line."""
+        return self._summary(self.core.finished, self.stop_reason)
+
+    def _summary(self, finished: bool, stop_reason: str | None) -> dict:
+        config = self.core.config
+        base = {"run_id": self.core.run_id, "algorithm": config.algorithm, "model": config.model}
+        return run_summary(self.history, base, self.initial["test_accuracy"], self.rounds_done,
+                           self.cumulative_bytes, finished, stop_reason)

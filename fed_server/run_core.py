@@ -1,0 +1,107 @@
+"""What every part of the Fed Server's run logic shares: the configuration, the global model and
+the algorithm, the device registry and the published weights, the open attempt and evaluation
+phase, and the events that wake the round driver and the waiting devices.
+
+State and the few rules every part applies alike (which attempt is open, taking a device out of
+it); what each part decides lives in its own module (``fed_server/coordinator.py`` lists them).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from fed_server.broadcast import Broadcast
+from fed_server.devices import DeviceRegistry
+from fed_server.evaluation_round import EvaluationRound
+from fed_server.fed_round import FedRound
+from fed_server.missed_deadlines import MissedDeadlines
+from fed_server.weights_store import WeightsStore
+from shared.algorithms.base import Algorithm
+from shared.algorithms.selection import DeviceSelector
+from shared.config import RunConfig
+from shared.errors import Conflict
+from shared.models.split_model import SplitModel
+from shared.portions import portion_state
+
+log = logging.getLogger("fed_server")
+
+#: Called with (attempt, replica URL, device -> why) when devices of a split attempt leave it at
+#: the Fed Server, so that replica stops waiting for them (``driver.send_departures``).
+DepartureHook = Callable[[FedRound, str, dict[str, str]], None]
+
+
+@dataclass
+class RunCore:
+    """The run's shared state. ``torch_device``: where the global model is evaluated (it stays on
+    the CPU, where uploads arrive and are aggregated)."""
+
+    config: RunConfig
+    run_id: str
+    model: SplitModel
+    algorithm: Algorithm
+    selector: DeviceSelector
+    devices: DeviceRegistry
+    missed: MissedDeadlines
+    evaluation_mode: str
+    torch_device: torch.device | None = None
+    #: The weights tasks name, packed once each and fetched by id (fed_server/weights_store.py).
+    weights: WeightsStore = field(default_factory=WeightsStore)
+    round: FedRound | None = None              # the open attempt
+    evaluating: EvaluationRound | None = None  # the open federated evaluation phase
+    finished: bool = False
+    started_at: float | None = None            # when the first attempt of this process began
+    # Set whenever something a waiting round driver checks may have changed (a device
+    # registered, a report, an update or a group portion arrived): the driver wakes on it
+    # instead of polling. Methods run on the event loop, so setting it needs no lock.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Posted whenever a waiting device's answer may have changed (a round's tasks went out,
+    # follow-ups were planned, an evaluation phase began, the run finished): devices wait for
+    # work on it (long-poll, ``TaskDispatch.next_task``) instead of polling.
+    work_posted: Broadcast = field(default_factory=Broadcast)
+    on_departure: DepartureHook | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.model.blocks)
+
+    def portion(self, end: int) -> dict[str, torch.Tensor]:
+        """Blocks ``[0, end)`` of the global model."""
+        return portion_state(self.model, 0, end)
+
+    def holdout(self) -> float | None:
+        """The fraction every device holds out for federated evaluation; None: the server evaluates."""
+        return self.config.evaluation.holdout if self.evaluation_mode == "federated" else None
+
+    def post_work(self) -> None:
+        """Wake every device waiting for a task: its answer may have changed (event loop)."""
+        self.work_posted.post()
+
+    def open_round(self, round_id: int) -> FedRound:
+        """The open attempt, which must be ``round_id``; Conflict otherwise (a stale upload)."""
+        if self.round is None or self.round.round_id != round_id:
+            current = self.round.round_id if self.round else None
+            raise Conflict(f"round {round_id} is not open (open round: {current})")
+        return self.round
+
+    def exclude(self, fed_round: FedRound, devices: Iterable[str], reason: str, tell_main_server: bool = False) -> None:
+        """Take ``devices`` out of the attempt (:meth:`FedRound.exclude`) and wake the driver, which
+        may now find the attempt complete. ``tell_main_server``: the Main Server does not know yet
+        (the device left at the Fed Server), so its replica is told (:attr:`on_departure`)."""
+        new = fed_round.exclude(devices, reason)
+        if not new:
+            return
+        log.warning("round %d (attempt %d): %s taken out: %s", fed_round.index, fed_round.round_id,
+                    ", ".join(sorted(new)), reason)
+        self.changed.set()
+        if tell_main_server and fed_round.uses_main_server and self.on_departure is not None:
+            by_replica: dict[str, dict[str, str]] = {}
+            for device in sorted(new):
+                url = fed_round.assignments[device].main_server_url
+                if url is not None:
+                    by_replica.setdefault(url, {})[device] = reason
+            for url, reasons in by_replica.items():
+                self.on_departure(fed_round, url, reasons)
