@@ -75,7 +75,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: int,
            label_counts: dict[str, list[int]]) -> tuple[dict[str, RoundPlan], dict[str, str]]:
     """Each replica's plan, and each device's replica: one replica groups the joins itself; several
-    get the groups formed and spread the Fed Server's way (``Coordinator.replica_plans``)."""
+    get the groups formed and spread the Fed Server's way (``fed_server.replica_planning.ReplicaPlanning.plans``)."""
     model = build_model("cnn", NUM_CLASSES, (1, 28, 28), seed=0)
     weights = encode_state(portion_state(model, SPLIT, len(model.blocks)))
 
