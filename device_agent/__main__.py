@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m device_agent",
         description="Device agent: trains its client portion and talks to the Fed Server and Main Server "
-                    "(outbound calls only). One process can host many virtual devices.")
+                    "(outbound calls only). One process can host many virtual devices.",
+        epilog="Exit codes: 0 the run finished; 1 a device stopped with an error (e.g. its --data); 2 a usage error, "
+               "a run this agent cannot train, or a device whose registration the Fed Server refused (a shard that "
+               "does not exist or is held already, a sample count or model the run rules out, a credential that does "
+               "not cover it), whether or not the agent's other devices trained on to the end.")
     parser.add_argument("--fed-server-url", default=env_default("fed_server_url", "http://127.0.0.1:8080"),
                         help="the Fed Server (env SFL_FED_SERVER_URL); the Main Server's URL comes with each task")
     parser.add_argument("--shards", default=env_default("shards", None),

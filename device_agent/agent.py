@@ -13,11 +13,12 @@ import torch
 
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
-from device_agent.device import Device, check_run, wait_for_run
+from device_agent.device import Device, RegistrationRefused, check_run, wait_for_run
 from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
 from shared.profiles import LINKS, TimeScale, kind_for
+from shared.schemas import RunInfo
 
 log = logging.getLogger("device_agent")
 
@@ -113,6 +114,7 @@ class Agent:
         if links not in LINKS:
             raise ValueError(f"links must be one of {', '.join(LINKS)}, got {links!r}")
         self.stop = threading.Event()
+        self.fed_server_url = fed_server_url
         self.model = model
         sources = sources or []
         count = len(sources) or len(shards)
@@ -142,31 +144,36 @@ class Agent:
                 metrics.add_device(device.device_id)
                 device.on_upload = metrics.observe_upload
 
-    def _run_device(self, device: Device) -> None:
+    def _run_device(self, device: Device, info: RunInfo) -> None:
         try:
-            device.run()
-        except DataError as exc:  # the operator's data: one line that names the file and field
+            device.run(info)
+        except (DataError, RegistrationRefused) as exc:  # the operator's data or configuration: one line naming it
             self.errors[device.device_id] = exc
             log.error("%s: not registered: %s", device.device_id, exc)
         except BaseException as exc:  # report and let the other devices carry on
             self.errors[device.device_id] = exc
             log.exception("%s stopped with an error", device.device_id)
 
-    def check_run(self) -> None:
+    def check_run(self) -> RunInfo:
         """Wait for the Fed Server's run spec and refuse (:class:`RunRefused`) a run this agent
         cannot train, once for all its devices and before any registers: a device that joined
-        it would fail every task it is given."""
+        it would fail every task it is given. Returns the spec, which the devices then start from."""
+        info = wait_for_run(self.devices[0].fed, self.stop, f"the Fed Server at {self.fed_server_url}")
         try:
-            check_run(wait_for_run(self.devices[0].fed, self.stop, "agent"), self.model)
+            check_run(info, self.model)
         except ValueError as exc:
             raise RunRefused(str(exc)) from None
+        return info
 
     def run(self) -> int:
         """Check the run (:meth:`check_run`, which may raise :class:`RunRefused`), then start
-        every device thread and wait for them; exit code 1 if any device failed."""
-        threads = [threading.Thread(target=self._run_device, args=(d,), name=d.device_id, daemon=True) for d in self.devices]
+        every device thread and wait for them. The exit code: 2 if the Fed Server refused any
+        device's registration (a configuration problem, which a restart does not fix; the agent's
+        other devices train on to the end), else 1 if any device failed, else 0."""
         try:
-            self.check_run()
+            info = self.check_run()
+            threads = [threading.Thread(target=self._run_device, args=(d, info), name=d.device_id, daemon=True)
+                       for d in self.devices]
             for t in threads:
                 t.start()
             for t in threads:
@@ -176,5 +183,7 @@ class Agent:
             self.stop.set()
         finally:
             self.compute.close()
+        if any(isinstance(exc, RegistrationRefused) for exc in self.errors.values()):
+            return 2
         return 1 if self.errors else 0
 

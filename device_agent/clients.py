@@ -50,8 +50,10 @@ class HttpFedClient:
         self._enrolment_secret = enrolment_secret
 
     def run_info(self) -> RunInfo:
+        """Asked once: its caller (:func:`device_agent.device.wait_for_run`) waits for a Fed Server
+        that is still starting, with one log line rather than the client's warning per retry."""
         with _translated():
-            return self._http.call("GET", f"{API}/run", RunInfo)
+            return self._http.call("GET", f"{API}/run", RunInfo, retries=0)
 
     def register(self, req: RegisterRequest) -> RegisterResponse:
         headers = {"x-enrolment-secret": self._enrolment_secret.decode()} if self._enrolment_secret else None

@@ -27,7 +27,7 @@ from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.data.local import DataError, LocalSource
-from shared.errors import Conflict, DomainError, Invalid, NotFound
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
 from shared.evaluation import evaluation_counts
 from shared.models import SplitModel, build_model, build_model_layout, check_model_origin, model_fingerprint
 from shared.profiles import AUTO_TRANSFER_RATIO, SERVER_FLOPS, EmulatedKind, TimeScale, auto_time_scale
@@ -93,20 +93,41 @@ def check_run(info: RunInfo, model_ref: str | None) -> SplitModel:
     return build_run_model(info, layout=True)
 
 
-def wait_for_run(fed: FedApi, stop: threading.Event, who: str) -> RunInfo:
+def wait_for_run(fed: FedApi, stop: threading.Event, server: str) -> RunInfo:
     """The run spec, asked for until the Fed Server answers (or ``stop`` is set). Every second
     at most: an agent started beside its servers (the testbed starts them together) registers
-    as soon as the Fed Server is up, not seconds later."""
+    as soon as the Fed Server is up, not seconds later.
+
+    ``server`` names the Fed Server in the log: one WARNING when it first does not answer, DEBUG
+    for every later try, one INFO line once it answers, so an agent waiting for a server that is
+    still starting says so once rather than once a try."""
     delay = 0.2
+    waiting_since: float | None = None
     while True:
         try:
-            return fed.run_info()
+            info = fed.run_info()
         except Exception as exc:  # the Fed Server may still be starting
             if stop.is_set():
                 raise
-            log.debug("%s: Fed Server not reachable yet (%s)", who, exc)
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                log.warning("waiting for %s: not reachable yet (%s); retrying", server, reason)
+            else:
+                log.debug("waiting for %s: still not reachable (%s)", server, reason)
             stop.wait(delay)
             delay = min(delay * 2, 1.0)
+            continue
+        if waiting_since is not None:
+            log.info("%s is reachable (after %.1f s)", server, time.monotonic() - waiting_since)
+        return info
+
+
+class RegistrationRefused(Exception):
+    """The run refuses a device's registration: the Fed Server refused it (a model fingerprint
+    that differs from the run's, a shard that is held already, a sample count the run rules out, a
+    credential that does not cover the device), or its shard is not one of the run's (checked
+    before its data is loaded). A configuration problem, which retrying cannot fix."""
 
 
 #: Opens a Main Server client for a task's URL, presenting the device's current token.
@@ -190,15 +211,16 @@ class Device:
         self.on_upload: Callable[[UpdateRequest, int], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, info: RunInfo | None = None) -> None:
         """Register, then train every round this device is given until the run is done.
+        ``info``: the run spec, when the device's agent has asked for it already (:meth:`setup`).
 
         Survives server restarts: connection failures back off and retry (up to
         ``max_downtime_s`` without any answer), and a Fed Server that no longer knows the device
         (it restarted from its checkpoint) gets a new registration. A task that fails, for any
         reason, is given up (:meth:`_abandon`) and the device asks for its next one.
         """
-        self.setup()
+        self.setup(info)
         down_since: float | None = None
         delay = self.poll_interval_s
         while not self.stop.is_set():
@@ -300,14 +322,15 @@ class Device:
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
                  "; final global model received" if received else "")
 
-    def setup(self) -> None:
-        """Fetch the run spec, load and check this device's data, register with the Fed Server.
+    def setup(self, info: RunInfo | None = None) -> None:
+        """Fetch the run spec (unless given ``info``: an agent waits for it once for all its
+        devices), load and check this device's data, register with the Fed Server.
 
         Bad data stops here with a :class:`DataError`, before the device registers. A run this
         process cannot train (:func:`check_run`: an unknown algorithm, a model it may not or cannot
         build) stops the device here (ValueError), before anything is imported: code is never
         taken from the network."""
-        self.info = wait_for_run(self.fed, self.stop, self.device_id)
+        self.info = info if info is not None else wait_for_run(self.fed, self.stop, f"the Fed Server of {self.device_id}")
         self.layout = check_run(self.info, self.model_ref)
         # The one place the device's data becomes its training set. Federated evaluation: split
         # once into the training part and the held-out part, before anything (registration,
@@ -331,8 +354,11 @@ class Device:
         if spec.dataset == "local":
             raise DataError(f"{self.device_id}: the run uses the devices' own data (dataset 'local'); start the "
                             f"agent with --data PATH instead of --shards")
-        train, _ = load_dataset(spec)
         assert self.shard is not None
+        if not 0 <= self.shard < spec.num_devices:
+            raise RegistrationRefused(f"shard {self.shard} does not exist: the run has {spec.num_devices} shards "
+                                      f"(0..{spec.num_devices - 1})")
+        train, _ = load_dataset(spec)
         return device_shard(spec, train, self.shard)
 
     def _build(self) -> SplitModel:
@@ -356,13 +382,18 @@ class Device:
     def register(self) -> None:
         """Announce this device, its shard, its profile and its model's fingerprint to the Fed
         Server, and its label counts when the run asks for them (several Main Server replicas). A fingerprint that differs from the run's is refused (Conflict): the device stops
-        rather than train on another model."""
+        rather than train on another model: every refusal stops the device (:class:`RegistrationRefused`)."""
         assert self.data is not None and self.layout is not None and self.info is not None
-        answer = self.fed.register(RegisterRequest(device_id=self.device_id, shard=self.shard,
-                                                   num_samples=len(self.data), profile=self._profile,
-                                                   fingerprint=model_fingerprint(self.layout, self.info.data),
-                                                   label_counts=self.data.label_counts().tolist()
-                                                   if self.info.label_counts_at_registration else None))
+        request = RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data),
+                                  profile=self._profile, fingerprint=model_fingerprint(self.layout, self.info.data),
+                                  label_counts=self.data.label_counts().tolist()
+                                  if self.info.label_counts_at_registration else None)
+        try:
+            answer = self.fed.register(request)
+        except DomainError as exc:
+            if isinstance(exc, Failed):   # the server's own fault, not a refusal
+                raise
+            raise RegistrationRefused(f"refused by the Fed Server: {exc}") from None
         self.token = answer.token
         self._drop_main()  # the next task's Main Server client presents the new token
         log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",

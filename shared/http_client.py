@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import httpx
@@ -87,8 +87,11 @@ class SyncClient:
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=HEADERS, verify=tls_context(verify))
 
     def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
-             params: dict | None = None, timeout: float | None = None, headers: dict | None = None) -> M:
-        """Send ``body`` (msgpack) and decode the answer; retries only on connection failures."""
+             params: dict | None = None, timeout: float | None = None, headers: dict | None = None,
+             retries: int | None = None) -> M:
+        """Send ``body`` (msgpack) and decode the answer; retries only on connection failures, as
+        often as the client's ``retries`` or, for this call, ``retries`` (0: a caller that waits
+        for the server on its own schedule, and logs it its own way)."""
         # The body goes out as its pieces, the tensors' bytes straight from their snapshots (see
         # shared.wire.Body); its length must be given, or httpx would send it chunked (a copy).
         content = pack_body(body.model_dump()) if body is not None else None
@@ -99,7 +102,8 @@ class SyncClient:
             time.sleep(self.request_delay_s)
         resp = retry(lambda: self._http.request(method, path, content=content, params=params, headers=headers,
                                                 timeout=request_timeout),
-                     self.backoff, (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")
+                     self.backoff if retries is None else replace(self.backoff, attempts=retries + 1),
+                     (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")
         self.bytes.up += len(content or b"")
         self.bytes.down += len(resp.content)
         return decode_response(resp, model)

@@ -17,7 +17,7 @@ from device_agent.device import Device
 from shared.config import TrainConfig
 from shared.data import DataSpec, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
-from shared.errors import Conflict, Invalid, NotFound
+from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.evaluation import evaluation_counts
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
@@ -453,3 +453,85 @@ def test_an_agent_refuses_a_run_it_cannot_train_in_one_line_before_any_device_re
     assert exit_.value.code == 2 and err.startswith(f"python -m device_agent: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert [f.registrations for f in feds] == [[], []]
+
+
+class StartingFed(FakeFed):
+    """A Fed Server that does not answer its first ``down`` run-spec requests (still starting)."""
+
+    def __init__(self, script: list, down: int = 0) -> None:
+        super().__init__(script)
+        self.down = down
+        self.asked = 0
+
+    def run_info(self) -> RunInfo:
+        self.asked += 1
+        if self.asked <= self.down:
+            raise Unreachable("ConnectError: [Errno 111] Connection refused")
+        return super().run_info()
+
+
+class NoWait(threading.Event):
+    """A stop event whose waits return at once (the retries' delays are not what is tested)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.is_set()
+
+
+def test_waiting_for_a_fed_server_that_is_starting_is_one_warning_then_one_line_when_it_answers(caplog):
+    from device_agent.device import wait_for_run
+
+    caplog.set_level(logging.DEBUG, "device_agent")
+    fed = StartingFed([], down=5)
+    assert wait_for_run(fed, NoWait(), "the Fed Server at http://fed") == INFO and fed.asked == 6
+    by_level = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "device_agent"]
+    assert by_level[0] == ("WARNING", "waiting for the Fed Server at http://fed: not reachable yet "
+                                      "(ConnectError: [Errno 111] Connection refused); retrying")
+    assert [level for level, _ in by_level[1:-1]] == ["DEBUG"] * 4
+    assert by_level[-1][0] == "INFO" and by_level[-1][1].startswith("the Fed Server at http://fed is reachable")
+
+
+@pytest.mark.parametrize("refused, code", [((0,), 2), ((0, 1), 2), ((), 0)])
+def test_a_device_the_fed_server_refuses_is_one_line_and_the_agent_exits_2_while_its_other_devices_train(
+        refused, code, caplog):
+    from device_agent.agent import Agent
+
+    class Refusing(StartingFed):
+        def register(self, req: RegisterRequest) -> RegisterResponse:
+            raise Conflict(f"http://fed/v1/devices/register: HTTP 409: shard {req.shard} is already held by device 'x'")
+
+    agent = Agent("http://127.0.0.1:9", [3, 4], None, compute_slots=0)
+    feds = [(Refusing if i in refused else StartingFed)([_full(1), TaskResponse(status="done")], down=2)
+            for i in range(2)]
+    for device, fed in zip(agent.devices, feds):
+        device.fed = fed   # type: ignore[assignment]
+    assert agent.run() == code
+    # The agent asked for the run spec for both its devices, which did not ask again.
+    assert [f.asked for f in feds] == [3, 0]
+    assert [d.rounds_done for d in agent.devices] == [0 if i in refused else 1 for i in range(2)]
+    lines = [r for r in _problems(caplog) if "waiting for" not in r.getMessage()]
+    assert sorted((r.levelname, r.getMessage()) for r in lines) == [
+        ("ERROR", f"dev-00{3 + i}: not registered: refused by the Fed Server: http://fed/v1/devices/register: "
+                  f"HTTP 409: shard {3 + i} is already held by device 'x'") for i in refused]
+    assert all(r.exc_info is None for r in lines)
+
+
+def test_a_registration_the_fed_server_fails_to_carry_out_is_no_refusal(caplog):
+    from device_agent.agent import Agent
+
+    class Failing(FakeFed):
+        def register(self, req: RegisterRequest) -> RegisterResponse:
+            raise Failed("http://fed/v1/devices/register: HTTP 500: the disk is full")
+
+    agent = Agent("http://127.0.0.1:9", [3], None, compute_slots=0)
+    agent.devices[0].fed = Failing([])   # type: ignore[assignment]
+    assert agent.run() == 1 and isinstance(agent.errors["dev-003"], Failed)
+
+
+def test_a_shard_the_run_does_not_have_is_refused_before_the_device_loads_data():
+    from device_agent.device import RegistrationRefused
+
+    fed = FakeFed([])
+    device = Device("dev-009", SPEC.num_devices, fed, lambda url, token: None, kind=None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(RegistrationRefused, match=r"^shard 8 does not exist: the run has 8 shards \(0..7\)$"):
+        device.setup()
+    assert fed.registrations == []
