@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device-data", action="append", default=[], metavar="PATH",
                         help="for a run with data.dataset: local, one device agent started with --data PATH (repeatable; "
                              "docs/data.md); data.num_devices defaults to the number of devices these paths make")
+    parser.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword passed (as a string) to a --device-data function package.module:function: every "
+                             "agent started with --device-data gets it as its --data-arg (repeatable; docs/data.md)")
     parser.add_argument("--enrolment", choices=ENROLMENTS, default="secret",
                         help="how the devices enrol: secret, every agent with the run's shared enrolment secret "
                              "(default); credentials, each agent with its own enrolment credential covering exactly "
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.real_links or args.agent_per_device) and (args.agents != 1 or args.device_data):
         parser.error("--real-links and --agent-per-device start one agent per device of the built-in data set: "
                      "not with --agents or --device-data")
+    if args.data_arg and not args.device_data:
+        parser.error("--data-arg is for the functions of --device-data")
 
     shortcuts = {"algorithm": args.algorithm, "model": args.model, "rounds": args.rounds,
                  "data.num_devices": args.devices, "devices_per_round": args.per_round, "seed": args.seed}
@@ -107,8 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     interrupt_on_sigterm()
     try:
         testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
-                          torch_device=checked.torch_device, main_servers=main_servers, enrolment=args.enrolment,
-                          real_links=args.real_links, agent_per_device=args.agent_per_device, rtt_ms=args.rtt_ms)
+                          data_args=args.data_arg, torch_device=checked.torch_device, main_servers=main_servers,
+                          enrolment=args.enrolment, real_links=args.real_links,
+                          agent_per_device=args.agent_per_device, rtt_ms=args.rtt_ms)
         with testbed:
             mains = ", ".join(testbed.main_urls) or "none (split depth zero)"
             print(f"fed server {testbed.fed_url}, main server {mains}; waiting for devices ...",

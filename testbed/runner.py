@@ -59,7 +59,8 @@ class Testbed:
 
     def __init__(self, config: RunConfig, run_dir: str | Path, agents: int = 1, host: str = "127.0.0.1",
                  log_level: str = "INFO", auth: bool = True, tls: TlsFiles | None = None,
-                 device_data: list[str] | None = None, torch_device: str | None = None,
+                 device_data: list[str] | None = None, data_args: Sequence[str] = (),
+                 torch_device: str | None = None,
                  main_servers: int | None = None, warm: WarmStarter | None = None,
                  enrolment: str = "secret", real_links: bool = False, agent_per_device: bool = False,
                  rtt_ms: float = 0.0) -> None:
@@ -70,6 +71,8 @@ class Testbed:
         starter (:mod:`testbed.warm_start`; the integration tests do) instead of ``python -m``.
         ``device_data``: for a ``dataset="local"`` run, one agent process per path, started with
         ``--data PATH`` (``agents`` is then unused); otherwise ``agents`` processes share the shards.
+        ``data_args``: ``KEY=VALUE`` strings each of those agents gets as ``--data-arg`` (the
+        keywords of a data function; the agent checks them).
         ``torch_device``: ``--torch-device`` of all three services; None: theirs (env or cpu).
         ``enrolment``: one of :data:`ENROLMENTS` (with ``auth``); ``credentials`` needs a built-in
         data set, whose shards the credentials name.
@@ -88,6 +91,9 @@ class Testbed:
         self.config = config
         self.torch_device = torch_device
         self.device_data = list(device_data or [])
+        self.data_args = list(data_args)
+        if self.data_args and not self.device_data:
+            raise TestbedError("--data-arg is for the functions of --device-data")
         if (config.data.dataset == "local") != bool(self.device_data):
             raise TestbedError("a run with data.dataset: local needs --device-data PATH (each device's own data)"
                                if self.device_data == [] else
@@ -217,7 +223,8 @@ class Testbed:
         if data is not None:
             if kinds:  # none (devices.profiles: []): real devices, nothing to rotate
                 kinds = kinds[index % len(kinds):] + kinds[:index % len(kinds)]
-            devices = ["--data", data, "--prefix", f"dev{index}"]
+            devices = ["--data", data, "--prefix", f"dev{index}",
+                       *(a for pair in self.data_args for a in ("--data-arg", pair))]
         else:
             devices = ["--shards", _shard_list(shards or []), "--prefix", AGENT_PREFIX]
             if self.agent_per_device and shards:

@@ -1,32 +1,37 @@
 """Data that lives on the device (``dataset="local"``): loaders for local files and the run's input transform.
 
-Three sources make one device's :class:`ArrayDataset` (docs/data.md):
+Four sources make one device's :class:`ArrayDataset` (docs/data.md):
 
 * an ``.npz`` file with arrays ``x`` (numeric, ``[N, *raw_shape]``) and ``y`` (integer labels);
+* a ``.csv`` file with a header row: the column ``data.label_column`` holds the labels, the others
+  (numbers, in header order) make one sample of ``data.input_shape`` per row;
 * a folder of images with one sub-folder per class (needs Pillow);
 * a user function by import path ``package.module:function``, called with the ``--data-arg``
   strings as keywords, returning ``(x, y)`` or an :class:`ArrayDataset` (both taken as raw samples).
 
-Every source goes through the same steps: raw samples to the run's layout (:func:`to_layout`), the
-run's :class:`InputTransform` (:func:`apply_input_transform`), then the check that each sample has
-``data.input_shape`` (the three: :func:`model_inputs`) and that the labels are ``0..num_classes-1``. Anything wrong raises one
+Every source goes through the same steps (:func:`model_inputs`): raw samples to the run's layout
+(:func:`to_layout`), the check that they can make samples of ``data.input_shape``, the run's
+:class:`InputTransform` (:func:`apply_input_transform`), then the check that each sample has
+``data.input_shape``; and the labels must be ``0..num_classes-1``. Anything wrong raises one
 :class:`DataError` naming the file and the field, before the device registers.
 
 What a file declares is checked against :class:`FileLimits` before it is decompressed or decoded
-(an ``.npz`` member's npy header and zip entry, an image's header), so a file that would unpack to
-more than the device can hold is refused in the same way.
+(an ``.npz`` member's npy header and zip entry, a ``.csv`` file's size, an image's header), so a
+file that would unpack to more than the device can hold is refused in the same way.
 
 Import paths come only from the operator's command line, never from a message.
 """
 from __future__ import annotations
 
+import csv
 import math
 import warnings
 import zipfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -44,6 +49,7 @@ __all__ = [
     "LocalSource",
     "apply_input_transform",
     "data_sources",
+    "load_csv",
     "load_image_folder",
     "load_local",
     "load_npz",
@@ -55,6 +61,8 @@ __all__ = [
 #: File name endings read as images in a class folder (others, and hidden files, are ignored).
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 _PILLOW_HINT = "reading an image folder needs Pillow: pip install 's2fl-testbed[images]'"
+#: Data files by their name's ending (a file with another ending is refused by name, not guessed at).
+DATA_FILE_SUFFIXES = (".npz", ".csv")
 
 
 class DataError(ValueError):
@@ -117,17 +125,36 @@ def apply_input_transform(x: torch.Tensor, transform: InputTransform) -> torch.T
 
 
 def model_inputs(raw: np.ndarray | torch.Tensor, spec: DataSpec, where: str) -> torch.Tensor:
-    """Raw samples of ``where`` as model inputs: the layout, the run's transform, then the check
-    that every sample has exactly ``data.input_shape``."""
+    """Raw samples of ``where`` as model inputs: the layout, the check that the samples fit
+    ``data.input_shape`` (:func:`_check_layout`), the run's transform, then the check that every
+    sample has exactly ``data.input_shape``."""
     assert spec.input_shape is not None
     try:
-        x = apply_input_transform(to_layout(raw, spec.input_shape, where), spec.input_transform)
+        laid_out = to_layout(raw, spec.input_shape, where)
+        _check_layout(laid_out, spec, where)
+        x = apply_input_transform(laid_out, spec.input_transform)
     except DataError as exc:
         message = str(exc)
         raise DataError(message if message.startswith(f"{where}:") else f"{where}: {message}") from None
     if list(x.shape[1:]) != list(spec.input_shape):
         raise DataError(_shape_mismatch(where, list(x.shape[1:]), spec.input_shape))
     return x
+
+
+def _check_layout(x: torch.Tensor, spec: DataSpec, where: str) -> None:
+    """Refuse samples (in the run's layout) that the transform cannot make ``data.input_shape``,
+    before it runs: a transposed table would otherwise be blamed on ``input_transform.mean``.
+    Only ``input_transform.resize`` changes a sample's shape, and only an image's height and width."""
+    assert spec.input_shape is not None
+    resized = spec.input_transform.resize is not None and len(spec.input_shape) == 3
+    expected: list[int | None] = [spec.input_shape[0], None, None] if resized else list(spec.input_shape)
+    shape = list(x.shape)
+    if len(shape) == len(expected) + 1 and all(e is None or e == n for e, n in zip(expected, shape[1:])):
+        return
+    sizes = ", ".join(str(e) if e is not None else "H" if i == 1 else "W" for i, e in enumerate(expected))
+    raise DataError(f"{where}: field 'x' has shape {shape}, expected [N, {sizes}] (N samples of data.input_shape "
+                    f"{list(spec.input_shape)}{', any H and W before the resize' if resized else ''}; the samples "
+                    f"are along the first axis)")
 
 
 def _shape_mismatch(where: str, shape: list[int], input_shape: list[int]) -> str:
@@ -174,13 +201,19 @@ def load_npz(path: str | Path, spec: DataSpec, limits: FileLimits | None = None)
     """An ``.npz`` file with arrays ``x`` and ``y`` as the run's model inputs (a device's data, or
     the Fed Server's ``data.test_file``). Never unpickles: object arrays are refused. Sizes are
     checked against ``limits`` (default :class:`FileLimits`) before anything is decompressed."""
+    p = _data_file(path)
+    arrays = _read_npz_arrays(p, ("x", "y"), limits or FileLimits())
+    return load_samples(arrays["x"], arrays["y"], spec, str(p))
+
+
+def _data_file(path: str | Path) -> Path:
+    """``path`` as a Path, once it is known to be a file that is not empty."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"{p}: data file not found")
     if p.stat().st_size == 0:
         raise DataError(f"{p}: data file is empty")
-    arrays = _read_npz_arrays(p, ("x", "y"), limits or FileLimits())
-    return load_samples(arrays["x"], arrays["y"], spec, str(p))
+    return p
 
 
 def _read_npz_arrays(p: Path, keys: tuple[str, ...], limits: FileLimits) -> dict[str, np.ndarray]:
@@ -259,6 +292,113 @@ def _member_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str, l
 
 
 _NPY_HEADER_READERS = {(1, 0): npformat.read_array_header_1_0, (2, 0): npformat.read_array_header_2_0}
+
+
+#: Cells the CSV reader holds as text at once: each block of rows becomes one float32 array, so the
+#: text's Python strings (some 50 bytes a cell) are held for a block at a time only.
+_CSV_BLOCK_CELLS = 2 ** 18
+
+
+def load_csv(path: str | Path, spec: DataSpec, limits: FileLimits | None = None) -> ArrayDataset:
+    """A ``.csv`` file (UTF-8, comma-separated, a header row) as the run's model inputs: the column
+    named ``data.label_column`` holds integer labels; every other column, in header order, is a
+    number, and a row's numbers make one sample of ``data.input_shape``. The file's size is checked
+    against ``limits.max_bytes`` (default :class:`FileLimits`) before it is read: a cell takes at
+    least two bytes of text (a digit and a separator) and four as float32, so the samples hold at
+    most twice the file's bytes."""
+    assert spec.input_shape is not None
+    p = _data_file(path)
+    limits = limits or FileLimits()
+    size = p.stat().st_size
+    if size > limits.max_bytes:
+        raise DataError(f"{p}: {size} bytes, over the limit of {limits.max_bytes} bytes (--max-data-bytes)")
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    try:
+        with p.open(newline="", encoding="utf-8-sig") as fh:   # -sig: a byte-order mark (Excel's) is not a name
+            reader = csv.reader(fh)
+            header = [name.strip() for name in next(reader, [])]
+            label_at = _csv_label_column(p, header, spec)
+            block: list[list[str]] = []
+            lines: list[int] = []
+            for row in reader:
+                if not row:   # a blank line
+                    continue
+                if len(row) != len(header):
+                    raise DataError(f"{p}: line {reader.line_num} has {len(row)} cells, the header {len(header)} "
+                                    f"(every row needs one cell per column)")
+                block.append(row)
+                lines.append(reader.line_num)
+                if len(block) * len(header) >= _CSV_BLOCK_CELLS:
+                    _convert_csv_block(p, header, label_at, block, lines, xs, ys)
+                    block, lines = [], []
+            _convert_csv_block(p, header, label_at, block, lines, xs, ys)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{p}: not a UTF-8 text .csv file ({exc})") from None
+    except csv.Error as exc:   # a NUL byte (a binary file), a cell over the csv module's field limit
+        raise DataError(f"{p}: not a readable .csv file (line {reader.line_num}: {exc})") from None
+    x = np.concatenate(xs) if xs else np.zeros((0, len(header) - 1), dtype=np.float32)
+    y = np.concatenate(ys) if ys else np.zeros(0, dtype=np.int64)
+    return load_samples(x.reshape(len(x), *spec.input_shape), y, spec, str(p))
+
+
+def _csv_label_column(p: Path, header: list[str], spec: DataSpec) -> int:
+    """The index of the label column in ``header``, once the header names each column once and
+    leaves as many feature columns as one sample of ``data.input_shape`` holds."""
+    assert spec.input_shape is not None
+    shown = header if len(header) <= 12 else [*header[:12], f"... ({len(header)} columns)"]
+    twice = sorted(name for name, count in Counter(header).items() if count > 1)
+    if twice:
+        raise DataError(f"{p}: the header names column(s) {twice} more than once")
+    if spec.label_column not in header:
+        raise DataError(f"{p}: no label column {spec.label_column!r} (data.label_column); the header row names "
+                        f"{shown}")
+    features, needed = len(header) - 1, math.prod(spec.input_shape)
+    if features != needed:
+        raise DataError(f"{p}: {features} feature columns (all but {spec.label_column!r}), but one sample of "
+                        f"data.input_shape {list(spec.input_shape)} is {needed} numbers")
+    return header.index(spec.label_column)
+
+
+def _convert_csv_block(p: Path, header: list[str], label_at: int, rows: list[list[str]], lines: list[int],
+                       xs: list[np.ndarray], ys: list[np.ndarray]) -> None:
+    """Append the features (float32) and labels (int64) of ``rows`` (read from ``lines``) to
+    ``xs`` and ``ys``; a cell that is not a number (or a label that is not an integer) is named by
+    its line and column."""
+    if not rows:
+        return
+    labels = [row.pop(label_at) for row in rows]
+    try:
+        with np.errstate(over="ignore"):   # a number past float32's range is inf, refused by load_samples
+            x = np.array(rows, dtype=np.float32)
+        y = np.array(labels, dtype=np.int64)
+    except (ValueError, OverflowError):
+        _raise_first_bad_cell(p, header, label_at, rows, labels, lines)
+    xs.append(x)
+    ys.append(y)
+
+
+def _raise_first_bad_cell(p: Path, header: list[str], label_at: int, rows: list[list[str]], labels: list[str],
+                          lines: list[int]) -> NoReturn:
+    """The :class:`DataError` naming the first cell of ``rows`` (features without the label) and
+    ``labels`` that does not convert, by its line and column."""
+    features = header[:label_at] + header[label_at + 1:]
+    for line, row, label in zip(lines, rows, labels):
+        for name, cell in zip(features, row):
+            _check_cell(cell, np.float32, f"{p}: line {line}, column {name!r}: {cell!r} is not a number")
+        _check_cell(label, np.int64, f"{p}: line {line}, column {header[label_at]!r}: {label!r} is not an "
+                                     f"integer class label")
+    raise AssertionError("a block that failed to convert has a cell that does not")
+
+
+def _check_cell(cell: str, dtype: type, message: str) -> None:
+    """Raise :class:`DataError` with ``message`` when ``cell`` does not convert to ``dtype`` (the
+    conversion :func:`_convert_csv_block` makes for a whole block)."""
+    try:
+        with np.errstate(over="ignore"):
+            np.array([cell], dtype=dtype)
+    except (ValueError, OverflowError):
+        raise DataError(message) from None
 
 
 def _class_folders(folder: Path, num_classes: int) -> list[tuple[int, Path]]:
@@ -385,8 +525,8 @@ def is_data_function(ref: str) -> bool:
 
 
 def load_local(ref: str, spec: DataSpec, data_args: dict[str, str], limits: FileLimits | None = None) -> ArrayDataset:
-    """One device's data from ``ref``: an import path, an .npz file or an image folder, its files
-    checked against ``limits`` (default :class:`FileLimits`)."""
+    """One device's data from ``ref``: an import path, an image folder, an .npz or a .csv file
+    (by its name's ending), its files checked against ``limits`` (default :class:`FileLimits`)."""
     if spec.dataset != "local":
         raise DataError(f"--data {ref}: the run uses the built-in data set {spec.dataset!r} (partitioned with "
                         f"--shards); --data needs a run with data.dataset: local")
@@ -394,7 +534,13 @@ def load_local(ref: str, spec: DataSpec, data_args: dict[str, str], limits: File
         return load_function(ref, spec, data_args)
     if Path(ref).expanduser().is_dir():
         return load_image_folder(ref, spec, limits)
-    return load_npz(ref, spec, limits)
+    p = _data_file(ref)
+    if p.suffix.lower() == ".csv":
+        return load_csv(p, spec, limits)
+    if p.suffix.lower() == ".npz":
+        return load_npz(p, spec, limits)
+    raise DataError(f"{p}: unsupported data file {p.name!r}: use .npz, .csv, an image folder, or "
+                    f"package.module:function")
 
 
 def _holds_images(folder: Path) -> bool:
@@ -406,7 +552,7 @@ def data_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource
     (default :class:`FileLimits`).
 
     * an import path or a file: one device;
-    * a folder holding ``.npz`` files (and no sub-folders): one device per file;
+    * a folder holding ``.npz`` or ``.csv`` files (and no sub-folders): one device per file;
     * a folder whose sub-folders hold images (or are empty): one device, the sub-folders are its
       classes;
     * a folder whose sub-folders hold only sub-folders (no image files): a folder of device
@@ -423,13 +569,14 @@ def data_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource
     if p.is_file():
         return [LocalSource(p.stem, str(p), limits)]
     subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
-    npz = sorted(f for f in p.iterdir() if f.is_file() and f.suffix == ".npz")
-    if npz and not subs:
-        return [LocalSource(f.stem, str(f), limits) for f in npz]
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in DATA_FILE_SUFFIXES)
+    if files and not subs:
+        return [LocalSource(f.stem, str(f), limits) for f in files]
     if not subs:
-        raise DataError(f"{p}: neither .npz files nor sub-folders (a device folder holds one sub-folder per class)")
-    if npz:
-        raise DataError(f"{p}: holds both .npz files and sub-folders; give each device its own path")
+        raise DataError(f"{p}: neither .npz or .csv files nor sub-folders (a device folder holds one sub-folder "
+                        f"per class)")
+    if files:
+        raise DataError(f"{p}: holds both data files and sub-folders; give each device its own path")
     nested = [d for d in subs if not _holds_images(d) and any(s.is_dir() for s in d.iterdir())]
     if not nested:
         return [LocalSource(p.name, str(p), limits)]

@@ -94,6 +94,10 @@ class DataSpec(BaseModel):
     max_device_samples: int = Field(default=1_000_000, ge=1)
     """The most samples a device may register with; the count is its aggregation weight. It binds
     ``dataset="local"`` devices: a built-in data set's device must register its shard's exact count."""
+    label_column: str = Field(default="label", min_length=1)
+    """dataset="local": the header name of the label column in the devices' ``.csv`` files; every
+    other column is a feature. Not in the model fingerprint: it picks a file's column, it does not
+    change what a sample looks like (the features must still make ``input_shape``)."""
     test_file: str | None = None
     """dataset="local": an ``.npz`` file (arrays ``x``, ``y``, raw like the devices' files) the Fed
     Server evaluates the global model on. None: no server-side test set, so the devices evaluate
@@ -114,8 +118,9 @@ class DataSpec(BaseModel):
                 raise ValueError("dataset='local' has no global data set to partition or transform: leave "
                                  "partition, public_samples, device_transform, max_samples, transform and root unset")
         elif self.num_classes is not None or self.input_shape is not None or self.test_file is not None \
-                or self.input_transform != InputTransform():
-            raise ValueError(f"num_classes, input_shape, input_transform and test_file are for dataset='local'; "
+                or self.input_transform != InputTransform() or self.label_column != "label":
+            raise ValueError(f"num_classes, input_shape, input_transform, label_column and test_file are for "
+                             f"dataset='local'; "
                              f"dataset={self.dataset!r} defines its own")
         return self
 

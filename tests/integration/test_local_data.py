@@ -1,9 +1,16 @@
 """Devices that bring their own data (dataset "local") through the real services.
 
 Three device agents each read their own raw ``.npz`` (uint8 MNIST digits written from the embedded
-subset), register without a shard, and train FedAvg with the run's input transform; the Fed Server evaluates on ``data.test_file``. A device whose file is bad stops before registering, with the message.
+subset), register without a shard, and train FedAvg with the run's input transform; the Fed Server
+evaluates on ``data.test_file``. A device whose file is bad stops before registering, with the message.
+
+Tabular devices: two read ``.csv`` files, a third a data function given its file by the testbed's
+``--data-arg``; FedAvg trains logistic regression on them.
 """
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -37,3 +44,44 @@ def test_device_files_train_and_a_bad_device_stops_before_registering(tmp_path):
     assert [m["status"] for m in metrics] == ["ok", "ok"]
     assert sorted(metrics[-1]["split_points"]) == ["dev0-site0", "dev1-site1", "dev2-site2"]
     assert metrics[-1]["test_accuracy"] > status["initial"]["test_accuracy"] + 0.1
+
+
+def write_tabular(path: Path, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` rows of three well-separated classes of four features, as a CSV whose label column
+    ("class") sits between the features: header order is feature order."""
+    y = rng.integers(0, 3, size=n)
+    x = rng.normal(size=(n, 4)) + 3.0 * np.eye(3, 4)[y]
+    table = np.column_stack([x[:, :2], y, x[:, 2:]])
+    np.savetxt(path, table, delimiter=",", header="f0,f1,class,f2,f3", comments="",
+               fmt=["%.6f", "%.6f", "%d", "%.6f", "%.6f"])
+    return x, y
+
+
+def test_csv_devices_and_a_data_function_with_data_args_train_fedavg(tmp_path, monkeypatch):
+    rng = np.random.default_rng(7)
+    sites = [tmp_path / f"site{i}.csv" for i in range(3)]
+    for site in sites:
+        write_tabular(site, rng, 120)
+    x, y = write_tabular(tmp_path / "test.csv", rng, 300)
+    np.savez(tmp_path / "test.npz", x=x.reshape(-1, 1, 1, 4).astype(np.float32), y=y)
+    # The third device's data function, importable by the agents (they inherit PYTHONPATH): it
+    # reads the file its --data-arg names, so the run only trains if the keyword reached it.
+    (tmp_path / "site_data.py").write_text(
+        "import numpy as np\n"
+        "def load(path):\n"
+        "    table = np.loadtxt(path, delimiter=',', skiprows=1)\n"
+        "    return table[:, [0, 1, 3, 4]].reshape(-1, 1, 1, 4), table[:, 2].astype(np.int64)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    config = small_config(algorithm="fedavg", model="logreg", rounds=3,
+                          **{"train.batch_size": 20, "train.lr": 0.1}, data={
+                              "dataset": "local", "num_devices": 3, "num_classes": 3, "input_shape": [1, 1, 4],
+                              "label_column": "class", "test_file": str(tmp_path / "test.npz")})
+    run_dir = tmp_path / "run"
+    with Testbed(config, run_dir, device_data=[str(sites[0]), str(sites[1]), "site_data:load"],
+                 data_args=[f"path={sites[2]}"], warm=shared_starter()) as testbed:
+        status = testbed.follow(timeout=240)
+    assert status["state"] == "finished" and status["registered"] == 3
+    metrics = read_metrics(run_dir)
+    assert [m["status"] for m in metrics] == ["ok"] * 3
+    assert sorted(metrics[-1]["split_points"]) == ["dev0-site0", "dev1-site1", "dev2-load"]
+    assert metrics[-1]["test_accuracy"] > 0.9 and metrics[-1]["test_loss"] < status["initial"]["test_loss"] / 2

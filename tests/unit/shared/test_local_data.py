@@ -9,15 +9,15 @@ import pytest
 import torch
 from PIL import Image
 
+from shared.data.limits import FileLimits
 from shared.data.local import (
-    DataError, apply_input_transform, data_sources, load_image_folder, load_local, load_npz, to_layout,
+    DataError, apply_input_transform, data_sources, load_csv, load_image_folder, load_local, load_npz, to_layout,
 )
 from shared.data.spec import DataSpec, InputTransform
 
 
-
-def spec(input_shape: list[int], num_classes: int = 3, **transform) -> DataSpec:
-    return DataSpec(dataset="local", num_classes=num_classes, input_shape=input_shape,
+def spec(input_shape: list[int], num_classes: int = 3, label_column: str = "label", **transform) -> DataSpec:
+    return DataSpec(dataset="local", num_classes=num_classes, input_shape=input_shape, label_column=label_column,
                     input_transform=InputTransform(**transform))
 
 
@@ -85,7 +85,7 @@ def test_to_layout_refuses_other_image_ranks():
     ({"x": np.array([[0.0, np.inf]]), "y": np.zeros(1, dtype=int)}, r"NaN or infinite"),
     ({"x": np.zeros((3, 2)), "y": np.zeros(2, dtype=int)}, r"'x' and 'y' differ in length \(3 samples, 2 labels\)"),
     ({"x": np.zeros((0, 2)), "y": np.zeros(0, dtype=int)}, r"no samples"),
-    ({"x": np.zeros((3, 4)), "y": np.zeros(3, dtype=int)}, r"samples of shape \[4\] .* data.input_shape is \[2\]"),
+    ({"x": np.zeros((3, 4)), "y": np.zeros(3, dtype=int)}, r"field 'x' has shape \[3, 4\], expected \[N, 2\]"),
     ({"x": np.array([["a", "b"]]), "y": np.zeros(1, dtype=int)}, r"field 'x' must be numeric"),
 ])
 def test_npz_bad_contents_name_file_and_field(tmp_path, arrays, message):
@@ -118,8 +118,108 @@ def test_npz_object_array_is_refused_not_unpickled(tmp_path):
 
 def test_image_shape_mismatch_names_field(tmp_path):
     f = write_npz(tmp_path / "d.npz", x=np.zeros((2, 5, 5), dtype=np.uint8), y=np.zeros(2, dtype=int))
-    with pytest.raises(DataError, match=r"d.npz: field 'x' gives samples of shape \[1, 5, 5\]"):
+    with pytest.raises(DataError, match=r"d.npz: field 'x' has shape \[2, 1, 5, 5\], expected \[N, 1, 6, 6\]"):
         load_npz(f, spec([1, 6, 6]))
+    # With a resize any height and width will do, but not another channel count; a resize to
+    # another size than input_shape's is still caught after the transform.
+    assert tuple(load_npz(f, spec([1, 6, 6], resize=(6, 6))).x.shape) == (2, 1, 6, 6)
+    g = write_npz(tmp_path / "rgb.npz", x=np.zeros((2, 2, 5, 5), dtype=np.uint8), y=np.zeros(2, dtype=int))
+    with pytest.raises(DataError, match=r"has shape \[2, 2, 5, 5\], expected \[N, 3, H, W\] .*any H and W"):
+        load_npz(g, spec([3, 6, 6], resize=(6, 6)))
+    with pytest.raises(DataError, match=r"gives samples of shape \[1, 4, 4\] after data.input_transform"):
+        load_npz(f, spec([1, 6, 6], resize=(4, 4)))
+
+
+def test_a_transposed_table_is_blamed_on_its_shape_before_the_transform(tmp_path):
+    # 5 features of 3 samples saved as [5, 3]: y has 3 labels, so only the shape is wrong. The
+    # transform's per-feature mean would have refused it first, naming itself.
+    f = write_npz(tmp_path / "t.npz", x=np.zeros((5, 3)), y=np.zeros(5, dtype=int))
+    with pytest.raises(DataError, match=r"t.npz: field 'x' has shape \[5, 3\], expected \[N, 5\]"):
+        load_npz(f, spec([5], mean=[0.0] * 5, std=[1.0] * 5))
+
+
+# --- csv -----------------------------------------------------------------------------------------
+def write_csv(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_csv_features_in_header_order_around_the_label_column(tmp_path):
+    f = write_csv(tmp_path / "d.csv", "a, kind ,b\n1.5,2,-3\n\n4,0,5e-1\n")
+    ds = load_csv(f, spec([2], label_column="kind", mean=[1.0], std=[0.5]))
+    assert ds.y.tolist() == [2, 0]
+    assert torch.allclose(ds.x, (torch.tensor([[1.5, -3.0], [4.0, 0.5]]) - 1.0) / 0.5)
+    assert load_local(str(f), spec([2], label_column="kind"), {}).y.tolist() == [2, 0]
+
+
+def test_csv_rows_become_samples_of_input_shape(tmp_path):
+    # A flattened 2x2 grey image per row (the usual layout of image data sets as CSV).
+    f = write_csv(tmp_path / "d.csv", "label,p0,p1,p2,p3\n1,0,255,255,0\n")
+    ds = load_csv(f, spec([1, 2, 2], scale=1 / 255))
+    assert tuple(ds.x.shape) == (1, 1, 2, 2) and ds.x[0, 0].tolist() == [[0.0, 1.0], [1.0, 0.0]]
+
+
+def test_csv_reads_more_rows_than_one_block(tmp_path, monkeypatch):
+    monkeypatch.setattr("shared.data.local._CSV_BLOCK_CELLS", 9)
+    f = write_csv(tmp_path / "d.csv", "x,label\n" + "".join(f"{i},{i % 3}\n" for i in range(10)) + "7,oops\n")
+    with pytest.raises(DataError, match=r"line 12, column 'label': 'oops' is not an integer class label"):
+        load_csv(f, spec([1]))
+    f = write_csv(tmp_path / "d.csv", "x,label\n" + "".join(f"{i},{i % 3}\n" for i in range(10)))
+    ds = load_csv(f, spec([1]))
+    assert ds.x[:, 0].tolist() == list(range(10)) and ds.y.tolist() == [i % 3 for i in range(10)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a,b\n1,2\n", r"no label column 'label' \(data.label_column\); the header row names \['a', 'b'\]"),
+    ("label,a,b\n1,2,3\n", r"2 feature columns \(all but 'label'\), but one sample of data.input_shape \[3\] is 3"),
+    ("label,a,a,b\n1,2,3,4\n", r"the header names column\(s\) \['a'\] more than once"),
+    ("label,a,b,c\n1,2,3,4\n0,1,2\n", r"line 3 has 3 cells, the header 4"),
+    ("label,a,b,c\n1,2,3,4\n0,1,x,3\n", r"line 3, column 'b': 'x' is not a number"),
+    ("label,a,b,c\n1,2,,4\n", r"line 2, column 'b': '' is not a number"),
+    ("label,a,b,c\n1.0,2,3,4\n", r"line 2, column 'label': '1.0' is not an integer class label"),
+    ("label,a,b,c\n5,2,3,4\n", r"field 'y' has labels 5\.\.5, outside 0\.\.2"),
+    ("label,a,b,c\n1,2,nan,4\n", r"field 'x' holds NaN or infinite values \(first in sample 0\)"),
+    ("label,a,b,c\n1,2,1e99,4\n", r"field 'x' holds NaN or infinite values"),
+    ("label,a,b,c\n", r"no samples"),
+    ("\n", r"no label column 'label' \(data.label_column\); the header row names \[\]"),
+    ("label,a,b,c\n1,2," + "3" * 200_000 + ",4\n", r"not a readable .csv file \(line 2: field larger than field limit"),
+])
+def test_csv_bad_contents_are_one_line_naming_the_file(tmp_path, text, message):
+    f = write_csv(tmp_path / "bad.csv", text)
+    with pytest.raises(DataError, match=message) as info:
+        load_csv(f, spec([3]))
+    assert str(info.value).startswith(f"{f}: ") and "\n" not in str(info.value)
+
+
+def test_csv_names_at_most_a_dozen_columns_and_refuses_non_utf8_and_oversized_files(tmp_path):
+    f = write_csv(tmp_path / "wide.csv", ",".join(f"c{i}" for i in range(40)) + "\n")
+    with pytest.raises(DataError, match=r"names \['c0', .*'c11', '... \(40 columns\)'\]"):
+        load_csv(f, spec([39]))
+    g = tmp_path / "bin.csv"
+    g.write_bytes(b"label,a\n\xff\xfe\x00")
+    with pytest.raises(DataError, match="bin.csv: not a UTF-8 text .csv file"):
+        load_csv(g, spec([1]))
+    h = write_csv(tmp_path / "big.csv", "label,a\n" + "0,1\n" * 100)
+    assert len(load_csv(h, spec([1]), FileLimits(max_bytes=408))) == 100
+    with pytest.raises(DataError, match=r"big.csv: 408 bytes, over the limit of 407 bytes \(--max-data-bytes\)"):
+        load_csv(h, spec([1]), FileLimits(max_bytes=407))
+
+
+def test_a_file_that_is_neither_npz_nor_csv_is_refused_by_name(tmp_path):
+    for name in ("notes.txt", "one.npy", "data"):
+        f = write_csv(tmp_path / name, "label,a\n0,1\n")
+        with pytest.raises(DataError, match=rf"{name}: unsupported data file '{name}': use .npz, .csv, an image "
+                                            rf"folder, or package.module:function"):
+            load_local(str(f), spec([1]), {})
+    with pytest.raises(DataError, match="not found"):
+        load_local(str(tmp_path / "gone.csv"), spec([1]), {})
+
+
+def test_label_column_is_a_local_setting():
+    with pytest.raises(ValueError, match="label_column"):
+        DataSpec(label_column="class")
+    with pytest.raises(ValueError, match="label_column"):
+        spec([1], label_column="")
 
 
 # --- image folders --------------------------------------------------------------------------------
@@ -225,7 +325,9 @@ def test_data_sources(tmp_path):
     many.mkdir()
     for n in ("b", "a"):
         write_npz(many / f"{n}.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
-    assert [s.name for s in data_sources(str(many))] == ["a", "b"]
+    (many / "c.CSV").write_text("label,a\n0,1\n")
+    (many / "notes.txt").write_text("not data")
+    assert [s.name for s in data_sources(str(many))] == ["a", "b", "c"]
     write_png(tmp_path / "dev" / "0" / "a.png", 0)
     (tmp_path / "dev" / "1").mkdir()
     assert [s.name for s in data_sources(str(tmp_path / "dev"))] == ["dev"]
@@ -238,7 +340,7 @@ def test_data_sources_refuses_ambiguous_or_missing(tmp_path):
     with pytest.raises(DataError, match="not found"):
         data_sources(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="neither .npz files nor sub-folders"):
+    with pytest.raises(DataError, match="neither .npz or .csv files nor sub-folders"):
         data_sources(str(tmp_path / "empty"))
     write_png(tmp_path / "mixed" / "site1" / "0" / "a.png", 0)
     write_png(tmp_path / "mixed" / "3" / "a.png", 0)
@@ -246,7 +348,7 @@ def test_data_sources_refuses_ambiguous_or_missing(tmp_path):
         data_sources(str(tmp_path / "mixed"))
     write_png(tmp_path / "both" / "0" / "a.png", 0)
     write_npz(tmp_path / "both" / "d.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
-    with pytest.raises(DataError, match="both .npz files and sub-folders"):
+    with pytest.raises(DataError, match="both data files and sub-folders"):
         data_sources(str(tmp_path / "both"))
 
 

@@ -79,6 +79,17 @@ def test_enrolment_defaults_to_the_shared_secret_and_credentials_is_passed_on(tm
         cli.main(["--enrolment", "keys"])
 
 
+def test_data_args_go_to_the_testbed_with_device_data_only(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "local.yaml"
+    config.write_text(yaml.safe_dump({"algorithm": "fedavg", "model": "logreg",
+                                      "data": {"dataset": "local", "num_classes": 2, "input_shape": [1, 1, 3]}}))
+    argv = ["--config", str(config), "--device-data", "pkg.mod:load", "--data-arg", "root=/d", "--data-arg", "n=2"]
+    assert _testbed_of(argv, tmp_path, monkeypatch)[1]["data_args"] == ["root=/d", "n=2"]
+    with pytest.raises(SystemExit):
+        cli.main(["--data-arg", "root=/d"])
+    assert "--data-arg is for the functions of --device-data" in capsys.readouterr().err
+
+
 def test_paper_scale_is_one_flag_and_other_flags_win(tmp_path, monkeypatch):
     default = _config_of([], tmp_path, monkeypatch)
     assert (default.algorithm, default.data.num_devices, default.per_round, default.rounds) == ("s2fl", 10, 10, 20)

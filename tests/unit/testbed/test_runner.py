@@ -4,6 +4,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from device_agent.agent import parse_data_args
 from shared.config import RunConfig
 from testbed.runner import Testbed, TestbedError
 
@@ -81,6 +82,20 @@ def test_device_data_agents_of_real_devices_get_no_kinds(tmp_path):
     testbed.start_agent("agent-1", data="b.npz", index=1)
     args = started[0]
     assert args[args.index("--data") + 1] == "b.npz" and args[args.index("--kinds") + 1] == ""
+
+
+def test_every_device_data_agent_gets_the_data_args_as_the_agent_reads_them(tmp_path):
+    local = RunConfig.model_validate({"data": {"dataset": "local", "num_classes": 2, "input_shape": [3]}})
+    testbed = Testbed(local, tmp_path, device_data=["pkg.mod:load", "b.npz"], data_args=["root=/d", "n=a=b"])
+    started: list[list[str]] = []
+    testbed.processes.start = lambda name, module, args, env=None: started.append(list(args))
+    testbed.start_agent("agent-0", data="pkg.mod:load", index=0)
+    testbed.start_agent("agent-1", data="b.npz", index=1)
+    for args in started:
+        given = [args[i + 1] for i, a in enumerate(args) if a == "--data-arg"]
+        assert parse_data_args(given) == {"root": "/d", "n": "a=b"}
+    with pytest.raises(TestbedError, match="--data-arg is for the functions of --device-data"):
+        Testbed(RunConfig(), tmp_path, data_args=["root=/d"])
 
 
 @pytest.mark.parametrize("algorithm, expected", [("fedavg", 0), ("fedbc", 0), ("s2fl", 1), ("sfl", 1)])
