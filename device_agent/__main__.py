@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> None:
                              "(env SFL_SHARDS; default 0); one device per shard. Not with --data")
     parser.add_argument("--data", action="append", default=[], metavar="PATH",
                         help="the device's own data for a run with data.dataset: local (repeatable; docs/data.md): an "
-                             ".npz file with x and y, a folder of images with one sub-folder per class, a function "
-                             "package.module:function, a folder of .npz files or of device folders (one device each)")
+                             ".npz file with x and y, a .csv file with a header row and the label column data.label_column, "
+                             "a folder of images with one sub-folder per class, a function package.module:function, a "
+                             "folder of .npz/.csv files or of device folders (one device each)")
     parser.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword passed (as a string) to a --data function (repeatable)")
     parser.add_argument("--max-data-bytes", type=_positive_int, default=env_default("max_data_bytes", default_max_data_bytes()),
