@@ -120,8 +120,9 @@ def test_a_device_whose_package_builds_another_model_is_refused(tmp_path, user_p
                                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(other)])})
             unnamed = agents.start("unnamed", "device_agent", [*common, "--prefix", "plain"])
             wait_for(lambda: not refused.alive() and not unnamed.alive(), 120, "both agents to stop")
-            # The agent without --model refuses the run at start, before any device registers (exit 2).
-            assert refused.process.returncode == 1 and unnamed.process.returncode == 2
+            # The agent without --model refuses the run at start, before any device registers; the other's
+            # device is refused at registration. Both are configuration problems: exit 2.
+            assert refused.process.returncode == 2 and unnamed.process.returncode == 2
             log = refused.log_path.read_text()
             assert "409" in log or "Conflict" in log
             assert "the device's model differs from the run's" in log
