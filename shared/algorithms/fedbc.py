@@ -48,6 +48,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from shared.algorithms.aggregation import Contribution, check_state, layerwise_aggregate
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
+from shared.algorithms.proximal import frozen_parameters, proximal_penalty
 from shared.data.holdout import holdout_seed, holdout_split
 from shared.evaluation import evaluate
 
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FedBC", "FedBCLogic", "FedBCParams", "FedBCTaskExtras", "FedBCUploadExtras", "dual_step",
-    "lambda_weighted_average", "squared_distance", "proximal_penalty",
+    "lambda_weighted_average", "squared_distance",
 ]
 
 log = logging.getLogger("fed_server.fedbc")
@@ -171,17 +172,6 @@ def squared_distance(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
     return total
 
 
-def proximal_penalty(model: torch.nn.Module, reference: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """||w - z||^2 over the trainable parameters named in ``reference`` (differentiable in w).
-
-    No 1/2 in front (the paper's and the code's penalty), so its gradient is 2 (w - z)."""
-    params = dict(model.named_parameters())
-    terms = [((params[name] - ref) ** 2).sum() for name, ref in reference.items()]
-    if not terms:
-        return torch.zeros(())
-    return torch.stack(terms).sum()
-
-
 def dual_step(lam: float, gamma: float, distance: float, dual_lr: float, gamma_lr: float, adaptive: bool,
               lambda_min: float = 0.0, lambda_max: float | None = None, momentum: float = 0.0,
               lam_buf: float = 0.0, gamma_buf: float = 0.0) -> tuple[float, float, float, float]:
@@ -252,7 +242,7 @@ class FedBCLogic(DeviceLogic[FedBCTaskExtras, Payload]):
     def begin_round(self, model: torch.nn.Module, extras: FedBCTaskExtras, data: "ArrayDataset") -> None:
         """Read lambda_i, gamma_i; freeze z (the just-loaded global weights); fix the local split."""
         self.lam, self.gamma = extras.lam, extras.gamma
-        self.reference = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        self.reference = frozen_parameters(model)
         self.train_idx, self.test_idx = holdout_split(data.y.numpy(), self.fraction, extras.split_seed)
 
     def training_data(self, data: "ArrayDataset") -> "ArrayDataset":

@@ -12,6 +12,7 @@ from shared.algorithms.fedavg import FedAvg
 from shared.algorithms.fedbc import FedBC
 from shared.algorithms.fnr_fl import FNRFL
 from shared.algorithms.fedipg import FedIPG
+from shared.algorithms.fedprox import FedProx
 from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumLoss, UnionMeanLoss
 from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
 from shared.algorithms.hics import HiCSSelector
@@ -32,6 +33,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "fedbc": FedBC,
     "fnr-fl": FNRFL,
     "fedipg": FedIPG,
+    "fedprox": FedProx,
 }
 
 

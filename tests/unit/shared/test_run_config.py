@@ -41,7 +41,7 @@ def _assert_no_pydantic_internals(lines: list[str]) -> None:
      "grouping: set grouping.method or grouping.label_balance, not both"),
     ({"data": {"num_devices": 3}, "devices_per_round": 4}, "devices_per_round cannot exceed data.num_devices"),
     ({"algorithm": "nope"}, "unknown algorithm 'nope'; choose one of "
-                            "['fedavg', 'fedbc', 'fedipg', 'fnr-fl', 's2fl', 'sfl']"),
+                            "['fedavg', 'fedbc', 'fedipg', 'fedprox', 'fnr-fl', 's2fl', 'sfl']"),
 ])
 def test_one_line_naming_the_field_what_it_must_be_and_what_it_got(data, expected):
     lines = _lines(data)

@@ -15,9 +15,9 @@ from device_agent.trainer import train_round
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import DeviceLogic, RoundContext, parse_payload
 from shared.algorithms.fedbc import (
-    FedBC, FedBCLogic, FedBCTaskExtras, FedBCUploadExtras, dual_step, lambda_weighted_average,
-    proximal_penalty, squared_distance,
+    FedBC, FedBCLogic, FedBCTaskExtras, FedBCUploadExtras, dual_step, lambda_weighted_average, squared_distance,
 )
+from shared.algorithms.proximal import proximal_penalty
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
 from shared.run_config import load_run_config
