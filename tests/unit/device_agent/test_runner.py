@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from device_agent.api import Unreachable
 from device_agent.device import Device
+from shared.algorithms.registry import ALGORITHMS
 from shared.config import TrainConfig
 from shared.data import DataSpec, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
@@ -429,8 +430,8 @@ def test_a_device_whose_tasks_fail_leaves_the_agents_other_devices_training():
 
 
 @pytest.mark.parametrize("update, message", [
-    ({"algorithm": "no-such"}, "the run's algorithm 'no-such' is not one this agent knows (s2fl, sfl, fedavg, "
-                               "fedbc, fnr-fl, fedipg): run an agent of the Fed Server's version"),
+    ({"algorithm": "no-such"}, f"the run's algorithm 'no-such' is not one this agent knows ({', '.join(ALGORITHMS)}): "
+                               "run an agent of the Fed Server's version"),
     ({"model": "no_such_model"}, "unknown model 'no_such_model'"),
     ({"model": "my_pkg.nets:declared"}, "start this process with"),
 ])
