@@ -46,9 +46,9 @@ from fed_server.broadcast import Broadcast
 from shared.algorithms.base import RoundContext
 from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
-from shared.data import dataset_input_shape, dataset_num_classes
 from shared.evaluation import evaluation_mode, server_test_set
-from shared.models import build_model, model_fingerprint, profile_model
+from shared.models import model_fingerprint, profile_model
+from shared.run_config import build_config_model
 from shared.schemas import (
     Ack, EvaluationReport, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, ServerPortionUpload,
     TaskResponse, UpdateRequest, WithdrawRequest,
@@ -73,7 +73,7 @@ class Coordinator:
         self.run_dir = run_dir
         self.core = _build_core(config, run_id, torch_device)
         core = self.core
-        num_classes, input_shape = dataset_num_classes(config.data), dataset_input_shape(config.data)
+        num_classes, input_shape = core.model.num_classes, core.model.input_shape
         self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
         # which never consult the table: one placeholder candidate keeps it well-formed.
@@ -264,8 +264,7 @@ class Coordinator:
 def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.device | None) -> RunCore:
     """The run's shared state as a new run starts it (a resume overwrites what its checkpoint holds)."""
     algorithm = build_algorithm(config)
-    model = build_model(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
-                        seed=config.seed, params=config.model_params)
+    model = build_config_model(config, layout=False)
     algorithm.bind_model(model)
     return RunCore(
         config=config, run_id=run_id or uuid.uuid4().hex[:12], model=model, algorithm=algorithm,

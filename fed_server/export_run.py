@@ -10,10 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.data import dataset_input_shape, dataset_num_classes
-from shared.models import build_model
 from shared.models.export import FORMATS, Exported, export_model
-from shared.run_config import load_run_config
+from shared.run_config import build_config_model, load_run_config
 
 
 @dataclass(frozen=True)
@@ -40,8 +38,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None,
     raw = run.read_config() or {}
     config = load_run_config({k: v for k, v in raw.items() if k != "run_id"})
     rounds_done, state, _ = run.read_checkpoint()
-    num_classes, input_shape = dataset_num_classes(config.data), dataset_input_shape(config.data)
-    model = build_model(config.model, num_classes, input_shape, seed=config.seed, params=config.model_params)
+    model = build_config_model(config, layout=False)
+    num_classes, input_shape = model.num_classes, model.input_shape
     records = [r for r in run.read_metrics() if r.get("status") == "ok" and r.get("round") == rounds_done]
     accuracy = records[-1].get("test_accuracy") if records else None
     description = {"model": config.model, "model_params": config.model_params, "num_classes": num_classes,

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 
 from fed_server.devices import DeviceRegistry
-from fed_server.time_table import ClientTimeTable, SplitCostView, eq1_time
+from fed_server.time_table import ClientTimeTable, SplitCostView, eq1_bytes, eq1_time
 from shared.algorithms.base import SplitMode
 from shared.models import ModelProfile
 
@@ -56,8 +56,7 @@ class SplitPlanner:
         record = self.devices.devices.get(device_id)
         if record is None or not transfer_s > 0:
             return
-        view = self._view(j)
-        moved = 2.0 * view.client_param_bytes + 2.0 * record.num_samples * self.local_epochs * view.activation_bytes
+        moved = eq1_bytes(self._view(j), record.num_samples * self.local_epochs)
         if moved > 0 and math.isfinite(moved / transfer_s):
             record.profile = dataclasses.replace(record.profile, rate=moved / transfer_s)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DeviceProfile", "SplitCostView", "eq1_time", "ClientTimeTable"]
+__all__ = ["DeviceProfile", "SplitCostView", "eq1_bytes", "eq1_time", "ClientTimeTable"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,14 @@ class SplitCostView:
     server_flops: float
 
 
+def eq1_bytes(cost: SplitCostView, samples: int) -> float:
+    """Eq. 1's bytes on the device's link in one round: ``2|Wc| + 2pq`` (the client portion down
+    and up, each sample's activation up and its gradient down)."""
+    if samples < 0:
+        raise ValueError(f"samples must be >= 0, got {samples}")
+    return 2.0 * cost.client_param_bytes + 2.0 * float(samples) * cost.activation_bytes
+
+
 def eq1_time(profile: DeviceProfile, cost: SplitCostView, samples: int, server_flops: float) -> float:
     """Eq. 1: ``T = 2|Wc|/R + 2pq/R + Fc/Comp_c + Fs/Comp_s`` (seconds).
 
@@ -65,10 +73,8 @@ def eq1_time(profile: DeviceProfile, cost: SplitCostView, samples: int, server_f
     """
     if not (profile.flops > 0 and profile.rate is not None and profile.rate > 0 and server_flops > 0):
         raise ValueError("device flops, device rate and server flops must be > 0")
-    if samples < 0:
-        raise ValueError(f"samples must be >= 0, got {samples}")
     p = float(samples)
-    comm = (2.0 * cost.client_param_bytes + 2.0 * p * cost.activation_bytes) / profile.rate
+    comm = eq1_bytes(cost, samples) / profile.rate
     return comm + cost.client_flops * p / profile.flops + cost.server_flops * p / server_flops
 
 

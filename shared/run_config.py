@@ -27,7 +27,7 @@ from shared.data.device_transforms import check_device_transform
 from shared.data import dataset_input_shape, dataset_num_classes
 from shared.data.feature_skew import GaussianNoiseParams
 from shared.evaluation import has_server_test_set
-from shared.models import SplitModel, build_model_layout
+from shared.models import SplitModel, build_model, build_model_layout
 from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
 
@@ -149,11 +149,13 @@ def _params_schema(exc: ValidationError, config: RunConfig) -> tuple[str, type[B
     return "", None
 
 
-def build_config_model(config: RunConfig) -> SplitModel:
-    """Build the run's model to check it (import, parameters, shapes, parts), cheaply: on the meta
-    device where its code runs there, else for real (``build_model_layout``)."""
-    return build_model_layout(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
-                              seed=config.seed, params=config.model_params)
+def build_config_model(config: RunConfig, layout: bool = True) -> SplitModel:
+    """Build the run's model: to check it (import, parameters, shapes, parts), cheaply, on the meta
+    device where its code runs there (``build_model_layout``); with ``layout`` False, with its real
+    initial weights (the Fed Server's global model, an export's architecture)."""
+    build = build_model_layout if layout else build_model
+    return build(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
+                 seed=config.seed, params=config.model_params)
 
 
 def load_run_config(data: Mapping[str, Any]) -> RunConfig:
