@@ -15,9 +15,10 @@ import torch
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
 
-# What a resumed run may change: how long it runs and how patient it is. Anything else (model,
-# data, algorithm, seeds, ...) would silently continue a different experiment from this checkpoint.
-RESUMABLE_CHANGES = ("rounds", "deadlines")
+# What a resumed run may change: how long it runs, how patient it is and where its figures are
+# also sent. Anything else (model, data, algorithm, seeds, ...) would silently continue a different
+# experiment from this checkpoint.
+RESUMABLE_CHANGES = ("rounds", "deadlines", "tracking")
 
 
 @dataclass

@@ -89,6 +89,8 @@ class Coordinator:
         run_dir.write_config(config, core.run_id)
         if core.finished:  # a finished run killed before its summary was written gets it now
             self.progress.recorder.write_summary(self.progress.summary())
+        else:
+            self.progress.tracking.start(core.run_id, config.model_dump(mode="json"))
         self.enrolment = DeviceEnrolment(
             core, model_fingerprint(core.model, config.data), input_shape, num_classes, shard_sizes(config.data),
             label_counts_at_registration=self.replicas.groups_at_fed_server and self.planner.mode != "zero")

@@ -22,6 +22,7 @@ from fed_server.recorder import Recorder
 from fed_server.records import RoundRecord, round_record, run_summary
 from fed_server.run_core import RunCore
 from fed_server.time_table import ClientTimeTable
+from fed_server.tracking import Tracking
 from shared.data import ArrayDataset
 from shared.evaluation import combine_reports, evaluate
 
@@ -54,6 +55,8 @@ class Progress:
                  test_set: ArrayDataset | None) -> None:
         self.core = core
         self.recorder = recorder
+        # TensorBoard, MLflow...: started by the coordinator once the run id is known (resumed or new).
+        self.tracking = Tracking(core.config.tracking, recorder.run_dir.path)
         self.rng = rng
         self.table = table
         self.test_set = test_set
@@ -168,8 +171,11 @@ class Progress:
                 update["evaluation_s"] = time.perf_counter() - started
             record = RoundRecord.model_validate({**record.model_dump(), **update})   # validated like any record
         self.history.append(record)
-        self.recorder.record_round(record, core.model.state_dict(), progress,
-                                   self._summary(progress.finished, progress.stop_reason) if progress.finished else None)
+        summary = self._summary(progress.finished, progress.stop_reason) if progress.finished else None
+        self.recorder.record_round(record, core.model.state_dict(), progress, summary)
+        self.tracking.log_round(record)   # queued: a slow or broken backend never holds the run
+        if summary is not None:
+            self.tracking.finish(summary)
         self._unrecorded = None
         self.rounds_recorded = progress.rounds_done
         # Only now, with the checkpoint and summary on disk, may /v1/status say "finished": a

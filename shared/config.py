@@ -161,6 +161,27 @@ class EvaluationConfig(_Strict):
     holdout: float = Field(0.2, gt=0, lt=1)
 
 
+class TrackingConfig(_Strict):
+    """Experiment tracking: the Fed Server also sends every round's figures to these backends
+    (docs/tracking.md). ``backends`` name plug-ins registered in ``fed_server/tracking/registry.py``,
+    checked (with their packages) when the Fed Server starts, so this schema imports none of them.
+    No backend (the default): ``metrics.jsonl`` and Prometheus only."""
+
+    backends: list[str] = Field(default_factory=list)
+    # TensorBoard event files (default <run-dir>/tensorboard).
+    tensorboard_dir: str | None = None
+    # An MLflow tracking URI (default file:<run-dir>/mlruns; http://HOST:5000 for a server).
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = Field("s2fl", min_length=1)
+
+    @field_validator("backends")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"each tracking backend at most once, got {value}")
+        return value
+
+
 class RunConfig(_Strict):
     """Everything that defines a run."""
 
@@ -183,6 +204,7 @@ class RunConfig(_Strict):
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     half_precision: bool = False
     seed: int = 0
     # The algorithm's own hyperparameters, validated by its ``Params`` model (docs/algorithms/).
