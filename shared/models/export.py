@@ -3,8 +3,10 @@
 The global model is a :class:`~shared.models.SplitModel` whose state_dict keys carry a ``blocks.``
 prefix (``blocks.conv1.0.weight``). The user's own model is the blocks in order: the
 ``nn.Sequential`` their function returned, or ``nn.Sequential(OrderedDict(blocks))`` for a mapping
-or a :class:`~shared.models.ModelDefinition`. Its keys are the global model's without the prefix
-(``conv1.0.weight``), which is what every exported file holds, so ``net.load_state_dict(
+or a :class:`~shared.models.ModelDefinition`, whose keys are the global model's without the prefix
+(``conv1.0.weight``); or, for a module cut by tracing, that module itself, whose keys are the global
+model's without the prefix and the block name (``blocks.layer1_0.layer1.0.conv1.weight`` ->
+``layer1.0.conv1.weight``). Every exported file holds the user's keys, so ``net.load_state_dict(
 torch.load("model.pt", weights_only=True))`` loads into the user's own ``net`` without this project.
 
 Formats: ``pt`` (a state dict of plain tensors, ``torch.save``; loads with ``weights_only=True``),
@@ -41,20 +43,28 @@ DESCRIPTION = "model.json"
 _PREFIX = "blocks."
 
 
-def user_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The global model's state under the user's own key names (``blocks.`` dropped), each tensor
-    contiguous and on the CPU (what ``safetensors`` and ``weights_only`` loading want)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if not key.startswith(_PREFIX):
-            raise ValueError(f"state key {key!r} is not a block's: the model is not a SplitModel's")
-        out[key[len(_PREFIX):]] = value.detach().to("cpu").contiguous()
-    return out
+def user_state(model: SplitModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The global model's ``state`` under the user's own key names (in their module's order), each
+    tensor contiguous and on the CPU (what ``safetensors`` and ``weights_only`` loading want).
+    ``state`` is loaded into ``model`` on the way; one that is not ``model``'s is a ValueError."""
+    try:
+        model.load_state_dict(dict(state))
+    except RuntimeError as exc:
+        raise ValueError(f"the state is not this model's: {' '.join(str(exc).split())[:300]}") from None
+    return {key: value.detach().to("cpu").contiguous() for key, value in plain_model(model).state_dict().items()}
 
 
-def plain_model(model: SplitModel) -> nn.Sequential:
-    """The model's blocks in order as a plain ``nn.Sequential`` (the same modules, no copy)."""
-    return nn.Sequential(OrderedDict(model.blocks.items()))
+def plain_model(model: SplitModel) -> nn.Module:
+    """The model as the user wrote it, holding ``model``'s current weights: the blocks in order as a
+    plain ``nn.Sequential`` (the same modules, no copy), or the user's own module the blocks were
+    traced from. A traced module's tensors that its forward never uses are in no block: they keep
+    the values they were built with (training never changes them)."""
+    if model.source is None:
+        return nn.Sequential(OrderedDict(model.blocks.items()))
+    own = model.source.state_dict()
+    trained = {key.split(".", 2)[2]: value for key, value in model.state_dict().items()}   # blocks.<name>.<key>
+    model.source.load_state_dict({key: trained.get(key, value) for key, value in own.items()})
+    return model.source
 
 
 @dataclass
@@ -77,8 +87,7 @@ def export_model(model: SplitModel, state: Mapping[str, torch.Tensor], out_dir: 
         raise ValueError(f"unknown export format(s) {unknown}: choose from {', '.join(FORMATS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.load_state_dict(dict(state))
-    weights = user_state(state)
+    weights = user_state(model, state)
     net = plain_model(model).to("cpu").eval()
     example = torch.zeros((1, *model.input_shape))
     done = Exported()
@@ -97,7 +106,7 @@ def export_model(model: SplitModel, state: Mapping[str, torch.Tensor], out_dir: 
     return done
 
 
-def _write(fmt: str, path: Path, weights: dict[str, torch.Tensor], net: nn.Sequential, example: torch.Tensor) -> str | None:
+def _write(fmt: str, path: Path, weights: dict[str, torch.Tensor], net: nn.Module, example: torch.Tensor) -> str | None:
     """Write one format; the reason it cannot be written here, or None once written."""
     if fmt == "pt":
         torch.save(weights, path)
@@ -121,11 +130,12 @@ def _write(fmt: str, path: Path, weights: dict[str, torch.Tensor], net: nn.Seque
     return None
 
 
-def load_trained(path: str | Path) -> nn.Sequential:
+def load_trained(path: str | Path) -> nn.Module:
     """The trained model of an export (``path``: its folder, or its ``model.pt`` /
     ``model.safetensors``): the model ``model.json`` names, built as an ``nn.Sequential`` of its
-    blocks, with the exported weights, in eval mode. A model given by an import path is imported,
-    so its package must be importable here, as it was for the run."""
+    blocks (the user's own module for one cut by tracing), with the exported weights, in eval mode.
+    A model given by an import path is imported, so its package must be importable here, as it was
+    for the run."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     info = json.loads((folder / DESCRIPTION).read_text())

@@ -22,6 +22,7 @@ from torch import nn
 
 from shared.imports import import_callable, is_import_path
 from shared.models.split_model import SplitModel
+from shared.models.tracing import trace_blocks
 from shared.models.zoo import DEFAULT_INPUT_SHAPES, ZOO_BUILDERS
 
 __all__ = ["ModelDefinition", "BUILTIN_MODELS", "build_model", "build_model_layout", "is_import_path",
@@ -37,16 +38,17 @@ class ModelDefinition:
     """What a model function may return when it declares more than its blocks.
 
     Attributes:
-        blocks: the ordered named blocks (an ``nn.Sequential`` or a mapping name -> module).
+        blocks: the ordered named blocks (an ``nn.Sequential`` or a mapping name -> module), or a
+            module with its own forward, cut into blocks by tracing (:mod:`shared.models.tracing`).
         split_points: candidate cut positions ``k`` (device runs ``blocks[:k]``); None = every
             block boundary ``1..n-1``; an empty sequence = never cut (split-depth-zero algorithms only).
         feature_block: name of the block whose (flattened) output is the penultimate feature vector;
             None = inferred (see :func:`infer_parts`).
         output_layer: module path of the final ``nn.Linear`` inside the blocks (``"head"`` or
-            ``"classifier.2"``); None = inferred.
+            ``"classifier.2"``), or in the traced module (``"fc"``); None = inferred.
     """
 
-    blocks: nn.Sequential | Mapping[str, nn.Module]
+    blocks: nn.Module | Mapping[str, nn.Module]
     split_points: Sequence[int] | None = None
     feature_block: str | None = None
     output_layer: str | None = None
@@ -97,19 +99,19 @@ def _call(ref: str, fn: Callable[..., Any], num_classes: int, input_shape: tuple
         raise ValueError(f"model {ref!r}: building it failed: {type(exc).__name__}: {exc}") from None
 
 
-def _blocks_of(ref: str, value: Any) -> OrderedDict[str, nn.Module]:
+def _blocks_of(value: Any) -> OrderedDict[str, nn.Module]:
     if isinstance(value, nn.Sequential):
         items = list(value.named_children())
     elif isinstance(value, Mapping):
         items = list(value.items())
     else:
-        raise ValueError(f"model {ref!r}: blocks must be an nn.Sequential or a mapping name -> module, "
+        raise ValueError(f"blocks must be an nn.Module, an nn.Sequential or a mapping name -> module, "
                          f"got {type(value).__name__}")
     for name, module in items:
         if not isinstance(name, str) or not isinstance(module, nn.Module):
-            raise ValueError(f"model {ref!r}: block {name!r} is not a named nn.Module ({type(module).__name__})")
+            raise ValueError(f"block {name!r} is not a named nn.Module ({type(module).__name__})")
     if len(items) < 2:
-        raise ValueError(f"model {ref!r}: needs at least two blocks to be split or profiled, got {len(items)} "
+        raise ValueError(f"needs at least two blocks to be split or profiled, got {len(items)} "
                          f"({[n for n, _ in items]})")
     return OrderedDict(items)
 
@@ -158,20 +160,31 @@ def _split_model(ref: str, value: Any, num_classes: int, input_shape: tuple[int,
     if isinstance(value, SplitModel):
         return value
     definition = value if isinstance(value, ModelDefinition) else ModelDefinition(value) \
-        if isinstance(value, (nn.Sequential, Mapping)) else None
+        if isinstance(value, (nn.Module, Mapping)) else None
     if definition is None:
         raise ValueError(f"model {ref!r}: returned {type(value).__name__}; return an nn.Sequential, an ordered "
-                         f"mapping name -> module, or shared.models.ModelDefinition(blocks, ...)")
-    blocks = _blocks_of(ref, definition.blocks)
-    feature_block, output_layer = infer_parts(blocks)
-    if definition.output_layer is not None:
-        output_layer = f"blocks.{definition.output_layer}"
-        feature_block = None   # inferred from a different output layer: not trusted
-    if definition.feature_block is not None:
-        feature_block = definition.feature_block
-    split_points = range(1, len(blocks)) if definition.split_points is None else definition.split_points
+                         f"mapping name -> module, an nn.Module with its own forward, or "
+                         f"shared.models.ModelDefinition(blocks, ...)")
     try:
-        return SplitModel(blocks, split_points, feature_block, output_layer, input_shape, num_classes)
+        if isinstance(definition.blocks, nn.Module) and not isinstance(definition.blocks, nn.Sequential):
+            source: nn.Module | None = definition.blocks
+            traced = trace_blocks(definition.blocks, input_shape)
+            blocks: Mapping[str, nn.Module] = traced.blocks
+            feature_block, output_layer = traced.feature_block, traced.output_layer
+            if definition.output_layer is not None:
+                output_layer = traced.output_layer_of(definition.output_layer)
+        else:
+            source = None
+            blocks = _blocks_of(definition.blocks)
+            feature_block, output_layer = infer_parts(blocks)
+            if definition.output_layer is not None:
+                output_layer = f"blocks.{definition.output_layer}"
+        if definition.output_layer is not None:
+            feature_block = None   # inferred from a different output layer: not trusted
+        if definition.feature_block is not None:
+            feature_block = definition.feature_block
+        split_points = range(1, len(blocks)) if definition.split_points is None else definition.split_points
+        return SplitModel(blocks, split_points, feature_block, output_layer, input_shape, num_classes, source)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"model {ref!r}: {exc}") from None
 

@@ -54,7 +54,12 @@ class SplitModel(nn.Module):
             key), or None when the model does not declare one (FedIPG and HiCS-FL need it).
         input_shape: the shape of one sample, any rank (``(C, H, W)`` for images, ``(F,)`` for tabular).
         num_classes: number of output logits.
+        source: the user's own module when the blocks were traced from it
+            (:mod:`shared.models.tracing`), else None. Not a submodule: its tensors are the blocks'
+            (so they are not counted, moved or saved twice); export gives its key names back.
     """
+
+    source: nn.Module | None
 
     def __init__(
         self,
@@ -64,6 +69,7 @@ class SplitModel(nn.Module):
         output_layer: str | None,
         input_shape: tuple[int, ...],
         num_classes: int,
+        source: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.blocks = nn.ModuleDict(OrderedDict(blocks.items() if isinstance(blocks, Mapping) else blocks))
@@ -74,6 +80,7 @@ class SplitModel(nn.Module):
         self.num_classes = int(num_classes)
         #: The reference it was built from (set by ``build_model``; part of the fingerprint).
         self.ref = ""
+        object.__setattr__(self, "source", source)   # a plain attribute, not a registered submodule
         self._validate()
 
     def _validate(self) -> None:

@@ -38,7 +38,7 @@ def test_the_files_hold_the_blocks_under_their_own_names_and_give_the_same_outpu
 def test_a_plain_sequential_of_the_blocks_loads_the_pt_strictly():
     model, state = _trained()
     net = plain_model(build_model("cnn", 10, (1, 28, 28)))
-    net.load_state_dict(user_state(state))   # strict by default: no key missing or left over
+    net.load_state_dict(user_state(model, state))   # strict by default: no key missing or left over
 
 
 def test_an_unknown_format_is_refused_before_anything_is_written(tmp_path):
@@ -49,5 +49,5 @@ def test_an_unknown_format_is_refused_before_anything_is_written(tmp_path):
 
 
 def test_a_state_that_is_not_a_split_models_is_refused():
-    with pytest.raises(ValueError, match="not a block's"):
-        user_state({"conv.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="the state is not this model's"):
+        user_state(build_model("cnn", 10, (1, 28, 28)), {"conv.weight": torch.zeros(1)})
