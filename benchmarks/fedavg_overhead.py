@@ -39,9 +39,8 @@ from pathlib import Path
 import yaml
 
 from benchmarks.network_overhead import clean_run_results, max_abs_diff, round_periods
-from device_agent.device import round_seed
 from device_agent.timing import RoundClock
-from device_agent.trainer import train_round
+from device_agent.trainer import TrainContext, TrainSettings, round_seed, train_round
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
@@ -271,9 +270,9 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         device_times: dict[str, float] = {}
         for d in sorted(record["aggregated"]):
             t_device = time.perf_counter()
-            train_round(device_model, n_blocks, global_portion, data[d], train.lr, train.momentum, train.weight_decay,
-                        train.batch_size, train.local_epochs, round_seed(config.seed, shards[d], record["round_id"]),
-                        RoundClock(None), None, logic=logic_class.device_logic(algorithm.device_params()))
+            train_round(device_model, n_blocks, global_portion, data[d],
+                        TrainSettings.of(train, round_seed(config.seed, shards[d], record["round_id"])),
+                        TrainContext(RoundClock(None), logic=logic_class.device_logic(algorithm.device_params())))
             state = {k: v.detach().clone() for k, v in device_model.portion(0, n_blocks).state_dict().items()}
             contributions[d] = Contribution(weight=len(data[d]), client_state=state)
             device_times[d] = time.perf_counter() - t_device

@@ -36,8 +36,7 @@ import numpy as np
 import torch
 
 from shared.machine import PeakMemorySampler
-from device_agent.device import round_seed
-from device_agent.trainer import batches, steps_per_round
+from device_agent.trainer import batches, round_seed, steps_per_round
 from shared.evaluation import evaluate
 from fed_server.run_dir import RunDirectory
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch

@@ -4,17 +4,56 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from shared.config import DeviceMixConfig, env_default
 from shared.data.limits import DEFAULT_MAX_IMAGE_PIXELS, FileLimits, default_max_data_bytes
 from shared.profiles import AUTO_TRANSFER_RATIO, LINKS, TimeScale, parse_time_scale
 from shared.service import add_common_args, configure_process, freeze_startup_objects, interrupt_on_sigterm, parse_service_args
 
+if TYPE_CHECKING:   # imported at run time only once the process is configured (torch threads)
+    from device_agent.metrics import AgentMetrics
+    from shared.data.local import LocalSource
+
 KEEP_MODELS = {"auto": None, "yes": True, "no": False}
 log = logging.getLogger("device_agent")
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse the flags, configure the process, run the agent's devices; exit with the agent's code."""
+    parser = _parser()
+    args = parse_service_args(parser, argv)
+    configure_process(args.log_level, args.torch_threads, args.torch_device)
+    interrupt_on_sigterm()   # SIGTERM (docker stop, a pod's end) stops the devices like Ctrl-C
+    from device_agent.agent import Agent, RunRefused
+
+    sources, data_args, shards, kinds = _devices(parser, args)
+    compute_slots = _checked_settings(parser, args)
+    metrics = None
+    if args.metrics_port:
+        from device_agent.metrics import AgentMetrics
+
+        metrics = AgentMetrics()
+        metrics.serve(args.metrics_port, args.metrics_host)
+    from shared.auth import load_secret
+
+    agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
+                  metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
+                  keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
+                  device_id=args.device_id, torch_device=args.torch_device, model=args.model,
+                  compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000)
+    freeze_startup_objects()   # what the agent keeps for the run is built: out of full collections' way
+    try:
+        code = agent.run()
+    except RunRefused as exc:   # a run this agent cannot train: one line, before any device registers
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if metrics is not None and args.metrics_linger_s > 0:
+        _linger(metrics, args.metrics_linger_s)
+    sys.exit(code)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The agent's command line: its data, its emulation, and the agent's own settings."""
     parser = argparse.ArgumentParser(
         prog="python -m device_agent",
         description="Device agent: trains its client portion and talks to the Fed Server and Main Server "
@@ -23,6 +62,15 @@ def main(argv: list[str] | None = None) -> None:
                "a run this agent cannot train, or a device whose registration the Fed Server refused (a shard that "
                "does not exist or is held already, a sample count or model the run rules out, a credential that does "
                "not cover it), whether or not the agent's other devices trained on to the end.")
+    _add_data_flags(parser)
+    _add_emulation_flags(parser)
+    _add_agent_flags(parser)
+    add_common_args(parser)
+    return parser
+
+
+def _add_data_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the Fed Server is, and the data the agent's devices hold (shards or their own files)."""
     parser.add_argument("--fed-server-url", default=env_default("fed_server_url", "http://127.0.0.1:8080"),
                         help="the Fed Server (env SFL_FED_SERVER_URL); the Main Server's URL comes with each task")
     parser.add_argument("--shards", default=env_default("shards", None),
@@ -44,6 +92,10 @@ def main(argv: list[str] | None = None) -> None:
                              f"before decoding it (env SFL_MAX_IMAGE_PIXELS; default {DEFAULT_MAX_IMAGE_PIXELS})")
     parser.add_argument("--device-id", default=None,
                         help="the id of the single --data device (default <prefix>-<file or folder name>)")
+
+
+def _add_emulation_flags(parser: argparse.ArgumentParser) -> None:
+    """The emulated device kinds, their links and transfer scale, and the devices' ids."""
     parser.add_argument("--kinds", default=env_default("kinds", ""),
                         help="emulated device kinds assigned round-robin by shard, e.g. high,mid,low or high-low "
                              "(env SFL_KINDS; empty = real device, no emulation)")
@@ -61,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix", default=env_default("prefix", "dev"),
                         help="device id prefix; ids are <prefix>-<shard as 3 digits>, e.g. dev-007, or with --data "
                              "<prefix>-<file or folder name> (env SFL_PREFIX)")
+
+
+def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS, metrics, enrolment, memory and compute settings of the agent process."""
     parser.add_argument("--ca-file", default=env_default("ca_file", None), help="CA bundle to verify HTTPS servers (env SFL_CA_FILE)")
     parser.add_argument("--metrics-port", type=int, default=int(env_default("metrics_port", 0)),
                         help="serve Prometheus metrics of this agent's devices on this port (env SFL_METRICS_PORT; "
@@ -87,11 +143,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="the run's model when it is an import path package.module:function (env SFL_MODEL): a "
                              "device builds an import path only if it equals this, never because the Fed Server "
                              "names it (docs/security.md); built-in names need no flag")
-    add_common_args(parser)
-    args = parse_service_args(parser, argv)
-    configure_process(args.log_level, args.torch_threads, args.torch_device)
-    interrupt_on_sigterm()   # SIGTERM (docker stop, a pod's end) stops the devices like Ctrl-C
-    from device_agent.agent import Agent, RunRefused, local_device_ids, parse_data_args, parse_shards
+
+
+def _devices(parser: argparse.ArgumentParser, args: argparse.Namespace
+             ) -> tuple[list[LocalSource], dict[str, str], list[int], list[str]]:
+    """The devices the flags describe: their ``--data`` sources and ``--data-arg`` keywords, or
+    their shards, and their emulated kinds. A usage error (exit 2, one line) for flags that do
+    not fit together or do not parse."""
+    from device_agent.agent import local_device_ids, parse_data_args, parse_shards
     from shared.data.local import data_sources
     from shared.profiles import parse_kind
 
@@ -111,6 +170,13 @@ def main(argv: list[str] | None = None) -> None:
             parse_kind(k)
     except ValueError as exc:  # DataError included: a --data path that is missing or ambiguous
         parser.error(str(exc))
+    return sources, data_args, shards, kinds
+
+
+def _checked_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """Refuse (exit 2, one line) agent settings out of range, including those an environment
+    default gave (argparse checks choices on the command line only); return ``--compute-slots``
+    (None: auto)."""
     if args.keep_models not in KEEP_MODELS:  # argparse checks choices on the command line, not env defaults
         parser.error(f"--keep-models must be one of {sorted(KEEP_MODELS)}, got {args.keep_models!r}")
     compute_slots = None if args.compute_slots == "auto" else _whole_number(args.compute_slots)
@@ -125,34 +191,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--metrics-port must be 0 (off) or a port number, got {args.metrics_port}")
     if not 0 <= args.metrics_linger_s < float("inf"):
         parser.error(f"--metrics-linger-s must be a number of seconds >= 0, got {args.metrics_linger_s}")
-    metrics = None
-    if args.metrics_port:
-        from device_agent.metrics import AgentMetrics
+    return compute_slots
 
-        metrics = AgentMetrics()
-        metrics.serve(args.metrics_port, args.metrics_host)
-    from shared.auth import load_secret
 
-    agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
-                  metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
-                  keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
-                  device_id=args.device_id, torch_device=args.torch_device, model=args.model,
-                  compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000)
-    freeze_startup_objects()   # what the agent keeps for the run is built: out of full collections' way
+def _linger(metrics: AgentMetrics, linger_s: float) -> None:
+    """Once the run is over, serve the metrics until Prometheus scrapes once more (so it records
+    the last round's figures), at most ``linger_s`` seconds."""
+    log.info("run over: serving metrics until Prometheus scrapes them once more (at most %.0f s)", linger_s)
     try:
-        code = agent.run()
-    except RunRefused as exc:   # a run this agent cannot train: one line, before any device registers
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    if metrics is not None and args.metrics_linger_s > 0:
-        log.info("run over: serving metrics until Prometheus scrapes them once more (at most %.0f s)",
-                 args.metrics_linger_s)
-        try:
-            if not metrics.wait_for_scrape(args.metrics_linger_s):
-                log.warning("no Prometheus scrape within --metrics-linger-s %.0f s: the last figures were not recorded",
-                            args.metrics_linger_s)
-        except KeyboardInterrupt:   # Ctrl-C or SIGTERM (docker stop) while lingering: the run is over anyway
-            log.info("stopped while waiting for a last scrape")
-    sys.exit(code)
+        if not metrics.wait_for_scrape(linger_s):
+            log.warning("no Prometheus scrape within --metrics-linger-s %.0f s: the last figures were not recorded",
+                        linger_s)
+    except KeyboardInterrupt:   # Ctrl-C or SIGTERM (docker stop) while lingering: the run is over anyway
+        log.info("stopped while waiting for a last scrape")
 
 
 def _time_scale(text: str) -> TimeScale:

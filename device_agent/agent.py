@@ -13,7 +13,8 @@ import torch
 
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
-from device_agent.device import Device, RegistrationRefused, check_run, wait_for_run
+from device_agent.device import Device, RegistrationRefused
+from device_agent.run_spec import check_run, wait_for_run
 from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
@@ -24,7 +25,7 @@ log = logging.getLogger("device_agent")
 
 
 class RunRefused(Exception):
-    """The Fed Server's run is one this agent cannot train (:func:`device_agent.device.check_run`):
+    """The Fed Server's run is one this agent cannot train (:func:`device_agent.run_spec.check_run`):
     refused at start, before any of its devices registers."""
 
 

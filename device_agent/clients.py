@@ -50,7 +50,7 @@ class HttpFedClient:
         self._enrolment_secret = enrolment_secret
 
     def run_info(self) -> RunInfo:
-        """Asked once: its caller (:func:`device_agent.device.wait_for_run`) waits for a Fed Server
+        """Asked once: its caller (:func:`device_agent.run_spec.wait_for_run`) waits for a Fed Server
         that is still starting, with one log line rather than the client's warning per retry."""
         with _translated():
             return self._http.call("GET", f"{API}/run", RunInfo, retries=0)

@@ -1,6 +1,7 @@
 """A device's local training for one round: split mode (through the Main Server) or whole model."""
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -11,8 +12,9 @@ import torch
 from device_agent.compute import Compute, InlineCompute
 from device_agent.timing import RoundClock
 from shared.algorithms.base import DeviceLogic, Payload
+from shared.config import TrainConfig
 from shared.data import ArrayDataset
-from shared.models import SplitModel
+from shared.models import Portion, SplitModel
 from shared.portions import load_portion
 from shared.torch_device import model_device, synchronize
 
@@ -45,37 +47,62 @@ def batches(data: ArrayDataset, batch_size: int, epochs: int, seed: int) -> Iter
 
 
 def steps_per_round(num_samples: int, batch_size: int, epochs: int) -> int:
+    """How many local steps a round of ``epochs`` passes over ``num_samples`` in batches takes."""
     return epochs * math.ceil(num_samples / batch_size)
 
 
-def train_round(
-    model: SplitModel,
-    split_point: int,
-    weights: dict[str, torch.Tensor] | None,
-    data: ArrayDataset,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    batch_size: int,
-    epochs: int,
-    seed: int,
-    clock: RoundClock,
-    send_step: StepFn | None,
-    half_precision: bool = False,
-    logic: DeviceLogic | None = None,
-    extras: Payload | None = None,
-    deadline: float | None = None,
-    compute: Compute | None = None,
-    torch_device: torch.device | None = None,
-) -> LocalResult:
+def round_seed(seed: int, shard: int | str, round_id: int) -> int:
+    """Per device and round batch-order seed, identical in every process (``shard``: the device's
+    shard, or its id when it brings its own data)."""
+    digest = hashlib.sha256(f"{seed}/{shard}/{round_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """A round's optimizer and batch settings (the task's ``train`` settings, its batch-order seed
+    and whether activations travel in half precision)."""
+
+    lr: float
+    momentum: float
+    weight_decay: float
+    batch_size: int
+    epochs: int
+    seed: int
+    half_precision: bool = False
+
+    @classmethod
+    def of(cls, train: TrainConfig, seed: int, half_precision: bool = False) -> TrainSettings:
+        """The settings of a task's ``train`` config, with the round's ``seed``."""
+        return cls(train.lr, train.momentum, train.weight_decay, train.batch_size, train.local_epochs, seed,
+                   half_precision)
+
+
+@dataclass
+class TrainContext:
+    """Where and under what terms a round trains: its clock, its Main Server exchange (none for a
+    whole-model round), the algorithm's device logic and task extras, its deadline, the compute
+    threads and the torch device its trained blocks live on (see :func:`train_round`)."""
+
+    clock: RoundClock
+    send_step: StepFn | None = None
+    logic: DeviceLogic | None = None
+    extras: Payload | None = None
+    deadline: float | None = None
+    compute: Compute | None = None
+    torch_device: torch.device | None = None
+
+
+def train_round(model: SplitModel, split_point: int, weights: dict[str, torch.Tensor] | None, data: ArrayDataset,
+                settings: TrainSettings, context: TrainContext) -> LocalResult:
     """Train blocks[:split_point] of ``model`` in place for one round, on the device its trained
     blocks live on (``--torch-device``; the weights are copied there). ``weights``: the round's
     starting weights, loaded when the training starts (on a compute thread, for a whole-model
     round); blocks still on the meta device (a virtual device's model, built per task) are
-    allocated on ``torch_device`` (default the CPU) first. ``weights`` None: the portion already
-    holds them.
+    allocated on the context's ``torch_device`` (default the CPU) first. ``weights`` None: the
+    portion already holds them. ``settings``: the optimizer, the batches and their seed.
 
-    With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
+    The ``context`` (:class:`TrainContext`) names the rest. With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
     Server and backpropagates the returned dfx; without it the device holds the whole model and
     trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
@@ -93,66 +120,98 @@ def train_round(
     the seeded batch order is the same on every device. Activations go back to the CPU (in
     half precision first when asked, halving the copy) for the wire; dfx comes to the device.
     """
-    logic = logic or DeviceLogic({})
-    portion = model.portion(0, split_point)
-    compute = compute if compute is not None else InlineCompute()
-    losses: list[float] = []
-    steps = 0
+    training = _RoundTraining(model.portion(0, split_point), weights, data, settings, context)
+    if context.send_step is None:
+        training.whole_model()
+    else:
+        training.split(context.send_step)
+    return LocalResult(steps=training.steps, train_loss=sum(training.losses) / max(1, len(training.losses)))
 
-    def start() -> tuple[torch.optim.Optimizer, ArrayDataset, torch.device]:
-        # Where the training runs (a compute thread, for a whole-model round): a device waiting
-        # for its turn holds no weights of its own, only the task's, which its agent's devices
-        # share (device_agent/weights_cache.py).
-        if weights is not None:
-            load_portion(portion, weights, torch_device)
-        logic.begin_round(portion, extras if extras is not None else Payload(), data)
+
+class _RoundTraining:
+    """One :func:`train_round`: the portion it trains, its progress, and its two modes."""
+
+    def __init__(self, portion: Portion, weights: dict[str, torch.Tensor] | None, data: ArrayDataset,
+                 settings: TrainSettings, context: TrainContext) -> None:
+        self.portion = portion
+        self.weights = weights
+        self.data = data
+        self.settings = settings
+        self.context = context
+        self.logic = context.logic or DeviceLogic({})
+        self.losses: list[float] = []
+        self.steps = 0
+
+    def start(self) -> tuple[torch.optim.Optimizer, ArrayDataset, torch.device]:
+        """Load the task's weights, begin the algorithm's round, build the optimizer. Called where
+        the training runs (a compute thread, for a whole-model round): a device waiting for its
+        turn holds no weights of its own, only the task's, which its agent's devices share
+        (device_agent/weights_cache.py)."""
+        portion, settings = self.portion, self.settings
+        if self.weights is not None:
+            load_portion(portion, self.weights, self.context.torch_device)
+        extras = self.context.extras
+        self.logic.begin_round(portion, extras if extras is not None else Payload(), self.data)
         portion.train()
-        optimizer = torch.optim.SGD(portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-        return optimizer, logic.training_data(data), model_device(portion)
+        optimizer = torch.optim.SGD(portion.parameters(), lr=settings.lr, momentum=settings.momentum,
+                                    weight_decay=settings.weight_decay)
+        return optimizer, self.logic.training_data(self.data), model_device(portion)
 
-    def check_deadline(owed_s: float = 0.0) -> None:
+    def check_deadline(self, owed_s: float = 0.0) -> None:
+        """:class:`TaskExpired` once the deadline has passed (or will have, ``owed_s`` later)."""
+        deadline = self.context.deadline
         if deadline is not None and time.monotonic() + owed_s > deadline:
-            raise TaskExpired(f"deadline passed after {steps} steps")
+            raise TaskExpired(f"deadline passed after {self.steps} steps")
 
-    if send_step is None:
-        # The whole local training is one section: nothing in it waits for anyone else. An
-        # emulated kind's stretch is slept once the section is done, so the deadline is checked
-        # against the time the device will have taken, stretch included.
+    def batches(self, train_data: ArrayDataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The round's seeded mini-batches of ``train_data``."""
+        settings = self.settings
+        return batches(train_data, settings.batch_size, settings.epochs, settings.seed)
+
+    def whole_model(self) -> None:
+        """The whole local training as one section: nothing in it waits for anyone else. An
+        emulated kind's stretch is slept once the section is done, so the deadline is checked
+        against the time the device will have taken, stretch included.
+
+        The section's size for the queue: the device's samples, times an emulated kind's stretch
+        (a Low device sleeps 10x its compute afterwards, so it is the round's longest and goes
+        first). The samples of the shard, not of the algorithm's training part, which is known
+        only once the round has begun in the section (FedBC holds the same fraction back everywhere)."""
+        clock = self.context.clock
+        compute = self.context.compute if self.context.compute is not None else InlineCompute()
+
         def local_training() -> None:
-            nonlocal steps
             t0, cpu0 = time.monotonic(), time.thread_time()
-            optimizer, train_data, device = start()
-            for x, y in batches(train_data, batch_size, epochs, seed):
-                check_deadline(clock.stretch_of(time.monotonic() - t0, time.thread_time() - cpu0))
-                loss = logic.loss(portion, x.to(device), y.to(device))  # .to: no copy on the CPU
+            optimizer, train_data, device = self.start()
+            for x, y in self.batches(train_data):
+                self.check_deadline(clock.stretch_of(time.monotonic() - t0, time.thread_time() - cpu0))
+                loss = self.logic.loss(self.portion, x.to(device), y.to(device))  # .to: no copy on the CPU
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                losses.append(float(loss.detach()))  # waits for CUDA/MPS: the clock sees the compute
-                steps += 1
+                self.losses.append(float(loss.detach()))  # waits for CUDA/MPS: the clock sees the compute
+                self.steps += 1
             optimizer.zero_grad(set_to_none=True)  # the last step's gradients: as big as the weights
-        # Its size for the queue: the device's samples, times an emulated kind's stretch (a Low
-        # device sleeps 10x its compute afterwards, so it is the round's longest and goes first).
-        # The samples of the shard, not of the algorithm's training part, which is known only
-        # once the round has begun in the section (FedBC holds the same fraction back everywhere).
-        clock.section(compute, local_training, work=len(data) * epochs * clock.stretch_factor())
-    else:
-        # Split mode computes on this thread: a step's sections are short and interleaved with the
-        # Main Server's answers (see the docstring).
-        optimizer, train_data, device = start()
-        for step, (x, y) in enumerate(batches(train_data, batch_size, epochs, seed)):
-            check_deadline()
+
+        clock.section(compute, local_training, work=len(self.data) * self.settings.epochs * clock.stretch_factor())
+
+    def split(self, send_step: StepFn) -> None:
+        """Split mode, on this thread: a step's sections are short and interleaved with the Main
+        Server's answers (see :func:`train_round`)."""
+        clock, portion = self.context.clock, self.portion
+        optimizer, train_data, device = self.start()
+        for step, (x, y) in enumerate(self.batches(train_data)):
+            self.check_deadline()
             with clock.compute():
                 fx = portion(x.to(device))  # .to: no copy on the CPU
                 synchronize(device)
-            sent = fx.detach().half() if half_precision else fx.detach()
+            sent = fx.detach().half() if self.settings.half_precision else fx.detach()
             dfx, loss_value = send_step(step, sent.cpu(), y)
             with clock.compute():
                 optimizer.zero_grad(set_to_none=True)
                 fx.backward(dfx.to(device=fx.device, dtype=fx.dtype))
                 optimizer.step()
                 synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
-            losses.append(loss_value)
-            steps += 1
+            self.losses.append(loss_value)
+            self.steps += 1
         optimizer.zero_grad(set_to_none=True)  # the last step's gradients: as big as the weights
-    return LocalResult(steps=steps, train_loss=sum(losses) / max(1, len(losses)))

@@ -173,11 +173,11 @@ def test_device_gives_up_a_task_whose_deadline_passed():
         device = Device("dev-000", 0, HttpFedClient(servers.fed_url), main_connector(), kind=None)
         device.setup()
         give_up = time.monotonic() + 30
-        task, size = device._poll(0.0)
+        task, size = device.poller.poll(0.0)
         received_at = time.monotonic()
         while task.status != "train" and time.monotonic() < give_up:
             time.sleep(0.05)
-            task, size = device._poll(0.0)
+            task, size = device.poller.poll(0.0)
             received_at = time.monotonic()
         assert task.status == "train" and task.deadline_s is not None and task.deadline_s <= 1.0
         time.sleep(task.deadline_s + 0.1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from device_agent.device import Device
+from device_agent.run_spec import build_run_model
 from shared.config import TrainConfig
 from shared.data import ArrayDataset, DataSpec
 from shared.errors import Invalid
@@ -30,11 +31,10 @@ def _no_main(*args, **kwargs):
 def _device() -> Device:
     device = Device("dev-000", 0, _NoServer(), _no_main, kind=None, keep_model=False)
     spec = DataSpec(num_devices=1)
-    device.info = RunInfo(run_id="r", algorithm="fedbc", model="logreg", num_classes=10, input_shape=[1, 1, 60],
-                          data=spec, seed=3, fingerprint=model_fingerprint(build_model("logreg", 10, (1, 1, 60)), spec))
-    device.data = ArrayDataset(torch.randn(10, 1, 1, 60), torch.arange(10) % 10, 10)
-    with torch.device("meta"):
-        device.layout = device._build()
+    info = RunInfo(run_id="r", algorithm="fedbc", model="logreg", num_classes=10, input_shape=[1, 1, 60],
+                   data=spec, seed=3, fingerprint=model_fingerprint(build_model("logreg", 10, (1, 1, 60)), spec))
+    data = ArrayDataset(torch.randn(10, 1, 1, 60), torch.arange(10) % 10, 10)
+    device.prepare(info, build_run_model(info, layout=True), data, None)
     return device
 
 

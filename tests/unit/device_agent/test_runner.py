@@ -479,7 +479,7 @@ class NoWait(threading.Event):
 
 
 def test_waiting_for_a_fed_server_that_is_starting_is_one_warning_then_one_line_when_it_answers(caplog):
-    from device_agent.device import wait_for_run
+    from device_agent.run_spec import wait_for_run
 
     caplog.set_level(logging.DEBUG, "device_agent")
     fed = StartingFed([], down=5)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from device_agent.compute import ComputeThreads
 from device_agent.timing import RoundClock
-from device_agent.trainer import TaskExpired, batches, steps_per_round, train_round
+from device_agent.trainer import TaskExpired, TrainContext, TrainSettings, batches, steps_per_round, train_round
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.algorithms.base import DeviceLogic
 from shared.data import ArrayDataset
@@ -121,8 +121,8 @@ def test_train_round_without_server_lowers_loss(model):
     initial = _eval_loss(model, weights, data)
     results = []
     for rnd in range(4):
-        res = train_round(m, n_blocks, weights, data, lr=0.05, momentum=0.0, weight_decay=0.0,
-                          batch_size=16, epochs=1, seed=rnd, clock=RoundClock(None), send_step=None)
+        res = train_round(m, n_blocks, weights, data, TrainSettings(0.05, 0.0, 0.0, 16, 1, rnd),
+                          TrainContext(RoundClock(None)))
         assert res.steps == steps_per_round(len(data), 16, 1) == 3
         uploaded = m.portion(0, n_blocks).state_dict()  # what the device uploads
         assert list(uploaded) == list(weights)
@@ -145,9 +145,8 @@ def test_train_round_past_its_deadline_gives_up_before_any_step(model):
     m = copy.deepcopy(model)
     weights = _weights(m, len(m.blocks))
     with pytest.raises(TaskExpired, match="after 0 steps"):
-        train_round(m, len(m.blocks), weights, _separable(), lr=0.05, momentum=0.0, weight_decay=0.0,
-                    batch_size=8, epochs=1, seed=0, clock=RoundClock(None), send_step=None,
-                    deadline=time.monotonic() - 1.0)
+        train_round(m, len(m.blocks), weights, _separable(), TrainSettings(0.05, 0.0, 0.0, 8, 1, 0),
+                    TrainContext(RoundClock(None), deadline=time.monotonic() - 1.0))
 
 
 def test_train_round_stops_when_its_deadline_passes_mid_round(model):
@@ -155,9 +154,8 @@ def test_train_round_stops_when_its_deadline_passes_mid_round(model):
     weights = _weights(m, len(m.blocks))
     t0 = time.monotonic()
     with pytest.raises(TaskExpired) as info:
-        train_round(m, len(m.blocks), weights, _separable(), lr=0.05, momentum=0.0, weight_decay=0.0,
-                    batch_size=4, epochs=5, seed=0, clock=RoundClock(None), send_step=None,
-                    logic=_SlowLogic({}), deadline=t0 + 0.2)
+        train_round(m, len(m.blocks), weights, _separable(), TrainSettings(0.05, 0.0, 0.0, 4, 5, 0),
+                    TrainContext(RoundClock(None), logic=_SlowLogic({}), deadline=t0 + 0.2))
     done = int(str(info.value).split("after ")[1].split()[0])
     assert 1 <= done < steps_per_round(48, 4, 5)  # 60 steps of >= 50 ms would take >= 3 s
     assert time.monotonic() - t0 < 2.0
@@ -173,9 +171,8 @@ def test_a_whole_model_round_counts_its_emulated_stretch_against_the_deadline(mo
     low = parse_kind("low")
     assert low.compute_stretch == 10.0
     with pytest.raises(TaskExpired) as info:
-        train_round(m, len(m.blocks), weights, _separable(), lr=0.05, momentum=0.0, weight_decay=0.0,
-                    batch_size=4, epochs=5, seed=0, clock=RoundClock(low), send_step=None,
-                    logic=_SlowLogic({}), deadline=time.monotonic() + 0.6)
+        train_round(m, len(m.blocks), weights, _separable(), TrainSettings(0.05, 0.0, 0.0, 4, 5, 0),
+                    TrainContext(RoundClock(low), logic=_SlowLogic({}), deadline=time.monotonic() + 0.6))
     done = int(str(info.value).split("after ")[1].split()[0])
     assert 1 <= done <= 3   # 0.6 s fits 11 steps of 50 ms unstretched, 1 stretched
 
@@ -187,7 +184,7 @@ def test_train_round_trains_the_model_in_place_and_leaves_the_task_weights_alone
     m = copy.deepcopy(model)
     weights = _weights(m, 4)
     sent = {k: v.clone() for k, v in weights.items()}
-    train_round(m, 4, weights, data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), None)
+    train_round(m, 4, weights, data, TrainSettings(0.05, 0.0, 0.0, 8, 1, 0), TrainContext(RoundClock(None)))
     uploaded = m.portion(0, 4).state_dict()
     assert list(uploaded) == list(sent)
     assert all(torch.equal(weights[k], sent[k]) for k in sent)
@@ -235,8 +232,8 @@ def test_split_learning_equals_centralized_training(model, k):
 
     client = copy.deepcopy(model)
     server, send_step, seen = _fake_server(model, k, lr)
-    res = train_round(client, k, _weights(client, k), data, lr, 0.0, 0.0, bs, epochs, seed,
-                      RoundClock(None), send_step)
+    res = train_round(client, k, _weights(client, k), data, TrainSettings(lr, 0.0, 0.0, bs, epochs, seed),
+                      TrainContext(RoundClock(None), send_step=send_step))
 
     assert seen == list(range(steps_per_round(len(data), bs, epochs)))
     assert res.steps == len(seen)
@@ -265,7 +262,8 @@ def test_split_learning_through_group_trainer_equals_centralized(model):
         return r.dfx, r.loss
 
     client = copy.deepcopy(model)
-    train_round(client, k, _weights(client, k), data, lr, 0.0, 0.0, bs, epochs, seed, RoundClock(None), send_step)
+    train_round(client, k, _weights(client, k), data, TrainSettings(lr, 0.0, 0.0, bs, epochs, seed),
+                TrainContext(RoundClock(None), send_step=send_step))
     merged = {**client.portion(0, k).state_dict(), **trainer.state()}
     assert list(merged) == list(ref_state)
     for key, v in merged.items():
@@ -313,8 +311,8 @@ def test_a_whole_model_round_runs_on_a_compute_thread_and_split_training_on_the_
         else:
             send_step = None
         blocks = k if split else len(client.blocks)
-        result = train_round(client, blocks, _weights(client, blocks), data, lr, 0.9, 0.0, bs, 1, seed,
-                             RoundClock(None), send_step, compute=compute)
+        result = train_round(client, blocks, _weights(client, blocks), data, TrainSettings(lr, 0.9, 0.0, bs, 1, seed),
+                             TrainContext(RoundClock(None), send_step=send_step, compute=compute))
         return client.portion(0, blocks).state_dict(), result
 
     compute = _RecordingCompute(1)
@@ -338,7 +336,8 @@ def test_a_whole_model_round_queues_as_its_samples_times_its_emulated_stretch(mo
     client = copy.deepcopy(model)
     blocks = len(client.blocks)
     clock = RoundClock(parse_kind(kind) if kind else None, time_scale=1e6)
-    train_round(client, blocks, _weights(client, blocks), data, 0.05, 0.0, 0.0, 8, 2, 0, clock, None, compute=compute)
+    train_round(client, blocks, _weights(client, blocks), data, TrainSettings(0.05, 0.0, 0.0, 8, 2, 0),
+                TrainContext(clock, compute=compute))
     compute.close()
     assert compute.works == [pytest.approx(len(data) * 2 * stretch)]
 
@@ -351,10 +350,10 @@ def test_a_section_that_fails_on_a_compute_thread_raises_in_the_device_thread(mo
     client = copy.deepcopy(model)
     blocks = len(client.blocks)
     with pytest.raises(TaskExpired):
-        train_round(client, blocks, _weights(client, blocks), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), None,
-                    deadline=time.monotonic() - 1, compute=compute)
-    result = train_round(client, blocks, _weights(client, blocks), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None),
-                         None, compute=compute)
+        train_round(client, blocks, _weights(client, blocks), data, TrainSettings(0.05, 0.0, 0.0, 8, 1, 0),
+                    TrainContext(RoundClock(None), deadline=time.monotonic() - 1, compute=compute))
+    result = train_round(client, blocks, _weights(client, blocks), data, TrainSettings(0.05, 0.0, 0.0, 8, 1, 0),
+                         TrainContext(RoundClock(None), compute=compute))
     assert result.steps == 4
     compute.close()
 
@@ -370,8 +369,8 @@ def test_half_precision_sends_float16(model):
         return dfx.half(), loss
 
     client = copy.deepcopy(model)
-    train_round(client, 2, _weights(client, 2), data, 0.05, 0.0, 0.0, 8, 1, 0, RoundClock(None), wrapped,
-                half_precision=True)
+    train_round(client, 2, _weights(client, 2), data, TrainSettings(0.05, 0.0, 0.0, 8, 1, 0, half_precision=True),
+                TrainContext(RoundClock(None), send_step=wrapped))
     assert dtypes == [torch.float16, torch.float16]
     uploaded = client.portion(0, 2).state_dict()
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in uploaded.values())
@@ -403,8 +402,9 @@ def test_split_round_on_an_explicit_cpu_device_is_bit_identical_to_the_default(m
             with torch.device("meta"):
                 client = build_model("cnn", num_classes=2, input_shape=SHAPE, seed=0)
             client.portion(0, k).to_empty(device=device)
-        result = train_round(client, k, _weights(model, k), data, lr, 0.9, 1e-4, bs, 2, seed, RoundClock(None),
-                             send_step, half_precision=half)
+        settings = TrainSettings(lr, 0.9, 1e-4, bs, 2, seed, half_precision=half)
+        result = train_round(client, k, _weights(model, k), data, settings,
+                             TrainContext(RoundClock(None), send_step=send_step))
         return {**client.portion(0, k).state_dict(), **trainer.state()}, result, sent
 
     default_state, default_result, _ = run(None)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from device_agent.timing import RoundClock
-from device_agent.trainer import train_round
+from device_agent.trainer import TrainContext, TrainSettings, train_round
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import DeviceLogic, RoundContext, parse_payload
 from shared.algorithms.fedbc import (
@@ -199,8 +199,8 @@ def _tiny_task():
 
 def _train(model, weights, data, logic, extras):
     """Train one round; the weights the device would upload."""
-    train_round(model, len(model.blocks), weights, data, lr=0.01, momentum=0.5, weight_decay=0.0,
-                batch_size=20, epochs=2, seed=5, clock=RoundClock(None), send_step=None, logic=logic, extras=extras)
+    train_round(model, len(model.blocks), weights, data, TrainSettings(0.01, 0.5, 0.0, 20, 2, 5),
+                TrainContext(RoundClock(None), logic=logic, extras=extras))
     return {k: v.detach().clone() for k, v in model.portion(0, len(model.blocks)).state_dict().items()}
 
 

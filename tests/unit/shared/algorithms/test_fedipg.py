@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from device_agent.timing import RoundClock
-from device_agent.trainer import train_round
+from device_agent.trainer import TrainContext, TrainSettings, train_round
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import RoundContext, parse_payload
 from shared.algorithms.fedavg import FedAvg
@@ -185,9 +185,8 @@ def test_lambda_zero_gives_fedavg_models_bit_identically():
             contribs, extras = {}, {}
             for i, shard in enumerate(shards):
                 logic = type(algo).device_logic(algo.device_params())
-                train_round(model, len(model.blocks), start, shard, lr=0.1, momentum=0.9, weight_decay=0.0,
-                            batch_size=8, epochs=1, seed=100 * round_id + i, clock=RoundClock(None),
-                            send_step=None, logic=logic)
+                train_round(model, len(model.blocks), start, shard,
+                            TrainSettings(0.1, 0.9, 0.0, 8, 1, 100 * round_id + i), TrainContext(RoundClock(None), logic=logic))
                 contribs[f"dev-{i:03d}"] = Contribution(weight=len(shard), client_state=_uploaded(model))
                 extras[f"dev-{i:03d}"] = logic.upload_extras(model, shard)
             new = algo.aggregate(RoundContext(round_id, round_id), start, contribs, extras)
@@ -204,8 +203,8 @@ def test_positive_lambda_changes_the_update_and_trains_the_cnn():
     out = {}
     for lam in (0.0, 0.5):
         logic = FedIPGLogic({"lam": lam, "penalty_scope": "all", "output_layer": model.output_layer})
-        train_round(model, len(model.blocks), start, shard, lr=0.1, momentum=0.0, weight_decay=0.0,
-                    batch_size=8, epochs=1, seed=7, clock=RoundClock(None), send_step=None, logic=logic)
+        train_round(model, len(model.blocks), start, shard, TrainSettings(0.1, 0.0, 0.0, 8, 1, 7),
+                    TrainContext(RoundClock(None), logic=logic))
         out[lam] = (_uploaded(model), logic.upload_extras(model, shard).to_wire())
     assert any(not torch.equal(out[0.0][0][k], out[0.5][0][k]) for k in start)
     extras = out[0.5][1]

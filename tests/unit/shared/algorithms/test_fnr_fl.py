@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from device_agent.timing import RoundClock
-from device_agent.trainer import train_round
+from device_agent.trainer import TrainContext, TrainSettings, train_round
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import DeviceLogic, RoundContext, parse_payload
 from shared.algorithms.fnr_fl import (
@@ -223,7 +223,8 @@ def _local_round(logic: DeviceLogic, spec: DataSpec, model_name: str = "resnet8"
     model = build_model(model_name, 10, (1, 28, 28), seed=0)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(123)
-    train_round(model, len(model.blocks), weights, shard, 0.05, 0.9, 0.0, 32, 1, 7, RoundClock(None), None, logic=logic)
+    train_round(model, len(model.blocks), weights, shard, TrainSettings(0.05, 0.9, 0.0, 32, 1, 7),
+                TrainContext(RoundClock(None), logic=logic))
     return model, shard
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from device_agent.timing import RoundClock
-from device_agent.trainer import train_round
+from device_agent.trainer import TrainContext, TrainSettings, train_round
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import RoundContext
 from shared.algorithms.hics import (
@@ -75,8 +75,8 @@ def test_zero_head_one_sgd_step_gives_exact_entropy(labels, expected):
         model.blocks.head.bias.zero_()
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     data = ArrayDataset(torch.randn(6, 1, 28, 28), torch.tensor(labels), 3)
-    train_round(model, len(model.blocks), global_state, data, lr=lr, momentum=0.0, weight_decay=0.0,
-                batch_size=6, epochs=1, seed=0, clock=RoundClock(None), send_step=None)
+    train_round(model, len(model.blocks), global_state, data, TrainSettings(lr, 0.0, 0.0, 6, 1, 0),
+                TrainContext(RoundClock(None)))
     uploaded = model.portion(0, len(model.blocks)).state_dict()  # what the device uploads
     assert model.output_layer == HEAD
     hist = np.bincount(labels, minlength=3) / len(labels)

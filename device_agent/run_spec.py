@@ -1,0 +1,62 @@
+"""The run a device joins: its spec, asked for until the Fed Server answers, and checked before
+anything of it is built (an unknown algorithm, a model this process may not or cannot build)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from device_agent.api import FedApi
+from shared.algorithms.registry import ALGORITHMS
+from shared.models import SplitModel, build_model, build_model_layout, check_model_origin
+from shared.schemas import RunInfo
+
+log = logging.getLogger("device_agent")
+
+
+def build_run_model(info: RunInfo, layout: bool = False) -> SplitModel:
+    """The run's model with real weights, or (``layout``) its structure on the meta device."""
+    build = build_model_layout if layout else build_model
+    return build(info.model, info.num_classes, tuple(info.input_shape), seed=info.seed, params=info.model_params)
+
+
+def check_run(info: RunInfo, model_ref: str | None) -> SplitModel:
+    """The run's model layout, once the run is known to be one this process can train: its
+    algorithm is one it knows, and its model one it may build (an import path only when it is
+    the operator's ``--model``, checked before anything is imported) and can. ValueError
+    naming what is wrong otherwise."""
+    if info.algorithm not in ALGORITHMS:
+        raise ValueError(f"the run's algorithm {info.algorithm!r} is not one this agent knows "
+                         f"({', '.join(ALGORITHMS)}): run an agent of the Fed Server's version")
+    check_model_origin(info.model, model_ref)
+    return build_run_model(info, layout=True)
+
+
+def wait_for_run(fed: FedApi, stop: threading.Event, server: str) -> RunInfo:
+    """The run spec, asked for until the Fed Server answers (or ``stop`` is set). Every second
+    at most: an agent started beside its servers (the testbed starts them together) registers
+    as soon as the Fed Server is up, not seconds later.
+
+    ``server`` names the Fed Server in the log: one WARNING when it first does not answer, DEBUG
+    for every later try, one INFO line once it answers, so an agent waiting for a server that is
+    still starting says so once rather than once a try."""
+    delay = 0.2
+    waiting_since: float | None = None
+    while True:
+        try:
+            info = fed.run_info()
+        except Exception as exc:  # the Fed Server may still be starting
+            if stop.is_set():
+                raise
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                log.warning("waiting for %s: not reachable yet (%s); retrying", server, reason)
+            else:
+                log.debug("waiting for %s: still not reachable (%s)", server, reason)
+            stop.wait(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        if waiting_since is not None:
+            log.info("%s is reachable (after %.1f s)", server, time.monotonic() - waiting_since)
+        return info

@@ -1,0 +1,162 @@
+"""A device's training task, from the task to the upload: the algorithm's terms, the weights it
+names, the round's training (through the Main Server's step exchange in split mode), a two-phase
+algorithm's report and follow-up, and the body the device uploads."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from device_agent.api import FedApi
+from device_agent.compute import Compute
+from device_agent.device_model import DeviceModel
+from device_agent.step_exchange import MainLink, StepExchange
+from device_agent.task_poll import TaskPoller
+from device_agent.timing import RoundClock
+from device_agent.trainer import (
+    LocalResult, TaskExpired, TrainContext, TrainSettings, round_seed, steps_per_round, train_round,
+)
+from shared.algorithms.base import DeviceLogic, Payload, parse_payload
+from shared.algorithms.registry import ALGORITHMS
+from shared.data import ArrayDataset
+from shared.errors import Conflict, Invalid
+from shared.models import Portion, SplitModel
+from shared.portions import decode_portion
+from shared.schemas import DeviceTimings, JoinRequest, ReportRequest, TaskResponse, UpdateRequest
+from shared.wire import encode_state
+
+#: Seconds a task without a deadline_s may take (the Fed Server's default round deadline).
+TASK_DEADLINE_DEFAULT_S = 300.0
+
+
+@dataclass
+class TaskTrainer:
+    """Trains one device's tasks on its ``data``: ``model`` holds its weights, ``main`` its Main
+    Server client, ``poller`` asks for a two-phase algorithm's follow-up, ``new_clock`` times each
+    round. ``seed`` and ``seed_key`` (the device's shard, or its id when it brings its own data)
+    give each round's batch order (:func:`device_agent.trainer.round_seed`); ``compute``: where a
+    whole-model round's training runs (the agent's compute threads, or this thread)."""
+
+    device_id: str
+    data: ArrayDataset
+    model: DeviceModel
+    fed: FedApi
+    main: MainLink
+    poller: TaskPoller
+    new_clock: Callable[[], RoundClock]
+    seed: int
+    seed_key: int | str
+    compute: Compute | None
+    task_wait_s: float
+
+    def train(self, task: TaskResponse, task_bytes: int, received_at: float) -> UpdateRequest:
+        """Train the task and return the upload (the decoded weights and the training's other
+        objects are freed when this returns; the model is the caller's :meth:`DeviceModel.task_scope`'s).
+
+        ``received_at`` is the ``time.monotonic()`` at which the task arrived: its ``deadline_s``
+        counts from there, and past it the task is given up (:class:`TaskExpired`)."""
+        deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
+        clock = self.new_clock()
+        follow_up_model, logic, extras = _task_terms(task)
+        if time.monotonic() > deadline:   # a stalled device: its weights may no longer be served either
+            raise TaskExpired("deadline passed before the task started")
+        assert task.train is not None and task.round_id is not None and task.split_point is not None
+        settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_id),
+                                    task.half_precision)
+        context = TrainContext(clock, logic=logic, extras=extras, deadline=deadline, compute=self.compute,
+                               torch_device=self.model.torch_device)
+        model, result, exchange = self._train_portion(task, task_bytes, settings, context)
+        portion = model.portion(0, task.split_point)
+        if task.report:
+            self._report_and_follow_up(task, follow_up_model, logic, portion, clock, deadline)
+        return self._update(task, portion, result, exchange, clock, logic)
+
+    def _train_portion(self, task: TaskResponse, task_bytes: int, settings: TrainSettings,
+                       context: TrainContext) -> tuple[SplitModel, LocalResult, StepExchange | None]:
+        """Fetch the task's weights, join the Main Server if the task names one, train the round."""
+        assert task.split_point is not None
+        clock = context.clock
+        fetch_started = time.monotonic()
+        with self.model.named_weights(task) as named:
+            # Charged whether this device fetched them or another device of its agent did: an
+            # emulated device downloads its task's weights itself. The measured part is the time
+            # this device waited for them (the task itself came with a long poll, untimed).
+            clock.transfer(task_bytes + named.size, time.monotonic() - fetch_started)
+            # Decoded, they view the fetched body, which the agent's devices share: each device
+            # copies them into its own model when its training starts (train_round), so a device
+            # waiting for a compute thread holds no copy of its own. Both go with this frame, so
+            # they do not keep the body alive through the upload once the agent's last device
+            # has let it go.
+            weights = decode_portion(named.weights, self.model.layout, 0, task.split_point, what="task weights")
+            model = self.model.for_task()
+            exchange = self._join(task, clock) if task.main_server_url is not None else None
+            context.send_step = exchange
+            result = train_round(model, task.split_point, weights, self.data, settings, context)
+        return model, result, exchange
+
+    def _join(self, task: TaskResponse, clock: RoundClock) -> StepExchange:
+        """Join the round at the task's Main Server; return the round's step exchange."""
+        assert task.main_server_url is not None and task.train is not None and task.round_id is not None
+        num_steps = steps_per_round(len(self.data), task.train.batch_size, task.train.local_epochs)
+        join = JoinRequest(device_id=self.device_id, label_counts=self.data.label_counts().tolist(), num_steps=num_steps)
+        timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
+        return self.main.join(task.main_server_url, task.round_id, join, clock, timeout)
+
+    def _report_and_follow_up(self, task: TaskResponse, follow_up_model: type[Payload], logic: DeviceLogic,
+                              portion: Portion, clock: RoundClock, deadline: float) -> None:
+        """Two-phase algorithms: send the report, wait for this round's follow-up, validate it as
+        ``follow_up_model`` (the algorithm's ``FollowUp``) and act on it."""
+        assert task.round_id is not None
+        with clock.compute():
+            extras = logic.report(portion, self.data).to_wire()
+        self.fed.report(ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=extras))
+        poller = self.poller
+        t0 = time.monotonic()
+        while True:
+            asked_at = time.monotonic()
+            wait_s = min(self.task_wait_s, max(0.0, deadline - asked_at))
+            follow, size = poller.poll(wait_s)
+            if follow.status == "train" and follow.phase == "follow_up" and follow.round_id == task.round_id:
+                break
+            if follow.status == "done" or (follow.round_id is not None and follow.round_id != task.round_id) \
+                    or time.monotonic() > deadline or poller.stop.is_set():
+                raise Conflict(f"no follow-up for round {task.round_id}")
+            poller.pause_after(follow, asked_at, wait_s)
+        clock.wait_s += time.monotonic() - t0  # waiting for the other devices' reports
+        clock.transfer(size)
+        with clock.compute():
+            logic.follow_up(portion, self.data, parse_payload(follow_up_model, follow.extras, "follow-up"))
+
+    def _update(self, task: TaskResponse, portion: Portion, result: LocalResult, exchange: StepExchange | None,
+                clock: RoundClock, logic: DeviceLogic) -> UpdateRequest:
+        """The upload: the trained portion, the round's timings and Main Server traffic, the
+        algorithm's upload extras."""
+        assert task.round_id is not None
+        state = portion.state_dict()  # detached views: encoding below copies them into the body
+        # The upload's emulated transfer is charged before it is sent (its timings travel inside
+        # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
+        clock.transfer(sum(t.numel() * t.element_size() for t in state.values()))
+        return UpdateRequest(
+            device_id=self.device_id, round_id=task.round_id, num_samples=len(self.data), steps=result.steps,
+            train_loss=result.train_loss, weights=encode_state(state),
+            timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
+                                  server_s=clock.server_s, total_s=clock.total()),
+            bytes_up=exchange.bytes_up if exchange is not None else 0,
+            bytes_down=exchange.bytes_down if exchange is not None else 0,
+            extras=logic.upload_extras(portion, self.data).to_wire(),
+        )
+
+
+def _task_terms(task: TaskResponse) -> tuple[type[Payload], DeviceLogic, Payload]:
+    """A training task's algorithm terms, validated before anything is fetched: the algorithm's
+    ``FollowUp`` model, its device logic for the task's parameters, the task's extras. Invalid
+    for a task that lacks its round, split point or settings, or names an unknown algorithm;
+    pydantic's ValidationError for parameters or extras the algorithm refuses."""
+    if task.train is None or task.round_id is None or task.split_point is None:
+        raise Invalid("a training task must name its round_id, split_point and train settings")
+    algorithm = ALGORITHMS.get(task.algorithm or "fedavg")
+    if algorithm is None:
+        raise Invalid(f"the task's algorithm {task.algorithm!r} is not one this agent knows "
+                      f"({', '.join(ALGORITHMS)})")
+    logic = algorithm.device_logic(dict(task.params))   # pydantic's ValidationError for refused params
+    return algorithm.FollowUp, logic, parse_payload(algorithm.TaskExtras, task.extras, "task extras")
