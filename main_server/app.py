@@ -1,7 +1,7 @@
 """The Main Server's HTTP routes: round plans from the Fed Server, joins and steps from devices.
 
 Routes only: authentication, body parsing and the answer's encoding. The logic is in
-``main_server/server.py`` (open round, uploads) and ``main_server/round_state.py`` (barriers).
+``main_server/server.py`` (open round, uploads) and ``main_server/group_round.py`` (barriers).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Main Server's Prometheus metrics (served at ``/metrics``; documented in docs/metrics.md).
 
-Event metrics are fed by ``main_server/round_state.py`` (groups formed, step trained, members
+Event metrics are fed by ``main_server/group_round.py`` (groups formed, step trained, members
 dropped, group finished); the open round and its active groups are read at scrape time. No metric
 carries a device or group label, so the number of series does not grow with the deployment.
 """
@@ -88,7 +88,7 @@ class MainMetrics:
         if server is not None:
             self.registry.register(_LiveCollector(server))
 
-    # --- events (called from main_server/round_state.py) ----------------------------------------
+    # --- events (called from main_server/group_round.py) ----------------------------------------
     def round_opened(self) -> None:
         self.rounds_opened.inc()
 

@@ -18,7 +18,7 @@ import httpx
 import torch
 
 from main_server.metrics import MainMetrics
-from main_server.round_state import Group, RoundState
+from main_server.group_round import Group, GroupRound
 from shared.auth import Auth
 from shared.errors import Conflict, Invalid
 from shared.http_client import ServiceError, decode_response, post_body, service_client
@@ -69,11 +69,11 @@ class MainServer:
     def __init__(self, settings: MainServerSettings, metrics: MainMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else MainMetrics(self)
-        self.round: RoundState | None = None
+        self.round: GroupRound | None = None
         self.trainers = ThreadPoolExecutor(settings.train_workers or compute_workers(),
                                            thread_name_prefix="main-train")
 
-    def current(self, round_id: int) -> RoundState:
+    def current(self, round_id: int) -> GroupRound:
         """The open round if it is ``round_id``; Conflict for none open or a stale round id."""
         if self.round is None:
             raise Conflict("no round is open at the Main Server")
@@ -86,7 +86,7 @@ class MainServer:
         if self.round is not None and plan.run_id == self.round.plan.run_id and plan.round_id < self.round.round_id:
             raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
         # validates the plan before anything is replaced
-        new = RoundState(plan, self.upload_portion, self.metrics, self.settings.torch_device, model_ref=self.settings.model,
+        new = GroupRound(plan, self.upload_portion, self.metrics, self.settings.torch_device, model_ref=self.settings.model,
                          executor=self.trainers)
         if self.round is not None:
             self.round.abandon()
@@ -100,7 +100,7 @@ class MainServer:
 
     def depart(self, round_id: int, departures: Departures) -> Ack:
         """Participants the Fed Server took out of round ``round_id``: the round stops waiting for
-        them (:meth:`RoundState.depart`)."""
+        them (:meth:`GroupRound.depart`)."""
         if departures.round_id != round_id:
             raise Invalid(f"body round_id {departures.round_id} does not match the path's round {round_id}")
         self.current(round_id).depart(departures.devices)
@@ -114,7 +114,7 @@ class MainServer:
             wait_s=outcome.wait_s, server_s=outcome.server_s,
         )
 
-    async def watch(self, state: RoundState, heartbeat_s: float) -> AsyncIterator[RoundWatch]:
+    async def watch(self, state: GroupRound, heartbeat_s: float) -> AsyncIterator[RoundWatch]:
         """The round's watch stream: ``open`` every ``heartbeat_s`` while it runs, and at once
         whenever a member is dropped, then ``done`` once every group's upload ended, or ``replaced``
         by a newer plan. Every line carries the members dropped so far, with why; ``done`` also the
@@ -133,7 +133,7 @@ class MainServer:
         """A JSON-friendly view of the open round for ``/v1/status``."""
         return {"round": self.round.summary() if self.round else None}
 
-    async def upload_portion(self, state: RoundState, group: Group) -> None:
+    async def upload_portion(self, state: GroupRound, group: Group) -> None:
         """Send a finished group's server portion to the Fed Server, retrying with backoff when it
         did not answer or answered a server error (it may be restarting); the last try's failure,
         or a refusal (4xx: the same portion would be refused again), reaches the caller (the round

@@ -466,7 +466,7 @@ def test_harmful_values_main_server(main_round):
     # before it reaches the barrier or the training. One that passes the body's schema meets the
     # step checks, which drop its sender: then that is the only change, and the round is opened
     # again. (Well-formed steps with NaN/inf activations or labels out of range:
-    # tests/integration/test_misbehaving_members.py, tests/unit/main_server/test_round_state.py.)
+    # tests/integration/test_misbehaving_members.py, tests/unit/main_server/test_group_round.py.)
     good = step_body()
 
     def refused_step(bad: dict) -> None:

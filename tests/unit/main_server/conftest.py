@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from main_server.round_state import Group, RoundState
+from main_server.group_round import Group, GroupRound
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.schemas import JoinRequest, JoinResponse, Participant, RoundPlan, StepRequest, WireTensor
@@ -59,13 +59,13 @@ class Uploads:
         self.groups: list[Group] = []
         self.arrived = asyncio.Event()
 
-    async def __call__(self, state: RoundState, group: Group) -> None:
+    async def __call__(self, state: GroupRound, group: Group) -> None:
         self.groups.append(group)
         self.arrived.set()
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
-    """Each test body runs on a fresh loop: RoundState arms its timers on the running loop."""
+    """Each test body runs on a fresh loop: GroupRound arms its timers on the running loop."""
     asyncio.run(asyncio.wait_for(test(), 20))
 
 
@@ -76,7 +76,7 @@ async def pending(task: asyncio.Task) -> bool:
     return not task.done()
 
 
-async def joined(state: RoundState, *devices: str) -> list[JoinResponse]:
+async def joined(state: GroupRound, *devices: str) -> list[JoinResponse]:
     return list(await asyncio.gather(*(state.join(join_req(d)) for d in devices)))
 
 

@@ -70,8 +70,8 @@ def test_bad_plan_leaves_the_open_round(kit):
 
 
 def test_logic_modules_know_nothing_of_fastapi():
-    # The round state and the round registry raise domain errors; only app.py speaks HTTP.
-    code = ("import sys, main_server.round_state, main_server.server; "
+    # The group round, its step checks and the round registry raise domain errors; only app.py speaks HTTP.
+    code = ("import sys, main_server.group_round, main_server.step_checks, main_server.server; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[3])  # the repository root

@@ -1,13 +1,13 @@
 """docs/wire-format.md's example step body is one the Main Server accepts: the example is run as
 written and its body goes through the real decoding and validation of a step
-(``RoundState.validate_step``) for a plan of the model it describes, and its table of activation
+(``GroupRound.validate_step``) for a plan of the model it describes, and its table of activation
 shapes is the one the Main Server expects at every split point."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from main_server.round_state import RoundState
+from main_server.group_round import GroupRound
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.schemas import JoinRequest, Participant, RoundPlan, StepRequest
@@ -38,7 +38,7 @@ def test_the_documented_step_body_is_accepted(kit):
     example = _example()
 
     async def body() -> None:
-        state = RoundState(_plan(example["split_point"]), kit.Uploads())
+        state = GroupRound(_plan(example["split_point"]), kit.Uploads())
         await state.join(JoinRequest(device_id="dev-000", label_counts=[1] * 10, num_steps=1))
         group, batch = state.validate_step(StepRequest.model_validate(unpackb(example["body"])))
         assert batch.device_id == "dev-000" and batch.split_point == example["split_point"]
@@ -47,5 +47,5 @@ def test_the_documented_step_body_is_accepted(kit):
         model = build_model("cnn", 10, (1, 28, 28), seed=0)
         assert set(example["ACTIVATION"]) == set(model.split_points)
         for k, shape in example["ACTIVATION"].items():
-            assert state.activation_shapes[k] == shape, k
+            assert state.checks.activation_shapes[k] == shape, k
     kit.run(body)

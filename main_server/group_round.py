@@ -1,4 +1,6 @@
-"""The Main Server's state for one round: joins, groups, per-step barriers.
+"""One round at the Main Server: the devices' joins, their groups, and each group's per-step
+barrier, from the Fed Server's plan to the groups' server portions. What each step must be before
+it joins a group's batch is checked by :mod:`main_server.step_checks`.
 
 The plan names the grouping and group-loss plug-ins (``shared/algorithms/registry.py``); this
 module only runs them.
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import Executor
@@ -23,13 +24,14 @@ import torch
 
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
 from main_server.metrics import MainMetrics
+from main_server.step_checks import StepChecks
 from shared.algorithms.grouping import form_round_groups, label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model, check_model_origin
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.portions import decode_portion
-from shared.wire import WireError, decode_tensor
+from shared.wire import WireError
 
 log = logging.getLogger("main_server")
 
@@ -98,7 +100,36 @@ def _timed_step(trainer: GroupTrainer, batches: list[MemberBatch]) -> TrainedSte
     return TrainedStep(started, time.monotonic(), results, refused)
 
 
-class RoundState:
+def _plan_model(plan: RoundPlan, model_ref: str | None) -> SplitModel:
+    """The plan's model, with the plan's seed: Invalid for a model the plan may not name (an import
+    path is code: built only when the operator named it, ``--model``, never because a plan did;
+    docs/security.md) or that cannot be built as the plan asks (unknown, a bad input_shape or
+    num_classes: the plan's fault, not ours)."""
+    try:
+        check_model_origin(plan.model, model_ref)
+        return build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
+                           params=plan.model_params)
+    except ValueError as exc:
+        log.error("refusing round %d's plan: %s", plan.round_id, exc)
+        raise Invalid(f"invalid plan: {exc}") from None
+
+
+def _server_weights(plan: RoundPlan, template: SplitModel) -> tuple[int, dict[str, torch.Tensor]]:
+    """The first server-side block (the smallest split point) and the plan's server weights from
+    there, decoded against ``template``; Invalid for a split point that leaves no server portion
+    or weights that do not fit."""
+    n_blocks = len(template.blocks)
+    for p in plan.participants:
+        if p.split_point >= n_blocks:
+            raise Invalid(f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
+    start = min(p.split_point for p in plan.participants)
+    try:
+        return start, decode_portion(plan.server_weights, template, start, n_blocks, what="server_weights")
+    except WireError as exc:
+        raise Invalid(str(exc)) from None
+
+
+class GroupRound:
     """One round at the Main Server, from the Fed Server's plan to the groups' uploads.
 
     The template model, the plan's weights and the validation of every request stay on the CPU,
@@ -107,7 +138,7 @@ class RoundState:
     None).
     """
 
-    def __init__(self, plan: RoundPlan, on_group_done: Callable[["RoundState", Group], Awaitable[None]],
+    def __init__(self, plan: RoundPlan, on_group_done: Callable[["GroupRound", Group], Awaitable[None]],
                  metrics: MainMetrics | None = None, device: torch.device | None = None,
                  model_ref: str | None = None, executor: Executor | None = None) -> None:
         self.plan = plan
@@ -121,33 +152,16 @@ class RoundState:
             self.group_loss = build_group_loss(plan.group_loss)  # one instance serves every group
         except ValueError as exc:
             raise Invalid(f"invalid plan: {exc}") from None
-        try:
-            # An import path is code: built only when the operator named it (--model), never
-            # because a plan did (docs/security.md).
-            check_model_origin(plan.model, model_ref)
-            self.template: SplitModel = build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
-                                                    params=plan.model_params)
-        except ValueError as exc:  # unknown model, bad input_shape or num_classes: the plan's fault, not ours
-            log.error("refusing round %d's plan: %s", plan.round_id, exc)
-            raise Invalid(f"invalid plan: {exc}") from None
-        n_blocks = len(self.template.blocks)
-        for p in plan.participants:
-            if p.split_point >= n_blocks:
-                raise Invalid(f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
-        self.start = min(p.split_point for p in plan.participants)
-        try:
-            self.server_weights = decode_portion(plan.server_weights, self.template, self.start, n_blocks, what="server_weights")
-        except WireError as exc:
-            raise Invalid(str(exc)) from None
-        # build_model has run one sample through the blocks: an input_shape the model cannot take
-        # (too small for its pooling) was refused above.
-        self.activation_shapes = self._activation_shapes()
+        self.template = _plan_model(plan, model_ref)
+        self.start, self.server_weights = _server_weights(plan, self.template)
+        #: What each step must be to join its group's batch.
+        self.checks = StepChecks(plan, self.template)
         self.joined: dict[str, JoinRequest] = {}
         # Participants the Fed Server took out of the attempt before groups were formed, with why:
         # the join no longer waits for them and they are grouped with nobody.
         self.departed: dict[str, str] = {}
         self.groups: list[Group] | None = None
-        self.group_of: dict[str, Group] = {}
+        self.group_by_device: dict[str, Group] = {}
         self.groups_ready = asyncio.Event()
         self.on_group_done = on_group_done
         self.abandoned = False
@@ -171,17 +185,6 @@ class RoundState:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _activation_shapes(self) -> dict[int, tuple[int, ...]]:
-        x = torch.zeros(1, *self.plan.input_shape)
-        self.template.eval()
-        shapes: dict[int, tuple[int, ...]] = {}
-        with torch.no_grad():
-            h = x
-            for k in range(len(self.template.blocks)):
-                shapes[k] = tuple(h.shape[1:])
-                h = self.template.forward_blocks(h, k, k + 1)
-        return shapes
-
     def token_nonce(self, device_id: str) -> str | None:
         """The token nonce the plan carries for ``device_id`` (docs/security.md); None if it is no
         participant. A dictionary look-up: every join and step of every device asks it."""
@@ -198,7 +201,7 @@ class RoundState:
         if req.device_id in self.departed:
             raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.departed[req.device_id]}")
         if self.groups is not None:
-            group = self.group_of.get(req.device_id)
+            group = self.group_by_device.get(req.device_id)
             if group is None:
                 raise Conflict(f"device {req.device_id!r} joined after the join deadline of round {self.round_id}")
             return self._join_answer(group)
@@ -207,7 +210,7 @@ class RoundState:
         await self.groups_ready.wait()
         if self.abandoned:
             raise Conflict(f"round {self.round_id} was abandoned")
-        group = self.group_of.get(req.device_id)
+        group = self.group_by_device.get(req.device_id)
         if group is None:   # it left the round while it waited for the groups
             raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.departed[req.device_id]}")
         return self._join_answer(group)
@@ -236,7 +239,7 @@ class RoundState:
             self._form_groups_if_all_joined()
             return
         for device, reason in sorted(reasons.items()):
-            group = self.group_of.get(device)
+            group = self.group_by_device.get(device)
             if group is None or device in group.done or device in group.dropped:
                 continue
             waiting = group.pending.pop(device, None)
@@ -287,7 +290,7 @@ class RoundState:
             )
             self.groups.append(group)
             for m in members:
-                self.group_of[m] = group
+                self.group_by_device[m] = group
             self._arm_step_timer(group)
         missing = sorted(set(self.participants) - set(self.joined) - set(self.departed))
         if self.metrics is not None:
@@ -301,16 +304,16 @@ class RoundState:
     # --- the per-step barrier -------------------------------------------------------------------
     def validate_step(self, req: StepRequest) -> tuple[Group, MemberBatch]:
         """Check that a step request is this member's next step (:meth:`stepping_group`) and fits
-        the round (:meth:`decode_batch`), without side effects. Its values are checked by
-        :meth:`harmful_values`."""
+        the round (:meth:`StepChecks.decode_batch`), without side effects. Its values are checked
+        by :meth:`StepChecks.harmful_values`."""
         group = self.stepping_group(req)
-        return group, self.decode_batch(req, group.split[req.device_id])
+        return group, self.checks.decode_batch(req, group.split[req.device_id])
 
     def stepping_group(self, req: StepRequest) -> Group:
         """The group of the step's sender if the step is its next one: NotFound for a stranger,
         Conflict for a member that may not send this step now (not joined, dropped, done, out of
         order, a duplicate). Nothing of the step's content is read."""
-        group = self.group_of.get(req.device_id)
+        group = self.group_by_device.get(req.device_id)
         if group is None:
             if req.device_id in self.participants:
                 raise Conflict(f"device {req.device_id!r} has not joined round {self.round_id} (or joined too late)")
@@ -325,57 +328,20 @@ class RoundState:
             raise Conflict(f"step {req.step} of {req.device_id!r} was already received")
         return group
 
-    def decode_batch(self, req: StepRequest, split_point: int) -> MemberBatch:
-        """The step's activations and labels, Invalid unless they decode and fit the group's batch
-        at ``split_point``: fx float32 or float16 of shape [B, the activation shape there] with
-        1 <= B <= the batch size, labels int64 of shape [B]."""
-        try:
-            # finiteness with the magnitude, in harmful_values' one pass
-            fx = decode_tensor(req.fx, require_finite=False, what="fx")
-            labels = decode_tensor(req.labels, expect_dtype="int64", what="labels")
-        except WireError as exc:
-            raise Invalid(str(exc)) from None
-        if fx.dtype not in (torch.float32, torch.float16):
-            raise Invalid(f"fx: dtype {req.fx.dtype} where float32 or float16 was expected")
-        expected_tail = self.activation_shapes[split_point]
-        batch = fx.shape[0] if fx.dim() else 0
-        if tuple(fx.shape[1:]) != expected_tail or not 1 <= batch <= self.plan.train.batch_size:
-            raise Invalid(f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
-                          f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {split_point}")
-        if list(labels.shape) != [batch]:
-            raise Invalid(f"labels: shape {list(labels.shape)} where [{batch}] was expected")
-        return MemberBatch(req.device_id, split_point, fx, labels)
-
-    def harmful_values(self, batch: MemberBatch) -> str | None:
-        """Why a well-formed step's values must not join the group batch, or None: activations
-        that are not finite or exceed ``max_activation`` in magnitude (one such member's
-        activations, joined into the batch, swamp or poison the copy every member trains), or
-        labels outside the model's classes. One pass over each tensor (``torch.aminmax``)."""
-        lowest, highest = (v.item() for v in torch.aminmax(batch.fx))   # NaN propagates to both
-        if not (math.isfinite(lowest) and math.isfinite(highest)):
-            return "fx: contains NaN or Inf"
-        peak = max(-lowest, highest)
-        if peak > self.plan.max_activation:
-            return f"fx: |activation| up to {peak:.3g}, beyond the bound {self.plan.max_activation:g} (grouping.max_activation)"
-        low_label, high_label = torch.aminmax(batch.labels)   # batch >= 1 here; both bounds in one torch call
-        if int(low_label) < 0 or int(high_label) >= self.plan.num_classes:
-            return f"labels: values must lie in [0, {self.plan.num_classes})"
-        return None
-
     async def step(self, req: StepRequest) -> StepOutcome:
         """Wait at the group's barrier for this step, train the copy once, return this device's dfx.
 
-        A member's step that does not fit the group's batch (:meth:`decode_batch`: its encoding,
-        dtypes or shapes) or whose values are harmful (:meth:`harmful_values`) drops its sender
+        A member's step that does not fit the group's batch (:meth:`StepChecks.decode_batch`: its
+        encoding, dtypes or shapes) or whose values are harmful (:meth:`StepChecks.harmful_values`) drops its sender
         from the group (Invalid): left in it, the member would hold the barrier until the step
         deadline, as it could never send a step that fits; the others go on without it at this
         step. A request that is not the member's next step (:meth:`stepping_group`) drops nobody."""
         group = self.stepping_group(req)
         try:
-            batch = self.decode_batch(req, group.split[req.device_id])
+            batch = self.checks.decode_batch(req, group.split[req.device_id])
         except Invalid as exc:
             self._refuse_step(group, req, exc.detail)
-        harm = self.harmful_values(batch)
+        harm = self.checks.harmful_values(batch)
         if harm is not None:
             self._refuse_step(group, req, harm)
         arrived = time.monotonic()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from main_server.group_trainer import GroupMember
-from main_server.round_state import RoundState
+from main_server.group_round import GroupRound
 from shared.algorithms.grouping import balanced_groups, grouping_rng
 from shared.algorithms.random_grouping import RandomGrouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
@@ -35,11 +35,11 @@ def test_a_plan_naming_an_import_path_other_than_the_operators_is_refused_before
     async def body() -> None:
         for model_ref in (None, "my_pkg.nets:build"):
             with pytest.raises(Invalid, match="start this process with --model planted:net"):
-                RoundState(kit.make_plan(["a"], model="planted:net"), kit.Uploads(), model_ref=model_ref)
+                GroupRound(kit.make_plan(["a"], model="planted:net"), kit.Uploads(), model_ref=model_ref)
         assert not hasattr(builtins, "PLANTED_IMPORTED")
         # The operator's own --model is imported and built (and here found not to be a usable model).
         with pytest.raises(Invalid, match="model 'planted:net': returned NoneType"):
-            RoundState(kit.make_plan(["a"], model="planted:net"), kit.Uploads(), model_ref="planted:net")
+            GroupRound(kit.make_plan(["a"], model="planted:net"), kit.Uploads(), model_ref="planted:net")
         assert builtins.PLANTED_IMPORTED
 
     try:
@@ -55,9 +55,9 @@ def test_bad_plans_are_invalid(kit):
         for bad in (kit.make_plan(["a"], grouping="psychic"), kit.make_plan(["a"], group_loss="sum"),
                     kit.make_plan(["a"], model="no-such-model")):
             with pytest.raises(Invalid):
-                RoundState(bad, uploads)
+                GroupRound(bad, uploads)
         with pytest.raises(Invalid, match="split point 4"):
-            RoundState(kit.make_plan(["a"], participants=[Participant(device_id="a", split_point=4, num_samples=1)]), uploads)
+            GroupRound(kit.make_plan(["a"], participants=[Participant(device_id="a", split_point=4, num_samples=1)]), uploads)
     kit.run(body)
 
 
@@ -65,7 +65,7 @@ def test_a_participant_s_token_nonce_is_the_plan_s_and_no_participant_has_none(k
     async def body() -> None:
         participants = [Participant(device_id="a", split_point=1, num_samples=1, token_nonce="n-a"),
                         Participant(device_id="b", split_point=1, num_samples=1)]
-        state = RoundState(kit.make_plan(["a", "b"], participants=participants), kit.Uploads())
+        state = GroupRound(kit.make_plan(["a", "b"], participants=participants), kit.Uploads())
         assert state.token_nonce("a") == "n-a"
         assert state.token_nonce("b") is None       # authentication off when the plan was made
         assert state.token_nonce("stranger") is None
@@ -75,7 +75,7 @@ def test_a_participant_s_token_nonce_is_the_plan_s_and_no_participant_has_none(k
 # ------------------------------------------------------------------------------------ join barrier
 def test_join_waits_for_every_participant(kit):
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        state = GroupRound(kit.make_plan(["a", "b"]), kit.Uploads())
         first = asyncio.create_task(state.join(kit.join_req("a", [5] + [0] * 9)))
         assert await kit.pending(first)           # the barrier holds a until b joins
         assert state.groups is None
@@ -91,7 +91,7 @@ def test_join_waits_for_every_participant(kit):
 
 def test_bad_joins_change_nothing(kit):
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        state = GroupRound(kit.make_plan(["a", "b"]), kit.Uploads())
         with pytest.raises(NotFound, match="stranger"):
             await state.join(kit.join_req("stranger"))
         with pytest.raises(Invalid, match="label_counts"):
@@ -102,10 +102,10 @@ def test_bad_joins_change_nothing(kit):
 
 def test_join_deadline_groups_who_came_and_refuses_latecomers(kit):
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.FAST), kit.Uploads())
+        state = GroupRound(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.FAST), kit.Uploads())
         answers = await kit.joined(state, "a", "b")  # answered only at the deadline: c never joined
         assert [r.members for r in answers] == [["a"], ["b"]]
-        assert set(state.group_of) == {"a", "b"}
+        assert set(state.group_by_device) == {"a", "b"}
         with pytest.raises(Conflict, match="after the join deadline"):
             await state.join(kit.join_req("c"))
         assert state.summary()["joined"] == 2
@@ -115,7 +115,7 @@ def test_join_deadline_groups_who_came_and_refuses_latecomers(kit):
 def test_a_participant_that_left_at_the_fed_server_is_not_waited_for_at_the_join(kit):
     async def body() -> None:
         # The join deadline is long: only the departure can release a here.
-        state = RoundState(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=600), kit.Uploads())
+        state = GroupRound(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=600), kit.Uploads())
         first = asyncio.create_task(state.join(kit.join_req("a")))
         assert await kit.pending(first)
         state.depart({"b": "withdrew: its task named an unknown algorithm"})
@@ -123,7 +123,7 @@ def test_a_participant_that_left_at_the_fed_server_is_not_waited_for_at_the_join
         joined_c = asyncio.create_task(state.join(kit.join_req("c")))
         state.depart({"c": "upload refused: bad"})   # c joined, then left before the groups formed
         answer = await asyncio.wait_for(first, 5)
-        assert answer.members == ["a"] and set(state.group_of) == {"a"}
+        assert answer.members == ["a"] and set(state.group_by_device) == {"a"}
         with pytest.raises(Conflict, match="left round 1: upload refused: bad"):
             await joined_c
         with pytest.raises(Conflict, match="left round 1: withdrew: its task named an unknown algorithm"):
@@ -137,7 +137,7 @@ def test_a_participant_that_left_at_the_fed_server_is_not_waited_for_at_the_join
 def test_a_member_that_left_at_the_fed_server_releases_its_group_s_barrier(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a", "b", "c"], group_size=3, step_s=600), uploads)
+        state = GroupRound(kit.make_plan(["a", "b", "c"], group_size=3, step_s=600), uploads)
         await kit.joined(state, "a", "b", "c")
         group = state.groups[0]
         assert group.members == ["a", "b", "c"]
@@ -161,7 +161,7 @@ def test_a_member_that_left_at_the_fed_server_releases_its_group_s_barrier(kit):
 def test_groups_come_from_the_plans_plug_in(grouping, kit):
     async def body() -> None:
         devices = [f"d{i}" for i in range(6)]
-        state = RoundState(kit.make_plan(devices, grouping=grouping, group_size=3, round_id=7), kit.Uploads())
+        state = GroupRound(kit.make_plan(devices, grouping=grouping, group_size=3, round_id=7), kit.Uploads())
         counts = {d: [1 + i if c == i % kit.CLASSES else 0 for c in range(kit.CLASSES)] for i, d in enumerate(devices)}
         await asyncio.gather(*(state.join(kit.join_req(d, counts[d])) for d in devices))
         groups = [g.members for g in state.groups]
@@ -181,7 +181,7 @@ def test_groups_come_from_the_plans_plug_in(grouping, kit):
 def test_step_barrier_trains_once_for_the_whole_group(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a", "b"]), uploads)
+        state = GroupRound(kit.make_plan(["a", "b"]), uploads)
         await kit.joined(state, "a", "b")
         group = state.groups[0]
         reference = build_model("logreg", kit.CLASSES, (1, 1, kit.FEATURES), seed=0).blocks["head"]
@@ -207,7 +207,7 @@ def test_step_barrier_trains_once_for_the_whole_group(kit):
 
 def test_steps_that_are_not_a_members_next_one_are_refused_and_drop_nobody(kit):
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.FAST), kit.Uploads())
+        state = GroupRound(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.FAST), kit.Uploads())
         await kit.joined(state, "a", "b")
         x, y = kit.batch(3)
         with pytest.raises(NotFound):
@@ -266,7 +266,7 @@ def _harmful_step(kit, harm: str, x: torch.Tensor, y: torch.Tensor) -> tuple[tor
 def test_a_member_whose_step_is_harmful_or_does_not_fit_is_dropped_and_the_others_train_without_it(kit, harm, word):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a", "b", "c"], group_size=3), uploads)
+        state = GroupRound(kit.make_plan(["a", "b", "c"], group_size=3), uploads)
         await asyncio.gather(*(state.join(kit.join_req(d, num_steps=2)) for d in ("a", "b", "c")))
         group = state.groups[0]
         (xa, ya), (xc, yc) = kit.batch(1), kit.batch(3)
@@ -298,7 +298,7 @@ def test_a_member_whose_step_is_harmful_or_does_not_fit_is_dropped_and_the_other
 def test_a_harmful_last_member_releases_the_barrier_and_a_group_of_one_finishes(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a"]), uploads)
+        state = GroupRound(kit.make_plan(["a"]), uploads)
         await kit.joined(state, "a")
         x, y = kit.batch(1)
         with pytest.raises(Invalid, match="beyond the bound"):
@@ -314,8 +314,8 @@ def test_a_member_whose_own_results_are_not_finite_is_dropped_and_the_step_train
     make its loss, its dfx and the copy's gradient NaN; the step is not applied, b is dropped
     (422), and the step trains again on a alone, whose dfx is then exactly its solo gradient."""
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
-        monkeypatch.setattr(state, "harmful_values", lambda batch: None)
+        state = GroupRound(kit.make_plan(["a", "b"]), kit.Uploads())
+        monkeypatch.setattr(state.checks, "harmful_values", lambda batch: None)
         await kit.joined(state, "a", "b")
         group = state.groups[0]
         before = {k: v.clone() for k, v in group.trainer.state().items()}
@@ -338,7 +338,7 @@ def test_a_member_whose_own_results_are_not_finite_is_dropped_and_the_step_train
 
 def test_duplicate_step_is_a_conflict(kit):
     async def body() -> None:
-        state = RoundState(kit.make_plan(["a", "b"]), kit.Uploads())
+        state = GroupRound(kit.make_plan(["a", "b"]), kit.Uploads())
         await kit.joined(state, "a", "b")
         x, y = kit.batch(4)
         waiting = asyncio.create_task(state.step(kit.step_req("a", 0, x, y)))
@@ -355,7 +355,7 @@ def test_duplicate_step_is_a_conflict(kit):
 def test_members_with_fewer_steps_leave_the_barrier(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a", "b"]), uploads)
+        state = GroupRound(kit.make_plan(["a", "b"]), uploads)
         await asyncio.gather(state.join(kit.join_req("a", num_steps=1)), state.join(kit.join_req("b", num_steps=3)))
         group = state.groups[0]
         await asyncio.gather(state.step(kit.step_req("a", 0, *kit.batch(6))), state.step(kit.step_req("b", 0, *kit.batch(7))))
@@ -377,7 +377,7 @@ def test_a_group_trainer_knows_its_members_data_sizes_and_cuts_from_the_plan(kit
         participants = [Participant(device_id="a", split_point=1, num_samples=10),
                         Participant(device_id="b", split_point=1, num_samples=30)]
         plan = kit.make_plan(["a", "b"], group_loss="data_weighted", participants=participants)
-        state = RoundState(plan, kit.Uploads())
+        state = GroupRound(plan, kit.Uploads())
         await asyncio.gather(state.join(kit.join_req("a", num_steps=1)), state.join(kit.join_req("b", num_steps=2)))
         group = state.groups[0]
         assert group.trainer.members == {"a": GroupMember(10, 1), "b": GroupMember(30, 1)}
@@ -400,7 +400,7 @@ def test_a_group_trainer_knows_its_members_data_sizes_and_cuts_from_the_plan(kit
 def test_step_deadline_drops_the_late_and_releases_the_rest(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
+        state = GroupRound(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
         await asyncio.gather(state.join(kit.join_req("a", num_steps=2)), state.join(kit.join_req("b", num_steps=2)))
         group = state.groups[0]
         out = await state.step(kit.step_req("a", 0, *kit.batch(10)))  # b never sends: answered at the deadline
@@ -416,7 +416,7 @@ def test_step_deadline_drops_the_late_and_releases_the_rest(kit):
 def test_a_group_nobody_steps_in_finishes_with_everyone_dropped(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
+        state = GroupRound(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
         await kit.joined(state, "a", "b")
         await asyncio.wait_for(uploads.arrived.wait(), 5)
         group = state.groups[0]
@@ -427,7 +427,7 @@ def test_a_group_nobody_steps_in_finishes_with_everyone_dropped(kit):
 def test_a_failed_step_drops_its_members_and_the_group_finishes_and_uploads(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        state = RoundState(kit.make_plan(["a", "b"]), uploads)
+        state = GroupRound(kit.make_plan(["a", "b"]), uploads)
         await kit.joined(state, "a", "b")
 
         def broken(batches):
@@ -452,7 +452,7 @@ def test_a_failed_step_drops_its_members_and_the_group_finishes_and_uploads(kit)
 def test_abandon_releases_joins_and_steps_and_uploads_nothing(kit):
     async def body() -> None:
         uploads = kit.Uploads()
-        waiting_join = RoundState(kit.make_plan(["a", "b"]), uploads)
+        waiting_join = GroupRound(kit.make_plan(["a", "b"]), uploads)
         join = asyncio.create_task(waiting_join.join(kit.join_req("a")))
         assert await kit.pending(join)
         waiting_join.abandon()
@@ -460,7 +460,7 @@ def test_abandon_releases_joins_and_steps_and_uploads_nothing(kit):
             await join
         assert waiting_join.groups is None
 
-        state = RoundState(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
+        state = GroupRound(kit.make_plan(["a", "b"], step_s=kit.FAST), uploads)
         await kit.joined(state, "a", "b")
         step = asyncio.create_task(state.step(kit.step_req("a", 0, *kit.batch(15))))
         assert await kit.pending(step)
@@ -482,7 +482,7 @@ def test_planned_groups_keep_their_ids_and_members_and_a_member_who_never_joins_
         # Round-wide ids from the Fed Server (this replica holds groups 3 and 5), not 0..n-1, and
         # members other than balanced grouping would choose here.
         planned = [PlannedGroup(group_id=5, members=["a", "d"]), PlannedGroup(group_id=3, members=["b", "c"])]
-        state = RoundState(kit.make_plan(["a", "b", "c", "d"], join_s=kit.FAST, groups=planned), uploads)
+        state = GroupRound(kit.make_plan(["a", "b", "c", "d"], join_s=kit.FAST, groups=planned), uploads)
         answers = await asyncio.gather(*(state.join(kit.join_req(d)) for d in ("a", "b", "d")))
         assert [(a.group_id, a.members) for a in answers] == [(5, ["a", "d"]), (3, ["b"]), (5, ["a", "d"])]
         assert sorted(state.participants) == ["a", "b", "c", "d"] and "c" not in state.joined
@@ -564,7 +564,7 @@ def test_ready_group_steps_train_one_at_a_time_and_the_queue_counts_as_wait(kit)
 
     async def body() -> None:
         workers = ThreadPoolExecutor(1)
-        state = RoundState(kit.make_plan(["a", "b"], grouping="singleton"), kit.Uploads(), executor=workers)
+        state = GroupRound(kit.make_plan(["a", "b"], grouping="singleton"), kit.Uploads(), executor=workers)
         await kit.joined(state, "a", "b")
         release = threading.Event()
         spans: dict[str, tuple[float, float, str]] = {}   # member -> (start, end, thread) of its group's step
@@ -584,7 +584,7 @@ def test_ready_group_steps_train_one_at_a_time_and_the_queue_counts_as_wait(kit)
         with pytest.raises(Conflict, match="already received"):   # a's step is training: a resend is no next step
             await state.step(kit.step_req("a", 0, *kit.batch(1)))
         b = asyncio.create_task(state.step(kit.step_req("b", 0, *kit.batch(2))))
-        assert await kit.pending(b) and state.group_of["b"].running   # b's step is queued behind a's
+        assert await kit.pending(b) and state.group_by_device["b"].running   # b's step is queued behind a's
         b_arrived_by = time.monotonic()
         release.set()
         out_a, out_b = await a, await b

@@ -1,0 +1,77 @@
+"""What a step a device sends the Main Server must be before it joins its group's batch: its
+activations and labels decode to the shapes the round's model expects at the sender's split point
+(:meth:`StepChecks.decode_batch`), and their values can do no harm to the copy every member trains
+(:meth:`StepChecks.harmful_values`). Nothing here changes any state."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from main_server.group_trainer import MemberBatch
+from shared.errors import Invalid
+from shared.models import SplitModel
+from shared.schemas import RoundPlan, StepRequest
+from shared.wire import WireError, decode_tensor
+
+
+def activation_shapes(template: SplitModel, input_shape: list[int]) -> dict[int, tuple[int, ...]]:
+    """The activation shape (less the batch) entering each block of ``template``, by block index:
+    what a device cut after that many blocks sends."""
+    x = torch.zeros(1, *input_shape)
+    template.eval()
+    shapes: dict[int, tuple[int, ...]] = {}
+    with torch.no_grad():
+        h = x
+        for k in range(len(template.blocks)):
+            shapes[k] = tuple(h.shape[1:])
+            h = template.forward_blocks(h, k, k + 1)
+    return shapes
+
+
+class StepChecks:
+    """The checks of one round's steps, against its ``plan`` (batch size, activation bound,
+    classes) and its model ``template`` (the activation shapes at every split point)."""
+
+    def __init__(self, plan: RoundPlan, template: SplitModel) -> None:
+        self.plan = plan
+        # build_model has run one sample through the blocks: an input_shape the model cannot take
+        # (too small for its pooling) was refused before.
+        self.activation_shapes = activation_shapes(template, plan.input_shape)
+
+    def decode_batch(self, req: StepRequest, split_point: int) -> MemberBatch:
+        """The step's activations and labels, Invalid unless they decode and fit the group's batch
+        at ``split_point``: fx float32 or float16 of shape [B, the activation shape there] with
+        1 <= B <= the batch size, labels int64 of shape [B]."""
+        try:
+            # finiteness with the magnitude, in harmful_values' one pass
+            fx = decode_tensor(req.fx, require_finite=False, what="fx")
+            labels = decode_tensor(req.labels, expect_dtype="int64", what="labels")
+        except WireError as exc:
+            raise Invalid(str(exc)) from None
+        if fx.dtype not in (torch.float32, torch.float16):
+            raise Invalid(f"fx: dtype {req.fx.dtype} where float32 or float16 was expected")
+        expected_tail = self.activation_shapes[split_point]
+        batch = fx.shape[0] if fx.dim() else 0
+        if tuple(fx.shape[1:]) != expected_tail or not 1 <= batch <= self.plan.train.batch_size:
+            raise Invalid(f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
+                          f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {split_point}")
+        if list(labels.shape) != [batch]:
+            raise Invalid(f"labels: shape {list(labels.shape)} where [{batch}] was expected")
+        return MemberBatch(req.device_id, split_point, fx, labels)
+
+    def harmful_values(self, batch: MemberBatch) -> str | None:
+        """Why a well-formed step's values must not join the group batch, or None: activations
+        that are not finite or exceed ``max_activation`` in magnitude (one such member's
+        activations, joined into the batch, swamp or poison the copy every member trains), or
+        labels outside the model's classes. One pass over each tensor (``torch.aminmax``)."""
+        lowest, highest = (v.item() for v in torch.aminmax(batch.fx))   # NaN propagates to both
+        if not (math.isfinite(lowest) and math.isfinite(highest)):
+            return "fx: contains NaN or Inf"
+        peak = max(-lowest, highest)
+        if peak > self.plan.max_activation:
+            return f"fx: |activation| up to {peak:.3g}, beyond the bound {self.plan.max_activation:g} (grouping.max_activation)"
+        low_label, high_label = torch.aminmax(batch.labels)   # batch >= 1 here; both bounds in one torch call
+        if int(low_label) < 0 or int(high_label) >= self.plan.num_classes:
+            return f"labels: values must lie in [0, {self.plan.num_classes})"
+        return None
