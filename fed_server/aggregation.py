@@ -76,9 +76,11 @@ class Aggregator:
         return contributions
 
     def _observe_times(self, fed_round: FedRound, used: list[str]) -> None:
-        """The aggregated devices' round times, into the split planner and the time table."""
+        """The aggregated devices' round times, into the split planner, the time table and the
+        devices' usual times (:mod:`fed_server.device_pace`)."""
         for device in used:
             assignment = fed_round.assignments[device]
+            self.core.pace.observe(device, assignment.split_point, fed_round.upload_seconds(device))
             if assignment.candidate is not None:
                 update = fed_round.updates[device]
                 self.planner.observe(device, assignment.candidate, update.request.timings.transfer_s + update.upload_s)

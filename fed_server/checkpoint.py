@@ -38,6 +38,8 @@ class RunProgress:
     time_table: dict[str, dict[int, float]] = field(default_factory=dict)
     # Devices sitting out after missed deadlines (fed_server/missed_deadlines.py).
     missed_deadlines: dict[str, list[int]] = field(default_factory=dict)
+    # Each device's usual round time per split point (fed_server/device_pace.py).
+    device_pace: dict[str, dict[str, float]] = field(default_factory=dict)
     finished: bool = False
     stop_reason: str | None = None
 

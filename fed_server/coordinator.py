@@ -30,6 +30,7 @@ from fed_server.enrolment import DeviceEnrolment
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.federated_evaluation import FederatedEvaluation
 from fed_server.fed_round import Assignment, FedRound
+from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
 from fed_server.progress import Conclusion, Progress
 from fed_server.recorder import Recorder
@@ -274,5 +275,7 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
         # without having to call it (HiCS-FL learns from every aggregated upload).
         selector=build_selector(config, output_layer=algorithm.output_layer),
         devices=DeviceRegistry(config.data.num_devices, local_data=config.data.dataset == "local"),
-        missed=MissedDeadlines(config.deadlines.max_skip_rounds), evaluation_mode=evaluation_mode(config),
+        missed=MissedDeadlines(config.deadlines.max_skip_rounds),
+        pace=DevicePace(config.deadlines.patience, config.deadlines.patience_grace_s),
+        evaluation_mode=evaluation_mode(config),
         torch_device=torch_device)

@@ -232,12 +232,30 @@ async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) 
             log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
                         len(fed_round.reports), len(fed_round.assignments))
         coordinator.uploads.plan_follow_ups(fed_round)
-    if not await wait_until(changed, fed_round.complete, fed_round.deadline()):
-        log.warning("round %d: deadline of %.0fs passed; completing with %d of %d updates", fed_round.round_id,
-                    fed_round.deadline_s, len(fed_round.updates), len(fed_round.assignments))
+    if not await _wait_for_uploads(coordinator, fed_round):
+        log.warning("round %d (attempt %d): deadline of %.0fs passed; completing with %d of %d updates",
+                    fed_round.index, fed_round.round_id, fed_round.deadline_s, len(fed_round.updates),
+                    len(fed_round.assignments))
     for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
         watcher.cancel()
     return coordinator.close_round()
+
+
+async def _wait_for_uploads(coordinator: Coordinator, fed_round: FedRound) -> bool:
+    """Wait until the attempt is complete (whether it is) or its round deadline passes, taking out
+    each awaited device whose own deadline passes first (:mod:`fed_server.device_pace`). Wakes on
+    ``changed`` and at the next own deadline; each upload may bring the others' deadlines nearer."""
+    changed = coordinator.core.changed
+    while True:
+        changed.clear()   # before the checks, with no await between: no change is missed
+        next_due = coordinator.uploads.cut_overdue(fed_round, time.monotonic())
+        if fed_round.complete():
+            return True
+        remaining = min(fed_round.deadline(), next_due) - time.monotonic()
+        if fed_round.deadline() <= time.monotonic():
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(changed.wait(), max(0.0, remaining))
 
 
 async def _evaluate(coordinator: Coordinator, fed_round: FedRound, aggregation: Aggregation) -> EvaluationRound | None:

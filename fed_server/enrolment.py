@@ -34,6 +34,9 @@ class DeviceEnrolment:
         self.shard_sizes = shard_sizes
         self.label_counts_at_registration = label_counts_at_registration
         self.created_at = time.monotonic()
+        # Places (shards, or device ids with the devices' own data) whose holder's registration was
+        # refused for what it claimed: the start does not wait for them (:meth:`ready`).
+        self._refused: set[int | str] = set()
 
     def run_info(self) -> RunInfo:
         """The run's model and data spec, so a device can load its shard before registering."""
@@ -71,7 +74,18 @@ class DeviceEnrolment:
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
         its model or data pipeline differs from the run's (None: not checked, docs/models.md);
-        Invalid (422), changing nothing, for a sample count the run rules out."""
+        Invalid (422), changing nothing, for a sample count the run rules out. A refusal is noted:
+        the start does not wait for a place whose holder cannot join as it is (:meth:`ready`)."""
+        try:
+            return self._register(req)
+        except (Invalid, Conflict):
+            place = self._place_of(req)
+            if place is not None and place not in self._refused:
+                self._refused.add(place)
+                self.core.changed.set()
+            raise
+
+    def _register(self, req: RegisterRequest) -> RegisterResponse:
         self._check_label_counts(req)
         core = self.core
         check_registered_samples(req, self.shard_sizes, core.holdout(), core.config.data.max_device_samples)
@@ -89,6 +103,14 @@ class DeviceEnrolment:
         log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if core.devices.local_data else "shard",
                  record.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=core.run_id, device_id=record.device_id, shard=record.shard)
+
+    def _place_of(self, req: RegisterRequest) -> int | str | None:
+        """The place a registration asks for: its device id with the devices' own data, else its
+        shard (None: not a shard of this run)."""
+        devices = self.core.devices
+        if devices.local_data:
+            return req.device_id
+        return req.shard if req.shard is not None and 0 <= req.shard < devices.num_shards else None
 
     def _check_label_counts(self, req: RegisterRequest) -> None:
         """Label counts come with a registration exactly when the Fed Server forms the groups."""
@@ -114,12 +136,15 @@ class DeviceEnrolment:
         return max_held_out(record.num_samples, holdout)
 
     def ready(self) -> bool:
-        """Rounds start once every shard has a registered device, or, after the registration
+        """Rounds start once every shard has a registered device or a holder whose registration
+        was refused for its claims (with the quorum registered), or, after the registration
         deadline, once the quorum has (a resumed run whose devices did not all come back)."""
-        config = self.core.config
-        if len(self.core.devices) >= config.data.num_devices:
+        config, devices = self.core.config, self.core.devices
+        quorum = len(devices) >= config.deadlines.min_participants
+        held = {record.device_id if devices.local_data else record.shard for record in devices.devices.values()}
+        if len(devices) >= config.data.num_devices or (quorum and len(held | self._refused) >= config.data.num_devices):
             return True
-        return time.monotonic() >= self.registration_deadline() and len(self.core.devices) >= config.deadlines.min_participants
+        return time.monotonic() >= self.registration_deadline() and quorum
 
     def registration_deadline(self) -> float:
         """The monotonic time after which the quorum of registered devices suffices."""

@@ -16,7 +16,8 @@ from shared.schemas import ServerPortionUpload, UpdateRequest
 NEVER_JOINED = "never joined a group at the Main Server"
 NO_REPORT = "no report by the report deadline"
 NO_UPLOAD = "no upload by the round deadline"
-MISSED_DEADLINE = frozenset({NEVER_JOINED, NO_REPORT, NO_UPLOAD})
+OVERDUE = "no upload by its own deadline"   # fed_server/device_pace.py
+MISSED_DEADLINE = frozenset({NEVER_JOINED, NO_REPORT, NO_UPLOAD, OVERDUE})
 
 
 @dataclass
@@ -42,6 +43,8 @@ class ReceivedUpdate:
     extras: Payload   # request.extras validated as the algorithm's UploadExtras
     #: Seconds the upload took to arrive, timed by the Fed Server (http_api.server.arrival_seconds).
     upload_s: float = 0.0
+    #: When it was stored (monotonic): the end of the device's round as the Fed Server saw it.
+    arrived_at: float = field(default_factory=time.monotonic)
 
     @property
     def round_time(self) -> float:
@@ -77,6 +80,7 @@ class FedRound:
     plan_bytes: int = 0
     plan_failed: str | None = None
     ready: bool = False          # tasks are handed out only once the Main Server accepted the plan
+    ready_at: float | None = None   # when the tasks went out (monotonic)
     # Two-phase algorithms: reports, the follow-up instructions once planned, who got theirs.
     reports: dict[str, Payload] = field(default_factory=dict)
     follow_ups: dict[str, Payload] | None = None
@@ -136,6 +140,23 @@ class FedRound:
         """The selected devices the attempt had to wait a deadline for: they never joined their
         group, never reported or never uploaded (:data:`MISSED_DEADLINE`)."""
         return {d for d, why in self.left(used).items() if why in MISSED_DEADLINE}
+
+    def wait_began(self, device_id: str) -> float:
+        """When the attempt began waiting for the device's upload: when it took its task, or when
+        the tasks went out for one that has not asked for it."""
+        assignment = self.assignments[device_id]
+        return assignment.dispatched_at or self.ready_at or self.started_at
+
+    def waiting(self) -> dict[str, tuple[int, float]]:
+        """The selected devices whose upload is still awaited: device -> (split point, when the
+        wait began)."""
+        dropped = self.dropped()
+        return {d: (a.split_point, self.wait_began(d)) for d, a in self.assignments.items()
+                if d not in self.updates and d not in dropped}
+
+    def upload_seconds(self, device_id: str) -> float:
+        """Seconds from the device's task to its stored upload."""
+        return self.updates[device_id].arrived_at - self.wait_began(device_id)
 
     def replicas(self) -> list[str]:
         """The Main Server replicas this attempt's devices were sent to, in first-use order."""

@@ -196,8 +196,8 @@ class Progress:
             failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
             cumulative_bytes=self.cumulative_bytes, elapsed_s=self.elapsed(), rng_state=self.rng.getstate(),
             algorithm_state=core.algorithm.state_dict(), selector_state=core.selector.state_dict(),
-            time_table=self.table.entries(), missed_deadlines=core.missed.state_dict(), finished=finished,
-            stop_reason=stop_reason)
+            time_table=self.table.entries(), missed_deadlines=core.missed.state_dict(),
+            device_pace=core.pace.state_dict(), finished=finished, stop_reason=stop_reason)
 
     def resume(self) -> bool:
         """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
@@ -229,6 +229,7 @@ class Progress:
         core.selector.load_state_dict(progress.selector_state)
         self.table.load_entries(progress.time_table)
         core.missed.load_state_dict(progress.missed_deadlines)
+        core.pace.load_state_dict(progress.device_pace)
         core.finished = progress.finished
         self.stop_reason = progress.stop_reason
         log.info("resumed run %s after round %d (attempt %d)", core.run_id, self.rounds_done, self.attempts)

@@ -18,6 +18,7 @@ from fed_server.broadcast import Broadcast
 from fed_server.devices import DeviceRegistry
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.fed_round import FedRound
+from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
 from fed_server.weights_store import WeightsStore
 from shared.algorithms.base import Algorithm
@@ -46,6 +47,7 @@ class RunCore:
     selector: DeviceSelector
     devices: DeviceRegistry
     missed: MissedDeadlines
+    pace: DevicePace
     evaluation_mode: str
     torch_device: torch.device | None = None
     #: The weights tasks name, packed once each and fetched by id (fed_server/weights_store.py).

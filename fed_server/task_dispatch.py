@@ -35,6 +35,7 @@ class TaskDispatch:
     def open_tasks(self, fed_round: FedRound) -> None:
         """The round's plans are out (or it has none): its devices may now get their tasks."""
         fed_round.ready = True
+        fed_round.ready_at = time.monotonic()
         self.core.post_work()
 
     async def next_task(self, device_id: str, wait_s: float = 0.0) -> TaskResponse:

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from fed_server.fed_round import NO_REPORT, FedRound, ReceivedPortion, ReceivedUpdate
+from fed_server.fed_round import NO_REPORT, OVERDUE, FedRound, ReceivedPortion, ReceivedUpdate
 from fed_server.replica_planning import ReplicaPlanning
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_claims, clip_update, update_norm
@@ -23,6 +23,11 @@ log = logging.getLogger("fed_server")
 def _check_round_id(body_round_id: int, round_id: int) -> None:
     if body_round_id != round_id:
         raise Invalid(f"body round_id {body_round_id} does not match the path's round {round_id}")
+
+
+def _work(samples: int, flops: float) -> float:
+    """A device's compute per round, as the peers' rule compares it: samples over FLOP/s."""
+    return samples / flops if flops > 0 else 0.0
 
 
 class Uploads:
@@ -54,6 +59,22 @@ class Uploads:
         fed_round.reports[req.device_id] = parse_payload(self.core.algorithm.Report, req.extras, "report")
         self.core.changed.set()
         return Ack(detail=f"report of {req.device_id} for round {round_id} stored")
+
+    def cut_overdue(self, fed_round: FedRound, now: float) -> float:
+        """Take out of the attempt every awaited device past its own deadline
+        (:mod:`fed_server.device_pace`); the earliest own deadline of those still awaited
+        (``inf``: none has one). Event loop."""
+        devices, dropped = self.core.devices.devices, fed_round.dropped()
+        finishers = [(fed_round.upload_seconds(d), _work(devices[d].num_samples, devices[d].profile.flops))
+                     for d in fed_round.updates if d in devices and d not in dropped]
+        waiting = fed_round.waiting()
+        due = self.core.pace.deadlines(
+            waiting, finishers, len(waiting) + len(finishers),
+            lambda d: _work(devices[d].num_samples, devices[d].profile.flops) if d in devices else 0.0)
+        overdue = sorted(d for d, at in due.items() if at <= now)
+        if overdue:
+            self.core.exclude(fed_round, overdue, OVERDUE, tell_main_server=True)
+        return min((at for d, at in due.items() if at > now), default=float("inf"))
 
     def plan_follow_ups(self, fed_round: FedRound) -> None:
         """Close reporting: devices that did not report are dropped; the algorithm answers the rest."""

@@ -99,6 +99,12 @@ class DeadlineConfig(_Strict):
     # most this many; an upload or a new registration clears it. 0: always selectable
     # (fed_server/missed_deadlines.py).
     max_skip_rounds: int = Field(16, ge=0)
+    # Each selected device is also waited for only until patience x its expected round time
+    # (its own usual time at its split point, or its peers' once half of them uploaded) plus
+    # patience_grace_s, counted from its task; then it is taken out as if it had missed the round
+    # deadline. null: only round_s applies (fed_server/device_pace.py).
+    patience: float | None = Field(2.0, ge=1.0)
+    patience_grace_s: float = Field(1.0, ge=0)
 
 
 #: The paper's High:Mid:Low = 5:3:2 composition, interleaved so any 10 consecutive shards hold it.

@@ -94,3 +94,18 @@ def test_a_silent_device_sits_out_the_attempt_after_its_miss_then_is_tried_again
     fed_log = (tmp_path / "run" / "logs" / "fed_server.log").read_text()
     assert "dev-003 missed a deadline; it sits out the next 1 attempt" in fed_log
     assert "dev-003 missed a deadline; it sits out the next 2 attempts" in fed_log
+
+
+def test_a_silent_device_costs_a_fedavg_round_its_own_deadline_not_the_round_deadline(tmp_path):
+    # FedAvg has no Main Server deadline to bound it: the attempt stops waiting for the silent
+    # device once the others have uploaded and it is past twice their time (fed_server/device_pace.py).
+    rounds = 3
+    config = _config("fedavg").model_copy(update={"rounds": rounds})
+    result = run_once(config, "silent", 1, tmp_path / "run", time_limit_s=rounds * ROUND_S + 30, warm=shared_starter())
+    records = read_metrics(tmp_path / "run")
+    assert result.complete, f"{result.rounds_completed} of {result.rounds_planned} rounds: {result.error}"
+    assert ["dev-003" in r["selected"] for r in records] == [True, False, True]
+    assert records[0]["left"] == {"dev-003": "no upload by its own deadline"}
+    assert all(r["round_time_s"] < ROUND_S / 2 for r in records), [r["round_time_s"] for r in records]
+    fed_log = (tmp_path / "run" / "logs" / "fed_server.log").read_text()
+    assert "passed; completing with" not in fed_log

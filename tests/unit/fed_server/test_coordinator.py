@@ -239,6 +239,25 @@ def test_registration_must_claim_its_shards_exact_count(tmp_path):
     assert c.enrolment.shard_sizes == [len(device_shard(c.config.data, train, i)) for i in range(3)]
 
 
+def test_the_start_does_not_wait_for_a_shard_whose_registration_was_refused(tmp_path):
+    # Its holder cannot join as it is (here: a claimed count beyond its shard), so waiting for it
+    # would only hold every other device until deadlines.registration_s.
+    c = _coordinator(tmp_path, **{"data.num_devices": 4})
+    assert not c.ready()
+    profile = DeviceProfileMsg(flops=1e9, rate=1e6)
+    with pytest.raises(Invalid):
+        c.register(RegisterRequest(device_id="d9", shard=9, num_samples=10, profile=profile))  # no such shard
+    with pytest.raises(Invalid):
+        c.register(RegisterRequest(device_id="d2", shard=2, num_samples=10**12, profile=profile))
+    assert not c.ready(), "shard 3 has neither a device nor a refusal"
+    with pytest.raises(Invalid):
+        c.register(RegisterRequest(device_id="d3", shard=3, num_samples=10**12, profile=profile))
+    assert c.ready() and len(c.devices) == 2
+    # The refused holder may still come back honest and join the run.
+    c.register(RegisterRequest(device_id="d3", shard=3, num_samples=c.enrolment.shard_sizes[3], profile=profile))
+    assert len(c.devices) == 3
+
+
 def test_with_federated_evaluation_a_device_registers_its_shard_less_its_held_out_part(tmp_path):
     c = _coordinator(tmp_path, **{"data.num_devices": 3, "evaluation.mode": "federated", "evaluation.holdout": 0.3})
     train, _ = load_dataset(c.config.data)

@@ -1,0 +1,102 @@
+"""Each device's own deadline in an attempt: how long the Fed Server waits for its upload.
+
+The round deadline (``deadlines.round_s``) is set for the slowest device the operator expects,
+often many times a usual round. A device that takes its task and then says nothing (alive but
+silent, or gone without telling) would hold every other device to it. So each selected device
+also gets a deadline of its own, counted from the moment it took its task (or from the moment
+the tasks went out, for one that never asked):
+
+    due = start + patience * expected + grace_s
+
+The rule applies once at least half of the attempt's devices still in it have uploaded: before
+that, nothing shows that the round is not simply slow for everyone (a busy machine, a slow
+network), and only the round deadline applies. ``expected`` is then the larger of
+
+* **its peers' time**: the slowest of those that uploaded, scaled up by how much more compute the
+  device's round needs than the heaviest of them (samples over the FLOP/s it registered), never
+  down;
+* **its own usual time**, where known: the running average (``(1 - s) * old + s * new``,
+  ``s`` = 0.5) of the seconds its aggregated rounds took at the same split point, task to upload,
+  as the Fed Server saw them. A device that is always slower than its peers keeps its time.
+
+A device past its own deadline is taken out of the attempt (``fed_round.OVERDUE``), which
+counts as a missed deadline (:mod:`fed_server.missed_deadlines`): it sits out the next attempts.
+Its late upload is refused, and its time is not learnt from (a cut-off round is not a
+measurement).
+
+Honest rounds are unaffected as long as no device takes more than ``patience`` times the
+expected time (plus ``grace_s``); ``deadlines.patience`` null turns the rule off
+(docs/security.md, "A silent device").
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+SMOOTHING = 0.5
+
+
+def expected_seconds(own: float | None, finishers: Sequence[tuple[float, float]], work: float,
+                     in_attempt: int) -> float | None:
+    """The seconds a device's round is expected to take, once ``finishers`` (``(seconds, work)`` of
+    each device that uploaded in this attempt) are at least half of the ``in_attempt`` devices
+    still in it; None before. The larger of its peers' time (the slowest finisher's, times
+    ``work`` over the heaviest finisher's work when that is more than one) and its own usual
+    time ``own`` (None: not known)."""
+    if not finishers or 2 * len(finishers) < in_attempt:
+        return None
+    slowest = max(seconds for seconds, _ in finishers)
+    heaviest = max(w for _, w in finishers)
+    peers = slowest * max(1.0, work / heaviest) if heaviest > 0 else slowest
+    return peers if own is None else max(peers, own)
+
+
+class DevicePace:
+    """Per device and split point, the running average of its rounds' seconds (task to upload),
+    and the rule that turns them into each device's deadline in an attempt."""
+
+    def __init__(self, patience: float | None, grace_s: float) -> None:
+        """``patience``: how many times its expected time a device is waited for (None: only the
+        round deadline applies); ``grace_s``: seconds added to every device's deadline."""
+        if patience is not None and patience < 1.0:
+            raise ValueError(f"patience must be >= 1, got {patience}")
+        if grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        self.patience = patience
+        self.grace_s = grace_s
+        self._usual: dict[str, dict[int, float]] = {}
+
+    def observe(self, device: str, split_point: int, seconds: float) -> None:
+        """Fold an aggregated round's seconds into the device's usual time at ``split_point``."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        row = self._usual.setdefault(device, {})
+        old = row.get(split_point)
+        row[split_point] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+
+    def usual(self, device: str, split_point: int) -> float | None:
+        """The device's usual seconds at ``split_point``; None before its first aggregated round there."""
+        return self._usual.get(device, {}).get(split_point)
+
+    def deadlines(self, waiting: Mapping[str, tuple[int, float]], finishers: Sequence[tuple[float, float]],
+                  in_attempt: int, work: Callable[[str], float]) -> dict[str, float]:
+        """Each waiting device's own deadline (monotonic seconds), for those that have one.
+
+        ``waiting``: device -> (split point, when its wait began); ``finishers``, ``in_attempt``:
+        as in :func:`expected_seconds`; ``work``: a device's compute per round (samples / FLOP/s)."""
+        if self.patience is None:
+            return {}
+        out: dict[str, float] = {}
+        for device, (split_point, since) in waiting.items():
+            expected = expected_seconds(self.usual(device, split_point), finishers, work(device), in_attempt)
+            if expected is not None:
+                out[device] = since + self.patience * expected + self.grace_s
+        return out
+
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        """For the checkpoint: device -> {split point (as text): usual seconds}."""
+        return {d: {str(k): t for k, t in sorted(row.items())} for d, row in sorted(self._usual.items())}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, float]]) -> None:
+        """Restore :meth:`state_dict`'s output (a resumed run waits as long as it would have)."""
+        self._usual = {str(d): {int(k): float(t) for k, t in row.items()} for d, row in state.items()}

@@ -1,0 +1,64 @@
+"""Each device's own deadline in an attempt (fed_server/device_pace.py)."""
+from __future__ import annotations
+
+import pytest
+
+from fed_server.device_pace import DevicePace, expected_seconds
+
+
+def test_nothing_is_expected_before_half_of_the_attempt_uploaded():
+    assert expected_seconds(own=3.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=3) is None
+    assert expected_seconds(own=None, finishers=[], work=1.0, in_attempt=0) is None
+
+
+def test_the_peers_time_is_the_slowest_finisher_scaled_up_by_more_work_never_down():
+    finishers = [(2.0, 1.0), (4.0, 2.0)]
+    assert expected_seconds(None, finishers, work=1.0, in_attempt=4) == 4.0
+    assert expected_seconds(None, finishers, work=6.0, in_attempt=4) == pytest.approx(12.0)
+
+
+def test_a_device_slower_than_its_peers_keeps_its_own_usual_time():
+    assert expected_seconds(own=9.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=2) == 9.0
+    assert expected_seconds(own=1.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=2) == 2.0
+
+
+def test_the_usual_time_is_a_running_average_per_split_point():
+    pace = DevicePace(patience=2.0, grace_s=1.0)
+    pace.observe("a", 2, 4.0)
+    pace.observe("a", 2, 2.0)
+    pace.observe("a", 3, 10.0)
+    pace.observe("a", 2, float("nan"))   # not a measurement
+    assert pace.usual("a", 2) == 3.0
+    assert pace.usual("a", 3) == 10.0
+    assert pace.usual("a", 1) is None and pace.usual("b", 2) is None
+
+
+def test_deadlines_count_from_each_wait_with_patience_and_grace():
+    pace = DevicePace(patience=2.0, grace_s=1.0)
+    pace.observe("slow", 2, 10.0)
+    work = {"fast": 1.0, "slow": 1.0, "fresh": 1.0}.__getitem__
+    due = pace.deadlines({"slow": (2, 100.0), "fresh": (2, 101.0)}, [(3.0, 1.0), (2.0, 1.0)], 4, work)
+    assert due == {"slow": 100.0 + 2.0 * 10.0 + 1.0, "fresh": 101.0 + 2.0 * 3.0 + 1.0}
+    # Fewer than half uploaded: only the round deadline applies.
+    assert pace.deadlines({"slow": (2, 100.0), "fresh": (2, 101.0)}, [(3.0, 1.0)], 3, work) == {}
+
+
+def test_without_patience_no_device_has_a_deadline_of_its_own():
+    pace = DevicePace(patience=None, grace_s=1.0)
+    assert pace.deadlines({"a": (1, 0.0)}, [(1.0, 1.0), (1.0, 1.0)], 3, lambda d: 1.0) == {}
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="patience"):
+        DevicePace(patience=0.5, grace_s=1.0)
+    with pytest.raises(ValueError, match="grace_s"):
+        DevicePace(patience=2.0, grace_s=-1.0)
+
+
+def test_the_usual_times_survive_a_checkpoint():
+    pace = DevicePace(patience=2.0, grace_s=1.0)
+    pace.observe("a", 2, 4.0)
+    pace.observe("b", 0, 1.5)
+    restored = DevicePace(patience=2.0, grace_s=1.0)
+    restored.load_state_dict(pace.state_dict())
+    assert restored.usual("a", 2) == 4.0 and restored.usual("b", 0) == 1.5
