@@ -192,7 +192,7 @@ class Coordinator:
         """:meth:`Progress.record` (CPU work: run off the event loop)."""
         return self.progress.record(conclusion)
 
-    def record_round(self, fed_round: FedRound, aggregation: Aggregation,
+    def conclude_and_record(self, fed_round: FedRound, aggregation: Aggregation,
                      evaluation: EvaluationRound | None = None) -> RoundRecord:
         """Conclude and record an attempt in one go (:meth:`conclude_round`, then :meth:`record`)."""
         return self.record(self.conclude_round(fed_round, aggregation, evaluation))

@@ -1,7 +1,7 @@
 """The Fed Server's Prometheus metrics (served at ``/metrics``; documented in docs/metrics.md).
 
 Round-level values are fed by :meth:`FedMetrics.observe_round` with the round record that
-``Coordinator.record_round`` returns (the same dict that goes to ``metrics.jsonl``); values that
+``Coordinator.record`` returns (the same dict that goes to ``metrics.jsonl``); values that
 describe the present (registered devices, current round, time table) are read from the coordinator
 at scrape time by a custom collector.
 
@@ -144,7 +144,7 @@ class FedMetrics:
             self.registry.register(_LiveCollector(coordinator, per_device))
 
     def observe_round(self, record: RoundRecord) -> None:
-        """Fold one round record (``Coordinator.record_round``'s return value) into the metrics."""
+        """Fold one round record (``Coordinator.record``'s return value) into the metrics."""
         self.rounds_completed.labels(record.status).inc()
         self.round_duration.observe(record.round_time_s)
         self.aggregation.observe(record.aggregation_s)

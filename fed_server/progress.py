@@ -172,7 +172,7 @@ class Progress:
             record = RoundRecord.model_validate({**record.model_dump(), **update})   # validated like any record
         self.history.append(record)
         summary = self._summary(progress.finished, progress.stop_reason) if progress.finished else None
-        self.recorder.record_round(record, core.model.state_dict(), progress, summary)
+        self.recorder.persist(record, core.model.state_dict(), progress, summary)
         self.tracking.log_round(record)   # queued: a slow or broken backend never holds the run
         if summary is not None:
             self.tracking.finish(summary)

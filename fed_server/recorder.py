@@ -51,7 +51,7 @@ class Recorder:
         """The newest attempt id ever reserved in this run directory (0 for a new run)."""
         return self.run_dir.read_last_attempt()
 
-    def record_round(self, record: RoundRecord, model_state: Mapping[str, torch.Tensor], progress: RunProgress,
+    def persist(self, record: RoundRecord, model_state: Mapping[str, torch.Tensor], progress: RunProgress,
                      summary: Mapping[str, Any] | None) -> None:
         """Persist one finished attempt: its record, then the checkpoint counting it, then (for a
         finished run) the summary."""

@@ -5,7 +5,7 @@ round ``dev-001`` sends one harmful version of its honest upload instead of it, 
 and passing the schema:
 
 * timings of ``1e308`` s each (finite, but their sum is not: this used to kill the round driver
-  inside ``record_round`` after the new model was in memory);
+  while recording the round, after the new model was in memory);
 * timings whose sum exceeds the round deadline;
 * ``num_samples=10**12`` with zeroed weights (used to outweigh the honest device and pin the
   accuracy at chance; the sample count is the aggregation weight);

@@ -59,7 +59,7 @@ def _complete_round(coordinator: Coordinator) -> None:
     for d in ("d0", "d1"):
         coordinator.accept_update(r.round_id, _upload(coordinator, d, r.round_id), 100)
     coordinator.close_round()
-    coordinator.record_round(r, coordinator.aggregate_round(r))
+    coordinator.conclude_and_record(r, coordinator.aggregate_round(r))
 
 
 def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(tmp_path):
@@ -68,7 +68,7 @@ def test_round_below_quorum_fails_changes_nothing_and_is_retried_with_a_new_id(t
     r1 = _open_round(c)
     c.accept_update(r1.round_id, _upload(c, "d0", r1.round_id), 100)
     c.close_round()
-    record = c.record_round(r1, c.aggregate_round(r1))
+    record = c.conclude_and_record(r1, c.aggregate_round(r1))
     assert record.status == "failed" and c.progress.rounds_done == 0
     assert all(torch.equal(before[k], v) for k, v in c.core.model.state_dict().items())
     r2 = _open_round(c)
@@ -131,7 +131,7 @@ def test_a_refused_upload_takes_its_device_out_of_the_attempt_which_then_waits_o
     c.accept_update(r.round_id, _upload(c, "d0", r.round_id), 100)
     assert r.complete()   # the last device that can contribute has uploaded: no wait for the deadline
     c.close_round()
-    record = c.record_round(r, c.aggregate_round(r))
+    record = c.conclude_and_record(r, c.aggregate_round(r))
     assert record.status == "ok" and record.aggregated == ["d0"] and record.dropped == ["d1"]
     assert record.left == {"d1": r.excluded["d1"]} and "compute_s" in record.left["d1"]
 
@@ -164,7 +164,7 @@ def test_a_withdrawal_takes_the_device_out_at_once_and_is_idempotent(tmp_path):
     with pytest.raises(Conflict, match="taken out"):
         c.accept_update(r.round_id, _upload(c, "d1", r.round_id), 100)
     c.close_round()
-    record = c.record_round(r, c.aggregate_round(r))
+    record = c.conclude_and_record(r, c.aggregate_round(r))
     assert record.aggregated == ["d0"] and record.left == {"d1": "withdrew: cannot build the task"}
 
 
@@ -200,7 +200,7 @@ def test_a_split_device_without_its_group_portion_is_not_aggregated(tmp_path):
     c.accept_portion(r.round_id, _portion(c, r, 0, ["d0"]), 10)
     assert not r.complete()   # d1's group is still out: the round waits for it (until its deadline)
     c.close_round()
-    record = c.record_round(r, c.aggregate_round(r))
+    record = c.conclude_and_record(r, c.aggregate_round(r))
     assert record.aggregated == ["d0"] and record.left == {"d1": "its group portion never arrived"}
     # Only d0 (client layers shifted by 0.01, its group's server layers unchanged) moved the model.
     split = r.assignments["d0"].split_point
@@ -311,7 +311,7 @@ def test_a_time_the_table_cannot_take_drops_that_cell_not_the_round(tmp_path):
     stored = r.updates["d0"].request
     stored.timings = stored.timings.model_copy(update={"compute_s": 1e308, "transfer_s": 1e308})  # sum: inf
     c.close_round()
-    record = c.record_round(r, c.aggregate_round(r))
+    record = c.conclude_and_record(r, c.aggregate_round(r))
     assert record.status == "ok" and c.progress.rounds_done == 1
     assert c.table.get("d0", 0) is None and c.table.get("d1", 0) is not None
     assert c.run_dir.read_checkpoint()[0] == 1   # the round was checkpointed
@@ -444,7 +444,7 @@ def test_non_finite_numbers_are_written_as_null_and_read_back(tmp_path):
         # a record ever hold one, so the stored figure is changed behind the check.
         r.updates[d].request.train_loss = 1e308
     c.close_round()
-    record = c.record_round(r, c.aggregate_round(r))
+    record = c.conclude_and_record(r, c.aggregate_round(r))
     assert record.train_loss is None        # 1e308 * samples overflows to inf
     line = c.run_dir.metrics_path.read_text().splitlines()[0]
     assert "Infinity" not in line and json.loads(line)["train_loss"] is None

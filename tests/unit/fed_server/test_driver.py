@@ -90,7 +90,7 @@ def test_status_since_filters_on_the_logical_round_and_keeps_every_attempt(tmp_p
                 device_id=d, round_id=fed_round.round_id, num_samples=c.devices.get(d).num_samples, steps=1, train_loss=1.0, weights=weights,
                 timings=timings, bytes_up=0, bytes_down=0), 100)
         c.close_round()
-        c.record_round(fed_round, c.aggregate_round(fed_round))
+        c.conclude_and_record(fed_round, c.aggregate_round(fed_round))
 
     async def history(since: int) -> list[tuple[int, int, str]]:
         transport = httpx.ASGITransport(app=create_app(c))   # no lifespan: no round driver
@@ -232,6 +232,6 @@ def test_a_rounds_client_portion_is_published_once_for_all_its_devices_and_serve
         c.close_round()
         with pytest.raises(NotFound):   # the attempt is over: its weights are no longer served
             c.core.weights.body(weights_id)
-        c.record_round(fed_round, c.aggregate_round(fed_round))
+        c.conclude_and_record(fed_round, c.aggregate_round(fed_round))
         ids.append(weights_id)
     assert ids[0] != ids[1]

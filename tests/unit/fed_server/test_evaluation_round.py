@@ -75,7 +75,7 @@ def test_the_aggregated_devices_evaluate_the_new_model_and_the_record_holds_the_
     c.accept_evaluation(_report("d1", fed_round.round_id, 15, 6, 12.0))
     assert evaluation.complete()
     assert c.close_evaluation() is evaluation and c.task_for("d1").status == "wait"
-    record = c.record_round(fed_round, aggregation, evaluation)
+    record = c.conclude_and_record(fed_round, aggregation, evaluation)
     assert record.status == "ok" and c.progress.rounds_done == 1
     assert record.test_accuracy == pytest.approx(15 / 25) and record.test_loss == pytest.approx(15.0 / 25)
     assert (record.evaluated_devices, record.evaluated_samples) == (2, 25)
@@ -103,7 +103,7 @@ def test_bad_reports_are_refused_and_change_nothing(tmp_path):
     c.close_evaluation()
     with pytest.raises(Conflict):                                            # after the phase closed
         c.accept_evaluation(_report("d0", rid, 10, 9, 3.0))
-    record = c.record_round(fed_round, aggregation, evaluation)
+    record = c.conclude_and_record(fed_round, aggregation, evaluation)
     assert record.test_accuracy == pytest.approx(0.9) and (record.evaluated_devices, record.evaluated_samples) == (1, 10)
 
 
@@ -121,7 +121,7 @@ def test_a_report_claiming_more_than_the_device_holds_out_is_refused_and_the_pha
     with pytest.raises(Conflict, match="was refused"):
         c.accept_evaluation(_report("d0", rid, 10, 9, 3.0))
     c.close_evaluation()
-    record = c.record_round(fed_round, aggregation, evaluation)
+    record = c.conclude_and_record(fed_round, aggregation, evaluation)
     assert record.test_accuracy == pytest.approx(0.4) and (record.evaluated_devices, record.evaluated_samples) == (1, 15)
 
 
@@ -131,7 +131,7 @@ def test_a_round_without_any_report_is_applied_and_recorded_without_figures(tmp_
     fed_round, aggregation = _aggregated(c)
     evaluation = c.begin_evaluation(fed_round, aggregation)
     c.close_evaluation()
-    record = c.record_round(fed_round, aggregation, evaluation)
+    record = c.conclude_and_record(fed_round, aggregation, evaluation)
     assert record.status == "ok" and c.progress.rounds_done == 1 and c.finished
     assert (record.test_accuracy, record.test_loss, record.evaluated_devices, record.evaluated_samples) == (None, None, 0, 0)
     assert any(not torch.equal(before[k], v) for k, v in c.core.model.state_dict().items())   # the round was applied
@@ -145,11 +145,11 @@ def test_a_failed_round_keeps_the_last_federated_figures(tmp_path):
     evaluation = c.begin_evaluation(fed_round, aggregation)
     c.accept_evaluation(_report("d0", fed_round.round_id, 10, 7, 4.0))
     c.close_evaluation()
-    c.record_round(fed_round, aggregation, evaluation)
+    c.conclude_and_record(fed_round, aggregation, evaluation)
     c.config.deadlines.min_participants = 2
     failed_round, failed = _aggregated(c, devices=("d0",))
     assert not failed.ok and c.begin_evaluation(failed_round, failed) is None   # the model did not change
-    record = c.record_round(failed_round, failed)
+    record = c.conclude_and_record(failed_round, failed)
     assert record.status == "failed" and record.test_accuracy == pytest.approx(0.7)
     assert (record.evaluated_devices, record.evaluated_samples) == (1, 10)
 
@@ -159,7 +159,7 @@ def test_a_restart_during_the_evaluation_phase_neither_loses_nor_double_records_
     done, aggregation = _aggregated(c)
     evaluation = c.begin_evaluation(done, aggregation)
     c.close_evaluation()
-    c.record_round(done, aggregation, evaluation)   # round 1: recorded, checkpointed
+    c.conclude_and_record(done, aggregation, evaluation)   # round 1: recorded, checkpointed
     checkpointed = {k: v.clone() for k, v in c.core.model.state_dict().items()}
     first, aggregation = _aggregated(c)
     c.begin_evaluation(first, aggregation)
@@ -176,7 +176,7 @@ def test_a_restart_during_the_evaluation_phase_neither_loses_nor_double_records_
     evaluation = resumed.begin_evaluation(again, aggregation)
     resumed.accept_evaluation(_report("d0", again.round_id, 10, 8, 3.0))
     resumed.close_evaluation()
-    resumed.record_round(again, aggregation, evaluation)
+    resumed.conclude_and_record(again, aggregation, evaluation)
     # Once recorded (record, then checkpoint), a restart keeps it exactly once with its figures.
     after = _coordinator(tmp_path, rounds=3)
     assert after.resumed and after.progress.rounds_done == 2
@@ -259,5 +259,5 @@ def test_the_evaluation_route_answers_4xx_for_bad_reports_and_stores_nothing(tmp
     c.close_evaluation()
     assert asyncio.run(get(weights_path)).status_code == 404   # the phase is over: no longer served
     before = fed_round.task_bytes
-    record = c.record_round(fed_round, aggregation, evaluation)
+    record = c.conclude_and_record(fed_round, aggregation, evaluation)
     assert record.bytes_down == before + evaluation.task_bytes
