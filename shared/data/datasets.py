@@ -100,8 +100,11 @@ class ArrayDataset:
 
 
 def _shallow_copy(ds: ArrayDataset) -> ArrayDataset:
-    """New dataclass around the same (cached) tensors, so callers can't rebind cached fields."""
-    return dataclasses.replace(ds, writers=None if ds.writers is None else list(ds.writers))
+    """New dataclass around the same (cached) tensors and writer list, so callers can't rebind
+    cached fields. The writer list is not copied: a copy for each of an agent's devices would be one
+    list as long as the training set per device, and the partition cache recognises a training set
+    by its labels and writers (shared/data/partition.py)."""
+    return dataclasses.replace(ds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,7 +429,8 @@ def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: boo
     for xs, ys in ((gen.x_train, gen.y_train), (gen.x_test, gen.y_test)):
         x = torch.from_numpy(np.concatenate(xs).astype(np.float32)).reshape(-1, 1, 1, SYNTHETIC_DIM)
         y = torch.from_numpy(np.concatenate(ys).astype(np.int64))
-        writers = [str(i) for i, part in enumerate(ys) for _ in range(len(part))]
+        # One string per generated device, referenced by each of its samples.
+        writers = [w for i, part in enumerate(ys) for w in [str(i)] * len(part)]
         pair.append(ArrayDataset(x=x, y=y, num_classes=SYNTHETIC_CLASSES, writers=writers))
     return pair[0], pair[1]
 

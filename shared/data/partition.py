@@ -3,8 +3,13 @@
 Every function is a pure function of its arguments and seed (numpy ``Generator(seed)``), so each
 process (server or device agent) recomputes exactly the same shards from the ``DataSpec`` alone.
 Each returns one sorted int64 index array per device; together they cover every sample once.
+A partition is computed once per process and every device's shard is cut from it.
 """
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -104,11 +109,54 @@ def partition_natural(writers: list[str], num_devices: int, seed: int) -> list[n
     for d, group in enumerate(np.array_split(order, num_devices)):
         device_of_writer[group] = d
     device_of_sample = device_of_writer[inverse.reshape(-1)]
-    return [np.flatnonzero(device_of_sample == d).astype(np.int64) for d in range(num_devices)]
+    # A stable sort keeps each device's samples ascending: one pass, not one scan per device.
+    by_device = np.argsort(device_of_sample, kind="stable").astype(np.int64)
+    ends = np.cumsum(np.bincount(device_of_sample, minlength=num_devices))[:-1]
+    return np.split(by_device, ends)
+
+
+#: Partitions kept by ``_shared_partition``: (key, (the objects the key names, the shards)).
+_PARTITIONS: OrderedDict[tuple[Any, ...], tuple[tuple[object, ...], list[np.ndarray]]] = OrderedDict()
+_PARTITIONS_KEPT = 4
+_PARTITIONS_LOCK = threading.Lock()
 
 
 def partition_dataset(spec: DataSpec, train: ArrayDataset) -> list[np.ndarray]:
-    """Partition ``train`` as ``spec`` says (method, alpha, num_devices, seed)."""
+    """Partition ``train`` as ``spec`` says (method, alpha, num_devices, seed): the caller's own
+    copy of the partition :func:`_shared_partition` computes once per process."""
+    return [shard.copy() for shard in _shared_partition(spec, train)]
+
+
+def _shared_partition(spec: DataSpec, train: ArrayDataset) -> list[np.ndarray]:
+    """``train``'s partition under ``spec``, computed once per process for each (partition
+    parameters, training set), as read-only arrays shared between callers (the list is the caller's).
+
+    An agent's device threads each ask for their own shard of the same partition, and computing it
+    for each made starting N devices cost O(N^2). The training set is recognised by the identity of
+    what a partition reads, its label tensor and its writer list (the copies ``load_dataset``
+    returns share them), and by its length; the cache holds those objects, so while an entry lives
+    no other training set can take their ids, and a different training set object (even an equal
+    one) is partitioned afresh. The last four partitions are kept; concurrent first calls compute
+    once. Treat the training set as read-only (as ``load_dataset``'s are): a partition is not
+    recomputed when its labels are changed in place.
+    """
+    held: tuple[object, ...] = (train.y, train.writers)
+    key = (spec.partition, spec.num_devices, spec.seed, float(spec.alpha), len(train), *map(id, held))
+    with _PARTITIONS_LOCK:
+        entry = _PARTITIONS.get(key)
+        if entry is None:
+            shards = _partition(spec, train)
+            for shard in shards:
+                shard.flags.writeable = False
+            entry = _PARTITIONS[key] = (held, shards)
+            while len(_PARTITIONS) > _PARTITIONS_KEPT:
+                _PARTITIONS.popitem(last=False)
+        _PARTITIONS.move_to_end(key)
+        return list(entry[1])
+
+
+def _partition(spec: DataSpec, train: ArrayDataset) -> list[np.ndarray]:
+    """``partition_dataset`` computed anew."""
     if spec.partition == "iid":
         return partition_iid(len(train), spec.num_devices, spec.seed)
     if spec.partition == "dirichlet":
@@ -130,6 +178,6 @@ def device_shard(spec: DataSpec, train: ArrayDataset, device_index: int) -> Arra
         )
     from shared.data.device_transforms import apply_device_transform
 
-    shard = train.subset(partition_dataset(spec, train)[int(device_index)])
+    shard = train.subset(_shared_partition(spec, train)[int(device_index)].copy())
     return apply_device_transform(spec.device_transform, shard, int(device_index), spec.num_devices,
                                   spec.device_transform_params, spec.seed)
