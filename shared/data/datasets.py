@@ -427,7 +427,7 @@ def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: boo
     gen = generate_synthetic(num_devices, alpha, beta, iid, seed)
     pair: list[ArrayDataset] = []
     for xs, ys in ((gen.x_train, gen.y_train), (gen.x_test, gen.y_test)):
-        x = torch.from_numpy(np.concatenate(xs).astype(np.float32)).reshape(-1, 1, 1, SYNTHETIC_DIM)
+        x = torch.from_numpy(np.concatenate(xs, dtype=np.float32)).reshape(-1, 1, 1, SYNTHETIC_DIM)
         y = torch.from_numpy(np.concatenate(ys).astype(np.int64))
         # One string per generated device, referenced by each of its samples.
         writers = [w for i, part in enumerate(ys) for w in [str(i)] * len(part)]
