@@ -14,6 +14,7 @@ from device_agent.trainer import TaskExpired
 from shared.data import ArrayDataset
 from shared.errors import DomainError
 from shared.evaluation import evaluation_counts
+from shared.round_label import round_label
 from shared.schemas import EvaluationReport, TaskResponse, UpdateRequest, WithdrawRequest
 from shared.wire import WireError
 
@@ -47,8 +48,8 @@ def upload(fed: FedApi, task: TaskResponse, body: UpdateRequest, received_at: fl
             on_upload(body, task.split_point)
         except Exception:  # observability must never break training
             log.debug("%s: on_upload hook failed", body.device_id, exc_info=True)
-    log.info("%s: round %d done (split %d, %d steps, loss %.3f, spent %.2fs, %.2fs waiting)", body.device_id,
-             task.round_id, task.split_point, body.steps, body.train_loss, spent_s, body.timings.wait_s)
+    log.info("%s: %s done (split %d, %d steps, loss %.3f, spent %.2fs, %.2fs waiting)", body.device_id,
+             round_label(task.round_index, task.round_id), task.split_point, body.steps, body.train_loss, spent_s, body.timings.wait_s)
 
 
 def report_evaluation(fed: FedApi, device_id: str, task: TaskResponse, model: DeviceModel,
@@ -64,7 +65,8 @@ def report_evaluation(fed: FedApi, device_id: str, task: TaskResponse, model: De
             n = len(held_out)
     fed.evaluation(EvaluationReport(device_id=device_id, round_id=task.round_id, num_samples=n,
                                     correct=correct, loss_sum=loss_sum))
-    log.info("%s: evaluated round %d on %d held-out samples (%d correct)", device_id, task.round_id, n, correct)
+    log.info("%s: evaluated %s on %d held-out samples (%d correct)", device_id,
+             round_label(task.round_index, task.round_id), n, correct)
 
 
 def abandon(fed: FedApi, device_id: str, task: TaskResponse, exc: Exception) -> None:
@@ -83,12 +85,13 @@ def abandon(fed: FedApi, device_id: str, task: TaskResponse, exc: Exception) -> 
         reason = f"{type(exc).__name__}: {reason}"
     # The attempt to withdraw from; none for an evaluation, an expired task or a malformed one.
     attempt = task.round_id if task.status == "train" and not isinstance(exc, TaskExpired) else None
-    log.log(logging.WARNING if expected else logging.ERROR, "%s: %s %s abandoned%s: %s", device_id,
-            "evaluation of attempt" if task.status == "evaluate" else "attempt", task.round_id,
+    label = round_label(task.round_index, task.round_id)
+    log.log(logging.WARNING if expected else logging.ERROR, "%s: %s%s abandoned%s: %s", device_id,
+            "evaluation of " if task.status == "evaluate" else "", label,
             "" if attempt is None else ", withdrawing", reason, exc_info=not expected)
     if attempt is None:
         return
     try:
         fed.withdraw(WithdrawRequest(device_id=device_id, round_id=attempt, reason=reason[:WITHDRAW_REASON_MAX]))
     except (DomainError, Unreachable) as failed:   # best effort: the attempt's deadline ends it anyway
-        log.warning("%s: attempt %d: withdrawal not taken: %s", device_id, attempt, failed)
+        log.warning("%s: %s: withdrawal not taken: %s", device_id, label, failed)

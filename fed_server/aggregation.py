@@ -89,4 +89,5 @@ class Aggregator:
                 except ValueError as exc:
                     # accept_update bounds the timings; should one device's figures still be
                     # unusable, that device's cell is not updated, and the round goes on.
-                    log.error("round %d: time of %s not recorded: %s", fed_round.round_id, device, exc)
+                    log.error("round %d (attempt %d): time of %s not recorded: %s", fed_round.index,
+                              fed_round.round_id, device, exc)

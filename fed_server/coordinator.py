@@ -143,7 +143,7 @@ class Coordinator:
         core, config = self.core, self.config
         attempt = self.progress.next_attempt()
         index = self.progress.rounds_done + 1
-        pool = self._selectable(core.algorithm.eligible(core.devices.ids()), attempt)
+        pool = self._selectable(core.algorithm.eligible(core.devices.ids()), index, attempt)
         selected = core.selector.select(RoundContext(index=index, attempt=attempt), pool,
                                         min(config.per_round, len(pool)), self.rng)
         splits = self.planner.choose(index, selected)
@@ -157,13 +157,14 @@ class Coordinator:
                  {d: a.split_point for d, a in core.round.assignments.items()})
         return core.round
 
-    def _selectable(self, eligible: list[str], attempt: int) -> list[str]:
+    def _selectable(self, eligible: list[str], index: int, attempt: int) -> list[str]:
         """``eligible`` less the devices sitting out after a missed deadline
         (:mod:`fed_server.missed_deadlines`), unless that would leave fewer than the quorum."""
         skipped = self.core.missed.skipped(attempt)
         pool = [d for d in eligible if d not in skipped]
         if skipped & set(eligible) and len(pool) >= self.config.deadlines.min_participants:
-            log.info("attempt %d: %s sit out after missing a deadline", attempt, sorted(skipped & set(eligible)))
+            log.info("round %d (attempt %d): %s sit out after missing a deadline", index, attempt,
+                     sorted(skipped & set(eligible)))
             return pool
         return eligible
 

@@ -229,8 +229,8 @@ async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) 
         # follow-ups and the round waits for their uploads, so one silent device cannot hold
         # every reporter until the round deadline.
         if not await wait_until(changed, fed_round.all_reported, fed_round.report_deadline()):
-            log.warning("round %d: report deadline passed; %d of %d devices reported", fed_round.round_id,
-                        len(fed_round.reports), len(fed_round.assignments))
+            log.warning("round %d (attempt %d): report deadline passed; %d of %d devices reported",
+                        fed_round.index, fed_round.round_id, len(fed_round.reports), len(fed_round.assignments))
         coordinator.uploads.plan_follow_ups(fed_round)
     if not await _wait_for_uploads(coordinator, fed_round):
         log.warning("round %d (attempt %d): deadline of %.0fs passed; completing with %d of %d updates",
@@ -265,8 +265,9 @@ async def _evaluate(coordinator: Coordinator, fed_round: FedRound, aggregation: 
     evaluation = coordinator.begin_evaluation(fed_round, aggregation)
     if evaluation is not None:
         if not await wait_until(coordinator.core.changed, evaluation.complete, evaluation.deadline()):
-            log.warning("round %d: evaluation deadline of %.0fs passed; %d of %d devices reported",
-                        fed_round.round_id, evaluation.deadline_s, len(evaluation.reports), len(evaluation.asked))
+            log.warning("round %d (attempt %d): evaluation deadline of %.0fs passed; %d of %d devices reported",
+                        fed_round.index, fed_round.round_id, evaluation.deadline_s, len(evaluation.reports),
+                        len(evaluation.asked))
         coordinator.close_evaluation()
     return evaluation
 
@@ -284,5 +285,5 @@ def _observe(record: RoundRecord, metrics: FedMetrics | None) -> None:
     if metrics is not None:
         metrics.observe_round(record)
         metrics.checkpoint_written()  # Progress.record writes checkpoint.msgpack once per round
-    log.info("round %d %s: accuracy %s, %.2fs, %.2f MB", record.round, record.status,
+    log.info("round %d (attempt %d) %s: accuracy %s, %.2fs, %.2f MB", record.round, record.round_id, record.status,
              record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)

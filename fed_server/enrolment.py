@@ -98,8 +98,9 @@ class DeviceEnrolment:
         core.missed.answered([req.device_id])   # a restarted agent's device is tried again at once
         core.changed.set()
         if core.round is not None and core.round.sits_out(req.device_id, core.devices.token_nonce(req.device_id)):
-            log.warning("%s enrolled again during attempt %d: it sits that attempt out (the Main Server's plan "
-                        "carries its previous enrolment)", req.device_id, core.round.round_id)
+            log.warning("%s enrolled again during round %d (attempt %d): it sits that attempt out (the Main "
+                        "Server's plan carries its previous enrolment)", req.device_id, core.round.index,
+                        core.round.round_id)
         log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if core.devices.local_data else "shard",
                  record.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=core.run_id, device_id=record.device_id, shard=record.shard)

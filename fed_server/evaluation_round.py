@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.errors import Conflict, Invalid, NotAllowed
+from shared.round_label import round_label
 from shared.evaluation import FederatedResult, combine_reports
 from shared.schemas import EvaluationReport
 
@@ -24,6 +25,7 @@ class EvaluationRound:
     """
 
     round_id: int
+    index: int                   # the logical round (shared/round_label.py)
     asked: dict[str, int]        # device id -> the most held-out samples it may report
     deadline_s: float
     started_at: float = field(default_factory=time.monotonic)
@@ -39,9 +41,10 @@ class EvaluationRound:
         device holds out is refused and ends that device's part in the phase (:attr:`refused`);
         any other refusal changes nothing."""
         if self.closed:
-            raise Conflict(f"evaluation of round {self.round_id} is closed")
+            raise Conflict(f"evaluation of {round_label(self.index, self.round_id)} is closed")
         if report.device_id not in self.asked:
-            raise NotAllowed(f"device {report.device_id!r} was not asked to evaluate round {self.round_id}")
+            raise NotAllowed(f"device {report.device_id!r} was not asked to evaluate "
+                             f"{round_label(self.index, self.round_id)}")
         if report.device_id in self.reports:
             raise Conflict(f"round {self.round_id} already has the evaluation of {report.device_id!r}")
         if report.device_id in self.refused:

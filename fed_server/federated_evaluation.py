@@ -12,6 +12,7 @@ from fed_server.fed_round import FedRound
 from fed_server.run_core import RunCore
 from fed_server.task_dispatch import TaskDispatch
 from shared.errors import Conflict, Invalid
+from shared.round_label import round_label
 from shared.schemas import Ack, EvaluationReport
 
 log = logging.getLogger("fed_server")
@@ -37,9 +38,10 @@ class FederatedEvaluation:
             return None
         self.dispatch.release_evaluation_weights()
         core.evaluating = EvaluationRound(
-            round_id=fed_round.round_id, asked={d: self.held_out_limit(d) for d in aggregation.used},
+            round_id=fed_round.round_id, index=fed_round.index, asked={d: self.held_out_limit(d) for d in aggregation.used},
             deadline_s=core.config.deadlines.evaluate_s)
-        log.info("round %d: asking %d devices to evaluate the new global model", fed_round.index, len(aggregation.used))
+        log.info("%s: asking %d devices to evaluate the new global model",
+                 round_label(fed_round.index, fed_round.round_id), len(aggregation.used))
         core.post_work()
         return core.evaluating
 

@@ -105,7 +105,7 @@ class ReplicaPlanning:
         core, config = self.core, self.core.config
         start = min(fed_round.assignments[d].split_point for d in members)
         return RoundPlan(
-            run_id=core.run_id, round_id=fed_round.round_id, model=config.model,
+            run_id=core.run_id, round_id=fed_round.round_id, round_index=fed_round.index, model=config.model,
             model_params=config.model_params, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=config.seed,
             participants=[Participant(device_id=d, split_point=fed_round.assignments[d].split_point,

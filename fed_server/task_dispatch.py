@@ -83,7 +83,8 @@ class TaskDispatch:
         assignment = fed_round.assignments[device_id]
         assignment.dispatched_at = time.monotonic()
         return TaskResponse(
-            status="train", round_id=fed_round.round_id, split_point=assignment.split_point, num_blocks=core.num_blocks,
+            status="train", round_id=fed_round.round_id, round_index=fed_round.index,
+            split_point=assignment.split_point, num_blocks=core.num_blocks,
             weights_id=self._client_portion(fed_round, assignment.split_point), train=config.train,
             main_server_url=assignment.main_server_url if fed_round.uses_main_server else None,
             deadline_s=fed_round.remaining_s(), half_precision=config.half_precision,
@@ -133,7 +134,7 @@ class TaskDispatch:
         if device_id not in fed_round.follow_ups or device_id in fed_round.follow_ups_sent:
             return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
         fed_round.follow_ups_sent.add(device_id)
-        return TaskResponse(status="train", phase="follow_up", round_id=fed_round.round_id,
+        return TaskResponse(status="train", phase="follow_up", round_id=fed_round.round_id, round_index=fed_round.index,
                             deadline_s=fed_round.remaining_s(), algorithm=self.core.config.algorithm,
                             extras=fed_round.follow_ups[device_id].to_wire())
 
@@ -146,5 +147,6 @@ class TaskDispatch:
         if self._evaluation_weights is None:   # published once for every asked device
             self._evaluation_weights = core.weights.publish(core.portion(core.num_blocks))
         remaining = max(1.0, evaluation.deadline() - time.monotonic())
-        return TaskResponse(status="evaluate", round_id=evaluation.round_id, num_blocks=core.num_blocks,
+        return TaskResponse(status="evaluate", round_id=evaluation.round_id, round_index=evaluation.index,
+                            num_blocks=core.num_blocks,
                             weights_id=self._evaluation_weights, deadline_s=remaining)

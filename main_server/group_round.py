@@ -31,6 +31,7 @@ from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model, check_model_origin
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.portions import decode_portion
+from shared.round_label import round_label
 from shared.wire import WireError
 
 log = logging.getLogger("main_server")
@@ -110,7 +111,7 @@ def _plan_model(plan: RoundPlan, model_ref: str | None) -> SplitModel:
         return build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
                            params=plan.model_params)
     except ValueError as exc:
-        log.error("refusing round %d's plan: %s", plan.round_id, exc)
+        log.error("refusing the plan of %s: %s", round_label(plan.round_index, plan.round_id), exc)
         raise Invalid(f"invalid plan: {exc}") from None
 
 
@@ -146,6 +147,8 @@ class GroupRound:
         self.metrics = metrics
         self.device = device
         self.round_id = plan.round_id
+        #: How this round is named in the logs: ``round N (attempt A)`` (shared/round_label.py).
+        self.label = round_label(plan.round_index, plan.round_id)
         self.participants = {p.device_id: p for p in plan.participants}
         try:
             self.grouping = build_grouping(plan.grouping)
@@ -235,7 +238,7 @@ class GroupRound:
             for device, reason in reasons.items():
                 self.joined.pop(device, None)
                 self.departed.setdefault(device, reason)
-            log.info("round %d: %s left before the groups were formed", self.round_id, sorted(reasons))
+            log.info("%s: %s left before the groups were formed", self.label, sorted(reasons))
             self._form_groups_if_all_joined()
             return
         for device, reason in sorted(reasons.items()):
@@ -296,8 +299,8 @@ class GroupRound:
         if self.metrics is not None:
             self.metrics.groups_formed_with([g.distance for g in self.groups], len(missing))
         if missing:
-            log.warning("round %d: %d device(s) never joined: %s", self.round_id, len(missing), missing)
-        log.info("round %d: %d group(s) %s", self.round_id, len(self.groups),
+            log.warning("%s: %d device(s) never joined: %s", self.label, len(missing), missing)
+        log.info("%s: %d group(s) %s", self.label, len(self.groups),
                  [(g.members, round(g.distance, 3)) for g in self.groups])
         self.groups_ready.set()
 
@@ -361,7 +364,7 @@ class GroupRound:
         see :meth:`MainMetrics.members_dropped`); the watch stream reports them at once, and the
         group goes on without them (its barrier may now be complete, or nobody may be left)."""
         for device, reason in reasons.items():
-            log.warning("round %d group %d: dropping %s: %s", self.round_id, group.group_id, device, reason)
+            log.warning("%s group %d: dropping %s: %s", self.label, group.group_id, device, reason)
             group.dropped.add(device)
             self.dropped[device] = reason
         if self.metrics is not None:
@@ -429,7 +432,7 @@ class GroupRound:
             trained = await asyncio.get_running_loop().run_in_executor(
                 self.executor, _timed_step, group.trainer, batches)
         except Exception as exc:  # a training failure must not leave devices hanging, nor the group
-            log.exception("round %d group %d: step %d failed", self.round_id, group.group_id, step)
+            log.exception("%s group %d: step %d failed", self.label, group.group_id, step)
             if self.metrics is not None:
                 self.metrics.step_failed()
             trained = TrainedStep(0.0, 0.0, {}, {d: Failed(f"server-side training of step {step} failed: {exc}")
@@ -488,7 +491,7 @@ class GroupRound:
         try:
             await self.on_group_done(self, group)
         except Exception as exc:   # its members cannot be aggregated: the watch's done line says so
-            log.error("round %d group %d: server portion not delivered: %s", self.round_id, group.group_id, exc)
+            log.error("%s group %d: server portion not delivered: %s", self.label, group.group_id, exc)
             self.undelivered.append(group.group_id)
         finally:
             assert self._uploads_left is not None

@@ -22,6 +22,7 @@ from main_server.group_round import Group, GroupRound
 from shared.auth import Auth
 from shared.errors import Conflict, Invalid
 from shared.http_client import ServiceError, decode_response, post_body, service_client
+from shared.round_label import round_label
 from shared.machine import compute_workers
 from shared.retry import Backoff, retry_async
 from shared.schemas import (
@@ -92,7 +93,7 @@ class MainServer:
             self.round.abandon()
         self.round = new
         self.metrics.round_opened()
-        log.info("round %d opened: %d participants", plan.round_id, len(plan.participants))
+        log.info("%s opened: %d participants", round_label(plan.round_index, plan.round_id), len(plan.participants))
 
     async def join(self, round_id: int, req: JoinRequest) -> JoinResponse:
         """A device joins round ``round_id``; answered once the round's groups are formed."""

@@ -171,6 +171,9 @@ class TaskResponse(Message):
     retry_after_s: float = 0.5
     phase: Literal["train", "follow_up"] = "train"
     round_id: int | None = None
+    #: The logical round (1..rounds) the attempt ``round_id`` trains or evaluates, for logs
+    #: (shared/round_label.py); None in a ``wait`` or ``done`` answer.
+    round_index: int | None = Field(default=None, ge=1)
     split_point: int | None = None         # number of model blocks on the device
     num_blocks: int | None = None
     weights_id: WeightsId | None = Field(default=None, pattern=_WEIGHTS_ID_PATTERN)
@@ -262,6 +265,8 @@ class RoundPlan(Message):
 
     run_id: str
     round_id: int = Field(ge=0)
+    #: The logical round (1..rounds) this attempt trains, for logs (shared/round_label.py).
+    round_index: int | None = Field(default=None, ge=1)
     model: str
     model_params: dict[str, JsonValue] = Field(default_factory=dict)
     num_classes: int

@@ -323,8 +323,8 @@ class FedBC(Algorithm[Payload, Payload, FedBCUploadExtras]):
         distance = self._checked_distance(device_id, state, global_state)
         reported = extras.d
         if abs(reported - distance) > DISTANCE_LOG_RTOL * max(abs(distance), 1e-12):
-            log.info("fedbc round %d: %s reported d=%.6g, recomputed d=%.6g (the server's value is used)",
-                     ctx.index, device_id, reported, distance)
+            log.info("fedbc round %d (attempt %d): %s reported d=%.6g, recomputed d=%.6g "
+                     "(the server's value is used)", ctx.index, ctx.attempt, device_id, reported, distance)
         self._upload_distance[device_id] = distance
 
     def aggregate(self, ctx: RoundContext, global_state: Mapping[str, torch.Tensor],
@@ -361,8 +361,8 @@ class FedBC(Algorithm[Payload, Payload, FedBCUploadExtras]):
         fallback = sum(lambdas) <= 0.0
         if fallback:
             self.fallback_rounds += 1
-            log.warning("fedbc round %d: every participant's lambda is 0; data-size-weighted FedAvg this round "
-                        "(fallback %d so far)", ctx.index, self.fallback_rounds)
+            log.warning("fedbc round %d (attempt %d): every participant's lambda is 0; data-size-weighted FedAvg "
+                        "this round (fallback %d so far)", ctx.index, ctx.attempt, self.fallback_rounds)
         weights = sizes if fallback else lambdas
         new_state = lambda_weighted_average(global_state, [contributions[d].client_state for d in devices], weights)
         self._check_stability(max(lambdas) if lambdas else 0.0)

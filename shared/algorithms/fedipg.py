@@ -275,7 +275,7 @@ class FedIPG(Algorithm[Payload, Payload, FedIPGUploadExtras]):
             self._contribution_exit(ctx.index, global_state, kept)
         return self.apply_aggregation_rule(ctx, global_state, kept)
 
-    def _contribution_exit(self, round_id: int, global_state: Mapping[str, torch.Tensor],
+    def _contribution_exit(self, index: int, global_state: Mapping[str, torch.Tensor],
                            kept: Mapping[str, Contribution]) -> None:
         """EXTENSION (not in the paper, which designates aberrant clients by hand): estimate Eq. 12's
         C_i from pseudo-gradients D_j = w^t - w_j: C_i = a_i(<D, D_i> - (L/2)|D_i|^2)/|D|^2 with
@@ -295,15 +295,15 @@ class FedIPG(Algorithm[Payload, Payload, FedIPGUploadExtras]):
             est = a * (float(mean.dot(deltas[d])) - 0.5 * self.params.exit_curvature * float(deltas[d].dot(deltas[d]))) / norm2
             self.last_contribution[d] = est
             # Streaks only count after the warm-up (every device takes part in the first rounds).
-            warm = round_id > self.params.exit_warmup_rounds
+            warm = index > self.params.exit_warmup_rounds
             self.streaks[d] = self.streaks.get(d, 0) + 1 if (est < 0 and warm) else 0
-        if round_id <= self.params.exit_warmup_rounds:
+        if index <= self.params.exit_warmup_rounds:
             return
         for d in sorted(kept, key=lambda d: self.last_contribution[d]):
             remaining = len(self._known - set(self.exited)) if self._known else len(kept)
             if self.streaks[d] >= self.params.exit_patience and remaining - 1 >= self.params.min_devices:
-                self.exited[d] = {"round": round_id, "reason": "contribution"}
-                log.info("round %d: %s exits (contribution %.3g negative for %d rounds)", round_id, d,
+                self.exited[d] = {"round": index, "reason": "contribution"}
+                log.info("round %d: %s exits (contribution %.3g negative for %d rounds)", index, d,
                          self.last_contribution[d], self.streaks[d])
 
     # --- metrics and evaluation ---------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_an_agent_started_before_its_fed_server_says_once_that_it_waits_then_tra
     assert len([line for line in lines if "Connection refused" in line]) == 1, log
     assert len([line for line in lines if "WARNING" in line]) == 1, log
     assert len([line for line in lines if f"the Fed Server at {fed_url} is reachable" in line]) == 1, log
-    assert len([line for line in lines if "round 1 done" in line]) == 2, log
+    assert len([line for line in lines if "round 1 (attempt 1) done" in line]) == 2, log
 
 
 def _hold_shard_0(fed_url: str) -> None:
