@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
@@ -23,6 +24,9 @@ from shared.schemas import (
 )
 
 log = logging.getLogger("fed_server")
+
+#: What a device sends with its device id in the body.
+DeviceMessage = TypeVar("DeviceMessage", UpdateRequest, ReportRequest, WithdrawRequest, EvaluationReport)
 
 #: The longest a ``/v1/status`` answer is held (``wait_s``).
 MAX_STATUS_WAIT_S = 30.0
@@ -125,33 +129,40 @@ def _add_upload_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     async def update(round_id: int, request: Request) -> Response:
         """Device: trained client portion (or whole model), sample count and timings."""
         read_since = time.monotonic()
-        req = await read_message(request, UpdateRequest, settings.max_update_bytes)
+        req = await _device_message(coordinator, settings, request, UpdateRequest, settings.max_update_bytes)
         upload_s = arrival_seconds(request, read_since)
-        _check_device(coordinator, settings, request, req.device_id)
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.accept_update(round_id, req, size, upload_s))
 
     @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response, openapi_extra=msgpack_body_schema(ReportRequest))
     async def report(round_id: int, request: Request) -> Response:
         """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
-        req = await read_message(request, ReportRequest, settings.max_register_bytes)
-        _check_device(coordinator, settings, request, req.device_id)
+        req = await _device_message(coordinator, settings, request, ReportRequest, settings.max_register_bytes)
         return msgpack_response(coordinator.accept_report(round_id, req))
 
     @app.post(f"{API}/rounds/{{round_id}}/withdrawals", response_class=Response,
               openapi_extra=msgpack_body_schema(WithdrawRequest))
     async def withdrawal(round_id: int, request: Request) -> Response:
         """Device: it cannot contribute to this attempt; it is taken out at once (no wait for it)."""
-        req = await read_message(request, WithdrawRequest, settings.max_register_bytes)
-        _check_device(coordinator, settings, request, req.device_id)
+        req = await _device_message(coordinator, settings, request, WithdrawRequest, settings.max_register_bytes)
         return msgpack_response(coordinator.withdraw(round_id, req))
 
     @app.post(f"{API}/evaluation", response_class=Response, openapi_extra=msgpack_body_schema(EvaluationReport))
     async def evaluation(request: Request) -> Response:
         """Device (federated evaluation): how the round's global model did on its held-out part."""
-        req = await read_message(request, EvaluationReport, settings.max_register_bytes)
-        _check_device(coordinator, settings, request, req.device_id)
+        req = await _device_message(coordinator, settings, request, EvaluationReport, settings.max_register_bytes)
         return msgpack_response(coordinator.accept_evaluation(req))
+
+
+async def _device_message(coordinator: Coordinator, settings: FedServerSettings, request: Request,
+                          model: type[DeviceMessage], limit: int) -> DeviceMessage:
+    """A device's message, read only once its token names a device this server enrolled
+    (:meth:`DeviceEnrolment.caller`: an unauthenticated body is refused before it is read), and
+    checked to be that device's."""
+    caller = coordinator.enrolment.caller(request.headers, settings.auth)
+    message = await read_message(request, model, limit)
+    coordinator.enrolment.check_caller(caller, message.device_id)
+    return message
 
 
 def _check_device(coordinator: Coordinator, settings: FedServerSettings, request: Request, device_id: str) -> None:

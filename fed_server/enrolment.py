@@ -7,10 +7,11 @@ import logging
 import time
 from collections.abc import Mapping
 
+from fed_server.device_tokens import DeviceTokens
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
-from shared.auth import Auth, Enrolment
-from shared.errors import Conflict, Invalid, NotFound
+from shared.auth import Auth, Enrolment, bearer_token
+from shared.errors import Conflict, Invalid, NotAllowed, NotFound, Unauthenticated
 from shared.models import fingerprint_differences
 from shared.models.fingerprint import ModelFingerprint
 from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
@@ -37,6 +38,7 @@ class DeviceEnrolment:
         # Places (shards, or device ids with the devices' own data) whose holder's registration was
         # refused for what it claimed: the start does not wait for them (:meth:`ready`).
         self._refused: set[int | str] = set()
+        self.tokens = DeviceTokens()
 
     def run_info(self) -> RunInfo:
         """The run's model and data spec, so a device can load its shard before registering."""
@@ -60,6 +62,7 @@ class DeviceEnrolment:
                 log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
             answer.token = auth.device_token(self.core.run_id, req.device_id,
                                              devices.devices[req.device_id].token_nonce)
+            self.tokens.issued(req.device_id, answer.token)
         return answer
 
     def check_token(self, headers: Mapping[str, str], device_id: str, auth: Auth) -> None:
@@ -70,6 +73,30 @@ class DeviceEnrolment:
         if nonce is None and auth.enabled and "authorization" in headers:
             raise NotFound(f"unknown device {device_id!r}: register first")
         auth.check_device(headers, self.core.run_id, device_id, nonce)
+
+    def caller(self, headers: Mapping[str, str], auth: Auth) -> str | None:
+        """The device whose current token ``headers`` carry, known before the request's body is
+        read (:mod:`fed_server.device_tokens`): Unauthenticated without a token, NotFound for a
+        token this server did not issue (after a restart: the agent registers again), NotAllowed
+        for a revoked one. None with authentication off."""
+        if not auth.enabled:
+            return None
+        token = bearer_token(headers)
+        if token is None:
+            raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
+        holder = self.tokens.holder(token)
+        if holder is None:
+            raise NotFound("unknown device token: register first")
+        device_id, current = holder
+        if not current:
+            raise NotAllowed(f"the token is not the current token of device {device_id!r} in run "
+                             f"{self.core.run_id!r}: the device enrolled again")
+        return device_id
+
+    def check_caller(self, caller: str | None, device_id: str) -> None:
+        """The body names the device whose token the request carried (:meth:`caller`)."""
+        if caller is not None and caller != device_id:
+            raise NotAllowed(f"the token is not the current token of device {device_id!r} in run {self.core.run_id!r}")
 
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says

@@ -64,7 +64,8 @@ def load_secret(file: str | None, env_var: str) -> bytes | None:
     return value.encode() if value else None
 
 
-def _bearer(headers) -> str | None:
+def bearer_token(headers) -> str | None:
+    """The token of an ``Authorization: Bearer`` header; None without one."""
     value = headers.get("authorization", "")
     return value[7:].strip() if value.lower().startswith("bearer ") else None
 
@@ -240,7 +241,7 @@ class Auth:
         enrolment nonce; ``None`` (no current enrolment known here) refuses every token."""
         if not self.enabled:
             return
-        token = _bearer(headers)
+        token = bearer_token(headers)
         if token is None:
             raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
         if nonce is None or not hmac.compare_digest(token, self.device_token(run_id, device_id, nonce)):
@@ -250,7 +251,7 @@ class Auth:
         """Only the other server may call server-to-server endpoints."""
         if not self.enabled:
             return
-        token = _bearer(headers)
+        token = bearer_token(headers)
         if token is None or not hmac.compare_digest(token, self.service_token()):
             raise Unauthenticated("server-to-server call without a valid service token")
 

@@ -176,6 +176,24 @@ def test_device_calls_need_their_own_current_token(servers):
                            bytes_up=0, bytes_down=0)
     assert _post(f"{fed_url}/v1/rounds/1/updates", update).status_code == 401
     assert _post(f"{fed_url}/v1/rounds/1/updates", update, _bearer(token_b)).status_code == 403
+    assert _post(f"{fed_url}/v1/rounds/1/updates", update, _bearer("0" * 64)).status_code == 404
+
+
+def test_an_upload_without_a_token_this_server_issued_is_refused_before_its_body_is_read(servers):
+    # The head announces 400 MB and only a few bytes follow: the answer must come at once, from
+    # the head alone, not after the body (or the server's body timeout).
+    import socket
+    from urllib.parse import urlsplit
+
+    fed_url, _ = servers
+    _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL})
+    host, port = urlsplit(fed_url).hostname, urlsplit(fed_url).port
+    for auth_line, status in (("", 401), ("authorization: Bearer " + "0" * 64 + "\r\n", 404)):
+        with socket.create_connection((host, port), timeout=5) as conn:
+            conn.sendall((f"POST /v1/rounds/1/updates HTTP/1.1\r\nhost: {host}\r\n{auth_line}"
+                          f"content-type: application/msgpack\r\ncontent-length: 400000000\r\n\r\n").encode() + b"x" * 10)
+            answer = conn.recv(4096).decode(errors="replace")
+        assert answer.startswith(f"HTTP/1.1 {status} "), answer
 
 
 def test_a_token_from_another_run_is_refused(servers):
