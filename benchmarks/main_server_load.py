@@ -50,7 +50,8 @@ from shared.config import TrainConfig
 from shared.models import build_model
 from shared.portions import portion_state
 from shared.http_client import HEADERS
-from shared.algorithms.grouping import BalancedGrouping, form_round_groups, groups_per_replica
+from fed_server.replica_planning import groups_per_replica
+from shared.algorithms.grouping import BalancedGrouping, form_round_groups
 from shared.schemas import JoinRequest, Participant, PlannedGroup, RoundPlan, StepRequest, WireTensor
 from shared.wire import Body, decode_tensor, encode_state, encode_tensor, pack_body, packb, unpackb
 from testbed.processes import ProcessGroup, free_port, wait_healthy

@@ -12,13 +12,44 @@ from collections.abc import Mapping, Sequence
 
 from fed_server.fed_round import FedRound
 from fed_server.run_core import RunCore
-from shared.algorithms.grouping import form_round_groups, groups_per_replica
+from shared.algorithms.grouping import form_round_groups
 from shared.algorithms.registry import build_grouping
 from shared.portions import portion_state
 from shared.schemas import Participant, PlannedGroup, RoundPlan
 from shared.wire import encode_state
 
 log = logging.getLogger("fed_server")
+
+
+
+def spread_groups(loads: Sequence[int], replicas: int) -> list[int]:
+    """The replica (index into ``replicas`` live ones) of each group, by longest processing time
+    first: the group with the largest load (members' total samples) goes first, to the least
+    loaded replica; ties by group index, then by replica index. Deterministic.
+
+    Why LPT: a replica's round lasts as long as its groups' steps; samples stand in for steps
+    (every member runs ``local_epochs * ceil(samples / batch)``), and LPT keeps the largest
+    replica within 4/3 of the best spread without a search.
+    """
+    if replicas < 1:
+        raise ValueError(f"need at least one replica, got {replicas}")
+    placed = [0] * len(loads)
+    totals = [0] * replicas
+    for g in sorted(range(len(loads)), key=lambda g: (-loads[g], g)):
+        target = min(range(replicas), key=lambda r: (totals[r], r))
+        placed[g] = target
+        totals[target] += loads[g]
+    return placed
+
+
+def groups_per_replica(groups: Sequence[Sequence[str]], loads: Sequence[int], replicas: int) -> list[dict[int, list[str]]]:
+    """Each replica's groups (group id -> members, in id order) when ``groups`` (their index is
+    their id) are spread by :func:`spread_groups`; a replica may get none. What the Fed Server
+    plans for its replicas, and what benchmark (c) does in its place."""
+    mine: list[dict[int, list[str]]] = [{} for _ in range(replicas)]
+    for g, replica in enumerate(spread_groups(loads, replicas)):
+        mine[replica][g] = list(groups[g])
+    return mine
 
 
 class ReplicaPlanning:

@@ -25,7 +25,8 @@ import torch
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
 from main_server.metrics import MainMetrics
 from main_server.step_checks import StepChecks
-from shared.algorithms.grouping import form_round_groups, label_distance
+from shared.algorithms.grouping import form_round_groups
+from shared.algorithms.label_balance import label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
 from shared.models import SplitModel, build_model, check_model_origin

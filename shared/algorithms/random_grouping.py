@@ -10,7 +10,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shared.algorithms.grouping import Grouping, group_sizes
+from shared.algorithms.grouping import Grouping
+from shared.algorithms.label_balance import group_sizes
 
 
 class RandomGrouping(Grouping):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
 from fed_server.coordinator import Coordinator
 from fed_server.driver import send_plans, watch_replica
 from fed_server.settings import FedServerSettings
+from fed_server.replica_planning import spread_groups
 from fed_server.run_dir import RunDirectory
 from shared.algorithms.grouping import form_round_groups
 from shared.algorithms.registry import build_grouping
@@ -309,3 +311,27 @@ def test_a_frozen_replica_costs_the_plan_phase_one_try_and_its_groups_go_to_the_
     assert frozen_url in c.replicas.down and live_url not in c.replicas.down
     assert len(plans_seen) == 2   # its own plan, then the one with every group
     assert took < 20   # one 0.5 s try for the frozen replica, not 5 x 120 s
+
+
+def test_spread_groups_is_longest_processing_time_first():
+    # Largest first, each to the least-loaded replica: 9->r0, 7->r1, 5->r1 (7 < 9), 4->r0 (9 < 12), 3->r1 (12 < 13).
+    assert spread_groups([5, 9, 3, 7, 4], 2) == [1, 0, 1, 1, 0]
+    # Ties: the lower group index first, then the lower replica index.
+    assert spread_groups([4, 4, 4, 4], 2) == [0, 1, 0, 1]
+    assert spread_groups([1, 2], 3) == [1, 0]            # more replicas than groups: some get none
+    assert spread_groups([3, 1, 2], 1) == [0, 0, 0]      # a re-spread onto the one replica left
+    assert spread_groups([], 2) == []
+    with pytest.raises(ValueError):
+        spread_groups([1], 0)
+
+
+def test_spread_groups_balances_loads_within_lpts_bound():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        loads = [int(x) for x in rng.integers(1, 100, size=int(rng.integers(1, 12)))]
+        replicas = int(rng.integers(1, 5))
+        placed = spread_groups(loads, replicas)
+        assert placed == spread_groups(list(loads), replicas)   # deterministic
+        totals = [sum(l for l, r in zip(loads, placed) if r == k) for k in range(replicas)]
+        lower = max(max(loads), sum(loads) / replicas)          # no spread beats this
+        assert max(totals) <= 4 / 3 * lower + 1e-9             # Graham's LPT bound

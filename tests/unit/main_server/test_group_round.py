@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from main_server.group_trainer import GroupMember
 from main_server.group_round import GroupRound
-from shared.algorithms.grouping import balanced_groups, grouping_rng
+from shared.algorithms.grouping import grouping_rng
+from shared.algorithms.label_balance import balanced_groups
 from shared.algorithms.random_grouping import RandomGrouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.models import build_model

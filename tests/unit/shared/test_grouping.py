@@ -6,16 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from shared.algorithms.grouping import (
-    BalancedGrouping,
-    SingletonGrouping,
-    balanced_groups,
-    group_sizes,
-    grouping_rng,
-    label_distance,
-    num_groups_for,
-    total_distance,
-)
+from shared.algorithms.grouping import BalancedGrouping, SingletonGrouping, grouping_rng
+from shared.algorithms.label_balance import balanced_groups, group_sizes, label_distance, num_groups_for, total_distance
 from shared.algorithms.random_grouping import RandomGrouping
 
 
@@ -170,32 +162,6 @@ def test_grouping_rng_depends_on_seed_and_round():
     assert draw(3, 7) == draw(3, 7)
     assert draw(3, 7) != draw(3, 8)
     assert draw(3, 7) != draw(4, 7)
-
-
-def test_spread_groups_is_longest_processing_time_first():
-    from shared.algorithms.grouping import spread_groups
-    # Largest first, each to the least-loaded replica: 9->r0, 7->r1, 5->r1 (7 < 9), 4->r0 (9 < 12), 3->r1 (12 < 13).
-    assert spread_groups([5, 9, 3, 7, 4], 2) == [1, 0, 1, 1, 0]
-    # Ties: the lower group index first, then the lower replica index.
-    assert spread_groups([4, 4, 4, 4], 2) == [0, 1, 0, 1]
-    assert spread_groups([1, 2], 3) == [1, 0]            # more replicas than groups: some get none
-    assert spread_groups([3, 1, 2], 1) == [0, 0, 0]      # a re-spread onto the one replica left
-    assert spread_groups([], 2) == []
-    with pytest.raises(ValueError):
-        spread_groups([1], 0)
-
-
-def test_spread_groups_balances_loads_within_lpts_bound():
-    from shared.algorithms.grouping import spread_groups
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        loads = [int(x) for x in rng.integers(1, 100, size=int(rng.integers(1, 12)))]
-        replicas = int(rng.integers(1, 5))
-        placed = spread_groups(loads, replicas)
-        assert placed == spread_groups(list(loads), replicas)   # deterministic
-        totals = [sum(l for l, r in zip(loads, placed) if r == k) for k in range(replicas)]
-        lower = max(max(loads), sum(loads) / replicas)          # no spread beats this
-        assert max(totals) <= 4 / 3 * lower + 1e-9             # Graham's LPT bound
 
 
 def test_form_round_groups_is_the_plug_in_on_the_rounds_rng():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.algorithms.grouping import group_sizes, num_groups_for
+from shared.algorithms.label_balance import group_sizes, num_groups_for
 from shared.algorithms.random_grouping import RandomGrouping
 from shared.algorithms.registry import GROUPINGS, build_grouping
 
