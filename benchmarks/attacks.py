@@ -425,12 +425,13 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
     return selection, args
 
 
-def write(results: dict, out: Path) -> Path:
-    """``out`` (JSON) and the Markdown table beside it; the Markdown file's path."""
+def write(results: dict, out: Path, render: Callable[[dict], str] = report) -> Path:
+    """``out`` (JSON) and the Markdown ``render`` makes of the results beside it (this part's
+    :func:`report`, or another part's); the Markdown file's path."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     markdown = out.with_suffix(".md")
-    markdown.write_text(report(results) + "\n")
+    markdown.write_text(render(results) + "\n")
     return markdown
 
 

@@ -5,7 +5,9 @@
 100 virtual devices, (d) peak memory of each service (measured during (a)), (e) peak memory of an
 agent hosting many virtual devices, models kept vs built per task, (f) FedAvg through the services
 vs the same math in one process and vs the 2-core limit, with the whole testbed's peak PSS, (g) harmful devices
-against an honest control (benchmarks/attacks.py; 30 to 40 minutes, so only when named). Prints a table and writes
+against an honest control (benchmarks/attacks.py; 30 to 40 minutes, so only when named), (h) populations of 100 to
+10,000 devices and S2FL at 1,000: registration time, round time, memory per device (benchmarks/population.py; only
+when named). Prints a table and writes
 every figure plus a description of the machine to a JSON file. Not part of the test suite.
 """
 from __future__ import annotations
@@ -18,8 +20,8 @@ import time
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
-PARTS = ("a", "b", "c", "e", "f", "g")  # (d) comes with (a)
-DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) runs only when named
+PARTS = ("a", "b", "c", "e", "f", "g", "h")  # (d) comes with (a)
+DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) and (h) run only when named
 
 
 def _log(text: str) -> None:
@@ -113,6 +115,11 @@ def report(results: dict) -> str:
         from benchmarks.attacks import report as attacks_report
 
         out += ["", "(g) harmful devices against an honest control", attacks_report(g)]
+    h = results.get("population")
+    if h:
+        from benchmarks.population import report as population_report
+
+        out += ["", "(h) large populations", population_report(h)]
     f = results.get("fedavg")
     if f:
         c, mem = f["config"], f["memory"]
@@ -142,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smallest sizes only (about a minute)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
     parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
-                        help="comma-separated parts to run: a (with d), b, c, e, f, g (default: all but g; "
-                             "g's subsets: python -m benchmarks.attacks --help)")
+                        help="comma-separated parts to run: a (with d), b, c, e, f, g, h (default: all but g and h; "
+                             "g's subsets: python -m benchmarks.attacks --help, h's: python -m benchmarks.population "
+                             "--help)")
     parser.add_argument("--main-servers", default="1",
                         help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
                              "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
@@ -219,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("(g) harmful devices against an honest control")
         results["attacks"] = attacks.run(attacks.Selection.quick() if args.quick else attacks.Selection(), _log)
+    if "h" in parts:
+        from benchmarks import population
+
+        _log("(h) large populations: registration, rounds, memory per device")
+        results["population"] = population.run(population.QUICK_SIZES if args.quick else population.SIZES,
+                                               s2fl=not args.quick, log=_log)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 
