@@ -199,6 +199,10 @@ def msgpack_response(message: BaseModel, status: int = 200) -> MsgpackResponse:
 #: A lean route's handler: its path parameters (integers) as keyword arguments, then the request's
 #: ``headers`` and its validated ``message``; it answers a message sent as msgpack.
 LeanHandler = Callable[..., Awaitable[BaseModel]]
+#: Called with the path's integers and ``headers=`` before a lean route reads its body: what it
+#: raises answers the request at once (an unauthenticated body is never read); what it returns is
+#: the handler's ``caller=``.
+BeforeBody = Callable[..., object]
 
 
 class LeanRoute:
@@ -211,11 +215,13 @@ class LeanRoute:
     cheap); any other path goes to the FastAPI route, whose validation answers it.
     """
 
-    def __init__(self, path: str, model: type[BaseModel], max_bytes: int, handler: LeanHandler) -> None:
+    def __init__(self, path: str, model: type[BaseModel], max_bytes: int, handler: LeanHandler,
+                 before_body: BeforeBody | None = None) -> None:
         self.path = path
         self.model = model
         self.max_bytes = max_bytes
         self.handler = handler
+        self.before_body = before_body
         self.params = re.findall(r"\{(\w+)\}", path)
         self.pattern = re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[0-9]{1,18})", re.escape(path)))
 
@@ -227,10 +233,12 @@ class LeanRoute:
     async def __call__(self, scope, receive, send) -> None:
         try:
             headers = Headers(scope=scope)
+            params = scope["path_params"]
+            extra = {} if self.before_body is None else {"caller": self.before_body(**params, headers=headers)}
             body = await read_body(_request_chunks(receive), headers.get("content-length"), self.max_bytes)
             message = parse_message(body, self.model)
             del body   # the message holds what it needs; the buffer is not kept through the handler's wait
-            answer = await self.handler(**scope["path_params"], headers=headers, message=message)
+            answer = await self.handler(**params, headers=headers, message=message, **extra)
         except ClientDisconnect:
             return   # nobody to answer
         except Exception as exc:
@@ -279,23 +287,26 @@ class ServiceApp(FastAPI):
                     return
         await super().__call__(scope, receive, send)
 
-    def msgpack_post(self, path: str, model: type[M], max_bytes: int) -> Callable[[LeanHandler], LeanHandler]:
+    def msgpack_post(self, path: str, model: type[M], max_bytes: int,
+                     before_body: BeforeBody | None = None) -> Callable[[LeanHandler], LeanHandler]:
         """Declare ``handler`` the POST route ``path`` with a msgpack ``model`` body of at most
         ``max_bytes``, answered with the message it returns, as msgpack.
 
         ``handler(**path_params, headers=..., message=...)``: every ``{name}`` of ``path`` is an
-        integer. The route is served lean (:class:`LeanRoute`) and is also a FastAPI route of the
+        integer. With ``before_body``, it is called first (``before_body(**path_params,
+        headers=...)``) and the handler gets its result as ``caller=``. The route is served lean (:class:`LeanRoute`) and is also a FastAPI route of the
         same handler, which describes it in the OpenAPI document, answers other methods with 405,
         and serves the paths the lean route does not take (a parameter that is not a plain
         decimal: FastAPI validates it, 422 for one that is not an integer).
         """
         def declare(handler: LeanHandler) -> LeanHandler:
-            route = LeanRoute(path, model, max_bytes, handler)
+            route = LeanRoute(path, model, max_bytes, handler, before_body)
             self.lean_routes.append(route)
 
             async def endpoint(request: Request, **params: int) -> Response:
+                extra = {} if before_body is None else {"caller": before_body(**params, headers=request.headers)}
                 message = await read_message(request, model, max_bytes)
-                return msgpack_response(await handler(**params, headers=request.headers, message=message))
+                return msgpack_response(await handler(**params, headers=request.headers, message=message, **extra))
 
             # What FastAPI reads: the path's integers and the request (a function takes any attribute).
             endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

@@ -189,12 +189,6 @@ class GroupRound:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def token_nonce(self, device_id: str) -> str | None:
-        """The token nonce the plan carries for ``device_id`` (docs/security.md); None if it is no
-        participant. A dictionary look-up: every join and step of every device asks it."""
-        participant = self.participants.get(device_id)
-        return None if participant is None else participant.token_nonce
-
     # --- joining and grouping -------------------------------------------------------------------
     async def join(self, req: JoinRequest) -> JoinResponse:
         """Record a device's label counts; answer once groups are formed."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -19,8 +19,8 @@ import torch
 
 from main_server.metrics import MainMetrics
 from main_server.group_round import Group, GroupRound
-from shared.auth import Auth
-from shared.errors import Conflict, Invalid
+from shared.auth import Auth, bearer_token
+from shared.errors import Conflict, Invalid, NotAllowed, Unauthenticated
 from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.round_label import round_label
 from shared.machine import compute_workers
@@ -71,6 +71,9 @@ class MainServer:
         self.settings = settings
         self.metrics = metrics if metrics is not None else MainMetrics(self)
         self.round: GroupRound | None = None
+        # The open round's participants by their device token (authentication on): who calls is
+        # known from the header, before a join's or step's body is read (:meth:`caller`).
+        self._participant_tokens: dict[str, str] = {}
         self.trainers = ThreadPoolExecutor(settings.train_workers or compute_workers(),
                                            thread_name_prefix="main-train")
 
@@ -92,8 +95,27 @@ class MainServer:
         if self.round is not None:
             self.round.abandon()
         self.round = new
+        auth = self.settings.auth
+        self._participant_tokens = {auth.device_token(plan.run_id, p.device_id, p.token_nonce): p.device_id
+                                    for p in plan.participants if p.token_nonce is not None} if auth.enabled else {}
         self.metrics.round_opened()
         log.info("%s opened: %d participants", round_label(plan.round_index, plan.round_id), len(plan.participants))
+
+    def caller(self, round_id: int, headers: Mapping[str, str]) -> str | None:
+        """The participant of open round ``round_id`` whose device token ``headers`` carry, known
+        before the request's body is read: Conflict for a stale round, Unauthenticated without a
+        token, NotAllowed for a token of no participant (the plan carries each participant's
+        token nonce, docs/security.md). None with authentication off."""
+        self.current(round_id)
+        if not self.settings.auth.enabled:
+            return None
+        token = bearer_token(headers)
+        if token is None:
+            raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
+        device_id = self._participant_tokens.get(token)
+        if device_id is None:
+            raise NotAllowed(f"the token is not the current token of a participant of round {round_id}")
+        return device_id
 
     async def join(self, round_id: int, req: JoinRequest) -> JoinResponse:
         """A device joins round ``round_id``; answered once the round's groups are formed."""

@@ -179,21 +179,25 @@ def test_device_calls_need_their_own_current_token(servers):
     assert _post(f"{fed_url}/v1/rounds/1/updates", update, _bearer("0" * 64)).status_code == 404
 
 
-def test_an_upload_without_a_token_this_server_issued_is_refused_before_its_body_is_read(servers):
-    # The head announces 400 MB and only a few bytes follow: the answer must come at once, from
-    # the head alone, not after the body (or the server's body timeout).
+def _answer_to_the_head(base_url: str, path: str, auth_line: str, length: int) -> str:
+    """The status line answered to a POST whose head announces ``length`` bytes and whose body
+    stops after ten: a server that authenticates from the head answers at once."""
     import socket
     from urllib.parse import urlsplit
 
+    host, port = urlsplit(base_url).hostname, urlsplit(base_url).port
+    with socket.create_connection((host, port), timeout=5) as conn:
+        conn.sendall((f"POST {path} HTTP/1.1\r\nhost: {host}\r\n{auth_line}content-type: application/msgpack\r\n"
+                      f"content-length: {length}\r\n\r\n").encode() + b"x" * 10)
+        return conn.recv(4096).decode(errors="replace").split("\r\n")[0]
+
+
+def test_an_upload_without_a_token_this_server_issued_is_refused_before_its_body_is_read(servers):
     fed_url, _ = servers
     _register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL})
-    host, port = urlsplit(fed_url).hostname, urlsplit(fed_url).port
-    for auth_line, status in (("", 401), ("authorization: Bearer " + "0" * 64 + "\r\n", 404)):
-        with socket.create_connection((host, port), timeout=5) as conn:
-            conn.sendall((f"POST /v1/rounds/1/updates HTTP/1.1\r\nhost: {host}\r\n{auth_line}"
-                          f"content-type: application/msgpack\r\ncontent-length: 400000000\r\n\r\n").encode() + b"x" * 10)
-            answer = conn.recv(4096).decode(errors="replace")
-        assert answer.startswith(f"HTTP/1.1 {status} "), answer
+    path = "/v1/rounds/1/updates"
+    assert _answer_to_the_head(fed_url, path, "", 400_000_000).startswith("HTTP/1.1 401 ")
+    assert _answer_to_the_head(fed_url, path, f"authorization: Bearer {'0' * 64}\r\n", 400_000_000).startswith("HTTP/1.1 404 ")
 
 
 def test_a_token_from_another_run_is_refused(servers):
@@ -261,6 +265,11 @@ def test_main_server_refuses_a_device_acting_as_another_or_with_a_revoked_token(
     step = StepRequest(device_id="dev-a", step=0, fx=WireTensor(**encode_tensor(torch.zeros(4, 32, 14, 14))),
                        labels=WireTensor(**encode_tensor(torch.zeros(4, dtype=torch.int64))))
     assert _post(f"{main_url}/v1/rounds/99/step", step, _bearer(auth.device_token("r", "dev-b", NONCES["dev-b"]))).status_code == 403
+    # Refused from the head, before a 60 MB step body is read.
+    path = "/v1/rounds/99/step"
+    assert _answer_to_the_head(main_url, path, "", 60_000_000).startswith("HTTP/1.1 401 ")
+    foreign = auth.device_token("r", "dev-z", "n")
+    assert _answer_to_the_head(main_url, path, f"authorization: Bearer {foreign}\r\n", 60_000_000).startswith("HTTP/1.1 403 ")
     # dev-a's own token gets through authentication: it joins (groups form at the 2 s join deadline).
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("r", _post(f"{main_url}/v1/rounds/99/join", join,

@@ -62,17 +62,6 @@ def test_bad_plans_are_invalid(kit):
     kit.run(body)
 
 
-def test_a_participant_s_token_nonce_is_the_plan_s_and_no_participant_has_none(kit):
-    async def body() -> None:
-        participants = [Participant(device_id="a", split_point=1, num_samples=1, token_nonce="n-a"),
-                        Participant(device_id="b", split_point=1, num_samples=1)]
-        state = GroupRound(kit.make_plan(["a", "b"], participants=participants), kit.Uploads())
-        assert state.token_nonce("a") == "n-a"
-        assert state.token_nonce("b") is None       # authentication off when the plan was made
-        assert state.token_nonce("stranger") is None
-    kit.run(body)
-
-
 # ------------------------------------------------------------------------------------ join barrier
 def test_join_waits_for_every_participant(kit):
     async def body() -> None:
