@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from fed_server.device_tokens import DeviceTokens
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
-from shared.auth import Auth, Enrolment, bearer_token
-from shared.errors import Conflict, Invalid, NotAllowed, NotFound, Unauthenticated
+from shared.auth import Auth, Enrolment, device_bearer_token
+from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.models import fingerprint_differences
 from shared.models.fingerprint import ModelFingerprint
 from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
@@ -81,9 +81,7 @@ class DeviceEnrolment:
         for a revoked one. None with authentication off."""
         if not auth.enabled:
             return None
-        token = bearer_token(headers)
-        if token is None:
-            raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
+        token = device_bearer_token(headers)
         holder = self.tokens.holder(token)
         if holder is None:
             raise NotFound("unknown device token: register first")

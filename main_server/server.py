@@ -19,8 +19,8 @@ import torch
 
 from main_server.metrics import MainMetrics
 from main_server.group_round import Group, GroupRound
-from shared.auth import Auth, bearer_token
-from shared.errors import Conflict, Invalid, NotAllowed, Unauthenticated
+from shared.auth import Auth, device_bearer_token
+from shared.errors import Conflict, Invalid, NotAllowed
 from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.round_label import round_label
 from shared.machine import compute_workers
@@ -109,9 +109,7 @@ class MainServer:
         self.current(round_id)
         if not self.settings.auth.enabled:
             return None
-        token = bearer_token(headers)
-        if token is None:
-            raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
+        token = device_bearer_token(headers)
         device_id = self._participant_tokens.get(token)
         if device_id is None:
             raise NotAllowed(f"the token is not the current token of a participant of round {round_id}")

@@ -70,6 +70,14 @@ def bearer_token(headers) -> str | None:
     return value[7:].strip() if value.lower().startswith("bearer ") else None
 
 
+def device_bearer_token(headers) -> str:
+    """A device's token from its ``Authorization: Bearer`` header; Unauthenticated without one."""
+    token = bearer_token(headers)
+    if token is None:
+        raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
+    return token
+
+
 #: How an enrolment credential begins: what tells it from the shared enrolment secret.
 CREDENTIAL_PREFIX = "sfl-enrol-1:"
 _RANGE = re.compile(r"(.+)/([0-9]{1,9})(?:-([0-9]{1,9}))?")
@@ -241,9 +249,7 @@ class Auth:
         enrolment nonce; ``None`` (no current enrolment known here) refuses every token."""
         if not self.enabled:
             return
-        token = bearer_token(headers)
-        if token is None:
-            raise Unauthenticated("missing device token: send Authorization: Bearer <token from registration>")
+        token = device_bearer_token(headers)
         if nonce is None or not hmac.compare_digest(token, self.device_token(run_id, device_id, nonce)):
             raise NotAllowed(f"the token is not the current token of device {device_id!r} in run {run_id!r}")
 
