@@ -98,8 +98,8 @@ def server_test_set(spec: DataSpec) -> ArrayDataset | None:
     if spec.test_file is None:
         return None
     # Imported here: the local loaders (Pillow, user functions) are only needed by local runs.
-    from shared.data.local import load_npz
-    return load_npz(spec.test_file, spec)
+    from shared.data.local import load_data_file
+    return load_data_file(spec.test_file, spec)
 
 
 @dataclass(frozen=True)

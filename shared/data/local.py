@@ -534,13 +534,20 @@ def load_local(ref: str, spec: DataSpec, data_args: dict[str, str], limits: File
         return load_function(ref, spec, data_args)
     if Path(ref).expanduser().is_dir():
         return load_image_folder(ref, spec, limits)
-    p = _data_file(ref)
+    return load_data_file(ref, spec, limits, other_sources=", an image folder, or package.module:function")
+
+
+def load_data_file(path: str | Path, spec: DataSpec, limits: FileLimits | None = None,
+                   other_sources: str = "") -> ArrayDataset:
+    """An ``.npz`` or ``.csv`` file (by its name's ending) as the run's model inputs: a device's
+    file, or the Fed Server's ``data.test_file``. ``other_sources``: what else the caller takes,
+    for the refusal of any other file."""
+    p = _data_file(path)
     if p.suffix.lower() == ".csv":
         return load_csv(p, spec, limits)
     if p.suffix.lower() == ".npz":
         return load_npz(p, spec, limits)
-    raise DataError(f"{p}: unsupported data file {p.name!r}: use .npz, .csv, an image folder, or "
-                    f"package.module:function")
+    raise DataError(f"{p}: unsupported data file {p.name!r}: use .npz, .csv{other_sources}")
 
 
 def _holds_images(folder: Path) -> bool:

@@ -205,6 +205,16 @@ def test_csv_names_at_most_a_dozen_columns_and_refuses_non_utf8_and_oversized_fi
         load_csv(h, spec([1]), FileLimits(max_bytes=407))
 
 
+def test_the_fed_servers_test_file_may_be_a_csv_like_a_devices(tmp_path):
+    from shared.evaluation import server_test_set
+    f = write_csv(tmp_path / "test.csv", "a,label,b\n1,2,3\n4,0,6\n")
+    test = server_test_set(spec([2]).model_copy(update={"test_file": str(f)}))
+    assert test is not None and test.y.tolist() == [2, 0] and test.x.tolist() == [[1.0, 3.0], [4.0, 6.0]]
+    notes = write_csv(tmp_path / "test.txt", "a,label\n1,0\n")
+    with pytest.raises(DataError, match=r"test.txt: unsupported data file 'test.txt': use .npz, .csv$"):
+        server_test_set(spec([1]).model_copy(update={"test_file": str(notes)}))
+
+
 def test_a_file_that_is_neither_npz_nor_csv_is_refused_by_name(tmp_path):
     for name in ("notes.txt", "one.npy", "data"):
         f = write_csv(tmp_path / name, "label,a\n0,1\n")
