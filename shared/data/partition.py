@@ -17,6 +17,7 @@ __all__ = [
     "partition_natural",
     "partition_dataset",
     "device_shard",
+    "device_shards",
 ]
 
 _DIRICHLET_MAX_TRIES = 1000
@@ -128,8 +129,18 @@ def device_shard(spec: DataSpec, train: ArrayDataset, device_index: int) -> Arra
         raise ValueError(
             f"device_index {device_index!r} out of range: must be in [0, {spec.num_devices})"
         )
+    return _shard(spec, train, partition_dataset(spec, train), int(device_index))
+
+
+def device_shards(spec: DataSpec, train: ArrayDataset) -> list[ArrayDataset]:
+    """Every device's training data under ``spec``, partitioning once (``device_shard`` for each)."""
+    parts = partition_dataset(spec, train)
+    return [_shard(spec, train, parts, i) for i in range(len(parts))]
+
+
+def _shard(spec: DataSpec, train: ArrayDataset, parts: list[np.ndarray], device_index: int) -> ArrayDataset:
+    """Device ``device_index``'s part of ``train``, its per-device transform applied."""
     from shared.data.device_transforms import apply_device_transform
 
-    shard = train.subset(partition_dataset(spec, train)[int(device_index)])
-    return apply_device_transform(spec.device_transform, shard, int(device_index), spec.num_devices,
-                                  spec.device_transform_params, spec.seed)
+    return apply_device_transform(spec.device_transform, train.subset(parts[device_index]), device_index,
+                                  spec.num_devices, spec.device_transform_params, spec.seed)
