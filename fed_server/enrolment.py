@@ -117,7 +117,7 @@ class DeviceEnrolment:
         if req.fingerprint is not None:
             differences = fingerprint_differences(req.fingerprint, self.fingerprint, "on the device", "in the run")
             if differences:
-                raise Conflict(f"{req.device_id}: the device's model differs from the run's "
+                raise Conflict(f"{req.device_id}: the device's model or data pipeline differs from the run's "
                                f"(model {core.config.model!r}): " + "; ".join(differences))
         record = core.devices.register(req)
         core.missed.answered([req.device_id])   # a restarted agent's device is tried again at once

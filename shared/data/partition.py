@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ __all__ = [
     "partition_natural",
     "partition_dataset",
     "device_shard",
+    "device_shards",
 ]
 
 _DIRICHLET_MAX_TRIES = 1000
@@ -176,8 +178,20 @@ def device_shard(spec: DataSpec, train: ArrayDataset, device_index: int) -> Arra
         raise ValueError(
             f"device_index {device_index!r} out of range: must be in [0, {spec.num_devices})"
         )
+    return _shard(spec, train, _shared_partition(spec, train), int(device_index))
+
+
+def device_shards(spec: DataSpec, train: ArrayDataset) -> Iterator[ArrayDataset]:
+    """Every device's training data under ``spec`` (``device_shard`` for each), one at a time: a
+    caller that looks at each in turn never holds a second copy of the whole training set."""
+    parts = _shared_partition(spec, train)
+    return (_shard(spec, train, parts, i) for i in range(len(parts)))
+
+
+def _shard(spec: DataSpec, train: ArrayDataset, parts: list[np.ndarray], device_index: int) -> ArrayDataset:
+    """Device ``device_index``'s part of ``train``, its per-device transform applied."""
     from shared.data.device_transforms import apply_device_transform
 
-    shard = train.subset(_shared_partition(spec, train)[int(device_index)].copy())
-    return apply_device_transform(spec.device_transform, shard, int(device_index), spec.num_devices,
+    shard = train.subset(parts[device_index].copy())   # its own indices: the cached partition stays as it is
+    return apply_device_transform(spec.device_transform, shard, device_index, spec.num_devices,
                                   spec.device_transform_params, spec.seed)

@@ -10,6 +10,7 @@ drift from the code: ``tests/unit/shared/test_models_describe.py`` regenerates i
     python -m shared.models.describe            # print the page
     python -m shared.models.describe --write    # rewrite docs/builtin-models.md
     python -m shared.models.describe --check    # exit 1 if the committed page is out of date
+    python -m shared.models.describe --keys cnn # cnn's state-dict keys, shapes and dtypes
 """
 from __future__ import annotations
 
@@ -116,10 +117,30 @@ def _count(value: float) -> str:
     return f"{int(value):,}"
 
 
+def state_dict_keys(name: str, input_shape: tuple[int, ...] | None = None) -> list[tuple[str, list[int], str]]:
+    """Built-in model ``name``'s state-dict entries in order: (key, shape, dtype), for ``input_shape``
+    (default: its first in :data:`MODELS`): the names the checkpoint and the fingerprint use, which a
+    device written in another language must use too."""
+    shape = input_shape or MODELS[name][1][0][0]
+    model = build_model(name, NUM_CLASSES, shape, seed=0)
+    return [(key, list(t.shape), str(t.dtype).removeprefix("torch.")) for key, t in model.state_dict().items()]
+
+
+def _keys_lines(name: str) -> list[str]:
+    """The model's state-dict keys, one line per block."""
+    by_block: dict[str, list[str]] = {}
+    for key, _, _ in state_dict_keys(name):
+        by_block.setdefault(key.split(".")[1], []).append(f"`{key}`")
+    lines = [f"State-dict keys, in order: the names in `checkpoint.msgpack` and the model fingerprint; the exported "
+             f"`model.pt` and `model.safetensors` hold them without the `blocks.` prefix (`python -m "
+             f"shared.models.describe --keys {name}` prints them with shapes and dtypes):", ""]
+    return lines + [f"- `{block}`: {', '.join(keys)}" for block, keys in by_block.items()] + [""]
+
+
 def _model_section(name: str) -> list[str]:
-    """One model's section: per input shape, its blocks and its split points."""
+    """One model's section: its state-dict keys, and per input shape its blocks and its split points."""
     summary, inputs = MODELS[name]
-    lines = [f"## {name}", "", summary, ""]
+    lines = [f"## {name}", "", summary, "", *_keys_lines(name)]
     for index, (input_shape, source) in enumerate(inputs):
         model = build_model(name, NUM_CLASSES, input_shape, seed=0)
         model.eval()
@@ -195,7 +216,14 @@ def main(argv: list[str] | None = None) -> None:
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", action="store_true", help=f"rewrite {PAGE.name} in docs/")
     action.add_argument("--check", action="store_true", help="exit 1 if the committed page is out of date")
+    action.add_argument("--keys", choices=list(MODELS), metavar="MODEL",
+                        help=f"print MODEL's state-dict keys with shapes and dtypes on its default input shape "
+                             f"(one of {', '.join(MODELS)})")
     args = parser.parse_args(argv)
+    if args.keys:
+        for key, shape, dtype in state_dict_keys(args.keys):
+            print(f"{key} {dtype} {shape}")
+        return
     text = render()
     if args.write:
         PAGE.write_text(text)

@@ -1,13 +1,17 @@
 """The model fingerprint: what must be identical on every process of a run for their weights to mean
-the same thing.
+the same thing and their samples to come from the same pipeline.
 
 The Fed Server publishes its fingerprint in ``GET /v1/run``; a device computes its own from the
-model it built and sends it when it registers, and a difference is refused (409) with the lines of
-:func:`fingerprint_differences`. A device whose package defines the "same" model differently (other
-layer sizes, another version of the user's code) or whose data pipeline differs would otherwise
-train on something else silently. The fingerprint holds structure, not weights: parameter and
-buffer names, shapes and dtypes, split points, input shape, classes, and the DataSpec fields that
-change what a sample looks like (dataset, transform, input_transform).
+model it built and the data it derives, and sends it when it registers; a difference is refused
+(409) with the lines of :func:`fingerprint_differences`. A device whose package defines the "same"
+model differently (other layer sizes, another version of the user's code) or whose data pipeline
+differs would otherwise train on something else silently. The fingerprint holds structure, not
+weights: parameter and buffer names, shapes and dtypes, split points, input shape, classes, the
+DataSpec fields that change what a sample looks like (dataset, transform, input_transform) and, for
+a built-in data set, its pipeline (:class:`DataPipeline`: the normalisation, the public set,
+``max_samples``, the partition and its parameters, the per-device transform and its parameters, the
+seed, and the digest of every shard's test vector). docs/models.md#the-fingerprint says what it
+does not cover.
 """
 from __future__ import annotations
 
@@ -15,12 +19,17 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.data.datasets import (
+    CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, MNIST_MEAN, MNIST_STD,
+)
 from shared.data.spec import DataSpec, InputTransform
+from shared.data.vectors import canonical_json, shard_vectors, shards_sha256
 from shared.models.split_model import SplitModel
 
-__all__ = ["TensorSignature", "ModelFingerprint", "model_fingerprint", "fingerprint_differences", "MAX_DIFFERENCES"]
+__all__ = ["TensorSignature", "DataPipeline", "ModelFingerprint", "model_fingerprint", "fingerprint_differences",
+           "MAX_DIFFERENCES"]
 
 #: At most this many difference lines: a totally different model gives a short message, not one
 #: line per parameter.
@@ -37,6 +46,57 @@ class TensorSignature(BaseModel):
     dtype: str
 
 
+#: A built-in data set's normalisation, as its loader applies it (docs/builtin-data.md#the-files):
+#: raw values divided by ``divisor``, then per channel ``(x - mean) / std``.
+NORMALISATION: dict[str, tuple[float, tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": (255.0, (MNIST_MEAN,), (MNIST_STD,)),
+    "cifar10": (255.0, CIFAR10_MEAN, CIFAR10_STD),
+    "cifar100": (255.0, CIFAR100_MEAN, CIFAR100_STD),
+    "femnist": (1.0, (MNIST_MEAN,), (MNIST_STD,)),   # LEAF's values are in [0, 1] already
+    "synthetic": (1.0, (), ()),
+}
+
+#: The DataSpec fields that pick or change a built-in data set's shards, in :class:`DataPipeline`.
+PIPELINE_SETTINGS = ("public_samples", "max_samples", "partition", "alpha", "num_devices", "seed",
+                     "device_transform", "device_transform_params", "synthetic_alpha", "synthetic_beta",
+                     "synthetic_iid")
+
+
+class DataPipeline(BaseModel):
+    """How a built-in data set's shards come about (docs/builtin-data.md): the normalisation its
+    loader applies, the ``data`` settings that pick and change each shard's samples, and
+    ``shards_sha256``, the digest of every shard's size and first batch as this process derived
+    them (``shared.data.vectors``), which differs when the same settings give other samples."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    divisor: float
+    mean: list[float]
+    std: list[float]
+    public_samples: int
+    max_samples: int | None
+    partition: str
+    alpha: float
+    num_devices: int
+    seed: int
+    device_transform: str
+    device_transform_params: dict[str, Any]
+    synthetic_alpha: float
+    synthetic_beta: float
+    synthetic_iid: bool
+    shards_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+def data_pipeline(spec: DataSpec) -> DataPipeline | None:
+    """``spec``'s :class:`DataPipeline`, its shards derived here (loads the data set); None for
+    ``dataset: local``, whose devices bring their own data."""
+    if spec.dataset == "local":
+        return None
+    divisor, mean, std = NORMALISATION[spec.dataset]
+    return DataPipeline(divisor=divisor, mean=list(mean), std=list(std), **spec.model_dump(include=set(PIPELINE_SETTINGS)),
+                        shards_sha256=shards_sha256(shard_vectors(spec)))
+
+
 class ModelFingerprint(BaseModel):
     """Structure of the model and the sample pipeline; ``digest`` = sha256 of the rest as canonical JSON."""
 
@@ -50,12 +110,17 @@ class ModelFingerprint(BaseModel):
     dataset: str
     transform: str
     input_transform: InputTransform
+    data: DataPipeline | None
     digest: str = ""
 
+    def canonical_json(self) -> str:
+        """Every field but ``digest``, schema-filled (defaults and nulls written out), as
+        ``shared.data.vectors.canonical_json`` writes it: the text the digest is the sha256 of."""
+        return canonical_json(self.model_dump(mode="json", exclude={"digest"}))
+
     def canonical_digest(self) -> str:
-        """sha256 (hex) of every field but ``digest``, as sorted-key compact JSON."""
-        body = self.model_dump(mode="json", exclude={"digest"})
-        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        """sha256 (hex) of :meth:`canonical_json`."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
     @model_validator(mode="after")
     def _digest(self) -> "ModelFingerprint":
@@ -71,17 +136,30 @@ class ModelFingerprint(BaseModel):
 
 def model_fingerprint(model: SplitModel, spec: DataSpec) -> ModelFingerprint:
     """The fingerprint of ``model`` (its ``ref``: what ``build_model`` built it from) fed by data
-    ``spec``. Works on a model on the meta device (only names, shapes and dtypes are read)."""
+    ``spec``. Works on a model on the meta device (only names, shapes and dtypes are read); a
+    built-in data set is loaded and partitioned to derive its shards (once per process and spec)."""
     tensors = [TensorSignature(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
                for name, t in model.state_dict(keep_vars=True).items()]
     return ModelFingerprint(model=model.ref, tensors=tensors, split_points=list(model.split_points),
                             input_shape=list(model.input_shape), num_classes=model.num_classes,
                             dataset=spec.dataset, transform=spec.transform,
-                            input_transform=spec.input_transform)
+                            input_transform=spec.input_transform, data=data_pipeline(spec))
 
 
 def _describe(value: Any) -> str:
     return json.dumps(value, separators=(", ", ": ")) if not isinstance(value, str) else repr(value)
+
+
+def _pipeline_differences(a: dict[str, Any], b: dict[str, Any], here_name: str, there_name: str) -> list[str]:
+    """The lines for two built-in data pipelines: each setting that differs, and the shards' digest
+    when the same settings give other shards."""
+    lines = [f"data.{key}: {_describe(a[key])} {here_name}, {_describe(b[key])} {there_name}"
+             for key in DataPipeline.model_fields if key != "shards_sha256" and a[key] != b[key]]
+    if a["shards_sha256"] != b["shards_sha256"] and not lines:
+        lines.append(f"data.shards_sha256: {a['shards_sha256'][:12]} {here_name}, {b['shards_sha256'][:12]} "
+                     f"{there_name}: the same settings give other samples (another version of the data file, "
+                     f"of numpy or torch, or of this code; docs/builtin-data.md#test-vectors)")
+    return lines
 
 
 def fingerprint_differences(here: ModelFingerprint, there: ModelFingerprint, here_name: str = "here",
@@ -99,6 +177,8 @@ def fingerprint_differences(here: ModelFingerprint, there: ModelFingerprint, her
         if a["input_transform"][key] != b["input_transform"][key]:
             lines.append(f"input_transform.{key}: {_describe(a['input_transform'][key])} {here_name}, "
                          f"{_describe(b['input_transform'][key])} {there_name}")
+    if a["data"] is not None and b["data"] is not None:
+        lines += _pipeline_differences(a["data"], b["data"], here_name, there_name)
     mine = {t.name: t for t in here.tensors}
     theirs = {t.name: t for t in there.tensors}
     for name, t in mine.items():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import traceback
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -113,6 +114,32 @@ def trace_blocks(module: nn.Module, input_shape: tuple[int, ...]) -> TracedBlock
 
 
 # ---------------------------------------------------------------------------------------- tracing
+#: torch.fx patches ``nn.Module.__call__`` and ``__getattr__`` for the whole process while it
+#: traces, and restores what it found when it ends: two traces at once would undo each other's
+#: patches. An agent builds its devices' models in parallel threads, so one trace at a time.
+_TRACE_LOCK = threading.Lock()
+
+
+class _ThreadTracer(fx.Tracer):
+    """A tracer that records only the calls of the thread that traces: a module that another thread
+    runs meanwhile (a device checking or training its model) runs as it would untraced, instead of
+    reaching this trace and failing there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._thread = threading.get_ident()
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
 def _trace(module: nn.Module) -> fx.GraphModule:
     """``module``'s forward as a graph with one input; arguments after the first that have a
     default are fixed to it (``forward(x, mask=None)`` is traced as ``forward(x)``)."""
@@ -131,7 +158,10 @@ def _trace(module: nn.Module) -> fx.GraphModule:
                              f"a model that is cut takes one tensor: forward(self, x)")
         concrete = {p.name: p.default for p in params[1:] if p.default is not inspect.Parameter.empty}
     try:
-        graph_module = fx.symbolic_trace(module, concrete_args=concrete or None)
+        with _TRACE_LOCK:
+            tracer = _ThreadTracer()
+            graph = tracer.trace(module, concrete_args=concrete or None)
+        graph_module = fx.GraphModule(tracer.root, graph, type(module).__name__)
     except Exception as exc:  # the user's forward: say where and why, not torch.fx's traceback
         raise ValueError(f"{who} cannot be traced by torch.fx{_where(exc)}: {_first_line(exc)}; make forward "
                          f"traceable (no `if` or loop on tensor values) or return an nn.Sequential or "

@@ -47,3 +47,46 @@ class TracedCNN(nn.Module):
 def traced_cnn(num_classes: int, input_shape: tuple[int, ...], width: int = 4) -> nn.Module:
     """``user_models:traced_cnn``: a :class:`TracedCNN` (an ordinary module, cut by tracing)."""
     return TracedCNN(num_classes, input_shape, width)
+
+
+class OneClassResNet(nn.Module):
+    """A ResNet-style model written as one class, as much PyTorch code is: a conv-BN-ReLU stem, three
+    residual stages written out in ``forward`` (each ``relu(shortcut + BN(conv(relu(BN(conv(x))))))``;
+    the second and third halve the size and double the channels, their shortcut a strided 1x1 conv
+    with BN), global average pooling and a linear head. The project traces it and cuts it only
+    between the stages, never across a skip connection."""
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...], width: int = 4) -> None:
+        super().__init__()
+        c = input_shape[0]
+        self.stem = nn.Conv2d(c, width, 3, padding=1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(width)
+        self.a_conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.a_bn1 = nn.BatchNorm2d(width)
+        self.a_conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.a_bn2 = nn.BatchNorm2d(width)
+        self.b_conv1 = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False)
+        self.b_bn1 = nn.BatchNorm2d(2 * width)
+        self.b_conv2 = nn.Conv2d(2 * width, 2 * width, 3, padding=1, bias=False)
+        self.b_bn2 = nn.BatchNorm2d(2 * width)
+        self.b_short = nn.Conv2d(width, 2 * width, 1, stride=2, bias=False)
+        self.b_short_bn = nn.BatchNorm2d(2 * width)
+        self.c_conv1 = nn.Conv2d(2 * width, 4 * width, 3, stride=2, padding=1, bias=False)
+        self.c_bn1 = nn.BatchNorm2d(4 * width)
+        self.c_conv2 = nn.Conv2d(4 * width, 4 * width, 3, padding=1, bias=False)
+        self.c_bn2 = nn.BatchNorm2d(4 * width)
+        self.c_short = nn.Conv2d(2 * width, 4 * width, 1, stride=2, bias=False)
+        self.c_short_bn = nn.BatchNorm2d(4 * width)
+        self.fc = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.stem_bn(self.stem(x)))
+        x = F.relu(x + self.a_bn2(self.a_conv2(F.relu(self.a_bn1(self.a_conv1(x))))))
+        x = F.relu(self.b_short_bn(self.b_short(x)) + self.b_bn2(self.b_conv2(F.relu(self.b_bn1(self.b_conv1(x))))))
+        x = F.relu(self.c_short_bn(self.c_short(x)) + self.c_bn2(self.c_conv2(F.relu(self.c_bn1(self.c_conv1(x))))))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def one_class_resnet(num_classes: int, input_shape: tuple[int, ...], width: int = 4) -> nn.Module:
+    """``user_models:one_class_resnet``: a :class:`OneClassResNet` (one class, cut by tracing)."""
+    return OneClassResNet(num_classes, input_shape, width)
