@@ -51,7 +51,7 @@ from shared.models import build_model
 from shared.portions import portion_state
 from shared.http_client import HEADERS
 from fed_server.replica_planning import groups_per_replica
-from shared.algorithms.grouping import BalancedGrouping, form_round_groups
+from shared.algorithms.grouping import BalancedGrouping, form_round_groups, candidates_from_counts
 from shared.schemas import JoinRequest, Participant, PlannedGroup, RoundPlan, StepRequest, WireTensor
 from shared.wire import Body, decode_tensor, encode_state, encode_tensor, pack_body, packb, unpackb
 from testbed.processes import ProcessGroup, free_port, wait_healthy
@@ -88,7 +88,7 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
             group_size=GROUP_SIZE, group_loss="per_member", join_deadline_s=300.0, step_deadline_s=300.0, groups=groups)
     if len(urls) == 1:
         return {urls[0]: plan(ids, None)}, {d: urls[0] for d in ids}
-    groups = form_round_groups(BalancedGrouping(), label_counts, GROUP_SIZE, 0, round_id)
+    groups = form_round_groups(BalancedGrouping(), candidates_from_counts(label_counts, SPLIT), GROUP_SIZE, 0, round_id)
     # Every device has the same sample count here, so a group's load is its size.
     spread = [(url, mine) for url, mine in zip(urls, groups_per_replica(groups, [len(g) for g in groups], len(urls)))
               if mine]

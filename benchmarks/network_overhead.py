@@ -41,7 +41,7 @@ from shared.evaluation import evaluate
 from fed_server.run_dir import RunDirectory
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
 from shared.algorithms.aggregation import Contribution
-from shared.algorithms.grouping import grouping_rng
+from shared.algorithms.grouping import GroupCandidate, grouping_rng
 from shared.algorithms.registry import build_algorithm, build_group_loss, build_grouping
 from shared.config import RunConfig
 from shared.run_config import load_run_config
@@ -197,8 +197,9 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         t0 = time.perf_counter()
         split = {d: int(k) for d, k in record["split_points"].items()}
         participants = sorted(split)
-        counts = {d: np.asarray(data[d].label_counts(), dtype=np.int64) for d in participants}
-        groups = build_grouping(algorithm.grouping()).form(counts, config.grouping.group_size,
+        candidates = {d: GroupCandidate.of(data[d].label_counts().tolist(), split[d], max(1, len(data[d])))
+                      for d in participants}
+        groups = build_grouping(algorithm.grouping()).form(candidates, config.grouping.group_size,
                                                            grouping_rng(config.seed, record["round_id"]))
         recorded = sorted(sorted(g["members"]) for g in record["groups"])
         groups_match &= sorted(sorted(g) for g in groups) == recorded

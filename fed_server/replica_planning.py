@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from fed_server.fed_round import FedRound
 from fed_server.run_core import RunCore
-from shared.algorithms.grouping import form_round_groups
+from shared.algorithms.grouping import GroupCandidate, form_round_groups
 from shared.algorithms.registry import build_grouping
 from shared.portions import portion_state
 from shared.schemas import Participant, PlannedGroup, RoundPlan
@@ -123,8 +123,12 @@ class ReplicaPlanning:
         """The attempt's groups in id order, formed at its first plan."""
         if fed_round.planned_groups is None:
             config = self.core.config
-            counts = {d: self.core.devices.devices[d].label_counts or [] for d in fed_round.assignments}
-            groups = form_round_groups(build_grouping(self.core.algorithm.grouping()), counts,
+            devices = self.core.devices.devices
+            # As the round plan describes each participant to the Main Server (round_plan), so the
+            # groups are those one replica would form from the same devices' joins.
+            members = {d: GroupCandidate.of(devices[d].label_counts or [], a.split_point, max(1, devices[d].num_samples))
+                       for d, a in fed_round.assignments.items()}
+            groups = form_round_groups(build_grouping(self.core.algorithm.grouping()), members,
                                        config.grouping.group_size, config.seed, fed_round.round_id)
             fed_round.planned_groups = dict(enumerate(groups))
         return [fed_round.planned_groups[g] for g in range(len(fed_round.planned_groups))]

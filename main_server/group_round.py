@@ -25,7 +25,7 @@ import torch
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
 from main_server.metrics import MainMetrics
 from main_server.step_checks import StepChecks
-from shared.algorithms.grouping import form_round_groups
+from shared.algorithms.grouping import GroupCandidate, form_round_groups
 from shared.algorithms.label_balance import label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
@@ -255,8 +255,9 @@ class GroupRound:
         if self.plan.groups is not None:
             planned = [(g.group_id, [m for m in g.members if m in self.joined]) for g in self.plan.groups]
             return [(gid, members) for gid, members in planned if members]
-        counts = {d: r.label_counts for d, r in self.joined.items()}
-        return list(enumerate(form_round_groups(self.grouping, counts, self.plan.group_size, self.plan.seed,
+        members = {d: GroupCandidate.of(r.label_counts, self.participants[d].split_point, self.participants[d].num_samples)
+                   for d, r in self.joined.items()}
+        return list(enumerate(form_round_groups(self.grouping, members, self.plan.group_size, self.plan.seed,
                                                 self.round_id)))
 
     def _form_groups(self) -> None:

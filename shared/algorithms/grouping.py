@@ -10,12 +10,33 @@ for SFL); adding a policy is one module with a :class:`Grouping` subclass and on
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from shared.algorithms.label_balance import balanced_groups
 
-__all__ = ["grouping_rng", "form_round_groups", "Grouping", "BalancedGrouping", "SingletonGrouping"]
+__all__ = ["GroupCandidate", "candidates_from_counts", "grouping_rng", "form_round_groups", "Grouping",
+           "BalancedGrouping", "SingletonGrouping"]
+
+
+@dataclass(frozen=True)
+class GroupCandidate:
+    """What a grouping knows of one of the round's devices."""
+
+    label_counts: np.ndarray   # int64, samples per class (the device's join, or its registration)
+    split_point: int           # blocks on the device this round
+    num_samples: int           # samples it trains on (the round plan's participant count)
+
+    @classmethod
+    def of(cls, label_counts: Sequence[int], split_point: int, num_samples: int) -> "GroupCandidate":
+        return cls(np.asarray(label_counts, dtype=np.int64), int(split_point), int(num_samples))
+
+
+def candidates_from_counts(counts: Mapping[str, Sequence[int]], split_point: int = 1) -> dict[str, GroupCandidate]:
+    """Members known by their label counts alone (every one at ``split_point``, training on all
+    its counted samples): what a benchmark that replays the Main Server's grouping has."""
+    return {d: GroupCandidate.of(c, split_point, int(np.sum(c))) for d, c in counts.items()}
 
 
 def grouping_rng(seed: int, round_id: int) -> np.random.Generator:
@@ -24,42 +45,41 @@ def grouping_rng(seed: int, round_id: int) -> np.random.Generator:
     return np.random.default_rng([seed, round_id])
 
 
-def form_round_groups(grouping: "Grouping", counts: Mapping[str, Sequence[int]], group_size: int, seed: int,
+def form_round_groups(grouping: "Grouping", members: Mapping[str, GroupCandidate], group_size: int, seed: int,
                       round_id: int) -> list[list[str]]:
-    """A round's groups: ``grouping`` over ``counts`` (in device-id order, as int64 arrays) with the
-    round's :func:`grouping_rng`.
+    """A round's groups: ``grouping`` over ``members`` (in device-id order) with the round's
+    :func:`grouping_rng`.
 
     The one place groups are formed: by the Main Server from the joins (one replica, as in the
     paper) and by the Fed Server from the counts sent at registration (several replicas, which
     need the groups before tasks go out), so the same devices and counts give the same groups.
     """
-    arrays = {d: np.asarray(counts[d], dtype=np.int64) for d in sorted(counts)}
-    return grouping.form(arrays, group_size, grouping_rng(seed, round_id))
+    return grouping.form({d: members[d] for d in sorted(members)}, group_size, grouping_rng(seed, round_id))
 
 
 class Grouping:
     """How the Main Server splits a round's joined devices into groups (one server copy each).
 
-    ``counts`` maps each joined device to its label counts, in device-id order; ``group_size``
-    is the configured ``grouping.group_size``; ``rng`` is :func:`grouping_rng` of the round
-    (deterministic policies ignore it). Returns the groups'
-    member lists, every device in exactly one group, ``[]`` for no devices. The order of the
-    groups is their ``group_id``.
+    ``members`` maps each of the round's devices to what is known of it (:class:`GroupCandidate`:
+    label counts, split point, sample count), in device-id order; ``group_size`` is the configured
+    ``grouping.group_size``; ``rng`` is :func:`grouping_rng` of the round (deterministic policies
+    ignore it). Returns the groups' member lists, every device in exactly one group, ``[]`` for no
+    devices. The order of the groups is their ``group_id``.
     """
 
-    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+    def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
         raise NotImplementedError
 
 
 class BalancedGrouping(Grouping):
     """S2FL's data-balance grouping: :func:`balanced_groups` (Eq. 2)."""
 
-    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
-        return balanced_groups(dict(counts), group_size)
+    def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+        return balanced_groups({d: m.label_counts for d, m in members.items()}, group_size)
 
 
 class SingletonGrouping(Grouping):
     """One group per device, in device-id order (SFL and the "no data balance" ablations)."""
 
-    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
-        return [[d] for d in sorted(counts)]
+    def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+        return [[d] for d in sorted(members)]

@@ -10,16 +10,16 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shared.algorithms.grouping import Grouping
+from shared.algorithms.grouping import GroupCandidate, Grouping
 from shared.algorithms.label_balance import group_sizes
 
 
 class RandomGrouping(Grouping):
     """A uniformly random permutation of the device ids, cut into ``group_sizes`` consecutive groups."""
 
-    def form(self, counts: Mapping[str, np.ndarray], group_size: int, rng: np.random.Generator) -> list[list[str]]:
+    def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
         # Sorted before shuffling, so the groups depend only on the id set and the generator's seed.
-        ids = sorted(counts)
+        ids = sorted(members)
         shuffled = [ids[i] for i in rng.permutation(len(ids))]
         groups: list[list[str]] = []
         start = 0

@@ -17,6 +17,7 @@ from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumL
 from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
 from shared.algorithms.hics import HiCSSelector
 from shared.algorithms.random_grouping import RandomGrouping
+from shared.algorithms.split_point_grouping import SplitPointGrouping
 from shared.algorithms.robust_aggregation import (
     AggregationRule, BoundedMean, Krum, Mean, Median, MultiKrum, TrimmedMean, rule_params_error,
 )
@@ -59,6 +60,7 @@ GROUPINGS: dict[str, type[Grouping]] = {
     "balanced": BalancedGrouping,
     "singleton": SingletonGrouping,
     "random": RandomGrouping,
+    "split_point": SplitPointGrouping,
 }
 
 

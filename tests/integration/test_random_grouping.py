@@ -1,11 +1,9 @@
 """A split-learning variant added as one plug-in: S2FL with random groups through the real services."""
 from __future__ import annotations
 
-import numpy as np
-
 from fed_server.run_dir import RunDirectory
 from integration_support import small_config
-from shared.algorithms.grouping import grouping_rng
+from shared.algorithms.grouping import candidates_from_counts, grouping_rng
 from shared.algorithms.random_grouping import RandomGrouping
 from shared.models import build_model
 
@@ -19,7 +17,7 @@ def test_s2fl_with_random_groups_completes_rounds(run_testbed):
     for m in metrics:
         # The Main Server drew each round's groups from the round's generator (run seed, round id):
         # the same draw here gives the same groups, in group-id order (members as uploaded: sorted).
-        joined = {d: np.zeros(10) for d in m["selected"]}  # every device joined; the draw reads only the ids
+        joined = candidates_from_counts({d: [0] * 10 for d in m["selected"]})  # all joined; the draw reads only the ids
         expected = RandomGrouping().form(joined, config.grouping.group_size, grouping_rng(config.seed, m["round_id"]))
         assert [g["members"] for g in m["groups"]] == [sorted(g) for g in expected], m["groups"]
         assert all(len(g["members"]) == 2 for g in m["groups"])

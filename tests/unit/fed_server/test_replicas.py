@@ -14,7 +14,7 @@ from fed_server.driver import send_plans, watch_replica
 from fed_server.settings import FedServerSettings
 from fed_server.replica_planning import spread_groups
 from fed_server.run_dir import RunDirectory
-from shared.algorithms.grouping import form_round_groups
+from shared.algorithms.grouping import GroupCandidate, form_round_groups
 from shared.algorithms.registry import build_grouping
 from shared.errors import Conflict, Invalid
 from shared.portions import portion_state
@@ -87,8 +87,9 @@ def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     plans = c.replicas.plans(r, [A, B])
     r.ready = True
     # The same function, plug-in, size and rng the Main Server uses on the joins.
-    expected = form_round_groups(build_grouping(c.core.algorithm.grouping()), {d: _counts(d) for d in DEVICES}, 2,
-                                 c.config.seed, r.round_id)
+    members = {d: GroupCandidate.of(_counts(d), r.assignments[d].split_point, c.devices.devices[d].num_samples)
+               for d in DEVICES}
+    expected = form_round_groups(build_grouping(c.core.algorithm.grouping()), members, 2, c.config.seed, r.round_id)
     assert list(r.planned_groups.values()) == expected
     loads = {g: sum(c.devices.devices[m].num_samples for m in members) for g, members in r.planned_groups.items()}
     # Every group on one replica, its members told that replica, the plans holding only theirs.

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from main_server.group_trainer import GroupMember
 from main_server.group_round import GroupRound
-from shared.algorithms.grouping import grouping_rng
+from shared.algorithms.grouping import grouping_rng, candidates_from_counts
 from shared.algorithms.label_balance import balanced_groups
 from shared.algorithms.random_grouping import RandomGrouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
@@ -159,7 +159,7 @@ def test_groups_come_from_the_plans_plug_in(grouping, kit):
         if grouping == "singleton":
             assert groups == [[d] for d in devices]
         elif grouping == "random":  # drawn from the round's generator (plan seed 0, round 7)
-            assert groups == RandomGrouping().form(arrays, 3, grouping_rng(0, 7))
+            assert groups == RandomGrouping().form(candidates_from_counts(counts), 3, grouping_rng(0, 7))
         else:
             assert groups == balanced_groups(arrays, 3)
         assert sorted(m for g in groups for m in g) == devices

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from shared.algorithms.grouping import BalancedGrouping, SingletonGrouping, grouping_rng
+from shared.algorithms.grouping import BalancedGrouping, SingletonGrouping, grouping_rng, candidates_from_counts
 from shared.algorithms.label_balance import balanced_groups, group_sizes, label_distance, num_groups_for, total_distance
 from shared.algorithms.random_grouping import RandomGrouping
 
@@ -103,7 +103,8 @@ def test_balanced_beats_random_on_dirichlet(alpha, num_devices):
         groups = balanced_groups(counts, group_size)
         check_partition(groups, ids, group_size)
         ours = total_distance(groups, counts)
-        rand = [total_distance(RandomGrouping().form(counts, group_size, np.random.default_rng(s)), counts)
+        rand = [total_distance(RandomGrouping().form(candidates_from_counts(counts), group_size, np.random.default_rng(s)),
+                               counts)
                 for s in range(20)]
         assert ours < float(np.mean(rand))
         assert ours <= min(rand) + 1e-12  # in practice it also beats the best of 20 random draws
@@ -147,13 +148,13 @@ def test_balanced_plug_in_is_balanced_groups():
     counts = dirichlet_counts(11, 10, 0.3, per_class=110, seed=4)
     shuffled = {k: counts[k] for k in reversed(list(counts))}
     # The plug-in ignores its generator: any seed, any dict order gives the function's answer.
-    assert BalancedGrouping().form(shuffled, 4, grouping_rng(0, 1)) == balanced_groups(counts, 4)
-    assert BalancedGrouping().form(counts, 4, grouping_rng(9, 9)) == balanced_groups(counts, 4)
+    assert BalancedGrouping().form(candidates_from_counts(shuffled), 4, grouping_rng(0, 1)) == balanced_groups(counts, 4)
+    assert BalancedGrouping().form(candidates_from_counts(counts), 4, grouping_rng(9, 9)) == balanced_groups(counts, 4)
 
 
 def test_singleton_plug_in_orders_by_id():
     counts = {"b": np.array([1, 0]), "a": np.array([0, 1]), "c": np.array([2, 2])}
-    assert SingletonGrouping().form(counts, 3, grouping_rng(0, 1)) == [["a"], ["b"], ["c"]]
+    assert SingletonGrouping().form(candidates_from_counts(counts), 3, grouping_rng(0, 1)) == [["a"], ["b"], ["c"]]
     assert SingletonGrouping().form({}, 3, grouping_rng(0, 1)) == []
 
 
@@ -168,7 +169,8 @@ def test_form_round_groups_is_the_plug_in_on_the_rounds_rng():
     from shared.algorithms.grouping import form_round_groups
     counts = {f"d{i}": [i + 1, 0, 9 - i] for i in range(7)}
     arrays = {d: np.asarray(c) for d, c in counts.items()}
-    assert form_round_groups(BalancedGrouping(), counts, 3, 1, 4) == balanced_groups(arrays, 3)
-    assert form_round_groups(RandomGrouping(), counts, 3, 1, 4) == RandomGrouping().form(arrays, 3, grouping_rng(1, 4))
-    shuffled = dict(reversed(list(counts.items())))   # insertion order does not matter
-    assert form_round_groups(RandomGrouping(), shuffled, 3, 1, 4) == form_round_groups(RandomGrouping(), counts, 3, 1, 4)
+    members = candidates_from_counts(counts)
+    assert form_round_groups(BalancedGrouping(), members, 3, 1, 4) == balanced_groups(arrays, 3)
+    assert form_round_groups(RandomGrouping(), members, 3, 1, 4) == RandomGrouping().form(members, 3, grouping_rng(1, 4))
+    shuffled = dict(reversed(list(members.items())))   # insertion order does not matter
+    assert form_round_groups(RandomGrouping(), shuffled, 3, 1, 4) == form_round_groups(RandomGrouping(), members, 3, 1, 4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shared.algorithms.grouping import candidates_from_counts
 from shared.algorithms.label_balance import group_sizes, num_groups_for
 from shared.algorithms.random_grouping import RandomGrouping
 from shared.algorithms.registry import GROUPINGS, build_grouping
@@ -14,7 +15,7 @@ def _counts(ids: list[str]) -> dict[str, np.ndarray]:
 
 
 def _form(ids: list[str], size: int, seed: int) -> list[list[str]]:
-    return RandomGrouping().form(_counts(ids), size, np.random.default_rng(seed))
+    return RandomGrouping().form(candidates_from_counts(_counts(ids)), size, np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("n,size", [(1, 3), (4, 4), (7, 3), (11, 4), (20, 6)])
