@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from shared.machine import PeakMemorySampler

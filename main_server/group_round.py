@@ -1,6 +1,7 @@
 """One round at the Main Server: the devices' joins, their groups, and each group's per-step
-barrier, from the Fed Server's plan to the groups' server portions. What each step must be before
-it joins a group's batch is checked by :mod:`main_server.step_checks`.
+barrier, from the Fed Server's plan to the groups' server portions. What the plan builds is in
+:mod:`main_server.round_plan`, one group's state and its timed step in :mod:`main_server.group`,
+what each step must be before it joins a group's batch in :mod:`main_server.step_checks`.
 
 The plan names the grouping and group-loss plug-ins (``shared/algorithms/registry.py``); this
 module only runs them.
@@ -16,119 +17,24 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
+from main_server.group import Group, StepOutcome, TrainedStep, timed_step
+from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
 from main_server.metrics import MainMetrics
+from main_server.round_plan import plan_model, server_weights
 from main_server.step_checks import StepChecks
 from shared.algorithms.grouping import GroupCandidate, form_round_groups
 from shared.algorithms.label_balance import label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
-from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
-from shared.models import SplitModel, build_model, check_model_origin
+from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
-from shared.portions import decode_portion
 from shared.round_label import round_label
-from shared.wire import WireError
 
 log = logging.getLogger("main_server")
-
-
-@dataclass
-class StepOutcome:
-    result: MemberResult
-    wait_s: float
-    server_s: float
-
-
-@dataclass
-class Group:
-    """Members that share one server-portion copy and meet at a barrier every step."""
-
-    group_id: int
-    members: list[str]
-    split: dict[str, int]
-    num_steps: dict[str, int]
-    trainer: GroupTrainer
-    distance: float
-    step: int = 0
-    done: set[str] = field(default_factory=set)
-    dropped: set[str] = field(default_factory=set)
-    pending: dict[str, tuple[MemberBatch, asyncio.Future, float]] = field(default_factory=dict)
-    training: set[str] = field(default_factory=set)   # members whose step is being trained
-    running: bool = False
-    train_time_s: float = 0.0
-    finished: bool = False
-    timer: asyncio.TimerHandle | None = None
-
-    def expected(self) -> set[str]:
-        """Members that owe the current step."""
-        return {m for m in self.members if m not in self.dropped and m not in self.done and self.num_steps[m] > self.step}
-
-
-@dataclass
-class TrainedStep:
-    """What a group step came to: each trained member's result, each member left out and why."""
-
-    started: float
-    ended: float
-    results: dict[str, MemberResult]
-    refused: dict[str, DomainError]
-
-
-def _timed_step(trainer: GroupTrainer, batches: list[MemberBatch]) -> TrainedStep:
-    """``trainer.step(batches)`` with its start and end (``time.monotonic``), taken in the worker
-    thread: the step's server time is its training alone, not its wait for a free worker nor the
-    hop back to the event loop.
-
-    A step the trainer refuses as not finite (:class:`NonFiniteStep`, the copy untouched) is
-    trained again without the members it names, until it is finite or nobody is left: the others
-    get gradients of a step their own data made, never a non-finite one."""
-    started = time.monotonic()
-    refused: dict[str, DomainError] = {}
-    results: dict[str, MemberResult] = {}
-    while batches:
-        try:
-            results = trainer.step(batches)
-            break
-        except NonFiniteStep as exc:
-            kind = Invalid if exc.attributed else Failed
-            refused.update({d: kind(f"step not finite: {why}") for d, why in exc.culprits.items()})
-            batches = [b for b in batches if b.device_id not in exc.culprits]
-    return TrainedStep(started, time.monotonic(), results, refused)
-
-
-def _plan_model(plan: RoundPlan, model_ref: str | None) -> SplitModel:
-    """The plan's model, with the plan's seed: Invalid for a model the plan may not name (an import
-    path is code: built only when the operator named it, ``--model``, never because a plan did;
-    docs/security.md) or that cannot be built as the plan asks (unknown, a bad input_shape or
-    num_classes: the plan's fault, not ours)."""
-    try:
-        check_model_origin(plan.model, model_ref)
-        return build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
-                           params=plan.model_params)
-    except ValueError as exc:
-        log.error("refusing the plan of %s: %s", round_label(plan.round_index, plan.round_id), exc)
-        raise Invalid(f"invalid plan: {exc}") from None
-
-
-def _server_weights(plan: RoundPlan, template: SplitModel) -> tuple[int, dict[str, torch.Tensor]]:
-    """The first server-side block (the smallest split point) and the plan's server weights from
-    there, decoded against ``template``; Invalid for a split point that leaves no server portion
-    or weights that do not fit."""
-    n_blocks = len(template.blocks)
-    for p in plan.participants:
-        if p.split_point >= n_blocks:
-            raise Invalid(f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
-    start = min(p.split_point for p in plan.participants)
-    try:
-        return start, decode_portion(plan.server_weights, template, start, n_blocks, what="server_weights")
-    except WireError as exc:
-        raise Invalid(str(exc)) from None
 
 
 class GroupRound:
@@ -156,8 +62,8 @@ class GroupRound:
             self.group_loss = build_group_loss(plan.group_loss)  # one instance serves every group
         except ValueError as exc:
             raise Invalid(f"invalid plan: {exc}") from None
-        self.template = _plan_model(plan, model_ref)
-        self.start, self.server_weights = _server_weights(plan, self.template)
+        self.template = plan_model(plan, model_ref)
+        self.start, self.server_weights = server_weights(plan, self.template)
         #: What each step must be to join its group's batch.
         self.checks = StepChecks(plan, self.template)
         self.joined: dict[str, JoinRequest] = {}
@@ -426,7 +332,7 @@ class GroupRound:
             # step waits only for the steps that were ready before it. That wait counts as the
             # members' wait at the Main Server (wait_s), not as the step's server time.
             trained = await asyncio.get_running_loop().run_in_executor(
-                self.executor, _timed_step, group.trainer, batches)
+                self.executor, timed_step, group.trainer, batches)
         except Exception as exc:  # a training failure must not leave devices hanging, nor the group
             log.exception("%s group %d: step %d failed", self.label, group.group_id, step)
             if self.metrics is not None:

@@ -18,7 +18,8 @@ import httpx
 import torch
 
 from main_server.metrics import MainMetrics
-from main_server.group_round import Group, GroupRound
+from main_server.group import Group
+from main_server.group_round import GroupRound
 from shared.auth import Auth, device_bearer_token
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.http_client import ServiceError, decode_response, post_body, service_client

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from main_server.group_round import Group, GroupRound
+from main_server.group import Group
+from main_server.group_round import GroupRound
 from shared.config import TrainConfig
 from shared.models import build_model
 from shared.schemas import JoinRequest, JoinResponse, Participant, RoundPlan, StepRequest, WireTensor
