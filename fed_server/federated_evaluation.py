@@ -38,7 +38,7 @@ class FederatedEvaluation:
         self.dispatch.release_evaluation_weights()
         core.evaluating = EvaluationRound(
             round_id=fed_round.round_id, asked={d: self.held_out_limit(d) for d in aggregation.used},
-            deadline_s=core.config.deadlines.evaluate_s)
+            deadline_s=core.config.deadlines.evaluate_s, task=core.loss.task)
         log.info("round %d: asking %d devices to evaluate the new global model", fed_round.index, len(aggregation.used))
         core.post_work()
         return core.evaluating
