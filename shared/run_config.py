@@ -47,6 +47,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
         raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
     if config.selection not in SELECTORS:
         raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}")
+    _check_task(config, ALGORITHMS[config.algorithm].needs_classes, SELECTORS[config.selection].needs_classes)
     model = build_config_model(config)
     check_device_transform(config.data)   # unknown names and bad parameters
     if config.evaluation.mode == "server" and not has_server_test_set(config.data):
@@ -60,7 +61,6 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     # data.public_samples), before any process starts.
     algorithm = build_algorithm(config)
     selector = build_selector(config)
-    _check_task(config, type(algorithm).needs_classes, type(selector).needs_classes)
     if config.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
         raise ValueError(f"model {config.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
                          f"(e.g. fedavg, fedbc), not {config.algorithm!r}")
