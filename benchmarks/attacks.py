@@ -192,7 +192,7 @@ def final_accuracy(config: RunConfig, run_dir: Path) -> float:
     evaluated in this process: the figure no device can write."""
     from fed_server.run_dir import RunDirectory
     from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
-    from shared.evaluation import evaluate
+    from shared.evaluation import classification_accuracy
     from shared.models import build_model
 
     model = build_model(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
@@ -200,7 +200,7 @@ def final_accuracy(config: RunConfig, run_dir: Path) -> float:
     run = RunDirectory(run_dir)
     if run.checkpoint_path.exists():
         model.load_state_dict(run.read_checkpoint()[1])
-    accuracy, _ = evaluate(model, load_dataset(config.data)[1])
+    accuracy = classification_accuracy(model, load_dataset(config.data)[1])
     return float(accuracy)
 
 

@@ -45,7 +45,7 @@ from shared.algorithms.aggregation import Contribution
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes, device_shard, load_dataset
-from shared.evaluation import evaluate
+from shared.evaluation import classification_accuracy
 from shared.machine import usable_cores
 from shared.models import build_model
 from shared.portions import portion_state
@@ -278,7 +278,7 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
             device_times[d] = time.perf_counter() - t_device
         t_serial = time.perf_counter()
         model.load_state_dict(algorithm.aggregate(record["round"], model.state_dict(), contributions, {}))
-        accuracy, _ = evaluate(model, test_set)
+        accuracy = classification_accuracy(model, test_set)
         serial_times.append(time.perf_counter() - t_serial)
         train_times.append(device_times)
         round_times.append(time.perf_counter() - t0)

@@ -36,7 +36,7 @@ import torch
 
 from shared.machine import PeakMemorySampler
 from device_agent.trainer import batches, round_seed, steps_per_round
-from shared.evaluation import evaluate
+from shared.evaluation import classification_accuracy
 from fed_server.run_dir import RunDirectory
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
 from shared.algorithms.aggregation import Contribution
@@ -212,7 +212,7 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         contributions = dict(sorted(contributions.items()))
         new_state = algorithm.aggregate(record["round"], model.state_dict(), contributions, {})
         model.load_state_dict(new_state)
-        accuracy, _ = evaluate(model, test_set)
+        accuracy = classification_accuracy(model, test_set)
         round_times.append(time.perf_counter() - t0)
         accuracies.append(accuracy)
         log(f"  in-process{' (reversed)' if reverse else ''} round {record['round']}/{len(records)}: "

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
                   metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
                   keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
-                  compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000)
+                  compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000,
+                  loss=args.loss)
     freeze_startup_objects()   # what the agent keeps for the run is built: out of full collections' way
     try:
         code = agent.run()
@@ -143,6 +144,10 @@ def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
                         help="the run's model when it is an import path package.module:function (env SFL_MODEL): a "
                              "device builds an import path only if it equals this, never because the Fed Server "
                              "names it (docs/security.md); built-in names need no flag")
+    parser.add_argument("--loss", default=env_default("loss", None),
+                        help="the run's loss when it is an import path package.module:function (env SFL_LOSS): "
+                             "used only if it equals the run's train.loss, like --model; built-in losses need "
+                             "no flag")
 
 
 def _devices(parser: argparse.ArgumentParser, args: argparse.Namespace

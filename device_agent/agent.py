@@ -105,10 +105,11 @@ class Agent:
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
                  device_id: str | None = None, torch_device: torch.device | None = None,
                  model: str | None = None, compute_slots: int | None = None, links: str = "emulated",
-                 request_delay_s: float = 0.0) -> None:
+                 request_delay_s: float = 0.0, loss: str | None = None) -> None:
         """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
         then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
-        ``model``: the operator's ``--model`` (an import path the run may name). ``links``
+        ``model`` and ``loss``: the operator's ``--model`` and ``--loss`` (import paths the run may
+        name). ``links``
         (``--links``): ``emulated``, the kinds' transfers are slept; ``real``, the kinds stretch
         compute only and the link is what it is (:data:`LINKS`). ``request_delay_s``: a delay
         before each request the devices send (``--request-delay-ms``, an emulated round trip)."""
@@ -117,6 +118,7 @@ class Agent:
         self.stop = threading.Event()
         self.fed_server_url = fed_server_url
         self.model = model
+        self.loss = loss
         sources = sources or []
         count = len(sources) or len(shards)
         keep = count == 1 if keep_models is None else keep_models
@@ -135,7 +137,7 @@ class Agent:
             Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret, request_delay_s=request_delay_s),
                    connect_main, kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
                    source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
-                   compute=self.compute, weights_cache=self.weights, emulate_links=links == "emulated")
+                   loss_ref=loss, compute=self.compute, weights_cache=self.weights, emulate_links=links == "emulated")
             for name, shard, source, index in places
         ]
         self.errors: dict[str, BaseException] = {}
@@ -161,7 +163,7 @@ class Agent:
         it would fail every task it is given. Returns the spec, which the devices then start from."""
         info = wait_for_run(self.devices[0].fed, self.stop, f"the Fed Server at {self.fed_server_url}")
         try:
-            check_run(info, self.model)
+            check_run(info, self.model, self.loss)
         except ValueError as exc:
             raise RunRefused(str(exc)) from None
         return info

@@ -31,6 +31,7 @@ from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.data.local import DataError, LocalSource
 from shared.errors import DomainError, Failed, NotFound
+from shared.losses import Loss, build_loss
 from shared.models import SplitModel, model_fingerprint
 from shared.profiles import EmulatedKind, TimeScale, auto_time_scale
 from shared.schemas import DeviceProfileMsg, RegisterRequest, RunInfo, TaskResponse
@@ -77,7 +78,7 @@ class Device:
                  poll_interval_s: float = 0.2, max_downtime_s: float = 600.0, keep_model: bool = True,
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None, model_ref: str | None = None,
-                 compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S,
+                 loss_ref: str | None = None, compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S,
                  weights_cache: WeightsCache | None = None, emulate_links: bool = True) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
@@ -101,6 +102,9 @@ class Device:
         self.torch_device = torch_device or torch.device("cpu")
         #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
         self.model_ref = model_ref
+        #: The operator's ``--loss``: a run whose loss is an import path uses it only if it is this.
+        self.loss_ref = loss_ref
+        self.loss: Loss | None = None   # the run's, once the run is checked (:meth:`prepare`)
         #: Where a whole-model round's training runs: the agent's compute threads, or (None) this
         #: device's own thread (``train_round``'s default).
         self.compute = compute
@@ -204,7 +208,7 @@ class Device:
         build) stops the device here (ValueError), before anything is imported: code is never
         taken from the network."""
         self.info = info if info is not None else wait_for_run(self.fed, self.stop, f"the Fed Server of {self.device_id}")
-        layout = check_run(self.info, self.model_ref)
+        layout = check_run(self.info, self.model_ref, self.loss_ref)
         # The one place the device's data becomes its training set. Federated evaluation: split
         # once into the training part and the held-out part, before anything (registration,
         # warm-up, training) sees the data.
@@ -227,9 +231,11 @@ class Device:
         self.main_link = MainLink(self.connect_main)
         self.device_model = DeviceModel(info, layout, self.keep_model, self.torch_device, self.weights_cache,
                                         lambda weights_id: fed.weights(device_id, weights_id))
+        # The run's loss (checked by check_run: an import path only when it is the operator's --loss).
+        self.loss = build_loss(info.loss, info.task)
         self.trainer = TaskTrainer(device_id, data, self.device_model, fed, self.main_link, self.poller,
                                    self._new_clock, info.seed, device_id if self.shard is None else self.shard,
-                                   self.compute, self.task_wait_s)
+                                   self.compute, self.task_wait_s, self.loss)
         return self.device_model
 
     def _load_data(self) -> ArrayDataset:
@@ -237,7 +243,7 @@ class Device:
         assert self.info is not None
         spec = self.info.data
         if self.source is not None:
-            return self.source.load(spec, self.data_args)
+            return self.source.load(spec, self.data_args, self.info.task)
         if spec.dataset == "local":
             raise DataError(f"{self.device_id}: the run uses the devices' own data (dataset 'local'); start the "
                             f"agent with --data PATH instead of --shards")
@@ -326,4 +332,5 @@ class Device:
         """Federated evaluation of the task's global model on the held-out part
         (:func:`device_agent.reports.report_evaluation`)."""
         assert self.device_model is not None
-        report_evaluation(self.fed, self.device_id, task, self.device_model, self.held_out)
+        assert self.loss is not None
+        report_evaluation(self.fed, self.device_id, task, self.device_model, self.held_out, self.loss)

@@ -13,7 +13,8 @@ from device_agent.device_model import DeviceModel
 from device_agent.trainer import TaskExpired
 from shared.data import ArrayDataset
 from shared.errors import DomainError
-from shared.evaluation import evaluation_counts
+from shared.evaluation import EvaluationSums, evaluation_sums
+from shared.losses import Loss
 from shared.round_label import round_label
 from shared.schemas import EvaluationReport, TaskResponse, UpdateRequest, WithdrawRequest
 from shared.wire import WireError
@@ -53,20 +54,22 @@ def upload(fed: FedApi, task: TaskResponse, body: UpdateRequest, received_at: fl
 
 
 def report_evaluation(fed: FedApi, device_id: str, task: TaskResponse, model: DeviceModel,
-                      held_out: ArrayDataset | None) -> None:
-    """Federated evaluation: run the task's global model on the held-out part and report the
-    counts. A device that held nothing out reports zero samples, so the round need not wait
-    for it (it sends no figures)."""
+                      held_out: ArrayDataset | None, loss: Loss) -> None:
+    """Federated evaluation: run the task's global model on the held-out part with the run's
+    ``loss`` and report the sums (correct predictions, or a regression task's errors). A device
+    that held nothing out reports zero samples, so the round need not wait for it (it sends no
+    figures)."""
     assert task.round_id is not None
-    correct, loss_sum, n = 0, 0.0, 0
+    sums = EvaluationSums(0, 0, 0.0)
     if held_out is not None and len(held_out) > 0:
         with model.task_scope():
-            correct, loss_sum = evaluation_counts(model.whole_model_of(task), held_out)
-            n = len(held_out)
-    fed.evaluation(EvaluationReport(device_id=device_id, round_id=task.round_id, num_samples=n,
-                                    correct=correct, loss_sum=loss_sum))
-    log.info("%s: evaluated %s on %d held-out samples (%d correct)", device_id,
-             round_label(task.round_index, task.round_id), n, correct)
+            sums = evaluation_sums(model.whole_model_of(task), held_out, loss)
+    fed.evaluation(EvaluationReport(device_id=device_id, round_id=task.round_id, num_samples=sums.samples,
+                                    correct=sums.correct, loss_sum=sums.loss_sum,
+                                    squared_error_sum=sums.squared_error_sum,
+                                    absolute_error_sum=sums.absolute_error_sum))
+    log.info("%s: evaluated %s on %d held-out samples (%s)", device_id, round_label(task.round_index, task.round_id),
+             sums.samples, f"{sums.correct} correct" if loss.task == "classification" else f"loss {sums.loss_sum:.4g} in sum")
 
 
 def abandon(fed: FedApi, device_id: str, task: TaskResponse, exc: Exception) -> None:

@@ -8,6 +8,7 @@ import time
 
 from device_agent.api import FedApi
 from shared.algorithms.registry import ALGORITHMS
+from shared.losses import check_loss_origin
 from shared.models import SplitModel, build_model, build_model_layout, check_model_origin
 from shared.schemas import RunInfo
 
@@ -20,14 +21,16 @@ def build_run_model(info: RunInfo, layout: bool = False) -> SplitModel:
     return build(info.model, info.num_classes, tuple(info.input_shape), seed=info.seed, params=info.model_params)
 
 
-def check_run(info: RunInfo, model_ref: str | None) -> SplitModel:
+def check_run(info: RunInfo, model_ref: str | None, loss_ref: str | None = None) -> SplitModel:
     """The run's model layout, once the run is known to be one this process can train: its
-    algorithm is one it knows, and its model one it may build (an import path only when it is
-    the operator's ``--model``, checked before anything is imported) and can. ValueError
-    naming what is wrong otherwise."""
+    algorithm is one it knows, its loss one it may use (an import path only when it is the
+    operator's ``--loss``) and its model one it may build (an import path only when it is the
+    operator's ``--model``), checked before anything is imported, and can. ValueError naming what
+    is wrong otherwise."""
     if info.algorithm not in ALGORITHMS:
         raise ValueError(f"the run's algorithm {info.algorithm!r} is not one this agent knows "
                          f"({', '.join(ALGORITHMS)}): run an agent of the Fed Server's version")
+    check_loss_origin(info.loss, loss_ref)
     check_model_origin(info.model, model_ref)
     return build_run_model(info, layout=True)
 

@@ -20,6 +20,7 @@ from shared.algorithms.base import DeviceLogic, Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
 from shared.data import ArrayDataset
 from shared.errors import Conflict, Invalid
+from shared.losses import Loss
 from shared.models import Portion, SplitModel
 from shared.portions import decode_portion
 from shared.schemas import DeviceTimings, JoinRequest, ReportRequest, TaskResponse, UpdateRequest
@@ -35,7 +36,8 @@ class TaskTrainer:
     Server client, ``poller`` asks for a two-phase algorithm's follow-up, ``new_clock`` times each
     round. ``seed`` and ``seed_key`` (the device's shard, or its id when it brings its own data)
     give each round's batch order (:func:`device_agent.trainer.round_seed`); ``compute``: where a
-    whole-model round's training runs (the agent's compute threads, or this thread)."""
+    whole-model round's training runs (the agent's compute threads, or this thread); ``loss``: the
+    run's (``RunInfo.loss``), which every task's ``train.loss`` must name."""
 
     device_id: str
     data: ArrayDataset
@@ -48,6 +50,7 @@ class TaskTrainer:
     seed_key: int | str
     compute: Compute | None
     task_wait_s: float
+    loss: Loss
 
     def train(self, task: TaskResponse, task_bytes: int, received_at: float) -> UpdateRequest:
         """Train the task and return the upload (the decoded weights and the training's other
@@ -57,7 +60,7 @@ class TaskTrainer:
         counts from there, and past it the task is given up (:class:`TaskExpired`)."""
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
         clock = self.new_clock()
-        follow_up_model, logic, extras = _task_terms(task)
+        follow_up_model, logic, extras = _task_terms(task, self.loss)
         if time.monotonic() > deadline:   # a stalled device: its weights may no longer be served either
             raise TaskExpired("deadline passed before the task started")
         assert task.train is not None and task.round_id is not None and task.split_point is not None
@@ -147,16 +150,21 @@ class TaskTrainer:
         )
 
 
-def _task_terms(task: TaskResponse) -> tuple[type[Payload], DeviceLogic, Payload]:
+def _task_terms(task: TaskResponse, loss: Loss) -> tuple[type[Payload], DeviceLogic, Payload]:
     """A training task's algorithm terms, validated before anything is fetched: the algorithm's
-    ``FollowUp`` model, its device logic for the task's parameters, the task's extras. Invalid
-    for a task that lacks its round, split point or settings, or names an unknown algorithm;
-    pydantic's ValidationError for parameters or extras the algorithm refuses."""
+    ``FollowUp`` model, its device logic for the task's parameters and the run's ``loss``, the
+    task's extras. Invalid for a task that lacks its round, split point or settings, names an
+    unknown algorithm or another loss than the run's (a task never brings code: its loss must be
+    the one the device checked at the start); pydantic's ValidationError for parameters or extras
+    the algorithm refuses."""
     if task.train is None or task.round_id is None or task.split_point is None:
         raise Invalid("a training task must name its round_id, split_point and train settings")
+    if (task.train.loss, task.train.task) != (loss.name, loss.task):
+        raise Invalid(f"the task's loss {task.train.loss!r} ({task.train.task}) is not the run's {loss.name!r} "
+                      f"({loss.task})")
     algorithm = ALGORITHMS.get(task.algorithm or "fedavg")
     if algorithm is None:
         raise Invalid(f"the task's algorithm {task.algorithm!r} is not one this agent knows "
                       f"({', '.join(ALGORITHMS)})")
-    logic = algorithm.device_logic(dict(task.params))   # pydantic's ValidationError for refused params
+    logic = algorithm.device_logic(dict(task.params), loss)   # pydantic's ValidationError for refused params
     return algorithm.FollowUp, logic, parse_payload(algorithm.TaskExtras, task.extras, "task extras")

@@ -48,6 +48,7 @@ from shared.algorithms.base import RoundContext
 from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
 from shared.evaluation import evaluation_mode, server_test_set
+from shared.losses import build_loss, softmax_head_warning
 from shared.models import model_fingerprint, profile_model
 from shared.run_config import build_config_model
 from shared.schemas import (
@@ -84,7 +85,7 @@ class Coordinator:
                                     config.train.local_epochs, config.split.server_flops)
         self.rng = random.Random(config.seed)
         # Federated evaluation does not use a server test set even where one exists.
-        test_set = server_test_set(config.data) if core.evaluation_mode == "server" else None
+        test_set = server_test_set(config.data, core.loss.task) if core.evaluation_mode == "server" else None
         self.progress = Progress(core, Recorder(run_dir), self.rng, self.table, test_set)
         self.resumed = self.progress.resume()
         run_dir.write_config(config, core.run_id)
@@ -270,6 +271,10 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
     algorithm = build_algorithm(config)
     model = build_config_model(config, layout=False)
     algorithm.bind_model(model)
+    loss = build_loss(config.train.loss, config.train.task)
+    head_warning = softmax_head_warning(model, loss)
+    if head_warning is not None:
+        log.warning(head_warning)
     return RunCore(
         config=config, run_id=run_id or uuid.uuid4().hex[:12], model=model, algorithm=algorithm,
         # The selection policy is composed here, beside the algorithm: every algorithm gets it
@@ -279,4 +284,4 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
         missed=MissedDeadlines(config.deadlines.max_skip_rounds),
         pace=DevicePace(config.deadlines.patience, config.deadlines.patience_grace_s),
         evaluation_mode=evaluation_mode(config),
-        torch_device=torch_device)
+        torch_device=torch_device, loss=loss)

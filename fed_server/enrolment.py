@@ -12,6 +12,7 @@ from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
 from shared.auth import Auth, Enrolment, device_bearer_token
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound
+from shared.losses import label_counts_problem
 from shared.models import fingerprint_differences
 from shared.models.fingerprint import ModelFingerprint
 from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
@@ -47,6 +48,7 @@ class DeviceEnrolment:
                        model_params=config.model_params, fingerprint=self.fingerprint,
                        num_classes=self.num_classes, input_shape=list(self.input_shape),
                        data=config.data, seed=config.seed, holdout=self.core.holdout(),
+                       loss=config.train.loss, task=config.train.resolved_task,
                        label_counts_at_registration=self.label_counts_at_registration)
 
     def enrol(self, req: RegisterRequest, enrolment: Enrolment | None, auth: Auth) -> RegisterResponse:
@@ -144,8 +146,9 @@ class DeviceEnrolment:
             if req.label_counts is None:
                 raise Invalid(f"{req.device_id}: this run has several Main Server replicas and groups at the Fed "
                               f"Server: register with label_counts (RunInfo.label_counts_at_registration)")
-            if len(req.label_counts) != self.num_classes:
-                raise Invalid(f"label_counts has {len(req.label_counts)} entries; the model has {self.num_classes} classes")
+            problem = label_counts_problem(len(req.label_counts), self.num_classes, self.core.loss.task)
+            if problem is not None:
+                raise Invalid(problem)
         elif req.label_counts is not None:
             raise Invalid("this run takes label counts at the Main Server only (RunInfo.label_counts_at_registration "
                           "is false): register without label_counts")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.round_label import round_label
 from shared.evaluation import FederatedResult, combine_reports
+from shared.losses import Task
 from shared.schemas import EvaluationReport
 
 
@@ -35,6 +36,7 @@ class EvaluationRound:
     refused: dict[str, str] = field(default_factory=dict)
     task_bytes: int = 0          # evaluation task bodies sent (counted in the round's bytes_down)
     closed: bool = False
+    task: Task = "classification"   # the run's (train.task): which figures the reports make
 
     def accept(self, report: EvaluationReport) -> None:
         """Store one device's report, after every check. A report claiming more samples than the
@@ -68,4 +70,4 @@ class EvaluationRound:
 
     def result(self) -> FederatedResult:
         """The sample-weighted mean over the reports (None figures when none evaluated anything)."""
-        return combine_reports(self.reports.values())
+        return combine_reports(self.reports.values(), self.task)

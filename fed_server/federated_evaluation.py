@@ -39,7 +39,7 @@ class FederatedEvaluation:
         self.dispatch.release_evaluation_weights()
         core.evaluating = EvaluationRound(
             round_id=fed_round.round_id, index=fed_round.index, asked={d: self.held_out_limit(d) for d in aggregation.used},
-            deadline_s=core.config.deadlines.evaluate_s)
+            deadline_s=core.config.deadlines.evaluate_s, task=core.loss.task)
         log.info("%s: asking %d devices to evaluate the new global model",
                  round_label(fed_round.index, fed_round.round_id), len(aggregation.used))
         core.post_work()

@@ -19,12 +19,12 @@ from fed_server.checkpoint import RunProgress
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.fed_round import FedRound
 from fed_server.recorder import Recorder
-from fed_server.records import RoundRecord, round_record, run_summary
+from fed_server.records import RoundRecord, figure_fields, round_record, run_summary
 from fed_server.run_core import RunCore
 from fed_server.time_table import ClientTimeTable
 from fed_server.tracking import Tracking
 from shared.data import ArrayDataset
-from shared.evaluation import combine_reports, evaluate
+from shared.evaluation import Figures, combine_reports, evaluate
 
 log = logging.getLogger("fed_server")
 
@@ -69,9 +69,7 @@ class Progress:
         self.stop_reason: str | None = None
         self.elapsed_before = 0.0     # run time before a restart
         self.cumulative_bytes = 0
-        initial_acc, initial_loss = (evaluate(core.model, test_set, device=core.torch_device)
-                                     if test_set is not None else (None, None))
-        self.initial: dict[str, float | None] = {"test_accuracy": initial_acc, "test_loss": initial_loss}
+        self.initial = figure_fields(self.evaluate() if test_set is not None else None, core.loss.task)
 
     def next_attempt(self) -> int:
         """Reserve the next attempt's id (never reused, even across a restart) and return it."""
@@ -102,10 +100,10 @@ class Progress:
         core, config, ok = self.core, self.core.config, aggregation.ok
         if evaluation is not None:   # the evaluation tasks went down to the devices in this round
             fed_round.task_bytes += evaluation.task_bytes
-        accuracy, loss, evaluated = self._figures(ok, evaluation)
+        figures, evaluated = self._figures(ok, evaluation)
         record = round_record(
-            fed_round, config.algorithm, aggregation.used, aggregation.dropped, "ok" if ok else "failed", accuracy,
-            loss, time.monotonic() - fed_round.started_at, self.elapsed(), self.cumulative_bytes,
+            fed_round, config.algorithm, aggregation.used, aggregation.dropped, "ok" if ok else "failed", figures,
+            time.monotonic() - fed_round.started_at, self.elapsed(), self.cumulative_bytes,
             {d: r.kind for d, r in core.devices.devices.items()}, aggregation.aggregation_s,
             {**core.selector.metrics(), **core.algorithm.round_metrics(fed_round.context, aggregation.extras)} if ok else {},
             evaluated_devices=evaluated[0], evaluated_samples=evaluated[1])
@@ -122,22 +120,27 @@ class Progress:
         return self._unrecorded
 
     def _figures(self, ok: bool, evaluation: EvaluationRound | None
-                 ) -> tuple[float | None, float | None, tuple[int | None, int | None]]:
-        """Accuracy, loss and (federated) the devices and samples evaluated, as far as known at the
-        conclusion: a failed attempt's model did not change, so its last evaluation stands; the
-        server's evaluation of a new model comes with the record."""
+                 ) -> tuple[dict[str, float | None], tuple[int | None, int | None]]:
+        """The record's figures (:func:`figure_fields`) and (federated) the devices and samples
+        evaluated, as far as known at the conclusion: a failed attempt's model did not change, so
+        its last evaluation stands; the server's evaluation of a new model comes with the record."""
         federated = self.core.evaluation_mode == "federated"
         if not ok:
             last = self.history[-1] if self.history else None
             if last is None:
-                return self.initial["test_accuracy"], self.initial["test_loss"], ((0, 0) if federated else (None, None))
+                return dict(self.initial), ((0, 0) if federated else (None, None))
             evaluated = (last.evaluated_devices or 0, last.evaluated_samples or 0) if federated else (None, None)
-            return last.test_accuracy, last.test_loss, evaluated
+            return {key: getattr(last, key) for key in self.initial}, evaluated
         if federated:
             # No report at all (or no phase): the round still counts, with no figures.
-            result = evaluation.result() if evaluation is not None else combine_reports([])
-            return result.accuracy, result.loss, (result.devices, result.samples)
-        return None, None, (None, None)
+            result = evaluation.result() if evaluation is not None else combine_reports([], self.core.loss.task)
+            return figure_fields(result.figures, self.core.loss.task), (result.devices, result.samples)
+        return figure_fields(None, self.core.loss.task), (None, None)
+
+    def evaluate(self) -> Figures:
+        """The server's evaluation of the global model on its test set, with the run's loss."""
+        assert self.test_set is not None
+        return evaluate(self.core.model, self.test_set, self.core.loss, device=self.core.torch_device)
 
     def _note_deadlines(self, fed_round: FedRound, used: Sequence[str]) -> None:
         """Clear the record of every device that uploaded; make those the attempt waited a
@@ -167,7 +170,7 @@ class Progress:
             if core.evaluation_mode == "server":
                 assert self.test_set is not None
                 started = time.perf_counter()
-                update["test_accuracy"], update["test_loss"] = evaluate(core.model, self.test_set, device=core.torch_device)
+                update.update(figure_fields(self.evaluate(), core.loss.task))
                 update["evaluation_s"] = time.perf_counter() - started
             record = RoundRecord.model_validate({**record.model_dump(), **update})   # validated like any record
         self.history.append(record)
@@ -242,5 +245,5 @@ class Progress:
     def _summary(self, finished: bool, stop_reason: str | None) -> dict:
         config = self.core.config
         base = {"run_id": self.core.run_id, "algorithm": config.algorithm, "model": config.model}
-        return run_summary(self.history, base, self.initial["test_accuracy"], self.rounds_done,
+        return run_summary(self.history, base, self.initial, self.rounds_done,
                            self.cumulative_bytes, finished, stop_reason)

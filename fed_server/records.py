@@ -16,6 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from fed_server.fed_round import FedRound
+from shared.evaluation import Figures
+from shared.losses import Task
 from shared.schemas import DeviceTimings
 
 
@@ -65,6 +67,10 @@ class RoundRecord(BaseModel):
     test_accuracy: float | None
     test_loss: float | None
     train_loss: float | None
+    # A regression task's figures (docs/metrics.md): the mean squared and mean absolute error of the
+    # global model's predictions; None for a classification task (whose figure is test_accuracy).
+    test_mse: float | None = None
+    test_mae: float | None = None
     round_time_s: float
     elapsed_s: float
     selected: list[str]
@@ -102,7 +108,7 @@ class RoundRecord(BaseModel):
     # their shapes belong to the algorithms, so the record keeps them as the JSON they are.
     algorithm_metrics: dict[str, Any] = {}
 
-    @field_validator("test_accuracy", "test_loss", "train_loss", "aggregation_s", "evaluation_s")
+    @field_validator("test_accuracy", "test_loss", "train_loss", "test_mse", "test_mae", "aggregation_s", "evaluation_s")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return value if value is None or math.isfinite(value) else None
@@ -128,18 +134,27 @@ class RunStatus(BaseModel):
     registered: int
     expected_devices: int
     open_round: int | None          # attempt id (``round_id``) of the round in progress
-    initial: dict[str, float | None]  # the initial model's test_accuracy and test_loss (None: federated evaluation)
+    initial: dict[str, float | None]  # the initial model's figure_fields (None values: federated evaluation)
     records: int                    # round records written so far, every attempt (``history`` may hold fewer)
     history: list[RoundRecord]
     summary: dict[str, Any] | None  # summary.json's contents once finished
     driver_error: str | None
 
 
+def figure_fields(figures: Figures | None, task: Task) -> dict[str, float | None]:
+    """A record's figures of the global model: ``test_accuracy`` and ``test_loss``, and for a
+    regression task ``test_mse`` and ``test_mae`` too (all None when nothing was evaluated)."""
+    fields = {"test_accuracy": figures.accuracy if figures else None, "test_loss": figures.loss if figures else None}
+    if task == "regression":
+        fields.update(test_mse=figures.mse if figures else None, test_mae=figures.mae if figures else None)
+    return fields
+
+
 def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropped: set[str], status: str,
-                 accuracy: float | None, loss: float | None, duration: float, elapsed: float, cumulative_bytes: int,
+                 figures: Mapping[str, float | None], duration: float, elapsed: float, cumulative_bytes: int,
                  device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any],
                  evaluated_devices: int | None = None, evaluated_samples: int | None = None) -> RoundRecord:
-    """The record of one finished round attempt."""
+    """The record of one finished round attempt; ``figures`` are its :func:`figure_fields`."""
     updates = fed_round.updates
     up, down, server = round_bytes(fed_round)
     total_samples = sum(updates[d].request.num_samples for d in used) or 1
@@ -147,7 +162,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
     missing = sorted(set(fed_round.assignments) - set(updates) - dropped)
     return RoundRecord(
         round=fed_round.index, round_id=fed_round.round_id, algorithm=algorithm, status=status,
-        test_accuracy=accuracy, test_loss=loss, train_loss=train_loss if used else None,
+        **figures, train_loss=train_loss if used else None,
         round_time_s=duration, elapsed_s=elapsed,
         selected=sorted(fed_round.assignments), aggregated=list(used), dropped=sorted(dropped | set(missing)),
         split_points={d: a.split_point for d, a in sorted(fed_round.assignments.items())},
@@ -175,17 +190,24 @@ def round_bytes(fed_round: FedRound) -> tuple[int, int, int]:
     return up, down, server
 
 
-def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial_accuracy: float | None, rounds_done: int,
-                cumulative_bytes: int, finished: bool, stop_reason: str | None) -> dict[str, Any]:
-    """``summary.json``: what the run achieved. Accuracy figures come from completed rounds only."""
+def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial: Mapping[str, float | None],
+                rounds_done: int, cumulative_bytes: int, finished: bool, stop_reason: str | None) -> dict[str, Any]:
+    """``summary.json``: what the run achieved. Accuracy figures come from completed rounds only;
+    ``initial`` is the initial model's :func:`figure_fields`, whose ``test_mse`` marks a regression
+    run (its summary adds the MSE and MAE figures, docs/metrics.md)."""
     ok = [r for r in history if r.status == "ok"]
     accs = [r.test_accuracy for r in ok if r.test_accuracy is not None]
     times = [r.round_time_s for r in ok]
+    regression = {}
+    if "test_mse" in initial:
+        mses = [r.test_mse for r in ok if r.test_mse is not None]
+        regression = {"initial_mse": initial["test_mse"], "final_mse": mses[-1] if mses else None,
+                      "best_mse": min(mses) if mses else None, "final_mae": ok[-1].test_mae if ok else None}
     return {
         **base,
         "rounds": rounds_done,
         "failed_attempts": len(history) - len(ok),
-        "initial_accuracy": initial_accuracy,
+        "initial_accuracy": initial["test_accuracy"],
         "final_accuracy": accs[-1] if accs else None,
         "best_accuracy": max(accs) if accs else None,
         "final_loss": ok[-1].test_loss if ok else None,
@@ -197,4 +219,5 @@ def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial
         # A run that evaluated on data it also trained on (FNR-FL's paper-reproduction option)
         # says so in its summary, not only in its round records.
         "leaky": any(r.algorithm_metrics.get("leaky") for r in history),
+        **regression,
     }

@@ -25,6 +25,7 @@ from shared.algorithms.base import Algorithm
 from shared.algorithms.selection import DeviceSelector
 from shared.config import RunConfig
 from shared.errors import Conflict
+from shared.losses import Loss, build_loss
 from shared.models.split_model import SplitModel
 from shared.portions import portion_state
 
@@ -50,6 +51,8 @@ class RunCore:
     pace: DevicePace
     evaluation_mode: str
     torch_device: torch.device | None = None
+    #: The run's loss (``train.loss``): the server's evaluation computes it (shared/losses.py).
+    loss: Loss = field(default_factory=build_loss)
     #: The weights tasks name, packed once each and fetched by id (fed_server/weights_store.py).
     weights: WeightsStore = field(default_factory=WeightsStore)
     round: FedRound | None = None              # the open attempt

@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the run's model when it is an import path package.module:function (env SFL_MODEL): "
                              "the Main Server builds an import path only if it equals this, never because a plan "
                              "names it (docs/security.md); built-in names need no flag")
+    parser.add_argument("--loss", default=env_default("loss", None),
+                        help="the run's loss when it is an import path package.module:function (env SFL_LOSS): "
+                             "used only if it equals the plan's train.loss, like --model; built-in losses need "
+                             "no flag")
     parser.add_argument("--train-workers", type=int, default=env_default("train_workers", None),
                         help="group steps trained at once, each on --threads torch threads (env SFL_TRAIN_WORKERS; "
                              "default: the usable cores divided by --threads, at least 1)")
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),
                                   auth=auth, ca_file=args.ca_file, torch_device=args.torch_device, model=args.model,
-                                  train_workers=args.train_workers)
+                                  loss=args.loss, train_workers=args.train_workers)
     serve(create_app(settings), args)
 
 

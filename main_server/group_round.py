@@ -31,6 +31,7 @@ from shared.algorithms.grouping import GroupCandidate, form_round_groups
 from shared.algorithms.label_balance import label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
+from shared.losses import build_loss, check_loss_origin, label_counts_problem
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.round_label import round_label
 
@@ -48,7 +49,7 @@ class GroupRound:
 
     def __init__(self, plan: RoundPlan, on_group_done: Callable[["GroupRound", Group], Awaitable[None]],
                  metrics: MainMetrics | None = None, device: torch.device | None = None,
-                 model_ref: str | None = None, executor: Executor | None = None) -> None:
+                 model_ref: str | None = None, executor: Executor | None = None, loss_ref: str | None = None) -> None:
         self.plan = plan
         self.executor = executor
         self.metrics = metrics
@@ -59,8 +60,12 @@ class GroupRound:
         self.participants = {p.device_id: p for p in plan.participants}
         try:
             self.grouping = build_grouping(plan.grouping)
-            self.group_loss = build_group_loss(plan.group_loss)  # one instance serves every group
+            # The run's loss: an import path only when the operator named it (--loss), like a model.
+            check_loss_origin(plan.train.loss, loss_ref)
+            loss = build_loss(plan.train.loss, plan.train.task)
+            self.group_loss = build_group_loss(plan.group_loss, loss)  # one instance serves every group
         except ValueError as exc:
+            log.error("refusing the plan of %s: %s", round_label(plan.round_index, plan.round_id), exc)
             raise Invalid(f"invalid plan: {exc}") from None
         self.template = plan_model(plan, model_ref)
         self.start, self.server_weights = server_weights(plan, self.template)
@@ -100,8 +105,9 @@ class GroupRound:
         """Record a device's label counts; answer once groups are formed."""
         if req.device_id not in self.participants:
             raise NotFound(f"device {req.device_id!r} is not a participant of round {self.round_id}")
-        if len(req.label_counts) != self.plan.num_classes:
-            raise Invalid(f"label_counts has {len(req.label_counts)} entries; the model has {self.plan.num_classes} classes")
+        problem = label_counts_problem(len(req.label_counts), self.plan.num_classes, self.plan.train.resolved_task)
+        if problem is not None:
+            raise Invalid(problem)
         if req.device_id in self.departed:
             raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.departed[req.device_id]}")
         if self.groups is not None:

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shared.algorithms.group_loss import GroupLoss, PerMemberLoss
 from shared.models import SplitModel
@@ -126,7 +125,8 @@ class GroupTrainer:
     def step(self, batches: list[MemberBatch]) -> dict[str, MemberResult]:
         """Forward the concatenated batch, one SGD step on the copy, each member's dfx and loss.
 
-        The objective and the scale of the copy's gradient come from the group-loss plug-in
+        The members' losses are the run's loss (the plug-in's ``criterion``); the objective and the
+        scale of the copy's gradient come from the group-loss plug-in
         (``shared/algorithms/group_loss.py``). A step whose results are not all finite is not
         applied: :class:`NonFiniteStep` names the members to leave out, and the copy (weights,
         momentum, BatchNorm statistics) stays as it was.
@@ -155,7 +155,7 @@ class GroupTrainer:
         assert h is not None
         logits = torch.split(h, [b.labels.shape[0] for b in order], dim=0)
         labels = [b.labels.to(self.device) for b in order]
-        member_losses = [F.cross_entropy(out, y) for out, y in zip(logits, labels)]
+        member_losses = [self.group_loss.criterion.mean(out, y) for out, y in zip(logits, labels)]
         shares = [share_of[b.device_id] for b in order]
         total = self.group_loss.objective(h, labels, member_losses, shares)
         self.optimizer.zero_grad(set_to_none=True)

@@ -54,6 +54,7 @@ class MainServerSettings:
     ca_file: str | None = None                 # CA bundle to verify the Fed Server's HTTPS certificate
     torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where groups train
     model: str | None = None                   # the operator's --model: the only import path a plan may name
+    loss: str | None = None                    # the operator's --loss: the only import-path loss a plan may name
     # Group steps trained at once (--train-workers), each on the process's torch threads; None:
     # shared.machine.compute_workers(). Not asyncio's default executor (up to cores + 4 threads): more steps
     # at once than cores only share the cores, each step taking longer (benchmarks/README.md,
@@ -92,7 +93,7 @@ class MainServer:
             raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
         # validates the plan before anything is replaced
         new = GroupRound(plan, self.upload_portion, self.metrics, self.settings.torch_device, model_ref=self.settings.model,
-                         executor=self.trainers)
+                         executor=self.trainers, loss_ref=self.settings.loss)
         if self.round is not None:
             self.round.abandon()
         self.round = new

@@ -35,6 +35,11 @@ class StepChecks:
 
     def __init__(self, plan: RoundPlan, template: SplitModel) -> None:
         self.plan = plan
+        # Class labels int64 [B]; a regression task's targets float32 [B] (one model output) or
+        # [B, outputs] (docs/wire-format.md).
+        self.regression = plan.train.resolved_task == "regression"
+        self.label_dtype = "float32" if self.regression else "int64"
+        self.label_tail = [] if not self.regression or plan.num_classes == 1 else [plan.num_classes]
         # build_model has run one sample through the blocks: an input_shape the model cannot take
         # (too small for its pooling) was refused before.
         self.activation_shapes = activation_shapes(template, plan.input_shape)
@@ -42,11 +47,12 @@ class StepChecks:
     def decode_batch(self, req: StepRequest, split_point: int) -> MemberBatch:
         """The step's activations and labels, Invalid unless they decode and fit the group's batch
         at ``split_point``: fx float32 or float16 of shape [B, the activation shape there] with
-        1 <= B <= the batch size, labels int64 of shape [B]."""
+        1 <= B <= the batch size, labels int64 of shape [B] (regression: float32 targets [B] or
+        [B, outputs])."""
         try:
             # finiteness with the magnitude, in harmful_values' one pass
             fx = decode_tensor(req.fx, require_finite=False, what="fx")
-            labels = decode_tensor(req.labels, expect_dtype="int64", what="labels")
+            labels = decode_tensor(req.labels, expect_dtype=self.label_dtype, what="labels")   # targets: finite
         except WireError as exc:
             raise Invalid(str(exc)) from None
         if fx.dtype not in (torch.float32, torch.float16):
@@ -56,21 +62,24 @@ class StepChecks:
         if tuple(fx.shape[1:]) != expected_tail or not 1 <= batch <= self.plan.train.batch_size:
             raise Invalid(f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
                           f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {split_point}")
-        if list(labels.shape) != [batch]:
-            raise Invalid(f"labels: shape {list(labels.shape)} where [{batch}] was expected")
+        if list(labels.shape) != [batch, *self.label_tail]:
+            raise Invalid(f"labels: shape {list(labels.shape)} where {[batch, *self.label_tail]} was expected")
         return MemberBatch(req.device_id, split_point, fx, labels)
 
     def harmful_values(self, batch: MemberBatch) -> str | None:
         """Why a well-formed step's values must not join the group batch, or None: activations
         that are not finite or exceed ``max_activation`` in magnitude (one such member's
         activations, joined into the batch, swamp or poison the copy every member trains), or
-        labels outside the model's classes. One pass over each tensor (``torch.aminmax``)."""
+        labels outside the model's classes (a regression task's targets were checked finite when
+        decoded). One pass over each tensor (``torch.aminmax``)."""
         lowest, highest = (v.item() for v in torch.aminmax(batch.fx))   # NaN propagates to both
         if not (math.isfinite(lowest) and math.isfinite(highest)):
             return "fx: contains NaN or Inf"
         peak = max(-lowest, highest)
         if peak > self.plan.max_activation:
             return f"fx: |activation| up to {peak:.3g}, beyond the bound {self.plan.max_activation:g} (grouping.max_activation)"
+        if self.regression:
+            return None
         low_label, high_label = torch.aminmax(batch.labels)   # batch >= 1 here; both bounds in one torch call
         if int(low_label) < 0 or int(high_label) >= self.plan.num_classes:
             return f"labels: values must lie in [0, {self.plan.num_classes})"

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.data.spec import DataSpec
+from shared.losses import DEFAULT_LOSS, Task, resolve_task
 
 
 class _Strict(BaseModel):
@@ -21,13 +22,30 @@ class _Strict(BaseModel):
 
 
 class TrainConfig(_Strict):
-    """Local training hyperparameters, the same on devices and on the Main Server."""
+    """Local training hyperparameters, the same on devices and on the Main Server, and the loss
+    that all of them compute (docs/models.md, "Loss and task")."""
 
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     batch_size: int = Field(32, ge=1, le=4096)
     local_epochs: int = Field(1, ge=1, le=100)
+    # A built-in loss (shared/losses.py LOSSES) or an import path package.module:function.
+    loss: str = Field(DEFAULT_LOSS, min_length=1)
+    # classification (integer class labels, accuracy) or regression (float targets, MSE and MAE).
+    # None: the built-in loss's own; required for an import-path loss. Always set once validated.
+    task: Task | None = None
+
+    @model_validator(mode="after")
+    def _resolve_task(self) -> "TrainConfig":
+        self.task = resolve_task(self.loss, self.task)
+        return self
+
+    @property
+    def resolved_task(self) -> Task:
+        """The run's task (set by validation: the loss's own or the explicit one)."""
+        assert self.task is not None
+        return self.task
 
 
 class SplitConfig(_Strict):

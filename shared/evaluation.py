@@ -1,7 +1,8 @@
 """Where and how the global model is evaluated: on the Fed Server's test set, or federated (every
 device of the round evaluates it on its held-out part and reports counts, which this module
 combines). Also the evaluation of one model over one data set (the Fed Server's global model,
-per-domain and local evaluations, a device's held-out part).
+per-domain and local evaluations, a device's held-out part), with the run's loss: accuracy for a
+classification task, MSE and MAE for a regression task (docs/models.md, "Loss and task").
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 from shared.data import ArrayDataset, load_dataset
 from shared.data.spec import DataSpec
+from shared.losses import Loss, Task, build_loss
 from shared.torch_device import model_device
 
 if TYPE_CHECKING:
@@ -31,11 +32,36 @@ EvaluationMode = Literal["server", "federated"]
 EVAL_BATCH = 128
 
 
+@dataclass(frozen=True)
+class EvaluationSums:
+    """What one model scored over one data set, as sums over its samples: what a device reports, so
+    that the server can weight every device by its sample count exactly. ``correct`` counts for a
+    classification task, the error sums (each sample's error averaged over its targets) for a
+    regression task; the other kind stays 0."""
+
+    samples: int
+    correct: int
+    loss_sum: float
+    squared_error_sum: float = 0.0
+    absolute_error_sum: float = 0.0
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The means of :class:`EvaluationSums`: ``accuracy`` (classification) or ``mse`` and ``mae``
+    (regression; None for the other task), and the mean loss."""
+
+    accuracy: float | None
+    loss: float
+    mse: float | None = None
+    mae: float | None = None
+
+
 @torch.no_grad()
-def evaluation_counts(model: torch.nn.Module, data: ArrayDataset, batch_size: int = EVAL_BATCH,
-                      device: torch.device | None = None) -> tuple[int, float]:
-    """(correct predictions, summed cross-entropy) over ``data``, in eval mode: what a device
-    reports, so that the server can weight every device by its sample count exactly.
+def evaluation_sums(model: torch.nn.Module, data: ArrayDataset, loss: Loss | None = None,
+                    batch_size: int = EVAL_BATCH, device: torch.device | None = None) -> EvaluationSums:
+    """:class:`EvaluationSums` of ``model`` over ``data``, in eval mode, with the run's ``loss``
+    (None: cross-entropy, classification).
 
     Without ``device`` it runs where the model's weights are (a device agent's model on its
     ``--torch-device``). With ``device`` (the Fed Server's ``--torch-device``) the model itself
@@ -46,6 +72,7 @@ def evaluation_counts(model: torch.nn.Module, data: ArrayDataset, batch_size: in
     so the CPU runs this same path bit for bit). The data set stays on the CPU and each batch
     follows the weights.
     """
+    loss = loss if loss is not None else build_loss()
     was_training = model.training
     model.eval()
     weights = None
@@ -54,26 +81,44 @@ def evaluation_counts(model: torch.nn.Module, data: ArrayDataset, batch_size: in
     else:
         target = torch.device(device)
         weights = {name: t.to(target) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
-    correct, loss_sum = 0, 0.0
+    correct, loss_sum, squared, absolute = 0, 0.0, 0.0, 0.0
     try:
         for start in range(0, len(data), batch_size):
             x = data.x[start:start + batch_size].to(target)
             y = data.y[start:start + batch_size].to(target)
-            logits = model(x) if weights is None else functional_call(model, weights, (x,))
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == y).sum())
+            output = model(x) if weights is None else functional_call(model, weights, (x,))
+            loss_sum += float(loss.total(output, y))
+            if loss.task == "classification":
+                correct += int((output.argmax(dim=1) == y).sum())
+            else:
+                error = (loss.predictions(output) - loss.targets(output, y)).reshape(len(y), -1)
+                squared += float(error.square().mean(dim=1).sum())
+                absolute += float(error.abs().mean(dim=1).sum())
     finally:
         model.train(was_training)
-    return correct, loss_sum
+    return EvaluationSums(len(data), correct, loss_sum, squared, absolute)
 
 
-def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int = EVAL_BATCH,
-             device: torch.device | None = None) -> tuple[float, float]:
-    """(accuracy in [0, 1], mean cross-entropy) over ``data``, in eval mode (see
-    :func:`evaluation_counts` for ``device``)."""
-    correct, loss_sum = evaluation_counts(model, data, batch_size, device)
-    n = max(1, len(data))
-    return correct / n, loss_sum / n
+def figures(sums: EvaluationSums, task: Task) -> Figures:
+    """The means of ``sums`` over their samples, as the ``task`` reports them."""
+    n = max(1, sums.samples)
+    if task == "classification":
+        return Figures(sums.correct / n, sums.loss_sum / n)
+    return Figures(None, sums.loss_sum / n, sums.squared_error_sum / n, sums.absolute_error_sum / n)
+
+
+def evaluate(model: torch.nn.Module, data: ArrayDataset, loss: Loss | None = None, batch_size: int = EVAL_BATCH,
+             device: torch.device | None = None) -> Figures:
+    """The :class:`Figures` of ``model`` over ``data`` with ``loss`` (None: cross-entropy), in eval
+    mode (see :func:`evaluation_sums` for ``device``)."""
+    loss = loss if loss is not None else build_loss()
+    return figures(evaluation_sums(model, data, loss, batch_size, device), loss.task)
+
+
+def classification_accuracy(model: torch.nn.Module, data: ArrayDataset, batch_size: int = EVAL_BATCH) -> float:
+    """The accuracy in [0, 1] of a classifier over ``data`` (what the classification-only
+    algorithms and the benchmarks compare)."""
+    return evaluation_sums(model, data, batch_size=batch_size).correct / max(1, len(data))
 
 
 def has_server_test_set(spec: DataSpec) -> bool:
@@ -90,33 +135,33 @@ def evaluation_mode(config: "RunConfig") -> EvaluationMode:
     return "server" if has_server_test_set(config.data) else "federated"
 
 
-def server_test_set(spec: DataSpec) -> ArrayDataset | None:
+def server_test_set(spec: DataSpec, task: Task = "classification") -> ArrayDataset | None:
     """The Fed Server's test set: a built-in data set's test split, ``data.test_file`` for a local
-    run (loaded, checked and transformed like the devices' files), or None when there is none."""
+    run (loaded, checked and transformed like the devices' files, with the ``task``'s labels), or
+    None when there is none."""
     if spec.dataset != "local":
         return load_dataset(spec)[1]
     if spec.test_file is None:
         return None
     # Imported here: the local loaders (Pillow, user functions) are only needed by local runs.
     from shared.data.local import load_data_file
-    return load_data_file(spec.test_file, spec)
+    return load_data_file(spec.test_file, spec, task=task)
 
 
 @dataclass(frozen=True)
 class FederatedResult:
-    """The sample-weighted mean over the devices' evaluation reports."""
+    """The sample-weighted means over the devices' evaluation reports."""
 
-    accuracy: float | None      # None: no device evaluated any sample
-    loss: float | None
+    figures: Figures | None     # None: no device evaluated any sample
     devices: int                # devices that evaluated at least one sample
     samples: int
 
 
-def combine_reports(reports: Iterable["EvaluationReport"]) -> FederatedResult:
-    """Sum correct predictions, losses and samples over the reports: the accuracy and loss are
+def combine_reports(reports: Iterable["EvaluationReport"], task: Task = "classification") -> FederatedResult:
+    """Sum correct predictions (or errors), losses and samples over the reports: the figures are
     then the means over every held-out sample of the round, i.e. each device weighted by its
     held-out size. Reports of devices that held out nothing count for nothing."""
-    devices, samples, correct, loss_sum = 0, 0, 0, 0.0
+    devices, samples, correct, loss_sum, squared, absolute = 0, 0, 0, 0.0, 0.0, 0.0
     for report in reports:
         if report.num_samples == 0:
             continue
@@ -124,6 +169,8 @@ def combine_reports(reports: Iterable["EvaluationReport"]) -> FederatedResult:
         samples += report.num_samples
         correct += report.correct
         loss_sum += report.loss_sum
+        squared += report.squared_error_sum
+        absolute += report.absolute_error_sum
     if samples == 0:
-        return FederatedResult(None, None, 0, 0)
-    return FederatedResult(correct / samples, loss_sum / samples, devices, samples)
+        return FederatedResult(None, 0, 0)
+    return FederatedResult(figures(EvaluationSums(samples, correct, loss_sum, squared, absolute), task), devices, samples)

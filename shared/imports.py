@@ -1,5 +1,5 @@
 """Operator code named by an import path ``package.module:function``: user models (``model:``,
-``--model``) and user data functions (``--data``).
+``--model``), user losses (``train.loss``, ``--loss``) and user data functions (``--data``).
 
 Import paths come only from the operator's configuration and command line, never from a message
 (docs/security.md): the callers check that before they get here.
@@ -17,6 +17,16 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 def is_import_path(ref: str) -> bool:
     """True for ``package.module:function`` (attributes may be dotted: ``pkg.mod:Class.build``)."""
     return bool(_IMPORT_PATH.match(ref))
+
+
+def check_import_origin(setting: str, run_ref: str, local_ref: str | None) -> None:
+    """Refuse code named by the network: a run whose ``setting`` (``model``, ``loss``) is an import
+    path is used only if the operator gave this process the same reference (``--model``,
+    ``--loss``). A built-in name may come from anywhere. ValueError saying how to start the process."""
+    if is_import_path(run_ref) and run_ref != local_ref:
+        told = f" (this process was started with --{setting} {local_ref})" if local_ref else ""
+        raise ValueError(f"the run uses {setting} {run_ref!r} (an import path); start this process with "
+                         f"--{setting} {run_ref}{told}: import paths are never taken from the network")
 
 
 def import_callable(ref: str, what: str) -> Callable[..., Any]:

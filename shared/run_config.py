@@ -37,7 +37,8 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     :func:`build_config_model`); a server evaluation's test set; the algorithm's and the
     selector's own parameters; the per-device data transform and its parameters; and
     model/algorithm compatibility (a cut needs split points, FNR-FL/FedIPG/HiCS-FL need the parts
-    they name in ``model_parts_needed``).
+    they name in ``model_parts_needed``); a regression task's data set, algorithm and selection
+    (:func:`_check_task`).
 
     Returns ``config`` unchanged; raises ValueError naming the problem (and, for unknown names,
     the valid choices).
@@ -46,6 +47,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
         raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
     if config.selection not in SELECTORS:
         raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}")
+    _check_task(config, ALGORITHMS[config.algorithm].needs_classes, SELECTORS[config.selection].needs_classes)
     model = build_config_model(config)
     check_device_transform(config.data)   # unknown names and bad parameters
     if config.evaluation.mode == "server" and not has_server_test_set(config.data):
@@ -74,6 +76,23 @@ def validate_run_config(config: RunConfig) -> RunConfig:
                                  f"and it could not be inferred: return ModelDefinition(..., {part}=...) "
                                  f"(docs/models.md)")
     return config
+
+
+def _check_task(config: RunConfig, algorithm_needs: str | None, selector_needs: str | None) -> None:
+    """A regression task (``train.loss``, ``train.task``) needs data with float targets, which only
+    ``dataset: local`` brings, and an algorithm and selection policy that do not need class labels
+    (``Algorithm.needs_classes``). ValueError in one line otherwise."""
+    if config.train.resolved_task != "regression":
+        return
+    loss = f"train.loss {config.train.loss!r}"
+    if config.data.dataset != "local":
+        raise ValueError(f"{loss} is a regression task, but data set {config.data.dataset!r} holds class labels: use "
+                         f"data.dataset: local with float targets, or a classification loss (cross_entropy)")
+    for who, needs in ((f"algorithm {config.algorithm!r}", algorithm_needs),
+                       (f"selection {config.selection!r}", selector_needs)):
+        if needs is not None:
+            raise ValueError(f"{who} needs class labels ({needs}), so it cannot run a regression task ({loss}): "
+                             f"use fedavg, fedprox, sfl or s2fl with random selection")
 
 
 class ConfigError(ValueError):

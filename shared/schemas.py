@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, m
 
 from shared.config import TrainConfig
 from shared.data.spec import DataSpec
+from shared.losses import DEFAULT_LOSS, Task
 from shared.models.fingerprint import ModelFingerprint
 from shared.wire import DTYPE_NAMES, MAX_RANK
 
@@ -125,6 +126,10 @@ class RunInfo(Message):
     input_shape: list[int]
     data: DataSpec
     seed: int
+    #: The run's loss and task (``train.loss``, ``train.task``): a device loads its data with the
+    #: task's labels, and an import-path loss is used only when the operator named it (``--loss``).
+    loss: str = DEFAULT_LOSS
+    task: Task = "classification"
     #: Federated evaluation: the fraction of its data every device holds out (``evaluation.holdout``)
     #: and evaluates the global model on when asked. None: the Fed Server evaluates on its test set.
     holdout: float | None = Field(default=None, gt=0, lt=1)
@@ -225,15 +230,19 @@ class EvaluationReport(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
     round_id: int = Field(ge=0, strict=True)
     num_samples: int = Field(ge=0, strict=True)
-    correct: int = Field(ge=0, strict=True)
-    loss_sum: float = Field(ge=0, allow_inf_nan=False)   # summed cross-entropy over the samples
+    correct: int = Field(ge=0, strict=True)               # classification; 0 for a regression task
+    loss_sum: float = Field(ge=0, allow_inf_nan=False)   # the run's loss summed over the samples
+    #: Regression task: squared and absolute errors summed over the samples (each sample's averaged
+    #: over its targets); 0 for a classification task.
+    squared_error_sum: float = Field(0.0, ge=0, allow_inf_nan=False)
+    absolute_error_sum: float = Field(0.0, ge=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _consistent(self) -> "EvaluationReport":
         if self.correct > self.num_samples:
             raise ValueError(f"correct ({self.correct}) exceeds num_samples ({self.num_samples})")
-        if self.num_samples == 0 and self.loss_sum != 0:
-            raise ValueError("loss_sum must be 0 when no sample was evaluated")
+        if self.num_samples == 0 and (self.loss_sum != 0 or self.squared_error_sum != 0 or self.absolute_error_sum != 0):
+            raise ValueError("loss_sum must be 0 when no sample was evaluated (and so must the error sums)")
         return self
 
 

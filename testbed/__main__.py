@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{config.per_round} per round | {config.rounds} rounds | {_emulation(config.devices)}"
           f"{_layout(args.real_links, args.agent_per_device, args.rtt_ms)}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
+    for warning in checked.warnings:
+        print(f"warning: {warning}", flush=True)
     interrupt_on_sigterm()
     try:
         testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,

@@ -35,13 +35,16 @@ class CheckRequest(BaseModel):
 class CheckResult(BaseModel):
     """The fully checked configuration (``config``; read back by the launcher against the schema
     only, the child having checked the rest), the algorithm's split mode and the
-    resolved ``--torch-device`` (``auto`` resolved once, here); or ``usage_error``, the message of a
+    resolved ``--torch-device`` (``auto`` resolved once, here) and ``warnings``; or ``usage_error``, the message of a
     bad flag (an unavailable torch device, a missing ``--device-data`` path)."""
 
     config: RunConfig | None = None
     split_mode: Literal["zero", "fixed", "sliding"] | None = None
     torch_device: str | None = None
     usage_error: str | None = None
+    #: Lines the launcher prints before the run starts: a model whose head does not suit the loss
+    #: (:func:`shared.losses.softmax_head_warning`), as the Fed Server logs it.
+    warnings: list[str] = []
 
 
 class CheckFailed(RuntimeError):
@@ -54,7 +57,8 @@ def check(request: CheckRequest) -> CheckResult:
     import argparse
 
     from shared.algorithms.registry import build_algorithm
-    from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
+    from shared.losses import build_loss, softmax_head_warning
+    from shared.run_config import ConfigError, build_config_model, exit_on_config_error, resolve_run_config
     from shared.torch_device import torch_device_flag
 
     torch_device = None
@@ -75,8 +79,9 @@ def check(request: CheckRequest) -> CheckResult:
         exit_on_config_error(exc)
     except ValueError as exc:  # a --device-data path that is missing or ambiguous
         return CheckResult(usage_error=str(exc))
+    head = softmax_head_warning(build_config_model(config), build_loss(config.train.loss, config.train.task))
     return CheckResult(config=config, split_mode=build_algorithm(config).split_mode(),
-                       torch_device=torch_device)
+                       torch_device=torch_device, warnings=[head] if head else [])
 
 
 def check_in_child(request: CheckRequest) -> CheckResult:

@@ -102,19 +102,28 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
             raise FollowError(f"run did not finish within {timeout:.0f}s (round {answer['rounds_done']} of {answer['rounds_total']})")
 
 
+def _figure(value: float | None, form: str) -> str:
+    """A figure of a round line, or n/a when the round has none."""
+    return "n/a" if value is None else format(value, form)
+
+
 def format_round(record: dict, status: dict) -> str:
-    """One progress line per round."""
+    """One progress line per round: accuracy, or for a regression run (its initial figures hold a
+    ``test_mse``) the MSE and MAE, then the loss."""
     splits = Counter(record["split_points"].values())
     split_text = " ".join(f"{k}:{n}" for k, n in sorted(splits.items()))
     flag = "" if record["status"] == "ok" else f"  [{record['status']}]"
     dropped = f"  dropped {len(record['dropped'])}" if record["dropped"] else ""
-    # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)"; a round
-    # without figures (no device reported) shows n/a.
-    label = "acc(fed)" if record.get("evaluated_devices") is not None else "acc"
-    acc = "n/a" if record["test_accuracy"] is None else f"{100 * record['test_accuracy']:6.2f}%"
-    loss = "n/a" if record["test_loss"] is None else f"{record['test_loss']:.3f}"
-    return (f"round {record['round']:>3}/{status['rounds_total']}  {label} {acc}  "
-            f"loss {loss}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
+    # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)" ("mse(fed)");
+    # a round without figures (no device reported) shows n/a.
+    fed = "(fed)" if record.get("evaluated_devices") is not None else ""
+    if "test_mse" in (status.get("initial") or {}):
+        figures = f"mse{fed} {_figure(record.get('test_mse'), '.4f')}  mae {_figure(record.get('test_mae'), '.4f')}"
+    else:
+        accuracy = record["test_accuracy"]
+        figures = f"acc{fed} {'n/a' if accuracy is None else f'{100 * accuracy:6.2f}%'}"
+    return (f"round {record['round']:>3}/{status['rounds_total']}  {figures}  "
+            f"loss {_figure(record['test_loss'], '.3f')}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
             f"moved {record['bytes_total'] / 1e6:7.1f} MB (total {record['cumulative_bytes'] / 1e6:8.1f} MB)  "
             f"splits {split_text}{dropped}{flag}")
 
@@ -125,10 +134,16 @@ def format_waiting(registered: int, expected: int) -> str:
 
 
 def format_done(summary: dict) -> str:
-    """The last line: the run's summary (``summary.json``)."""
-    final = "n/a" if summary["final_accuracy"] is None else f"{100 * summary['final_accuracy']:.2f}%"
-    best = "n/a" if summary["best_accuracy"] is None else f"{100 * summary['best_accuracy']:.2f}%"
-    return (f"done: {summary['rounds']} rounds, final accuracy {final} (best {best}), "
+    """The last line: the run's summary (``summary.json``): the final accuracy, or a regression
+    run's final MSE and MAE."""
+    if "final_mse" in summary:
+        figures = (f"final mse {_figure(summary['final_mse'], '.4f')} (best {_figure(summary['best_mse'], '.4f')}, "
+                   f"initial {_figure(summary['initial_mse'], '.4f')}), final mae {_figure(summary['final_mae'], '.4f')}")
+    else:
+        final = "n/a" if summary["final_accuracy"] is None else f"{100 * summary['final_accuracy']:.2f}%"
+        best = "n/a" if summary["best_accuracy"] is None else f"{100 * summary['best_accuracy']:.2f}%"
+        figures = f"final accuracy {final} (best {best})"
+    return (f"done: {summary['rounds']} rounds, {figures}, "
             f"median round {summary['median_round_time_s']:.1f}s, total {summary['total_time_s']:.1f}s, "
             f"{summary['total_bytes'] / 1e6:.1f} MB moved")
 

@@ -255,10 +255,12 @@ class Testbed:
         return ["--torch-device", self.torch_device] if self.torch_device else []
 
     def _model_args(self) -> list[str]:
-        """``--model REF`` when the run's model is an import path: the Main Server and the agents build
-        one only when their operator (here the testbed) names it. The children inherit the testbed's
-        working directory and PYTHONPATH (``service_env``), so the user's package imports there too."""
-        return ["--model", self.config.model] if is_import_path(self.config.model) else []
+        """``--model REF`` (``--loss REF``) when the run's model (loss) is an import path: the Main
+        Server and the agents import one only when their operator (here the testbed) names it. The
+        children inherit the testbed's working directory and PYTHONPATH (``service_env``), so the
+        user's package imports there too."""
+        return [arg for flag, ref in (("--model", self.config.model), ("--loss", self.config.train.loss))
+                if is_import_path(ref) for arg in (flag, ref)]
 
     def _secret_args(self, *names: str) -> list[str]:
         """``--<name>-file PATH`` for each named secret this run has (nothing when auth is off)."""

@@ -61,6 +61,7 @@ def round_figures(record: RoundRecord) -> dict[str, float]:
     A figure the record does not have (no test set, a failed evaluation) is left out."""
     figures: dict[str, float | int | None] = {
         "test_accuracy": record.test_accuracy, "test_loss": record.test_loss, "train_loss": record.train_loss,
+        "test_mse": record.test_mse, "test_mae": record.test_mae,
         "round_time_s": record.round_time_s, "elapsed_s": record.elapsed_s, "aggregation_s": record.aggregation_s,
         "evaluation_s": record.evaluation_s,
         "bytes_up": record.bytes_up, "bytes_down": record.bytes_down, "bytes_server": record.bytes_server,

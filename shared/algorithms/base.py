@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.robust_aggregation import AggregationRule
 from shared.errors import Invalid
+from shared.losses import Loss, build_loss
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -106,11 +106,15 @@ class AlgorithmParams(BaseModel):
 
 
 class DeviceLogic(Generic[TaskExtrasT, FollowUpT]):
-    """What an algorithm changes on a device in one round. Defaults: plain cross-entropy.
+    """What an algorithm changes on a device in one round. Default: the run's loss
+    (``criterion``, ``train.loss``; shared/losses.py), cross-entropy unless the run says otherwise.
 
     Only split-depth-zero rounds use :meth:`loss` (in split mode the Main Server computes the
     loss); the other hooks apply in every mode.
     """
+
+    #: The run's loss; :meth:`Algorithm.device_logic` sets the task's.
+    criterion: Loss = build_loss()
 
     def __init__(self, params: JsonMap) -> None:
         self.params = params
@@ -125,7 +129,7 @@ class DeviceLogic(Generic[TaskExtrasT, FollowUpT]):
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The local objective on one mini-batch."""
-        return F.cross_entropy(model(x), y)
+        return self.criterion.mean(model(x), y)
 
     def report(self, model: torch.nn.Module, data: "ArrayDataset") -> Payload:
         """Two-phase algorithms: what the device tells the Fed Server after training (an
@@ -150,6 +154,9 @@ class Algorithm(Generic[ReportT, FollowUpT, UploadExtrasT]):
 
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     Logic: ClassVar[type[DeviceLogic]] = DeviceLogic
+    #: Why the algorithm cannot run a regression task (it needs class labels), or None when it
+    #: works with any loss: ``validate_run_config`` refuses such a run in one line.
+    needs_classes: ClassVar[str | None] = None
     #: True when devices report after training and wait for a follow-up before uploading.
     needs_report: ClassVar[bool] = False
     #: The payloads (validated wherever they arrive, see :func:`parse_payload`): per-device values
@@ -250,7 +257,11 @@ class Algorithm(Generic[ReportT, FollowUpT, UploadExtrasT]):
 
     # --- device side ---------------------------------------------------------------------------
     @classmethod
-    def device_logic(cls, params: JsonMap) -> DeviceLogic:
-        """The device's per-round logic, from the parameters sent in the task."""
-        return cls.Logic(params)
+    def device_logic(cls, params: JsonMap, criterion: Loss | None = None) -> DeviceLogic:
+        """The device's per-round logic, from the parameters sent in the task, with the run's loss
+        ``criterion`` (None: cross-entropy)."""
+        logic = cls.Logic(params)
+        if criterion is not None:
+            logic.criterion = criterion
+        return logic
 

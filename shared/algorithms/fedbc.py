@@ -43,14 +43,13 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import ConfigDict, Field, model_validator
 
 from shared.algorithms.aggregation import Contribution, check_state, layerwise_aggregate
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
 from shared.algorithms.proximal import frozen_parameters, proximal_penalty
 from shared.data.holdout import holdout_seed, holdout_split
-from shared.evaluation import evaluate
+from shared.evaluation import evaluation_sums
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -254,7 +253,7 @@ class FedBCLogic(DeviceLogic[FedBCTaskExtras, Payload]):
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """CE + lambda_i (||w - z||^2 - gamma_i) (docs/algorithms/fedbc.md#what-it-does). With
         lambda_i = 0 exactly CE (FedAvg); the -lambda gamma constant has no gradient but is kept, as in the code's loss value."""
-        ce = F.cross_entropy(model(x), y)
+        ce = self.criterion.mean(model(x), y)
         if self.lam == 0.0:
             return ce
         return ce + self.lam * (proximal_penalty(model, self.reference) - self.gamma)
@@ -267,7 +266,7 @@ class FedBCLogic(DeviceLogic[FedBCTaskExtras, Payload]):
         if self.test_idx is not None and len(self.test_idx):
             test = data.subset(self.test_idx)
             total = len(test)
-            correct = round(evaluate(model, test, self.eval_batch_size)[0] * total)
+            correct = evaluation_sums(model, test, self.criterion, self.eval_batch_size).correct
         n_train = len(self.train_idx) if self.train_idx is not None else len(data)
         return FedBCUploadExtras(d=distance, local_correct=correct, local_total=total, train_samples=int(n_train))
 
@@ -280,6 +279,7 @@ class FedBC(Algorithm[Payload, Payload, FedBCUploadExtras]):
     Logic = FedBCLogic
     TaskExtras = FedBCTaskExtras
     UploadExtras = FedBCUploadExtras
+    needs_classes = "its devices report the accuracy of their local test split"
     params: FedBCParams
 
     def __init__(self, config: "RunConfig") -> None:

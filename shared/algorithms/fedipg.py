@@ -30,7 +30,8 @@ from pydantic import Field, field_validator, model_validator
 
 from shared.algorithms.aggregation import Contribution
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
-from shared.evaluation import evaluate
+from shared.evaluation import classification_accuracy
+from shared.losses import Loss
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -150,10 +151,12 @@ def invariance_statistic(risk: torch.Tensor, params: Sequence[torch.Tensor], cre
 
 
 def fedipg_objective(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: float, scope: str = "all",
-                     output_layer: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(f = R + lam s^2, R, s) on one batch. With ``lam == 0`` the penalty is skipped (s is None), so
-    the objective and its gradient are exactly FedAvg's cross-entropy."""
-    risk = F.cross_entropy(model(x), y)
+                     output_layer: str = "", criterion: Loss | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(f = R + lam s^2, R, s) on one batch, R the run's loss ``criterion`` (None: cross-entropy).
+    With ``lam == 0`` the penalty is skipped (s is None), so the objective and its gradient are
+    exactly FedAvg's."""
+    risk = criterion.mean(model(x), y) if criterion is not None else F.cross_entropy(model(x), y)
     if lam == 0.0:
         return risk, risk, None
     s = invariance_statistic(risk, penalty_parameters(model, scope, output_layer), create_graph=True)
@@ -174,7 +177,7 @@ class FedIPGLogic(DeviceLogic):
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """f = R + lam <grad R, w>^2 on the batch (the trainer backpropagates it: 2nd-order gradient)."""
-        f, risk, s = fedipg_objective(model, x, y, self.lam, self.scope, self.output_layer)
+        f, risk, s = fedipg_objective(model, x, y, self.lam, self.scope, self.output_layer, self.criterion)
         self._steps += 1
         self._risk_sum += float(risk.detach())
         if s is not None:
@@ -198,6 +201,7 @@ class FedIPG(Algorithm[Payload, Payload, FedIPGUploadExtras]):
     Params = FedIPGParams
     Logic = FedIPGLogic
     UploadExtras = FedIPGUploadExtras
+    needs_classes = "its exit strategy and evaluation use the accuracy on in- and out-of-distribution domains"
 
     def __init__(self, config: "RunConfig") -> None:
         super().__init__(config)
@@ -362,7 +366,7 @@ class FedIPG(Algorithm[Payload, Payload, FedIPGUploadExtras]):
         domains = self._domain_sets()
         if not domains:
             return {}
-        acc = {name: evaluate(model, data)[0] for name, (_, data) in domains.items()}
+        acc = {name: classification_accuracy(model, data) for name, (_, data) in domains.items()}
         ids = [acc[n] for n, (kind, _) in domains.items() if kind == "id"]
         oods = [acc[n] for n, (kind, _) in domains.items() if kind == "ood"]
         return {"domain_accuracy": acc, "id_accuracy": sum(ids) / len(ids) if ids else None,

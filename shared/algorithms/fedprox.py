@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, Payload
@@ -34,14 +33,15 @@ class FedProxParams(AlgorithmParams):
 
 
 class FedProxLogic(DeviceLogic):
-    """Device side: cross-entropy plus (mu / 2) ||w - w^t||^2 against the weights the round began with."""
+    """Device side: the run's loss (cross-entropy by default) plus (mu / 2) ||w - w^t||^2 against the
+    weights the round began with."""
 
     def begin_round(self, model: torch.nn.Module, extras: Payload, data: "ArrayDataset") -> None:
         self.mu = FedProxParams.model_validate(self.params).mu
         self.reference = frozen_parameters(model)
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(model(x), y)
+        ce = self.criterion.mean(model(x), y)
         return ce if self.mu == 0.0 else ce + 0.5 * self.mu * proximal_penalty(model, self.reference)
 
 

@@ -436,6 +436,7 @@ class FNRFL(Algorithm[FNRFLReport, FNRFLFollowUp, FNRFLUploadExtras]):
     Params = FNRFLParams
     Logic = FNRFLLogic
     needs_report = True
+    needs_classes = "it ranks devices by their per-class feature norms and public-set accuracy"
     Report = FNRFLReport
     FollowUp = FNRFLFollowUp
     UploadExtras = FNRFLUploadExtras

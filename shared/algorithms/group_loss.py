@@ -10,23 +10,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
+
+from shared.losses import Loss, build_loss
 
 
 class GroupLoss:
     """The objective of one group step and the scale of the server copy's gradient.
 
-    ``logits`` is the group's concatenated output and ``member_labels`` / ``member_losses`` (each
-    member's mean cross-entropy) / ``member_shares`` are in the same member order, for the members
+    ``criterion`` is the run's loss (``train.loss``, shared/losses.py; default cross-entropy): the
+    trainer computes each member's mean loss with it. ``logits`` is the group's concatenated output
+    and ``member_labels`` / ``member_losses`` (each member's mean loss) / ``member_shares`` are in
+    the same member order, for the members
     in this step. A member's share is its part of the whole group's data, ``|D_i| / sum_G |D_j|``
     (the weight Algorithm 1 gives the copy's layers on the member's behalf); the shares of a step
     sum to less than 1 once some members have sent all their steps. Backpropagating
     :meth:`objective` gives every member's activation gradient, which the trainer multiplies by
     :meth:`dfx_multiplier` to make the member's dfx, and the copy's gradient, which it divides
     by :meth:`server_grad_divisor` and multiplies, block by block, by
-    :meth:`block_grad_multiplier` before the SGD step. Stateless: one instance serves every
-    group of a round.
+    :meth:`block_grad_multiplier` before the SGD step. Stateless but for the loss: one instance
+    serves every group of a round.
     """
+
+    def __init__(self, criterion: Loss | None = None) -> None:
+        self.criterion = criterion if criterion is not None else build_loss()
 
     def objective(self, logits: torch.Tensor, member_labels: Sequence[torch.Tensor],
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
@@ -70,9 +76,9 @@ class PerMemberLoss(PerMemberSumLoss):
 
 
 class UnionMeanLoss(GroupLoss):
-    """``union_mean``: one mean cross-entropy over the concatenated batch (Eq. 3 read literally);
+    """``union_mean``: one mean loss over the concatenated batch (Eq. 3 read literally);
     each member's dfx is then scaled by its share of the batch."""
 
     def objective(self, logits: torch.Tensor, member_labels: Sequence[torch.Tensor],
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
-        return F.cross_entropy(logits, torch.cat(list(member_labels)))
+        return self.criterion.mean(logits, torch.cat(list(member_labels)))

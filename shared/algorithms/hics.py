@@ -227,6 +227,7 @@ class HiCSSelector(DeviceSelector):
     """
 
     Params: ClassVar[type[SelectorParams]] = HiCSParams
+    needs_classes = "it estimates each device's label distribution from its output layer's update"
 
     def __init__(self, config: "RunConfig", output_layer: str | None = None) -> None:
         super().__init__(config, output_layer)

@@ -26,6 +26,7 @@ from shared.algorithms.split_learning import S2FL, SFL
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
+    from shared.losses import Loss
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     "s2fl": S2FL,
@@ -104,9 +105,10 @@ def build_grouping(name: str) -> Grouping:
     return _plug_in(GROUPINGS, "grouping", name)()
 
 
-def build_group_loss(name: str) -> GroupLoss:
-    """The group-loss plug-in registered as ``name`` (ValueError naming the choices if none is)."""
-    return _plug_in(GROUP_LOSSES, "group_loss", name)()
+def build_group_loss(name: str, criterion: "Loss | None" = None) -> GroupLoss:
+    """The group-loss plug-in registered as ``name``, combining members' losses of ``criterion``
+    (the run's loss; None: cross-entropy). ValueError naming the choices if no plug-in is."""
+    return _plug_in(GROUP_LOSSES, "group_loss", name)(criterion)
 
 
 def _plug_in(table: dict[str, type], what: str, name: str) -> type:

@@ -28,6 +28,8 @@ class DeviceSelector:
     """Uniformly random selection without replacement (S2FL Algorithm 2 line 3, FedAvg)."""
 
     Params: ClassVar[type[SelectorParams]] = SelectorParams
+    #: Why the policy cannot serve a regression task, or None (``Algorithm.needs_classes``).
+    needs_classes: ClassVar[str | None] = None
 
     def __init__(self, config: "RunConfig", output_layer: str | None = None) -> None:
         self.config = config

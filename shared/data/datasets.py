@@ -73,7 +73,8 @@ def _cached(maxsize: int) -> Callable[[_F], _F]:
 
 @dataclass
 class ArrayDataset:
-    """A whole dataset held as tensors: images ``x`` [N, C, H, W] float32, labels ``y`` [N] int64."""
+    """A whole dataset held as tensors: images ``x`` [N, C, H, W] float32, labels ``y`` [N] int64
+    (a regression task's targets: float32 [N] or [N, k])."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -95,7 +96,10 @@ class ArrayDataset:
         return ArrayDataset(x=self.x[t], y=self.y[t], num_classes=self.num_classes, writers=writers)
 
     def label_counts(self) -> np.ndarray:
-        """Number of samples per class, int64 [num_classes]."""
+        """Number of samples per class, int64 [num_classes]; for float (regression) targets one
+        bin holding every sample (there are no classes to balance: docs/models.md, "Loss and task")."""
+        if self.y.is_floating_point():
+            return np.array([len(self)], dtype=np.int64)
         return np.bincount(self.y.numpy(), minlength=self.num_classes).astype(np.int64)
 
 

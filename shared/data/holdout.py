@@ -21,10 +21,12 @@ def holdout_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.nd
     ``floor((k + 1) f) > floor(k f)`` is held out, so each class gives about ``f`` of its samples
     (docs/algorithms/fedbc.md#local-test-split: shuffled and stratified, not the FedBC code's
     unshuffled tail). As ``fraction < 1``, at least one sample always trains; a device with
-    ``n * fraction < 1`` holds out none. Both arrays sorted.
+    ``n * fraction < 1`` holds out none. Both arrays sorted. Float (regression) targets have no
+    classes: they are held out as one class, i.e. every ``1/fraction``-th of the shuffled samples.
     """
-    labels = np.asarray(labels).reshape(-1)
-    n = labels.shape[0]
+    labels = np.asarray(labels)
+    n = labels.shape[0] if labels.ndim else 0
+    labels = labels.reshape(-1) if np.issubdtype(labels.dtype, np.integer) else np.zeros(n, dtype=np.int64)
     if fraction <= 0 or n == 0:
         return np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
     perm = np.random.default_rng(seed).permutation(n)

@@ -2,7 +2,8 @@
 
 Four sources make one device's :class:`ArrayDataset` (docs/data.md):
 
-* an ``.npz`` file with arrays ``x`` (numeric, ``[N, *raw_shape]``) and ``y`` (integer labels);
+* an ``.npz`` file with arrays ``x`` (numeric, ``[N, *raw_shape]``) and ``y`` (integer labels, or
+  for a regression task float targets ``[N]`` or ``[N, k]``);
 * a ``.csv`` file with a header row: the column ``data.label_column`` holds the labels, the others
   (numbers, in header order) make one sample of ``data.input_shape`` per row;
 * a folder of images with one sub-folder per class (needs Pillow);
@@ -12,7 +13,8 @@ Four sources make one device's :class:`ArrayDataset` (docs/data.md):
 Every source goes through the same steps (:func:`model_inputs`): raw samples to the run's layout
 (:func:`to_layout`), the check that they can make samples of ``data.input_shape``, the run's
 :class:`InputTransform` (:func:`apply_input_transform`), then the check that each sample has
-``data.input_shape``; and the labels must be ``0..num_classes-1``. Anything wrong raises one
+``data.input_shape``; and the labels must be ``0..num_classes-1`` (a regression task's targets:
+finite numbers, ``num_classes`` of them per sample). Anything wrong raises one
 :class:`DataError` naming the file and the field, before the device registers.
 
 What a file declares is checked against :class:`FileLimits` before it is decompressed or decoded
@@ -42,6 +44,7 @@ from shared.data.datasets import ArrayDataset
 from shared.data.limits import FileLimits
 from shared.data.spec import DataSpec, InputTransform
 from shared.imports import import_callable, is_import_path
+from shared.losses import Task
 
 __all__ = [
     "DataError",
@@ -163,18 +166,22 @@ def _shape_mismatch(where: str, shape: list[int], input_shape: list[int]) -> str
             f"data.input_shape is {list(input_shape)}")
 
 
-def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
+def load_samples(x: Any, y: Any, spec: DataSpec, where: str, task: Task = "classification") -> ArrayDataset:
     """Check raw ``x`` / ``y`` (arrays or tensors) and turn them into the run's model inputs.
 
-    The one path every source takes, so each check exists once: y integer 1-D labels in range,
-    x numeric and finite, equal lengths, at least one sample, and the shape after the transform.
+    The one path every source takes, so each check exists once: y integer 1-D labels in range (a
+    regression ``task``: finite float targets, see :func:`_regression_targets`), x numeric and
+    finite, equal lengths, at least one sample, and the shape after the transform.
     """
     assert spec.num_classes is not None and spec.input_shape is not None  # DataSpec enforces for "local"
     x_np = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
     y_np = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
-    if y_np.dtype == np.bool_ or not np.issubdtype(y_np.dtype, np.integer):
-        raise DataError(f"{where}: field 'y' must hold integer class labels, got dtype {y_np.dtype}")
-    if y_np.ndim != 1:
+    if task == "regression":
+        y_np = _regression_targets(y_np, spec.num_classes, where)
+    elif y_np.dtype == np.bool_ or not np.issubdtype(y_np.dtype, np.integer):
+        raise DataError(f"{where}: field 'y' must hold integer class labels, got dtype {y_np.dtype} (float targets "
+                        f"need a regression loss, docs/models.md \"Loss and task\")")
+    elif y_np.ndim != 1:
         raise DataError(f"{where}: field 'y' must be one label per sample (shape [N]), got shape {list(y_np.shape)}")
     if x_np.dtype == np.bool_ or not (np.issubdtype(x_np.dtype, np.integer) or np.issubdtype(x_np.dtype, np.floating)):
         raise DataError(f"{where}: field 'x' must be numeric, got dtype {x_np.dtype}")
@@ -187,6 +194,8 @@ def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
     if np.issubdtype(x_np.dtype, np.floating) and not np.isfinite(x_np).all():
         bad = int(np.flatnonzero(~np.isfinite(x_np.reshape(x_np.shape[0], -1)).all(axis=1))[0])
         raise DataError(f"{where}: field 'x' holds NaN or infinite values (first in sample {bad})")
+    if task == "regression":
+        return ArrayDataset(x=model_inputs(x_np, spec, where), y=torch.from_numpy(y_np), num_classes=spec.num_classes)
     lo, hi = int(y_np.min()), int(y_np.max())
     if lo < 0 or hi >= spec.num_classes:
         raise DataError(f"{where}: field 'y' has labels {lo}..{hi}, outside 0..{spec.num_classes - 1} "
@@ -194,16 +203,37 @@ def load_samples(x: Any, y: Any, spec: DataSpec, where: str) -> ArrayDataset:
     return ArrayDataset(x=model_inputs(x_np, spec, where), y=torch.from_numpy(y_np.astype(np.int64)), num_classes=spec.num_classes)
 
 
+def _regression_targets(y: np.ndarray, outputs: int, where: str) -> np.ndarray:
+    """A regression task's targets as float32: ``[N]`` when the model has one output
+    (``data.num_classes`` 1; ``[N, 1]`` is taken too), else ``[N, outputs]``; numeric and finite."""
+    if y.dtype == np.bool_ or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise DataError(f"{where}: field 'y' must hold numeric targets, got dtype {y.dtype}")
+    if outputs == 1 and y.ndim == 2 and y.shape[1] == 1:
+        y = y.reshape(-1)
+    wanted = [y.shape[0]] if outputs == 1 else [y.shape[0], outputs]
+    if y.ndim == 0 or list(y.shape) != wanted:
+        raise DataError(f"{where}: field 'y' must be {'[N]' if outputs == 1 else f'[N, {outputs}]'} targets "
+                        f"(data.num_classes = {outputs} model outputs), got shape {list(y.shape)}")
+    with np.errstate(over="ignore"):
+        targets = np.ascontiguousarray(y, dtype=np.float32)
+    if not np.isfinite(targets).all():
+        bad = int(np.flatnonzero(~np.isfinite(targets.reshape(len(targets), -1)).all(axis=1))[0])
+        raise DataError(f"{where}: field 'y' holds NaN or infinite targets (first in sample {bad})")
+    return targets
+
+
 # --------------------------------------------------------------------------------------------
 # Sources
 # --------------------------------------------------------------------------------------------
-def load_npz(path: str | Path, spec: DataSpec, limits: FileLimits | None = None) -> ArrayDataset:
+def load_npz(path: str | Path, spec: DataSpec, limits: FileLimits | None = None,
+             task: Task = "classification") -> ArrayDataset:
     """An ``.npz`` file with arrays ``x`` and ``y`` as the run's model inputs (a device's data, or
-    the Fed Server's ``data.test_file``). Never unpickles: object arrays are refused. Sizes are
-    checked against ``limits`` (default :class:`FileLimits`) before anything is decompressed."""
+    the Fed Server's ``data.test_file``) for the run's ``task``. Never unpickles: object arrays are
+    refused. Sizes are checked against ``limits`` (default :class:`FileLimits`) before anything is
+    decompressed."""
     p = _data_file(path)
     arrays = _read_npz_arrays(p, ("x", "y"), limits or FileLimits())
-    return load_samples(arrays["x"], arrays["y"], spec, str(p))
+    return load_samples(arrays["x"], arrays["y"], spec, str(p), task)
 
 
 def _data_file(path: str | Path) -> Path:
@@ -299,15 +329,21 @@ _NPY_HEADER_READERS = {(1, 0): npformat.read_array_header_1_0, (2, 0): npformat.
 _CSV_BLOCK_CELLS = 2 ** 18
 
 
-def load_csv(path: str | Path, spec: DataSpec, limits: FileLimits | None = None) -> ArrayDataset:
+def load_csv(path: str | Path, spec: DataSpec, limits: FileLimits | None = None,
+             task: Task = "classification") -> ArrayDataset:
     """A ``.csv`` file (UTF-8, comma-separated, a header row) as the run's model inputs: the column
-    named ``data.label_column`` holds integer labels; every other column, in header order, is a
+    named ``data.label_column`` holds integer labels (a regression ``task``: the one float target,
+    so ``data.num_classes`` must be 1); every other column, in header order, is a
     number, and a row's numbers make one sample of ``data.input_shape``. The file's size is checked
     against ``limits.max_bytes`` (default :class:`FileLimits`) before it is read: a cell takes at
     least two bytes of text (a digit and a separator) and four as float32, so the samples hold at
     most twice the file's bytes."""
     assert spec.input_shape is not None
     p = _data_file(path)
+    if task == "regression" and spec.num_classes != 1:
+        raise DataError(f"{p}: a .csv file holds one target column (data.label_column), but data.num_classes is "
+                        f"{spec.num_classes} model outputs: use .npz files for several targets per sample")
+    label_dtype = np.float32 if task == "regression" else np.int64
     limits = limits or FileLimits()
     size = p.stat().st_size
     if size > limits.max_bytes:
@@ -330,16 +366,16 @@ def load_csv(path: str | Path, spec: DataSpec, limits: FileLimits | None = None)
                 block.append(row)
                 lines.append(reader.line_num)
                 if len(block) * len(header) >= _CSV_BLOCK_CELLS:
-                    _convert_csv_block(p, header, label_at, block, lines, xs, ys)
+                    _convert_csv_block(p, header, label_at, label_dtype, block, lines, xs, ys)
                     block, lines = [], []
-            _convert_csv_block(p, header, label_at, block, lines, xs, ys)
+            _convert_csv_block(p, header, label_at, label_dtype, block, lines, xs, ys)
     except UnicodeDecodeError as exc:
         raise DataError(f"{p}: not a UTF-8 text .csv file ({exc})") from None
     except csv.Error as exc:   # a NUL byte (a binary file), a cell over the csv module's field limit
         raise DataError(f"{p}: not a readable .csv file (line {reader.line_num}: {exc})") from None
     x = np.concatenate(xs) if xs else np.zeros((0, len(header) - 1), dtype=np.float32)
-    y = np.concatenate(ys) if ys else np.zeros(0, dtype=np.int64)
-    return load_samples(x.reshape(len(x), *spec.input_shape), y, spec, str(p))
+    y = np.concatenate(ys) if ys else np.zeros(0, dtype=label_dtype)
+    return load_samples(x.reshape(len(x), *spec.input_shape), y, spec, str(p), task)
 
 
 def _csv_label_column(p: Path, header: list[str], spec: DataSpec) -> int:
@@ -360,34 +396,34 @@ def _csv_label_column(p: Path, header: list[str], spec: DataSpec) -> int:
     return header.index(spec.label_column)
 
 
-def _convert_csv_block(p: Path, header: list[str], label_at: int, rows: list[list[str]], lines: list[int],
-                       xs: list[np.ndarray], ys: list[np.ndarray]) -> None:
-    """Append the features (float32) and labels (int64) of ``rows`` (read from ``lines``) to
-    ``xs`` and ``ys``; a cell that is not a number (or a label that is not an integer) is named by
-    its line and column."""
+def _convert_csv_block(p: Path, header: list[str], label_at: int, label_dtype: type, rows: list[list[str]],
+                       lines: list[int], xs: list[np.ndarray], ys: list[np.ndarray]) -> None:
+    """Append the features (float32) and labels (``label_dtype``: int64 class labels, float32
+    regression targets) of ``rows`` (read from ``lines``) to ``xs`` and ``ys``; a cell that is not
+    a number (or a label that is not an integer) is named by its line and column."""
     if not rows:
         return
     labels = [row.pop(label_at) for row in rows]
     try:
         with np.errstate(over="ignore"):   # a number past float32's range is inf, refused by load_samples
             x = np.array(rows, dtype=np.float32)
-        y = np.array(labels, dtype=np.int64)
+            y: np.ndarray = np.array(labels, dtype=label_dtype)
     except (ValueError, OverflowError):
-        _raise_first_bad_cell(p, header, label_at, rows, labels, lines)
+        _raise_first_bad_cell(p, header, label_at, label_dtype, rows, labels, lines)
     xs.append(x)
     ys.append(y)
 
 
-def _raise_first_bad_cell(p: Path, header: list[str], label_at: int, rows: list[list[str]], labels: list[str],
-                          lines: list[int]) -> NoReturn:
+def _raise_first_bad_cell(p: Path, header: list[str], label_at: int, label_dtype: type, rows: list[list[str]],
+                          labels: list[str], lines: list[int]) -> NoReturn:
     """The :class:`DataError` naming the first cell of ``rows`` (features without the label) and
     ``labels`` that does not convert, by its line and column."""
     features = header[:label_at] + header[label_at + 1:]
     for line, row, label in zip(lines, rows, labels):
         for name, cell in zip(features, row):
             _check_cell(cell, np.float32, f"{p}: line {line}, column {name!r}: {cell!r} is not a number")
-        _check_cell(label, np.int64, f"{p}: line {line}, column {header[label_at]!r}: {label!r} is not an "
-                                     f"integer class label")
+        _check_cell(label, label_dtype, f"{p}: line {line}, column {header[label_at]!r}: {label!r} is not "
+                                        + ("a number" if label_dtype is np.float32 else "an integer class label"))
     raise AssertionError("a block that failed to convert has a cell that does not")
 
 
@@ -426,13 +462,18 @@ def _image_files(folder: Path) -> list[Path]:
                   if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def load_image_folder(path: str | Path, spec: DataSpec, limits: FileLimits | None = None) -> ArrayDataset:
+def load_image_folder(path: str | Path, spec: DataSpec, limits: FileLimits | None = None,
+                      task: Task = "classification") -> ArrayDataset:
     """A folder of images, one sub-folder per class (:func:`_class_folders` gives the indices), as
     the run's model inputs. Images are converted to the channel count of ``data.input_shape``
     (1: Pillow's "L", 3: "RGB") and transformed one at a time, so their sizes may differ when
     ``input_transform.resize`` is set. Each image's size is checked from its header before it is
-    decoded (:func:`_check_image_size`)."""
+    decoded (:func:`_check_image_size`). Class folders give class labels: a regression ``task``
+    is refused."""
     assert spec.num_classes is not None and spec.input_shape is not None
+    if task == "regression":
+        raise DataError(f"{path}: an image folder's sub-folders are classes, but the run is a regression task: "
+                        f"give regression targets in .npz or .csv files, or a data function")
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
@@ -480,7 +521,7 @@ def _check_image_size(size: tuple[int, int], spec: DataSpec, limits: FileLimits,
         raise DataError(_shape_mismatch(where, [spec.input_shape[0], height, width], spec.input_shape))
 
 
-def load_function(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayDataset:
+def load_function(ref: str, spec: DataSpec, data_args: dict[str, str], task: Task = "classification") -> ArrayDataset:
     """Call ``package.module:function(**data_args)``; it returns ``(x, y)`` or an ArrayDataset of
     raw samples, which get the run's transform and checks like a file's."""
     try:
@@ -497,7 +538,7 @@ def load_function(ref: str, spec: DataSpec, data_args: dict[str, str]) -> ArrayD
         x, y = result
     else:
         raise DataError(f"{ref}: the data function must return (x, y) or an ArrayDataset, got {type(result).__name__}")
-    return load_samples(x, y, spec, ref)
+    return load_samples(x, y, spec, ref, task)
 
 
 # --------------------------------------------------------------------------------------------
@@ -514,9 +555,11 @@ class LocalSource:
     ref: str
     limits: FileLimits = field(default_factory=FileLimits)
 
-    def load(self, spec: DataSpec, data_args: dict[str, str] | None = None) -> ArrayDataset:
-        """The device's samples as model inputs; :class:`DataError` for anything unusable."""
-        return load_local(self.ref, spec, data_args or {}, self.limits)
+    def load(self, spec: DataSpec, data_args: dict[str, str] | None = None,
+             task: Task = "classification") -> ArrayDataset:
+        """The device's samples as model inputs for the run's ``task``; :class:`DataError` for
+        anything unusable."""
+        return load_local(self.ref, spec, data_args or {}, self.limits, task)
 
 
 def is_data_function(ref: str) -> bool:
@@ -524,29 +567,31 @@ def is_data_function(ref: str) -> bool:
     return is_import_path(ref) and not Path(ref).exists()
 
 
-def load_local(ref: str, spec: DataSpec, data_args: dict[str, str], limits: FileLimits | None = None) -> ArrayDataset:
+def load_local(ref: str, spec: DataSpec, data_args: dict[str, str], limits: FileLimits | None = None,
+               task: Task = "classification") -> ArrayDataset:
     """One device's data from ``ref``: an import path, an image folder, an .npz or a .csv file
-    (by its name's ending), its files checked against ``limits`` (default :class:`FileLimits`)."""
+    (by its name's ending), its files checked against ``limits`` (default :class:`FileLimits`),
+    its labels those of the run's ``task``."""
     if spec.dataset != "local":
         raise DataError(f"--data {ref}: the run uses the built-in data set {spec.dataset!r} (partitioned with "
                         f"--shards); --data needs a run with data.dataset: local")
     if is_data_function(ref):
-        return load_function(ref, spec, data_args)
+        return load_function(ref, spec, data_args, task)
     if Path(ref).expanduser().is_dir():
-        return load_image_folder(ref, spec, limits)
-    return load_data_file(ref, spec, limits, other_sources=", an image folder, or package.module:function")
+        return load_image_folder(ref, spec, limits, task)
+    return load_data_file(ref, spec, limits, task, other_sources=", an image folder, or package.module:function")
 
 
 def load_data_file(path: str | Path, spec: DataSpec, limits: FileLimits | None = None,
-                   other_sources: str = "") -> ArrayDataset:
-    """An ``.npz`` or ``.csv`` file (by its name's ending) as the run's model inputs: a device's
-    file, or the Fed Server's ``data.test_file``. ``other_sources``: what else the caller takes,
-    for the refusal of any other file."""
+                   task: Task = "classification", other_sources: str = "") -> ArrayDataset:
+    """An ``.npz`` or ``.csv`` file (by its name's ending) as the run's model inputs for its
+    ``task``: a device's file, or the Fed Server's ``data.test_file``. ``other_sources``: what
+    else the caller takes, for the refusal of any other file."""
     p = _data_file(path)
     if p.suffix.lower() == ".csv":
-        return load_csv(p, spec, limits)
+        return load_csv(p, spec, limits, task)
     if p.suffix.lower() == ".npz":
-        return load_npz(p, spec, limits)
+        return load_npz(p, spec, limits, task)
     raise DataError(f"{p}: unsupported data file {p.name!r}: use .npz, .csv{other_sources}")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shared.imports import import_callable, is_import_path
+from shared.imports import check_import_origin, import_callable, is_import_path
 from shared.models.split_model import SplitModel
 from shared.models.tracing import trace_blocks
 from shared.models.zoo import DEFAULT_INPUT_SHAPES, ZOO_BUILDERS
@@ -58,10 +58,7 @@ def check_model_origin(run_model: str, local_model: str | None) -> None:
     """Refuse to import a model named by the network: a run whose model is an import path is built
     only if the operator gave this process the same reference (``--model``). A built-in name may
     come from anywhere. Raises ValueError saying how to start the process."""
-    if is_import_path(run_model) and run_model != local_model:
-        told = f" (this process was started with --model {local_model})" if local_model else ""
-        raise ValueError(f"the run uses model {run_model!r} (an import path); start this process with "
-                         f"--model {run_model}{told}: import paths are never taken from the network")
+    check_import_origin("model", run_model, local_model)
 
 
 def _resolve(ref: str) -> Callable[..., Any]:

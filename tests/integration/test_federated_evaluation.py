@@ -9,7 +9,7 @@ from fed_server.run_dir import RunDirectory
 from integration_support import small_config
 from shared.data import device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
-from shared.evaluation import evaluation_counts
+from shared.evaluation import evaluation_sums
 from shared.models import build_model
 
 
@@ -36,10 +36,10 @@ def test_devices_evaluate_the_global_model_and_the_record_is_their_weighted_mean
     _, state, _ = RunDirectory(run_dir).read_checkpoint()
     model = build_model(config.model, 10, (1, 28, 28), seed=config.seed)
     model.load_state_dict(state)
-    counts = [evaluation_counts(model, h) for h in held_out.values()]
+    sums = [evaluation_sums(model, h) for h in held_out.values()]
     samples = sum(len(h) for h in held_out.values())
     last = metrics[-1]
-    assert last["test_accuracy"] == pytest.approx(sum(c for c, _ in counts) / samples)
-    assert last["test_loss"] == pytest.approx(sum(loss for _, loss in counts) / samples, rel=1e-4)
+    assert last["test_accuracy"] == pytest.approx(sum(s.correct for s in sums) / samples)
+    assert last["test_loss"] == pytest.approx(sum(s.loss_sum for s in sums) / samples, rel=1e-4)
     summary = status["summary"]
     assert summary["initial_accuracy"] is None and summary["final_accuracy"] == last["test_accuracy"]

@@ -19,7 +19,7 @@ from shared.config import TrainConfig
 from shared.data import DataSpec, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.errors import Conflict, Failed, Invalid, NotFound
-from shared.evaluation import evaluation_counts
+from shared.evaluation import evaluation_sums
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import (
@@ -193,7 +193,8 @@ def test_with_federated_evaluation_the_device_trains_on_its_training_part_and_ev
     assert fed.registrations[0].num_samples == len(train) == fed.uploads[0].num_samples
     assert torch.equal(device.data.x, train.x) and torch.equal(device.held_out.y, held_out.y)
     (report,) = fed.evaluations
-    correct, loss_sum = evaluation_counts(evaluated, held_out)
+    sums = evaluation_sums(evaluated, held_out)
+    correct, loss_sum = sums.correct, sums.loss_sum
     assert (report.device_id, report.round_id, report.num_samples, report.correct) == ("dev-003", 4, len(held_out), correct)
     assert report.loss_sum == pytest.approx(loss_sum, rel=1e-5)
     assert (device.model is None) == (not keep_model)
