@@ -262,7 +262,8 @@ class Device:
         assert self.main_link is not None
         request = RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data),
                                   profile=self._profile,
-                                  fingerprint=model_fingerprint(self.device_model.layout, self.info.data),
+                                  fingerprint=model_fingerprint(self.device_model.layout, self.info.data,
+                                                                self.info.loss, self.info.task),
                                   label_counts=self.data.label_counts().tolist()
                                   if self.info.label_counts_at_registration else None)
         try:

@@ -93,8 +93,9 @@ class Coordinator:
             self.progress.recorder.write_summary(self.progress.summary())
         else:
             self.progress.tracking.start(core.run_id, config.model_dump(mode="json"))
+        fingerprint = model_fingerprint(core.model, config.data, config.train.loss, config.train.resolved_task)
         self.enrolment = DeviceEnrolment(
-            core, model_fingerprint(core.model, config.data), input_shape, num_classes, shard_sizes(config.data),
+            core, fingerprint, input_shape, num_classes, shard_sizes(config.data),
             label_counts_at_registration=self.replicas.groups_at_fed_server and self.planner.mode != "zero")
         self.dispatch = TaskDispatch(core)
         self.uploads = Uploads(core, self.replicas)

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         print("dataset 'local' has no shards to derive: test vectors are for the built-in data sets", file=sys.stderr)
         sys.exit(2)
     vectors = shard_vectors(spec)
-    fingerprint = model_fingerprint(build_config_model(config), spec)
+    fingerprint = model_fingerprint(build_config_model(config), spec, config.train.loss, config.train.resolved_task)
     print(f"data: {spec.dataset}, transform {spec.transform}, partition {spec.partition} (alpha {spec.alpha}), "
           f"{spec.num_devices} shards, seed {spec.seed}, max_samples {spec.max_samples}, "
           f"public_samples {spec.public_samples}, device_transform {spec.device_transform} "

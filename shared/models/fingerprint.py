@@ -26,6 +26,7 @@ from shared.data.datasets import (
 )
 from shared.data.spec import DataSpec, InputTransform
 from shared.data.vectors import canonical_json, shard_vectors, shards_sha256
+from shared.losses import DEFAULT_LOSS
 from shared.models.split_model import SplitModel
 
 __all__ = ["TensorSignature", "DataPipeline", "ModelFingerprint", "model_fingerprint", "fingerprint_differences",
@@ -111,6 +112,9 @@ class ModelFingerprint(BaseModel):
     transform: str
     input_transform: InputTransform
     data: DataPipeline | None
+    #: The run's loss and task (``train.loss``, ``train.task``): a device computes its own loss.
+    loss: str
+    task: str
     digest: str = ""
 
     def canonical_json(self) -> str:
@@ -134,16 +138,17 @@ class ModelFingerprint(BaseModel):
         return self
 
 
-def model_fingerprint(model: SplitModel, spec: DataSpec) -> ModelFingerprint:
+def model_fingerprint(model: SplitModel, spec: DataSpec, loss: str = DEFAULT_LOSS,
+                      task: str = "classification") -> ModelFingerprint:
     """The fingerprint of ``model`` (its ``ref``: what ``build_model`` built it from) fed by data
-    ``spec``. Works on a model on the meta device (only names, shapes and dtypes are read); a
+    ``spec`` and trained with ``loss`` for ``task``. Works on a model on the meta device (only names, shapes and dtypes are read); a
     built-in data set is loaded and partitioned to derive its shards (once per process and spec)."""
     tensors = [TensorSignature(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
                for name, t in model.state_dict(keep_vars=True).items()]
     return ModelFingerprint(model=model.ref, tensors=tensors, split_points=list(model.split_points),
                             input_shape=list(model.input_shape), num_classes=model.num_classes,
                             dataset=spec.dataset, transform=spec.transform,
-                            input_transform=spec.input_transform, data=data_pipeline(spec))
+                            input_transform=spec.input_transform, data=data_pipeline(spec), loss=loss, task=task)
 
 
 def _describe(value: Any) -> str:
@@ -170,7 +175,7 @@ def fingerprint_differences(here: ModelFingerprint, there: ModelFingerprint, her
         return []
     lines: list[str] = []
     a, b = here.model_dump(mode="json"), there.model_dump(mode="json")
-    for key in ("model", "input_shape", "num_classes", "split_points", "dataset", "transform"):
+    for key in ("model", "input_shape", "num_classes", "split_points", "dataset", "transform", "loss", "task"):
         if a[key] != b[key]:
             lines.append(f"{key}: {_describe(a[key])} {here_name}, {_describe(b[key])} {there_name}")
     for key in InputTransform.model_fields:

@@ -153,3 +153,12 @@ def test_the_published_state_dict_keys_are_the_fingerprints_tensor_names(capsys)
                                                                                     input_shape=[3, 32, 32])).tensors
     assert printed == [f"{t.name} {t.dtype} {t.shape}" for t in tensors]
     assert "blocks.stem.1.running_mean float32 [16]" in printed
+
+
+def test_a_device_with_another_loss_or_task_has_another_fingerprint():
+    model = build_model("cnn", 10, (1, 28, 28))
+    run = model_fingerprint(model, SPEC)
+    assert run == model_fingerprint(model, SPEC, "cross_entropy", "classification")
+    other = model_fingerprint(model, SPEC, "mse", "regression")
+    assert fingerprint_differences(other, run) == ["loss: 'mse' here, 'cross_entropy' on the server",
+                                                   "task: 'regression' here, 'classification' on the server"]
