@@ -18,6 +18,7 @@ import time
 import torch
 
 from device_agent.api import FedApi, Unreachable
+from device_agent.calibration import matmul_flops
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
 from device_agent.reports import UploadHook, abandon, report_evaluation, upload
@@ -35,7 +36,6 @@ from shared.losses import Loss, build_loss
 from shared.models import SplitModel, model_fingerprint
 from shared.profiles import EmulatedKind, TimeScale, auto_time_scale
 from shared.schemas import DeviceProfileMsg, RegisterRequest, RunInfo, TaskResponse
-from shared.torch_device import synchronize
 
 log = logging.getLogger("device_agent")
 
@@ -294,20 +294,13 @@ class Device:
 
     def profile(self) -> DeviceProfileMsg:
         """Nominal speed of an emulated kind, or a quick measurement on a real device (on the
-        torch device it trains on). The rate is the emulated link's; a real link's is not known
+        torch device it trains on, once per agent: :func:`device_agent.calibration.matmul_flops`). The rate is the emulated link's; a real link's is not known
         before it has carried a round (``rate`` None): the Fed Server measures it from the device's
         timed transfers (docs/s2fl.md, "The client time table")."""
         if self.kind is not None:
             return DeviceProfileMsg(kind=self.kind.name, flops=self.kind.flops,
                                     rate=self.kind.rate * self.time_scale if self.emulate_links else None)
-        a = torch.randn(256, 256, device=self.torch_device)
-        synchronize(self.torch_device)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            a @ a
-        synchronize(self.torch_device)
-        flops = 20 * 2 * 256 ** 3 / max(1e-9, time.perf_counter() - t0)
-        return DeviceProfileMsg(kind="native", flops=flops, rate=None)
+        return DeviceProfileMsg(kind="native", flops=matmul_flops(self.torch_device), rate=None)
 
     # --- one task -----------------------------------------------------------------------------
     def run_task(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:
