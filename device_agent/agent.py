@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 
 import torch
 
@@ -22,6 +23,9 @@ from shared.profiles import LINKS, TimeScale, kind_for
 from shared.schemas import RunInfo
 
 log = logging.getLogger("device_agent")
+
+#: How long a stopping agent (Ctrl-C, SIGTERM) waits for its devices to end what they are doing.
+STOP_WAIT_S = 1.0
 
 
 class RunRefused(Exception):
@@ -173,17 +177,25 @@ class Agent:
         every device thread and wait for them. The exit code: 2 if the Fed Server refused any
         device's registration (a configuration problem, which a restart does not fix; the agent's
         other devices train on to the end), else 1 if any device failed, else 0."""
+        threads: list[threading.Thread] = []
         try:
             info = self.check_run()
-            threads = [threading.Thread(target=self._run_device, args=(d, info), name=d.device_id, daemon=True)
-                       for d in self.devices]
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.5)
+            for device in self.devices:
+                thread = threading.Thread(target=self._run_device, args=(device, info), name=device.device_id,
+                                          daemon=True)
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.5)
         except KeyboardInterrupt:
             self.stop.set()
+            self.compute.close()   # rounds waiting for a compute thread are not run
+            # The devices end what they are doing now (a set-up step, a round already computing);
+            # one waiting on the Fed Server (a long poll) is left to the process's exit.
+            deadline = time.monotonic() + STOP_WAIT_S
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
         finally:
             self.compute.close()
         if any(isinstance(exc, RegistrationRefused) for exc in self.errors.values()):

@@ -206,8 +206,13 @@ class Device:
         Bad data stops here with a :class:`DataError`, before the device registers. A run this
         process cannot train (:func:`check_run`: an unknown algorithm, a model it may not or cannot
         build) stops the device here (ValueError), before anything is imported: code is never
-        taken from the network."""
+        taken from the network.
+
+        A device whose ``stop`` is set stops setting up between steps, unregistered: an agent
+        stopped while its many devices set up exits at once."""
         self.info = info if info is not None else wait_for_run(self.fed, self.stop, f"the Fed Server of {self.device_id}")
+        if self.stop.is_set():
+            return
         layout = check_run(self.info, self.model_ref, self.loss_ref)
         # The one place the device's data becomes its training set. Federated evaluation: split
         # once into the training part and the held-out part, before anything (registration,
@@ -217,7 +222,8 @@ class Device:
         device_model.warm_up(data)
         self._resolve_time_scale()
         self._profile = self.profile()
-        self.register()
+        if not self.stop.is_set():
+            self.register()
 
     def prepare(self, info: RunInfo, layout: SplitModel, data: ArrayDataset,
                 held_out: ArrayDataset | None) -> DeviceModel:
