@@ -139,9 +139,10 @@ class Device:
         return self.device_model.model if self.device_model is not None else None
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def run(self, info: RunInfo | None = None) -> None:
+    def run(self, info: RunInfo | None = None, layout: SplitModel | None = None) -> None:
         """Register, then train every round this device is given until the run is done.
-        ``info``: the run spec, when the device's agent has asked for it already (:meth:`setup`).
+        ``info`` and ``layout``: the run spec and its checked model layout, when the device's agent
+        has them already (:meth:`setup`).
 
         Survives server restarts: connection failures back off and retry (up to
         ``max_downtime_s`` without any answer), and a Fed Server that no longer knows the device
@@ -149,7 +150,9 @@ class Device:
         reason, is given up (:func:`device_agent.reports.abandon`) and the device asks for its
         next one; the agent's other devices go on either way.
         """
-        self.setup(info)
+        self.setup(info, layout)
+        if self.stop.is_set():   # the agent stopped while it set up
+            return
         poller = self.poller
         assert poller is not None
         down_since: float | None = None
@@ -199,9 +202,11 @@ class Device:
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
                  "; final global model received" if received else "")
 
-    def setup(self, info: RunInfo | None = None) -> None:
+    def setup(self, info: RunInfo | None = None, layout: SplitModel | None = None) -> None:
         """Fetch the run spec (unless given ``info``: an agent waits for it once for all its
-        devices), load and check this device's data, register with the Fed Server.
+        devices) and check it (unless given its model's ``layout``: an agent checks it once and
+        its devices share the layout, which they only read), load and check this device's data,
+        register with the Fed Server.
 
         Bad data stops here with a :class:`DataError`, before the device registers. A run this
         process cannot train (:func:`check_run`: an unknown algorithm, a model it may not or cannot
@@ -213,7 +218,7 @@ class Device:
         self.info = info if info is not None else wait_for_run(self.fed, self.stop, f"the Fed Server of {self.device_id}")
         if self.stop.is_set():
             return
-        layout = check_run(self.info, self.model_ref, self.loss_ref)
+        layout = layout if layout is not None else check_run(self.info, self.model_ref, self.loss_ref)
         # The one place the device's data becomes its training set. Federated evaluation: split
         # once into the training part and the held-out part, before anything (registration,
         # warm-up, training) sees the data.
