@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 
 import torch
 
@@ -18,10 +19,14 @@ from device_agent.run_spec import check_run, wait_for_run
 from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
+from shared.models import SplitModel
 from shared.profiles import LINKS, TimeScale, kind_for
 from shared.schemas import RunInfo
 
 log = logging.getLogger("device_agent")
+
+#: How long a stopping agent (Ctrl-C, SIGTERM) waits for its devices to end what they are doing.
+STOP_WAIT_S = 1.0
 
 
 class RunRefused(Exception):
@@ -147,9 +152,9 @@ class Agent:
                 metrics.add_device(device.device_id)
                 device.on_upload = metrics.observe_upload
 
-    def _run_device(self, device: Device, info: RunInfo) -> None:
+    def _run_device(self, device: Device, info: RunInfo, layout: SplitModel) -> None:
         try:
-            device.run(info)
+            device.run(info, layout)
         except (DataError, RegistrationRefused) as exc:  # the operator's data or configuration: one line naming it
             self.errors[device.device_id] = exc
             log.error("%s: not registered: %s", device.device_id, exc)
@@ -157,33 +162,41 @@ class Agent:
             self.errors[device.device_id] = exc
             log.exception("%s stopped with an error", device.device_id)
 
-    def check_run(self) -> RunInfo:
+    def check_run(self) -> tuple[RunInfo, SplitModel]:
         """Wait for the Fed Server's run spec and refuse (:class:`RunRefused`) a run this agent
         cannot train, once for all its devices and before any registers: a device that joined
-        it would fail every task it is given. Returns the spec, which the devices then start from."""
+        it would fail every task it is given. Returns the spec and the model's checked layout,
+        which the devices then start from (one layout for all: they only read it)."""
         info = wait_for_run(self.devices[0].fed, self.stop, f"the Fed Server at {self.fed_server_url}")
         try:
-            check_run(info, self.model, self.loss)
+            return info, check_run(info, self.model, self.loss)
         except ValueError as exc:
             raise RunRefused(str(exc)) from None
-        return info
 
     def run(self) -> int:
         """Check the run (:meth:`check_run`, which may raise :class:`RunRefused`), then start
         every device thread and wait for them. The exit code: 2 if the Fed Server refused any
         device's registration (a configuration problem, which a restart does not fix; the agent's
         other devices train on to the end), else 1 if any device failed, else 0."""
+        threads: list[threading.Thread] = []
         try:
-            info = self.check_run()
-            threads = [threading.Thread(target=self._run_device, args=(d, info), name=d.device_id, daemon=True)
-                       for d in self.devices]
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.5)
+            info, layout = self.check_run()
+            for device in self.devices:
+                thread = threading.Thread(target=self._run_device, args=(device, info, layout), name=device.device_id,
+                                          daemon=True)
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.5)
         except KeyboardInterrupt:
             self.stop.set()
+            self.compute.close()   # rounds waiting for a compute thread are not run
+            # The devices end what they are doing now (a set-up step, a round already computing);
+            # one waiting on the Fed Server (a long poll) is left to the process's exit.
+            deadline = time.monotonic() + STOP_WAIT_S
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
         finally:
             self.compute.close()
         if any(isinstance(exc, RegistrationRefused) for exc in self.errors.values()):

@@ -9,6 +9,7 @@ agent pick a ``time_scale`` that keeps the two in the same proportion on any hos
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import torch
@@ -19,6 +20,28 @@ from shared.torch_device import synchronize
 #: Samples in a measured batch: the testbed's default batch size. Speed per FLOP varies a little
 #: with the batch; a task's batch size is not known before the device registers.
 CALIBRATION_BATCH = 32
+
+_MATMUL_LOCK = threading.Lock()
+_MATMUL_FLOPS: dict[str, float] = {}
+
+
+def matmul_flops(device: torch.device) -> float:
+    """FLOP/s of a 256x256 matrix product on ``device``: a real device's nominal speed, measured
+    once per process and torch device, since the agent's devices share the host.
+
+    Measured per device, it cost each of an agent's virtual devices about 17 ms of set-up and
+    its thread several MiB of memory it kept while idle (the math library's and allocator's
+    buffers of a thread that computed once)."""
+    with _MATMUL_LOCK:
+        if str(device) not in _MATMUL_FLOPS:
+            a = torch.randn(256, 256, device=device)
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                a @ a
+            synchronize(device)
+            _MATMUL_FLOPS[str(device)] = 20 * 2 * 256 ** 3 / max(1e-9, time.perf_counter() - t0)
+        return _MATMUL_FLOPS[str(device)]
 
 
 def training_flops(model: SplitModel, x: torch.Tensor, cpu_time: bool, min_steps: int = 3, max_steps: int = 20,

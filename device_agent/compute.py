@@ -105,8 +105,9 @@ class ComputeThreads:
                 done.set_exception(exc)
 
     def close(self) -> None:
-        """End the threads once the sections waiting now are done (the devices have stopped), and
-        wait for them to end.
+        """End the threads once the sections running now are done, and wait for them to end.
+        Sections still waiting are not run: their devices' threads get a RuntimeError (the agent
+        is stopping, and a device's round that waits behind others would hold its exit).
 
         The wait matters at the agent's exit: a compute thread that has run torch code and is
         still ending while the process exits (its thread-local state torn down beside the exit's
@@ -115,6 +116,12 @@ class ComputeThreads:
         """
         with self._start:
             self._closed = True
+            while True:
+                try:
+                    _, _, _, dropped = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+                dropped.set_exception(RuntimeError("the agent's compute threads are closed"))
             for _ in self._threads:
                 self._waiting.put((math.inf, next(self._order), None, None))
         for thread in self._threads:

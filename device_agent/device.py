@@ -18,6 +18,7 @@ import time
 import torch
 
 from device_agent.api import FedApi, Unreachable
+from device_agent.calibration import matmul_flops
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
 from device_agent.reports import UploadHook, abandon, report_evaluation, upload
@@ -35,7 +36,6 @@ from shared.losses import Loss, build_loss
 from shared.models import SplitModel, model_fingerprint
 from shared.profiles import EmulatedKind, TimeScale, auto_time_scale
 from shared.schemas import DeviceProfileMsg, RegisterRequest, RunInfo, TaskResponse
-from shared.torch_device import synchronize
 
 log = logging.getLogger("device_agent")
 
@@ -139,9 +139,10 @@ class Device:
         return self.device_model.model if self.device_model is not None else None
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def run(self, info: RunInfo | None = None) -> None:
+    def run(self, info: RunInfo | None = None, layout: SplitModel | None = None) -> None:
         """Register, then train every round this device is given until the run is done.
-        ``info``: the run spec, when the device's agent has asked for it already (:meth:`setup`).
+        ``info`` and ``layout``: the run spec and its checked model layout, when the device's agent
+        has them already (:meth:`setup`).
 
         Survives server restarts: connection failures back off and retry (up to
         ``max_downtime_s`` without any answer), and a Fed Server that no longer knows the device
@@ -149,7 +150,9 @@ class Device:
         reason, is given up (:func:`device_agent.reports.abandon`) and the device asks for its
         next one; the agent's other devices go on either way.
         """
-        self.setup(info)
+        self.setup(info, layout)
+        if self.stop.is_set():   # the agent stopped while it set up
+            return
         poller = self.poller
         assert poller is not None
         down_since: float | None = None
@@ -199,16 +202,23 @@ class Device:
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
                  "; final global model received" if received else "")
 
-    def setup(self, info: RunInfo | None = None) -> None:
+    def setup(self, info: RunInfo | None = None, layout: SplitModel | None = None) -> None:
         """Fetch the run spec (unless given ``info``: an agent waits for it once for all its
-        devices), load and check this device's data, register with the Fed Server.
+        devices) and check it (unless given its model's ``layout``: an agent checks it once and
+        its devices share the layout, which they only read), load and check this device's data,
+        register with the Fed Server.
 
         Bad data stops here with a :class:`DataError`, before the device registers. A run this
         process cannot train (:func:`check_run`: an unknown algorithm, a model it may not or cannot
         build) stops the device here (ValueError), before anything is imported: code is never
-        taken from the network."""
+        taken from the network.
+
+        A device whose ``stop`` is set stops setting up between steps, unregistered: an agent
+        stopped while its many devices set up exits at once."""
         self.info = info if info is not None else wait_for_run(self.fed, self.stop, f"the Fed Server of {self.device_id}")
-        layout = check_run(self.info, self.model_ref, self.loss_ref)
+        if self.stop.is_set():
+            return
+        layout = layout if layout is not None else check_run(self.info, self.model_ref, self.loss_ref)
         # The one place the device's data becomes its training set. Federated evaluation: split
         # once into the training part and the held-out part, before anything (registration,
         # warm-up, training) sees the data.
@@ -217,7 +227,8 @@ class Device:
         device_model.warm_up(data)
         self._resolve_time_scale()
         self._profile = self.profile()
-        self.register()
+        if not self.stop.is_set():
+            self.register()
 
     def prepare(self, info: RunInfo, layout: SplitModel, data: ArrayDataset,
                 held_out: ArrayDataset | None) -> DeviceModel:
@@ -295,20 +306,13 @@ class Device:
 
     def profile(self) -> DeviceProfileMsg:
         """Nominal speed of an emulated kind, or a quick measurement on a real device (on the
-        torch device it trains on). The rate is the emulated link's; a real link's is not known
+        torch device it trains on, once per agent: :func:`device_agent.calibration.matmul_flops`). The rate is the emulated link's; a real link's is not known
         before it has carried a round (``rate`` None): the Fed Server measures it from the device's
         timed transfers (docs/s2fl.md, "The client time table")."""
         if self.kind is not None:
             return DeviceProfileMsg(kind=self.kind.name, flops=self.kind.flops,
                                     rate=self.kind.rate * self.time_scale if self.emulate_links else None)
-        a = torch.randn(256, 256, device=self.torch_device)
-        synchronize(self.torch_device)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            a @ a
-        synchronize(self.torch_device)
-        flops = 20 * 2 * 256 ** 3 / max(1e-9, time.perf_counter() - t0)
-        return DeviceProfileMsg(kind="native", flops=flops, rate=None)
+        return DeviceProfileMsg(kind="native", flops=matmul_flops(self.torch_device), rate=None)
 
     # --- one task -----------------------------------------------------------------------------
     def run_task(self, task: TaskResponse, task_bytes: int, received_at: float) -> None:

@@ -226,8 +226,8 @@ def build_model(
     """Build model ``ref`` (a built-in name or ``package.module:function``) as a :class:`SplitModel`.
 
     The function is called with ``**params`` plus ``num_classes=``/``input_shape=`` when its
-    signature accepts them. Weights are initialised deterministically from ``seed``: the global torch
-    RNG state is saved and restored, so building never perturbs other code, and the same arguments
+    signature accepts them. Weights are initialised deterministically from ``seed`` (on the CPU, the
+    default device, where every process builds them): the global torch CPU RNG state is saved and restored, so building never perturbs other code, and the same arguments
     give an identical state_dict. Under ``with torch.device("meta")`` the model (and the shape check)
     costs no memory. ``input_shape`` may be omitted for built-in names (their default). Raises
     ValueError naming the reference and, where it applies, the block at fault.
@@ -245,7 +245,10 @@ def build_model(
     if ref in DEFAULT_INPUT_SHAPES and len(shape) != len(DEFAULT_INPUT_SHAPES[ref]):
         raise ValueError(f"model {ref!r}: input_shape must be (C, H, W), got {list(shape)}")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # The CPU generator, which builds the weights, seeded directly: torch.manual_seed would also
+        # queue a seeding for each accelerator, formatting a stack trace per call where none is
+        # initialised (milliseconds per build, paid by each device an agent sets up).
+        torch.default_generator.manual_seed(seed)
         model = _split_model(ref, _call(ref, fn, num_classes, shape, params or {}), num_classes, shape)
     if (model.num_classes, model.input_shape) != (num_classes, shape):
         raise ValueError(f"model {ref!r}: returned a SplitModel for {model.num_classes} classes and input "

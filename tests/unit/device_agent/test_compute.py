@@ -70,6 +70,39 @@ def test_close_returns_once_every_compute_thread_has_ended():
     assert not [t for t in threading.enumerate() if t.name.startswith("compute-")]
 
 
+def test_close_runs_the_section_running_but_not_those_waiting():
+    """A stopping agent waits for the section it is running, not for the rounds queued behind
+    it: their devices' threads get the error at once."""
+    compute = ComputeThreads(1)
+    running, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+    errors: list[BaseException] = []
+
+    def device(section, work: float = 0.0) -> None:
+        try:
+            compute.run(section, work)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=device, args=(lambda: (running.set(), release.wait(10), ran.append("first")),))
+    first.start()
+    assert running.wait(10)
+    waiting = [threading.Thread(target=device, args=(lambda: ran.append("waiting"),)) for _ in range(3)]
+    for t in waiting:
+        t.start()
+    while compute._waiting.qsize() < len(waiting):
+        pass
+    closer = threading.Thread(target=compute.close)
+    closer.start()
+    for t in waiting:
+        t.join(10)
+    assert [str(e) for e in errors] == ["the agent's compute threads are closed"] * 3
+    release.set()
+    closer.join(10)
+    first.join(10)
+    assert ran == ["first"] and not closer.is_alive()
+
+
 def test_compute_for_zero_is_the_devices_own_thread_and_refuses_a_negative_count():
     inline = compute_for(0)
     assert isinstance(inline, InlineCompute)
