@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds a population may take to register, and then its rounds (default {TIME_LIMIT_S:g})")
     parser.add_argument("--memory-limit", type=float, default=None,
                         help="whole-testbed PSS in MiB at which a population is stopped (default "
-                             f"{MEMORY_LIMIT_FRACTION:.0%} of the machine's memory)")
+                             f"{MEMORY_LIMIT_FRACTION * 100:.0f} %% of the machine's memory)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown goes beside it with .md "
                              "(default benchmarks/results/<UTC date>_population.json)")
