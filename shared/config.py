@@ -197,6 +197,9 @@ class TrackingConfig(_Strict):
     # An MLflow tracking URI (default file:<run-dir>/mlruns; http://HOST:5000 for a server).
     mlflow_uri: str | None = None
     mlflow_experiment: str = Field("s2fl", min_length=1)
+    # Each aggregated device's split point and timings too (device/<id>/...): a series per device,
+    # as with the Fed Server's --per-device-metrics; off for populations of thousands.
+    per_device: bool = True
 
     @field_validator("backends")
     @classmethod

@@ -54,11 +54,12 @@ def import_backend(backend: str, module: str, package: str, install: str) -> Mod
         raise ValueError(f"tracking backend {backend!r} needs the {package} package: pip install '{install}'") from None
 
 
-def round_figures(record: RoundRecord) -> dict[str, float]:
+def round_figures(record: RoundRecord, per_device: bool = False) -> dict[str, float]:
     """The numeric figures of a round record, under ``metrics.jsonl``'s field names where it has
     one: accuracy and losses, times, bytes, how many devices were selected, aggregated, dropped and
     evaluated, the mean split point (blocks on the device), and the algorithm's own numeric figures as ``algorithm/<key>``.
-    A figure the record does not have (no test set, a failed evaluation) is left out."""
+    With ``per_device``, each uploader's split point and timings as ``device/<id>/<name>``
+    (:func:`device_figures`). A figure the record does not have (no test set, a failed evaluation) is left out."""
     figures: dict[str, float | int | None] = {
         "test_accuracy": record.test_accuracy, "test_loss": record.test_loss, "train_loss": record.train_loss,
         "test_mse": record.test_mse, "test_mae": record.test_mae,
@@ -74,7 +75,26 @@ def round_figures(record: RoundRecord) -> dict[str, float]:
     for key, value in record.algorithm_metrics.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             figures[f"algorithm/{key}"] = value
+    if per_device:
+        figures.update(device_figures(record))
     return {key: float(value) for key, value in figures.items() if value is not None}
+
+
+def device_figures(record: RoundRecord) -> dict[str, float]:
+    """Each device that uploaded in the round: its split point, the timings it reported
+    (``compute_s``, ``transfer_s``, ``wait_s``, ``server_s``, ``total_s``), the seconds its upload
+    took to arrive (``upload_s``) and its entry in the client time table (``table_s``)."""
+    out: dict[str, float] = {}
+    for device, timings in record.device_times.items():
+        prefix = f"device/{device}/"
+        if device in record.split_points:
+            out[prefix + "split_point"] = float(record.split_points[device])
+        out.update({prefix + name: float(value) for name, value in timings.model_dump().items()})
+        if device in record.upload_times:
+            out[prefix + "upload_s"] = record.upload_times[device]
+        if device in record.table_times:
+            out[prefix + "table_s"] = record.table_times[device]
+    return out
 
 
 def summary_figures(summary: Mapping[str, Any]) -> dict[str, float]:

@@ -78,7 +78,7 @@ class MlflowTracker(Tracker):
         return str(noted["run_id"])
 
     def log_round(self, record: RoundRecord) -> None:
-        self._log_metrics(round_figures(record), record.round)
+        self._log_metrics(round_figures(record, self.config.per_device), record.round)
 
     def finish(self, summary: Mapping[str, Any]) -> None:
         figures = {f"summary/{key}": value for key, value in summary_figures(summary).items()}

@@ -36,7 +36,7 @@ class TensorBoardTracker(Tracker):
             self.writer.flush()
 
     def log_round(self, record: RoundRecord) -> None:
-        for key, value in round_figures(record).items():
+        for key, value in round_figures(record, self.config.per_device).items():
             self.writer.add_scalar(key, value, record.round)
         self.writer.flush()
 

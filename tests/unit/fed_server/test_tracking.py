@@ -87,6 +87,16 @@ def test_round_figures_are_the_records_numbers():
     assert "test_accuracy" not in round_figures(_record(1, 0.5, test_accuracy=None, test_loss=None))
 
 
+def test_per_device_figures_are_each_uploaders_split_and_timings():
+    timings = {"compute_s": 1.0, "transfer_s": 0.5, "wait_s": 0.25, "server_s": 0.125, "total_s": 2.0}
+    record = _record(2, 0.8, device_times={"a": timings}, upload_times={"a": 0.3}, table_times={"a": 1.9})
+    figures = round_figures(record, per_device=True)
+    assert {k: v for k, v in figures.items() if k.startswith("device/")} == {
+        "device/a/split_point": 1.0, "device/a/compute_s": 1.0, "device/a/transfer_s": 0.5, "device/a/wait_s": 0.25,
+        "device/a/server_s": 0.125, "device/a/total_s": 2.0, "device/a/upload_s": 0.3, "device/a/table_s": 1.9}
+    assert not any(k.startswith("device/") for k in round_figures(record))
+
+
 def test_flat_config_is_dotted_text():
     assert flat_config({"train": {"lr": 0.05}, "model_params": {}, "tracking": {"backends": ["mlflow"]}, "model": "cnn"}) == {
         "train.lr": "0.05", "model_params": "{}", "tracking.backends": '["mlflow"]', "model": "cnn"}
