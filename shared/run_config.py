@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
+from shared.algorithms.base import DeviceLogic
 from shared.algorithms.registry import (
     ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_selector,
 )
@@ -64,6 +65,12 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if config.model in SPLIT_DEPTH_ZERO_MODELS and algorithm.split_mode() != "zero":
         raise ValueError(f"model {config.model!r} has no meaningful cut: use it with a split-depth-zero algorithm "
                          f"(e.g. fedavg, fedbc), not {config.algorithm!r}")
+    if algorithm.split_mode() != "zero" and algorithm.Logic.loss is not DeviceLogic.loss:
+        # In split mode the Main Server computes the loss on its own portion's output (the group
+        # loss over train.loss): a device objective would silently never be used.
+        raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but its device logic "
+                         f"({algorithm.Logic.__name__}) defines its own loss, which split training never computes: "
+                         f"make it split-depth-zero, or put the objective in a group loss (docs/extending.md)")
     if algorithm.split_mode() != "zero" and not model.split_points:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")

@@ -107,3 +107,25 @@ def test_malformed_override_is_one_line():
         resolve_run_config(overrides=["train.lr=[1"])
     [line] = info.value.lines
     assert line.startswith("override 'train.lr=[1': the value is not valid YAML")
+
+
+def test_a_split_algorithm_whose_device_logic_defines_a_loss_is_refused(monkeypatch):
+    # In split mode the Main Server computes the loss: a device objective would never be used.
+    import torch
+
+    from shared.algorithms import registry
+    from shared.algorithms.base import DeviceLogic
+    from shared.algorithms.split_learning import S2FL
+
+    class OwnLoss(DeviceLogic):
+        def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return model(x).sum()
+
+    class SplitWithOwnLoss(S2FL):
+        Logic = OwnLoss
+
+    monkeypatch.setitem(registry.ALGORITHMS, "split_own_loss", SplitWithOwnLoss)
+    with pytest.raises(ValueError, match=r"its device logic \(OwnLoss\) defines its own loss, which split training "
+                                         r"never computes"):
+        load_run_config({"algorithm": "split_own_loss"})
+    load_run_config({"algorithm": "s2fl"})
