@@ -16,10 +16,13 @@ import httpx
 import numpy as np
 import yaml
 
-from shared.config import RunConfig
+from shared.config import RunConfig, TrainConfig
 from shared.data import load_embedded_mnist
 from shared.data.datasets import MNIST_MEAN, MNIST_STD
+from shared.models import build_model
 from shared.run_config import load_run_config
+from shared.schemas import Participant, RoundPlan
+from shared.wire import encode_state
 from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
 from testbed.warm_start import shared_starter
 
@@ -135,3 +138,18 @@ def write_raw_mnist(path: Path, split: str, rows: slice) -> Path:
     pixels = np.rint((ds.x[order].numpy() * MNIST_STD + MNIST_MEAN) * 255).clip(0, 255).astype(np.uint8)
     np.savez(path, x=pixels.reshape(-1, 28, 28), y=ds.y[order].numpy().astype(np.int32))
     return path
+
+
+def make_plan(round_id: int = 1, **changes) -> dict:
+    """A valid round plan for a Main Server alone (the cnn, two participants cut at block 1, ten
+    classes, batches of 8), as a dict, with ``changes`` applied."""
+    plan = RoundPlan(
+        run_id="plan-run", round_id=round_id, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
+        participants=[Participant(device_id="dev-a", split_point=1, num_samples=50),
+                      Participant(device_id="dev-b", split_point=1, num_samples=50)],
+        server_weights=encode_state(build_model("cnn").portion(1, 4).state_dict()),
+        train=TrainConfig(batch_size=8), grouping="balanced", group_size=2, group_loss="per_member",
+        join_deadline_s=30, step_deadline_s=30,
+    ).model_dump()
+    plan.update(changes)
+    return plan

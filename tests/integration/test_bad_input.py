@@ -22,7 +22,7 @@ import torch
 
 from fed_server.settings import FedServerSettings
 from fed_server.update_checks import shard_sizes
-from integration_support import server_pair, small_config
+from integration_support import make_plan, server_pair, small_config
 from shared.models import build_model
 from shared.models.zoo import ZOO_BUILDERS
 from shared.schemas import (
@@ -235,19 +235,6 @@ def test_fed_updates_and_portions_rejected(services, client):
 
 
 # --- Main Server ----------------------------------------------------------------------------------
-
-def make_plan(round_id: int = 1, **changes) -> dict:
-    plan = RoundPlan(
-        run_id="plan-run", round_id=round_id, model="cnn", num_classes=NUM_CLASSES, input_shape=[1, 28, 28], seed=0,
-        participants=[Participant(device_id="dev-a", split_point=1, num_samples=50),
-                      Participant(device_id="dev-b", split_point=1, num_samples=50)],
-        server_weights=encode_state(build_model("cnn").portion(1, 4).state_dict()),
-        train=TrainConfig(batch_size=BATCH), grouping="balanced", group_size=2, group_loss="per_member",
-        join_deadline_s=30, step_deadline_s=30,
-    ).model_dump()
-    plan.update(changes)
-    return plan
-
 
 def test_main_rejects_bad_plans(services, client):
     url = f"{services['main']}/v1/rounds"

@@ -18,7 +18,8 @@ import time
 import httpx
 import pytest
 
-from integration_support import server_pair, small_config
+from integration_support import make_plan, server_pair, small_config
+from shared.wire import packb
 
 HEAD_TIMEOUT_S = 1.5
 KEEP_ALIVE_S = 1.0
@@ -36,6 +37,12 @@ GIVE_UP_S = 20.0   # far beyond both limits: a server that never closes fails th
 def services():
     config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
     with server_pair(config, "timeouts", fed_args=TIMEOUT_ARGS, main_args=TIMEOUT_ARGS) as pair:
+        # The step route checks its round before it reads a body (a step for no open round is 409
+        # from the head): round 1 is opened at the Main Server alone (the Fed Server, without
+        # devices, never starts one).
+        opened = httpx.post(f"{pair.main_url}/v1/rounds", content=packb(make_plan(1)),
+                            headers={"content-type": "application/msgpack"}, timeout=30)
+        assert opened.status_code == 200, opened.text
         yield {"fed": pair.fed_url, "main": pair.main_url, "processes": {"fed": pair.fed, "main": pair.main}}
 
 

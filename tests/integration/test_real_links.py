@@ -18,9 +18,9 @@ from testbed.warm_start import shared_starter
 _PROBLEM = problem_here()
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"real links cannot be made here: {_PROBLEM}")
 
-# round_id as the agent logs it (the attempt id), then its split and spent/waiting seconds.
-_DONE = re.compile(r"(?P<device>\S+): round (?P<round_id>\d+) done \(split (?P<split>\d+), \d+ steps, loss \S+, "
-                   r"spent (?P<spent>[\d.]+)s, (?P<waiting>[\d.]+)s waiting\)")
+# "round N (attempt A)" as the agent logs it (A: the round_id), then its split and spent/waiting seconds.
+_DONE = re.compile(r"(?P<device>\S+): round \d+ \(attempt (?P<round_id>\d+)\) done \(split (?P<split>\d+), \d+ steps, "
+                   r"loss \S+, spent (?P<spent>[\d.]+)s, (?P<waiting>[\d.]+)s waiting\)")
 ROUNDS = 5        # the time table's K = 3 warm-up rounds, then two rounds decided by its median rule
 RTT_MS = 2.0
 
