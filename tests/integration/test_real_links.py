@@ -72,18 +72,34 @@ def _run(tmp_path: Path, real: bool) -> tuple[list[dict], Path, LinkPlan | None,
     return read_metrics(run_dir), run_dir, plan, shaped
 
 
-def test_real_links_decide_the_splits_as_emulation_does_and_time_what_the_devices_spent(tmp_path):
+def _pair(tmp_path):
+    """One run on shaped links and the same run emulated; the shaped run's network is gone after it."""
     real, real_dir, plan, shaped = _run(tmp_path, real=True)
     assert plan is not None
     links, namespaces = existing_names()
     made = {plan.bridge, *(a.port for a in plan.agents), *(a.namespace for a in plan.agents)}
     assert not made & {*links, *namespaces}, "the testbed left its network behind"
     emulated, emulated_dir, _, _ = _run(tmp_path, real=False)
+    return real, real_dir, shaped, emulated, emulated_dir
+
+
+def _splits(*runs):
+    return [[m["split_points"] for m in metrics] for metrics in runs]
+
+
+def test_real_links_decide_the_splits_as_emulation_does_and_time_what_the_devices_spent(tmp_path):
+    real, real_dir, shaped, emulated, emulated_dir = _pair(tmp_path / "first")
+    splits = _splits(real, emulated)
+    if splits[0] != splits[1]:
+        # Each candidate's first table entry comes from one warm-up round, so a load spike on a
+        # shared machine in either run's warm-up moves the median rule's choice: the pair is run
+        # once more, and the two must then agree.
+        real, real_dir, shaped, emulated, emulated_dir = _pair(tmp_path / "again")
     for metrics in (real, emulated):
         assert [(m["round"], m["status"]) for m in metrics] == [(r, "ok") for r in range(1, ROUNDS + 1)]
     # Every device's traffic went through its shaped link both ways (a round moves megabytes).
     assert len(shaped) == 3 and all(up > 1e6 and down > 1e6 for up, down in shaped.values()), shaped
-    splits = [[m["split_points"] for m in metrics] for metrics in (real, emulated)]
+    splits = _splits(real, emulated)
     assert splits[0] == splits[1], (
         f"splits differ: real {splits[0]} emulated {splits[1]}; table times real "
         f"{[m['table_times'] for m in real]} emulated {[m['table_times'] for m in emulated]}")
