@@ -25,11 +25,6 @@ def _check_round_id(body_round_id: int, round_id: int) -> None:
         raise Invalid(f"body round_id {body_round_id} does not match the path's round {round_id}")
 
 
-def _work(samples: int, flops: float) -> float:
-    """A device's compute per round, as the peers' rule compares it: samples over FLOP/s."""
-    return samples / flops if flops > 0 else 0.0
-
-
 class Uploads:
     """Checks and stores what arrives for the open attempt."""
 
@@ -65,12 +60,15 @@ class Uploads:
         (:mod:`fed_server.device_pace`); the earliest own deadline of those still awaited
         (``inf``: none has one). Event loop."""
         devices, dropped = self.core.devices.devices, fed_round.dropped()
-        finishers = [(fed_round.upload_seconds(d), _work(devices[d].num_samples, devices[d].profile.flops))
-                     for d in fed_round.updates if d in devices and d not in dropped]
+
+        def work(device: str) -> float:
+            """The device's compute per round, as the peers' rule compares it: samples over FLOP/s."""
+            record = devices.get(device)
+            return record.num_samples / record.profile.flops if record is not None and record.profile.flops > 0 else 0.0
+
+        finishers = [(fed_round.upload_seconds(d), work(d)) for d in fed_round.updates if d in devices and d not in dropped]
         waiting = fed_round.waiting()
-        due = self.core.pace.deadlines(
-            waiting, finishers, len(waiting) + len(finishers),
-            lambda d: _work(devices[d].num_samples, devices[d].profile.flops) if d in devices else 0.0)
+        due = self.core.pace.deadlines(waiting, finishers, len(waiting) + len(finishers), work)
         overdue = sorted(d for d, at in due.items() if at <= now)
         if overdue:
             self.core.exclude(fed_round, overdue, OVERDUE, tell_main_server=True)
