@@ -149,9 +149,11 @@ class Coordinator:
         selected = core.selector.select(RoundContext(index=index, attempt=attempt), pool,
                                         min(config.per_round, len(pool)), self.rng)
         splits = self.planner.choose(index, selected)
+        downloads = self.planner.download_seconds({d: j for d, (j, _) in splits.items()})
         core.round = FedRound(
             round_id=attempt, index=index, split_mode=self.planner.mode,
-            assignments={d: Assignment(d, k, j, core.devices.token_nonce(d)) for d, (j, k) in splits.items()},
+            assignments={d: Assignment(d, k, j, core.devices.token_nonce(d), download_s=downloads[d])
+                         for d, (j, k) in splits.items()},
             deadline_s=config.deadlines.round_s,
             report_deadline_s=config.deadlines.report_s or config.deadlines.round_s / 2,
         )

@@ -8,7 +8,7 @@ the tasks went out, for one that never asked):
 
     due = start + patience * expected + grace_s
 
-The rule applies once at least half of the attempt's devices still in it have uploaded: before
+(the rule of :mod:`shared.own_deadline`, which the Main Server applies to joins). The rule applies once at least half of the attempt's devices still in it have uploaded: before
 that, nothing shows that the round is not simply slow for everyone (a busy machine, a slow
 network), and only the round deadline applies. ``expected`` is then the larger of
 
@@ -33,22 +33,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from shared.own_deadline import check_patience, expected_seconds
+
 SMOOTHING = 0.5
-
-
-def expected_seconds(own: float | None, finishers: Sequence[tuple[float, float]], work: float,
-                     in_attempt: int) -> float | None:
-    """The seconds a device's round is expected to take, once ``finishers`` (``(seconds, work)`` of
-    each device that uploaded in this attempt) are at least half of the ``in_attempt`` devices
-    still in it; None before. The larger of its peers' time (the slowest finisher's, times
-    ``work`` over the heaviest finisher's work when that is more than one) and its own usual
-    time ``own`` (None: not known)."""
-    if not finishers or 2 * len(finishers) < in_attempt:
-        return None
-    slowest = max(seconds for seconds, _ in finishers)
-    heaviest = max(w for _, w in finishers)
-    peers = slowest * max(1.0, work / heaviest) if heaviest > 0 else slowest
-    return peers if own is None else max(peers, own)
 
 
 class DevicePace:
@@ -58,10 +45,7 @@ class DevicePace:
     def __init__(self, patience: float | None, grace_s: float) -> None:
         """``patience``: how many times its expected time a device is waited for (None: only the
         round deadline applies); ``grace_s``: seconds added to every device's deadline."""
-        if patience is not None and patience < 1.0:
-            raise ValueError(f"patience must be >= 1, got {patience}")
-        if grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        check_patience(patience, grace_s)
         self.patience = patience
         self.grace_s = grace_s
         self._usual: dict[str, dict[int, float]] = {}

@@ -33,6 +33,8 @@ class Assignment:
     token_nonce: str | None = None
     dispatched_at: float | None = None
     main_server_url: str | None = None
+    #: Seconds its client portion is expected to take to download (None: link rate not known).
+    download_s: float | None = None
 
 
 @dataclass

@@ -145,12 +145,14 @@ class ReplicaPlanning:
             input_shape=list(self.input_shape), seed=config.seed,
             participants=[Participant(device_id=d, split_point=fed_round.assignments[d].split_point,
                                       num_samples=max(1, core.devices.devices[d].num_samples),
-                                      token_nonce=fed_round.assignments[d].token_nonce)
+                                      token_nonce=fed_round.assignments[d].token_nonce,
+                                      download_s=fed_round.assignments[d].download_s)
                           for d in members],
             server_weights=encode_state(portion_state(core.model, start, core.num_blocks)), train=config.train,
             grouping=core.algorithm.grouping(), group_size=config.grouping.group_size,
             group_loss=config.grouping.group_loss, join_deadline_s=config.deadlines.join_s,
             step_deadline_s=config.deadlines.step_s, groups=groups,
+            patience=config.deadlines.patience, patience_grace_s=config.deadlines.patience_grace_s,
             max_activation=config.grouping.max_activation,
         )
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from fed_server.devices import DeviceRegistry
 from fed_server.time_table import ClientTimeTable, SplitCostView, eq1_bytes, eq1_time
@@ -48,6 +48,20 @@ class SplitPlanner:
         if record.profile.rate is None:
             return math.nan
         return eq1_time(record.profile, self._view(j), record.num_samples * self.local_epochs, self.server_flops)
+
+    def download_seconds(self, chosen: Mapping[str, int | None]) -> dict[str, float | None]:
+        """Seconds each chosen device (-> candidate ``j``) takes to download its client portion:
+        ``|Wc|`` over its link rate or, while its rate is not known (a real device before its
+        first round), over the slowest rate known among them, as if its link were the slowest.
+        None for no candidate (split depth zero) or while no rate among them is known."""
+        rates = {d: self.devices.devices[d].profile.rate for d in chosen if d in self.devices.devices}
+        known = [r for r in rates.values() if r]
+        slowest = min(known) if known else None
+        out: dict[str, float | None] = {}
+        for device, j in chosen.items():
+            rate = rates.get(device) or slowest
+            out[device] = None if j is None or rate is None else self._view(j).client_param_bytes / rate
+        return out
 
     def observe(self, device_id: str, j: int, transfer_s: float) -> None:
         """Set the device's link rate from a round at candidate ``j`` whose transfers took

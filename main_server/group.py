@@ -3,11 +3,21 @@ group step trained off the event loop with its time taken (:func:`timed_step`)."
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from main_server.group_trainer import GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
+import numpy as np
+import torch
+
+from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
+from shared.algorithms.group_loss import GroupLoss
+from shared.algorithms.label_balance import label_distance
+from shared.config import TrainConfig
 from shared.errors import DomainError, Failed, Invalid
+from shared.models import SplitModel
+from shared.schemas import JoinRequest, Participant
 
 
 @dataclass
@@ -40,6 +50,25 @@ class Group:
     def expected(self) -> set[str]:
         """Members that owe the current step."""
         return {m for m in self.members if m not in self.dropped and m not in self.done and self.num_steps[m] > self.step}
+
+
+def new_group(group_id: int, members: Sequence[Participant], joins: Sequence[JoinRequest], template: SplitModel,
+              server_weights: Mapping[str, torch.Tensor], train: TrainConfig, group_loss: GroupLoss,
+              device: torch.device | None) -> Group:
+    """A group of ``members`` (with their ``joins``, in the same order) with its own copy of the
+    server portion from the smallest split point among them, at its Eq. 2 label distance."""
+    split = {m.device_id: m.split_point for m in members}
+    start = min(split.values())
+    keys = template.portion_keys(start, len(template.blocks))
+    trainer = GroupTrainer(
+        copy.deepcopy(template), start, {k: server_weights[k] for k in keys},
+        lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay, group_loss=group_loss, device=device,
+        # |D_i| as the Fed Server registered it, the weight Algorithm 1 gives the device
+        members={m.device_id: GroupMember(m.num_samples, m.split_point) for m in members},
+    )
+    return Group(group_id=group_id, members=list(split), split=split,
+                 num_steps={j.device_id: j.num_steps for j in joins}, trainer=trainer,
+                 distance=label_distance(np.stack([np.asarray(j.label_counts, dtype=np.int64) for j in joins])))
 
 
 @dataclass

@@ -12,23 +12,20 @@ fully validated before it touches state, so a rejected request changes nothing.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import Executor
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 
-from main_server.group import Group, StepOutcome, TrainedStep, timed_step
-from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
+from main_server.group import Group, StepOutcome, TrainedStep, new_group, timed_step
+from main_server.group_trainer import MemberBatch
+from main_server.join_phase import JoinPhase
 from main_server.metrics import MainMetrics
 from main_server.round_plan import plan_model, server_weights
 from main_server.step_checks import StepChecks
-from shared.algorithms.grouping import GroupCandidate, form_round_groups
-from shared.algorithms.label_balance import label_distance
 from shared.algorithms.registry import build_group_loss, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.losses import build_loss, check_loss_origin, label_counts_problem
@@ -71,10 +68,6 @@ class GroupRound:
         self.start, self.server_weights = server_weights(plan, self.template)
         #: What each step must be to join its group's batch.
         self.checks = StepChecks(plan, self.template)
-        self.joined: dict[str, JoinRequest] = {}
-        # Participants the Fed Server took out of the attempt before groups were formed, with why:
-        # the join no longer waits for them and they are grouped with nobody.
-        self.departed: dict[str, str] = {}
         self.groups: list[Group] | None = None
         self.group_by_device: dict[str, Group] = {}
         self.groups_ready = asyncio.Event()
@@ -90,8 +83,8 @@ class GroupRound:
         self._changed = asyncio.Event()
         self._uploads_left: int | None = None
         self._tasks: set[asyncio.Task] = set()
-        loop = asyncio.get_running_loop()
-        self._join_timer = loop.call_later(plan.join_deadline_s, self._form_groups)
+        #: The joins, and when the groups form (:mod:`main_server.join_phase`).
+        self.joins = JoinPhase(plan, self._form_groups)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in the background, holding the task until it ends (the loop keeps only weak
@@ -108,27 +101,21 @@ class GroupRound:
         problem = label_counts_problem(len(req.label_counts), self.plan.num_classes, self.plan.train.resolved_task)
         if problem is not None:
             raise Invalid(problem)
-        if req.device_id in self.departed:
-            raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.departed[req.device_id]}")
+        if req.device_id in self.joins.departed:
+            raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.joins.departed[req.device_id]}")
         if self.groups is not None:
             group = self.group_by_device.get(req.device_id)
             if group is None:
                 raise Conflict(f"device {req.device_id!r} joined after the join deadline of round {self.round_id}")
             return self._join_answer(group)
-        self.joined[req.device_id] = req
-        self._form_groups_if_all_joined()
+        self.joins.join(req)
         await self.groups_ready.wait()
         if self.abandoned:
             raise Conflict(f"round {self.round_id} was abandoned")
         group = self.group_by_device.get(req.device_id)
         if group is None:   # it left the round while it waited for the groups
-            raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.departed[req.device_id]}")
+            raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.joins.departed[req.device_id]}")
         return self._join_answer(group)
-
-    def _form_groups_if_all_joined(self) -> None:
-        """Groups form as soon as every participant has joined or left, not at the join deadline."""
-        if len(self.joined) + len(self.departed) == len(self.participants):
-            self._form_groups()
 
     def depart(self, reasons: Mapping[str, str]) -> None:
         """The Fed Server took these participants out of the attempt (a refused upload, a
@@ -142,11 +129,8 @@ class GroupRound:
         if self.abandoned:
             return
         if self.groups is None:
-            for device, reason in reasons.items():
-                self.joined.pop(device, None)
-                self.departed.setdefault(device, reason)
             log.info("%s: %s left before the groups were formed", self.label, sorted(reasons))
-            self._form_groups_if_all_joined()
+            self.joins.depart(reasons)
             return
         for device, reason in sorted(reasons.items()):
             group = self.group_by_device.get(device)
@@ -160,54 +144,28 @@ class GroupRound:
     def _join_answer(self, group: Group) -> JoinResponse:
         return JoinResponse(group_id=group.group_id, members=group.members, label_distance=group.distance)
 
-    def _planned_groups(self) -> list[tuple[int, list[str]]]:
-        """(group id, members) of this round: the plan's groups (several replicas: formed by the
-        Fed Server), less the members that never joined (absent, as with one replica); or the
-        groups formed here from the joins (one replica, as in the paper)."""
-        if self.plan.groups is not None:
-            planned = [(g.group_id, [m for m in g.members if m in self.joined]) for g in self.plan.groups]
-            return [(gid, members) for gid, members in planned if members]
-        members = {d: GroupCandidate.of(r.label_counts, self.participants[d].split_point, self.participants[d].num_samples)
-                   for d, r in self.joined.items()}
-        return list(enumerate(form_round_groups(self.grouping, members, self.plan.group_size, self.plan.seed,
-                                                self.round_id)))
-
     def _form_groups(self) -> None:
         if self.groups is not None or self.abandoned:
             return
-        self._join_timer.cancel()
-        counts = {d: np.asarray(r.label_counts, dtype=np.int64) for d, r in sorted(self.joined.items())}
+        self.joins.cancel()
         self.groups = []
-        n_blocks = len(self.template.blocks)
-        planned = self._planned_groups()
+        planned = self.joins.groups(self.grouping)
         self._uploads_left = len(planned)
         if not planned:
             self._close()
         for gid, members in planned:
-            split = {m: self.participants[m].split_point for m in members}
-            start = min(split.values())
-            keys = self.template.portion_keys(start, n_blocks)
-            trainer = GroupTrainer(
-                copy.deepcopy(self.template), start, {k: self.server_weights[k] for k in keys},
-                lr=self.plan.train.lr, momentum=self.plan.train.momentum,
-                weight_decay=self.plan.train.weight_decay, group_loss=self.group_loss, device=self.device,
-                # |D_i| as the Fed Server registered it, the weight Algorithm 1 gives the device
-                members={m: GroupMember(self.participants[m].num_samples, split[m]) for m in members},
-            )
-            group = Group(
-                group_id=gid, members=list(members), split=split,
-                num_steps={m: self.joined[m].num_steps for m in members}, trainer=trainer,
-                distance=label_distance(np.stack([counts[m] for m in members])),
-            )
+            group = new_group(gid, [self.participants[m] for m in members], [self.joins.joined[m] for m in members],
+                              self.template, self.server_weights, self.plan.train, self.group_loss, self.device)
             self.groups.append(group)
             for m in members:
                 self.group_by_device[m] = group
             self._arm_step_timer(group)
-        missing = sorted(set(self.participants) - set(self.joined) - set(self.departed))
+        missing = self.joins.missing()
         if self.metrics is not None:
             self.metrics.groups_formed_with([g.distance for g in self.groups], len(missing))
         if missing:
-            log.warning("%s: %d device(s) never joined: %s", self.label, len(missing), missing)
+            log.warning("%s: %d device(s) never joined (%s): %s", self.label, len(missing), self.joins.why_missing,
+                        missing)
         log.info("%s: %d group(s) %s", self.label, len(self.groups),
                  [(g.members, round(g.distance, 3)) for g in self.groups])
         self.groups_ready.set()
@@ -410,7 +368,7 @@ class GroupRound:
     def abandon(self) -> None:
         """A newer plan replaced this round: release everyone who is waiting."""
         self.abandoned = True
-        self._join_timer.cancel()
+        self.joins.cancel()
         self.groups_ready.set()
         self._close()
         for group in self.groups or []:
@@ -426,7 +384,7 @@ class GroupRound:
         return {
             "round_id": self.round_id,
             "participants": len(self.participants),
-            "joined": len(self.joined),
+            "joined": len(self.joins.joined),
             "groups": [
                 {"group_id": g.group_id, "members": g.members, "label_distance": g.distance, "step": g.step,
                  "done": sorted(g.done), "dropped": sorted(g.dropped), "finished": g.finished}

@@ -164,7 +164,7 @@ class MainServer:
         upload = ServerPortionUpload(
             run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
             members=sorted(group.done), dropped=sorted(group.dropped),
-            absent=sorted(set(state.participants) - set(state.joined)), start_block=group.trainer.start,
+            absent=sorted(set(state.participants) - set(state.joins.joined)), start_block=group.trainer.start,
             weights=group.trainer.wire_state(), label_distance=group.distance,
             steps=group.trainer.steps, train_time_s=group.train_time_s,
         )

@@ -260,6 +260,10 @@ class Participant(Message):
     #: The nonce of the device's current token (shared/auth.py), so the Main Server can check
     #: device tokens, and refuse revoked ones, without a registry of its own.
     token_nonce: str | None = Field(default=None, max_length=64)
+    #: The Fed Server's estimate of the seconds the device takes to download its client portion
+    #: (portion bytes over its measured link rate; None: rate not known yet): part of the time
+    #: its join is expected to take (``RoundPlan.patience``).
+    download_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class PlannedGroup(Message):
@@ -289,6 +293,11 @@ class RoundPlan(Message):
     group_loss: str                        # a name in GROUP_LOSSES
     join_deadline_s: float = Field(gt=0)
     step_deadline_s: float = Field(gt=0)
+    #: Each participant's own join deadline (``deadlines.patience``, shared/own_deadline.py): once
+    #: half have joined, a missing one is waited for ``patience`` x the larger of its peers' join
+    #: time and its ``download_s``, plus ``patience_grace_s``. None: only ``join_deadline_s``.
+    patience: float | None = Field(default=None, ge=1, allow_inf_nan=False)
+    patience_grace_s: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     #: None: the Main Server groups the devices that join (one Main Server, as in the paper).
     #: Otherwise the groups the Fed Server formed for this replica, with round-wide group ids.
     groups: list[PlannedGroup] | None = None

@@ -81,16 +81,23 @@ def test_a_sybil_burst_is_refused_by_the_credentials_and_the_honest_devices_keep
     assert "registered 0 of 3 made-up devices on the other shards; refused, e.g. sybil-000:" in adversary_log
 
 
-def test_a_silent_device_sits_out_the_attempt_after_its_miss_then_is_tried_again(tmp_path):
-    # It takes its task and never joins its group: the first attempt waits join_s for it, the
-    # next one does not select it, the one after tries it again (and it misses again).
-    rounds = 3
-    config = _config("s2fl").model_copy(update={"rounds": rounds})
+def test_a_silent_device_costs_an_s2fl_round_its_own_join_deadline_then_sits_out_an_attempt(tmp_path):
+    # It takes its task and never joins its group. In the first round no link rate is known (the
+    # devices register none), so the Main Server waits join_s for it; the next attempt does not
+    # select it; in the one after, the others' rates are measured and the Main Server stops waiting
+    # once the others have joined and it is past twice their time (main_server/join_phase.py).
+    rounds, join_s = 3, 12.0
+    config = _config("s2fl", **{"deadlines.join_s": join_s}).model_copy(update={"rounds": rounds})
     result = run_once(config, "silent", 1, tmp_path / "run", time_limit_s=rounds * ROUND_S + 30, warm=shared_starter())
     records = read_metrics(tmp_path / "run")
     assert result.complete, f"{result.rounds_completed} of {result.rounds_planned} rounds: {result.error}"
     assert ["dev-003" in r["selected"] for r in records] == [True, False, True]
     assert records[0]["left"] == {"dev-003": "never joined a group at the Main Server"}
+    assert records[0]["round_time_s"] > join_s and records[2]["round_time_s"] < join_s / 2, \
+        [r["round_time_s"] for r in records]
+    main_log = (tmp_path / "run" / "logs" / "main_server.log").read_text()
+    assert "round 1 (attempt 1): 1 device(s) never joined (the join deadline (12 s) passed)" in main_log
+    assert "round 3 (attempt 3): 1 device(s) never joined (past their own join deadline" in main_log
     fed_log = (tmp_path / "run" / "logs" / "fed_server.log").read_text()
     assert "dev-003 missed a deadline; it sits out the next 1 attempt" in fed_log
     assert "dev-003 missed a deadline; it sits out the next 2 attempts" in fed_log

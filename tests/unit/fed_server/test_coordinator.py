@@ -494,3 +494,15 @@ def test_registration_with_a_different_model_fingerprint_is_refused_and_changes_
     c.register(req.model_copy(update={"fingerprint": c.enrolment.fingerprint}))
     c.register(req.model_copy(update={"device_id": "d3", "shard": 3, "num_samples": c.enrolment.shard_sizes[3], "fingerprint": None}))
     assert {"d2", "d3"} <= set(c.devices.devices)
+
+
+def test_a_split_round_plan_carries_each_device_s_download_time_and_the_run_s_patience(tmp_path):
+    # What the Main Server needs for each participant's own join deadline (main_server/join_phase.py).
+    c = _coordinator(tmp_path, algorithm="s2fl")
+    fed_round = _open_round(c)
+    plan = c.replicas.round_plan(fed_round, ["d0", "d1"])
+    assert (plan.patience, plan.patience_grace_s) == (c.config.deadlines.patience, c.config.deadlines.patience_grace_s)
+    for p in plan.participants:
+        a = fed_round.assignments[p.device_id]
+        wc = c.planner.profile.cost(c.planner.split_points[a.candidate]).client_param_bytes
+        assert p.download_s == pytest.approx(wc / c.devices.devices[p.device_id].profile.rate)

@@ -1,6 +1,7 @@
 """The split planner: which block count each selected device gets, per split mode."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -78,3 +79,17 @@ def test_a_measured_rate_replaces_the_registered_one_and_nothing_else_changes_it
     assert p.estimate("d1", 2) == before
     p.observe("d1", 2, transfer_s=1000.0)      # a far slower link than the 1e6 B/s it registered
     assert p.devices.devices["d1"].profile.rate < 1e6 and p.estimate("d1", 2) > before
+
+
+def test_a_portion_s_download_time_is_its_bytes_over_the_link_rate_or_the_slowest_known_one():
+    p = _planner("sliding")
+    wc = [p.profile.cost(k).client_param_bytes for k in p.split_points]
+    assert p.download_seconds({"d1": 2, "d0": None, "gone": 2}) == {
+        "d1": pytest.approx(wc[2] / 1e6), "d0": None, "gone": pytest.approx(wc[2] / 1e6)}
+    unknown = _planner("sliding", rate=None)
+    assert unknown.download_seconds({"d0": 1, "d1": 2}) == {"d0": None, "d1": None}
+    unknown.devices.devices["d2"].profile = dataclasses.replace(unknown.devices.devices["d2"].profile, rate=4e6)
+    unknown.devices.devices["d1"].profile = dataclasses.replace(unknown.devices.devices["d1"].profile, rate=2e6)
+    # d0's link is not known: as slow as the slowest known among the chosen (d1's, not d2's)
+    assert unknown.download_seconds({"d0": 1, "d1": 2, "d2": 2}) == {
+        "d0": pytest.approx(wc[1] / 2e6), "d1": pytest.approx(wc[2] / 2e6), "d2": pytest.approx(wc[2] / 4e6)}

@@ -86,7 +86,7 @@ def test_bad_joins_change_nothing(kit):
             await state.join(kit.join_req("stranger"))
         with pytest.raises(Invalid, match="label_counts"):
             await state.join(JoinRequest(device_id="a", label_counts=[1, 2], num_steps=1))
-        assert state.joined == {} and state.groups is None
+        assert state.joins.joined == {} and state.groups is None
     kit.run(body)
 
 
@@ -99,6 +99,60 @@ def test_join_deadline_groups_who_came_and_refuses_latecomers(kit):
         with pytest.raises(Conflict, match="after the join deadline"):
             await state.join(kit.join_req("c"))
         assert state.summary()["joined"] == 2
+    kit.run(body)
+
+
+def test_a_participant_past_its_own_join_deadline_is_absent_long_before_the_join_deadline(kit):
+    async def body() -> None:
+        # The plan's join deadline is never reached: only c's own deadline can form the groups.
+        participants = [Participant(device_id=d, split_point=1, num_samples=10, download_s=0.01) for d in "abc"]
+        plan = kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.SLOW, patience=2.0,
+                             patience_grace_s=kit.FAST, participants=participants)
+        state = GroupRound(plan, kit.Uploads())
+        started = asyncio.get_running_loop().time()
+        answers = await asyncio.wait_for(kit.joined(state, "a", "b"), 10)
+        assert [r.members for r in answers] == [["a"], ["b"]] and set(state.group_by_device) == {"a", "b"}
+        # due: 2 x the slowest join or its download (a few ms) + 0.2 s of grace, from the plan's arrival
+        assert asyncio.get_running_loop().time() - started < 5
+        assert state.joins.missing() == ["c"]
+        with pytest.raises(Conflict, match="after the join deadline"):
+            await state.join(kit.join_req("c"))
+    kit.run(body)
+
+
+def test_an_own_join_deadline_waits_for_the_portion_download_and_only_once_half_joined(kit):
+    async def body() -> None:
+        participants = [Participant(device_id=d, split_point=1, num_samples=10, download_s=s)
+                        for d, s in (("a", 0.0), ("b", 0.0), ("c", 3.0), ("d", 0.0), ("e", None))]
+        plan = kit.make_plan(["a", "b", "c", "d", "e"], grouping="singleton", participants=participants,
+                             patience=2.0, patience_grace_s=0.5)
+        state = GroupRound(plan, kit.Uploads())
+        first = asyncio.create_task(state.join(kit.join_req("a")))
+        assert await kit.pending(first)
+        assert state.joins.due() is None                 # 1 of 5: the wait may be slow for everyone
+        second = asyncio.create_task(state.join(kit.join_req("b")))
+        third = asyncio.create_task(state.join(kit.join_req("d")))
+        assert await kit.pending(second) and await kit.pending(third)
+        assert state.joins.due() is None                 # e's download time is not known: no own deadline
+        state.depart({"e": "withdrew"})
+        due = state.joins.due()
+        assert due is not None
+        # c's download (3 s) is longer than its peers' joins (milliseconds)
+        assert due - state.joins.opened == pytest.approx(2.0 * 3.0 + 0.5)
+        await state.join(kit.join_req("c"))               # in time: grouped with the others
+        assert sorted(state.group_by_device) == ["a", "b", "c", "d"]
+        await asyncio.gather(first, second, third)
+    kit.run(body)
+
+
+def test_without_patience_only_the_join_deadline_releases_a_missing_participant(kit):
+    async def body() -> None:
+        state = GroupRound(kit.make_plan(["a", "b", "c"], grouping="singleton"), kit.Uploads())
+        joins = asyncio.gather(state.join(kit.join_req("a")), state.join(kit.join_req("b")))
+        await asyncio.sleep(0.5)
+        assert state.groups is None and state.joins.due() is None
+        state.depart({"c": "withdrew"})
+        assert [r.members for r in await joins] == [["a"], ["b"]]
     kit.run(body)
 
 
@@ -120,7 +174,7 @@ def test_a_participant_that_left_at_the_fed_server_is_not_waited_for_at_the_join
             await state.join(kit.join_req("b"))
         with pytest.raises(NotFound, match="stranger"):
             state.depart({"stranger": "x"})
-        assert set(state.departed) == {"b", "c"}
+        assert set(state.joins.departed) == {"b", "c"}
     kit.run(body)
 
 
@@ -475,7 +529,7 @@ def test_planned_groups_keep_their_ids_and_members_and_a_member_who_never_joins_
         state = GroupRound(kit.make_plan(["a", "b", "c", "d"], join_s=kit.FAST, groups=planned), uploads)
         answers = await asyncio.gather(*(state.join(kit.join_req(d)) for d in ("a", "b", "d")))
         assert [(a.group_id, a.members) for a in answers] == [(5, ["a", "d"]), (3, ["b"]), (5, ["a", "d"])]
-        assert sorted(state.participants) == ["a", "b", "c", "d"] and "c" not in state.joined
+        assert sorted(state.participants) == ["a", "b", "c", "d"] and "c" not in state.joins.joined
         assert not state.closed.is_set()
         for d, seed in (("a", 1), ("d", 2), ("b", 3)):
             step = asyncio.create_task(state.step(kit.step_req(d, 0, *kit.batch(seed))))

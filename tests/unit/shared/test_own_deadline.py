@@ -1,0 +1,30 @@
+"""The rule behind each device's own deadline (shared/own_deadline.py)."""
+from __future__ import annotations
+
+import pytest
+
+from shared.own_deadline import check_patience, expected_seconds
+
+
+def test_nothing_is_expected_before_half_of_the_attempt_uploaded():
+    assert expected_seconds(own=3.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=3) is None
+    assert expected_seconds(own=None, finishers=[], work=1.0, in_attempt=0) is None
+
+
+def test_the_peers_time_is_the_slowest_finisher_scaled_up_by_more_work_never_down():
+    finishers = [(2.0, 1.0), (4.0, 2.0)]
+    assert expected_seconds(None, finishers, work=1.0, in_attempt=4) == 4.0
+    assert expected_seconds(None, finishers, work=6.0, in_attempt=4) == pytest.approx(12.0)
+
+
+def test_a_device_slower_than_its_peers_keeps_its_own_usual_time():
+    assert expected_seconds(own=9.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=2) == 9.0
+    assert expected_seconds(own=1.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=2) == 2.0
+
+
+def test_bad_settings_are_refused():
+    check_patience(None, 0.0)
+    with pytest.raises(ValueError, match="patience"):
+        check_patience(0.5, 1.0)
+    with pytest.raises(ValueError, match="grace_s"):
+        check_patience(2.0, -1.0)
