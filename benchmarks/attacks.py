@@ -17,8 +17,9 @@ accuracy is the benchmark's own evaluation of the final checkpoint on the test s
 recorded one, which a ``fake_evaluation`` device writes (the recorded figure is kept beside it).
 
 ``python -m benchmarks.attacks [--behaviours ...] [--algorithms ...] [--harmful 1,2] [--policies ...]``
-prints the table and writes it as JSON and Markdown (``benchmarks/results/attacks_<date>.json``
-and ``.md`` by default); ``python -m benchmarks.run --only g`` runs the same part.
+prints the table and writes it as JSON and Markdown (``benchmarks/results/<UTC date>_attacks/results.json``
+and ``results.md`` by default, ``--name`` naming the folder for what the run measured);
+``python -m benchmarks.run --only g`` runs the same part.
 """
 from __future__ import annotations
 
@@ -33,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.adversary import ACTION_MARK, BEHAVIOURS, Behaviour
+from benchmarks.result_files import add_name_option, default_out, write
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
 from testbed.processes import Service
 from testbed.runner import Testbed, TestbedError
 from testbed.warm_start import PRELOAD, WarmStarter
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ALGORITHMS = ("s2fl", "fedavg")
 #: The harmful behaviours (``honest`` is the control's).
 ATTACKS = tuple(name for name in BEHAVIOURS if name != "honest")
@@ -407,9 +408,10 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of rounds after which a run is stopped and counted incomplete "
                              "(default: 2 x rounds x deadlines.round_s + 60)")
+    add_name_option(parser, "attacks")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown table goes beside it with .md "
-                             "(default benchmarks/results/attacks_<UTC date>.json)")
+                             "(default benchmarks/results/<UTC date>_<name>/results.json)")
     args = parser.parse_args(argv)
     try:
         harmful = tuple(int(n) for n in args.harmful.split(","))
@@ -425,24 +427,14 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
     return selection, args
 
 
-def write(results: dict, out: Path, render: Callable[[dict], str] = report) -> Path:
-    """``out`` (JSON) and the Markdown ``render`` makes of the results beside it (this part's
-    :func:`report`, or another part's); the Markdown file's path."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    markdown = out.with_suffix(".md")
-    markdown.write_text(render(results) + "\n")
-    return markdown
-
-
 def main(argv: list[str] | None = None) -> int:
     selection, args = parse_selection(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = run(selection, lambda text: print(text, flush=True), args.time_limit)
     print()
     print(report(results))
-    out = args.out or RESULTS / f"attacks_{results['machine']['date_utc'][:10]}.json"
-    markdown = write(results, out)
+    out = args.out or default_out(results["machine"]["date_utc"], args.name)
+    markdown = write(results, out, report)
     print(f"\nresults: {out}, {markdown}")
     return 0
 

@@ -24,13 +24,13 @@ process, to see whether training beside the event loop raises the event loop's C
 benchmarks/README.md ("The HTTP floor") compares the figures with the Main Server's.
 
 ``python -m benchmarks.http_floor [--servers uvicorn,asyncio] [--training-thread] [--server-cores N]
-[--devices 100] [--requests 20] [--repeats 1] [--out FILE]``
+[--devices 100] [--requests 20] [--repeats 1] [--name NAME] [--out FILE]`` writes the rows as JSON
+(``benchmarks/results/<UTC date>_http-floor/results.json`` by default).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -42,6 +42,7 @@ import torch
 
 from benchmarks import bare_http
 from benchmarks.main_server_load import BATCH, CpuMeter, DeviceConnection, group_step_inputs, split_cores
+from benchmarks.result_files import add_name_option, default_out, write_json
 from shared.machine import describe_machine
 from shared.schemas import StepRequest, WireTensor
 from shared.wire import encode_tensor, pack_body
@@ -160,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=100)
     parser.add_argument("--requests", type=int, default=20, help="requests per device")
     parser.add_argument("--repeats", type=int, default=1, help="run the servers in turn this many times (interleaved)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON result file")
+    add_name_option(parser, "http-floor")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON result file (default benchmarks/results/<UTC date>_<name>/results.json)")
     parser.add_argument("--serve", choices=SERVERS, default=None, help=argparse.SUPPRESS)   # the server process
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -182,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(event loop {row['server_event_loop_cpu_ms_per_request']:.3f}), client "
                   f"{row['client_cpu_ms_per_request']:.3f} (load {row['load_average_1min'][0]:.2f} -> "
                   f"{row['load_average_1min'][1]:.2f})", flush=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps({"machine": describe_machine(), "http_floor": rows}, indent=2) + "\n")
+    machine = describe_machine()
+    out = write_json({"machine": machine, "http_floor": rows}, args.out or default_out(machine["date_utc"], args.name))
+    print(f"results: {out}", flush=True)
     return 0
 
 

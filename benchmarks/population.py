@@ -20,8 +20,9 @@ once, so that the machine is not driven out of memory), is recorded as it stands
 registered, memory), and the larger populations are skipped.
 
 ``python -m benchmarks.population [--sizes 100,1000] [--agents N] [--s2fl] [--time-limit S] [--memory-limit MIB]``
-prints the table and writes it as JSON and Markdown (``benchmarks/results/<date>_population.json``
-and ``.md`` by default); ``python -m benchmarks.run --only h`` runs the same part.
+prints the table and writes it as JSON and Markdown (``benchmarks/results/<UTC date>_population/results.json``
+and ``results.md`` by default, ``--name`` naming the folder for what the run measured);
+``python -m benchmarks.run --only h`` runs the same part.
 """
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.attacks import _markdown, write
+from benchmarks.attacks import _markdown
 from benchmarks.fedavg_overhead import PssSampler
 from benchmarks.network_overhead import round_periods
+from benchmarks.result_files import add_name_option, default_out, write
 from shared.config import RunConfig
 from shared.run_config import load_run_config
 from testbed.runner import Testbed, TestbedError
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (100, 1000, 10000)
 QUICK_SIZES = (20, 100)   # benchmarks.run --quick
 ROUNDS = 3
@@ -339,11 +340,6 @@ def report(results: dict) -> str:
     return "\n".join(out)
 
 
-def default_out(results: dict) -> Path:
-    """``benchmarks/results/<UTC date>_population.json``."""
-    return RESULTS / f"{results['machine']['date_utc'][:10]}_population.json"
-
-
 def parse_sizes(text: str) -> tuple[int, ...]:
     """``--sizes 100,1000``: ascending distinct population sizes, each at least 2 (ValueError otherwise)."""
     try:
@@ -366,9 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-limit", type=float, default=None,
                         help="whole-testbed PSS in MiB at which a population is stopped (default "
                              f"{MEMORY_LIMIT_FRACTION * 100:.0f} %% of the machine's memory)")
+    add_name_option(parser, "population")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown goes beside it with .md "
-                             "(default benchmarks/results/<UTC date>_population.json)")
+                             "(default benchmarks/results/<UTC date>_<name>/results.json)")
     args = parser.parse_args(argv)
     try:
         sizes = parse_sizes(args.sizes)
@@ -384,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(sizes, args.agents, args.s2fl, args.time_limit, args.memory_limit, lambda text: print(text, flush=True))
     print()
     print(report(results))
-    out = args.out or default_out(results)
+    out = args.out or default_out(results["machine"]["date_utc"], args.name)
     markdown = write(results, out, report)
     print(f"\nresults: {out}, {markdown}")
     return 0

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.run [--quick] [--out PATH] [--only a,b,c]``: the system benchmark.
+"""``python -m benchmarks.run [--quick] [--only a,b,c] [--name NAME] [--out PATH]``: the system benchmark.
 
 (a) the same S2FL run through the services vs in one process (network overhead ratio),
 (b) tensor encode/decode throughput, (c) Main Server step latency and throughput with 10, 50 and
@@ -8,20 +8,27 @@ vs the same math in one process and vs the 2-core limit, with the whole testbed'
 against an honest control (benchmarks/attacks.py; 30 to 40 minutes, so only when named), (h) populations of 100 to
 10,000 devices and S2FL at 1,000: registration time, round time, memory per device (benchmarks/population.py; only
 when named). Prints a table and writes
-every figure plus a description of the machine to a JSON file. Not part of the test suite.
+every figure plus a description of the machine to a JSON file: by default
+``benchmarks/results/<UTC date>_<name>/results.json``, the name saying what the run measured (by default the
+parts run, e.g. ``parts-b-c``). Not part of the test suite.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
+from benchmarks.result_files import add_name_option, default_out, write_json
+
 PARTS = ("a", "b", "c", "e", "f", "g", "h")  # (d) comes with (a)
 DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) and (h) run only when named
+
+
+def default_name(parts: set[str], quick: bool) -> str:
+    """The results folder's name for a run of ``parts``: ``parts-a-b-c-e-f``, ``parts-b-c_quick``."""
+    return "parts-" + "-".join(p for p in PARTS if p in parts) + ("_quick" if quick else "")
 
 
 def _log(text: str) -> None:
@@ -147,7 +154,9 @@ def report(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smallest sizes only (about a minute)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT})")
+    add_name_option(parser, None, "parts-<the parts run>, with _quick in quick mode")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON result file (default benchmarks/results/<UTC date>_<name>/results.json)")
     parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
                         help="comma-separated parts to run: a (with d), b, c, e, f, g, h (default: all but g and h; "
                              "g's subsets: python -m benchmarks.attacks --help, h's: python -m benchmarks.population "
@@ -238,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
 
     _log("")
     _log(report(results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    _log(f"\nresults: {args.out}")
+    out = write_json(results, args.out or default_out(results["machine"]["date_utc"],
+                                                       args.name or default_name(parts, args.quick)))
+    _log(f"\nresults: {out}")
     return 0
 
 

@@ -127,7 +127,6 @@ def test_the_files_and_the_system_benchmark_part(tmp_path: Path) -> None:
     results = _results()
     markdown = population.write(results, tmp_path / "p.json", population.report)
     assert markdown.read_text().strip() == population.report(results)
-    assert population.default_out(results).name == "2026-01-02_population.json"
     assert "h" in PARTS and "h" not in DEFAULT_PARTS
     summary = run_report({"machine": {**results["machine"], "load_average_at_start": [0.1]}, "mode": "full",
                           "total_s": 1.0, "population": results})

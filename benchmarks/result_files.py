@@ -1,0 +1,64 @@
+"""Where a benchmark run writes its results: ``benchmarks/results/<UTC date>_<name>/``, one folder per
+measurement, named by the day it ran and what it measured (``results.json``, and ``results.md``
+where the part renders Markdown), unless the command's ``--out FILE`` names another file."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it can name a results folder: lower-case letters, digits, ``-`` and ``_``
+    (ValueError otherwise), so that a folder's name says what it measured and nothing else."""
+    if not NAME.fullmatch(name):
+        raise ValueError(f"a results folder's name takes lower-case letters, digits, '-' and '_', "
+                         f"e.g. attacks_own-deadlines; got {name!r}")
+    return name
+
+
+def _name_argument(text: str) -> str:
+    try:
+        return check_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_name_option(parser: argparse.ArgumentParser, default: str | None, shown: str | None = None) -> None:
+    """``--name``: what a run measured, naming its folder ``benchmarks/results/<UTC date>_<name>/``
+    (``shown`` describes a default the command works out itself); a bad name is refused before the run."""
+    parser.add_argument("--name", type=_name_argument, default=default,
+                        help="what the run measured: its results go to benchmarks/results/<UTC date>_<name>/ "
+                             f"(default {shown or default})")
+
+
+def default_out(date_utc: str, name: str, root: Path = RESULTS) -> Path:
+    """``<root>/<UTC date>_<name>/results.json``; when a run of that name on that day already wrote
+    there, ``results_2.json``, ``results_3.json``, ...: repeats of one measurement sit side by side
+    and none overwrites another."""
+    folder = root / f"{date_utc[:10]}_{check_name(name)}"
+    out, repeat = folder / "results.json", 2
+    while out.exists() or out.with_suffix(".md").exists():
+        out, repeat = folder / f"results_{repeat}.json", repeat + 1
+    return out
+
+
+def write_json(results: dict, out: Path) -> Path:
+    """``out`` with the results as JSON, its folder made if need be; ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    return out
+
+
+def write(results: dict, out: Path, render: Callable[[dict], str]) -> Path:
+    """``out`` (JSON) and the Markdown ``render`` makes of the results beside it with ``.md``; the
+    Markdown file's path."""
+    write_json(results, out)
+    markdown = out.with_suffix(".md")
+    markdown.write_text(render(results) + "\n")
+    return markdown
