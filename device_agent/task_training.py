@@ -18,6 +18,7 @@ from device_agent.trainer import (
 )
 from shared.algorithms.base import DeviceLogic, Payload, parse_payload
 from shared.algorithms.registry import ALGORITHMS
+from shared.algorithms.two_phase import TwoPhaseLogic, two_phase
 from shared.data import ArrayDataset
 from shared.errors import Conflict, Invalid
 from shared.losses import Loss
@@ -28,6 +29,9 @@ from shared.wire import encode_state
 
 #: Seconds a task without a deadline_s may take (the Fed Server's default round deadline).
 TASK_DEADLINE_DEFAULT_S = 300.0
+#: What a two-phase task's report and follow-up take: the device logic's two-phase side and the
+#: algorithm's ``FollowUp`` model.
+FollowUpTerms = tuple[TwoPhaseLogic, type[Payload]]
 
 
 @dataclass
@@ -60,7 +64,7 @@ class TaskTrainer:
         counts from there, and past it the task is given up (:class:`TaskExpired`)."""
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
         clock = self.new_clock()
-        follow_up_model, logic, extras = _task_terms(task, self.loss)
+        phases, logic, extras = _task_terms(task, self.loss)
         if time.monotonic() > deadline:   # a stalled device: its weights may no longer be served either
             raise TaskExpired("deadline passed before the task started")
         assert task.train is not None and task.round_id is not None and task.split_point is not None
@@ -70,8 +74,8 @@ class TaskTrainer:
                                torch_device=self.model.torch_device)
         model, result, exchange = self._train_portion(task, task_bytes, settings, context)
         portion = model.portion(0, task.split_point)
-        if task.report:
-            self._report_and_follow_up(task, follow_up_model, logic, portion, clock, deadline)
+        if phases is not None:
+            self._report_and_follow_up(task, *phases, portion, clock, deadline)
         return self._update(task, portion, result, exchange, clock, logic)
 
     def _train_portion(self, task: TaskResponse, task_bytes: int, settings: TrainSettings,
@@ -105,7 +109,7 @@ class TaskTrainer:
         timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
         return self.main.join(task.main_server_url, task.round_id, join, clock, timeout)
 
-    def _report_and_follow_up(self, task: TaskResponse, follow_up_model: type[Payload], logic: DeviceLogic,
+    def _report_and_follow_up(self, task: TaskResponse, logic: TwoPhaseLogic, follow_up_model: type[Payload],
                               portion: Portion, clock: RoundClock, deadline: float) -> None:
         """Two-phase algorithms: send the report, wait for this round's follow-up, validate it as
         ``follow_up_model`` (the algorithm's ``FollowUp``) and act on it."""
@@ -150,21 +154,29 @@ class TaskTrainer:
         )
 
 
-def _task_terms(task: TaskResponse, loss: Loss) -> tuple[type[Payload], DeviceLogic, Payload]:
-    """A training task's algorithm terms, validated before anything is fetched: the algorithm's
-    ``FollowUp`` model, its device logic for the task's parameters and the run's ``loss``, the
-    task's extras. Invalid for a task that lacks its round, split point or settings, names an
-    unknown algorithm or another loss than the run's (a task never brings code: its loss must be
-    the one the device checked at the start); pydantic's ValidationError for parameters or extras
-    the algorithm refuses."""
+def _task_terms(task: TaskResponse, loss: Loss) -> tuple[FollowUpTerms | None, DeviceLogic, Payload]:
+    """A training task's algorithm terms, validated before anything is fetched: when the task asks
+    for a report, its device logic's two-phase side with the algorithm's ``FollowUp`` model (else
+    None); the device logic for the task's parameters and the run's ``loss``; the task's extras.
+    Invalid for a task that lacks its round, split point or settings, names an unknown algorithm
+    or another loss than the run's (a task never brings code: its loss must be the one the device
+    checked at the start), or asks for a report its algorithm does not send; pydantic's
+    ValidationError for parameters or extras the algorithm refuses."""
     if task.train is None or task.round_id is None or task.split_point is None:
         raise Invalid("a training task must name its round_id, split_point and train settings")
     if (task.train.loss, task.train.task) != (loss.name, loss.task):
         raise Invalid(f"the task's loss {task.train.loss!r} ({task.train.task}) is not the run's {loss.name!r} "
                       f"({loss.task})")
-    algorithm = ALGORITHMS.get(task.algorithm or "fedavg")
+    name = task.algorithm or "fedavg"
+    algorithm = ALGORITHMS.get(name)
     if algorithm is None:
-        raise Invalid(f"the task's algorithm {task.algorithm!r} is not one this agent knows "
+        raise Invalid(f"the task's algorithm {name!r} is not one this agent knows "
                       f"({', '.join(ALGORITHMS)})")
     logic = algorithm.device_logic(dict(task.params), loss)   # pydantic's ValidationError for refused params
-    return algorithm.FollowUp, logic, parse_payload(algorithm.TaskExtras, task.extras, "task extras")
+    extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
+    if not task.report:
+        return None, logic, extras
+    phases, phase_logic = two_phase(algorithm), two_phase(logic)
+    if phases is None or phase_logic is None:
+        raise Invalid(f"the task asks for a report, which algorithm {name!r} does not send")
+    return (phase_logic, phases.FollowUp), logic, extras

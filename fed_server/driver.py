@@ -24,6 +24,7 @@ from fed_server.metrics import FedMetrics
 from fed_server.settings import FedServerSettings
 from fed_server.records import RoundRecord
 from fed_server.fed_round import FedRound
+from shared.algorithms.two_phase import two_phase
 from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, Departures, RoundPlan, RoundWatch
@@ -224,7 +225,7 @@ async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) 
             watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
                         for url in fed_round.replicas()]
     coordinator.dispatch.open_tasks(fed_round)
-    if coordinator.core.algorithm.needs_report and fed_round.plan_failed is None:
+    if two_phase(coordinator.core.algorithm) is not None and fed_round.plan_failed is None:
         # The report phase has its own deadline: the devices that reported by then get their
         # follow-ups and the round waits for their uploads, so one silent device cannot hold
         # every reporter until the round deadline.

@@ -7,6 +7,7 @@ import time
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.fed_round import FedRound
 from fed_server.run_core import RunCore
+from shared.algorithms.two_phase import two_phase
 from shared.errors import Invalid
 from shared.schemas import TaskResponse, WeightsId
 
@@ -90,7 +91,7 @@ class TaskDispatch:
             deadline_s=fed_round.remaining_s(), half_precision=config.half_precision,
             algorithm=config.algorithm, params=core.algorithm.device_params(),
             extras=core.algorithm.task_extras(device_id, fed_round.context).to_wire(),
-            report=core.algorithm.needs_report,
+            report=two_phase(core.algorithm) is not None,
         )
 
     def count_task_bytes(self, answer: TaskResponse, body_bytes: int) -> None:

@@ -12,6 +12,7 @@ from fed_server.replica_planning import ReplicaPlanning
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_claims, clip_update, update_norm
 from shared.algorithms.base import parse_payload
+from shared.algorithms.two_phase import TwoPhaseAlgorithm, two_phase
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.portions import decode_portion
 from shared.schemas import Ack, ReportRequest, ServerPortionUpload, UpdateRequest, WithdrawRequest
@@ -37,8 +38,8 @@ class Uploads:
         what is sent is a report, which only two-phase algorithms take."""
         self.core.devices.get(device_id)
         fed_round = self.core.open_round(round_id)
-        if report and not self.core.algorithm.needs_report:
-            raise Conflict(f"algorithm {self.core.config.algorithm} takes no reports")
+        if report:
+            self._two_phase()
         if device_id not in fed_round.assignments:
             raise NotAllowed(f"device {device_id!r} was not selected for round {round_id}")
         return fed_round
@@ -51,7 +52,7 @@ class Uploads:
             raise Conflict(f"round {round_id} already has the report of {req.device_id!r}")
         if fed_round.follow_ups is not None:
             raise Conflict(f"reports for round {round_id} are closed")
-        fed_round.reports[req.device_id] = parse_payload(self.core.algorithm.Report, req.extras, "report")
+        fed_round.reports[req.device_id] = parse_payload(self._two_phase().Report, req.extras, "report")
         self.core.changed.set()
         return Ack(detail=f"report of {req.device_id} for round {round_id} stored")
 
@@ -74,12 +75,20 @@ class Uploads:
             self.core.exclude(fed_round, overdue, OVERDUE, tell_main_server=True)
         return min((at for d, at in due.items() if at > now), default=float("inf"))
 
+    def _two_phase(self) -> TwoPhaseAlgorithm:
+        """The run's algorithm as a two-phase one; Conflict when it takes no reports."""
+        phases = two_phase(self.core.algorithm)
+        if phases is None:
+            raise Conflict(f"algorithm {self.core.config.algorithm} takes no reports")
+        return phases
+
     def plan_follow_ups(self, fed_round: FedRound) -> None:
         """Close reporting: devices that did not report are dropped; the algorithm answers the rest."""
         core = self.core
+        phases = self._two_phase()
         core.exclude(fed_round, set(fed_round.assignments) - set(fed_round.reports), NO_REPORT)
         try:
-            fed_round.follow_ups = core.algorithm.plan_follow_ups(fed_round.context, fed_round.reports)
+            fed_round.follow_ups = phases.plan_follow_ups(fed_round.context, fed_round.reports)
         except ValueError as exc:
             log.error("round %d (attempt %d): follow-ups could not be planned: %s", fed_round.index,
                       fed_round.round_id, exc)
@@ -118,7 +127,7 @@ class Uploads:
         if req.device_id in fed_round.excluded:
             raise Conflict(f"device {req.device_id!r} was taken out of round {round_id}: "
                            f"{fed_round.excluded[req.device_id]}")
-        if self.core.algorithm.needs_report and req.device_id not in fed_round.follow_ups_sent:
+        if two_phase(self.core.algorithm) is not None and req.device_id not in fed_round.follow_ups_sent:
             raise Conflict(f"device {req.device_id!r} must report and receive its follow-up before uploading")
         try:
             fed_round.updates[req.device_id] = self._checked(fed_round, req, body_bytes, upload_s)

@@ -12,18 +12,20 @@ Two objects per algorithm:
   from the JSON-able ``device_params()`` that travel in every task, so devices need no run config.
 
 What the two exchange besides weights is typed: each algorithm declares pydantic :class:`Payload`
-models (``TaskExtras``, ``Report``, ``FollowUp``, ``UploadExtras``; empty by default). On the wire
-they stay msgpack maps; the framework validates every map that arrives against the algorithm's
-model (:func:`parse_payload`: the Fed Server for reports and uploads, the device for tasks and
-follow-ups), so the hooks below only ever see well-formed, finite values and keep only the checks
-that need the run's state.
+models (``TaskExtras``, ``UploadExtras``; empty by default). On the wire they stay msgpack maps;
+the framework validates every map that arrives against the algorithm's model
+(:func:`parse_payload`: the Fed Server for uploads, the device for tasks), so the hooks below only
+ever see well-formed, finite values and keep only the checks that need the run's state.
+
+An algorithm whose devices report after training and wait for the Fed Server's answer before
+uploading adds the two-phase mixins of ``shared/algorithms/two_phase.py`` (FNR-FL does).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -62,11 +64,9 @@ class Payload(BaseModel):
 
 P = TypeVar("P", bound=Payload)
 # The payload models an algorithm's hooks receive: a subclass names its own (e.g.
-# ``Algorithm[Payload, Payload, FedBCUploadExtras]``), the framework has validated every value
-# against them, and a plain ``Algorithm`` / ``DeviceLogic`` leaves them open.
+# ``Algorithm[FedBCUploadExtras]``, ``DeviceLogic[FedBCTaskExtras]``), the framework has validated
+# every value against them, and a plain ``Algorithm`` / ``DeviceLogic`` leaves them open.
 TaskExtrasT = TypeVar("TaskExtrasT", bound=Payload)
-ReportT = TypeVar("ReportT", bound=Payload)
-FollowUpT = TypeVar("FollowUpT", bound=Payload)
 UploadExtrasT = TypeVar("UploadExtrasT", bound=Payload)
 
 
@@ -105,7 +105,7 @@ class AlgorithmParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DeviceLogic(Generic[TaskExtrasT, FollowUpT]):
+class DeviceLogic(Generic[TaskExtrasT]):
     """What an algorithm changes on a device in one round. Default: the run's loss
     (``criterion``, ``train.loss``; shared/losses.py), cross-entropy unless the run says otherwise.
 
@@ -131,21 +131,12 @@ class DeviceLogic(Generic[TaskExtrasT, FollowUpT]):
         """The local objective on one mini-batch."""
         return self.criterion.mean(model(x), y)
 
-    def report(self, model: torch.nn.Module, data: "ArrayDataset") -> Payload:
-        """Two-phase algorithms: what the device tells the Fed Server after training (an
-        ``Algorithm.Report``)."""
-        return Payload()
-
-    def follow_up(self, model: torch.nn.Module, data: "ArrayDataset", instruction: FollowUpT) -> None:
-        """Two-phase algorithms: act on the Fed Server's validated answer to the report (an
-        ``Algorithm.FollowUp``, e.g. refine)."""
-
     def upload_extras(self, model: torch.nn.Module, data: "ArrayDataset") -> Payload:
         """Extra values sent with the trained weights (an ``Algorithm.UploadExtras``)."""
         return Payload()
 
 
-class Algorithm(Generic[ReportT, FollowUpT, UploadExtrasT]):
+class Algorithm(Generic[UploadExtrasT]):
     """Fed Server side. Defaults: split depth zero, the configured aggregation rule (``aggregation``).
 
     Which devices train is not the algorithm's business: the coordinator composes the configured
@@ -157,14 +148,9 @@ class Algorithm(Generic[ReportT, FollowUpT, UploadExtrasT]):
     #: Why the algorithm cannot run a regression task (it needs class labels), or None when it
     #: works with any loss: ``validate_run_config`` refuses such a run in one line.
     needs_classes: ClassVar[str | None] = None
-    #: True when devices report after training and wait for a follow-up before uploading.
-    needs_report: ClassVar[bool] = False
     #: The payloads (validated wherever they arrive, see :func:`parse_payload`): per-device values
-    #: of a task, a two-phase device's report and the Fed Server's follow-up to it, and the values
-    #: sent with an upload.
+    #: of a task, and the values sent with an upload.
     TaskExtras: ClassVar[type[Payload]] = Payload
-    Report: ClassVar[type[Payload]] = Payload
-    FollowUp: ClassVar[type[Payload]] = Payload
     UploadExtras: ClassVar[type[Payload]] = Payload
 
     def __init__(self, config: "RunConfig") -> None:
@@ -202,12 +188,6 @@ class Algorithm(Generic[ReportT, FollowUpT, UploadExtrasT]):
     def task_extras(self, device_id: str, ctx: RoundContext) -> Payload:
         """Per-device values for this round's task (a ``TaskExtras``; e.g. FedBC's dual variable)."""
         return self.TaskExtras()
-
-    def plan_follow_ups(self, ctx: RoundContext, reports: Mapping[str, ReportT]) -> dict[str, FollowUpT]:
-        """Two-phase algorithms: each reporting device's ``FollowUp`` to its validated ``Report``
-        (raise ValueError when no plan can be made)."""
-        # ``FollowUp`` is the model that FollowUpT names (a class attribute cannot be typed by it).
-        return {device: cast(FollowUpT, self.FollowUp()) for device in reports}
 
     def accept_update(self, device_id: str, ctx: RoundContext, state: Mapping[str, torch.Tensor], extras: UploadExtrasT,
                       num_samples: int, global_state: Mapping[str, torch.Tensor]) -> None:

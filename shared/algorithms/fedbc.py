@@ -223,7 +223,7 @@ def lambda_weighted_average(global_state: Mapping[str, torch.Tensor], states: Se
 
 
 # --------------------------------------------------------------------------------------------- device
-class FedBCLogic(DeviceLogic[FedBCTaskExtras, Payload]):
+class FedBCLogic(DeviceLogic[FedBCTaskExtras]):
     """Device side: the proximal local objective with the round's lambda_i, the local split, and
     the local evaluation sent with the upload."""
 
@@ -272,7 +272,7 @@ class FedBCLogic(DeviceLogic[FedBCTaskExtras, Payload]):
 
 
 # --------------------------------------------------------------------------------------------- server
-class FedBC(Algorithm[Payload, Payload, FedBCUploadExtras]):
+class FedBC(Algorithm[FedBCUploadExtras]):
     """Fed Server side: per-device lambda_i, gamma_i; dual/tolerance steps; lambda-weighted average."""
 
     Params = FedBCParams

@@ -195,7 +195,7 @@ class FedIPGLogic(DeviceLogic):
                                   penalty_abs_s=self._abs_s_sum / n)
 
 
-class FedIPG(Algorithm[Payload, Payload, FedIPGUploadExtras]):
+class FedIPG(Algorithm[FedIPGUploadExtras]):
     """Fed Server side: exit strategy (I_OOD never selected nor aggregated) and ID/OOD evaluation."""
 
     Params = FedIPGParams

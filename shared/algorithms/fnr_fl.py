@@ -43,6 +43,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from torch import nn
 
 from shared.algorithms.base import Algorithm, AlgorithmParams, DeviceLogic, JsonMap, Payload, RoundContext
+from shared.algorithms.two_phase import TwoPhaseAlgorithm, TwoPhaseLogic
 from shared.data import ArrayDataset, DataSpec, load_dataset, load_public_set
 from shared.torch_device import model_device
 
@@ -384,8 +385,9 @@ def public_set(data: Mapping[str, Any] | DataSpec, source: str = "holdout") -> A
 # ------------------------------------------------------------------------------------------------
 # device logic
 # ------------------------------------------------------------------------------------------------
-class FNRFLLogic(DeviceLogic[Payload, FNRFLFollowUp]):
-    """Device side: plain CE local training (base), report (A_i, F_i), refinement if instructed."""
+class FNRFLLogic(DeviceLogic[Payload], TwoPhaseLogic[FNRFLFollowUp]):
+    """Device side: plain CE local training (base), then the two-phase part: report (A_i, F_i),
+    refinement if instructed."""
 
     def __init__(self, params: JsonMap) -> None:
         super().__init__(params)
@@ -430,12 +432,12 @@ class FNRFLLogic(DeviceLogic[Payload, FNRFLFollowUp]):
 # ------------------------------------------------------------------------------------------------
 # Fed Server side
 # ------------------------------------------------------------------------------------------------
-class FNRFL(Algorithm[FNRFLReport, FNRFLFollowUp, FNRFLUploadExtras]):
-    """FNR-FL on the Fed Server: ranks reports, plans refinements, FedAvg aggregation (base)."""
+class FNRFL(Algorithm[FNRFLUploadExtras], TwoPhaseAlgorithm[FNRFLReport, FNRFLFollowUp]):
+    """FNR-FL on the Fed Server: ranks reports, plans refinements (the two-phase protocol), FedAvg
+    aggregation (base)."""
 
     Params = FNRFLParams
     Logic = FNRFLLogic
-    needs_report = True
     needs_classes = "it ranks devices by their per-class feature norms and public-set accuracy"
     Report = FNRFLReport
     FollowUp = FNRFLFollowUp

@@ -8,7 +8,7 @@ import pytest
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
-from shared.errors import Invalid
+from shared.errors import Conflict, Invalid
 from shared.portions import portion_state
 from shared.schemas import DeviceProfileMsg, DeviceTimings, RegisterRequest, ReportRequest, UpdateRequest
 from shared.wire import encode_state
@@ -90,3 +90,12 @@ def test_fnr_fl_malformed_report_is_refused_and_not_stored(tmp_path):
     c.uploads.plan_follow_ups(c.round)
     follow_up = c.task_for("d0")
     assert follow_up.phase == "follow_up" and follow_up.extras == {"refine": False}  # p=0.5 of one reporter: none
+
+
+def test_an_algorithm_without_two_phases_asks_for_no_report_and_takes_none(tmp_path):
+    c = _coordinator(tmp_path, "fedavg")
+    assert c.task_for("d0").report is False
+    report = ReportRequest(device_id="d0", round_id=c.round.round_id, extras={})
+    with pytest.raises(Conflict, match="^algorithm fedavg takes no reports$"):
+        c.accept_report(c.round.round_id, report)
+    assert c.round.reports == {}
