@@ -26,6 +26,9 @@ def main_server_urls_of(value: str | list[str] | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m fed_server``: parse the flags, build the Fed Server and serve it (or run the
+    ``credentials`` and ``export`` commands). Most of its length is the flags' declarations, kept in
+    one place so ``--help`` and docs/configuration.md can be read side by side."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["credentials"]:
         credentials_main(argv[1:])
@@ -136,7 +139,8 @@ def export_main(argv: list[str]) -> None:
 def credentials_main(argv: list[str]) -> None:
     """``python -m fed_server credentials issue``: enrolment credentials for the devices named, one
     owner-only file per device to copy onto it (or one for an agent hosting them all). They are
-    derived from the enrolment key, so the Fed Server needs only that key to verify them."""
+    derived from the enrolment key, so the Fed Server needs only that key to verify them. Its
+    length is its flags' declarations and their one-line errors."""
     from device_agent.agent import parse_shards
     from shared.auth import CredentialScope, issue_credential, load_secret, shard_ranges
     from shared.schemas import _ID_PATTERN

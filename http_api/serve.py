@@ -32,7 +32,8 @@ def head_timeout_protocol(head_timeout_s: float, min_body_rate: float = DEFAULT_
     that opens a connection and sends nothing, trickles a header a byte at a time (slowloris), or
     trickles a body, holds it forever. The head timer runs while the server waits for a request
     head and stops when the head is complete: the body and the handler's time (a step waiting at
-    its group's barrier) are not limited by it. Both parsers create a new ``cycle`` when a head is
+    its group's barrier) are not limited by it. (The function is long because it defines the
+    protocol subclass for each parser in one closure over the limits.) Both parsers create a new ``cycle`` when a head is
     complete, which is how completion is seen without hooking either parser, and set the cycle's
     ``more_body`` to False when its body is complete.
 

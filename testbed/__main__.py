@@ -27,6 +27,9 @@ PAPER_SCALE = ("data.num_devices=100", "devices_per_round=10", "rounds=30")
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m testbed``: parse the flags, start the testbed, print each round as it is recorded
+    and a summary at the end. Most of its length is the flags' declarations, kept in one place so
+    ``--help`` and the README's testbed section can be read side by side."""
     parser = argparse.ArgumentParser(
         prog="python -m testbed",
         description="Run split federated learning on a local testbed: the Fed Server, the Main Server and "

@@ -128,7 +128,8 @@ def group_sizes(num_devices: int, group_size: int) -> list[int]:
 
 
 def balanced_groups(counts: dict[str, np.ndarray], group_size: int) -> list[list[str]]:
-    """Group devices to minimise the summed Eq. 2 distance (deterministic heuristic).
+    """Group devices to minimise the summed Eq. 2 distance (deterministic heuristic). One function,
+    as its steps below share the groups' running label sums and distances.
 
     ``G = num_groups_for(len(counts), group_size)`` groups whose sizes differ by at most one.
 
