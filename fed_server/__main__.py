@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["export"]:
         export_main(argv[1:])
         return
+    from fed_server.settings import PER_DEVICE_SERIES_LIMIT, FedServerSettings
+
     parser = argparse.ArgumentParser(
         prog="python -m fed_server",
         description="S2FL Fed Server: selects devices, picks split points from the client time table, "
@@ -52,10 +54,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="a Main Server replica (env SFL_MAIN_SERVER_URL, comma-separated; default "
                              "http://127.0.0.1:8081), as devices and this server reach it; repeat the flag for "
                              "several replicas, over which each round's groups are spread")
+    per_device_env = env_default("per_device_metrics", None)
     parser.add_argument("--per-device-metrics", action=argparse.BooleanOptionalAction,
-                        default=str(env_default("per_device_metrics", "true")).lower() not in ("0", "false", "no", "off"),
-                        help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default on). "
-                             "Turn off for very large deployments: per-phase and per-split aggregates remain")
+                        default=None if per_device_env is None
+                        else str(per_device_env).lower() not in ("0", "false", "no", "off"),
+                        help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default: "
+                             f"on for runs of at most {PER_DEVICE_SERIES_LIMIT:,} devices). Off: per-phase and "
+                             "per-split aggregates remain")
     parser.add_argument("--enrolment-secret-file", default=env_default("enrolment_secret_file", None),
                         help="the shared enrolment secret: any device that presents it may register (or env "
                              "SFL_ENROLMENT_SECRET); needs the service secret. See --enrolment-secret-max-devices")
@@ -71,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
     configure_process(args.log_level, args.torch_threads, args.torch_device)
 
     from fed_server.app import create_app
-    from fed_server.settings import FedServerSettings
     from shared.auth import auth_from_settings, warn_if_open
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory

@@ -35,7 +35,7 @@ MAX_STATUS_WAIT_S = 30.0
 def create_app(coordinator: Coordinator, settings: FedServerSettings | None = None) -> FastAPI:
     """The Fed Server as an ASGI app; the round driver starts with the app."""
     settings = settings or FedServerSettings()
-    metrics = FedMetrics(coordinator, per_device=settings.per_device_metrics)
+    metrics = FedMetrics(coordinator, per_device=settings.per_device_series(coordinator.config.data.num_devices))
     app = create_service_app("fed_server", "S2FL Fed Server", lifespan=_lifespan(coordinator, settings, metrics),
                              registry=metrics.registry, description=(
         "Global model, client time table, device selection, split choice, layer-wise aggregation."))

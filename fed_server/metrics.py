@@ -7,8 +7,9 @@ at scrape time by a custom collector.
 
 Cardinality: the only unbounded-looking label is ``device``. Device ids are a configured, bounded
 set (one per data shard, ``data.num_devices``; the registry refuses shards beyond it), so
-per-device series grow with the deployment, not with time. For very large deployments turn them
-off (``--no-per-device-metrics`` / ``SFL_PER_DEVICE_METRICS=false``): the per-phase and
+per-device series grow with the deployment, not with time. They are off by default for runs of
+more than 1,000 devices (``FedServerSettings.per_device_series``), and can be turned on or off
+(``--per-device-metrics`` / ``SFL_PER_DEVICE_METRICS``): the per-phase and
 per-split-point aggregates below carry no device label and stay.
 """
 from __future__ import annotations

@@ -9,6 +9,7 @@ import httpx
 
 from fed_server.metrics import METRICS, FedMetrics
 from fed_server.records import RoundRecord
+from fed_server.settings import PER_DEVICE_SERIES_LIMIT, FedServerSettings
 from shared.http_metrics import exported_families, spec_mismatches
 from http_api.server import create_service_app
 
@@ -115,3 +116,11 @@ def test_metrics_endpoint_serves_the_registry_without_redirect():
     assert "sfl_fed_rounds_configured 10.0" in first.text
     assert 'sfl_http_body_bytes_total{direction="sent",route="/healthz"}' in second.text
     assert "process_" in first.text or "python_info" in first.text
+
+
+def test_per_device_series_are_on_by_default_only_up_to_a_thousand_devices():
+    # So that a large population's metrics do not grow with it; the flag decides when given.
+    assert FedServerSettings().per_device_series(PER_DEVICE_SERIES_LIMIT)
+    assert not FedServerSettings().per_device_series(PER_DEVICE_SERIES_LIMIT + 1)
+    assert FedServerSettings(per_device_metrics=True).per_device_series(10 ** 6)
+    assert not FedServerSettings(per_device_metrics=False).per_device_series(10)
