@@ -47,6 +47,7 @@ from fed_server.broadcast import Broadcast
 from shared.algorithms.base import RoundContext
 from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
+from shared.data.partition import release_loaded_data
 from shared.evaluation import evaluation_mode, server_test_set
 from shared.losses import build_loss, softmax_head_warning
 from shared.models import model_fingerprint, profile_model
@@ -101,6 +102,10 @@ class Coordinator:
         self.uploads = Uploads(core, self.replicas)
         self.evaluation = FederatedEvaluation(core, self.dispatch, self.enrolment.held_out_limit)
         self.aggregator = Aggregator(core, self.table, self.planner)
+        # The training set served the shard sizes and the fingerprint's shard vectors, computed
+        # above; only the test set (held by ``progress``) is needed from here on. A population's
+        # training set grows with it (Synthetic: about 100 KiB a device).
+        release_loaded_data()
         # Posted whenever a round record was written (the run's "finished" comes with its last
         # record) or the round driver stopped: ``/v1/status?wait_s=`` holds its answer on it.
         self.status_posted = Broadcast()

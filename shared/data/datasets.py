@@ -398,6 +398,13 @@ def _load_pair_cached(dataset: str, root: str | None, transform: str) -> tuple[A
     return pair[0], pair[1]
 
 
+def forget_loaded_data() -> None:
+    """Clear ``load_dataset``'s per-process caches (see ``partition.release_loaded_data``)."""
+    with _LOAD_LOCK:
+        _load_pair_cached.cache_clear()  # type: ignore[attr-defined]
+        _load_synthetic_cached.cache_clear()  # type: ignore[attr-defined]
+
+
 def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """Load ``(train, test)`` for ``spec`` with its transform applied (cached per process)."""
     root: str | None = None
@@ -426,16 +433,28 @@ def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: boo
     """Synthetic(alpha, beta) as (train, test): the unions of the generated devices' 80/20 parts, in
     device order, features as [N, 1, 1, 60] float32; ``writers`` of the training set is the
     generating device's index as a string, so ``partition="natural"`` gives each shard one device."""
-    from shared.data.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_DIM, generate_synthetic
+    from shared.data.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_DIM, device_parts, train_size
 
-    gen = generate_synthetic(num_devices, alpha, beta, iid, seed)
+    samples, devices = device_parts(num_devices, alpha, beta, iid, seed)
+    # Sizes are known before any sample is drawn: each device's parts go straight into float32
+    # arrays, so the float64 draws of only one device exist at a time.
+    n_train = np.array([train_size(int(n)) for n in samples], dtype=np.int64)
+    sizes = (n_train, samples - n_train)
+    xs = [np.empty((int(n.sum()), SYNTHETIC_DIM), dtype=np.float32) for n in sizes]
+    ys = [np.empty(int(n.sum()), dtype=np.int64) for n in sizes]
+    ends = [np.cumsum(n) for n in sizes]
+    for i, (x_train, y_train, x_test, y_test) in enumerate(devices):
+        for part, (x, y) in enumerate(((x_train, y_train), (x_test, y_test))):
+            start = int(ends[part][i]) - len(y)
+            xs[part][start:start + len(y)] = x
+            ys[part][start:start + len(y)] = y
     pair: list[ArrayDataset] = []
-    for xs, ys in ((gen.x_train, gen.y_train), (gen.x_test, gen.y_test)):
-        x = torch.from_numpy(np.concatenate(xs, dtype=np.float32)).reshape(-1, 1, 1, SYNTHETIC_DIM)
-        y = torch.from_numpy(np.concatenate(ys).astype(np.int64))
+    for part in range(2):
         # One string per generated device, referenced by each of its samples.
-        writers = [w for i, part in enumerate(ys) for w in [str(i)] * len(part)]
-        pair.append(ArrayDataset(x=x, y=y, num_classes=SYNTHETIC_CLASSES, writers=writers))
+        names = [str(i) for i in range(num_devices)]
+        writers = [names[i] for i, n in enumerate(sizes[part]) for _ in range(int(n))]
+        pair.append(ArrayDataset(x=torch.from_numpy(xs[part]).reshape(-1, 1, 1, SYNTHETIC_DIM),
+                                 y=torch.from_numpy(ys[part]), num_classes=SYNTHETIC_CLASSES, writers=writers))
     return pair[0], pair[1]
 
 

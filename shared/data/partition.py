@@ -157,6 +157,18 @@ def _shared_partition(spec: DataSpec, train: ArrayDataset) -> list[np.ndarray]:
         return list(entry[1])
 
 
+def release_loaded_data() -> None:
+    """Drop this process's cached data sets (``load_dataset``) and partitions. A process that
+    needs the whole training set only at start-up (the Fed Server: its shard sizes and the
+    fingerprint's shard vectors) lets it go; a later ``load_dataset`` loads or generates it again.
+    Data sets a caller still holds stay as they are."""
+    from shared.data.datasets import forget_loaded_data
+
+    forget_loaded_data()
+    with _PARTITIONS_LOCK:
+        _PARTITIONS.clear()
+
+
 def _partition(spec: DataSpec, train: ArrayDataset) -> list[np.ndarray]:
     """``partition_dataset`` computed anew."""
     if spec.partition == "iid":

@@ -32,11 +32,13 @@ device: the same numbers and the same RNG stream, without 10,000 SVDs for 10,000
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SyntheticFederated", "generate_synthetic", "generate_raw", "SYNTHETIC_DIM", "SYNTHETIC_CLASSES"]
+__all__ = ["SyntheticFederated", "device_parts", "generate_synthetic", "generate_raw", "raw_devices", "train_size",
+           "SYNTHETIC_DIM", "SYNTHETIC_CLASSES"]
 
 SYNTHETIC_DIM = 60
 SYNTHETIC_CLASSES = 10
@@ -54,10 +56,12 @@ class SyntheticFederated:
     samples_per_device: np.ndarray  # n_i (train + test), int64 [N]
 
 
-def generate_raw(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
-                 ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-    """Steps 1-6 of docs/algorithms/fedbc.md#synthetic-generator: raw per-device (X_i, y_i) in
-    generation order (unshuffled), n_i, and each device's teacher (W_i, b_i)."""
+def raw_devices(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
+                ) -> tuple[np.ndarray, Iterator[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]]]:
+    """Steps 1-6 of docs/algorithms/fedbc.md#synthetic-generator: every n_i, and an iterator over the
+    devices in generation order, each as its raw (X_i, y_i), unshuffled, and its teacher (W_i, b_i).
+    One device at a time, so that a caller keeping float32 copies never holds every device's
+    float64 draws at once."""
     rs = np.random.RandomState(seed)
     dim, classes = SYNTHETIC_DIM, SYNTHETIC_CLASSES
     samples = rs.lognormal(4, 2, num_devices).astype(int) + 50
@@ -73,46 +77,73 @@ def generate_raw(num_devices: int, alpha: float, beta: float, iid: bool, seed: i
     if iid:
         w_global = rs.normal(0, 1, (dim, classes))
         b_global = rs.normal(0, 1, classes)
-    xs: list[np.ndarray] = []
-    ys: list[np.ndarray] = []
-    teachers: list[tuple[np.ndarray, np.ndarray]] = []
-    for i in range(num_devices):
-        w = rs.normal(mean_w[i], 1, (dim, classes))
-        b = rs.normal(mean_b[i], 1, classes)
-        if iid:  # the per-device draws above still happen: they advance the RNG like the original
-            w, b = w_global, b_global
-        x = np.dot(rs.standard_normal((int(samples[i]), dim)), factor_x)   # = rs.multivariate_normal(mean_x[i], cov_x, n_i)
-        x += mean_x[i]
-        y = np.argmax(x @ w + b, axis=1).astype(np.int64)
+
+    def devices() -> Iterator[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]]:
+        for i in range(num_devices):
+            w = rs.normal(mean_w[i], 1, (dim, classes))
+            b = rs.normal(mean_b[i], 1, classes)
+            if iid:  # the per-device draws above still happen: they advance the RNG like the original
+                w, b = w_global, b_global
+            x = np.dot(rs.standard_normal((int(samples[i]), dim)), factor_x)   # = rs.multivariate_normal(mean_x[i], cov_x, n_i)
+            x += mean_x[i]
+            y = np.argmax(x @ w + b, axis=1).astype(np.int64)
+            yield x, y, (w, b)
+
+    return samples.astype(np.int64), devices()
+
+
+def generate_raw(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
+                 ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """:func:`raw_devices` collected: raw per-device (X_i, y_i), n_i, and each device's teacher."""
+    samples, devices = raw_devices(num_devices, alpha, beta, iid, seed)
+    xs, ys, teachers = [], [], []
+    for x, y, teacher in devices:
         xs.append(x)
         ys.append(y)
-        teachers.append((w, b))
-    return xs, ys, samples.astype(np.int64), teachers
+        teachers.append(teacher)
+    return xs, ys, samples, teachers
 
 
-def generate_synthetic(num_devices: int = 30, alpha: float = 0.5, beta: float = 0.5, iid: bool = False,
-                       seed: int = 1) -> SyntheticFederated:
-    """Synthetic(alpha, beta) for ``num_devices`` devices, split 80/20 per device. Deterministic:
-    every process derives the same data from the args. Not cached here: ``load_dataset`` keeps the
-    float32 data set it makes of it, and a cache of these float64 parts would hold the data twice."""
+def train_size(n: int) -> int:
+    """How many of a device's ``n`` samples are its training part (the first ``floor(0.8 n)``)."""
+    return int(TRAIN_FRACTION * n)
+
+
+def device_parts(num_devices: int = 30, alpha: float = 0.5, beta: float = 0.5, iid: bool = False, seed: int = 1
+                 ) -> tuple[np.ndarray, Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
+    """Synthetic(alpha, beta) for ``num_devices`` devices: every n_i, and an iterator over the
+    devices in order, each as its shuffled (x_train, y_train, x_test, y_test), float64 features.
+    Deterministic: every process derives the same data from the args."""
     if int(num_devices) != num_devices or num_devices < 1:
         raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
     for name, value in (("alpha", alpha), ("beta", beta)):
         if not np.isfinite(value) or value < 0:
             raise ValueError(f"synthetic {name} must be a finite standard deviation >= 0, got {value!r}")
-    xs, ys, samples, _ = generate_raw(int(num_devices), float(alpha), float(beta), bool(iid), int(seed))
+    samples, devices = raw_devices(int(num_devices), float(alpha), float(beta), bool(iid), int(seed))
+    # Python's random.Random(seed), the stream the original's random.seed(seed) gives.
     shuffler = random.Random(seed)
+
+    def parts() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        for x, y, _ in devices:
+            # random.shuffle's permutation depends only on the length, so shuffling indices equals
+            # the original's shuffle of the list of (x, y) pairs.
+            order = list(range(len(y)))
+            shuffler.shuffle(order)
+            idx = np.asarray(order, dtype=np.int64)
+            n_train = train_size(len(y))
+            yield x[idx[:n_train]], y[idx[:n_train]], x[idx[n_train:]], y[idx[n_train:]]
+
+    return samples, parts()
+
+
+def generate_synthetic(num_devices: int = 30, alpha: float = 0.5, beta: float = 0.5, iid: bool = False,
+                       seed: int = 1) -> SyntheticFederated:
+    """:func:`device_parts` collected into per-device lists (float64). ``load_dataset`` does not
+    use it: it copies each device's parts into float32 arrays as they are drawn."""
+    samples, devices = device_parts(num_devices, alpha, beta, iid, seed)
     # x_train, y_train, x_test, y_test: one array per device each
     parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [], [])
-    xs.reverse()   # taken from the end, so each device's raw features go once split
-    for y in ys:
-        x = xs.pop()
-        # random.shuffle's permutation depends only on the length, so shuffling indices equals the
-        # original's shuffle of the list of (x, y) pairs.
-        order = list(range(len(y)))
-        shuffler.shuffle(order)
-        idx = np.asarray(order, dtype=np.int64)
-        n_train = int(TRAIN_FRACTION * len(y))
-        for target, part in zip(parts, (x[idx[:n_train]], y[idx[:n_train]], x[idx[n_train:]], y[idx[n_train:]])):
+    for device in devices:
+        for target, part in zip(parts, device):
             target.append(part)
     return SyntheticFederated(*parts, samples_per_device=samples)

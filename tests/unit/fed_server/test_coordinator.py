@@ -506,3 +506,17 @@ def test_a_split_round_plan_carries_each_device_s_download_time_and_the_run_s_pa
         a = fed_round.assignments[p.device_id]
         wc = c.planner.profile.cost(c.planner.split_points[a.candidate]).client_param_bytes
         assert p.download_s == pytest.approx(wc / c.devices.devices[p.device_id].profile.rate)
+
+
+def test_the_fed_server_keeps_no_training_set_after_start_up(tmp_path):
+    # Shard sizes and the fingerprint's shard vectors are computed at start-up; then only the test
+    # set is held (a population's training set grows with it).
+    from shared.data import load_dataset
+
+    c = _coordinator(tmp_path, **{"data.dataset": "synthetic", "data.num_devices": 2, "data.max_samples": None,
+                                  "model": "logreg"})
+    held = load_dataset(c.config.data)[0]
+    assert load_dataset(c.config.data)[0].x is held.x
+    _coordinator(tmp_path / "again", **{"data.dataset": "synthetic", "data.num_devices": 2,
+                                        "data.max_samples": None, "model": "logreg"})
+    assert load_dataset(c.config.data)[0].x is not held.x

@@ -9,11 +9,13 @@ from shared.data import (
     ArrayDataset,
     DataSpec,
     device_shard,
+    load_dataset,
     partition_dataset,
     partition_dirichlet,
     partition_iid,
     partition_natural,
 )
+from shared.data.partition import release_loaded_data
 
 
 def _assert_complete_disjoint(parts: list[np.ndarray], n: int) -> None:
@@ -141,3 +143,15 @@ def test_natural_partition_dataset_uses_writers() -> None:
     assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
     with pytest.raises(ValueError):
         partition_dataset(spec, _toy(writers=False))
+
+
+def test_released_data_is_loaded_afresh_and_its_partition_computed_again():
+    # What the Fed Server does once its start-up needs of the training set are met.
+    spec = DataSpec(dataset="synthetic", num_devices=12, partition="natural", seed=4)
+    train, _ = load_dataset(spec)
+    first = device_shard(spec, train, 3)
+    assert load_dataset(spec)[0].x is train.x            # cached
+    release_loaded_data()
+    again, _ = load_dataset(spec)
+    assert again.x is not train.x and torch.equal(again.x, train.x)
+    assert torch.equal(device_shard(spec, again, 3).x, first.x)
