@@ -77,6 +77,11 @@ def _add_data_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", default=env_default("shards", None),
                         help="data shards of the run's built-in data set this agent's devices hold, e.g. 0-9 or 3 "
                              "(env SFL_SHARDS; default 0); one device per shard. Not with --data")
+    parser.add_argument("--slice", default=env_default("slice", None), metavar="INDEX/COUNT",
+                        help="this agent's block of --shards (env SFL_SLICE): block INDEX of COUNT contiguous "
+                             "blocks whose sizes differ by at most one (the larger first), so COUNT agents with the "
+                             "same --shards host each shard once: --shards 0-9 --slice 1/3 hosts 4-6. INDEX auto: the "
+                             "host name's trailing -<ordinal>, as a StatefulSet names its pods (docs/deployment.md)")
     parser.add_argument("--data", action="append", default=[], metavar="PATH",
                         help="the device's own data for a run with data.dataset: local (repeatable; docs/data.md): an "
                              ".npz file with x and y, a .csv file with a header row and the label column data.label_column, "
@@ -156,6 +161,7 @@ def _devices(parser: argparse.ArgumentParser, args: argparse.Namespace
     their shards, and their emulated kinds. A usage error (exit 2, one line) for flags that do
     not fit together or do not parse."""
     from device_agent.agent import local_device_ids, parse_data_args, parse_shards
+    from device_agent.slices import agent_shards
     from shared.data.local import data_sources
     from shared.profiles import parse_kind
 
@@ -164,12 +170,17 @@ def _devices(parser: argparse.ArgumentParser, args: argparse.Namespace
                      "of the run's built-in data set")
     if (args.data_arg or args.device_id) and not args.data:
         parser.error("--data-arg and --device-id are for --data devices")
+    if args.slice is not None and args.data:
+        parser.error("--slice takes a block of --shards; a --data agent hosts the devices of its own files")
     try:
         limits = FileLimits(max_bytes=args.max_data_bytes, max_pixels=args.max_image_pixels)
         sources = [source for path in args.data for source in data_sources(path, limits)]
         data_args = parse_data_args(args.data_arg)
         local_device_ids(sources, args.prefix, args.device_id)
         shards = [] if sources else parse_shards(args.shards or "0")
+        if args.slice is not None:
+            shards = agent_shards(shards, args.slice)
+            log.info("--slice %s: hosting shards %s", args.slice, ",".join(map(str, shards)))
         kinds = [k for k in args.kinds.split(",") if k.strip()]
         for k in kinds:
             parse_kind(k)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from device_agent.slices import shard_slice
 from shared.tls import tls_context
 from testbed.warm_start import WarmProcess, WarmStarter
 
@@ -178,12 +179,7 @@ def wait_healthy(url: str, service: Service, timeout: float = 120.0, verify: boo
 
 
 def split_evenly(items: Sequence[int], parts: int) -> list[list[int]]:
-    """``items`` in ``parts`` contiguous chunks whose sizes differ by at most one (empty ones dropped)."""
+    """``items`` in ``parts`` contiguous chunks whose sizes differ by at most one (empty ones
+    dropped): the blocks an agent's ``--slice i/parts`` takes (:mod:`device_agent.slices`)."""
     parts = max(1, min(parts, len(items)))
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(list(items[start:end]))
-        start = end
-    return [c for c in out if c]
+    return [c for c in (shard_slice(items, i, parts) for i in range(parts)) if c]

@@ -1,14 +1,16 @@
 """The Kubernetes manifests in deploy/kubernetes render, validate and fit together, without a cluster.
 
 * rendering: a small renderer of the kustomize features the manifests use (resources, components,
-  ConfigMap/Secret generators without name hashes); any other kustomization key is an error here, so
+  ConfigMap/Secret generators without name hashes, replacements of one field or of one part of a
+  delimited string); any other kustomization key or replacement option is an error here, so
   a manifest change that needs real kustomize shows up instead of being rendered wrongly. Where
   kubectl is installed, its kustomize must render exactly the same objects;
 * every rendered object against the Kubernetes JSON schemas (strict: unknown fields are errors) of
   the ``kubernetes-validate`` package (``dev`` extra);
 * cross-references: Service selectors and target ports, StatefulSet Services, the ConfigMaps and
   Secrets (and their keys) that volumes mount, the file flags under those mounts, every flag known
-  to its service, the URLs between the services, the run config, the device shards, the scrape
+  to its service, the URLs between the services, the run config, the device shards (the union of
+  the agent pods' slices, from their ordinals, is every shard exactly once), the scrape
   config's targets, and the security settings (non-root 10001, read-only root file system, probes
   on the health routes, resource requests and limits).
 
@@ -30,6 +32,7 @@ import pytest
 import yaml
 
 from device_agent.agent import parse_shards
+from device_agent.slices import agent_shards
 from shared.run_config import resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +42,8 @@ UID = 10001
 WORKLOADS = ("Deployment", "StatefulSet")
 # The kustomization keys the renderer implements; anything else fails the render.
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "generatorOptions",
-                      "configMapGenerator", "secretGenerator"}
+                      "configMapGenerator", "secretGenerator", "replacements"}
+AGENTS = ("StatefulSet", "device-agents")
 
 
 class RenderError(Exception):
@@ -84,7 +88,60 @@ def render(directory: Path) -> list[dict]:
         data = {k: base64.b64encode(v.encode()).decode() for k, v in _generated_files(directory, gen["files"]).items()}
         objects.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": gen["name"]},
                         "data": data})
+    for replacement in spec.get("replacements", []):
+        _replace(directory, objects, replacement)
     return objects
+
+
+def _field(node, path: str):
+    """The parent of the last step of a kustomize field path (``a.b.[name=x].c``) in ``node``, and
+    that step: a key, or a list item's index for a ``[key=value]`` step."""
+    steps = path.split(".")
+    for step in steps[:-1]:
+        node = node[_step(node, step)]
+    return node, _step(node, steps[-1])
+
+
+def _step(node, step: str):
+    """The key or list index one field path step names in ``node``."""
+    if step.startswith("[") and step.endswith("]"):
+        key, _, value = step[1:-1].partition("=")
+        matches = [i for i, item in enumerate(node) if item.get(key) == value]
+        if len(matches) != 1:
+            raise RenderError(f"field path step {step} matches {len(matches)} items")
+        return matches[0]
+    if step not in node:
+        raise RenderError(f"field path step {step}: no such field")
+    return step
+
+
+def _replace(directory: Path, objects: list[dict], replacement: dict) -> None:
+    """A kustomize replacement: the source field's value into each target field, whole or (option
+    ``delimiter``, ``index``) as one part of the target's delimited string."""
+    source = replacement["source"]
+    sources = [o for o in objects if o["kind"] == source["kind"] and o["metadata"]["name"] == source["name"]]
+    if len(sources) != 1 or set(source) != {"kind", "name", "fieldPath"}:
+        raise RenderError(f"{directory}: replacement source {source} not rendered here")
+    parent, key = _field(sources[0], source["fieldPath"])
+    value = parent[key]
+    for target in replacement["targets"]:
+        options = target.get("options", {})
+        if set(target) - {"select", "fieldPaths", "options"} or set(options) - {"delimiter", "index"} \
+                or set(target["select"]) != {"kind", "name"}:
+            raise RenderError(f"{directory}: replacement target {target} not rendered here")
+        for obj in objects:
+            if (obj["kind"], obj["metadata"]["name"]) != (target["select"]["kind"], target["select"]["name"]):
+                continue
+            for path in target["fieldPaths"]:
+                parent, key = _field(obj, path)
+                if "delimiter" in options:
+                    parts = parent[key].split(options["delimiter"])
+                    if not 0 <= options["index"] < len(parts):
+                        raise RenderError(f"{directory}: {path} has no part {options['index']}")
+                    parts[options["index"]] = str(value)
+                    parent[key] = options["delimiter"].join(parts)
+                else:
+                    parent[key] = str(value) if isinstance(parent[key], str) else value
 
 
 def _index(objects: list[dict]) -> dict[tuple[str, str], dict]:
@@ -168,7 +225,7 @@ def test_base_and_testbed_contents(base, testbed):
     assert set(base) == {("Service", "fed-server"), ("StatefulSet", "fed-server"), ("Service", "main-server"),
                          ("StatefulSet", "main-server"), ("ConfigMap", "s2fl-run-config"),
                          ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets")}
-    assert set(testbed) - set(base) == {("Service", "device-agents"), ("Deployment", "device-agents")}
+    assert set(testbed) - set(base) == {("Service", "device-agents"), AGENTS}
     assert base.keys() <= testbed.keys()
 
 
@@ -292,7 +349,7 @@ def _help(module: str) -> str:
 
 @pytest.mark.parametrize("kind,name,module", [("StatefulSet", "fed-server", "fed_server"),
                                               ("StatefulSet", "main-server", "main_server"),
-                                              ("Deployment", "device-agents", "device_agent")])
+                                              (*AGENTS, "device_agent")])
 def test_flags_and_environment_exist_in_the_service(testbed, kind, name, module):
     container = _container(testbed, kind, name)
     args = container["args"]
@@ -326,7 +383,7 @@ def _resolve(objects: dict, url: str) -> int:
 def test_urls_between_services_reach_the_right_ports(testbed):
     fed = _container(testbed, "StatefulSet", "fed-server")
     main = _container(testbed, "StatefulSet", "main-server")
-    agents = _container(testbed, "Deployment", "device-agents")
+    agents = _container(testbed, *AGENTS)
     fed_port, main_port = int(_flags(fed)["--port"]), int(_flags(main)["--port"])
     for url in _env(fed)["SFL_MAIN_SERVER_URL"].split(","):
         assert _resolve(testbed, url) == main_port
@@ -336,14 +393,59 @@ def test_urls_between_services_reach_the_right_ports(testbed):
     assert int(_flags(agents)["--metrics-port"]) == agents["ports"][0]["containerPort"]
 
 
-def test_run_config_is_valid_and_the_agents_hold_every_shard(testbed, tmp_path):
+def _pods_shards(objects: dict) -> list[list[int]]:
+    """The shards each agent pod hosts, in ordinal order: its slice (SFL_SLICE, INDEX from the pod's
+    name ``device-agents-<ordinal>``) of the shared ``--shards``, as the agent computes it."""
+    container = _container(objects, *AGENTS)
+    shards = parse_shards(_flags(container)["--shards"])
+    return [agent_shards(shards, _env(container)["SFL_SLICE"], hostname=f"{AGENTS[1]}-{ordinal}")
+            for ordinal in range(objects[AGENTS]["spec"]["replicas"])]
+
+
+def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(testbed[("ConfigMap", "s2fl-run-config")]["data"]["run.yaml"])
     # The file alone, as the pod reads it: no SFL_RUN__* variables of this process mixed in.
     config = resolve_run_config(path, env_prefix="SFL_KUBE_TEST_UNSET__")
 
-    shards = parse_shards(_flags(_container(testbed, "Deployment", "device-agents"))["--shards"])
-    assert sorted(shards) == list(range(config.data.num_devices))
+    replicas = testbed[AGENTS]["spec"]["replicas"]
+    assert _env(_container(testbed, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}", "COUNT must be the replicas"
+    pods = _pods_shards(testbed)
+    assert replicas > 1 and all(pods), "every pod hosts devices"
+    hosted = [shard for pod in pods for shard in pod]
+    assert sorted(hosted) == list(range(config.data.num_devices)), f"not every shard exactly once: {pods}"
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_shard_check_sees_a_count_other_than_the_replicas(testbed, count):
+    """With COUNT below the replicas the last pods' ordinals are no INDEX (those agents refuse to
+    start); above, some shards are hosted by no pod."""
+    import copy
+
+    objects = copy.deepcopy(testbed)
+    env = _container(objects, *AGENTS)["env"]
+    next(e for e in env if e["name"] == "SFL_SLICE")["value"] = f"auto/{count}"
+    replicas = objects[AGENTS]["spec"]["replicas"]
+    assert replicas == 2, "the cases above assume two agents"
+    if count < replicas:
+        with pytest.raises(ValueError, match="is not below COUNT"):
+            _pods_shards(objects)
+    else:
+        assert sorted(s for pod in _pods_shards(objects) for s in pod) != list(range(10))
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 10])
+def test_the_number_of_agents_is_one_setting(checkout, tmp_path, replicas):
+    """Only the StatefulSet's replicas change; the replacement gives every pod the matching COUNT."""
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(checkout, copy)
+    manifest = copy / "components" / "testbed-devices" / "device-agents.yaml"
+    text, changes = re.subn(r"(?m)^  replicas: \d+$", f"  replicas: {replicas}", manifest.read_text())
+    assert changes == 1
+    manifest.write_text(text)
+    objects = _index(render(copy / "overlays" / "testbed"))
+    assert _env(_container(objects, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}"
+    assert sorted(s for pod in _pods_shards(objects) for s in pod) == list(range(10))
 
 
 def test_fed_server_resumes_from_its_volume(base):
@@ -373,7 +475,7 @@ def test_security_probes_and_resources(testbed):
             assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/tmp"}
             assert set(container["resources"]) == {"requests", "limits"}
             assert _env(container)["SFL_TORCH_DEVICE"] == "cpu"
-            is_agent = workload["kind"] == "Deployment"
+            is_agent = (workload["kind"], workload["metadata"]["name"]) == AGENTS
             assert container["image"] == (device_image if is_agent else server_image)
             for probe in ("readinessProbe", "livenessProbe"):
                 get = container[probe]["httpGet"]

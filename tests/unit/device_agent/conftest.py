@@ -12,7 +12,7 @@ class AgentCli:
     to the test process's objects), the agent's environment settings cleared and the Agent
     replaced by the test's."""
 
-    ENV = ("SFL_METRICS_PORT", "SFL_METRICS_LINGER_S", "SFL_SHARDS", "SFL_PREFIX")
+    ENV = ("SFL_METRICS_PORT", "SFL_METRICS_LINGER_S", "SFL_SHARDS", "SFL_SLICE", "SFL_PREFIX")
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import device_agent.__main__ as cli
