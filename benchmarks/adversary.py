@@ -16,7 +16,6 @@ so a control and an attack run have the same processes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import inspect
 import logging
@@ -193,10 +192,12 @@ class LabelFlip(Behaviour):
         self._flipped = False
 
     def register(self, req: RegisterRequest) -> RegisterRequest:
-        # Registration follows the loading of the device's data and precedes all training.
+        # Registration follows the loading of the device's data and precedes all training. In
+        # place: the device's task trainer holds the same data set (the device's own copy of its
+        # shard), and trains on what it holds.
         data = self.device.data
         if not self._flipped and data is not None:
-            self.device.data = dataclasses.replace(data, y=(data.y + 1) % data.num_classes)
+            data.y.copy_((data.y + 1) % data.num_classes)
             self._flipped = True
             self.acted(f"{len(data)} labels moved to the next class")
         return req

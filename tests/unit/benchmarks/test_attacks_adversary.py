@@ -11,10 +11,15 @@ import torch
 import benchmarks.adversary as adversary
 import device_agent.agent
 from benchmarks.adversary import BEHAVIOURS, GlobalWeights, HarmfulAgent, HarmfulFed, HarmfulMain
+from device_agent.clients import HttpFedClient, main_connector
+from device_agent.device import Device
+from device_agent.run_spec import build_run_model
+from shared.data import DataSpec
 from shared.data.datasets import ArrayDataset
+from shared.models import build_model, model_fingerprint
 from shared.schemas import (
-    DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, RegisterRequest, StepRequest, TaskResponse,
-    UpdateRequest, WeightsResponse, WireTensor,
+    DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, RegisterRequest, RunInfo, StepRequest,
+    TaskResponse, UpdateRequest, WeightsResponse, WireTensor,
 )
 from shared.wire import decode_tensor, encode_tensor
 
@@ -155,6 +160,19 @@ def test_label_flip_moves_every_label_once_when_the_device_registers() -> None:
     fed.register(_register())   # registering again (a Fed Server restart) flips nothing more
     assert device.data.y.tolist() == [1, 2, 0]
     assert len(inner.sent) == 2
+
+
+def test_label_flip_reaches_the_data_a_real_device_trains_on() -> None:
+    # The task trainer, built before the device registers, holds the data it trains on.
+    device = Device("dev-009", 0, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=None)
+    spec = DataSpec(num_devices=1)
+    info = RunInfo(run_id="r", algorithm="fedavg", model="logreg", num_classes=10, input_shape=[1, 28, 28],
+                   data=spec, seed=3, fingerprint=model_fingerprint(build_model("logreg", 10, (1, 28, 28)), spec))
+    device.prepare(info, build_run_model(info, layout=True),
+                   ArrayDataset(torch.zeros(3, 1, 28, 28), torch.tensor([0, 1, 9]), 10), None)
+    fed, _ = _fed("label_flip", device)
+    fed.register(_register())
+    assert device.trainer.data.y.tolist() == [1, 2, 0]
 
 
 def test_fake_evaluation_claims_near_perfect_accuracy_on_a_huge_count() -> None:
