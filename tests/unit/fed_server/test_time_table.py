@@ -179,3 +179,37 @@ def test_entries_copy_and_round_trip():
     with pytest.raises(ValueError):
         ClientTimeTable.from_entries({"d": {5: 1.0}}, num_candidates=3, smoothing=0.5)
     assert math.isclose(back.smoothing, 0.5)
+
+
+def test_eq1_refuses_a_zero_rate_and_names_the_valid_candidates():
+    cost = SplitCostView(client_param_bytes=10, activation_bytes=1, client_flops=1.0, server_flops=1.0)
+    with pytest.raises(ValueError, match="device flops, device rate and server flops must be > 0"):
+        eq1_time(DeviceProfile(flops=1.0, rate=0.0), cost, 1, 1.0)
+    with pytest.raises(ValueError, match="candidate index must be in 0..2, got 3"):
+        ClientTimeTable(num_candidates=3).record("d", 3, 1.0)
+
+
+def test_from_entries_defaults_to_three_candidates_and_half_smoothing():
+    table = ClientTimeTable.from_entries({"d": {"0": 2.0}})
+    assert (table.num_candidates, table.smoothing) == (3, 0.5)
+    table.record("d", 0, 4.0)                  # 0.5 * 2 + 0.5 * 4
+    assert table.get("d", 0) == 3.0
+
+
+def test_an_unmeasured_device_cycles_through_every_candidate_in_later_rounds():
+    table = ClientTimeTable(num_candidates=3)
+    # (round - 1) % K, from the first round after warm-up on: 3 % 3, 4 % 3, ..., 8 % 3.
+    assert [table.choose(r, ["x"])["x"] for r in range(4, 10)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_near_ties_are_absolute_below_one_second_and_relative_above():
+    # m = median(0.002, 0.0030000005, 0.0025, 0.0025) = 0.0025; device a's gaps 0.0005 and
+    # 0.0005000005 differ by 5e-10, within the tolerance 1e-9 * max(1, m) = 1e-9: a tie -> j = 1.
+    small = table_from({"a": [0.002, 0.0030000005], "b": [0.0025, 0.0025]}, k=2)
+    assert small.choose(3, ["a", "b"])["a"] == 1
+    # Scaled up (m = 2500 s) the tolerance is relative, 1e-9 * 2500 = 2.5e-6: gaps that differ by
+    # 5e-7 tie (j = 1), gaps that differ by 5e-6 do not (j = 0, the closer one).
+    tied = table_from({"a": [2000.0, 3000.0000005], "b": [2500.0, 2500.0]}, k=2)
+    assert tied.choose(3, ["a", "b"])["a"] == 1
+    apart = table_from({"a": [2000.0, 3000.000005], "b": [2500.0, 2500.0]}, k=2)
+    assert apart.choose(3, ["a", "b"])["a"] == 0
