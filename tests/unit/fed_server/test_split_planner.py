@@ -99,3 +99,11 @@ def test_eq1_counts_every_local_epoch_and_any_positive_transfer_time_measures_th
     p.observe("d0", 0, transfer_s=0.5)          # half a second is a measurement like any other
     moved = 2 * cost.client_param_bytes + 2 * 200 * cost.activation_bytes
     assert p.devices.devices["d0"].profile.rate == pytest.approx(moved / 0.5)
+
+
+@pytest.mark.parametrize("mode", ["zero", "fixed"])
+def test_the_mode_is_compared_by_value(mode):
+    # A mode read from a config file is a new string object, not the interned literal.
+    read = "".join(list(mode))
+    assert read is not mode
+    assert _planner(read).choose(1, DEVICES) == _planner(mode).choose(1, DEVICES)   # not the warm-up's j = 0
