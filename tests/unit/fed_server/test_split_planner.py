@@ -107,3 +107,10 @@ def test_the_mode_is_compared_by_value(mode):
     read = "".join(list(mode))
     assert read is not mode
     assert _planner(read).choose(1, DEVICES) == _planner(mode).choose(1, DEVICES)   # not the warm-up's j = 0
+
+
+def test_fixed_mode_takes_the_last_candidate_of_any_count():
+    p = _planner("fixed")
+    for count in (2, 1):   # the cnn has three candidates; the last index is count - 1 for any count
+        p.split_points = p.split_points[:count]
+        assert p.choose(1, ["d0"]) == {"d0": (count - 1, p.split_points[count - 1])}
