@@ -413,3 +413,25 @@ def test_unpack_enforces_max_bytes():
     assert unpackb(body, max_bytes=len(body)) == {"data": b"\0" * 100}
     with pytest.raises(WireError, match=f"body of {len(body)} bytes exceeds the limit of {len(body) - 1}"):
         unpackb(body, max_bytes=len(body) - 1)
+
+
+def test_rank_eight_is_the_largest_accepted():
+    ones = [1] * 8
+    assert decode_tensor({"dtype": "uint8", "shape": ones, "data": b"\x07"}).shape == (1,) * 8
+    with pytest.raises(WireError, match="at most 8 integers"):
+        decode_tensor({"dtype": "uint8", "shape": ones + [1], "data": b"\x07"})
+
+
+def test_decode_options_are_keyword_only():
+    obj = encode_tensor(torch.zeros(2))
+    with pytest.raises(TypeError):
+        decode_tensor(obj, (2,))
+    with pytest.raises(TypeError):
+        decode_state({"w": obj}, {"w": torch.zeros(2)})
+
+
+def test_a_names_mismatch_lists_at_most_five_of_each():
+    expect = {f"k{i}": torch.zeros(1) for i in range(6)}
+    with pytest.raises(WireError) as info:
+        decode_state({}, expect=expect)
+    assert "missing ['k0', 'k1', 'k2', 'k3', 'k4'], unexpected [])" in str(info.value)

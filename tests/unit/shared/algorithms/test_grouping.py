@@ -13,7 +13,7 @@ def test_a_candidate_is_frozen_and_typed():
     candidate = GroupCandidate.of([3, 1], split_point=2, num_samples=4)
     assert candidate.label_counts.dtype == np.int64 and candidate.label_counts.tolist() == [3, 1]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        candidate.split_point = 3  # type: ignore[misc]
+        candidate.split_point = 3
 
 
 def test_candidates_from_counts_train_on_every_counted_sample_at_split_one():
