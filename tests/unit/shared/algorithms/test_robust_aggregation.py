@@ -264,3 +264,34 @@ def test_algorithms_aggregate_with_the_configured_rule_and_log_the_bounds(algori
     assert out["w"].item() == 6.5
     assert "round 2 (attempt 7): aggregation weight bounded for dev-4 (100 -> 4)" in caplog.text
     assert "round 2 (attempt 7): update clipped to the round's norm bound for dev-4 on w" in caplog.text
+
+
+# ------------------------------------------------------------------------------- trims and parameter bounds
+def test_trimmed_mean_default_fraction_trims_one_of_ten_at_each_end():
+    values = [-50.0, 1, 2, 3, 4, 5, 6, 7, 8, 90]   # floor(0.1 * 10) = 1: -50 and 90 dropped
+    out = TrimmedMean(UNBOUNDED).aggregate({"w": t(0)}, scalars(values, [1] * 10))
+    assert out.state["w"].item() == pytest.approx(36 / 8)
+
+
+def test_trimmed_mean_of_an_even_count_keeps_the_middle_two():
+    # count 5 of 4 candidates shrinks to (4 - 1) // 2 = 1 at each end: 2 and 3 stay, weights 1 and 3
+    out = TrimmedMean({**UNBOUNDED, "count": 5}).aggregate({"w": t(0)}, scalars([1, 2, 3, 4], [1, 1, 3, 1]))
+    assert out.state["w"].item() == pytest.approx((2 * 1 + 3 * 3) / 4)
+
+
+@pytest.mark.parametrize("params, line", [
+    ({"f": -1}, "aggregation.params.f: must be greater than or equal to 0 (got -1)"),
+    ({"m": 0}, "aggregation.params.m: must be greater than or equal to 1 (got 0)"),
+])
+def test_multi_krum_refuses_a_negative_f_and_no_selection(params, line):
+    with pytest.raises(ConfigError) as info:
+        load_run_config({"aggregation": {"rule": "multi_krum", "params": params}})
+    assert info.value.lines == [line]
+
+
+def test_krum_scores_by_n_minus_f_minus_2_neighbours_with_f_1_by_default():
+    # n = 5, f = 1: two nearest neighbours each (squared distances): 0 -> 1 + 4 = 5, 1 -> 1 + 1 = 2,
+    # 2 -> 1 + 4 = 5, 10 -> 1 + 64 = 65, 11 -> 1 + 81 = 82: Krum keeps 1. (Three neighbours would
+    # keep 2; f = 2, one neighbour, would tie all five at 1 and keep the first, 0.)
+    out = Krum(UNBOUNDED).aggregate({"w": t(0)}, scalars([0, 1, 2, 10, 11], [1] * 5))
+    assert out.state["w"].item() == 1.0
