@@ -295,3 +295,19 @@ def test_krum_scores_by_n_minus_f_minus_2_neighbours_with_f_1_by_default():
     # keep 2; f = 2, one neighbour, would tie all five at 1 and keep the first, 0.)
     out = Krum(UNBOUNDED).aggregate({"w": t(0)}, scalars([0, 1, 2, 10, 11], [1] * 5))
     assert out.state["w"].item() == 1.0
+
+
+def test_krum_refuses_a_negative_f():
+    with pytest.raises(ConfigError) as info:
+        load_run_config({"aggregation": {"rule": "krum", "params": {"f": -1}}})
+    assert info.value.lines == ["aggregation.params.f: must be greater than or equal to 0 (got -1)"]
+
+
+def test_clip_goes_on_past_an_integer_key():
+    # An integer buffer first, then the floating key: median update norm 1, bound 3 * 1, so the
+    # 100 is clipped onto 3 and the mean is (1 + 1 + 3) / 3.
+    g = {"n": torch.tensor(0), "w": t(0)}
+    contribs = contributions(*(Contribution(1, {"n": torch.tensor(2), "w": t(v)}) for v in (1, 1, 100)))
+    out = BoundedMean({"max_weight_ratio": None}).aggregate(g, contribs)
+    assert out.state["w"].item() == pytest.approx(5 / 3)
+    assert out.clipped == {"dev-2": ["w"]}
