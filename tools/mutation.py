@@ -10,8 +10,8 @@ the tree and runs that module's unit tests against it. A mutant is *killed* when
 ``score = killed / (mutants - equivalent)``.
 
 The tests run in a process forked from this one, which has imported torch, numpy and pytest
-once (but none of the project's modules), so each mutant costs its tests' run and not a fresh
-interpreter's 3 s of imports. Writes ``<out>/mutation.md`` (the table and every survivor's diff)
+once (but none of the project's modules) and warmed up torch's FLOP counter, so each mutant
+costs its tests' run and not a fresh interpreter's 3 s of imports. Writes ``<out>/mutation.md`` (the table and every survivor's diff)
 and ``<out>/mutation.json`` (every mutant's outcome).
 """
 from __future__ import annotations
@@ -49,6 +49,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "shared/wire.py": ("tests/unit/shared/test_wire.py", "tests/unit/shared/test_wire_fast_paths.py"),
 }
 
+#: wire.py's byte-order test, of which four mutants are equivalent on a little-endian machine.
+_BYTEORDER = 'if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian'
 #: Mutants that change no behaviour, per module: (operator, the changed source line before, after).
 #: Their reasons are in docs/mutation-testing.md.
 EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
@@ -58,6 +60,23 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
          "largest = max((g.numel() for g in global_state.values()), default= 1)"),
         ("core/NumberReplacer", "largest = max((g.numel() for g in global_state.values()), default=0)",
          "largest = max((g.numel() for g in global_state.values()), default= -1)"),
+    },
+    "shared/algorithms/robust_aggregation.py": {
+        ("core/ReplaceBinaryOperator_Sub_LShift", "last = updates.shape[0] - 1", "last = updates.shape[0] << 1"),
+    },
+    "shared/wire.py": {
+        ("core/AddNot", _BYTEORDER, _BYTEORDER.replace("if sys", "if not sys")),
+        ("core/ReplaceComparisonOperator_NotEq_Gt", _BYTEORDER, _BYTEORDER.replace("!=", ">")),
+        ("core/ReplaceComparisonOperator_NotEq_GtE", _BYTEORDER, _BYTEORDER.replace("!=", ">=")),
+        ("core/ReplaceComparisonOperator_NotEq_LtE", _BYTEORDER, _BYTEORDER.replace("!=", "<=")),
+    },
+    "fed_server/split_planner.py": {
+        ("core/NumberReplacer", "if moved > 0 and math.isfinite(moved / transfer_s):",
+         "if moved > 1 and math.isfinite(moved / transfer_s):"),
+        ("core/ReplaceComparisonOperator_Gt_NotEq", "if moved > 0 and math.isfinite(moved / transfer_s):",
+         "if moved != 0 and math.isfinite(moved / transfer_s):"),
+        ("core/ReplaceComparisonOperator_Eq_GtE", 'if self.mode == "zero":', 'if self.mode >= "zero":'),
+        ("core/ReplaceComparisonOperator_Eq_LtE", 'if self.mode == "fixed":', 'if self.mode <= "fixed":'),
     },
 }
 
@@ -253,7 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     # What every test run needs, imported once here and inherited by each forked run.
     import numpy  # noqa: F401
     import pytest  # noqa: F401
-    import torch  # noqa: F401
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # The FLOP counter (model profiles: the split planner's tests) builds its tables on first use,
+    # 3 s that every forked run would pay again.
+    with FlopCounterMode(display=False), torch.enable_grad():
+        torch.nn.Linear(2, 2)(torch.zeros(1, 2)).sum().backward()
 
     sys.dont_write_bytecode = True
     # Ctrl-C or a kill ends the run through the cleanup below (the module restored, the copy removed).
