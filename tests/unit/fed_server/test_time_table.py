@@ -187,6 +187,8 @@ def test_eq1_refuses_a_zero_rate_and_names_the_valid_candidates():
         eq1_time(DeviceProfile(flops=1.0, rate=0.0), cost, 1, 1.0)
     with pytest.raises(ValueError, match="candidate index must be in 0..2, got 3"):
         ClientTimeTable(num_candidates=3).record("d", 3, 1.0)
+    with pytest.raises(ValueError, match="candidate index must be in 0..3, got 4"):
+        ClientTimeTable(num_candidates=4).get("d", 4)
 
 
 def test_from_entries_defaults_to_three_candidates_and_half_smoothing():

@@ -79,6 +79,10 @@ PINNED = [
      [["A", "D"], ["B", "C"], ["E"]], [["A", "C"], ["B", "D"], ["E"]]),                # after one search step
     ({"A": [3, 8, 5], "B": [0, 7, 7], "C": [8, 1, 0], "D": [8, 0, 5], "E": [0, 2, 4], "F": [4, 4, 0]}, 2,
      [["A", "D"], ["B", "C"], ["E", "F"]], [["A", "E"], ["B", "C"], ["D", "F"]]),      # greedy alone
+    ({"A": [9, 2], "B": [7, 1], "C": [3, 9], "D": [4, 5], "E": [2, 1], "F": [4, 6]}, 3,
+     [["A", "D", "F"], ["B", "C", "E"]], [["A", "E", "F"], ["B", "C", "D"]]),          # swaps within a group tried
+    ({"A": [0, 6], "B": [2, 2], "C": [6, 7], "D": [8, 2], "E": [8, 8], "F": [3, 0], "G": [7, 8]}, 3,
+     [["A", "D"], ["B", "E"], ["C", "F", "G"]], [["A", "B", "D"], ["C", "E"], ["F", "G"]]),  # gain as a ratio
 ]
 
 
@@ -87,6 +91,18 @@ def test_the_local_search_reaches_the_pinned_groups(counts, size, groups, weaker
     arr = arrays(counts)
     assert balanced_groups(arr, size) == groups
     assert total_distance(groups, arr) < total_distance(weaker, arr) - 1e-6
+
+
+def test_greedy_measures_a_join_by_the_change_of_distance():
+    # A ([7,7]) opens a group at distance 0: a join is judged by new - old distance (a ratio to 0
+    # would divide by zero).
+    counts = arrays({"A": [7, 7], "B": [8, 1], "C": [5, 8], "D": [3, 1], "E": [4, 0], "F": [2, 8], "G": [6, 8]})
+    assert balanced_groups(counts, 3) == [["A", "C", "E"], ["B", "F"], ["D", "G"]]
+
+
+def test_a_zero_d_count_is_refused():
+    with pytest.raises(ValueError, match=r"counts must be \[members, n_classes\], got shape \(\)"):
+        label_distance(np.float64(3.0))
 
 
 def test_eq2_term_decides_the_groups():

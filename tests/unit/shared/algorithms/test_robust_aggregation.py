@@ -311,3 +311,11 @@ def test_clip_goes_on_past_an_integer_key():
     out = BoundedMean({"max_weight_ratio": None}).aggregate(g, contribs)
     assert out.state["w"].item() == pytest.approx(5 / 3)
     assert out.clipped == {"dev-2": ["w"]}
+
+
+def test_clip_goes_on_past_a_key_nobody_supplies():
+    # u is in the global state but in no upload; w's 100 is still clipped onto 3 * median 1.
+    g = {"u": t(0), "w": t(0)}
+    out = BoundedMean({"max_weight_ratio": None}).aggregate(g, scalars([1, 1, 100], [1, 1, 1]))
+    assert out.state["w"].item() == pytest.approx(5 / 3) and out.state["u"].item() == 0.0
+    assert out.clipped == {"dev-2": ["w"]}
