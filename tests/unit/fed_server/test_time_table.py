@@ -215,3 +215,22 @@ def test_near_ties_are_absolute_below_one_second_and_relative_above():
     assert tied.choose(3, ["a", "b"])["a"] == 1
     apart = table_from({"a": [2000.0, 3000.000005], "b": [2500.0, 2500.0]}, k=2)
     assert apart.choose(3, ["a", "b"])["a"] == 0
+
+
+def test_calibration_keeps_a_fractional_ratio():
+    tt = table_from({"a": [3.0], "b": [5.0], "c": [7.0]}, k=1)
+    # measured / estimate: 3/2 = 1.5, 5/2 = 2.5, 7/2 = 3.5 -> median 2.5 (not a whole number)
+    assert tt.calibration(lambda d, j: 2.0) == 2.5
+
+
+def test_load_entries_replaces_the_whole_table():
+    # A resumed run restores its checkpointed table: the restored cells, nothing of the old ones,
+    # with the table's own candidate count and smoothing.
+    tt = ClientTimeTable(num_candidates=2, smoothing=0.25)
+    tt.record("old", 0, 9.0)
+    tt.load_entries({"a": {"1": 4.0}})
+    assert tt.entries() == {"a": {1: 4.0}}
+    tt.record("a", 1, 8.0)                     # 0.75 * 4 + 0.25 * 8
+    assert tt.get("a", 1) == 5.0
+    with pytest.raises(ValueError, match="candidate index must be in 0..1, got 2"):
+        tt.load_entries({"a": {2: 1.0}})
