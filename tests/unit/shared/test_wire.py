@@ -435,3 +435,15 @@ def test_a_names_mismatch_lists_at_most_five_of_each():
     with pytest.raises(WireError) as info:
         decode_state({}, expect=expect)
     assert "missing ['k0', 'k1', 'k2', 'k3', 'k4'], unexpected [])" in str(info.value)
+
+
+@pytest.mark.parametrize("sent, expected", [("float32", "float64"), ("float64", "float32"), ("int64", "int8"),
+                                            ("int8", "int64")])
+def test_a_dtype_mismatch_is_refused_in_both_directions(sent, expected):
+    obj = encode_tensor(torch.zeros(2, dtype=getattr(torch, sent)))
+    with pytest.raises(WireError, match=f"dtype {sent} where {expected} was expected"):
+        decode_tensor(obj, expect_dtype=expected)
+    with pytest.raises(WireError, match=r"shape \[2\] where \[1\] was expected"):
+        decode_tensor(obj, expect_shape=[1])
+    with pytest.raises(WireError, match=r"shape \[2\] where \[3\] was expected"):
+        decode_tensor(obj, expect_shape=[3])
