@@ -61,6 +61,14 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
         ("core/NumberReplacer", "largest = max((g.numel() for g in global_state.values()), default=0)",
          "largest = max((g.numel() for g in global_state.values()), default= -1)"),
     },
+    "shared/algorithms/label_balance.py": {
+        ("core/NumberReplacer", "if arr.shape[0] == 0 or arr.shape[1] == 0:", "if arr.shape[0] == -1 or arr.shape[1] == 0:"),
+        ("core/ReplaceUnaryOperator_USub_Invert", "arr = np.asarray(c, dtype=np.float64).reshape(-1)",
+         "arr = np.asarray(c, dtype=np.float64).reshape(~1)"),
+        ("core/NumberReplacer", "return np.where(total[..., 0] > 0, dist, 0.0)",
+         "return np.where(total[..., -1] > 0, dist, 0.0)"),
+        ("core/ReplaceComparisonOperator_Eq_LtE", "if n_dev == 0:", "if n_dev <= 0:"),
+    },
     "shared/algorithms/robust_aggregation.py": {
         ("core/ReplaceBinaryOperator_Sub_LShift", "last = updates.shape[0] - 1", "last = updates.shape[0] << 1"),
     },
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         os.chdir(copy)
         sys.path.insert(0, str(copy))
         for module in args.module or list(MODULES):
-            print(f"{module}: {args.sample} mutants, tests {' '.join(MODULES[module])}", flush=True)
+            print(f"{module}: up to {args.sample} mutants, tests {' '.join(MODULES[module])}", flush=True)
             done = mutate_module(module, MODULES[module], args.sample, args.seed, copy)
             mutants += done
             rows.append(score_row(module, done))
