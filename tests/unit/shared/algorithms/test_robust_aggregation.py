@@ -319,3 +319,29 @@ def test_clip_goes_on_past_a_key_nobody_supplies():
     out = BoundedMean({"max_weight_ratio": None}).aggregate(g, scalars([1, 1, 100], [1, 1, 1]))
     assert out.state["w"].item() == pytest.approx(5 / 3) and out.state["u"].item() == 0.0
     assert out.clipped == {"dev-2": ["w"]}
+
+
+def test_trimmed_mean_count_zero_is_the_weighted_mean():
+    out = TrimmedMean({**UNBOUNDED, "count": 0}).aggregate({"w": t(0)}, scalars([-100, 1, 2, 3, 100], [1, 1, 1, 3, 1]))
+    assert out.state["w"].item() == pytest.approx((-100 + 1 + 2 + 9 + 100) / 7)
+
+
+def test_krum_scores_by_at_least_one_neighbour():
+    # n = 3, f = 1: n - f - 2 = 0, raised to one neighbour: 0 -> 1, 1 -> 1, 5 -> 16; Krum keeps 0,
+    # the first of the tie. (No neighbour at all would score every candidate 0.)
+    out = Krum(UNBOUNDED).aggregate({"w": t(0)}, scalars([5, 0, 1], [1, 1, 1]))
+    assert out.state["w"].item() == 0.0
+
+
+def test_a_rule_takes_the_candidates_after_a_device_without_the_key():
+    # dev-0 supplies only a; the median of w is over dev-1..3: 1, 2, 30 -> 2.
+    g = {"a": t(0), "w": t(0)}
+    contribs = contributions(Contribution(1, {"a": t(1)}), *(Contribution(1, {"w": t(v)}) for v in (1, 2, 30)))
+    assert Median(UNBOUNDED).aggregate(g, contribs).state["w"].item() == 2.0
+
+
+def test_every_unknown_key_is_named():
+    with pytest.raises(ConfigError) as info:
+        load_run_config({"aggregation": {"rule": "krum", "params": {"aa": 1, "bb": 2}}})
+    valid = "(valid keys: clip, max_weight_ratio, f)"
+    assert info.value.lines == [f"aggregation.params.aa: unknown key {valid}; aggregation.params.bb: unknown key {valid}"]
