@@ -71,6 +71,10 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
     },
     "shared/algorithms/robust_aggregation.py": {
         ("core/ReplaceBinaryOperator_Sub_LShift", "last = updates.shape[0] - 1", "last = updates.shape[0] << 1"),
+        ("core/ReplaceComparisonOperator_NotEq_Lt", "return out, {d: w for d, w in out.items() if w != weights[d]}",
+         "return out, {d: w for d, w in out.items() if w < weights[d]}"),
+        ("core/NumberReplacer", "largest = max((g.numel() for g in global_state.values()), default=0)",
+         "largest = max((g.numel() for g in global_state.values()), default= 1)"),
     },
     "shared/wire.py": {
         ("core/AddNot", _BYTEORDER, _BYTEORDER.replace("if sys", "if not sys")),
