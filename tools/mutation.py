@@ -68,6 +68,10 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
         ("core/NumberReplacer", "return np.where(total[..., 0] > 0, dist, 0.0)",
          "return np.where(total[..., -1] > 0, dist, 0.0)"),
         ("core/ReplaceComparisonOperator_Eq_LtE", "if n_dev == 0:", "if n_dev <= 0:"),
+        ("core/NumberReplacer", "if arr.shape[0] == 0 or arr.shape[1] == 0:", "if arr.shape[ 1] == 0 or arr.shape[1] == 0:"),
+        ("core/NumberReplacer", "elif arr.shape[0] != n_classes:", "elif arr.shape[ -1] != n_classes:"),
+        ("core/ReplaceComparisonOperator_Gt_NotEq", "return np.where(total[..., 0] > 0, dist, 0.0)",
+         "return np.where(total[..., 0] != 0, dist, 0.0)"),
     },
     "shared/algorithms/robust_aggregation.py": {
         ("core/ReplaceBinaryOperator_Sub_LShift", "last = updates.shape[0] - 1", "last = updates.shape[0] << 1"),

@@ -38,6 +38,8 @@ def test_label_distance_rejects_bad_shapes_and_values():
 def test_counts_are_checked_per_device():
     with pytest.raises(ValueError, match="device 'b' has 3 classes, expected 2"):
         balanced_groups(arrays({"a": [1, 2], "b": [1, 2, 3]}), 2)
+    with pytest.raises(ValueError, match="device 'b' has 2 classes, expected 3"):
+        balanced_groups(arrays({"a": [1, 2, 3], "b": [1, 2]}), 2)
     with pytest.raises(ValueError, match="device 'b': label counts must be finite and non-negative"):
         balanced_groups(arrays({"a": [1, 2], "b": [1, -2]}), 2)
     with pytest.raises(ValueError, match="device 'a': label counts must be finite and non-negative"):
@@ -83,6 +85,8 @@ PINNED = [
      [["A", "D", "F"], ["B", "C", "E"]], [["A", "E", "F"], ["B", "C", "D"]]),          # swaps within a group tried
     ({"A": [0, 6], "B": [2, 2], "C": [6, 7], "D": [8, 2], "E": [8, 8], "F": [3, 0], "G": [7, 8]}, 3,
      [["A", "D"], ["B", "E"], ["C", "F", "G"]], [["A", "B", "D"], ["C", "E"], ["F", "G"]]),  # gain as a ratio
+    ({"A": [9, 3], "B": [2, 0], "C": [5, 1], "D": [5, 4], "E": [9, 2], "F": [7, 1], "G": [5, 2]}, 3,
+     [["A", "E", "F"], ["B", "D"], ["C", "G"]], [["A", "C"], ["B", "D"], ["E", "F", "G"]]),  # a move's gain as a ratio
 ]
 
 
