@@ -234,3 +234,24 @@ def test_load_entries_replaces_the_whole_table():
     assert tt.get("a", 1) == 5.0
     with pytest.raises(ValueError, match="candidate index must be in 0..1, got 2"):
         tt.load_entries({"a": {2: 1.0}})
+
+
+def test_eq1_refuses_negative_speeds_and_the_table_takes_full_smoothing_and_small_times():
+    cost = SplitCostView(client_param_bytes=10, activation_bytes=1, client_flops=1.0, server_flops=1.0)
+    for profile in (DeviceProfile(flops=-1.0, rate=1.0), DeviceProfile(flops=1.0, rate=-1.0)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            eq1_time(profile, cost, 1, 1.0)
+    full = ClientTimeTable(num_candidates=1, smoothing=1.0)   # smoothing 1: the latest time alone
+    full.record("d", 0, 4.0)
+    full.record("d", 0, 2.0)
+    assert full.get("d", 0) == 2.0
+    assert ClientTimeTable.from_entries({"d": {0: 0.5}}, 1).get("d", 0) == 0.5
+    with pytest.raises(ValueError, match="invalid time -0.5"):
+        ClientTimeTable.from_entries({"d": {0: -0.5}}, 1)
+
+
+def test_calibration_skips_cells_without_a_positive_finite_estimate():
+    tt = table_from({"a": [3.0], "b": [5.0], "c": [7.0], "d": [1.0]}, k=1)
+    estimates = {"a": 2.0, "b": 2.0, "c": math.nan, "d": 0.0}
+    # only a (1.5) and b (2.5) count: median 2.0
+    assert tt.calibration(lambda d, j: estimates[d]) == 2.0
