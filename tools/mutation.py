@@ -85,6 +85,9 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
         ("core/ReplaceComparisonOperator_NotEq_Gt", _BYTEORDER, _BYTEORDER.replace("!=", ">")),
         ("core/ReplaceComparisonOperator_NotEq_GtE", _BYTEORDER, _BYTEORDER.replace("!=", ">=")),
         ("core/ReplaceComparisonOperator_NotEq_LtE", _BYTEORDER, _BYTEORDER.replace("!=", "<=")),
+        ("core/ReplaceComparisonOperator_NotEq_Eq", _BYTEORDER, _BYTEORDER.replace("!=", "==")),
+        ("core/ReplaceComparisonOperator_NotEq_GtE", 'if t.device.type != "cpu":', 'if t.device.type >= "cpu":'),
+        ("core/ReplaceComparisonOperator_NotEq_IsNot", 'if t.device.type != "cpu":', 'if t.device.type is not "cpu":'),
     },
     "fed_server/split_planner.py": {
         ("core/NumberReplacer", "if moved > 0 and math.isfinite(moved / transfer_s):",

@@ -447,3 +447,11 @@ def test_a_dtype_mismatch_is_refused_in_both_directions(sent, expected):
         decode_tensor(obj, expect_shape=[1])
     with pytest.raises(WireError, match=r"shape \[2\] where \[3\] was expected"):
         decode_tensor(obj, expect_shape=[3])
+
+
+def test_the_element_limit_is_two_to_the_31():
+    # 2**30 + 1 elements are within the limit: the message is about the bytes, not the count.
+    with pytest.raises(WireError, match="0 data bytes do not match shape"):
+        decode_tensor({"dtype": "uint8", "shape": [2**30 + 1], "data": b""})
+    with pytest.raises(WireError, match="more than the limit 2147483648"):
+        decode_tensor({"dtype": "uint8", "shape": [2**31, 2], "data": b""})
