@@ -89,6 +89,9 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
         ("core/ReplaceComparisonOperator_NotEq_GtE", 'if t.device.type != "cpu":', 'if t.device.type >= "cpu":'),
         ("core/ReplaceComparisonOperator_NotEq_IsNot", 'if t.device.type != "cpu":', 'if t.device.type is not "cpu":'),
     },
+    "fed_server/time_table.py": {
+        ("core/ReplaceUnaryOperator_USub_Not", "best_j, best_gap = -1, math.inf", "best_j, best_gap = not 1, math.inf"),
+    },
     "fed_server/split_planner.py": {
         ("core/NumberReplacer", "if moved > 0 and math.isfinite(moved / transfer_s):",
          "if moved > 1 and math.isfinite(moved / transfer_s):"),

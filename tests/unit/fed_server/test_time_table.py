@@ -255,3 +255,13 @@ def test_calibration_skips_cells_without_a_positive_finite_estimate():
     estimates = {"a": 2.0, "b": 2.0, "c": math.nan, "d": 0.0}
     # only a (1.5) and b (2.5) count: median 2.0
     assert tt.calibration(lambda d, j: estimates[d]) == 2.0
+
+
+def test_an_estimate_of_zero_seconds_is_used_as_it_is():
+    tt = table_from({"a": [4.0, 6.0]}, k=2)
+    # "new" is estimated 0 s at j=0 (used: 0 * calibration) and 3 s at j=1; a has no estimate
+    # (NaN), so the calibration is 1.0. Cells 4, 6, 0, 3 -> m = 3.5: new -> j=1 (0.5 vs 3.5).
+    # With a's 4 in place of the 0, m = 4 and new would get j=0.
+    estimates = {("new", 0): 0.0, ("new", 1): 3.0}
+    choice = tt.choose(3, ["a", "new"], lambda d, j: estimates.get((d, j), math.nan))
+    assert choice == {"a": 0, "new": 1}
