@@ -453,5 +453,13 @@ def test_the_element_limit_is_two_to_the_31():
     # 2**30 + 1 elements are within the limit: the message is about the bytes, not the count.
     with pytest.raises(WireError, match="0 data bytes do not match shape"):
         decode_tensor({"dtype": "uint8", "shape": [2**30 + 1], "data": b""})
+    with pytest.raises(WireError, match="0 data bytes do not match shape"):   # the limit itself is allowed
+        decode_tensor({"dtype": "uint8", "shape": [2**31], "data": b""})
     with pytest.raises(WireError, match="more than the limit 2147483648"):
         decode_tensor({"dtype": "uint8", "shape": [2**31, 2], "data": b""})
+
+
+def test_a_body_below_the_byte_limit_is_parsed():
+    body = packb({"a": [1, 2, 3]})
+    assert unpackb(body, max_bytes=len(body) + 100) == {"a": [1, 2, 3]}
+    assert unpackb(body, max_bytes=len(body)) == {"a": [1, 2, 3]}
