@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # (pyproject.toml explains why), which `pip install -e .` installs itself.
 TORCH_FIRST := $(if $(filter aarch64 arm64,$(shell uname -m)),,torch==2.13.0)
 
-.PHONY: setup run typecheck test compose-check check clean
+.PHONY: setup run typecheck test mutation compose-check check clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,13 @@ typecheck: setup
 
 test: setup typecheck
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+
+# Mutation testing of the core math, on demand and not part of `make check` (about 15 minutes on 2
+# cores): cosmic-ray's mutants of each module against its unit tests (tools/mutation.py,
+# docs/mutation-testing.md); the table lands in benchmarks/results/<date>_mutation/.
+mutation: setup
+	$(PY) -c "import cosmic_ray" 2>/dev/null || $(PY) -m pip install --quiet -e ".[mutation]"
+	$(PY) tools/mutation.py $(ARGS)
 
 # Build the base, server, device and Prometheus images with podman and run the compose testbed
 # for a short S2FL run (docker/podman/compose_check.py; installs podman & co. when missing).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -9,21 +10,26 @@ import pytest
 from fed_server.devices import DeviceRegistry
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
-from shared.models import build_model, profile_model
+from shared.models import ModelProfile, build_model, profile_model
 from shared.schemas import DeviceProfileMsg, RegisterRequest
 
 DEVICES = ["d0", "d1", "d2"]
 
 
+@functools.cache
+def _cnn() -> tuple[list[int], int, ModelProfile]:
+    """The cnn's split points, block count and profile (built once: profiling takes seconds)."""
+    model = build_model("cnn", 10, (1, 28, 28), seed=0)
+    return list(model.split_points), len(model.blocks), profile_model(model, "cnn")
+
+
 def _planner(mode: str, rate: float | None = 1e6) -> SplitPlanner:
-    config = "cnn"
-    model = build_model(config, 10, (1, 28, 28), seed=0)
+    split_points, num_blocks, profile = _cnn()
     devices = DeviceRegistry(len(DEVICES))
     for i, (d, flops) in enumerate(zip(DEVICES, (1e8, 1e9, 1e10))):
         devices.register(RegisterRequest(device_id=d, shard=i, num_samples=100, profile=DeviceProfileMsg(flops=flops, rate=rate)))
-    table = ClientTimeTable(len(model.split_points), 1.0)
-    return SplitPlanner(mode, model.split_points, len(model.blocks), profile_model(model, config), table, devices,
-                        local_epochs=1, server_flops=1e11)
+    table = ClientTimeTable(len(split_points), 1.0)
+    return SplitPlanner(mode, split_points, num_blocks, profile, table, devices, local_epochs=1, server_flops=1e11)
 
 
 def test_zero_mode_puts_the_whole_model_on_every_device():
@@ -93,3 +99,33 @@ def test_a_portion_s_download_time_is_its_bytes_over_the_link_rate_or_the_slowes
     # d0's link is not known: as slow as the slowest known among the chosen (d1's, not d2's)
     assert unknown.download_seconds({"d0": 1, "d1": 2, "d2": 2}) == {
         "d0": pytest.approx(wc[1] / 2e6), "d1": pytest.approx(wc[2] / 2e6), "d2": pytest.approx(wc[2] / 4e6)}
+
+
+def test_eq1_counts_every_local_epoch_and_any_positive_transfer_time_measures_the_link():
+    p = _planner("sliding")
+    p.local_epochs = 2                          # 100 samples, twice: p = 200 in Eq. 1
+    cost = p.profile.cost(p.split_points[0])
+    expected = (2 * cost.client_param_bytes + 2 * 200 * cost.activation_bytes) / 1e6 \
+        + cost.client_flops * 200 / 1e8 + cost.server_flops * 200 / 1e11
+    assert p.estimate("d0", 0) == pytest.approx(expected)
+    p.observe("d0", 0, transfer_s=-1.0)         # not a time: nothing changes
+    p.observe("d0", 0, transfer_s=5e-324)       # a rate that overflows to infinity: nothing changes
+    assert p.devices.devices["d0"].profile.rate == 1e6
+    p.observe("d0", 0, transfer_s=0.5)          # half a second is a measurement like any other
+    moved = 2 * cost.client_param_bytes + 2 * 200 * cost.activation_bytes
+    assert p.devices.devices["d0"].profile.rate == pytest.approx(moved / 0.5)
+
+
+@pytest.mark.parametrize("mode", ["zero", "fixed"])
+def test_the_mode_is_compared_by_value(mode):
+    # A mode read from a config file is a new string object, not the interned literal.
+    read = "".join(list(mode))
+    assert read is not mode
+    assert _planner(read).choose(1, DEVICES) == _planner(mode).choose(1, DEVICES)   # not the warm-up's j = 0
+
+
+def test_fixed_mode_takes_the_last_candidate_of_any_count():
+    p = _planner("fixed")
+    for count in (2, 1):   # the cnn has three candidates; the last index is count - 1 for any count
+        p.split_points = p.split_points[:count]
+        assert p.choose(1, ["d0"]) == {"d0": (count - 1, p.split_points[count - 1])}

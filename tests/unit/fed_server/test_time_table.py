@@ -179,3 +179,89 @@ def test_entries_copy_and_round_trip():
     with pytest.raises(ValueError):
         ClientTimeTable.from_entries({"d": {5: 1.0}}, num_candidates=3, smoothing=0.5)
     assert math.isclose(back.smoothing, 0.5)
+
+
+def test_eq1_refuses_a_zero_rate_and_names_the_valid_candidates():
+    cost = SplitCostView(client_param_bytes=10, activation_bytes=1, client_flops=1.0, server_flops=1.0)
+    with pytest.raises(ValueError, match="device flops, device rate and server flops must be > 0"):
+        eq1_time(DeviceProfile(flops=1.0, rate=0.0), cost, 1, 1.0)
+    with pytest.raises(ValueError, match="candidate index must be in 0..2, got 3"):
+        ClientTimeTable(num_candidates=3).record("d", 3, 1.0)
+    with pytest.raises(ValueError, match="candidate index must be in 0..3, got 4"):
+        ClientTimeTable(num_candidates=4).get("d", 4)
+
+
+def test_from_entries_defaults_to_three_candidates_and_half_smoothing():
+    table = ClientTimeTable.from_entries({"d": {"0": 2.0}})
+    assert (table.num_candidates, table.smoothing) == (3, 0.5)
+    table.record("d", 0, 4.0)                  # 0.5 * 2 + 0.5 * 4
+    assert table.get("d", 0) == 3.0
+
+
+def test_an_unmeasured_device_cycles_through_every_candidate_in_later_rounds():
+    table = ClientTimeTable(num_candidates=3)
+    # (round - 1) % K, from the first round after warm-up on: 3 % 3, 4 % 3, ..., 8 % 3.
+    assert [table.choose(r, ["x"])["x"] for r in range(4, 10)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_near_ties_are_absolute_below_one_second_and_relative_above():
+    # m = median(0.002, 0.0030000005, 0.0025, 0.0025) = 0.0025; device a's gaps 0.0005 and
+    # 0.0005000005 differ by 5e-10, within the tolerance 1e-9 * max(1, m) = 1e-9: a tie -> j = 1.
+    small = table_from({"a": [0.002, 0.0030000005], "b": [0.0025, 0.0025]}, k=2)
+    assert small.choose(3, ["a", "b"])["a"] == 1
+    # Scaled up (m = 2500 s) the tolerance is relative, 1e-9 * 2500 = 2.5e-6: gaps that differ by
+    # 5e-7 tie (j = 1), gaps that differ by 5e-6 do not (j = 0, the closer one).
+    tied = table_from({"a": [2000.0, 3000.0000005], "b": [2500.0, 2500.0]}, k=2)
+    assert tied.choose(3, ["a", "b"])["a"] == 1
+    apart = table_from({"a": [2000.0, 3000.000005], "b": [2500.0, 2500.0]}, k=2)
+    assert apart.choose(3, ["a", "b"])["a"] == 0
+
+
+def test_calibration_keeps_a_fractional_ratio():
+    tt = table_from({"a": [3.0], "b": [5.0], "c": [7.0]}, k=1)
+    # measured / estimate: 3/2 = 1.5, 5/2 = 2.5, 7/2 = 3.5 -> median 2.5 (not a whole number)
+    assert tt.calibration(lambda d, j: 2.0) == 2.5
+
+
+def test_load_entries_replaces_the_whole_table():
+    # A resumed run restores its checkpointed table: the restored cells, nothing of the old ones,
+    # with the table's own candidate count and smoothing.
+    tt = ClientTimeTable(num_candidates=2, smoothing=0.25)
+    tt.record("old", 0, 9.0)
+    tt.load_entries({"a": {"1": 4.0}})
+    assert tt.entries() == {"a": {1: 4.0}}
+    tt.record("a", 1, 8.0)                     # 0.75 * 4 + 0.25 * 8
+    assert tt.get("a", 1) == 5.0
+    with pytest.raises(ValueError, match="candidate index must be in 0..1, got 2"):
+        tt.load_entries({"a": {2: 1.0}})
+
+
+def test_eq1_refuses_negative_speeds_and_the_table_takes_full_smoothing_and_small_times():
+    cost = SplitCostView(client_param_bytes=10, activation_bytes=1, client_flops=1.0, server_flops=1.0)
+    for profile in (DeviceProfile(flops=-1.0, rate=1.0), DeviceProfile(flops=1.0, rate=-1.0)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            eq1_time(profile, cost, 1, 1.0)
+    full = ClientTimeTable(num_candidates=1, smoothing=1.0)   # smoothing 1: the latest time alone
+    full.record("d", 0, 4.0)
+    full.record("d", 0, 2.0)
+    assert full.get("d", 0) == 2.0
+    assert ClientTimeTable.from_entries({"d": {0: 0.5}}, 1).get("d", 0) == 0.5
+    with pytest.raises(ValueError, match="invalid time -0.5"):
+        ClientTimeTable.from_entries({"d": {0: -0.5}}, 1)
+
+
+def test_calibration_skips_cells_without_a_positive_finite_estimate():
+    tt = table_from({"a": [3.0], "b": [5.0], "c": [7.0], "d": [1.0]}, k=1)
+    estimates = {"a": 2.0, "b": 2.0, "c": math.nan, "d": 0.0}
+    # only a (1.5) and b (2.5) count: median 2.0
+    assert tt.calibration(lambda d, j: estimates[d]) == 2.0
+
+
+def test_an_estimate_of_zero_seconds_is_used_as_it_is():
+    tt = table_from({"a": [4.0, 6.0]}, k=2)
+    # "new" is estimated 0 s at j=0 (used: 0 * calibration) and 3 s at j=1; a has no estimate
+    # (NaN), so the calibration is 1.0. Cells 4, 6, 0, 3 -> m = 3.5: new -> j=1 (0.5 vs 3.5).
+    # With a's 4 in place of the 0, m = 4 and new would get j=0.
+    estimates = {("new", 0): 0.0, ("new", 1): 3.0}
+    choice = tt.choose(3, ["a", "new"], lambda d, j: estimates.get((d, j), math.nan))
+    assert choice == {"a": 0, "new": 1}

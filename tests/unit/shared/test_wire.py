@@ -413,3 +413,53 @@ def test_unpack_enforces_max_bytes():
     assert unpackb(body, max_bytes=len(body)) == {"data": b"\0" * 100}
     with pytest.raises(WireError, match=f"body of {len(body)} bytes exceeds the limit of {len(body) - 1}"):
         unpackb(body, max_bytes=len(body) - 1)
+
+
+def test_rank_eight_is_the_largest_accepted():
+    ones = [1] * 8
+    assert decode_tensor({"dtype": "uint8", "shape": ones, "data": b"\x07"}).shape == (1,) * 8
+    with pytest.raises(WireError, match="at most 8 integers"):
+        decode_tensor({"dtype": "uint8", "shape": ones + [1], "data": b"\x07"})
+
+
+def test_decode_options_are_keyword_only():
+    obj = encode_tensor(torch.zeros(2))
+    with pytest.raises(TypeError):
+        decode_tensor(obj, (2,))
+    with pytest.raises(TypeError):
+        decode_state({"w": obj}, {"w": torch.zeros(2)})
+
+
+def test_a_names_mismatch_lists_at_most_five_of_each():
+    expect = {f"k{i}": torch.zeros(1) for i in range(6)}
+    with pytest.raises(WireError) as info:
+        decode_state({}, expect=expect)
+    assert "missing ['k0', 'k1', 'k2', 'k3', 'k4'], unexpected [])" in str(info.value)
+
+
+@pytest.mark.parametrize("sent, expected", [("float32", "float64"), ("float64", "float32"), ("int64", "int8"),
+                                            ("int8", "int64")])
+def test_a_dtype_mismatch_is_refused_in_both_directions(sent, expected):
+    obj = encode_tensor(torch.zeros(2, dtype=getattr(torch, sent)))
+    with pytest.raises(WireError, match=f"dtype {sent} where {expected} was expected"):
+        decode_tensor(obj, expect_dtype=expected)
+    with pytest.raises(WireError, match=r"shape \[2\] where \[1\] was expected"):
+        decode_tensor(obj, expect_shape=[1])
+    with pytest.raises(WireError, match=r"shape \[2\] where \[3\] was expected"):
+        decode_tensor(obj, expect_shape=[3])
+
+
+def test_the_element_limit_is_two_to_the_31():
+    # 2**30 + 1 elements are within the limit: the message is about the bytes, not the count.
+    with pytest.raises(WireError, match="0 data bytes do not match shape"):
+        decode_tensor({"dtype": "uint8", "shape": [2**30 + 1], "data": b""})
+    with pytest.raises(WireError, match="0 data bytes do not match shape"):   # the limit itself is allowed
+        decode_tensor({"dtype": "uint8", "shape": [2**31], "data": b""})
+    with pytest.raises(WireError, match="more than the limit 2147483648"):
+        decode_tensor({"dtype": "uint8", "shape": [2**31, 2], "data": b""})
+
+
+def test_a_body_below_the_byte_limit_is_parsed():
+    body = packb({"a": [1, 2, 3]})
+    assert unpackb(body, max_bytes=len(body) + 100) == {"a": [1, 2, 3]}
+    assert unpackb(body, max_bytes=len(body)) == {"a": [1, 2, 3]}

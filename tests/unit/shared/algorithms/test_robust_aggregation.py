@@ -264,3 +264,84 @@ def test_algorithms_aggregate_with_the_configured_rule_and_log_the_bounds(algori
     assert out["w"].item() == 6.5
     assert "round 2 (attempt 7): aggregation weight bounded for dev-4 (100 -> 4)" in caplog.text
     assert "round 2 (attempt 7): update clipped to the round's norm bound for dev-4 on w" in caplog.text
+
+
+# ------------------------------------------------------------------------------- trims and parameter bounds
+def test_trimmed_mean_default_fraction_trims_one_of_ten_at_each_end():
+    values = [-50.0, 1, 2, 3, 4, 5, 6, 7, 8, 90]   # floor(0.1 * 10) = 1: -50 and 90 dropped
+    out = TrimmedMean(UNBOUNDED).aggregate({"w": t(0)}, scalars(values, [1] * 10))
+    assert out.state["w"].item() == pytest.approx(36 / 8)
+
+
+def test_trimmed_mean_of_an_even_count_keeps_the_middle_two():
+    # count 5 of 4 candidates shrinks to (4 - 1) // 2 = 1 at each end: 2 and 3 stay, weights 1 and 3
+    out = TrimmedMean({**UNBOUNDED, "count": 5}).aggregate({"w": t(0)}, scalars([1, 2, 3, 4], [1, 1, 3, 1]))
+    assert out.state["w"].item() == pytest.approx((2 * 1 + 3 * 3) / 4)
+
+
+@pytest.mark.parametrize("params, line", [
+    ({"f": -1}, "aggregation.params.f: must be greater than or equal to 0 (got -1)"),
+    ({"m": 0}, "aggregation.params.m: must be greater than or equal to 1 (got 0)"),
+])
+def test_multi_krum_refuses_a_negative_f_and_no_selection(params, line):
+    with pytest.raises(ConfigError) as info:
+        load_run_config({"aggregation": {"rule": "multi_krum", "params": params}})
+    assert info.value.lines == [line]
+
+
+def test_krum_scores_by_n_minus_f_minus_2_neighbours_with_f_1_by_default():
+    # n = 5, f = 1: two nearest neighbours each (squared distances): 0 -> 1 + 4 = 5, 1 -> 1 + 1 = 2,
+    # 2 -> 1 + 4 = 5, 10 -> 1 + 64 = 65, 11 -> 1 + 81 = 82: Krum keeps 1. (Three neighbours would
+    # keep 2; f = 2, one neighbour, would tie all five at 1 and keep the first, 0.)
+    out = Krum(UNBOUNDED).aggregate({"w": t(0)}, scalars([0, 1, 2, 10, 11], [1] * 5))
+    assert out.state["w"].item() == 1.0
+
+
+def test_krum_refuses_a_negative_f():
+    with pytest.raises(ConfigError) as info:
+        load_run_config({"aggregation": {"rule": "krum", "params": {"f": -1}}})
+    assert info.value.lines == ["aggregation.params.f: must be greater than or equal to 0 (got -1)"]
+
+
+def test_clip_goes_on_past_an_integer_key():
+    # An integer buffer first, then the floating key: median update norm 1, bound 3 * 1, so the
+    # 100 is clipped onto 3 and the mean is (1 + 1 + 3) / 3.
+    g = {"n": torch.tensor(0), "w": t(0)}
+    contribs = contributions(*(Contribution(1, {"n": torch.tensor(2), "w": t(v)}) for v in (1, 1, 100)))
+    out = BoundedMean({"max_weight_ratio": None}).aggregate(g, contribs)
+    assert out.state["w"].item() == pytest.approx(5 / 3)
+    assert out.clipped == {"dev-2": ["w"]}
+
+
+def test_clip_goes_on_past_a_key_nobody_supplies():
+    # u is in the global state but in no upload; w's 100 is still clipped onto 3 * median 1.
+    g = {"u": t(0), "w": t(0)}
+    out = BoundedMean({"max_weight_ratio": None}).aggregate(g, scalars([1, 1, 100], [1, 1, 1]))
+    assert out.state["w"].item() == pytest.approx(5 / 3) and out.state["u"].item() == 0.0
+    assert out.clipped == {"dev-2": ["w"]}
+
+
+def test_trimmed_mean_count_zero_is_the_weighted_mean():
+    out = TrimmedMean({**UNBOUNDED, "count": 0}).aggregate({"w": t(0)}, scalars([-100, 1, 2, 3, 100], [1, 1, 1, 3, 1]))
+    assert out.state["w"].item() == pytest.approx((-100 + 1 + 2 + 9 + 100) / 7)
+
+
+def test_krum_scores_by_at_least_one_neighbour():
+    # n = 3, f = 1: n - f - 2 = 0, raised to one neighbour: 0 -> 1, 1 -> 1, 5 -> 16; Krum keeps 0,
+    # the first of the tie. (No neighbour at all would score every candidate 0.)
+    out = Krum(UNBOUNDED).aggregate({"w": t(0)}, scalars([5, 0, 1], [1, 1, 1]))
+    assert out.state["w"].item() == 0.0
+
+
+def test_a_rule_takes_the_candidates_after_a_device_without_the_key():
+    # dev-0 supplies only a; the median of w is over dev-1..3: 1, 2, 30 -> 2.
+    g = {"a": t(0), "w": t(0)}
+    contribs = contributions(Contribution(1, {"a": t(1)}), *(Contribution(1, {"w": t(v)}) for v in (1, 2, 30)))
+    assert Median(UNBOUNDED).aggregate(g, contribs).state["w"].item() == 2.0
+
+
+def test_every_unknown_key_is_named():
+    with pytest.raises(ConfigError) as info:
+        load_run_config({"aggregation": {"rule": "krum", "params": {"aa": 1, "bb": 2}}})
+    valid = "(valid keys: clip, max_weight_ratio, f)"
+    assert info.value.lines == [f"aggregation.params.aa: unknown key {valid}; aggregation.params.bb: unknown key {valid}"]
