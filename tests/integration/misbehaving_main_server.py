@@ -34,7 +34,7 @@ class CutShortPortionTrainer(GroupTrainer):
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``python -m main_server`` with :class:`CutShortPortionTrainer` as its group trainer."""
-    with mock.patch("main_server.group_round.GroupTrainer", CutShortPortionTrainer):
+    with mock.patch("main_server.group.GroupTrainer", CutShortPortionTrainer):
         main_server.__main__.main(argv)
 
 
