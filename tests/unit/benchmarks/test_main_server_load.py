@@ -54,14 +54,15 @@ def test_split_cores_shares_by_default_and_otherwise_leaves_each_side_a_core() -
 
 def test_cpu_meter_counts_this_process_and_the_servers() -> None:
     meter = CpuMeter([os.getpid()])
-    end = time.process_time() + 0.05
-    while time.process_time() < end:   # burn a little CPU in this process
+    end = time.process_time() + 0.2
+    while time.process_time() < end:   # burn some CPU in this process
         math.sqrt(12345.0)
     client, server, loop = meter.read()
-    assert client >= 0.05
+    assert client >= 0.2
     assert server > 0.0   # the "server" here is this process too
-    # its main thread burned the CPU: the "event loop" part is most of it (read a clock tick later)
-    assert 0.5 * server <= loop <= server + 0.02
+    # Its main thread burned the CPU, so the "event loop" part is most of it. The kernel reads the
+    # process's and the thread's times in clock ticks, each read scaled on its own: a few ticks apart.
+    assert 0.5 * server <= loop <= server + 0.05
 
 
 def test_cpu_meter_counts_the_page_faults_of_fresh_memory() -> None:
