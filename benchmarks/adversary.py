@@ -28,12 +28,12 @@ from unittest import mock
 import torch
 
 import device_agent.agent
-from device_agent.api import FedApi, MainApi
+from device_agent.api import AgentTasksApi, FedApi, MainApi
 from device_agent.clients import HttpFedClient
 from device_agent.device import Device
 from shared.errors import DomainError
 from shared.schemas import (
-    DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
+    AgentTaskRequest, AgentTaskResponse, DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
     ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
     WireState, WireTensor, WithdrawRequest,
 )
@@ -118,8 +118,9 @@ class Silent(Behaviour):
     def task(self, task: TaskResponse) -> TaskResponse:
         if task.status != "train" or task.phase != "train":
             return task
-        self.acted(f"took the task of round {task.round_id} and stays silent for its {task.deadline_s} s")
-        self.device.stop.wait(task.deadline_s or 0.0)
+        # Taken at the Fed Server, never acted on: the device asks again and is told to wait (the
+        # task went out once), so it stays silent for the rest of the attempt.
+        self.acted(f"took the task of round {task.round_id} and stays silent")
         return TaskResponse(status="wait", retry_after_s=0.5)
 
 
@@ -359,9 +360,13 @@ class HarmfulFed:
 
     def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         task, size = self.inner.task(device_id, wait_s=wait_s)
+        return self.took(task), size
+
+    def took(self, task: TaskResponse) -> TaskResponse:
+        """The device's task as its behaviour alters it (from its own poll or its agent's session)."""
         if task.status == "train" and task.phase == "train":
             self.task_weights = task.weights_id
-        return self.behaviour.task(task), size
+        return self.behaviour.task(task)
 
     def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
         answer, size = self.inner.weights(device_id, weights_id)
@@ -381,6 +386,21 @@ class HarmfulFed:
 
     def withdraw(self, req: WithdrawRequest) -> None:
         self.inner.withdraw(req)
+
+
+class HarmfulTasks:
+    """:class:`device_agent.api.AgentTasksApi` that passes each device's task from the agent's
+    session through that device's hooks (:meth:`HarmfulFed.took`)."""
+
+    def __init__(self, inner: AgentTasksApi, feds: dict[str, HarmfulFed]) -> None:
+        self.inner = inner
+        self.feds = feds
+
+    def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
+        answer = self.inner.agent_tasks(agent_id, req)
+        for device_task in answer.tasks:
+            device_task.task = self.feds[device_task.device_id].took(device_task.task)
+        return answer
 
 
 class HarmfulMain:
@@ -427,11 +447,13 @@ class HarmfulAgent(device_agent.agent.Agent):
         self.behaviour = behaviour
         self.ready_file = ready_file
         seen = GlobalWeights()
+        feds: dict[str, HarmfulFed] = {}
         for device in self.devices:
             hooks = behaviour(device)
-            device.fed = HarmfulFed(device.fed, hooks, seen)
+            device.fed = feds[device.device_id] = HarmfulFed(device.fed, hooks, seen)
             connect = device.connect_main
             device.connect_main = functools.partial(_harmful_main, connect, hooks)
+        self.tasks_fed = HarmfulTasks(self.tasks_fed, feds)
         log.info("devices %s behave as %r: %s", [d.device_id for d in self.devices], behaviour.name, behaviour.summary)
 
     def run(self) -> int:

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
                   metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
-                  keep_models=KEEP_MODELS[args.keep_models], sources=sources, data_args=data_args,
+                  keep_models=KEEP_MODELS[args.keep_models], keep_data=KEEP_MODELS[args.keep_data], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000,
                   loss=args.loss)
@@ -140,6 +140,10 @@ def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
                         help="keep each device's model between rounds (env SFL_KEEP_MODELS): auto (default) = only "
                              "when hosting one device; no = build the trained blocks for each task and free them "
                              "once the upload is encoded (memory follows the devices training at once); yes = always keep")
+    parser.add_argument("--keep-data", choices=sorted(KEEP_MODELS), default=env_default("keep_data", "auto"),
+                        help="keep each device's data between tasks (env SFL_KEEP_DATA): auto (default) = as it keeps "
+                             "its model; no = load it for each task and let it go after (an idle device holds no "
+                             "samples); yes = always keep")
     parser.add_argument("--compute-slots", default=env_default("compute_slots", "auto"),
                         help="threads that run this agent's devices' whole-model training (env SFL_COMPUTE_SLOTS; split "
                              "training computes on each device's thread): auto "
@@ -193,8 +197,9 @@ def _checked_settings(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """Refuse (exit 2, one line) agent settings out of range, including those an environment
     default gave (argparse checks choices on the command line only); return ``--compute-slots``
     (None: auto)."""
-    if args.keep_models not in KEEP_MODELS:  # argparse checks choices on the command line, not env defaults
-        parser.error(f"--keep-models must be one of {sorted(KEEP_MODELS)}, got {args.keep_models!r}")
+    for flag in ("keep_models", "keep_data"):  # argparse checks choices on the command line, not env defaults
+        if getattr(args, flag) not in KEEP_MODELS:
+            parser.error(f"--{flag.replace('_', '-')} must be one of {sorted(KEEP_MODELS)}, got {getattr(args, flag)!r}")
     compute_slots = None if args.compute_slots == "auto" else _whole_number(args.compute_slots)
     if compute_slots is not None and compute_slots < 0:
         parser.error(f"--compute-slots must be auto or a whole number >= 0 (0: each device on its own thread), "

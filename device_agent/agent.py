@@ -1,17 +1,26 @@
-"""An agent process hosting one or many devices, each in its own thread.
+"""An agent process hosting one or many devices.
 
-Virtual devices of one agent must run concurrently: members of a Main Server group wait for each
-other at every step, so training them one after another would deadlock the barrier.
+One device runs its own loop on its own thread and asks for its tasks itself, as a device does
+without an agent (:meth:`device_agent.device.Device.run`). Several set up on a few threads, then
+wait as records in the agent's task session (:mod:`device_agent.agent_tasks`): one held request
+for all of them, and a thread only for a device that has a task. Devices with a task run at once:
+members of a Main Server group wait for each other at every step, so training them one after
+another would deadlock the barrier.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
+from device_agent.agent_tasks import AgentTasks
+from device_agent.api import AgentTasksApi
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
 from device_agent.device import Device, RegistrationRefused
@@ -29,6 +38,9 @@ log = logging.getLogger("device_agent")
 #: short, as the process's exit with many device threads takes its own time on a loaded machine
 #: and the whole stop must fit in 2 s.
 STOP_WAIT_S = 0.5
+#: Threads that set up an agent's devices (load the data, warm up, register): enough to overlap one
+#: device's registration round trip with the next one's set-up, few enough to keep memory flat.
+SETUP_THREADS = 8
 
 
 class RunRefused(Exception):
@@ -89,7 +101,8 @@ class Agent:
     """Runs its devices until the run is done (or ``stop`` is set).
 
     ``model``: the operator's ``--model`` (the only import path its devices will build).
-    ``keep_models``: whether each device keeps its model between rounds (see :class:`Device`).
+    ``keep_models``: whether each device keeps its model between rounds (see :class:`Device`);
+    ``keep_data``: its data between tasks (``None``: as it keeps its model).
     ``None`` (the default) keeps it only when the agent hosts one device: a real board avoids
     rebuilding its model every round, while an agent hosting 100 virtual VGG-16 devices would
     otherwise hold 100 model copies (about 14 GB) where 10 train at a time.
@@ -108,7 +121,7 @@ class Agent:
 
     def __init__(self, fed_server_url: str, shards: list[int], kinds: list[str] | None, time_scale: TimeScale = 1.0,
                  prefix: str = "dev", verify: bool | str = True, metrics=None,
-                 enrolment_secret: bytes | None = None, keep_models: bool | None = None,
+                 enrolment_secret: bytes | None = None, keep_models: bool | None = None, keep_data: bool | None = None,
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
                  device_id: str | None = None, torch_device: torch.device | None = None,
                  model: str | None = None, compute_slots: int | None = None, links: str = "emulated",
@@ -143,10 +156,13 @@ class Agent:
         self.devices = [
             Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret, request_delay_s=request_delay_s),
                    connect_main, kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
-                   source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
+                   keep_data=keep_data, source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
                    loss_ref=loss, compute=self.compute, weights_cache=self.weights, emulate_links=links == "emulated")
             for name, shard, source, index in places
         ]
+        # The session's client: no token of its own (the devices' travel in its bodies) and no
+        # retries (a failed session request is sent again by the session, with its devices).
+        self.tasks_fed: AgentTasksApi = HttpFedClient(fed_server_url, verify, retries=0, request_delay_s=request_delay_s)
         self.errors: dict[str, BaseException] = {}
         self.metrics = metrics  # device_agent.metrics.AgentMetrics or None (no --metrics-port)
         if metrics is not None:
@@ -154,15 +170,24 @@ class Agent:
                 metrics.add_device(device.device_id)
                 device.on_upload = metrics.observe_upload
 
-    def _run_device(self, device: Device, info: RunInfo, layout: SplitModel) -> None:
+    def _guarded(self, device: Device, step: Callable[[], None]) -> bool:
+        """Run one device's ``step``; an error is recorded and logged (one line for the operator's
+        data or configuration) and the agent's other devices go on. Returns whether it succeeded."""
         try:
-            device.run(info, layout)
-        except (DataError, RegistrationRefused) as exc:  # the operator's data or configuration: one line naming it
-            self.errors[device.device_id] = exc
+            step()
+            return True
+        except BaseException as exc:
+            self._failed(device, exc)
+            return False
+
+    def _failed(self, device: Device, exc: BaseException) -> None:
+        self.errors[device.device_id] = exc
+        if isinstance(exc, (DataError, RegistrationRefused)):
             log.error("%s: not registered: %s", device.device_id, exc)
-        except BaseException as exc:  # report and let the other devices carry on
-            self.errors[device.device_id] = exc
-            log.exception("%s stopped with an error", device.device_id)
+        elif exc.__traceback__ is None:   # a refusal its session was told of, never raised: one line
+            log.error("%s stopped: %s", device.device_id, exc)
+        else:
+            log.error("%s stopped with an error", device.device_id, exc_info=exc)
 
     def check_run(self) -> tuple[RunInfo, SplitModel]:
         """Wait for the Fed Server's run spec and refuse (:class:`RunRefused`) a run this agent
@@ -176,28 +201,30 @@ class Agent:
             raise RunRefused(str(exc)) from None
 
     def run(self) -> int:
-        """Check the run (:meth:`check_run`, which may raise :class:`RunRefused`), then start
-        every device thread and wait for them. The exit code: 2 if the Fed Server refused any
-        device's registration (a configuration problem, which a restart does not fix; the agent's
-        other devices train on to the end), else 1 if any device failed, else 0."""
-        threads: list[threading.Thread] = []
+        """Check the run (:meth:`check_run`, which may raise :class:`RunRefused`), then run the
+        devices until each has ended: one device on its own loop, several in the agent's task
+        session. The exit code: 2 if the Fed Server refused any device's registration (a
+        configuration problem, which a restart does not fix; the agent's other devices train on
+        to the end), else 1 if any device failed, else 0."""
+        self._threads: list[threading.Thread] = []
         try:
             info, layout = self.check_run()
-            for device in self.devices:
-                thread = threading.Thread(target=self._run_device, args=(device, info, layout), name=device.device_id,
-                                          daemon=True)
-                thread.start()
-                threads.append(thread)
-            for thread in threads:
+            if len(self.devices) == 1:
+                device = self.devices[0]
+                thread = self._start(device.device_id, self._guarded, device, lambda: device.run(info, layout))
                 while thread.is_alive():
                     thread.join(0.5)
+            else:
+                session = self._start_session(info, layout)
+                while not session.ended.wait(0.5):
+                    pass
         except KeyboardInterrupt:
             self.stop.set()
             self.compute.close()   # rounds waiting for a compute thread are not run
             # The devices end what they are doing now (a set-up step, a round already computing);
             # one waiting on the Fed Server (a long poll) is left to the process's exit.
             deadline = time.monotonic() + STOP_WAIT_S
-            for thread in threads:
+            for thread in self._threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
         finally:
             self.compute.close()
@@ -205,3 +232,30 @@ class Agent:
             return 2
         return 1 if self.errors else 0
 
+    def _start_session(self, info: RunInfo, layout: SplitModel) -> AgentTasks:
+        """Set the devices up on :data:`SETUP_THREADS` threads, each added to the agent's task
+        session once registered; the session runs their tasks."""
+        session = AgentTasks(self.tasks_fed, self.devices, self.stop, self._failed)
+        session.start()
+        waiting = deque(self.devices)
+
+        def set_up_each() -> None:
+            while not self.stop.is_set():
+                try:
+                    device = waiting.popleft()
+                except IndexError:
+                    return
+                if not self._guarded(device, functools.partial(device.setup, info, layout)):
+                    session.end(device)   # its error is recorded
+                elif not self.stop.is_set():
+                    session.idle(device)
+        for index in range(min(SETUP_THREADS, len(self.devices))):
+            self._start(f"set-up-{index}", set_up_each)
+        return session
+
+    def _start(self, name: str, target: Callable[..., object], *args: object) -> threading.Thread:
+        """A daemon thread the agent waits for when it stops (:data:`STOP_WAIT_S`)."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from shared.schemas import (
-    EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    AgentTaskRequest, AgentTaskResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
@@ -47,6 +47,14 @@ class FedApi(Protocol):
 
     def withdraw(self, req: WithdrawRequest) -> None:
         """Leave a round the device cannot contribute to, so the attempt need not wait for its upload."""
+
+
+class AgentTasksApi(Protocol):
+    """The Fed Server, as an agent hosting many devices asks it for their tasks (one session)."""
+
+    def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
+        """Add ``req``'s idle devices to the agent's session; tasks for any of its idle devices,
+        held up to ``req.wait_s`` until one has work."""
 
 
 class MainApi(Protocol):

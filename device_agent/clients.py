@@ -1,4 +1,4 @@
-"""The HTTP clients of a device: the Fed Server and Main Server interfaces of :mod:`device_agent.api`
+"""The HTTP clients of a device (and of an agent's task session): the Fed Server and Main Server interfaces of :mod:`device_agent.api`
 over msgpack HTTP, with the enrolment secret, the bearer token, retries and byte counting.
 
 Errors are translated at this boundary: an error status becomes the domain error the server
@@ -15,7 +15,7 @@ from device_agent.api import Unreachable
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
 from shared.http_client import M, ServiceError, SyncClient
 from shared.schemas import (
-    API, Ack, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
+    API, Ack, AgentTaskRequest, AgentTaskResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
     StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
@@ -67,6 +67,13 @@ class HttpFedClient:
         return self._sized_get(f"{API}/devices/{device_id}/task", TaskResponse,
                                params={"wait_s": f"{wait_s:g}"} if wait_s > 0 else None,
                                timeout=wait_s + 60.0 if wait_s > 0 else None)
+
+    def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
+        """The agent's session request (:class:`device_agent.api.AgentTasksApi`); its devices' tokens
+        travel in the body, so this client needs none of its own."""
+        with _translated():
+            return self._http.call("POST", f"{API}/agents/{agent_id}/tasks", AgentTaskResponse, req,
+                                   timeout=req.wait_s + 60.0)
 
     def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
         return self._sized_get(f"{API}/devices/{device_id}/weights/{weights_id}", WeightsResponse)

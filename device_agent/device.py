@@ -11,9 +11,11 @@ through the typed interfaces of :mod:`device_agent.api` (HTTP implementations in
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -79,7 +81,8 @@ class Device:
                  source: LocalSource | None = None, data_args: dict[str, str] | None = None,
                  torch_device: torch.device | None = None, model_ref: str | None = None,
                  loss_ref: str | None = None, compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S,
-                 weights_cache: WeightsCache | None = None, emulate_links: bool = True) -> None:
+                 weights_cache: WeightsCache | None = None, emulate_links: bool = True,
+                 keep_data: bool | None = None) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -99,6 +102,10 @@ class Device:
         self.task_wait_s = task_wait_s
         self.max_downtime_s = max_downtime_s
         self.keep_model = keep_model
+        #: Whether the device holds its data between tasks (None: as it keeps its model). Else it
+        #: loads it for each task and lets it go after: an idle device of an agent hosting
+        #: thousands holds no samples.
+        self.keep_data = keep_model if keep_data is None else keep_data
         self.torch_device = torch_device or torch.device("cpu")
         #: The operator's ``--model``: a run whose model is an import path is built only if it is this.
         self.model_ref = model_ref
@@ -117,6 +124,9 @@ class Device:
         #: evaluation its data minus the held-out part, which it only evaluates on.
         self.data: ArrayDataset | None = None
         self.held_out: ArrayDataset | None = None
+        #: What the device registers with: its training sample count and samples per class.
+        self.num_samples = 0
+        self.label_counts: list[int] = []
         #: What asks for its tasks, its Main Server link, its model, and what trains its tasks
         #: (all from :meth:`prepare`).
         self.poller: TaskPoller | None = None
@@ -174,19 +184,28 @@ class Device:
                 delay = min(delay * 2, 5.0)
                 continue
             down_since, delay = None, self.poll_interval_s
-            if task.status == "done":
-                self._receive_final(task)
-                return
             if task.status == "wait" or (task.status == "train" and task.phase != "train"):
                 poller.pause_after(task, asked_at, self.task_wait_s)
-                continue
-            try:
-                if task.status == "evaluate":
-                    self.run_evaluation(task)
-                else:
-                    self.run_task(task, size, time.monotonic())
-            except Exception as exc:   # one task's failure, whatever it is, must not end the device
-                abandon(self.fed, self.device_id, task, exc)
+            elif self.handle(task, size, time.monotonic()):
+                return
+
+    def handle(self, task: TaskResponse, task_bytes: int, received_at: float) -> bool:
+        """Act on one instruction of the Fed Server that is not ``wait``: train, evaluate, or take
+        the final model. Returns whether the run is over for this device. A task that fails, for
+        any reason, is given up (:func:`device_agent.reports.abandon`): the device goes on.
+        ``task_bytes`` and ``received_at``: as for :meth:`run_task`. The device's own loop
+        (:meth:`run`) and its agent's session (:mod:`device_agent.agent_tasks`) both call it."""
+        if task.status == "done":
+            self._receive_final(task)
+            return True
+        try:
+            if task.status == "evaluate":
+                self.run_evaluation(task)
+            elif task.status == "train" and task.phase == "train":
+                self.run_task(task, task_bytes, received_at)
+        except Exception as exc:   # one task's failure, whatever it is, must not end the device
+            abandon(self.fed, self.device_id, task, exc)
+        return False
 
     def _receive_final(self, task: TaskResponse) -> None:
         """Load the run's final global model, on a device that keeps its model (a virtual device
@@ -227,6 +246,8 @@ class Device:
         device_model.warm_up(data)
         self._resolve_time_scale()
         self._profile = self.profile()
+        if not self.keep_data:
+            self._release_data()
         if not self.stop.is_set():
             self.register()
 
@@ -237,6 +258,7 @@ class Device:
         ``connect_main``: what :meth:`setup` does between checking the run and registering.
         Returns the device's model."""
         self.info, self.data, self.held_out = info, data, held_out
+        self.num_samples, self.label_counts = len(data), data.label_counts().tolist()
         device_id, fed = self.device_id, self.fed
         self.poller = TaskPoller(fed, device_id, self.stop, self.poll_interval_s)
         self.main_link = MainLink(self.connect_main)
@@ -269,13 +291,12 @@ class Device:
         """Announce this device, its shard, its profile and its model's fingerprint to the Fed
         Server, and its label counts when the run asks for them (several Main Server replicas). A fingerprint that differs from the run's is refused (Conflict): the device stops
         rather than train on another model: every refusal stops the device (:class:`RegistrationRefused`)."""
-        assert self.data is not None and self.device_model is not None and self.info is not None
-        assert self.main_link is not None
-        request = RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=len(self.data),
+        assert self.device_model is not None and self.info is not None and self.main_link is not None
+        request = RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=self.num_samples,
                                   profile=self._profile,
                                   fingerprint=model_fingerprint(self.device_model.layout, self.info.data,
                                                                 self.info.loss, self.info.task),
-                                  label_counts=self.data.label_counts().tolist()
+                                  label_counts=self.label_counts
                                   if self.info.label_counts_at_registration else None)
         try:
             answer = self.fed.register(request)
@@ -285,7 +306,7 @@ class Device:
             raise RegistrationRefused(f"refused by the Fed Server: {exc}") from None
         self.main_link.new_token(answer.token)  # the next task's Main Server client presents it
         log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",
-                 answer.shard, len(self.data), self._profile.kind)
+                 answer.shard, self.num_samples, self._profile.kind)
 
     # --- emulation and profile -----------------------------------------------------------------
     def _resolve_time_scale(self) -> None:
@@ -326,7 +347,7 @@ class Device:
         will take.
         """
         assert self.device_model is not None and self.trainer is not None
-        with self.device_model.task_scope():
+        with self._data_scope(), self.device_model.task_scope():
             body = self.trainer.train(task, task_bytes, received_at)
         # Uploaded after the model is freed: its weights are in the body now, and the upload may
         # wait on a Fed Server that is busy with the other devices' uploads.
@@ -338,4 +359,27 @@ class Device:
         (:func:`device_agent.reports.report_evaluation`)."""
         assert self.device_model is not None
         assert self.loss is not None
-        report_evaluation(self.fed, self.device_id, task, self.device_model, self.held_out, self.loss)
+        with self._data_scope():
+            report_evaluation(self.fed, self.device_id, task, self.device_model, self.held_out, self.loss)
+
+    @contextlib.contextmanager
+    def _data_scope(self) -> Iterator[None]:
+        """One task's use of the device's data: loaded again if it was let go (the same samples and
+        the same held-out part: both are derived from the run's seed), let go after unless the
+        device keeps it (:attr:`keep_data`)."""
+        assert self.info is not None and self.trainer is not None
+        if self.data is None:
+            data, self.held_out = evaluation_holdout(self._load_data(), self.info.holdout, self.info.seed,
+                                                     self.device_id)
+            self.data = self.trainer.data = data
+        try:
+            yield
+        finally:
+            if not self.keep_data:
+                self._release_data()
+
+    def _release_data(self) -> None:
+        """Let the device's samples go until its next task."""
+        self.data = self.held_out = None
+        if self.trainer is not None:
+            self.trainer.data = None

@@ -36,7 +36,8 @@ FollowUpTerms = tuple[TwoPhaseLogic, type[Payload]]
 
 @dataclass
 class TaskTrainer:
-    """Trains one device's tasks on its ``data``: ``model`` holds its weights, ``main`` its Main
+    """Trains one device's tasks on its ``data`` (None between tasks on a device that lets its data
+    go: :attr:`device_agent.device.Device.keep_data`): ``model`` holds its weights, ``main`` its Main
     Server client, ``poller`` asks for a two-phase algorithm's follow-up, ``new_clock`` times each
     round. ``seed`` and ``seed_key`` (the device's shard, or its id when it brings its own data)
     give each round's batch order (:func:`device_agent.trainer.round_seed`); ``compute``: where a
@@ -44,7 +45,7 @@ class TaskTrainer:
     run's (``RunInfo.loss``), which every task's ``train.loss`` must name."""
 
     device_id: str
-    data: ArrayDataset
+    data: ArrayDataset | None
     model: DeviceModel
     fed: FedApi
     main: MainLink
@@ -55,6 +56,12 @@ class TaskTrainer:
     compute: Compute | None
     task_wait_s: float
     loss: Loss
+
+    @property
+    def samples(self) -> ArrayDataset:
+        """The data the current task trains on."""
+        assert self.data is not None, "a task runs with its device's data loaded"
+        return self.data
 
     def train(self, task: TaskResponse, task_bytes: int, received_at: float) -> UpdateRequest:
         """Train the task and return the upload (the decoded weights and the training's other
@@ -98,14 +105,14 @@ class TaskTrainer:
             model = self.model.for_task()
             exchange = self._join(task, clock) if task.main_server_url is not None else None
             context.send_step = exchange
-            result = train_round(model, task.split_point, weights, self.data, settings, context)
+            result = train_round(model, task.split_point, weights, self.samples, settings, context)
         return model, result, exchange
 
     def _join(self, task: TaskResponse, clock: RoundClock) -> StepExchange:
         """Join the round at the task's Main Server; return the round's step exchange."""
         assert task.main_server_url is not None and task.train is not None and task.round_id is not None
-        num_steps = steps_per_round(len(self.data), task.train.batch_size, task.train.local_epochs)
-        join = JoinRequest(device_id=self.device_id, label_counts=self.data.label_counts().tolist(), num_steps=num_steps)
+        num_steps = steps_per_round(len(self.samples), task.train.batch_size, task.train.local_epochs)
+        join = JoinRequest(device_id=self.device_id, label_counts=self.samples.label_counts().tolist(), num_steps=num_steps)
         timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
         return self.main.join(task.main_server_url, task.round_id, join, clock, timeout)
 
@@ -115,7 +122,7 @@ class TaskTrainer:
         ``follow_up_model`` (the algorithm's ``FollowUp``) and act on it."""
         assert task.round_id is not None
         with clock.compute():
-            extras = logic.report(portion, self.data).to_wire()
+            extras = logic.report(portion, self.samples).to_wire()
         self.fed.report(ReportRequest(device_id=self.device_id, round_id=task.round_id, extras=extras))
         poller = self.poller
         t0 = time.monotonic()
@@ -132,7 +139,7 @@ class TaskTrainer:
         clock.wait_s += time.monotonic() - t0  # waiting for the other devices' reports
         clock.transfer(size)
         with clock.compute():
-            logic.follow_up(portion, self.data, parse_payload(follow_up_model, follow.extras, "follow-up"))
+            logic.follow_up(portion, self.samples, parse_payload(follow_up_model, follow.extras, "follow-up"))
 
     def _update(self, task: TaskResponse, portion: Portion, result: LocalResult, exchange: StepExchange | None,
                 clock: RoundClock, logic: DeviceLogic) -> UpdateRequest:
@@ -144,13 +151,13 @@ class TaskTrainer:
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
         clock.transfer(sum(t.numel() * t.element_size() for t in state.values()))
         return UpdateRequest(
-            device_id=self.device_id, round_id=task.round_id, num_samples=len(self.data), steps=result.steps,
+            device_id=self.device_id, round_id=task.round_id, num_samples=len(self.samples), steps=result.steps,
             train_loss=result.train_loss, weights=encode_state(state),
             timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
                                   server_s=clock.server_s, total_s=clock.total()),
             bytes_up=exchange.bytes_up if exchange is not None else 0,
             bytes_down=exchange.bytes_down if exchange is not None else 0,
-            extras=logic.upload_extras(portion, self.data).to_wire(),
+            extras=logic.upload_extras(portion, self.samples).to_wire(),
         )
 
 

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TypeVar
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
@@ -20,8 +20,10 @@ from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus
 from http_api.server import MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, read_message
 from shared.schemas import (
-    API, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload, UpdateRequest, WithdrawRequest,
+    AGENT_ID_PATTERN, API, AgentTaskRequest, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload,
+    UpdateRequest, WithdrawRequest,
 )
+from shared.wire import pack_body
 
 log = logging.getLogger("fed_server")
 
@@ -113,6 +115,17 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         response = msgpack_response(answer)
         coordinator.dispatch.count_task_bytes(answer, len(response.body))
         return response
+
+    @app.post(f"{API}/agents/{{agent_id}}/tasks", response_class=Response,
+              openapi_extra=msgpack_body_schema(AgentTaskRequest))
+    async def agent_tasks(request: Request, agent_id: str = Path(pattern=AGENT_ID_PATTERN)) -> Response:
+        """Agent: add its idle devices (with their tokens) to its session, and get tasks for any
+        of the session's idle devices, held up to ``wait_s`` until one has work (docs/api.md)."""
+        req = await read_message(request, AgentTaskRequest, settings.max_register_bytes)
+        answer = await coordinator.agents.next_tasks(agent_id, req, settings.auth.enabled)
+        for device_task in answer.tasks:
+            coordinator.dispatch.count_task_bytes(device_task.task, pack_body(device_task.model_dump()).size)
+        return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/weights/{{weights_id}}", response_class=Response)
     async def weights(device_id: str, weights_id: str, request: Request) -> Response:

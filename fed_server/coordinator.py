@@ -9,6 +9,7 @@ The parts, each in its own module:
 - ``run_core.py``: the state they share (model, algorithm, registry, open attempt, events)
 - ``enrolment.py``: run info, registration and device tokens, when rounds may start
 - ``task_dispatch.py``: what a polling device is told, the weights its task names
+- ``agent_sessions.py``: one held task request per agent, for all its idle devices
 - ``replica_planning.py``: the Main Server replicas: round plans, groups per replica, replicas down
 - ``uploads.py``: reports and follow-ups, updates, withdrawals, group portions, and their checks
 - ``federated_evaluation.py``: the devices' evaluation of each new global model
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fed_server.agent_sessions import AgentSessions
 from fed_server.aggregation import Aggregation, Aggregator
 from fed_server.devices import DeviceRegistry
 from fed_server.enrolment import DeviceEnrolment
@@ -99,6 +101,7 @@ class Coordinator:
             core, fingerprint, input_shape, num_classes, shard_sizes(config.data),
             label_counts_at_registration=self.replicas.groups_at_fed_server and self.planner.mode != "zero")
         self.dispatch = TaskDispatch(core)
+        self.agents = AgentSessions(core, self.dispatch, self.enrolment)
         self.uploads = Uploads(core, self.replicas)
         self.evaluation = FederatedEvaluation(core, self.dispatch, self.enrolment.held_out_limit)
         self.aggregator = Aggregator(core, self.table, self.planner)

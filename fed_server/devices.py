@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -112,6 +112,14 @@ class DeviceRegistry:
             raise NotFound(f"unknown device {device_id!r}: register first")
         record.last_seen = time.monotonic()
         return record
+
+    def seen(self, device_ids: Iterable[str]) -> None:
+        """``device_ids`` asked for work just now (through their agent's session)."""
+        now = time.monotonic()
+        for device_id in device_ids:
+            record = self.devices.get(device_id)
+            if record is not None:
+                record.last_seen = now
 
     def token_nonce(self, device_id: str) -> str | None:
         """The nonce of ``device_id``'s current token; None for a device that is not registered."""

@@ -3,6 +3,7 @@ weights those tasks name, published once for every device that fetches them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.fed_round import FedRound
@@ -48,6 +49,22 @@ class TaskDispatch:
             raise Invalid(f"wait_s must be between 0 and {MAX_TASK_WAIT_S:g} seconds, got {wait_s}")
         return await self.core.work_posted.hold(lambda: self.task_for(device_id),
                                                 lambda answer: answer.status != "wait", wait_s)
+
+    def with_work(self, idle: Collection[str]) -> list[str]:
+        """Which of the ``idle`` devices may have a task now (:meth:`task_for` tells): all of them
+        once the run is done; else the devices asked to evaluate and the open attempt's devices
+        (not its follow-ups: a device asks for the follow-up of its own task itself). Costs the
+        round's size, not the population's, except once at the end."""
+        core = self.core
+        if core.finished:
+            return list(idle)
+        candidates: dict[str, None] = {}
+        if core.evaluating is not None:
+            candidates.update((device_id, None) for device_id in core.evaluating.asked if device_id in idle)
+        fed_round = core.round
+        if fed_round is not None and fed_round.ready and fed_round.follow_ups is None:
+            candidates.update((device_id, None) for device_id in fed_round.assignments if device_id in idle)
+        return list(candidates)
 
     def task_for(self, device_id: str) -> TaskResponse:
         """A polling device's next instruction.

@@ -192,6 +192,66 @@ class TaskResponse(Message):
     report: bool = False                   # report after training and wait for a follow-up
 
 
+#: The most devices one agent's task request may add to its session (:class:`AgentTaskRequest`):
+#: a request stays under about 200 KiB; an agent with more idle devices adds them over several.
+MAX_AGENT_DEVICES = 1000
+#: An agent session's id: 32 hex digits the agent draws at random when it starts. Whoever knows it
+#: can take the session's tasks, so it is as secret as the devices' tokens.
+AGENT_ID_PATTERN = r"^[0-9a-f]{32}$"
+#: The longest an agent's task request may be held for work, as a device's task poll.
+MAX_AGENT_WAIT_S = 30.0
+
+
+class AgentDevice(Message):
+    """A device an agent adds to its session as idle: the device's id and its current token (None
+    on a server without authentication)."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    token: str | None = Field(default=None, max_length=256)
+
+
+class AgentTaskRequest(Message):
+    """An agent's request for work for any of its idle devices (``POST /v1/agents/{agent_id}/tasks``).
+
+    ``add``: devices that are idle now (just registered, or done with a task), added to the
+    session's idle set; a device leaves that set when the session hands it a task. ``wait_s``: how
+    long the answer may be held until some idle device has a task (long-poll)."""
+
+    add: list[AgentDevice] = Field(default=[], max_length=MAX_AGENT_DEVICES)
+    wait_s: float = Field(default=0.0, ge=0.0, le=MAX_AGENT_WAIT_S)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "AgentTaskRequest":
+        ids = [device.device_id for device in self.add]
+        if len(set(ids)) != len(ids):
+            raise ValueError("add names a device more than once")
+        return self
+
+
+class DeviceTask(Message):
+    """One device's task in an agent's answer: exactly what the device's own task poll would have
+    answered (never ``wait``)."""
+
+    device_id: DeviceId
+    task: TaskResponse
+
+
+class AgentTaskResponse(Message):
+    """The answer to an agent's task request.
+
+    ``tasks``: work for some of the session's idle devices, each handed out once (those devices are
+    no longer idle in the session). ``unknown``: added devices this Fed Server has no registration
+    for (it restarted): register them again. ``refused``: added devices whose token is not their
+    current one (device id -> why): another registration replaced it. ``new_session``: this request
+    opened the session (the first request, or the Fed Server restarted or forgot a session idle for
+    :data:`fed_server.agent_sessions.SESSION_IDLE_S`): idle devices added before are not in it."""
+
+    tasks: list[DeviceTask] = []
+    unknown: list[DeviceId] = []
+    refused: dict[DeviceId, str] = {}
+    new_session: bool = False
+
+
 class ReportRequest(Message):
     """Two-phase algorithms: what a device reports after training, before it uploads."""
 

@@ -2,7 +2,8 @@
 
 A real Fed Server and Main Server (FedAvg and S2FL, cnn) and one real agent hosting two devices in
 this process. ``dev-001`` receives every training task with an algorithm name its agent does not
-know (what a task it cannot build looks like to it; its client rewrites the task as it arrives).
+know (what a task it cannot build looks like to it; the agent's session client rewrites the task
+as it arrives).
 It must give each task up and withdraw from the attempt, while the agent's other device trains
 every round to the end of the run, and the Fed Server's round records must say that ``dev-001``
 withdrew and why. Under S2FL the Main Server is told at once, so the round waits neither for the
@@ -17,19 +18,22 @@ import pytest
 from device_agent.agent import Agent
 from device_agent.clients import HttpFedClient
 from integration_support import final_status, server_pair, small_config
-from shared.schemas import TaskResponse
+from shared.schemas import AgentTaskRequest, AgentTaskResponse
 
 ROUNDS = 2
 
 
 class UnbuildableTasks(HttpFedClient):
-    """Hands the device every training task with an algorithm it does not know."""
+    """The agent's session client: hands ``dev-001`` every training task with an algorithm it does
+    not know."""
 
-    def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
-        task, size = super().task(device_id, wait_s)
-        if task.status == "train" and task.phase == "train":
-            task = task.model_copy(update={"algorithm": "no-such-algorithm"})
-        return task, size
+    def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
+        answer = super().agent_tasks(agent_id, req)
+        for device_task in answer.tasks:
+            task = device_task.task
+            if device_task.device_id == "dev-001" and task.status == "train" and task.phase == "train":
+                device_task.task = task.model_copy(update={"algorithm": "no-such-algorithm"})
+        return answer
 
 
 #: Deadlines long next to a round of this size (seconds): waiting for the withdrawn device's join or
@@ -44,7 +48,7 @@ def test_a_device_whose_tasks_fail_withdraws_and_its_agents_other_device_trains_
         "deadlines.join_s": JOIN_S})
     with server_pair(config, "agent-resilience") as servers:
         agent = Agent(servers.fed_url, [0, 1], None, compute_slots=0)
-        agent.devices[1].fed = UnbuildableTasks(servers.fed_url)
+        agent.tasks_fed = UnbuildableTasks(servers.fed_url, retries=0)
         code: list[int] = []
         thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
         thread.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from shared.evaluation import evaluation_sums
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import (
-    EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    AgentTaskRequest, AgentTaskResponse, DeviceTask, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WeightsResponse, WireTensor, WithdrawRequest,
 )
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
@@ -93,6 +94,25 @@ class FakeFed:
 
     def withdraw(self, req: WithdrawRequest) -> None:
         self.withdrawals.append(req)
+
+
+class ScriptedSession:
+    """An agent's task session over its devices' scripted :class:`FakeFed`s: each request hands
+    every device idle in it the next answer of its script."""
+
+    def __init__(self, devices: list[Device]) -> None:
+        self.feds = {device.device_id: device.fed for device in devices}
+        self.idle: set[str] = set()
+        self.lock = threading.Lock()
+
+    def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
+        with self.lock:
+            self.idle.update(device.device_id for device in req.add)
+            tasks = [DeviceTask(device_id=d, task=self.feds[d].task(d)[0]) for d in sorted(self.idle)]
+            self.idle.clear()
+        if not tasks:
+            time.sleep(min(req.wait_s, 0.05))
+        return AgentTaskResponse(tasks=tasks)
 
 
 class FakeMain:
@@ -191,7 +211,10 @@ def test_with_federated_evaluation_the_device_trains_on_its_training_part_and_ev
     train, held_out = evaluation_holdout(shard, 0.25, INFO.seed, "dev-003")
     assert len(held_out) == len(shard) // 4 and len(train) + len(held_out) == len(shard)
     assert fed.registrations[0].num_samples == len(train) == fed.uploads[0].num_samples
-    assert torch.equal(device.data.x, train.x) and torch.equal(device.held_out.y, held_out.y)
+    if keep_model:   # a device that keeps its model keeps its data; a virtual one loads it for each task
+        assert torch.equal(device.data.x, train.x) and torch.equal(device.held_out.y, held_out.y)
+    else:
+        assert device.data is None and device.held_out is None
     (report,) = fed.evaluations
     sums = evaluation_sums(evaluated, held_out)
     correct, loss_sum = sums.correct, sums.loss_sum
@@ -424,6 +447,7 @@ def test_a_device_whose_tasks_fail_leaves_the_agents_other_devices_training():
                        TaskResponse(status="done")])
     honest = FakeFed([_full(1), _full(2), TaskResponse(status="done")])
     agent.devices[0].fed, agent.devices[1].fed = failing, honest   # type: ignore[assignment]
+    agent.tasks_fed = ScriptedSession(agent.devices)   # type: ignore[assignment]
     assert agent.run() == 0 and agent.errors == {}
     assert [w.round_id for w in failing.withdrawals] == [1, 2] and failing.uploads == [] and failing.script == []
     assert [u.round_id for u in honest.uploads] == [1, 2] and honest.withdrawals == []
@@ -506,6 +530,7 @@ def test_a_device_the_fed_server_refuses_is_one_line_and_the_agent_exits_2_while
             for i in range(2)]
     for device, fed in zip(agent.devices, feds):
         device.fed = fed   # type: ignore[assignment]
+    agent.tasks_fed = ScriptedSession(agent.devices)   # type: ignore[assignment]
     assert agent.run() == code
     # The agent asked for the run spec for both its devices, which did not ask again.
     assert [f.asked for f in feds] == [3, 0]

@@ -1,0 +1,201 @@
+"""An agent's task session: one held request for all its idle devices, not one long poll each.
+
+The agent draws a random session id at start. Each device that is idle (registered, or done with
+a task) is *added* to the session with its token; the Fed Server then hands out tasks for any
+idle device while the agent's one request is held, each task once (``POST
+/v1/agents/{agent_id}/tasks``, docs/api.md). A device given a task runs it on a thread of its
+own (the members of a Main Server group must train at once) and is added again when it is done
+with it.
+
+Two threads talk to the session: the *holder* keeps a request held at the Fed Server (adding
+nothing), and the *adder* sends, without waiting, the devices that became idle since its last
+request, so a device that finishes its task need not wait for the held request's end to be
+available again. Both hand the tasks they get to the same place.
+
+What the Fed Server answers besides tasks: a device it does not know (it restarted) registers
+again; a device whose token was replaced stops; a session the server did not know (restarted, or
+forgotten while the agent was unreachable) gets every idle device again.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+from device_agent.api import AgentTasksApi, Unreachable
+from device_agent.device import Device, TASK_WAIT_S
+from shared.errors import DomainError
+from shared.schemas import MAX_AGENT_DEVICES, AgentDevice, AgentTaskRequest, AgentTaskResponse, DeviceTask
+from shared.wire import packb
+
+log = logging.getLogger("device_agent")
+
+#: Called once for a device that cannot go on (its registration refused, its token replaced, the
+#: Fed Server unreachable for too long), with the error.
+FailureHook = Callable[[Device, BaseException], None]
+
+
+class AgentTasks:
+    """The session of one agent's devices (:mod:`device_agent.agent_tasks`).
+
+    ``api``: the session's client (no retries of its own: a failed request is sent again here,
+    with its devices). ``on_failure``: told of each device that stops with an error. ``max_downtime_s``:
+    how long the Fed Server may be unreachable before every device not yet ended fails, as a device
+    on its own gives up (:meth:`Device.run`)."""
+
+    def __init__(self, api: AgentTasksApi, devices: list[Device], stop: threading.Event, on_failure: FailureHook,
+                 wait_s: float = TASK_WAIT_S, max_downtime_s: float = 600.0, retry_s: float = 0.2) -> None:
+        self.api = api
+        self.agent_id = secrets.token_hex(16)
+        self.stop = stop
+        self.on_failure = on_failure
+        self.wait_s = wait_s
+        self.max_downtime_s = max_downtime_s
+        self.retry_s = retry_s
+        #: Set once every device has ended (the run is done for it, or it failed).
+        self.ended = threading.Event()
+        self._devices = {device.device_id: device for device in devices}
+        self._lock = threading.Lock()
+        self._to_add: dict[str, Device] = {}    # idle, not yet told to the session
+        self._idle: dict[str, Device] = {}      # told to the session as idle: it may hand them tasks
+        self._left = len(self._devices)         # devices not ended
+        self._opened = False                    # a request was answered: the session exists
+        self._added = threading.Event()         # devices wait in _to_add: wakes the adder
+        self._down_since: float | None = None
+
+    def start(self) -> None:
+        """Start the holder and the adder; they end with the session (:attr:`ended`, or ``stop``)."""
+        for name, loop in (("session-holder", self._hold), ("session-adder", self._add)):
+            threading.Thread(target=loop, name=name, daemon=True).start()
+
+    def idle(self, device: Device) -> None:
+        """``device`` is registered and has no task: add it to the session."""
+        with self._lock:
+            self._to_add[device.device_id] = device
+        self._added.set()
+
+    def end(self, device: Device, error: BaseException | None = None) -> None:
+        """``device`` is done with the run, or (``error``) cannot go on."""
+        if error is not None:
+            self.on_failure(device, error)
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self.ended.set()
+        self._added.set()   # the adder ends too
+
+    # --- the two requesters -----------------------------------------------------------------
+    def _hold(self) -> None:
+        """Keep a request held at the Fed Server for the session's tasks."""
+        while not self._over():
+            self._request([], self.wait_s)
+
+    def _add(self) -> None:
+        """Tell the session of idle devices as they come, without waiting (several at once when
+        they come while a request is out)."""
+        while not self._over():
+            self._added.wait()
+            self._added.clear()
+            while not self._over():
+                with self._lock:
+                    batch = list(self._to_add.values())[:MAX_AGENT_DEVICES]
+                    for device in batch:
+                        del self._to_add[device.device_id]
+                        self._idle[device.device_id] = device
+                if not batch:
+                    break
+                if not self._request(batch, 0.0):
+                    with self._lock:   # sent again with the next batch
+                        for device in batch:
+                            if self._idle.pop(device.device_id, None) is not None:
+                                self._to_add[device.device_id] = device
+
+    def _over(self) -> bool:
+        return self.stop.is_set() or self.ended.is_set()
+
+    def _request(self, batch: list[Device], wait_s: float) -> bool:
+        """One session request adding ``batch``; its answer is acted on. False when it failed (it
+        was logged, and the caller waited a little before it returns)."""
+        req = AgentTaskRequest(add=[AgentDevice(device_id=d.device_id, token=d.token) for d in batch], wait_s=wait_s)
+        opened = self._opened   # before this request: a session new to the server then was forgotten
+        try:
+            answer = self.api.agent_tasks(self.agent_id, req)
+        except (Unreachable, DomainError) as exc:
+            self._failed_request(exc)
+            return False
+        self._down_since = None
+        self._take(answer, forgotten=answer.new_session and opened)
+        return True
+
+    def _failed_request(self, exc: Exception) -> None:
+        """A request went unanswered or was refused: wait a little; after ``max_downtime_s`` without
+        an answer, every device that has not ended fails."""
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+            log.warning("agent session: the Fed Server did not take the request (%s); retrying", exc)
+        if now - self._down_since > self.max_downtime_s:
+            log.error("agent session: no answer from the Fed Server for %.0f s: its devices stop", now - self._down_since)
+            with self._lock:
+                waiting = [d for d in self._devices.values() if d.device_id in self._idle or d.device_id in self._to_add]
+                self._idle.clear()
+                self._to_add.clear()
+            for device in waiting:
+                self.end(device, exc)
+            return
+        self.stop.wait(self.retry_s if isinstance(exc, Unreachable) else 1.0)
+
+    # --- what an answer says --------------------------------------------------------------------
+    def _take(self, answer: AgentTaskResponse, forgotten: bool) -> None:
+        """Run the answer's tasks, register its unknown devices again, stop its refused ones;
+        ``forgotten``: the server had lost the session, so the devices still idle are added again."""
+        received_at = time.monotonic()
+        with self._lock:
+            self._opened = True
+            tasks = [(self._idle.pop(t.device_id), t) for t in answer.tasks if t.device_id in self._idle]
+            unknown = [self._idle.pop(i) for i in answer.unknown if i in self._idle]
+            refused = [(self._idle.pop(i), why) for i, why in answer.refused.items() if i in self._idle]
+            if forgotten:
+                log.warning("agent session: the Fed Server did not know the session (it restarted?): its %d idle "
+                            "devices are added again", len(self._idle))
+                self._to_add.update(self._idle)
+                self._idle.clear()
+                self._added.set()
+        for device, device_task in tasks:
+            self._thread(device, self._run_task, device, device_task, received_at)
+        for device in unknown:
+            log.info("%s: Fed Server does not know this device (restart?); registering again", device.device_id)
+            self._thread(device, self._register, device)
+        for device, why in refused:
+            self.end(device, RuntimeError(f"the Fed Server refused the device's token: {why}"))
+
+    def _thread(self, device: Device, target: Callable[..., None], *args: object) -> None:
+        threading.Thread(target=target, args=args, name=device.device_id, daemon=True).start()
+
+    def _run_task(self, device: Device, device_task: DeviceTask, received_at: float) -> None:
+        """One device's task on its own thread; then the device is idle again, or ended."""
+        task = device_task.task
+        # The task's share of the answer, as the device's own poll would have counted its body.
+        try:
+            done = device.handle(task, len(packb(task.model_dump())), received_at)
+        except BaseException as exc:   # handle() gives failed tasks up itself: this is a fault
+            log.exception("%s stopped with an error", device.device_id)
+            self.end(device, exc)
+            return
+        if done:
+            self.end(device)
+        else:
+            self.idle(device)
+
+    def _register(self, device: Device) -> None:
+        """Register a device the Fed Server forgot, then add it again."""
+        try:
+            device.register()
+        except Unreachable:
+            self.stop.wait(self.retry_s)   # the adder gets it back, and it is unknown again if need be
+        except BaseException as exc:
+            self.end(device, exc)
+            return
+        self.idle(device)

@@ -1,0 +1,88 @@
+"""An agent's task session through the real services: an agent hosting several devices asks for
+their tasks in one held request, never one poll per device; the session endpoint refuses what
+does not fit and adds only devices with their current tokens."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from integration_support import server_pair, small_config
+from shared.data import device_shard, load_dataset
+from shared.schemas import API, AgentTaskResponse, DeviceProfileMsg, RegisterRequest, RunInfo
+from shared.wire import packb, unpackb
+from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
+
+MSGPACK = {"content-type": "application/msgpack"}
+ENROL = "enrolment-secret-for-tests"
+AGENT = "a" * 32
+
+
+def _sent_bytes(metrics: str, route: str) -> float:
+    pattern = rf'sfl_http_body_bytes_total{{direction="sent",route="{re.escape(route)}"}} ([0-9.e+]+)'
+    found = re.search(pattern, metrics) or re.search(
+        rf'sfl_http_body_bytes_total{{route="{re.escape(route)}",direction="sent"}} ([0-9.e+]+)', metrics)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_an_agent_hosting_several_devices_gets_every_task_through_its_session(tmp_path):
+    config = small_config(algorithm="fedavg", rounds=2, devices_per_round=3, **{"data.num_devices": 6,
+                                                                                "data.max_samples": 600})
+    with Testbed(config, tmp_path / "run", agents=1, warm=shared_starter()) as testbed:
+        status = testbed.follow(timeout=240)
+        metrics = httpx.get(f"{testbed.fed_url}/metrics", timeout=30).text
+    assert status["state"] == "finished" and status["rounds_done"] == 2, status
+    assert _sent_bytes(metrics, f"{API}/agents/{{agent_id}}/tasks") > 0
+    assert _sent_bytes(metrics, f"{API}/devices/{{device_id}}/task") == 0, metrics   # no device polled on its own
+
+
+@pytest.fixture(scope="module")
+def servers():
+    config = small_config(algorithm="fedavg", **{"data.num_devices": 4, "data.max_samples": 200,
+                                                 "deadlines.registration_s": 3600})
+    with server_pair(config, "agent-tasks", fed_env={"SFL_SERVICE_SECRET": "service", "SFL_ENROLMENT_SECRET": ENROL},
+                     main_env={"SFL_SERVICE_SECRET": "service"}) as pair:
+        yield pair.fed_url
+
+
+def _ask(fed_url: str, body, agent: str = AGENT) -> httpx.Response:
+    return httpx.post(f"{fed_url}{API}/agents/{agent}/tasks", content=packb(body), headers=MSGPACK, timeout=30)
+
+
+def _register(fed_url: str, device: str, shard: int) -> str:
+    run = RunInfo.model_validate(unpackb(httpx.get(f"{fed_url}{API}/run").content))
+    samples = len(device_shard(run.data, load_dataset(run.data)[0], shard))
+    req = RegisterRequest(device_id=device, shard=shard, num_samples=samples - int(samples * (run.holdout or 0)),
+                          profile=DeviceProfileMsg(flops=1e9, rate=1e6))
+    answer = httpx.post(f"{fed_url}{API}/devices/register", content=packb(req.model_dump()),
+                        headers={**MSGPACK, "x-enrolment-secret": ENROL}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return unpackb(answer.content)["token"]
+
+
+@pytest.mark.parametrize("agent, body, word", [
+    ("not-hex", {"add": []}, "agent_id"),
+    ("A" * 32, {"add": []}, "agent_id"),
+    (AGENT, {"add": [{"device_id": f"dev-{i}"} for i in range(1001)]}, "add"),
+    (AGENT, {"add": [{"device_id": "dev-0"}, {"device_id": "dev-0"}]}, "more than once"),
+    (AGENT, {"add": [], "wait_s": 31}, "wait_s"),
+    (AGENT, {"add": [{"device_id": "../x"}]}, "device_id"),
+    (AGENT, {"add": [], "extra": 1}, "extra"),
+])
+def test_a_session_request_that_does_not_fit_is_refused_with_one_line(servers, agent, body, word):
+    answer = _ask(servers, body, agent)
+    assert answer.status_code == 422 and word in answer.text, answer.text
+
+
+def test_only_devices_with_their_current_tokens_join_a_session(servers):
+    token_a, token_b = _register(servers, "dev-a", 0), _register(servers, "dev-b", 1)
+    answer = _ask(servers, {"add": [{"device_id": "dev-a", "token": token_b}, {"device_id": "dev-b", "token": token_b},
+                                    {"device_id": "dev-x", "token": token_a}, {"device_id": "dev-c"}]})
+    assert answer.status_code == 200, answer.text
+    result = AgentTaskResponse.model_validate(unpackb(answer.content))
+    assert result.new_session and result.tasks == []
+    assert sorted(result.unknown) == ["dev-c", "dev-x"] and list(result.refused) == ["dev-a"]
+    again = AgentTaskResponse.model_validate(unpackb(_ask(servers, {"add": [], "wait_s": 0.2}).content))
+    assert not again.new_session and again.tasks == []   # the run waits for its other devices

@@ -1,0 +1,143 @@
+"""An agent's task session against an in-memory Fed Server: idle devices added in batches, tasks
+run and their devices added again, done devices ended, forgotten sessions and devices, refusals,
+and a Fed Server gone for too long."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from device_agent.agent_tasks import AgentTasks
+from device_agent.api import Unreachable
+from shared.schemas import AgentTaskRequest, AgentTaskResponse, DeviceTask, TaskResponse
+
+WAIT = 5.0
+
+
+class FakeDevice:
+    def __init__(self, device_id: str) -> None:
+        self.device_id = device_id
+        self.token: str | None = f"token-{device_id}"
+        self.handled: list[str] = []
+        self.registrations = 0
+
+    def handle(self, task: TaskResponse, task_bytes: int, received_at: float) -> bool:
+        assert task_bytes > 0
+        self.handled.append(task.status)
+        return task.status == "done"
+
+    def register(self) -> None:
+        self.registrations += 1
+        self.token = f"token-{self.device_id}-{self.registrations}"
+
+
+class FakeServer:
+    """Held requests (``wait_s`` > 0) take the answers the test puts; adds are answered by ``on_add``."""
+
+    def __init__(self) -> None:
+        self.answers: queue.Queue[AgentTaskResponse | Exception] = queue.Queue()
+        self.added: list[list[str]] = []
+        self.on_add = lambda req: AgentTaskResponse()
+        self.agent_ids: set[str] = set()
+        self.changed = threading.Condition()
+
+    def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
+        self.agent_ids.add(agent_id)
+        if req.add:
+            with self.changed:
+                self.added.append([d.device_id for d in req.add])
+                self.changed.notify_all()
+            return self.on_add(req)
+        try:
+            answer = self.answers.get(timeout=req.wait_s)
+        except queue.Empty:
+            return AgentTaskResponse()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def wait_added(self, predicate, timeout: float = WAIT) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: predicate(self.added), timeout), self.added
+
+
+def _task(device: str, status: str = "train") -> DeviceTask:
+    return DeviceTask(device_id=device, task=TaskResponse(status=status, round_id=1, round_index=1))
+
+
+def _session(server: FakeServer, devices: list[FakeDevice], **kwargs) -> tuple[AgentTasks, list]:
+    failures: list = []
+    session = AgentTasks(server, devices, threading.Event(),   # type: ignore[arg-type]
+                         lambda device, exc: failures.append((device.device_id, exc)), wait_s=0.2, **kwargs)
+    session.start()
+    return session, failures
+
+
+def _flat(batches: list[list[str]]) -> list[str]:
+    return [device for batch in batches for device in batch]
+
+
+def test_idle_devices_are_added_their_tasks_run_and_they_are_added_again_until_done():
+    server, devices = FakeServer(), [FakeDevice(f"d{i}") for i in range(3)]
+    session, failures = _session(server, devices)
+    for device in devices:
+        session.idle(device)
+    server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d1", "d2"])
+    server.answers.put(AgentTaskResponse(tasks=[_task("d0"), _task("d1")]))
+    server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d0", "d1", "d1", "d2"])
+    assert devices[0].handled == ["train"] and devices[2].handled == []
+    server.answers.put(AgentTaskResponse(tasks=[_task(d.device_id, "done") for d in devices]))
+    assert session.ended.wait(WAIT) and failures == []
+    assert [d.handled[-1] for d in devices] == ["done"] * 3
+    assert len(server.agent_ids) == 1 and len(next(iter(server.agent_ids))) == 32
+
+
+def test_a_task_for_a_device_that_is_not_idle_is_not_run_twice():
+    server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
+    session, _ = _session(server, devices)
+    session.idle(devices[0])
+    server.wait_added(lambda added: _flat(added) == ["d0"])
+    server.answers.put(AgentTaskResponse(tasks=[_task("d0"), _task("d1")]))   # d1 was never added
+    server.wait_added(lambda added: _flat(added) == ["d0", "d0"])
+    assert devices[0].handled == ["train"] and devices[1].handled == []
+
+
+def test_a_session_the_server_forgot_gets_its_idle_devices_again():
+    server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
+    session, _ = _session(server, devices)
+    session.idle(devices[0])
+    session.idle(devices[1])
+    server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d1"])
+    server.answers.put(AgentTaskResponse())   # the first held answer: the session exists
+    time.sleep(0.3)
+    server.answers.put(AgentTaskResponse(new_session=True, tasks=[_task("d0")]))
+    server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d0", "d1", "d1"])
+    assert devices[0].handled == ["train"]
+
+
+def test_a_device_the_server_does_not_know_registers_again_and_a_refused_one_stops():
+    server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1"), FakeDevice("d2")]
+    server.on_add = lambda req: AgentTaskResponse(
+        unknown=["d0"] if devices[0].registrations == 0 and "d0" in [d.device_id for d in req.add] else [],
+        refused={"d1": "replaced"} if "d1" in [d.device_id for d in req.add] else {})
+    session, failures = _session(server, devices)
+    for device in devices:
+        session.idle(device)
+    server.wait_added(lambda added: _flat(added).count("d0") == 2)
+    assert devices[0].registrations == 1 and [f[0] for f in failures] == ["d1"]
+    assert "replaced" in str(failures[0][1])
+    server.answers.put(AgentTaskResponse(tasks=[_task("d0", "done"), _task("d2", "done")]))
+    assert session.ended.wait(WAIT)
+
+
+def test_a_fed_server_unreachable_for_longer_than_allowed_fails_the_waiting_devices():
+    server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
+    server.on_add = lambda req: (_ for _ in ()).throw(Unreachable("connection refused"))
+    for _ in range(100):
+        server.answers.put(Unreachable("connection refused"))
+    session, failures = _session(server, devices, max_downtime_s=0.5, retry_s=0.05)
+    for device in devices:
+        session.idle(device)
+    assert session.ended.wait(WAIT)
+    assert sorted(f[0] for f in failures) == ["d0", "d1"]
+    assert all(isinstance(f[1], Unreachable) for f in failures)
