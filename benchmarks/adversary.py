@@ -28,12 +28,12 @@ from unittest import mock
 import torch
 
 import device_agent.agent
-from device_agent.api import AgentTasksApi, FedApi, MainApi
+from device_agent.api import AgentApi, FedApi, MainApi
 from device_agent.clients import HttpFedClient
 from device_agent.device import Device
 from shared.errors import DomainError
 from shared.schemas import (
-    AgentTaskRequest, AgentTaskResponse, DeviceProfileMsg, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
+    AgentTaskRequest, AgentTaskResponse, DeviceProfileMsg, RegistrationBatch, RegistrationBatchResponse, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
     ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
     WireState, WireTensor, WithdrawRequest,
 )
@@ -358,6 +358,9 @@ class HarmfulFed:
     def register(self, req: RegisterRequest) -> RegisterResponse:
         return self.inner.register(self.behaviour.register(req))
 
+    def use_token(self, token: str | None) -> None:
+        self.inner.use_token(token)
+
     def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         task, size = self.inner.task(device_id, wait_s=wait_s)
         return self.took(task), size
@@ -389,12 +392,16 @@ class HarmfulFed:
 
 
 class HarmfulTasks:
-    """:class:`device_agent.api.AgentTasksApi` that passes each device's task from the agent's
-    session through that device's hooks (:meth:`HarmfulFed.took`)."""
+    """:class:`device_agent.api.AgentApi` that passes each device's registration in a batch and
+    each of its tasks from the agent's session through that device's hooks."""
 
-    def __init__(self, inner: AgentTasksApi, feds: dict[str, HarmfulFed]) -> None:
+    def __init__(self, inner: AgentApi, feds: dict[str, HarmfulFed]) -> None:
         self.inner = inner
         self.feds = feds
+
+    def register_batch(self, req: RegistrationBatch) -> RegistrationBatchResponse:
+        devices = [self.feds[device.device_id].behaviour.register(device) for device in req.devices]
+        return self.inner.register_batch(RegistrationBatch(devices=devices))
 
     def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
         answer = self.inner.agent_tasks(agent_id, req)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from device_agent.agent_tasks import AgentTasks
-from device_agent.api import AgentTasksApi
+from device_agent.api import AgentApi
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
 from device_agent.device import Device, RegistrationRefused
@@ -160,9 +160,11 @@ class Agent:
                    loss_ref=loss, compute=self.compute, weights_cache=self.weights, emulate_links=links == "emulated")
             for name, shard, source, index in places
         ]
-        # The session's client: no token of its own (the devices' travel in its bodies) and no
-        # retries (a failed session request is sent again by the session, with its devices).
-        self.tasks_fed: AgentTasksApi = HttpFedClient(fed_server_url, verify, retries=0, request_delay_s=request_delay_s)
+        # The session's client: the enrolment secret for its registration batches, no token of its
+        # own (the devices' travel in its bodies) and no retries (the session sends a failed
+        # request again itself, with its devices).
+        self.tasks_fed: AgentApi = HttpFedClient(fed_server_url, verify, enrolment_secret, retries=0,
+                                                 request_delay_s=request_delay_s)
         self.errors: dict[str, BaseException] = {}
         self.metrics = metrics  # device_agent.metrics.AgentMetrics or None (no --metrics-port)
         if metrics is not None:
@@ -233,8 +235,8 @@ class Agent:
         return 1 if self.errors else 0
 
     def _start_session(self, info: RunInfo, layout: SplitModel) -> AgentTasks:
-        """Set the devices up on :data:`SETUP_THREADS` threads, each added to the agent's task
-        session once registered; the session runs their tasks."""
+        """Set the devices up on :data:`SETUP_THREADS` threads; the agent's session registers them
+        in batches and runs their tasks."""
         session = AgentTasks(self.tasks_fed, self.devices, self.stop, self._failed)
         session.start()
         waiting = deque(self.devices)
@@ -245,10 +247,10 @@ class Agent:
                     device = waiting.popleft()
                 except IndexError:
                     return
-                if not self._guarded(device, functools.partial(device.setup, info, layout)):
+                if not self._guarded(device, functools.partial(device.setup, info, layout, register=False)):
                     session.end(device)   # its error is recorded
                 elif not self.stop.is_set():
-                    session.idle(device)
+                    session.register(device)
         for index in range(min(SETUP_THREADS, len(self.devices))):
             self._start(f"set-up-{index}", set_up_each)
         return session

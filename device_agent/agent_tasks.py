@@ -1,4 +1,5 @@
-"""An agent's task session: one held request for all its idle devices, not one long poll each.
+"""An agent's session: its devices registered in batches, then one held request for the tasks of
+all its idle devices, not one long poll each.
 
 The agent draws a random session id at start. Each device that is idle (registered, or done with
 a task) is *added* to the session with its token; the Fed Server then hands out tasks for any
@@ -12,8 +13,9 @@ nothing), and the *adder* sends, without waiting, the devices that became idle s
 request, so a device that finishes its task need not wait for the held request's end to be
 available again. Both hand the tasks they get to the same place.
 
-What the Fed Server answers besides tasks: a device it does not know (it restarted) registers
-again; a device whose token was replaced stops; a session the server did not know (restarted, or
+Devices are registered by the session's :class:`device_agent.registrar.Registrar` (in batches)
+and added as idle once registered. What the Fed Server answers besides tasks: a device it does
+not know (it restarted) registers again; a device whose token was replaced stops; a session the server did not know (restarted, or
 forgotten while the agent was unreachable) gets every idle device again.
 """
 from __future__ import annotations
@@ -24,8 +26,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from device_agent.api import AgentTasksApi, Unreachable
+from device_agent.api import AgentApi, Unreachable
 from device_agent.device import Device, TASK_WAIT_S
+from device_agent.registrar import Registrar
 from shared.errors import DomainError
 from shared.schemas import MAX_AGENT_DEVICES, AgentDevice, AgentTaskRequest, AgentTaskResponse, DeviceTask
 from shared.wire import packb
@@ -45,7 +48,7 @@ class AgentTasks:
     how long the Fed Server may be unreachable before every device not yet ended fails, as a device
     on its own gives up (:meth:`Device.run`)."""
 
-    def __init__(self, api: AgentTasksApi, devices: list[Device], stop: threading.Event, on_failure: FailureHook,
+    def __init__(self, api: AgentApi, devices: list[Device], stop: threading.Event, on_failure: FailureHook,
                  wait_s: float = TASK_WAIT_S, max_downtime_s: float = 600.0, retry_s: float = 0.2) -> None:
         self.api = api
         self.agent_id = secrets.token_hex(16)
@@ -64,11 +67,17 @@ class AgentTasks:
         self._opened = False                    # a request was answered: the session exists
         self._added = threading.Event()         # devices wait in _to_add: wakes the adder
         self._down_since: float | None = None
+        self.registrar = Registrar(api, stop, self._over, self.idle, self.end)
 
     def start(self) -> None:
         """Start the holder and the adder; they end with the session (:attr:`ended`, or ``stop``)."""
         for name, loop in (("session-holder", self._hold), ("session-adder", self._add)):
             threading.Thread(target=loop, name=name, daemon=True).start()
+        self.registrar.start()
+
+    def register(self, device: Device) -> None:
+        """Register ``device`` (with the next batch); it is added as idle once registered."""
+        self.registrar.add(device)
 
     def idle(self, device: Device) -> None:
         """``device`` is registered and has no task: add it to the session."""
@@ -85,6 +94,7 @@ class AgentTasks:
             if self._left <= 0:
                 self.ended.set()
         self._added.set()   # the adder ends too
+        self.registrar.wake()
 
     # --- the two requesters -----------------------------------------------------------------
     def _hold(self) -> None:
@@ -167,7 +177,7 @@ class AgentTasks:
             self._thread(device, self._run_task, device, device_task, received_at)
         for device in unknown:
             log.info("%s: Fed Server does not know this device (restart?); registering again", device.device_id)
-            self._thread(device, self._register, device)
+            self.register(device)
         for device, why in refused:
             self.end(device, RuntimeError(f"the Fed Server refused the device's token: {why}"))
 
@@ -188,14 +198,3 @@ class AgentTasks:
             self.end(device)
         else:
             self.idle(device)
-
-    def _register(self, device: Device) -> None:
-        """Register a device the Fed Server forgot, then add it again."""
-        try:
-            device.register()
-        except Unreachable:
-            self.stop.wait(self.retry_s)   # the adder gets it back, and it is unknown again if need be
-        except BaseException as exc:
-            self.end(device, exc)
-            return
-        self.idle(device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from shared.schemas import (
-    AgentTaskRequest, AgentTaskResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    AgentTaskRequest, AgentTaskResponse, EvaluationReport, RegistrationBatch, RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
@@ -28,6 +28,9 @@ class FedApi(Protocol):
 
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Enrol the device; the client presents the answer's token on every later call."""
+
+    def use_token(self, token: str | None) -> None:
+        """Present ``token`` on every later call: the device's agent registered it (in a batch)."""
 
     def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         """The device's next instruction and the size of the answer in bytes (for transfer timing);
@@ -49,8 +52,12 @@ class FedApi(Protocol):
         """Leave a round the device cannot contribute to, so the attempt need not wait for its upload."""
 
 
-class AgentTasksApi(Protocol):
-    """The Fed Server, as an agent hosting many devices asks it for their tasks (one session)."""
+class AgentApi(Protocol):
+    """The Fed Server, as an agent hosting many devices registers them and asks for their tasks
+    (its session)."""
+
+    def register_batch(self, req: RegistrationBatch) -> RegistrationBatchResponse:
+        """Enrol several devices, each answered on its own (registered with its token, or refused)."""
 
     def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
         """Add ``req``'s idle devices to the agent's session; tasks for any of its idle devices,

@@ -15,7 +15,7 @@ from device_agent.api import Unreachable
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
 from shared.http_client import M, ServiceError, SyncClient
 from shared.schemas import (
-    API, Ack, AgentTaskRequest, AgentTaskResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
+    API, Ack, AgentTaskRequest, AgentTaskResponse, RegistrationBatch, RegistrationBatchResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
     StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
@@ -56,11 +56,24 @@ class HttpFedClient:
             return self._http.call("GET", f"{API}/run", RunInfo, retries=0)
 
     def register(self, req: RegisterRequest) -> RegisterResponse:
-        headers = {"x-enrolment-secret": self._enrolment_secret.decode()} if self._enrolment_secret else None
         with _translated():
-            answer = self._http.call("POST", f"{API}/devices/register", RegisterResponse, req, headers=headers)
+            answer = self._http.call("POST", f"{API}/devices/register", RegisterResponse, req,
+                                     headers=self._enrolment_headers())
         self._http.set_token(answer.token)
         return answer
+
+    def register_batch(self, req: RegistrationBatch) -> RegistrationBatchResponse:
+        """Several devices at once (:class:`device_agent.api.AgentApi`); their tokens are theirs,
+        not this client's."""
+        with _translated():
+            return self._http.call("POST", f"{API}/devices/registrations", RegistrationBatchResponse, req,
+                                   headers=self._enrolment_headers())
+
+    def _enrolment_headers(self) -> dict[str, str] | None:
+        return {"x-enrolment-secret": self._enrolment_secret.decode()} if self._enrolment_secret else None
+
+    def use_token(self, token: str | None) -> None:
+        self._http.set_token(token)
 
     def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         # The read may last the whole wait: the timeout covers it plus the usual allowance.
@@ -69,7 +82,7 @@ class HttpFedClient:
                                timeout=wait_s + 60.0 if wait_s > 0 else None)
 
     def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
-        """The agent's session request (:class:`device_agent.api.AgentTasksApi`); its devices' tokens
+        """The agent's session request (:class:`device_agent.api.AgentApi`); its devices' tokens
         travel in the body, so this client needs none of its own."""
         with _translated():
             return self._http.call("POST", f"{API}/agents/{agent_id}/tasks", AgentTaskResponse, req,

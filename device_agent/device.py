@@ -37,7 +37,7 @@ from shared.errors import DomainError, Failed, NotFound
 from shared.losses import Loss, build_loss
 from shared.models import SplitModel, model_fingerprint
 from shared.profiles import EmulatedKind, TimeScale, auto_time_scale
-from shared.schemas import DeviceProfileMsg, RegisterRequest, RunInfo, TaskResponse
+from shared.schemas import DeviceProfileMsg, RegisterRequest, RegisterResponse, RunInfo, TaskResponse
 
 log = logging.getLogger("device_agent")
 
@@ -221,13 +221,15 @@ class Device:
         log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
                  "; final global model received" if received else "")
 
-    def setup(self, info: RunInfo | None = None, layout: SplitModel | None = None) -> None:
+    def setup(self, info: RunInfo | None = None, layout: SplitModel | None = None, register: bool = True) -> None:
         """Fetch the run spec (unless given ``info``: an agent waits for it once for all its
         devices) and check it (unless given its model's ``layout``: an agent checks it once and
         its devices share the layout, which they only read), load and check this device's data,
         register with the Fed Server.
 
-        Bad data stops here with a :class:`DataError`, before the device registers. A run this
+        ``register``: False when the agent registers its devices together
+        (:mod:`device_agent.registrar`). Bad data stops here with a :class:`DataError`, before the
+        device registers. A run this
         process cannot train (:func:`check_run`: an unknown algorithm, a model it may not or cannot
         build) stops the device here (ValueError), before anything is imported: code is never
         taken from the network.
@@ -248,7 +250,7 @@ class Device:
         self._profile = self.profile()
         if not self.keep_data:
             self._release_data()
-        if not self.stop.is_set():
+        if register and not self.stop.is_set():
             self.register()
 
     def prepare(self, info: RunInfo, layout: SplitModel, data: ArrayDataset,
@@ -289,21 +291,30 @@ class Device:
 
     def register(self) -> None:
         """Announce this device, its shard, its profile and its model's fingerprint to the Fed
-        Server, and its label counts when the run asks for them (several Main Server replicas). A fingerprint that differs from the run's is refused (Conflict): the device stops
-        rather than train on another model: every refusal stops the device (:class:`RegistrationRefused`)."""
-        assert self.device_model is not None and self.info is not None and self.main_link is not None
-        request = RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=self.num_samples,
-                                  profile=self._profile,
-                                  fingerprint=model_fingerprint(self.device_model.layout, self.info.data,
-                                                                self.info.loss, self.info.task),
-                                  label_counts=self.label_counts
-                                  if self.info.label_counts_at_registration else None)
+        Server, and its label counts when the run asks for them (several Main Server replicas). A
+        fingerprint that differs from the run's is refused (Conflict): the device stops rather than
+        train on another model: every refusal stops the device (:class:`RegistrationRefused`)."""
         try:
-            answer = self.fed.register(request)
+            answer = self.fed.register(self.registration())
         except DomainError as exc:
             if isinstance(exc, Failed):   # the server's own fault, not a refusal
                 raise
             raise RegistrationRefused(f"refused by the Fed Server: {exc}") from None
+        self.registered(answer)
+
+    def registration(self) -> RegisterRequest:
+        """What this device registers with (:meth:`register`, or its agent's batch)."""
+        assert self.device_model is not None and self.info is not None
+        return RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=self.num_samples,
+                               profile=self._profile,
+                               fingerprint=model_fingerprint(self.device_model.layout, self.info.data,
+                                                             self.info.loss, self.info.task),
+                               label_counts=self.label_counts if self.info.label_counts_at_registration else None)
+
+    def registered(self, answer: RegisterResponse) -> None:
+        """The Fed Server registered the device: its Main Server client presents the new token from
+        now on (its Fed Server client took it with the answer, or from its agent's registrar)."""
+        assert self.main_link is not None
         self.main_link.new_token(answer.token)  # the next task's Main Server client presents it
         log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",
                  answer.shard, self.num_samples, self._profile.kind)

@@ -18,10 +18,13 @@ from fed_server.driver import drive_rounds
 from fed_server.settings import FedServerSettings
 from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus
-from http_api.server import MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from http_api.server import (
+    MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, read_message, status_of,
+)
 from shared.schemas import (
-    AGENT_ID_PATTERN, API, AgentTaskRequest, EvaluationReport, RegisterRequest, ReportRequest, ServerPortionUpload,
-    UpdateRequest, WithdrawRequest,
+    AGENT_ID_PATTERN, API, MAX_REGISTRATION_BATCH, AgentTaskRequest, EvaluationReport, Refusal, RegisterRequest,
+    RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, ServerPortionUpload, UpdateRequest,
+    WithdrawRequest,
 )
 from shared.wire import pack_body
 
@@ -104,6 +107,21 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         enrolment = settings.auth.check_enrolment(request.headers)
         req = await read_message(request, RegisterRequest, settings.max_register_bytes)
         return msgpack_response(coordinator.enrolment.enrol(req, enrolment, settings.auth))
+
+    @app.post(f"{API}/devices/registrations", response_class=Response,
+              openapi_extra=msgpack_body_schema(RegistrationBatch))
+    async def registrations(request: Request) -> Response:
+        """Agent: register several devices at once, each as it would alone; the answer says, for
+        each, its registration or why it was refused (docs/api.md)."""
+        enrolment = settings.auth.check_enrolment(request.headers)
+        batch = await read_message(request, RegistrationBatch, MAX_REGISTRATION_BATCH * settings.max_register_bytes)
+        answer = RegistrationBatchResponse()
+        for req, outcome in zip(batch.devices, coordinator.enrolment.enrol_each(batch.devices, enrolment, settings.auth)):
+            if isinstance(outcome, RegisterResponse):
+                answer.registered.append(outcome)
+            else:
+                answer.refused[req.device_id] = Refusal(status=status_of(outcome), detail=str(outcome))
+        return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
     async def task(device_id: str, request: Request, wait_s: float = 0.0) -> Response:

@@ -11,7 +11,7 @@ from fed_server.device_tokens import DeviceTokens
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
 from shared.auth import Auth, Enrolment, device_bearer_token
-from shared.errors import Conflict, Invalid, NotAllowed, NotFound
+from shared.errors import Conflict, DomainError, Invalid, NotAllowed, NotFound
 from shared.losses import label_counts_problem
 from shared.models import fingerprint_differences
 from shared.models.fingerprint import ModelFingerprint
@@ -66,6 +66,18 @@ class DeviceEnrolment:
                                              devices.devices[req.device_id].token_nonce)
             self.tokens.issued(req.device_id, answer.token)
         return answer
+
+    def enrol_each(self, reqs: list[RegisterRequest], enrolment: Enrolment | None,
+                   auth: Auth) -> list[RegisterResponse | DomainError]:
+        """:meth:`enrol` for each of ``reqs`` in turn (a batch): each device's answer, or the
+        domain error its own registration would have raised (it changed nothing)."""
+        answers: list[RegisterResponse | DomainError] = []
+        for req in reqs:
+            try:
+                answers.append(self.enrol(req, enrolment, auth))
+            except DomainError as exc:
+                answers.append(exc)
+        return answers
 
     def check_token(self, headers: Mapping[str, str], device_id: str, auth: Auth) -> None:
         """The caller holds ``device_id``'s current token in this run. A caller with a token for a

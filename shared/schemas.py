@@ -146,6 +146,40 @@ class RegisterResponse(Message):
     token: str | None = None   # the device's bearer token (None when the servers run without auth)
 
 
+#: The most devices one registration batch may hold (:class:`RegistrationBatch`).
+MAX_REGISTRATION_BATCH = 100
+
+
+class RegistrationBatch(Message):
+    """Several devices of one agent registering in one request (``POST /v1/devices/registrations``),
+    each exactly as it would alone."""
+
+    devices: list[RegisterRequest] = Field(min_length=1, max_length=MAX_REGISTRATION_BATCH)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "RegistrationBatch":
+        ids = [device.device_id for device in self.devices]
+        if len(set(ids)) != len(ids):
+            raise ValueError("devices names a device more than once")
+        return self
+
+
+class Refusal(Message):
+    """Why one device of a batch was not registered: the status and the one-line reason its own
+    registration would have been answered with."""
+
+    status: int
+    detail: str
+
+
+class RegistrationBatchResponse(Message):
+    """Each device of a batch registered (its answer, with its token) or refused (why): one device's
+    refusal changes nothing and does not stop the others."""
+
+    registered: list[RegisterResponse] = []
+    refused: dict[DeviceId, Refusal] = {}
+
+
 class DeviceTimings(Message):
     """Measured seconds of one device in one round (emulated stretching included)."""
 

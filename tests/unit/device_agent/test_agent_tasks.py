@@ -9,26 +9,45 @@ import time
 
 from device_agent.agent_tasks import AgentTasks
 from device_agent.api import Unreachable
-from shared.schemas import AgentTaskRequest, AgentTaskResponse, DeviceTask, TaskResponse
+from device_agent.device import RegistrationRefused
+from shared.errors import Failed
+from shared.schemas import (
+    AgentTaskRequest, AgentTaskResponse, DeviceProfileMsg, DeviceTask, Refusal, RegisterRequest, RegisterResponse,
+    RegistrationBatch, RegistrationBatchResponse, TaskResponse,
+)
 
 WAIT = 5.0
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.token: str | None = None
+
+    def use_token(self, token: str | None) -> None:
+        self.token = token
 
 
 class FakeDevice:
     def __init__(self, device_id: str) -> None:
         self.device_id = device_id
-        self.token: str | None = f"token-{device_id}"
+        self.fed = FakeClient()
         self.handled: list[str] = []
         self.registrations = 0
+
+    @property
+    def token(self) -> str | None:
+        return self.fed.token
 
     def handle(self, task: TaskResponse, task_bytes: int, received_at: float) -> bool:
         assert task_bytes > 0
         self.handled.append(task.status)
         return task.status == "done"
 
-    def register(self) -> None:
+    def registration(self) -> RegisterRequest:
+        return RegisterRequest(device_id=self.device_id, shard=0, num_samples=1, profile=DeviceProfileMsg(flops=1))
+
+    def registered(self, answer: RegisterResponse) -> None:
         self.registrations += 1
-        self.token = f"token-{self.device_id}-{self.registrations}"
 
 
 class FakeServer:
@@ -37,9 +56,24 @@ class FakeServer:
     def __init__(self) -> None:
         self.answers: queue.Queue[AgentTaskResponse | Exception] = queue.Queue()
         self.added: list[list[str]] = []
+        self.batches: list[list[str]] = []
+        self.refuse: dict[str, int] = {}   # device id -> the status its registration is refused with
         self.on_add = lambda req: AgentTaskResponse()
         self.agent_ids: set[str] = set()
         self.changed = threading.Condition()
+
+    def register_batch(self, req: RegistrationBatch) -> RegistrationBatchResponse:
+        with self.changed:
+            self.batches.append([d.device_id for d in req.devices])
+            self.changed.notify_all()
+        answer = RegistrationBatchResponse()
+        for device in req.devices:
+            if device.device_id in self.refuse:
+                answer.refused[device.device_id] = Refusal(status=self.refuse[device.device_id], detail="no")
+            else:
+                answer.registered.append(RegisterResponse(run_id="r", device_id=device.device_id, shard=0,
+                                                          token=f"token-{device.device_id}-{len(self.batches)}"))
+        return answer
 
     def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
         self.agent_ids.add(agent_id)
@@ -81,7 +115,7 @@ def test_idle_devices_are_added_their_tasks_run_and_they_are_added_again_until_d
     server, devices = FakeServer(), [FakeDevice(f"d{i}") for i in range(3)]
     session, failures = _session(server, devices)
     for device in devices:
-        session.idle(device)
+        session.register(device)
     server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d1", "d2"])
     server.answers.put(AgentTaskResponse(tasks=[_task("d0"), _task("d1")]))
     server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d0", "d1", "d1", "d2"])
@@ -95,7 +129,7 @@ def test_idle_devices_are_added_their_tasks_run_and_they_are_added_again_until_d
 def test_a_task_for_a_device_that_is_not_idle_is_not_run_twice():
     server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
     session, _ = _session(server, devices)
-    session.idle(devices[0])
+    session.register(devices[0])
     server.wait_added(lambda added: _flat(added) == ["d0"])
     server.answers.put(AgentTaskResponse(tasks=[_task("d0"), _task("d1")]))   # d1 was never added
     server.wait_added(lambda added: _flat(added) == ["d0", "d0"])
@@ -105,8 +139,8 @@ def test_a_task_for_a_device_that_is_not_idle_is_not_run_twice():
 def test_a_session_the_server_forgot_gets_its_idle_devices_again():
     server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
     session, _ = _session(server, devices)
-    session.idle(devices[0])
-    session.idle(devices[1])
+    session.register(devices[0])
+    session.register(devices[1])
     server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d1"])
     server.answers.put(AgentTaskResponse())   # the first held answer: the session exists
     time.sleep(0.3)
@@ -118,13 +152,14 @@ def test_a_session_the_server_forgot_gets_its_idle_devices_again():
 def test_a_device_the_server_does_not_know_registers_again_and_a_refused_one_stops():
     server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1"), FakeDevice("d2")]
     server.on_add = lambda req: AgentTaskResponse(
-        unknown=["d0"] if devices[0].registrations == 0 and "d0" in [d.device_id for d in req.add] else [],
+        unknown=["d0"] if devices[0].registrations == 1 and "d0" in [d.device_id for d in req.add] else [],
         refused={"d1": "replaced"} if "d1" in [d.device_id for d in req.add] else {})
     session, failures = _session(server, devices)
     for device in devices:
-        session.idle(device)
+        session.register(device)
     server.wait_added(lambda added: _flat(added).count("d0") == 2)
-    assert devices[0].registrations == 1 and [f[0] for f in failures] == ["d1"]
+    assert devices[0].registrations == 2 and _flat(server.batches).count("d0") == 2
+    assert [f[0] for f in failures] == ["d1"]
     assert "replaced" in str(failures[0][1])
     server.answers.put(AgentTaskResponse(tasks=[_task("d0", "done"), _task("d2", "done")]))
     assert session.ended.wait(WAIT)
@@ -137,7 +172,20 @@ def test_a_fed_server_unreachable_for_longer_than_allowed_fails_the_waiting_devi
         server.answers.put(Unreachable("connection refused"))
     session, failures = _session(server, devices, max_downtime_s=0.5, retry_s=0.05)
     for device in devices:
-        session.idle(device)
+        session.register(device)
     assert session.ended.wait(WAIT)
     assert sorted(f[0] for f in failures) == ["d0", "d1"]
     assert all(isinstance(f[1], Unreachable) for f in failures)
+
+
+def test_devices_register_in_batches_with_their_tokens_and_a_refused_one_fails_with_its_reason():
+    server, devices = FakeServer(), [FakeDevice(f"d{i}") for i in range(4)]
+    server.refuse = {"d1": 409, "d2": 500}
+    session, failures = _session(server, devices)
+    for device in devices:
+        session.register(device)
+    server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d3"])
+    assert sorted(_flat(server.batches)) == ["d0", "d1", "d2", "d3"] and len(server.batches) <= 4
+    assert devices[0].token.startswith("token-d0-") and devices[0].registrations == 1
+    assert sorted((device, type(exc)) for device, exc in failures) == [("d1", RegistrationRefused), ("d2", Failed)]
+    assert "refused by the Fed Server: no" in str(dict(failures)["d1"])

@@ -19,12 +19,13 @@ from shared.algorithms.registry import ALGORITHMS
 from shared.config import TrainConfig
 from shared.data import DataSpec, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
-from shared.errors import Conflict, Failed, Invalid, NotFound
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
 from shared.evaluation import evaluation_sums
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.schemas import (
-    AgentTaskRequest, AgentTaskResponse, DeviceTask, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    AgentTaskRequest, AgentTaskResponse, DeviceTask, EvaluationReport, Refusal, RegistrationBatch,
+    RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WeightsResponse, WireTensor, WithdrawRequest,
 )
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
@@ -72,6 +73,9 @@ class FakeFed:
         return RegisterResponse(run_id=INFO.run_id, device_id=req.device_id, shard=req.shard,
                                 token=f"token-{len(self.registrations)}")
 
+    def use_token(self, token: str | None) -> None:
+        self.token = token
+
     def task(self, device_id: str, wait_s: float = 0.0) -> tuple[TaskResponse, int]:
         answer = self.script.pop(0)
         if isinstance(answer, Exception):
@@ -97,13 +101,24 @@ class FakeFed:
 
 
 class ScriptedSession:
-    """An agent's task session over its devices' scripted :class:`FakeFed`s: each request hands
-    every device idle in it the next answer of its script."""
+    """An agent's session over its devices' scripted :class:`FakeFed`s: each device of a batch
+    registers with its own, and each task request hands every device idle in it the next answer of
+    its script."""
 
     def __init__(self, devices: list[Device]) -> None:
         self.feds = {device.device_id: device.fed for device in devices}
         self.idle: set[str] = set()
         self.lock = threading.Lock()
+
+    def register_batch(self, req: RegistrationBatch) -> RegistrationBatchResponse:
+        answer = RegistrationBatchResponse()
+        for device in req.devices:
+            try:
+                answer.registered.append(self.feds[device.device_id].register(device))
+            except DomainError as exc:
+                answer.refused[device.device_id] = Refusal(status=409 if isinstance(exc, Conflict) else 500,
+                                                           detail=str(exc))
+        return answer
 
     def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
         with self.lock:
