@@ -52,6 +52,10 @@ class DeviceRegistry:
         self.num_shards = num_shards
         self.local_data = local_data
         self.devices: dict[str, DeviceRecord] = {}
+        # Kept beside ``devices`` so that a registration costs the same at any population: the
+        # device holding each shard or slot, and how many devices each enrolment holder holds.
+        self._by_place: dict[int, str] = {}
+        self._held_by: dict[str | None, int] = {}
 
     def _place(self, req: RegisterRequest) -> int:
         """The shard or slot ``req`` gets; raises (changing nothing) when it cannot have one."""
@@ -62,18 +66,17 @@ class DeviceRegistry:
             known = self.devices.get(req.device_id)
             if known is not None:
                 return known.shard
-            taken = {record.shard for record in self.devices.values()}
-            free = [slot for slot in range(self.num_shards) if slot not in taken]
-            if not free:
+            free = next((slot for slot in range(len(self._by_place) + 1) if slot not in self._by_place), self.num_shards)
+            if free >= self.num_shards:
                 raise Conflict(f"the run is full: all {self.num_shards} device slots (data.num_devices) are taken")
-            return free[0]
+            return free
         if req.shard is None:
             raise Invalid("this run partitions a built-in data set: register with the shard the device holds")
         if req.shard >= self.num_shards:
             raise Invalid(f"shard {req.shard} does not exist: the run has {self.num_shards} shards (0..{self.num_shards - 1})")
-        for other in self.devices.values():
-            if other.shard == req.shard and other.device_id != req.device_id:
-                raise Conflict(f"shard {req.shard} is already held by device {other.device_id!r}")
+        holder = self._by_place.get(req.shard)
+        if holder is not None and holder != req.device_id:
+            raise Conflict(f"shard {req.shard} is already held by device {holder!r}")
         return req.shard
 
     def register(self, req: RegisterRequest) -> DeviceRecord:
@@ -81,7 +84,11 @@ class DeviceRegistry:
         record = DeviceRecord(req.device_id, self._place(req), req.num_samples,
                               DeviceProfile(flops=req.profile.flops, rate=req.profile.rate), req.profile.kind,
                               label_counts=req.label_counts)
+        known = self.devices.get(req.device_id)
+        if known is not None:   # the same place (_place keeps it); the holder is set again by enrol
+            record.holder = known.holder
         self.devices[req.device_id] = record
+        self._by_place[record.shard] = req.device_id
         return record
 
     def enrol(self, req: RegisterRequest, enrolment: Enrolment | None, register: Callable[[], T]) -> T:
@@ -98,13 +105,31 @@ class DeviceRegistry:
                 raise Conflict(f"device {req.device_id!r} is held under another enrolment credential: only the "
                                f"credential it registered with can enrol it again")
             if known is None and enrolment.max_devices is not None:
-                held = sum(record.holder == enrolment.holder for record in self.devices.values())
+                held = self._held_by.get(enrolment.holder, 0)
                 if held >= enrolment.max_devices:
                     raise NotAllowed(f"{enrolment.holder} may register at most {enrolment.max_devices} devices and "
                                      f"holds {held}: enrol further devices with their own enrolment credentials")
         answer = register()
-        self.devices[req.device_id].holder = enrolment.holder if enrolment is not None else None
+        self._hold(req.device_id, enrolment.holder if enrolment is not None else None)
         return answer
+
+    def _hold(self, device_id: str, holder: str | None) -> None:
+        """Record ``holder`` as the one that enrolled ``device_id`` (and count it)."""
+        record = self.devices[device_id]
+        if record.holder is not None:
+            self._held_by[record.holder] -= 1
+        record.holder = holder
+        if holder is not None:
+            self._held_by[holder] = self._held_by.get(holder, 0) + 1
+
+    def holds(self, place: int | str) -> bool:
+        """Whether a registered device holds ``place``: a shard or slot, or with the devices' own
+        data a device id."""
+        return place in self.devices if isinstance(place, str) else place in self._by_place
+
+    def kinds(self, device_ids: Iterable[str]) -> dict[str, str]:
+        """The registered kind of each of ``device_ids`` that is registered."""
+        return {d: self.devices[d].kind for d in device_ids if d in self.devices}
 
     def get(self, device_id: str) -> DeviceRecord:
         record = self.devices.get(device_id)

@@ -182,8 +182,8 @@ class DeviceEnrolment:
         deadline, once the quorum has (a resumed run whose devices did not all come back)."""
         config, devices = self.core.config, self.core.devices
         quorum = len(devices) >= config.deadlines.min_participants
-        held = {record.device_id if devices.local_data else record.shard for record in devices.devices.values()}
-        if len(devices) >= config.data.num_devices or (quorum and len(held | self._refused) >= config.data.num_devices):
+        placed = len(devices) + sum(not devices.holds(place) for place in self._refused)
+        if len(devices) >= config.data.num_devices or (quorum and placed >= config.data.num_devices):
             return True
         return time.monotonic() >= self.registration_deadline() and quorum
 

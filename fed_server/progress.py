@@ -104,7 +104,7 @@ class Progress:
         record = round_record(
             fed_round, config.algorithm, aggregation.used, aggregation.dropped, "ok" if ok else "failed", figures,
             time.monotonic() - fed_round.started_at, self.elapsed(), self.cumulative_bytes,
-            {d: r.kind for d, r in core.devices.devices.items()}, aggregation.aggregation_s,
+            core.devices.kinds(fed_round.assignments), aggregation.aggregation_s,
             {**core.selector.metrics(), **core.algorithm.round_metrics(fed_round.context, aggregation.extras)} if ok else {},
             evaluated_devices=evaluated[0], evaluated_samples=evaluated[1])
         self.cumulative_bytes = record.cumulative_bytes

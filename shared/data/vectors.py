@@ -57,10 +57,11 @@ def batch_sha256(x: torch.Tensor, y: torch.Tensor) -> str:
     return hashlib.sha256(inputs.tobytes() + labels.tobytes()).hexdigest()
 
 
-# The vectors of one spec are computed once per process: an agent hosting many virtual devices
-# fingerprints each of them, and the threads may ask at the same time.
+# The vectors of one spec, and their digest, are computed once per process: an agent hosting many
+# virtual devices fingerprints each of them, and the threads may ask at the same time.
 _LOCK = threading.Lock()
 _VECTORS: dict[str, list[ShardVector]] = {}
+_DIGESTS: dict[str, str] = {}
 
 
 def shard_vectors(spec: DataSpec) -> list[ShardVector]:
@@ -84,6 +85,20 @@ def shards_sha256(vectors: list[ShardVector]) -> str:
     """sha256 (hex) of the vectors in shard order as canonical JSON: ``[{"first_batch_sha256":
     "...","size":N},...]``."""
     return hashlib.sha256(canonical_json([v.model_dump(mode="json") for v in vectors]).encode()).hexdigest()
+
+
+def spec_shards_sha256(spec: DataSpec) -> str:
+    """``shards_sha256(shard_vectors(spec))``, computed once per process and spec: what every
+    device's fingerprint carries, so that fingerprinting N devices costs N times the model, not
+    N times the shards (O(N^2) for a population of one device per shard)."""
+    key = spec.model_dump_json()
+    with _LOCK:
+        digest = _DIGESTS.get(key)
+    if digest is None:
+        digest = shards_sha256(shard_vectors(spec))
+        with _LOCK:
+            _DIGESTS[key] = digest
+    return digest
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,7 @@ from shared.data.datasets import (
     CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, MNIST_MEAN, MNIST_STD,
 )
 from shared.data.spec import DataSpec, InputTransform
-from shared.data.vectors import canonical_json, shard_vectors, shards_sha256
+from shared.data.vectors import canonical_json, spec_shards_sha256
 from shared.losses import DEFAULT_LOSS
 from shared.models.split_model import SplitModel
 
@@ -95,7 +95,7 @@ def data_pipeline(spec: DataSpec) -> DataPipeline | None:
         return None
     divisor, mean, std = NORMALISATION[spec.dataset]
     return DataPipeline(divisor=divisor, mean=list(mean), std=list(std), **spec.model_dump(include=set(PIPELINE_SETTINGS)),
-                        shards_sha256=shards_sha256(shard_vectors(spec)))
+                        shards_sha256=spec_shards_sha256(spec))
 
 
 class ModelFingerprint(BaseModel):
