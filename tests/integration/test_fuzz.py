@@ -57,7 +57,7 @@ from schemathesis.transport.serialization import Binary  # noqa: E402
 
 from integration_support import server_pair, small_config  # noqa: E402
 from shared.models import build_model  # noqa: E402
-from shared.schemas import MAX_LABEL_COUNT  # noqa: E402
+from shared.schemas import MAX_LABEL_COUNT, MAX_REGISTRATION_BATCH  # noqa: E402
 from shared.wire import MAX_ELEMENTS, encode_state, packb, unpackb  # noqa: E402
 from test_bad_input import HEADERS, NUM_CLASSES, make_plan, step_body  # noqa: E402
 from test_bad_input import _update as update_body  # noqa: E402
@@ -261,17 +261,19 @@ def fuzz(operation, base_url: str, service, state, seen: collections.Counter, un
 
 
 def _shorten_status_hold(case) -> None:
-    """A valid ``wait_s`` of ``GET /v1/status`` holds the answer until a record is written, up to
-    30 s, which never comes here (the Fed Server waits for devices): 10 ms instead, so that the
-    examples do not each wait out their hold. Invalid values are sent as generated."""
-    if case.operation.path != "/v1/status" or not isinstance(case.query, dict) or "wait_s" not in case.query:
+    """A valid ``wait_s`` of ``GET /v1/status`` holds the answer until a record is written, and one
+    of an agent's task request until one of its devices has a task, up to 30 s, which never comes
+    here (the Fed Server waits for devices): 10 ms instead, so that the examples do not each wait
+    out their hold. Invalid values are sent as generated."""
+    held = {"/v1/status": case.query, "/v1/agents/{agent_id}/tasks": case.body}.get(case.operation.path)
+    if not isinstance(held, dict) or "wait_s" not in held:
         return
     try:
-        wait_s = float(case.query["wait_s"])
+        wait_s = float(held["wait_s"])
     except (TypeError, ValueError):
         return
     if 0.01 < wait_s <= 30.0:
-        case.query["wait_s"] = 0.01
+        held["wait_s"] = 0.01
 
 
 def _with_body(pair):
@@ -356,7 +358,8 @@ def test_fuzz_fed_server(services, client):
     schema = load_schema(services["fed"])
     ops = operations(schema)
     posts = {op.path for op in ops if op.method.upper() == "POST"}
-    assert posts == {"/v1/devices/register", "/v1/rounds/{round_id}/updates", "/v1/rounds/{round_id}/reports",
+    assert posts == {"/v1/devices/register", "/v1/devices/registrations", "/v1/agents/{agent_id}/tasks",
+                     "/v1/rounds/{round_id}/updates", "/v1/rounds/{round_id}/reports",
                      "/v1/rounds/{round_id}/server-portions", "/v1/evaluation",
                      "/v1/rounds/{round_id}/withdrawals"}, posts
     before = fed_state(client, services)
@@ -364,12 +367,21 @@ def test_fuzz_fed_server(services, client):
     state = lambda: fed_state(client, services)  # noqa: E731
     seen: collections.Counter = collections.Counter()
 
-    # Everything but register: the Fed Server waits for devices, so nothing may change at all.
-    register = [op for op in ops if op.path == "/v1/devices/register"]
+    # Everything but registrations and agents' task requests: the Fed Server waits for devices, so
+    # nothing may change at all.
+    registrations = {"/v1/devices/register", "/v1/devices/registrations"}
+    agent_tasks = "/v1/agents/{agent_id}/tasks"
+    register = [op for op in ops if op.path in registrations]
     for op in ops:
-        if op.path != "/v1/devices/register":
+        if op.path not in registrations and op.path != agent_tasks:
             fuzz(op, services["fed"], services["fed_service"], state, seen)
     assert not any(200 <= status < 300 for (label, status) in seen if label.startswith("POST")), summary(seen)
+    assert fed_state(client, services) == before
+    # An agent's task request may be answered (a session opened, its devices unknown), and still
+    # changes nothing the run shows.
+    for op in ops:
+        if op.path == agent_tasks:
+            fuzz(op, services["fed"], services["fed_service"], state, seen)
     assert fed_state(client, services) == before
 
     def register_unchanged(before: dict, after: dict) -> bool:
@@ -384,8 +396,9 @@ def test_fuzz_fed_server(services, client):
     for path in posts:
         assert seen[(f"POST {path}", 422)] > 0, summary(seen)
     after = fed_state(client, services)
-    accepted = sum(count for (label, status), count in seen.items()
-                   if label == "POST /v1/devices/register" and 200 <= status < 300)
+    accepted = sum(count * (MAX_REGISTRATION_BATCH if label.endswith("registrations") else 1)
+                   for (label, status), count in seen.items()
+                   if label in ("POST /v1/devices/register", "POST /v1/devices/registrations") and 200 <= status < 300)
     assert after["registered"] <= min(accepted, after["expected_devices"])
     if after["registered"] == after["expected_devices"]:
         # Fuzzed devices (odd profiles: tiny flops, zero samples) filled the run: its first round must open.

@@ -208,7 +208,14 @@ def test_a_resumed_run_continues_its_tensorboard_folder_and_mlflow_run(tmp_path,
     # The Fed Server is killed here (no finish); what it queued is written by then.
     _wait_for(lambda: (tmp_path / "mlflow_run.json").exists(), "the MLflow run")
     store = MlflowClient(uri)
-    mlflow_run = store.search_runs([store.get_experiment_by_name("s2fl").experiment_id])[0].info.run_id
+
+    def only_run() -> str | None:
+        try:
+            return store.search_runs([store.get_experiment_by_name("s2fl").experiment_id])[0].info.run_id
+        except ValueError:   # the file store read a metric file its writer had opened but not written yet
+            return None
+    _wait_for(lambda: only_run() is not None, "the MLflow run's files")
+    mlflow_run = only_run()
     _wait_for(lambda: logged(store, mlflow_run) == [(1, 0.25)], "round 1 in MLflow")
     _wait_for(lambda: bool(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))), "round 1 in TensorBoard")
 
