@@ -166,6 +166,7 @@ class Agent:
         self.tasks_fed: AgentApi = HttpFedClient(fed_server_url, verify, enrolment_secret, retries=0,
                                                  request_delay_s=request_delay_s)
         self.errors: dict[str, BaseException] = {}
+        self._threads: list[threading.Thread] = []   # what a stopping agent waits for (:meth:`_start`)
         self.metrics = metrics  # device_agent.metrics.AgentMetrics or None (no --metrics-port)
         if metrics is not None:
             for device in self.devices:
@@ -208,7 +209,6 @@ class Agent:
         session. The exit code: 2 if the Fed Server refused any device's registration (a
         configuration problem, which a restart does not fix; the agent's other devices train on
         to the end), else 1 if any device failed, else 0."""
-        self._threads: list[threading.Thread] = []
         try:
             info, layout = self.check_run()
             if len(self.devices) == 1:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from device_agent.api import AgentApi, Unreachable
 from device_agent.device import Device, TASK_WAIT_S
+from device_agent.pending import PendingDevices
 from device_agent.registrar import Registrar
 from shared.errors import DomainError
 from shared.schemas import MAX_AGENT_DEVICES, AgentDevice, AgentTaskRequest, AgentTaskResponse, DeviceTask
@@ -61,11 +62,11 @@ class AgentTasks:
         self.ended = threading.Event()
         self._devices = {device.device_id: device for device in devices}
         self._lock = threading.Lock()
-        self._to_add: dict[str, Device] = {}    # idle, not yet told to the session
+        # Idle, not yet told to the session; taken into _idle in step with each batch (one lock).
+        self._to_add = PendingDevices(MAX_AGENT_DEVICES, self._lock)
         self._idle: dict[str, Device] = {}      # told to the session as idle: it may hand them tasks
         self._left = len(self._devices)         # devices not ended
         self._opened = False                    # a request was answered: the session exists
-        self._added = threading.Event()         # devices wait in _to_add: wakes the adder
         self._down_since: float | None = None
         self.registrar = Registrar(api, stop, self._over, self.idle, self.end)
 
@@ -81,9 +82,7 @@ class AgentTasks:
 
     def idle(self, device: Device) -> None:
         """``device`` is registered and has no task: add it to the session."""
-        with self._lock:
-            self._to_add[device.device_id] = device
-        self._added.set()
+        self._to_add.add([device])
 
     def end(self, device: Device, error: BaseException | None = None) -> None:
         """``device`` is done with the run, or (``error``) cannot go on."""
@@ -93,7 +92,7 @@ class AgentTasks:
             self._left -= 1
             if self._left <= 0:
                 self.ended.set()
-        self._added.set()   # the adder ends too
+        self._to_add.wake()   # the adder ends too
         self.registrar.wake()
 
     # --- the two requesters -----------------------------------------------------------------
@@ -105,22 +104,18 @@ class AgentTasks:
     def _add(self) -> None:
         """Tell the session of idle devices as they come, without waiting (several at once when
         they come while a request is out)."""
-        while not self._over():
-            self._added.wait()
-            self._added.clear()
-            while not self._over():
-                with self._lock:
-                    batch = list(self._to_add.values())[:MAX_AGENT_DEVICES]
-                    for device in batch:
-                        del self._to_add[device.device_id]
-                        self._idle[device.device_id] = device
-                if not batch:
-                    break
-                if not self._request(batch, 0.0):
-                    with self._lock:   # sent again with the next batch
-                        for device in batch:
-                            if self._idle.pop(device.device_id, None) is not None:
-                                self._to_add[device.device_id] = device
+        self._to_add.send_all(self._over, self._send_added, taken=self._idle_now)
+
+    def _idle_now(self, batch: list[Device]) -> None:
+        """``batch`` is being told to the session: it may hand them tasks from now on (under the lock)."""
+        self._idle.update((device.device_id, device) for device in batch)
+
+    def _send_added(self, batch: list[Device]) -> None:
+        """Add ``batch`` to the session; a request that failed is sent again with the next batch."""
+        if not self._request(batch, 0.0):
+            with self._lock:
+                again = [device for device in batch if self._idle.pop(device.device_id, None) is not None]
+            self._to_add.add(again)
 
     def _over(self) -> bool:
         return self.stop.is_set() or self.ended.is_set()
@@ -149,9 +144,9 @@ class AgentTasks:
         if now - self._down_since > self.max_downtime_s:
             log.error("agent session: no answer from the Fed Server for %.0f s: its devices stop", now - self._down_since)
             with self._lock:
-                waiting = [d for d in self._devices.values() if d.device_id in self._idle or d.device_id in self._to_add]
+                waiting = [*self._idle.values(), *self._to_add.waiting.values()]
                 self._idle.clear()
-                self._to_add.clear()
+                self._to_add.waiting.clear()
             for device in waiting:
                 self.end(device, exc)
             return
@@ -170,9 +165,9 @@ class AgentTasks:
             if forgotten:
                 log.warning("agent session: the Fed Server did not know the session (it restarted?): its %d idle "
                             "devices are added again", len(self._idle))
-                self._to_add.update(self._idle)
+                self._to_add.waiting.update(self._idle)
                 self._idle.clear()
-                self._added.set()
+                self._to_add.wake()
         for device, device_task in tasks:
             self._thread(device, self._run_task, device, device_task, received_at)
         for device in unknown:

@@ -26,9 +26,15 @@ ERROR_OF_STATUS: dict[int, type[DomainError]] = {
 
 
 def domain_error(exc: ServiceError) -> DomainError:
-    """The domain error for an error answer; other 4xx (e.g. 413) read as Invalid, 5xx as Failed."""
-    kind = ERROR_OF_STATUS.get(exc.status, Invalid if exc.status < 500 else Failed)
-    return kind(str(exc))
+    """The domain error for an error answer."""
+    return error_for_status(exc.status, str(exc))
+
+
+def error_for_status(status: int, detail: str) -> DomainError:
+    """The domain error a server meant by ``status``; other 4xx (e.g. 413) read as Invalid, 5xx as
+    Failed. Also for the refusals a registration batch lists."""
+    kind = ERROR_OF_STATUS.get(status, Invalid if status < 500 else Failed)
+    return kind(detail)
 
 
 @contextmanager

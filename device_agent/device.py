@@ -53,6 +53,12 @@ class RegistrationRefused(Exception):
     before its data is loaded). A configuration problem, which retrying cannot fix."""
 
 
+def registration_error(exc: DomainError) -> Exception:
+    """What a registration the Fed Server did not take means for the device: its own fault
+    (:class:`Failed`) as it is, anything else a refusal (:class:`RegistrationRefused`)."""
+    return exc if isinstance(exc, Failed) else RegistrationRefused(f"refused by the Fed Server: {exc}")
+
+
 class Device:
     """A device agent's unit of work: its shard, its model copy, its clients and its profile.
 
@@ -297,9 +303,7 @@ class Device:
         try:
             answer = self.fed.register(self.registration())
         except DomainError as exc:
-            if isinstance(exc, Failed):   # the server's own fault, not a refusal
-                raise
-            raise RegistrationRefused(f"refused by the Fed Server: {exc}") from None
+            raise registration_error(exc) from None
         self.registered(answer)
 
     def registration(self) -> RegisterRequest:

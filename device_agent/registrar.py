@@ -12,7 +12,9 @@ import threading
 from collections.abc import Callable
 
 from device_agent.api import AgentApi, Unreachable
-from device_agent.device import Device, RegistrationRefused
+from device_agent.clients import error_for_status
+from device_agent.device import Device, registration_error
+from device_agent.pending import PendingDevices
 from shared.errors import DomainError, Failed
 from shared.schemas import MAX_REGISTRATION_BATCH, RegistrationBatch
 
@@ -37,35 +39,21 @@ class Registrar:
         self.refused = refused
         self.tries = tries
         self.retry_s = retry_s
-        self._lock = threading.Lock()
-        self._waiting: dict[str, Device] = {}
-        self._ready = threading.Event()
+        self._pending = PendingDevices(MAX_REGISTRATION_BATCH)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="registrar", daemon=True).start()
 
     def add(self, device: Device) -> None:
         """Register ``device`` (set up, or forgotten by the Fed Server) with the next batch."""
-        with self._lock:
-            self._waiting[device.device_id] = device
-        self._ready.set()
+        self._pending.add([device])
 
     def wake(self) -> None:
         """Look at :attr:`over` again (the session ended)."""
-        self._ready.set()
+        self._pending.wake()
 
     def _run(self) -> None:
-        while not self.over():
-            self._ready.wait()
-            self._ready.clear()
-            while not self.over():
-                with self._lock:
-                    batch = list(self._waiting.values())[:MAX_REGISTRATION_BATCH]
-                    for device in batch:
-                        del self._waiting[device.device_id]
-                if not batch:
-                    break
-                self._send(batch)
+        self._pending.send_all(self.over, self._send)
 
     def _send(self, batch: list[Device]) -> None:
         """One batch, sent again while the Fed Server does not answer (up to :attr:`tries`)."""
@@ -76,9 +64,9 @@ class Registrar:
                 break
             except (Unreachable, DomainError) as exc:   # the whole request: none of its devices was registered
                 if attempt == self.tries or isinstance(exc, DomainError) or self.stop.is_set():
+                    error = registration_error(exc) if isinstance(exc, DomainError) else exc
                     for device in batch:
-                        self.refused(device, exc if not isinstance(exc, DomainError) or isinstance(exc, Failed)
-                                     else RegistrationRefused(f"refused by the Fed Server: {exc}"))
+                        self.refused(device, error)
                     return
                 log.warning("registering %d devices: the Fed Server did not answer (%s); retrying", len(batch), exc)
                 self.stop.wait(self.retry_s)
@@ -90,8 +78,6 @@ class Registrar:
             self.registered(device)
         for device_id, refusal in answer.refused.items():
             device = by_id.pop(device_id)
-            error: BaseException = (Failed(refusal.detail) if refusal.status >= 500
-                                    else RegistrationRefused(f"refused by the Fed Server: {refusal.detail}"))
-            self.refused(device, error)
+            self.refused(device, registration_error(error_for_status(refusal.status, refusal.detail)))
         for device in by_id.values():   # an answer that left a device out: as a failed registration
             self.refused(device, Failed(f"{device.device_id}: the Fed Server's answer did not mention the device"))

@@ -26,12 +26,18 @@ from shared.schemas import AgentTaskRequest, AgentTaskResponse, DeviceTask
 #: A session that has not asked for this long is forgotten: far beyond a held request's 30 s and an
 #: agent's back-off, so only a stopped agent's session goes.
 SESSION_IDLE_S = 120.0
+#: How often a session's idle devices are marked seen: well inside the active-device gauge's window
+#: (:data:`fed_server.metrics.ACTIVE_WINDOW_S`), and not at every request: an agent asks once for
+#: each device that ends a task, and marking its thousands of idle devices each time would cost the
+#: population at every one.
+SEEN_EVERY_S = 5.0
 
 
 @dataclass
 class _Session:
     idle: dict[str, str | None] = field(default_factory=dict)   # device id -> the token it was added with
     asked_at: float = field(default_factory=time.monotonic)
+    seen_at: float = float("-inf")   # when its idle devices were last marked seen
 
 
 class AgentSessions:
@@ -70,7 +76,9 @@ class AgentSessions:
                                                     f"{device.device_id!r}: the device enrolled again")
             else:
                 session.idle[device.device_id] = device.token
-        devices.seen(session.idle)   # an idle device whose agent asks is alive (the active-device gauge)
+        if now - session.seen_at >= SEEN_EVERY_S:   # an idle device whose agent asks is alive (the active-device
+            devices.seen(session.idle)             # gauge): marked now and then, not at every request
+            session.seen_at = now
         answer.tasks = await self.core.work_posted.hold(lambda: self._hand_out(session, auth_enabled), bool,
                                                         req.wait_s)
         return answer

@@ -55,7 +55,7 @@ class DeviceRegistry:
         # Kept beside ``devices`` so that a registration costs the same at any population: the
         # device holding each shard or slot, and how many devices each enrolment holder holds.
         self._by_place: dict[int, str] = {}
-        self._held_by: dict[str | None, int] = {}
+        self._held_by: dict[str, int] = {}
 
     def _place(self, req: RegisterRequest) -> int:
         """The shard or slot ``req`` gets; raises (changing nothing) when it cannot have one."""
