@@ -8,7 +8,9 @@ partition (N generated devices, one per shard), a tenth of the population per ro
 shards, on loopback). With ``--s2fl`` also S2FL with the ``cnn`` on the embedded MNIST subset
 (IID) at :data:`S2FL_DEVICES` devices, :data:`S2FL_PER_ROUND` per round (with its Main Server).
 
-Per population: the seconds from starting the processes until the Fed Server's ``/v1/status``
+Each population starts with an empty data cache (``SFL_DATA_CACHE``, ``shared/data/synthetic_files.py``), so
+its time to register includes generating its data set once. Per population: the seconds from
+starting the processes until the Fed Server's ``/v1/status``
 counts every device registered (polled every half second), the median round period (a record's
 ``elapsed_s`` minus the previous one's), and the peak proportional set size of each process and of
 the whole testbed (the sum of ``Pss`` in ``/proc/<pid>/smaps_rollup``, sampled together every
@@ -158,6 +160,9 @@ def run_population(config: RunConfig, agents: int, time_limit_s: float, memory_l
     the rounds (within the time limit again), stop everything; the figures."""
     n = config.data.num_devices
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-h-"))
+    # A cold data cache: the time to register includes generating the population's data set.
+    cache_before = os.environ.get("SFL_DATA_CACHE")
+    os.environ["SFL_DATA_CACHE"] = str(root / "data-cache")
     testbed = Testbed(config, root / "run", agents=agents, log_level="WARNING")
     sampler: GuardedSampler | None = None
     registered, register_s, records, error = 0, None, [], None
@@ -181,6 +186,10 @@ def run_population(config: RunConfig, agents: int, time_limit_s: float, memory_l
         memory = sampler.stop() if sampler is not None else {}
         testbed.stop(interrupted=True)
         shutil.rmtree(root, ignore_errors=True)
+        if cache_before is None:
+            os.environ.pop("SFL_DATA_CACHE", None)
+        else:
+            os.environ["SFL_DATA_CACHE"] = cache_before
     if sampler is not None and sampler.tripped.is_set():
         error = f"stopped at the memory limit ({memory_limit_mib:,.0f} MiB PSS): {error}"
     if error:

@@ -431,30 +431,22 @@ def load_dataset(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
 def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: bool, seed: int
                            ) -> tuple[ArrayDataset, ArrayDataset]:
     """Synthetic(alpha, beta) as (train, test): the unions of the generated devices' 80/20 parts, in
-    device order, features as [N, 1, 1, 60] float32; ``writers`` of the training set is the
-    generating device's index as a string, so ``partition="natural"`` gives each shard one device."""
-    from shared.data.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_DIM, device_parts, train_size
+    device order, features as [N, 1, 1, 60] float32 mapped from the data cache
+    (``shared.data.synthetic_files``); ``writers`` of the training set is the generating device's
+    index as a string, so ``partition="natural"`` gives each shard one device."""
+    from shared.data.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_DIM, train_size
+    from shared.data.synthetic_files import synthetic_arrays
 
-    samples, devices = device_parts(num_devices, alpha, beta, iid, seed)
-    # Sizes are known before any sample is drawn: each device's parts go straight into float32
-    # arrays, so the float64 draws of only one device exist at a time.
-    n_train = np.array([train_size(int(n)) for n in samples], dtype=np.int64)
-    sizes = (n_train, samples - n_train)
-    xs = [np.empty((int(n.sum()), SYNTHETIC_DIM), dtype=np.float32) for n in sizes]
-    ys = [np.empty(int(n.sum()), dtype=np.int64) for n in sizes]
-    ends = [np.cumsum(n) for n in sizes]
-    for i, (x_train, y_train, x_test, y_test) in enumerate(devices):
-        for part, (x, y) in enumerate(((x_train, y_train), (x_test, y_test))):
-            start = int(ends[part][i]) - len(y)
-            xs[part][start:start + len(y)] = x
-            ys[part][start:start + len(y)] = y
+    arrays = synthetic_arrays(num_devices, alpha, beta, iid, seed)
+    n_train = np.array([train_size(int(n)) for n in arrays.samples], dtype=np.int64)
+    sizes = (n_train, arrays.samples - n_train)
+    # One string per generated device, referenced by each of its samples.
+    names = [str(i) for i in range(num_devices)]
     pair: list[ArrayDataset] = []
-    for part in range(2):
-        # One string per generated device, referenced by each of its samples.
-        names = [str(i) for i in range(num_devices)]
+    for part, (x, y) in enumerate(((arrays.x_train, arrays.y_train), (arrays.x_test, arrays.y_test))):
         writers = [names[i] for i, n in enumerate(sizes[part]) for _ in range(int(n))]
-        pair.append(ArrayDataset(x=torch.from_numpy(xs[part]).reshape(-1, 1, 1, SYNTHETIC_DIM),
-                                 y=torch.from_numpy(ys[part]), num_classes=SYNTHETIC_CLASSES, writers=writers))
+        pair.append(ArrayDataset(x=torch.from_numpy(x).reshape(-1, 1, 1, SYNTHETIC_DIM),
+                                 y=torch.from_numpy(y), num_classes=SYNTHETIC_CLASSES, writers=writers))
     return pair[0], pair[1]
 
 
