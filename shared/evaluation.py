@@ -94,6 +94,8 @@ def evaluation_sums(model: torch.nn.Module, data: ArrayDataset, loss: Loss | Non
                 error = (loss.predictions(output) - loss.targets(output, y)).reshape(len(y), -1)
                 squared += float(error.square().mean(dim=1).sum())
                 absolute += float(error.abs().mean(dim=1).sum())
+            if data.release_rows is not None:   # a mapped test set: hold one batch of it at a time
+                data.release_rows(start, min(start + batch_size, len(data)) - 1)
     finally:
         model.train(was_training)
     return EvaluationSums(len(data), correct, loss_sum, squared, absolute)

@@ -18,13 +18,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from shared.data.spec import DataSpec
+
+if TYPE_CHECKING:
+    from shared.data.synthetic_files import MappedRows
 
 __all__ = [
     "ArrayDataset",
@@ -81,6 +84,9 @@ class ArrayDataset:
     num_classes: int
     writers: list[str] | None = None
     """Per-sample writer id (FEMNIST, used by the natural partition); None for other datasets."""
+    release_rows: Callable[[int, int], None] | None = None
+    """For a data set mapped from files (Synthetic): gives back the memory of rows ``first..last``
+    once they are copied, so that a process holds only the rows it is using (``subset`` calls it)."""
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -93,7 +99,10 @@ class ArrayDataset:
             raise ValueError(f"subset index out of range for dataset of size {n}")
         t = torch.from_numpy(idx_np)
         writers = None if self.writers is None else [self.writers[i] for i in idx_np.tolist()]
-        return ArrayDataset(x=self.x[t], y=self.y[t], num_classes=self.num_classes, writers=writers)
+        subset = ArrayDataset(x=self.x[t], y=self.y[t], num_classes=self.num_classes, writers=writers)
+        if self.release_rows is not None and idx_np.size:
+            self.release_rows(int(idx_np.min()) % n, int(idx_np.max()) % n)
+        return subset
 
     def label_counts(self) -> np.ndarray:
         """Number of samples per class, int64 [num_classes]; for float (regression) targets one
@@ -445,9 +454,16 @@ def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: boo
     pair: list[ArrayDataset] = []
     for part, (x, y) in enumerate(((arrays.x_train, arrays.y_train), (arrays.x_test, arrays.y_test))):
         writers = [names[i] for i, n in enumerate(sizes[part]) for _ in range(int(n))]
-        pair.append(ArrayDataset(x=torch.from_numpy(x).reshape(-1, 1, 1, SYNTHETIC_DIM),
-                                 y=torch.from_numpy(y), num_classes=SYNTHETIC_CLASSES, writers=writers))
+        pair.append(ArrayDataset(x=torch.from_numpy(x.array).reshape(-1, 1, 1, SYNTHETIC_DIM),
+                                 y=torch.from_numpy(y.array), num_classes=SYNTHETIC_CLASSES, writers=writers,
+                                 release_rows=functools.partial(_release_both, x, y)))
     return pair[0], pair[1]
+
+
+def _release_both(x: MappedRows, y: MappedRows, first: int, last: int) -> None:
+    """A mapped data set's ``release_rows``: its features' and its labels' rows."""
+    x.release(first, last)
+    y.release(first, last)
 
 
 def _load_synthetic(spec: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:

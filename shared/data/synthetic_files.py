@@ -7,7 +7,8 @@ in its memory, although a device trains on its own rows only, and only while it 
 
 Here the first process that needs a data set generates it into a cache folder, one device at a
 time, and every process then maps the files. A process pays in memory for the rows it reads (a
-device's rows while it trains, the test rows at an evaluation), not for the set. Processes that
+device's rows while it trains), not for the set, and gives the rows' memory back once it has
+copied them (:meth:`MappedRows.release`). Processes that
 start together generate it once: the others wait on a file lock and then map what it wrote. The
 folder appears complete or not at all (written under another name, then renamed).
 
@@ -19,6 +20,7 @@ settings; deleting it costs only its generation the next time.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import shutil
 import tempfile
@@ -30,24 +32,59 @@ import numpy as np
 
 from shared.data.synthetic import SYNTHETIC_DIM, device_parts, train_size
 
-__all__ = ["SyntheticArrays", "data_cache_folder", "synthetic_arrays"]
+__all__ = ["MappedRows", "SyntheticArrays", "data_cache_folder", "synthetic_arrays"]
 
 #: Bumped when the files' layout changes, so an old cache is not read as the new one.
 _LAYOUT = 1
 _PARTS = ("x_train", "y_train", "x_test", "y_test")
+#: Linux's default ``fault_around_bytes``: a read fault maps up to this window of cached pages.
+_FAULT_AROUND = 64 * 1024
+
+
+class MappedRows:
+    """The rows of one ``.npy`` file (C order), memory-mapped copy-on-write: ``array`` is
+    writable for its holder and never written back. Pages of the file that a process has read stay
+    in its memory until it gives them back with :meth:`release`; a later read maps them again."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version != (1, 0):
+                raise ValueError(f"{path}: .npy version {version}, expected 1.0")
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(f)
+            if fortran_order:
+                raise ValueError(f"{path}: Fortran order, expected C order")
+            offset = f.tell()
+            self._map = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._offset = offset
+        self._row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        count = int(np.prod(shape, dtype=np.int64))
+        self.array: np.ndarray = np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def release(self, first: int, last: int) -> None:
+        """Give back the memory of rows ``first..last`` (inclusive), of pages no row was written to
+        (a written page would lose the write: :class:`SyntheticArrays` are read-only in use)."""
+        start = self._offset + first * self._row_bytes
+        end = self._offset + (last + 1) * self._row_bytes
+        # Widened to the windows a read maps: the kernel maps the cached pages around a faulting
+        # one (fault-around), so the rows' neighbours were mapped by this read too.
+        start = max(0, start - start % _FAULT_AROUND)
+        end = min(len(self._map), end + (-end) % _FAULT_AROUND)
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 @dataclass(frozen=True)
 class SyntheticArrays:
-    """One Synthetic draw as arrays: ``samples`` (n_i per generated device, in memory) and the
-    unions of the devices' 80/20 parts in device order, memory-mapped copy-on-write (writable
-    for the caller, never written back): features float32 [N, 60], labels int64 [N]."""
+    """One Synthetic draw: ``samples`` (n_i per generated device, in memory) and the unions of the
+    devices' 80/20 parts in device order, mapped from the files: features float32 [N, 60], labels
+    int64 [N]."""
 
     samples: np.ndarray
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
+    x_train: MappedRows
+    y_train: MappedRows
+    x_test: MappedRows
+    y_test: MappedRows
 
 
 def data_cache_folder() -> Path:
@@ -83,8 +120,7 @@ def synthetic_arrays(num_devices: int, alpha: float, beta: float, iid: bool, see
             fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
             if not folder.is_dir():
                 _generate(folder, num_devices, alpha, beta, iid, seed)
-    return SyntheticArrays(np.load(folder / "samples.npy"),
-                           *(np.load(folder / f"{part}.npy", mmap_mode="c") for part in _PARTS))
+    return SyntheticArrays(np.load(folder / "samples.npy"), *(MappedRows(folder / f"{part}.npy") for part in _PARTS))
 
 
 def _generate(folder: Path, num_devices: int, alpha: float, beta: float, iid: bool, seed: int) -> None:
