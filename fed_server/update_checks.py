@@ -46,10 +46,10 @@ def shard_sizes(spec: DataSpec) -> list[int] | None:
     server evaluation anyway, and a partition of it costs milliseconds."""
     if spec.dataset == "local":
         return None
-    from shared.data import load_dataset, partition_dataset   # torch-heavy: only where rounds run
+    from shared.data import load_dataset   # torch-heavy: only where rounds run
+    from shared.data.partition import partition_sizes
 
-    train, _ = load_dataset(spec)
-    return [len(shard) for shard in partition_dataset(spec, train)]
+    return partition_sizes(spec, load_dataset(spec)[0])
 
 
 def check_registered_samples(req: RegisterRequest, sizes: list[int] | None, holdout: float | None,

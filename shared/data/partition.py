@@ -22,6 +22,7 @@ __all__ = [
     "partition_dirichlet",
     "partition_natural",
     "partition_dataset",
+    "partition_sizes",
     "device_shard",
     "device_shards",
 ]
@@ -135,6 +136,11 @@ def partition_dataset(spec: DataSpec, train: ArrayDataset) -> list[np.ndarray]:
     """Partition ``train`` as ``spec`` says (method, alpha, num_devices, seed): the caller's own
     copy of the partition :func:`_shared_partition` computes once per process."""
     return [shard.copy() for shard in _shared_partition(spec, train)]
+
+
+def partition_sizes(spec: DataSpec, train: ArrayDataset) -> list[int]:
+    """How many samples each shard of ``train``'s partition under ``spec`` holds (no copies)."""
+    return [len(shard) for shard in _shared_partition(spec, train)]
 
 
 def _shared_partition(spec: DataSpec, train: ArrayDataset) -> list[np.ndarray]:

@@ -57,28 +57,21 @@ def batch_sha256(x: torch.Tensor, y: torch.Tensor) -> str:
     return hashlib.sha256(inputs.tobytes() + labels.tobytes()).hexdigest()
 
 
-# The vectors of one spec, and their digest, are computed once per process: an agent hosting many
-# virtual devices fingerprints each of them, and the threads may ask at the same time.
+# The digest of one spec's vectors is computed once per process: an agent hosting many virtual
+# devices fingerprints each of them, and the threads may ask at the same time.
 _LOCK = threading.Lock()
-_VECTORS: dict[str, list[ShardVector]] = {}
 _DIGESTS: dict[str, str] = {}
 
 
 def shard_vectors(spec: DataSpec) -> list[ShardVector]:
     """Every shard's :class:`ShardVector` under ``spec`` (a built-in data set): each shard exactly
     as a device derives it (``device_shard``, here ``device_shards``: normalisation, public set, ``max_samples``,
-    partition, per-device transform), its first :data:`FIRST_BATCH` samples hashed. Cached per
-    process."""
+    partition, per-device transform), its first :data:`FIRST_BATCH` samples hashed."""
     if spec.dataset == "local":
         raise ValueError("dataset='local' has no shards: every device brings its own data")
-    key = spec.model_dump_json()
-    with _LOCK:
-        if key not in _VECTORS:
-            train, _ = load_dataset(spec)
-            shards = device_shards(spec, train)
-            _VECTORS[key] = [ShardVector(size=len(s), first_batch_sha256=batch_sha256(s.x[:FIRST_BATCH], s.y[:FIRST_BATCH]))
-                             for s in shards]
-        return [v.model_copy() for v in _VECTORS[key]]
+    train, _ = load_dataset(spec)
+    return [ShardVector(size=len(s), first_batch_sha256=batch_sha256(s.x[:FIRST_BATCH], s.y[:FIRST_BATCH]))
+            for s in device_shards(spec, train)]
 
 
 def shards_sha256(vectors: list[ShardVector]) -> str:
@@ -92,12 +85,10 @@ def spec_shards_sha256(spec: DataSpec) -> str:
     device's fingerprint carries, so that fingerprinting N devices costs N times the model, not
     N times the shards (O(N^2) for a population of one device per shard)."""
     key = spec.model_dump_json()
-    with _LOCK:
+    with _LOCK:   # held while computing: concurrent first calls compute once
         digest = _DIGESTS.get(key)
-    if digest is None:
-        digest = shards_sha256(shard_vectors(spec))
-        with _LOCK:
-            _DIGESTS[key] = digest
+        if digest is None:
+            digest = _DIGESTS[key] = shards_sha256(shard_vectors(spec))
     return digest
 
 

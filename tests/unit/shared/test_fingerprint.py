@@ -100,8 +100,7 @@ def test_a_loader_that_normalises_otherwise_is_caught_by_the_shards_digest(monke
         train, test = load_dataset(spec)
         return ArrayDataset(train.x * 1.01, train.y, train.num_classes), test
 
-    monkeypatch.setattr(vectors, "_VECTORS", {})   # a fresh process: nothing cached
-    monkeypatch.setattr(vectors, "_DIGESTS", {})
+    monkeypatch.setattr(vectors, "_DIGESTS", {})   # a fresh process: nothing cached
     monkeypatch.setattr(vectors, "load_dataset", other_normalisation)
     device = _fp(spec=BUILTIN)
     lines = fingerprint_differences(device, run, "on the device", "in the run")
