@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="key the devices' enrolment credentials were issued with (python -m fed_server credentials "
                              "issue; or env SFL_ENROLMENT_KEY): a device registers with its own credential, only as the "
                              "devices it was issued for; needs the service secret")
+    parser.add_argument("--revoked-credentials-file", default=env_default("revoked_credentials_file", None),
+                        help="enrolment credentials refused although their MAC is right, one id per line (python -m "
+                             "fed_server credentials revoke; or env SFL_REVOKED_CREDENTIALS_FILE); read at start")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
 
@@ -88,9 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     # Flag mistakes are reported before the Coordinator loads data and evaluates the model.
     try:
         auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file, args.enrolment_key_file,
-                                  args.enrolment_secret_max_devices)
+                                  args.enrolment_secret_max_devices, args.revoked_credentials_file)
     except ValueError as exc:
         parser.error(str(exc))
+    if auth.revoked_credentials and auth.enrolment_key is None:
+        parser.error("--revoked-credentials-file revokes enrolment credentials: it needs --enrolment-key-file")
     if auth.enabled and auth.enrolment_secret is None and auth.enrolment_key is None:
         parser.error("a service secret without an enrolment secret or key would refuse every device: set "
                      "--enrolment-key-file / SFL_ENROLMENT_KEY or --enrolment-secret-file / SFL_ENROLMENT_SECRET too")
@@ -143,8 +148,9 @@ def export_main(argv: list[str]) -> None:
 def credentials_main(argv: list[str]) -> None:
     """``python -m fed_server credentials issue``: enrolment credentials for the devices named, one
     owner-only file per device to copy onto it (or one for an agent hosting them all). They are
-    derived from the enrolment key, so the Fed Server needs only that key to verify them. Its
-    length is its flags' declarations and their one-line errors."""
+    derived from the enrolment key, so the Fed Server needs only that key to verify them.
+    ``credentials revoke``: add credentials to the Fed Server's revocation list. Its length is its
+    flags' declarations and their one-line errors."""
     from device_agent.agent import parse_shards
     from shared.auth import CredentialScope, issue_credential, load_secret, shard_ranges
     from shared.schemas import _ID_PATTERN
@@ -152,8 +158,14 @@ def credentials_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m fed_server credentials",
         description="Issue the devices' enrolment credentials (docs/security.md). Each lets its holder register "
-                    "only the devices it names, and enrol them again after a restart.")
+                    "only the devices it names, and enrol them again after a restart. Revoke them.")
     commands = parser.add_subparsers(dest="command", required=True)
+    revoke = commands.add_parser("revoke", help="add credentials to a revocation list",
+                                 description="Add credentials to the revocation list the Fed Server reads at start "
+                                             "(--revoked-credentials-file).")
+    revoke.add_argument("--list", required=True, metavar="FILE", help="the revocation list (created if missing)")
+    revoke.add_argument("credentials", nargs="+", metavar="CREDENTIAL",
+                        help="a credential file, or a credential id as the list holds it (dev/7, cam-a@2)")
     issue = commands.add_parser("issue", help="write enrolment credential files",
                                 description="Write enrolment credential files for the devices named.")
     issue.add_argument("--key-file", default=env_default("enrolment_key_file", None),
@@ -170,7 +182,15 @@ def credentials_main(argv: list[str]) -> None:
                        help="one credential for all these devices, written to OUT/NAME.credential, for one agent "
                             "that hosts them all (default: one file per device, OUT/<device id>.credential)")
     issue.add_argument("--out", required=True, help="folder for the credential files (created owner-only)")
+    issue.add_argument("--issue", type=int, default=1, metavar="N",
+                       help="issue number (default 1): after a revocation, issue the same devices' credentials again "
+                            "with the next number, which the revoked one does not match")
     args = parser.parse_args(argv)
+    if args.command == "revoke":
+        revoke_main(revoke, args.list, args.credentials)
+        return
+    if not 1 <= args.issue <= 999_999_999:
+        issue.error(f"--issue must be between 1 and 999999999, got {args.issue}")
     key = load_secret(args.key_file, "SFL_ENROLMENT_KEY")
     if key is None:
         issue.error("no enrolment key: give --key-file FILE or SFL_ENROLMENT_KEY (a new one: "
@@ -183,15 +203,16 @@ def credentials_main(argv: list[str]) -> None:
         bad = [d for d in ids if not re.fullmatch(_ID_PATTERN, d)]
         if not ids or bad:
             issue.error(f"--devices: bad device ids {bad or args.devices!r}: 1 to 64 letters, digits, '_', '.' or '-'")
-        each = {d: CredentialScope(ids=(d,)) for d in ids}
-        together = CredentialScope(ids=tuple(ids))
+        each = {d: CredentialScope(ids=(d,), issue=args.issue) for d in ids}
+        together = CredentialScope(ids=tuple(ids), issue=args.issue)
     else:
         try:
             shards = parse_shards(args.shards)
         except ValueError as exc:
             issue.error(f"--shards: {exc}")
-        each = {f"{args.prefix}-{s:03d}": CredentialScope(ranges=shard_ranges(args.prefix, [s])) for s in shards}
-        together = CredentialScope(ranges=shard_ranges(args.prefix, shards))
+        each = {f"{args.prefix}-{s:03d}": CredentialScope(ranges=shard_ranges(args.prefix, [s]), issue=args.issue)
+                for s in shards}
+        together = CredentialScope(ranges=shard_ranges(args.prefix, shards), issue=args.issue)
     scopes = each if args.one_file is None else {args.one_file: together}
     out = Path(args.out)
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -204,6 +225,33 @@ def credentials_main(argv: list[str]) -> None:
         print(f"{path}: {scope.describe()}")
     print("Copy each file onto its device (its agent's --enrolment-secret-file); start the Fed Server with "
           "--enrolment-key-file on the key.")
+
+
+def revoke_main(parser: argparse.ArgumentParser, list_file: str, given: list[str]) -> None:
+    """``python -m fed_server credentials revoke``: append the ids of the ``given`` credentials (files
+    or ids) that ``list_file`` does not hold yet, one per line."""
+    from shared.auth import CredentialScope, credential_id, load_revoked_credentials
+
+    ids: list[str] = []
+    for item in given:
+        path = Path(item)
+        try:
+            ids.append(credential_id(path.read_text() if path.is_file() else item))
+        except (OSError, ValueError) as exc:
+            parser.error(f"{item!r}: neither a credential file nor a credential id ({exc})")
+    try:
+        held = load_revoked_credentials(list_file) if Path(list_file).exists() else frozenset()
+    except ValueError as exc:
+        parser.error(str(exc))
+    new = [i for i in dict.fromkeys(ids) if i not in held]
+    with open(list_file, "a") as f:
+        f.writelines(f"{i}\n" for i in new)
+    for i in ids:
+        scope = CredentialScope.parse(i)
+        print(f"{'revoked' if i in new else 'already revoked'}: {i} ({scope.describe()})")
+    print(f"The Fed Server reads {list_file} at start (--revoked-credentials-file): restart it to apply the list; "
+          f"the run resumes from its checkpoint and devices enrolled with a revoked credential are refused. Issue "
+          f"their devices new credentials with the next --issue number.")
 
 
 if __name__ == "__main__":

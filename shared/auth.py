@@ -124,16 +124,25 @@ def shard_ranges(prefix: str, shards: list[int]) -> tuple[ShardRange, ...]:
 @dataclass(frozen=True)
 class CredentialScope:
     """The devices one enrolment credential may register: named ids (on any shard or slot) and
-    shard ranges (each id on its own shard). Written ``dev-a,dev-b,dev/0-9``."""
+    shard ranges (each id on its own shard), and the credential's issue number. Written
+    ``dev-a,dev-b,dev/0-9``, and ``dev-a@2`` from the second issue on: a credential issued again
+    after a revocation differs from the revoked one, so the revocation list can name the old one."""
 
     ids: tuple[str, ...] = ()
     ranges: tuple[ShardRange, ...] = ()
+    issue: int = 1
 
     @classmethod
     def parse(cls, text: str) -> "CredentialScope":
         """The scope written ``text``; ValueError when it is not one."""
         ids: list[str] = []
         ranges: list[ShardRange] = []
+        text, at, number = text.partition("@")
+        issue = 1
+        if at:
+            if not re.fullmatch(r"[1-9][0-9]{0,8}", number) or number == "1":
+                raise ValueError(f"bad issue number {number!r}: @2, @3, ... (the first issue has none)")
+            issue = int(number)
         for entry in text.split(","):
             match = _RANGE.fullmatch(entry)
             if match is not None and re.fullmatch(DEVICE_ID_PATTERN, match.group(1)):
@@ -146,10 +155,10 @@ class CredentialScope:
                 ids.append(entry)
             else:
                 raise ValueError(f"bad scope entry {entry!r}: a device id or <prefix>/<shard>[-<shard>]")
-        return cls(tuple(ids), tuple(ranges))
+        return cls(tuple(ids), tuple(ranges), issue)
 
     def __str__(self) -> str:
-        return ",".join([*self.ids, *(str(r) for r in self.ranges)])
+        return ",".join([*self.ids, *(str(r) for r in self.ranges)]) + (f"@{self.issue}" if self.issue > 1 else "")
 
     def describe(self) -> str:
         """The devices covered, for messages: ``devices dev-a, dev-000..dev-009 (shards 0-9)``."""
@@ -176,6 +185,36 @@ def issue_credential(key: bytes, scope: CredentialScope) -> str:
 
 def _credential_mac(key: bytes, scope: str) -> str:
     return hmac.new(key, f"enrol:{scope}".encode(), hashlib.sha256).hexdigest()
+
+
+def credential_id(text: str) -> str:
+    """What names a credential in a revocation list: its scope as issued (``dev/7``,
+    ``cam-a,cam-b@2``), from the scope itself or from a whole credential; ValueError otherwise.
+    It carries nothing secret."""
+    text = text.strip()
+    if text.startswith(CREDENTIAL_PREFIX):
+        text = text[len(CREDENTIAL_PREFIX):].rpartition(":")[0]
+    return str(CredentialScope.parse(text))
+
+
+def load_revoked_credentials(path: str | None) -> frozenset[str]:
+    """The credential ids the file at ``path`` revokes (:func:`credential_id` per line; blank
+    lines and lines starting with ``#`` skipped); none without a file. ValueError naming the file
+    and line for anything else, or for a file that cannot be read."""
+    if path is None:
+        return frozenset()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"revoked credentials file {path}: {exc.strerror}") from exc
+    revoked = set()
+    for number, line in enumerate(lines, 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                revoked.add(credential_id(line))
+            except ValueError as exc:
+                raise ValueError(f"revoked credentials file {path}, line {number}: {exc}") from exc
+    return frozenset(revoked)
 
 
 #: Who holds the devices registered with the shared enrolment secret (fed_server/devices.py).
@@ -209,6 +248,8 @@ class Auth:
     enrolment_key: bytes | None = None
     #: At most this many devices registered with the shared enrolment secret (None: no cap).
     shared_max_devices: int | None = None
+    #: Ids of revoked enrolment credentials (:func:`credential_id`): refused as if forged.
+    revoked_credentials: frozenset[str] = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -237,7 +278,11 @@ class Auth:
         if self.enrolment_key is not None and given.startswith(CREDENTIAL_PREFIX):
             scope, _, mac = given[len(CREDENTIAL_PREFIX):].rpartition(":")
             if hmac.compare_digest(mac.encode(), _credential_mac(self.enrolment_key, scope).encode()):
-                return Enrolment(f"credential {scope}", CredentialScope.parse(scope))
+                parsed = CredentialScope.parse(scope)
+                if str(parsed) in self.revoked_credentials:
+                    raise Unauthenticated(f"enrolment refused: the enrolment credential {parsed} is revoked; the "
+                                          f"operator issues a new one (credentials issue --issue {parsed.issue + 1})")
+                return Enrolment(f"credential {scope}", parsed)
         if self.enrolment_secret is not None and hmac.compare_digest(given.encode(), self.enrolment_secret):
             return Enrolment(SHARED_SECRET_HOLDER, max_devices=self.shared_max_devices)
         raise Unauthenticated("enrolment refused: X-Enrolment-Secret must carry this device's enrolment credential "
@@ -263,10 +308,12 @@ class Auth:
 
 
 def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None,
-                       enrolment_key_file: str | None = None, shared_max_devices: int | None = None) -> Auth:
+                       enrolment_key_file: str | None = None, shared_max_devices: int | None = None,
+                       revoked_credentials_file: str | None = None) -> Auth:
     """The servers' Auth from ``--service-secret-file`` / ``SFL_SERVICE_SECRET``,
-    ``--enrolment-secret-file`` / ``SFL_ENROLMENT_SECRET`` and ``--enrolment-key-file`` /
-    ``SFL_ENROLMENT_KEY``."""
+    ``--enrolment-secret-file`` / ``SFL_ENROLMENT_SECRET``, ``--enrolment-key-file`` /
+    ``SFL_ENROLMENT_KEY`` and ``--revoked-credentials-file``."""
     return Auth(load_secret(service_secret_file, "SFL_SERVICE_SECRET"),
                 load_secret(enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
-                load_secret(enrolment_key_file, "SFL_ENROLMENT_KEY"), shared_max_devices)
+                load_secret(enrolment_key_file, "SFL_ENROLMENT_KEY"), shared_max_devices,
+                load_revoked_credentials(revoked_credentials_file))

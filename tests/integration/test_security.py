@@ -397,6 +397,36 @@ def test_the_shared_secret_registers_no_more_devices_than_its_cap(keyed):
     assert _task(keyed, "dev-s4", tokens[0]) == 200
 
 
+def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_issue(tmp_path, credentials):
+    """The operator's commands: revoke dev-002's credential into a list, issue dev-002 a second
+    credential; a Fed Server started with the list refuses the first and takes the second."""
+    listed = tmp_path / "revoked.txt"
+
+    def command(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "fed_server", "credentials", *args], cwd=ROOT, env=service_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    revoked = command("revoke", "--list", str(listed), str(credentials / "out" / "dev-002.credential"))
+    assert "revoked: dev/2 (devices dev-002 (shard 2))" in revoked and listed.read_text() == "dev/2\n"
+    assert "already revoked: dev/2" in command("revoke", "--list", str(listed), "dev/2")
+    assert listed.read_text() == "dev/2\n"
+    command("issue", "--key-file", str(credentials / "enrolment.key"), "--shards", "2", "--issue", "2",
+            "--out", str(tmp_path / "reissued"))
+    config = small_config(**{"data.num_devices": 4, "data.max_samples": 400, "rounds": 1,
+                             "deadlines.registration_s": 3600})
+    with server_pair(config, "revoked", fed_args=["--enrolment-key-file", str(credentials / "enrolment.key"),
+                                                  "--revoked-credentials-file", str(listed)],
+                     fed_env={"SFL_SERVICE_SECRET": SERVICE}, main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:
+        refused = _register(pair.fed_url, "dev-002", 2, _credential(credentials, "dev-002"))
+        assert refused.status_code == 401 and "the enrolment credential dev/2 is revoked" in refused.text
+        assert _registered(pair.fed_url) == 0
+        second = {"x-enrolment-secret": (tmp_path / "reissued" / "dev-002.credential").read_text().strip()}
+        assert _task(pair.fed_url, "dev-002", _token(_register(pair.fed_url, "dev-002", 2, second))) == 200
+        assert _register(pair.fed_url, "dev-003", 3, _credential(credentials, "dev-003")).status_code == 200
+
+
 def test_honest_devices_keep_training_while_their_ids_are_claimed_under_other_credentials(tmp_path, credentials):
     """One agent per device, each with its own credential file; once they have registered, the shared
     secret and a credential covering both ids try to enrol them again (which would revoke their

@@ -91,14 +91,15 @@ def test_a_forged_tampered_or_foreign_credential_is_unauthenticated():
         _enrol(Auth(b"service-secret", enrolment_key=b"enrolment-key"), "enrolment-secret")
 
 
-@pytest.mark.parametrize("text", ["dev-a", "dev/3", "dev/0-9", "a.b_c-d,dev/0-2,x/7-7"])
+@pytest.mark.parametrize("text", ["dev-a", "dev/3", "dev/0-9", "a.b_c-d,dev/0-2,x/7-7", "dev/3@2", "a,b@17"])
 def test_a_scope_reads_back_as_written(text):
     from shared.auth import CredentialScope
 
     assert str(CredentialScope.parse(text)) == text.replace("x/7-7", "x/7")
 
 
-@pytest.mark.parametrize("text", ["", "a,,b", "dev/9-0", "dev/x", "a b", "a:b", "a/b/3", "x" * 65, "dev/1234567890"])
+@pytest.mark.parametrize("text", ["", "a,,b", "dev/9-0", "dev/x", "a b", "a:b", "a/b/3", "x" * 65, "dev/1234567890",
+                                  "dev/3@1", "dev/3@0", "dev/3@", "dev/3@x", "dev/3@2@3", "@2"])
 def test_a_malformed_scope_is_refused(text):
     from shared.auth import CredentialScope
 
@@ -130,3 +131,32 @@ def test_shard_ranges_join_consecutive_shards():
     from shared.auth import shard_ranges
 
     assert [str(r) for r in shard_ranges("dev", [7, 0, 1, 2, 5, 8])] == ["dev/0-2", "dev/5", "dev/7-8"]
+
+
+def test_a_revoked_credential_is_refused_and_its_next_issue_enrols():
+    from shared.auth import CredentialScope, issue_credential
+
+    revoked = Auth(b"service-secret", enrolment_key=b"enrolment-key", revoked_credentials=frozenset({"dev/3", "dev/0-1"}))
+    first = issue_credential(b"enrolment-key", CredentialScope.parse("dev/3"))
+    with pytest.raises(Unauthenticated, match="the enrolment credential dev/3 is revoked.*--issue 2"):
+        _enrol(revoked, first)
+    second = issue_credential(b"enrolment-key", CredentialScope.parse("dev/3@2"))
+    assert second != first and _enrol(revoked, second).holder == "credential dev/3@2"
+    assert _enrol(revoked, issue_credential(b"enrolment-key", CredentialScope.parse("dev/4"))).scope is not None
+    with pytest.raises(Unauthenticated, match="revoked"):
+        _enrol(revoked, issue_credential(b"enrolment-key", CredentialScope.parse("dev/0-1")))
+
+
+def test_the_revocation_list_reads_ids_and_whole_credentials_and_names_a_bad_line(tmp_path):
+    from shared.auth import CredentialScope, issue_credential, load_revoked_credentials
+
+    listed = tmp_path / "revoked"
+    listed.write_text("# stolen on 2026-11-30\n\ndev/3\n  cam-a,cam-b@2  \nx/7-7\n"
+                      + issue_credential(b"k", CredentialScope.parse("dev/9@4")) + "\n")
+    assert load_revoked_credentials(str(listed)) == {"dev/3", "cam-a,cam-b@2", "x/7", "dev/9@4"}
+    assert load_revoked_credentials(None) == frozenset()
+    listed.write_text("dev/3\ndev 4\n")
+    with pytest.raises(ValueError, match="revoked credentials file .*, line 2: bad scope entry 'dev 4'"):
+        load_revoked_credentials(str(listed))
+    with pytest.raises(ValueError, match="revoked credentials file .*missing"):
+        load_revoked_credentials(str(tmp_path / "missing"))
