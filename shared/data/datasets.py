@@ -15,7 +15,7 @@ import importlib.util
 import json
 import pickle
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -74,6 +74,35 @@ def _cached(maxsize: int) -> Callable[[_F], _F]:
     return wrap
 
 
+class WriterRuns(Sequence[str]):
+    """Per-sample writer ids of a data set whose writers' samples lie in runs, one run after the
+    other (Synthetic: each generated device's samples): ``names[k]`` for ``counts[k]`` samples.
+    Read like the list it stands for, it holds one name per run instead of one reference per
+    sample (at 10,000 Synthetic devices, 3.9 million references: 31 MB in every process)."""
+
+    def __init__(self, names: list[str], counts: np.ndarray) -> None:
+        self._names = names
+        self._ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, index: int | slice) -> Any:   # Sequence's overloads: str, or a list for a slice
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"writer index {index} out of range for {n} samples")
+        return self._names[int(np.searchsorted(self._ends, index % n, side="right"))]
+
+    def __iter__(self) -> Iterator[str]:
+        start = 0
+        for name, end in zip(self._names, self._ends.tolist()):
+            for _ in range(end - start):
+                yield name
+            start = end
+
+
 @dataclass
 class ArrayDataset:
     """A whole dataset held as tensors: images ``x`` [N, C, H, W] float32, labels ``y`` [N] int64
@@ -82,8 +111,8 @@ class ArrayDataset:
     x: torch.Tensor
     y: torch.Tensor
     num_classes: int
-    writers: list[str] | None = None
-    """Per-sample writer id (FEMNIST, used by the natural partition); None for other datasets."""
+    writers: Sequence[str] | None = None
+    """Per-sample writer id (FEMNIST, Synthetic: used by the natural partition); None for other datasets."""
     release_rows: Callable[[int, int], None] | None = None
     """For a data set mapped from files (Synthetic): gives back the memory of rows ``first..last``
     once they are copied, so that a process holds only the rows it is using (``subset`` calls it)."""
@@ -449,11 +478,11 @@ def _load_synthetic_cached(num_devices: int, alpha: float, beta: float, iid: boo
     arrays = synthetic_arrays(num_devices, alpha, beta, iid, seed)
     n_train = np.array([train_size(int(n)) for n in arrays.samples], dtype=np.int64)
     sizes = (n_train, arrays.samples - n_train)
-    # One string per generated device, referenced by each of its samples.
+    # One string per generated device: its samples are one run of the writer ids.
     names = [str(i) for i in range(num_devices)]
     pair: list[ArrayDataset] = []
     for part, (x, y) in enumerate(((arrays.x_train, arrays.y_train), (arrays.x_test, arrays.y_test))):
-        writers = [names[i] for i, n in enumerate(sizes[part]) for _ in range(int(n))]
+        writers = WriterRuns(names, sizes[part])
         pair.append(ArrayDataset(x=torch.from_numpy(x.array).reshape(-1, 1, 1, SYNTHETIC_DIM),
                                  y=torch.from_numpy(y.array), num_classes=SYNTHETIC_CLASSES, writers=writers,
                                  release_rows=functools.partial(_release_both, x, y)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,7 +95,7 @@ def partition_dirichlet(
     )
 
 
-def partition_natural(writers: list[str], num_devices: int, seed: int) -> list[np.ndarray]:
+def partition_natural(writers: Sequence[str], num_devices: int, seed: int) -> list[np.ndarray]:
     """Assign whole writers to devices (LEAF-style): writers shuffled, then dealt out in
     near-equal groups, so each device holds all samples of its writers and no one else's."""
     if int(num_devices) != num_devices or num_devices < 1:

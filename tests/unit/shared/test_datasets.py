@@ -262,3 +262,22 @@ def test_concurrent_first_loads_parse_the_file_once(monkeypatch) -> None:
     for t in threads:
         t.join()
     assert len(calls) == 1
+
+
+def test_writer_runs_read_as_the_list_they_stand_for_and_partition_the_same():
+    import numpy as np
+
+    from shared.data.datasets import WriterRuns
+    from shared.data.partition import partition_natural
+
+    names, counts = ["0", "1", "2", "10"], np.array([3, 0, 2, 4])
+    runs = WriterRuns(names, counts)
+    listed = [name for name, n in zip(names, counts) for _ in range(n)]
+    assert len(runs) == len(listed) == 9 and list(runs) == listed
+    assert [runs[i] for i in range(-9, 9)] == listed[-9:] + listed
+    assert runs[2:7] == listed[2:7] and runs[::-2] == listed[::-2]
+    for bad in (9, -10):
+        with pytest.raises(IndexError):
+            runs[bad]
+    assert all(np.array_equal(a, b) for a, b in zip(partition_natural(runs, 2, 3), partition_natural(listed, 2, 3)))
+    assert len(WriterRuns([], np.array([], dtype=np.int64))) == 0
