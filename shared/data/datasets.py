@@ -95,6 +95,10 @@ class WriterRuns(Sequence[str]):
             raise IndexError(f"writer index {index} out of range for {n} samples")
         return self._names[int(np.searchsorted(self._ends, index % n, side="right"))]
 
+    def take(self, index: np.ndarray) -> list[str]:
+        """The writer ids of the samples at ``index`` (non-negative), in one search for them all."""
+        return [self._names[run] for run in np.searchsorted(self._ends, index, side="right").tolist()]
+
     def __iter__(self) -> Iterator[str]:
         start = 0
         for name, end in zip(self._names, self._ends.tolist()):
@@ -127,10 +131,16 @@ class ArrayDataset:
         if idx_np.size and (idx_np.min() < -n or idx_np.max() >= n):
             raise ValueError(f"subset index out of range for dataset of size {n}")
         t = torch.from_numpy(idx_np)
-        writers = None if self.writers is None else [self.writers[i] for i in idx_np.tolist()]
+        idx_np = idx_np % n if idx_np.size else idx_np
+        if self.writers is None:
+            writers = None
+        elif isinstance(self.writers, WriterRuns):
+            writers = self.writers.take(idx_np)
+        else:
+            writers = [self.writers[i] for i in idx_np.tolist()]
         subset = ArrayDataset(x=self.x[t], y=self.y[t], num_classes=self.num_classes, writers=writers)
         if self.release_rows is not None and idx_np.size:
-            self.release_rows(int(idx_np.min()) % n, int(idx_np.max()) % n)
+            self.release_rows(int(idx_np.min()), int(idx_np.max()))
         return subset
 
     def label_counts(self) -> np.ndarray:
