@@ -8,9 +8,9 @@ in its memory, although a device trains on its own rows only, and only while it 
 Here the first process that needs a data set generates it into a cache folder, one device at a
 time, and every process then maps the files. A process pays in memory for the rows it reads (a
 device's rows while it trains), not for the set, and gives the rows' memory back once it has
-copied them (:meth:`MappedRows.release`). Processes that
-start together generate it once: the others wait on a file lock and then map what it wrote. The
-folder appears complete or not at all (written under another name, then renamed).
+copied them (:meth:`MappedRows.release`). Processes that start together generate it once: the
+others wait on a file lock and then map what it wrote. The folder appears complete or not at all
+(written under another name, then renamed).
 
 The cache folder is ``$SFL_DATA_CACHE`` when set; else ``$XDG_CACHE_HOME/sfl-data`` (default
 ``~/.cache/sfl-data``) when it can be created; else ``sfl-data-<uid>`` in the system's temporary
