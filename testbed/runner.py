@@ -362,5 +362,12 @@ class Testbed:
 
 
 def _shard_list(shards: Sequence[int]) -> str:
-    """``--shards`` as the agent and ``credentials issue`` read it: ``0,1,2``."""
-    return ",".join(str(s) for s in shards)
+    """``--shards`` as the agent and ``credentials issue`` read it, consecutive shards as ranges
+    (``0-2,5``): an agent hosting 100,000 devices gets a short command line."""
+    parts: list[list[int]] = []
+    for shard in shards:   # in the order given: the agent's devices keep it
+        if parts and parts[-1][1] == shard - 1:
+            parts[-1][1] = shard
+        else:
+            parts.append([shard, shard])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in parts)

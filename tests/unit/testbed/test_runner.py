@@ -156,6 +156,7 @@ def _flag(args: list[str], flag: str) -> str | None:
 
 def test_credentials_enrolment_gives_the_fed_server_a_fresh_key_and_each_agent_a_credential_for_its_shards(
         tmp_path, monkeypatch):
+    from device_agent.agent import parse_shards
     from shared.auth import Auth
     from shared.errors import NotAllowed
 
@@ -169,7 +170,7 @@ def test_credentials_enrolment_gives_the_fed_server_a_fresh_key_and_each_agent_a
         auth = Auth(service_secret=b"s", enrolment_key=open(key_file).read().encode())
         for agent, shards, other in (("agent-0", [0, 1, 2], 3), ("agent-1", [3, 4], 0)):
             module, args = started[agent]
-            assert module == "device_agent" and _flag(args, "--shards") == ",".join(map(str, shards))
+            assert module == "device_agent" and parse_shards(_flag(args, "--shards")) == shards
             assert _flag(args, "--prefix") == "dev"   # the ids the credential names, whatever SFL_PREFIX says
             credential = open(_flag(args, "--enrolment-secret-file")).read().strip()
             assert credential.startswith("sfl-enrol-1:")
@@ -205,3 +206,11 @@ def test_credentials_enrolment_is_refused_for_local_data_and_unknown_modes(tmp_p
         Testbed(local, tmp_path, device_data=["a.npz"], enrolment="credentials")
     with pytest.raises(TestbedError, match="enrolment 'keys': one of secret, credentials"):
         Testbed(RunConfig(), tmp_path, enrolment="keys")
+
+
+def test_an_agents_shards_go_on_its_command_line_as_ranges_in_their_order():
+    from device_agent.agent import parse_shards
+    from testbed.runner import _shard_list
+
+    for shards, text in (([0, 1, 2, 5], "0-2,5"), ([3], "3"), ([7, 8, 1], "7-8,1"), (list(range(100_000)), "0-99999")):
+        assert _shard_list(shards) == text and parse_shards(text) == shards
