@@ -168,7 +168,7 @@ def run_population(config: RunConfig, agents: int, time_limit_s: float, memory_l
     registered, register_s, records, error = 0, None, [], None
     started = time.monotonic()
     try:
-        testbed.start()
+        testbed.start(healthy_s=time_limit_s)
         pids = {service.name: service.process.pid for service in testbed.processes.services}
         sampler = GuardedSampler(pids, memory_limit_mib, lambda: testbed.processes.stop(1.0))
         sampler.start()

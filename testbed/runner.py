@@ -169,9 +169,10 @@ class Testbed:
         self.main_port: int | None = ports[1] if self.main_servers else None
         self.main_url: str | None = self.main_urls[0] if self.main_servers else None
 
-    def start(self) -> None:
+    def start(self, healthy_s: float = 120.0) -> None:
         """Make the real-links network (with real links), write the config, start the servers and
-        the agents, wait until the servers are healthy."""
+        the agents, wait until the servers are healthy (at most ``healthy_s`` each: a Fed Server
+        generating a large data set listens only once it is written)."""
         if self.network is not None:
             self.network.create()
             self._listen_on(self.network.service_address)
@@ -204,9 +205,9 @@ class Testbed:
             shards = list(range(self.config.data.num_devices))
             for i, chunk in enumerate(split_evenly(shards, self.agents)):
                 self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
-        wait_healthy(self.fed_url, self.fed, verify=self.verify)
+        wait_healthy(self.fed_url, self.fed, healthy_s, verify=self.verify)
         for url, main in zip(self.main_urls, self.mains):
-            wait_healthy(url, main, verify=self.verify)
+            wait_healthy(url, main, healthy_s, verify=self.verify)
 
     def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
                     module: str = "device_agent", extra: Sequence[str] = ()) -> Service:
