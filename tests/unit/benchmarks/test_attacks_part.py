@@ -80,8 +80,8 @@ def test_the_last_shards_go_to_an_adversary_process_each_agent_with_its_own_cred
     assert "--enrolment-key-file" in fed_args and "--enrolment-secret-file" not in fed_args
     (_, module, adversary), (_, honest_module, honest) = calls[1], calls[2]
     assert (module, honest_module) == ("benchmarks.adversary", "device_agent")
-    assert adversary[adversary.index("--shards"):adversary.index("--shards") + 2] == ["--shards", "2,3"]
-    assert honest[honest.index("--shards"):honest.index("--shards") + 2] == ["--shards", "0,1"]
+    assert adversary[adversary.index("--shards"):adversary.index("--shards") + 2] == ["--shards", "2-3"]
+    assert honest[honest.index("--shards"):honest.index("--shards") + 2] == ["--shards", "0-1"]
     assert adversary[-6:] == ["--enrolment-secret-file", "adversary:[2, 3]", "--behaviour", behaviour,
                               "--ready-file", str(testbed.processes.log_dir / "adversary.ready")]
     assert honest[-2:] == ["--enrolment-secret-file", "agent-0:[0, 1]"]

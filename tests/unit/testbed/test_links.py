@@ -197,7 +197,7 @@ def test_the_emulated_twin_has_the_same_agents_on_loopback_started_afresh(tmp_pa
     shared.stop(agent_grace_s=0)
     args = children["agent-0"][2]
     assert (_flag(args, "--shards"), _flag(args, "--kinds"), _flag(args, "--request-delay-ms")) == (
-        "0,1", "low,mid,high", None)
+        "0-1", "low,mid,high", None)
 
 
 def test_the_network_is_removed_when_the_start_fails(tmp_path, started):
