@@ -182,15 +182,15 @@ def credentials_main(argv: list[str]) -> None:
                        help="one credential for all these devices, written to OUT/NAME.credential, for one agent "
                             "that hosts them all (default: one file per device, OUT/<device id>.credential)")
     issue.add_argument("--out", required=True, help="folder for the credential files (created owner-only)")
-    issue.add_argument("--issue", type=int, default=1, metavar="N",
-                       help="issue number (default 1): after a revocation, issue the same devices' credentials again "
-                            "with the next number, which the revoked one does not match")
+    issue.add_argument("--serial", type=int, default=1, metavar="N",
+                       help="serial number (default 1): after a revocation, issue the same devices' credentials again "
+                            "with the next serial, which the revoked one does not match")
     args = parser.parse_args(argv)
     if args.command == "revoke":
         revoke_main(revoke, args.list, args.credentials)
         return
-    if not 1 <= args.issue <= 999_999_999:
-        issue.error(f"--issue must be between 1 and 999999999, got {args.issue}")
+    if not 1 <= args.serial <= 999_999_999:
+        issue.error(f"--serial must be between 1 and 999999999, got {args.serial}")
     key = load_secret(args.key_file, "SFL_ENROLMENT_KEY")
     if key is None:
         issue.error("no enrolment key: give --key-file FILE or SFL_ENROLMENT_KEY (a new one: "
@@ -203,16 +203,16 @@ def credentials_main(argv: list[str]) -> None:
         bad = [d for d in ids if not re.fullmatch(_ID_PATTERN, d)]
         if not ids or bad:
             issue.error(f"--devices: bad device ids {bad or args.devices!r}: 1 to 64 letters, digits, '_', '.' or '-'")
-        each = {d: CredentialScope(ids=(d,), issue=args.issue) for d in ids}
-        together = CredentialScope(ids=tuple(ids), issue=args.issue)
+        each = {d: CredentialScope(ids=(d,), serial=args.serial) for d in ids}
+        together = CredentialScope(ids=tuple(ids), serial=args.serial)
     else:
         try:
             shards = parse_shards(args.shards)
         except ValueError as exc:
             issue.error(f"--shards: {exc}")
-        each = {f"{args.prefix}-{s:03d}": CredentialScope(ranges=shard_ranges(args.prefix, [s]), issue=args.issue)
+        each = {f"{args.prefix}-{s:03d}": CredentialScope(ranges=shard_ranges(args.prefix, [s]), serial=args.serial)
                 for s in shards}
-        together = CredentialScope(ranges=shard_ranges(args.prefix, shards), issue=args.issue)
+        together = CredentialScope(ranges=shard_ranges(args.prefix, shards), serial=args.serial)
     scopes = each if args.one_file is None else {args.one_file: together}
     out = Path(args.out)
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -251,7 +251,7 @@ def revoke_main(parser: argparse.ArgumentParser, list_file: str, given: list[str
         print(f"{'revoked' if i in new else 'already revoked'}: {i} ({scope.describe()})")
     print(f"The Fed Server reads {list_file} at start (--revoked-credentials-file): restart it to apply the list; "
           f"the run resumes from its checkpoint and devices enrolled with a revoked credential are refused. Issue "
-          f"their devices new credentials with the next --issue number.")
+          f"their devices new credentials with the next --serial.")
 
 
 if __name__ == "__main__":

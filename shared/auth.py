@@ -124,13 +124,13 @@ def shard_ranges(prefix: str, shards: list[int]) -> tuple[ShardRange, ...]:
 @dataclass(frozen=True)
 class CredentialScope:
     """The devices one enrolment credential may register: named ids (on any shard or slot) and
-    shard ranges (each id on its own shard), and the credential's issue number. Written
-    ``dev-a,dev-b,dev/0-9``, and ``dev-a@2`` from the second issue on: a credential issued again
+    shard ranges (each id on its own shard), and the credential's serial number. Written
+    ``dev-a,dev-b,dev/0-9``, and ``dev-a@2`` from serial 2 on: a credential issued again
     after a revocation differs from the revoked one, so the revocation list can name the old one."""
 
     ids: tuple[str, ...] = ()
     ranges: tuple[ShardRange, ...] = ()
-    issue: int = 1
+    serial: int = 1
 
     @classmethod
     def parse(cls, text: str) -> "CredentialScope":
@@ -138,11 +138,11 @@ class CredentialScope:
         ids: list[str] = []
         ranges: list[ShardRange] = []
         text, at, number = text.partition("@")
-        issue = 1
+        serial = 1
         if at:
             if not re.fullmatch(r"[1-9][0-9]{0,8}", number) or number == "1":
-                raise ValueError(f"bad issue number {number!r}: @2, @3, ... (the first issue has none)")
-            issue = int(number)
+                raise ValueError(f"bad serial number {number!r}: @2, @3, ... (serial 1 is written without one)")
+            serial = int(number)
         for entry in text.split(","):
             match = _RANGE.fullmatch(entry)
             if match is not None and re.fullmatch(DEVICE_ID_PATTERN, match.group(1)):
@@ -155,10 +155,10 @@ class CredentialScope:
                 ids.append(entry)
             else:
                 raise ValueError(f"bad scope entry {entry!r}: a device id or <prefix>/<shard>[-<shard>]")
-        return cls(tuple(ids), tuple(ranges), issue)
+        return cls(tuple(ids), tuple(ranges), serial)
 
     def __str__(self) -> str:
-        return ",".join([*self.ids, *(str(r) for r in self.ranges)]) + (f"@{self.issue}" if self.issue > 1 else "")
+        return ",".join([*self.ids, *(str(r) for r in self.ranges)]) + (f"@{self.serial}" if self.serial > 1 else "")
 
     def describe(self) -> str:
         """The devices covered, for messages: ``devices dev-a, dev-000..dev-009 (shards 0-9)``."""
@@ -188,7 +188,7 @@ def _credential_mac(key: bytes, scope: str) -> str:
 
 
 def credential_id(text: str) -> str:
-    """What names a credential in a revocation list: its scope as issued (``dev/7``,
+    """What names a credential in a revocation list: its scope and serial (``dev/7``,
     ``cam-a,cam-b@2``), from the scope itself or from a whole credential; ValueError otherwise.
     It carries nothing secret."""
     text = text.strip()
@@ -281,7 +281,7 @@ class Auth:
                 parsed = CredentialScope.parse(scope)
                 if str(parsed) in self.revoked_credentials:
                     raise Unauthenticated(f"enrolment refused: the enrolment credential {parsed} is revoked; the "
-                                          f"operator issues a new one (credentials issue --issue {parsed.issue + 1})")
+                                          f"operator issues a new one (credentials issue --serial {parsed.serial + 1})")
                 return Enrolment(f"credential {scope}", parsed)
         if self.enrolment_secret is not None and hmac.compare_digest(given.encode(), self.enrolment_secret):
             return Enrolment(SHARED_SECRET_HOLDER, max_devices=self.shared_max_devices)

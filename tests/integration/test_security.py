@@ -397,7 +397,7 @@ def test_the_shared_secret_registers_no_more_devices_than_its_cap(keyed):
     assert _task(keyed, "dev-s4", tokens[0]) == 200
 
 
-def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_issue(tmp_path, credentials):
+def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_serial(tmp_path, credentials):
     """The operator's commands: revoke dev-002's credential into a list, issue dev-002 a second
     credential; a Fed Server started with the list refuses the first and takes the second."""
     listed = tmp_path / "revoked.txt"
@@ -412,7 +412,7 @@ def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_iss
     assert "revoked: dev/2 (devices dev-002 (shard 2))" in revoked and listed.read_text() == "dev/2\n"
     assert "already revoked: dev/2" in command("revoke", "--list", str(listed), "dev/2")
     assert listed.read_text() == "dev/2\n"
-    command("issue", "--key-file", str(credentials / "enrolment.key"), "--shards", "2", "--issue", "2",
+    command("issue", "--key-file", str(credentials / "enrolment.key"), "--shards", "2", "--serial", "2",
             "--out", str(tmp_path / "reissued"))
     config = small_config(**{"data.num_devices": 4, "data.max_samples": 400, "rounds": 1,
                              "deadlines.registration_s": 3600})

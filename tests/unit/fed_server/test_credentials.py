@@ -29,7 +29,7 @@ def test_one_file_per_device_or_one_for_an_agent_hosting_them_all(tmp_path, monk
     assert _scope(tmp_path / "out" / "agent-0.credential") == "edge/0-2,edge/5"
     _issue(tmp_path, "--devices", "cam-a,cam-b", "--one-file", "cams")
     assert _scope(tmp_path / "out" / "cams.credential") == "cam-a,cam-b"
-    _issue(tmp_path, "--devices", "cam-a,cam-b", "--one-file", "cams", "--issue", "3")
+    _issue(tmp_path, "--devices", "cam-a,cam-b", "--one-file", "cams", "--serial", "3")
     assert _scope(tmp_path / "out" / "cams.credential") == "cam-a,cam-b@3"
 
 
@@ -38,7 +38,7 @@ def test_one_file_per_device_or_one_for_an_agent_hosting_them_all(tmp_path, monk
     (["--shards", "0-2", "--prefix", "x y"], "--prefix 'x y'"),
     (["--shards", "2-0"], "--shards: bad shard list '2-0'"),
     (["--devices", "a", "--one-file", "../a"], "--one-file '../a'"),
-    (["--devices", "a", "--issue", "0"], "--issue must be between 1 and 999999999, got 0"),
+    (["--devices", "a", "--serial", "0"], "--serial must be between 1 and 999999999, got 0"),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit):

@@ -133,12 +133,12 @@ def test_shard_ranges_join_consecutive_shards():
     assert [str(r) for r in shard_ranges("dev", [7, 0, 1, 2, 5, 8])] == ["dev/0-2", "dev/5", "dev/7-8"]
 
 
-def test_a_revoked_credential_is_refused_and_its_next_issue_enrols():
+def test_a_revoked_credential_is_refused_and_its_next_serial_enrols():
     from shared.auth import CredentialScope, issue_credential
 
     revoked = Auth(b"service-secret", enrolment_key=b"enrolment-key", revoked_credentials=frozenset({"dev/3", "dev/0-1"}))
     first = issue_credential(b"enrolment-key", CredentialScope.parse("dev/3"))
-    with pytest.raises(Unauthenticated, match="the enrolment credential dev/3 is revoked.*--issue 2"):
+    with pytest.raises(Unauthenticated, match="the enrolment credential dev/3 is revoked.*--serial 2"):
         _enrol(revoked, first)
     second = issue_credential(b"enrolment-key", CredentialScope.parse("dev/3@2"))
     assert second != first and _enrol(revoked, second).holder == "credential dev/3@2"
