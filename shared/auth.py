@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import NotAllowed, Unauthenticated
+from shared.ranges import consecutive_runs
 from shared.schemas import _ID_PATTERN as DEVICE_ID_PATTERN
 
 
@@ -112,13 +113,7 @@ class ShardRange:
 
 def shard_ranges(prefix: str, shards: list[int]) -> tuple[ShardRange, ...]:
     """The devices of ``shards`` (named with ``prefix``) as the fewest ranges of consecutive shards."""
-    ranges: list[ShardRange] = []
-    for shard in sorted(shards):
-        if ranges and ranges[-1].last == shard - 1:
-            ranges[-1] = ShardRange(prefix, ranges[-1].first, shard)
-        else:
-            ranges.append(ShardRange(prefix, shard, shard))
-    return tuple(ranges)
+    return tuple(ShardRange(prefix, first, last) for first, last in consecutive_runs(sorted(shards)))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import yaml
 from shared.config import RunConfig
 from shared.imports import is_import_path
 from shared.profiles import parse_kind
+from shared.ranges import consecutive_runs
 from testbed.errors import TestbedError
 from testbed.follow import FollowError, ProgressFn, fetch_status, follow_run
 from testbed.links import LinksNetwork, check_host
@@ -365,10 +366,5 @@ class Testbed:
 def _shard_list(shards: Sequence[int]) -> str:
     """``--shards`` as the agent and ``credentials issue`` read it, consecutive shards as ranges
     (``0-2,5``): an agent hosting 100,000 devices gets a short command line."""
-    parts: list[list[int]] = []
-    for shard in shards:   # in the order given: the agent's devices keep it
-        if parts and parts[-1][1] == shard - 1:
-            parts[-1][1] = shard
-        else:
-            parts.append([shard, shard])
-    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in parts)
+    # In the order given: the agent's devices keep it.
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in consecutive_runs(shards))

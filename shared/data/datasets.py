@@ -93,7 +93,7 @@ class WriterRuns(Sequence[str]):
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"writer index {index} out of range for {n} samples")
-        return self._names[int(np.searchsorted(self._ends, index % n, side="right"))]
+        return self.take(np.array([index % n]))[0]
 
     def take(self, index: np.ndarray) -> list[str]:
         """The writer ids of the samples at ``index`` (non-negative), in one search for them all."""
