@@ -12,7 +12,10 @@ a harmful device can register no device of another shard (``sybil_burst`` measur
 
 Per run: logical rounds completed of those planned (a run that has not finished within the
 per-run time limit is stopped and counted as incomplete), the run's wall time (servers healthy to
-run over) over the control's, and the final model's accuracy minus the control's, in points. The
+run over) over the controls' mean, and the final model's accuracy minus the controls' mean, in
+points. Each control runs ``--controls`` times (default 3): two identical S2FL runs can end
+several points apart (the time table picks splits from measured times), so one control cannot
+tell a harmful device's effect from that spread; the table gives the controls' range beside it. The
 accuracy is the benchmark's own evaluation of the final checkpoint on the test set, not the
 recorded one, which a ``fake_evaluation`` device writes (the recorded figure is kept beside it).
 
@@ -62,6 +65,8 @@ GOAL_DEFAULT_ACCURACY = 0.5  # default policy: one harmful device leaves the fin
 DEVICES = 10
 ROUNDS = 5
 ROUND_S = 20.0
+#: Honest runs per control: enough to show the spread a cell is judged against.
+CONTROLS = 3
 
 
 def base_config(algorithm: str, rounds: int = ROUNDS, federated_evaluation: bool = False) -> dict:
@@ -216,12 +221,14 @@ class Selection:
     harmful: tuple[int, ...] = HARMFUL
     policies: tuple[str, ...] = tuple(POLICIES)
     rounds: int = ROUNDS
+    controls: int = CONTROLS
 
     @classmethod
     def quick(cls) -> "Selection":
-        """``benchmarks.run --quick``: two behaviours, FedAvg, one harmful device, default policy, 3 rounds."""
+        """``benchmarks.run --quick``: two behaviours, FedAvg, one harmful device, default policy, 3 rounds,
+        one control."""
         return cls(behaviours=("update_x1e6", "silent"), algorithms=("fedavg",), harmful=(1,), policies=("default",),
-                   rounds=3)
+                   rounds=3, controls=1)
 
 
 def applies(behaviour: str, config: RunConfig) -> bool:
@@ -249,7 +256,8 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
         "devices": DEVICES, "rounds": selection.rounds, "round_s": ROUND_S, "time_limit_s": limit,
         "robust_rule": f"{ROBUST_RULE} (fraction {ROBUST_TRIM})", "model": "cnn",
         "data": "2,000 images of the embedded MNIST, Dirichlet 1.0",
-        "control": f"the same run with the last {layout} shard(s) in a --behaviour honest process"},
+        "control": f"the same run with the last {layout} shard(s) in a --behaviour honest process",
+        "controls": selection.controls},
         "goals": {"time_ratio_max": GOAL_TIME_RATIO, "robust_points_below_control_max": GOAL_ROBUST_POINTS,
                   "default_one_harmful_accuracy_min": GOAL_DEFAULT_ACCURACY},
         "controls": [], "runs": []}
@@ -258,7 +266,7 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
     try:
         for algorithm in selection.algorithms:
             for policy in selection.policies:
-                controls: dict[bool, tuple[dict, RunResult]] = {}
+                controls: dict[bool, dict] = {}
                 for behaviour in selection.behaviours:
                     cell = {"behaviour": behaviour, "algorithm": algorithm, "policy": policy}
                     federated = BEHAVIOURS[behaviour].federated_evaluation
@@ -268,21 +276,24 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                         results["runs"] += [{**cell, "harmful": k, "status": status} for k in selection.harmful]
                         continue
                     if federated not in controls:
-                        count += 1
-                        result = run_once(config, "honest", layout, root / f"{count:03d}-control", limit, warm)
-                        control = {"algorithm": algorithm, "policy": policy, "federated_evaluation": federated,
-                                   "harmful_layout": layout, **_figures(result)}
-                        results["controls"].append(control)
-                        controls[federated] = control, result
-                        log(f"  control {algorithm}/{policy}{' (federated evaluation)' if federated else ''}: "
-                            f"{_line(result)}")
-                    control, control_result = controls[federated]
+                        repeats = []
+                        for repeat in range(1, selection.controls + 1):
+                            count += 1
+                            result = run_once(config, "honest", layout, root / f"{count:03d}-control", limit, warm)
+                            repeats.append(_figures(result))
+                            log(f"  control {repeat}/{selection.controls} {algorithm}/{policy}"
+                                f"{' (federated evaluation)' if federated else ''}: {_line(result)}")
+                        controls[federated] = control_summary(repeats)
+                        results["controls"].append({"algorithm": algorithm, "policy": policy,
+                                                    "federated_evaluation": federated, "harmful_layout": layout,
+                                                    **controls[federated]})
+                    control = controls[federated]
                     for k in selection.harmful:
                         count += 1
                         result = run_once(config, behaviour, k, root / f"{count:03d}-{behaviour}-{k}", limit, warm)
                         row = {**cell, "harmful": k, "status": "ran", **_figures(result),
-                               "time_ratio": result.wall_s / control_result.wall_s,
-                               "accuracy_points_vs_control": 100 * (result.accuracy - control_result.accuracy)}
+                               "time_ratio": result.wall_s / control["wall_s"],
+                               "accuracy_points_vs_control": 100 * (result.accuracy - control["accuracy"])}
                         row["goals_missed"] = goals_missed(row)
                         results["runs"].append(row)
                         log(f"  {behaviour} x{k} {algorithm}/{policy}: {_line(result)}, "
@@ -300,6 +311,17 @@ def _figures(result: RunResult) -> dict:
             "wall_s": round(result.wall_s, 2), "accuracy": result.accuracy,
             "recorded_accuracy": result.recorded_accuracy, "harmful_actions": result.harmful_actions,
             "failed_attempts": result.failed_attempts, "complete": result.complete, "error": result.error}
+
+
+def control_summary(repeats: list[dict]) -> dict:
+    """One control's figures from its honest runs: the means a cell is compared with, the range
+    of their accuracies (the spread of identical runs), and each run's figures."""
+    accuracies = [r["accuracy"] for r in repeats]
+    return {"runs": repeats, "rounds_completed": min(r["rounds_completed"] for r in repeats),
+            "rounds_planned": repeats[0]["rounds_planned"],
+            "wall_s": sum(r["wall_s"] for r in repeats) / len(repeats),
+            "accuracy": sum(accuracies) / len(accuracies),
+            "accuracy_min": min(accuracies), "accuracy_max": max(accuracies)}
 
 
 def _line(result: RunResult) -> str:
@@ -346,7 +368,8 @@ def report(results: dict) -> str:
            "",
            f"Runs: {s['model']} on {s['data']}, {s['devices']} devices, {s['rounds']} rounds, deadlines.round_s "
            f"{s['round_s']:g}, stopped after {s['time_limit_s']:g} s (incomplete); robust policy: aggregation.rule="
-           f"{s['robust_rule']}; control: {s['control']}.",
+           f"{s['robust_rule']}; control: {s['control']}, run {s['controls']} times: a cell compares with "
+           "the controls' mean.",
            "",
            f"Goals: every run completes all rounds; wall time <= {g['time_ratio_max']}x the control's; robust policy: "
            f"final accuracy at most {g['robust_points_below_control_max']:g} points below the control's; default "
@@ -363,9 +386,12 @@ def report(results: dict) -> str:
                         for (b, a, k), cells in rows.items()]
     out += _markdown(lines)
     out += ["", "Controls:", ""]
-    out += _markdown([["algorithm", "policy", "evaluation", "rounds", "wall s", "accuracy %"]] + [
+    out += _markdown([["algorithm", "policy", "evaluation", "rounds", "wall s (mean)", "accuracy % (mean)",
+                       "accuracy % (range)", "each run: wall s, accuracy %"]] + [
         [c["algorithm"], c["policy"], "federated" if c["federated_evaluation"] else "server",
-         f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}"]
+         f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}",
+         f"{100 * c['accuracy_min']:.1f} to {100 * c['accuracy_max']:.1f}",
+         "; ".join(f"{r['wall_s']:.1f}, {100 * r['accuracy']:.1f}" for r in c["runs"])]
         for c in results["controls"]])
     fakes = [r for r in results["runs"] if r["status"] == "ran" and r["behaviour"] == "fake_evaluation"]
     if fakes:
@@ -405,6 +431,8 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
                         help=f"aggregation policies: default, robust (aggregation.rule={ROBUST_RULE}, "
                              f"aggregation.params.fraction={ROBUST_TRIM}) (default: both)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per run (default {ROUNDS})")
+    parser.add_argument("--controls", type=int, default=CONTROLS,
+                        help=f"honest runs per control, whose mean each cell is compared with (default {CONTROLS})")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of rounds after which a run is stopped and counted incomplete "
                              "(default: 2 x rounds x deadlines.round_s + 60)")
@@ -421,9 +449,11 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
         parser.error(f"--harmful takes counts between 1 and {DEVICES - 1}, e.g. 1,2")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.controls < 1:
+        parser.error("--controls must be at least 1")
     selection = Selection(_names(args.behaviours, ATTACKS, "--behaviours", parser),
                           _names(args.algorithms, ALGORITHMS, "--algorithms", parser), harmful,
-                          _names(args.policies, tuple(POLICIES), "--policies", parser), args.rounds)
+                          _names(args.policies, tuple(POLICIES), "--policies", parser), args.rounds, args.controls)
     return selection, args
 
 

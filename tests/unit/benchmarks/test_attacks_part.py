@@ -137,12 +137,13 @@ def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_polic
         "machine": {"cpu_model": "cpu", "cpus_usable": 2, "cpu_count": 2, "memory_gib": 8, "python": "3",
                     "torch": "2", "date_utc": "d", "load_average_at_start": [1.0], "load_average_at_end": [2.0]},
         "settings": {"model": "cnn", "data": "mnist", "devices": 10, "rounds": 5, "round_s": 20.0,
-                     "time_limit_s": 260.0, "robust_rule": "trimmed_mean", "control": "c"},
+                     "time_limit_s": 260.0, "robust_rule": "trimmed_mean", "control": "c", "controls": 2},
         "goals": {"time_ratio_max": 1.3, "robust_points_below_control_max": 3.0,
                   "default_one_harmful_accuracy_min": 0.5},
         "total_s": 60.0,
-        "controls": [{"algorithm": "fedavg", "policy": "default", "federated_evaluation": False,
-                      "rounds_completed": 5, "rounds_planned": 5, "wall_s": 10.0, "accuracy": 0.9}],
+        "controls": [{"algorithm": "fedavg", "policy": "default", "federated_evaluation": False, **attacks.control_summary(
+            [{"rounds_completed": 5, "rounds_planned": 5, "wall_s": 9.0, "accuracy": 0.85},
+             {"rounds_completed": 5, "rounds_planned": 5, "wall_s": 11.0, "accuracy": 0.95}])}],
         "runs": [{**_row(ratio=2.0), "goals_missed": ["time"]},
                  {"behaviour": "silent", "algorithm": "fedavg", "policy": "robust", "harmful": 1,
                   "status": "unsupported"},
@@ -152,13 +153,15 @@ def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_polic
     table = attacks.report(results)
     assert "| silent | fedavg | 1 of 10 | 5/5 | 2.00x | +0.0 | time | unsupported |  |  |  |" in table
     assert "| activations_1e30 | fedavg | 1 of 10 | n/a |  |  |  |  |  |  |  |" in table
-    assert "| fedavg | default | server | 5/5 | 10.0 | 90.0 |" in table
+    assert "| fedavg | default | server | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 9.0, 85.0; 11.0, 95.0 |" in table
+    assert "run 2 times: a cell compares with the controls' mean" in table
 
 
 def test_the_command_line_selects_a_subset_and_refuses_unknown_names() -> None:
     selection, _ = attacks.parse_selection(["--behaviours", "silent,update_x1e6", "--algorithms", "fedavg",
-                                            "--harmful", "2", "--policies", "robust", "--rounds", "3"])
-    assert selection == attacks.Selection(("silent", "update_x1e6"), ("fedavg",), (2,), ("robust",), 3)
-    for bad in (["--behaviours", "honest"], ["--harmful", "10"], ["--policies", "fast"]):
+                                            "--harmful", "2", "--policies", "robust", "--rounds", "3",
+                                            "--controls", "2"])
+    assert selection == attacks.Selection(("silent", "update_x1e6"), ("fedavg",), (2,), ("robust",), 3, 2)
+    for bad in (["--behaviours", "honest"], ["--harmful", "10"], ["--policies", "fast"], ["--controls", "0"]):
         with pytest.raises(SystemExit):
             attacks.parse_selection(bad)
