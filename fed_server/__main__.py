@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
                              "devices it was issued for; needs the service secret")
     parser.add_argument("--revoked-credentials-file", default=env_default("revoked_credentials_file", None),
                         help="enrolment credentials refused although their MAC is right, one id per line (python -m "
-                             "fed_server credentials revoke; or env SFL_REVOKED_CREDENTIALS_FILE); read at start")
+                             "fed_server credentials revoke; or env SFL_REVOKED_CREDENTIALS_FILE); read at start and again on "
+                             "SIGHUP")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                                   args.enrolment_secret_max_devices, args.revoked_credentials_file)
     except ValueError as exc:
         parser.error(str(exc))
-    if auth.revoked_credentials and auth.enrolment_key is None:
+    if auth.revoked_credentials.path is not None and auth.enrolment_key is None:
         parser.error("--revoked-credentials-file revokes enrolment credentials: it needs --enrolment-key-file")
     if auth.enabled and auth.enrolment_secret is None and auth.enrolment_key is None:
         parser.error("a service secret without an enrolment secret or key would refuse every device: set "
@@ -249,9 +250,10 @@ def revoke_main(parser: argparse.ArgumentParser, list_file: str, given: list[str
     for i in ids:
         scope = CredentialScope.parse(i)
         print(f"{'revoked' if i in new else 'already revoked'}: {i} ({scope.describe()})")
-    print(f"The Fed Server reads {list_file} at start (--revoked-credentials-file): restart it to apply the list; "
-          f"the run resumes from its checkpoint and devices enrolled with a revoked credential are refused. Issue "
-          f"their devices new credentials with the next --serial.")
+    print(f"The Fed Server reads {list_file} at start and on SIGHUP (--revoked-credentials-file): send it SIGHUP "
+          f"(kill -HUP <pid>, docker compose kill -s HUP fed-server) to apply the list; devices enrolled with a "
+          f"revoked credential are taken out of the run and refused. Issue their devices new credentials with the "
+          f"next --serial.")
 
 
 if __name__ == "__main__":

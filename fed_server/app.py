@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from typing import TypeVar
 
@@ -64,6 +65,10 @@ def _lifespan(coordinator: Coordinator, settings: FedServerSettings, metrics: Fe
         task = asyncio.create_task(drive_rounds(coordinator, settings, metrics))
         task.add_done_callback(_driver_stopped)
         app.state.driver = task
+        revocations = settings.auth.revoked_credentials
+        if revocations.path is not None:   # the operator applies a revocation with SIGHUP, not a restart
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, coordinator.enrolment.reload_revocations,
+                                                          revocations)
         yield
         task.cancel()
     return lifespan

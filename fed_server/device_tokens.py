@@ -27,6 +27,11 @@ class DeviceTokens:
         self._latest[device_id] = [*history[-1:], token]
         self._by_token[token] = (device_id, True)
 
+    def forget(self, device_id: str) -> None:
+        """``device_id`` is no longer registered: none of its tokens is known any more."""
+        for token in self._latest.pop(device_id, []):
+            self._by_token.pop(token, None)
+
     def holder(self, token: str) -> tuple[str, bool] | None:
         """(device id, current) of a token this server issued and still knows; None otherwise."""
         return self._by_token.get(token)

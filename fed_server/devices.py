@@ -122,6 +122,22 @@ class DeviceRegistry:
         if holder is not None:
             self._held_by[holder] = self._held_by.get(holder, 0) + 1
 
+    def held_by(self, holders: Iterable[str]) -> dict[str, str]:
+        """Each device enrolled by one of ``holders`` -> that holder (a pass over the registry: an
+        operator's revocation, not a request's work)."""
+        wanted = set(holders)
+        return {d: record.holder for d, record in sorted(self.devices.items())
+                if record.holder is not None and record.holder in wanted}
+
+    def remove(self, device_id: str) -> None:
+        """Forget ``device_id``: its shard or slot is free, and its id may be enrolled again, by any
+        holder its scope allows."""
+        record = self.devices.pop(device_id)
+        if self._by_place.get(record.shard) == device_id:
+            del self._by_place[record.shard]
+        if record.holder is not None:
+            self._held_by[record.holder] -= 1
+
     def holds(self, place: int | str) -> bool:
         """Whether a registered device holds ``place``: a shard or slot, or with the devices' own
         data a device id."""
@@ -145,6 +161,17 @@ class DeviceRegistry:
             record = self.devices.get(device_id)
             if record is not None:
                 record.last_seen = now
+
+    def weight(self, device_id: str) -> int:
+        """The device's registered sample count, at least 1, as round plans weigh it; 1 for a
+        device no longer registered (taken out during the attempt, its credential revoked)."""
+        record = self.devices.get(device_id)
+        return max(1, record.num_samples) if record is not None else 1
+
+    def label_counts(self, device_id: str) -> list[int]:
+        """The label counts the device registered with (empty: none sent, or no longer registered)."""
+        record = self.devices.get(device_id)
+        return (record.label_counts if record is not None else None) or []
 
     def token_nonce(self, device_id: str) -> str | None:
         """The nonce of ``device_id``'s current token; None for a device that is not registered."""

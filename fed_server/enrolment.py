@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from fed_server.device_tokens import DeviceTokens
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
-from shared.auth import Auth, Enrolment, device_bearer_token
+from shared.auth import Auth, Enrolment, RevocationList, credential_holder, device_bearer_token
 from shared.errors import Conflict, DomainError, Invalid, NotAllowed, NotFound
 from shared.losses import label_counts_problem
 from shared.models import fingerprint_differences
@@ -78,6 +78,44 @@ class DeviceEnrolment:
             except DomainError as exc:
                 answers.append(exc)
         return answers
+
+    def revoke(self, credentials: Iterable[str]) -> dict[str, str]:
+        """Take the devices enrolled with any of ``credentials`` (credential ids) out of the run:
+        out of the open attempt and evaluation phase, their stored contributions with them; their
+        tokens unknown, so their next call is answered 404 and their enrolment again 401; their
+        registrations gone, so their shards and ids may be enrolled with new credentials. Each
+        device taken out -> its credential. Event loop: an attempt being aggregated is closed
+        already, and keeps what it has."""
+        core = self.core
+        by_holder = {credential_holder(c): c for c in credentials}
+        taken = {d: by_holder[holder] for d, holder in core.devices.held_by(by_holder).items()}
+        if not taken:
+            return taken
+        reasons = {d: f"its enrolment credential {c} was revoked" for d, c in taken.items()}
+        if core.round is not None:
+            for device, reason in reasons.items():
+                core.exclude(core.round, [device], reason, tell_main_server=True)
+        if core.evaluating is not None:
+            for device, reason in reasons.items():
+                core.evaluating.leave(device, reason)
+        for device, reason in reasons.items():
+            core.devices.remove(device)
+            self.tokens.forget(device)
+            log.warning("%s taken out of the run: %s", device, reason)
+        core.changed.set()
+        return taken
+
+    def reload_revocations(self, revocations: RevocationList) -> None:
+        """The operator changed the revocation list (SIGHUP): read it again and :meth:`revoke` the
+        credentials it newly names. A list that cannot be read is logged and changes nothing."""
+        try:
+            new = revocations.reload()
+        except ValueError as exc:
+            log.error("revocation list not reloaded, the previous one stays: %s", exc)
+            return
+        taken = self.revoke(new)
+        log.warning("revocation list %s reloaded: %d newly revoked credential(s)%s; %d device(s) taken out of the run",
+                    revocations.path, len(new), f" ({', '.join(sorted(new))})" if new else "", len(taken))
 
     def check_token(self, headers: Mapping[str, str], device_id: str, auth: Auth) -> None:
         """The caller holds ``device_id``'s current token in this run. A caller with a token for a

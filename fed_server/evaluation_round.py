@@ -60,6 +60,13 @@ class EvaluationRound:
             raise Invalid(reason)
         self.reports[report.device_id] = report
 
+    def leave(self, device_id: str, reason: str) -> None:
+        """``device_id`` can no longer be counted (its credential was revoked): its report, if one
+        came, is dropped, and the phase does not wait for one."""
+        if device_id in self.asked:
+            self.reports.pop(device_id, None)
+            self.refused[device_id] = reason
+
     def complete(self) -> bool:
         """Every asked device reported, or had its report refused."""
         return len(self.reports) + len(self.refused) == len(self.asked)

@@ -104,8 +104,7 @@ class ReplicaPlanning:
                 assignment.main_server_url = live[0]
             return {live[0]: self.round_plan(fed_round, sorted(fed_round.assignments))}
         planned = self._planned_groups(fed_round)
-        devices = self.core.devices.devices
-        loads = [sum(max(1, devices[m].num_samples) for m in members) for members in planned]
+        loads = [sum(self.core.devices.weight(m) for m in members) for members in planned]
         fed_round.group_replica = {}
         plans: dict[str, RoundPlan] = {}
         for url, mine in zip(live, groups_per_replica(planned, loads, len(live))):
@@ -123,10 +122,10 @@ class ReplicaPlanning:
         """The attempt's groups in id order, formed at its first plan."""
         if fed_round.planned_groups is None:
             config = self.core.config
-            devices = self.core.devices.devices
+            devices = self.core.devices
             # As the round plan describes each participant to the Main Server (round_plan), so the
             # groups are those one replica would form from the same devices' joins.
-            members = {d: GroupCandidate.of(devices[d].label_counts or [], a.split_point, max(1, devices[d].num_samples))
+            members = {d: GroupCandidate.of(devices.label_counts(d), a.split_point, devices.weight(d))
                        for d, a in fed_round.assignments.items()}
             groups = form_round_groups(build_grouping(self.core.algorithm.grouping()), members,
                                        config.grouping.group_size, config.seed, fed_round.round_id)
@@ -144,7 +143,7 @@ class ReplicaPlanning:
             model_params=config.model_params, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=config.seed,
             participants=[Participant(device_id=d, split_point=fed_round.assignments[d].split_point,
-                                      num_samples=max(1, core.devices.devices[d].num_samples),
+                                      num_samples=core.devices.weight(d),
                                       token_nonce=fed_round.assignments[d].token_nonce,
                                       download_s=fed_round.assignments[d].download_s)
                           for d in members],

@@ -33,7 +33,8 @@ import hmac
 import logging
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.errors import NotAllowed, Unauthenticated
@@ -212,6 +213,36 @@ def load_revoked_credentials(path: str | None) -> frozenset[str]:
     return frozenset(revoked)
 
 
+class RevocationList:
+    """The revoked enrolment credentials' ids (:func:`credential_id`), read from the operator's
+    file (``--revoked-credentials-file``) at start and again by :meth:`reload` (the Fed Server on
+    SIGHUP), so a revocation applies without a restart. The file is the list: a line taken out of
+    it lifts that revocation at the next reload."""
+
+    def __init__(self, path: str | None = None, ids: Iterable[str] = ()) -> None:
+        self.path = path
+        self._ids = frozenset(ids) | load_revoked_credentials(path)
+
+    def __contains__(self, credential: object) -> bool:
+        return credential in self._ids
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def reload(self) -> frozenset[str]:
+        """Read the file again; the ids it revokes that the list did not. ValueError (naming the
+        file and line), keeping the list as it was, for a file that cannot be read or parsed."""
+        ids = load_revoked_credentials(self.path)
+        new, self._ids = ids - self._ids, ids
+        return new
+
+
+def credential_holder(credential: str) -> str:
+    """Who holds the devices a credential registered, in the device registry (:class:`Enrolment`),
+    by the credential's id: a revocation finds them by it."""
+    return f"credential {credential}"
+
+
 #: Who holds the devices registered with the shared enrolment secret (fed_server/devices.py).
 SHARED_SECRET_HOLDER = "the shared enrolment secret"
 
@@ -243,8 +274,8 @@ class Auth:
     enrolment_key: bytes | None = None
     #: At most this many devices registered with the shared enrolment secret (None: no cap).
     shared_max_devices: int | None = None
-    #: Ids of revoked enrolment credentials (:func:`credential_id`): refused as if forged.
-    revoked_credentials: frozenset[str] = frozenset()
+    #: Revoked enrolment credentials: refused as if forged.
+    revoked_credentials: RevocationList = field(default_factory=RevocationList)
 
     @property
     def enabled(self) -> bool:
@@ -277,7 +308,7 @@ class Auth:
                 if str(parsed) in self.revoked_credentials:
                     raise Unauthenticated(f"enrolment refused: the enrolment credential {parsed} is revoked; the "
                                           f"operator issues a new one (credentials issue --serial {parsed.serial + 1})")
-                return Enrolment(f"credential {scope}", parsed)
+                return Enrolment(credential_holder(str(parsed)), parsed)
         if self.enrolment_secret is not None and hmac.compare_digest(given.encode(), self.enrolment_secret):
             return Enrolment(SHARED_SECRET_HOLDER, max_devices=self.shared_max_devices)
         raise Unauthenticated("enrolment refused: X-Enrolment-Secret must carry this device's enrolment credential "
@@ -311,4 +342,4 @@ def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: s
     return Auth(load_secret(service_secret_file, "SFL_SERVICE_SECRET"),
                 load_secret(enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
                 load_secret(enrolment_key_file, "SFL_ENROLMENT_KEY"), shared_max_devices,
-                load_revoked_credentials(revoked_credentials_file))
+                RevocationList(revoked_credentials_file))

@@ -6,6 +6,7 @@ import functools
 import ipaddress
 import json
 import math
+import signal
 import stat
 import subprocess
 import sys
@@ -399,7 +400,9 @@ def test_the_shared_secret_registers_no_more_devices_than_its_cap(keyed):
 
 def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_serial(tmp_path, credentials):
     """The operator's commands: revoke dev-002's credential into a list, issue dev-002 a second
-    credential; a Fed Server started with the list refuses the first and takes the second."""
+    credential; a Fed Server started with the list refuses the first and takes the second. Then,
+    without a restart, dev-003's credential is revoked and the server sent SIGHUP: dev-003's token
+    is no longer known, its enrolment is refused, and dev-002 is untouched."""
     listed = tmp_path / "revoked.txt"
 
     def command(*args: str) -> str:
@@ -410,6 +413,7 @@ def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_ser
 
     revoked = command("revoke", "--list", str(listed), str(credentials / "out" / "dev-002.credential"))
     assert "revoked: dev/2 (devices dev-002 (shard 2))" in revoked and listed.read_text() == "dev/2\n"
+    assert "send it SIGHUP" in revoked
     assert "already revoked: dev/2" in command("revoke", "--list", str(listed), "dev/2")
     assert listed.read_text() == "dev/2\n"
     command("issue", "--key-file", str(credentials / "enrolment.key"), "--shards", "2", "--serial", "2",
@@ -423,8 +427,20 @@ def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_ser
         assert refused.status_code == 401 and "the enrolment credential dev/2 is revoked" in refused.text
         assert _registered(pair.fed_url) == 0
         second = {"x-enrolment-secret": (tmp_path / "reissued" / "dev-002.credential").read_text().strip()}
-        assert _task(pair.fed_url, "dev-002", _token(_register(pair.fed_url, "dev-002", 2, second))) == 200
-        assert _register(pair.fed_url, "dev-003", 3, _credential(credentials, "dev-003")).status_code == 200
+        reissued = _token(_register(pair.fed_url, "dev-002", 2, second))
+        assert _task(pair.fed_url, "dev-002", reissued) == 200
+        token = _token(_register(pair.fed_url, "dev-003", 3, _credential(credentials, "dev-003")))
+        assert _task(pair.fed_url, "dev-003", token) == 200 and _registered(pair.fed_url) == 2
+
+        command("revoke", "--list", str(listed), "dev/3")
+        pair.fed.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: _registered(pair.fed_url) == 1, 30, "the Fed Server to apply the revocation")
+        assert pair.fed.alive()
+        assert _task(pair.fed_url, "dev-003", token) == 404   # its agent enrols again, and is refused:
+        again = _register(pair.fed_url, "dev-003", 3, _credential(credentials, "dev-003"))
+        assert again.status_code == 401 and "the enrolment credential dev/3 is revoked" in again.text
+        assert _task(pair.fed_url, "dev-002", reissued) == 200
+        assert "revocation list" in pair.fed.log_tail(100) and "dev-003 taken out of the run" in pair.fed.log_tail(100)
 
 
 def test_honest_devices_keep_training_while_their_ids_are_claimed_under_other_credentials(tmp_path, credentials):

@@ -520,3 +520,44 @@ def test_the_fed_server_keeps_no_training_set_after_start_up(tmp_path):
     _coordinator(tmp_path / "again", **{"data.dataset": "synthetic", "data.num_devices": 2,
                                         "data.max_samples": None, "model": "logreg"})
     assert load_dataset(c.config.data)[0].x is not held.x
+
+
+def test_a_revoked_credential_takes_its_devices_out_of_the_attempt_and_frees_their_ids(tmp_path):
+    """What SIGHUP applies (DeviceEnrolment.revoke): the device is out of the open attempt, its
+    stored update with it, its token unknown, its registration gone; the round aggregates the
+    others, and a new credential enrols the same device on the same shard."""
+    from shared.auth import Auth, CredentialScope, Enrolment, credential_holder
+
+    config = load_run_config({"algorithm": "fedavg", "rounds": 2, "data": {"num_devices": 2, "max_samples": 200},
+                              "seed": 3})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    auth = Auth(b"service-secret", enrolment_key=b"enrolment-key")
+
+    def enrol(device: str, shard: int, credential: str) -> str:
+        req = RegisterRequest(device_id=device, shard=shard, num_samples=_trains_on(c, shard),
+                              profile=DeviceProfileMsg(flops=1e9, rate=1e6))
+        answer = c.enrolment.enrol(req, Enrolment(credential_holder(credential), CredentialScope.parse(credential)), auth)
+        assert answer.token is not None
+        return answer.token
+
+    enrol("d0", 0, "d0")
+    token = enrol("d1", 1, "d1")
+    r = _open_round(c)
+    c.accept_update(r.round_id, _upload(c, "d1", r.round_id), 100)
+    assert c.enrolment.revoke({"nobody"}) == {} and c.devices.ids() == ["d0", "d1"]
+    assert c.enrolment.revoke({"d1"}) == {"d1": "d1"}
+    assert r.excluded == {"d1": "its enrolment credential d1 was revoked"}
+    assert c.devices.ids() == ["d0"] and c.enrolment.tokens.holder(token) is None
+    with pytest.raises(NotFound):
+        c.accept_update(r.round_id, _upload_as(c, "d0", "d1", r.round_id), 100)
+    c.accept_update(r.round_id, _upload(c, "d0", r.round_id), 100)
+    assert r.complete()
+    c.close_round()
+    record = c.conclude_and_record(r, c.aggregate_round(r))
+    assert record.status == "ok" and record.aggregated == ["d0"]
+    assert enrol("d1", 1, "d1@2") != token and c.devices.get("d1").shard == 1
+
+
+def _upload_as(coordinator: Coordinator, registered: str, device: str, round_id: int) -> UpdateRequest:
+    """``registered``'s upload sent under ``device``'s id (a device no longer registered)."""
+    return _upload(coordinator, registered, round_id).model_copy(update={"device_id": device})

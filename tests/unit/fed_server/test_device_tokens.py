@@ -19,3 +19,13 @@ def test_only_the_current_and_the_replaced_token_are_kept():
     for i in range(5):
         tokens.issued("a", f"t{i}")
     assert [tokens.holder(f"t{i}") for i in range(5)] == [None, None, None, ("a", False), ("a", True)]
+
+
+def test_a_forgotten_device_has_no_known_token():
+    tokens = DeviceTokens()
+    tokens.issued("a", "t1")
+    tokens.issued("a", "t2")
+    tokens.issued("b", "u1")
+    tokens.forget("a")
+    assert tokens.holder("t1") is None and tokens.holder("t2") is None and tokens.holder("u1") == ("b", True)
+    tokens.forget("a")   # idempotent

@@ -115,3 +115,21 @@ def test_a_registration_the_run_refuses_records_no_holder_and_an_open_server_rec
     _enrol(registry, _req("dev-a", 0), _enrolment(None))
     _enrol(registry, _req("dev-a", 0), None)   # open: who registers is not known, and not checked
     assert registry.get("dev-a").holder is None
+
+
+def test_a_removed_device_frees_its_shard_and_its_holders_count():
+    registry = DeviceRegistry(num_shards=3)
+    shared = _enrolment(None, max_devices=2)
+    for device, shard in (("dev-a", 0), ("dev-b", 1)):
+        _enrol(registry, _req(device, shard), shared)
+    assert registry.held_by([SHARED_SECRET_HOLDER, "someone else"]) == {"dev-a": SHARED_SECRET_HOLDER,
+                                                                         "dev-b": SHARED_SECRET_HOLDER}
+    registry.remove("dev-a")
+    assert registry.ids() == ["dev-b"] and not registry.holds(0) and registry.token_nonce("dev-a") is None
+    assert registry.weight("dev-a") == 1 and registry.label_counts("dev-a") == []
+    # the holder counts one device less, and the id and shard are free for another holder
+    _enrol(registry, _req("dev-c", 2), shared)
+    credential = _enrolment("dev-a")
+    _enrol(registry, _req("dev-a", 0), credential)
+    assert registry.get("dev-a").holder == credential.holder
+    assert registry.held_by([credential.holder]) == {"dev-a": credential.holder}

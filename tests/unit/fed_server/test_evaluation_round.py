@@ -125,6 +125,21 @@ def test_a_report_claiming_more_than_the_device_holds_out_is_refused_and_the_pha
     assert record.test_accuracy == pytest.approx(0.4) and (record.evaluated_devices, record.evaluated_samples) == (1, 15)
 
 
+def test_a_device_revoked_during_the_phase_is_not_counted_nor_waited_for(tmp_path):
+    c = _coordinator(tmp_path)
+    fed_round, aggregation = _aggregated(c)
+    evaluation = c.begin_evaluation(fed_round, aggregation)
+    c.accept_evaluation(_report("d0", fed_round.round_id, 10, 10, 0.0))
+    evaluation.leave("d0", "its enrolment credential d0 was revoked")
+    evaluation.leave("ghost", "not asked: changes nothing")
+    assert not evaluation.complete()
+    c.accept_evaluation(_report("d1", fed_round.round_id, 15, 6, 12.0))
+    assert evaluation.complete()
+    c.close_evaluation()
+    record = c.conclude_and_record(fed_round, aggregation, evaluation)
+    assert record.test_accuracy == pytest.approx(0.4) and (record.evaluated_devices, record.evaluated_samples) == (1, 15)
+
+
 def test_a_round_without_any_report_is_applied_and_recorded_without_figures(tmp_path):
     c = _coordinator(tmp_path, rounds=1)
     before = {k: v.clone() for k, v in c.core.model.state_dict().items()}

@@ -136,7 +136,10 @@ def test_shard_ranges_join_consecutive_shards():
 def test_a_revoked_credential_is_refused_and_its_next_serial_enrols():
     from shared.auth import CredentialScope, issue_credential
 
-    revoked = Auth(b"service-secret", enrolment_key=b"enrolment-key", revoked_credentials=frozenset({"dev/3", "dev/0-1"}))
+    from shared.auth import RevocationList
+
+    revoked = Auth(b"service-secret", enrolment_key=b"enrolment-key",
+                   revoked_credentials=RevocationList(ids={"dev/3", "dev/0-1"}))
     first = issue_credential(b"enrolment-key", CredentialScope.parse("dev/3"))
     with pytest.raises(Unauthenticated, match="the enrolment credential dev/3 is revoked.*--serial 2"):
         _enrol(revoked, first)
@@ -160,3 +163,22 @@ def test_the_revocation_list_reads_ids_and_whole_credentials_and_names_a_bad_lin
         load_revoked_credentials(str(listed))
     with pytest.raises(ValueError, match="revoked credentials file .*missing"):
         load_revoked_credentials(str(tmp_path / "missing"))
+
+
+def test_the_revocation_list_reloads_its_file_and_keeps_itself_when_the_file_is_bad(tmp_path):
+    from shared.auth import RevocationList
+
+    listed = tmp_path / "revoked"
+    listed.write_text("dev/3\n")
+    revocations = RevocationList(str(listed))
+    assert "dev/3" in revocations and "dev/4" not in revocations
+    listed.write_text("dev/3\ndev/4\ncam-a@2\n")
+    assert revocations.reload() == {"dev/4", "cam-a@2"} and "dev/4" in revocations
+    assert revocations.reload() == frozenset()
+    listed.write_text("dev/4\ndev 5\n")
+    with pytest.raises(ValueError, match="line 2"):
+        revocations.reload()
+    assert "dev/3" in revocations   # the list as it was
+    listed.write_text("dev/4\n")
+    assert revocations.reload() == frozenset() and "dev/3" not in revocations   # a line taken out lifts it
+    assert not RevocationList() and RevocationList().path is None
