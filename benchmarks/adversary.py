@@ -80,6 +80,8 @@ class Behaviour:
     federated_evaluation: ClassVar[bool] = False
     #: The benchmark starts the honest devices only once this behaviour's process is ready.
     goes_first: ClassVar[bool] = False
+    #: The benchmark starts no process for this behaviour (:class:`Absent`).
+    starts: ClassVar[bool] = True
     summary: ClassVar[str] = "alters nothing (the control)"
 
     def __init__(self, device: Device) -> None:
@@ -122,6 +124,16 @@ class Silent(Behaviour):
         # task went out once), so it stays silent for the rest of the attempt.
         self.acted(f"took the task of round {task.round_id} and stays silent")
         return TaskResponse(status="wait", retry_after_s=0.5)
+
+
+class Absent(Behaviour):
+    """Not harmful: a reference. The devices never run, so their shards' data is lost to the run,
+    as it is when the servers take a harmful device out; the accuracy another row loses beyond
+    this one's is what the behaviour itself did."""
+
+    name = "absent"
+    summary = "never starts: its shards' data is lost to the run (a reference, not an attack)"
+    starts = False
 
 
 class RefusedUploads(Behaviour):
@@ -317,7 +329,7 @@ def _wait_for_run(fed: FedApi, stop: threading.Event) -> RunInfo:
 
 
 BEHAVIOURS: dict[str, type[Behaviour]] = {b.name: b for b in (
-    Behaviour, Silent, RefusedUploads, LyingTimings, ScaledActivations, NanActivations, ScaledUpdate, SignFlip,
+    Behaviour, Absent, Silent, RefusedUploads, LyingTimings, ScaledActivations, NanActivations, ScaledUpdate, SignFlip,
     LabelFlip, ZeroUpdateHugeCount, FakeEvaluation, FakeLabelCounts, SybilBurst)}
 
 

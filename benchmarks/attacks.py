@@ -2,7 +2,8 @@
 
 Every harmful behaviour of :mod:`benchmarks.adversary` runs as its own device-agent process
 (``python -m benchmarks.adversary``) holding the last 1 or 2 of the run's 10 shards, beside an
-honest agent holding the others, against the real Fed Server (and Main Server for split
+honest agent holding the others (the ``absent`` row, a reference, starts no process for those
+shards: what losing their data costs), against the real Fed Server (and Main Server for split
 algorithms), under each algorithm and aggregation policy asked for. Each (algorithm, policy,
 evaluation mode) has an honest control in the same invocation: the same configuration, seed and
 processes, the adversary's process running ``--behaviour honest``. Every run, controls included,
@@ -45,8 +46,14 @@ from testbed.runner import Testbed, TestbedError
 from testbed.warm_start import PRELOAD, WarmStarter
 
 ALGORITHMS = ("s2fl", "fedavg")
-#: The harmful behaviours (``honest`` is the control's).
+#: The rows: every harmful behaviour, and ``absent``, the reference (``honest`` is the control's).
 ATTACKS = tuple(name for name in BEHAVIOURS if name != "honest")
+#: The reference row: its devices never start, so it measures what losing their shards' data costs
+#: (the most a run can keep when the servers take a harmful device out); no goal applies to it.
+REFERENCE = "absent"
+#: The reference's registration deadline: its run waits it out for the shards nobody registers,
+#: and the honest agent's devices register within a second or two of the servers' start.
+REFERENCE_REGISTRATION_S = 5.0
 HARMFUL = (1, 2)
 #: The robust aggregation rule the ``robust`` policy selects (``--set aggregation.rule=...``).
 ROBUST_RULE = "trimmed_mean"
@@ -117,12 +124,16 @@ class HarmfulTestbed(Testbed):
         self.behaviour = behaviour
         self.harmful = harmful
         self.adversary: Service | None = None
+        self.split = False   # the shards were divided between the honest agent and the adversary
 
     def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
                     module: str = "device_agent", extra: Sequence[str] = ()) -> Service:
-        if self.adversary is not None or not shards:
+        if self.adversary is not None or self.split or not shards:
             return super().start_agent(name, shards, data, index, module, extra)
+        self.split = True
         honest, harmful = shards[:-self.harmful], shards[-self.harmful:]
+        if not self.behaviour.starts:
+            return super().start_agent(name, honest, data, index, module, extra)
         ready = self.processes.log_dir / "adversary.ready"
         self.adversary = super().start_agent("adversary", harmful, module="benchmarks.adversary",
                                              extra=["--behaviour", self.behaviour.name, "--ready-file", str(ready)])
@@ -270,7 +281,10 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                 for behaviour in selection.behaviours:
                     cell = {"behaviour": behaviour, "algorithm": algorithm, "policy": policy}
                     federated = BEHAVIOURS[behaviour].federated_evaluation
-                    config = policy_config(base_config(algorithm, selection.rounds, federated), policy)
+                    data = base_config(algorithm, selection.rounds, federated)
+                    if behaviour == REFERENCE:
+                        data["deadlines"]["registration_s"] = REFERENCE_REGISTRATION_S
+                    config = policy_config(data, policy)
                     if config is None or not applies(behaviour, config):
                         status = "unsupported" if config is None else "n/a"
                         results["runs"] += [{**cell, "harmful": k, "status": status} for k in selection.harmful]
@@ -335,7 +349,9 @@ def goals_missed(row: dict) -> list[str]:
     :data:`GOAL_TIME_RATIO` x the control), ``accuracy`` (robust policy: more than
     :data:`GOAL_ROBUST_POINTS` below the control; default policy, one harmful device: below
     :data:`GOAL_DEFAULT_ACCURACY`)."""
-    missed = []
+    missed: list[str] = []
+    if row["behaviour"] == REFERENCE:
+        return missed
     if not row["complete"]:
         missed.append("rounds")
     if row["time_ratio"] > GOAL_TIME_RATIO:
@@ -355,8 +371,9 @@ def _cell(row: dict | None) -> list[str]:
         return ["", "", "", ""]
     if row["status"] != "ran":
         return [row["status"], "", "", ""]
+    goals = "reference" if row["behaviour"] == REFERENCE else ", ".join(row["goals_missed"]) or "met"
     return [f"{row['rounds_completed']}/{row['rounds_planned']}", f"{row['time_ratio']:.2f}x",
-            f"{row['accuracy_points_vs_control']:+.1f}", ", ".join(row["goals_missed"]) or "met"]
+            f"{row['accuracy_points_vs_control']:+.1f}", goals]
 
 
 def report(results: dict) -> str:

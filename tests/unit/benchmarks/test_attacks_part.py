@@ -90,6 +90,17 @@ def test_the_last_shards_go_to_an_adversary_process_each_agent_with_its_own_cred
         _without(honest, "--shards", "--enrolment-secret-file")
 
 
+def test_the_reference_row_starts_no_process_for_its_shards(tmp_path, monkeypatch):
+    testbed, calls = _testbed(tmp_path, "absent", 2, monkeypatch)
+    try:
+        testbed.start()
+    finally:
+        testbed.stop(agent_grace_s=0)
+    assert [name for name, _, _ in calls] == ["fed_server", "agent-0"]
+    honest = calls[1][2]
+    assert honest[honest.index("--shards"):honest.index("--shards") + 2] == ["--shards", "0-1"]
+
+
 def test_a_behaviour_that_goes_first_fails_the_run_when_its_process_dies_before_it_is_ready(tmp_path, monkeypatch):
     testbed, calls = _testbed(tmp_path, "honest", 1, monkeypatch, process=_Dead)
     testbed.behaviour = BEHAVIOURS["sybil_burst"]
@@ -115,6 +126,7 @@ def _row(policy: str = "default", harmful: int = 1, complete: bool = True, ratio
     (_row(policy="robust", points=-2.9), []),
     (_row(accuracy=0.49), ["accuracy"]),
     (_row(harmful=2, accuracy=0.2, points=-50), []),   # the 50 % floor is about one harmful device
+    ({**_row(policy="robust", ratio=3.0, points=-9, accuracy=0.2), "behaviour": "absent"}, []),   # the reference
 ])
 def test_goals_missed(row: dict, missed: list[str]) -> None:
     assert attacks.goals_missed(row) == missed
