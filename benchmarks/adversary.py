@@ -16,11 +16,13 @@ so a control and an attack run have the same processes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import inspect
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 from unittest import mock
@@ -31,6 +33,7 @@ import device_agent.agent
 from device_agent.api import AgentApi, FedApi, MainApi
 from device_agent.clients import HttpFedClient
 from device_agent.device import Device
+from shared.data import ArrayDataset
 from shared.errors import DomainError
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, DeviceProfileMsg, RegistrationBatch, RegistrationBatchResponse, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
@@ -93,6 +96,11 @@ class Behaviour:
     @classmethod
     def before_run(cls, agent: "HarmfulAgent") -> None:
         """Called once per process before its devices start."""
+
+    def data(self, data: ArrayDataset) -> ArrayDataset:
+        """The device's samples, each time it loads them (an agent hosting several devices lets
+        each one's data go between tasks, and loads it again for the next)."""
+        return data
 
     def register(self, req: RegisterRequest) -> RegisterRequest:
         return req
@@ -200,20 +208,10 @@ class LabelFlip(Behaviour):
     name = "label_flip"
     summary = "trains on its data with every label moved to the next class"
 
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-        self._flipped = False
-
-    def register(self, req: RegisterRequest) -> RegisterRequest:
-        # Registration follows the loading of the device's data and precedes all training. In
-        # place: the device's task trainer holds the same data set (the device's own copy of its
-        # shard), and trains on what it holds.
-        data = self.device.data
-        if not self._flipped and data is not None:
-            data.y.copy_((data.y + 1) % data.num_classes)
-            self._flipped = True
-            self.acted(f"{len(data)} labels moved to the next class")
-        return req
+    def data(self, data: ArrayDataset) -> ArrayDataset:
+        # A new label tensor: the loaded one may be shared with the process's other devices.
+        self.acted(f"{len(data)} labels moved to the next class")
+        return dataclasses.replace(data, y=(data.y + 1) % data.num_classes)
 
 
 class ZeroUpdateHugeCount(Behaviour):
@@ -470,6 +468,8 @@ class HarmfulAgent(device_agent.agent.Agent):
         for device in self.devices:
             hooks = behaviour(device)
             device.fed = feds[device.device_id] = HarmfulFed(device.fed, hooks, seen)
+            # Every load of the device's samples, at set-up and before each task, goes through the hook.
+            device._load_data = functools.partial(_harmful_data, device._load_data, hooks)  # type: ignore[method-assign]
             connect = device.connect_main
             device.connect_main = functools.partial(_harmful_main, connect, hooks)
         self.tasks_fed = HarmfulTasks(self.tasks_fed, feds)
@@ -480,6 +480,10 @@ class HarmfulAgent(device_agent.agent.Agent):
         if self.ready_file is not None:
             self.ready_file.write_text(self.behaviour.name + "\n")
         return super().run()
+
+
+def _harmful_data(load: Callable[[], ArrayDataset], behaviour: Behaviour) -> ArrayDataset:
+    return behaviour.data(load())
 
 
 def _harmful_main(connect, behaviour: Behaviour, url: str, token: str | None) -> HarmfulMain:

@@ -153,26 +153,30 @@ def test_silent_takes_the_training_task_and_sends_nothing() -> None:
     assert inner.sent == []
 
 
-def test_label_flip_moves_every_label_once_when_the_device_registers() -> None:
-    device = _device([0, 1, 9])
-    fed, inner = _fed("label_flip", device)
-    fed.register(_register())
-    fed.register(_register())   # registering again (a Fed Server restart) flips nothing more
-    assert device.data.y.tolist() == [1, 2, 0]
-    assert len(inner.sent) == 2
+def test_label_flip_moves_every_label_of_each_load_and_leaves_the_loaded_tensor_alone() -> None:
+    loaded = ArrayDataset(torch.zeros(3, 1, 2, 2), torch.tensor([0, 1, 9]), 10)
+    hooks = BEHAVIOURS["label_flip"](_device())
+    assert hooks.data(loaded).y.tolist() == [1, 2, 0] and hooks.data(loaded).y.tolist() == [1, 2, 0]
+    assert loaded.y.tolist() == [0, 1, 9]   # shared with the process's other devices: not changed
 
 
-def test_label_flip_reaches_the_data_a_real_device_trains_on() -> None:
-    # The task trainer, built before the device registers, holds the data it trains on.
-    device = Device("dev-009", 0, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=None)
-    spec = DataSpec(num_devices=1)
+def test_label_flip_reaches_the_data_a_real_device_trains_on_at_every_task() -> None:
+    """A device of an agent hosting several lets its data go after set-up and loads it again for
+    each task: every load is flipped, the one the device registers with included."""
+    agent = HarmfulAgent("http://127.0.0.1:9", [8, 9], None, behaviour=BEHAVIOURS["label_flip"])
+    device = agent.devices[0]
+    spec = DataSpec(num_devices=10, max_samples=200)
     info = RunInfo(run_id="r", algorithm="fedavg", model="logreg", num_classes=10, input_shape=[1, 28, 28],
                    data=spec, seed=3, fingerprint=model_fingerprint(build_model("logreg", 10, (1, 28, 28)), spec))
-    device.prepare(info, build_run_model(info, layout=True),
-                   ArrayDataset(torch.zeros(3, 1, 28, 28), torch.tensor([0, 1, 9]), 10), None)
-    fed, _ = _fed("label_flip", device)
-    fed.register(_register())
-    assert device.trainer.data.y.tolist() == [1, 2, 0]
+    device.info = info
+    honest = Device("dev-008", 8, HttpFedClient("http://127.0.0.1:9"), main_connector(), kind=None)
+    honest.info = info
+    true, flipped = honest._load_data().y, device._load_data().y
+    assert len(true) > 0 and torch.equal(flipped, (true + 1) % 10)
+    device.prepare(info, build_run_model(info, layout=True), device._load_data(), None)
+    device._release_data()
+    with device._data_scope():   # a task's load
+        assert torch.equal(device.trainer.data.y, (true + 1) % 10)
 
 
 def test_fake_evaluation_claims_near_perfect_accuracy_on_a_huge_count() -> None:
