@@ -69,7 +69,7 @@ def _cited_paths() -> list[tuple[str, Path]]:
 
 def test_the_probe_finds_the_cited_results() -> None:
     cited = {path for _, path in _cited_paths()}
-    assert RESULTS / "2026-11-27_attacks" / "results.md" in cited
+    assert RESULTS / "2026-12-01_attacks_label-flip" / "results.md" in cited
 
 
 def test_every_cited_results_path_exists() -> None:
