@@ -89,20 +89,23 @@ class DeviceEnrolment:
         core = self.core
         by_holder = {credential_holder(c): c for c in credentials}
         taken = {d: by_holder[holder] for d, holder in core.devices.held_by(by_holder).items()}
-        if not taken:
-            return taken
-        reasons = {d: f"its enrolment credential {c} was revoked" for d, c in taken.items()}
-        if core.round is not None:
-            for device, reason in reasons.items():
-                core.exclude(core.round, [device], reason, tell_main_server=True)
-        if core.evaluating is not None:
-            for device, reason in reasons.items():
-                core.evaluating.leave(device, reason)
-        for device, reason in reasons.items():
-            core.devices.remove(device)
-            self.tokens.forget(device)
-            log.warning("%s taken out of the run: %s", device, reason)
-        core.changed.set()
+        by_credential: dict[str, list[str]] = {}
+        for device, credential in taken.items():
+            by_credential.setdefault(credential, []).append(device)
+        for credential, devices in sorted(by_credential.items()):
+            reason = f"its enrolment credential {credential} was revoked"
+            if core.round is not None:
+                core.exclude(core.round, devices, reason, tell_main_server=True)
+            for device in devices:
+                if core.evaluating is not None:
+                    core.evaluating.leave(device, reason)
+                core.devices.remove(device)
+                self.tokens.forget(device)
+            shown = ", ".join(devices[:10]) + (f" and {len(devices) - 10} more" if len(devices) > 10 else "")
+            log.warning("enrolment credential %s revoked: %d device(s) taken out of the run: %s", credential,
+                        len(devices), shown)
+        if taken:
+            core.changed.set()
         return taken
 
     def reload_revocations(self, revocations: RevocationList) -> None:

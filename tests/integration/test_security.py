@@ -440,7 +440,9 @@ def test_a_revoked_credential_is_refused_and_its_device_enrols_with_the_next_ser
         again = _register(pair.fed_url, "dev-003", 3, _credential(credentials, "dev-003"))
         assert again.status_code == 401 and "the enrolment credential dev/3 is revoked" in again.text
         assert _task(pair.fed_url, "dev-002", reissued) == 200
-        assert "revocation list" in pair.fed.log_tail(100) and "dev-003 taken out of the run" in pair.fed.log_tail(100)
+        log = pair.fed.log_tail(100)
+        assert "enrolment credential dev/3 revoked: 1 device(s) taken out of the run: dev-003" in log
+        assert "1 newly revoked credential(s) (dev/3); 1 device(s) taken out of the run" in log
 
 
 def test_honest_devices_keep_training_while_their_ids_are_claimed_under_other_credentials(tmp_path, credentials):
