@@ -162,8 +162,8 @@ def credentials_main(argv: list[str]) -> None:
                     "only the devices it names, and enrol them again after a restart. Revoke them.")
     commands = parser.add_subparsers(dest="command", required=True)
     revoke = commands.add_parser("revoke", help="add credentials to a revocation list",
-                                 description="Add credentials to the revocation list the Fed Server reads at start "
-                                             "(--revoked-credentials-file).")
+                                 description="Add credentials to the revocation list the Fed Server reads at start and "
+                                             "on SIGHUP (--revoked-credentials-file).")
     revoke.add_argument("--list", required=True, metavar="FILE", help="the revocation list (created if missing)")
     revoke.add_argument("credentials", nargs="+", metavar="CREDENTIAL",
                         help="a credential file, or a credential id as the list holds it (dev/7, cam-a@2)")
