@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.adversary import ACTION_MARK, BEHAVIOURS, Behaviour
+from benchmarks.adversary import ACTION_MARK, BEHAVIOURS, Absent, Behaviour
 from benchmarks.result_files import add_name_option, default_out, write
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
@@ -50,7 +50,7 @@ ALGORITHMS = ("s2fl", "fedavg")
 ATTACKS = tuple(name for name in BEHAVIOURS if name != "honest")
 #: The reference row: its devices never start, so it measures what losing their shards' data costs
 #: (the most a run can keep when the servers take a harmful device out); no goal applies to it.
-REFERENCE = "absent"
+REFERENCE = Absent.name
 #: The reference's registration deadline: its run waits it out for the shards nobody registers,
 #: and the honest agent's devices register within a second or two of the servers' start.
 REFERENCE_REGISTRATION_S = 5.0
@@ -128,7 +128,7 @@ class HarmfulTestbed(Testbed):
 
     def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
                     module: str = "device_agent", extra: Sequence[str] = ()) -> Service:
-        if self.adversary is not None or self.split or not shards:
+        if self.split or not shards:
             return super().start_agent(name, shards, data, index, module, extra)
         self.split = True
         honest, harmful = shards[:-self.harmful], shards[-self.harmful:]

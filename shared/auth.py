@@ -305,10 +305,11 @@ class Auth:
             scope, _, mac = given[len(CREDENTIAL_PREFIX):].rpartition(":")
             if hmac.compare_digest(mac.encode(), _credential_mac(self.enrolment_key, scope).encode()):
                 parsed = CredentialScope.parse(scope)
-                if str(parsed) in self.revoked_credentials:
-                    raise Unauthenticated(f"enrolment refused: the enrolment credential {parsed} is revoked; the "
+                credential = str(parsed)
+                if credential in self.revoked_credentials:
+                    raise Unauthenticated(f"enrolment refused: the enrolment credential {credential} is revoked; the "
                                           f"operator issues a new one (credentials issue --serial {parsed.serial + 1})")
-                return Enrolment(credential_holder(str(parsed)), parsed)
+                return Enrolment(credential_holder(credential), parsed)
         if self.enrolment_secret is not None and hmac.compare_digest(given.encode(), self.enrolment_secret):
             return Enrolment(SHARED_SECRET_HOLDER, max_devices=self.shared_max_devices)
         raise Unauthenticated("enrolment refused: X-Enrolment-Secret must carry this device's enrolment credential "
