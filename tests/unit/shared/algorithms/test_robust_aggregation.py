@@ -13,7 +13,8 @@ from shared.algorithms.aggregation import Contribution, layerwise_aggregate
 from shared.algorithms.base import RoundContext
 from shared.algorithms.registry import AGGREGATION_RULES, build_algorithm
 from shared.algorithms.robust_aggregation import (
-    DEFAULT_CLIP, DEFAULT_MAX_WEIGHT_RATIO, BoundedMean, Krum, Mean, Median, MultiKrum, TrimmedMean, bounded_weights,
+    DEFAULT_CLIP, DEFAULT_MAX_WEIGHT_RATIO, PAIRWISE_MAX, SLICE, BoundedMean, Krum, Mean, Median, MultiKrum, TrimmedMean,
+    bounded_weights, ranks,
 )
 from shared.config import RunConfig
 from shared.run_config import ConfigError, load_run_config, resolve_run_config
@@ -116,6 +117,46 @@ def test_median_is_taken_of_updates_coordinate_wise():
 def test_trimmed_mean_hand_computed(params, expected):
     out = TrimmedMean({**UNBOUNDED, **params}).aggregate({"w": t(0)}, scalars([-100, 1, 2, 3, 100], [1, 1, 1, 3, 1]))
     assert out.state["w"].item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, PAIRWISE_MAX, PAIRWISE_MAX + 1])
+def test_ranks_are_a_stable_sorts_positions(n):
+    # Few distinct values, so ties are everywhere: a tie keeps candidate order, as a stable sort does.
+    torch.manual_seed(n)
+    updates = torch.randint(-3, 4, (n, 500)).double()
+    rank = ranks(updates)
+    order = updates.sort(dim=0, stable=True).indices
+    assert rank.dtype == torch.int64
+    assert torch.equal(rank.gather(0, order), torch.arange(n).view(-1, 1).expand(n, 500))
+
+
+def _sorted_reference(rule, global_value: torch.Tensor, values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The median or trimmed mean of a whole key from one stable sort (the rules' definitions)."""
+    updates = torch.stack([v.double() for v in values]).reshape(len(values), -1) - global_value.double().reshape(-1)
+    ordered, order = updates.sort(dim=0, stable=True)
+    ordered_w = torch.tensor(weights, dtype=torch.float64)[order]
+    n = len(values)
+    if isinstance(rule, TrimmedMean):
+        trim = min(rule.params.count, (n - 1) // 2)
+        kept, kept_w = ordered[trim:n - trim], ordered_w[trim:n - trim]
+        combined = (kept * kept_w).sum(dim=0) / kept_w.sum(dim=0)
+    else:
+        cumulative, half = ordered_w.cumsum(dim=0), sum(weights) / 2
+        lower = (cumulative < half).sum(dim=0, keepdim=True).clamp(max=n - 1)
+        upper = (cumulative <= half).sum(dim=0, keepdim=True).clamp(max=n - 1)
+        combined = ((ordered.gather(0, lower) + ordered.gather(0, upper)) / 2).squeeze(0)
+    return (global_value.double().reshape(-1) + combined).view(global_value.shape).float()
+
+
+@pytest.mark.parametrize("rule", [Median(UNBOUNDED), TrimmedMean({**UNBOUNDED, "count": 2})], ids=["median", "trimmed_mean"])
+def test_a_key_larger_than_a_slice_is_combined_as_a_whole(rule):
+    # A key of 2.5 slices (the last one partial), with ties and unequal weights.
+    torch.manual_seed(0)
+    g = torch.randn(5, SLICE // 2)
+    values = [g + torch.randint(-2, 3, g.shape) * 0.25 for _ in range(7)]
+    weights = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0]
+    out = rule.aggregate({"w": g}, contributions(*(Contribution(w, {"w": v}) for v, w in zip(values, weights))))
+    assert torch.equal(out.state["w"], _sorted_reference(rule, g, values, weights))
 
 
 def test_krum_and_multi_krum_hand_computed():
