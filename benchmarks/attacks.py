@@ -356,7 +356,9 @@ def goals_missed(row: dict) -> list[str]:
         missed.append("rounds")
     if row["time_ratio"] > GOAL_TIME_RATIO:
         missed.append("time")
-    if row["policy"] == "robust" and row["accuracy_points_vs_control"] < -GOAL_ROBUST_POINTS:
+    # Accuracies are whole test images over the test set's size, so a difference of exactly the
+    # bound is one; compared unrounded, 30 images of 1,000 read 3.0000000000000027 points.
+    if row["policy"] == "robust" and round(row["accuracy_points_vs_control"], 9) < -GOAL_ROBUST_POINTS:
         missed.append("accuracy")
     if row["policy"] == "default" and row["harmful"] == 1 and row["accuracy"] < GOAL_DEFAULT_ACCURACY:
         missed.append("accuracy")

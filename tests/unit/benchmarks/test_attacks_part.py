@@ -124,6 +124,8 @@ def _row(policy: str = "default", harmful: int = 1, complete: bool = True, ratio
     (_row(complete=False, ratio=1.31), ["rounds", "time"]),
     (_row(policy="robust", points=-3.1, accuracy=0.2), ["accuracy"]),
     (_row(policy="robust", points=-2.9), []),
+    (_row(policy="robust", points=100 * (0.882 - 0.912)), []),   # 30 images of 1,000: exactly the bound
+    (_row(policy="robust", points=100 * (0.881 - 0.912)), ["accuracy"]),
     (_row(accuracy=0.49), ["accuracy"]),
     (_row(harmful=2, accuracy=0.2, points=-50), []),   # the 50 % floor is about one harmful device
     ({**_row(policy="robust", ratio=3.0, points=-9, accuracy=0.2), "behaviour": "absent"}, []),   # the reference
