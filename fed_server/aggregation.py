@@ -78,9 +78,10 @@ class Aggregator:
     def _observe_times(self, fed_round: FedRound, used: list[str]) -> None:
         """The aggregated devices' round times, into the split planner, the time table and the
         devices' usual times (:mod:`fed_server.device_pace`)."""
+        self.core.pace.observe_attempt({d: (fed_round.assignments[d].split_point, fed_round.upload_seconds(d),
+                                            self.core.devices.work(d)) for d in used})
         for device in used:
             assignment = fed_round.assignments[device]
-            self.core.pace.observe(device, assignment.split_point, fed_round.upload_seconds(device))
             if assignment.candidate is not None:
                 update = fed_round.updates[device]
                 self.planner.observe(device, assignment.candidate, update.request.timings.transfer_s + update.upload_s)

@@ -17,7 +17,11 @@ network), and only the round deadline applies. ``expected`` is then the larger o
   down;
 * **its own usual time**, where known: the running average (``(1 - s) * old + s * new``,
   ``s`` = 0.5) of the seconds its aggregated rounds took at the same split point, task to upload,
-  as the Fed Server saw them. A device that is always slower than its peers keeps its time.
+  as the Fed Server saw them, each counted at most ``patience`` times its peers' time in that
+  round (the slowest other aggregated device's, scaled up for more work as above). A device that
+  is always slower than its peers keeps its time; one slow on purpose, uploading just before its
+  deadline every round, cannot push its own deadline further each round: it stays within about
+  ``patience ** 2`` times its peers' time (plus ``grace_s``) instead of growing to the round deadline.
 
 A device past its own deadline is taken out of the attempt (``fed_round.OVERDUE``), which
 counts as a missed deadline (:mod:`fed_server.missed_deadlines`): it sits out the next attempts.
@@ -57,6 +61,17 @@ class DevicePace:
         row = self._usual.setdefault(device, {})
         old = row.get(split_point)
         row[split_point] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+
+    def observe_attempt(self, rounds: Mapping[str, tuple[int, float, float]]) -> None:
+        """Fold an aggregated attempt's times in: device -> (split point, seconds task to upload,
+        work). Each device's seconds count at most ``patience`` times its peers' time in the same
+        attempt (:func:`expected_seconds` over the others); a device alone is not capped."""
+        for device, (split_point, seconds, work) in rounds.items():
+            others = [(s, w) for d, (_, s, w) in rounds.items() if d != device]
+            peers = expected_seconds(None, others, work, len(others))
+            if self.patience is not None and peers is not None:
+                seconds = min(seconds, self.patience * peers)
+            self.observe(device, split_point, seconds)
 
     def usual(self, device: str, split_point: int) -> float | None:
         """The device's usual seconds at ``split_point``; None before its first aggregated round there."""

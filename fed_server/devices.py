@@ -168,6 +168,12 @@ class DeviceRegistry:
         record = self.devices.get(device_id)
         return max(1, record.num_samples) if record is not None else 1
 
+    def work(self, device_id: str) -> float:
+        """The device's compute per round as the deadline rule compares devices (samples over the
+        FLOP/s it registered); 0 when not known or no longer registered."""
+        record = self.devices.get(device_id)
+        return record.num_samples / record.profile.flops if record is not None and record.profile.flops > 0 else 0.0
+
     def label_counts(self, device_id: str) -> list[int]:
         """The label counts the device registered with (empty: none sent, or no longer registered)."""
         record = self.devices.get(device_id)

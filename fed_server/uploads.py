@@ -60,16 +60,11 @@ class Uploads:
         """Take out of the attempt every awaited device past its own deadline
         (:mod:`fed_server.device_pace`); the earliest own deadline of those still awaited
         (``inf``: none has one). Event loop."""
-        devices, dropped = self.core.devices.devices, fed_round.dropped()
-
-        def work(device: str) -> float:
-            """The device's compute per round, as the peers' rule compares it: samples over FLOP/s."""
-            record = devices.get(device)
-            return record.num_samples / record.profile.flops if record is not None and record.profile.flops > 0 else 0.0
-
-        finishers = [(fed_round.upload_seconds(d), work(d)) for d in fed_round.updates if d in devices and d not in dropped]
+        registry, dropped = self.core.devices, fed_round.dropped()
+        finishers = [(fed_round.upload_seconds(d), registry.work(d)) for d in fed_round.updates
+                     if d in registry.devices and d not in dropped]
         waiting = fed_round.waiting()
-        due = self.core.pace.deadlines(waiting, finishers, len(waiting) + len(finishers), work)
+        due = self.core.pace.deadlines(waiting, finishers, len(waiting) + len(finishers), registry.work)
         overdue = sorted(d for d, at in due.items() if at <= now)
         if overdue:
             self.core.exclude(fed_round, overdue, OVERDUE, tell_main_server=True)

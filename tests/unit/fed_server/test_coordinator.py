@@ -496,6 +496,21 @@ def test_registration_with_a_different_model_fingerprint_is_refused_and_changes_
     assert {"d2", "d3"} <= set(c.devices.devices)
 
 
+def test_an_aggregated_device_s_usual_time_is_bounded_by_patience_times_its_peers(tmp_path):
+    # d1 uploaded 30 s after its task, d0 after 2 s: d1's usual time counts 2 x 2 s (the run's
+    # patience), so uploading late on purpose does not lengthen its own deadline in later attempts.
+    c = _coordinator(tmp_path)
+    r = _open_round(c)
+    for device, seconds in (("d0", 2.0), ("d1", 30.0)):
+        c.accept_update(r.round_id, _upload(c, device, r.round_id), 100)
+        r.updates[device].arrived_at = r.wait_began(device) + seconds
+    c.close_round()
+    c.conclude_and_record(r, c.aggregate_round(r))
+    split = r.assignments["d0"].split_point
+    assert c.config.deadlines.patience == 2.0
+    assert c.core.pace.usual("d0", split) == pytest.approx(2.0) and c.core.pace.usual("d1", split) == pytest.approx(4.0)
+
+
 def test_a_split_round_plan_carries_each_device_s_download_time_and_the_run_s_patience(tmp_path):
     # What the Main Server needs for each participant's own join deadline (main_server/join_phase.py).
     c = _coordinator(tmp_path, algorithm="s2fl")
