@@ -70,7 +70,11 @@ GOAL_ROBUST_POINTS = 3.0     # robust policy: final accuracy at most this many p
 GOAL_DEFAULT_ACCURACY = 0.5  # default policy: one harmful device leaves the final accuracy at least this
 
 DEVICES = 10
-ROUNDS = 5
+#: Rounds per run: where the honest runs have converged (S2FL controls 91.9 to 92.7 %, FedAvg 91.2
+#: to 92.1 %). At 5 rounds the models sit at 72 to 85 %, identical S2FL runs end up to 5 points
+#: apart and taking two devices' data out moved FedAvg with trimmed_mean up 5 points: a 3-point goal
+#: measured that spread, not the harmful device. Chosen after seeing 5-round tables.
+ROUNDS = 15
 ROUND_S = 20.0
 #: Honest runs per control: enough to show the spread a cell is judged against.
 CONTROLS = 3

@@ -5,7 +5,7 @@
 100 virtual devices, (d) peak memory of each service (measured during (a)), (e) peak memory of an
 agent hosting many virtual devices, models kept vs built per task, (f) FedAvg through the services
 vs the same math in one process and vs the 2-core limit, with the whole testbed's peak PSS, (g) harmful devices
-against an honest control (benchmarks/attacks.py; 30 to 40 minutes, so only when named), (h) populations of 100 to
+against an honest control (benchmarks/attacks.py; about two hours, so only when named), (h) populations of 100 to
 10,000 devices and S2FL at 1,000: registration time, round time, memory per device (benchmarks/population.py; only
 when named). Prints a table and writes
 every figure plus a description of the machine to a JSON file: by default
