@@ -34,6 +34,7 @@ expected time (plus ``grace_s``); ``deadlines.patience`` null turns the rule off
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -66,11 +67,14 @@ class DevicePace:
         """Fold an aggregated attempt's times in: device -> (split point, seconds task to upload,
         work). Each device's seconds count at most ``patience`` times its peers' time in the same
         attempt (:func:`expected_seconds` over the others); a device alone is not capped."""
+        slowest_other = _largest_of_the_others({d: s for d, (_, s, _) in rounds.items()})
+        heaviest_other = _largest_of_the_others({d: w for d, (_, _, w) in rounds.items()})
         for device, (split_point, seconds, work) in rounds.items():
-            others = [(s, w) for d, (_, s, w) in rounds.items() if d != device]
-            peers = expected_seconds(None, others, work, len(others))
-            if self.patience is not None and peers is not None:
-                seconds = min(seconds, self.patience * peers)
+            if self.patience is not None and len(rounds) > 1:
+                # Only the others' largest time and largest work enter the peers' rule.
+                peers = expected_seconds(None, [(slowest_other(device), heaviest_other(device))], work, 1)
+                if peers is not None:
+                    seconds = min(seconds, self.patience * peers)
             self.observe(device, split_point, seconds)
 
     def usual(self, device: str, split_point: int) -> float | None:
@@ -99,3 +103,14 @@ class DevicePace:
     def load_state_dict(self, state: Mapping[str, Mapping[str, float]]) -> None:
         """Restore :meth:`state_dict`'s output (a resumed run waits as long as it would have)."""
         self._usual = {str(d): {int(k): float(t) for k, t in row.items()} for d, row in state.items()}
+
+
+def _largest_of_the_others(values: Mapping[str, float]) -> Callable[[str], float]:
+    """For each key, the largest value among the other keys' (from the two largest, found once
+    for all keys); ``-inf`` where there is no other."""
+    top = heapq.nlargest(2, values.items(), key=lambda item: item[1])
+
+    def largest(key: str) -> float:
+        rest = [v for k, v in top if k != key]
+        return rest[0] if rest else -math.inf
+    return largest
