@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import httpx
 
 from device_agent.api import Unreachable
-from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
 from shared.http_client import M, ServiceError, SyncClient
 from shared.schemas import (
     API, Ack, AgentTaskRequest, AgentTaskResponse, RegistrationBatch, RegistrationBatchResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
@@ -25,14 +25,21 @@ ERROR_OF_STATUS: dict[int, type[DomainError]] = {
 }
 
 
+#: Seconds a device waits before asking again after a 429 that named no ``Retry-After``.
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
 def domain_error(exc: ServiceError) -> DomainError:
     """The domain error for an error answer."""
-    return error_for_status(exc.status, str(exc))
+    return error_for_status(exc.status, str(exc), exc.retry_after_s)
 
 
-def error_for_status(status: int, detail: str) -> DomainError:
-    """The domain error a server meant by ``status``; other 4xx (e.g. 413) read as Invalid, 5xx as
-    Failed. Also for the refusals a registration batch lists."""
+def error_for_status(status: int, detail: str, retry_after_s: float | None = None) -> DomainError:
+    """The domain error a server meant by ``status``: 429 is :class:`TooSoon` with the answer's
+    ``Retry-After``; other 4xx (e.g. 413) read as Invalid, 5xx as Failed. Also for the refusals a
+    registration batch lists."""
+    if status == 429:
+        return TooSoon(detail, DEFAULT_RETRY_AFTER_S if retry_after_s is None else retry_after_s)
     kind = ERROR_OF_STATUS.get(status, Invalid if status < 500 else Failed)
     return kind(detail)
 

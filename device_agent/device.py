@@ -33,7 +33,7 @@ from device_agent.weights_cache import WeightsCache
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.data.local import DataError, LocalSource
-from shared.errors import DomainError, Failed, NotFound
+from shared.errors import DomainError, Failed, NotFound, TooSoon
 from shared.losses import Loss, build_loss
 from shared.models import SplitModel, model_fingerprint
 from shared.profiles import EmulatedKind, TimeScale, auto_time_scale
@@ -299,11 +299,19 @@ class Device:
         """Announce this device, its shard, its profile and its model's fingerprint to the Fed
         Server, and its label counts when the run asks for them (several Main Server replicas). A
         fingerprint that differs from the run's is refused (Conflict): the device stops rather than
-        train on another model: every refusal stops the device (:class:`RegistrationRefused`)."""
-        try:
-            answer = self.fed.register(self.registration())
-        except DomainError as exc:
-            raise registration_error(exc) from None
+        train on another model: every refusal stops the device (:class:`RegistrationRefused`),
+        but a 429 (the device registered again moments ago), after which it registers once the
+        answer's ``Retry-After`` has passed."""
+        while True:
+            try:
+                answer = self.fed.register(self.registration())
+                break
+            except TooSoon as exc:   # it registered again moments ago: as the Fed Server says, later
+                log.info("%s: the Fed Server asks it to register again in %.0f s", self.device_id, exc.retry_after_s)
+                if self.stop.wait(exc.retry_after_s):
+                    return
+            except DomainError as exc:
+                raise registration_error(exc) from None
         self.registered(answer)
 
     def registration(self) -> RegisterRequest:

@@ -15,7 +15,7 @@ from device_agent.api import AgentApi, Unreachable
 from device_agent.clients import error_for_status
 from device_agent.device import Device, registration_error
 from device_agent.pending import PendingDevices
-from shared.errors import DomainError, Failed
+from shared.errors import DomainError, Failed, TooSoon
 from shared.schemas import MAX_REGISTRATION_BATCH, RegistrationBatch
 
 log = logging.getLogger("device_agent")
@@ -52,6 +52,15 @@ class Registrar:
         """Look at :attr:`over` again (the session ended)."""
         self._pending.wake()
 
+    def _again_after(self, device: Device, error: TooSoon) -> None:
+        """The Fed Server asked ``device`` to register later (it registered again moments ago):
+        queue it again once the answer's ``Retry-After`` has passed."""
+        log.info("%s: the Fed Server asks it to register again in %.0f s (%s)", device.device_id,
+                 error.retry_after_s, error.detail)
+        timer = threading.Timer(error.retry_after_s, self.add, (device,))
+        timer.daemon = True
+        timer.start()
+
     def _run(self) -> None:
         self._pending.send_all(self.over, self._send)
 
@@ -78,6 +87,10 @@ class Registrar:
             self.registered(device)
         for device_id, refusal in answer.refused.items():
             device = by_id.pop(device_id)
-            self.refused(device, registration_error(error_for_status(refusal.status, refusal.detail)))
+            error = error_for_status(refusal.status, refusal.detail, refusal.retry_after_s)
+            if isinstance(error, TooSoon):
+                self._again_after(device, error)
+            else:
+                self.refused(device, registration_error(error))
         for device in by_id.values():   # an answer that left a device out: as a failed registration
             self.refused(device, Failed(f"{device.device_id}: the Fed Server's answer did not mention the device"))

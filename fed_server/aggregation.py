@@ -78,13 +78,15 @@ class Aggregator:
     def _observe_times(self, fed_round: FedRound, used: list[str]) -> None:
         """The aggregated devices' round times, into the split planner, the time table and the
         devices' usual times (:mod:`fed_server.device_pace`)."""
-        self.core.pace.observe_attempt({d: (fed_round.assignments[d].split_point, fed_round.upload_seconds(d),
-                                            self.core.devices.work(d)) for d in used})
+        self.core.pace.observe_attempt({d: (fed_round.assignments[d].split_point, fed_round.upload_seconds(d))
+                                        for d in used})
         for device in used:
             assignment = fed_round.assignments[device]
             if assignment.candidate is not None:
                 update = fed_round.updates[device]
-                self.planner.observe(device, assignment.candidate, update.request.timings.transfer_s + update.upload_s)
+                # The device's own transfer figures count at most the round's time on this clock.
+                transfer_s = min(update.request.timings.transfer_s + update.upload_s, fed_round.upload_seconds(device))
+                self.planner.observe(device, assignment.candidate, transfer_s)
                 try:
                     self.table.record(device, assignment.candidate, update.round_time)
                 except ValueError as exc:

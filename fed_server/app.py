@@ -27,6 +27,7 @@ from shared.schemas import (
     RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, ServerPortionUpload, UpdateRequest,
     WithdrawRequest,
 )
+from shared.errors import TooSoon
 from shared.wire import pack_body
 
 log = logging.getLogger("fed_server")
@@ -125,7 +126,9 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
             if isinstance(outcome, RegisterResponse):
                 answer.registered.append(outcome)
             else:
-                answer.refused[req.device_id] = Refusal(status=status_of(outcome), detail=str(outcome))
+                retry_after_s = outcome.retry_after_s if isinstance(outcome, TooSoon) else None
+                answer.refused[req.device_id] = Refusal(status=status_of(outcome), detail=str(outcome),
+                                                        retry_after_s=retry_after_s)
         return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)

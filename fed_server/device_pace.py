@@ -14,14 +14,18 @@ network), and only the round deadline applies. ``expected`` is then the larger o
 
 * **its peers' time**: the slowest of those that uploaded, scaled up by how much more compute the
   device's round needs than the heaviest of them (samples over the FLOP/s it registered), never
-  down;
+  down, and by at most ``patience``: the FLOP/s is the device's word, so it may shorten its
+  deadline but lengthen it only within the bound below;
 * **its own usual time**, where known: the running average (``(1 - s) * old + s * new``,
   ``s`` = 0.5) of the seconds its aggregated rounds took at the same split point, task to upload,
-  as the Fed Server saw them, each counted at most ``patience`` times its peers' time in that
-  round (the slowest other aggregated device's, scaled up for more work as above). A device that
-  is always slower than its peers keeps its time; one slow on purpose, uploading just before its
-  deadline every round, cannot push its own deadline further each round: it stays within about
-  ``patience ** 2`` times its peers' time (plus ``grace_s``) instead of growing to the round deadline.
+  as the Fed Server's own clock saw them, each counted at most ``patience`` times its peers' time
+  in that round (the slowest other aggregated device's). A device that is always slower than its
+  peers keeps its time; one slow on purpose, uploading just before its deadline every round,
+  cannot push its own deadline further each round.
+
+So no device, whatever it claims and however it times its uploads, is waited for more than about
+``patience ** 2`` times the slowest uploader's time plus ``grace_s`` (:mod:`shared.own_deadline`).
+Its usual times are kept by device id, so registering again clears nothing.
 
 A device past its own deadline is taken out of the attempt (``fed_round.OVERDUE``), which
 counts as a missed deadline (:mod:`fed_server.missed_deadlines`): it sits out the next attempts.
@@ -63,18 +67,15 @@ class DevicePace:
         old = row.get(split_point)
         row[split_point] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
 
-    def observe_attempt(self, rounds: Mapping[str, tuple[int, float, float]]) -> None:
-        """Fold an aggregated attempt's times in: device -> (split point, seconds task to upload,
-        work). Each device's seconds count at most ``patience`` times its peers' time in the same
-        attempt (:func:`expected_seconds` over the others); a device alone is not capped."""
-        slowest_other = _largest_of_the_others({d: s for d, (_, s, _) in rounds.items()})
-        heaviest_other = _largest_of_the_others({d: w for d, (_, _, w) in rounds.items()})
-        for device, (split_point, seconds, work) in rounds.items():
+    def observe_attempt(self, rounds: Mapping[str, tuple[int, float]]) -> None:
+        """Fold an aggregated attempt's times in: device -> (split point, seconds task to upload).
+        Each device's seconds count at most ``patience`` times the slowest other device's in the
+        same attempt (no scaling for claimed work: what is learnt comes from the Fed Server's
+        clock alone); a device alone is not capped."""
+        slowest_other = _largest_of_the_others({d: s for d, (_, s) in rounds.items()})
+        for device, (split_point, seconds) in rounds.items():
             if self.patience is not None and len(rounds) > 1:
-                # Only the others' largest time and largest work enter the peers' rule.
-                peers = expected_seconds(None, [(slowest_other(device), heaviest_other(device))], work, 1)
-                if peers is not None:
-                    seconds = min(seconds, self.patience * peers)
+                seconds = min(seconds, self.patience * slowest_other(device))
             self.observe(device, split_point, seconds)
 
     def usual(self, device: str, split_point: int) -> float | None:
@@ -91,7 +92,8 @@ class DevicePace:
             return {}
         out: dict[str, float] = {}
         for device, (split_point, since) in waiting.items():
-            expected = expected_seconds(self.usual(device, split_point), finishers, work(device), in_attempt)
+            expected = expected_seconds(self.usual(device, split_point), finishers, work(device), in_attempt,
+                                        max_scale=self.patience)
             if expected is not None:
                 out[device] = since + self.patience * expected + self.grace_s
         return out

@@ -56,6 +56,10 @@ class DeviceRegistry:
         # device holding each shard or slot, and how many devices each enrolment holder holds.
         self._by_place: dict[int, str] = {}
         self._held_by: dict[str, int] = {}
+        # Link rates measured from the devices' rounds (fed_server/split_planner.py), by device id:
+        # a registration's claimed rate never replaces a measured one, so registering again
+        # cannot reset a device's link to what it says (docs/security.md).
+        self._measured_rate: dict[str, float] = {}
 
     def _place(self, req: RegisterRequest) -> int:
         """The shard or slot ``req`` gets; raises (changing nothing) when it cannot have one."""
@@ -173,6 +177,20 @@ class DeviceRegistry:
         FLOP/s it registered); 0 when not known or no longer registered."""
         record = self.devices.get(device_id)
         return record.num_samples / record.profile.flops if record is not None and record.profile.flops > 0 else 0.0
+
+    def measure_rate(self, device_id: str, rate: float) -> None:
+        """Record ``device_id``'s link rate (bytes/s) as measured from one of its rounds."""
+        self._measured_rate[device_id] = rate
+
+    def measured_rate(self, device_id: str) -> float | None:
+        """The link rate measured from the device's rounds; None before its first."""
+        return self._measured_rate.get(device_id)
+
+    def link_rate(self, device_id: str) -> float | None:
+        """The device's link rate as Eq. 1 uses it: measured, else the one it registered (None:
+        neither; a real device registers none)."""
+        measured = self._measured_rate.get(device_id)
+        return measured if measured is not None else self.devices[device_id].profile.rate
 
     def label_counts(self, device_id: str) -> list[int]:
         """The label counts the device registered with (empty: none sent, or no longer registered)."""

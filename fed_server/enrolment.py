@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from fed_server.device_tokens import DeviceTokens
+from fed_server.reregistrations import Reregistrations
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
 from shared.auth import Auth, Enrolment, RevocationList, credential_holder, device_bearer_token
@@ -40,6 +41,7 @@ class DeviceEnrolment:
         # refused for what it claimed: the start does not wait for them (:meth:`ready`).
         self._refused: set[int | str] = set()
         self.tokens = DeviceTokens()
+        self.reregistrations = Reregistrations(core.config.deadlines.reregistration_s)
 
     def run_info(self) -> RunInfo:
         """The run's model and data spec, so a device can load its shard before registering."""
@@ -55,10 +57,11 @@ class DeviceEnrolment:
         """Register ``req``'s device as ``enrolment``'s holder (:meth:`DeviceRegistry.enrol`) and,
         with authentication on, issue its device token. Enrolment under a known id (an agent
         restarted and lost its token) issues a new token and revokes the old one: the registry
-        drew a new nonce (docs/security.md)."""
+        drew a new nonce (docs/security.md). A device that registered less than
+        ``deadlines.reregistration_s`` ago is refused (TooSoon, 429), changing nothing."""
         devices = self.core.devices
         known = req.device_id in devices.devices
-        answer = devices.enrol(req, enrolment, lambda: self.register(req))
+        answer = devices.enrol(req, enrolment, lambda: self._register_in_time(req))
         if auth.enabled:
             if known:
                 log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
@@ -101,6 +104,7 @@ class DeviceEnrolment:
                     core.evaluating.leave(device, reason)
                 core.devices.remove(device)
                 self.tokens.forget(device)
+                self.reregistrations.forget(device)
             shown = ", ".join(devices[:10]) + (f" and {len(devices) - 10} more" if len(devices) > 10 else "")
             log.warning("enrolment credential %s revoked: %d device(s) taken out of the run: %s", credential,
                         len(devices), shown)
@@ -151,6 +155,14 @@ class DeviceEnrolment:
         if caller is not None and caller != device_id:
             raise NotAllowed(f"the token is not the current token of device {device_id!r} in run {self.core.run_id!r}")
 
+    def _register_in_time(self, req: RegisterRequest) -> RegisterResponse:
+        """:meth:`register`, refused (TooSoon) for a device that registered too recently. Checked
+        once the enrolment may register the device: whoever else asks is answered as before."""
+        self.reregistrations.check(req.device_id)
+        answer = self.register(req)
+        self.reregistrations.registered(req.device_id)
+        return answer
+
     def register(self, req: RegisterRequest) -> RegisterResponse:
         """Register a device; Conflict (409), changing nothing, when the fingerprint it sends says
         its model or data pipeline differs from the run's (None: not checked, docs/models.md);
@@ -174,13 +186,13 @@ class DeviceEnrolment:
             if differences:
                 raise Conflict(f"{req.device_id}: the device's model or data pipeline differs from the run's "
                                f"(model {core.config.model!r}): " + "; ".join(differences))
+        # Its missed deadlines, usual times and measured link rate are kept by device id: registering
+        # again clears none of them (docs/security.md, "A silent device").
         record = core.devices.register(req)
-        core.missed.answered([req.device_id])   # a restarted agent's device is tried again at once
         core.changed.set()
-        if core.round is not None and core.round.sits_out(req.device_id, core.devices.token_nonce(req.device_id)):
-            log.warning("%s enrolled again during round %d (attempt %d): it sits that attempt out (the Main "
-                        "Server's plan carries its previous enrolment)", req.device_id, core.round.index,
-                        core.round.round_id)
+        left = core.round.reenrolled(req.device_id) if core.round is not None else None
+        if core.round is not None and left is not None:
+            core.exclude(core.round, [req.device_id], left, tell_main_server=True)
         log.info("registered %s (%s %d, %d samples, %s)", req.device_id, "slot" if core.devices.local_data else "shard",
                  record.shard, req.num_samples, req.profile.kind)
         return RegisterResponse(run_id=core.run_id, device_id=record.device_id, shard=record.shard)

@@ -17,7 +17,13 @@ NEVER_JOINED = "never joined a group at the Main Server"
 NO_REPORT = "no report by the report deadline"
 NO_UPLOAD = "no upload by the round deadline"
 OVERDUE = "no upload by its own deadline"   # fed_server/device_pace.py
-MISSED_DEADLINE = frozenset({NEVER_JOINED, NO_REPORT, NO_UPLOAD, OVERDUE})
+#: Why a device that registered again during an attempt left it: its agent restarted (or it
+#: re-registers on purpose), so the task it took will never be uploaded, and before it took one
+#: the Main Server's plan holds its previous enrolment. Once it had taken its task the attempt may
+#: have waited for it, so that counts as a missed deadline.
+REENROLLED_AFTER_TASK = "registered again after taking its task"
+REENROLLED = "registered again before taking its task"
+MISSED_DEADLINE = frozenset({NEVER_JOINED, NO_REPORT, NO_UPLOAD, OVERDUE, REENROLLED_AFTER_TASK})
 
 
 @dataclass
@@ -175,14 +181,16 @@ class FedRound:
                 return portion
         return None
 
-    def sits_out(self, device_id: str, current_nonce: str | None) -> bool:
-        """Whether ``device_id``, selected and not yet sent its task, enrolled again since the
-        attempt began (a restarted agent; ``current_nonce`` is its enrolment's nonce now): the Main
-        Server's plan carries the enrolment the device had then and would refuse its new token, so
-        it sits this attempt out; the next attempt's plan carries its new one."""
+    def reenrolled(self, device_id: str) -> str | None:
+        """Why ``device_id``, which registered again just now, leaves this attempt; None where it
+        stays (not a participant, already out or uploaded, or at split depth zero before its task:
+        it takes its task with its new token)."""
         assignment = self.assignments.get(device_id)
-        return (self.uses_main_server and assignment is not None and assignment.dispatched_at is None
-                and assignment.token_nonce != current_nonce)
+        if assignment is None or device_id in self.excluded or device_id in self.updates:
+            return None
+        if assignment.dispatched_at is not None:
+            return REENROLLED_AFTER_TASK
+        return REENROLLED if self.uses_main_server else None
 
     def remaining_s(self) -> float:
         """Seconds a task sent now has until the attempt's deadline (at least one)."""

@@ -5,8 +5,9 @@ A device that was selected and then never joined its group at the Main Server, n
 ``report_s`` or ``round_s``): every other device waits for it. A device that is alive but silent,
 or gone without telling, would do so in every attempt it is selected for. So after such a miss
 the device is not selected for the next attempt, after a second miss in a row for the next two,
-then four, ... up to ``deadlines.max_skip_rounds``; an upload (or a new registration: an agent
-that restarted) clears its record. A device that leaves an attempt at once (a refused upload, a
+then four, ... up to ``deadlines.max_skip_rounds``; an upload in time clears its record. The
+record is the device's, kept by device id: registering again (an agent that restarted, or a
+device that re-registers to wash a penalty out) clears nothing. A device that leaves an attempt at once (a refused upload, a
 withdrawal, a member the Main Server dropped) costs no deadline and is not counted.
 
 Honest runs are unchanged: a device that answers in time never misses. Where a device is merely
@@ -53,7 +54,7 @@ class MissedDeadlines:
         return out
 
     def answered(self, devices: Iterable[str]) -> None:
-        """``devices`` uploaded in time, or registered again: their record is cleared."""
+        """``devices`` uploaded in time: their record is cleared."""
         for device in devices:
             self._records.pop(device, None)
 

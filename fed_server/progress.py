@@ -144,12 +144,11 @@ class Progress:
 
     def _note_deadlines(self, fed_round: FedRound, used: Sequence[str]) -> None:
         """Clear the record of every device that uploaded; make those the attempt waited a
-        deadline for sit out (:mod:`fed_server.missed_deadlines`). A device that enrolled again
-        meanwhile (a restarted agent, which sits out the attempt it restarted in) is not counted."""
+        deadline for sit out (:mod:`fed_server.missed_deadlines`), a device that registered again
+        after taking its task included: the record is the device's, whatever its enrolment."""
         missed = self.core.missed
         missed.answered(fed_round.updates)
-        late = {d for d in fed_round.missed_deadline(used)
-                if fed_round.assignments[d].token_nonce == self.core.devices.token_nonce(d)}
+        late = fed_round.missed_deadline(used)
         for device, skip in missed.missed(late, fed_round.round_id).items():
             log.warning("round %d (attempt %d): %s missed a deadline; it sits out the next %d attempt%s",
                         fed_round.index, fed_round.round_id, device, skip, "" if skip == 1 else "s")

@@ -21,9 +21,11 @@ class SplitPlanner:
 
     The link rate Eq. 1 uses is measured (:meth:`observe`): after each of a device's rounds, the
     rate at which Eq. 1's bytes for that split (``2|Wc| + 2pq``) take the transfer time the round
-    really had (the device's timed transfers and the upload the Fed Server timed). Before that,
-    it is the rate the device registered with; a real device registers none (its link is not
-    known), and until its first round its cells come from the other devices' entries.
+    really had (the device's timed transfers and the upload the Fed Server timed, at most the
+    round's time on the Fed Server's clock). Before that, it is the rate the device registered
+    with; a real device registers none (its link is not known), and until its first round its
+    cells come from the other devices' entries. A measured rate is kept by device id
+    (:meth:`DeviceRegistry.measure_rate`): registering again does not reset it.
     """
 
     def __init__(self, mode: SplitMode, split_points: Sequence[int], num_blocks: int, profile: ModelProfile,
@@ -45,21 +47,33 @@ class SplitPlanner:
         """Eq. 1 prediction of the device's round time at candidate ``j`` (uncalibrated); NaN
         while its link rate is not known."""
         record = self.devices.devices[device_id]
-        if record.profile.rate is None:
+        rate = self.devices.link_rate(device_id)
+        if rate is None:
             return math.nan
-        return eq1_time(record.profile, self._view(j), record.num_samples * self.local_epochs, self.server_flops)
+        return eq1_time(dataclasses.replace(record.profile, rate=rate), self._view(j),
+                        record.num_samples * self.local_epochs, self.server_flops)
 
     def download_seconds(self, chosen: Mapping[str, int | None]) -> dict[str, float | None]:
-        """Seconds each chosen device (-> candidate ``j``) takes to download its client portion:
-        ``|Wc|`` over its link rate or, while its rate is not known (a real device before its
-        first round), over the slowest rate known among them, as if its link were the slowest.
-        None for no candidate (split depth zero) or while no rate among them is known."""
-        rates = {d: self.devices.devices[d].profile.rate for d in chosen if d in self.devices.devices}
-        known = [r for r in rates.values() if r]
+        """Seconds each chosen device (-> candidate ``j``) takes to download its client portion,
+        for its own join deadline at the Main Server: ``|Wc|`` over its link rate.
+
+        A rate the device registered is its own word: once any of the chosen devices' rates is
+        measured, it counts only where it is faster than the slowest measured one, and a device
+        whose rate is not measured gets that slowest one otherwise (as if its link were the
+        slowest), so a claimed slow link cannot stretch its deadline. Before any is measured (a
+        run's first round) the registered rates stand. None for no candidate (split depth zero)
+        or while no rate among them is known."""
+        registry = self.devices
+        claimed = {d: registry.devices[d].profile.rate for d in chosen if d in registry.devices}
+        measured = {d: r for d in claimed if (r := registry.measured_rate(d))}
+        known = list(measured.values()) or [r for r in claimed.values() if r]
         slowest = min(known) if known else None
         out: dict[str, float | None] = {}
         for device, j in chosen.items():
-            rate = rates.get(device) or slowest
+            rate = measured.get(device)
+            if rate is None:
+                own = claimed.get(device)
+                rate = slowest if own is None else max(own, slowest) if measured and slowest else own
             out[device] = None if j is None or rate is None else self._view(j).client_param_bytes / rate
         return out
 
@@ -72,7 +86,7 @@ class SplitPlanner:
             return
         moved = eq1_bytes(self._view(j), record.num_samples * self.local_epochs)
         if moved > 0 and math.isfinite(moved / transfer_s):
-            record.profile = dataclasses.replace(record.profile, rate=moved / transfer_s)
+            self.devices.measure_rate(device_id, moved / transfer_s)
 
     def choose(self, round_index: int, devices: Sequence[str]) -> dict[str, tuple[int | None, int]]:
         """device -> (candidate index or None, number of blocks on the device)."""

@@ -91,7 +91,7 @@ class TaskDispatch:
             return self._follow_up_for(fed_round, device_id)
         if fed_round.assignments[device_id].dispatched_at is not None:  # one task per device and round; a follow-up may come
             return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
-        if fed_round.sits_out(device_id, core.devices.token_nonce(device_id)):
+        if device_id in fed_round.excluded:   # taken out before its task (it registered again)
             return TaskResponse(status="wait", retry_after_s=IDLE_RETRY_S)
         return self._training_task(fed_round, device_id)
 

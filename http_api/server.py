@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
-from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
 from shared.http_metrics import call_counting_body_bytes
 from shared.wire import Body, WireError, pack_body, unpackb
 
@@ -70,7 +71,7 @@ class ApiError(Exception):
 
 #: The HTTP status of each domain error (most specific class first is not needed: no overlap).
 STATUS_OF: dict[type[DomainError], int] = {
-    Invalid: 422, NotFound: 404, NotAllowed: 403, Unauthenticated: 401, Conflict: 409, Failed: 500,
+    Invalid: 422, NotFound: 404, NotAllowed: 403, Unauthenticated: 401, Conflict: 409, TooSoon: 429, Failed: 500,
 }
 
 MSGPACK = "application/msgpack"
@@ -357,6 +358,9 @@ def error_response(exc: Exception) -> JSONResponse | None:
     error; None for any other exception (a crash: 500)."""
     if isinstance(exc, ApiError):
         return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+    if isinstance(exc, TooSoon):
+        return JSONResponse({"detail": exc.detail}, status_code=status_of(exc),
+                            headers={"Retry-After": str(retry_after_header(exc.retry_after_s))})
     if isinstance(exc, DomainError):
         return JSONResponse({"detail": exc.detail}, status_code=status_of(exc))
     if isinstance(exc, WireError):
@@ -387,6 +391,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _path_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5]]
         return JSONResponse({"detail": "; ".join(parts) or "invalid request"}, status_code=422)
+
+
+def retry_after_header(seconds: float) -> int:
+    """``Retry-After`` in whole seconds (RFC 9110), rounded up so that a client that waits it is
+    not early."""
+    return max(1, math.ceil(seconds))
 
 
 def status_of(exc: DomainError) -> int:

@@ -75,7 +75,8 @@ class JoinPhase:
             download_s = self.participants[device].download_s
             if download_s is None:
                 return None
-            expected = expected_seconds(download_s, finishers, download_s, len(finishers) + len(missing))
+            expected = expected_seconds(download_s, finishers, download_s, len(finishers) + len(missing),
+                                        max_scale=patience)
             if expected is None:
                 return None
             latest = max(latest, patience * expected + self.plan.patience_grace_s)

@@ -114,7 +114,7 @@ class DeadlineConfig(_Strict):
     evaluate_s: float = Field(30.0, gt=0)
     # A selected device that let a deadline pass (never joined its group, reported or uploaded)
     # is not selected for the next 1, 2, 4, ... attempts (doubling with each miss in a row), at
-    # most this many; an upload or a new registration clears it. 0: always selectable
+    # most this many; an upload in time clears it (registering again does not). 0: always selectable
     # (fed_server/missed_deadlines.py).
     max_skip_rounds: int = Field(16, ge=0)
     # Each selected device is also waited for only until patience x its expected round time
@@ -123,6 +123,10 @@ class DeadlineConfig(_Strict):
     # deadline. null: only round_s applies (fed_server/device_pace.py).
     patience: float | None = Field(2.0, ge=1.0)
     patience_grace_s: float = Field(1.0, ge=0)
+    # A registered device that registers again sooner than this after its last registration is
+    # refused with 429 and a Retry-After (fed_server/reregistrations.py): a device re-registering
+    # in a loop costs the Fed Server one cheap refusal per request. 0: no limit.
+    reregistration_s: float = Field(10.0, ge=0)
 
 
 #: The paper's High:Mid:Low = 5:3:2 composition, interleaved so any 10 consecutive shards hold it.

@@ -36,5 +36,14 @@ class Conflict(DomainError):
     """The request does not fit the current state (stale round, duplicate, out of order)."""
 
 
+class TooSoon(DomainError):
+    """The caller asks again sooner than the server allows (a device registering again in a loop);
+    it may retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, detail: str, retry_after_s: float) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
+
+
 class Failed(DomainError):
     """The server could not carry out a valid request (server-side training raised)."""

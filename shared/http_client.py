@@ -25,10 +25,12 @@ HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack
 class ServiceError(RuntimeError):
     """A service answered with an error status (or an unreadable body)."""
 
-    def __init__(self, status: int, detail: str, url: str = "") -> None:
+    def __init__(self, status: int, detail: str, url: str = "", retry_after_s: float | None = None) -> None:
         super().__init__(f"{url}: HTTP {status}: {detail}" if url else f"HTTP {status}: {detail}")
         self.status = status
         self.detail = detail
+        #: The answer's ``Retry-After`` in seconds (a 429), None without one.
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -46,11 +48,21 @@ def decode_response(resp: httpx.Response, model: type[M]) -> M:
             detail = resp.json().get("detail", resp.text)
         except ValueError:
             detail = resp.text[:500]
-        raise ServiceError(resp.status_code, str(detail), str(resp.request.url))
+        raise ServiceError(resp.status_code, str(detail), str(resp.request.url), retry_after(resp.headers))
     try:
         return model.model_validate(unpackb(resp.content))
     except (WireError, ValidationError) as exc:
         raise ServiceError(resp.status_code, f"unreadable {model.__name__} answer: {exc}", str(resp.request.url)) from None
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """An answer's ``Retry-After`` in seconds when it gives a number of them (the servers here
+    never send a date); None otherwise."""
+    try:
+        seconds = float(headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < float("inf") else None
 
 
 def service_client(service_headers: Mapping[str, str], ca_file: str | None, timeout: float) -> httpx.AsyncClient:

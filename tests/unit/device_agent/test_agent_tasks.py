@@ -58,6 +58,7 @@ class FakeServer:
         self.added: list[list[str]] = []
         self.batches: list[list[str]] = []
         self.refuse: dict[str, int] = {}   # device id -> the status its registration is refused with
+        self.retry_after_s: float | None = None   # a 429's Retry-After
         self.on_add = lambda req: AgentTaskResponse()
         self.agent_ids: set[str] = set()
         self.changed = threading.Condition()
@@ -69,7 +70,11 @@ class FakeServer:
         answer = RegistrationBatchResponse()
         for device in req.devices:
             if device.device_id in self.refuse:
-                answer.refused[device.device_id] = Refusal(status=self.refuse[device.device_id], detail="no")
+                status = self.refuse[device.device_id]
+                answer.refused[device.device_id] = Refusal(
+                    status=status, detail="no", retry_after_s=self.retry_after_s if status == 429 else None)
+                if status == 429:
+                    del self.refuse[device.device_id]   # it may register once its Retry-After passed
             else:
                 answer.registered.append(RegisterResponse(run_id="r", device_id=device.device_id, shard=0,
                                                           token=f"token-{device.device_id}-{len(self.batches)}"))
@@ -189,3 +194,15 @@ def test_devices_register_in_batches_with_their_tokens_and_a_refused_one_fails_w
     assert devices[0].token.startswith("token-d0-") and devices[0].registrations == 1
     assert sorted((device, type(exc)) for device, exc in failures) == [("d1", RegistrationRefused), ("d2", Failed)]
     assert "refused by the Fed Server: no" in str(dict(failures)["d1"])
+
+
+def test_a_device_asked_to_register_later_registers_once_its_retry_after_has_passed():
+    server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
+    server.refuse, server.retry_after_s = {"d1": 429}, 0.3
+    session, failures = _session(server, devices)
+    asked = time.monotonic()
+    for device in devices:
+        session.register(device)
+    server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d1"])
+    assert time.monotonic() - asked >= 0.3
+    assert failures == [] and _flat(server.batches).count("d1") == 2 and devices[1].registrations == 1

@@ -7,7 +7,7 @@ import pytest
 
 from device_agent.api import Unreachable
 from device_agent.clients import HttpFedClient, domain_error
-from shared.errors import Conflict, Failed, Invalid, NotAllowed, NotFound, Unauthenticated
+from shared.errors import Conflict, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
 from shared.http_client import ServiceError
 from testbed.processes import free_port
 
@@ -17,6 +17,12 @@ from testbed.processes import free_port
 def test_error_statuses_become_the_servers_domain_errors(status, kind):
     error = domain_error(ServiceError(status, "why", "http://x/v1/run"))
     assert type(error) is kind and "why" in error.detail
+
+
+def test_a_429_is_too_soon_with_the_answer_s_retry_after():
+    error = domain_error(ServiceError(429, "registered 1.0 s ago", "http://x/v1/devices/register", retry_after_s=9.0))
+    assert isinstance(error, TooSoon) and error.retry_after_s == 9.0
+    assert domain_error(ServiceError(429, "no header")).retry_after_s > 0
 
 
 def test_a_server_that_is_not_there_is_unreachable():

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from fed_server.coordinator import Coordinator
+from fed_server.fed_round import REENROLLED, REENROLLED_AFTER_TASK
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import max_held_out, trained_samples, update_norm
 from shared.data import device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
-from shared.errors import Conflict, Invalid, NotAllowed, NotFound
+from shared.errors import Conflict, Invalid, NotAllowed, NotFound, TooSoon
 from shared.models import build_model, model_fingerprint
 from shared.portions import portion_state
 from shared.run_config import load_run_config
@@ -364,8 +365,9 @@ def test_waiting_devices_are_told_how_soon_to_poll_again(tmp_path):
 
 def test_a_device_enrolled_again_during_a_split_attempt_sits_it_out_and_takes_part_in_the_next(tmp_path):
     # The Main Server checks tokens against the nonces in the attempt's plan: a restarted agent's
-    # device, enrolled again after the attempt began, would be refused there, so it is not sent
-    # this attempt's task (and its plan entry keeps the nonce the Main Server was given).
+    # device, enrolled again after the attempt began, would be refused there, so it leaves this
+    # attempt at once (not charged: it had not taken its task), and its plan entry keeps the
+    # nonce the Main Server was given.
     c = _coordinator(tmp_path, algorithm="s2fl")
     fed_round = _open_round(c)
     before = fed_round.assignments["d1"].token_nonce
@@ -373,12 +375,50 @@ def test_a_device_enrolled_again_during_a_split_attempt_sits_it_out_and_takes_pa
     c.register(RegisterRequest(device_id="d1", shard=1, num_samples=c.enrolment.shard_sizes[1],
                                profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     assert c.devices.token_nonce("d1") != before
+    assert fed_round.excluded == {"d1": REENROLLED}
     assert c.task_for("d1").status == "wait"
     assert c.task_for("d0").status == "train"
     plan = c.replicas.round_plan(fed_round, ["d0", "d1"])
     assert {p.device_id: p.token_nonce for p in plan.participants}["d1"] == before
+    assert "d1" not in fed_round.missed_deadline([])
     c.round = None
     assert _open_round(c).assignments["d1"].token_nonce == c.devices.token_nonce("d1")
+
+
+def test_registering_again_after_taking_a_task_counts_as_a_miss_which_registering_again_does_not_wash_out(tmp_path):
+    # A silent device that takes its task and registers again (to wash out its penalty, or an
+    # agent that restarted) leaves the attempt at once, so nobody waits for it, and is charged a
+    # missed deadline; its record survives every later registration.
+    c = _coordinator(tmp_path)
+    fed_round = _open_round(c)
+    assert c.task_for("d1").status == "train"
+    c.register(RegisterRequest(device_id="d1", shard=1, num_samples=_trains_on(c, 1),
+                               profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    assert fed_round.excluded == {"d1": REENROLLED_AFTER_TASK}
+    c.accept_update(fed_round.round_id, _upload(c, "d0", fed_round.round_id), 100)
+    assert fed_round.complete()    # the attempt does not wait for d1
+    c.close_round()
+    c.conclude_and_record(fed_round, c.aggregate_round(fed_round))
+    c.register(RegisterRequest(device_id="d1", shard=1, num_samples=_trains_on(c, 1),
+                               profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    assert "d1" in c.core.missed.skipped(fed_round.round_id + 1)
+    assert list(_open_round(c).assignments) == ["d0"]
+
+
+def test_a_device_registering_again_too_soon_is_refused_with_its_retry_time_and_nothing_changes(tmp_path):
+    c = _coordinator(tmp_path, **{"deadlines.reregistration_s": 30.0})
+    from shared.auth import Auth
+
+    req = RegisterRequest(device_id="d1", shard=1, num_samples=_trains_on(c, 1), profile=DeviceProfileMsg(flops=1e9, rate=1e6))
+    c.enrolment.enrol(req, None, Auth())
+    nonce = c.devices.token_nonce("d1")
+    with pytest.raises(TooSoon, match="reregistration_s") as refused:
+        c.enrolment.enrol(req, None, Auth())
+    assert 29.0 < refused.value.retry_after_s <= 30.0
+    assert c.devices.token_nonce("d1") == nonce
+    unlimited = _coordinator(tmp_path / "b", **{"deadlines.reregistration_s": 0.0})
+    unlimited.enrolment.enrol(req, None, Auth())
+    unlimited.enrolment.enrol(req, None, Auth())
 
 
 def test_finished_run_names_the_final_model_to_every_device_and_serves_it(tmp_path):

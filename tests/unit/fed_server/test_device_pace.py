@@ -27,13 +27,13 @@ def test_deadlines_count_from_each_wait_with_patience_and_grace():
     assert pace.deadlines({"slow": (2, 100.0), "fresh": (2, 101.0)}, [(3.0, 1.0)], 3, work) == {}
 
 
-def test_an_attempt_s_time_counts_at_most_patience_times_the_peers():
+def test_an_attempt_s_time_counts_at_most_patience_times_the_slowest_other():
     pace = DevicePace(patience=2.0, grace_s=1.0)
-    # peers of "slow": the slowest other, 3 s, scaled by its work over the heaviest other's (2 / 1)
-    pace.observe_attempt({"a": (2, 3.0, 1.0), "b": (2, 2.0, 1.0), "slow": (2, 20.0, 2.0)})
-    assert pace.usual("slow", 2) == 2.0 * 3.0 * 2.0
+    # peers of "slow": the slowest other, 3 s; what it claims about its work does not enter
+    pace.observe_attempt({"a": (2, 3.0), "b": (2, 2.0), "slow": (2, 20.0)})
+    assert pace.usual("slow", 2) == 2.0 * 3.0
     assert pace.usual("a", 2) == 3.0 and pace.usual("b", 2) == 2.0   # within the bound: as measured
-    pace.observe_attempt({"solo": (1, 50.0, 1.0)})
+    pace.observe_attempt({"solo": (1, 50.0)})
     assert pace.usual("solo", 1) == 50.0   # no peers: nothing to bound it by
 
 
@@ -44,8 +44,24 @@ def test_a_device_slow_on_purpose_cannot_stretch_its_deadline_round_after_round(
     for _ in range(12):
         due = pace.deadlines({"stall": (1, 0.0)}, [(2.0, 1.0)] * 9, 10, lambda d: 1.0)["stall"]
         deadlines.append(due)
-        pace.observe_attempt({"stall": (1, due, 1.0), **{f"h{i}": (1, 2.0, 1.0) for i in range(9)}})
+        pace.observe_attempt({"stall": (1, due), **{f"h{i}": (1, 2.0) for i in range(9)}})
     assert max(deadlines) <= 2.0 * 2.0 * 2.0 + 1.0   # patience ** 2 x the peers' time, plus the grace
+
+
+@pytest.mark.parametrize("claimed_work", [1.0, 3.0, 1e9])
+def test_a_claim_of_slow_compute_cannot_stretch_a_deadline_past_patience_squared(claimed_work):
+    # The device registered a tiny FLOP/s (work 1e9 x its peers') and uploads just before its own
+    # deadline every round; its peers take 2 s. Its deadline stays within patience ** 2 x 2 s + 1 s,
+    # and a smaller claim within the bound counts as it is.
+    pace = DevicePace(patience=2.0, grace_s=1.0)
+    deadlines = []
+    for _ in range(12):
+        due = pace.deadlines({"stall": (1, 0.0)}, [(2.0, 1.0)] * 9, 10,
+                             lambda d: claimed_work if d == "stall" else 1.0)["stall"]
+        deadlines.append(due)
+        pace.observe_attempt({"stall": (1, due), **{f"h{i}": (1, 2.0) for i in range(9)}})
+    assert deadlines[0] == 2.0 * 2.0 * min(claimed_work, 2.0) + 1.0
+    assert max(deadlines) <= 2.0 * 2.0 * 2.0 + 1.0
 
 
 def test_without_patience_no_device_has_a_deadline_of_its_own():

@@ -71,7 +71,7 @@ def test_a_device_with_no_registered_rate_has_no_estimate_until_a_round_measures
     cost = p.profile.cost(p.split_points[1])
     moved = 2 * cost.client_param_bytes + 2 * 100 * cost.activation_bytes   # Eq. 1's bytes at j=1, 100 samples
     p.observe("d0", 1, transfer_s=4.0)
-    assert p.devices.devices["d0"].profile.rate == pytest.approx(moved / 4.0)
+    assert p.devices.measured_rate("d0") == pytest.approx(moved / 4.0)
     # With that rate, Eq. 1 gives back the measured transfer time at j=1 (plus the compute terms).
     compute = cost.client_flops * 100 / 1e8 + cost.server_flops * 100 / 1e11
     assert p.estimate("d0", 1) == pytest.approx(4.0 + compute)
@@ -84,7 +84,7 @@ def test_a_measured_rate_replaces_the_registered_one_and_nothing_else_changes_it
     p.observe("gone", 2, transfer_s=1.0)       # not registered (any more): ignored
     assert p.estimate("d1", 2) == before
     p.observe("d1", 2, transfer_s=1000.0)      # a far slower link than the 1e6 B/s it registered
-    assert p.devices.devices["d1"].profile.rate < 1e6 and p.estimate("d1", 2) > before
+    assert p.devices.link_rate("d1") < 1e6 and p.estimate("d1", 2) > before
 
 
 def test_a_portion_s_download_time_is_its_bytes_over_the_link_rate_or_the_slowest_known_one():
@@ -110,10 +110,33 @@ def test_eq1_counts_every_local_epoch_and_any_positive_transfer_time_measures_th
     assert p.estimate("d0", 0) == pytest.approx(expected)
     p.observe("d0", 0, transfer_s=-1.0)         # not a time: nothing changes
     p.observe("d0", 0, transfer_s=5e-324)       # a rate that overflows to infinity: nothing changes
-    assert p.devices.devices["d0"].profile.rate == 1e6
+    assert p.devices.link_rate("d0") == 1e6 and p.devices.measured_rate("d0") is None
     p.observe("d0", 0, transfer_s=0.5)          # half a second is a measurement like any other
     moved = 2 * cost.client_param_bytes + 2 * 200 * cost.activation_bytes
-    assert p.devices.devices["d0"].profile.rate == pytest.approx(moved / 0.5)
+    assert p.devices.link_rate("d0") == pytest.approx(moved / 0.5)
+
+
+def test_a_claimed_slow_link_cannot_stretch_a_download_time_once_rates_are_measured():
+    # d0 claims 1 B/s; d1 and d2 were measured at 2e6 and 4e6 B/s.
+    p = _planner("sliding", rate=None)
+    p.devices.devices["d0"].profile = dataclasses.replace(p.devices.devices["d0"].profile, rate=1.0)
+    p.devices.measure_rate("d1", 2e6)
+    p.devices.measure_rate("d2", 4e6)
+    wc = p.profile.cost(p.split_points[1]).client_param_bytes
+    assert p.download_seconds({"d0": 1, "d1": 1, "d2": 1}) == {
+        "d0": pytest.approx(wc / 2e6), "d1": pytest.approx(wc / 2e6), "d2": pytest.approx(wc / 4e6)}
+    # A claim of a faster link than the slowest measured one counts: it only shortens its wait.
+    p.devices.devices["d0"].profile = dataclasses.replace(p.devices.devices["d0"].profile, rate=8e6)
+    assert p.download_seconds({"d0": 1, "d1": 1})["d0"] == pytest.approx(wc / 8e6)
+
+
+def test_a_measured_rate_survives_registering_again_with_another_claim():
+    p = _planner("sliding")
+    p.observe("d1", 2, transfer_s=1000.0)
+    measured = p.devices.measured_rate("d1")
+    p.devices.register(RegisterRequest(device_id="d1", shard=1, num_samples=100,
+                                       profile=DeviceProfileMsg(flops=1e9, rate=1.0)))
+    assert p.devices.measured_rate("d1") == measured and p.devices.link_rate("d1") == measured
 
 
 @pytest.mark.parametrize("mode", ["zero", "fixed"])

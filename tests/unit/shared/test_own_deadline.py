@@ -17,6 +17,12 @@ def test_the_peers_time_is_the_slowest_finisher_scaled_up_by_more_work_never_dow
     assert expected_seconds(None, finishers, work=6.0, in_attempt=4) == pytest.approx(12.0)
 
 
+def test_the_scale_for_more_work_is_capped():
+    finishers = [(2.0, 1.0), (4.0, 2.0)]
+    assert expected_seconds(None, finishers, work=6.0, in_attempt=4, max_scale=2.0) == pytest.approx(8.0)
+    assert expected_seconds(None, finishers, work=3.0, in_attempt=4, max_scale=2.0) == pytest.approx(6.0)
+
+
 def test_a_device_slower_than_its_peers_keeps_its_own_usual_time():
     assert expected_seconds(own=9.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=2) == 9.0
     assert expected_seconds(own=1.0, finishers=[(2.0, 1.0)], work=1.0, in_attempt=2) == 2.0
