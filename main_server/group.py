@@ -13,6 +13,7 @@ import torch
 
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch, MemberResult, NonFiniteStep
 from shared.algorithms.group_loss import GroupLoss
+from shared.algorithms.member_defence import MemberDefence
 from shared.algorithms.label_balance import label_distance
 from shared.config import TrainConfig
 from shared.errors import DomainError, Failed, Invalid
@@ -54,7 +55,7 @@ class Group:
 
 def new_group(group_id: int, members: Sequence[Participant], joins: Sequence[JoinRequest], template: SplitModel,
               server_weights: Mapping[str, torch.Tensor], train: TrainConfig, group_loss: GroupLoss,
-              device: torch.device | None) -> Group:
+              device: torch.device | None, defences: Sequence[MemberDefence] = ()) -> Group:
     """A group of ``members`` (with their ``joins``, in the same order) with its own copy of the
     server portion from the smallest split point among them, at its Eq. 2 label distance."""
     split = {m.device_id: m.split_point for m in members}
@@ -65,6 +66,7 @@ def new_group(group_id: int, members: Sequence[Participant], joins: Sequence[Joi
         lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay, group_loss=group_loss, device=device,
         # |D_i| as the Fed Server registered it, the weight Algorithm 1 gives the device
         members={m.device_id: GroupMember(m.num_samples, m.split_point) for m in members},
+        defences=defences,
     )
     return Group(group_id=group_id, members=list(split), split=split,
                  num_steps={j.device_id: j.num_steps for j in joins}, trainer=trainer,

@@ -26,7 +26,7 @@ from main_server.join_phase import JoinPhase
 from main_server.metrics import MainMetrics
 from main_server.round_plan import plan_model, server_weights
 from main_server.step_checks import StepChecks
-from shared.algorithms.registry import build_group_loss, build_grouping
+from shared.algorithms.registry import build_group_loss, build_grouping, build_member_defences
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.losses import build_loss, check_loss_origin, label_counts_problem
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
@@ -61,6 +61,7 @@ class GroupRound:
             check_loss_origin(plan.train.loss, loss_ref)
             loss = build_loss(plan.train.loss, plan.train.task)
             self.group_loss = build_group_loss(plan.group_loss, loss)  # one instance serves every group
+            self.defences = build_member_defences(plan.member_defences, plan.member_defence_params, self.group_loss)
         except ValueError as exc:
             log.error("refusing the plan of %s: %s", round_label(plan.round_index, plan.round_id), exc)
             raise Invalid(f"invalid plan: {exc}") from None
@@ -155,7 +156,8 @@ class GroupRound:
             self._close()
         for gid, members in planned:
             group = new_group(gid, [self.participants[m] for m in members], [self.joins.joined[m] for m in members],
-                              self.template, self.server_weights, self.plan.train, self.group_loss, self.device)
+                              self.template, self.server_weights, self.plan.train, self.group_loss, self.device,
+                              self.defences)
             self.groups.append(group)
             for m in members:
                 self.group_by_device[m] = group
@@ -232,6 +234,7 @@ class GroupRound:
         for device, reason in reasons.items():
             log.warning("%s group %d: dropping %s: %s", self.label, group.group_id, device, reason)
             group.dropped.add(device)
+            group.trainer.leave(device)   # the group trains on as if formed without it
             self.dropped[device] = reason
         if self.metrics is not None:
             self.metrics.members_dropped(cause, len(reasons))

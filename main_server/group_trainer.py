@@ -8,12 +8,13 @@ when members hold different numbers of layers.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shared.algorithms.group_loss import GroupLoss, PerMemberLoss
+from shared.algorithms.member_defence import Gradient, MemberDefence
 from shared.models import SplitModel
 from shared.wire import encode_state
 
@@ -71,7 +72,9 @@ class GroupTrainer:
     (``--torch-device``; default the CPU). ``members`` are the group's members (data size and
     cut), from which each step's group-loss plug-in gets the members' shares of the group's data
     and each block's share (the members cut at or before it); without them a step's members
-    count as the whole group, in equal parts.
+    count as the whole group, in equal parts. A member taken out of the group (:meth:`leave`) no
+    longer counts: the group then trains as if it had been formed without it. ``defences``: the
+    member defences each step applies, in order (``shared/algorithms/member_defence.py``).
 
     ``model`` and ``weights`` arrive on the CPU (built from the plan, decoded from the wire); the
     portion moves to the device, each step's activations and labels follow it there, and dfx and
@@ -90,6 +93,7 @@ class GroupTrainer:
         group_loss: GroupLoss | None = None,
         device: torch.device | None = None,
         members: Mapping[str, GroupMember] | None = None,
+        defences: Sequence[MemberDefence] = (),
     ) -> None:
         self.model = model
         self.start = start
@@ -102,8 +106,15 @@ class GroupTrainer:
         self.members = dict(members) if members is not None else None
         if self.members is not None and not all(m.samples > 0 for m in self.members.values()):
             raise ValueError("every member's data size must be positive")
-        # The whole group's shares do not change during a round: computed once, not every step.
-        self._group_shares = None if self.members is None else _data_shares(self.members, start, len(model.blocks))
+        # The group's shares change only when a member leaves: computed then, not every step. The
+        # members that left, and the shares of the others, are replaced together (one assignment:
+        # a step reading them from a worker thread sees either the old pair or the new).
+        self._left: frozenset[str] = frozenset()
+        self._group_shares = (self._left, None if self.members is None else
+                              _data_shares(self.members, start, len(model.blocks)))
+        self.defences = list(defences)
+        self._per_member = any(d.per_member_gradients for d in self.defences)
+        self._center = next((d for d in self.defences if d.centers), MemberDefence())
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.steps = 0
         # The buffers a forward pass updates in place (BatchNorm's running statistics and batch
@@ -150,6 +161,7 @@ class GroupTrainer:
                 parts = ([h] if h is not None else []) + [inputs[b.device_id] for b in joining]
                 h = torch.cat(parts, dim=0)
                 order.extend(joining)
+                h = self._standardised(h, [b.labels.shape[0] for b in order])
             if h is not None:
                 h = self.model.blocks[names[index]](h)
         assert h is not None
@@ -157,10 +169,13 @@ class GroupTrainer:
         labels = [b.labels.to(self.device) for b in order]
         member_losses = [self.group_loss.criterion.mean(out, y) for out, y in zip(logits, labels)]
         shares = [share_of[b.device_id] for b in order]
-        total = self.group_loss.objective(h, labels, member_losses, shares)
         self.optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        dfx = {device: _input_grad(x) for device, x in inputs.items()}
+        if self._per_member:
+            total, dfx = self._defended_backward(order, labels, member_losses, shares, inputs)
+        else:
+            total = self.group_loss.objective(h, labels, member_losses, shares)
+            total.backward()
+            dfx = {device: _input_grad(x) for device, x in inputs.items()}
         divisor = self.group_loss.server_grad_divisor(len(order))
         if divisor != 1:
             for p in self.portion.parameters():
@@ -185,6 +200,63 @@ class GroupTrainer:
                 grad = grad.mul_(multiplier)
             results[b.device_id] = MemberResult(dfx=grad.to("cpu", b.fx.dtype), loss=float(loss.detach()))
         return results
+
+    def leave(self, device_id: str) -> None:
+        """``device_id`` was taken out of the group: its share of the group's data is given back,
+        so each later step weighs the others as a group formed without it would. A step already
+        training (or one whose batch still holds the member) is not changed."""
+        if self.members is None or device_id not in self.members or device_id in self._left:
+            return
+        left = self._left | {device_id}
+        staying = {d: m for d, m in self.members.items() if d not in left}
+        self._group_shares = (left, _data_shares(staying, self.start, len(self.model.blocks)) if staying else None)
+        self._left = left
+
+    def _standardised(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``h`` (the group's batch at a block where members join, ``rows`` per member in order)
+        with each member's rows scaled as the defences say (:meth:`MemberDefence.activation_scales`,
+        from each member's root mean square there); ``h`` itself when nothing changes."""
+        if not self.defences or len(rows) < 2:
+            return h
+        with torch.no_grad():
+            rms = [float(part.pow(2).mean().sqrt()) for part in torch.split(h.detach(), rows, dim=0)]
+        scales = [1.0] * len(rows)
+        for defence in self.defences:
+            scales = [s * f for s, f in zip(scales, defence.activation_scales([r * s for r, s in zip(rms, scales)]))]
+        if all(s == 1.0 for s in scales):
+            return h
+        per_row = torch.repeat_interleave(torch.tensor(scales, dtype=h.dtype, device=h.device),
+                                          torch.tensor(rows, device=h.device))
+        return h * per_row.view(-1, *([1] * (h.dim() - 1)))
+
+    def _defended_backward(self, order: list[MemberBatch], labels: list[torch.Tensor],
+                           member_losses: list[torch.Tensor], shares: list[float],
+                           inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step's gradients from each member's own (one backward pass per member), through
+        the defences: each member's gradient of its mean loss, adjusted, then centred with the
+        group loss's member weights and scaled back by their sum (the weighted mean of them is
+        the plain step exactly). Sets the copy's ``.grad``; returns the objective (the weighted
+        sum of the members' losses) and each member's dfx, which no defence touches: a device is
+        answered the gradient of the group's objective at its activations, as in the plain step."""
+        params = [p for p in self.portion.parameters() if p.requires_grad]
+        xs = [inputs[b.device_id] for b in order]
+        weights = self.group_loss.member_weights(labels, shares)
+        dfx = {b.device_id: torch.zeros_like(inputs[b.device_id]) for b in order}
+        own: list[Gradient] = []
+        for m, loss in enumerate(member_losses):
+            grads = torch.autograd.grad(loss, params + xs, retain_graph=m < len(member_losses) - 1, allow_unused=True)
+            own.append([g if g is not None else torch.zeros_like(p) for g, p in zip(grads[:len(params)], params)])
+            for b, g in zip(order, grads[len(params):]):
+                if g is not None:
+                    dfx[b.device_id].add_(g, alpha=weights[m])
+        for defence in self.defences:
+            own = defence.adjust(own)
+        total_weight = sum(weights)
+        combined = self._center.center(own, [w / total_weight for w in weights])
+        for p, g in zip(params, combined):
+            p.grad = g.mul(total_weight)
+        total = torch.stack([loss.detach() * w for loss, w in zip(member_losses, weights)]).sum()
+        return total, dfx
 
     def _check_finite(self, order: list[MemberBatch], member_losses: list[torch.Tensor], total: torch.Tensor,
                       dfx: dict[str, torch.Tensor]) -> None:
@@ -223,14 +295,19 @@ class GroupTrainer:
         if self.members is None:
             members = {b.device_id: GroupMember(1, b.split_point) for b in batches}
             return _data_shares(members, self.start, len(self.model.blocks))
+        left, group_shares = self._group_shares
         for b in batches:
             known = self.members.get(b.device_id)
             if known is None:
                 raise ValueError(f"{b.device_id!r}: not a member of this group")
             if known.split_point != b.split_point:
                 raise ValueError(f"{b.device_id!r}: split {b.split_point}, where the group has it cut at {known.split_point}")
-        assert self._group_shares is not None  # computed in __init__ whenever members are given
-        return self._group_shares
+        if group_shares is None or any(b.device_id in left for b in batches):
+            # A member that left but whose batch is in this step (it left while the step was
+            # formed) still counts in it.
+            staying = {d: m for d, m in self.members.items() if d not in left or any(b.device_id == d for b in batches)}
+            return _data_shares(staying, self.start, len(self.model.blocks))
+        return group_shares
 
 
 def _input_grad(activations: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,8 @@ class SplitConfig(_Strict):
 class GroupingConfig(_Strict):
     """How the Main Server groups devices (S2FL's data-balance mechanism, Eq. 2) and combines a
     group's losses. ``method`` and ``group_loss`` name plug-ins registered in
-    ``shared/algorithms/registry.py`` (``GROUPINGS``, ``GROUP_LOSSES``; docs/s2fl.md); the names
+    ``shared/algorithms/registry.py`` (``GROUPINGS``, ``GROUP_LOSSES``, ``MEMBER_DEFENCES``;
+    docs/s2fl.md, docs/security.md); the names
     are checked by ``shared/run_config.py``, so this schema does not import the algorithms.
 
     ``label_balance`` is the ablation switch: true = ``balanced``, false = ``singleton``, None =
@@ -83,6 +84,10 @@ class GroupingConfig(_Strict):
     # exceeds it is dropped from its group. The built-in models' activations on MNIST stay below
     # 20 (docs/configuration.md), so 1e4 refuses only what would swamp the group's shared copy.
     max_activation: float = Field(1e4, gt=0, allow_inf_nan=False)
+    # What each group step does against a harmful member, in order (MEMBER_DEFENCES; none: the
+    # paper's step), and their parameters by name (shared/algorithms/member_defence.py).
+    member_defences: list[str] = Field(default_factory=list)
+    member_defence_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_switch(self) -> "GroupingConfig":

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared.algorithms.base import DeviceLogic
 from shared.algorithms.registry import (
-    ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_selector,
+    ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_member_defences, build_selector,
 )
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
@@ -56,7 +56,8 @@ def validate_run_config(config: RunConfig) -> RunConfig:
                          "or use evaluation.mode 'federated' (or 'auto')")
     if config.grouping.method is not None:
         build_grouping(config.grouping.method)   # an unknown plug-in name lists the known ones
-    build_group_loss(config.grouping.group_loss)
+    build_member_defences(config.grouping.member_defences, config.grouping.member_defence_params,
+                          build_group_loss(config.grouping.group_loss))
     # Building the algorithm and the selector validates algorithm_params, selection_params and the
     # algorithm's own requirements on the rest of the config (e.g. FNR-FL needs
     # data.public_samples), before any process starts.

@@ -388,6 +388,9 @@ class RoundPlan(Message):
     grouping: str                          # a name in GROUPINGS (shared/algorithms/registry.py)
     group_size: int = Field(ge=1)
     group_loss: str                        # a name in GROUP_LOSSES
+    #: Names in MEMBER_DEFENCES, applied in order, and their parameters by name (``grouping.member_defences``).
+    member_defences: list[str] = Field(default_factory=list, max_length=16)
+    member_defence_params: dict[str, dict[str, JsonValue]] = Field(default_factory=dict)
     join_deadline_s: float = Field(gt=0)
     step_deadline_s: float = Field(gt=0)
     #: Each participant's own join deadline (``deadlines.patience``, shared/own_deadline.py): once

@@ -33,6 +33,9 @@ class DataWeightedLoss(GroupLoss):
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return torch.stack([loss * share for loss, share in zip(member_losses, member_shares)]).sum()
 
+    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
+        return list(member_shares)
+
     def dfx_multiplier(self, share: float) -> float:
         # The objective scaled this member's activation gradient by its share; undo it so the
         # device trains on the gradient of its own mean loss.

@@ -38,6 +38,14 @@ class GroupLoss:
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         raise NotImplementedError
 
+    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
+        """The weight of each member's mean loss in :meth:`objective`, where the objective is their
+        weighted sum: member defences that work on each member's own gradient of the copy
+        (``shared/algorithms/member_defence.py``) rebuild the step from these. NotImplementedError
+        for an objective that is no such sum (such a loss cannot run with those defences: the
+        configuration check says so)."""
+        raise NotImplementedError(f"{type(self).__name__} does not weigh its members' losses one by one")
+
     def server_grad_divisor(self, members: int) -> int:
         """What the copy's gradient is divided by (1: as the objective gives it)."""
         return 1
@@ -64,6 +72,9 @@ class PerMemberSumLoss(GroupLoss):
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return torch.stack(list(member_losses)).sum()
 
+    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
+        return [1.0] * len(member_labels)
+
 
 class PerMemberLoss(PerMemberSumLoss):
     """``per_member``: the same dfx as ``per_member_sum``; the copy's gradient is divided
@@ -82,3 +93,8 @@ class UnionMeanLoss(GroupLoss):
     def objective(self, logits: torch.Tensor, member_labels: Sequence[torch.Tensor],
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return self.criterion.mean(logits, torch.cat(list(member_labels)))
+
+    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
+        # A mean over the union is each member's mean weighted by its part of the batch.
+        sizes = [len(y) for y in member_labels]
+        return [n / sum(sizes) for n in sizes]

@@ -1,9 +1,11 @@
 """Algorithms, selection policies, aggregation rules and the Main Server's split-learning plug-ins
-(grouping, group loss) by name. Adding one: write its module, add one line here."""
+(grouping, group loss, member defences) by name. Adding one: write its module, add one line here."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
+import torch
 from pydantic import ValidationError
 
 from shared.algorithms.base import Algorithm
@@ -16,6 +18,10 @@ from shared.algorithms.fedprox import FedProx
 from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumLoss, UnionMeanLoss
 from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
 from shared.algorithms.hics import HiCSSelector
+from shared.algorithms.member_defence import (
+    ClipMembers, MedianOfMembers, MemberDefence, Standardise, TrimmedMeanOfMembers,
+)
+from shared.algorithms.plugin_params import params_error
 from shared.algorithms.random_grouping import RandomGrouping
 from shared.algorithms.split_point_grouping import SplitPointGrouping
 from shared.algorithms.robust_aggregation import (
@@ -74,6 +80,15 @@ GROUP_LOSSES: dict[str, type[GroupLoss]] = {
 }
 
 
+#: What a group step does against a harmful member (``RoundPlan.member_defences``; ``grouping.member_defences``).
+MEMBER_DEFENCES: dict[str, type[MemberDefence]] = {
+    "standardise": Standardise,
+    "clip": ClipMembers,
+    "median": MedianOfMembers,
+    "trimmed_mean": TrimmedMeanOfMembers,
+}
+
+
 def build_algorithm(config: "RunConfig") -> Algorithm:
     """The configured algorithm object."""
     try:
@@ -109,6 +124,38 @@ def build_group_loss(name: str, criterion: "Loss | None" = None) -> GroupLoss:
     """The group-loss plug-in registered as ``name``, combining members' losses of ``criterion``
     (the run's loss; None: cross-entropy). ValueError naming the choices if no plug-in is."""
     return _plug_in(GROUP_LOSSES, "group_loss", name)(criterion)
+
+
+def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, Any]],
+                          group_loss: GroupLoss) -> list[MemberDefence]:
+    """The member defences ``names`` (in order) with their ``params`` by name, for a group step
+    under ``group_loss``. ValueError naming what does not fit: an unknown name (with the choices),
+    a name given twice, a bad parameter (``grouping.member_defence_params.clip.multiple: ...``),
+    parameters for a defence not named, two defences that each replace the mean, or a group loss
+    that cannot give per-member weights to a defence that needs each member's own gradient."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"grouping.member_defences names a defence twice: {names}")
+    stray = sorted(set(params) - set(names))
+    if stray:
+        raise ValueError(f"grouping.member_defence_params has parameters for {stray}, which "
+                         f"grouping.member_defences does not name")
+    defences = []
+    for name in names:
+        cls: type[MemberDefence] = _plug_in(MEMBER_DEFENCES, "member defence", name)
+        try:
+            defences.append(cls(params.get(name, {})))
+        except ValidationError as exc:
+            raise ValueError(params_error(f"grouping.member_defence_params.{name}", cls.Params, exc)) from None
+    centers = [n for n, d in zip(names, defences) if d.centers]
+    if len(centers) > 1:
+        raise ValueError(f"grouping.member_defences: {' and '.join(centers)} each replace the members' mean; name one")
+    if any(d.per_member_gradients for d in defences):
+        try:
+            group_loss.member_weights([torch.zeros(1)], [1.0])
+        except NotImplementedError:
+            raise ValueError(f"grouping.member_defences {names} work on each member's own gradient, which group loss "
+                             f"{type(group_loss).__name__} cannot weigh (GroupLoss.member_weights)") from None
+    return defences
 
 
 def _plug_in(table: dict[str, type], what: str, name: str) -> type:

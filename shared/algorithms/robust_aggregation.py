@@ -39,6 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.algorithms.aggregation import Contribution, check_contributions, layerwise_aggregate
+from shared.algorithms.plugin_params import params_error
 
 __all__ = ["AggregationRule", "Aggregated", "BoundedMean", "Krum", "Mean", "Median", "MultiKrum", "RuleParams",
            "TrimmedMean"]
@@ -313,16 +314,7 @@ def clip_updates(global_state: Mapping[str, torch.Tensor], contributions: Mappin
 def rule_params_error(rule: type[AggregationRule], exc: ValidationError) -> str:
     """What is wrong with ``aggregation.params`` for ``rule``, each problem naming its key as the
     config loader does: ``aggregation.params.clip: must be greater than 0 (got -1)``."""
-    problems = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(["aggregation.params", *(str(part) for part in err["loc"])])
-        if err["type"] == "extra_forbidden":
-            problems.append(f"{where}: unknown key (valid keys: {', '.join(rule.Params.model_fields)})")
-            continue
-        message = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
-        got = "" if err["type"] == "value_error" else f" (got {err.get('input')!r})"
-        problems.append(f"{where}: {message}{got}")
-    return "; ".join(problems)
+    return params_error("aggregation.params", rule.Params, exc)
 
 
 def _value(contribution: Contribution, key: str) -> torch.Tensor | None:

@@ -119,3 +119,21 @@ def test_a_silent_device_costs_a_fedavg_round_its_own_deadline_not_the_round_dea
     # Fed Server logs each one that does), so the silent device was cut at its own.
     fed_log = (tmp_path / "run" / "logs" / "fed_server.log").read_text()
     assert "passed; completing with" not in fed_log
+
+
+def test_a_member_dropped_at_its_first_step_costs_no_more_than_a_device_refused_at_registration(tmp_path):
+    # Three devices in one group. The third either never gets in (its registration claims 10^12
+    # samples: refused) or gets in and is dropped at its first step every round (activations
+    # x1e30). Once dropped it must cost no more than its absence: the group trains on as if it had
+    # been formed without it (its share of the group's data given back). The warm-up rounds give
+    # every device the same split, so both runs are the same computation for the other two.
+    config = _config("s2fl", **{"data.num_devices": 3, "grouping.group_size": 3, "data.max_samples": 1500})
+    config = config.model_copy(update={"rounds": 3})
+    curves = {}
+    for behaviour in ("zero_update_huge_count", "activations_1e30"):
+        result = run_once(config, behaviour, 1, tmp_path / behaviour, time_limit_s=3 * ROUND_S + 30,
+                          warm=shared_starter())
+        assert result.complete and result.harmful_actions > 0, (behaviour, result)
+        curves[behaviour] = [r["test_accuracy"] for r in read_metrics(tmp_path / behaviour)]
+    absent, dropped = curves["zero_update_huge_count"], curves["activations_1e30"]
+    assert all(d >= a - 0.01 for d, a in zip(dropped, absent)), curves

@@ -467,3 +467,97 @@ def test_a_step_that_cannot_tell_whose_activations_broke_it_names_everyone_and_r
         trainer.step(members)
     assert not refused.value.attributed and set(refused.value.culprits) == {"a", "b"}
     assert all(torch.equal(v, before[k]) for k, v in trainer.state().items()) and trainer.steps == 0
+
+
+# ------------------------------------------------------------------------------------ member defences
+def _defended(model, start: int, group_loss: str, defences: list[str], params: dict | None = None,
+              members: dict[str, GroupMember] | None = None) -> GroupTrainer:
+    from shared.algorithms.registry import build_member_defences
+
+    m = copy.deepcopy(model)
+    weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
+    loss = build_group_loss(group_loss)
+    return GroupTrainer(m, start, weights, lr=LR, group_loss=loss, members=members,
+                        defences=build_member_defences(defences, params or {}, loss))
+
+
+@pytest.mark.parametrize("group_loss", ["per_member", "per_member_sum", "union_mean", "data_weighted"])
+def test_a_step_from_each_member_s_own_gradient_is_the_plain_step_when_no_defence_acts(model, group_loss):
+    # `clip` with a bound no member reaches takes the per-member path and changes nothing: the
+    # group loss's member weights rebuild exactly the plain objective's step and dfx.
+    members = {"a": GroupMember(40, 1), "b": GroupMember(10, 2), "c": GroupMember(25, 2)}
+    batches = [_member(model, "a", 1, 4, seed=61), _member(model, "b", 2, 7, seed=62), _member(model, "c", 2, 3, seed=63)]
+    plain = _trainer(model, 1, group_loss, members=members)
+    defended = _defended(model, 1, group_loss, ["clip"], {"clip": {"multiple": 1e9}}, members=members)
+    out_plain, out_defended = plain.step(batches), defended.step(batches)
+    for device in members:
+        _assert_close(out_defended[device].dfx, out_plain[device].dfx)
+        assert out_defended[device].loss == pytest.approx(out_plain[device].loss, rel=1e-6)
+    for k, v in plain.state().items():
+        _assert_close(defended.state()[k], v)
+
+
+def test_the_median_of_the_members_steps_as_the_honest_majority_whatever_the_third_sends(model):
+    # Two members send the same batch; the third sends it with its labels moved to the next class.
+    # The median of the three gradients is the honest one, coordinate by coordinate.
+    honest = _member(model, "a", 2, 8, seed=71)
+    twin = MemberBatch("b", 2, honest.fx.clone(), honest.labels.clone())
+    flipped = MemberBatch("c", 2, honest.fx.clone(), (honest.labels + 1) % model.num_classes)
+    _, grads, _ = _solo_grads(model, honest, 2)
+    trainer = _defended(model, 2, "per_member_sum", ["median"])
+    trainer.step([honest, twin, flipped])
+    # per_member_sum weighs each member 1: the centre times the weights' sum (3)
+    _assert_portion(trainer, _stepped(model, 2, {k: 3 * g for k, g in grads.items()}), 2)
+    mean = _trainer(model, 2, "per_member_sum")
+    mean.step([honest, twin, flipped])
+    assert any(not torch.allclose(mean.state()[k], v) for k, v in trainer.state().items())
+
+
+def test_the_trimmed_mean_and_median_of_the_members_per_coordinate():
+    from shared.algorithms.member_defence import MedianOfMembers, TrimmedMeanOfMembers
+
+    grads = [[torch.tensor([1.0, 10.0])], [torch.tensor([2.0, -5.0])], [torch.tensor([3.0, 0.0])],
+             [torch.tensor([100.0, 1.0])]]
+    even = MedianOfMembers().center(grads, [0.25] * 4)[0]
+    torch.testing.assert_close(even, torch.tensor([2.5, 0.5]))
+    odd = MedianOfMembers().center(grads[:3], [1 / 3] * 3)[0]
+    torch.testing.assert_close(odd, torch.tensor([2.0, 0.0]))
+    trimmed = TrimmedMeanOfMembers({"trim": 0.25}).center(grads, [0.25] * 4)[0]
+    torch.testing.assert_close(trimmed, torch.tensor([2.5, 0.5]))
+    two = TrimmedMeanOfMembers().center(grads[:2], [0.5, 0.5])[0]   # nothing to trim of two
+    torch.testing.assert_close(two, torch.tensor([1.5, 2.5]))
+
+
+def test_clipping_bounds_each_member_by_the_median_norm():
+    from shared.algorithms.member_defence import ClipMembers, gradient_norm
+
+    grads = [[torch.tensor([3.0, 4.0])], [torch.tensor([0.0, 1.0])], [torch.tensor([300.0, 400.0])]]
+    clipped = ClipMembers({"multiple": 2.0}).adjust(grads)
+    assert [gradient_norm(g) for g in clipped] == pytest.approx([5.0, 1.0, 10.0])
+    torch.testing.assert_close(clipped[2][0], torch.tensor([6.0, 8.0]))
+
+
+def test_standardising_scales_a_member_far_above_the_median_down_to_the_bound(model):
+    trainer = _defended(model, 2, "per_member", ["standardise"], {"standardise": {"ratio": 2.0}})
+    rows = [3, 4, 5]
+    h = torch.cat([torch.full((3, 2), 1.0), torch.full((4, 2), 1.5), torch.full((5, 2), 30.0)])
+    out = trainer._standardised(h, rows)
+    parts = torch.split(out, rows)
+    assert torch.equal(parts[0], h[:3]) and torch.equal(parts[1], h[3:7])
+    torch.testing.assert_close(parts[2], torch.full((5, 2), 3.0))   # 2 x the median member's RMS, 1.5
+    two = h[:7]   # fewer members than min_members (3): a median of two says nothing
+    assert trainer._standardised(two, rows[:2]) is two
+
+
+def test_a_member_that_left_no_longer_counts_in_the_group_s_shares(model):
+    # After `leave`, a step weighs the others exactly as a group formed without the member would.
+    members = {"a": GroupMember(30, 2), "b": GroupMember(10, 2), "gone": GroupMember(60, 2)}
+    batches = [_member(model, "a", 2, 4, seed=81), _member(model, "b", 2, 5, seed=82)]
+    left = _trainer(model, 2, "data_weighted", members=members)
+    left.leave("gone")
+    without = _trainer(model, 2, "data_weighted", members={d: m for d, m in members.items() if d != "gone"})
+    with_it = _trainer(model, 2, "data_weighted", members=members)
+    left.step(batches), without.step(batches), with_it.step(batches)
+    for k, v in without.state().items():
+        _assert_close(left.state()[k], v)
+    assert any(not torch.allclose(with_it.state()[k], v, atol=ATOL, rtol=RTOL) for k, v in without.state().items())
