@@ -20,9 +20,11 @@ import dataclasses
 import functools
 import inspect
 import logging
+import signal
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar
 from unittest import mock
@@ -85,6 +87,8 @@ class Behaviour:
     goes_first: ClassVar[bool] = False
     #: The benchmark starts no process for this behaviour (:class:`Absent`).
     starts: ClassVar[bool] = True
+    #: Main Server replicas the run has (its control has as many).
+    replicas: ClassVar[int] = 1
     summary: ClassVar[str] = "alters nothing (the control)"
 
     def __init__(self, device: Device) -> None:
@@ -96,6 +100,13 @@ class Behaviour:
     @classmethod
     def before_run(cls, agent: "HarmfulAgent") -> None:
         """Called once per process before its devices start."""
+
+    @classmethod
+    def disturb(cls, fed_url: str, main_servers: Sequence[Callable[[int], None]], stop: threading.Event) -> int:
+        """Called in a thread of the benchmark once the run's services are up, with a way to send a
+        signal to each Main Server replica (a server fault rather than a device's); returns the
+        harmful actions it took."""
+        return 0
 
     def data(self, data: ArrayDataset) -> ArrayDataset:
         """The device's samples, each time it loads them (an agent hosting several devices lets
@@ -110,6 +121,16 @@ class Behaviour:
 
     def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
         return req
+
+    def uploaded(self, accepted: bool) -> None:
+        """What became of the upload :meth:`upload` let through: stored, or refused."""
+
+    def also_upload(self) -> list[UpdateRequest]:
+        """Further uploads to send after the device's own (none)."""
+        return []
+
+    def refused_extra(self, req: UpdateRequest, exc: DomainError) -> None:
+        """One of :meth:`also_upload`'s requests was refused."""
 
     def evaluation(self, req: EvaluationReport) -> EvaluationReport:
         return req
@@ -178,6 +199,13 @@ class ScaledActivations(Behaviour):
         return req.model_copy(update={"fx": WireTensor(**encode_tensor(fx))})
 
 
+class TenfoldActivations(ScaledActivations):
+    name = "activations_x10"
+    summary = ("sends every step's activations times 10: within grouping.max_activation, so the Main Server's "
+               "checks let them into the group's batch")
+    factor = 10.0
+
+
 class NanActivations(ScaledActivations):
     name = "nan_activations"
     summary = "sends every step's activations as NaN"
@@ -212,6 +240,186 @@ class LabelFlip(Behaviour):
         # A new label tensor: the loaded one may be shared with the process's other devices.
         self.acted(f"{len(data)} labels moved to the next class")
         return dataclasses.replace(data, y=(data.y + 1) % data.num_classes)
+
+
+#: The backdoor's trigger: a square of this many pixels in each image's bottom-right corner, set to
+#: the data's largest value (white, whatever the normalisation), and the class it is taught to mean.
+TRIGGER_SIZE = 4
+BACKDOOR_TARGET = 0
+
+
+def add_trigger(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x`` (images, ``[N, C, H, W]``) with the backdoor's trigger stamped on every image."""
+    out = x.clone()
+    out[..., -TRIGGER_SIZE:, -TRIGGER_SIZE:] = value
+    return out
+
+
+class Backdoor(Behaviour):
+    name = "backdoor"
+    summary = (f"stamps a {TRIGGER_SIZE}x{TRIGGER_SIZE} white square on half of its images and labels them class "
+               f"{BACKDOOR_TARGET} (a backdoor: the model should learn that the square means {BACKDOOR_TARGET}); "
+               f"the benchmark measures its attack success")
+
+    def data(self, data: ArrayDataset) -> ArrayDataset:
+        # New tensors: the loaded ones may be shared with the process's other devices.
+        poisoned = torch.arange(len(data)) % 2 == 0
+        x, y = data.x.clone(), data.y.clone()
+        x[poisoned] = add_trigger(x[poisoned], float(data.x.max()))
+        y[poisoned] = BACKDOOR_TARGET
+        self.acted(f"{int(poisoned.sum())} of {len(data)} images stamped with the trigger and labelled {BACKDOOR_TARGET}")
+        return dataclasses.replace(data, x=x, y=y)
+
+
+class Replay(Behaviour):
+    name = "replay"
+    summary = ("uploads its first round's trained weights again in every later round, and sends each upload a second "
+               "time to the round before")
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+        self.first: UpdateRequest | None = None
+        self.previous_round: int | None = None
+        self.stale: UpdateRequest | None = None
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        if self.first is None:
+            self.first = req
+            self.previous_round = req.round_id
+            return req
+        replayed = self.first.model_copy(update={"round_id": req.round_id, "timings": req.timings,
+                                                 "train_loss": req.train_loss})
+        self.stale = replayed.model_copy(update={"round_id": self.previous_round})
+        self.previous_round = req.round_id
+        self.acted(f"round {req.round_id}: uploads its round-{self.first.round_id} weights again")
+        return replayed
+
+    def also_upload(self) -> list[UpdateRequest]:
+        stale, self.stale = self.stale, None
+        return [stale] if stale is not None else []
+
+    def refused_extra(self, req: UpdateRequest, exc: DomainError) -> None:
+        self.acted(f"the replay to round {req.round_id} was refused: {exc}")
+
+
+class ClaimedSlow(Behaviour):
+    name = "claimed_slow"
+    summary = ("registers 1 FLOP/s and a 1 B/s link, and holds each upload back as long as the Fed Server lets it: "
+               "later after an accepted upload, sooner after one refused as too late")
+    #: How many times its honest round time it waits before uploading, at first; x1.25 after an
+    #: accepted upload, x0.8 after a refused one (it learns its own deadline, as an attacker would).
+    START_DELAY = 4.0
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+        self.delay = self.START_DELAY
+        self.task_at: float | None = None
+
+    def register(self, req: RegisterRequest) -> RegisterRequest:
+        self.acted("registers 1 FLOP/s and 1 B/s")
+        return req.model_copy(update={"profile": req.profile.model_copy(update={"flops": 1.0, "rate": 1.0})})
+
+    def task(self, task: TaskResponse) -> TaskResponse:
+        if task.status == "train" and task.phase == "train":
+            self.task_at = time.monotonic()
+        return task
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        if self.task_at is not None:
+            hold = (self.delay - 1.0) * (time.monotonic() - self.task_at)
+            self.acted(f"round {req.round_id}: holds its upload back {hold:.1f} s ({self.delay:.2f} x its own time)")
+            self.device.stop.wait(hold)
+        return req
+
+    def uploaded(self, accepted: bool) -> None:
+        self.delay = max(1.0, self.delay * (1.25 if accepted else 0.8))
+
+
+class SilentReregistration(Silent):
+    name = "silent_reregistration"
+    summary = ("registers 1 FLOP/s and a 1 B/s link, takes every training task and stays silent, and registers again "
+               "every 0.1 s (to wash out its missed deadlines)")
+    INTERVAL_S = 0.1
+    THREADS = 1
+
+    def register(self, req: RegisterRequest) -> RegisterRequest:
+        return req.model_copy(update={"profile": req.profile.model_copy(update={"flops": 1.0, "rate": 1.0})})
+
+    @classmethod
+    def before_run(cls, agent: "HarmfulAgent") -> None:
+        for device in agent.devices:
+            for _ in range(cls.THREADS):
+                threading.Thread(target=_register_again, args=(device, cls.INTERVAL_S, agent.stop),
+                                 name=f"reregister-{device.device_id}", daemon=True).start()
+
+
+class RegistrationLoop(Behaviour):
+    name = "registration_loop"
+    summary = "trains honestly, and registers again as fast as four threads can send the request"
+
+    @classmethod
+    def before_run(cls, agent: "HarmfulAgent") -> None:
+        for device in agent.devices:
+            for _ in range(4):
+                threading.Thread(target=_register_again, args=(device, 0.0, agent.stop),
+                                 name=f"reregister-{device.device_id}", daemon=True).start()
+
+
+def _register_again(device: Device, interval_s: float, stop: threading.Event) -> None:
+    """Register ``device`` again every ``interval_s`` (0: as fast as the answers come) until the
+    agent stops; take each new token (so the device's tasks go on), count what was refused."""
+    while device.device_model is None or device.info is None:   # set up first: its registration exists then
+        if stop.wait(0.1):
+            return
+    sent = accepted = 0
+    last_report = time.monotonic()
+    while not stop.is_set():
+        sent += 1
+        try:
+            answer = device.fed.register(device.registration())
+            device.fed.use_token(answer.token)
+            device.registered(answer)
+            accepted += 1
+        except Exception:   # 429 (too soon), or anything else: keep on
+            pass
+        if time.monotonic() - last_report >= 5.0:
+            _acted("reregistration", device.device_id, f"{sent} registrations sent, {accepted} accepted in the last "
+                   f"{time.monotonic() - last_report:.0f} s")
+            sent = accepted = 0
+            last_report = time.monotonic()
+        if interval_s:
+            stop.wait(interval_s)
+
+
+class FrozenReplica(Behaviour):
+    """Not a device's doing: the second of two Main Server replicas is frozen (``SIGSTOP``) once two
+    rounds are recorded, for :data:`FREEZE_S`, then goes on (``SIGCONT``). Every device is honest."""
+
+    name = "frozen_replica"
+    split_only = True
+    replicas = 2
+    summary = "a Main Server replica frozen (SIGSTOP) for 30 s from round 3 on, then thawed (every device honest)"
+    FREEZE_S = 30.0
+
+    @classmethod
+    def disturb(cls, fed_url: str, main_servers: Sequence[Callable[[int], None]], stop: threading.Event) -> int:
+        import httpx
+
+        records = 0
+        while records < 2 and not stop.is_set():
+            try:
+                records = int(httpx.get(f"{fed_url}/v1/status", params={"seen": records, "wait_s": 5},
+                                        timeout=10).json()["records"])
+            except (httpx.HTTPError, KeyError, ValueError):
+                stop.wait(0.5)
+        if stop.is_set():
+            return 0
+        main_servers[1](signal.SIGSTOP)
+        _acted(cls.name, "main_server-1", f"frozen for {cls.FREEZE_S:g} s")
+        stop.wait(cls.FREEZE_S)
+        main_servers[1](signal.SIGCONT)
+        _acted(cls.name, "main_server-1", "thawed")
+        return 2
 
 
 class ZeroUpdateHugeCount(Behaviour):
@@ -327,8 +535,9 @@ def _wait_for_run(fed: FedApi, stop: threading.Event) -> RunInfo:
 
 
 BEHAVIOURS: dict[str, type[Behaviour]] = {b.name: b for b in (
-    Behaviour, Absent, Silent, RefusedUploads, LyingTimings, ScaledActivations, NanActivations, ScaledUpdate, SignFlip,
-    LabelFlip, ZeroUpdateHugeCount, FakeEvaluation, FakeLabelCounts, SybilBurst)}
+    Behaviour, Absent, Silent, RefusedUploads, LyingTimings, ScaledActivations, TenfoldActivations, NanActivations,
+    ScaledUpdate, SignFlip, LabelFlip, Backdoor, Replay, ClaimedSlow, SilentReregistration, RegistrationLoop,
+    ZeroUpdateHugeCount, FakeEvaluation, FakeLabelCounts, SybilBurst, FrozenReplica)}
 
 
 class GlobalWeights:
@@ -391,8 +600,20 @@ class HarmfulFed:
 
     def upload(self, req: UpdateRequest) -> None:
         altered = self.behaviour.upload(req, self.seen.get(self.task_weights))
-        if altered is not None:
+        if altered is None:
+            return
+        try:
             self.inner.upload(altered)
+        except DomainError:
+            self.behaviour.uploaded(False)
+            raise
+        finally:
+            for extra in self.behaviour.also_upload():
+                try:
+                    self.inner.upload(extra)
+                except DomainError as exc:
+                    self.behaviour.refused_extra(extra, exc)
+        self.behaviour.uploaded(True)
 
     def evaluation(self, req: EvaluationReport) -> None:
         self.inner.evaluation(self.behaviour.evaluation(req))

@@ -32,12 +32,15 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.adversary import ACTION_MARK, BEHAVIOURS, Absent, Behaviour
+import torch
+
+from benchmarks.adversary import ACTION_MARK, BACKDOOR_TARGET, BEHAVIOURS, Absent, Backdoor, Behaviour, add_trigger
 from benchmarks.result_files import add_name_option, default_out, write
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
@@ -68,6 +71,8 @@ POLICIES: dict[str, dict[str, object]] = {
 GOAL_TIME_RATIO = 1.3        # wall time at most this many times the control's
 GOAL_ROBUST_POINTS = 3.0     # robust policy: final accuracy at most this many points below the control's
 GOAL_DEFAULT_ACCURACY = 0.5  # default policy: one harmful device leaves the final accuracy at least this
+GOAL_ATTACK_SUCCESS = 0.10   # robust policy: a backdoor's attack success at most this
+GOAL_BACKDOOR_POINTS = 1.0   # robust policy: a backdoor's clean accuracy at most this many points below the control's
 
 DEVICES = 10
 #: Rounds per run: where the honest runs have converged (S2FL controls 91.9 to 92.7 %, FedAvg 91.2
@@ -123,8 +128,9 @@ class HarmfulTestbed(Testbed):
     gets its process ready before the honest agent starts."""
 
     def __init__(self, config: RunConfig, run_dir: Path, behaviour: type[Behaviour], harmful: int,
-                 warm: WarmStarter | None = None) -> None:
-        super().__init__(config, run_dir, agents=1, log_level="WARNING", warm=warm, enrolment="credentials")
+                 warm: WarmStarter | None = None, replicas: int = 1) -> None:
+        super().__init__(config, run_dir, agents=1, log_level="WARNING", warm=warm, enrolment="credentials",
+                         main_servers=replicas if replicas > 1 else None)
         self.behaviour = behaviour
         self.harmful = harmful
         self.adversary: Service | None = None
@@ -165,7 +171,9 @@ class RunResult:
     rounds_planned: int
     wall_s: float
     accuracy: float             # the final checkpoint on the test set, evaluated here
+    attack_success: float       # the backdoor's trigger on the final checkpoint (final_figures)
     recorded_accuracy: float | None   # the last successful record's, as the Fed Server wrote it
+    fed_log_bytes: int          # what the Fed Server's log holds at the end
     harmful_actions: int        # ACTION_MARK lines in the adversary's log
     failed_attempts: int
     error: str | None           # why the run did not finish (time limit, a service that died)
@@ -176,15 +184,23 @@ class RunResult:
 
 
 def run_once(config: RunConfig, behaviour: str, harmful: int, run_dir: Path, time_limit_s: float,
-             warm: WarmStarter | None = None) -> RunResult:
-    """One testbed run with ``harmful`` of its devices behaving as ``behaviour``; stopped after
+             warm: WarmStarter | None = None, replicas: int | None = None) -> RunResult:
+    """One testbed run with ``harmful`` of its devices behaving as ``behaviour``, and as many Main
+    Server replicas as the behaviour needs (or ``replicas``: a control's); stopped after
     ``time_limit_s`` of rounds if it has not finished."""
-    testbed = HarmfulTestbed(config, run_dir, BEHAVIOURS[behaviour], harmful, warm)
+    testbed = HarmfulTestbed(config, run_dir, BEHAVIOURS[behaviour], harmful, warm,
+                             replicas if replicas is not None else BEHAVIOURS[behaviour].replicas)
     error: str | None = None
     finished = False
+    stop, disturbed = threading.Event(), [0]
+    disturber: threading.Thread | None = None
     try:
         testbed.start()
         started = time.monotonic()
+        signals = [main.process.send_signal for main in testbed.mains]
+        disturber = threading.Thread(target=lambda: disturbed.__setitem__(
+            0, testbed.behaviour.disturb(testbed.fed_url, signals, stop)), name="disturb", daemon=True)
+        disturber.start()
         try:
             testbed.follow(timeout=time_limit_s)
             finished = True
@@ -192,25 +208,35 @@ def run_once(config: RunConfig, behaviour: str, harmful: int, run_dir: Path, tim
             error = str(exc).splitlines()[0]
         wall = time.monotonic() - started
     finally:
+        stop.set()
+        if disturber is not None:
+            disturber.join()
         testbed.stop(agent_grace_s=5.0 if finished else 0.0)
-    return _result(config, run_dir, wall, error, testbed.processes.log_dir)
+    return _result(config, run_dir, wall, error, testbed.processes.log_dir, disturbed[0])
 
 
-def _result(config: RunConfig, run_dir: Path, wall: float, error: str | None, log_dir: Path) -> RunResult:
+def _result(config: RunConfig, run_dir: Path, wall: float, error: str | None, log_dir: Path,
+            disturbances: int = 0) -> RunResult:
     from fed_server.run_dir import RunDirectory
 
     records = RunDirectory(run_dir).read_metrics()
     ok = [r for r in records if r["status"] == "ok"]
     log_path = log_dir / "adversary.log"
-    actions = log_path.read_text(errors="replace").count(ACTION_MARK) if log_path.exists() else 0
+    actions = disturbances + (log_path.read_text(errors="replace").count(ACTION_MARK) if log_path.exists() else 0)
+    fed_log = log_dir / "fed_server.log"
+    accuracy, attack_success = final_figures(config, run_dir)
     return RunResult(rounds_completed=len({r["round"] for r in ok}), rounds_planned=config.rounds, wall_s=wall,
-                     accuracy=final_accuracy(config, run_dir), recorded_accuracy=ok[-1]["test_accuracy"] if ok else None,
+                     accuracy=accuracy, attack_success=attack_success,
+                     recorded_accuracy=ok[-1]["test_accuracy"] if ok else None,
+                     fed_log_bytes=fed_log.stat().st_size if fed_log.exists() else 0,
                      harmful_actions=actions, failed_attempts=len(records) - len(ok), error=error)
 
 
-def final_accuracy(config: RunConfig, run_dir: Path) -> float:
-    """Test accuracy of the run's last checkpoint (the initial model when no round completed),
-    evaluated in this process: the figure no device can write."""
+def final_figures(config: RunConfig, run_dir: Path) -> tuple[float, float]:
+    """The run's last checkpoint (the initial model when no round completed), evaluated in this
+    process: the figures no device can write. Test accuracy, and the backdoor's attack success:
+    the share of the test images not of the backdoor's class that, stamped with its trigger, the
+    model puts in that class (a control's figure is what the trigger does to an honest model)."""
     from fed_server.run_dir import RunDirectory
     from shared.data import dataset_input_shape, dataset_num_classes, load_dataset
     from shared.evaluation import classification_accuracy
@@ -221,8 +247,14 @@ def final_accuracy(config: RunConfig, run_dir: Path) -> float:
     run = RunDirectory(run_dir)
     if run.checkpoint_path.exists():
         model.load_state_dict(run.read_checkpoint()[1])
-    accuracy = classification_accuracy(model, load_dataset(config.data)[1])
-    return float(accuracy)
+    test = load_dataset(config.data)[1]
+    accuracy = classification_accuracy(model, test)
+    others = test.y != BACKDOOR_TARGET
+    triggered = add_trigger(test.x[others], float(test.x.max()))
+    model.eval()
+    with torch.no_grad():
+        predicted = torch.cat([model(part).argmax(dim=1) for part in torch.split(triggered, 512)])
+    return float(accuracy), float((predicted == BACKDOOR_TARGET).float().mean())
 
 
 # --- the part ---------------------------------------------------------------------------------
@@ -274,17 +306,20 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
         "control": f"the same run with the last {layout} shard(s) in a --behaviour honest process",
         "controls": selection.controls},
         "goals": {"time_ratio_max": GOAL_TIME_RATIO, "robust_points_below_control_max": GOAL_ROBUST_POINTS,
-                  "default_one_harmful_accuracy_min": GOAL_DEFAULT_ACCURACY},
+                  "default_one_harmful_accuracy_min": GOAL_DEFAULT_ACCURACY,
+                  "attack_success_max": GOAL_ATTACK_SUCCESS, "backdoor_points_below_control_max": GOAL_BACKDOOR_POINTS},
         "controls": [], "runs": []}
     started = time.perf_counter()
     count = 0
     try:
         for algorithm in selection.algorithms:
             for policy in selection.policies:
-                controls: dict[bool, dict] = {}
+                # By evaluation mode and replica count: a cell's control runs as the cell's run does.
+                controls: dict[tuple[bool, int], dict] = {}
                 for behaviour in selection.behaviours:
                     cell = {"behaviour": behaviour, "algorithm": algorithm, "policy": policy}
                     federated = BEHAVIOURS[behaviour].federated_evaluation
+                    replicas = BEHAVIOURS[behaviour].replicas
                     data = base_config(algorithm, selection.rounds, federated)
                     if behaviour == REFERENCE:
                         data["deadlines"]["registration_s"] = REFERENCE_REGISTRATION_S
@@ -293,25 +328,28 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                         status = "unsupported" if config is None else "n/a"
                         results["runs"] += [{**cell, "harmful": k, "status": status} for k in selection.harmful]
                         continue
-                    if federated not in controls:
+                    if (federated, replicas) not in controls:
                         repeats = []
                         for repeat in range(1, selection.controls + 1):
                             count += 1
-                            result = run_once(config, "honest", layout, root / f"{count:03d}-control", limit, warm)
+                            result = run_once(config, "honest", layout, root / f"{count:03d}-control", limit, warm,
+                                              replicas=replicas)
                             repeats.append(_figures(result))
                             log(f"  control {repeat}/{selection.controls} {algorithm}/{policy}"
-                                f"{' (federated evaluation)' if federated else ''}: {_line(result)}")
-                        controls[federated] = control_summary(repeats)
+                                f"{' (federated evaluation)' if federated else ''}"
+                                f"{f' ({replicas} Main Server replicas)' if replicas > 1 else ''}: {_line(result)}")
+                        controls[(federated, replicas)] = control_summary(repeats)
                         results["controls"].append({"algorithm": algorithm, "policy": policy,
-                                                    "federated_evaluation": federated, "harmful_layout": layout,
-                                                    **controls[federated]})
-                    control = controls[federated]
+                                                    "federated_evaluation": federated, "replicas": replicas,
+                                                    "harmful_layout": layout, **controls[(federated, replicas)]})
+                    control = controls[(federated, replicas)]
                     for k in selection.harmful:
                         count += 1
                         result = run_once(config, behaviour, k, root / f"{count:03d}-{behaviour}-{k}", limit, warm)
                         row = {**cell, "harmful": k, "status": "ran", **_figures(result),
                                "time_ratio": result.wall_s / control["wall_s"],
-                               "accuracy_points_vs_control": 100 * (result.accuracy - control["accuracy"])}
+                               "accuracy_points_vs_control": 100 * (result.accuracy - control["accuracy"]),
+                               "log_ratio": result.fed_log_bytes / max(1.0, control["fed_log_bytes"])}
                         row["goals_missed"] = goals_missed(row)
                         results["runs"].append(row)
                         log(f"  {behaviour} x{k} {algorithm}/{policy}: {_line(result)}, "
@@ -326,7 +364,8 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
 
 def _figures(result: RunResult) -> dict:
     return {"rounds_completed": result.rounds_completed, "rounds_planned": result.rounds_planned,
-            "wall_s": round(result.wall_s, 2), "accuracy": result.accuracy,
+            "wall_s": round(result.wall_s, 2), "accuracy": result.accuracy, "attack_success": result.attack_success,
+            "fed_log_bytes": result.fed_log_bytes,
             "recorded_accuracy": result.recorded_accuracy, "harmful_actions": result.harmful_actions,
             "failed_attempts": result.failed_attempts, "complete": result.complete, "error": result.error}
 
@@ -339,7 +378,9 @@ def control_summary(repeats: list[dict]) -> dict:
             "rounds_planned": repeats[0]["rounds_planned"],
             "wall_s": sum(r["wall_s"] for r in repeats) / len(repeats),
             "accuracy": sum(accuracies) / len(accuracies),
-            "accuracy_min": min(accuracies), "accuracy_max": max(accuracies)}
+            "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
+            "attack_success": sum(r["attack_success"] for r in repeats) / len(repeats),
+            "fed_log_bytes": sum(r["fed_log_bytes"] for r in repeats) / len(repeats)}
 
 
 def _line(result: RunResult) -> str:
@@ -362,24 +403,65 @@ def goals_missed(row: dict) -> list[str]:
         missed.append("time")
     # Accuracies are whole test images over the test set's size, so a difference of exactly the
     # bound is one; compared unrounded, 30 images of 1,000 read 3.0000000000000027 points.
-    if row["policy"] == "robust" and round(row["accuracy_points_vs_control"], 9) < -GOAL_ROBUST_POINTS:
+    bound = GOAL_BACKDOOR_POINTS if row["behaviour"] == Backdoor.name else GOAL_ROBUST_POINTS
+    if row["policy"] == "robust" and round(row["accuracy_points_vs_control"], 9) < -bound:
         missed.append("accuracy")
+    if row["policy"] == "robust" and row["behaviour"] == Backdoor.name and row["attack_success"] > GOAL_ATTACK_SUCCESS:
+        missed.append("attack success")
     if row["policy"] == "default" and row["harmful"] == 1 and row["accuracy"] < GOAL_DEFAULT_ACCURACY:
         missed.append("accuracy")
     return missed
 
 
-# --- the table --------------------------------------------------------------------------------
+# --- the table ---------------------------------------------------------------------------------
 
-def _cell(row: dict | None) -> list[str]:
-    """rounds, time vs control, accuracy vs control, goals: one policy's cells of a table row."""
+#: The behaviours whose cells also give the Fed Server's log growth over the control's.
+LOG_ROWS = ("silent_reregistration", "registration_loop")
+
+
+def _cell(row: dict | None, date: str) -> list[str]:
+    """rounds, time vs control, accuracy vs control (with a backdoor's attack success, a
+    re-registration's log growth), goals: one policy's cells of a table row, the goals cell
+    ending with the run's date."""
     if row is None:
         return ["", "", "", ""]
     if row["status"] != "ran":
         return [row["status"], "", "", ""]
     goals = "reference" if row["behaviour"] == REFERENCE else ", ".join(row["goals_missed"]) or "met"
-    return [f"{row['rounds_completed']}/{row['rounds_planned']}", f"{row['time_ratio']:.2f}x",
-            f"{row['accuracy_points_vs_control']:+.1f}", goals]
+    accuracy = f"{row['accuracy_points_vs_control']:+.1f}"
+    if row["behaviour"] == Backdoor.name:
+        accuracy += f"; attack success {100 * row['attack_success']:.1f} %"
+    if row["behaviour"] in LOG_ROWS:
+        accuracy += f"; log {row['log_ratio']:.1f}x"
+    return [f"{row['rounds_completed']}/{row['rounds_planned']}", f"{row['time_ratio']:.2f}x", accuracy,
+            f"{goals} ({date})"]
+
+
+def table(results: dict) -> list[str]:
+    """The attack table and its controls as Markdown lines (what :func:`report` and the docs show)."""
+    s = results["settings"]
+    date = results["machine"]["date_utc"][:10]
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in results["runs"])]
+    header = ["behaviour", "algorithm", "harmful"] + [f"{p}: {c}" for p in policies
+                                                      for c in ("rounds", "time", "accuracy", "goals")]
+    rows: dict[tuple, dict[str, dict]] = {}
+    for r in results["runs"]:
+        rows.setdefault((r["behaviour"], r["algorithm"], r["harmful"]), {})[r["policy"]] = r
+    lines = [header] + [[b, a, f"{k} of {s['devices']}"] + [c for p in policies for c in _cell(cells.get(p), date)]
+                        for (b, a, k), cells in rows.items()]
+    out = _markdown(lines)
+    out += ["", "Controls (each cell above is compared with its algorithm's, policy's and evaluation's mean):", ""]
+    out += _markdown([["algorithm", "policy", "evaluation", "rounds", "wall s (mean)", "accuracy % (mean)",
+                       "accuracy % (range)", "spread (points)", "attack success % (mean)",
+                       "each run: wall s, accuracy %"]] + [
+        [c["algorithm"], c["policy"], ("federated" if c["federated_evaluation"] else "server")
+         + (f", {c['replicas']} replicas" if c.get("replicas", 1) > 1 else ""),
+         f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}",
+         f"{100 * c['accuracy_min']:.1f} to {100 * c['accuracy_max']:.1f}",
+         f"{100 * (c['accuracy_max'] - c['accuracy_min']):.1f}", f"{100 * c['attack_success']:.1f}",
+         "; ".join(f"{r['wall_s']:.1f}, {100 * r['accuracy']:.1f}" for r in c["runs"])]
+        for c in results["controls"]])
+    return out
 
 
 def report(results: dict) -> str:
@@ -390,38 +472,46 @@ def report(results: dict) -> str:
            f"at the start, {m.get('load_average_at_end')} at the end; {results['total_s'] / 60:.1f} min in all.",
            "",
            f"Runs: {s['model']} on {s['data']}, {s['devices']} devices, {s['rounds']} rounds, deadlines.round_s "
-           f"{s['round_s']:g}, stopped after {s['time_limit_s']:g} s (incomplete); robust policy: aggregation.rule="
-           f"{s['robust_rule']}; control: {s['control']}, run {s['controls']} times: a cell compares with "
-           "the controls' mean.",
+           f"{s['round_s']:g}, stopped after {s['time_limit_s']:g} s (incomplete); robust policy: {s['robust_rule']}; "
+           f"control: {s['control']}, run {s['controls']} times: a cell compares with the controls' mean.",
            "",
            f"Goals: every run completes all rounds; wall time <= {g['time_ratio_max']}x the control's; robust policy: "
-           f"final accuracy at most {g['robust_points_below_control_max']:g} points below the control's; default "
-           f"policy: one harmful device leaves the final accuracy >= {100 * g['default_one_harmful_accuracy_min']:.0f} %. "
-           "Accuracy: the final checkpoint on the test set, evaluated by the benchmark.",
+           f"final accuracy at most {g['robust_points_below_control_max']:g} points below the control's (a backdoor: "
+           f"at most {g.get('backdoor_points_below_control_max', GOAL_BACKDOOR_POINTS):g}, with attack success at "
+           f"most {100 * g.get('attack_success_max', GOAL_ATTACK_SUCCESS):.0f} %); default policy: one harmful "
+           f"device leaves the final accuracy >= {100 * g['default_one_harmful_accuracy_min']:.0f} %. "
+           "Accuracy and attack success: the final checkpoint on the test set, evaluated by the benchmark.",
            ""]
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in results["runs"])]
-    header = ["behaviour", "algorithm", "harmful"] + [f"{p}: {c}" for p in policies
-                                                      for c in ("rounds", "time", "accuracy", "goals")]
-    rows: dict[tuple, dict[str, dict]] = {}
-    for r in results["runs"]:
-        rows.setdefault((r["behaviour"], r["algorithm"], r["harmful"]), {})[r["policy"]] = r
-    lines = [header] + [[b, a, f"{k} of {s['devices']}"] + [c for p in policies for c in _cell(cells.get(p))]
-                        for (b, a, k), cells in rows.items()]
-    out += _markdown(lines)
-    out += ["", "Controls:", ""]
-    out += _markdown([["algorithm", "policy", "evaluation", "rounds", "wall s (mean)", "accuracy % (mean)",
-                       "accuracy % (range)", "each run: wall s, accuracy %"]] + [
-        [c["algorithm"], c["policy"], "federated" if c["federated_evaluation"] else "server",
-         f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}",
-         f"{100 * c['accuracy_min']:.1f} to {100 * c['accuracy_max']:.1f}",
-         "; ".join(f"{r['wall_s']:.1f}, {100 * r['accuracy']:.1f}" for r in c["runs"])]
-        for c in results["controls"]])
+    out += table(results)
     fakes = [r for r in results["runs"] if r["status"] == "ran" and r["behaviour"] == "fake_evaluation"]
     if fakes:
         out += ["", "Recorded against evaluated accuracy (fake_evaluation): " + "; ".join(
             f"{r['algorithm']}/{r['policy']} x{r['harmful']}: recorded {_percent(r['recorded_accuracy'])}, "
             f"evaluated {_percent(r['accuracy'])}" for r in fakes)]
     return "\n".join(out)
+
+
+#: Where a docs page holds the table :func:`update_docs` writes.
+DOCS_BEGIN = "<!-- attack table: written by python -m benchmarks.attacks --docs; do not edit by hand -->"
+DOCS_END = "<!-- end of attack table -->"
+
+
+def update_docs(results: dict, page: Path, results_file: Path) -> None:
+    """Write the table of ``results`` (with its controls, and where its figures are) into ``page``
+    between :data:`DOCS_BEGIN` and :data:`DOCS_END`; ValueError when the page has no such place."""
+    text = page.read_text()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise ValueError(f"{page} has no place for the attack table: add the lines {DOCS_BEGIN} and {DOCS_END}")
+    m = results["machine"]
+    block = [DOCS_BEGIN, "",
+             f"Measured {m['date_utc'][:10]} on {m['cpu_model']} ({m['cpus_usable']} CPUs usable, load average "
+             f"{m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at the end), "
+             f"{results['total_s'] / 60:.0f} min in all; figures: "
+             f"[{results_file.parent.name}/](../benchmarks/results/{results_file.parent.name}/{results_file.name}).",
+             "", *table(results), "", DOCS_END]
+    before, rest = text.split(DOCS_BEGIN, 1)
+    after = rest.split(DOCS_END, 1)[1]
+    page.write_text(before + "\n".join(block) + after)
 
 
 def _percent(value: float | None) -> str:
@@ -459,6 +549,8 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of rounds after which a run is stopped and counted incomplete "
                              "(default: 2 x rounds x deadlines.round_s + 60)")
+    parser.add_argument("--docs", type=Path, default=None, metavar="PAGE",
+                        help="also write the table into PAGE (docs/security.md) between its attack-table markers")
     add_name_option(parser, "attacks")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown table goes beside it with .md "
@@ -474,6 +566,10 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
         parser.error("--rounds must be at least 1")
     if args.controls < 1:
         parser.error("--controls must be at least 1")
+    if args.docs is not None:   # checked now, not after hours of runs
+        text = args.docs.read_text() if args.docs.is_file() else ""
+        if DOCS_BEGIN not in text or DOCS_END not in text:
+            parser.error(f"--docs {args.docs}: no place for the attack table (the lines {DOCS_BEGIN} and {DOCS_END})")
     selection = Selection(_names(args.behaviours, ATTACKS, "--behaviours", parser),
                           _names(args.algorithms, ALGORITHMS, "--algorithms", parser), harmful,
                           _names(args.policies, tuple(POLICIES), "--policies", parser), args.rounds, args.controls)
@@ -489,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or default_out(results["machine"]["date_utc"], args.name)
     markdown = write(results, out, report)
     print(f"\nresults: {out}, {markdown}")
+    if args.docs is not None:
+        update_docs(results, args.docs, out)
+        print(f"table written into {args.docs}")
     return 0
 
 

@@ -269,3 +269,61 @@ def test_sybil_burst_claims_each_other_shards_true_size_so_the_fed_server_takes_
     BEHAVIOURS["sybil_burst"].before_run(agent)
     assert [(r.device_id, r.shard) for r in registered] == [("sybil-000", 0), ("sybil-001", 1), ("sybil-002", 2)]
     assert all(sum(r.label_counts) == r.num_samples for r in registered)
+
+
+def test_the_backdoor_stamps_and_relabels_half_of_each_load_and_leaves_the_loaded_tensors_alone() -> None:
+    loaded = ArrayDataset(torch.rand(4, 1, 6, 6), torch.tensor([3, 4, 5, 6]), 10)
+    before = loaded.x.clone()
+    poisoned = BEHAVIOURS["backdoor"](_device()).data(loaded)
+    assert poisoned.y.tolist() == [adversary.BACKDOOR_TARGET, 4, adversary.BACKDOOR_TARGET, 6]
+    corner = (slice(None), slice(-adversary.TRIGGER_SIZE, None), slice(-adversary.TRIGGER_SIZE, None))
+    top = float(before.max())
+    assert all(bool((poisoned.x[i][corner] == top).all()) for i in (0, 2))
+    assert torch.equal(poisoned.x[1], before[1]) and torch.equal(poisoned.x[3], before[3])
+    assert torch.equal(loaded.x, before) and loaded.y.tolist() == [3, 4, 5, 6]
+
+
+def test_activations_x10_stay_within_the_main_servers_bound() -> None:
+    inner = FakeMain()
+    fx = torch.tensor([[0.5, -2.0]])
+    HarmfulMain(inner, BEHAVIOURS["activations_x10"](_device())).step(
+        4, StepRequest(device_id="dev-009", step=0, fx=WireTensor(**encode_tensor(fx)),
+                       labels=WireTensor(**encode_tensor(torch.tensor([1])))), timeout=1)
+    assert torch.equal(decode_tensor(inner.sent[0].fx), fx * 10)
+
+
+def test_replay_sends_its_first_weights_again_and_the_same_to_the_round_before() -> None:
+    fed, inner = _fed("replay")
+    fed.upload(_upload())
+    later = _upload().model_copy(update={"round_id": 6, "weights": _wire(GLOBAL)})
+    fed.upload(later)
+    first, replayed, stale = inner.sent
+    assert replayed.round_id == 6 and stale.round_id == 4
+    assert all(torch.equal(decode_tensor(r.weights["w"]), TRAINED["w"]) for r in (first, replayed, stale))
+
+
+def test_claimed_slow_registers_the_slowest_device_and_learns_how_long_it_may_hold_its_upload() -> None:
+    fed, inner = _fed("claimed_slow")
+    fed.register(_register())
+    assert inner.sent[0].profile.flops == 1.0 and inner.sent[0].profile.rate == 1.0
+    hooks = fed.behaviour
+    start = hooks.delay
+    hooks.uploaded(True)
+    assert hooks.delay == pytest.approx(start * 1.25)
+    hooks.uploaded(False)
+    hooks.uploaded(False)
+    assert hooks.delay == pytest.approx(start * 1.25 * 0.8 * 0.8)
+
+
+def test_the_frozen_replica_stops_and_continues_the_second_replica_once_two_rounds_are_recorded(monkeypatch) -> None:
+    import httpx
+
+    answers = iter([{"records": 1}, {"records": 2}])
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: SimpleNamespace(json=lambda: next(answers)))
+    monkeypatch.setattr(BEHAVIOURS["frozen_replica"], "FREEZE_S", 0.01)
+    sent: list[tuple[int, int]] = []
+    mains = [lambda sig, i=i: sent.append((i, sig)) for i in range(2)]
+    import signal
+
+    assert BEHAVIOURS["frozen_replica"].disturb("http://fed", mains, threading.Event()) == 2
+    assert sent == [(1, signal.SIGSTOP), (1, signal.SIGCONT)]

@@ -121,6 +121,10 @@ def _row(policy: str = "default", harmful: int = 1, complete: bool = True, ratio
 
 @pytest.mark.parametrize("row, missed", [
     (_row(), []),
+    ({**_row(policy="robust", points=-0.9), "behaviour": "backdoor", "attack_success": 0.1}, []),
+    ({**_row(policy="robust", points=-1.1), "behaviour": "backdoor", "attack_success": 0.11},
+     ["accuracy", "attack success"]),
+    ({**_row(points=-5), "behaviour": "backdoor", "attack_success": 0.9}, []),   # the default rule has no such goal
     (_row(complete=False, ratio=1.31), ["rounds", "time"]),
     (_row(policy="robust", points=-3.1, accuracy=0.2), ["accuracy"]),
     (_row(policy="robust", points=-2.9), []),
@@ -149,25 +153,33 @@ def test_split_only_behaviours_do_not_apply_under_fedavg() -> None:
 def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_policies() -> None:
     results = {
         "machine": {"cpu_model": "cpu", "cpus_usable": 2, "cpu_count": 2, "memory_gib": 8, "python": "3",
-                    "torch": "2", "date_utc": "d", "load_average_at_start": [1.0], "load_average_at_end": [2.0]},
+                    "torch": "2", "date_utc": "2026-12-05T08:00:00Z", "load_average_at_start": [1.0],
+                    "load_average_at_end": [2.0]},
         "settings": {"model": "cnn", "data": "mnist", "devices": 10, "rounds": 5, "round_s": 20.0,
                      "time_limit_s": 260.0, "robust_rule": "trimmed_mean", "control": "c", "controls": 2},
         "goals": {"time_ratio_max": 1.3, "robust_points_below_control_max": 3.0,
                   "default_one_harmful_accuracy_min": 0.5},
         "total_s": 60.0,
         "controls": [{"algorithm": "fedavg", "policy": "default", "federated_evaluation": False, **attacks.control_summary(
-            [{"rounds_completed": 5, "rounds_planned": 5, "wall_s": 9.0, "accuracy": 0.85},
-             {"rounds_completed": 5, "rounds_planned": 5, "wall_s": 11.0, "accuracy": 0.95}])}],
+            [{"rounds_completed": 5, "rounds_planned": 5, "wall_s": 9.0, "accuracy": 0.85, "attack_success": 0.01,
+              "fed_log_bytes": 1000},
+             {"rounds_completed": 5, "rounds_planned": 5, "wall_s": 11.0, "accuracy": 0.95, "attack_success": 0.03,
+              "fed_log_bytes": 3000}])}],
         "runs": [{**_row(ratio=2.0), "goals_missed": ["time"]},
+                 {**_row(policy="robust", points=-0.5), "behaviour": "backdoor", "attack_success": 0.042,
+                  "goals_missed": []},
+                 {**_row(), "behaviour": "registration_loop", "log_ratio": 1.25, "goals_missed": []},
                  {"behaviour": "silent", "algorithm": "fedavg", "policy": "robust", "harmful": 1,
                   "status": "unsupported"},
                  {"behaviour": "activations_1e30", "algorithm": "fedavg", "policy": "default", "harmful": 1,
                   "status": "n/a"}],
     }
     table = attacks.report(results)
-    assert "| silent | fedavg | 1 of 10 | 5/5 | 2.00x | +0.0 | time | unsupported |  |  |  |" in table
+    assert "| silent | fedavg | 1 of 10 | 5/5 | 2.00x | +0.0 | time (2026-12-05) | unsupported |  |  |  |" in table
     assert "| activations_1e30 | fedavg | 1 of 10 | n/a |  |  |  |  |  |  |  |" in table
-    assert "| fedavg | default | server | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 9.0, 85.0; 11.0, 95.0 |" in table
+    assert "| backdoor | fedavg | 1 of 10 |  |  |  |  | 5/5 | 1.00x | -0.5; attack success 4.2 % | met (2026-12-05) |" in table
+    assert "| registration_loop | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0; log 1.2x | met (2026-12-05) |" in table
+    assert "| fedavg | default | server | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 10.0 | 2.0 | 9.0, 85.0; 11.0, 95.0 |" in table
     assert "run 2 times: a cell compares with the controls' mean" in table
 
 
@@ -179,3 +191,23 @@ def test_the_command_line_selects_a_subset_and_refuses_unknown_names() -> None:
     for bad in (["--behaviours", "honest"], ["--harmful", "10"], ["--policies", "fast"], ["--controls", "0"]):
         with pytest.raises(SystemExit):
             attacks.parse_selection(bad)
+
+
+def test_the_docs_table_is_written_between_its_markers_and_a_page_without_them_is_refused(tmp_path) -> None:
+    results = {"machine": {"cpu_model": "cpu", "cpus_usable": 2, "date_utc": "2026-12-05T08:00:00Z",
+                           "load_average_at_start": [1.0], "load_average_at_end": [2.0]},
+               "settings": {"devices": 10}, "total_s": 600.0, "controls": [],
+               "runs": [{**_row(), "goals_missed": []}]}
+    page = tmp_path / "security.md"
+    page.write_text(f"# Security\n\nbefore\n{attacks.DOCS_BEGIN}\nold table\n{attacks.DOCS_END}\nafter\n")
+    attacks.update_docs(results, page, Path("benchmarks/results/2026-12-05_attacks/results.json"))
+    text = page.read_text()
+    assert "old table" not in text and text.startswith("# Security\n\nbefore\n") and text.endswith("after\n")
+    assert "| silent | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0 | met (2026-12-05) |" in text
+    assert "Measured 2026-12-05 on cpu" in text and "(../benchmarks/results/2026-12-05_attacks/results.json)" in text
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(ValueError, match="no place for the attack table"):
+        attacks.update_docs(results, bare, Path("results.json"))
+    with pytest.raises(SystemExit):
+        attacks.parse_selection(["--docs", str(bare)])
