@@ -45,8 +45,10 @@ def test_s2fl_slides_splits_by_device_profile(run_testbed):
     # largest cell and the closest to the median, putting every device at split 1 (it did once in
     # a CI run; docs/s2fl.md, "Why group size 4").
     # IID shards of equal size, so the kinds are what sets the devices' times apart.
+    # No own deadlines (patience null, only round_s): on a loaded machine a warm-up round could cut a
+    # device, leaving a cell the test cannot rebuild; the split rule is what this test checks.
     config = small_config(rounds=4, **{"devices.profiles": ["mid", "low"], "train.local_epochs": 2,
-                                       "data.partition": "iid"})
+                                       "data.partition": "iid", "deadlines.patience": None})
     status, metrics, run_dir = run_testbed(config)
     _check_common(status, metrics, run_dir, config)
     split_points = build_model("cnn").split_points

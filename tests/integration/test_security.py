@@ -311,10 +311,13 @@ def test_main_server_refuses_a_device_acting_as_another_or_with_a_revoked_token(
 def test_sigkilled_agent_rejoins_under_authentication_and_no_child_holds_a_secret_in_its_environment(tmp_path):
     # Devices 0-1 in one agent, 2-3 in another. The second agent is SIGKILLed as soon as round 1 is
     # concluded and started again: its devices enrol again (the dead process's tokens die with it).
-    # An attempt open when they enrol again is sat out (the Main Server's plan carries their old
-    # tokens). Three more rounds follow, each at least one 5 s deadline long while the devices are
-    # away (a restart takes about 5 s here), so the last round aggregates their updates.
-    config = small_config(rounds=5, **{"deadlines.round_s": 60, "deadlines.join_s": 5, "deadlines.step_s": 5})
+    # An attempt open when they enrol again is left (the Main Server's plan carries their old
+    # tokens), and a missed deadline makes them sit one attempt out. Judged by what the run
+    # recorded, not by how fast a loaded machine restarts a process: some round after the restart
+    # aggregates all four devices (seven rounds follow it, each at least one 5 s deadline long while
+    # the devices are away; a restart takes about 5 s on a quiet machine).
+    config = small_config(rounds=8, **{"deadlines.round_s": 60, "deadlines.join_s": 5, "deadlines.step_s": 5,
+                                       "deadlines.max_skip_rounds": 1})
     run_dir = tmp_path / "run"
     # Started with exec, not forked from the warm starter: /proc/<pid>/environ and cmdline of a
     # forked child show the warm process's, so only exec'd children make this check mean something.
@@ -331,8 +334,9 @@ def test_sigkilled_agent_rejoins_under_authentication_and_no_child_holds_a_secre
         status = testbed.follow(timeout=240)
     assert status["state"] == "finished"
     ok = [m for m in read_metrics(run_dir) if m["status"] == "ok"]
-    assert [m["round"] for m in ok] == [1, 2, 3, 4, 5]
-    assert ok[-1]["aggregated"] == ["dev-000", "dev-001", "dev-002", "dev-003"]
+    assert [m["round"] for m in ok] == list(range(1, 9))
+    assert any(m["aggregated"] == ["dev-000", "dev-001", "dev-002", "dev-003"] for m in ok[2:]), \
+        [m["aggregated"] for m in ok]
     fed_log = (run_dir / "logs" / "fed_server.log").read_text()
     assert "device dev-002 enrolled again: its previous token is revoked" in fed_log
     assert not testbed.secret_files.folder.exists()  # the secret files go with the testbed
