@@ -72,7 +72,7 @@ class Aggregator:
                             fed_round.index, fed_round.round_id, device)
                 continue
             contributions[device] = Contribution(weight=update.request.num_samples, client_state=update.state,
-                                                 server_state=portion.state if portion else None)
+                                                 server_state=portion.server_state(device) if portion else None)
         return contributions
 
     def _observe_times(self, fed_round: FedRound, used: list[str]) -> None:

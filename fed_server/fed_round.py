@@ -65,6 +65,13 @@ class ReceivedPortion:
     upload: ServerPortionUpload
     state: dict[str, torch.Tensor]
     body_bytes: int
+    #: With ``member_updates``: each member's own state of the copy, which its device is
+    #: aggregated with instead of the group's (shared/algorithms/member_defence.py).
+    member_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def server_state(self, device_id: str) -> dict[str, torch.Tensor]:
+        """The server-side state ``device_id`` is aggregated with: its own, or its group's copy."""
+        return self.member_states.get(device_id, self.state)
 
 
 @dataclass

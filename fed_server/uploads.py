@@ -12,6 +12,7 @@ from fed_server.replica_planning import ReplicaPlanning
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_claims, clip_update, update_norm
 from shared.algorithms.base import parse_payload
+from shared.algorithms.registry import uploads_member_states
 from shared.algorithms.two_phase import TwoPhaseAlgorithm, two_phase
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.portions import decode_portion
@@ -173,9 +174,24 @@ class Uploads:
         if splits and upload.start_block > min(splits):
             raise Invalid(f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")
         state = self._decode(upload.weights, upload.start_block, core.num_blocks)
-        fed_round.portions[upload.group_id] = ReceivedPortion(upload, state, body_bytes)
+        member_states = self._member_states(upload)
+        fed_round.portions[upload.group_id] = ReceivedPortion(upload, state, body_bytes, member_states)
         core.changed.set()
         return Ack(detail=f"group {upload.group_id} of round {round_id} stored")
+
+    def _member_states(self, upload: ServerPortionUpload) -> dict[str, dict[str, torch.Tensor]]:
+        """Each member's own state of the copy, checked as the copy is: exactly one per member
+        where the run's member defences send them (``member_updates``), none otherwise."""
+        wanted = uploads_member_states(self.core.config.grouping.member_defences)
+        sent = set(upload.member_weights)
+        if not wanted:
+            if sent:
+                raise Invalid("this run's member defences send no member states (grouping.member_defences)")
+            return {}
+        if sent != set(upload.members):
+            raise Invalid(f"group {upload.group_id}: member states for {sorted(sent)}, where its members are "
+                          f"{sorted(upload.members)}")
+        return {d: self._decode(w, upload.start_block, self.core.num_blocks) for d, w in sorted(upload.member_weights.items())}
 
     def _check_group(self, fed_round: FedRound, upload: ServerPortionUpload) -> set[str]:
         """A group portion's members and dropped devices, once its group may come back: new, of

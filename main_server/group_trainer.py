@@ -115,6 +115,13 @@ class GroupTrainer:
         self.defences = list(defences)
         self._per_member = any(d.per_member_gradients for d in self.defences)
         self._center = next((d for d in self.defences if d.centers), MemberDefence())
+        # member_updates: each member's own part of the copy's updates, parameter by parameter
+        # (the trainable parameters in the portion's order, with the block each belongs to).
+        self._params = [(name, p) for name, p in self.portion.named_parameters() if p.requires_grad]
+        self._param_block = [names_index for name, _ in self._params
+                             for names_index in [model.block_names().index(name.split(".")[1])]]
+        self._own_updates: dict[str, list[torch.Tensor]] | None = (
+            {} if any(d.uploads_members for d in self.defences) else None)
         self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.steps = 0
         # The buffers a forward pass updates in place (BatchNorm's running statistics and batch
@@ -170,8 +177,9 @@ class GroupTrainer:
         member_losses = [self.group_loss.criterion.mean(out, y) for out, y in zip(logits, labels)]
         shares = [share_of[b.device_id] for b in order]
         self.optimizer.zero_grad(set_to_none=True)
+        contributions: list[Gradient] = []
         if self._per_member:
-            total, dfx = self._defended_backward(order, labels, member_losses, shares, inputs)
+            total, dfx, contributions = self._defended_backward(order, labels, member_losses, shares, inputs)
         else:
             total = self.group_loss.objective(h, labels, member_losses, shares)
             total.backward()
@@ -190,6 +198,8 @@ class GroupTrainer:
                     if p.grad is not None:
                         p.grad.mul_(multiplier)
         self._check_finite(order, member_losses, total, dfx)
+        if self._own_updates is not None:
+            self._count_own_updates(order, contributions, divisor, block_share)
         self.optimizer.step()
         self.steps += 1
         results = {}
@@ -231,14 +241,16 @@ class GroupTrainer:
 
     def _defended_backward(self, order: list[MemberBatch], labels: list[torch.Tensor],
                            member_losses: list[torch.Tensor], shares: list[float],
-                           inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           inputs: dict[str, torch.Tensor]
+                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[Gradient]]:
         """The step's gradients from each member's own (one backward pass per member), through
         the defences: each member's gradient of its mean loss, adjusted, then centred with the
         group loss's member weights and scaled back by their sum (the weighted mean of them is
         the plain step exactly). Sets the copy's ``.grad``; returns the objective (the weighted
-        sum of the members' losses) and each member's dfx, which no defence touches: a device is
-        answered the gradient of the group's objective at its activations, as in the plain step."""
-        params = [p for p in self.portion.parameters() if p.requires_grad]
+        sum of the members' losses), each member's dfx, which no defence touches (a device is
+        answered the gradient of the group's objective at its activations, as in the plain step),
+        and each member's weighted own gradient (what the weighted mean sums)."""
+        params = [p for _, p in self._params]
         xs = [inputs[b.device_id] for b in order]
         weights = self.group_loss.member_weights(labels, shares)
         dfx = {b.device_id: torch.zeros_like(inputs[b.device_id]) for b in order}
@@ -256,7 +268,52 @@ class GroupTrainer:
         for p, g in zip(params, combined):
             p.grad = g.mul(total_weight)
         total = torch.stack([loss.detach() * w for loss, w in zip(member_losses, weights)]).sum()
-        return total, dfx
+        contributions = [[g * w for g in member] for member, w in zip(own, weights)] if self._own_updates is not None else []
+        return total, dfx, contributions
+
+    def _count_own_updates(self, order: list[MemberBatch], contributions: list[Gradient], divisor: int,
+                           block_share: Mapping[int, float]) -> None:
+        """Add to each member's own update what its weighted gradient moved the copy this step, as
+        the step scaled the copy's gradient (the divisor and each block's multiplier) times ``-lr``."""
+        assert self._own_updates is not None
+        lr = self.optimizer.param_groups[0]["lr"]
+        scale = [-lr * (self.group_loss.block_grad_multiplier(block_share[b]) if block_share[b] else 0.0) / divisor
+                 for b in self._param_block]
+        for b, member in zip(order, contributions):
+            own = self._own_updates.setdefault(b.device_id, [torch.zeros_like(p) for _, p in self._params])
+            for total, g, s in zip(own, member, scale):
+                total.add_(g, alpha=s)
+
+    def member_states(self, members: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Each of ``members``' own state of the copy (``member_updates``): the copy ``W``, plus for
+        each block it passes its own update over its share of the data of the members that pass
+        that block (``s_m``), less every contributor's (``W + D_m / s_m - D``). The members' weighted
+        mean is ``W`` less the updates of contributors not among them (dropped members). Empty
+        unless the run uploads members' states."""
+        if self._own_updates is None or not members:
+            return {}
+        if self.members is None:
+            raise ValueError("member states need the group's members (their data sizes and cuts)")
+        state = self.state()
+        updates = {d: [u.to("cpu") for u in own] for d, own in self._own_updates.items()}
+        everyone = [sum(parts, torch.zeros_like(state[name])) for (name, _), parts
+                    in zip(self._params, zip(*updates.values()))] if updates else []
+        block_shares: dict[int, dict[str, float]] = {}
+        for b in range(self.start, len(self.model.blocks)):
+            passing = {d: m.samples for d, m in self.members.items() if d in members and m.split_point <= b}
+            block_shares[b] = {d: n / sum(passing.values()) for d, n in passing.items()}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for device in members:
+            member_state = dict(state)
+            own = updates.get(device)
+            for i, ((name, _), b) in enumerate(zip(self._params, self._param_block)):
+                share = block_shares[b].get(device)
+                if share is None or not everyone:
+                    continue   # a block the member does not pass: its device trained it (Algorithm 1 takes that)
+                mine = own[i] if own is not None else torch.zeros_like(state[name])
+                member_state[name] = state[name] + mine / share - everyone[i]
+            out[device] = member_state
+        return out
 
     def _check_finite(self, order: list[MemberBatch], member_losses: list[torch.Tensor], total: torch.Tensor,
                       dfx: dict[str, torch.Tensor]) -> None:

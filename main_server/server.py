@@ -30,7 +30,7 @@ from shared.schemas import (
     API, Ack, Departures, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest,
     StepResponse, WireTensor,
 )
-from shared.wire import encode_tensor, pack_body
+from shared.wire import encode_state, encode_tensor, pack_body
 
 log = logging.getLogger("main_server")
 
@@ -166,6 +166,7 @@ class MainServer:
             members=sorted(group.done), dropped=sorted(group.dropped),
             absent=sorted(set(state.participants) - set(state.joins.joined)), start_block=group.trainer.start,
             weights=group.trainer.wire_state(), label_distance=group.distance,
+            member_weights={d: encode_state(s) for d, s in group.trainer.member_states(sorted(group.done)).items()},
             steps=group.trainer.steps, train_time_s=group.train_time_s,
         )
         body = pack_body(upload.model_dump())

@@ -440,6 +440,9 @@ class ServerPortionUpload(Message):
     label_distance: float = Field(ge=0, allow_inf_nan=False)
     steps: int = Field(ge=0)
     train_time_s: float = Field(ge=0, allow_inf_nan=False)
+    #: With ``member_updates`` (``grouping.member_defences``): each of ``members``' own state of the
+    #: copy, keyed as ``weights`` (shared/algorithms/member_defence.py); empty otherwise.
+    member_weights: dict[DeviceId, WireState] = Field(default_factory=dict)
 
 
 # --- Main Server <- device ---------------------------------------------------------------------

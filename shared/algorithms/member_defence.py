@@ -13,9 +13,12 @@ aggregation. These defences act inside the group step, on each member's own part
   the median member's gradient norm, so no member moves the copy further than a typical one;
 * ``median`` / ``trimmed_mean``: the copy steps on the coordinate-wise median (or trimmed mean)
   of the members' own gradients instead of their weighted sum, so a minority of the group cannot
-  steer it.
+  steer it;
+* ``member_updates``: each member's own part of the copy's update goes to the Fed Server, whose
+  aggregation rule then compares members across the round instead of a few group copies
+  (:class:`MemberUpdates`).
 
-The last three need each member's own gradient of the copy (``per_member_gradients``): the step
+All but ``standardise`` need each member's own gradient of the copy (``per_member_gradients``): the step
 then takes one backward pass per member instead of one for the group. A group loss weighs each
 member's mean loss (:meth:`shared.algorithms.group_loss.GroupLoss.member_weights`), and the
 combined gradient keeps its scale: a centre of the members' own gradients times the sum of their
@@ -55,6 +58,9 @@ class MemberDefence:
     per_member_gradients: ClassVar[bool] = False
     #: True: :meth:`center` replaces the members' weighted mean; a run may name one such defence.
     centers: ClassVar[bool] = False
+    #: True: the Main Server sends the Fed Server each member's own part of its group's copy
+    #: (:class:`MemberUpdates`), which the mean then must combine.
+    uploads_members: ClassVar[bool] = False
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self.params = self.Params.model_validate(dict(params or {}))
@@ -152,6 +158,25 @@ class TrimmedMeanOfMembers(MemberDefence):
         n = len(gradients)
         cut = max(math.floor(params.trim * n), 1 if n >= 3 else 0)
         return [_trimmed(torch.stack(parts), cut) for parts in zip(*gradients)]
+
+
+class MemberUpdates(MemberDefence):
+    """``member_updates``: each member's own part of the copy's round goes to the Fed Server, whose
+    aggregation rule then sees members, not groups.
+
+    The copy trains as before (the members' own gradients summed with their weights); the trainer
+    keeps, for each member, the update its contributions alone would have made (``-lr`` times its
+    weighted gradient, as the step scaled it), and the Main Server uploads beside the group's copy
+    ``W`` one state per member, ``W + D_m / s_m - D`` (``D_m`` its update, ``D`` every contributor's,
+    ``s_m`` its share of the data of the members that pass each block). Their weighted mean is the
+    group's copy, so the mean rule aggregates exactly as from the copy; a robust rule
+    (``trimmed_mean``, ``median``, ...) now compares every device of the round, where it compared a
+    handful of group copies, each mixing its members (docs/security.md). A member dropped during
+    the round has its part taken out. Costs one server portion per member on the Main Server to
+    Fed Server link."""
+
+    per_member_gradients = True
+    uploads_members = True
 
 
 def _trimmed(stacked: torch.Tensor, cut: int) -> torch.Tensor:

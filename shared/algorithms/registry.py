@@ -19,7 +19,7 @@ from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumL
 from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
 from shared.algorithms.hics import HiCSSelector
 from shared.algorithms.member_defence import (
-    ClipMembers, MedianOfMembers, MemberDefence, Standardise, TrimmedMeanOfMembers,
+    ClipMembers, MedianOfMembers, MemberDefence, MemberUpdates, Standardise, TrimmedMeanOfMembers,
 )
 from shared.algorithms.plugin_params import params_error
 from shared.algorithms.random_grouping import RandomGrouping
@@ -86,6 +86,7 @@ MEMBER_DEFENCES: dict[str, type[MemberDefence]] = {
     "clip": ClipMembers,
     "median": MedianOfMembers,
     "trimmed_mean": TrimmedMeanOfMembers,
+    "member_updates": MemberUpdates,
 }
 
 
@@ -149,6 +150,10 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
     centers = [n for n, d in zip(names, defences) if d.centers]
     if len(centers) > 1:
         raise ValueError(f"grouping.member_defences: {' and '.join(centers)} each replace the members' mean; name one")
+    uploads = [n for n, d in zip(names, defences) if d.uploads_members]
+    if uploads and centers:
+        raise ValueError(f"grouping.member_defences: {uploads[0]} sends each member's part of the mean, which "
+                         f"{centers[0]} replaces; name one of the two")
     if any(d.per_member_gradients for d in defences):
         try:
             group_loss.member_weights([torch.zeros(1)], [1.0])
@@ -156,6 +161,13 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
             raise ValueError(f"grouping.member_defences {names} work on each member's own gradient, which group loss "
                              f"{type(group_loss).__name__} cannot weigh (GroupLoss.member_weights)") from None
     return defences
+
+
+def uploads_member_states(names: list[str]) -> bool:
+    """Whether the member defences ``names`` have the Main Server send each member's own state of
+    its group's copy (``member_updates``)."""
+    classes: list[type[MemberDefence]] = [_plug_in(MEMBER_DEFENCES, "member defence", name) for name in names]
+    return any(cls.uploads_members for cls in classes)
 
 
 def _plug_in(table: dict[str, type], what: str, name: str) -> type:

@@ -225,6 +225,35 @@ def _portion(c: Coordinator, fed_round, group_id: int, members: list[str]) -> Se
                                label_distance=0.0, steps=1, train_time_s=0.1)
 
 
+def test_with_member_updates_each_member_is_aggregated_with_its_own_state_checked_like_the_copy(tmp_path):
+    c = _coordinator(tmp_path, algorithm="s2fl", **{"grouping.member_defences": ["member_updates"]})
+    r = _open_round(c)
+    for d in ("d0", "d1"):
+        c.accept_update(r.round_id, _upload_split(c, d, r), 100)
+    portion = _portion(c, r, 0, ["d0", "d1"])
+    start = portion.start_block
+    states = {d: {k: v + shift for k, v in portion_state(c.core.model, start, c.core.num_blocks).items()}
+              for d, shift in (("d0", 0.5), ("d1", -0.5))}
+    own = {d: encode_state(state) for d, state in states.items()}
+    key = next(iter(states["d0"]))
+    misshapen = encode_state({**states["d0"], key: torch.zeros(1)})
+    refusals = [portion,                                                           # no member states
+                portion.model_copy(update={"member_weights": {"d0": own["d0"]}}),   # one member's missing
+                portion.model_copy(update={"member_weights": {**own, "d0": misshapen}})]
+    for bad in refusals:
+        with pytest.raises(Invalid):
+            c.accept_portion(r.round_id, bad, 10)
+        assert r.portions == {}
+    c.accept_portion(r.round_id, portion.model_copy(update={"member_weights": own}), 10)
+    stored = r.portions[0]
+    assert set(stored.member_states) == {"d0", "d1"}
+    assert torch.allclose(stored.server_state("d0")[key], stored.state[key] + 0.5)
+    plain = _coordinator(tmp_path / "plain", algorithm="s2fl")
+    with pytest.raises(Invalid, match="send no member states"):
+        plain.accept_portion(_open_round(plain).round_id, portion.model_copy(update={
+            "member_weights": own, "run_id": plain.run_id}), 10)
+
+
 def test_registration_must_claim_its_shards_exact_count(tmp_path):
     c = _coordinator(tmp_path, **{"data.num_devices": 3})
     before = dict(c.devices.devices)

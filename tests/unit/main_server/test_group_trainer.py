@@ -561,3 +561,29 @@ def test_a_member_that_left_no_longer_counts_in_the_group_s_shares(model):
     for k, v in without.state().items():
         _assert_close(left.state()[k], v)
     assert any(not torch.allclose(with_it.state()[k], v, atol=ATOL, rtol=RTOL) for k, v in without.state().items())
+
+
+def test_members_own_states_average_back_to_the_group_copy_and_tell_the_members_apart(model):
+    # member_updates: the copy trains exactly as without it, and the members' own states, weighted
+    # by their shares of the data of the members passing each block, give the copy back.
+    members = {"a": GroupMember(30, 1), "b": GroupMember(10, 2), "c": GroupMember(20, 2)}
+    trainer = _defended(model, 1, "data_weighted", ["member_updates"], members=members)
+    plain = _trainer(model, 1, "data_weighted", members=members)
+    for step in range(3):
+        batches = [_member(model, "a", 1, 4, seed=90 + step), _member(model, "b", 2, 4, seed=95 + step),
+                   _member(model, "c", 2, 4, seed=99 + step)]
+        trainer.step(batches)
+        plain.step(batches)
+    copy_state = trainer.state()
+    for k, v in plain.state().items():
+        _assert_close(copy_state[k], v)
+    states = trainer.member_states(["a", "b", "c"])
+    shares = {1: {"a": 1.0}, 2: {"a": 0.5, "b": 10 / 60, "c": 20 / 60}, 3: {"a": 0.5, "b": 10 / 60, "c": 20 / 60}}
+    names = model.block_names()
+    for key, value in copy_state.items():
+        block = names.index(key.split(".")[1])
+        mean = sum(share * states[d][key] for d, share in shares[block].items())
+        _assert_close(mean, value)
+    head = "blocks.head.weight"
+    assert not torch.allclose(states["b"][head], states["c"][head])   # each its own part
+    assert trainer.member_states([]) == {} and plain.member_states(["a"]) == {}
