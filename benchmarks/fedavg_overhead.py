@@ -42,6 +42,7 @@ from benchmarks.network_overhead import clean_run_results, max_abs_diff, round_p
 from device_agent.timing import RoundClock
 from device_agent.trainer import TrainContext, TrainSettings, round_seed, train_round
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes, device_shard, load_dataset
@@ -277,7 +278,7 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
             contributions[d] = Contribution(weight=len(data[d]), client_state=state)
             device_times[d] = time.perf_counter() - t_device
         t_serial = time.perf_counter()
-        model.load_state_dict(algorithm.aggregate(record["round"], model.state_dict(), contributions, {}))
+        model.load_state_dict(algorithm.aggregate(RoundContext(record["round"], record["round_id"]), model.state_dict(), contributions, {}))
         accuracy = classification_accuracy(model, test_set)
         serial_times.append(time.perf_counter() - t_serial)
         train_times.append(device_times)

@@ -40,6 +40,7 @@ from shared.evaluation import classification_accuracy
 from fed_server.run_dir import RunDirectory
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.grouping import GroupCandidate, grouping_rng
 from shared.algorithms.registry import build_algorithm, build_group_loss, build_grouping
 from shared.config import RunConfig
@@ -210,7 +211,7 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
             for m in members:
                 contributions[m] = Contribution(weight=len(data[m]), client_state=client_states[m], server_state=server_state)
         contributions = dict(sorted(contributions.items()))
-        new_state = algorithm.aggregate(record["round"], model.state_dict(), contributions, {})
+        new_state = algorithm.aggregate(RoundContext(record["round"], record["round_id"]), model.state_dict(), contributions, {})
         model.load_state_dict(new_state)
         accuracy = classification_accuracy(model, test_set)
         round_times.append(time.perf_counter() - t0)
