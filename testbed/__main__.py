@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from fed_server.records import read_round_records
 from shared.config import DeviceMixConfig
 from shared.service import interrupt_on_sigterm
 from testbed.config_check import CheckFailed, CheckRequest, check_in_child
@@ -151,10 +152,7 @@ def _summary(run_dir: str) -> dict | None:
 
 def _rounds_done(run_dir: str) -> int:
     """Completed rounds the run directory's records hold (what a resumed run starts after)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("status") == "ok")
+    return sum(1 for record in read_round_records(Path(run_dir) / "metrics.jsonl") if record.status == "ok")
 
 
 def _emulation(devices: DeviceMixConfig) -> str:
