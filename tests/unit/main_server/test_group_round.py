@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from main_server.group_trainer import GroupMember
 from main_server.group_round import GroupRound
-from shared.algorithms.grouping import grouping_rng, candidates_from_counts
+from shared.algorithms.grouping import GroupCandidate, grouping_rng
 from shared.algorithms.label_balance import balanced_groups
-from shared.algorithms.random_grouping import RandomGrouping
+from shared.algorithms.registry import GROUPINGS, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.models import build_model
 from shared.schemas import JoinRequest, Participant
@@ -201,7 +201,7 @@ def test_a_member_that_left_at_the_fed_server_releases_its_group_s_barrier(kit):
     kit.run(body)
 
 
-@pytest.mark.parametrize("grouping", ["balanced", "singleton", "random"])
+@pytest.mark.parametrize("grouping", sorted(GROUPINGS))
 def test_groups_come_from_the_plans_plug_in(grouping, kit):
     async def body() -> None:
         devices = [f"d{i}" for i in range(6)]
@@ -209,13 +209,14 @@ def test_groups_come_from_the_plans_plug_in(grouping, kit):
         counts = {d: [1 + i if c == i % kit.CLASSES else 0 for c in range(kit.CLASSES)] for i, d in enumerate(devices)}
         await asyncio.gather(*(state.join(kit.join_req(d, counts[d])) for d in devices))
         groups = [g.members for g in state.groups]
-        arrays = {d: np.asarray(counts[d]) for d in devices}
+        # Each device as the plan (split point 1, 10 samples) and its join (label counts) give it;
+        # the round's generator from the plan's seed 0 and round 7.
+        candidates = {d: GroupCandidate.of(counts[d], 1, 10) for d in devices}
+        assert groups == build_grouping(grouping).form(candidates, 3, grouping_rng(0, 7))
         if grouping == "singleton":
             assert groups == [[d] for d in devices]
-        elif grouping == "random":  # drawn from the round's generator (plan seed 0, round 7)
-            assert groups == RandomGrouping().form(candidates_from_counts(counts), 3, grouping_rng(0, 7))
-        else:
-            assert groups == balanced_groups(arrays, 3)
+        elif grouping == "balanced":
+            assert groups == balanced_groups({d: np.asarray(counts[d]) for d in devices}, 3)
         assert sorted(m for g in groups for m in g) == devices
         assert [g.group_id for g in state.groups] == list(range(len(groups)))
     kit.run(body)
