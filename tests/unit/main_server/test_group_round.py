@@ -555,8 +555,11 @@ def test_a_plan_whose_groups_do_not_cover_its_participants_is_refused(kit):
 def test_the_watch_stream_beats_until_every_group_uploaded_or_the_round_is_replaced(kit):
     from main_server.server import MainServer, MainServerSettings
 
+    async def never_sent(upload) -> int:
+        raise AssertionError("no group of this round finishes")
+
     async def body() -> None:
-        server = MainServer(MainServerSettings(fed_server_url="http://unused"))
+        server = MainServer(MainServerSettings(fed_server_url="http://unused"), never_sent)
         server.open_round(kit.make_plan(["a"], round_id=1))
         lines: list[str] = []
 
@@ -575,11 +578,14 @@ def test_the_watch_stream_beats_until_every_group_uploaded_or_the_round_is_repla
 def test_the_watch_stream_reports_a_dropped_member_at_once_and_an_undelivered_group_on_done(kit):
     """A drop wakes the stream at once (the heartbeat here is longer than the test may run), and
     a group whose portion cannot reach the Fed Server (a closed port) is named on ``done``."""
+    from main_server.portion_upload import FedServerPortions
     from main_server.server import MainServer, MainServerSettings
+    from shared.auth import Auth
     from testbed.processes import free_port
 
     async def body() -> None:
-        server = MainServer(MainServerSettings(fed_server_url=f"http://127.0.0.1:{free_port()}", upload_retries=1))
+        portions = FedServerPortions(f"http://127.0.0.1:{free_port()}", Auth(), None, retries=1)
+        server = MainServer(MainServerSettings(fed_server_url="http://unused"), portions.send)
         server.open_round(kit.make_plan(["a", "b"], round_id=1))
         state = server.current(1)
         lines = server.watch(state, heartbeat_s=60.0)
