@@ -103,8 +103,9 @@ class Coordinator:
         self.evaluation = FederatedEvaluation(core, self.dispatch, self.enrolment.held_out_limit)
         self.aggregator = Aggregator(core, self.table, self.planner)
         # The training set served the shard sizes and the fingerprint's shard vectors, computed
-        # above; only the test set (held by ``progress``) is needed from here on. A population's
-        # training set grows with it (Synthetic: about 100 KiB a device).
+        # above; only the test set (held by ``progress``) is needed from here on, and a
+        # population's training set grows with the population (benchmark (h), memory per device:
+        # benchmarks/README.md, "(h) Large populations").
         release_loaded_data()
         # Posted whenever a round record was written (the run's "finished" comes with its last
         # record) or the round driver stopped: ``/v1/status?wait_s=`` holds its answer on it.

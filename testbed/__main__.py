@@ -15,15 +15,16 @@ from testbed.config_check import CheckFailed, CheckRequest, check_in_child
 from testbed.follow import format_done, format_round
 from testbed.runner import ENROLMENTS, Testbed, TestbedError, main_servers_for
 
-# The launcher imports no torch (about 150 MiB a process): the configuration is checked in a child
+# The launcher imports no torch (the memory it saves: benchmarks/why-the-code-is-as-it-is.md,
+# "The launcher imports no torch"): the configuration is checked in a child
 # (testbed/config_check.py), so the help texts point to the docs for the algorithm, model and
 # torch device names instead of importing the registries that list them; a wrong name is refused
 # by the check with the valid choices.
 
 
 #: ``--paper-scale``: the paper's device population (100 devices, 10 sampled per round) and 30
-#: rounds (the paper's round count). The default run is 10 devices, all per round, 20 rounds:
-#: about 3 minutes on 2 cores.
+#: rounds (the paper's round count). The default run is 10 devices, all per round, 20 rounds,
+#: sized for the time goal of benchmarks/README.md, "Goals".
 PAPER_SCALE = ("data.num_devices=100", "devices_per_round=10", "rounds=30")
 
 
