@@ -50,10 +50,10 @@ def run(quick: bool, log: Callable[[str], None] = print) -> dict:
         for keep in ("yes", "no"):
             os.environ["SFL_KEEP_MODELS"] = keep
             result = run_services(config, log)
-            agent = next(v for k, v in result["peak_memory_mib"].items() if k.startswith("device_agent"))
-            modes[keep] = {"agent_peak_rss_mib": agent, "peak_rss_mib": result["peak_memory_mib"],
-                           "mean_round_s": statistics.mean(r["round_time_s"] for r in result["records"]),
-                           "final_state": result["final_state"]}
+            agent = next(v for k, v in result.peak_memory_mib.items() if k.startswith("device_agent"))
+            modes[keep] = {"agent_peak_rss_mib": agent, "peak_rss_mib": result.peak_memory_mib,
+                           "mean_round_s": statistics.mean(r.round_time_s for r in result.records),
+                           "final_state": result.final_state}
             log(f"  keep models {keep}: agent peak RSS {agent:.0f} MiB, mean round {modes[keep]['mean_round_s']:.2f}s")
     finally:
         if previous is None:

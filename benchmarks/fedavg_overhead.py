@@ -34,14 +34,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from benchmarks.network_overhead import clean_run_results, max_abs_diff, round_periods
 from device_agent.timing import RoundClock
 from device_agent.trainer import TrainContext, TrainSettings, round_seed, train_round
+from fed_server.records import RoundRecord
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.registry import ALGORITHMS, build_algorithm
 from shared.config import RunConfig
 from shared.data import dataset_input_shape, dataset_num_classes, device_shard, load_dataset
@@ -189,7 +193,20 @@ def service_children(launcher_pid: int) -> dict[str, int]:
     return found
 
 
-def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
+@dataclass
+class TestbedRun:
+    """A clean run of ``python -m testbed``: its round records and final model, the whole
+    testbed's memory (:meth:`PssSampler.stop`), and the CPU seconds per round of the services
+    together (None for a run of one round) and of each process."""
+
+    records: list[RoundRecord]
+    final_state: dict[str, torch.Tensor]
+    memory: dict
+    cpu_s_per_round: float | None
+    cpu_s_per_round_per_process: dict[str, float]
+
+
+def run_services(config: RunConfig, log: Callable[[str], None]) -> TestbedRun:
     """The run through the real ``python -m testbed`` (its own process, as a user starts it):
     per-round records, final model, peak PSS of the launcher and the services it starts."""
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-f-"))
@@ -242,13 +259,12 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
     # The launcher only follows the run (status polls); its CPU is reported but, as before it was
     # its own process, left out of the services' sum.
     services_cpu = sum(v for name, v in per_process.items() if name != "launcher") if per_process else None
-    return {"records": ok, "final_state": final_state, "memory": memory, "cpu_s_per_round": services_cpu,
-            "cpu_s_per_round_per_process": per_process}
+    return TestbedRun(ok, final_state, memory, services_cpu, per_process)
 
 
 # --- in-process ---------------------------------------------------------------------------------
 
-def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], None]) -> dict:
+def run_in_process(config: RunConfig, records: list[RoundRecord], log: Callable[[str], None]) -> dict:
     """The services run's rounds (same participants, same seeds) in this process on one thread."""
     num_classes, input_shape = dataset_num_classes(config.data), dataset_input_shape(config.data)
     train_set, test_set = load_dataset(config.data)
@@ -257,7 +273,7 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
     algorithm.bind_model(model)
     logic_class = ALGORITHMS[config.algorithm]
     n_blocks = len(model.blocks)
-    ids = sorted({d for r in records for d in r["aggregated"]})
+    ids = sorted({d for r in records for d in r.aggregated})
     shards = {d: int(d.rsplit("-", 1)[1]) for d in ids}   # testbed device ids are dev-<shard>
     data = {d: device_shard(config.data, train_set, shards[d]) for d in ids}
     device_model = copy.deepcopy(model)   # the agent, too, loads each task's weights into a model
@@ -268,23 +284,23 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
         global_portion = portion_state(model, 0, n_blocks)
         contributions: dict[str, Contribution] = {}
         device_times: dict[str, float] = {}
-        for d in sorted(record["aggregated"]):
+        for d in sorted(record.aggregated):
             t_device = time.perf_counter()
             train_round(device_model, n_blocks, global_portion, data[d],
-                        TrainSettings.of(train, round_seed(config.seed, shards[d], record["round_id"])),
+                        TrainSettings.of(train, round_seed(config.seed, shards[d], record.round_id)),
                         TrainContext(RoundClock(None), logic=logic_class.device_logic(algorithm.device_params())))
             state = {k: v.detach().clone() for k, v in device_model.portion(0, n_blocks).state_dict().items()}
             contributions[d] = Contribution(weight=len(data[d]), client_state=state)
             device_times[d] = time.perf_counter() - t_device
         t_serial = time.perf_counter()
-        model.load_state_dict(algorithm.aggregate(record["round"], model.state_dict(), contributions, {}))
+        model.load_state_dict(algorithm.aggregate(RoundContext(record.round, record.round_id), model.state_dict(), contributions, {}))
         accuracy = classification_accuracy(model, test_set)
         serial_times.append(time.perf_counter() - t_serial)
         train_times.append(device_times)
         round_times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - cpu0)
         accuracies.append(accuracy)
-        log(f"  in-process round {record['round']}/{len(records)}: {round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
+        log(f"  in-process round {record.round}/{len(records)}: {round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
     return {"round_times_s": round_times, "accuracies": accuracies, "final_state": model.state_dict(),
             "device_train_s": train_times, "cpu_s": cpu_times, "aggregate_evaluate_s": serial_times,
             "samples_per_device": {d: len(data[d]) for d in ids}}
@@ -312,8 +328,8 @@ def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = No
     log(f"  FedAvg, {config.model}, {config.data.num_devices} devices, {config.rounds} rounds, "
         f"{config.data.max_samples or 'all'} samples, real devices (no emulation), {cores} usable cores")
     services = run_services(config, log)
-    inproc = run_in_process(config, services["records"], log)
-    svc_times = round_periods(services["records"])
+    inproc = run_in_process(config, services.records, log)
+    svc_times = round_periods(services.records)
     svc_median, inp_median = statistics.median(svc_times), statistics.median(inproc["round_times_s"])
     limit = inp_median / cores
     critical = statistics.median(critical_path_round_s(t, s, cores)
@@ -341,18 +357,18 @@ def run(quick: bool, log: Callable[[str], None] = print, rounds: int | None = No
         "samples_per_device": inproc["samples_per_device"],
         # CPU seconds per round: the load of other jobs on a shared machine stretches wall time but
         # hardly the CPU time a round needs, so this ratio is the steadier measure of the overhead.
-        "services_cpu_s_per_round": services["cpu_s_per_round"],
-        "services_cpu_s_per_round_per_process": services["cpu_s_per_round_per_process"],
+        "services_cpu_s_per_round": services.cpu_s_per_round,
+        "services_cpu_s_per_round_per_process": services.cpu_s_per_round_per_process,
         "in_process_cpu_s_per_round": statistics.mean(inproc["cpu_s"][1:] or inproc["cpu_s"]),
-        "ratio_cpu_services_over_in_process": (services["cpu_s_per_round"] / statistics.mean(inproc["cpu_s"][1:] or inproc["cpu_s"])
-                                               if services["cpu_s_per_round"] else None),
+        "ratio_cpu_services_over_in_process": (services.cpu_s_per_round / statistics.mean(inproc["cpu_s"][1:] or inproc["cpu_s"])
+                                               if services.cpu_s_per_round else None),
         "goal_ratio_services_over_limit": GOAL_RATIO_OVER_LIMIT,
-        "services_final_accuracy": services["records"][-1]["test_accuracy"],
+        "services_final_accuracy": services.records[-1].test_accuracy,
         "in_process_final_accuracy": inproc["accuracies"][-1],
-        "services_accuracy_per_round": [r["test_accuracy"] for r in services["records"]],
+        "services_accuracy_per_round": [r.test_accuracy for r in services.records],
         "in_process_accuracy_per_round": inproc["accuracies"],
-        "max_abs_weight_diff_final_model": max_abs_diff(services["final_state"], inproc["final_state"]),
-        "memory": {**services["memory"], "goal_pss_sum_mib": round(GOAL_PSS_MIB, 1),
+        "max_abs_weight_diff_final_model": max_abs_diff(services.final_state, inproc["final_state"]),
+        "memory": {**services.memory, "goal_pss_sum_mib": round(GOAL_PSS_MIB, 1),
                    "source": "sum of Pss (and of Rss) in /proc/<pid>/smaps_rollup over the launcher, the Fed "
                              "Server and the agent, sampled together every second"},
     }

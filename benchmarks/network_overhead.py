@@ -30,6 +30,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,9 +38,11 @@ import torch
 from shared.machine import PeakMemorySampler
 from device_agent.trainer import batches, round_seed, steps_per_round
 from shared.evaluation import classification_accuracy
+from fed_server.records import RoundRecord, read_round_records
 from fed_server.run_dir import RunDirectory
 from main_server.group_trainer import GroupMember, GroupTrainer, MemberBatch
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.base import RoundContext
 from shared.algorithms.grouping import GroupCandidate, grouping_rng
 from shared.algorithms.registry import build_algorithm, build_group_loss, build_grouping
 from shared.config import RunConfig
@@ -51,25 +54,25 @@ from testbed.runner import Testbed
 
 
 
-def clean_run_results(run_dir: Path, rounds: int) -> tuple[list[dict], dict]:
+def clean_run_results(run_dir: Path, rounds: int) -> tuple[list[RoundRecord], dict[str, torch.Tensor]]:
     """The round records and final model of a finished services run, for a comparison with the
     in-process run; RuntimeError unless all ``rounds`` succeeded with no device dropped (a figure
     of a run that lost devices would compare different math)."""
     finished_run = RunDirectory(run_dir)
-    records = finished_run.read_metrics()
+    records = read_round_records(finished_run.metrics_path)
     _, final_state, _ = finished_run.read_checkpoint()
-    ok = [r for r in records if r["status"] == "ok"]
-    if len(ok) != rounds or any(r["dropped"] for r in ok):
-        raise RuntimeError(f"the services run was not clean: {[(r['round'], r['status'], r['dropped']) for r in records]}")
+    ok = [r for r in records if r.status == "ok"]
+    if len(ok) != rounds or any(r.dropped for r in ok):
+        raise RuntimeError(f"the services run was not clean: {[(r.round, r.status, r.dropped) for r in records]}")
     return ok, final_state
 
 
-def round_periods(records: list[dict]) -> list[float]:
+def round_periods(records: list[RoundRecord]) -> list[float]:
     """Seconds each round cost the services run: a record's ``elapsed_s`` minus the previous one's
     (the first: its own). Both are taken when the round's model is complete; the Fed Server's
     evaluation of a round runs beside the next round's training, so ``round_time_s`` leaves it out
     while the period includes whatever it delayed."""
-    elapsed = [r["elapsed_s"] for r in records]
+    elapsed = [r.elapsed_s for r in records]
     return [t - before for t, before in zip(elapsed, [0.0, *elapsed[:-1]])]
 
 
@@ -93,7 +96,19 @@ def bench_config(quick: bool) -> RunConfig:
 
 # --- services -----------------------------------------------------------------------------------
 
-def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
+@dataclass
+class ServicesRun:
+    """A clean run through the real services: its round records, final model, the peak memory of
+    each service (MiB) and the seconds to start the services and to run the rounds."""
+
+    records: list[RoundRecord]
+    final_state: dict[str, torch.Tensor]
+    peak_memory_mib: dict[str, float]
+    startup_s: float
+    run_wall_s: float
+
+
+def run_services(config: RunConfig, log: Callable[[str], None]) -> ServicesRun:
     """The run through the real services; per-round records, final model, peak memory per service."""
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-"))
     run_dir = root / "run"
@@ -112,9 +127,10 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
             sampler = PeakMemorySampler(pids).start()
             t_ready = time.perf_counter()
 
-            def on_round(record: dict, _status: dict) -> None:
-                log(f"  services round {record['round']}/{config.rounds}: {record['round_time_s']:.2f}s, "
-                    f"acc {100 * record['test_accuracy']:.2f}%, splits {sorted(set(record['split_points'].values()))}")
+            def on_round(record: RoundRecord, _status: dict) -> None:
+                accuracy = "n/a" if record.test_accuracy is None else f"{100 * record.test_accuracy:.2f}%"
+                log(f"  services round {record.round}/{config.rounds}: {record.round_time_s:.2f}s, "
+                    f"acc {accuracy}, splits {sorted(set(record.split_points.values()))}")
 
             testbed.follow(on_round=on_round, timeout=1800)
             t_done = time.perf_counter()
@@ -125,13 +141,7 @@ def run_services(config: RunConfig, log: Callable[[str], None]) -> dict:
         ok, final_state = clean_run_results(run_dir, config.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {
-        "records": ok,
-        "final_state": final_state,
-        "peak_memory_mib": peak,
-        "startup_s": t_ready - t_start,
-        "run_wall_s": t_done - t_ready,
-    }
+    return ServicesRun(ok, final_state, peak, t_ready - t_start, t_done - t_ready)
 
 
 # --- in-process ---------------------------------------------------------------------------------
@@ -176,7 +186,7 @@ def _train_group(model_template, device_models: dict, global_model, members: lis
     return client_states, trainer.state()
 
 
-def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], None], reverse: bool = False) -> dict:
+def run_in_process(config: RunConfig, records: list[RoundRecord], log: Callable[[str], None], reverse: bool = False) -> dict:
     """Replay the services run's rounds (their split points) in this process, without the network
     (``reverse``: every group's members concatenated in reverse id order)."""
     t_setup = time.perf_counter()
@@ -186,7 +196,7 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
     model = build_model(config.model, num_classes, input_shape, seed=config.seed, params=config.model_params)
     algorithm = build_algorithm(config)
     algorithm.bind_model(model)
-    ids = sorted({d for r in records for d in r["split_points"]})
+    ids = sorted({d for r in records for d in r.split_points})
     shards = {d: int(d.rsplit("-", 1)[1]) for d in ids}   # testbed device ids are dev-<shard>
     data = {d: device_shard(config.data, train_set, shards[d]) for d in ids}
     device_models = {d: copy.deepcopy(template) for d in ids}
@@ -194,28 +204,28 @@ def run_in_process(config: RunConfig, records: list[dict], log: Callable[[str], 
     round_times, accuracies, groups_match = [], [], True
     for record in records:
         t0 = time.perf_counter()
-        split = {d: int(k) for d, k in record["split_points"].items()}
+        split = dict(record.split_points)
         participants = sorted(split)
         candidates = {d: GroupCandidate.of(data[d].label_counts().tolist(), split[d], max(1, len(data[d])))
                       for d in participants}
         groups = build_grouping(algorithm.grouping()).form(candidates, config.grouping.group_size,
-                                                           grouping_rng(config.seed, record["round_id"]))
-        recorded = sorted(sorted(g["members"]) for g in record["groups"])
+                                                           grouping_rng(config.seed, record.round_id))
+        recorded = sorted(sorted(g.members) for g in record.groups)
         groups_match &= sorted(sorted(g) for g in groups) == recorded
         contributions: dict[str, Contribution] = {}
         for members in groups:
             start = min(split[m] for m in members)
             client_states, server_state = _train_group(template, device_models, model, list(members), split, shards,
-                                                       data, config, record["round_id"], start, reverse)
+                                                       data, config, record.round_id, start, reverse)
             for m in members:
                 contributions[m] = Contribution(weight=len(data[m]), client_state=client_states[m], server_state=server_state)
         contributions = dict(sorted(contributions.items()))
-        new_state = algorithm.aggregate(record["round"], model.state_dict(), contributions, {})
+        new_state = algorithm.aggregate(RoundContext(record.round, record.round_id), model.state_dict(), contributions, {})
         model.load_state_dict(new_state)
         accuracy = classification_accuracy(model, test_set)
         round_times.append(time.perf_counter() - t0)
         accuracies.append(accuracy)
-        log(f"  in-process{' (reversed)' if reverse else ''} round {record['round']}/{len(records)}: "
+        log(f"  in-process{' (reversed)' if reverse else ''} round {record.round}/{len(records)}: "
             f"{round_times[-1]:.2f}s, acc {100 * accuracy:.2f}%")
     return {"round_times_s": round_times, "accuracies": accuracies, "final_state": model.state_dict(),
             "setup_s": setup_s, "groups_match_services": groups_match}
@@ -234,16 +244,16 @@ def run(quick: bool, log: Callable[[str], None] = print) -> tuple[dict, dict]:
     log(f"  S2FL, {config.data.num_devices} devices, {config.rounds} rounds, "
         f"{config.data.max_samples} samples, group size {config.grouping.group_size}, real devices (no emulation)")
     services = run_services(config, log)
-    inproc = run_in_process(config, services["records"], log)
-    reversed_order = run_in_process(config, services["records"], log, reverse=True)
-    svc_times = round_periods(services["records"])
+    inproc = run_in_process(config, services.records, log)
+    reversed_order = run_in_process(config, services.records, log, reverse=True)
+    svc_times = round_periods(services.records)
     svc_mean, inp_mean = statistics.mean(svc_times), statistics.mean(inproc["round_times_s"])
     overhead = {
         "config": {"algorithm": config.algorithm, "model": config.model, "devices": config.data.num_devices,
                    "rounds": config.rounds, "max_samples": config.data.max_samples,
                    "batch_size": config.train.batch_size, "group_size": config.grouping.group_size,
                    "device_profiles": "none (real devices, no emulation)", "agents": 1},
-        "split_points_per_round": [sorted(set(r["split_points"].values())) for r in services["records"]],
+        "split_points_per_round": [sorted(set(r.split_points.values())) for r in services.records],
         "services_round_s": svc_times,
         "in_process_round_s": inproc["round_times_s"],
         "services_mean_round_s": svc_mean,
@@ -252,20 +262,20 @@ def run(quick: bool, log: Callable[[str], None] = print) -> tuple[dict, dict]:
         # Round 1 carries both sides' cold start (first use of every kernel, connection set-up).
         "ratio_without_round_1": (statistics.mean(svc_times[1:]) / statistics.mean(inproc["round_times_s"][1:])
                                   if len(svc_times) > 1 else None),
-        "services_final_accuracy": services["records"][-1]["test_accuracy"],
+        "services_final_accuracy": services.records[-1].test_accuracy,
         "in_process_final_accuracy": inproc["accuracies"][-1],
-        "services_accuracy_per_round": [r["test_accuracy"] for r in services["records"]],
+        "services_accuracy_per_round": [r.test_accuracy for r in services.records],
         "in_process_accuracy_per_round": inproc["accuracies"],
-        "max_abs_weight_diff_final_model": max_abs_diff(services["final_state"], inproc["final_state"]),
+        "max_abs_weight_diff_final_model": max_abs_diff(services.final_state, inproc["final_state"]),
         # How far the concatenation order alone moves the model: the yardstick for the line above.
         "max_abs_weight_diff_member_order": max_abs_diff(reversed_order["final_state"], inproc["final_state"]),
         "in_process_reversed_accuracy_per_round": reversed_order["accuracies"],
         "groups_match_services": inproc["groups_match_services"],
-        "services_startup_s": services["startup_s"],
-        "services_run_wall_s": services["run_wall_s"],
+        "services_startup_s": services.startup_s,
+        "services_run_wall_s": services.run_wall_s,
         "in_process_setup_s": inproc["setup_s"],
-        "bytes_per_round_services": [r["bytes_total"] for r in services["records"]],
+        "bytes_per_round_services": [r.bytes_total for r in services.records],
     }
-    memory = {"peak_rss_mib": services["peak_memory_mib"],
+    memory = {"peak_rss_mib": services.peak_memory_mib,
               "source": "VmHWM of /proc/<pid>/status, sampled every 0.25 s during (a)'s services run"}
     return overhead, memory

@@ -45,6 +45,7 @@ from benchmarks.attacks import _markdown
 from benchmarks.fedavg_overhead import PssSampler
 from benchmarks.network_overhead import round_periods
 from benchmarks.result_files import add_name_option, default_out, write
+from fed_server.records import RoundRecord
 from shared.config import RunConfig
 from shared.run_config import load_run_config
 from testbed.runner import Testbed, TestbedError
@@ -165,7 +166,8 @@ def run_population(config: RunConfig, agents: int, time_limit_s: float, memory_l
     os.environ["SFL_DATA_CACHE"] = str(root / "data-cache")
     testbed = Testbed(config, root / "run", agents=agents, log_level="WARNING")
     sampler: GuardedSampler | None = None
-    registered, register_s, records, error = 0, None, [], None
+    registered, register_s, error = 0, None, None
+    records: list[RoundRecord] = []
     started = time.monotonic()
     try:
         testbed.start(healthy_s=time_limit_s)
@@ -223,14 +225,14 @@ def _wait_registered(testbed: Testbed, n: int, started: float, time_limit_s: flo
     return registered, None
 
 
-def _follow(testbed: Testbed, time_limit_s: float, log: Callable[[str], None]) -> list[dict]:
+def _follow(testbed: Testbed, time_limit_s: float, log: Callable[[str], None]) -> list[RoundRecord]:
     """The successful round records, as far as the run got within ``time_limit_s``."""
-    records: list[dict] = []
+    records: list[RoundRecord] = []
 
-    def on_round(record: dict, status: dict) -> None:
-        if record["status"] == "ok":
+    def on_round(record: RoundRecord, status: dict) -> None:
+        if record.status == "ok":
             records.append(record)
-            log(f"  round {record['round']}/{status['rounds_total']}: {record['round_time_s']:.1f} s")
+            log(f"  round {record.round}/{status['rounds_total']}: {record.round_time_s:.1f} s")
 
     try:
         testbed.follow(on_round, timeout=time_limit_s)

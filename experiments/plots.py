@@ -21,9 +21,10 @@ from shared.data import dataset_input_shape, dataset_num_classes  # noqa: E402
 from shared.models import build_model  # noqa: E402
 
 from experiments.results import CellResult  # noqa: E402
+from fed_server.records import RoundRecord  # noqa: E402
 from experiments.spec import ExperimentSpec  # noqa: E402
 
-XY = Callable[[dict], "tuple[float, float] | None"]   # None: the round has no point (no accuracy)
+XY = Callable[[RoundRecord], "tuple[float, float] | None"]   # None: the round has no point (no accuracy)
 
 
 def _panels(results: Sequence[CellResult], spec: ExperimentSpec) -> dict[str, dict[str, list[CellResult]]]:
@@ -108,12 +109,12 @@ def device_times_figure(results: Sequence[CellResult], spec: ExperimentSpec, pat
         blocks = model_blocks(r.cell.config.model, dataset_num_classes(data), dataset_input_shape(data),
                               json.dumps(r.cell.config.model_params, sort_keys=True))
         for record in r.rounds:
-            for device, times in record.get("device_times", {}).items():
-                kind = record.get("device_kinds", {}).get(device, "unknown")
-                split = record.get("split_points", {}).get(device)
-                by_kind.setdefault(label, {}).setdefault(kind, []).append(times["total_s"])
+            for device, times in record.device_times.items():
+                kind = record.device_kinds.get(device, "unknown")
+                split = record.split_points.get(device)
+                by_kind.setdefault(label, {}).setdefault(kind, []).append(times.total_s)
                 split_name = "whole model" if split is None or split >= blocks else f"split {split}"
-                by_split.setdefault(label, {}).setdefault(split_name, []).append(times["total_s"])
+                by_split.setdefault(label, {}).setdefault(split_name, []).append(times.total_s)
     if not by_kind:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -160,19 +161,19 @@ def _category_order(name: str) -> tuple:
     return (2, 0, name)
 
 
-def _accuracy_against(key: str, scale: float = 1.0) -> XY:
-    """(record[key] * scale, accuracy in %), or None for a round without an accuracy."""
-    return lambda r: None if r["test_accuracy"] is None else (r[key] * scale, 100 * r["test_accuracy"])
+def _accuracy_against(x: Callable[[RoundRecord], float]) -> XY:
+    """(``x(record)``, accuracy in %), or None for a round without an accuracy."""
+    return lambda r: None if r.test_accuracy is None else (x(r), 100 * r.test_accuracy)
 
 
 def write_plots(results: Sequence[CellResult], spec: ExperimentSpec, out: Path) -> dict[str, Path]:
     """Every standard figure that has data; name -> file."""
     figures = {
-        "accuracy_vs_round": curve_figure(results, spec, _accuracy_against("round"),
+        "accuracy_vs_round": curve_figure(results, spec, _accuracy_against(lambda r: r.round),
                                           "round", "test accuracy (%)", out / "accuracy_vs_round.png"),
-        "accuracy_vs_time": curve_figure(results, spec, _accuracy_against("elapsed_s"),
+        "accuracy_vs_time": curve_figure(results, spec, _accuracy_against(lambda r: r.elapsed_s),
                                          "wall-clock time (s)", "test accuracy (%)", out / "accuracy_vs_time.png"),
-        "accuracy_vs_bytes": curve_figure(results, spec, _accuracy_against("cumulative_bytes", 1e-6),
+        "accuracy_vs_bytes": curve_figure(results, spec, _accuracy_against(lambda r: r.cumulative_bytes * 1e-6),
                                           "bytes moved (MB, all links)", "test accuracy (%)", out / "accuracy_vs_bytes.png"),
         "device_round_times": device_times_figure(results, spec, out / "device_round_times.png"),
     }

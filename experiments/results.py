@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fed_server.run_dir import RunDirectory
+from fed_server.records import RoundRecord, read_round_records
 
 from experiments.grid import Cell
 from experiments.runner import cell_dir, ran_as, read_cell_record
@@ -23,7 +23,7 @@ class CellResult:
 
     cell: Cell
     status: str                               # finished / failed / interrupted / running / not run
-    rounds: list[dict] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
     error: str | None = None
     machine: str | None = None                # the CPU it ran on (cell.json); None: not recorded
 
@@ -37,7 +37,7 @@ def load_results(spec: ExperimentSpec, cells: Sequence[Cell], out: Path) -> list
         if record is None or not ran_as(path, record, cell):
             results.append(CellResult(cell, "not run"))
             continue
-        rounds = [r for r in RunDirectory(path).read_metrics() if r.get("status") == "ok"]
+        rounds = [r for r in read_round_records(path / "metrics.jsonl") if r.status == "ok"]
         results.append(CellResult(cell, str(record.get("status")), rounds, record.get("error"),
                                   machine_label(record.get("machine"))))
     return results
@@ -50,14 +50,14 @@ def machine_label(machine: dict | None) -> str | None:
     return f"{machine.get('cpu_model')}, {machine.get('cpus_usable')} cores, torch {machine.get('torch')}"
 
 
-def first_reaching(rounds: Sequence[dict], target: float) -> dict | None:
+def first_reaching(rounds: Sequence[RoundRecord], target: float) -> RoundRecord | None:
     """The first completed round whose test accuracy is at least ``target`` (rounds without an
     accuracy, federated evaluation that no device reported, never reach it)."""
-    return next((r for r in rounds if r["test_accuracy"] is not None and r["test_accuracy"] >= target), None)
+    return next((r for r in rounds if r.test_accuracy is not None and r.test_accuracy >= target), None)
 
 
-def _metric(record: dict, dotted: str) -> Any:
-    value: Any = record.get("algorithm_metrics", {})
+def _metric(record: RoundRecord, dotted: str) -> Any:
+    value: Any = record.algorithm_metrics
     for part in dotted.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     return value
@@ -72,20 +72,20 @@ def cell_row(result: CellResult, spec: ExperimentSpec) -> dict[str, Any]:
     for key, value in (("algorithm", cfg.algorithm), ("model", cfg.model)):
         row.setdefault(key, value)   # an axis of that name keeps its label (e.g. "fedipg+exit")
     row["rounds_done"] = len(rounds)
-    accs = [r["test_accuracy"] for r in rounds if r["test_accuracy"] is not None]   # federated: may be missing
+    accs = [r.test_accuracy for r in rounds if r.test_accuracy is not None]   # federated: may be missing
     row["final_accuracy"] = accs[-1] if accs else None
     row["best_accuracy"] = max(accs) if accs else None
     row[f"last{spec.report.last_k}_accuracy"] = statistics.fmean(accs[-spec.report.last_k:]) if accs else None
-    times = [r["round_time_s"] for r in rounds]
+    times = [r.round_time_s for r in rounds]
     row["median_round_time_s"] = statistics.median(times) if times else None
-    row["total_time_s"] = rounds[-1]["elapsed_s"] if rounds else None
-    row["total_bytes"] = rounds[-1]["cumulative_bytes"] if rounds else None
+    row["total_time_s"] = rounds[-1].elapsed_s if rounds else None
+    row["total_bytes"] = rounds[-1].cumulative_bytes if rounds else None
     for target in spec.targets:
         hit = first_reaching(rounds, target)
         key = f"{round(100 * target):g}"
-        row[f"rounds_to_{key}"] = hit["round"] if hit else None
-        row[f"time_to_{key}_s"] = hit["elapsed_s"] if hit else None
-        row[f"bytes_to_{key}"] = hit["cumulative_bytes"] if hit else None
+        row[f"rounds_to_{key}"] = hit.round if hit else None
+        row[f"time_to_{key}_s"] = hit.elapsed_s if hit else None
+        row[f"bytes_to_{key}"] = hit.cumulative_bytes if hit else None
     for name in spec.report.metrics:
         metric = _metric(rounds[-1], name) if rounds else None
         row[name] = metric if isinstance(metric, (int, float)) and not isinstance(metric, bool) else None

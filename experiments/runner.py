@@ -25,15 +25,16 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import yaml
 
+from fed_server.records import RoundRecord
 from fed_server.run_dir import RunDirectory
 from shared.machine import describe_machine
+from testbed.follow import ProgressFn
 from testbed.runner import Testbed, TestbedError
 from testbed.warm_start import WarmStarter
 
@@ -166,7 +167,7 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: Callable[[dict, dict], None] | None = None,
+def run_cell(out: Path, cell: Cell, spec: ExperimentSpec, on_round: ProgressFn | None = None,
              log_level: str = "WARNING", warm: WarmStarter | None = None) -> CellOutcome:
     """Run one cell from scratch through the services; a failure is recorded, not raised.
     ``warm``: fork the cell's processes from this warm starter (``--warm-start``)."""
@@ -238,9 +239,9 @@ def run_grid(spec: ExperimentSpec, cells: list[Cell], out: Path, spec_text: str,
             name = ", ".join(f"{k}={v}" for k, v in cell.labels.items())
             progress.show(f"{name}: starting services ...")
 
-            def on_round(record: dict, status: dict, name: str = name) -> None:
-                acc = record["test_accuracy"]
-                progress.show(f"{name}: round {record['round']}/{status['rounds_total']}  "
+            def on_round(record: RoundRecord, status: dict, name: str = name) -> None:
+                acc = record.test_accuracy
+                progress.show(f"{name}: round {record.round}/{status['rounds_total']}  "
                               f"acc {'n/a' if acc is None else f'{100 * acc:.1f}%'}")
 
             try:

@@ -97,7 +97,7 @@ def _add_run_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerS
         settings.auth.check_service(request.headers)
         upload = await read_message(request, ServerPortionUpload, settings.max_update_bytes)
         size = int(request.headers.get("content-length", 0))
-        return msgpack_response(coordinator.accept_portion(round_id, upload, size))
+        return msgpack_response(coordinator.uploads.accept_portion(round_id, upload, size))
 
 
 def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerSettings) -> None:
@@ -105,7 +105,7 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     @app.get(f"{API}/run", response_class=Response)
     async def run_info() -> Response:
         """Device: the run's model and data spec (to load its shard before registering)."""
-        return msgpack_response(coordinator.run_info())
+        return msgpack_response(coordinator.enrolment.run_info())
 
     @app.post(f"{API}/devices/register", response_class=Response, openapi_extra=msgpack_body_schema(RegisterRequest))
     async def register(request: Request) -> Response:
@@ -137,7 +137,7 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         by ``weights_id``. With ``wait_s`` (at most 30) a ``wait`` answer is held until work is
         posted for the device or ``wait_s`` passes (long-poll)."""
         _check_device(coordinator, settings, request, device_id)
-        answer = await coordinator.next_task(device_id, wait_s)
+        answer = await coordinator.dispatch.next_task(device_id, wait_s)
         response = msgpack_response(answer)
         coordinator.dispatch.count_task_bytes(answer, len(response.body))
         return response
@@ -171,26 +171,26 @@ def _add_upload_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         req = await _device_message(coordinator, settings, request, UpdateRequest, settings.max_update_bytes)
         upload_s = arrival_seconds(request, read_since)
         size = int(request.headers.get("content-length", 0))
-        return msgpack_response(coordinator.accept_update(round_id, req, size, upload_s))
+        return msgpack_response(coordinator.uploads.accept_update(round_id, req, size, upload_s))
 
     @app.post(f"{API}/rounds/{{round_id}}/reports", response_class=Response, openapi_extra=msgpack_body_schema(ReportRequest))
     async def report(round_id: int, request: Request) -> Response:
         """Device (two-phase algorithms): post-training report; the follow-up comes with the next poll."""
         req = await _device_message(coordinator, settings, request, ReportRequest, settings.max_register_bytes)
-        return msgpack_response(coordinator.accept_report(round_id, req))
+        return msgpack_response(coordinator.uploads.accept_report(round_id, req))
 
     @app.post(f"{API}/rounds/{{round_id}}/withdrawals", response_class=Response,
               openapi_extra=msgpack_body_schema(WithdrawRequest))
     async def withdrawal(round_id: int, request: Request) -> Response:
         """Device: it cannot contribute to this attempt; it is taken out at once (no wait for it)."""
         req = await _device_message(coordinator, settings, request, WithdrawRequest, settings.max_register_bytes)
-        return msgpack_response(coordinator.withdraw(round_id, req))
+        return msgpack_response(coordinator.uploads.withdraw(round_id, req))
 
     @app.post(f"{API}/evaluation", response_class=Response, openapi_extra=msgpack_body_schema(EvaluationReport))
     async def evaluation(request: Request) -> Response:
         """Device (federated evaluation): how the round's global model did on its held-out part."""
         req = await _device_message(coordinator, settings, request, EvaluationReport, settings.max_register_bytes)
-        return msgpack_response(coordinator.accept_evaluation(req))
+        return msgpack_response(coordinator.evaluation.accept(req))
 
 
 async def _device_message(coordinator: Coordinator, settings: FedServerSettings, request: Request,

@@ -1,8 +1,10 @@
-"""The Fed Server's run logic, as one object the routes (``app.py``) and the round driver
-(``driver.py``) call: it builds the run's parts, opens and closes attempts, and hands every other
-call to the part whose job it is. Plain objects, no HTTP; the driver decides *when* (deadlines,
-Main Server calls); what an algorithm decides (selection, split mode, grouping, aggregation) is
-asked of the algorithm object.
+"""The Fed Server's run: :class:`Coordinator` builds the run's parts and runs its attempts (opens
+one with its devices and split points, closes it, aggregates and counts it) and answers the run's
+status. It passes no call on: the routes (``app.py``), the round driver (``driver.py``) and the
+metrics (``metrics.py``) call the part whose job a call is, by its name (``coordinator.uploads
+.accept_update``, ``coordinator.enrolment.register``, ``coordinator.progress.record``). Plain
+objects, no HTTP; the driver decides *when* (deadlines, Main Server calls); what an algorithm
+decides (selection, split mode, grouping, aggregation) is asked of the algorithm object.
 
 The parts, each in its own module:
 
@@ -29,16 +31,15 @@ from fed_server.agent_sessions import AgentSessions
 from fed_server.aggregation import Aggregation, Aggregator
 from fed_server.devices import DeviceRegistry
 from fed_server.enrolment import DeviceEnrolment
-from fed_server.evaluation_round import EvaluationRound
 from fed_server.federated_evaluation import FederatedEvaluation
 from fed_server.fed_round import Assignment, FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
-from fed_server.progress import Conclusion, Progress
+from fed_server.progress import Progress
 from fed_server.recorder import Recorder
-from fed_server.records import RoundRecord, RunStatus, finite_json
+from fed_server.records import RunStatus, finite_json
 from fed_server.replica_planning import ReplicaPlanning
-from fed_server.run_core import DepartureHook, RunCore
+from fed_server.run_core import RunCore
 from fed_server.run_dir import RunDirectory
 from fed_server.split_planner import SplitPlanner
 from fed_server.task_dispatch import TaskDispatch
@@ -54,16 +55,12 @@ from shared.evaluation import evaluation_mode, server_test_set
 from shared.losses import build_loss, softmax_head_warning
 from shared.models import model_fingerprint, profile_model
 from shared.run_config import build_config_model
-from shared.schemas import (
-    Ack, EvaluationReport, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, ServerPortionUpload,
-    TaskResponse, UpdateRequest, WithdrawRequest,
-)
 
 log = logging.getLogger("fed_server")
 
 
 class Coordinator:
-    """Owns the run's parts and the round lifecycle.
+    """Builds the run's parts (attributes named for their job) and runs its attempts.
 
     ``torch_device`` (``--torch-device``) is where the global model is evaluated; the model itself
     stays on the CPU, where uploads arrive from the wire and are aggregated (a round's
@@ -106,46 +103,13 @@ class Coordinator:
         self.evaluation = FederatedEvaluation(core, self.dispatch, self.enrolment.held_out_limit)
         self.aggregator = Aggregator(core, self.table, self.planner)
         # The training set served the shard sizes and the fingerprint's shard vectors, computed
-        # above; only the test set (held by ``progress``) is needed from here on. A population's
-        # training set grows with it (Synthetic: about 100 KiB a device).
+        # above; only the test set (held by ``progress``) is needed from here on, and a
+        # population's training set grows with the population (benchmark (h), memory per device:
+        # benchmarks/README.md, "(h) Large populations").
         release_loaded_data()
         # Posted whenever a round record was written (the run's "finished" comes with its last
         # record) or the round driver stopped: ``/v1/status?wait_s=`` holds its answer on it.
         self.status_posted = Broadcast()
-
-    # --- the shared state, as the routes, the driver and the metrics read it ----------------
-    @property
-    def round(self) -> FedRound | None:
-        """The open attempt."""
-        return self.core.round
-
-    @round.setter
-    def round(self, fed_round: FedRound | None) -> None:
-        self.core.round = fed_round
-
-    @property
-    def finished(self) -> bool:
-        return self.core.finished
-
-    @finished.setter
-    def finished(self, finished: bool) -> None:
-        self.core.finished = finished
-
-    @property
-    def on_departure(self) -> DepartureHook | None:
-        return self.core.on_departure
-
-    @on_departure.setter
-    def on_departure(self, hook: DepartureHook | None) -> None:
-        self.core.on_departure = hook
-
-    @property
-    def run_id(self) -> str:
-        return self.core.run_id
-
-    @property
-    def devices(self) -> DeviceRegistry:
-        return self.core.devices
 
     # --- round lifecycle ----------------------------------------------------------------------
     def begin_round(self) -> FedRound:
@@ -196,85 +160,18 @@ class Coordinator:
         self.progress.count(fed_round, aggregation)
         return aggregation
 
-    def conclude_round(self, fed_round: FedRound, aggregation: Aggregation,
-                       evaluation: EvaluationRound | None = None) -> Conclusion:
-        """:meth:`Progress.conclude`."""
-        return self.progress.conclude(fed_round, aggregation, evaluation)
-
-    def record(self, conclusion: Conclusion) -> RoundRecord:
-        """:meth:`Progress.record` (CPU work: run off the event loop)."""
-        return self.progress.record(conclusion)
-
-    def conclude_and_record(self, fed_round: FedRound, aggregation: Aggregation,
-                     evaluation: EvaluationRound | None = None) -> RoundRecord:
-        """Conclude and record an attempt in one go (:meth:`conclude_round`, then :meth:`record`)."""
-        return self.record(self.conclude_round(fed_round, aggregation, evaluation))
-
-    def summary(self) -> dict:
-        """What the run achieved (:meth:`Progress.summary`)."""
-        return self.progress.summary()
-
     def status(self, since: int, driver_error: str | None) -> RunStatus:
         """The run's progress for ``GET /v1/status``: state, counts, and the records of the logical
         rounds after ``since``; ``driver_error``: why the round driver stopped, if it failed."""
-        progress, config = self.progress, self.config
-        state = "finished" if self.finished else ("running" if self.ready() else "waiting_for_devices")
+        core, progress, config = self.core, self.progress, self.config
+        state = "finished" if core.finished else ("running" if self.enrolment.ready() else "waiting_for_devices")
         return RunStatus(
-            run_id=self.run_id, algorithm=config.algorithm, state=state, rounds_total=config.rounds,
-            rounds_done=progress.rounds_recorded, registered=len(self.devices), expected_devices=config.data.num_devices,
-            open_round=self.round.round_id if self.round else None, initial=progress.initial,
+            run_id=core.run_id, algorithm=config.algorithm, state=state, rounds_total=config.rounds,
+            rounds_done=progress.rounds_recorded, registered=len(core.devices), expected_devices=config.data.num_devices,
+            open_round=core.round.round_id if core.round else None, initial=progress.initial,
             records=len(progress.history), history=[r for r in progress.history if r.round > since],
-            summary=finite_json(self.summary()) if self.finished else None, driver_error=driver_error,
+            summary=finite_json(progress.summary()) if core.finished else None, driver_error=driver_error,
         )
-
-    # --- what the routes call -----------------------------------------------------------------
-    def run_info(self) -> RunInfo:
-        """:meth:`DeviceEnrolment.run_info`."""
-        return self.enrolment.run_info()
-
-    def register(self, req: RegisterRequest) -> RegisterResponse:
-        """:meth:`DeviceEnrolment.register`."""
-        return self.enrolment.register(req)
-
-    def ready(self) -> bool:
-        """:meth:`DeviceEnrolment.ready`."""
-        return self.enrolment.ready()
-
-    def task_for(self, device_id: str) -> TaskResponse:
-        """:meth:`TaskDispatch.task_for`."""
-        return self.dispatch.task_for(device_id)
-
-    async def next_task(self, device_id: str, wait_s: float = 0.0) -> TaskResponse:
-        """:meth:`TaskDispatch.next_task`."""
-        return await self.dispatch.next_task(device_id, wait_s)
-
-    def accept_report(self, round_id: int, req: ReportRequest) -> Ack:
-        """:meth:`Uploads.accept_report`."""
-        return self.uploads.accept_report(round_id, req)
-
-    def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int, upload_s: float = 0.0) -> Ack:
-        """:meth:`Uploads.accept_update`."""
-        return self.uploads.accept_update(round_id, req, body_bytes, upload_s)
-
-    def withdraw(self, round_id: int, req: WithdrawRequest) -> Ack:
-        """:meth:`Uploads.withdraw`."""
-        return self.uploads.withdraw(round_id, req)
-
-    def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:
-        """:meth:`Uploads.accept_portion`."""
-        return self.uploads.accept_portion(round_id, upload, body_bytes)
-
-    def accept_evaluation(self, report: EvaluationReport) -> Ack:
-        """:meth:`FederatedEvaluation.accept`."""
-        return self.evaluation.accept(report)
-
-    def begin_evaluation(self, fed_round: FedRound, aggregation: Aggregation) -> EvaluationRound | None:
-        """:meth:`FederatedEvaluation.begin`."""
-        return self.evaluation.begin(fed_round, aggregation)
-
-    def close_evaluation(self) -> EvaluationRound | None:
-        """:meth:`FederatedEvaluation.close`."""
-        return self.evaluation.close()
 
 
 def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.device | None) -> RunCore:

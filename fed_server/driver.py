@@ -177,9 +177,10 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     """
     # Every shard registered, or the registration deadline passed; then (a resumed run whose
     # devices did not all come back) the quorum's registrations.
-    await wait_until(coordinator.core.changed, coordinator.ready, coordinator.enrolment.registration_deadline())
-    await wait_until(coordinator.core.changed, coordinator.ready, math.inf)
-    log.info("all %d devices registered; starting %d rounds of %s", len(coordinator.devices),
+    enrolment, progress, core = coordinator.enrolment, coordinator.progress, coordinator.core
+    await wait_until(core.changed, enrolment.ready, enrolment.registration_deadline())
+    await wait_until(core.changed, enrolment.ready, math.inf)
+    log.info("all %d devices registered; starting %d rounds of %s", len(core.devices),
              coordinator.config.rounds, coordinator.config.algorithm)
     recording: asyncio.Task | None = None   # the previous attempt's evaluation and record
     departing: set[asyncio.Task] = set()     # departures on their way to replicas (held until sent)
@@ -188,29 +189,29 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         task = asyncio.get_running_loop().create_task(send_departures(fed_round, url, reasons, settings))
         departing.add(task)
         task.add_done_callback(departing.discard)
-    coordinator.on_departure = depart
+    core.on_departure = depart
     try:
-        while not coordinator.finished:   # a resumed run may have finished already
+        while not core.finished:   # a resumed run may have finished already
             fed_round = await _train_attempt(coordinator, settings)
             if recording is not None:   # the previous record first, and the model it evaluates unchanged till then
                 _observe(await recording, metrics)
                 recording = None
             aggregation = await asyncio.to_thread(coordinator.aggregate_round, fed_round)
             evaluation = await _evaluate(coordinator, fed_round, aggregation)
-            conclusion = coordinator.conclude_round(fed_round, aggregation, evaluation)
+            conclusion = progress.conclude(fed_round, aggregation, evaluation)
             if conclusion.finished:
                 _observe(await _record(coordinator, conclusion), metrics)
-                coordinator.core.post_work()   # the waiting devices' answer is now "done"
+                core.post_work()   # the waiting devices' answer is now "done"
                 break
             recording = asyncio.create_task(_record(coordinator, conclusion))
             if not aggregation.ok:
                 # Back off before retrying, so a Main Server that is restarting gets time to come back.
-                await asyncio.sleep(min(10.0, 0.5 * 2 ** coordinator.progress.failed_in_a_row))
+                await asyncio.sleep(min(10.0, 0.5 * 2 ** progress.failed_in_a_row))
     finally:
         if recording is not None:   # stopped mid-run: the record being written is finished, not torn
             with contextlib.suppress(Exception):
                 await asyncio.shield(recording)
-    log.info("run finished: %s", coordinator.summary())
+    log.info("run finished: %s", progress.summary())
 
 
 async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) -> FedRound:
@@ -263,20 +264,20 @@ async def _evaluate(coordinator: Coordinator, fed_round: FedRound, aggregation: 
     """Federated evaluation of an aggregated attempt: wait for the asked devices' reports, woken by
     each one; at the deadline the round is recorded with what arrived (none: no figures, still
     recorded). None when the attempt is not evaluated this way."""
-    evaluation = coordinator.begin_evaluation(fed_round, aggregation)
+    evaluation = coordinator.evaluation.begin(fed_round, aggregation)
     if evaluation is not None:
         if not await wait_until(coordinator.core.changed, evaluation.complete, evaluation.deadline()):
             log.warning("round %d (attempt %d): evaluation deadline of %.0fs passed; %d of %d devices reported",
                         fed_round.index, fed_round.round_id, evaluation.deadline_s, len(evaluation.reports),
                         len(evaluation.asked))
-        coordinator.close_evaluation()
+        coordinator.evaluation.close()
     return evaluation
 
 
 async def _record(coordinator: Coordinator, conclusion: Conclusion) -> RoundRecord:
     """Evaluate and write a concluded attempt's record off the event loop, then wake the status
     requests waiting for it (``/v1/status?wait_s=``) at once, not when the driver next looks."""
-    record = await asyncio.to_thread(coordinator.record, conclusion)
+    record = await asyncio.to_thread(coordinator.progress.record, conclusion)
     coordinator.status_posted.post()
     return record
 

@@ -27,6 +27,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None,
                formats: Sequence[str] = tuple(FORMATS)) -> RunExport:
     """Export ``run_dir``'s global model into ``out_dir`` (default: the run directory itself).
     ValueError, one line, for a folder that holds no run or no checkpoint yet."""
+    from fed_server.records import read_round_records
     from fed_server.run_dir import RunDirectory
 
     path = Path(run_dir)
@@ -40,8 +41,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None,
     rounds_done, state, _ = run.read_checkpoint()
     model = build_config_model(config, layout=False)
     num_classes, input_shape = model.num_classes, model.input_shape
-    records = [r for r in run.read_metrics() if r.get("status") == "ok" and r.get("round") == rounds_done]
-    accuracy = records[-1].get("test_accuracy") if records else None
+    records = [r for r in read_round_records(run.metrics_path) if r.status == "ok" and r.round == rounds_done]
+    accuracy = records[-1].test_accuracy if records else None
     description = {"model": config.model, "model_params": config.model_params, "num_classes": num_classes,
                    "input_shape": list(input_shape), "run_id": raw.get("run_id"), "round": rounds_done,
                    "test_accuracy": accuracy}

@@ -1,9 +1,9 @@
 """The Fed Server's Prometheus metrics (served at ``/metrics``; documented in docs/metrics.md).
 
 Round-level values are fed by :meth:`FedMetrics.observe_round` with the round record that
-``Coordinator.record`` returns (the same dict that goes to ``metrics.jsonl``); values that
-describe the present (registered devices, current round, time table) are read from the coordinator
-at scrape time by a custom collector.
+``Progress.record`` returns (the record that goes to ``metrics.jsonl``); values that describe the
+present (registered devices, current round, live replicas, time table) are read from the run's
+parts at scrape time by a custom collector.
 
 Cardinality: the only unbounded-looking label is ``device``. Device ids are a configured, bounded
 set (one per data shard, ``data.num_devices``; the registry refuses shards beyond it), so
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fed_server.coordinator import Coordinator
 from fed_server.records import RoundRecord
 from shared.http_metrics import HTTP_METRICS, MetricSpec, metric_maker, new_registry
 
@@ -62,9 +63,9 @@ _HELP = {s.name: s.help for s in METRICS}
 
 
 class _LiveCollector(Collector):
-    """Values read from the coordinator at scrape time."""
+    """Values read from the run's parts at scrape time."""
 
-    def __init__(self, coordinator, per_device: bool) -> None:
+    def __init__(self, coordinator: Coordinator, per_device: bool) -> None:
         self.coordinator = coordinator
         self.per_device = per_device
 
@@ -73,10 +74,11 @@ class _LiveCollector(Collector):
 
     def collect(self):
         c = self.coordinator
-        current = c.round.round_id if c.round is not None else c.progress.rounds_done
+        open_round = c.core.round
+        current = open_round.round_id if open_round is not None else c.progress.rounds_done
         yield GaugeMetricFamily("sfl_fed_current_round", _HELP["sfl_fed_current_round"], value=current)
         yield GaugeMetricFamily("sfl_fed_rounds_configured", _HELP["sfl_fed_rounds_configured"], value=c.config.rounds)
-        devices = list(c.devices.devices.values())
+        devices = list(c.core.devices.devices.values())
         yield GaugeMetricFamily("sfl_fed_devices_registered", _HELP["sfl_fed_devices_registered"], value=len(devices))
         yield GaugeMetricFamily("sfl_fed_devices_expected", _HELP["sfl_fed_devices_expected"], value=c.config.data.num_devices)
         now = time.monotonic()
@@ -96,7 +98,7 @@ class _LiveCollector(Collector):
             yield cells
 
 
-def _table_entries(coordinator) -> dict[str, dict[int, float]]:
+def _table_entries(coordinator: Coordinator) -> dict[str, dict[int, float]]:
     for _ in range(5):  # the round driver's thread may update the table while we copy it
         try:
             return coordinator.table.entries()
@@ -108,7 +110,8 @@ def _table_entries(coordinator) -> dict[str, dict[int, float]]:
 class FedMetrics:
     """The Fed Server's metric objects, in their own registry."""
 
-    def __init__(self, coordinator=None, per_device: bool = True, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, coordinator: Coordinator | None = None, per_device: bool = True,
+                 registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
         self.per_device = per_device
         make = metric_maker(self.registry, METRICS)
@@ -145,7 +148,7 @@ class FedMetrics:
             self.registry.register(_LiveCollector(coordinator, per_device))
 
     def observe_round(self, record: RoundRecord) -> None:
-        """Fold one round record (``Coordinator.record``'s return value) into the metrics."""
+        """Fold one round record (``Progress.record``'s return value) into the metrics."""
         self.rounds_completed.labels(record.status).inc()
         self.round_duration.observe(record.round_time_s)
         self.aggregation.observe(record.aggregation_s)

@@ -3,7 +3,10 @@
 A ``RoundRecord`` is held in ``Progress.history`` (``fed_server/progress.py``), served by ``GET /v1/status``, folded into
 the Prometheus metrics and written as one line of ``metrics.jsonl``. The line's keys are the
 model's field names, unchanged from the dict records this model replaced, so ``experiments/`` and
-committed results still parse (docs/metrics.md lists the fields).
+committed results still parse (docs/metrics.md lists the fields). Whoever reads ``metrics.jsonl``
+(benchmarks, experiments, the testbed, a resumed Fed Server) reads it with :func:`read_round_records`.
+
+The module imports no torch, so the testbed's launcher can type the records it follows.
 """
 from __future__ import annotations
 
@@ -11,14 +14,17 @@ import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from fed_server.fed_round import FedRound
-from shared.evaluation import Figures
 from shared.losses import Task
-from shared.schemas import DeviceTimings
+from shared.timings import DeviceTimings
+
+if TYPE_CHECKING:   # both import torch, which the readers of records (the testbed's launcher) never load
+    from fed_server.fed_round import FedRound
+    from shared.evaluation import Figures
 
 
 def finite_json(value: Any) -> Any:
@@ -121,6 +127,32 @@ class RoundRecord(BaseModel):
     def to_json(self) -> dict[str, Any]:
         """The record as plain JSON values: the ``metrics.jsonl`` line and the status payload."""
         return finite_json(self.model_dump(mode="json"))
+
+
+def parse_round_record(raw: str | Mapping[str, Any]) -> RoundRecord:
+    """A round record from a ``metrics.jsonl`` line or a status answer's decoded JSON; ValueError,
+    one line, naming the first field that does not fit (a file or server of another version)."""
+    try:
+        return RoundRecord.model_validate_json(raw) if isinstance(raw, str) else RoundRecord.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"not a round record: {field + ': ' if field else ''}{first['msg']}") from None
+
+
+def read_round_records(path: Path) -> list[RoundRecord]:
+    """Every round record of the ``metrics.jsonl`` at ``path``, in order (empty when there is none
+    yet); ValueError naming the file and line of one that is not a record."""
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(parse_round_record(line))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: {exc}") from None
+    return records
 
 
 class RunStatus(BaseModel):

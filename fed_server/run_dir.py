@@ -64,7 +64,9 @@ class RunDirectory:
             os.fsync(fh.fileno())
 
     def read_metrics(self) -> list[dict]:
-        """Every round record written so far (empty for a new run)."""
+        """Every line written so far as raw JSON (empty for a new run): a resume types only the
+        lines its checkpoint covers. A reader of the records uses
+        ``fed_server.records.read_round_records(run_dir.metrics_path)``, which types them all."""
         if not self.metrics_path.exists():
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]

@@ -8,7 +8,7 @@ Bodies are msgpack; every request body is size-limited, parsed and validated aga
 schema *before* any handler touches state, so bad input gets a clear 4xx and changes nothing.
 Errors are answered as JSON ``{"detail": ...}`` so that they read well in curl and logs.
 
-The hot routes (a device's step: 401 KB each way, hundreds a second at the Main Server) are
+The hot routes (a device's step: 401 KB each way for the cnn, the Main Server's busiest route) are
 declared with :meth:`ServiceApp.msgpack_post` and served straight from the ASGI call, before
 FastAPI's middleware, routing and dependency machinery, with the same parsing, checks, error
 answers and body-bytes counting as a FastAPI route (benchmarks/README.md, "Why the code is as it is").
@@ -269,8 +269,10 @@ class ServiceApp(FastAPI):
 
     FastAPI's path for a request (Starlette's error and exception middleware, FastAPI's telemetry
     hooks, the body-bytes middleware, the router's scan of every route, the dependency solving
-    and the endpoint's wrapping) cost the Main Server about 160 us of CPU per step request,
-    measured in-process, against about 190 us for parsing, checking and answering the step itself.
+    and the endpoint's wrapping) cost the Main Server nearly as much CPU per step request as
+    parsing, checking and answering the step itself (measured:
+    benchmarks/why-the-code-is-as-it-is.md, "The Main Server's join and step served before
+    FastAPI's stack").
     """
 
     def __init__(self, *args, body_bytes: Counter, **kwargs) -> None:

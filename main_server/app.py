@@ -1,7 +1,8 @@
 """The Main Server's HTTP routes: round plans from the Fed Server, joins and steps from devices.
 
-Routes only: authentication, body parsing and the answer's encoding. The logic is in
-``main_server/server.py`` (open round, uploads) and ``main_server/group_round.py`` (barriers).
+Routes only: authentication, body parsing and the answer's encoding, and the HTTP sender of the
+group portions (``main_server/portion_upload.py``). The logic is in ``main_server/server.py`` (open
+round, portions) and ``main_server/group_round.py`` (barriers).
 """
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import Headers
 
 from http_api.server import ServiceApp, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from main_server.portion_upload import FedServerPortions
 from main_server.server import MainServer, MainServerSettings
 from shared.errors import NotAllowed
 from shared.schemas import API, Ack, Departures, JoinRequest, JoinResponse, RoundPlan, StepRequest, StepResponse
 
 
 def create_app(settings: MainServerSettings) -> ServiceApp:
-    """The Main Server as an ASGI app."""
-    server = MainServer(settings)
+    """The Main Server as an ASGI app; it sends finished groups' portions to the Fed Server over HTTP."""
+    portions = FedServerPortions(settings.fed_server_url, settings.auth, settings.ca_file, settings.upload_retries)
+    server = MainServer(settings, portions.send)
     app = create_service_app("main_server", "S2FL Main Server",
                              "Server-side portions, device groups, per-step training.",
                              registry=server.metrics.registry)

@@ -20,7 +20,7 @@ from shared.wire import encode_state
 
 
 def warm_up(device: torch.device | None = None) -> None:
-    """Pay PyTorch's first-optimizer cost (1-2 s of lazy imports, once per process) at start-up,
+    """Pay PyTorch's first-optimizer cost (its lazy imports, once per process) at start-up,
     and on a GPU the context's creation (seconds), on ``device``.
 
     Otherwise round 1's first group holds every join for it (round 1 looks slower than it is),
@@ -323,10 +323,10 @@ class GroupTrainer:
 
         One read of tensors already in hand, brought back in one transfer: the sum of each (NaN
         and infinities propagate through a sum; a sum that overflows reads as a failure too, which
-        only values already far out of range give). A sum is the cheapest exact pass, about half
-        of ``torch._foreach_norm`` or ``torch.aminmax``. On the Main Server load benchmark's group
-        step (five members of 32 samples cut at the cnn's split 2: 6.4 MB of gradients, 2 MB of
-        dfx), one torch thread on the loaded 2-core EPYC: about 0.5 ms beside a 21 ms step.
+        only values already far out of range give). A sum is the cheapest exact pass: it reads each
+        tensor once, as ``torch._foreach_norm`` and ``torch.aminmax`` do, and computes less. The
+        check runs on every group step, the Main Server's hot path (benchmark (c),
+        benchmarks/README.md, "(c) Main Server step latency and throughput").
         """
         grads = [p.grad for p in self.portion.parameters() if p.grad is not None]
         sums = [x for b, loss in zip(order, member_losses) for x in (loss.detach(), dfx[b.device_id].sum())]

@@ -1,20 +1,20 @@
 """The Main Server's logic apart from its HTTP routes: which round is open, and the uploads.
 
 :class:`MainServer` keeps the open round (a newer plan replaces it, an older one of the same run
-is refused), routes joins and steps to it after the stale-round check, and pushes each finished
-group's server portion to the Fed Server. It knows nothing of HTTP: it raises the domain errors
-of ``shared/errors.py``, which ``http_api/server.py`` maps to status codes.
+is refused), routes joins and steps to it after the stale-round check, and builds each finished
+group's server portion for the Fed Server. It knows nothing of HTTP: the portion goes to the sender
+it was given (the app's :class:`~main_server.portion_upload.FedServerPortions`), and it raises the
+domain errors of ``shared/errors.py``, which ``http_api/server.py`` maps to status codes.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import httpx
 import torch
 
 from main_server.metrics import MainMetrics
@@ -22,25 +22,19 @@ from main_server.group import Group
 from main_server.group_round import GroupRound
 from shared.auth import Auth, device_bearer_token
 from shared.errors import Conflict, Invalid, NotAllowed
-from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.round_label import round_label
 from shared.machine import compute_workers
-from shared.retry import Backoff, retry_async
 from shared.schemas import (
-    API, Ack, Departures, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest,
+    Ack, Departures, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest,
     StepResponse, WireTensor,
 )
-from shared.wire import encode_state, encode_tensor, pack_body
+from shared.wire import encode_state, encode_tensor
 
 log = logging.getLogger("main_server")
 
-# What another try of a portion upload may get past: no answer (the Fed Server restarting, a
-# network fault) or a server error. A refusal (:class:`PortionRefused`) is final.
-_UPLOAD_RETRY_ON = (httpx.HTTPError, ServiceError)
-
-
-class PortionRefused(Exception):
-    """The Fed Server refused a group's portion (a 4xx answer): sent again, it would be again."""
+#: Sends a finished group's portion to the Fed Server and returns the bytes it took; raises when
+#: the portion was not delivered (:meth:`main_server.portion_upload.FedServerPortions.send`).
+SendPortion = Callable[[ServerPortionUpload], Awaitable[int]]
 
 
 @dataclass
@@ -63,14 +57,15 @@ class MainServerSettings:
 
 
 class MainServer:
-    """Holds the current round and pushes finished groups' server portions to the Fed Server.
+    """Holds the current round and hands finished groups' server portions to ``send_portion``.
 
     Every round's group steps train in this server's training workers (``train_workers`` threads,
     started on first use), first ready, first trained.
     """
 
-    def __init__(self, settings: MainServerSettings, metrics: MainMetrics | None = None) -> None:
+    def __init__(self, settings: MainServerSettings, send_portion: SendPortion, metrics: MainMetrics | None = None) -> None:
         self.settings = settings
+        self.send_portion = send_portion
         self.metrics = metrics if metrics is not None else MainMetrics(self)
         self.round: GroupRound | None = None
         # The open round's participants by their device token (authentication on): who calls is
@@ -157,10 +152,8 @@ class MainServer:
         return {"round": self.round.summary() if self.round else None}
 
     async def upload_portion(self, state: GroupRound, group: Group) -> None:
-        """Send a finished group's server portion to the Fed Server, retrying with backoff when it
-        did not answer or answered a server error (it may be restarting); the last try's failure,
-        or a refusal (4xx: the same portion would be refused again), reaches the caller (the round
-        reports the group as undelivered)."""
+        """Hand a finished group's server portion to ``send_portion``; its failure reaches the
+        caller (the round reports the group as undelivered)."""
         upload = ServerPortionUpload(
             run_id=state.plan.run_id, round_id=state.round_id, group_id=group.group_id,
             members=sorted(group.done), dropped=sorted(group.dropped),
@@ -169,16 +162,5 @@ class MainServer:
             member_weights={d: encode_state(s) for d, s in group.trainer.member_states(sorted(group.done)).items()},
             steps=group.trainer.steps, train_time_s=group.train_time_s,
         )
-        body = pack_body(upload.model_dump())
-        url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
-        what = f"round {state.round_id} group {group.group_id} upload"
-        async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:
-            async def post() -> Ack:
-                try:
-                    return decode_response(await post_body(client, url, body), Ack)
-                except ServiceError as exc:
-                    if exc.status < 500:
-                        raise PortionRefused(str(exc)) from None
-                    raise
-            await retry_async(post, Backoff(self.settings.upload_retries, first_delay_s=0.5), _UPLOAD_RETRY_ON, what)
-        log.info("%s done (%d bytes)", what, len(body))
+        size = await self.send_portion(upload)
+        log.info("round %d group %d upload done (%d bytes)", state.round_id, group.group_id, size)

@@ -227,8 +227,8 @@ class RunConfig(_Strict):
     model: str = "cnn"
     model_params: dict[str, Any] = Field(default_factory=dict)
     data: DataSpec = Field(default_factory=DataSpec)
-    # 20 rounds: the default testbed run (S2FL, the emulated 5:3:2 mix) reaches 95 % on the
-    # embedded MNIST within about 3 minutes on a 2-core machine (benchmarks/README.md, "Goals");
+    # 20 rounds: what the default testbed run (S2FL, the emulated 5:3:2 mix) needs to meet the
+    # accuracy and time goals on the embedded MNIST (benchmarks/README.md, "Goals" and "`make run`");
     # ``python -m testbed --paper-scale`` runs the paper's 100 devices, 10 per round, 30 rounds.
     rounds: int = Field(20, ge=1)
     devices_per_round: int | None = Field(None, ge=1)

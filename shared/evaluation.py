@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 EvaluationMode = Literal["server", "federated"]
 
 #: Test images per forward pass. 128 rather than 500: the activations of 500 images of the
-#: built-in cnn raised the Fed Server's peak by 118 MiB against 28 MiB, and the smaller batch was
-#: also faster on one thread (0.58 s against 0.68 s for 1,000 images; measured on the 2-core
-#: reference machine, benchmarks/README.md, "Why the code is as it is").
+#: built-in cnn raised the Fed Server's peak memory, and the smaller batch was also faster on one
+#: thread (measured: benchmarks/why-the-code-is-as-it-is.md, "Evaluation in batches of 128", and
+#: its result files).
 EVAL_BATCH = 128
 
 

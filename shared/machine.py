@@ -58,8 +58,9 @@ def limit_allocator_arenas(count: int) -> bool:
     glibc gives each thread that allocates while the others hold theirs an arena of its own, up
     to 8 per core, and an arena keeps what its thread freed. A service's threads mostly wait (an
     agent's device threads, a server's request and record threads) while a few compute, so each
-    waiting thread's arena held memory it had used once: ten device threads held about 55 MiB
-    each at the agent's peak (benchmarks/README.md, "Why the code is as it is"). Threads beyond
+    waiting thread's arena held memory it had used once, and an agent's peak grew with its device
+    threads (measured: benchmarks/why-the-code-is-as-it-is.md, "Whole-model rounds on one compute
+    thread per core"). Threads beyond
     the cap share arenas, so what one freed serves the next. Nothing changes where glibc's malloc is not the
     allocator (macOS, musl) or where ``MALLOC_ARENA_MAX`` is set in the environment (it wins).
     """

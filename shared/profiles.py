@@ -40,8 +40,8 @@ TimeScale = float | Literal["auto"]
 #: With ``time_scale: auto``, emulated transfers are compressed this many times more than emulated
 #: compute. A testbed choice, not the paper's (which would be 1: transfers as long as compute
 #: relative to Table 1, and a 10-device round of minutes). 24 is about the ratio the former fixed
-#: default of 20 gave on the 2-core machine it was chosen on, in hours about three times slower
-#: than one that measured the cnn at 123 GFLOP/s (an estimate; docs/configuration.md).
+#: default of 20 gave on the 2-core machine it was chosen on (how: docs/configuration.md,
+#: ``devices.time_scale``; the runs: benchmarks/results/2026-11-26_time-scale-group-size-and-aggregation/).
 AUTO_TRANSFER_RATIO = 24.0
 
 

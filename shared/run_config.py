@@ -15,11 +15,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
-from shared.algorithms.base import DeviceLogic
+from shared.algorithms.base import Algorithm, DeviceLogic
 from shared.algorithms.registry import (
     ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_member_defences, build_selector,
 )
@@ -30,6 +30,9 @@ from shared.data.feature_skew import GaussianNoiseParams
 from shared.evaluation import has_server_test_set
 from shared.models import SplitModel, build_model, build_model_layout
 from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
+
+if TYPE_CHECKING:
+    from shared.algorithms.selection import DeviceSelector
 
 
 def validate_run_config(config: RunConfig) -> RunConfig:
@@ -100,7 +103,13 @@ def _check_task(config: RunConfig, algorithm_needs: str | None, selector_needs: 
                        (f"selection {config.selection!r}", selector_needs)):
         if needs is not None:
             raise ValueError(f"{who} needs class labels ({needs}), so it cannot run a regression task ({loss}): "
-                             f"use fedavg, fedprox, sfl or s2fl with random selection")
+                             f"use algorithm {_without_classes(ALGORITHMS)} with selection {_without_classes(SELECTORS)}")
+
+
+def _without_classes(table: Mapping[str, type[Algorithm] | type[DeviceSelector]]) -> str:
+    """The names of ``table`` whose plug-in runs without class labels, as ``a, b or c``."""
+    names = [name for name, plug_in in table.items() if plug_in.needs_classes is None]
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 class ConfigError(ValueError):

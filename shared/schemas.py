@@ -15,6 +15,7 @@ from shared.config import TrainConfig
 from shared.data.spec import DataSpec
 from shared.losses import DEFAULT_LOSS, Task
 from shared.models.fingerprint import ModelFingerprint
+from shared.timings import DeviceTimings
 from shared.wire import DTYPE_NAMES, MAX_RANK
 
 API = "/v1"
@@ -181,16 +182,6 @@ class RegistrationBatchResponse(Message):
 
     registered: list[RegisterResponse] = []
     refused: dict[DeviceId, Refusal] = {}
-
-
-class DeviceTimings(Message):
-    """Measured seconds of one device in one round (emulated stretching included)."""
-
-    compute_s: float = Field(ge=0, allow_inf_nan=False)
-    transfer_s: float = Field(ge=0, allow_inf_nan=False)
-    wait_s: float = Field(ge=0, allow_inf_nan=False)   # barrier waits at the Main Server
-    server_s: float = Field(ge=0, allow_inf_nan=False) # server-side training of this device's steps
-    total_s: float = Field(ge=0, allow_inf_nan=False)  # task received -> upload sent
 
 
 class TaskResponse(Message):

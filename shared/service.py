@@ -43,14 +43,13 @@ def freeze_startup_objects() -> None:
     lifetime and is about to serve or run.
 
     What is alive then (modules, classes, functions, torch's and FastAPI's machinery, the app:
-    about 330 thousand tracked objects in a Main Server) lives as long as the process, so no
+    hundreds of thousands of tracked objects in a Main Server) lives as long as the process, so no
     collection ever frees any of it; yet every full collection traversed all of it, holding the
-    GIL: 160 to 170 ms in a Main Server on the 2-core EPYC, every thread stopped, a device step
-    answered that much later. Frozen, a full collection walks only what was made since (0.0 ms
-    right after the freeze); objects made later are collected as before (benchmarks/README.md,
-    "Why the code is as it is"). The collection first costs one full traversal at start (about
-    0.17 s in a Main Server here) and frees what is already garbage then (186 objects in a Main
-    Server), which a freeze alone would keep for good.
+    GIL, every thread stopped, a device step answered that much later. Frozen, a full collection
+    walks only what was made since; objects made later are collected as before (measured:
+    benchmarks/why-the-code-is-as-it-is.md, "Startup objects frozen out of the collector"). The
+    collection first costs one full traversal at start and frees what is already garbage then,
+    which a freeze alone would keep for good.
     """
     gc.collect()
     gc.freeze()

@@ -127,12 +127,12 @@ def all_finite(t: torch.Tensor) -> bool:
     ``torch.aminmax`` propagates NaN to both results, and an infinity anywhere is the minimum or the
     maximum, so both are finite exactly when every element is; finite values near the dtype's max
     stay finite (unlike a sum, which could overflow). It reads the tensor once and allocates two
-    scalars, where ``torch.isfinite(t).all()`` writes a full-size bool tensor and reads it again:
-    on the 2-core EPYC the check costs 0.04 / 0.6 ms for 1.6 / 16 MB of float32 instead of
-    0.9 / 11 ms (``np.isfinite(a).all()``: 0.06 / 0.9 ms). The two scalars are read as Python
-    floats (float16's infinities and NaN stay what they are): two 0-d ``torch.isfinite`` calls
-    took 25 us, twice the pass itself over a 401 KB activation, and each torch call on a server's
-    event loop gives up the GIL to the training threads and waits to get it back.
+    scalars, where ``torch.isfinite(t).all()`` writes a full-size bool tensor and reads it again
+    (measured: benchmarks/why-the-code-is-as-it-is.md, "Finiteness in one aminmax pass"). The two
+    scalars are read as Python floats (float16's infinities and NaN stay what they are): two 0-d
+    ``torch.isfinite`` calls cost more than the pass itself over a step's activation, and each
+    torch call on a server's event loop gives up the GIL to the training threads and waits to get
+    it back.
     """
     lo, hi = torch.aminmax(t)
     return math.isfinite(lo.item()) and math.isfinite(hi.item())
@@ -216,13 +216,12 @@ def pack_body(obj: Any) -> Body:
     into its buffer; each long byte string ends the current piece (with its bin 32 header) and
     becomes a piece itself. The tensor bytes are thus copied once on the way out, by
     ``encode_tensor``'s snapshot, where ``msgpack.packb`` copies them twice more (into its
-    buffer, grown by reallocation, then into the result) and :func:`packb` once more. On the
-    2-core EPYC under load, ``pack_body({"fx": encode_tensor(t)})`` for 1.6 / 16 MB of float32
-    runs at 9.6 / 6.6 GB/s, ``packb`` at 0.33 / 0.43 (benchmarks/README.md, (b)): joining needs
-    a second buffer as large, and glibc returns the pair to the kernel when both are freed, so
-    every call faults its 4 KB pages in again; one buffer it keeps for the next call. (In fresh
-    memory the snapshot's own faults remain: 1.7 / 0.5 to 1.8 / 1.0 GB/s.) The walk costs a few
-    microseconds per small message.
+    buffer, grown by reallocation, then into the result) and :func:`packb` once more. Joining
+    needs a second buffer as large, and glibc returns the pair to the kernel when both are freed,
+    so every call faults its 4 KB pages in again; one buffer it keeps for the next call (measured:
+    benchmarks/why-the-code-is-as-it-is.md, "Bodies go out in pieces", and, with the snapshot's
+    own faults in fresh memory, benchmarks/results/2026-11-24_codec-in-pieces-and-fresh-memory/).
+    The walk's cost per small message is that of a Python loop over its keys.
     """
     return Body(tuple(_pieces(obj)))
 

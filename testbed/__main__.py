@@ -8,21 +8,23 @@ import sys
 import time
 from pathlib import Path
 
+from fed_server.records import read_round_records
 from shared.config import DeviceMixConfig
 from shared.service import interrupt_on_sigterm
 from testbed.config_check import CheckFailed, CheckRequest, check_in_child
 from testbed.follow import format_done, format_round
 from testbed.runner import ENROLMENTS, Testbed, TestbedError, main_servers_for
 
-# The launcher imports no torch (about 150 MiB a process): the configuration is checked in a child
+# The launcher imports no torch (the memory it saves: benchmarks/why-the-code-is-as-it-is.md,
+# "The launcher imports no torch"): the configuration is checked in a child
 # (testbed/config_check.py), so the help texts point to the docs for the algorithm, model and
 # torch device names instead of importing the registries that list them; a wrong name is refused
 # by the check with the valid choices.
 
 
 #: ``--paper-scale``: the paper's device population (100 devices, 10 sampled per round) and 30
-#: rounds (the paper's round count). The default run is 10 devices, all per round, 20 rounds:
-#: about 3 minutes on 2 cores.
+#: rounds (the paper's round count). The default run is 10 devices, all per round, 20 rounds,
+#: sized for the time goal of benchmarks/README.md, "Goals".
 PAPER_SCALE = ("data.num_devices=100", "devices_per_round=10", "rounds=30")
 
 
@@ -151,10 +153,7 @@ def _summary(run_dir: str) -> dict | None:
 
 def _rounds_done(run_dir: str) -> int:
     """Completed rounds the run directory's records hold (what a resumed run starts after)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("status") == "ok")
+    return sum(1 for record in read_round_records(Path(run_dir) / "metrics.jsonl") if record.status == "ok")
 
 
 def _emulation(devices: DeviceMixConfig) -> str:

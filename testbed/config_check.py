@@ -1,12 +1,12 @@
 """The testbed launcher's configuration check, run in a short-lived child process.
 
 Checking a run configuration completely builds the model and the algorithm (``shared.run_config``),
-so it imports torch: about 150 MiB of anonymous memory that a process keeps once it has it. The
-launcher itself only starts processes and follows the run, so it hands the check to
-``python -m testbed.config_check`` (request as JSON on stdin, :class:`CheckResult` as JSON on
-stdout) and keeps nothing of torch: it held 272 MiB PSS of benchmark (f)'s FedAvg testbed
-(benchmarks/README.md). A bad configuration still fails before any service starts, with the
-same ``config error:`` lines (status 2) as the Fed Server's own check.
+so it imports torch: anonymous memory that a process keeps once it has it. The launcher itself
+only starts processes and follows the run, so it hands the check to ``python -m
+testbed.config_check`` (request as JSON on stdin, :class:`CheckResult` as JSON on stdout) and
+keeps nothing of torch (what that saves in benchmark (f)'s testbed:
+benchmarks/results/2026-11-24_torch-free-launcher/). A bad configuration still fails before any
+service starts, with the same ``config error:`` lines (status 2) as the Fed Server's own check.
 """
 from __future__ import annotations
 

@@ -16,10 +16,12 @@ from collections.abc import Callable
 
 import httpx
 
+from fed_server.records import RoundRecord, parse_round_record
 from shared.tls import tls_context
 
-#: ``on_round(record, status)``: called once per round attempt, in order.
-ProgressFn = Callable[[dict, dict], None]
+#: ``on_round(record, status)``: called once per round attempt, in order, with the attempt's
+#: record and the status answer that brought it.
+ProgressFn = Callable[[RoundRecord, dict], None]
 #: ``status(since, seen, wait_s)``: the Fed Server's ``/v1/status`` answer as a dict.
 StatusFn = Callable[[int, int, float], dict]
 #: ``on_waiting(registered, expected)``: called while the run waits for its devices, each time
@@ -83,12 +85,12 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
             on_waiting(registered, answer["expected_devices"])
         if answer.get("driver_error"):
             raise FollowError(f"Fed Server round driver failed: {answer['driver_error']}")
-        for record in answer["history"]:
-            if record["round_id"] in printed:
+        for record in map(_round_record, answer["history"]):
+            if record.round_id in printed:
                 continue
-            printed.add(record["round_id"])
-            if record["status"] == "ok":
-                done_round = max(done_round, record["round"])
+            printed.add(record.round_id)
+            if record.status == "ok":
+                done_round = max(done_round, record.round)
             if on_round:
                 on_round(record, answer)
         if answer["state"] == "finished":
@@ -102,29 +104,38 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
             raise FollowError(f"run did not finish within {timeout:.0f}s (round {answer['rounds_done']} of {answer['rounds_total']})")
 
 
+def _round_record(raw: dict) -> RoundRecord:
+    """A record of a status answer, typed; FollowError for one this follower cannot read (a Fed
+    Server of another version)."""
+    try:
+        return parse_round_record(raw)
+    except ValueError as exc:
+        raise FollowError(f"the Fed Server sent a record this follower cannot read: {exc}") from None
+
+
 def _figure(value: float | None, form: str) -> str:
     """A figure of a round line, or n/a when the round has none."""
     return "n/a" if value is None else format(value, form)
 
 
-def format_round(record: dict, status: dict) -> str:
+def format_round(record: RoundRecord, status: dict) -> str:
     """One progress line per round: accuracy, or for a regression run (its initial figures hold a
     ``test_mse``) the MSE and MAE, then the loss."""
-    splits = Counter(record["split_points"].values())
+    splits = Counter(record.split_points.values())
     split_text = " ".join(f"{k}:{n}" for k, n in sorted(splits.items()))
-    flag = "" if record["status"] == "ok" else f"  [{record['status']}]"
-    dropped = f"  dropped {len(record['dropped'])}" if record["dropped"] else ""
+    flag = "" if record.status == "ok" else f"  [{record.status}]"
+    dropped = f"  dropped {len(record.dropped)}" if record.dropped else ""
     # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)" ("mse(fed)");
     # a round without figures (no device reported) shows n/a.
-    fed = "(fed)" if record.get("evaluated_devices") is not None else ""
+    fed = "(fed)" if record.evaluated_devices is not None else ""
     if "test_mse" in (status.get("initial") or {}):
-        figures = f"mse{fed} {_figure(record.get('test_mse'), '.4f')}  mae {_figure(record.get('test_mae'), '.4f')}"
+        figures = f"mse{fed} {_figure(record.test_mse, '.4f')}  mae {_figure(record.test_mae, '.4f')}"
     else:
-        accuracy = record["test_accuracy"]
+        accuracy = record.test_accuracy
         figures = f"acc{fed} {'n/a' if accuracy is None else f'{100 * accuracy:6.2f}%'}"
-    return (f"round {record['round']:>3}/{status['rounds_total']}  {figures}  "
-            f"loss {_figure(record['test_loss'], '.3f')}  round {record['round_time_s']:5.1f}s  elapsed {record['elapsed_s']:6.1f}s  "
-            f"moved {record['bytes_total'] / 1e6:7.1f} MB (total {record['cumulative_bytes'] / 1e6:8.1f} MB)  "
+    return (f"round {record.round:>3}/{status['rounds_total']}  {figures}  "
+            f"loss {_figure(record.test_loss, '.3f')}  round {record.round_time_s:5.1f}s  elapsed {record.elapsed_s:6.1f}s  "
+            f"moved {record.bytes_total / 1e6:7.1f} MB (total {record.cumulative_bytes / 1e6:8.1f} MB)  "
             f"splits {split_text}{dropped}{flag}")
 
 

@@ -48,8 +48,8 @@ AGENT_PREFIX = "dev"
 
 def main_servers_for(split_mode: str) -> int:
     """Main Server processes a run needs by default: one, none for a split-depth-zero algorithm
-    (FedAvg, FedBC, ...), which never calls it (an idle one held 269 MiB of the FedAvg testbed's
-    1759 MiB PSS, benchmarks/README.md)."""
+    (FedAvg, FedBC, ...), which never calls it and would hold its memory idle (measured:
+    benchmarks/results/2026-11-24_eval-batch-and-no-main-server/no_main_server.json)."""
     return 0 if split_mode == "zero" else 1
 
 

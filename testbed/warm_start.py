@@ -1,15 +1,14 @@
 """Start the services by forking a warm process instead of a fresh interpreter.
 
-A fresh ``python -m fed_server`` spends 3 to 4 s of CPU importing torch, FastAPI and pydantic,
-and 1.6 s more on ``torch._dynamo``, which torch imports at the first shape check on the meta
-device, before it serves anything: 6 s from start to healthy on the 2-core development machine,
-where a testbed of three or four such processes starts in about 7.5 s. The integration tests
+A fresh ``python -m fed_server`` spends seconds of CPU importing torch, FastAPI and pydantic, and
+more on ``torch._dynamo``, which torch imports at the first shape check on the meta device, before
+it serves anything; a testbed starts three or four such processes, and the integration tests
 start such testbeds dozens of times. A warm starter is one process (``python -m
 testbed.warm_start``) that imports all that once and then forks a child per service: the child
 sets up its session, log, working directory, environment and ``sys.argv`` and runs the module as
 ``python -m`` would (``runpy``). It is a separate process with its own sockets and state, the
-service's code is the same, and it is stopped and killed the same way. A Fed Server forked so is
-healthy in about 1.3 s, and a small testbed starts in about 1.5 s.
+service's code is the same, and it is stopped and killed the same way. A small testbed forked
+so starts several times sooner (the times on the 2-core development machine: README.md, "Tests").
 
 What a fork does not give, and why that is acceptable where it is used (the integration tests):
 

@@ -86,10 +86,10 @@ def layerwise_aggregate(
     check_contributions(global_state, contributions)
     # The float64 sums live in two scratch buffers per device the model's tensors are on, sized
     # for the largest tensor and reused for every key: a fresh product and sum per contribution
-    # and key cost about 40,000 page faults and 80 ms for ten uploads of the 1.66 M-parameter cnn
-    # (benchmarks/README.md, "Why the code is as it is"). The arithmetic is the same, operation for
-    # operation (convert to float64, multiply by the weight, add, divide), so the result is bit for
-    # bit that of a fresh product and sum.
+    # and key took fresh memory, its pages faulted in each time (measured:
+    # benchmarks/why-the-code-is-as-it-is.md, "Layer-wise aggregation sums"). The arithmetic is
+    # the same, operation for operation (convert to float64, multiply by the weight, add,
+    # divide), so the result is bit for bit that of a fresh product and sum.
     scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     largest = max((g.numel() for g in global_state.values()), default=0)
     out: dict[str, torch.Tensor] = {}

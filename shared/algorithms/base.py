@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared.algorithms.aggregation import Contribution
+from shared.algorithms.registry import build_aggregation_rule
 from shared.algorithms.robust_aggregation import AggregationRule
 from shared.errors import Invalid
 from shared.losses import Loss, build_loss
@@ -154,9 +155,6 @@ class Algorithm(Generic[UploadExtrasT]):
     UploadExtras: ClassVar[type[Payload]] = Payload
 
     def __init__(self, config: "RunConfig") -> None:
-        # The registry imports this module, so its rule table is looked up when an algorithm is built.
-        from shared.algorithms.registry import build_aggregation_rule
-
         self.config = config
         self.params = self.Params.model_validate(config.algorithm_params)
         self.aggregation_rule: AggregationRule = build_aggregation_rule(config)

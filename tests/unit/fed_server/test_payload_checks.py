@@ -21,7 +21,7 @@ def _coordinator(tmp_path, algorithm: str, **data) -> Coordinator:
                                        "data": {"num_devices": 2, "max_samples": 200, **data}})
     coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     for i in range(2):
-        coordinator.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=coordinator.enrolment.shard_sizes[i],
+        coordinator.enrolment.register(RegisterRequest(device_id=f"d{i}", shard=i, num_samples=coordinator.enrolment.shard_sizes[i],
                                              profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     fed_round = coordinator.begin_round()
     fed_round.ready = True
@@ -32,16 +32,16 @@ def _coordinator(tmp_path, algorithm: str, **data) -> Coordinator:
 
 def _upload(coordinator: Coordinator, device: str, extras: dict) -> UpdateRequest:
     state = portion_state(coordinator.core.model, 0, coordinator.core.num_blocks)
-    assert coordinator.round is not None
-    return UpdateRequest(device_id=device, round_id=coordinator.round.round_id,
-                         num_samples=coordinator.devices.get(device).num_samples, steps=1,
+    assert coordinator.core.round is not None
+    return UpdateRequest(device_id=device, round_id=coordinator.core.round.round_id,
+                         num_samples=coordinator.core.devices.get(device).num_samples, steps=1,
                          train_loss=1.0, weights=encode_state(state), timings=TIMINGS, bytes_up=0, bytes_down=0,
                          extras=extras)
 
 
 def _fedbc_extras(c: Coordinator, **changes) -> dict:
     """FedBC upload extras that fit d0's registered count (train_samples + local_total)."""
-    return {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": c.devices.get("d0").num_samples - 4,
+    return {"d": 0.0, "local_correct": 1, "local_total": 4, "train_samples": c.core.devices.get("d0").num_samples - 4,
             **changes}
 
 
@@ -54,48 +54,48 @@ def _fedbc_extras(c: Coordinator, **changes) -> dict:
 def test_fedbc_bad_upload_extras_are_refused(tmp_path, changes, refusal):
     c = _coordinator(tmp_path, "fedbc")
     with pytest.raises(Invalid, match=refusal):
-        c.accept_update(c.round.round_id, _upload(c, "d0", _fedbc_extras(c, **changes)), 100)
-    assert c.round.updates == {}
+        c.uploads.accept_update(c.core.round.round_id, _upload(c, "d0", _fedbc_extras(c, **changes)), 100)
+    assert c.core.round.updates == {}
 
 
 def test_fedbc_task_extras_keep_their_wire_keys_and_upload_extras_are_stored_typed(tmp_path):
     c = _coordinator(tmp_path, "fedbc")
-    task = c.task_for("d0")
+    task = c.dispatch.task_for("d0")
     assert task.status == "train" and set(task.extras) == {"lambda", "gamma", "split_seed"}
     good = _fedbc_extras(c)
-    c.accept_update(c.round.round_id, _upload(c, "d0", good), 100)
-    assert c.round.updates["d0"].extras.train_samples == good["train_samples"]  # stored typed, for aggregate and metrics
+    c.uploads.accept_update(c.core.round.round_id, _upload(c, "d0", good), 100)
+    assert c.core.round.updates["d0"].extras.train_samples == good["train_samples"]  # stored typed, for aggregate and metrics
 
 
 def test_fedavg_takes_no_upload_extras(tmp_path):
     c = _coordinator(tmp_path, "fedavg")
     with pytest.raises(Invalid, match="^extras: note: Extra inputs are not permitted$"):
-        c.accept_update(c.round.round_id, _upload(c, "d0", {"note": 1}), 100)
-    assert c.round.updates == {}
+        c.uploads.accept_update(c.core.round.round_id, _upload(c, "d0", {"note": 1}), 100)
+    assert c.core.round.updates == {}
 
 
 def test_fnr_fl_malformed_report_is_refused_and_not_stored(tmp_path):
     c = _coordinator(tmp_path, "fnr-fl", public_samples=20)
-    assert c.task_for("d0").report is True
-    round_id = c.round.round_id
+    assert c.dispatch.task_for("d0").report is True
+    round_id = c.core.round.round_id
     bad = ReportRequest(device_id="d0", round_id=round_id,
                         extras={"public_accuracy": 0.5, "feature_norms": {"1": -2.0}, "num_samples": 20})
     with pytest.raises(Invalid, match="^report: feature_norms.1: Input should be greater than or equal to 0$"):
-        c.accept_report(round_id, bad)
-    assert c.round.reports == {}
+        c.uploads.accept_report(round_id, bad)
+    assert c.core.round.reports == {}
     good = ReportRequest(device_id="d0", round_id=round_id,
                          extras={"public_accuracy": 0.5, "feature_norms": {"1": 2.0}, "num_samples": 20})
-    c.accept_report(round_id, good)
-    assert c.round.reports["d0"].feature_norms == {1: 2.0}
-    c.uploads.plan_follow_ups(c.round)
-    follow_up = c.task_for("d0")
+    c.uploads.accept_report(round_id, good)
+    assert c.core.round.reports["d0"].feature_norms == {1: 2.0}
+    c.uploads.plan_follow_ups(c.core.round)
+    follow_up = c.dispatch.task_for("d0")
     assert follow_up.phase == "follow_up" and follow_up.extras == {"refine": False}  # p=0.5 of one reporter: none
 
 
 def test_an_algorithm_without_two_phases_asks_for_no_report_and_takes_none(tmp_path):
     c = _coordinator(tmp_path, "fedavg")
-    assert c.task_for("d0").report is False
-    report = ReportRequest(device_id="d0", round_id=c.round.round_id, extras={})
+    assert c.dispatch.task_for("d0").report is False
+    report = ReportRequest(device_id="d0", round_id=c.core.round.round_id, extras={})
     with pytest.raises(Conflict, match="^algorithm fedavg takes no reports$"):
-        c.accept_report(c.round.round_id, report)
-    assert c.round.reports == {}
+        c.uploads.accept_report(c.core.round.round_id, report)
+    assert c.core.round.reports == {}

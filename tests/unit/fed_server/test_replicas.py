@@ -42,7 +42,7 @@ def _coordinator(tmp_path, urls, algorithm: str = "s2fl") -> Coordinator:
 
 
 def _register(c: Coordinator, device: str, counts: list[int] | None) -> None:
-    c.register(RegisterRequest(device_id=device, shard=int(device[1:]), num_samples=c.enrolment.shard_sizes[int(device[1:])],
+    c.enrolment.register(RegisterRequest(device_id=device, shard=int(device[1:]), num_samples=c.enrolment.shard_sizes[int(device[1:])],
                                profile=DeviceProfileMsg(flops=1e9, rate=1e6), label_counts=counts))
 
 
@@ -55,17 +55,17 @@ def replicated(tmp_path) -> Coordinator:
 
 
 def _portion(c: Coordinator, round_id: int, group_id: int, members: list[str], dropped=(), absent=()) -> ServerPortionUpload:
-    start = min(c.round.assignments[m].split_point for m in [*members, *dropped])
-    return ServerPortionUpload(run_id=c.run_id, round_id=round_id, group_id=group_id, members=members,
+    start = min(c.core.round.assignments[m].split_point for m in [*members, *dropped])
+    return ServerPortionUpload(run_id=c.core.run_id, round_id=round_id, group_id=group_id, members=members,
                                dropped=list(dropped), absent=list(absent), start_block=start,
                                weights=encode_state(portion_state(c.core.model, start, c.core.num_blocks)),
                                label_distance=0.0, steps=1, train_time_s=0.1)
 
 
 def test_label_counts_at_registration_only_with_several_replicas_of_a_split_algorithm(tmp_path):
-    assert _coordinator(tmp_path / "a", [A, B]).run_info().label_counts_at_registration
-    assert not _coordinator(tmp_path / "b", [A]).run_info().label_counts_at_registration
-    assert not _coordinator(tmp_path / "c", [A, B], algorithm="fedavg").run_info().label_counts_at_registration
+    assert _coordinator(tmp_path / "a", [A, B]).enrolment.run_info().label_counts_at_registration
+    assert not _coordinator(tmp_path / "b", [A]).enrolment.run_info().label_counts_at_registration
+    assert not _coordinator(tmp_path / "c", [A, B], algorithm="fedavg").enrolment.run_info().label_counts_at_registration
 
 
 def test_registration_without_or_with_bad_counts_is_refused_and_changes_nothing(tmp_path):
@@ -74,11 +74,11 @@ def test_registration_without_or_with_bad_counts_is_refused_and_changes_nothing(
         _register(c, "d0", None)
     with pytest.raises(Invalid, match="label_counts has 3 entries; the model has 10 classes"):
         _register(c, "d0", [1, 2, 3])
-    assert len(c.devices) == 0
+    assert len(c.core.devices) == 0
     one = _coordinator(tmp_path / "one", [A])
     with pytest.raises(Invalid, match="register without label_counts"):
         _register(one, "d0", _counts("d0"))   # one replica: the counts go to the Main Server only
-    assert len(one.devices) == 0
+    assert len(one.core.devices) == 0
 
 
 def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
@@ -87,17 +87,17 @@ def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     plans = c.replicas.plans(r, [A, B])
     r.ready = True
     # The same function, plug-in, size and rng the Main Server uses on the joins.
-    members = {d: GroupCandidate.of(_counts(d), r.assignments[d].split_point, c.devices.devices[d].num_samples)
+    members = {d: GroupCandidate.of(_counts(d), r.assignments[d].split_point, c.core.devices.devices[d].num_samples)
                for d in DEVICES}
     expected = form_round_groups(build_grouping(c.core.algorithm.grouping()), members, 2, c.config.seed, r.round_id)
     assert list(r.planned_groups.values()) == expected
-    loads = {g: sum(c.devices.devices[m].num_samples for m in members) for g, members in r.planned_groups.items()}
+    loads = {g: sum(c.core.devices.devices[m].num_samples for m in members) for g, members in r.planned_groups.items()}
     # Every group on one replica, its members told that replica, the plans holding only theirs.
     for url, plan in plans.items():
         assert sorted(p.device_id for p in plan.participants) == sorted(m for g in plan.groups for m in g.members)
         for g in plan.groups:
             assert r.planned_groups[g.group_id] == g.members and r.group_replica[g.group_id] == url
-            assert all(c.task_for(m).main_server_url == url for m in g.members)
+            assert all(c.dispatch.task_for(m).main_server_url == url for m in g.members)
     largest = max(loads, key=lambda g: (loads[g], -g))
     assert r.group_replica[largest] == A    # LPT: the largest group first, to the first replica
     per_replica = {u: sum(loads[g] for g, v in r.group_replica.items() if v == u) for u in (A, B)}
@@ -136,7 +136,7 @@ def test_a_lost_replica_drops_only_its_groups_without_a_portion(replicated):
     on_b = sorted(g for g, u in r.group_replica.items() if u == B)
     assert len(on_b) >= 2, r.group_replica
     uploaded, unfinished = on_b[0], on_b[1:]
-    c.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
+    c.uploads.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
     c.core.changed.clear()
     c.replicas.lost(r, B, "test")
     assert c.core.changed.is_set() and r.lost_replicas == [B] and B in c.replicas.down
@@ -144,7 +144,7 @@ def test_a_lost_replica_drops_only_its_groups_without_a_portion(replicated):
     assert set(r.excluded.values()) == {f"its Main Server replica {B} was lost (test)"}
     # A portion of the lost replica's unfinished group is refused, changing nothing.
     with pytest.raises(Conflict, match="declared lost"):
-        c.accept_portion(r.round_id, _portion(c, r.round_id, unfinished[0], r.planned_groups[unfinished[0]]), 10)
+        c.uploads.accept_portion(r.round_id, _portion(c, r.round_id, unfinished[0], r.planned_groups[unfinished[0]]), 10)
     assert unfinished[0] not in r.portions
     # Declared again, or for a closed round: nothing more happens.
     c.replicas.lost(r, B, "again")
@@ -170,14 +170,14 @@ def test_portions_must_match_the_planned_group(replicated):
     c.replicas.plans(r, [A, B])
     g0, g1 = r.planned_groups[0], r.planned_groups[1]
     with pytest.raises(Invalid, match="are not in it"):
-        c.accept_portion(r.round_id, _portion(c, r.round_id, 0, [g0[0], g1[0]]), 10)
+        c.uploads.accept_portion(r.round_id, _portion(c, r.round_id, 0, [g0[0], g1[0]]), 10)
     with pytest.raises(Invalid, match="no planned group 99"):
-        c.accept_portion(r.round_id, _portion(c, r.round_id, 99, g0), 10)
+        c.uploads.accept_portion(r.round_id, _portion(c, r.round_id, 99, g0), 10)
     assert r.portions == {}
     # A subset is fine (a member dropped at a step deadline, or absent); the same group twice is not.
-    c.accept_portion(r.round_id, _portion(c, r.round_id, 0, g0[:1], dropped=g0[1:]), 10)
+    c.uploads.accept_portion(r.round_id, _portion(c, r.round_id, 0, g0[:1], dropped=g0[1:]), 10)
     with pytest.raises(Conflict, match="already received"):
-        c.accept_portion(r.round_id, _portion(c, r.round_id, 0, g0), 10)
+        c.uploads.accept_portion(r.round_id, _portion(c, r.round_id, 0, g0), 10)
     assert list(r.portions) == [0]
 
 
@@ -245,7 +245,7 @@ def test_a_replica_speaks_only_for_its_own_devices_and_only_in_the_open_attempt(
     assert r.excluded == {on_b[0]: "dropped by the Main Server: missed step 1"}
     # A portion that arrived keeps its group in, whatever the done line says.
     uploaded = next(g for g, url in r.group_replica.items() if url == A)
-    c.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
+    c.uploads.accept_portion(r.round_id, _portion(c, r.round_id, uploaded, r.planned_groups[uploaded]), 10)
     c.replicas.done(r, A, [uploaded])
     assert set(r.excluded) == {on_b[0], *(set(on_a) - set(r.planned_groups[uploaded]))}
     c.close_round()
@@ -257,15 +257,15 @@ def test_a_replica_speaks_only_for_its_own_devices_and_only_in_the_open_attempt(
 def test_devices_that_leave_at_the_fed_server_are_reported_to_their_replica_and_no_other_exclusion_is(replicated):
     c = replicated
     told: list[tuple[int, str, dict[str, str]]] = []
-    c.on_departure = lambda fed_round, url, reasons: told.append((fed_round.round_id, url, reasons))
+    c.core.on_departure = lambda fed_round, url, reasons: told.append((fed_round.round_id, url, reasons))
     r = c.begin_round()
     c.replicas.plans(r, [A, B])
     r.ready = True
     on_a = sorted(d for d, a in r.assignments.items() if a.main_server_url == A)
     on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
-    c.withdraw(r.round_id, WithdrawRequest(device_id=on_a[0], round_id=r.round_id, reason="no data"))
+    c.uploads.withdraw(r.round_id, WithdrawRequest(device_id=on_a[0], round_id=r.round_id, reason="no data"))
     assert told == [(r.round_id, A, {on_a[0]: "withdrew: no data"})]
-    c.withdraw(r.round_id, WithdrawRequest(device_id=on_a[0], round_id=r.round_id, reason="again"))
+    c.uploads.withdraw(r.round_id, WithdrawRequest(device_id=on_a[0], round_id=r.round_id, reason="again"))
     assert len(told) == 1   # already out: nothing new to tell
     # What a replica itself reported is not sent back to it.
     c.replicas.dropped(r, B, {on_b[0]: "missed step 1"})
@@ -307,7 +307,7 @@ def test_a_frozen_replica_costs_the_plan_phase_one_try_and_its_groups_go_to_the_
         return c, took, urls
 
     c, took, (live_url, frozen_url) = asyncio.run(scenario())
-    r = c.round
+    r = c.core.round
     assert r.plan_failed is None and {a.main_server_url for a in r.assignments.values()} == {live_url}
     assert frozen_url in c.replicas.down and live_url not in c.replicas.down
     assert len(plans_seen) == 2   # its own plan, then the one with every group

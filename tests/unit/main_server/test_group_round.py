@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from main_server.group_trainer import GroupMember
 from main_server.group_round import GroupRound
-from shared.algorithms.grouping import grouping_rng, candidates_from_counts
+from shared.algorithms.grouping import GroupCandidate, grouping_rng
 from shared.algorithms.label_balance import balanced_groups
-from shared.algorithms.random_grouping import RandomGrouping
+from shared.algorithms.registry import GROUPINGS, build_grouping
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.models import build_model
 from shared.schemas import JoinRequest, Participant
@@ -201,7 +201,7 @@ def test_a_member_that_left_at_the_fed_server_releases_its_group_s_barrier(kit):
     kit.run(body)
 
 
-@pytest.mark.parametrize("grouping", ["balanced", "singleton", "random"])
+@pytest.mark.parametrize("grouping", sorted(GROUPINGS))
 def test_groups_come_from_the_plans_plug_in(grouping, kit):
     async def body() -> None:
         devices = [f"d{i}" for i in range(6)]
@@ -209,13 +209,14 @@ def test_groups_come_from_the_plans_plug_in(grouping, kit):
         counts = {d: [1 + i if c == i % kit.CLASSES else 0 for c in range(kit.CLASSES)] for i, d in enumerate(devices)}
         await asyncio.gather(*(state.join(kit.join_req(d, counts[d])) for d in devices))
         groups = [g.members for g in state.groups]
-        arrays = {d: np.asarray(counts[d]) for d in devices}
+        # Each device as the plan (split point 1, 10 samples) and its join (label counts) give it;
+        # the round's generator from the plan's seed 0 and round 7.
+        candidates = {d: GroupCandidate.of(counts[d], 1, 10) for d in devices}
+        assert groups == build_grouping(grouping).form(candidates, 3, grouping_rng(0, 7))
         if grouping == "singleton":
             assert groups == [[d] for d in devices]
-        elif grouping == "random":  # drawn from the round's generator (plan seed 0, round 7)
-            assert groups == RandomGrouping().form(candidates_from_counts(counts), 3, grouping_rng(0, 7))
-        else:
-            assert groups == balanced_groups(arrays, 3)
+        elif grouping == "balanced":
+            assert groups == balanced_groups({d: np.asarray(counts[d]) for d in devices}, 3)
         assert sorted(m for g in groups for m in g) == devices
         assert [g.group_id for g in state.groups] == list(range(len(groups)))
     kit.run(body)
@@ -554,8 +555,11 @@ def test_a_plan_whose_groups_do_not_cover_its_participants_is_refused(kit):
 def test_the_watch_stream_beats_until_every_group_uploaded_or_the_round_is_replaced(kit):
     from main_server.server import MainServer, MainServerSettings
 
+    async def never_sent(upload) -> int:
+        raise AssertionError("no group of this round finishes")
+
     async def body() -> None:
-        server = MainServer(MainServerSettings(fed_server_url="http://unused"))
+        server = MainServer(MainServerSettings(fed_server_url="http://unused"), never_sent)
         server.open_round(kit.make_plan(["a"], round_id=1))
         lines: list[str] = []
 
@@ -574,11 +578,14 @@ def test_the_watch_stream_beats_until_every_group_uploaded_or_the_round_is_repla
 def test_the_watch_stream_reports_a_dropped_member_at_once_and_an_undelivered_group_on_done(kit):
     """A drop wakes the stream at once (the heartbeat here is longer than the test may run), and
     a group whose portion cannot reach the Fed Server (a closed port) is named on ``done``."""
+    from main_server.portion_upload import FedServerPortions
     from main_server.server import MainServer, MainServerSettings
+    from shared.auth import Auth
     from testbed.processes import free_port
 
     async def body() -> None:
-        server = MainServer(MainServerSettings(fed_server_url=f"http://127.0.0.1:{free_port()}", upload_retries=1))
+        portions = FedServerPortions(f"http://127.0.0.1:{free_port()}", Auth(), None, retries=1)
+        server = MainServer(MainServerSettings(fed_server_url="http://unused"), portions.send)
         server.open_round(kit.make_plan(["a", "b"], round_id=1))
         state = server.current(1)
         lines = server.watch(state, heartbeat_s=60.0)

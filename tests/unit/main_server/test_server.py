@@ -11,16 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from main_server.portion_upload import FedServerPortions
 from main_server.server import MainServer, MainServerSettings
+from shared.auth import Auth
 from shared.errors import Conflict, Invalid
+from shared.schemas import ServerPortionUpload
 
-# The registry tests finish no group, so nothing is uploaded: the URL is never dialled.
 SETTINGS = MainServerSettings(fed_server_url="http://127.0.0.1:9")
+
+
+async def _never_sent(upload: ServerPortionUpload) -> int:
+    raise AssertionError("the registry tests finish no group, so no portion is sent")
 
 
 def test_no_round_open(kit):
     async def body() -> None:
-        server = MainServer(SETTINGS)
+        server = MainServer(SETTINGS, _never_sent)
         with pytest.raises(Conflict, match="no round is open"):
             await server.join(1, kit.join_req("a"))
         assert server.status() == {"round": None}
@@ -29,7 +35,7 @@ def test_no_round_open(kit):
 
 def test_newer_plan_replaces_the_open_round(kit):
     async def body() -> None:
-        server = MainServer(SETTINGS)
+        server = MainServer(SETTINGS, _never_sent)
         server.open_round(kit.make_plan(["a", "b"], round_id=1))
         first = server.round
         waiting = asyncio.create_task(server.join(1, kit.join_req("a")))
@@ -46,7 +52,7 @@ def test_newer_plan_replaces_the_open_round(kit):
 
 def test_older_plan_of_the_same_run_is_refused(kit):
     async def body() -> None:
-        server = MainServer(SETTINGS)
+        server = MainServer(SETTINGS, _never_sent)
         server.open_round(kit.make_plan(["a"], round_id=5))
         current = server.round
         with pytest.raises(Conflict, match="older than the open round 5"):
@@ -60,7 +66,7 @@ def test_older_plan_of_the_same_run_is_refused(kit):
 
 def test_bad_plan_leaves_the_open_round(kit):
     async def body() -> None:
-        server = MainServer(SETTINGS)
+        server = MainServer(SETTINGS, _never_sent)
         server.open_round(kit.make_plan(["a"], round_id=1))
         current = server.round
         with pytest.raises(Invalid, match="unknown grouping"):
@@ -69,10 +75,11 @@ def test_bad_plan_leaves_the_open_round(kit):
     kit.run(body)
 
 
-def test_logic_modules_know_nothing_of_fastapi():
-    # The group round, its step checks and the round registry raise domain errors; only app.py speaks HTTP.
+def test_logic_modules_know_nothing_of_http():
+    # The group round, its step checks and the round registry raise domain errors and hand portions
+    # to a sender; only app.py speaks HTTP, and portion_upload.py sends the portions.
     code = ("import sys, main_server.group_round, main_server.step_checks, main_server.server; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette', 'httpx')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[3])  # the repository root
     assert out.stdout.strip() == "[]"
@@ -88,9 +95,9 @@ def test_default_train_workers_is_one_per_usable_core_given_the_torch_threads(mo
     assert compute_workers() == cores
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2 * cores)   # more threads a step than cores
     assert compute_workers() == 1
-    server = MainServer(SETTINGS)
+    server = MainServer(SETTINGS, _never_sent)
     assert server.trainers._max_workers == 1
-    assert MainServer(MainServerSettings(fed_server_url="http://127.0.0.1:9", train_workers=3)).trainers._max_workers == 3
+    assert MainServer(MainServerSettings(fed_server_url="http://127.0.0.1:9", train_workers=3), _never_sent).trainers._max_workers == 3
 
 
 @pytest.mark.parametrize("status, tries", [(422, 1), (409, 1), (503, 3)])
@@ -114,7 +121,8 @@ def test_a_refused_portion_is_not_sent_again_and_a_server_error_is(kit, status, 
 
         fed = await asyncio.start_server(answer, "127.0.0.1", 0)
         port = fed.sockets[0].getsockname()[1]
-        server = MainServer(MainServerSettings(fed_server_url=f"http://127.0.0.1:{port}", upload_retries=3))
+        portions = FedServerPortions(f"http://127.0.0.1:{port}", Auth(), None, retries=3)
+        server = MainServer(SETTINGS, portions.send)
         try:
             server.open_round(kit.make_plan(["a"], round_id=1))
             state = server.current(1)

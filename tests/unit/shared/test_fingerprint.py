@@ -140,10 +140,10 @@ def test_the_fed_server_refuses_a_device_whose_pipeline_differs_and_says_what_di
                               profile=DeviceProfileMsg(flops=1e9, rate=1e6), fingerprint=other)
     with pytest.raises(Conflict, match=r"d0: the device's model or data pipeline differs from the run's "
                                        r"\(model 'cnn'\): data.seed: 2 on the device, 0 in the run$"):
-        coordinator.register(request)
-    assert coordinator.devices.devices == {}
-    coordinator.register(request.model_copy(update={"fingerprint": coordinator.run_info().fingerprint}))
-    assert list(coordinator.devices.devices) == ["d0"]
+        coordinator.enrolment.register(request)
+    assert coordinator.core.devices.devices == {}
+    coordinator.enrolment.register(request.model_copy(update={"fingerprint": coordinator.enrolment.run_info().fingerprint}))
+    assert list(coordinator.core.devices.devices) == ["d0"]
 
 
 def test_the_published_state_dict_keys_are_the_fingerprints_tensor_names(capsys):

@@ -2,8 +2,10 @@
 import order), and the config schema stays below the algorithms."""
 from __future__ import annotations
 
+import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +103,51 @@ def test_full_loading_does_import_them():
     # The positive control: the same probe sees the algorithms once the full loader is used.
     loaded = _loaded_after("from shared.run_config import load_run_config\nload_run_config({})")
     assert "shared.algorithms.registry" in loaded and "shared.data.device_transforms" in loaded
+
+
+# --- the algorithm registry ---------------------------------------------------------------------
+
+ALGORITHM_MODULES = sorted((ROOT / "shared" / "algorithms").glob("*.py"))
+#: What building FedAvg needs: its module, the interfaces and the default aggregation rule's.
+FEDAVG_NEEDS = {"shared.algorithms", "shared.algorithms.aggregation", "shared.algorithms.base",
+                "shared.algorithms.fedavg", "shared.algorithms.plugin_params", "shared.algorithms.plugin_table",
+                "shared.algorithms.registry", "shared.algorithms.robust_aggregation"}
+
+
+def test_building_an_algorithm_imports_no_other_plug_in():
+    loaded = _loaded_after("from shared.algorithms.fedavg import FedAvg\nfrom shared.config import RunConfig\n"
+                           "FedAvg(RunConfig())")
+    assert {name for name in loaded if name.startswith("shared.algorithms")} == FEDAVG_NEEDS
+
+
+def test_the_registry_imports_none_of_the_algorithms_it_lists():
+    loaded = _loaded_after("import shared.algorithms.registry")
+    assert "shared.algorithms.base" not in loaded and "shared.algorithms.fedavg" not in loaded
+
+
+@pytest.mark.parametrize("first", ["import shared.algorithms.random_grouping",
+                                   "import shared.algorithms.registry"])
+def test_a_listed_plug_in_that_imports_the_registry_at_module_level_loads(tmp_path, first):
+    # The shipped package with one listed plug-in (the random grouping) importing the registry at
+    # the top, as a plug-in that builds another grouping would; imported first, or the registry first.
+    shutil.copytree(ROOT / "shared", tmp_path / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+    plug_in = tmp_path / "shared" / "algorithms" / "random_grouping.py"
+    source = plug_in.read_text()
+    head, sep, rest = source.partition("from __future__ import annotations\n")
+    plug_in.write_text(head + sep + "from shared.algorithms.registry import GROUPINGS, build_grouping\n" + rest)
+    code = f"{first}\nfrom shared.algorithms.registry import build_grouping\nprint(type(build_grouping('random')).__name__)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["RandomGrouping"]
+
+
+@pytest.mark.parametrize("path", ALGORITHM_MODULES, ids=lambda path: path.name)
+def test_no_function_local_import_of_the_registry_or_the_interfaces(path):
+    # Such an import closes an import cycle at call time, where nothing checks it.
+    local = [node for function in ast.walk(ast.parse(path.read_text()))
+             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(function) if isinstance(node, ast.ImportFrom)
+             and node.module in ("shared.algorithms.registry", "shared.algorithms.base")]
+    assert [f"line {node.lineno}: from {node.module} import ..." for node in local] == []

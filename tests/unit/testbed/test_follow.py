@@ -15,12 +15,11 @@ def test_an_address_that_answers_something_else_is_refused_in_one_line(monkeypat
     assert capsys.readouterr().err == "follow failed: http://main:8081/v1/status is not a Fed Server's status (a Main Server?)\n"
 
 
-def test_a_finished_run_prints_every_round_and_the_summary(monkeypatch, capsys):
-    record = {"round": 1, "round_id": 1, "status": "ok", "split_points": {"d0": 2}, "dropped": [], "test_accuracy": 0.5,
-              "test_loss": 1.25, "round_time_s": 1.0, "elapsed_s": 1.0, "bytes_total": 1e6, "cumulative_bytes": 1e6}
+def test_a_finished_run_prints_every_round_and_the_summary(monkeypatch, capsys, round_record):
+    record = round_record()
     summary = {"rounds": 1, "final_accuracy": 0.5, "best_accuracy": 0.5, "median_round_time_s": 1.0,
                "total_time_s": 1.0, "total_bytes": 1e6}
-    finished = {"state": "finished", "records": 1, "history": [record], "rounds_done": 1, "rounds_total": 1,
+    finished = {"state": "finished", "records": 1, "history": [record.to_json()], "rounds_done": 1, "rounds_total": 1,
                 "summary": summary}
     monkeypatch.setattr(follow, "fetch_status", lambda url, verify: lambda since, seen, wait_s: finished)
     follow.main(["http://fed:8080"])
@@ -39,3 +38,16 @@ def test_while_the_run_waits_for_its_devices_each_new_count_is_reported_once():
     assert final["state"] == "finished"
     assert reported == [(0, 3), (2, 3), (3, 3)]
     assert follow.format_waiting(2, 3) == "waiting for devices: 2 of 3 registered"
+
+
+def test_a_record_the_follower_cannot_read_ends_the_follow_in_one_line(monkeypatch, capsys, round_record):
+    # A Fed Server of another version: its record lacks a field this one requires.
+    record = {k: v for k, v in round_record().to_json().items() if k != "elapsed_s"}
+    running = {"state": "running", "records": 1, "history": [record], "rounds_done": 1, "rounds_total": 2,
+               "summary": None}
+    monkeypatch.setattr(follow, "fetch_status", lambda url, verify: lambda since, seen, wait_s: running)
+    with pytest.raises(SystemExit) as exited:
+        follow.main(["http://fed:8080"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == ("follow failed: the Fed Server sent a record this follower cannot read: "
+                                       "not a round record: elapsed_s: Field required\n")

@@ -7,15 +7,13 @@ from testbed.follow import format_done, format_round
 STATUS = {"rounds_total": 2, "initial": {"test_accuracy": None, "test_loss": 1.0, "test_mse": 1.0, "test_mae": 0.8}}
 
 
-def _record(**fields) -> dict:
-    return {"round": 1, "status": "ok", "test_accuracy": None, "test_loss": 0.25, "test_mse": 0.25, "test_mae": 0.4,
-            "round_time_s": 1.0, "elapsed_s": 2.0, "bytes_total": 1e6, "cumulative_bytes": 2e6,
-            "split_points": {"d0": 1}, "dropped": [], "evaluated_devices": None, **fields}
+REGRESSION = {"test_accuracy": None, "test_loss": 0.25, "test_mse": 0.25, "test_mae": 0.4}
 
 
-def test_a_regression_round_line_shows_mse_and_mae():
-    assert "round   1/2  mse 0.2500  mae 0.4000  loss 0.250  round" in format_round(_record(), STATUS)
-    line = format_round(_record(evaluated_devices=0, test_mse=None, test_mae=None, test_loss=None), STATUS)
+def test_a_regression_round_line_shows_mse_and_mae(round_record):
+    assert "round   1/2  mse 0.2500  mae 0.4000  loss 0.250  round" in format_round(round_record(**REGRESSION), STATUS)
+    line = format_round(round_record(**{**REGRESSION, "evaluated_devices": 0, "test_mse": None, "test_mae": None,
+                                        "test_loss": None}), STATUS)
     assert "mse(fed) n/a  mae n/a  loss n/a" in line
 
 

@@ -5,6 +5,7 @@ import httpx
 import pytest
 
 from device_agent.agent import parse_data_args
+from fed_server.records import RoundRecord
 from shared.config import RunConfig
 from testbed.runner import Testbed, TestbedError
 
@@ -37,13 +38,13 @@ def test_follow_gives_up_when_the_server_stays_unreachable(tmp_path):
         testbed.follow(retry_s=0.01)
 
 
-def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_attempt_once(tmp_path):
+def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_attempt_once(tmp_path, round_record):
     # The server's history grows by one attempt per answer; status(since) filters on the logical
     # round as the Fed Server does. A failed attempt of round 1 must not hide its retry. Each
     # request but the last (the whole history, at once) waits for more records than the last
     # answer counted.
-    attempts = [{"round": 1, "round_id": 1, "status": "failed"}, {"round": 1, "round_id": 2, "status": "ok"},
-                {"round": 2, "round_id": 3, "status": "ok"}]
+    attempts = [round_record(round=1, round_id=1, status="failed"), round_record(round=1, round_id=2),
+                round_record(round=2, round_id=3)]
     asked: list[tuple[int, int, float]] = []
     testbed = Testbed(RunConfig(), tmp_path)
 
@@ -52,14 +53,14 @@ def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_att
         known = attempts[:len(asked)]
         done = len(asked) >= len(attempts)
         return {**FINISHED, "state": "finished" if done else "running", "records": len(known),
-                "history": [r for r in known if r["round"] > since]}
+                "history": [r.to_json() for r in known if r.round > since]}
 
     testbed.status = status
-    printed: list[dict] = []
+    printed: list[RoundRecord] = []
     final = testbed.follow(lambda record, _: printed.append(record), wait_s=5.0)
     assert printed == attempts
     assert asked == [(0, 0, 5.0), (0, 1, 5.0), (1, 2, 5.0), (0, 3, 0.0)]   # the last asks for the whole history ...
-    assert final["history"] == attempts      # ... which the caller gets
+    assert final["history"] == [r.to_json() for r in attempts]      # ... which the caller gets
 
 
 def test_device_data_and_local_runs_go_together(tmp_path):
