@@ -98,8 +98,9 @@ def _check_task(config: RunConfig, algorithm_needs: str | None, selector_needs: 
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm_needs),
                        (f"selection {config.selection!r}", selector_needs)):
         if needs is not None:
+            able = ", ".join(name for name, algorithm in ALGORITHMS.items() if algorithm.needs_classes is None)
             raise ValueError(f"{who} needs class labels ({needs}), so it cannot run a regression task ({loss}): "
-                             f"use fedavg, fedprox, sfl or s2fl with random selection")
+                             f"use one of {able} with random selection")
 
 
 class ConfigError(ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared.algorithms.registry import ALGORITHMS
 from shared.run_config import ConfigError, load_run_config, resolve_run_config
 
 
@@ -40,8 +41,7 @@ def _assert_no_pydantic_internals(lines: list[str]) -> None:
     ({"grouping": {"method": "random", "label_balance": True}},
      "grouping: set grouping.method or grouping.label_balance, not both"),
     ({"data": {"num_devices": 3}, "devices_per_round": 4}, "devices_per_round cannot exceed data.num_devices"),
-    ({"algorithm": "nope"}, "unknown algorithm 'nope'; choose one of "
-                            "['fedavg', 'fedbc', 'fedipg', 'fedprox', 'fnr-fl', 's2fl', 'sfl']"),
+    ({"algorithm": "nope"}, f"unknown algorithm 'nope'; choose one of {sorted(ALGORITHMS)}"),
 ])
 def test_one_line_naming_the_field_what_it_must_be_and_what_it_got(data, expected):
     lines = _lines(data)
