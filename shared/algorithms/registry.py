@@ -12,11 +12,13 @@ from shared.algorithms.fedavg import FedAvg
 from shared.algorithms.fedbc import FedBC
 from shared.algorithms.fnr_fl import FNRFL
 from shared.algorithms.fedipg import FedIPG
+from shared.algorithms.fedopt import FedAdagrad, FedAdam, FedYogi
 from shared.algorithms.fedprox import FedProx
 from shared.algorithms.group_loss import GroupLoss, PerMemberLoss, PerMemberSumLoss, UnionMeanLoss
 from shared.algorithms.grouping import BalancedGrouping, Grouping, SingletonGrouping
 from shared.algorithms.hics import HiCSSelector
 from shared.algorithms.random_grouping import RandomGrouping
+from shared.algorithms.scaffold import Scaffold
 from shared.algorithms.split_point_grouping import SplitPointGrouping
 from shared.algorithms.robust_aggregation import (
     AggregationRule, BoundedMean, Krum, Mean, Median, MultiKrum, TrimmedMean, rule_params_error,
@@ -36,6 +38,10 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "fnr-fl": FNRFL,
     "fedipg": FedIPG,
     "fedprox": FedProx,
+    "scaffold": Scaffold,
+    "fedadagrad": FedAdagrad,
+    "fedadam": FedAdam,
+    "fedyogi": FedYogi,
 }
 
 
