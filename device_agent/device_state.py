@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import shutil
 import tempfile
 import threading
 from collections.abc import Mapping
