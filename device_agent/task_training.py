@@ -181,10 +181,13 @@ def _task_terms(task: TaskResponse, loss: Loss, layout: SplitModel) -> tuple[Fol
     the task trains (of the model's ``layout``).
     Invalid for a task that lacks its round, split point or settings, names an unknown algorithm
     or another loss than the run's (a task never brings code: its loss must be the one the device
-    checked at the start), or asks for a report its algorithm does not send; pydantic's
+    checked at the start), cuts the model outside its blocks, or asks for a report its algorithm
+    does not send; pydantic's
     ValidationError for parameters or extras the algorithm refuses."""
     if task.train is None or task.round_id is None or task.split_point is None:
         raise Invalid("a training task must name its round_id, split_point and train settings")
+    if not 0 <= task.split_point <= len(layout.blocks):
+        raise Invalid(f"the task's split_point {task.split_point} is not within the model's {len(layout.blocks)} blocks")
     if (task.train.loss, task.train.task) != (loss.name, loss.task):
         raise Invalid(f"the task's loss {task.train.loss!r} ({task.train.task}) is not the run's {loss.name!r} "
                       f"({loss.task})")
