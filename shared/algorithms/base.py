@@ -74,8 +74,8 @@ def _parameter_tensors(raw: Any, info: ValidationInfo) -> Tensors:
             check_tensors(raw, expect, what)
             return {name: t.detach() for name, t in raw.items()}
         return decode_state(raw, expect=expect, what=what)
-    except WireError as exc:
-        raise PydanticCustomError("tensors", str(exc)) from None
+    except WireError as exc:   # the field is named once: parse_payload puts it in front
+        raise PydanticCustomError("tensors", str(exc).removeprefix(f"{what}: ")) from None
 
 
 #: A payload field holding one tensor per trainable parameter of the portion a round trains (a

@@ -65,7 +65,7 @@ def _scaffold_task(c: dict) -> TaskResponse:
 
 @pytest.mark.parametrize("c, message", [
     ({"blocks.head.weight": torch.zeros(10, 60)},
-     r"c: c: parameter names do not match the expected portion \(missing \['blocks.head.bias'\], unexpected \[\]\)"),
+     r"c: parameter names do not match the expected portion \(missing \['blocks.head.bias'\], unexpected \[\]\)"),
     ({"blocks.head.weight": torch.zeros(10, 60), "blocks.head.bias": torch.zeros(3)},
      r"c: c\[blocks.head.bias\]: shape \[3\] where \[10\] was expected"),
     ({"blocks.head.weight": torch.zeros(10, 60), "blocks.head.bias": torch.full((10,), float("nan"))},
