@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
                   keep_models=KEEP_MODELS[args.keep_models], keep_data=KEEP_MODELS[args.keep_data], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000,
-                  loss=args.loss)
+                  loss=args.loss, state_dir=args.state_dir)
     freeze_startup_objects()   # what the agent keeps for the run is built: out of full collections' way
     try:
         code = agent.run()
@@ -144,6 +144,10 @@ def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
                         help="keep each device's data between tasks (env SFL_KEEP_DATA): auto (default) = as it keeps "
                              "its model; no = load it for each task and let it go after (an idle device holds no "
                              "samples); yes = always keep")
+    parser.add_argument("--state-dir", default=env_default("state_dir", None), metavar="DIR",
+                        help="where the devices keep what their algorithm carries from one round to the next (SCAFFOLD's "
+                             "control variates), so it survives a restart of this agent (env SFL_STATE_DIR); default: a "
+                             "temporary directory removed when the agent exits")
     parser.add_argument("--compute-slots", default=env_default("compute_slots", "auto"),
                         help="threads that run this agent's devices' whole-model training (env SFL_COMPUTE_SLOTS; split "
                              "training computes on each device's thread): auto "

@@ -24,6 +24,7 @@ from device_agent.api import AgentApi
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
 from device_agent.device import Device, RegistrationRefused
+from device_agent.device_state import DeviceStates
 from device_agent.run_spec import check_run, wait_for_run
 from device_agent.weights_cache import WeightsCache
 from shared.data.local import DataError, LocalSource
@@ -125,14 +126,17 @@ class Agent:
                  sources: list[LocalSource] | None = None, data_args: dict[str, str] | None = None,
                  device_id: str | None = None, torch_device: torch.device | None = None,
                  model: str | None = None, compute_slots: int | None = None, links: str = "emulated",
-                 request_delay_s: float = 0.0, loss: str | None = None) -> None:
+                 request_delay_s: float = 0.0, loss: str | None = None, state_dir: str | None = None) -> None:
         """Devices of ``shards`` (a built-in data set's partition) or, with ``sources`` (``--data``;
         then ``shards`` is empty), one device per local data source, named by :func:`local_device_ids`.
         ``model`` and ``loss``: the operator's ``--model`` and ``--loss`` (import paths the run may
         name). ``links``
         (``--links``): ``emulated``, the kinds' transfers are slept; ``real``, the kinds stretch
         compute only and the link is what it is (:data:`LINKS`). ``request_delay_s``: a delay
-        before each request the devices send (``--request-delay-ms``, an emulated round trip)."""
+        before each request the devices send (``--request-delay-ms``, an emulated round trip).
+        ``state_dir`` (``--state-dir``): where the devices' algorithm states wait between their
+        rounds, surviving a restart of the agent; None: a temporary directory, removed when
+        :meth:`run` ends (:mod:`device_agent.device_state`)."""
         if links not in LINKS:
             raise ValueError(f"links must be one of {', '.join(LINKS)}, got {links!r}")
         self.stop = threading.Event()
@@ -149,6 +153,7 @@ class Agent:
         self.compute = compute_for(compute_slots)
         # The weights tasks name, fetched once for all the devices they are named to.
         self.weights = WeightsCache()
+        self.states = DeviceStates(state_dir)
         connect_main = main_connector(verify, request_delay_s)
         places: list[tuple[str, int | None, LocalSource | None, int]] = (
             [(i, None, s, n) for n, (i, s) in enumerate(zip(local_device_ids(sources, prefix, device_id), sources))]
@@ -157,7 +162,8 @@ class Agent:
             Device(name, shard, HttpFedClient(fed_server_url, verify, enrolment_secret, request_delay_s=request_delay_s),
                    connect_main, kind_for(index, kinds) if kinds else None, time_scale, self.stop, keep_model=keep,
                    keep_data=keep_data, source=source, data_args=data_args, torch_device=torch_device, model_ref=model,
-                   loss_ref=loss, compute=self.compute, weights_cache=self.weights, emulate_links=links == "emulated")
+                   loss_ref=loss, compute=self.compute, weights_cache=self.weights, emulate_links=links == "emulated",
+                   states=self.states)
             for name, shard, source, index in places
         ]
         # The session's client: the enrolment secret for its registration batches, no token of its
@@ -230,6 +236,7 @@ class Agent:
                 thread.join(max(0.0, deadline - time.monotonic()))
         finally:
             self.compute.close()
+            self.states.close()
         if any(isinstance(exc, RegistrationRefused) for exc in self.errors.values()):
             return 2
         return 1 if self.errors else 0

@@ -23,6 +23,7 @@ from device_agent.api import FedApi, Unreachable
 from device_agent.calibration import matmul_flops
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
+from device_agent.device_state import DeviceStates
 from device_agent.reports import UploadHook, abandon, report_evaluation, upload
 from device_agent.run_spec import check_run, wait_for_run
 from device_agent.step_exchange import MainConnector, MainLink
@@ -76,6 +77,8 @@ class Device:
 
     A task names its weights; ``weights_cache`` (one per agent, shared by its devices) fetches
     each named portion once and holds it while a device uses it (:mod:`device_agent.weights_cache`).
+    ``states`` (one per agent) holds what the algorithm's device logic keeps between the device's
+    rounds, on disk (:mod:`device_agent.device_state`); None: a temporary one of its own.
 
     ``torch_device`` (``--torch-device``) is where the model's real weights live and train; the
     data set and the meta-device layout stay where they are (CPU, meta).
@@ -88,7 +91,7 @@ class Device:
                  torch_device: torch.device | None = None, model_ref: str | None = None,
                  loss_ref: str | None = None, compute: Compute | None = None, task_wait_s: float = TASK_WAIT_S,
                  weights_cache: WeightsCache | None = None, emulate_links: bool = True,
-                 keep_data: bool | None = None) -> None:
+                 keep_data: bool | None = None, states: DeviceStates | None = None) -> None:
         if (shard is None) == (source is None):
             raise ValueError(f"{device_id}: a device holds either a shard or its own data source")
         self.device_id = device_id
@@ -122,6 +125,7 @@ class Device:
         #: device's own thread (``train_round``'s default).
         self.compute = compute
         self.weights_cache = weights_cache if weights_cache is not None else WeightsCache()
+        self.states = states if states is not None else DeviceStates()
         #: The device's two server connections: replaceable until the device is prepared (:meth:`prepare`).
         self.fed = fed
         self.connect_main = connect_main
@@ -215,7 +219,10 @@ class Device:
 
     def _receive_final(self, task: TaskResponse) -> None:
         """Load the run's final global model, on a device that keeps its model (a virtual device
-        has no use for it, and does not fetch it)."""
+        has no use for it, and does not fetch it), and forget the state its algorithm kept: the
+        run has no round left to use it."""
+        if self.info is not None:
+            self.states.discard(self.info.run_id, self.device_id)
         received = task.weights_id is not None and self.keep_model
         if received:
             assert self.device_model is not None
@@ -276,7 +283,7 @@ class Device:
         self.loss = build_loss(info.loss, info.task)
         self.trainer = TaskTrainer(device_id, data, self.device_model, fed, self.main_link, self.poller,
                                    self._new_clock, info.seed, device_id if self.shard is None else self.shard,
-                                   self.compute, self.task_wait_s, self.loss)
+                                   self.compute, self.task_wait_s, self.loss, self.states, info.run_id)
         return self.device_model
 
     def _load_data(self) -> ArrayDataset:

@@ -1,6 +1,7 @@
-"""A device's training task, from the task to the upload: the algorithm's terms, the weights it
-names, the round's training (through the Main Server's step exchange in split mode), a two-phase
-algorithm's report and follow-up, and the body the device uploads."""
+"""A device's training task, from the task to the upload: the algorithm's terms and the state its
+device logic kept from the device's last round, the weights it names, the round's training
+(through the Main Server's step exchange in split mode), a two-phase algorithm's report and
+follow-up, and the body the device uploads."""
 from __future__ import annotations
 
 import time
@@ -10,13 +11,14 @@ from dataclasses import dataclass
 from device_agent.api import FedApi
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
+from device_agent.device_state import DeviceStates
 from device_agent.step_exchange import MainLink, StepExchange
 from device_agent.task_poll import TaskPoller
 from device_agent.timing import RoundClock
 from device_agent.trainer import (
     LocalResult, TaskExpired, TrainContext, TrainSettings, round_seed, steps_per_round, train_round,
 )
-from shared.algorithms.base import DeviceLogic, Payload, parse_payload
+from shared.algorithms.base import DeviceLogic, Payload, parse_payload, trainable_parameters
 from shared.algorithms.registry import ALGORITHMS
 from shared.algorithms.two_phase import TwoPhaseLogic, two_phase
 from shared.data import ArrayDataset
@@ -42,7 +44,8 @@ class TaskTrainer:
     round. ``seed`` and ``seed_key`` (the device's shard, or its id when it brings its own data)
     give each round's batch order (:func:`device_agent.trainer.round_seed`); ``compute``: where a
     whole-model round's training runs (the agent's compute threads, or this thread); ``loss``: the
-    run's (``RunInfo.loss``), which every task's ``train.loss`` must name."""
+    run's (``RunInfo.loss``), which every task's ``train.loss`` must name; ``states``: where the
+    device logic's kept state waits for the device's next round in run ``run_id``."""
 
     device_id: str
     data: ArrayDataset | None
@@ -56,6 +59,8 @@ class TaskTrainer:
     compute: Compute | None
     task_wait_s: float
     loss: Loss
+    states: DeviceStates
+    run_id: str
 
     @property
     def samples(self) -> ArrayDataset:
@@ -71,9 +76,12 @@ class TaskTrainer:
         counts from there, and past it the task is given up (:class:`TaskExpired`)."""
         deadline = received_at + (task.deadline_s or TASK_DEADLINE_DEFAULT_S)
         clock = self.new_clock()
-        phases, logic, extras = _task_terms(task, self.loss)
+        phases, logic, extras = _task_terms(task, self.loss, self.model.layout)
         if time.monotonic() > deadline:   # a stalled device: its weights may no longer be served either
             raise TaskExpired("deadline passed before the task started")
+        if logic.State is not None:
+            logic.restore_state(self.states.load(self.run_id, self.device_id, logic.State,
+                                                 trainable_parameters(self.model.layout)))
         assert task.train is not None and task.round_id is not None and task.split_point is not None
         settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_id),
                                     task.half_precision)
@@ -83,7 +91,11 @@ class TaskTrainer:
         portion = model.portion(0, task.split_point)
         if phases is not None:
             self._report_and_follow_up(task, *phases, portion, clock, deadline)
-        return self._update(task, portion, result, exchange, clock, logic)
+        body = self._update(task, portion, result, exchange, clock, logic)
+        kept = logic.kept_state()
+        if kept is not None:
+            self.states.keep(self.run_id, self.device_id, kept.to_wire())
+        return body
 
     def _train_portion(self, task: TaskResponse, task_bytes: int, settings: TrainSettings,
                        context: TrainContext) -> tuple[SplitModel, LocalResult, StepExchange | None]:
@@ -161,16 +173,21 @@ class TaskTrainer:
         )
 
 
-def _task_terms(task: TaskResponse, loss: Loss) -> tuple[FollowUpTerms | None, DeviceLogic, Payload]:
+def _task_terms(task: TaskResponse, loss: Loss, layout: SplitModel) -> tuple[FollowUpTerms | None, DeviceLogic, Payload]:
     """A training task's algorithm terms, validated before anything is fetched: when the task asks
     for a report, its device logic's two-phase side with the algorithm's ``FollowUp`` model (else
-    None); the device logic for the task's parameters and the run's ``loss``; the task's extras.
+    None); the device logic for the task's parameters, its ``train`` settings and the run's
+    ``loss``; the task's extras, whose tensors must match the trainable parameters of the portion
+    the task trains (of the model's ``layout``).
     Invalid for a task that lacks its round, split point or settings, names an unknown algorithm
     or another loss than the run's (a task never brings code: its loss must be the one the device
-    checked at the start), or asks for a report its algorithm does not send; pydantic's
+    checked at the start), cuts the model outside its blocks, or asks for a report its algorithm
+    does not send; pydantic's
     ValidationError for parameters or extras the algorithm refuses."""
     if task.train is None or task.round_id is None or task.split_point is None:
         raise Invalid("a training task must name its round_id, split_point and train settings")
+    if not 0 <= task.split_point <= len(layout.blocks):
+        raise Invalid(f"the task's split_point {task.split_point} is not within the model's {len(layout.blocks)} blocks")
     if (task.train.loss, task.train.task) != (loss.name, loss.task):
         raise Invalid(f"the task's loss {task.train.loss!r} ({task.train.task}) is not the run's {loss.name!r} "
                       f"({loss.task})")
@@ -179,8 +196,9 @@ def _task_terms(task: TaskResponse, loss: Loss) -> tuple[FollowUpTerms | None, D
     if algorithm is None:
         raise Invalid(f"the task's algorithm {name!r} is not one this agent knows "
                       f"({', '.join(ALGORITHMS)})")
-    logic = algorithm.device_logic(dict(task.params), loss)   # pydantic's ValidationError for refused params
-    extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras")
+    logic = algorithm.device_logic(dict(task.params), loss, task.train)   # pydantic's ValidationError for refused params
+    extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras",
+                           trainable_parameters(layout.portion(0, task.split_point)))
     if not task.report:
         return None, logic, extras
     phases, phase_logic = two_phase(algorithm), two_phase(logic)

@@ -12,17 +12,8 @@ import yaml
 
 from fed_server.records import finite_json, json_line
 from shared.config import RunConfig
+from shared.files import atomic_write
 from shared.wire import decode_state, encode_state, packb, unpackb
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write then rename, so a reader (or a crash) never sees a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class RunDirectory:

@@ -11,7 +11,7 @@ from fed_server.fed_round import NO_REPORT, OVERDUE, FedRound, ReceivedPortion, 
 from fed_server.replica_planning import ReplicaPlanning
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_claims, clip_update, update_norm
-from shared.algorithms.base import parse_payload
+from shared.algorithms.base import parse_payload, trainable_parameters
 from shared.algorithms.registry import uploads_member_states
 from shared.algorithms.two_phase import TwoPhaseAlgorithm, two_phase
 from shared.errors import Conflict, Invalid, NotAllowed
@@ -141,7 +141,8 @@ class Uploads:
         check_claims(req, core.devices.devices[req.device_id].num_samples, fed_round.deadline_s)
         split_point = fed_round.assignments[req.device_id].split_point
         state = self._checked_update(req.device_id, self._decode(req.weights, 0, split_point))
-        extras = parse_payload(core.algorithm.UploadExtras, req.extras, "extras")
+        extras = parse_payload(core.algorithm.UploadExtras, req.extras, "extras",
+                               trainable_parameters(core.model.portion(0, split_point)))
         try:
             core.algorithm.accept_update(req.device_id, fed_round.context, state, extras, req.num_samples,
                                          core.model.state_dict())

@@ -102,6 +102,7 @@ def _check_task(config: RunConfig, algorithm_needs: str | None, selector_needs: 
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm_needs),
                        (f"selection {config.selection!r}", selector_needs)):
         if needs is not None:
+            able = ", ".join(name for name, algorithm in ALGORITHMS.items() if algorithm.needs_classes is None)
             raise ValueError(f"{who} needs class labels ({needs}), so it cannot run a regression task ({loss}): "
                              f"use algorithm {_without_classes(ALGORITHMS)} with selection {_without_classes(SELECTORS)}")
 

@@ -7,9 +7,10 @@ against what the round expects and decodes them zero-copy with :mod:`shared.wire
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from typing_extensions import TypeAlias, TypeAliasType
 
 from shared.config import TrainConfig
 from shared.data.spec import DataSpec
@@ -52,6 +53,17 @@ class WireTensor(Message):
 
 
 WireState = dict[str, WireTensor]
+
+#: A value of an algorithm's payload in a task or an upload (``extras``): what ``JsonValue`` allows
+#: (numbers, strings, bools, nil, arrays, string-keyed maps) and raw bytes, which a tensor's ``data``
+#: is: a payload's tensors travel as tensor maps (``{dtype, shape, data}``; docs/wire-format.md).
+#: Which values and tensors a payload takes is its algorithm's ``Payload`` model's business
+#: (``shared/algorithms/base.py``), which checks every tensor as the weights are checked.
+if TYPE_CHECKING:   # mypy reads the recursive alias this way; pydantic needs the TypeAliasType
+    PayloadValue: TypeAlias = Union[list["PayloadValue"], dict[str, "PayloadValue"], str, bool, int, float, bytes, None]
+else:
+    PayloadValue = TypeAliasType(
+        "PayloadValue", Union[list["PayloadValue"], dict[str, "PayloadValue"], str, bool, int, float, bytes, None])
 
 #: A published portion of the global model, named by its content (:class:`TaskResponse`).
 WeightsId = str
@@ -216,7 +228,7 @@ class TaskResponse(Message):
     half_precision: bool = False
     algorithm: str | None = None           # which DeviceLogic to build (shared/algorithms/registry.py)
     params: dict[str, JsonValue] = {}      # the algorithm's device-side hyperparameters
-    extras: dict[str, JsonValue] = {}      # per-device values for this round (e.g. a dual variable)
+    extras: dict[str, PayloadValue] = {}   # per-device values for this round (e.g. a dual variable, tensors)
     report: bool = False                   # report after training and wait for a follow-up
 
 
@@ -308,7 +320,7 @@ class UpdateRequest(Message):
     timings: DeviceTimings
     bytes_up: int = Field(ge=0)
     bytes_down: int = Field(ge=0)
-    extras: dict[str, JsonValue] = {}      # algorithm-specific values (checked by the algorithm)
+    extras: dict[str, PayloadValue] = {}   # algorithm-specific values (checked by the algorithm; tensors too)
 
 
 class EvaluationReport(Message):

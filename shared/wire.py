@@ -152,13 +152,8 @@ def decode_state(
     """Decode a model portion; with ``expect``, its keys, shapes and dtypes must match exactly."""
     if not isinstance(obj, Mapping):
         raise WireError(f"{what}: expected a map of parameter name -> tensor")
-    if expect is not None and list(obj) != list(expect):
-        missing = [k for k in expect if k not in obj]
-        extra = [k for k in obj if k not in expect]
-        raise WireError(
-            f"{what}: parameter names do not match the expected portion "
-            f"(missing {missing[:5]}, unexpected {extra[:5]})"
-        )
+    if expect is not None:
+        check_names(obj, expect, what)
     out: dict[str, torch.Tensor] = {}
     for key, value in obj.items():
         if not isinstance(key, str):
@@ -171,6 +166,35 @@ def decode_state(
             what=f"{what}[{key}]",
         )
     return out
+
+
+def check_names(obj: Mapping[str, Any], expect: Mapping[str, Any], what: str) -> None:
+    """:class:`WireError` unless ``obj`` has exactly ``expect``'s names, in its order."""
+    if list(obj) != list(expect):
+        missing = [k for k in expect if k not in obj]
+        extra = [k for k in obj if k not in expect]
+        raise WireError(
+            f"{what}: parameter names do not match the expected portion "
+            f"(missing {missing[:5]}, unexpected {extra[:5]})"
+        )
+
+
+def check_tensors(state: Mapping[str, torch.Tensor], expect: Mapping[str, torch.Tensor] | None = None,
+                  what: str = "state") -> None:
+    """The checks :func:`decode_state` makes, on tensors that were never encoded (built by this
+    process): each of a dtype the wire carries, finite when floating, and with ``expect`` its names
+    (in order), shapes and dtypes. :class:`WireError` naming ``what`` and the tensor otherwise."""
+    if expect is not None:
+        check_names(state, expect, what)
+    for key, t in state.items():
+        name = dtype_name(t.dtype)
+        ref = expect[key] if expect is not None else None
+        if ref is not None and name != dtype_name(ref.dtype):
+            raise WireError(f"{what}[{key}]: dtype {name} where {dtype_name(ref.dtype)} was expected")
+        if ref is not None and t.shape != ref.shape:
+            raise WireError(f"{what}[{key}]: shape {list(t.shape)} where {list(ref.shape)} was expected")
+        if t.is_floating_point() and t.numel() and not all_finite(t.detach()):
+            raise WireError(f"{what}[{key}]: contains NaN or Inf")
 
 
 #: Byte strings at least this long travel as their own piece of a :class:`Body` instead of being

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fed_server.records import RoundRecord
-from fed_server.run_dir import atomic_write
+from shared.files import atomic_write
 from fed_server.tracking.base import Tracker, flat_config, import_backend, round_figures, summary_figures
 from shared.config import TrackingConfig
 

@@ -33,6 +33,10 @@ ALGORITHMS: PluginTable[Algorithm] = PluginTable("algorithm", "shared.algorithms
     "fnr-fl": "shared.algorithms.fnr_fl:FNRFL",
     "fedipg": "shared.algorithms.fedipg:FedIPG",
     "fedprox": "shared.algorithms.fedprox:FedProx",
+    "scaffold": "shared.algorithms.scaffold:Scaffold",
+    "fedadagrad": "shared.algorithms.fedopt:FedAdagrad",
+    "fedadam": "shared.algorithms.fedopt:FedAdam",
+    "fedyogi": "shared.algorithms.fedopt:FedYogi",
 })
 
 

@@ -1,6 +1,7 @@
-"""The extension guide tells the truth: its code is the shipped code, and every list of plug-in
-names in the docs is the registry's (or, for a list of the plug-ins with some property, the
-registry's plug-ins with that property), on a page the guide's checklist names."""
+"""The extension guide tells the truth: its code is the shipped code, its hook table every hook of
+the algorithm interfaces, and every list of plug-in names in the docs is the registry's (or, for a
+list of the plug-ins with some property, the registry's plug-ins with that property), on a page
+the guide's checklist names."""
 from __future__ import annotations
 
 import ast
@@ -17,6 +18,7 @@ from shared.algorithms.registry import AGGREGATION_RULES, ALGORITHMS, GROUP_LOSS
 from shared.algorithms.two_phase import two_phase
 from shared.config import RunConfig
 from shared.run_config import ConfigError, load_run_config
+from shared.algorithms.base import Algorithm, DeviceLogic
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_BLOCK = re.compile(r"<!-- shipped: (\S+) -->\n```python\n(.*?)```", re.S)
@@ -37,7 +39,8 @@ def _without_docstrings(node: ast.AST) -> str:
 
 def test_every_class_the_guide_shows_is_the_shipped_one():
     blocks = SHIPPED_BLOCK.findall((ROOT / "docs" / "extending.md").read_text())
-    assert {path for path, _ in blocks} >= {"shared/algorithms/fedprox.py", "shared/algorithms/split_point_grouping.py"}
+    assert {path for path, _ in blocks} >= {"shared/algorithms/fedprox.py", "shared/algorithms/scaffold.py",
+                                            "shared/algorithms/split_point_grouping.py"}
     for path, code in blocks:
         shipped = {n.name: n for n in ast.parse((ROOT / path).read_text()).body if isinstance(n, ast.ClassDef)}
         shown = ast.parse(code).body
@@ -216,3 +219,26 @@ def test_the_algorithms_table_says_each_ones_split_mode_and_whether_it_reports()
         name = name.strip("`")
         assert re.split(r"\W", split)[0] == _split_mode(name), name
         assert reports.startswith("yes" if two_phase(ALGORITHMS[name]) is not None else "no"), name
+
+
+def _section(page: str, heading: str) -> list[str]:
+    """The lines of ``page`` under ``heading`` up to the next heading of any level."""
+    lines = (ROOT / page).read_text().splitlines()
+    start = lines.index(heading) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("#")), len(lines))
+    return lines[start:end]
+
+
+def _first_column_names(rows: list[str]) -> set[str]:
+    """The backquoted names in the first cell of each table row (not of the header row)."""
+    body = [row for row, after in zip(rows, [*rows[1:], ""]) if row.startswith("| `") and not after.startswith("|---")]
+    return {name for row in body for name in re.findall(r"`([a-z0-9-]+)`", row.split(" | ")[0])}
+
+
+def test_the_hook_table_names_every_public_hook_of_the_two_interfaces():
+    table = _section("docs/extending.md", "## The algorithm hooks")
+    shown = {name for row in table if row.startswith("| `")
+             for name in re.findall(r"`([A-Za-z_]+)[(`]", row.split(" | ")[0])}
+    public = {name for cls in (Algorithm, DeviceLogic) for name in vars(cls) if not name.startswith("_")}
+    assert public - shown == set(), "hooks missing from docs/extending.md's table"
+    assert "__init__" in shown   # where an algorithm refuses what it cannot run

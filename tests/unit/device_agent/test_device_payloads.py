@@ -14,6 +14,7 @@ from shared.data import ArrayDataset, DataSpec
 from shared.errors import Invalid
 from shared.models import build_model, model_fingerprint
 from shared.schemas import RunInfo, TaskResponse
+from shared.wire import encode_state
 
 
 class _NoServer:
@@ -56,3 +57,29 @@ def test_malformed_task_extras_are_refused_before_training(extras, message):
     with pytest.raises(Invalid, match=f"^task extras: {message}$"):
         device.run_task(_task(extras), 0, time.monotonic())
     assert device.rounds_done == 0
+
+
+def _scaffold_task(c: dict) -> TaskResponse:
+    return _task({}).model_copy(update={"algorithm": "scaffold", "extras": {"c": encode_state(c), "round_index": 1}})
+
+
+@pytest.mark.parametrize("c, message", [
+    ({"blocks.head.weight": torch.zeros(10, 60)},
+     r"c: parameter names do not match the expected portion \(missing \['blocks.head.bias'\], unexpected \[\]\)"),
+    ({"blocks.head.weight": torch.zeros(10, 60), "blocks.head.bias": torch.zeros(3)},
+     r"c: c\[blocks.head.bias\]: shape \[3\] where \[10\] was expected"),
+    ({"blocks.head.weight": torch.zeros(10, 60), "blocks.head.bias": torch.full((10,), float("nan"))},
+     r"c: c\[blocks.head.bias\]: contains NaN or Inf"),
+])
+def test_task_tensors_that_do_not_fit_the_model_are_refused_before_training(c, message):
+    device = _device()
+    with pytest.raises(Invalid, match=f"^task extras: {message}$"):
+        device.run_task(_scaffold_task(c), 0, time.monotonic())
+    assert device.rounds_done == 0
+
+
+def test_a_task_cutting_the_model_outside_its_blocks_is_refused_in_one_line():
+    device = _device()
+    task = _task({"lambda": 0.1, "gamma": 0.0, "split_seed": 1}).model_copy(update={"split_point": 99})
+    with pytest.raises(Invalid, match=r"^the task's split_point 99 is not within the model's 4 blocks$"):
+        device.run_task(task, 0, time.monotonic())

@@ -12,7 +12,10 @@ from shared.data import ArrayDataset
 from shared.config import TrainConfig
 from shared.errors import Invalid
 from shared.losses import build_loss
+from shared.models import build_model_layout
 from shared.schemas import TaskResponse
+
+LAYOUT = build_model_layout("cnn", 10, (1, 28, 28))
 
 
 def _task(**train) -> TaskResponse:
@@ -35,7 +38,7 @@ def test_the_device_logic_trains_on_the_run_s_loss():
 
 
 def test_a_task_naming_another_loss_than_the_run_s_is_refused():
-    _, logic, _ = _task_terms(_task(loss="mse"), build_loss("mse"))
+    _, logic, _ = _task_terms(_task(loss="mse"), build_loss("mse"), LAYOUT)
     assert logic.criterion.name == "mse"
     with pytest.raises(Invalid, match="the task's loss 'l1' \\(regression\\) is not the run's 'mse'"):
-        _task_terms(_task(loss="l1"), build_loss("mse"))
+        _task_terms(_task(loss="l1"), build_loss("mse"), LAYOUT)

@@ -4,9 +4,11 @@ is stored; what the server sends (task extras, follow-ups) keeps the algorithms'
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
+from shared.algorithms.base import trainable_parameters
 from shared.config import RunConfig
 from shared.errors import Conflict, Invalid
 from shared.portions import portion_state
@@ -99,3 +101,39 @@ def test_an_algorithm_without_two_phases_asks_for_no_report_and_takes_none(tmp_p
     with pytest.raises(Conflict, match="^algorithm fedavg takes no reports$"):
         c.uploads.accept_report(c.core.round.round_id, report)
     assert c.core.round.reports == {}
+
+
+def _scaffold_delta(c: Coordinator, change: str) -> dict:
+    """SCAFFOLD upload extras over the whole model's trainable parameters, its last one changed."""
+    delta = {n: torch.full_like(p, 0.5) for n, p in trainable_parameters(c.core.model).items()}
+    last = list(delta)[-1]
+    if change == "nan":
+        delta[last] = torch.full_like(delta[last], float("nan"))
+    elif change == "shape":
+        delta[last] = torch.zeros(delta[last].numel() + 1)
+    elif change == "missing":
+        del delta[last]
+    return {"delta_c": encode_state(delta)}
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ("nan", r"^extras: delta_c: delta_c\[blocks\.[\w.]+\]: contains NaN or Inf$"),
+    ("shape", r"^extras: delta_c: delta_c\[blocks\.[\w.]+\]: shape \[\d+\] where \[[\d, ]+\] was expected$"),
+    ("missing", r"^extras: delta_c: parameter names do not match the expected portion \(missing \['blocks\.[\w.]+'\], "
+                r"unexpected \[\]\)$"),
+])
+def test_scaffold_upload_tensors_that_do_not_fit_the_uploaded_portion_are_refused(tmp_path, change, refusal):
+    c = _coordinator(tmp_path, "scaffold")
+    with pytest.raises(Invalid, match=refusal):
+        c.uploads.accept_update(c.core.round.round_id, _upload(c, "d0", _scaffold_delta(c, change)), 100)
+    assert c.core.round.updates == {}
+
+
+def test_scaffold_task_tensors_go_out_and_upload_tensors_are_stored_typed(tmp_path):
+    c = _coordinator(tmp_path, "scaffold")
+    task = c.dispatch.task_for("d0")
+    assert set(task.extras) == {"c", "round_index"}   # no last_aggregated: never aggregated
+    assert list(task.extras["c"]) == list(trainable_parameters(c.core.model))
+    c.uploads.accept_update(c.core.round.round_id, _upload(c, "d0", _scaffold_delta(c, "none")), 100)
+    stored = c.core.round.updates["d0"].extras.delta_c
+    assert all(torch.equal(t, torch.full_like(t, 0.5)) for t in stored.values())

@@ -12,9 +12,11 @@ from shared.algorithms.two_phase import two_phase
 from shared.config import TrainConfig
 from shared.errors import Invalid
 from shared.losses import build_loss
-from shared.models import build_model
+from shared.models import build_model, build_model_layout
 from shared.run_config import load_run_config
 from shared.schemas import TaskResponse
+
+LAYOUT = build_model_layout("cnn", 10, (1, 28, 28))
 
 FNR_FL_DATA = {"num_devices": 2, "partition": "iid", "seed": 1, "max_samples": 200, "public_samples": 20}
 
@@ -41,12 +43,12 @@ def test_only_fnr_fl_is_two_phase():
 
 
 def test_a_two_phase_task_brings_the_logic_and_the_follow_up_model():
-    phases, logic, _ = _task_terms(_task("fnr-fl", _fnr_fl().device_params(), report=True), build_loss())
+    phases, logic, _ = _task_terms(_task("fnr-fl", _fnr_fl().device_params(), report=True), build_loss(), LAYOUT)
     assert phases is not None and phases[0] is logic and isinstance(logic, FNRFLLogic)
     assert phases[1] is FNRFLFollowUp
-    assert _task_terms(_task("fnr-fl", _fnr_fl().device_params(), report=False), build_loss())[0] is None
+    assert _task_terms(_task("fnr-fl", _fnr_fl().device_params(), report=False), build_loss(), LAYOUT)[0] is None
 
 
 def test_a_task_asking_for_a_report_its_algorithm_does_not_send_is_refused():
     with pytest.raises(Invalid, match="^the task asks for a report, which algorithm 'fedavg' does not send$"):
-        _task_terms(_task("fedavg", {}, report=True), build_loss())
+        _task_terms(_task("fedavg", {}, report=True), build_loss(), LAYOUT)
