@@ -219,5 +219,19 @@ def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial
         # A run that evaluated on data it also trained on (FNR-FL's paper-reproduction option)
         # says so in its summary, not only in its round records.
         "leaky": any(r.algorithm_metrics.get("leaky") for r in history),
+        "dropped_every_round": dropped_every_round(history),
         **regression,
     }
+
+
+def dropped_every_round(history: Sequence[RoundRecord]) -> dict[str, str]:
+    """Each device that was selected and never aggregated in any attempt -> why it was left out
+    the last time (its ``left`` reason): a device that fails every task (a batch its model cannot
+    train on, data it cannot read) must not hide behind a run that reports success."""
+    aggregated = {d for r in history for d in r.aggregated}
+    last: dict[str, str] = {}
+    for record in history:
+        for device in record.selected:
+            if device not in aggregated:
+                last[device] = record.left.get(device, "not aggregated")
+    return dict(sorted(last.items()))

@@ -113,7 +113,7 @@ def format_round(record: dict, status: dict) -> str:
     splits = Counter(record["split_points"].values())
     split_text = " ".join(f"{k}:{n}" for k, n in sorted(splits.items()))
     flag = "" if record["status"] == "ok" else f"  [{record['status']}]"
-    dropped = f"  dropped {len(record['dropped'])}" if record["dropped"] else ""
+    dropped = f"  dropped {len(record['dropped'])}: {_names(record['dropped'])}" if record["dropped"] else ""
     # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)" ("mse(fed)");
     # a round without figures (no device reported) shows n/a.
     fed = "(fed)" if record.get("evaluated_devices") is not None else ""
@@ -128,6 +128,12 @@ def format_round(record: dict, status: dict) -> str:
             f"splits {split_text}{dropped}{flag}")
 
 
+def _names(devices: list[str], shown: int = 3) -> str:
+    """The first ``shown`` device ids, and how many more: a round line stays one line at any scale."""
+    more = len(devices) - shown
+    return ", ".join(devices[:shown]) + (f" +{more}" if more > 0 else "")
+
+
 def format_waiting(registered: int, expected: int) -> str:
     """A line while the run waits for its devices (the rounds start when enough have registered)."""
     return f"waiting for devices: {registered} of {expected} registered"
@@ -135,7 +141,7 @@ def format_waiting(registered: int, expected: int) -> str:
 
 def format_done(summary: dict) -> str:
     """The last line: the run's summary (``summary.json``): the final accuracy, or a regression
-    run's final MSE and MAE."""
+    run's final MSE and MAE; then a line for each device dropped in every round it was selected for."""
     if "final_mse" in summary:
         figures = (f"final mse {_figure(summary['final_mse'], '.4f')} (best {_figure(summary['best_mse'], '.4f')}, "
                    f"initial {_figure(summary['initial_mse'], '.4f')}), final mae {_figure(summary['final_mae'], '.4f')}")
@@ -143,9 +149,12 @@ def format_done(summary: dict) -> str:
         final = "n/a" if summary["final_accuracy"] is None else f"{100 * summary['final_accuracy']:.2f}%"
         best = "n/a" if summary["best_accuracy"] is None else f"{100 * summary['best_accuracy']:.2f}%"
         figures = f"final accuracy {final} (best {best})"
+    # A summary written before it had dropped_every_round (a resumed older run) names none.
+    never = summary.get("dropped_every_round") or {}
+    lost = "".join(f"\n  dropped in every round it was selected for: {device} ({why})" for device, why in never.items())
     return (f"done: {summary['rounds']} rounds, {figures}, "
             f"median round {summary['median_round_time_s']:.1f}s, total {summary['total_time_s']:.1f}s, "
-            f"{summary['total_bytes'] / 1e6:.1f} MB moved")
+            f"{summary['total_bytes'] / 1e6:.1f} MB moved{lost}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,3 +39,16 @@ def test_while_the_run_waits_for_its_devices_each_new_count_is_reported_once():
     assert final["state"] == "finished"
     assert reported == [(0, 3), (2, 3), (3, 3)]
     assert follow.format_waiting(2, 3) == "waiting for devices: 2 of 3 registered"
+
+
+def test_the_round_line_and_the_last_lines_name_the_dropped_devices():
+    record = {"round": 2, "round_id": 2, "status": "ok", "split_points": {"d0": 3, "d1": 3}, "test_accuracy": 0.5,
+              "test_loss": 1.25, "round_time_s": 1.0, "elapsed_s": 2.0, "bytes_total": 1e6, "cumulative_bytes": 2e6}
+    status = {"rounds_total": 2, "initial": {"test_accuracy": 0.1}}
+    assert follow.format_round({**record, "dropped": ["d1"]}, status).endswith("splits 3:2  dropped 1: d1")
+    many = [f"d{i}" for i in range(1, 6)]
+    assert follow.format_round({**record, "dropped": many}, status).endswith("dropped 5: d1, d2, d3 +2")
+    summary = {"rounds": 2, "final_accuracy": 0.5, "best_accuracy": 0.5, "median_round_time_s": 1.0,
+               "total_time_s": 2.0, "total_bytes": 2e6, "dropped_every_round": {"d1": "withdrew: ValueError: ..."}}
+    assert follow.format_done(summary).splitlines()[1:] == [
+        "  dropped in every round it was selected for: d1 (withdrew: ValueError: ...)"]
