@@ -55,10 +55,14 @@ class DeviceEnrolment:
         """Register ``req``'s device as ``enrolment``'s holder (:meth:`DeviceRegistry.enrol`) and,
         with authentication on, issue its device token. Enrolment under a known id (an agent
         restarted and lost its token) issues a new token and revokes the old one: the registry
-        drew a new nonce (docs/security.md)."""
+        drew a new nonce (docs/security.md). A refusal is logged with the device and its reason."""
         devices = self.core.devices
         known = req.device_id in devices.devices
-        answer = devices.enrol(req, enrolment, lambda: self.register(req))
+        try:
+            answer = devices.enrol(req, enrolment, lambda: self.register(req))
+        except DomainError as exc:
+            log.warning("registration of %s refused: %s", req.device_id, exc)
+            raise
         if auth.enabled:
             if known:
                 log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
@@ -223,10 +227,15 @@ class DeviceEnrolment:
         deadline, once the quorum has (a resumed run whose devices did not all come back)."""
         config, devices = self.core.config, self.core.devices
         quorum = len(devices) >= config.deadlines.min_participants
-        placed = len(devices) + sum(not devices.holds(place) for place in self._refused)
+        placed = len(devices) + self.refused_places()
         if len(devices) >= config.data.num_devices or (quorum and placed >= config.data.num_devices):
             return True
         return time.monotonic() >= self.registration_deadline() and quorum
+
+    def refused_places(self) -> int:
+        """Places no device holds whose holder's registration was refused for what it claimed."""
+        devices = self.core.devices
+        return sum(not devices.holds(place) for place in self._refused)
 
     def registration_deadline(self) -> float:
         """The monotonic time after which the quorum of registered devices suffices."""
