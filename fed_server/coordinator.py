@@ -225,6 +225,8 @@ class Coordinator:
             open_round=self.round.round_id if self.round else None, initial=progress.initial,
             records=len(progress.history), history=[r for r in progress.history if r.round > since],
             summary=finite_json(self.summary()) if self.finished else None, driver_error=driver_error,
+            resumed_after_round=progress.resumed_after[0] if progress.resumed_after else None,
+            resumed_after_attempt=progress.resumed_after[1] if progress.resumed_after else None,
         )
 
     # --- what the routes call -----------------------------------------------------------------

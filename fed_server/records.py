@@ -139,6 +139,11 @@ class RunStatus(BaseModel):
     history: list[RoundRecord]
     summary: dict[str, Any] | None  # summary.json's contents once finished
     driver_error: str | None
+    # A run resumed from its checkpoint: the rounds done and the last attempt id handed out before
+    # the restart (the records with a round_id up to it were restored, not run again); None for a
+    # run that did not resume.
+    resumed_after_round: int | None = None
+    resumed_after_attempt: int | None = None
 
 
 def figure_fields(figures: Figures | None, task: Task) -> dict[str, float | None]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from shared.config import DeviceMixConfig
 from shared.service import interrupt_on_sigterm
 from testbed.config_check import CheckFailed, CheckRequest, check_in_child
-from testbed.follow import format_done, format_round
+from testbed.follow import format_done, format_resumed, format_round
 from testbed.runner import ENROLMENTS, Testbed, TestbedError, main_servers_for
 
 # The launcher imports no torch (about 150 MiB a process): the configuration is checked in a child
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
             mains = ", ".join(testbed.main_urls) or "none (split depth zero)"
             print(f"fed server {testbed.fed_url}, main server {mains}; waiting for devices ...",
                   flush=True)
-            status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout)
+            status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout,
+                                    on_resumed=lambda rounds: print(format_resumed(rounds), flush=True))
     except (TestbedError, TimeoutError, RuntimeError) as exc:
         print(f"testbed failed: {exc}", file=sys.stderr)
         sys.exit(1)

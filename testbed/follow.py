@@ -25,6 +25,9 @@ StatusFn = Callable[[int, int, float], dict]
 #: ``on_waiting(registered, expected)``: called while the run waits for its devices, each time
 #: the number registered changes (and once at first).
 WaitingFn = Callable[[int, int], None]
+#: ``on_resumed(rounds)``: called once when the run followed resumed from its checkpoint after
+#: ``rounds`` completed rounds, after the rounds it restored (when those are replayed).
+ResumedFn = Callable[[int], None]
 
 
 class FollowError(RuntimeError):
@@ -42,10 +45,15 @@ def fetch_status(fed_url: str, verify: bool | str = True) -> StatusFn:
 
 def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: float | None = None,
                wait_s: float = 1.0, retry_s: float = 0.5, patience_s: float = 120.0,
-               check: Callable[[], None] | None = None, on_waiting: WaitingFn | None = None) -> dict:
+               check: Callable[[], None] | None = None, on_waiting: WaitingFn | None = None,
+               on_resumed: ResumedFn | None = None, replay_restored: bool = True) -> dict:
     """Wait for the run to finish, calling ``on_round(record, status)`` for each new round attempt
     (and ``on_waiting`` while the run waits for its devices); return the final status, with every
     round's record.
+
+    A run resumed from its checkpoint holds the records it restored: ``on_resumed(rounds)`` is told
+    once, after them, and ``replay_restored`` False keeps them from ``on_round`` (``python -m
+    testbed`` resuming its own run: its user saw them before the interruption).
 
     Each request is held by the Fed Server until a new record is written or the run finishes
     (long-poll); ``wait_s`` bounds the hold, and so how often ``check()`` runs between records
@@ -62,6 +70,7 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
     final = False   # the run finished; the last request asks for the whole history
     printed: set[int] = set()
     registered: int | None = None   # the count last passed to on_waiting
+    announced = False                # the resume, to on_resumed
     failing_since: float | None = None
     while True:
         if check is not None:
@@ -83,14 +92,20 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
             on_waiting(registered, answer["expected_devices"])
         if answer.get("driver_error"):
             raise FollowError(f"Fed Server round driver failed: {answer['driver_error']}")
+        restored_up_to = answer.get("resumed_after_attempt")
         for record in answer["history"]:
             if record["round_id"] in printed:
                 continue
             printed.add(record["round_id"])
             if record["status"] == "ok":
                 done_round = max(done_round, record["round"])
-            if on_round:
+            restored = restored_up_to is not None and record["round_id"] <= restored_up_to
+            if not restored and restored_up_to is not None and not announced:
+                announced = _announce_resume(answer, on_resumed)
+            if on_round and (replay_restored or not restored):
                 on_round(record, answer)
+        if restored_up_to is not None and not announced:   # the history held the restored records alone
+            announced = _announce_resume(answer, on_resumed)
         if answer["state"] == "finished":
             if final or done_round == 0:
                 return answer
@@ -100,6 +115,18 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
             continue
         if deadline is not None and time.monotonic() > deadline:
             raise FollowError(f"run did not finish within {timeout:.0f}s (round {answer['rounds_done']} of {answer['rounds_total']})")
+
+
+def _announce_resume(status: dict, on_resumed: ResumedFn | None) -> bool:
+    """Tell ``on_resumed`` the rounds a resumed run had completed; True (it is told once)."""
+    if on_resumed is not None:
+        on_resumed(status["resumed_after_round"])
+    return True
+
+
+def format_resumed(rounds: int) -> str:
+    """The line that says a run resumed from its checkpoint (its earlier rounds are not run again)."""
+    return f"resumed after round {rounds}"
 
 
 def _figure(value: float | None, form: str) -> str:
@@ -181,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         final = follow_run(status, lambda record, answer: print(format_round(record, answer), flush=True),
                            timeout=args.timeout,
-                           on_waiting=lambda count, expected: print(format_waiting(count, expected), flush=True))
+                           on_waiting=lambda count, expected: print(format_waiting(count, expected), flush=True),
+                           on_resumed=lambda rounds: print(format_resumed(rounds), flush=True))
     except FollowError as exc:
         print(f"follow failed: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -52,3 +52,29 @@ def test_the_round_line_and_the_last_lines_name_the_dropped_devices():
                "total_time_s": 2.0, "total_bytes": 2e6, "dropped_every_round": {"d1": "withdrew: ValueError: ..."}}
     assert follow.format_done(summary).splitlines()[1:] == [
         "  dropped in every round it was selected for: d1 (withdrew: ValueError: ...)"]
+
+
+def _record(round_index: int) -> dict:
+    return {"round": round_index, "round_id": round_index, "status": "ok"}
+
+
+def test_a_resumed_run_is_announced_once_after_its_restored_rounds():
+    # Rounds 1 to 3 were restored from the checkpoint (attempts up to 3); 4 and 5 run now.
+    resumed = {"resumed_after_round": 3, "resumed_after_attempt": 3, "rounds_done": 3}
+    answers = iter([
+        {**resumed, "state": "waiting_for_devices", "registered": 0, "expected_devices": 2, "records": 3,
+         "history": [_record(1), _record(2), _record(3)]},
+        {**resumed, "state": "running", "records": 4, "history": [_record(4)]},
+        {**resumed, "state": "finished", "records": 5, "history": [_record(5)]},
+        {**resumed, "state": "finished", "records": 5, "history": [_record(r) for r in range(1, 6)]},
+    ])
+    events: list[str] = []
+    follow.follow_run(lambda since, seen, wait_s: next(answers), lambda record, _: events.append(f"round {record['round']}"),
+                      on_resumed=lambda rounds: events.append(follow.format_resumed(rounds)), replay_restored=False)
+    assert events == ["resumed after round 3", "round 4", "round 5"]
+    # A follower that replays the history (python -m testbed.follow) puts the line where the restart was.
+    answers = iter([{**resumed, "state": "finished", "records": 5, "history": [_record(r) for r in range(1, 6)]}] * 2)
+    events.clear()
+    follow.follow_run(lambda since, seen, wait_s: next(answers), lambda record, _: events.append(f"round {record['round']}"),
+                      on_resumed=lambda rounds: events.append(follow.format_resumed(rounds)))
+    assert events == ["round 1", "round 2", "round 3", "resumed after round 3", "round 4", "round 5"]
