@@ -322,13 +322,13 @@ class Testbed:
         dead_mains = [m for m in self.mains if not m.alive()]
         for service in (self.fed, *(dead_mains[:1] if len(dead_mains) == len(self.mains) else [])):
             if service is not None and not service.alive():
-                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.why_it_stopped()}")
         # A device with its own data that stopped (bad data), or the one device of an agent that
         # failed (say, in its namespace), never registers: the run would wait for it until the
         # timeout, so its one-line reason ends the run at once.
         for service in self.agent_services if self.device_data or self.agent_per_device else ():
             if not service.alive() and service.process.returncode != 0:
-                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.why_it_stopped()}")
 
     def stop(self, agent_grace_s: float = 15.0, interrupted: bool = False) -> None:
         """Give the agents a moment to collect the final model and exit on their own, then stop all
