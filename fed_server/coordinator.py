@@ -51,9 +51,9 @@ from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
 from shared.data.partition import release_loaded_data
 from shared.evaluation import evaluation_mode, server_test_set
-from shared.losses import build_loss, softmax_head_warning
+from shared.losses import build_loss
 from shared.models import model_fingerprint, profile_model
-from shared.run_config import build_config_model
+from shared.run_config import build_config_model, run_warnings
 from shared.schemas import (
     Ack, EvaluationReport, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, ServerPortionUpload,
     TaskResponse, UpdateRequest, WithdrawRequest,
@@ -285,9 +285,8 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
     model = build_config_model(config, layout=False)
     algorithm.bind_model(model)
     loss = build_loss(config.train.loss, config.train.task)
-    head_warning = softmax_head_warning(model, loss)
-    if head_warning is not None:
-        log.warning(head_warning)
+    for warning in run_warnings(config, model):
+        log.warning(warning)
     return RunCore(
         config=config, run_id=run_id or uuid.uuid4().hex[:12], model=model, algorithm=algorithm,
         # The selection policy is composed here, beside the algorithm: every algorithm gets it

@@ -184,6 +184,20 @@ def build_config_model(config: RunConfig, layout: bool = True) -> SplitModel:
                  seed=config.seed, params=config.model_params)
 
 
+def run_warnings(config: RunConfig, model: SplitModel) -> list[str]:
+    """Lines a run that starts should print once, before its rounds (the Fed Server logs them, the
+    testbed's launcher prints them): a model head that does not suit the loss, and a
+    ``data.test_file`` that federated evaluation leaves unread."""
+    from shared.losses import build_loss, softmax_head_warning
+
+    lines = [softmax_head_warning(model, build_loss(config.train.loss, config.train.task))]
+    if config.evaluation.mode == "federated" and config.data.test_file is not None:
+        lines.append(f"data.test_file {config.data.test_file!r} is ignored: evaluation.mode is federated, so the "
+                     f"devices evaluate on their held-out part; set evaluation.mode: server (or auto) to evaluate "
+                     f"on the file")
+    return [line for line in lines if line is not None]
+
+
 def load_run_config(data: Mapping[str, Any]) -> RunConfig:
     """A plain (nested) dict -> a fully validated ``RunConfig``; :class:`ConfigError` (a
     ValueError) says what is wrong, one line per problem."""
