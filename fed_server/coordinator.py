@@ -52,7 +52,7 @@ from shared.config import RunConfig
 from shared.data.partition import release_loaded_data
 from shared.evaluation import evaluation_mode, server_test_set
 from shared.losses import build_loss
-from shared.models import model_fingerprint, profile_model
+from shared.models import candidate_split_points, model_fingerprint, profile_model
 from shared.run_config import build_config_model, run_warnings
 from shared.schemas import (
     Ack, EvaluationReport, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, ServerPortionUpload,
@@ -80,12 +80,13 @@ class Coordinator:
         core = self.core
         num_classes, input_shape = core.model.num_classes, core.model.input_shape
         self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes)
+        profile = profile_model(core.model, config.model)
+        candidates = candidate_split_points(profile, config.split.candidates)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
         # which never consult the table: one placeholder candidate keeps it well-formed.
-        self.table = ClientTimeTable(max(1, len(core.model.split_points)), config.split.smoothing)
-        self.planner = SplitPlanner(core.algorithm.split_mode(), core.model.split_points, core.num_blocks,
-                                    profile_model(core.model, config.model), self.table, core.devices,
-                                    config.train.local_epochs, config.split.server_flops)
+        self.table = ClientTimeTable(max(1, len(candidates)), config.split.smoothing)
+        self.planner = SplitPlanner(core.algorithm.split_mode(), candidates, core.num_blocks, profile, self.table,
+                                    core.devices, config.train.local_epochs, config.split.server_flops)
         self.rng = random.Random(config.seed)
         # Federated evaluation does not use a server test set even where one exists.
         test_set = server_test_set(config.data, core.loss.task) if core.evaluation_mode == "server" else None

@@ -28,7 +28,7 @@ from shared.data.device_transforms import check_device_transform
 from shared.data import dataset_input_shape, dataset_num_classes
 from shared.data.feature_skew import GaussianNoiseParams
 from shared.evaluation import has_server_test_set
-from shared.models import SplitModel, build_model, build_model_layout
+from shared.models import SplitModel, build_model, build_model_layout, candidate_split_points, profile_model
 from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
 
@@ -74,6 +74,8 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if algorithm.split_mode() != "zero" and not model.split_points:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
+    if config.split.candidates is not None:
+        candidate_split_points(profile_model(model, config.model), config.split.candidates)
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
                        (f"selection {config.selection!r}", selector.model_parts_needed())):
         for part in needs:

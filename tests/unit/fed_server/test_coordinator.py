@@ -576,3 +576,18 @@ def test_a_revoked_credential_takes_its_devices_out_of_the_attempt_and_frees_the
 def _upload_as(coordinator: Coordinator, registered: str, device: str, round_id: int) -> UpdateRequest:
     """``registered``'s upload sent under ``device``'s id (a device no longer registered)."""
     return _upload(coordinator, registered, round_id).model_copy(update={"device_id": device})
+
+
+def test_split_candidates_limit_the_cuts_the_planner_chooses_among_and_the_warm_up(tmp_path):
+    # split.candidates: [1, 3] of the cnn's 1, 2, 3: the warm-up takes two rounds (cut 1, then 3)
+    # and no device is ever cut at 2.
+    coordinator = _coordinator(tmp_path, algorithm="s2fl", **{"split.candidates": [1, 3]})
+    assert coordinator.planner.split_points == [1, 3] and coordinator.table.num_candidates == 2
+    devices = ["d0", "d1"]
+    assert [sorted({k for _, k in coordinator.planner.choose(r, devices).values()}) for r in (1, 2)] == [[1], [3]]
+    for r in range(3, 8):
+        assert {k for _, k in coordinator.planner.choose(r, devices).values()} <= {1, 3}
+    # A number picks that many, the cheapest cut to send of each stretch of the model: the cnn's
+    # smallest activation is after block 3.
+    one = _coordinator(tmp_path / "one", algorithm="s2fl", **{"split.candidates": 1})
+    assert one.planner.split_points == [3]
