@@ -169,6 +169,7 @@ class MainServer:
             steps=group.trainer.steps, train_time_s=group.train_time_s,
         )
         body = pack_body(upload.model_dump())
+        group.trainer.release()   # the body holds the encoded portion: the copy is not needed again
         url = f"{self.settings.fed_server_url.rstrip('/')}{API}/rounds/{state.round_id}/server-portions"
         what = f"round {state.round_id} group {group.group_id} upload"
         async with service_client(self.settings.auth.service_headers(), self.settings.ca_file, timeout=60.0) as client:

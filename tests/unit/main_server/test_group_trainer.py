@@ -467,3 +467,23 @@ def test_a_step_that_cannot_tell_whose_activations_broke_it_names_everyone_and_r
         trainer.step(members)
     assert not refused.value.attributed and set(refused.value.culprits) == {"a", "b"}
     assert all(torch.equal(v, before[k]) for k, v in trainer.state().items()) and trainer.steps == 0
+
+
+def test_a_copy_of_a_structure_only_template_allocates_its_portion_alone_and_keeps_no_gradients(model):
+    # The Main Server's template is built on the meta device: each group allocates the blocks it
+    # trains, nothing else. The gradients, as big as the copy, are freed once a step is applied
+    # (a group waiting for its members held one copy's worth), and release() frees the copy.
+    with torch.device("meta"):
+        template = build_model("cnn", seed=0)
+    weights = {k: v.clone() for k, v in model.portion(2, len(model.blocks)).state_dict().items()}
+    trainer = GroupTrainer(copy.deepcopy(template), 2, weights, lr=LR)
+    assert all(p.is_meta for name in ("conv1", "conv2") for p in trainer.model.blocks[name].parameters())
+    assert not any(p.is_meta for p in trainer.portion.parameters())
+    assert all(torch.equal(v, weights[k]) for k, v in trainer.state().items())
+    reference = _trainer(model, 2)
+    b = _member(model, "d0", 2, 4, seed=3)
+    _assert_close(trainer.step([b])["d0"].dfx, reference.step([b])["d0"].dfx)
+    assert all(p.grad is None for p in trainer.portion.parameters())
+    trainer.release()
+    assert all(t.is_meta for t in (*trainer.portion.parameters(), *trainer.portion.buffers()))
+    assert trainer.optimizer.param_groups == [] and not trainer.optimizer.state
