@@ -16,7 +16,8 @@ from device_agent.step_exchange import MainLink, StepExchange
 from device_agent.task_poll import TaskPoller
 from device_agent.timing import RoundClock
 from device_agent.trainer import (
-    LocalResult, TaskExpired, TrainContext, TrainSettings, round_seed, steps_per_round, train_round,
+    LocalResult, TaskExpired, TrainContext, TrainSettings, normalises_over_batch, round_seed, steps_per_round,
+    train_round,
 )
 from shared.algorithms.base import DeviceLogic, Payload, parse_payload, trainable_parameters
 from shared.algorithms.registry import ALGORITHMS
@@ -115,15 +116,18 @@ class TaskTrainer:
             # has let it go.
             weights = decode_portion(named.weights, self.model.layout, 0, task.split_point, what="task weights")
             model = self.model.for_task()
-            exchange = self._join(task, clock) if task.main_server_url is not None else None
+            exchange = self._join(task, model, clock) if task.main_server_url is not None else None
             context.send_step = exchange
             result = train_round(model, task.split_point, weights, self.samples, settings, context)
         return model, result, exchange
 
-    def _join(self, task: TaskResponse, clock: RoundClock) -> StepExchange:
-        """Join the round at the task's Main Server; return the round's step exchange."""
+    def _join(self, task: TaskResponse, model: SplitModel, clock: RoundClock) -> StepExchange:
+        """Join the round at the task's Main Server, announcing the steps ``model``'s portion up to
+        the task's split point will send; return the round's step exchange."""
         assert task.main_server_url is not None and task.train is not None and task.round_id is not None
-        num_steps = steps_per_round(len(self.samples), task.train.batch_size, task.train.local_epochs)
+        assert task.split_point is not None
+        num_steps = steps_per_round(len(self.samples), task.train.batch_size, task.train.local_epochs,
+                                    no_single=normalises_over_batch(model.portion(0, task.split_point)))
         join = JoinRequest(device_id=self.device_id, label_counts=self.samples.label_counts().tolist(), num_steps=num_steps)
         timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
         return self.main.join(task.main_server_url, task.round_id, join, clock, timeout)

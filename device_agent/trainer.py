@@ -36,19 +36,38 @@ class LocalResult:
     train_loss: float
 
 
-def batches(data: ArrayDataset, batch_size: int, epochs: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Shuffled mini-batches over ``epochs`` passes, reproducible from ``seed``."""
+def batches(data: ArrayDataset, batch_size: int, epochs: int, seed: int,
+            no_single: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled mini-batches over ``epochs`` passes, reproducible from ``seed``.
+
+    ``no_single`` (the trained portion normalises over the batch, :func:`normalises_over_batch`):
+    an epoch's last batch of one sample is left out of that epoch, since a BatchNorm layer cannot
+    train on a single sample (PyTorch raises "Expected more than 1 value per channel"). The order
+    is reshuffled every epoch and round, so a different sample sits out each time. An epoch whose
+    only batch holds one sample keeps it (there is nothing to train on otherwise)."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(len(data), generator=gen)
-        for start in range(0, len(data), batch_size):
+        end = len(data) - 1 if _drops_last(len(data), batch_size, no_single) else len(data)
+        for start in range(0, end, batch_size):
             idx = order[start:start + batch_size]
             yield data.x[idx], data.y[idx]
 
 
-def steps_per_round(num_samples: int, batch_size: int, epochs: int) -> int:
-    """How many local steps a round of ``epochs`` passes over ``num_samples`` in batches takes."""
-    return epochs * math.ceil(num_samples / batch_size)
+def _drops_last(num_samples: int, batch_size: int, no_single: bool) -> bool:
+    """Whether :func:`batches` leaves an epoch's last batch (of one sample) out."""
+    return no_single and num_samples > batch_size and num_samples % batch_size == 1
+
+
+def steps_per_round(num_samples: int, batch_size: int, epochs: int, no_single: bool = False) -> int:
+    """How many local steps a round of ``epochs`` passes over ``num_samples`` in batches takes
+    (``no_single``: as in :func:`batches`)."""
+    return epochs * (math.ceil(num_samples / batch_size) - _drops_last(num_samples, batch_size, no_single))
+
+
+def normalises_over_batch(portion: torch.nn.Module) -> bool:
+    """Whether ``portion`` holds a BatchNorm layer, which cannot train on a batch of one sample."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in portion.modules())
 
 
 def round_seed(seed: int, shard: int | str, round_id: int) -> int:
@@ -166,7 +185,8 @@ class _RoundTraining:
     def batches(self, train_data: ArrayDataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The round's seeded mini-batches of ``train_data``."""
         settings = self.settings
-        return batches(train_data, settings.batch_size, settings.epochs, settings.seed)
+        return batches(train_data, settings.batch_size, settings.epochs, settings.seed,
+                       no_single=normalises_over_batch(self.portion))
 
     def whole_model(self) -> None:
         """The whole local training as one section: nothing in it waits for anyone else. An

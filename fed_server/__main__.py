@@ -135,12 +135,16 @@ def export_main(argv: list[str]) -> None:
         result = export_run(args.run_dir, args.out, args.formats or list(FORMATS))
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    accuracy = "" if result.test_accuracy is None else f", test accuracy {result.test_accuracy:.4f}"
-    print(f"global model of round {result.round}{accuracy}:")
-    for fmt, path in result.exported.files.items():
-        print(f"  {fmt:<12} {path}")
-    for fmt, reason in result.exported.skipped.items():
+    figures = result.figures_text()
+    print(f"global model of round {result.round}{', ' + figures if figures else ''}:")
+    exported = result.exported
+    for fmt, path in exported.files.items():
+        companion = exported.companions.get(fmt)
+        print(f"  {fmt:<12} {path}" + (f" (its weights in {companion.name} beside it: copy both)" if companion else ""))
+    for fmt, reason in exported.skipped.items():
         print(f"  {fmt:<12} skipped: {reason}")
+    for warning in exported.warnings:
+        print(f"  warning: {warning}")
     folder = args.out or args.run_dir
     print(f"load it: torch.load('{Path(folder) / FORMATS['pt']}', weights_only=True) into your model, or "
           f"shared.models.export.load_trained('{folder}')")

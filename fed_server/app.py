@@ -20,7 +20,8 @@ from fed_server.settings import FedServerSettings
 from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus
 from http_api.server import (
-    MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, read_message, status_of,
+    ApiError, MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, parse_message,
+    read_body, read_message, status_of,
 )
 from shared.schemas import (
     AGENT_ID_PATTERN, API, MAX_REGISTRATION_BATCH, AgentTaskRequest, EvaluationReport, Refusal, RegisterRequest,
@@ -28,9 +29,11 @@ from shared.schemas import (
     WithdrawRequest,
 )
 from shared.errors import TooSoon
-from shared.wire import pack_body
+from shared.wire import WireError, pack_body, unpackb
 
 log = logging.getLogger("fed_server")
+
+Registration = TypeVar("Registration", RegisterRequest, RegistrationBatch)
 
 #: What a device sends with its device id in the body.
 DeviceMessage = TypeVar("DeviceMessage", UpdateRequest, ReportRequest, WithdrawRequest, EvaluationReport)
@@ -111,7 +114,7 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     async def register(request: Request) -> Response:
         """Device: announce itself, its shard and its profile; get the run's data and model spec."""
         enrolment = settings.auth.check_enrolment(request.headers)
-        req = await read_message(request, RegisterRequest, settings.max_register_bytes)
+        req = await _registration(request, RegisterRequest, settings.max_register_bytes)
         return msgpack_response(coordinator.enrolment.enrol(req, enrolment, settings.auth))
 
     @app.post(f"{API}/devices/registrations", response_class=Response,
@@ -120,7 +123,7 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         """Agent: register several devices at once, each as it would alone; the answer says, for
         each, its registration or why it was refused (docs/api.md)."""
         enrolment = settings.auth.check_enrolment(request.headers)
-        batch = await read_message(request, RegistrationBatch, MAX_REGISTRATION_BATCH * settings.max_register_bytes)
+        batch = await _registration(request, RegistrationBatch, MAX_REGISTRATION_BATCH * settings.max_register_bytes)
         answer = RegistrationBatchResponse()
         for req, outcome in zip(batch.devices, coordinator.enrolment.enrol_each(batch.devices, enrolment, settings.auth)):
             if isinstance(outcome, RegisterResponse):
@@ -191,6 +194,34 @@ def _add_upload_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         """Device (federated evaluation): how the round's global model did on its held-out part."""
         req = await _device_message(coordinator, settings, request, EvaluationReport, settings.max_register_bytes)
         return msgpack_response(coordinator.evaluation.accept(req))
+
+
+async def _registration(request: Request, model: type[Registration], limit: int) -> Registration:
+    """A registration's body (one device's or a batch's). One that is refused before the enrolment
+    sees it (400 not msgpack, 422 a field missing or malformed: a fingerprint of another version's
+    format) is logged with the devices it names, as the enrolment logs its own refusals: an operator
+    must not learn of it only from a run that starts short of devices."""
+    body = await read_body(request.stream(), request.headers.get("content-length"), limit)
+    try:
+        return parse_message(body, model)
+    except ApiError as exc:
+        log.warning("registration of %s refused (%d): %s", _named_devices(body), exc.status, exc.detail)
+        raise
+
+
+def _named_devices(body: bytes | bytearray) -> str:
+    """The device ids a registration body names (``device_id``, or a batch's ``devices``), for a
+    log line: at most five, each cut to 64 characters; ``an unnamed device`` when there is none."""
+    try:
+        obj = unpackb(body)
+    except WireError:
+        obj = None
+    batch = obj.get("devices") if isinstance(obj, dict) else None
+    entries: list = batch if isinstance(batch, list) else [obj]
+    names = [str(e["device_id"])[:64] for e in entries if isinstance(e, dict) and "device_id" in e]
+    if not names:
+        return "an unnamed device"
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 async def _device_message(coordinator: Coordinator, settings: FedServerSettings, request: Request,

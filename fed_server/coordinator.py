@@ -52,9 +52,9 @@ from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
 from shared.data.partition import release_loaded_data
 from shared.evaluation import evaluation_mode, server_test_set
-from shared.losses import build_loss, softmax_head_warning
-from shared.models import model_fingerprint, profile_model
-from shared.run_config import build_config_model
+from shared.losses import build_loss
+from shared.models import candidate_split_points, model_fingerprint, profile_model
+from shared.run_config import build_config_model, run_warnings
 
 log = logging.getLogger("fed_server")
 
@@ -77,12 +77,13 @@ class Coordinator:
         core = self.core
         num_classes, input_shape = core.model.num_classes, core.model.input_shape
         self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes)
+        profile = profile_model(core.model, config.model)
+        candidates = candidate_split_points(profile, config.split.candidates)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
         # which never consult the table: one placeholder candidate keeps it well-formed.
-        self.table = ClientTimeTable(max(1, len(core.model.split_points)), config.split.smoothing)
-        self.planner = SplitPlanner(core.algorithm.split_mode(), core.model.split_points, core.num_blocks,
-                                    profile_model(core.model, config.model), self.table, core.devices,
-                                    config.train.local_epochs, config.split.server_flops)
+        self.table = ClientTimeTable(max(1, len(candidates)), config.split.smoothing)
+        self.planner = SplitPlanner(core.algorithm.split_mode(), candidates, core.num_blocks, profile, self.table,
+                                    core.devices, config.train.local_epochs, config.split.server_flops)
         self.rng = random.Random(config.seed)
         # Federated evaluation does not use a server test set even where one exists.
         test_set = server_test_set(config.data, core.loss.task) if core.evaluation_mode == "server" else None
@@ -171,6 +172,8 @@ class Coordinator:
             open_round=core.round.round_id if core.round else None, initial=progress.initial,
             records=len(progress.history), history=[r for r in progress.history if r.round > since],
             summary=finite_json(progress.summary()) if core.finished else None, driver_error=driver_error,
+            resumed_after_round=progress.resumed_after[0] if progress.resumed_after else None,
+            resumed_after_attempt=progress.resumed_after[1] if progress.resumed_after else None,
         )
 
 
@@ -180,9 +183,8 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
     model = build_config_model(config, layout=False)
     algorithm.bind_model(model)
     loss = build_loss(config.train.loss, config.train.task)
-    head_warning = softmax_head_warning(model, loss)
-    if head_warning is not None:
-        log.warning(head_warning)
+    for warning in run_warnings(config, model):
+        log.warning(warning)
     return RunCore(
         config=config, run_id=run_id or uuid.uuid4().hex[:12], model=model, algorithm=algorithm,
         # The selection policy is composed here, beside the algorithm: every algorithm gets it

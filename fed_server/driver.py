@@ -165,6 +165,19 @@ async def wait_until(changed: asyncio.Event, done: Callable[[], bool], until: fl
     return True
 
 
+def registration_outcome(coordinator: Coordinator) -> str:
+    """How the run's registration ended, for the line that starts the rounds: every expected device
+    registered, or how many of them did, how many were refused (their reasons are logged) and how
+    many never registered by the deadline."""
+    registered, expected = len(coordinator.core.devices), coordinator.config.data.num_devices
+    if registered >= expected:
+        return f"all {registered} devices registered"
+    refused = coordinator.enrolment.refused_places()
+    return (f"{registered} of {expected} devices registered: {refused} refused for what they claimed, "
+            f"{max(0, expected - registered - refused)} not registered by the deadline (each refusal is logged "
+            f"as 'registration of ... refused')")
+
+
 async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, metrics: FedMetrics | None = None) -> None:
     """Run every round of the configuration, one after another.
 
@@ -180,8 +193,8 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     enrolment, progress, core = coordinator.enrolment, coordinator.progress, coordinator.core
     await wait_until(core.changed, enrolment.ready, enrolment.registration_deadline())
     await wait_until(core.changed, enrolment.ready, math.inf)
-    log.info("all %d devices registered; starting %d rounds of %s", len(core.devices),
-             coordinator.config.rounds, coordinator.config.algorithm)
+    log.info("%s; starting %d rounds of %s", registration_outcome(coordinator), coordinator.config.rounds,
+             coordinator.config.algorithm)
     recording: asyncio.Task | None = None   # the previous attempt's evaluation and record
     departing: set[asyncio.Task] = set()     # departures on their way to replicas (held until sent)
 

@@ -12,7 +12,7 @@ from fed_server.reregistrations import Reregistrations
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_registered_samples, held_out_count, max_held_out
 from shared.auth import Auth, Enrolment, RevocationList, credential_holder, device_bearer_token
-from shared.errors import Conflict, DomainError, Invalid, NotAllowed, NotFound
+from shared.errors import Conflict, DomainError, Invalid, NotAllowed, NotFound, TooSoon
 from shared.losses import label_counts_problem
 from shared.models import fingerprint_differences
 from shared.models.fingerprint import ModelFingerprint
@@ -58,10 +58,18 @@ class DeviceEnrolment:
         with authentication on, issue its device token. Enrolment under a known id (an agent
         restarted and lost its token) issues a new token and revokes the old one: the registry
         drew a new nonce (docs/security.md). A device that registered less than
-        ``deadlines.reregistration_s`` ago is refused (TooSoon, 429), changing nothing."""
+        ``deadlines.reregistration_s`` ago is refused (TooSoon, 429), changing nothing. A refusal is
+        logged with the device and its reason, but for a 429: a device re-registering in a loop
+        gets a cheap refusal per request, not a log line."""
         devices = self.core.devices
         known = req.device_id in devices.devices
-        answer = devices.enrol(req, enrolment, lambda: self._register_in_time(req))
+        try:
+            answer = devices.enrol(req, enrolment, lambda: self._register_in_time(req))
+        except TooSoon:
+            raise
+        except DomainError as exc:
+            log.warning("registration of %s refused: %s", req.device_id, exc)
+            raise
         if auth.enabled:
             if known:
                 log.warning("device %s enrolled again: its previous token is revoked", req.device_id)
@@ -235,10 +243,15 @@ class DeviceEnrolment:
         deadline, once the quorum has (a resumed run whose devices did not all come back)."""
         config, devices = self.core.config, self.core.devices
         quorum = len(devices) >= config.deadlines.min_participants
-        placed = len(devices) + sum(not devices.holds(place) for place in self._refused)
+        placed = len(devices) + self.refused_places()
         if len(devices) >= config.data.num_devices or (quorum and placed >= config.data.num_devices):
             return True
         return time.monotonic() >= self.registration_deadline() and quorum
+
+    def refused_places(self) -> int:
+        """Places no device holds whose holder's registration was refused for what it claimed."""
+        devices = self.core.devices
+        return sum(not devices.holds(place) for place in self._refused)
 
     def registration_deadline(self) -> float:
         """The monotonic time after which the quorum of registered devices suffices."""

@@ -68,6 +68,7 @@ class Progress:
         self.history: list[RoundRecord] = []
         self.stop_reason: str | None = None
         self.elapsed_before = 0.0     # run time before a restart
+        self.resumed_after: tuple[int, int] | None = None   # (rounds done, last attempt id) at the resume
         self.cumulative_bytes = 0
         self.initial = figure_fields(self.evaluate() if test_set is not None else None, core.loss.task)
 
@@ -234,6 +235,7 @@ class Progress:
         core.pace.load_state_dict(progress.device_pace)
         core.finished = progress.finished
         self.stop_reason = progress.stop_reason
+        self.resumed_after = (self.rounds_done, self.attempts)
         log.info("resumed run %s after round %d (attempt %d)", core.run_id, self.rounds_done, self.attempts)
         return True
 

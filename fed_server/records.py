@@ -171,6 +171,11 @@ class RunStatus(BaseModel):
     history: list[RoundRecord]
     summary: dict[str, Any] | None  # summary.json's contents once finished
     driver_error: str | None
+    # A run resumed from its checkpoint: the rounds done and the last attempt id handed out before
+    # the restart (the records with a round_id up to it were restored, not run again); None for a
+    # run that did not resume.
+    resumed_after_round: int | None = None
+    resumed_after_attempt: int | None = None
 
 
 def figure_fields(figures: Figures | None, task: Task) -> dict[str, float | None]:
@@ -251,5 +256,19 @@ def run_summary(history: Sequence[RoundRecord], base: Mapping[str, Any], initial
         # A run that evaluated on data it also trained on (FNR-FL's paper-reproduction option)
         # says so in its summary, not only in its round records.
         "leaky": any(r.algorithm_metrics.get("leaky") for r in history),
+        "dropped_every_round": dropped_every_round(history),
         **regression,
     }
+
+
+def dropped_every_round(history: Sequence[RoundRecord]) -> dict[str, str]:
+    """Each device that was selected and never aggregated in any attempt -> why it was left out
+    the last time (its ``left`` reason): a device that fails every task (a batch its model cannot
+    train on, data it cannot read) must not hide behind a run that reports success."""
+    aggregated = {d for r in history for d in r.aggregated}
+    last: dict[str, str] = {}
+    for record in history:
+        for device in record.selected:
+            if device not in aggregated:
+                last[device] = record.left.get(device, "not aggregated")
+    return dict(sorted(last.items()))

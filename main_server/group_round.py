@@ -29,6 +29,7 @@ from main_server.step_checks import StepChecks
 from shared.algorithms.registry import build_group_loss, build_grouping, build_member_defences
 from shared.errors import Conflict, Failed, Invalid, NotFound
 from shared.losses import build_loss, check_loss_origin, label_counts_problem
+from shared.machine import release_free_memory
 from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.round_label import round_label
 
@@ -47,7 +48,9 @@ class GroupRound:
     def __init__(self, plan: RoundPlan, on_group_done: Callable[["GroupRound", Group], Awaitable[None]],
                  metrics: MainMetrics | None = None, device: torch.device | None = None,
                  model_ref: str | None = None, executor: Executor | None = None, loss_ref: str | None = None) -> None:
-        self.plan = plan
+        # Everything of the plan but its weights, which live in ``server_weights`` (views of the
+        # plan's bytes) until the groups have loaded them into their copies (:meth:`_form_groups`).
+        self.plan = plan.model_copy(update={"server_weights": {}})
         self.executor = executor
         self.metrics = metrics
         self.device = device
@@ -68,7 +71,7 @@ class GroupRound:
         self.template = plan_model(plan, model_ref)
         self.start, self.server_weights = server_weights(plan, self.template)
         #: What each step must be to join its group's batch.
-        self.checks = StepChecks(plan, self.template)
+        self.checks = StepChecks(self.plan, self.template)
         self.groups: list[Group] | None = None
         self.group_by_device: dict[str, Group] = {}
         self.groups_ready = asyncio.Event()
@@ -85,7 +88,7 @@ class GroupRound:
         self._uploads_left: int | None = None
         self._tasks: set[asyncio.Task] = set()
         #: The joins, and when the groups form (:mod:`main_server.join_phase`).
-        self.joins = JoinPhase(plan, self._form_groups)
+        self.joins = JoinPhase(self.plan, self._form_groups)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in the background, holding the task until it ends (the loop keeps only weak
@@ -162,6 +165,8 @@ class GroupRound:
             for m in members:
                 self.group_by_device[m] = group
             self._arm_step_timer(group)
+        self.server_weights = {}   # loaded into every group's copy: the plan's bytes can go, and their pages
+        release_free_memory()
         missing = self.joins.missing()
         if self.metrics is not None:
             self.metrics.groups_formed_with([g.distance for g in self.groups], len(missing))
@@ -263,6 +268,9 @@ class GroupRound:
     def _close(self) -> None:
         self.closed.set()
         self._announce()
+        # Every group's copy was freed once its portion was encoded (or the round was replaced):
+        # the pages go back now, not at some later allocation.
+        release_free_memory()
 
     def _arm_step_timer(self, group: Group) -> None:
         if group.timer is not None:

@@ -16,6 +16,7 @@ import torch
 from shared.algorithms.group_loss import GroupLoss, PerMemberLoss
 from shared.algorithms.member_defence import Gradient, MemberDefence
 from shared.models import SplitModel
+from shared.portions import load_portion
 from shared.wire import encode_state
 
 
@@ -76,10 +77,15 @@ class GroupTrainer:
     longer counts: the group then trains as if it had been formed without it. ``defences``: the
     member defences each step applies, in order (``shared/algorithms/member_defence.py``).
 
-    ``model`` and ``weights`` arrive on the CPU (built from the plan, decoded from the wire); the
-    portion moves to the device, each step's activations and labels follow it there, and dfx and
-    :meth:`state` come back to the CPU for the wire. The blocks before ``start`` stay unused on
-    the CPU.
+    ``model`` arrives on the meta device (the plan's template: structure only) or the CPU, and
+    ``weights`` on the CPU (decoded from the wire); the portion is allocated on the device (or
+    moved there) and loaded, each step's activations and labels follow it there, and dfx and
+    :meth:`state` come back to the CPU for the wire. The blocks before ``start`` stay unused where
+    they are (on the meta device, holding no memory).
+
+    Memory: the copy's weights, its optimizer's state (SGD momentum, if any), and the gradients
+    during a step only (they are freed once it is applied); :meth:`release` frees the copy once
+    its portion has been encoded for the Fed Server.
     """
 
     def __init__(
@@ -99,7 +105,7 @@ class GroupTrainer:
         self.start = start
         self.device = device or torch.device("cpu")
         self.portion = model.portion(start, len(model.blocks))
-        self.portion.load_state_dict(dict(weights), strict=True)
+        load_portion(self.portion, weights, self.device)
         self.portion.to(self.device)
         self.portion.train()
         self.group_loss = group_loss if group_loss is not None else PerMemberLoss()
@@ -129,6 +135,17 @@ class GroupTrainer:
         self._buffers = list(self.portion.buffers())
         self._saved_buffers = [b.detach().clone() for b in self._buffers]
         self._float_buffers = [b for b in self._buffers if b.is_floating_point()]
+
+    def release(self) -> None:
+        """Free the copy's weights and optimizer state once its portion has been taken
+        (:meth:`wire_state`): a finished group's copy was held until the next round's plan
+        replaced the round. The trainer cannot step or give its state afterwards."""
+        # The optimizer and the buffer lists hold the tensors themselves, which to_empty replaces in
+        # the modules only: each reference goes, or the old storage stays.
+        self.optimizer.state.clear()
+        self.optimizer.param_groups.clear()
+        self._buffers, self._saved_buffers, self._float_buffers = [], [], []
+        self.portion.to_empty(device="meta")
 
     def state(self) -> dict[str, torch.Tensor]:
         """The trained server portion, keyed by the full model's state_dict names."""
@@ -201,6 +218,9 @@ class GroupTrainer:
         if self._own_updates is not None:
             self._count_own_updates(order, contributions, divisor, block_share)
         self.optimizer.step()
+        # The gradients are as big as the copy, and the next step makes its own: not kept between
+        # steps, where a group waits for its members (a round of several groups held one each).
+        self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         results = {}
         for b, loss, share in zip(order, member_losses, shares):

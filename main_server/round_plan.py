@@ -7,7 +7,7 @@ import logging
 import torch
 
 from shared.errors import Invalid
-from shared.models import SplitModel, build_model, check_model_origin
+from shared.models import SplitModel, build_model_layout, check_model_origin
 from shared.portions import decode_portion
 from shared.round_label import round_label
 from shared.schemas import RoundPlan
@@ -17,14 +17,15 @@ log = logging.getLogger("main_server")
 
 
 def plan_model(plan: RoundPlan, model_ref: str | None) -> SplitModel:
-    """The plan's model, with the plan's seed: Invalid for a model the plan may not name (an import
-    path is code: built only when the operator named it, ``--model``, never because a plan did;
-    docs/security.md) or that cannot be built as the plan asks (unknown, a bad input_shape or
-    num_classes: the plan's fault, not ours)."""
+    """The plan's model as a template, its structure only (on the meta device: no memory, no
+    initial weights; each group's copy allocates its own portion, :class:`GroupTrainer`): Invalid
+    for a model the plan may not name (an import path is code: built only when the operator named
+    it, ``--model``, never because a plan did; docs/security.md) or that cannot be built as the plan
+    asks (unknown, a bad input_shape or num_classes: the plan's fault, not ours)."""
     try:
         check_model_origin(plan.model, model_ref)
-        return build_model(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
-                           params=plan.model_params)
+        return build_model_layout(plan.model, plan.num_classes, tuple(plan.input_shape), seed=plan.seed,
+                                  params=plan.model_params)
     except ValueError as exc:
         log.error("refusing the plan of %s: %s", round_label(plan.round_index, plan.round_id), exc)
         raise Invalid(f"invalid plan: {exc}") from None

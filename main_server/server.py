@@ -162,5 +162,6 @@ class MainServer:
             member_weights={d: encode_state(s) for d, s in group.trainer.member_states(sorted(group.done)).items()},
             steps=group.trainer.steps, train_time_s=group.train_time_s,
         )
+        group.trainer.release()   # the upload holds the encoded portion: the copy is not needed again
         size = await self.send_portion(upload)
         log.info("round %d group %d upload done (%d bytes)", state.round_id, group.group_id, size)

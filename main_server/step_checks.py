@@ -12,13 +12,14 @@ from main_server.group_trainer import MemberBatch
 from shared.errors import Invalid
 from shared.models import SplitModel
 from shared.schemas import RoundPlan, StepRequest
+from shared.torch_device import model_device
 from shared.wire import WireError, decode_tensor
 
 
 def activation_shapes(template: SplitModel, input_shape: list[int]) -> dict[int, tuple[int, ...]]:
     """The activation shape (less the batch) entering each block of ``template``, by block index:
     what a device cut after that many blocks sends."""
-    x = torch.zeros(1, *input_shape)
+    x = torch.zeros(1, *input_shape, device=model_device(template))   # the meta device: shapes only
     template.eval()
     shapes: dict[int, tuple[int, ...]] = {}
     with torch.no_grad():

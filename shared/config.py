@@ -58,6 +58,22 @@ class SplitConfig(_Strict):
     sliding: bool | None = None
     smoothing: float = Field(0.5, gt=0, le=1)
     server_flops: float = Field(5e10, gt=0)  # Comp_s in Eq. 1 (paper: 5e10)
+    # The cut points the planner chooses among (shared.models.profile.candidate_split_points): None,
+    # every one of the model's; a number N, N of them spread over the model at its smallest
+    # activations; a list, those. A deep traced model has one per layer boundary, and S2FL's
+    # warm-up takes a round per candidate. Checked against the model by shared/run_config.py.
+    candidates: int | list[int] | None = None
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _candidates(cls, value: Any) -> Any:
+        # One line for any wrong shape, not pydantic's line per member of the union.
+        def whole(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+        if value is None or (whole(value) and value >= 1) or (isinstance(value, list) and value and all(map(whole, value))):
+            return value
+        raise ValueError(f"a number of cut points (at least 1) or a list of the model's split points, e.g. 4 or "
+                         f"[2, 5, 9]; got {value!r}")
 
 
 class GroupingConfig(_Strict):

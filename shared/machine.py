@@ -74,6 +74,23 @@ def limit_allocator_arenas(count: int) -> bool:
     return bool(mallopt(_M_ARENA_MAX, max(1, count)))
 
 
+def release_free_memory() -> bool:
+    """Give the kernel back the pages glibc's malloc holds free (``malloc_trim(0)``); whether it
+    could (False where glibc's malloc is not the allocator).
+
+    A model's tensors come from malloc's heap once glibc has raised its mmap threshold (up to 32
+    MiB), and a freed heap chunk below others stays resident: a Main Server round's freed copies
+    otherwise stayed in its resident set, round after round. Walks every arena: call it when a
+    large working set has just been freed, not per request.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
 def describe_machine() -> dict:
     """CPU model, cores, memory, OS, Python/torch versions, date and the load at the start."""
     import msgpack

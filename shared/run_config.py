@@ -28,7 +28,7 @@ from shared.data.device_transforms import check_device_transform
 from shared.data import dataset_input_shape, dataset_num_classes
 from shared.data.feature_skew import GaussianNoiseParams
 from shared.evaluation import has_server_test_set
-from shared.models import SplitModel, build_model, build_model_layout
+from shared.models import SplitModel, build_model, build_model_layout, candidate_split_points, profile_model
 from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
 
 if TYPE_CHECKING:
@@ -78,6 +78,8 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if algorithm.split_mode() != "zero" and not model.split_points:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
+    if config.split.candidates is not None:
+        candidate_split_points(profile_model(model, config.model), config.split.candidates)
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
                        (f"selection {config.selection!r}", selector.model_parts_needed())):
         for part in needs:
@@ -193,6 +195,20 @@ def build_config_model(config: RunConfig, layout: bool = True) -> SplitModel:
     build = build_model_layout if layout else build_model
     return build(config.model, dataset_num_classes(config.data), dataset_input_shape(config.data),
                  seed=config.seed, params=config.model_params)
+
+
+def run_warnings(config: RunConfig, model: SplitModel) -> list[str]:
+    """Lines a run that starts should print once, before its rounds (the Fed Server logs them, the
+    testbed's launcher prints them): a model head that does not suit the loss, and a
+    ``data.test_file`` that federated evaluation leaves unread."""
+    from shared.losses import build_loss, softmax_head_warning
+
+    lines = [softmax_head_warning(model, build_loss(config.train.loss, config.train.task))]
+    if config.evaluation.mode == "federated" and config.data.test_file is not None:
+        lines.append(f"data.test_file {config.data.test_file!r} is ignored: evaluation.mode is federated, so the "
+                     f"devices evaluate on their held-out part; set evaluation.mode: server (or auto) to evaluate "
+                     f"on the file")
+    return [line for line in lines if line is not None]
 
 
 def load_run_config(data: Mapping[str, Any]) -> RunConfig:

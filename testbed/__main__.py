@@ -12,7 +12,7 @@ from fed_server.records import read_round_records
 from shared.config import DeviceMixConfig
 from shared.service import interrupt_on_sigterm
 from testbed.config_check import CheckFailed, CheckRequest, check_in_child
-from testbed.follow import format_done, format_round
+from testbed.follow import format_done, format_resumed, format_round
 from testbed.runner import ENROLMENTS, Testbed, TestbedError, main_servers_for
 
 # The launcher imports no torch (the memory it saves: benchmarks/why-the-code-is-as-it-is.md,
@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             mains = ", ".join(testbed.main_urls) or "none (split depth zero)"
             print(f"fed server {testbed.fed_url}, main server {mains}; waiting for devices ...",
                   flush=True)
-            status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout)
+            status = testbed.follow(lambda r, s: print(format_round(r, s), flush=True), timeout=args.timeout,
+                                    on_resumed=lambda rounds: print(format_resumed(rounds), flush=True))
     except (TestbedError, TimeoutError, RuntimeError) as exc:
         print(f"testbed failed: {exc}", file=sys.stderr)
         sys.exit(1)

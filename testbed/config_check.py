@@ -42,8 +42,8 @@ class CheckResult(BaseModel):
     split_mode: Literal["zero", "fixed", "sliding"] | None = None
     torch_device: str | None = None
     usage_error: str | None = None
-    #: Lines the launcher prints before the run starts: a model whose head does not suit the loss
-    #: (:func:`shared.losses.softmax_head_warning`), as the Fed Server logs it.
+    #: Lines the launcher prints before the run starts (:func:`shared.run_config.run_warnings`), as
+    #: the Fed Server logs them.
     warnings: list[str] = []
 
 
@@ -57,8 +57,7 @@ def check(request: CheckRequest) -> CheckResult:
     import argparse
 
     from shared.algorithms.registry import build_algorithm
-    from shared.losses import build_loss, softmax_head_warning
-    from shared.run_config import ConfigError, build_config_model, exit_on_config_error, resolve_run_config
+    from shared.run_config import ConfigError, build_config_model, exit_on_config_error, resolve_run_config, run_warnings
     from shared.torch_device import torch_device_flag
 
     torch_device = None
@@ -79,9 +78,8 @@ def check(request: CheckRequest) -> CheckResult:
         exit_on_config_error(exc)
     except ValueError as exc:  # a --device-data path that is missing or ambiguous
         return CheckResult(usage_error=str(exc))
-    head = softmax_head_warning(build_config_model(config), build_loss(config.train.loss, config.train.task))
     return CheckResult(config=config, split_mode=build_algorithm(config).split_mode(),
-                       torch_device=torch_device, warnings=[head] if head else [])
+                       torch_device=torch_device, warnings=run_warnings(config, build_config_model(config)))
 
 
 def check_in_child(request: CheckRequest) -> CheckResult:

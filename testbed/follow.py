@@ -27,6 +27,9 @@ StatusFn = Callable[[int, int, float], dict]
 #: ``on_waiting(registered, expected)``: called while the run waits for its devices, each time
 #: the number registered changes (and once at first).
 WaitingFn = Callable[[int, int], None]
+#: ``on_resumed(rounds)``: called once when the run followed resumed from its checkpoint after
+#: ``rounds`` completed rounds, after the rounds it restored (when those are replayed).
+ResumedFn = Callable[[int], None]
 
 
 class FollowError(RuntimeError):
@@ -44,10 +47,15 @@ def fetch_status(fed_url: str, verify: bool | str = True) -> StatusFn:
 
 def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: float | None = None,
                wait_s: float = 1.0, retry_s: float = 0.5, patience_s: float = 120.0,
-               check: Callable[[], None] | None = None, on_waiting: WaitingFn | None = None) -> dict:
+               check: Callable[[], None] | None = None, on_waiting: WaitingFn | None = None,
+               on_resumed: ResumedFn | None = None, replay_restored: bool = True) -> dict:
     """Wait for the run to finish, calling ``on_round(record, status)`` for each new round attempt
     (and ``on_waiting`` while the run waits for its devices); return the final status, with every
     round's record.
+
+    A run resumed from its checkpoint holds the records it restored: ``on_resumed(rounds)`` is told
+    once, after them, and ``replay_restored`` False keeps them from ``on_round`` (``python -m
+    testbed`` resuming its own run: its user saw them before the interruption).
 
     Each request is held by the Fed Server until a new record is written or the run finishes
     (long-poll); ``wait_s`` bounds the hold, and so how often ``check()`` runs between records
@@ -64,6 +72,7 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
     final = False   # the run finished; the last request asks for the whole history
     printed: set[int] = set()
     registered: int | None = None   # the count last passed to on_waiting
+    announced = False                # the resume, to on_resumed
     failing_since: float | None = None
     while True:
         if check is not None:
@@ -85,14 +94,20 @@ def follow_run(status: StatusFn, on_round: ProgressFn | None = None, timeout: fl
             on_waiting(registered, answer["expected_devices"])
         if answer.get("driver_error"):
             raise FollowError(f"Fed Server round driver failed: {answer['driver_error']}")
+        restored_up_to = answer.get("resumed_after_attempt")
         for record in map(_round_record, answer["history"]):
             if record.round_id in printed:
                 continue
             printed.add(record.round_id)
             if record.status == "ok":
                 done_round = max(done_round, record.round)
-            if on_round:
+            restored = restored_up_to is not None and record.round_id <= restored_up_to
+            if not restored and restored_up_to is not None and not announced:
+                announced = _announce_resume(answer, on_resumed)
+            if on_round and (replay_restored or not restored):
                 on_round(record, answer)
+        if restored_up_to is not None and not announced:   # the history held the restored records alone
+            announced = _announce_resume(answer, on_resumed)
         if answer["state"] == "finished":
             if final or done_round == 0:
                 return answer
@@ -113,6 +128,18 @@ def _round_record(raw: dict) -> RoundRecord:
         raise FollowError(f"the Fed Server sent a record this follower cannot read: {exc}") from None
 
 
+def _announce_resume(status: dict, on_resumed: ResumedFn | None) -> bool:
+    """Tell ``on_resumed`` the rounds a resumed run had completed; True (it is told once)."""
+    if on_resumed is not None:
+        on_resumed(status["resumed_after_round"])
+    return True
+
+
+def format_resumed(rounds: int) -> str:
+    """The line that says a run resumed from its checkpoint (its earlier rounds are not run again)."""
+    return f"resumed after round {rounds}"
+
+
 def _figure(value: float | None, form: str) -> str:
     """A figure of a round line, or n/a when the round has none."""
     return "n/a" if value is None else format(value, form)
@@ -124,7 +151,7 @@ def format_round(record: RoundRecord, status: dict) -> str:
     splits = Counter(record.split_points.values())
     split_text = " ".join(f"{k}:{n}" for k, n in sorted(splits.items()))
     flag = "" if record.status == "ok" else f"  [{record.status}]"
-    dropped = f"  dropped {len(record.dropped)}" if record.dropped else ""
+    dropped = f"  dropped {len(record.dropped)}: {_names(record.dropped)}" if record.dropped else ""
     # Federated evaluation (the record counts evaluating devices) is marked "acc(fed)" ("mse(fed)");
     # a round without figures (no device reported) shows n/a.
     fed = "(fed)" if record.evaluated_devices is not None else ""
@@ -139,6 +166,12 @@ def format_round(record: RoundRecord, status: dict) -> str:
             f"splits {split_text}{dropped}{flag}")
 
 
+def _names(devices: list[str], shown: int = 3) -> str:
+    """The first ``shown`` device ids, and how many more: a round line stays one line at any scale."""
+    more = len(devices) - shown
+    return ", ".join(devices[:shown]) + (f" +{more}" if more > 0 else "")
+
+
 def format_waiting(registered: int, expected: int) -> str:
     """A line while the run waits for its devices (the rounds start when enough have registered)."""
     return f"waiting for devices: {registered} of {expected} registered"
@@ -146,7 +179,7 @@ def format_waiting(registered: int, expected: int) -> str:
 
 def format_done(summary: dict) -> str:
     """The last line: the run's summary (``summary.json``): the final accuracy, or a regression
-    run's final MSE and MAE."""
+    run's final MSE and MAE; then a line for each device dropped in every round it was selected for."""
     if "final_mse" in summary:
         figures = (f"final mse {_figure(summary['final_mse'], '.4f')} (best {_figure(summary['best_mse'], '.4f')}, "
                    f"initial {_figure(summary['initial_mse'], '.4f')}), final mae {_figure(summary['final_mae'], '.4f')}")
@@ -154,9 +187,12 @@ def format_done(summary: dict) -> str:
         final = "n/a" if summary["final_accuracy"] is None else f"{100 * summary['final_accuracy']:.2f}%"
         best = "n/a" if summary["best_accuracy"] is None else f"{100 * summary['best_accuracy']:.2f}%"
         figures = f"final accuracy {final} (best {best})"
+    # A summary written before it had dropped_every_round (a resumed older run) names none.
+    never = summary.get("dropped_every_round") or {}
+    lost = "".join(f"\n  dropped in every round it was selected for: {device} ({why})" for device, why in never.items())
     return (f"done: {summary['rounds']} rounds, {figures}, "
             f"median round {summary['median_round_time_s']:.1f}s, total {summary['total_time_s']:.1f}s, "
-            f"{summary['total_bytes'] / 1e6:.1f} MB moved")
+            f"{summary['total_bytes'] / 1e6:.1f} MB moved{lost}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         final = follow_run(status, lambda record, answer: print(format_round(record, answer), flush=True),
                            timeout=args.timeout,
-                           on_waiting=lambda count, expected: print(format_waiting(count, expected), flush=True))
+                           on_waiting=lambda count, expected: print(format_waiting(count, expected), flush=True),
+                           on_resumed=lambda rounds: print(format_resumed(rounds), flush=True))
     except FollowError as exc:
         print(f"follow failed: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -7,6 +7,7 @@ interpreter (``warm``: :mod:`testbed.warm_start` says what that changes).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,6 +24,9 @@ import httpx
 from device_agent.slices import shard_slice
 from shared.tls import tls_context
 from testbed.warm_start import WarmProcess, WarmStarter
+
+#: A line the services log at ERROR or CRITICAL (``shared.service``'s format: date, time, logger, level).
+ERROR_LINE = re.compile(r"\S+ \S+ \S+ (ERROR|CRITICAL) ")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,6 +97,18 @@ class Service:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def why_it_stopped(self, lines: int = 30) -> str:
+        """What to show of a process that exited with an error: its log from its first error line
+        on (the reason, with the traceback that follows it), at most ``lines``; its last ``lines``
+        when it logged no error. Not the whole tail: an agent started beside its servers logged
+        that the Fed Server was not reachable yet, which says nothing about why it stopped later."""
+        try:
+            log = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        errors = [i for i, line in enumerate(log) if ERROR_LINE.match(line)]
+        return "\n".join(log[errors[0]:][:lines] if errors else log[-lines:])
 
 
 @dataclass
@@ -168,7 +184,7 @@ def wait_healthy(url: str, service: Service, timeout: float = 120.0, verify: boo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not service.alive():
-            raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+            raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n{service.why_it_stopped()}")
         try:
             if httpx.get(f"{url}/healthz", timeout=2.0, verify=tls_context(verify)).status_code == 200:
                 return

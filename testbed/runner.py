@@ -18,7 +18,7 @@ from shared.imports import is_import_path
 from shared.profiles import parse_kind
 from shared.ranges import consecutive_runs
 from testbed.errors import TestbedError
-from testbed.follow import FollowError, ProgressFn, fetch_status, follow_run
+from testbed.follow import FollowError, ProgressFn, ResumedFn, fetch_status, follow_run
 from testbed.links import LinksNetwork, check_host
 from testbed.processes import ProcessGroup, SecretFiles, Service, free_port, split_evenly, wait_healthy
 from testbed.warm_start import WarmStarter
@@ -302,13 +302,16 @@ class Testbed:
         return fetch_status(self.fed_url, self.verify)(since, seen, wait_s)
 
     def follow(self, on_round: ProgressFn | None = None, timeout: float | None = None, wait_s: float = 1.0,
-               retry_s: float = 0.5) -> dict:
+               retry_s: float = 0.5, on_resumed: ResumedFn | None = None) -> dict:
         """Wait for the run to finish, calling ``on_round(record, status)`` for each new round; return
         the final status, with every round's record (:func:`testbed.follow.follow_run`: each status
         request waits for a new record; the services' processes are checked at least every
-        ``wait_s``). A failure carries the Fed Server's log tail."""
+        ``wait_s``). A failure carries the Fed Server's log tail. With ``on_resumed``, a run
+        resumed from its run directory's checkpoint calls it once with the rounds it had
+        completed, and the records it restored are not passed to ``on_round``."""
         try:
-            return follow_run(self.status, on_round, timeout, wait_s, retry_s, self.status_patience_s, self._check_services)
+            return follow_run(self.status, on_round, timeout, wait_s, retry_s, self.status_patience_s, self._check_services,
+                              on_resumed=on_resumed, replay_restored=on_resumed is None)
         except FollowError as exc:
             raise TestbedError(f"{exc}\n{self.fed.log_tail() if self.fed else ''}") from exc
 
@@ -319,13 +322,13 @@ class Testbed:
         dead_mains = [m for m in self.mains if not m.alive()]
         for service in (self.fed, *(dead_mains[:1] if len(dead_mains) == len(self.mains) else [])):
             if service is not None and not service.alive():
-                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.why_it_stopped()}")
         # A device with its own data that stopped (bad data), or the one device of an agent that
         # failed (say, in its namespace), never registers: the run would wait for it until the
         # timeout, so its one-line reason ends the run at once.
         for service in self.agent_services if self.device_data or self.agent_per_device else ():
             if not service.alive() and service.process.returncode != 0:
-                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.log_tail()}")
+                raise TestbedError(f"{service.name} exited with code {service.process.returncode}:\n{service.why_it_stopped()}")
 
     def stop(self, agent_grace_s: float = 15.0, interrupted: bool = False) -> None:
         """Give the agents a moment to collect the final model and exit on their own, then stop all

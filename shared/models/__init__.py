@@ -4,7 +4,7 @@ from shared.models.fingerprint import ModelFingerprint, fingerprint_differences,
 from shared.models.loading import (
     ModelDefinition, build_model, build_model_layout, check_model_origin, is_import_path,
 )
-from shared.models.profile import ModelProfile, SplitCost, profile_model
+from shared.models.profile import ModelProfile, SplitCost, candidate_split_points, profile_model
 from shared.models.split_model import Portion, SplitModel
 from shared.models.zoo import MODEL_NAMES
 
@@ -20,6 +20,7 @@ __all__ = [
     "SplitCost",
     "ModelProfile",
     "profile_model",
+    "candidate_split_points",
     "ModelFingerprint",
     "model_fingerprint",
     "fingerprint_differences",

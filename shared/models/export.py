@@ -12,15 +12,24 @@ torch.load("model.pt", weights_only=True))`` loads into the user's own ``net`` w
 Formats: ``pt`` (a state dict of plain tensors, ``torch.save``; loads with ``weights_only=True``),
 ``safetensors``, ``pt2`` (``torch.export``'s program, any batch size: ``torch.export.load``),
 ``torchscript`` (the blocks traced on a zero batch, for runtimes that still take TorchScript, which
-PyTorch now deprecates) and ``onnx`` (where the ``onnx`` package is installed). ``model.json`` beside them says which model
-(reference, parameters, classes, input shape) the weights are for, and :func:`load_trained` reads it.
+PyTorch now deprecates) and ``onnx`` (where the ``onnx`` package is installed: one file up to
+:data:`ONNX_SINGLE_FILE_MAX_BYTES` of weights, above it the weights in ``model.onnx.data`` beside it).
+``model.json`` beside them says which model (reference, parameters, classes, input shape) the
+weights are for, and :func:`load_trained` reads it.
+
+The exporters' own chatter is kept out of the output: ``torch.onnx``'s progress lines, its note
+that torchvision's operators are not registered, and PyTorch's deprecation warnings about its own
+internals. Any other warning an exporter raises is kept, one line each (:attr:`Exported.warnings`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
+import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +49,12 @@ FORMATS: dict[str, str] = {
 }
 #: What says which model the weights are for (read by :func:`load_trained`).
 DESCRIPTION = "model.json"
+#: Weights up to this size go inside ``model.onnx``; larger ones into ``model.onnx.data`` beside it
+#: (ONNX's protobuf file cannot pass 2 GiB, graph included). One file is what a user copies whole.
+ONNX_SINGLE_FILE_MAX_BYTES = 1 << 30
+#: The logger of ``torch.onnx``'s note, once per export, that torchvision's operators are skipped
+#: (torchvision is not installed here, and no exported model uses them).
+_ONNX_REGISTRY_LOGGER = "torch.onnx._internal.exporter._registration"
 _PREFIX = "blocks."
 
 
@@ -73,6 +88,10 @@ class Exported:
 
     files: dict[str, Path] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    #: Files a format wrote besides its own, which go with it (``onnx``: ``model.onnx.data``).
+    companions: dict[str, Path] = field(default_factory=dict)
+    #: The exporters' warnings worth reading, one line each: ``<format>: <category>: <message>``.
+    warnings: list[str] = field(default_factory=list)
 
 
 def export_model(model: SplitModel, state: Mapping[str, torch.Tensor], out_dir: str | Path,
@@ -93,15 +112,23 @@ def export_model(model: SplitModel, state: Mapping[str, torch.Tensor], out_dir: 
     done = Exported()
     for fmt in formats:
         path = out / FORMATS[fmt]
-        try:
-            reason = _write(fmt, path, weights, net, example)
-        except Exception as exc:   # one format failing (a model torch cannot trace) leaves the others
-            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        companion = path.with_name(path.name + ".data")
+        if fmt == "onnx":
+            companion.unlink(missing_ok=True)   # an earlier, larger export's: not this model's weights
+        with _exporters_quiet() as caught:
+            try:
+                reason = _write(fmt, path, weights, net, example)
+            except Exception as exc:   # one format failing (a model torch cannot trace) leaves the others
+                reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        done.warnings += [line for line in (f"{fmt}: {w}" for w in caught) if line not in done.warnings]
         if reason is None:
             done.files[fmt] = path
+            if fmt == "onnx" and companion.exists():
+                done.companions[fmt] = companion
         else:
             done.skipped[fmt] = reason
-    info = {**(description or {}), "keys": list(weights), "files": {f: p.name for f, p in done.files.items()}}
+    info = {**(description or {}), "keys": list(weights), "files": {f: p.name for f, p in done.files.items()},
+            **({"companions": {f: p.name for f, p in done.companions.items()}} if done.companions else {})}
     (out / DESCRIPTION).write_text(json.dumps(info, indent=2) + "\n")
     return done
 
@@ -113,21 +140,52 @@ def _write(fmt: str, path: Path, weights: dict[str, torch.Tensor], net: nn.Modul
     elif fmt == "safetensors":
         if importlib.util.find_spec("safetensors") is None:
             return "the safetensors package is not installed (pip install safetensors)"
-        from safetensors.torch import save_file
-        save_file(weights, str(path))
+        from safetensors.torch import save
+        # Written as any file here is (save_file creates its file owner-only, 0600 where the
+        # others get the umask's 0644).
+        path.write_bytes(save(weights))
     elif fmt == "pt2":
-        batch = torch.export.Dim("batch", min=1)
-        torch.export.save(torch.export.export(net, (example.expand(2, *example.shape[1:]),),
-                                              dynamic_shapes=({0: batch},)), str(path))
+        torch.export.save(torch.export.export(net, (_batch_of_two(example),), dynamic_shapes=_ANY_BATCH), str(path))
     elif fmt == "torchscript":
         with torch.no_grad():
             torch.jit.trace(net, example).save(str(path))
     elif fmt == "onnx":
         if importlib.util.find_spec("onnx") is None:
             return "the onnx package is not installed (pip install onnx onnxscript)"
-        torch.onnx.export(net, (example,), str(path), input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+        size = sum(t.numel() * t.element_size() for t in weights.values())
+        torch.onnx.export(net, (_batch_of_two(example),), str(path), input_names=["input"], output_names=["logits"],
+                          dynamic_shapes=_ANY_BATCH, external_data=size > ONNX_SINGLE_FILE_MAX_BYTES, verbose=False)
     return None
+
+
+#: The exported programs' input: any batch size (the first dimension), the rest as built.
+_ANY_BATCH = ({0: torch.export.Dim("batch", min=1)},)
+
+
+def _batch_of_two(example: torch.Tensor) -> torch.Tensor:
+    """``example`` as a batch of two: an example batch of one would pin the batch size to 1."""
+    return example.expand(2, *example.shape[1:])
+
+
+@contextlib.contextmanager
+def _exporters_quiet() -> Iterator[list[str]]:
+    """Record the warnings raised inside (one line each, into the list given) but PyTorch's
+    deprecations of its own internals, and hold back ``torch.onnx``'s torchvision note."""
+    registry = logging.getLogger(_ONNX_REGISTRY_LOGGER)
+    level = registry.level
+    registry.setLevel(logging.ERROR)
+    kept: list[str] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield kept
+    finally:
+        registry.setLevel(level)
+    for w in caught:
+        if not issubclass(w.category, (DeprecationWarning, FutureWarning)):
+            line = f"{w.category.__name__}: {' '.join(str(w.message).split())[:300]}"
+            if line not in kept:
+                kept.append(line)
 
 
 def load_trained(path: str | Path) -> nn.Module:

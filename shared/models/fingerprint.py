@@ -19,7 +19,7 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, model_validator
 
 from shared.data.datasets import (
     CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, MNIST_MEAN, MNIST_STD,
@@ -126,6 +126,19 @@ class ModelFingerprint(BaseModel):
         """sha256 (hex) of :meth:`canonical_json`."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _same_format(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> "ModelFingerprint":
+        # A fingerprint computed by another version of this code lacks fields or has unknown ones:
+        # say so, and what to update, rather than pydantic's bare "Field required" per field.
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            problem = format_problem(exc)
+            if problem is None:
+                raise
+            raise ValueError(problem) from None
+
     @model_validator(mode="after")
     def _digest(self) -> "ModelFingerprint":
         # Filled when empty (built here); a received one must match its own fields, so a digest
@@ -136,6 +149,30 @@ class ModelFingerprint(BaseModel):
         elif self.digest != expected:
             raise ValueError("fingerprint digest does not match its fields")
         return self
+
+
+def format_problem(exc: ValidationError) -> str | None:
+    """What a fingerprint's validation errors say about its format, or None when every field is
+    there and known (a wrong value: pydantic's own message stands). A missing field means older
+    software computed it, an unknown one newer software; the line names the fields and what to
+    update. The receiver may be either side: the Fed Server reading a registration, or a device
+    reading ``GET /v1/run``."""
+    def fields(kind: str) -> list[str]:
+        return [".".join(str(p) for p in e["loc"]) for e in exc.errors() if e["type"] == kind]
+    missing, unknown = fields("missing"), fields("extra_forbidden")
+    if not missing and not unknown:
+        return None
+    named = "; ".join(part for part in (f"without {', '.join(missing)}" if missing else "",
+                                        f"with {', '.join(unknown)} unknown here" if unknown else "") if part)
+    if missing and not unknown:
+        return (f"the fingerprint is in an older format ({named}): update the software that computed it (the "
+                f"device agent, or your own device's fingerprint code: docs/models.md#the-fingerprint) to this "
+                f"version, or send none (accepted unchecked)")
+    if unknown and not missing:
+        return (f"the fingerprint is in a newer format ({named}): update this side to the version of the software "
+                f"that computed it")
+    return (f"the fingerprint is in another format ({named}): run the same version of the software on the device "
+            f"and the Fed Server")
 
 
 def model_fingerprint(model: SplitModel, spec: DataSpec, loss: str = DEFAULT_LOSS,

@@ -10,6 +10,7 @@ activations and pooling are not counted (negligible next to conv/matmul).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from shared.models.split_model import SplitModel
+from shared.ranges import consecutive_runs
 
-__all__ = ["SplitCost", "ModelProfile", "profile_model"]
+__all__ = ["SplitCost", "ModelProfile", "profile_model", "candidate_split_points"]
 
 
 @dataclass(frozen=True)
@@ -167,3 +169,39 @@ def profile_model(model: SplitModel, name: str = "") -> ModelProfile:
         for k in model.split_points
     )
     return ModelProfile(model=name, total_param_bytes=total_bytes, total_flops=total_flops, splits=splits)
+
+
+def candidate_split_points(profile: ModelProfile, candidates: int | Sequence[int] | None) -> list[int]:
+    """The split points a run's planner chooses among (``split.candidates``, docs/configuration.md),
+    ascending; ValueError, one line, for a setting the model cannot meet.
+
+    None: every split point of the model. A list: those split points, each the model's, listed once
+    in increasing order. A number N: the model's split points cut into N consecutive stretches of
+    (nearly) equal length, and from each the one whose activation (the bytes a device sends per
+    sample) is smallest, the earlier of equal ones. The stretches keep the choice spread from
+    shallow to deep cuts, which a sliding split needs; within each the cheapest cut to send wins.
+    """
+    points = [s.k for s in profile.splits]
+    if candidates is None:
+        return points
+    model = f"model {profile.model!r}" if profile.model else "the model"
+    if isinstance(candidates, int):
+        if not 1 <= candidates <= len(points):
+            raise ValueError(f"split.candidates: {candidates} cut points, but {model} has {len(points)} split "
+                             f"point(s) ({_points(points)}): give at most {len(points)}")
+        stretches = [points[i * len(points) // candidates:(i + 1) * len(points) // candidates]
+                     for i in range(candidates)]
+        return [min(stretch, key=lambda k: (profile.cost(k).activation_bytes, k)) for stretch in stretches]
+    chosen = list(candidates)
+    unknown = [k for k in chosen if k not in points]
+    if unknown:
+        raise ValueError(f"split.candidates: {unknown} {'is not a split point' if len(unknown) == 1 else 'are not split points'} "
+                         f"of {model} (its split points: {_points(points)})")
+    if not chosen or chosen != sorted(set(chosen)):
+        raise ValueError(f"split.candidates: {chosen}: list split points once each, in increasing order")
+    return chosen
+
+
+def _points(points: Sequence[int]) -> str:
+    """Split points as runs: ``1-27``, ``1-3, 5``."""
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in consecutive_runs(points)) or "none"

@@ -1,7 +1,8 @@
 """A model from the user's own package (not the zoo) through the real services: trained under S2FL
 and FedAvg by devices that read their own ``.npz`` files (S2FL with federated evaluation, FedAvg
-with the server's test file), and a device whose copy of the package builds a different model
-refused at registration."""
+with the server's test file), a BatchNorm model under FedAvg whose device's last batch would hold
+one sample, and a device whose copy of the package builds a different model refused at
+registration."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from fed_server.run_dir import RunDirectory
+from fed_server.update_checks import shard_sizes
 from integration_support import read_metrics, server_pair, small_config, wait_for, write_raw_mnist
 from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from shared.models import build_model, model_fingerprint
@@ -101,6 +103,27 @@ def _check_export(run_dir: Path, out: Path, state: dict, test: tuple[Path, float
         with torch.no_grad():
             correct = (net((x - MNIST_MEAN) / MNIST_STD).argmax(1) == y).sum().item()
         assert correct / len(y) == pytest.approx(recorded, abs=1.5 / len(y)), (correct, len(y), recorded)
+
+
+@pytest.mark.parametrize("algorithm,model", [("fedavg", "batchnorm_model:net"), ("sfl", "batchnorm_model:device_net")])
+def test_a_device_whose_last_batch_holds_one_sample_keeps_training_a_batchnorm_layer(algorithm, model, tmp_path,
+                                                                                       user_package):
+    # A BatchNorm1d layer trains on the device: under FedAvg in the whole model, under SFL in the
+    # device's portion (the cut after block 3). 101 = 4 x 25 + 1 samples used to end every
+    # round in a step PyTorch refuses, and the device was dropped every round while the run
+    # reported success. Now that lone sample sits out its epoch (in split mode the device tells the
+    # Main Server one step fewer) and both devices are aggregated.
+    config = small_config(algorithm=algorithm, model=model, **{
+        "data.num_devices": 2, "data.partition": "iid", "data.max_samples": 201, "train.batch_size": 25,
+        "grouping.group_size": 2, "deadlines.min_participants": 1})
+    assert [n % 25 for n in shard_sizes(config.data)] == [1, 0]
+    run_dir = tmp_path / "run"
+    with Testbed(config, run_dir, warm=shared_starter()) as testbed:
+        status = testbed.follow(timeout=240)
+    metrics = read_metrics(run_dir)
+    assert status["state"] == "finished" and [m["status"] for m in metrics] == ["ok", "ok"], metrics
+    assert [(sorted(m["aggregated"]), m["dropped"], m["left"]) for m in metrics] == [(["dev-000", "dev-001"], [], {})] * 2
+    assert status["summary"]["dropped_every_round"] == {}
 
 
 def test_a_device_whose_package_builds_another_model_is_refused(tmp_path, user_package):

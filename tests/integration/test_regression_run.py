@@ -5,7 +5,9 @@ falls well below the baseline of predicting the training mean."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,3 +85,20 @@ def test_a_regression_model_learns_below_the_mean_baseline(algorithm, tmp_path, 
     summary = status["summary"]
     assert summary["final_mse"] == last["test_mse"] and summary["final_mae"] == last["test_mae"]
     assert summary["initial_mse"] > summary["final_mse"] and summary["final_accuracy"] is None
+    if algorithm == "fedavg":   # one export is enough: it reads the run directory, whoever trained it
+        _check_regression_export(run_dir, tmp_path / "export", last)
+
+
+def _check_regression_export(run_dir: Path, out: Path, last: dict) -> None:
+    """``python -m fed_server export`` of a regression run prints and writes the recorded MSE and
+    MAE (it printed no figure, and model.json held test_accuracy: null), and nothing else of the
+    exporters'."""
+    done = subprocess.run([sys.executable, "-m", "fed_server", "export", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"global model of round {ROUNDS}, test mse {last['test_mse']:.4f}, test mae {last['test_mae']:.4f}:"
+    assert "[torch.onnx]" not in done.stdout + done.stderr and "warning" not in done.stdout + done.stderr, done
+    info = json.loads((out / "model.json").read_text())
+    assert (info["task"], info["test_mse"], info["test_mae"]) == ("regression", last["test_mse"], last["test_mae"])
+    assert "test_accuracy" not in info

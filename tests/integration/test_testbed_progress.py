@@ -144,4 +144,11 @@ def test_ctrl_c_stops_the_testbed_at_once_and_the_command_it_prints_resumes_the_
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "done: 5 rounds" in resumed.stdout
+    # It says once that it resumed, and prints only the rounds it runs: the restored ones used to
+    # be printed again, exactly as before, as if the run had started over.
+    said = [line for line in resumed.stdout.splitlines() if line.startswith("resumed after round ")]
+    assert len(said) == 1, resumed.stdout
+    after = int(said[0].rsplit(" ", 1)[1])
+    printed = [int(line.split()[1].split("/")[0]) for line in resumed.stdout.splitlines() if line.startswith("round ")]
+    assert 1 <= after < 5 and printed == list(range(after + 1, 6)), resumed.stdout
     assert [m["round"] for m in read_metrics(run_dir) if m["status"] == "ok"] == [1, 2, 3, 4, 5]

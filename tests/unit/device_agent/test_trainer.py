@@ -105,6 +105,37 @@ def test_steps_per_round(n, bs, epochs, expected):
         assert len(list(batches(_index_dataset(n), bs, epochs, seed=0))) == expected
 
 
+def test_a_portion_that_normalises_over_the_batch_never_trains_on_a_batch_of_one():
+    # 260 = 7 x 37 + 1: with BatchNorm in the trained portion each epoch's lone last sample sits
+    # out (a different one each epoch, the order being reshuffled), and the step count says so.
+    n, bs, epochs = 260, 37, 3
+    got = list(batches(_index_dataset(n), bs, epochs, seed=4, no_single=True))
+    assert [len(_indices(b)) for b in got] == [37] * 7 * epochs
+    assert len(got) == steps_per_round(n, bs, epochs, no_single=True) == 21
+    left_out = [set(range(n)) - {i for b in got[7 * e:7 * (e + 1)] for i in _indices(b)} for e in range(epochs)]
+    assert all(len(s) == 1 for s in left_out) and len(set.union(*left_out)) > 1, left_out
+    # The same batches as without the rule but for that sample; other sizes are untouched.
+    plain = list(batches(_index_dataset(n), bs, epochs, seed=4))
+    assert [_indices(b) for b in plain if len(_indices(b)) > 1] == [_indices(b) for b in got]
+    for size, batch_size in ((259, 37), (39, 37), (1, 37), (37, 37), (5, 1)):
+        assert steps_per_round(size, batch_size, 1, no_single=True) == steps_per_round(size, batch_size, 1)
+        assert len(list(batches(_index_dataset(size), batch_size, 1, seed=0, no_single=True))) \
+            == steps_per_round(size, batch_size, 1)
+
+
+def test_train_round_keeps_a_batchnorm_model_whose_last_batch_would_hold_one_sample():
+    # FedAvg trains resnet8 (BatchNorm in every stage) on the device: 21 = 2 x 10 + 1 samples
+    # used to end in a step PyTorch refuses ("Expected more than 1 value per channel").
+    resnet = build_model("resnet8", num_classes=2, input_shape=SHAPE, seed=0)
+    n_blocks = len(resnet.blocks)
+    weights = _weights(resnet, n_blocks)
+    result = train_round(resnet, n_blocks, weights, _separable(21), TrainSettings(0.05, 0.0, 0.0, 10, 1, 0),
+                         TrainContext(RoundClock(None)))
+    assert result.steps == steps_per_round(21, 10, 1, no_single=True) == 2
+    assert not any(torch.equal(v, weights[k]) for k, v in resnet.portion(0, n_blocks).state_dict().items()
+                   if k.endswith("running_mean"))
+
+
 # ------------------------------------------------------------------------------------ local (depth zero)
 def _eval_loss(model, weights, data) -> float:
     m = copy.deepcopy(model)

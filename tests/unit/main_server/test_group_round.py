@@ -250,6 +250,22 @@ def test_step_barrier_trains_once_for_the_whole_group(kit):
     kit.run(body)
 
 
+def test_a_round_holds_no_model_of_its_own_and_lets_the_plans_weights_go_once_its_groups_have_them(kit):
+    # The template is structure only (the meta device), the round keeps the plan without its
+    # weights, and once every group has loaded them into its copy the decoded weights (views of
+    # the plan's bytes) go too: a round used to hold the template's initial weights, the plan's
+    # bytes and every group's copy until the next plan replaced it.
+    async def body() -> None:
+        state = GroupRound(kit.make_plan(["a", "b"]), kit.Uploads())
+        assert all(t.is_meta for t in state.template.state_dict().values())
+        assert state.plan.server_weights == {} and state.server_weights
+        await kit.joined(state, "a", "b")
+        assert state.server_weights == {}
+        copy_ = state.groups[0].trainer
+        assert not any(p.is_meta for p in copy_.portion.parameters())
+    kit.run(body)
+
+
 def test_steps_that_are_not_a_members_next_one_are_refused_and_drop_nobody(kit):
     async def body() -> None:
         state = GroupRound(kit.make_plan(["a", "b", "c"], grouping="singleton", join_s=kit.FAST), kit.Uploads())

@@ -587,3 +587,23 @@ def test_members_own_states_average_back_to_the_group_copy_and_tell_the_members_
     head = "blocks.head.weight"
     assert not torch.allclose(states["b"][head], states["c"][head])   # each its own part
     assert trainer.member_states([]) == {} and plain.member_states(["a"]) == {}
+
+
+def test_a_copy_of_a_structure_only_template_allocates_its_portion_alone_and_keeps_no_gradients(model):
+    # The Main Server's template is built on the meta device: each group allocates the blocks it
+    # trains, nothing else. The gradients, as big as the copy, are freed once a step is applied
+    # (a group waiting for its members held one copy's worth), and release() frees the copy.
+    with torch.device("meta"):
+        template = build_model("cnn", seed=0)
+    weights = {k: v.clone() for k, v in model.portion(2, len(model.blocks)).state_dict().items()}
+    trainer = GroupTrainer(copy.deepcopy(template), 2, weights, lr=LR)
+    assert all(p.is_meta for name in ("conv1", "conv2") for p in trainer.model.blocks[name].parameters())
+    assert not any(p.is_meta for p in trainer.portion.parameters())
+    assert all(torch.equal(v, weights[k]) for k, v in trainer.state().items())
+    reference = _trainer(model, 2)
+    b = _member(model, "d0", 2, 4, seed=3)
+    _assert_close(trainer.step([b])["d0"].dfx, reference.step([b])["d0"].dfx)
+    assert all(p.grad is None for p in trainer.portion.parameters())
+    trainer.release()
+    assert all(t.is_meta for t in (*trainer.portion.parameters(), *trainer.portion.buffers()))
+    assert trainer.optimizer.param_groups == [] and not trainer.optimizer.state

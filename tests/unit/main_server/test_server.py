@@ -134,4 +134,6 @@ def test_a_refused_portion_is_not_sent_again_and_a_server_error_is(kit, status, 
             server.trainers.shutdown()
         assert uploads == [b"/v1/rounds/1/server-portions"] * tries
         assert state.undelivered == [state.groups[0].group_id]
+        # The portion was encoded once for every try: the group's copy was freed before the first.
+        assert all(p.is_meta for p in state.groups[0].trainer.portion.parameters())
     kit.run(body)

@@ -162,3 +162,30 @@ def test_a_device_with_another_loss_or_task_has_another_fingerprint():
     other = model_fingerprint(model, SPEC, "mse", "regression")
     assert fingerprint_differences(other, run) == ["loss: 'mse' here, 'cross_entropy' on the server",
                                                    "task: 'regression' here, 'classification' on the server"]
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda fp: {k: v for k, v in fp.items() if k not in ("loss", "task")},
+     "the fingerprint is in an older format (without loss, task): update the software that computed it"),
+    (lambda fp: {**fp, "weights_sha256": "0" * 64},
+     "the fingerprint is in a newer format (with weights_sha256 unknown here): update this side"),
+    (lambda fp: {**{k: v for k, v in fp.items() if k != "task"}, "weights_sha256": "0" * 64},
+     "the fingerprint is in another format (without task; with weights_sha256 unknown here): run the same version"),
+])
+def test_a_fingerprint_of_another_versions_format_says_what_to_update(change, words):
+    # An older agent's fingerprint (before loss and task) was refused with pydantic's bare
+    # "Field required" twice, which says nothing about what to do.
+    received = change(_fp().model_dump(mode="json"))
+    with pytest.raises(ValidationError) as refused:
+        RegisterRequest(device_id="dev-000", shard=0, num_samples=10, profile=DeviceProfileMsg(flops=1e9),
+                        fingerprint=received)
+    message = str(refused.value)
+    assert words in message and "Field required" not in message and "Extra inputs" not in message, message
+    (error,) = refused.value.errors()
+    assert error["loc"] == ("fingerprint",), error
+
+
+def test_a_wrong_value_in_a_fingerprint_of_this_format_keeps_its_own_message():
+    with pytest.raises(ValidationError, match="num_classes") as refused:
+        ModelFingerprint.model_validate({**_fp().model_dump(mode="json"), "num_classes": "ten"})
+    assert [e["type"] for e in refused.value.errors()] == ["int_parsing"]

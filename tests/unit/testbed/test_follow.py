@@ -51,3 +51,40 @@ def test_a_record_the_follower_cannot_read_ends_the_follow_in_one_line(monkeypat
     assert exited.value.code == 1
     assert capsys.readouterr().err == ("follow failed: the Fed Server sent a record this follower cannot read: "
                                        "not a round record: elapsed_s: Field required\n")
+
+
+def test_the_round_line_and_the_last_lines_name_the_dropped_devices(round_record):
+    status = {"rounds_total": 2, "initial": {"test_accuracy": 0.1}}
+    record = round_record(round=2, round_id=2, aggregated=["d0"], split_points={"d0": 3, "d1": 3}, dropped=["d1"])
+    assert follow.format_round(record, status).endswith("splits 3:2  dropped 1: d1")
+    many = [f"d{i}" for i in range(1, 6)]
+    assert follow.format_round(round_record(dropped=many), status).endswith("dropped 5: d1, d2, d3 +2")
+    summary = {"rounds": 2, "final_accuracy": 0.5, "best_accuracy": 0.5, "median_round_time_s": 1.0,
+               "total_time_s": 2.0, "total_bytes": 2e6, "dropped_every_round": {"d1": "withdrew: ValueError: ..."}}
+    assert follow.format_done(summary).splitlines()[1:] == [
+        "  dropped in every round it was selected for: d1 (withdrew: ValueError: ...)"]
+
+
+def test_a_resumed_run_is_announced_once_after_its_restored_rounds(round_record):
+    def _record(round_index: int) -> dict:
+        return round_record(round=round_index, round_id=round_index).to_json()
+
+    # Rounds 1 to 3 were restored from the checkpoint (attempts up to 3); 4 and 5 run now.
+    resumed = {"resumed_after_round": 3, "resumed_after_attempt": 3, "rounds_done": 3}
+    answers = iter([
+        {**resumed, "state": "waiting_for_devices", "registered": 0, "expected_devices": 2, "records": 3,
+         "history": [_record(1), _record(2), _record(3)]},
+        {**resumed, "state": "running", "records": 4, "history": [_record(4)]},
+        {**resumed, "state": "finished", "records": 5, "history": [_record(5)]},
+        {**resumed, "state": "finished", "records": 5, "history": [_record(r) for r in range(1, 6)]},
+    ])
+    events: list[str] = []
+    follow.follow_run(lambda since, seen, wait_s: next(answers), lambda record, _: events.append(f"round {record.round}"),
+                      on_resumed=lambda rounds: events.append(follow.format_resumed(rounds)), replay_restored=False)
+    assert events == ["resumed after round 3", "round 4", "round 5"]
+    # A follower that replays the history (python -m testbed.follow) puts the line where the restart was.
+    answers = iter([{**resumed, "state": "finished", "records": 5, "history": [_record(r) for r in range(1, 6)]}] * 2)
+    events.clear()
+    follow.follow_run(lambda since, seen, wait_s: next(answers), lambda record, _: events.append(f"round {record.round}"),
+                      on_resumed=lambda rounds: events.append(follow.format_resumed(rounds)))
+    assert events == ["round 1", "round 2", "round 3", "resumed after round 3", "round 4", "round 5"]

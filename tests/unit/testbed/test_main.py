@@ -90,6 +90,22 @@ def test_data_args_go_to_the_testbed_with_device_data_only(tmp_path, monkeypatch
     assert "--data-arg is for the functions of --device-data" in capsys.readouterr().err
 
 
+def test_a_test_file_that_federated_evaluation_leaves_unread_is_warned_of_once(tmp_path, monkeypatch, capsys):
+    # evaluation.mode: federated with data.test_file used to ignore the file without a word.
+    np.savez(tmp_path / "test.npz", x=np.zeros((2, 1, 1, 3)), y=np.zeros(2, dtype=int))
+    data = {"dataset": "local", "num_classes": 2, "input_shape": [1, 1, 3], "test_file": str(tmp_path / "test.npz")}
+    for mode, warned in (("federated", 1), ("server", 0)):
+        config = tmp_path / f"{mode}.yaml"
+        config.write_text(yaml.safe_dump({"algorithm": "fedavg", "model": "logreg", "data": data,
+                                          "evaluation": {"mode": mode}}))
+        _testbed_of(["--config", str(config), "--device-data", "pkg.mod:load"], tmp_path, monkeypatch)
+        lines = [line for line in capsys.readouterr().out.splitlines() if "test.npz" in line]
+        assert len(lines) == warned, lines
+        if warned:
+            assert lines[0].startswith(f"warning: data.test_file '{tmp_path / 'test.npz'}' is ignored: evaluation.mode "
+                                       "is federated"), lines
+
+
 def test_paper_scale_is_one_flag_and_other_flags_win(tmp_path, monkeypatch):
     default = _config_of([], tmp_path, monkeypatch)
     assert (default.algorithm, default.data.num_devices, default.per_round, default.rounds) == ("s2fl", 10, 10, 20)

@@ -7,6 +7,7 @@ import pytest
 from device_agent.agent import parse_data_args
 from fed_server.records import RoundRecord
 from shared.config import RunConfig
+from testbed.processes import Service
 from testbed.runner import Testbed, TestbedError
 
 FINISHED = {"state": "finished", "records": 0, "history": [], "rounds_done": 1, "rounds_total": 1, "summary": {}}
@@ -215,3 +216,39 @@ def test_an_agents_shards_go_on_its_command_line_as_ranges_in_their_order():
 
     for shards, text in (([0, 1, 2, 5], "0-2,5"), ([3], "3"), ([7, 8, 1], "7-8,1"), (list(range(100_000)), "0-99999")):
         assert _shard_list(shards) == text and parse_shards(text) == shards
+
+
+class _Exited:
+    """A child process that has exited with ``code`` (None: still running)."""
+
+    def __init__(self, code: int | None) -> None:
+        self.returncode = code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def test_an_agent_that_stops_on_bad_data_ends_the_run_with_its_reason_not_its_start_up_warning(tmp_path):
+    # The agent started beside the servers and said once that the Fed Server was not reachable yet;
+    # seconds later it refused its data and exited. The testbed's failure used to show its whole
+    # log tail, that unrelated warning among it.
+    local = RunConfig.model_validate({"data": {"dataset": "local", "num_classes": 10, "input_shape": [1, 28, 28]}})
+    testbed = Testbed(local, tmp_path, device_data=["bad.npz"])
+    log = tmp_path / "agent-0.log"
+    reason = "dev0-bad: not registered: bad.npz: field 'y' has labels 0..10, outside 0..9 (data.num_classes = 10)"
+    log.write_text(
+        "2026-12-05 08:48:52,289 device_agent WARNING waiting for the Fed Server at http://127.0.0.1:1: not reachable "
+        "yet (ConnectError: [Errno 111] Connection refused); retrying\n"
+        "2026-12-05 08:48:58,718 device_agent INFO the Fed Server at http://127.0.0.1:1 is reachable (after 6.4 s)\n"
+        f"2026-12-05 08:49:04,498 device_agent ERROR {reason}\n")
+    testbed.fed = Service("fed_server", _Exited(None), tmp_path / "fed.log")
+    testbed.agent_services.append(Service("agent-0", _Exited(1), log, "device_agent"))
+    with pytest.raises(TestbedError) as failed:
+        testbed._check_services()
+    assert str(failed.value).splitlines() == ["agent-0 exited with code 1:", f"2026-12-05 08:49:04,498 device_agent ERROR {reason}"]
+
+
+def test_a_process_that_logged_no_error_shows_its_last_lines(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("".join(f"line {i}\n" for i in range(40)))
+    assert Service("x", _Exited(1), log).why_it_stopped(lines=3) == "line 37\nline 38\nline 39"
