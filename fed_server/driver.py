@@ -197,7 +197,9 @@ async def confirm_replicas(coordinator: Coordinator, fed_round: FedRound, settin
         return
     def known() -> bool:
         return all(fed_round.replica_known_at(url, at) for url, at in misses.items())
-    await wait_until(coordinator.core.changed, known, time.monotonic() + settings.replica_timeout_s + settings.heartbeat_s)
+    # Its loss is declared after replica_timeout_s of silence; a heartbeat more for the slack.
+    until = time.monotonic() + settings.replica_timeout_s + settings.heartbeat_s
+    await wait_until(coordinator.core.changed, known, until)
     for url, at in misses.items():
         if not fed_round.replica_known_at(url, at):
             coordinator.replicas.lost(fed_round, url, "not heard from after its devices missed their deadlines")
