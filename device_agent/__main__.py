@@ -59,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m device_agent",
         description="Device agent: trains its client portion and talks to the Fed Server and Main Server "
                     "(outbound calls only). One process can host many virtual devices.",
-        epilog="Exit codes: 0 the run finished; 1 a device stopped with an error (e.g. its --data); 2 a usage error, "
-               "a run this agent cannot train, or a device whose registration the Fed Server refused (a shard that "
+        epilog="Exit codes: 0 the run finished; 1 a device stopped with any other error (the Fed Server unreachable for "
+               "too long, a fault); 2 a usage "
+               "error, a run this agent cannot train, or a device that did not register: its --data refused (missing, "
+               "unreadable, a link out of its folder) or its registration refused by the Fed Server (a shard that "
                "does not exist or is held already, a sample count or model the run rules out, a credential that does "
                "not cover it), whether or not the agent's other devices trained on to the end.")
     _add_data_flags(parser)
@@ -167,10 +169,11 @@ def _devices(parser: argparse.ArgumentParser, args: argparse.Namespace
              ) -> tuple[list[LocalSource], dict[str, str], list[int], list[str]]:
     """The devices the flags describe: their ``--data`` sources and ``--data-arg`` keywords, or
     their shards, and their emulated kinds. A usage error (exit 2, one line) for flags that do
-    not fit together or do not parse."""
+    not fit together or do not parse; a ``--data`` value that cannot be read is a device of its
+    own that stops alone (:func:`shared.data.local.device_sources`)."""
     from device_agent.agent import local_device_ids, parse_data_args, parse_shards
     from device_agent.slices import agent_shards
-    from shared.data.local import data_sources
+    from shared.data.local import device_sources
     from shared.profiles import parse_kind
 
     if args.data and args.shards is not None:
@@ -182,7 +185,7 @@ def _devices(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("--slice takes a block of --shards; a --data agent hosts the devices of its own files")
     try:
         limits = FileLimits(max_bytes=args.max_data_bytes, max_pixels=args.max_image_pixels)
-        sources = [source for path in args.data for source in data_sources(path, limits)]
+        sources = [source for path in args.data for source in device_sources(path, limits)]
         data_args = parse_data_args(args.data_arg)
         local_device_ids(sources, args.prefix, args.device_id)
         shards = [] if sources else parse_shards(args.shards or "0")
@@ -192,7 +195,7 @@ def _devices(parser: argparse.ArgumentParser, args: argparse.Namespace
         kinds = [k for k in args.kinds.split(",") if k.strip()]
         for k in kinds:
             parse_kind(k)
-    except ValueError as exc:  # DataError included: a --data path that is missing or ambiguous
+    except ValueError as exc:
         parser.error(str(exc))
     return sources, data_args, shards, kinds
 

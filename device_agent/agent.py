@@ -210,20 +210,28 @@ class Agent:
             raise RunRefused(str(exc)) from None
 
     def run(self) -> int:
-        """Check the run (:meth:`check_run`, which may raise :class:`RunRefused`), then run the
-        devices until each has ended: one device on its own loop, several in the agent's task
-        session. The exit code: 2 if the Fed Server refused any device's registration (a
-        configuration problem, which a restart does not fix; the agent's other devices train on
-        to the end), else 1 if any device failed, else 0."""
+        """Stop at once each device whose ``--data`` was refused when it was listed
+        (:attr:`LocalSource.refused`), check the run (:meth:`check_run`, which may raise
+        :class:`RunRefused`), then run the other devices until each has ended: one device on its
+        own loop, several in the agent's task session. The exit code: 2 if any device did not
+        register because its data or the Fed Server refused it (a configuration problem, which a
+        restart does not fix; the agent's other devices train on to the end), else 1 if any device
+        failed, else 0."""
+        for device in self.devices:
+            if device.source is not None and device.source.refused is not None:
+                self._failed(device, DataError(device.source.refused))
+        devices = [device for device in self.devices if device.device_id not in self.errors]
         try:
+            if not devices:
+                return self._exit_code()
             info, layout = self.check_run()
-            if len(self.devices) == 1:
-                device = self.devices[0]
+            if len(devices) == 1:
+                device = devices[0]
                 thread = self._start(device.device_id, self._guarded, device, lambda: device.run(info, layout))
                 while thread.is_alive():
                     thread.join(0.5)
             else:
-                session = self._start_session(info, layout)
+                session = self._start_session(devices, info, layout)
                 while not session.ended.wait(0.5):
                     pass
         except KeyboardInterrupt:
@@ -237,16 +245,20 @@ class Agent:
         finally:
             self.compute.close()
             self.states.close()
-        if any(isinstance(exc, RegistrationRefused) for exc in self.errors.values()):
+        return self._exit_code()
+
+    def _exit_code(self) -> int:
+        """:meth:`run`'s exit code from the devices' errors so far."""
+        if any(isinstance(exc, (DataError, RegistrationRefused)) for exc in self.errors.values()):
             return 2
         return 1 if self.errors else 0
 
-    def _start_session(self, info: RunInfo, layout: SplitModel) -> AgentTasks:
-        """Set the devices up on :data:`SETUP_THREADS` threads; the agent's session registers them
+    def _start_session(self, devices: list[Device], info: RunInfo, layout: SplitModel) -> AgentTasks:
+        """Set ``devices`` up on :data:`SETUP_THREADS` threads; the agent's session registers them
         in batches and runs their tasks."""
-        session = AgentTasks(self.tasks_fed, self.devices, self.stop, self._failed)
+        session = AgentTasks(self.tasks_fed, devices, self.stop, self._failed)
         session.start()
-        waiting = deque(self.devices)
+        waiting = deque(devices)
 
         def set_up_each() -> None:
             while not self.stop.is_set():
@@ -258,7 +270,7 @@ class Agent:
                     session.end(device)   # its error is recorded
                 elif not self.stop.is_set():
                     session.register(device)
-        for index in range(min(SETUP_THREADS, len(self.devices))):
+        for index in range(min(SETUP_THREADS, len(devices))):
             self._start(f"set-up-{index}", set_up_each)
         return session
 

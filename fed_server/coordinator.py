@@ -118,7 +118,8 @@ class Coordinator:
         core, config = self.core, self.config
         attempt = self.progress.next_attempt()
         index = self.progress.rounds_done + 1
-        pool = self._selectable(core.algorithm.eligible(core.devices.ids()), index, attempt)
+        # A device a lost Main Server replica may still hold cannot take a task (replica_planning.py).
+        pool = self._selectable(self.replicas.free(core.algorithm.eligible(core.devices.ids())), index, attempt)
         selected = core.selector.select(RoundContext(index=index, attempt=attempt), pool,
                                         min(config.per_round, len(pool)), self.rng)
         splits = self.planner.choose(index, selected)

@@ -37,27 +37,40 @@ log = logging.getLogger("fed_server")
 #: restarting). Not a timeout: a replica that took a plan's body and sent no answer within
 #: ``replica_timeout_s`` is frozen or overloaded, and each further try would cost that again.
 PLAN_RETRY_ON = (httpx.NetworkError, httpx.RemoteProtocolError, ServiceError)
+#: A set-aside replica's health probes (:func:`probe_replica`): the wait after the first failed
+#: one, doubled after each next one up to the last. A replica that is down costs a request now and
+#: then; one that comes back is used again within about the longest wait.
+PROBE_FIRST_WAIT_S = 0.5
+PROBE_LONGEST_WAIT_S = 5.0
+#: A replica whose watch stream says nothing for this many heartbeats has failed for the attempt
+#: (``ReplicaPlanning.heard``): one heartbeat missed, not a line merely late on a busy replica.
+SILENT_HEARTBEATS = 2
 
 
 async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: FedServerSettings) -> None:
-    """POST each replica its round plan, all at once. A replica that does not accept is down for
-    this attempt: its groups are spread again over those that did, which get their new plan (the
-    same round id replaces the open one there). No replica accepts: the round is marked failed.
+    """POST each replica that is not set aside its round plan, all at once. A replica that does not
+    accept is set aside (``ReplicaPlanning.set_aside``): its groups are spread again over those that
+    did, which get their new plan (the same round id replaces the open one there). No replica
+    accepts: the round is marked failed.
 
     The plan phase is part of the attempt, so its waits are bounded: each try by
     ``replica_timeout_s`` (no answer by then is no answer), and each pass over the replicas by what
     is left of ``deadlines.join_s`` since the attempt began (at least one try's time, so the
-    replicas left after a refusal still get their new plans). A replica that was down before gets
-    one try, not ``plan_retries``: a dead replica must not cost the backoff every round; a live one
-    that restarted accepts at the first try.
+    replicas left after a refusal still get their new plans). With every replica set aside, the
+    plan phase waits, within the same budget, for one to answer its health check.
     """
-    live = list(coordinator.replicas.urls)
-    if not live:
+    replicas = coordinator.replicas
+    if not replicas.urls:
         fed_round.plan_failed = "no Main Server URL is configured (--main-server-url)"
         return
+    budget_ends = fed_round.started_at + coordinator.config.deadlines.join_s
+    if not await wait_until(coordinator.core.changed, lambda: bool(replicas.available()), budget_ends):
+        fed_round.plan_failed = ("every Main Server replica is set aside until it answers its health check: "
+                                 + "; ".join(f"{url} ({why})" for url, why in replicas.down.items()))
+        return
+    live = replicas.available()
     errors: dict[str, str] = {}
     fed_round.plan_bytes = 0
-    budget_ends = fed_round.started_at + coordinator.config.deadlines.join_s
     async with service_client(settings.auth.service_headers(), settings.ca_file,
                               timeout=settings.replica_timeout_s) as client:
         async def post(url: str, plan: RoundPlan, within_s: float) -> str | None:
@@ -66,9 +79,9 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
 
             async def attempt() -> Ack:
                 return decode_response(await post_body(client, f"{url.rstrip('/')}{API}/rounds", body), Ack)
-            tries = coordinator.replicas.plan_tries(url, settings.plan_retries)
             try:
-                await asyncio.wait_for(retry_async(attempt, Backoff(tries, first_delay_s=0.5), PLAN_RETRY_ON,
+                backoff = Backoff(settings.plan_retries, first_delay_s=0.5)
+                await asyncio.wait_for(retry_async(attempt, backoff, PLAN_RETRY_ON,
                                                    f"round {fed_round.index} (attempt {fed_round.round_id}): "
                                                    f"plan to Main Server {url}"), within_s)
                 return None
@@ -80,12 +93,13 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
                 return str(exc)
 
         while live:
-            plans = coordinator.replicas.plans(fed_round, live)
+            plans = replicas.plans(fed_round, live)
             within_s = max(settings.replica_timeout_s, budget_ends - time.monotonic())
             outcomes = await asyncio.gather(*(post(url, plan, within_s) for url, plan in plans.items()))
             refused = {url: error for url, error in zip(plans, outcomes) if error is not None}
-            for url in plans:
-                coordinator.replicas.plan_answered(url, accepted=url not in refused)
+            for url, error in refused.items():
+                replicas.set_aside(url, f"did not accept the plan of round {fed_round.index} (attempt "
+                                        f"{fed_round.round_id}): {error}")
             errors.update(refused)
             if not refused:
                 return
@@ -119,9 +133,10 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
     (``ReplicaPlanning.lost``). Events, not polling: a killed process closes its connection
     at once; a frozen or cut-off one falls silent and times out.
 
-    Every line names the members the replica has dropped so far, which leave the attempt at once
-    (``ReplicaPlanning.dropped``); at ``done``, its devices without a stored group
-    portion leave it too (``ReplicaPlanning.done``)."""
+    Every line says the replica was alive then (``ReplicaPlanning.heard``, which takes a gap of
+    :data:`SILENT_HEARTBEATS` heartbeats as a failure) and names the members it has dropped so far,
+    which leave the attempt at once (``ReplicaPlanning.dropped``); at ``done``, its devices without
+    a stored group portion leave it too (``ReplicaPlanning.done``)."""
     timeout = httpx.Timeout(10.0, read=settings.replica_timeout_s)
     endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/watch"
     try:
@@ -132,9 +147,13 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
                     reason = f"watch answered HTTP {response.status_code}"
                 else:
                     reason = "watch stream ended before its last line"
+                    last = time.monotonic()
                     async for line in response.aiter_lines():
                         if not line.strip():
                             continue
+                        now = time.monotonic()
+                        coordinator.replicas.heard(fed_round, url, now - last, SILENT_HEARTBEATS * settings.heartbeat_s)
+                        last = now
                         watch = RoundWatch.model_validate_json(line)
                         coordinator.replicas.dropped(fed_round, url, watch.dropped)
                         if watch.state == "done":
@@ -146,6 +165,44 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
     except (httpx.HTTPError, ValidationError) as exc:
         reason = f"watch failed: {exc!r}"
     coordinator.replicas.lost(fed_round, url, reason)
+
+
+async def probe_replica(coordinator: Coordinator, url: str, settings: FedServerSettings) -> None:
+    """Ask set-aside replica ``url``'s ``GET /healthz`` until it answers 200, then put it back
+    (``ReplicaPlanning.back``). Each try waits at most ``replica_timeout_s``: a frozen replica's
+    kernel takes the request, and the process answers it as soon as it runs again. Between failed
+    tries the wait grows from :data:`PROBE_FIRST_WAIT_S` to :data:`PROBE_LONGEST_WAIT_S`."""
+    wait_s = PROBE_FIRST_WAIT_S
+    async with service_client(settings.auth.service_headers(), settings.ca_file,
+                              timeout=settings.replica_timeout_s) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url.rstrip('/')}/healthz")).status_code == 200:
+                    coordinator.replicas.back(url)
+                    return
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, PROBE_LONGEST_WAIT_S)
+
+
+async def confirm_replicas(coordinator: Coordinator, fed_round: FedRound, settings: FedServerSettings) -> None:
+    """Before the attempt closes, learn whether each replica whose devices missed a deadline was
+    alive after they did (``FedRound.unconfirmed_misses``): its next watch line (a heartbeat, within
+    ``heartbeat_s``) says it was, and the devices are charged; its failure (a silent gap, or its
+    loss after ``replica_timeout_s`` of silence) says the misses were its own. A device frozen out
+    by its replica is thus never charged, even when the attempt could end before the replica's
+    silence is known; a round without missed deadlines does not wait here. A replica still not
+    heard from at the end of the wait (its watch ended some other way) is lost."""
+    misses = fed_round.unconfirmed_misses(time.monotonic())
+    if not misses:
+        return
+    def known() -> bool:
+        return all(fed_round.replica_known_at(url, at) for url, at in misses.items())
+    # Its loss is declared after replica_timeout_s of silence; a heartbeat more for the slack.
+    until = time.monotonic() + settings.replica_timeout_s + settings.heartbeat_s
+    await wait_until(coordinator.core.changed, known, until)
+    for url, at in misses.items():
+        if not fed_round.replica_known_at(url, at):
+            coordinator.replicas.lost(fed_round, url, "not heard from after its devices missed their deadlines")
 
 
 async def wait_until(changed: asyncio.Event, done: Callable[[], bool], until: float) -> bool:
@@ -203,6 +260,13 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
         departing.add(task)
         task.add_done_callback(departing.discard)
     core.on_departure = depart
+    probes: set[asyncio.Task] = set()        # health probes of the replicas set aside
+
+    def probe(url: str) -> None:
+        task = asyncio.get_running_loop().create_task(probe_replica(coordinator, url, settings))
+        probes.add(task)
+        task.add_done_callback(probes.discard)
+    coordinator.replicas.on_set_aside = probe
     try:
         while not core.finished:   # a resumed run may have finished already
             fed_round = await _train_attempt(coordinator, settings)
@@ -221,6 +285,8 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
                 # Back off before retrying, so a Main Server that is restarting gets time to come back.
                 await asyncio.sleep(min(10.0, 0.5 * 2 ** progress.failed_in_a_row))
     finally:
+        for task in list(probes):
+            task.cancel()
         if recording is not None:   # stopped mid-run: the record being written is finished, not torn
             with contextlib.suppress(Exception):
                 await asyncio.shield(recording)
@@ -251,6 +317,8 @@ async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) 
         log.warning("round %d (attempt %d): deadline of %.0fs passed; completing with %d of %d updates",
                     fed_round.index, fed_round.round_id, fed_round.deadline_s, len(fed_round.updates),
                     len(fed_round.assignments))
+    if watchers:
+        await confirm_replicas(coordinator, fed_round, settings)
     for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
         watcher.cancel()
     return coordinator.close_round()

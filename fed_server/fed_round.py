@@ -1,6 +1,7 @@
 """One round at the Fed Server: who was selected, where each is cut, what has come back."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -103,11 +104,22 @@ class FedRound:
     # Taken out of the attempt by the Fed Server, each with why (no report, a refused upload, a
     # withdrawal, dropped at the Main Server, no group portion): the attempt waits for none of them.
     excluded: dict[str, str] = field(default_factory=dict)
+    excluded_at: dict[str, float] = field(default_factory=dict)   # when each was taken out (monotonic)
     # Several Main Server replicas: the groups the Fed Server formed (group id -> members) and the
     # replica each one went to; None with one replica (it forms the groups from the joins).
     planned_groups: dict[int, list[str]] | None = None
     group_replica: dict[int, str] = field(default_factory=dict)
     lost_replicas: list[str] = field(default_factory=list)   # replicas lost during this attempt, in order
+    # Replicas that failed during this attempt (lost, or silent past a heartbeat), each with what
+    # happened: their devices' missed deadlines in it are the replica's, not the devices'.
+    failed_replicas: dict[str, str] = field(default_factory=dict)
+    # When each replica's watch stream last spoke in this attempt (monotonic), and the replicas
+    # whose stream ended with ``done``: what tells that a replica was alive at a given moment.
+    heard: dict[str, float] = field(default_factory=dict)
+    finished_replicas: set[str] = field(default_factory=set)
+    # Devices selected while a replica lost in an earlier attempt may still hold them (selected only
+    # to reach the quorum), each with that replica: a deadline they miss is the replica's.
+    held_by: dict[str, str] = field(default_factory=dict)
 
     @property
     def context(self) -> RoundContext:
@@ -133,8 +145,10 @@ class FedRound:
         """Take selected ``devices`` out of the attempt for ``reason``; the ones newly taken out.
         A device keeps the first reason it was taken out for: that is what stopped it."""
         new = {d for d in devices if d in self.assignments and d not in self.excluded}
+        now = time.monotonic()
         for device in sorted(new):
             self.excluded[device] = reason
+            self.excluded_at[device] = now
         return new
 
     def left(self, used: Collection[str]) -> dict[str, str]:
@@ -148,13 +162,47 @@ class FedRound:
         missing = "no Main Server replica accepted the round plan" if self.plan_failed is not None else NO_UPLOAD
         # Every uploader that is not aggregated was dropped by one server or the other, so a
         # device with neither reason never uploaded.
-        return {d: self.excluded.get(d) or at_main_server.get(d) or missing
+        left = {d: self.excluded.get(d) or at_main_server.get(d) or missing
                 for d in sorted(set(self.assignments) - set(used))}
+        for device, why in left.items():   # a deadline a failed replica made it miss is the replica's
+            url = self.assignments[device].main_server_url
+            if why not in MISSED_DEADLINE:
+                continue
+            if url in self.failed_replicas:
+                left[device] = f"its Main Server replica {url} {self.failed_replicas[url]}"
+            elif device in self.held_by:
+                left[device] = f"still held by Main Server replica {self.held_by[device]}, lost in an earlier attempt"
+        return left
 
     def missed_deadline(self, used: Collection[str]) -> set[str]:
         """The selected devices the attempt had to wait a deadline for: they never joined their
-        group, never reported or never uploaded (:data:`MISSED_DEADLINE`)."""
+        group, never reported or never uploaded (:data:`MISSED_DEADLINE`), their replica alive."""
         return {d for d, why in self.left(used).items() if why in MISSED_DEADLINE}
+
+    def unconfirmed_misses(self, now: float) -> dict[str, float]:
+        """Per Main Server replica, the latest moment one of its devices missed a deadline (taken
+        out for one, or still awaited ``now``, when the attempt ends), for the replicas not known to
+        have been alive then (:meth:`replica_known_at`): their failure may yet explain the miss."""
+        misses: dict[str, float] = {}
+        waiting = self.waiting()
+        for device, assignment in self.assignments.items():
+            url = assignment.main_server_url
+            if url is None:
+                continue
+            if device in waiting:
+                at = now
+            elif self.excluded.get(device) in MISSED_DEADLINE:
+                at = self.excluded_at[device]
+            else:
+                continue
+            misses[url] = max(at, misses.get(url, at))
+        return {url: at for url, at in misses.items() if not self.replica_known_at(url, at)}
+
+    def replica_known_at(self, url: str, at: float) -> bool:
+        """Whether replica ``url``'s state at the moment ``at`` is known: its watch stream spoke at or
+        after it, or ended with ``done``, or the replica failed in this attempt."""
+        return (url in self.failed_replicas or url in self.finished_replicas
+                or self.heard.get(url, -math.inf) >= at)
 
     def wait_began(self, device_id: str) -> float:
         """When the attempt began waiting for the device's upload: when it took its task, or when

@@ -55,7 +55,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_fed_test_loss", "gauge", (), "global model's mean test cross-entropy after the last round (the initial model's before round 1)"),
     MetricSpec("sfl_fed_train_loss", "gauge", (), "sample-weighted mean training loss of the last round's aggregated devices"),
     MetricSpec("sfl_fed_round_bytes_total", "counter", ("direction",), "bytes of completed rounds as in the round record: up (device to servers), down (servers to devices), server (between the servers)"),
-    MetricSpec("sfl_fed_main_server_replicas_live", "gauge", (), "configured Main Server replicas that accepted their last plan and were not lost since"),
+    MetricSpec("sfl_fed_main_server_replicas_live", "gauge", (), "configured Main Server replicas not set aside (one that did not accept a plan or was lost is set aside until it answers its health check)"),
     MetricSpec("sfl_fed_checkpoint_writes_total", "counter", (), "checkpoint.msgpack writes (one per completed round)"),
     *HTTP_METRICS,
 )

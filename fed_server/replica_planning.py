@@ -1,6 +1,7 @@
 """The Main Server replicas as the Fed Server sees them (docs/deployment.md, "Main Server
-replicas"): each attempt's round plans and which replica holds which group, the replicas that are
-down, and what a replica's watch stream says (members dropped, all groups ended, the replica lost).
+replicas"): each attempt's round plans and which replica holds which group, the replicas set aside
+until they answer their health check, the devices a lost replica may still hold, and what a
+replica's watch stream says (it spoke, members dropped, all groups ended, the replica lost).
 
 With one replica it groups the devices that join, as in the paper; with several, the Fed Server
 forms each attempt's groups and spreads them over the replicas.
@@ -8,7 +9,8 @@ forms each attempt's groups and spreads them over the replicas.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from fed_server.fed_round import FedRound
 from fed_server.run_core import RunCore
@@ -61,9 +63,15 @@ class ReplicaPlanning:
         self.urls = list(dict.fromkeys(main_server_urls or []))
         self.input_shape = input_shape
         self.num_classes = num_classes
-        # Replicas that refused the last plan sent to them or were lost during an attempt: their
-        # plans get a single try (a dead replica must not cost the plan retries every round).
-        self.down: set[str] = set()
+        #: Replicas set aside, each with why: they did not accept a plan, or were lost during an
+        #: attempt. No attempt is planned onto one until it answers its health check (:meth:`back`).
+        self.down: dict[str, str] = {}
+        #: Called with a replica's URL when it is set aside (the round driver probes its health).
+        self.on_set_aside: Callable[[str], None] | None = None
+        #: Devices that had taken their task on a replica when it was lost: device -> (the replica,
+        #: when). Their calls to it may hang until it answers or their task's deadline passes, so
+        #: they are not selected until they call the Fed Server again (:meth:`free`).
+        self.held: dict[str, tuple[str, float]] = {}
 
     @property
     def groups_at_fed_server(self) -> bool:
@@ -71,20 +79,45 @@ class ReplicaPlanning:
         replica, so the Fed Server forms them (from label counts sent at registration)."""
         return len(self.urls) > 1
 
+    def available(self) -> list[str]:
+        """The configured replicas an attempt may be planned onto: those not set aside, in order."""
+        return [url for url in self.urls if url not in self.down]
+
     def live(self) -> int:
-        """Configured replicas that accepted their last plan and were not lost since."""
-        return len(set(self.urls) - self.down)
+        """How many replicas are not set aside."""
+        return len(self.available())
 
-    def plan_tries(self, url: str, retries: int) -> int:
-        """How often a plan is tried on ``url``: once for a replica that is down, else ``retries``."""
-        return 1 if url in self.down else retries
+    def set_aside(self, url: str, why: str) -> None:
+        """Plan no attempt onto replica ``url`` until it answers its health check (:meth:`back`):
+        a replica that did not accept a plan or was lost would otherwise cost every later attempt
+        its timeout. Nothing for a replica already set aside."""
+        if url in self.down:
+            return
+        self.down[url] = why
+        log.warning("Main Server replica %s set aside (%s): no attempt is planned onto it until it answers its "
+                    "health check", url, why)
+        if self.on_set_aside is not None:
+            self.on_set_aside(url)
 
-    def plan_answered(self, url: str, accepted: bool) -> None:
-        """Replica ``url`` accepted its plan (it is up) or did not (it is down)."""
-        if accepted:
-            self.down.discard(url)
-        else:
-            self.down.add(url)
+    def back(self, url: str) -> None:
+        """Replica ``url`` answered its health check: the next attempts are planned onto it again."""
+        if self.down.pop(url, None) is not None:
+            log.info("Main Server replica %s answers its health check again: attempts are planned onto it again", url)
+            self.core.changed.set()   # a plan phase waiting for a replica goes on
+
+    def free(self, devices: Sequence[str]) -> list[str]:
+        """``devices`` less those a lost replica may still hold (:attr:`held`), unless fewer than
+        the quorum would be left: then all of them (an attempt of fewer would fail anyway, and a
+        deadline a held one misses is not charged: :meth:`plans` marks them). A held device is free
+        again once it has called the Fed Server since (asked for work, uploaded, registered): its
+        call to the lost replica has ended."""
+        registry = self.core.devices.devices
+        for device, (_, since) in list(self.held.items()):
+            record = registry.get(device)
+            if record is None or record.last_seen > since:
+                del self.held[device]
+        free = [d for d in devices if d not in self.held]
+        return free if len(free) >= self.core.config.deadlines.min_participants else list(devices)
 
     def plans(self, fed_round: FedRound, live: Sequence[str]) -> dict[str, RoundPlan]:
         """The round plan of each replica in ``live`` that gets devices, and every assignment's
@@ -99,6 +132,7 @@ class ReplicaPlanning:
         """
         if not live:
             raise ValueError("no live Main Server replica to plan for")
+        fed_round.held_by.update((d, self.held[d][0]) for d in fed_round.assignments if d in self.held)
         if len(self.urls) == 1:
             for assignment in fed_round.assignments.values():
                 assignment.main_server_url = live[0]
@@ -156,18 +190,43 @@ class ReplicaPlanning:
             max_activation=config.grouping.max_activation,
         )
 
+    def heard(self, fed_round: FedRound, url: str, gap_s: float, silent_s: float) -> None:
+        """A line of replica ``url``'s watch stream of the open attempt arrived, ``gap_s`` after the
+        one before (or the stream's start). A gap over ``silent_s`` (missed heartbeats: frozen for a
+        while, or cut off) is a failure of the replica: its devices' missed deadlines in this
+        attempt are not theirs (:meth:`FedRound.left`)."""
+        if self.core.round is not fed_round:
+            return
+        fed_round.heard[url] = time.monotonic()
+        if gap_s > silent_s and url not in fed_round.failed_replicas:
+            fed_round.failed_replicas[url] = f"fell silent for {gap_s:.1f}s"
+            log.warning("round %d (attempt %d): Main Server replica %s fell silent for %.1fs; no device of it is "
+                        "charged a missed deadline in this attempt", fed_round.index, fed_round.round_id, url, gap_s)
+        self.core.changed.set()
+
     def lost(self, fed_round: FedRound, url: str, reason: str) -> None:
         """Replica ``url`` is gone during the open attempt (its watch stream broke or fell silent):
         its devices whose group portion has not arrived are excluded, so the attempt completes with
-        the other replicas' groups (or fails below the quorum and is retried, the usual rules).
-        Groups it already uploaded stay. Nothing for a closed attempt or a replica already lost."""
+        the other replicas' groups (or fails below the quorum and is retried, the usual rules), and
+        none of its devices is charged a missed deadline in it. Groups it already uploaded stay. The
+        replica is set aside, and the excluded devices that had taken their task are held
+        (:attr:`held`). Nothing for a closed attempt or a replica already lost."""
         if self.core.round is not fed_round or url in fed_round.lost_replicas:
             return
         fed_round.lost_replicas.append(url)
-        self.down.add(url)
-        log.warning("round %d (attempt %d): Main Server replica %s lost (%s)", fed_round.index, fed_round.round_id,
-                    url, reason)
-        self._exclude_without_portion(fed_round, url, f"its Main Server replica {url} was lost ({reason})")
+        fed_round.failed_replicas[url] = f"was lost ({reason})"
+        label = f"round {fed_round.index} (attempt {fed_round.round_id})"
+        log.warning("%s: Main Server replica %s lost (%s)", label, url, reason)
+        uncovered = self._exclude_without_portion(fed_round, url, f"its Main Server replica {url} was lost ({reason})")
+        stranded = sorted(d for d in uncovered if fed_round.assignments[d].dispatched_at is not None
+                          and d not in fed_round.updates)
+        now = time.monotonic()
+        self.held.update((d, (url, now)) for d in stranded)
+        if stranded:
+            log.warning("%s: %s took their task on Main Server replica %s: not selected until they call the Fed "
+                        "Server again", label, ", ".join(stranded), url)
+        self.core.changed.set()   # a close waiting to know whether the replica was alive goes on
+        self.set_aside(url, f"lost in {label}")
 
     def done(self, fed_round: FedRound, url: str, undelivered: Sequence[int]) -> None:
         """Replica ``url`` says every group of the open attempt has ended (its watch stream's
@@ -176,6 +235,7 @@ class ReplicaPlanning:
         ``undelivered``: the groups whose portion it could not deliver (named in the reason)."""
         if self.core.round is not fed_round:
             return
+        fed_round.finished_replicas.add(url)
         why = f" (groups {sorted(undelivered)} could not be delivered)" if undelivered else ""
         self._exclude_without_portion(fed_round, url, f"its group portion never arrived{why}")
 
@@ -190,11 +250,13 @@ class ReplicaPlanning:
             if assignment is not None and assignment.main_server_url == url:
                 self.core.exclude(fed_round, [device], f"dropped by the Main Server: {why}")
 
-    def _exclude_without_portion(self, fed_round: FedRound, url: str, reason: str) -> None:
+    def _exclude_without_portion(self, fed_round: FedRound, url: str, reason: str) -> set[str]:
         """Take out replica ``url``'s devices of the attempt that no stored group portion covers:
-        groups it already uploaded stay."""
+        groups it already uploaded stay. Returns those devices, taken out now or before."""
         mine = {d for d, a in fed_round.assignments.items() if a.main_server_url == url}
-        self.core.exclude(fed_round, mine - fed_round.covered_by_portions(), reason)
+        uncovered = mine - fed_round.covered_by_portions()
+        self.core.exclude(fed_round, uncovered, reason)
+        return uncovered
 
     def portion_replicas(self, fed_round: FedRound, group_id: int) -> list[str]:
         """The replicas a group portion of the attempt may come from: its planned replica, or with

@@ -70,7 +70,9 @@ class TaskDispatch:
         """A polling device's next instruction.
 
         Every device, selected or not, is told the final global model's ``weights_id`` when the
-        run is done; a device that keeps its model fetches it, a virtual one does not.
+        run is done; a device that keeps its model fetches it, a virtual one does not. A device
+        taken out of the attempt before it took its task gets none: its upload would be refused, and
+        the replica its task names may be gone.
         """
         core = self.core
         core.devices.get(device_id)
@@ -91,7 +93,7 @@ class TaskDispatch:
             return self._follow_up_for(fed_round, device_id)
         if fed_round.assignments[device_id].dispatched_at is not None:  # one task per device and round; a follow-up may come
             return TaskResponse(status="wait", retry_after_s=SOON_RETRY_S)
-        if device_id in fed_round.excluded:   # taken out before its task (it registered again)
+        if device_id in fed_round.excluded:   # taken out before its task (it registered again, its replica was lost)
             return TaskResponse(status="wait", retry_after_s=IDLE_RETRY_S)
         return self._training_task(fed_round, device_id)
 

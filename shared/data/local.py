@@ -26,7 +26,9 @@ Import paths come only from the operator's command line, never from a message.
 from __future__ import annotations
 
 import csv
+import errno
 import math
+import os
 import warnings
 import zipfile
 import zlib
@@ -52,6 +54,7 @@ __all__ = [
     "LocalSource",
     "apply_input_transform",
     "data_sources",
+    "device_sources",
     "load_csv",
     "load_image_folder",
     "load_local",
@@ -437,11 +440,59 @@ def _check_cell(cell: str, dtype: type, message: str) -> None:
         raise DataError(message) from None
 
 
-def _class_folders(folder: Path, num_classes: int) -> list[tuple[int, Path]]:
-    """(class index, sub-folder) of an image folder: numeric names are the class index; otherwise
-    the position in the sorted names, and then every class needs its folder (an empty one for a
-    class this device does not have) so that all devices map names to the same indices."""
-    subs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+def _link_problem(entry: Path, root: Path) -> str | None:
+    """Why ``entry``, found in a folder inside the resolved folder ``root``, may not be followed, or
+    None: a symbolic link whose target is outside ``root``, that loops (back to a folder that holds
+    it, or through links that never end) or that leads nowhere. A device reads only its own data
+    folder: a link out of it would hand the run files the operator never named."""
+    if not entry.is_symlink():
+        return None
+    try:
+        target = Path(os.path.realpath(entry, strict=True))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return (f"{entry}: a symbolic link that loops (to {os.readlink(entry)}, which never leads to a file "
+                    f"or folder)")
+        return f"{entry}: a symbolic link that cannot be followed (to {os.readlink(entry)}: {exc.strerror or exc})"
+    if not target.is_relative_to(root):
+        return f"{entry}: a symbolic link to {target}, outside the data folder {root}"
+    if Path(os.path.realpath(entry.parent)).is_relative_to(target):
+        return f"{entry}: a symbolic link that loops (to {target}, a folder that holds it)"
+    return None
+
+
+def _entries(folder: Path, root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The entries of ``folder`` that a device may read, sorted, and those it may not with the
+    reason (:func:`_link_problem`, against the resolved ``root``). Hidden entries are neither:
+    they are never read."""
+    readable: list[Path] = []
+    refused: list[tuple[Path, str]] = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        problem = _link_problem(entry, root)
+        if problem is None:
+            readable.append(entry)
+        else:
+            refused.append((entry, problem))
+    return readable, refused
+
+
+def _device_entries(folder: Path, root: Path) -> list[Path]:
+    """The entries of ``folder``, inside the device's data folder ``root`` (resolved), once none
+    of them is a link the device may not follow (:class:`DataError` naming the first)."""
+    readable, refused = _entries(folder, root)
+    if refused:
+        raise DataError(refused[0][1])
+    return readable
+
+
+def _class_folders(folder: Path, root: Path, num_classes: int) -> list[tuple[int, Path]]:
+    """(class index, sub-folder) of the image folder ``folder`` (``root``, resolved): numeric names
+    are the class index; otherwise the position in the sorted names, and then every class needs its
+    folder (an empty one for a class this device does not have) so that all devices map names to
+    the same indices."""
+    subs = [d for d in _device_entries(folder, root) if d.is_dir()]
     if not subs:
         raise DataError(f"{folder}: no class sub-folders (an image folder holds one sub-folder per class)")
     if all(d.name.isdigit() for d in subs):
@@ -457,9 +508,14 @@ def _class_folders(folder: Path, num_classes: int) -> list[tuple[int, Path]]:
     return list(enumerate(subs))
 
 
-def _image_files(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.iterdir()
-                  if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in IMAGE_SUFFIXES)
+def _image_files(folder: Path, root: Path) -> list[Path]:
+    """The image files of the class folder ``folder`` of the device folder ``root`` (resolved)."""
+    return [f for f in _device_entries(folder, root) if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]
+
+
+def _resolved(folder: Path) -> Path:
+    """``folder`` with every symbolic link on its way followed: the data folder links are checked against."""
+    return Path(os.path.realpath(folder))
 
 
 def load_image_folder(path: str | Path, spec: DataSpec, limits: FileLimits | None = None,
@@ -469,7 +525,8 @@ def load_image_folder(path: str | Path, spec: DataSpec, limits: FileLimits | Non
     (1: Pillow's "L", 3: "RGB") and transformed one at a time, so their sizes may differ when
     ``input_transform.resize`` is set. Each image's size is checked from its header before it is
     decoded (:func:`_check_image_size`). Class folders give class labels: a regression ``task``
-    is refused."""
+    is refused. A symbolic link in the folder or a class folder that leaves the folder, loops or
+    leads nowhere is refused (:func:`_link_problem`); hidden entries are not read."""
     assert spec.num_classes is not None and spec.input_shape is not None
     if task == "regression":
         raise DataError(f"{path}: an image folder's sub-folders are classes, but the run is a regression task: "
@@ -491,8 +548,9 @@ def load_image_folder(path: str | Path, spec: DataSpec, limits: FileLimits | Non
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
     xs: list[torch.Tensor] = []
     ys: list[int] = []
-    for label, sub in _class_folders(folder, spec.num_classes):
-        for f in _image_files(sub):
+    root = _resolved(folder)
+    for label, sub in _class_folders(folder, root, spec.num_classes):
+        for f in _image_files(sub, root):
             try:
                 with Image.open(f) as img:   # reads the header only
                     _check_image_size(img.size, spec, limits, str(f))
@@ -549,16 +607,20 @@ class LocalSource:
     """One device's data: ``ref`` is an .npz file, an image folder or an import path; ``name``
     (the file's stem, the folder's or the function's name) becomes part of the device id;
     ``limits`` bound what its files may hold (the agent's ``--max-data-bytes`` and
-    ``--max-image-pixels``)."""
+    ``--max-image-pixels``). ``refused``: why ``ref`` cannot be read at all, found when its
+    ``--data`` value was listed (:func:`device_sources`); the device stops with it, alone."""
 
     name: str
     ref: str
     limits: FileLimits = field(default_factory=FileLimits)
+    refused: str | None = None
 
     def load(self, spec: DataSpec, data_args: dict[str, str] | None = None,
              task: Task = "classification") -> ArrayDataset:
         """The device's samples as model inputs for the run's ``task``; :class:`DataError` for
         anything unusable."""
+        if self.refused is not None:
+            raise DataError(self.refused)
         return load_local(self.ref, spec, data_args or {}, self.limits, task)
 
 
@@ -595,8 +657,18 @@ def load_data_file(path: str | Path, spec: DataSpec, limits: FileLimits | None =
     raise DataError(f"{p}: unsupported data file {p.name!r}: use .npz, .csv{other_sources}")
 
 
+def _is_data_file(path: Path) -> bool:
+    return path.suffix.lower() in DATA_FILE_SUFFIXES
+
+
 def _holds_images(folder: Path) -> bool:
-    return any(f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES for f in folder.iterdir())
+    return any(not f.name.startswith(".") and f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+               for f in folder.iterdir())
+
+
+def _source_name(path: Path) -> str:
+    """The name a device of ``path`` gets: a data file's stem, else the whole name."""
+    return path.stem if _is_data_file(path) else path.name
 
 
 def data_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource]:
@@ -610,7 +682,11 @@ def data_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource
     * a folder whose sub-folders hold only sub-folders (no image files): a folder of device
       folders, one device per sub-folder.
 
-    Anything else (a mix, an empty folder) is a :class:`DataError`, so the reading is never a guess.
+    A symbolic link in a folder of files or of device folders that leaves the folder, loops or
+    leads nowhere (:func:`_link_problem`) is a device of its own, ``refused`` with the reason, and
+    takes no part in reading the folder; in a device folder, its load refuses it. Hidden entries are
+    not read. Anything else (a mix, an empty folder) is a :class:`DataError`, so the reading is
+    never a guess.
     """
     limits = limits or FileLimits()
     if is_data_function(ref):
@@ -620,10 +696,14 @@ def data_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource
         raise DataError(f"{p}: data file or folder not found (nor an import path package.module:function)")
     if p.is_file():
         return [LocalSource(p.stem, str(p), limits)]
-    subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
-    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in DATA_FILE_SUFFIXES)
+    readable, links = _entries(p, _resolved(p))
+    subs = [d for d in readable if d.is_dir()]
+    files = [f for f in readable if f.is_file() and _is_data_file(f)]
+    refused = [LocalSource(_source_name(link), str(link), limits, problem) for link, problem in links]
+    if not subs and not files and refused:
+        return [LocalSource(p.name, str(p), limits)]   # a device folder of nothing but bad links: its load names one
     if files and not subs:
-        return [LocalSource(f.stem, str(f), limits) for f in files]
+        return [LocalSource(f.stem, str(f), limits) for f in files] + [s for s in refused if _is_data_file(Path(s.ref))]
     if not subs:
         raise DataError(f"{p}: neither .npz or .csv files nor sub-folders (a device folder holds one sub-folder "
                         f"per class)")
@@ -635,4 +715,14 @@ def data_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource
     if len(nested) != len(subs) or any(_holds_images(d) for d in subs):
         raise DataError(f"{p}: some sub-folders hold images and some hold folders; a device folder's sub-folders "
                         f"are classes (images), a folder of devices holds only device folders")
-    return [LocalSource(d.name, str(d), limits) for d in subs]
+    return [LocalSource(d.name, str(d), limits) for d in subs] + refused
+
+
+def device_sources(ref: str, limits: FileLimits | None = None) -> list[LocalSource]:
+    """:func:`data_sources` for a device agent: a ``--data`` value that cannot be read as devices
+    (missing, ambiguous) is one device, ``refused`` with the reason, so that it stops alone and
+    the agent's other devices train."""
+    try:
+        return data_sources(ref, limits)
+    except DataError as exc:
+        return [LocalSource(_source_name(Path(ref)), ref, limits or FileLimits(), str(exc))]

@@ -3,6 +3,7 @@
 Three device agents each read their own raw ``.npz`` (uint8 MNIST digits written from the embedded
 subset), register without a shard, and train FedAvg with the run's input transform; the Fed Server
 evaluates on ``data.test_file``. A device whose file is bad stops before registering, with the message.
+An agent hosting a good image folder and one whose class folder loops trains the good one alone.
 
 Tabular devices: two read ``.csv`` files, a third a data function given its file by the testbed's
 ``--data-arg``; FedAvg trains logistic regression on them.
@@ -13,6 +14,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from integration_support import read_metrics, small_config, wait_for, write_raw_mnist
 from shared.data.datasets import MNIST_MEAN, MNIST_STD
@@ -37,13 +39,48 @@ def test_device_files_train_and_a_bad_device_stops_before_registering(tmp_path):
         agent = testbed.start_agent("agent-bad", data=str(bad), index=3)
         wait_for(lambda: not agent.alive(), 120, "the agent with bad data to exit")
         assert testbed.status()["registered"] == 3
-        assert agent.process.returncode == 1
+        assert agent.process.returncode == 2
         assert f"dev3-bad: not registered: {bad}: field 'y' has labels 0..10, outside 0..9" in agent.log_tail()
     assert status["state"] == "finished" and status["registered"] == 3
     metrics = read_metrics(run_dir)
     assert [m["status"] for m in metrics] == ["ok", "ok"]
     assert sorted(metrics[-1]["split_points"]) == ["dev0-site0", "dev1-site1", "dev2-site2"]
     assert metrics[-1]["test_accuracy"] > status["initial"]["test_accuracy"] + 0.1
+
+
+def test_a_device_folder_that_loops_stops_that_device_alone(tmp_path):
+    """One agent, two devices from a folder of device folders: ``good`` holds digits per class,
+    ``bad`` one class folder of digits and one that links back to ``bad`` itself, which was followed
+    (as an empty class) before links were checked. Given as ``--data good --data bad`` instead, the
+    loop made ``bad`` ambiguous and stopped the whole agent: tests/unit/device_agent/test_agent_data.py."""
+    digits = np.load(write_raw_mnist(tmp_path / "digits.npz", "train", slice(0, 200)))
+    sites = tmp_path / "sites"
+    for i, (pixels, label) in enumerate(zip(digits["x"], digits["y"])):
+        for device in ("good", "bad") if label == 0 else ("good",):
+            (sites / device / str(label)).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(pixels).save(sites / device / str(label) / f"{i}.png")
+    (sites / "bad" / "1").symlink_to(".")
+    test_file = write_raw_mnist(tmp_path / "test.npz", "test", slice(0, 300))
+    config = small_config(algorithm="fedavg", **{"train.batch_size": 20}, data={
+        "dataset": "local", "num_devices": 1, "num_classes": 10, "input_shape": [1, 28, 28], "test_file": str(test_file),
+        "input_transform": {"scale": 1 / 255, "mean": [MNIST_MEAN], "std": [MNIST_STD]}})
+    run_dir = tmp_path / "run"
+    with Testbed(config, run_dir, device_data=[str(sites)], warm=shared_starter()) as testbed:
+        [agent] = testbed.agent_services
+        # Not testbed.follow(): it ends the run as failed once an agent exits with an error, and
+        # this agent does, with the run's end.
+        wait_for(lambda: testbed.status()["state"] == "finished" or not agent.alive(), 240, "the run to finish")
+        status = testbed.status()
+        wait_for(lambda: not agent.alive(), 60, "the agent to exit")
+        assert agent.process.returncode == 2, agent.log_tail()
+        errors = [line for line in agent.log_tail(400).splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        f"dev0-bad: not registered: {sites / 'bad' / '1'}: a symbolic link that loops (to {sites / 'bad'}, a folder "
+        f"that holds it)"), errors
+    assert status["state"] == "finished" and status["registered"] == 1
+    metrics = read_metrics(run_dir)
+    assert [m["status"] for m in metrics] == ["ok", "ok"]
+    assert list(metrics[-1]["split_points"]) == ["dev0-good"]
 
 
 def write_tabular(path: Path, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,9 +1,11 @@
 """Main Server replicas (docs/deployment.md, "Main Server replicas"): S2FL with two Main Server
-processes on loopback trains the model one would, and survives one being killed mid-round."""
+processes on loopback trains the model one would, survives one being killed mid-round, and plans
+around one frozen mid-round until it answers its health check again."""
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import time
 
@@ -11,7 +13,9 @@ import httpx
 import torch
 
 from fed_server.run_dir import RunDirectory
-from integration_support import small_config, wait_for
+from integration_support import read_metrics, small_config, wait_for
+from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
 
 
 def _config(**overrides):
@@ -100,3 +104,87 @@ def test_a_replica_killed_mid_round_costs_only_its_groups(run_testbed):
     print(f"\nreplica killed mid-round: loss logged {detected_s:.2f}s after the kill; attempt {lost['round_id']} "
           f"recorded {killed['to_record_s']:.2f}s after the kill, once the surviving group finished "
           f"(whole attempt {lost['round_time_s']:.2f}s; round deadline {round_s:.0f}s)")
+
+
+#: The Fed Server's line for an attempt it begins, and a Main Server's for a plan it opens.
+BEGUN = re.compile(r"\(attempt (\d+)\): \d+ devices, splits")
+OPENED = re.compile(r"\(attempt (\d+)\) opened")
+
+
+def _log_lines(path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _attempts(lines: list[str], pattern: re.Pattern) -> list[int]:
+    return [int(a) for line in lines for a in pattern.findall(line)]
+
+
+def test_a_frozen_replica_is_planned_around_and_used_again_once_it_answers(tmp_path):
+    """SIGSTOP the second replica mid-round, SIGCONT it once its devices have trained on the first,
+    stop once an attempt planned onto it again is recorded. Judged by what the run recorded: the
+    attempt it froze in, the attempts begun while it was set aside (the Fed Server's log), the plans
+    the replica logged once running again (a plan sent to it while frozen would be among them)."""
+    # More rounds than the test needs: it stops the run itself once it has seen everything.
+    config = _config(rounds=100, **{"deadlines.round_s": 15, "deadlines.join_s": 10, "deadlines.step_s": 10,
+                                    "train.batch_size": 16})
+    run_dir = tmp_path / "run"
+    fed_log, main_log = run_dir / "logs" / "fed_server.log", run_dir / "logs" / "main_server-1.log"
+    with Testbed(config, run_dir, main_servers=2, warm=shared_starter()) as testbed:
+        victim, url = testbed.mains[1], testbed.main_urls[1]
+
+        def history() -> list[dict]:
+            return httpx.get(f"{testbed.fed_url}/v1/status", timeout=5).json()["history"]
+
+        def stepping() -> bool:
+            r = httpx.get(f"{url}/v1/status", timeout=5).json()["round"]
+            return r is not None and r["round_id"] >= 2 and any(g["step"] >= 1 for g in r["groups"])
+        wait_for(stepping, 120, "the second replica's first step of a later round")
+        members = [m for g in httpx.get(f"{url}/v1/status", timeout=5).json()["round"]["groups"] for m in g["members"]]
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        try:
+            def trained_elsewhere() -> bool:
+                records = history()
+                lost = [r["round_id"] for r in records if url in r["lost_replicas"]]
+                return bool(lost) and any(r["round_id"] > lost[0] and set(members) & set(r["aggregated"])
+                                          for r in records)
+            wait_for(trained_elsewhere, 180, "a device of the frozen replica to train on the other one")
+        finally:
+            os.kill(victim.process.pid, signal.SIGCONT)
+        wait_for(lambda: any("answers its health check again" in x for x in _log_lines(fed_log)), 60,
+                 "the replica to answer its health check")
+        back_at = next(i for i, x in enumerate(_log_lines(fed_log)) if "answers its health check again" in x)
+        begun_before = max(_attempts(_log_lines(fed_log)[:back_at], BEGUN))
+
+        def recorded_on_it_again() -> bool:
+            again = [a for a in _attempts(_log_lines(main_log), OPENED) if a > begun_before]
+            return bool(again) and any(r["round_id"] == again[0] for r in history())
+        wait_for(recorded_on_it_again, 120, "an attempt planned onto the replica again to be recorded")
+    metrics = read_metrics(run_dir)
+    fed_lines, main_lines = _log_lines(fed_log), _log_lines(main_log)
+    # Detected once, in the attempt it froze in, and set aside; one line each way.
+    hit = [m for m in metrics if m["lost_replicas"]]
+    assert [m["lost_replicas"] for m in hit] == [[url]], [(m["round_id"], m["lost_replicas"]) for m in metrics]
+    aside = [i for i, x in enumerate(fed_lines) if f"Main Server replica {url} set aside" in x]
+    back = [i for i, x in enumerate(fed_lines) if f"Main Server replica {url} answers its health check again" in x]
+    assert len(aside) == 1 and len(back) == 1 and aside[0] < back[0], (aside, back)
+    assert f"lost in round {hit[0]['round']} (attempt {hit[0]['round_id']})" in fed_lines[aside[0]]
+    # No device was charged for it: its devices left the frozen attempt for the replica's loss, and
+    # no device missed a deadline anywhere in the run.
+    assert all(hit[0]["left"][d].startswith(f"its Main Server replica {url} was lost") for d in members), hit[0]["left"]
+    assert not [x for x in fed_lines if "missed a deadline" in x or "sit out" in x]
+    # Set aside, it was sent no plan: every attempt begun between the two lines was planned onto the
+    # other replica alone, and none failed or lost a replica.
+    window = _attempts(fed_lines[aside[0]:back[0]], BEGUN)
+    opened = set(_attempts(main_lines, OPENED))
+    assert window and not opened & set(window), (window, sorted(opened))
+    by_id = {m["round_id"]: m for m in metrics}
+    assert all(by_id[a]["status"] == "ok" and by_id[a]["plan_error"] is None for a in window if a in by_id)
+    assert not [x for x in fed_lines[aside[0]:] if "did not accept the plan" in x]
+    # Its devices went on training on the other replica while it was frozen...
+    assert any(set(members) & set(by_id[a]["aggregated"]) for a in window if a in by_id)
+    # ... and once it answered again, an attempt was planned onto it and completed.
+    used_again = min(a for a in opened if a > max(window))
+    assert by_id[used_again]["status"] == "ok" and not by_id[used_again]["lost_replicas"]
+    print(f"\nreplica frozen in attempt {hit[0]['round_id']} ({hit[0]['round_time_s']:.1f}s), set aside for attempts "
+          f"{window[0]}-{window[-1]} (round times {[round(by_id[a]['round_time_s'], 1) for a in window if a in by_id]} s), "
+          f"used again from attempt {used_again}")

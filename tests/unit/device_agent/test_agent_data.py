@@ -39,7 +39,6 @@ def test_shards_stay_the_default_without_data(agent_cli):
 @pytest.mark.parametrize("argv, message", [
     (["--data", "x.npz", "--shards", "0-3"], "--data and --shards are exclusive"),
     (["--data-arg", "a=1"], "--data-arg and --device-id are for --data devices"),
-    (["--data", "/no/such/file.npz"], "data file or folder not found"),
     (["--data", "pkg.mod:load", "--data-arg", "no-equals"], "bad --data-arg 'no-equals'"),
     (["--data", "pkg.mod:load", "--data", "other.mod:load"], "the same device id"),
     (["--data", "pkg.mod:load", "--data", "other.mod:get", "--device-id", "me"], "--device-id names one device"),
@@ -49,6 +48,27 @@ def test_bad_data_flags_are_usage_errors(agent_cli, capsys, argv, message):
         agent_cli.built_with(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_unreadable_data_value_is_a_device_of_its_own_not_a_usage_error(agent_cli, tmp_path):
+    good = _npz(tmp_path / "good.npz")
+    kwargs = agent_cli.built_with(["--data", "/no/such/site.npz", "--data", good])
+    assert [(s.name, s.refused) for s in kwargs["sources"]] == [
+        ("site", "/no/such/site.npz: data file or folder not found (nor an import path package.module:function)"),
+        ("good", None)]
+
+
+def test_a_device_folder_that_loops_leaves_the_agents_other_devices(agent_cli, tmp_path):
+    """``bad``'s class folder ``1`` links back to ``bad``: the agent is built with both devices
+    (the loop stopped it at start, before links were checked), and ``bad``'s load refuses the link."""
+    good = _npz(tmp_path / "good.npz")
+    bad = tmp_path / "bad"
+    (bad / "0").mkdir(parents=True)
+    (bad / "1").symlink_to(".")
+    kwargs = agent_cli.built_with(["--data", good, "--data", str(bad)])
+    assert [s.name for s in kwargs["sources"]] == ["good", "bad"]
+    with pytest.raises(DataError, match=f"^{bad / '1'}: a symbolic link that loops"):
+        kwargs["sources"][1].load(LOCAL)
 
 
 def test_parse_data_args_and_ids():
@@ -114,10 +134,20 @@ def test_agent_reports_bad_data_in_one_line(tmp_path, caplog):
     agent = Agent("http://127.0.0.1:9", [], None, sources=[LocalSource("bad", str(bad))])
     fed = FakeFed(LOCAL)
     agent.devices[0].fed = fed  # type: ignore[assignment]
-    assert agent.run() == 1
+    assert agent.run() == 2
     lines = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [r.getMessage() for r in lines] == [f"dev-bad: not registered: {bad}: data file is empty"]
     assert lines[0].exc_info is None and fed.registrations == []
+
+
+def test_a_refused_data_value_stops_its_device_before_the_run_is_waited_for(caplog):
+    """Nothing answers at the Fed Server's address: the agent would wait for the run, but its only
+    device's data was refused when it was listed, so it stops at once, in one line."""
+    refused = LocalSource("site", "/no/such/site.npz", refused="/no/such/site.npz: data file or folder not found")
+    agent = Agent("http://127.0.0.1:9", [], None, sources=[refused])
+    assert agent.run() == 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "dev-site: not registered: /no/such/site.npz: data file or folder not found"]
 
 
 @pytest.mark.parametrize("value, expected", [(None, None), ("auto", None), ("0", 0), ("3", 3)])

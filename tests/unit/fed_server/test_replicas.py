@@ -4,13 +4,15 @@ groups dropped, and portion uploads checked against the plan (docs/deployment.md
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import numpy as np
 import pytest
 
 from fed_server.coordinator import Coordinator
-from fed_server.driver import send_plans, watch_replica
+from fed_server.driver import confirm_replicas, probe_replica, send_plans, watch_replica
+from fed_server.fed_round import OVERDUE
 from fed_server.settings import FedServerSettings
 from fed_server.replica_planning import spread_groups
 from fed_server.run_dir import RunDirectory
@@ -273,6 +275,29 @@ def test_devices_that_leave_at_the_fed_server_are_reported_to_their_replica_and_
     assert len(told) == 1 and on_b[0] in r.excluded
 
 
+async def _live_and_frozen_replicas(plans_seen: list[bytes], frozen_connections: list[int]
+                                    ) -> tuple[list[asyncio.Server], list[str]]:
+    """Two loopback peers standing in for replicas, and their URLs: a live one that takes each plan
+    (kept in ``plans_seen``) and answers Ack, and a frozen one whose kernel takes each request and
+    whose process answers nothing (a SIGSTOPped Main Server), each connection counted."""
+    async def live(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        plans_seen.append(await reader.readexactly(length))
+        body = packb(Ack().model_dump())
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\nconnection: close\r\n"
+                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frozen_connections.append(1)
+        await reader.read()   # takes everything, answers nothing
+
+    servers = [await asyncio.start_server(handler, "127.0.0.1", 0) for handler in (live, frozen)]
+    return servers, [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+
+
 def test_a_frozen_replica_costs_the_plan_phase_one_try_and_its_groups_go_to_the_live_one(tmp_path):
     # The frozen replica's kernel accepts the connection and takes the body; the process never
     # answers (a SIGSTOPped Main Server). Each plan try waits replica_timeout_s, and a try without
@@ -280,21 +305,7 @@ def test_a_frozen_replica_costs_the_plan_phase_one_try_and_its_groups_go_to_the_
     plans_seen: list[bytes] = []
 
     async def scenario() -> tuple[Coordinator, float, list[str]]:
-        async def live(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-            plans_seen.append(await reader.readexactly(length))
-            body = packb(Ack().model_dump())
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\nconnection: close\r\n"
-                         + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-            await writer.drain()
-            writer.close()
-
-        async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.read()   # takes everything, answers nothing
-
-        servers = [await asyncio.start_server(handler, "127.0.0.1", 0) for handler in (live, frozen)]
-        urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+        servers, urls = await _live_and_frozen_replicas(plans_seen, [])
         c = _coordinator(tmp_path, urls)
         for d in DEVICES:
             _register(c, d, _counts(d))
@@ -336,3 +347,217 @@ def test_spread_groups_balances_loads_within_lpts_bound():
         totals = [sum(l for l, r in zip(loads, placed) if r == k) for k in range(replicas)]
         lower = max(max(loads), sum(loads) / replicas)          # no spread beats this
         assert max(totals) <= 4 / 3 * lower + 1e-9             # Graham's LPT bound
+
+
+# --- a replica that failed is set aside until it answers its health check, and costs no device a miss ----
+def _excluded_overdue(c: Coordinator, r, url: str) -> str:
+    """One device of replica ``url`` that took its task, taken out for its own deadline."""
+    device = min(d for d, a in r.assignments.items() if a.main_server_url == url)
+    r.assignments[device].dispatched_at = time.monotonic()
+    c.core.exclude(r, [device], OVERDUE)
+    return device
+
+
+def test_a_lost_replica_is_set_aside_and_planned_around_until_it_answers_its_health_check(replicated, caplog):
+    c = replicated
+    r = c.begin_round()
+    c.replicas.plans(r, [A, B])
+    with caplog.at_level(logging.INFO, logger="fed_server"):
+        c.replicas.lost(r, B, "watch failed")
+        c.replicas.lost(r, B, "again")
+        c.close_round()
+        assert c.replicas.available() == [A] and c.replicas.live() == 1
+        nxt = c.begin_round()
+        assert list(c.replicas.plans(nxt, c.replicas.available())) == [A]
+        c.close_round()
+        c.replicas.back(B)
+        c.replicas.back(B)
+    assert c.replicas.available() == [A, B] and c.core.changed.is_set()
+    lines = [m for m in caplog.messages if "set aside" in m or "health check again" in m]
+    assert lines == [f"Main Server replica {B} set aside (lost in round 1 (attempt 1)): no attempt is planned onto "
+                     f"it until it answers its health check",
+                     f"Main Server replica {B} answers its health check again: attempts are planned onto it again"]
+
+
+def test_a_device_that_missed_its_deadline_on_a_lost_replica_is_not_charged(replicated):
+    c = replicated
+    r = c.begin_round()
+    c.replicas.plans(r, [A, B])
+    late_on_a, late_on_b = _excluded_overdue(c, r, A), _excluded_overdue(c, r, B)
+    c.replicas.lost(r, B, "watch failed")   # after the device's own deadline cut it
+    left = r.left([])
+    assert left[late_on_b] == f"its Main Server replica {B} was lost (watch failed)"
+    assert left[late_on_a] == OVERDUE   # a live replica's device is charged as before
+    assert late_on_b not in r.missed_deadline([]) and late_on_a in r.missed_deadline([])
+
+
+def test_a_replica_silent_past_a_heartbeat_takes_its_devices_misses(replicated):
+    c = replicated
+    r = c.begin_round()
+    c.replicas.plans(r, [A, B])
+    late_on_a, late_on_b = _excluded_overdue(c, r, A), _excluded_overdue(c, r, B)
+    c.replicas.heard(r, A, 1.9, 4.0)   # a heartbeat on time
+    c.replicas.heard(r, B, 6.5, 4.0)   # frozen for a while, then running again
+    assert r.failed_replicas == {B: "fell silent for 6.5s"} and r.lost_replicas == []
+    assert late_on_a in r.missed_deadline([]) and late_on_b not in r.missed_deadline([])
+    assert r.left([])[late_on_b] == f"its Main Server replica {B} fell silent for 6.5s"
+
+
+def test_a_miss_waits_for_its_replica_to_be_heard_from_after_it(replicated):
+    c = replicated
+    r = c.begin_round()
+    c.replicas.plans(r, [A, B])
+    c.replicas.heard(r, A, 0.0, 4.0)
+    c.replicas.heard(r, B, 0.0, 4.0)
+    late = _excluded_overdue(c, r, B)   # after B last spoke
+    awaited = min(d for d, a in r.assignments.items() if a.main_server_url == A)
+    r.exclude(set(r.assignments) - {late, awaited}, "withdrew: test")   # no deadline missed
+    end = time.monotonic() + 1   # the attempt ends with A's device still awaited: it misses the end
+    assert r.unconfirmed_misses(end) == {A: end, B: r.excluded_at[late]}
+    c.replicas.heard(r, B, 0.5, 4.0)   # alive after the miss: the miss is the device's
+    c.replicas.done(r, A, [])          # its stream ended with done: alive to the end
+    assert r.unconfirmed_misses(end) == {}
+
+
+@pytest.mark.parametrize("speaks", [True, False], ids=["heartbeat after the miss", "silent"])
+def test_an_attempt_ends_once_it_knows_whether_the_replica_was_alive_after_a_miss(replicated, speaks):
+    """The attempt is otherwise complete: one device of B missed its own deadline, every other is
+    out for other reasons. B's next heartbeat charges the device; its silence makes it B's loss."""
+    c = replicated
+    settings = FedServerSettings(heartbeat_s=0.1, replica_timeout_s=0.3)
+
+    async def close() -> float:
+        r = c.begin_round()
+        c.replicas.plans(r, [A, B])
+        late = _excluded_overdue(c, r, B)
+        r.exclude(set(r.assignments) - {late}, "withdrew: test")
+        if speaks:
+            asyncio.get_running_loop().call_later(0.05, c.replicas.heard, r, B, 0.1, 0.2)
+        started = time.monotonic()
+        await confirm_replicas(c, r, settings)
+        return time.monotonic() - started
+
+    took = asyncio.run(close())
+    r = c.close_round()
+    [late] = [d for d, why in r.excluded.items() if why == OVERDUE]
+    if speaks:
+        assert r.missed_deadline([]) == {late} and r.lost_replicas == [] and took < 0.3
+    else:
+        assert r.missed_deadline([]) == set() and r.lost_replicas == [B] and B in c.replicas.down
+        assert r.left([])[late] == (f"its Main Server replica {B} was lost (not heard from after its devices "
+                                    f"missed their deadlines)")
+
+
+def test_devices_a_lost_replica_may_hold_are_not_selected_until_they_call_again(replicated):
+    c = replicated   # every device is selected while it may be
+    r = c.begin_round()
+    c.replicas.plans(r, [A, B])
+    r.ready = True
+    on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
+    took, idle = on_b[0], on_b[1]
+    assert c.task_for(took).status == "train"
+    c.replicas.lost(r, B, "watch failed")
+    assert set(c.replicas.held) == {took}
+    # Taken out before it took its task, the other gets none: its replica is gone.
+    assert c.task_for(idle).status == "wait"
+    c.close_round()
+    assert took not in c.begin_round().assignments   # its call to the lost replica may still hang
+    c.close_round()
+    c.devices.get(took)   # it called the Fed Server: whatever held it is over
+    assert took in c.begin_round().assignments and c.replicas.held == {}
+
+
+def test_held_devices_reach_the_quorum_when_nobody_else_can_and_are_not_charged_for_the_replica(tmp_path):
+    c = _coordinator(tmp_path, [A])
+    for d in DEVICES:
+        _register(c, d, None)
+    r = c.begin_round()
+    c.replicas.plans(r, [A])
+    r.ready = True
+    assert all(c.task_for(d).status == "train" for d in DEVICES)
+    c.replicas.lost(r, A, "killed")   # every device had taken its task on it
+    c.close_round()
+    assert set(c.replicas.held) == set(DEVICES)
+    nxt = c.begin_round()   # none is free: all are selected rather than none
+    assert set(nxt.assignments) == set(DEVICES)
+    c.replicas.plans(nxt, [A])
+    c.core.exclude(nxt, [DEVICES[0]], OVERDUE)
+    assert nxt.left([])[DEVICES[0]] == f"still held by Main Server replica {A}, lost in an earlier attempt"
+    assert DEVICES[0] not in nxt.missed_deadline([])
+
+
+def test_plans_skip_a_set_aside_replica_and_wait_for_one_when_all_are(tmp_path):
+    # A frozen replica's kernel takes a plan and its process never answers; a live one answers
+    # plans and health checks. Once set aside, the frozen one is sent nothing more.
+    frozen_connections: list[int] = []
+
+    async def scenario() -> tuple[Coordinator, list[str], list, float]:
+        servers, urls = await _live_and_frozen_replicas([], frozen_connections)
+        c = _coordinator(tmp_path, urls)
+        for d in DEVICES:
+            _register(c, d, _counts(d))
+        settings = FedServerSettings(replica_timeout_s=0.5)
+        rounds = []
+        for _ in range(3):   # the first attempt finds the frozen replica out; the next two skip it
+            rounds.append(c.begin_round())
+            await send_plans(c, rounds[-1], settings)
+            c.close_round()
+        c.replicas.set_aside(urls[0], "test")   # every replica set aside: the plan phase waits for one
+        asyncio.get_running_loop().call_later(0.3, c.replicas.back, urls[0])
+        started = time.monotonic()
+        rounds.append(c.begin_round())
+        await send_plans(c, rounds[-1], settings)
+        waited = time.monotonic() - started
+        for s in servers:
+            s.close()
+        return c, urls, rounds, waited
+
+    c, (live_url, frozen_url), rounds, waited = asyncio.run(scenario())
+    assert len(frozen_connections) == 1   # one plan, before it was set aside; none after
+    assert all(r.plan_failed is None and {a.main_server_url for a in r.assignments.values()} == {live_url}
+               for r in rounds)
+    assert list(c.replicas.down) == [frozen_url] and 0.3 <= waited < 5
+
+
+def test_the_plan_phase_fails_when_no_replica_comes_back_within_the_join_deadline(tmp_path):
+    config = load_run_config({"algorithm": "s2fl", "rounds": 2, "seed": 3, "grouping": {"group_size": 2},
+                              "deadlines": {"join_s": 0.3}, "data": {"num_devices": len(DEVICES), "max_samples": 200}})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), [A, B])
+    for d in DEVICES:
+        _register(c, d, _counts(d))
+    c.replicas.set_aside(A, "lost in round 1 (attempt 1)")
+    c.replicas.set_aside(B, "did not accept the plan")
+    r = c.begin_round()
+    asyncio.run(send_plans(c, r, FedServerSettings()))
+    assert r.plan_failed == (f"every Main Server replica is set aside until it answers its health check: "
+                             f"{A} (lost in round 1 (attempt 1)); {B} (did not accept the plan)")
+    assert r.left([])[DEVICES[0]] == "no Main Server replica accepted the round plan"   # nobody is charged
+
+
+def test_a_set_aside_replica_is_probed_until_its_health_check_answers(tmp_path):
+    answered: list[float] = []
+
+    async def scenario() -> tuple[Coordinator, str, float]:
+        async def healthz(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            if len(answered) < 2:   # down for its first two probes (a restarting replica)
+                answered.append(time.monotonic())
+                writer.close()
+                return
+            writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{"status":"ok"}')
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(healthz, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        c = _coordinator(tmp_path, [url, B])
+        c.replicas.set_aside(url, "test")
+        started = time.monotonic()
+        await asyncio.wait_for(probe_replica(c, url, FedServerSettings(replica_timeout_s=1.0)), 10)
+        server.close()
+        return c, url, time.monotonic() - started
+
+    c, url, took = asyncio.run(scenario())
+    assert c.replicas.available() == [url, B]
+    # Two failed probes, waits of 0.5 s then 1 s between them: a backoff, not a busy loop.
+    assert len(answered) == 2 and answered[1] - answered[0] >= 0.45 and took >= 1.4

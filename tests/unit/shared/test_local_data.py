@@ -11,7 +11,8 @@ from PIL import Image
 
 from shared.data.limits import FileLimits
 from shared.data.local import (
-    DataError, apply_input_transform, data_sources, load_csv, load_image_folder, load_local, load_npz, to_layout,
+    DataError, apply_input_transform, data_sources, device_sources, load_csv, load_image_folder, load_local, load_npz,
+    to_layout,
 )
 from shared.data.spec import DataSpec, InputTransform
 
@@ -366,3 +367,98 @@ def test_transform_errors_name_the_file(tmp_path):
     f = write_npz(tmp_path / "tab.npz", x=np.zeros((2, 3)), y=np.zeros(2, dtype=int))
     with pytest.raises(DataError, match=r"tab.npz: input_transform.mean has 2 values; the samples have 3 channels"):
         load_npz(f, spec([3], mean=[0.0, 0.0], std=[1.0, 1.0]))
+
+
+# --- symbolic links: a device reads only its own folder ----------------------------------------------
+def _device_folder(folder: Path) -> Path:
+    """A device folder with one image in each of classes 0 and 1."""
+    write_png(folder / "0" / "a.png", 0)
+    write_png(folder / "1" / "b.png", 255)
+    return folder
+
+
+def test_links_inside_the_device_folder_are_followed(tmp_path):
+    dev = _device_folder(tmp_path / "dev")
+    (dev / "2").symlink_to("1", target_is_directory=True)      # a class that reuses another's images
+    (dev / "0" / "c.png").symlink_to(dev / "1" / "b.png")       # an absolute link that stays inside
+    assert load_image_folder(dev, spec([1, 4, 4])).y.tolist() == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("link, target", [("2", "outside"), ("0/c.png", "outside/z.png")])
+def test_a_link_out_of_the_device_folder_is_refused_naming_it(tmp_path, link, target):
+    write_png(tmp_path / "outside" / "z.png", 9)
+    dev = _device_folder(tmp_path / "dev")
+    (dev / link).symlink_to(tmp_path / target)
+    with pytest.raises(DataError) as refused:
+        load_image_folder(dev, spec([1, 4, 4]))
+    assert str(refused.value) == (f"{dev / link}: a symbolic link to {tmp_path / target}, outside the data folder {dev}")
+
+
+@pytest.mark.parametrize("links, message", [
+    ({"2": "."}, "a symbolic link that loops (to {dev}, a folder that holds it)"),
+    ({"2": "../dev"}, "a symbolic link that loops (to {dev}, a folder that holds it)"),
+    ({"0/up": ".."}, "a symbolic link that loops (to {dev}, a folder that holds it)"),
+    ({"2": "2"}, "a symbolic link that loops (to 2, which never leads to a file or folder)"),
+    ({"2": "3", "3": "2"}, "a symbolic link that loops (to 3, which never leads to a file or folder)"),
+    ({"2": "gone"}, "a symbolic link that cannot be followed (to gone: No such file or directory)"),
+])
+def test_a_link_that_loops_or_leads_nowhere_is_refused_naming_it(tmp_path, links, message):
+    dev = _device_folder(tmp_path / "dev")
+    for link, target in links.items():
+        (dev / link).symlink_to(target)
+    first = sorted(links)[0]
+    with pytest.raises(DataError) as refused:
+        load_image_folder(dev, spec([1, 4, 4]))
+    assert str(refused.value) == f"{dev / first}: " + message.format(dev=dev)
+
+
+def test_hidden_entries_are_not_read(tmp_path):
+    dev = _device_folder(tmp_path / "dev")
+    (dev / ".snapshot").symlink_to(tmp_path, target_is_directory=True)
+    (dev / "0" / ".b.png").symlink_to(dev)
+    assert load_image_folder(dev, spec([1, 4, 4])).y.tolist() == [0, 1]
+
+
+def test_a_device_folder_with_a_loop_is_one_device_its_load_refuses(tmp_path):
+    """The loop does not make the folder read as a folder of devices (nor as an ambiguous one)."""
+    dev = _device_folder(tmp_path / "dev")
+    (dev / "2").symlink_to(".")
+    [source] = data_sources(str(dev))
+    assert (source.name, source.ref, source.refused) == ("dev", str(dev), None)
+    with pytest.raises(DataError, match="loops"):
+        source.load(spec([1, 4, 4]))
+
+
+def test_a_bad_link_in_a_folder_of_devices_is_a_refused_device_of_its_own(tmp_path):
+    sites = tmp_path / "sites"
+    _device_folder(sites / "a")
+    _device_folder(tmp_path / "elsewhere")
+    (sites / "b").symlink_to(tmp_path / "elsewhere")
+    (sites / "c").symlink_to(".")
+    sources = data_sources(str(sites))
+    assert [(s.name, s.refused) for s in sources] == [
+        ("a", None),
+        ("b", f"{sites / 'b'}: a symbolic link to {tmp_path / 'elsewhere'}, outside the data folder {sites}"),
+        ("c", f"{sites / 'c'}: a symbolic link that loops (to {sites}, a folder that holds it)")]
+    assert len(sources[0].load(spec([1, 4, 4]))) == 2
+    with pytest.raises(DataError, match="outside the data folder"):
+        sources[1].load(spec([1, 4, 4]))
+
+
+def test_a_data_file_linked_from_outside_its_folder_is_a_refused_device(tmp_path):
+    many = tmp_path / "many"
+    many.mkdir()
+    write_npz(many / "a.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
+    write_npz(tmp_path / "b.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
+    (many / "b.npz").symlink_to(tmp_path / "b.npz")
+    (many / "notes.txt").symlink_to(tmp_path / "b.npz")   # not data: never read
+    assert [(s.name, s.refused is not None) for s in data_sources(str(many))] == [("a", False), ("b", True)]
+
+
+def test_device_sources_make_an_unreadable_data_value_one_refused_device(tmp_path):
+    assert [(s.name, s.refused) for s in device_sources(str(tmp_path / "nope.npz"))] == [
+        ("nope", f"{tmp_path / 'nope.npz'}: data file or folder not found (nor an import path package.module:function)")]
+    with pytest.raises(DataError, match="not found"):
+        device_sources(str(tmp_path / "nope.npz"))[0].load(spec([2]))
+    f = write_npz(tmp_path / "one.npz", x=np.zeros((2, 2)), y=np.zeros(2, dtype=int))
+    assert device_sources(str(f)) == data_sources(str(f))
