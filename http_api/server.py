@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
+from shared.auth import check_body_digest
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
 from shared.http_metrics import call_counting_body_bytes
 from shared.wire import Body, WireError, pack_body, unpackb
@@ -77,9 +78,22 @@ STATUS_OF: dict[type[DomainError], int] = {
 MSGPACK = "application/msgpack"
 
 
-async def read_message(request: Request, model: type[M], max_bytes: int) -> M:
-    """Read, size-check, unpack and validate a msgpack request body."""
-    return parse_message(await read_body(request.stream(), request.headers.get("content-length"), max_bytes), model)
+async def read_message(request: Request, model: type[M], max_bytes: int, signed_digest: str | None = None) -> M:
+    """Read, size-check, unpack and validate a msgpack request body; with ``signed_digest`` (a
+    signed server-to-server request's, :meth:`shared.auth.Auth.check_service`), refuse a body that
+    is not the signed one before unpacking it."""
+    body = await read_body(request.stream(), request.headers.get("content-length"), max_bytes)
+    check_body_digest(signed_digest, body)
+    return parse_message(body, model)
+
+
+def request_target(request: Request) -> str:
+    """The path and query of ``request`` as they came on the wire: what a server-to-server
+    request's signature covers (:meth:`shared.auth.Auth.sign_service_request`)."""
+    scope = request.scope
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string", b"")
+    return (path + (b"?" + query if query else b"")).decode("ascii", "replace")
 
 
 async def read_body(chunks: AsyncIterable[bytes], declared: str | None, max_bytes: int) -> bytearray:

@@ -64,13 +64,14 @@ class ServerPair:
 
 @contextlib.contextmanager
 def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (), main_args: Sequence[str] = (),
-                main_reports_to: str | None = None, fed_env: dict | None = None,
+                main_reports_to: str | None = None, fed_reaches_main: str | None = None, fed_env: dict | None = None,
                 main_env: dict | None = None) -> Iterator[ServerPair]:
     """Run both servers as processes on free loopback ports for the tests that drive them by hand.
 
     Uses its own temporary folder, not pytest's: pytest prunes old basetemp folders, which a
     concurrent pytest run on the same machine could do while these servers still write to it.
-    ``main_reports_to`` replaces the Fed Server's URL the Main Server uploads group portions to.
+    ``main_reports_to`` replaces the Fed Server's URL the Main Server uploads group portions to,
+    ``fed_reaches_main`` the Main Server's URL the Fed Server plans rounds on.
     """
     root = Path(tempfile.mkdtemp(prefix=f"sfl-{prefix}-"))
     (root / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
@@ -82,7 +83,7 @@ def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (),
     group = ProcessGroup(root / "logs", shared_starter())
     try:
         fed = group.start("fed_server", "fed_server", [
-            "--config", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--main-server-url", main_url,
+            "--config", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--main-server-url", fed_reaches_main or main_url,
             "--port", str(fed_port), *fed_args], env=fed_env)
         main = group.start("main_server", "main_server", [
             "--fed-server-url", main_reports_to or fed_url, "--port", str(main_port), *main_args], env=main_env)
