@@ -249,10 +249,18 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     # Every shard registered, or the registration deadline passed; then (a resumed run whose
     # devices did not all come back) the quorum's registrations.
     enrolment, progress, core = coordinator.enrolment, coordinator.progress, coordinator.core
+    if core.finished:   # taken up after its end (--resume of a finished run): served, not trained
+        log.info("run %s is over (%d of %d rounds): nothing to train; its results are in %s", core.run_id,
+                 progress.rounds_done, coordinator.config.rounds, coordinator.run_dir.path)
+        return
     await wait_until(core.changed, enrolment.ready, enrolment.registration_deadline())
     await wait_until(core.changed, enrolment.ready, math.inf)
-    log.info("%s; starting %d rounds of %s", registration_outcome(coordinator), coordinator.config.rounds,
-             coordinator.config.algorithm)
+    if progress.rounds_done:
+        log.info("%s; continuing run %s of %s at round %d of %d", registration_outcome(coordinator), core.run_id,
+                 coordinator.config.algorithm, progress.rounds_done + 1, coordinator.config.rounds)
+    else:
+        log.info("%s; starting %d rounds of %s", registration_outcome(coordinator), coordinator.config.rounds,
+                 coordinator.config.algorithm)
     recording: asyncio.Task | None = None   # the previous attempt's evaluation and record
     departing: set[asyncio.Task] = set()     # departures on their way to replicas (held until sent)
 

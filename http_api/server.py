@@ -336,8 +336,13 @@ class ServiceApp(FastAPI):
         return declare
 
 
-def create_service_app(service: str, title: str, description: str, lifespan=None, registry=None) -> ServiceApp:
-    """A FastAPI app with what every server has: error handlers, ``/healthz``, ``/metrics``.
+def create_service_app(service: str, title: str, description: str, lifespan=None, registry=None,
+                       refusal: str | None = None) -> ServiceApp:
+    """A FastAPI app with what every server has: error handlers, ``/livez``, ``/healthz``, ``/metrics``.
+
+    ``/livez`` answers 200 while the process serves requests (a liveness probe); ``/healthz`` too,
+    unless the server refuses to work (``refusal``: why), when it answers 503 with the reason (a
+    readiness probe: nothing is routed to it, and nothing restarts it).
 
     ``registry`` is the service's own ``prometheus_client.CollectorRegistry`` (a fresh one with the
     process collectors if None). ``/metrics`` (and ``/metrics/``) answer its text exposition
@@ -361,10 +366,17 @@ def create_service_app(service: str, title: str, description: str, lifespan=None
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response, include_in_schema=True)
     app.add_api_route("/metrics/", metrics, methods=["GET"], response_class=Response, include_in_schema=False)
 
-    @app.get("/healthz")
-    async def healthz() -> dict:
+    @app.get("/livez")
+    async def livez() -> dict:
         """Liveness: 200 while the process serves requests."""
         return {"status": "ok", "service": service}
+
+    @app.get("/healthz", responses={503: {"description": "the server refuses to work, and says why"}})
+    async def healthz() -> Response:
+        """Readiness: 200 when the server does its work, 503 with the reason when it refuses to."""
+        if refusal is not None:
+            return JSONResponse({"status": "refused", "service": service, "detail": refusal}, status_code=503)
+        return JSONResponse({"status": "ok", "service": service})
 
     return app
 
