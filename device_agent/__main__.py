@@ -82,8 +82,9 @@ def _add_data_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slice", default=env_default("slice", None), metavar="INDEX/COUNT",
                         help="this agent's block of --shards (env SFL_SLICE): block INDEX of COUNT contiguous "
                              "blocks whose sizes differ by at most one (the larger first), so COUNT agents with the "
-                             "same --shards host each shard once: --shards 0-9 --slice 1/3 hosts 4-6. INDEX auto: the "
-                             "host name's trailing -<ordinal>, as a StatefulSet names its pods (docs/deployment.md)")
+                             "same --shards host each shard once: --shards 0-9 --slice 1/3 hosts 4-6. INDEX auto: "
+                             "JOB_COMPLETION_INDEX (a Kubernetes Indexed Job's pod), else the host name's trailing "
+                             "-<ordinal>, as a StatefulSet names its pods (docs/deployment.md)")
     parser.add_argument("--data", action="append", default=[], metavar="PATH",
                         help="the device's own data for a run with data.dataset: local (repeatable; docs/data.md): an "
                              ".npz file with x and y, a .csv file with a header row and the label column data.label_column, "
