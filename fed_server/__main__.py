@@ -25,12 +25,16 @@ if TYPE_CHECKING:   # imported at run time only once the process is configured (
 log = logging.getLogger("fed_server")
 
 
-def main_server_urls_of(value: str | list[str] | None) -> list[str]:
+def main_server_urls_of(value: str | list[str] | None, setting: str = "main_server_url",
+                        default: str | None = "http://127.0.0.1:8081") -> list[str]:
     """The Main Server replicas from ``--main-server-url`` (repeated flags, a settings file's string
     or list), each entry possibly comma-separated like ``SFL_MAIN_SERVER_URL``; that variable, else
-    one local Main Server, when none is given."""
+    one local Main Server, when none is given. ``setting`` and ``default``: another flag of URLs
+    read the same way (``--main-server-public-url``, no default)."""
     if value is None:
-        value = str(env_default("main_server_url", "http://127.0.0.1:8081"))
+        value = env_default(setting, default)
+    if value is None:
+        return []
     entries = [value] if isinstance(value, str) else value
     return [url.strip() for entry in entries for url in str(entry).split(",") if url.strip()]
 
@@ -82,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="a Main Server replica (env SFL_MAIN_SERVER_URL, comma-separated; default "
                              "http://127.0.0.1:8081), as devices and this server reach it; repeat the flag for "
                              "several replicas, over which each round's groups are spread")
+    parser.add_argument("--main-server-public-url", action="append", default=None, metavar="URL",
+                        help="where the devices reach each Main Server replica, when not at its --main-server-url (env "
+                             "SFL_MAIN_SERVER_PUBLIC_URL, comma-separated): one per replica, in the same order. For "
+                             "devices outside a cluster whose replicas this server reaches by in-cluster names")
     parser.add_argument("--per-device-metrics", action=argparse.BooleanOptionalAction,
                         default=env_switch("per_device_metrics", None),
                         help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default: "
@@ -148,10 +156,12 @@ def start_run(config: "RunConfig", args: argparse.Namespace, refuse: Callable[[s
     from fed_server.runs_root import RunRefused, RunsRoot
 
     urls = main_server_urls_of(args.main_server_url)
+    device_urls = main_server_urls_of(args.main_server_public_url, "main_server_public_url", None)
 
     def build(path: str | Path, run_id: str | None) -> Coordinator:
         try:
-            return Coordinator(config, RunDirectory(path), urls, run_id=run_id, torch_device=args.torch_device)
+            return Coordinator(config, RunDirectory(path), urls, run_id=run_id, torch_device=args.torch_device,
+                               main_server_device_urls=device_urls)
         except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
             refuse(str(exc))
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -154,3 +157,65 @@ def make_plan(round_id: int = 1, **changes) -> dict:
     ).model_dump()
     plan.update(changes)
     return plan
+
+
+class RecordingProxy:
+    """A TCP proxy on a free loopback port that forwards each connection to ``target_port`` (set
+    once the target listens) and keeps every byte the clients sent, per connection."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.target_port: int | None = None
+        self.sent: list[bytearray] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:   # closed
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port or 9), timeout=10)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            record = bytearray()
+            self.sent.append(record)
+            threading.Thread(target=self._pump, args=(client, upstream, record), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, record: bytearray | None) -> None:
+        try:
+            while data := source.recv(65536):
+                if record is not None:
+                    record += data
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def requests(self) -> list[bytes]:
+        """Every complete request the clients sent, as raw bytes (head and Content-Length body)."""
+        out = []
+        for stream in self.sent:
+            data, start = bytes(stream), 0
+            while (end := data.find(b"\r\n\r\n", start)) >= 0:
+                length = re.search(rb"(?im)^content-length:\s*(\d+)", data[start:end])
+                stop = end + 4 + (int(length.group(1)) if length else 0)
+                if stop > len(data):
+                    break
+                out.append(data[start:stop])
+                start = stop
+        return out
+
+    def close(self) -> None:
+        self.listener.close()
