@@ -37,8 +37,12 @@ def main(argv: list[str] | None = None) -> None:
         metrics.serve(args.metrics_port, args.metrics_host)
     from shared.auth import load_secret
 
+    try:
+        enrolment_secret = load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET")
+    except ValueError as exc:   # a secret file that is empty or cannot be read
+        parser.error(str(exc))
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
-                  metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
+                  metrics=metrics, enrolment_secret=enrolment_secret,
                   keep_models=KEEP_MODELS[args.keep_models], keep_data=KEEP_MODELS[args.keep_data], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from shared.config import env_default, env_switch
-from http_api.serve import serve
+from http_api.serve import refuse_to_start, serve
 from shared.service import add_server_args, configure_process, parse_service_args
 
 if TYPE_CHECKING:   # imported at run time only once the process is configured (torch threads)
@@ -76,12 +76,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-id", default=env_default("run_id", None),
                         help="run id (env SFL_RUN_ID; default: random, with --runs-root <UTC time>-<algorithm>-<4 hex "
                              "digits>); with --runs-root the id of a new run")
-    parser.add_argument("--wait-on-refusal", action=argparse.BooleanOptionalAction,
-                        default=env_switch("wait_on_refusal"),
-                        help="when the run cannot start (a configuration error, a configuration other than the "
-                             "unfinished run's, a secret that cannot be read), log why and keep serving: /livez "
-                             "answers 200, /healthz and every /v1 route 503 with the reason, instead of exiting "
-                             "with code 2 (env SFL_WAIT_ON_REFUSAL): for a supervisor that would restart it for ever")
     parser.add_argument("--main-server-url", action="append", default=None, metavar="URL",
                         help="a Main Server replica (env SFL_MAIN_SERVER_URL, comma-separated; default "
                              "http://127.0.0.1:8081), as devices and this server reach it; repeat the flag for "
@@ -118,20 +112,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--resume and --new-run choose a run in --runs-root: give --runs-root DIR")
 
     def refuse(reason: str) -> NoReturn:
-        """The run cannot start: exit 2 with the reason, or (``--wait-on-refusal``) serve it."""
-        if args.wait_on_refusal:
-            from fed_server.app import create_refusal_app
+        refuse_to_start(parser, args, "fed_server", reason)
 
-            logging.getLogger("fed_server").error("not starting: %s", reason)
-            serve(create_refusal_app(reason), args)
-            sys.exit(0)
-        parser.exit(2, f"{parser.prog}: error: {reason}\n")
-
-    from shared.run_config import ConfigError, resolve_run_config
+    from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 
     try:
         config = resolve_run_config(args.config, args.overrides)
     except ConfigError as exc:
+        if not args.wait_on_refusal:
+            exit_on_config_error(exc)   # a line per problem
         refuse("config error: " + "; ".join(exc.lines))
     try:
         settings = fed_server_settings(args)

@@ -12,7 +12,7 @@ import time
 from typing import TypeVar
 
 from fastapi import FastAPI, Path, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from fed_server.coordinator import Coordinator
 from fed_server.driver import drive_rounds
@@ -77,18 +77,6 @@ def _lifespan(coordinator: Coordinator, settings: FedServerSettings, metrics: Fe
         yield
         task.cancel()
     return lifespan
-
-
-def create_refusal_app(reason: str) -> FastAPI:
-    """What a Fed Server that cannot start its run serves (``--wait-on-refusal``): ``/livez`` 200, so
-    its supervisor does not restart it into the same refusal, and ``/healthz`` and every ``/v1``
-    route 503 with ``reason``, so whoever asks (a device, the operator, a readiness probe) reads it."""
-    app = create_service_app("fed_server", "S2FL Fed Server (not started)", description=reason, refusal=reason)
-
-    @app.api_route(API + "/{path:path}", methods=["GET", "POST"], include_in_schema=False)
-    async def refused(path: str) -> JSONResponse:
-        return JSONResponse({"detail": f"the Fed Server has not started its run: {reason}"}, status_code=503)
-    return app
 
 
 def _add_run_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerSettings) -> None:

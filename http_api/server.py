@@ -381,6 +381,19 @@ def create_service_app(service: str, title: str, description: str, lifespan=None
     return app
 
 
+def create_refusal_app(service: str, reason: str) -> ServiceApp:
+    """What a server that cannot start serves (``--wait-on-refusal``, :func:`http_api.serve.refuse_to_start`):
+    ``/livez`` 200, so its supervisor does not restart it into the same refusal, and ``/healthz``
+    and every ``/v1`` route 503 with ``reason``, so whoever asks (a device, the operator, a
+    readiness probe) reads it."""
+    app = create_service_app(service, f"{service} (not started)", description=reason, refusal=reason)
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST"], include_in_schema=False)
+    async def refused(path: str) -> JSONResponse:
+        return JSONResponse({"detail": f"the server has not started: {reason}"}, status_code=503)
+    return app
+
+
 def error_response(exc: Exception) -> JSONResponse | None:
     """The JSON answer of a transport error (:class:`ApiError`), a domain error or a stray wire
     error; None for any other exception (a crash: 500)."""

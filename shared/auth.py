@@ -70,7 +70,10 @@ def warn_if_open(auth: "Auth", service: str, exposure: str) -> bool:
 def load_secret(file: str | None, env_var: str) -> bytes | None:
     """A secret from a file (its whole content, stripped) or an environment variable; None if neither."""
     if file:
-        text = Path(file).read_text().strip()
+        try:
+            text = Path(file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"secret file {file}: {exc.strerror}") from None
         if not text:
             raise ValueError(f"secret file {file} is empty")
         return text.encode()

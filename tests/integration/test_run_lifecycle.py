@@ -170,3 +170,17 @@ def _answers(url: str) -> int | None:
         return httpx.get(url, timeout=5).status_code
     except httpx.HTTPError:
         return None
+
+
+@pytest.mark.parametrize("module", ["fed_server", "main_server"])
+def test_a_server_that_cannot_read_its_secret_waits_and_says_why_instead_of_exiting(site, module):
+    missing = site.root / "no-such-secret"
+    args = ["--port", str(site.port), "--service-secret-file", str(missing), "--wait-on-refusal"]
+    if module == "fed_server":
+        args += ["--config", str(site.config), "--runs-root", str(site.runs)]
+    server = site.group.start(module, module, args)
+    wait_for(lambda: _answers(site.url + "/livez") == 200, 120, f"the refusing {module} to serve")
+    health = httpx.get(f"{site.url}/healthz", timeout=10)
+    assert health.status_code == 503, health.text
+    assert health.json()["detail"] == f"secret file {missing}: No such file or directory"
+    assert server.alive() and "Traceback" not in server.log_tail()
