@@ -25,6 +25,7 @@ from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from shared.models import build_model
 from shared.run_config import load_run_config
 from shared.schemas import Participant, RoundPlan
+from shared.tls import tls_context
 from shared.wire import encode_state
 from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
 from testbed.warm_start import shared_starter
@@ -108,15 +109,17 @@ def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.1) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def final_status(fed_url: str, timeout: float) -> dict:
+def final_status(fed_url: str, timeout: float, verify: bool | str = True) -> dict:
     """The Fed Server's ``/v1/status`` once the run has finished or its driver failed, or as it
-    is after ``timeout`` seconds; held by the server until something is recorded (long-poll)."""
+    is after ``timeout`` seconds; held by the server until something is recorded (long-poll).
+    ``verify``: an HTTPS server's CA bundle."""
     deadline = time.monotonic() + timeout
-    status = httpx.get(f"{fed_url}/v1/status", timeout=10).json()
+    context = tls_context(verify)
+    status = httpx.get(f"{fed_url}/v1/status", timeout=10, verify=context).json()
     while status["state"] != "finished" and status["driver_error"] is None and time.monotonic() < deadline:
         wait_s = max(0.0, min(30.0, deadline - time.monotonic()))
         status = httpx.get(f"{fed_url}/v1/status", params={"seen": status["records"], "wait_s": wait_s},
-                           timeout=wait_s + 10).json()
+                           timeout=wait_s + 10, verify=context).json()
     return status
 
 
