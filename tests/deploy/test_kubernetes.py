@@ -448,13 +448,16 @@ def test_the_number_of_agents_is_one_setting(checkout, tmp_path, replicas):
     assert sorted(s for pod in _pods_shards(objects) for s in pod) == list(range(10))
 
 
-def test_fed_server_resumes_from_its_volume(base):
+def test_fed_server_keeps_its_runs_on_its_volume(base):
+    """A directory per run on the volume: a restarted pod resumes an unfinished run and begins a
+    new one after a finished run, and a refused start waits instead of restarting."""
     fed = base[("StatefulSet", "fed-server")]
     container = fed["spec"]["template"]["spec"]["containers"][0]
     claims = {t["metadata"]["name"]: t for t in fed["spec"]["volumeClaimTemplates"]}
-    run_dir = _flags(container)["--run-dir"]
+    flags = _flags(container)
+    assert "--run-dir" not in flags, "a fixed run directory resumes a finished run on every start"
     mounts = [m for m in container["volumeMounts"] if m["name"] in claims]
-    assert any(run_dir.startswith(m["mountPath"] + "/") for m in mounts), "the run directory must be on the volume"
+    assert any(flags["--runs-root"] == m["mountPath"] for m in mounts), "the runs must be on the volume"
 
 
 def test_security_probes_and_resources(testbed):
@@ -477,9 +480,15 @@ def test_security_probes_and_resources(testbed):
             assert _env(container)["SFL_TORCH_DEVICE"] == "cpu"
             is_agent = (workload["kind"], workload["metadata"]["name"]) == AGENTS
             assert container["image"] == (device_image if is_agent else server_image)
-            for probe in ("readinessProbe", "livenessProbe"):
+            if is_agent:
+                paths = {"readinessProbe": "/metrics", "livenessProbe": "/metrics"}
+            else:   # alive while serving, ready once working: a refused start is not restarted
+                paths = {"startupProbe": "/livez", "readinessProbe": "/healthz", "livenessProbe": "/livez"}
+                assert _env(container)["SFL_WAIT_ON_REFUSAL"] == "1"
+                assert "initialDelaySeconds" not in container["livenessProbe"], "the startup probe covers the start"
+            for probe, path in paths.items():
                 get = container[probe]["httpGet"]
-                assert get["path"] == ("/metrics" if is_agent else "/healthz")
+                assert get["path"] == path
                 assert get["port"] in {p["name"] for p in container["ports"]}
 
 
