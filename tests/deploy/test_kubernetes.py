@@ -10,7 +10,7 @@
 * cross-references: Service selectors and target ports, StatefulSet Services, the ConfigMaps and
   Secrets (and their keys) that volumes mount, the file flags under those mounts, every flag known
   to its service, the URLs between the services, the run config, the device shards (the union of
-  the agent pods' slices, from their ordinals, is every shard exactly once), the scrape
+  the agent pods' slices, from their Job completion indexes, is every shard exactly once), the scrape
   config's targets, and the security settings (non-root 10001, read-only root file system, probes
   on the health routes, resource requests and limits).
 
@@ -32,18 +32,18 @@ import pytest
 import yaml
 
 from device_agent.agent import parse_shards
-from device_agent.slices import agent_shards
+from device_agent.slices import JOB_INDEX_ENV, agent_shards
 from shared.run_config import resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 COMPOSE = ROOT / "docker-compose.yml"
 UID = 10001
-WORKLOADS = ("Deployment", "StatefulSet")
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # The kustomization keys the renderer implements; anything else fails the render.
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "generatorOptions",
                       "configMapGenerator", "secretGenerator", "replacements"}
-AGENTS = ("StatefulSet", "device-agents")
+AGENTS = ("Job", "device-agents")
 
 
 class RenderError(Exception):
@@ -267,7 +267,8 @@ def test_services_select_workloads_and_their_ports(testbed):
             assert port["port"] == ports[port["targetPort"]], f"Service {name}: port differs from the container's"
     for workload in _workloads(testbed):
         spec = workload["spec"]
-        assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+        if workload["kind"] != "Job":   # a Job's selector is generated
+            assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
         if workload["kind"] == "StatefulSet":
             assert ("Service", spec["serviceName"]) in testbed
 
@@ -394,12 +395,12 @@ def test_urls_between_services_reach_the_right_ports(testbed):
 
 
 def _pods_shards(objects: dict) -> list[list[int]]:
-    """The shards each agent pod hosts, in ordinal order: its slice (SFL_SLICE, INDEX from the pod's
-    name ``device-agents-<ordinal>``) of the shared ``--shards``, as the agent computes it."""
+    """The shards each agent pod hosts, in index order: its slice (SFL_SLICE, INDEX from the
+    Indexed Job's ``JOB_COMPLETION_INDEX``) of the shared ``--shards``, as the agent computes it."""
     container = _container(objects, *AGENTS)
     shards = parse_shards(_flags(container)["--shards"])
-    return [agent_shards(shards, _env(container)["SFL_SLICE"], hostname=f"{AGENTS[1]}-{ordinal}")
-            for ordinal in range(objects[AGENTS]["spec"]["replicas"])]
+    return [agent_shards(shards, _env(container)["SFL_SLICE"], environ={JOB_INDEX_ENV: str(index)})
+            for index in range(objects[AGENTS]["spec"]["completions"])]
 
 
 def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, tmp_path):
@@ -408,8 +409,12 @@ def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, t
     # The file alone, as the pod reads it: no SFL_RUN__* variables of this process mixed in.
     config = resolve_run_config(path, env_prefix="SFL_KUBE_TEST_UNSET__")
 
-    replicas = testbed[AGENTS]["spec"]["replicas"]
-    assert _env(_container(testbed, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}", "COUNT must be the replicas"
+    job = testbed[AGENTS]["spec"]
+    replicas = job["completions"]
+    assert _env(_container(testbed, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}", "COUNT must be the completions"
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == replicas, "every agent at once"
+    # An agent whose run is over exits 0 and is done; a failing one is retried a bounded number of times.
+    assert job["template"]["spec"]["restartPolicy"] in ("Never", "OnFailure") and job["backoffLimit"] <= 10
     pods = _pods_shards(testbed)
     assert replicas > 1 and all(pods), "every pod hosts devices"
     hosted = [shard for pod in pods for shard in pod]
@@ -417,15 +422,15 @@ def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, t
 
 
 @pytest.mark.parametrize("count", [1, 3])
-def test_the_shard_check_sees_a_count_other_than_the_replicas(testbed, count):
-    """With COUNT below the replicas the last pods' ordinals are no INDEX (those agents refuse to
+def test_the_shard_check_sees_a_count_other_than_the_completions(testbed, count):
+    """With COUNT below the completions the last pods' indexes are no INDEX (those agents refuse to
     start); above, some shards are hosted by no pod."""
     import copy
 
     objects = copy.deepcopy(testbed)
     env = _container(objects, *AGENTS)["env"]
     next(e for e in env if e["name"] == "SFL_SLICE")["value"] = f"auto/{count}"
-    replicas = objects[AGENTS]["spec"]["replicas"]
+    replicas = objects[AGENTS]["spec"]["completions"]
     assert replicas == 2, "the cases above assume two agents"
     if count < replicas:
         with pytest.raises(ValueError, match="is not below COUNT"):
@@ -436,15 +441,17 @@ def test_the_shard_check_sees_a_count_other_than_the_replicas(testbed, count):
 
 @pytest.mark.parametrize("replicas", [1, 3, 10])
 def test_the_number_of_agents_is_one_setting(checkout, tmp_path, replicas):
-    """Only the StatefulSet's replicas change; the replacement gives every pod the matching COUNT."""
+    """Only the Job's completions change; the replacement gives every pod the matching COUNT and
+    runs them all at once."""
     copy = tmp_path / "kubernetes"
     shutil.copytree(checkout, copy)
     manifest = copy / "components" / "testbed-devices" / "device-agents.yaml"
-    text, changes = re.subn(r"(?m)^  replicas: \d+$", f"  replicas: {replicas}", manifest.read_text())
+    text, changes = re.subn(r"(?m)^  completions: \d+$", f"  completions: {replicas}", manifest.read_text())
     assert changes == 1
     manifest.write_text(text)
     objects = _index(render(copy / "overlays" / "testbed"))
     assert _env(_container(objects, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}"
+    assert objects[AGENTS]["spec"]["parallelism"] == replicas
     assert sorted(s for pod in _pods_shards(objects) for s in pod) == list(range(10))
 
 
