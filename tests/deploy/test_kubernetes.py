@@ -173,6 +173,11 @@ def testbed(checkout) -> dict[tuple[str, str], dict]:
     return _index(render(checkout / "overlays" / "testbed"))
 
 
+@pytest.fixture(scope="module")
+def external(checkout) -> dict[tuple[str, str], dict]:
+    return _index(render(checkout / "overlays" / "external-devices"))
+
+
 def _workloads(objects: dict) -> list[dict]:
     return [o for (kind, _), o in objects.items() if kind in WORKLOADS]
 
@@ -189,8 +194,9 @@ def _flags(container: dict) -> dict[str, str]:
     return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--")}
 
 
-def _env(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+def _env(container: dict) -> dict[str, str | None]:
+    """A container's environment: each variable's value, None for one taken from elsewhere (valueFrom)."""
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
 def test_render_refuses_missing_secrets():
@@ -203,7 +209,7 @@ def test_render_refuses_missing_secrets():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
-@pytest.mark.parametrize("where", [".", "overlays/testbed"])
+@pytest.mark.parametrize("where", [".", "overlays/testbed", "overlays/external-devices"])
 def test_renderer_matches_kubectl_kustomize(checkout, where):
     """The renderer gives exactly what kubectl's built-in kustomize gives, object for object."""
     result = subprocess.run(["kubectl", "kustomize", str(checkout / where)], capture_output=True, text=True,
@@ -229,7 +235,7 @@ def test_base_and_testbed_contents(base, testbed):
     assert base.keys() <= testbed.keys()
 
 
-@pytest.mark.parametrize("overlay", ["base", "testbed"])
+@pytest.mark.parametrize("overlay", ["base", "testbed", "external"])
 def test_objects_validate_against_kubernetes_schemas(overlay, request):
     kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
     errors = []
@@ -271,6 +277,34 @@ def test_services_select_workloads_and_their_ports(testbed):
             assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
         if workload["kind"] == "StatefulSet":
             assert ("Service", spec["serviceName"]) in testbed
+
+
+def test_devices_outside_reach_the_fed_server_and_each_replica_at_its_own_address(base, external):
+    """overlays/external-devices: a Service of its own for the Fed Server and for every Main Server
+    pod (selected by the pod-name label its StatefulSet sets), and the Fed Server told, per replica
+    in the order of SFL_MAIN_SERVER_URL, the address devices use; the base tells them nothing else."""
+    fed = _container(external, "StatefulSet", "fed-server")
+    ref = next(e for e in fed["env"] if e["name"] == "SFL_MAIN_SERVER_PUBLIC_URL")["valueFrom"]["configMapKeyRef"]
+    assert ref["optional"] is True and ("ConfigMap", ref["name"]) not in base, "the base has no public addresses"
+    public = external[("ConfigMap", ref["name"])]["data"][ref["key"]].strip().split(",")
+    main = external[("StatefulSet", "main-server")]
+    main_port = int(_flags(_container(external, "StatefulSet", "main-server"))["--port"])
+    replicas = main["spec"]["replicas"]
+    assert len(public) == replicas == len(_env(fed)["SFL_MAIN_SERVER_URL"].split(","))
+    pod_label = "statefulset.kubernetes.io/pod-name"
+    services = [s for (kind, _), s in external.items() if kind == "Service" and s["spec"].get("type") == "LoadBalancer"]
+    per_pod = {s["spec"]["selector"][pod_label]: s for s in services if pod_label in s["spec"]["selector"]}
+    assert sorted(per_pod) == [f"main-server-{i}" for i in range(replicas)], "one Service per replica"
+    for i, url in enumerate(public):
+        service = per_pod[f"main-server-{i}"]
+        rest = {k: v for k, v in service["spec"]["selector"].items() if k != pod_label}
+        assert rest.items() <= main["spec"]["template"]["metadata"]["labels"].items()
+        assert [p["port"] for p in service["spec"]["ports"]] == [main_port] == [urlsplit(url).port]
+    fed_public = [s for s in services if pod_label not in s["spec"]["selector"]]
+    assert len(fed_public) == 1
+    assert fed_public[0]["spec"]["selector"].items() <= \
+        external[("StatefulSet", "fed-server")]["spec"]["template"]["metadata"]["labels"].items()
+    assert fed_public[0]["spec"]["ports"][0]["port"] == int(_flags(fed)["--port"])
 
 
 def test_main_server_replicas_behind_a_headless_service_are_each_in_the_fed_servers_list(base):
@@ -356,7 +390,7 @@ def test_flags_and_environment_exist_in_the_service(testbed, kind, name, module)
     args = container["args"]
     if module != "device_agent":   # the server image's command; the device image's entrypoint runs the agent
         assert args[:3] == ["python", "-m", module]
-    text = _help(module)
+    text = " ".join(_help(module).split())   # argparse wraps a help line anywhere
     for flag in _flags(container):
         assert re.search(rf"\[{re.escape(flag)}[ \]]", text), f"{module} has no flag {flag}"
     for variable in _env(container):
