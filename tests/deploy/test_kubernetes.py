@@ -230,8 +230,9 @@ def test_renderer_matches_kubectl_kustomize(checkout, where):
 def test_base_and_testbed_contents(base, testbed):
     assert set(base) == {("Service", "fed-server"), ("StatefulSet", "fed-server"), ("Service", "main-server"),
                          ("StatefulSet", "main-server"), ("ConfigMap", "s2fl-run-config"),
-                         ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets")}
-    assert set(testbed) - set(base) == {("Service", "device-agents"), AGENTS}
+                         ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets"),
+                         ("NetworkPolicy", "fed-server"), ("NetworkPolicy", "main-server")}
+    assert set(testbed) - set(base) == {("Service", "device-agents"), AGENTS, ("NetworkPolicy", "device-agents")}
     assert base.keys() <= testbed.keys()
 
 
@@ -428,6 +429,33 @@ def test_urls_between_services_reach_the_right_ports(testbed):
     assert int(_flags(agents)["--metrics-port"]) == agents["ports"][0]["containerPort"]
 
 
+def test_network_policies_let_in_only_the_pods_ports_and_out_only_the_calls_they_make(testbed):
+    """Every pod is under one NetworkPolicy for both directions: in, its own container ports only;
+    out, DNS and the Service ports of the URLs it calls, to the pods behind them, nothing else."""
+    policies = [o for (kind, _), o in testbed.items() if kind == "NetworkPolicy"]
+    fed = _container(testbed, "StatefulSet", "fed-server")
+    main = _container(testbed, "StatefulSet", "main-server")
+    agents = _container(testbed, *AGENTS)
+    calls = {"fed-server": _env(fed)["SFL_MAIN_SERVER_URL"].split(","),
+             "main-server": [_env(main)["SFL_FED_SERVER_URL"]],
+             AGENTS[1]: [_flags(agents)["--fed-server-url"], *_env(fed)["SFL_MAIN_SERVER_URL"].split(",")]}
+    for workload in _workloads(testbed):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert len(mine) == 1, f"{workload['metadata']['name']}: {len(mine)} NetworkPolicies"
+        spec = mine[0]["spec"]
+        assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
+        names = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert {port["port"] for rule in spec["ingress"] for port in rule["ports"]} == names
+        allowed = {(tuple(sorted(rule["to"][0]["podSelector"]["matchLabels"].items())) if "to" in rule else None,
+                    port["port"]) for rule in spec["egress"] for port in rule["ports"]}
+        needed = {(None, 53)}
+        for url in calls[workload["metadata"]["name"]]:
+            service = testbed[("Service", urlsplit(url).hostname.split(".")[-1])]
+            needed.add((tuple(sorted(service["spec"]["selector"].items())), _resolve(testbed, url)))
+        assert allowed == needed, workload["metadata"]["name"]
+
+
 def _pods_shards(objects: dict) -> list[list[int]]:
     """The shards each agent pod hosts, in index order: its slice (SFL_SLICE, INDEX from the
     Indexed Job's ``JOB_COMPLETION_INDEX``) of the shared ``--shards``, as the agent computes it."""
@@ -506,6 +534,7 @@ def test_security_probes_and_resources(testbed):
     device_image = yaml.safe_load(COMPOSE.read_text())["x-agent"]["image"]
     for workload in _workloads(testbed):
         pod = workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, "no service account token in the pods"
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == UID and pod["securityContext"]["runAsGroup"] == UID
         # Mounted secret files belong to root: the user reads them through the pod's fsGroup.
