@@ -17,7 +17,7 @@
 # name or IP address of SFL_TLS_NAMES (comma-separated: the addresses devices outside use, e.g.
 # SFL_TLS_NAMES=fed.example.org,192.168.1.20); a certificate whose names changed is issued again.
 # Secrets and keys are 0600, certificates 0644, OUT/device 0711 (a scraper running as another user
-# reads the CA certificate in it, not the secret). Needs bash and openssl (the images carry both).
+# reads the CA certificate in it, not the secret). Needs bash and openssl.
 set -euo pipefail
 
 out=${1:?usage: local-ca.sh OUT}

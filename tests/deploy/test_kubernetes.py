@@ -231,7 +231,8 @@ def test_base_and_testbed_contents(base, testbed):
     assert set(base) == {("Service", "fed-server"), ("StatefulSet", "fed-server"), ("Service", "main-server"),
                          ("StatefulSet", "main-server"), ("ConfigMap", "s2fl-run-config"),
                          ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets"),
-                         ("NetworkPolicy", "fed-server"), ("NetworkPolicy", "main-server")}
+                         ("NetworkPolicy", "fed-server"), ("NetworkPolicy", "main-server"),
+                         ("PodDisruptionBudget", "main-server")}
     assert set(testbed) - set(base) == {("Service", "device-agents"), AGENTS, ("NetworkPolicy", "device-agents")}
     assert base.keys() <= testbed.keys()
 
@@ -306,6 +307,17 @@ def test_devices_outside_reach_the_fed_server_and_each_replica_at_its_own_addres
     assert fed_public[0]["spec"]["selector"].items() <= \
         external[("StatefulSet", "fed-server")]["spec"]["template"]["metadata"]["labels"].items()
     assert fed_public[0]["spec"]["ports"][0]["port"] == int(_flags(fed)["--port"])
+
+
+def test_main_server_replicas_are_spread_over_nodes_and_evicted_one_at_a_time(base):
+    main = base[("StatefulSet", "main-server")]["spec"]
+    labels = main["template"]["metadata"]["labels"]
+    budget = base[("PodDisruptionBudget", "main-server")]["spec"]
+    assert budget["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["maxUnavailable"] == 1 < main["replicas"], "a drain leaves a replica serving"
+    terms = main["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    term = terms[0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"].items() <= labels.items()
 
 
 def test_main_server_replicas_behind_a_headless_service_are_each_in_the_fed_servers_list(base):
