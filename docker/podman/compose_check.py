@@ -41,8 +41,8 @@ PROJECT = "sfl-check"
 BASE_IMAGE = "localhost/sfl-base:bookworm-amd64"
 PROMETHEUS_IMAGE = "localhost/sfl-prometheus:check"
 # The images docker-compose.yml names (podman qualifies them as localhost/...).
-SERVER_IMAGE = "s2fl-server:latest"
-DEVICE_IMAGE = "s2fl-device:latest"
+SERVER_IMAGE = "s2fl-server:0.1.0"
+DEVICE_IMAGE = "s2fl-device:0.1.0"
 SERVICES = ("fed-server", "main-server", "agent-high", "agent-mid", "agent-low", "prometheus")
 # The run: small enough for CI, still S2FL with every device kind (SFL_* variables of the compose file).
 # Prometheus (5 s scrapes) must see each agent up once. An agent exits when the run ends, after

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,15 @@ def test_compose_testbed_shape():
             source = volume.split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"compose mounts missing {source}"
+
+
+def test_images_are_tagged_with_the_project_version():
+    """Not ``latest``: a pod started with ``IfNotPresent`` runs the image it was written for (the
+    Kubernetes manifests use these names, tests/deploy/test_kubernetes.py)."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    compose = yaml.safe_load(COMPOSE.read_text())
+    for anchor in ("x-server", "x-agent"):
+        assert compose[anchor]["image"].rsplit(":", 1)[1] == version, compose[anchor]["image"]
 
 
 def test_compose_lifecycle_and_exposure():
