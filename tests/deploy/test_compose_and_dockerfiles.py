@@ -133,6 +133,7 @@ def test_compose_lifecycle_and_exposure():
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     fed = services["fed-server"]["command"]
     assert fed[fed.index("--runs-root") + 1] == "/runs" and "--run-dir" not in fed
+    assert services["fed-server"]["environment"]["SFL_NEW_RUN"] == "${SFL_NEW_RUN:-0}", "a new run on request"
     for name in ("fed-server", "main-server"):
         assert "--wait-on-refusal" in services[name]["command"], name
     for name, service in services.items():
