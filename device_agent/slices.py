@@ -7,7 +7,7 @@ is hosted exactly once, and a device's id stays ``<prefix>-<shard>``: a run over
 agents has the devices, ids and kinds (round-robin by shard) of the same run in one agent.
 ``INDEX`` may be ``auto``: the completion index a Kubernetes Indexed Job gives each of its pods
 (the environment variable ``JOB_COMPLETION_INDEX``), or else the ordinal a StatefulSet gives its
-pods, the host name's trailing ``-<ordinal>`` (pod ``device-agents-2`` is 2).
+pods, the host name's trailing ``-<ordinal>`` (pod ``agents-2`` is 2).
 """
 from __future__ import annotations
 
