@@ -37,8 +37,12 @@ def main(argv: list[str] | None = None) -> None:
         metrics.serve(args.metrics_port, args.metrics_host)
     from shared.auth import load_secret
 
+    try:
+        enrolment_secret = load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET")
+    except ValueError as exc:   # a secret file that is empty or cannot be read
+        parser.error(str(exc))
     agent = Agent(args.fed_server_url, shards, kinds or None, args.time_scale, args.prefix, verify=args.ca_file or True,
-                  metrics=metrics, enrolment_secret=load_secret(args.enrolment_secret_file, "SFL_ENROLMENT_SECRET"),
+                  metrics=metrics, enrolment_secret=enrolment_secret,
                   keep_models=KEEP_MODELS[args.keep_models], keep_data=KEEP_MODELS[args.keep_data], sources=sources, data_args=data_args,
                   device_id=args.device_id, torch_device=args.torch_device, model=args.model,
                   compute_slots=compute_slots, links=args.links, request_delay_s=args.request_delay_ms / 1000,
@@ -82,8 +86,9 @@ def _add_data_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slice", default=env_default("slice", None), metavar="INDEX/COUNT",
                         help="this agent's block of --shards (env SFL_SLICE): block INDEX of COUNT contiguous "
                              "blocks whose sizes differ by at most one (the larger first), so COUNT agents with the "
-                             "same --shards host each shard once: --shards 0-9 --slice 1/3 hosts 4-6. INDEX auto: the "
-                             "host name's trailing -<ordinal>, as a StatefulSet names its pods (docs/deployment.md)")
+                             "same --shards host each shard once: --shards 0-9 --slice 1/3 hosts 4-6. INDEX auto: "
+                             "JOB_COMPLETION_INDEX (a Kubernetes Indexed Job's pod), else the host name's trailing "
+                             "-<ordinal>, as a StatefulSet names its pods (docs/deployment.md)")
     parser.add_argument("--data", action="append", default=[], metavar="PATH",
                         help="the device's own data for a run with data.dataset: local (repeatable; docs/data.md): an "
                              ".npz file with x and y, a .csv file with a header row and the label column data.label_column, "

@@ -143,7 +143,7 @@ class Device:
         self.main_link: MainLink | None = None
         self.device_model: DeviceModel | None = None
         self.trainer: TaskTrainer | None = None
-        self.rounds_done = 0
+        self.tasks_trained = 0
         #: Called after every successful upload with the body and the round's split point
         #: (the agent's optional metrics port uses it).
         self.on_upload: UploadHook | None = None
@@ -231,7 +231,7 @@ class Device:
             except (DomainError, Unreachable) as exc:   # the run is over either way: the device ends cleanly
                 log.warning("%s: the final global model could not be fetched: %s", self.device_id, exc)
                 received = False
-        log.info("%s: run finished after %d rounds%s", self.device_id, self.rounds_done,
+        log.info("%s: run finished; this device trained %d task(s)%s", self.device_id, self.tasks_trained,
                  "; final global model received" if received else "")
 
     def setup(self, info: RunInfo | None = None, layout: SplitModel | None = None, register: bool = True) -> None:
@@ -382,7 +382,7 @@ class Device:
         # Uploaded after the model is freed: its weights are in the body now, and the upload may
         # wait on a Fed Server that is busy with the other devices' uploads.
         upload(self.fed, task, body, received_at, self.on_upload)
-        self.rounds_done += 1
+        self.tasks_trained += 1
 
     def run_evaluation(self, task: TaskResponse) -> None:
         """Federated evaluation of the task's global model on the held-out part

@@ -35,16 +35,25 @@ def check_run(info: RunInfo, model_ref: str | None, loss_ref: str | None = None)
     return build_run_model(info, layout=True)
 
 
+#: How often an agent that found the run over asks whether the Fed Server's next run has begun
+#: (a Fed Server begins it when it is started again, which the agent cannot be told of).
+NEXT_RUN_POLL_S = 5.0
+
+
 def wait_for_run(fed: FedApi, stop: threading.Event, server: str) -> RunInfo:
-    """The run spec, asked for until the Fed Server answers (or ``stop`` is set). Every second
-    at most: an agent started beside its servers (the testbed starts them together) registers
-    as soon as the Fed Server is up, not seconds later.
+    """The spec of a run to join, asked for until the Fed Server answers with one that is not over
+    (or ``stop`` is set). Every second at most while it does not answer: an agent started beside
+    its servers (the testbed starts them together) registers as soon as the Fed Server is up, not
+    seconds later; every :data:`NEXT_RUN_POLL_S` while its run is over.
 
     ``server`` names the Fed Server in the log: one WARNING when it first does not answer, DEBUG
     for every later try, one INFO line once it answers, so an agent waiting for a server that is
-    still starting says so once rather than once a try."""
+    still starting says so once rather than once a try. A run that is over is said once too: the
+    agent waits for the next run, which a Fed Server started again begins, rather than joining a
+    run with nothing left to train."""
     delay = 0.2
     waiting_since: float | None = None
+    over: str | None = None
     while True:
         try:
             info = fed.run_info()
@@ -62,4 +71,12 @@ def wait_for_run(fed: FedApi, stop: threading.Event, server: str) -> RunInfo:
             continue
         if waiting_since is not None:
             log.info("%s is reachable (after %.1f s)", server, time.monotonic() - waiting_since)
-        return info
+            waiting_since = None
+        if not info.finished:
+            return info
+        if over != info.run_id:
+            over = info.run_id
+            log.info("run %s of %s is over: waiting for its next run (a Fed Server started again begins one)",
+                     info.run_id, server)
+        if stop.wait(NEXT_RUN_POLL_S):
+            return info

@@ -4,23 +4,37 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
-from shared.config import env_default
-from http_api.serve import serve
+from shared.config import env_default, env_switch
+from http_api.serve import refuse_to_start, serve
 from shared.service import add_server_args, configure_process, parse_service_args
 
+if TYPE_CHECKING:   # imported at run time only once the process is configured (torch threads)
+    from fed_server.coordinator import Coordinator
+    from fed_server.settings import FedServerSettings
+    from shared.config import RunConfig
 
-def main_server_urls_of(value: str | list[str] | None) -> list[str]:
+log = logging.getLogger("fed_server")
+
+
+def main_server_urls_of(value: str | list[str] | None, setting: str = "main_server_url",
+                        default: str | None = "http://127.0.0.1:8081") -> list[str]:
     """The Main Server replicas from ``--main-server-url`` (repeated flags, a settings file's string
     or list), each entry possibly comma-separated like ``SFL_MAIN_SERVER_URL``; that variable, else
-    one local Main Server, when none is given."""
+    one local Main Server, when none is given. ``setting`` and ``default``: another flag of URLs
+    read the same way (``--main-server-public-url``, no default)."""
     if value is None:
-        value = str(env_default("main_server_url", "http://127.0.0.1:8081"))
+        value = env_default(setting, default)
+    if value is None:
+        return []
     entries = [value] if isinstance(value, str) else value
     return [url.strip() for entry in entries for url in str(entry).split(",") if url.strip()]
 
@@ -36,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["export"]:
         export_main(argv[1:])
         return
-    from fed_server.settings import PER_DEVICE_SERIES_LIMIT, FedServerSettings
+    from fed_server.settings import PER_DEVICE_SERIES_LIMIT
 
     parser = argparse.ArgumentParser(
         prog="python -m fed_server",
@@ -48,16 +62,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config value, e.g. --set train.lr=0.1 (repeatable; env SFL_RUN__TRAIN__LR)")
     parser.add_argument("--run-dir", default=env_default("run_dir", None),
-                        help="where config, metrics, checkpoint and summary are written (default runs/<time>-<algorithm>)")
-    parser.add_argument("--run-id", default=env_default("run_id", None), help="run id (default: random)")
+                        help="where config, metrics, checkpoint and summary are written (env SFL_RUN_DIR; default "
+                             "runs/<time>-<algorithm>); a checkpoint there is resumed. Not with --runs-root")
+    parser.add_argument("--runs-root", default=env_default("runs_root", None), metavar="DIR",
+                        help="keep every run in its own directory DIR/<run id> (env SFL_RUNS_ROOT): a start resumes the "
+                             "current run while it is unfinished and begins a new one once it is over "
+                             "(docs/operating.md)")
+    parser.add_argument("--resume", default=env_default("resume", None), metavar="RUN_ID",
+                        help="with --runs-root: take up this run, finished or not (env SFL_RESUME)")
+    parser.add_argument("--new-run", action=argparse.BooleanOptionalAction, default=env_switch("new_run"),
+                        help="with --runs-root: begin a new run even though the current one is unfinished, which stays "
+                             "as it is (env SFL_NEW_RUN)")
+    parser.add_argument("--run-id", default=env_default("run_id", None),
+                        help="run id (env SFL_RUN_ID; default: random, with --runs-root <UTC time>-<algorithm>-<4 hex "
+                             "digits>); with --runs-root the id of a new run")
     parser.add_argument("--main-server-url", action="append", default=None, metavar="URL",
                         help="a Main Server replica (env SFL_MAIN_SERVER_URL, comma-separated; default "
                              "http://127.0.0.1:8081), as devices and this server reach it; repeat the flag for "
                              "several replicas, over which each round's groups are spread")
-    per_device_env = env_default("per_device_metrics", None)
+    parser.add_argument("--main-server-public-url", action="append", default=None, metavar="URL",
+                        help="where the devices reach each Main Server replica, when not at its --main-server-url (env "
+                             "SFL_MAIN_SERVER_PUBLIC_URL, comma-separated): one per replica, in the same order. For "
+                             "devices outside a cluster whose replicas this server reaches by in-cluster names")
     parser.add_argument("--per-device-metrics", action=argparse.BooleanOptionalAction,
-                        default=None if per_device_env is None
-                        else str(per_device_env).lower() not in ("0", "false", "no", "off"),
+                        default=env_switch("per_device_metrics", None),
                         help="export per-device Prometheus series (device label; env SFL_PER_DEVICE_METRICS; default: "
                              f"on for runs of at most {PER_DEVICE_SERIES_LIMIT:,} devices). Off: per-phase and "
                              "per-split aggregates remain")
@@ -78,40 +106,86 @@ def main(argv: list[str] | None = None) -> None:
                              "SIGHUP")
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
+    if args.run_dir is not None and args.runs_root is not None:
+        parser.error("--run-dir is one run's directory, --runs-root a folder of runs: give one of them")
+    if args.runs_root is None and (args.resume is not None or args.new_run):
+        parser.error("--resume and --new-run choose a run in --runs-root: give --runs-root DIR")
 
-    from fed_server.app import create_app
-    from shared.auth import auth_from_settings, warn_if_open
-    from fed_server.coordinator import Coordinator
-    from fed_server.run_dir import RunDirectory
+    def refuse(reason: str) -> NoReturn:
+        refuse_to_start(parser, args, "fed_server", reason)
+
     from shared.run_config import ConfigError, exit_on_config_error, resolve_run_config
 
     try:
         config = resolve_run_config(args.config, args.overrides)
     except ConfigError as exc:
-        exit_on_config_error(exc)
-    # Flag mistakes are reported before the Coordinator loads data and evaluates the model.
+        if not args.wait_on_refusal:
+            exit_on_config_error(exc)   # a line per problem
+        refuse("config error: " + "; ".join(exc.lines))
     try:
-        auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file, args.enrolment_key_file,
-                                  args.enrolment_secret_max_devices, args.revoked_credentials_file)
+        settings = fed_server_settings(args)
     except ValueError as exc:
-        parser.error(str(exc))
-    if auth.revoked_credentials.path is not None and auth.enrolment_key is None:
-        parser.error("--revoked-credentials-file revokes enrolment credentials: it needs --enrolment-key-file")
-    if auth.enabled and auth.enrolment_secret is None and auth.enrolment_key is None:
-        parser.error("a service secret without an enrolment secret or key would refuse every device: set "
-                     "--enrolment-key-file / SFL_ENROLMENT_KEY or --enrolment-secret-file / SFL_ENROLMENT_SECRET too")
-    if args.enrolment_secret_max_devices is not None and args.enrolment_secret_max_devices < 1:
-        parser.error(f"--enrolment-secret-max-devices must be at least 1, got {args.enrolment_secret_max_devices}")
-    main_server_urls = main_server_urls_of(args.main_server_url)
-    run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
-    try:
-        coordinator = Coordinator(config, run_dir, main_server_urls, run_id=args.run_id,
-                                  torch_device=args.torch_device)
-    except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
-        parser.error(str(exc))
-    warn_if_open(auth, "fed_server", "register devices, upload models and server portions")
-    settings = FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
+        refuse(str(exc))
+    coordinator = start_run(config, args, refuse)
+    from fed_server.app import create_app
+    from shared.auth import warn_if_open
+
+    warn_if_open(settings.auth, "fed_server", "register devices, upload models and server portions")
     serve(create_app(coordinator, settings), args)
+
+
+def start_run(config: "RunConfig", args: argparse.Namespace, refuse: Callable[[str], NoReturn]) -> "Coordinator":
+    """The run this start takes up, built (its checkpoint resumed): ``--run-dir``'s, or the one
+    ``--runs-root``'s rule chooses (:mod:`fed_server.runs_root`); ``refuse`` is called with the
+    reason when it cannot be. A run taken up as the unfinished current one that turns out to have
+    finished (stopped between its last checkpoint and its summary, which is written now) is over:
+    a new run is begun instead."""
+    from fed_server.coordinator import Coordinator
+    from fed_server.run_dir import RunDirectory
+    from fed_server.runs_root import RunRefused, RunsRoot
+
+    urls = main_server_urls_of(args.main_server_url)
+    device_urls = main_server_urls_of(args.main_server_public_url, "main_server_public_url", None)
+
+    def build(path: str | Path, run_id: str | None) -> Coordinator:
+        try:
+            return Coordinator(config, RunDirectory(path), urls, run_id=run_id, torch_device=args.torch_device,
+                               main_server_device_urls=device_urls)
+        except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
+            refuse(str(exc))
+
+    if args.runs_root is None:
+        return build(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}", args.run_id)
+    root = RunsRoot(args.runs_root)
+    while True:
+        try:
+            choice = root.choose(config, args.resume, args.new_run, args.run_id)
+        except RunRefused as exc:
+            refuse(str(exc))
+        log.info("%s (in %s)", choice.why, choice.path)
+        root.take(choice)
+        coordinator = build(choice.path, choice.run_id)
+        if not (choice.resume and args.resume is None and coordinator.core.finished):
+            return coordinator
+        log.info("run %s had finished before its summary was written; its summary is written now", choice.run_id)
+
+
+def fed_server_settings(args: argparse.Namespace) -> "FedServerSettings":
+    """The server's settings from its flags (the secrets read): ValueError with one line for a
+    secret that cannot be read or flags that do not fit together."""
+    from fed_server.settings import FedServerSettings
+    from shared.auth import auth_from_settings
+
+    auth = auth_from_settings(args.service_secret_file, args.enrolment_secret_file, args.enrolment_key_file,
+                              args.enrolment_secret_max_devices, args.revoked_credentials_file)
+    if auth.revoked_credentials.path is not None and auth.enrolment_key is None:
+        raise ValueError("--revoked-credentials-file revokes enrolment credentials: it needs --enrolment-key-file")
+    if auth.enabled and auth.enrolment_secret is None and auth.enrolment_key is None:
+        raise ValueError("a service secret without an enrolment secret or key would refuse every device: set "
+                         "--enrolment-key-file / SFL_ENROLMENT_KEY or --enrolment-secret-file / SFL_ENROLMENT_SECRET too")
+    if args.enrolment_secret_max_devices is not None and args.enrolment_secret_max_devices < 1:
+        raise ValueError(f"--enrolment-secret-max-devices must be at least 1, got {args.enrolment_secret_max_devices}")
+    return FedServerSettings(per_device_metrics=args.per_device_metrics, auth=auth, ca_file=args.ca_file)
 
 
 def export_main(argv: list[str]) -> None:

@@ -21,13 +21,14 @@ from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus
 from http_api.server import (
     ApiError, MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, parse_message,
-    read_body, read_message, status_of,
+    read_body, read_message, request_target, status_of,
 )
 from shared.schemas import (
     AGENT_ID_PATTERN, API, MAX_REGISTRATION_BATCH, AgentTaskRequest, EvaluationReport, Refusal, RegisterRequest,
     RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, ServerPortionUpload, UpdateRequest,
     WithdrawRequest,
 )
+from shared.auth import FED_SERVER
 from shared.errors import TooSoon
 from shared.wire import WireError, pack_body, unpackb
 
@@ -97,8 +98,8 @@ def _add_run_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerS
               openapi_extra=msgpack_body_schema(ServerPortionUpload))
     async def server_portion(round_id: int, request: Request) -> Response:
         """Main Server: a group's trained server-side copy."""
-        settings.auth.check_service(request.headers)
-        upload = await read_message(request, ServerPortionUpload, settings.max_update_bytes)
+        signed = settings.auth.check_service(FED_SERVER, request.method, request_target(request), request.headers)
+        upload = await read_message(request, ServerPortionUpload, settings.max_update_bytes, signed)
         size = int(request.headers.get("content-length", 0))
         return msgpack_response(coordinator.uploads.accept_portion(round_id, upload, size))
 

@@ -66,17 +66,19 @@ class Coordinator:
     stays on the CPU, where uploads arrive from the wire and are aggregated (a round's
     aggregation is a weighted sum, cheap next to moving every upload to a GPU and back).
 
-    ``main_server_urls``: the Main Server replicas (``replica_planning.py``).
+    ``main_server_urls``: the Main Server replicas (``replica_planning.py``);
+    ``main_server_device_urls``: where the devices reach them, when not at those URLs.
     """
 
     def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_urls: Sequence[str] | None,
-                 run_id: str | None = None, torch_device: torch.device | None = None) -> None:
+                 run_id: str | None = None, torch_device: torch.device | None = None,
+                 main_server_device_urls: Sequence[str] | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
         self.core = _build_core(config, run_id, torch_device)
         core = self.core
         num_classes, input_shape = core.model.num_classes, core.model.input_shape
-        self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes)
+        self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes, main_server_device_urls)
         profile = profile_model(core.model, config.model)
         candidates = candidate_split_points(profile, config.split.candidates)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
@@ -98,7 +100,7 @@ class Coordinator:
         self.enrolment = DeviceEnrolment(
             core, fingerprint, input_shape, num_classes, shard_sizes(config.data),
             label_counts_at_registration=self.replicas.groups_at_fed_server and self.planner.mode != "zero")
-        self.dispatch = TaskDispatch(core)
+        self.dispatch = TaskDispatch(core, self.replicas.device_url)
         self.agents = AgentSessions(core, self.dispatch, self.enrolment)
         self.uploads = Uploads(core, self.replicas)
         self.evaluation = FederatedEvaluation(core, self.dispatch, self.enrolment.held_out_limit)

@@ -25,6 +25,7 @@ from fed_server.settings import FedServerSettings
 from fed_server.records import RoundRecord
 from fed_server.fed_round import FedRound
 from shared.algorithms.two_phase import two_phase
+from shared.auth import MAIN_SERVER
 from shared.http_client import ServiceError, decode_response, post_body, service_client
 from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, Departures, RoundPlan, RoundWatch
@@ -71,7 +72,7 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
     live = replicas.available()
     errors: dict[str, str] = {}
     fed_round.plan_bytes = 0
-    async with service_client(settings.auth.service_headers(), settings.ca_file,
+    async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file,
                               timeout=settings.replica_timeout_s) as client:
         async def post(url: str, plan: RoundPlan, within_s: float) -> str | None:
             body = pack_body(plan.model_dump())
@@ -119,7 +120,7 @@ async def send_departures(fed_round: FedRound, url: str, reasons: dict[str, str]
     body = pack_body(Departures(round_id=fed_round.round_id, devices=reasons).model_dump())
     endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/departures"
     try:
-        async with service_client(settings.auth.service_headers(), settings.ca_file,
+        async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file,
                                   timeout=settings.replica_timeout_s) as client:
             decode_response(await post_body(client, endpoint, body), Ack)
     except Exception as exc:   # noqa: BLE001 - whatever went wrong, the attempt goes on
@@ -140,7 +141,7 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
     timeout = httpx.Timeout(10.0, read=settings.replica_timeout_s)
     endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/watch"
     try:
-        async with service_client(settings.auth.service_headers(), settings.ca_file, timeout=10.0) as client:
+        async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file, timeout=10.0) as client:
             async with client.stream("GET", endpoint, params={"heartbeat_s": settings.heartbeat_s},
                                      timeout=timeout) as response:
                 if response.status_code != 200:
@@ -173,7 +174,7 @@ async def probe_replica(coordinator: Coordinator, url: str, settings: FedServerS
     kernel takes the request, and the process answers it as soon as it runs again. Between failed
     tries the wait grows from :data:`PROBE_FIRST_WAIT_S` to :data:`PROBE_LONGEST_WAIT_S`."""
     wait_s = PROBE_FIRST_WAIT_S
-    async with service_client(settings.auth.service_headers(), settings.ca_file,
+    async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file,
                               timeout=settings.replica_timeout_s) as client:
         while True:
             with contextlib.suppress(httpx.HTTPError):
@@ -248,10 +249,18 @@ async def drive_rounds(coordinator: Coordinator, settings: FedServerSettings, me
     # Every shard registered, or the registration deadline passed; then (a resumed run whose
     # devices did not all come back) the quorum's registrations.
     enrolment, progress, core = coordinator.enrolment, coordinator.progress, coordinator.core
+    if core.finished:   # taken up after its end (--resume of a finished run): served, not trained
+        log.info("run %s is over (%d of %d rounds): nothing to train; its results are in %s", core.run_id,
+                 progress.rounds_done, coordinator.config.rounds, coordinator.run_dir.path)
+        return
     await wait_until(core.changed, enrolment.ready, enrolment.registration_deadline())
     await wait_until(core.changed, enrolment.ready, math.inf)
-    log.info("%s; starting %d rounds of %s", registration_outcome(coordinator), coordinator.config.rounds,
-             coordinator.config.algorithm)
+    if progress.rounds_done:
+        log.info("%s; continuing run %s of %s at round %d of %d", registration_outcome(coordinator), core.run_id,
+                 coordinator.config.algorithm, progress.rounds_done + 1, coordinator.config.rounds)
+    else:
+        log.info("%s; starting %d rounds of %s", registration_outcome(coordinator), coordinator.config.rounds,
+                 coordinator.config.algorithm)
     recording: asyncio.Task | None = None   # the previous attempt's evaluation and record
     departing: set[asyncio.Task] = set()     # departures on their way to replicas (held until sent)
 

@@ -55,12 +55,23 @@ def groups_per_replica(groups: Sequence[Sequence[str]], loads: Sequence[int], re
 
 
 class ReplicaPlanning:
-    """Plans for, and bookkeeping of, the Main Server replicas at ``main_server_urls``."""
+    """Plans for, and bookkeeping of, the Main Server replicas at ``main_server_urls``.
+
+    ``device_urls``: the address the devices reach each replica at, one per URL of
+    ``main_server_urls`` in the same order, where it is not the one this server uses (devices
+    outside a cluster whose replicas this server reaches by their in-cluster names); None: the
+    same. A replica is known by its ``main_server_urls`` entry everywhere but in the tasks
+    (:meth:`device_url`)."""
 
     def __init__(self, core: RunCore, main_server_urls: Sequence[str] | None, input_shape: tuple[int, ...],
-                 num_classes: int) -> None:
+                 num_classes: int, device_urls: Sequence[str] | None = None) -> None:
         self.core = core
         self.urls = list(dict.fromkeys(main_server_urls or []))
+        if device_urls and len(device_urls) != len(main_server_urls or []):
+            raise ValueError(f"{len(device_urls)} Main Server URLs for the devices (--main-server-public-url) for "
+                             f"{len(main_server_urls or [])} replicas (--main-server-url): give one per replica, "
+                             f"in the same order")
+        self._device_urls = dict(zip(main_server_urls or [], device_urls or main_server_urls or []))
         self.input_shape = input_shape
         self.num_classes = num_classes
         #: Replicas set aside, each with why: they did not accept a plan, or were lost during an
@@ -72,6 +83,10 @@ class ReplicaPlanning:
         #: when). Their calls to it may hang until it answers or their task's deadline passes, so
         #: they are not selected until they call the Fed Server again (:meth:`free`).
         self.held: dict[str, tuple[str, float]] = {}
+
+    def device_url(self, url: str) -> str:
+        """The address a device is told for replica ``url`` (its task's ``main_server_url``)."""
+        return self._device_urls.get(url, url)
 
     @property
     def groups_at_fed_server(self) -> bool:

@@ -31,6 +31,11 @@ class RunDirectory:
     def checkpoint_path(self) -> Path:
         return self.path / "checkpoint.msgpack"
 
+    @staticmethod
+    def summary_path_of(path: str | Path) -> Path:
+        """Where the summary of the run in directory ``path`` is: written once the run is over."""
+        return Path(path) / "summary.json"
+
     def write_config(self, config: RunConfig, run_id: str) -> None:
         data = {"run_id": run_id, **config.model_dump(mode="json")}
         atomic_write(self.path / "config.yaml", yaml.safe_dump(data, sort_keys=False).encode())
@@ -86,5 +91,5 @@ class RunDirectory:
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         text = json.dumps(finite_json(summary), indent=2, allow_nan=False)
-        atomic_write(self.path / "summary.json", (text + "\n").encode())
+        atomic_write(self.summary_path_of(self.path), (text + "\n").encode())
 

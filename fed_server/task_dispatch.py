@@ -3,7 +3,7 @@ weights those tasks name, published once for every device that fetches them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.fed_round import FedRound
@@ -26,8 +26,11 @@ MAX_TASK_WAIT_S = 30.0
 class TaskDispatch:
     """Answers task polls and publishes the weights they name."""
 
-    def __init__(self, core: RunCore) -> None:
+    def __init__(self, core: RunCore, device_url: Callable[[str], str] = str) -> None:
+        """``device_url``: the address a device is told for a Main Server replica
+        (:meth:`fed_server.replica_planning.ReplicaPlanning.device_url`)."""
         self.core = core
+        self.device_url = device_url
         # The open attempt's client portions by split point, published once for all the devices that
         # train it (FedAvg: one encoding of the whole model a round, not one per device).
         self._task_weights: tuple[int, dict[int, WeightsId]] = (0, {})
@@ -106,7 +109,8 @@ class TaskDispatch:
             status="train", round_id=fed_round.round_id, round_index=fed_round.index,
             split_point=assignment.split_point, num_blocks=core.num_blocks,
             weights_id=self._client_portion(fed_round, assignment.split_point), train=config.train,
-            main_server_url=assignment.main_server_url if fed_round.uses_main_server else None,
+            main_server_url=self.device_url(assignment.main_server_url)
+            if fed_round.uses_main_server and assignment.main_server_url else None,
             deadline_s=fed_round.remaining_s(), half_precision=config.half_precision,
             algorithm=config.algorithm, params=core.algorithm.device_params(),
             extras=core.algorithm.task_extras(device_id, fed_round.context).to_wire(),

@@ -9,12 +9,14 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
 import time
+from typing import NoReturn
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from http_api.server import ARRIVAL
+from http_api.server import ARRIVAL, create_refusal_app
 from shared.service import DEFAULT_BODY_GRACE_S, DEFAULT_MIN_BODY_RATE, freeze_startup_objects
 
 log = logging.getLogger("http_api")
@@ -176,3 +178,15 @@ def serve(app, args: argparse.Namespace) -> None:
                 ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
                 http=head_timeout_protocol(args.head_timeout_s, args.min_body_rate, args.body_grace_s),
                 timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_grace_s)
+
+
+def refuse_to_start(parser: argparse.ArgumentParser, args: argparse.Namespace, service: str, reason: str) -> NoReturn:
+    """A server that cannot start: exit with code 2 and ``reason`` in one line, as argparse does for
+    bad usage; with ``--wait-on-refusal`` log ``reason`` once and serve it until stopped
+    (:func:`http_api.server.create_refusal_app`), so a supervisor that restarts exited servers does
+    not restart this one into the same refusal for ever."""
+    if args.wait_on_refusal:
+        logging.getLogger(service).error("not starting: %s", reason)
+        serve(create_refusal_app(service, reason), args)
+        sys.exit(0)
+    parser.exit(2, f"{parser.prog}: error: {reason}\n")

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
+from shared.auth import check_body_digest
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
 from shared.http_metrics import call_counting_body_bytes
 from shared.wire import Body, WireError, pack_body, unpackb
@@ -77,9 +78,22 @@ STATUS_OF: dict[type[DomainError], int] = {
 MSGPACK = "application/msgpack"
 
 
-async def read_message(request: Request, model: type[M], max_bytes: int) -> M:
-    """Read, size-check, unpack and validate a msgpack request body."""
-    return parse_message(await read_body(request.stream(), request.headers.get("content-length"), max_bytes), model)
+async def read_message(request: Request, model: type[M], max_bytes: int, signed_digest: str | None = None) -> M:
+    """Read, size-check, unpack and validate a msgpack request body; with ``signed_digest`` (a
+    signed server-to-server request's, :meth:`shared.auth.Auth.check_service`), refuse a body that
+    is not the signed one before unpacking it."""
+    body = await read_body(request.stream(), request.headers.get("content-length"), max_bytes)
+    check_body_digest(signed_digest, body)
+    return parse_message(body, model)
+
+
+def request_target(request: Request) -> str:
+    """The path and query of ``request`` as they came on the wire: what a server-to-server
+    request's signature covers (:meth:`shared.auth.Auth.sign_service_request`)."""
+    scope = request.scope
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string", b"")
+    return (path + (b"?" + query if query else b"")).decode("ascii", "replace")
 
 
 async def read_body(chunks: AsyncIterable[bytes], declared: str | None, max_bytes: int) -> bytearray:
@@ -322,8 +336,13 @@ class ServiceApp(FastAPI):
         return declare
 
 
-def create_service_app(service: str, title: str, description: str, lifespan=None, registry=None) -> ServiceApp:
-    """A FastAPI app with what every server has: error handlers, ``/healthz``, ``/metrics``.
+def create_service_app(service: str, title: str, description: str, lifespan=None, registry=None,
+                       refusal: str | None = None) -> ServiceApp:
+    """A FastAPI app with what every server has: error handlers, ``/livez``, ``/healthz``, ``/metrics``.
+
+    ``/livez`` answers 200 while the process serves requests (a liveness probe); ``/healthz`` too,
+    unless the server refuses to work (``refusal``: why), when it answers 503 with the reason (a
+    readiness probe: nothing is routed to it, and nothing restarts it).
 
     ``registry`` is the service's own ``prometheus_client.CollectorRegistry`` (a fresh one with the
     process collectors if None). ``/metrics`` (and ``/metrics/``) answer its text exposition
@@ -347,11 +366,31 @@ def create_service_app(service: str, title: str, description: str, lifespan=None
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response, include_in_schema=True)
     app.add_api_route("/metrics/", metrics, methods=["GET"], response_class=Response, include_in_schema=False)
 
-    @app.get("/healthz")
-    async def healthz() -> dict:
+    @app.get("/livez")
+    async def livez() -> dict:
         """Liveness: 200 while the process serves requests."""
         return {"status": "ok", "service": service}
 
+    @app.get("/healthz", responses={503: {"description": "the server refuses to work, and says why"}})
+    async def healthz() -> Response:
+        """Readiness: 200 when the server does its work, 503 with the reason when it refuses to."""
+        if refusal is not None:
+            return JSONResponse({"status": "refused", "service": service, "detail": refusal}, status_code=503)
+        return JSONResponse({"status": "ok", "service": service})
+
+    return app
+
+
+def create_refusal_app(service: str, reason: str) -> ServiceApp:
+    """What a server that cannot start serves (``--wait-on-refusal``, :func:`http_api.serve.refuse_to_start`):
+    ``/livez`` 200, so its supervisor does not restart it into the same refusal, and ``/healthz``
+    and every ``/v1`` route 503 with ``reason``, so whoever asks (a device, the operator, a
+    readiness probe) reads it."""
+    app = create_service_app(service, f"{service} (not started)", description=reason, refusal=reason)
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST"], include_in_schema=False)
+    async def refused(path: str) -> JSONResponse:
+        return JSONResponse({"detail": f"the server has not started: {reason}"}, status_code=503)
     return app
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from shared.config import env_default
-from http_api.serve import serve
+from http_api.serve import refuse_to_start, serve
 from shared.service import add_server_args, configure_process, parse_service_args
 
 
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         auth = auth_from_settings(args.service_secret_file, None)
-    except ValueError as exc:   # an empty secret file
-        parser.error(str(exc))
+    except ValueError as exc:   # a secret file that is empty or cannot be read
+        refuse_to_start(parser, args, "main_server", str(exc))
     warn_if_open(auth, "main_server", "open rounds, join them and send activations")
     warm_up(args.torch_device)
 

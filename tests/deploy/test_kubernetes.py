@@ -10,7 +10,7 @@
 * cross-references: Service selectors and target ports, StatefulSet Services, the ConfigMaps and
   Secrets (and their keys) that volumes mount, the file flags under those mounts, every flag known
   to its service, the URLs between the services, the run config, the device shards (the union of
-  the agent pods' slices, from their ordinals, is every shard exactly once), the scrape
+  the agent pods' slices, from their Job completion indexes, is every shard exactly once), the scrape
   config's targets, and the security settings (non-root 10001, read-only root file system, probes
   on the health routes, resource requests and limits).
 
@@ -32,18 +32,18 @@ import pytest
 import yaml
 
 from device_agent.agent import parse_shards
-from device_agent.slices import agent_shards
+from device_agent.slices import JOB_INDEX_ENV, agent_shards
 from shared.run_config import resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 COMPOSE = ROOT / "docker-compose.yml"
 UID = 10001
-WORKLOADS = ("Deployment", "StatefulSet")
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # The kustomization keys the renderer implements; anything else fails the render.
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "generatorOptions",
                       "configMapGenerator", "secretGenerator", "replacements"}
-AGENTS = ("StatefulSet", "device-agents")
+AGENTS = ("Job", "device-agents")
 
 
 class RenderError(Exception):
@@ -173,6 +173,11 @@ def testbed(checkout) -> dict[tuple[str, str], dict]:
     return _index(render(checkout / "overlays" / "testbed"))
 
 
+@pytest.fixture(scope="module")
+def external(checkout) -> dict[tuple[str, str], dict]:
+    return _index(render(checkout / "overlays" / "external-devices"))
+
+
 def _workloads(objects: dict) -> list[dict]:
     return [o for (kind, _), o in objects.items() if kind in WORKLOADS]
 
@@ -189,8 +194,9 @@ def _flags(container: dict) -> dict[str, str]:
     return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--")}
 
 
-def _env(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+def _env(container: dict) -> dict[str, str | None]:
+    """A container's environment: each variable's value, None for one taken from elsewhere (valueFrom)."""
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
 def test_render_refuses_missing_secrets():
@@ -203,7 +209,7 @@ def test_render_refuses_missing_secrets():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
-@pytest.mark.parametrize("where", [".", "overlays/testbed"])
+@pytest.mark.parametrize("where", [".", "overlays/testbed", "overlays/external-devices"])
 def test_renderer_matches_kubectl_kustomize(checkout, where):
     """The renderer gives exactly what kubectl's built-in kustomize gives, object for object."""
     result = subprocess.run(["kubectl", "kustomize", str(checkout / where)], capture_output=True, text=True,
@@ -224,12 +230,14 @@ def test_renderer_matches_kubectl_kustomize(checkout, where):
 def test_base_and_testbed_contents(base, testbed):
     assert set(base) == {("Service", "fed-server"), ("StatefulSet", "fed-server"), ("Service", "main-server"),
                          ("StatefulSet", "main-server"), ("ConfigMap", "s2fl-run-config"),
-                         ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets")}
-    assert set(testbed) - set(base) == {("Service", "device-agents"), AGENTS}
+                         ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets"),
+                         ("NetworkPolicy", "fed-server"), ("NetworkPolicy", "main-server"),
+                         ("PodDisruptionBudget", "main-server")}
+    assert set(testbed) - set(base) == {("Service", "device-agents"), AGENTS, ("NetworkPolicy", "device-agents")}
     assert base.keys() <= testbed.keys()
 
 
-@pytest.mark.parametrize("overlay", ["base", "testbed"])
+@pytest.mark.parametrize("overlay", ["base", "testbed", "external"])
 def test_objects_validate_against_kubernetes_schemas(overlay, request):
     kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
     errors = []
@@ -267,9 +275,49 @@ def test_services_select_workloads_and_their_ports(testbed):
             assert port["port"] == ports[port["targetPort"]], f"Service {name}: port differs from the container's"
     for workload in _workloads(testbed):
         spec = workload["spec"]
-        assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+        if workload["kind"] != "Job":   # a Job's selector is generated
+            assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
         if workload["kind"] == "StatefulSet":
             assert ("Service", spec["serviceName"]) in testbed
+
+
+def test_devices_outside_reach_the_fed_server_and_each_replica_at_its_own_address(base, external):
+    """overlays/external-devices: a Service of its own for the Fed Server and for every Main Server
+    pod (selected by the pod-name label its StatefulSet sets), and the Fed Server told, per replica
+    in the order of SFL_MAIN_SERVER_URL, the address devices use; the base tells them nothing else."""
+    fed = _container(external, "StatefulSet", "fed-server")
+    ref = next(e for e in fed["env"] if e["name"] == "SFL_MAIN_SERVER_PUBLIC_URL")["valueFrom"]["configMapKeyRef"]
+    assert ref["optional"] is True and ("ConfigMap", ref["name"]) not in base, "the base has no public addresses"
+    public = external[("ConfigMap", ref["name"])]["data"][ref["key"]].strip().split(",")
+    main = external[("StatefulSet", "main-server")]
+    main_port = int(_flags(_container(external, "StatefulSet", "main-server"))["--port"])
+    replicas = main["spec"]["replicas"]
+    assert len(public) == replicas == len(_env(fed)["SFL_MAIN_SERVER_URL"].split(","))
+    pod_label = "statefulset.kubernetes.io/pod-name"
+    services = [s for (kind, _), s in external.items() if kind == "Service" and s["spec"].get("type") == "LoadBalancer"]
+    per_pod = {s["spec"]["selector"][pod_label]: s for s in services if pod_label in s["spec"]["selector"]}
+    assert sorted(per_pod) == [f"main-server-{i}" for i in range(replicas)], "one Service per replica"
+    for i, url in enumerate(public):
+        service = per_pod[f"main-server-{i}"]
+        rest = {k: v for k, v in service["spec"]["selector"].items() if k != pod_label}
+        assert rest.items() <= main["spec"]["template"]["metadata"]["labels"].items()
+        assert [p["port"] for p in service["spec"]["ports"]] == [main_port] == [urlsplit(url).port]
+    fed_public = [s for s in services if pod_label not in s["spec"]["selector"]]
+    assert len(fed_public) == 1
+    assert fed_public[0]["spec"]["selector"].items() <= \
+        external[("StatefulSet", "fed-server")]["spec"]["template"]["metadata"]["labels"].items()
+    assert fed_public[0]["spec"]["ports"][0]["port"] == int(_flags(fed)["--port"])
+
+
+def test_main_server_replicas_are_spread_over_nodes_and_evicted_one_at_a_time(base):
+    main = base[("StatefulSet", "main-server")]["spec"]
+    labels = main["template"]["metadata"]["labels"]
+    budget = base[("PodDisruptionBudget", "main-server")]["spec"]
+    assert budget["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["maxUnavailable"] == 1 < main["replicas"], "a drain leaves a replica serving"
+    terms = main["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    term = terms[0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"].items() <= labels.items()
 
 
 def test_main_server_replicas_behind_a_headless_service_are_each_in_the_fed_servers_list(base):
@@ -355,7 +403,7 @@ def test_flags_and_environment_exist_in_the_service(testbed, kind, name, module)
     args = container["args"]
     if module != "device_agent":   # the server image's command; the device image's entrypoint runs the agent
         assert args[:3] == ["python", "-m", module]
-    text = _help(module)
+    text = " ".join(_help(module).split())   # argparse wraps a help line anywhere
     for flag in _flags(container):
         assert re.search(rf"\[{re.escape(flag)}[ \]]", text), f"{module} has no flag {flag}"
     for variable in _env(container):
@@ -393,13 +441,40 @@ def test_urls_between_services_reach_the_right_ports(testbed):
     assert int(_flags(agents)["--metrics-port"]) == agents["ports"][0]["containerPort"]
 
 
+def test_network_policies_let_in_only_the_pods_ports_and_out_only_the_calls_they_make(testbed):
+    """Every pod is under one NetworkPolicy for both directions: in, its own container ports only;
+    out, DNS and the Service ports of the URLs it calls, to the pods behind them, nothing else."""
+    policies = [o for (kind, _), o in testbed.items() if kind == "NetworkPolicy"]
+    fed = _container(testbed, "StatefulSet", "fed-server")
+    main = _container(testbed, "StatefulSet", "main-server")
+    agents = _container(testbed, *AGENTS)
+    calls = {"fed-server": _env(fed)["SFL_MAIN_SERVER_URL"].split(","),
+             "main-server": [_env(main)["SFL_FED_SERVER_URL"]],
+             AGENTS[1]: [_flags(agents)["--fed-server-url"], *_env(fed)["SFL_MAIN_SERVER_URL"].split(",")]}
+    for workload in _workloads(testbed):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert len(mine) == 1, f"{workload['metadata']['name']}: {len(mine)} NetworkPolicies"
+        spec = mine[0]["spec"]
+        assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
+        names = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert {port["port"] for rule in spec["ingress"] for port in rule["ports"]} == names
+        allowed = {(tuple(sorted(rule["to"][0]["podSelector"]["matchLabels"].items())) if "to" in rule else None,
+                    port["port"]) for rule in spec["egress"] for port in rule["ports"]}
+        needed = {(None, 53)}
+        for url in calls[workload["metadata"]["name"]]:
+            service = testbed[("Service", urlsplit(url).hostname.split(".")[-1])]
+            needed.add((tuple(sorted(service["spec"]["selector"].items())), _resolve(testbed, url)))
+        assert allowed == needed, workload["metadata"]["name"]
+
+
 def _pods_shards(objects: dict) -> list[list[int]]:
-    """The shards each agent pod hosts, in ordinal order: its slice (SFL_SLICE, INDEX from the pod's
-    name ``device-agents-<ordinal>``) of the shared ``--shards``, as the agent computes it."""
+    """The shards each agent pod hosts, in index order: its slice (SFL_SLICE, INDEX from the
+    Indexed Job's ``JOB_COMPLETION_INDEX``) of the shared ``--shards``, as the agent computes it."""
     container = _container(objects, *AGENTS)
     shards = parse_shards(_flags(container)["--shards"])
-    return [agent_shards(shards, _env(container)["SFL_SLICE"], hostname=f"{AGENTS[1]}-{ordinal}")
-            for ordinal in range(objects[AGENTS]["spec"]["replicas"])]
+    return [agent_shards(shards, _env(container)["SFL_SLICE"], environ={JOB_INDEX_ENV: str(index)})
+            for index in range(objects[AGENTS]["spec"]["completions"])]
 
 
 def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, tmp_path):
@@ -408,8 +483,12 @@ def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, t
     # The file alone, as the pod reads it: no SFL_RUN__* variables of this process mixed in.
     config = resolve_run_config(path, env_prefix="SFL_KUBE_TEST_UNSET__")
 
-    replicas = testbed[AGENTS]["spec"]["replicas"]
-    assert _env(_container(testbed, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}", "COUNT must be the replicas"
+    job = testbed[AGENTS]["spec"]
+    replicas = job["completions"]
+    assert _env(_container(testbed, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}", "COUNT must be the completions"
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == replicas, "every agent at once"
+    # An agent whose run is over exits 0 and is done; a failing one is retried a bounded number of times.
+    assert job["template"]["spec"]["restartPolicy"] in ("Never", "OnFailure") and job["backoffLimit"] <= 10
     pods = _pods_shards(testbed)
     assert replicas > 1 and all(pods), "every pod hosts devices"
     hosted = [shard for pod in pods for shard in pod]
@@ -417,15 +496,15 @@ def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, t
 
 
 @pytest.mark.parametrize("count", [1, 3])
-def test_the_shard_check_sees_a_count_other_than_the_replicas(testbed, count):
-    """With COUNT below the replicas the last pods' ordinals are no INDEX (those agents refuse to
+def test_the_shard_check_sees_a_count_other_than_the_completions(testbed, count):
+    """With COUNT below the completions the last pods' indexes are no INDEX (those agents refuse to
     start); above, some shards are hosted by no pod."""
     import copy
 
     objects = copy.deepcopy(testbed)
     env = _container(objects, *AGENTS)["env"]
     next(e for e in env if e["name"] == "SFL_SLICE")["value"] = f"auto/{count}"
-    replicas = objects[AGENTS]["spec"]["replicas"]
+    replicas = objects[AGENTS]["spec"]["completions"]
     assert replicas == 2, "the cases above assume two agents"
     if count < replicas:
         with pytest.raises(ValueError, match="is not below COUNT"):
@@ -436,25 +515,30 @@ def test_the_shard_check_sees_a_count_other_than_the_replicas(testbed, count):
 
 @pytest.mark.parametrize("replicas", [1, 3, 10])
 def test_the_number_of_agents_is_one_setting(checkout, tmp_path, replicas):
-    """Only the StatefulSet's replicas change; the replacement gives every pod the matching COUNT."""
+    """Only the Job's completions change; the replacement gives every pod the matching COUNT and
+    runs them all at once."""
     copy = tmp_path / "kubernetes"
     shutil.copytree(checkout, copy)
     manifest = copy / "components" / "testbed-devices" / "device-agents.yaml"
-    text, changes = re.subn(r"(?m)^  replicas: \d+$", f"  replicas: {replicas}", manifest.read_text())
+    text, changes = re.subn(r"(?m)^  completions: \d+$", f"  completions: {replicas}", manifest.read_text())
     assert changes == 1
     manifest.write_text(text)
     objects = _index(render(copy / "overlays" / "testbed"))
     assert _env(_container(objects, *AGENTS))["SFL_SLICE"] == f"auto/{replicas}"
+    assert objects[AGENTS]["spec"]["parallelism"] == replicas
     assert sorted(s for pod in _pods_shards(objects) for s in pod) == list(range(10))
 
 
-def test_fed_server_resumes_from_its_volume(base):
+def test_fed_server_keeps_its_runs_on_its_volume(base):
+    """A directory per run on the volume: a restarted pod resumes an unfinished run and begins a
+    new one after a finished run, and a refused start waits instead of restarting."""
     fed = base[("StatefulSet", "fed-server")]
     container = fed["spec"]["template"]["spec"]["containers"][0]
     claims = {t["metadata"]["name"]: t for t in fed["spec"]["volumeClaimTemplates"]}
-    run_dir = _flags(container)["--run-dir"]
+    flags = _flags(container)
+    assert "--run-dir" not in flags, "a fixed run directory resumes a finished run on every start"
     mounts = [m for m in container["volumeMounts"] if m["name"] in claims]
-    assert any(run_dir.startswith(m["mountPath"] + "/") for m in mounts), "the run directory must be on the volume"
+    assert any(flags["--runs-root"] == m["mountPath"] for m in mounts), "the runs must be on the volume"
 
 
 def test_security_probes_and_resources(testbed):
@@ -462,6 +546,7 @@ def test_security_probes_and_resources(testbed):
     device_image = yaml.safe_load(COMPOSE.read_text())["x-agent"]["image"]
     for workload in _workloads(testbed):
         pod = workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, "no service account token in the pods"
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == UID and pod["securityContext"]["runAsGroup"] == UID
         # Mounted secret files belong to root: the user reads them through the pod's fsGroup.
@@ -477,9 +562,15 @@ def test_security_probes_and_resources(testbed):
             assert _env(container)["SFL_TORCH_DEVICE"] == "cpu"
             is_agent = (workload["kind"], workload["metadata"]["name"]) == AGENTS
             assert container["image"] == (device_image if is_agent else server_image)
-            for probe in ("readinessProbe", "livenessProbe"):
+            if is_agent:
+                paths = {"readinessProbe": "/metrics", "livenessProbe": "/metrics"}
+            else:   # alive while serving, ready once working: a refused start is not restarted
+                paths = {"startupProbe": "/livez", "readinessProbe": "/healthz", "livenessProbe": "/livez"}
+                assert _env(container)["SFL_WAIT_ON_REFUSAL"] == "1"
+                assert "initialDelaySeconds" not in container["livenessProbe"], "the startup probe covers the start"
+            for probe, path in paths.items():
                 get = container[probe]["httpGet"]
-                assert get["path"] == ("/metrics" if is_agent else "/healthz")
+                assert get["path"] == path
                 assert get["port"] in {p["name"] for p in container["ports"]}
 
 

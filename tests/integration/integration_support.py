@@ -4,9 +4,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from shared.data.datasets import MNIST_MEAN, MNIST_STD
 from shared.models import build_model
 from shared.run_config import load_run_config
 from shared.schemas import Participant, RoundPlan
+from shared.tls import tls_context
 from shared.wire import encode_state
 from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
 from testbed.warm_start import shared_starter
@@ -64,13 +68,14 @@ class ServerPair:
 
 @contextlib.contextmanager
 def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (), main_args: Sequence[str] = (),
-                main_reports_to: str | None = None, fed_env: dict | None = None,
+                main_reports_to: str | None = None, fed_reaches_main: str | None = None, fed_env: dict | None = None,
                 main_env: dict | None = None) -> Iterator[ServerPair]:
     """Run both servers as processes on free loopback ports for the tests that drive them by hand.
 
     Uses its own temporary folder, not pytest's: pytest prunes old basetemp folders, which a
     concurrent pytest run on the same machine could do while these servers still write to it.
-    ``main_reports_to`` replaces the Fed Server's URL the Main Server uploads group portions to.
+    ``main_reports_to`` replaces the Fed Server's URL the Main Server uploads group portions to,
+    ``fed_reaches_main`` the Main Server's URL the Fed Server plans rounds on.
     """
     root = Path(tempfile.mkdtemp(prefix=f"sfl-{prefix}-"))
     (root / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
@@ -82,7 +87,7 @@ def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (),
     group = ProcessGroup(root / "logs", shared_starter())
     try:
         fed = group.start("fed_server", "fed_server", [
-            "--config", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--main-server-url", main_url,
+            "--config", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--main-server-url", fed_reaches_main or main_url,
             "--port", str(fed_port), *fed_args], env=fed_env)
         main = group.start("main_server", "main_server", [
             "--fed-server-url", main_reports_to or fed_url, "--port", str(main_port), *main_args], env=main_env)
@@ -104,15 +109,17 @@ def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.1) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def final_status(fed_url: str, timeout: float) -> dict:
+def final_status(fed_url: str, timeout: float, verify: bool | str = True) -> dict:
     """The Fed Server's ``/v1/status`` once the run has finished or its driver failed, or as it
-    is after ``timeout`` seconds; held by the server until something is recorded (long-poll)."""
+    is after ``timeout`` seconds; held by the server until something is recorded (long-poll).
+    ``verify``: an HTTPS server's CA bundle."""
     deadline = time.monotonic() + timeout
-    status = httpx.get(f"{fed_url}/v1/status", timeout=10).json()
+    context = tls_context(verify)
+    status = httpx.get(f"{fed_url}/v1/status", timeout=10, verify=context).json()
     while status["state"] != "finished" and status["driver_error"] is None and time.monotonic() < deadline:
         wait_s = max(0.0, min(30.0, deadline - time.monotonic()))
         status = httpx.get(f"{fed_url}/v1/status", params={"seen": status["records"], "wait_s": wait_s},
-                           timeout=wait_s + 10).json()
+                           timeout=wait_s + 10, verify=context).json()
     return status
 
 
@@ -153,3 +160,65 @@ def make_plan(round_id: int = 1, **changes) -> dict:
     ).model_dump()
     plan.update(changes)
     return plan
+
+
+class RecordingProxy:
+    """A TCP proxy on a free loopback port that forwards each connection to ``target_port`` (set
+    once the target listens) and keeps every byte the clients sent, per connection."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.target_port: int | None = None
+        self.sent: list[bytearray] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:   # closed
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port or 9), timeout=10)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            record = bytearray()
+            self.sent.append(record)
+            threading.Thread(target=self._pump, args=(client, upstream, record), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, record: bytearray | None) -> None:
+        try:
+            while data := source.recv(65536):
+                if record is not None:
+                    record += data
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def requests(self) -> list[bytes]:
+        """Every complete request the clients sent, as raw bytes (head and Content-Length body)."""
+        out = []
+        for stream in self.sent:
+            data, start = bytes(stream), 0
+            while (end := data.find(b"\r\n\r\n", start)) >= 0:
+                length = re.search(rb"(?im)^content-length:\s*(\d+)", data[start:end])
+                stop = end + 4 + (int(length.group(1)) if length else 0)
+                if stop > len(data):
+                    break
+                out.append(data[start:stop])
+                start = stop
+        return out
+
+    def close(self) -> None:
+        self.listener.close()

@@ -62,7 +62,7 @@ def test_a_device_whose_tasks_fail_withdraws_and_its_agents_other_device_trains_
     assert status["state"] == "finished" and status["driver_error"] is None, (status, logs)
     # The agent ended with the run, no device of it stopped by an error.
     assert code == [0] and agent.errors == {}, (code, agent.errors)
-    assert [d.rounds_done for d in agent.devices] == [ROUNDS, 0]
+    assert [d.tasks_trained for d in agent.devices] == [ROUNDS, 0]
     ok = [r for r in status["history"] if r["status"] == "ok"]
     assert [r["round"] for r in ok] == list(range(1, ROUNDS + 1)), status["history"]
     for record in ok:

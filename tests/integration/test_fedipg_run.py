@@ -28,7 +28,7 @@ def test_fedipg_with_static_exit_and_ood_evaluation(run_testbed, monkeypatch):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not final_seen:
             logs = "\n".join(p.read_text(errors="replace") for p in (testbed.run_dir / "logs").glob("*agent*.log"))
-            if "dev-003: run finished after 0 rounds; final global model received" in logs:
+            if "dev-003: run finished; this device trained 0 task(s); final global model received" in logs:
                 final_seen.append(True)
             time.sleep(0.2)
 

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from integration_support import read_metrics, server_pair, small_config, wait_for
-from shared.auth import Auth, CredentialScope, issue_credential
+from shared.auth import FED_SERVER, MAIN_SERVER, Auth, CredentialScope, body_sha256, issue_credential
 from shared.data import device_shard, load_dataset
 from shared.models import build_model
 from shared.schemas import (
@@ -128,6 +128,13 @@ def _register(fed_url: str, device: str, shard: int, headers: dict | None) -> ht
     req = RegisterRequest(device_id=device, shard=shard, num_samples=_samples(fed_url, shard),
                           profile=DeviceProfileMsg(flops=1e9, rate=1e6))
     return _post(f"{fed_url}/v1/devices/register", req, headers)
+
+
+def _signed(auth: Auth, audience: str, method: str, url: str, body=None) -> dict:
+    """The signature headers a server puts on a call to ``audience`` (``body``: what :func:`_post` sends)."""
+    packed = packb(body.model_dump() if hasattr(body, "model_dump") else body) if body is not None else b""
+    target = httpx.URL(url).raw_path.decode()
+    return auth.sign_service_request(audience, method, target, body_sha256([packed]))
 
 
 def _bearer(token: str) -> dict:
@@ -255,7 +262,7 @@ def _plan() -> RoundPlan:
                      grouping="singleton", group_size=1, group_loss="per_member", join_deadline_s=2, step_deadline_s=30)
 
 
-def test_server_to_server_calls_need_the_service_token(servers):
+def test_server_to_server_calls_need_the_service_signature(servers):
     fed_url, main_url = servers
     auth = Auth(SERVICE.encode())
     plan = _plan()
@@ -263,12 +270,19 @@ def test_server_to_server_calls_need_the_service_token(servers):
     assert _post(f"{main_url}/v1/rounds", plan).status_code == 401
     assert _post(f"{main_url}/v1/rounds", plan, _bearer(auth.device_token("r", "dev-a", NONCES["dev-a"]))).status_code == 401
     assert httpx.get(f"{main_url}/v1/status").json()["round"] == before
-    assert _post(f"{main_url}/v1/rounds", plan, auth.service_headers()).status_code == 200
+    # Signed for the Fed Server, or with another secret: refused too.
+    assert _post(f"{main_url}/v1/rounds", plan, _signed(auth, FED_SERVER, "POST", f"{main_url}/v1/rounds", plan)
+                 ).status_code == 401
+    assert _post(f"{main_url}/v1/rounds", plan, _signed(Auth(b"another secret"), MAIN_SERVER, "POST",
+                                                          f"{main_url}/v1/rounds", plan)).status_code == 401
+    assert httpx.get(f"{main_url}/v1/status").json()["round"] == before
+    assert _post(f"{main_url}/v1/rounds", plan, _signed(auth, MAIN_SERVER, "POST", f"{main_url}/v1/rounds", plan)
+                 ).status_code == 200
     assert httpx.get(f"{main_url}/v1/status").json()["round"]["round_id"] == 99
     watch = f"{main_url}/v1/rounds/99/watch"
     assert httpx.get(watch).status_code == 401
     assert httpx.get(watch, headers=_bearer(auth.device_token("r", "dev-a", NONCES["dev-a"]))).status_code == 401
-    with httpx.stream("GET", watch, headers=auth.service_headers(), timeout=10) as response:
+    with httpx.stream("GET", watch, headers=_signed(auth, MAIN_SERVER, "GET", watch), timeout=10) as response:
         assert response.status_code == 200
         first = json.loads(next(response.iter_lines()))
         assert (first["round_id"], first["state"]) == (99, "open")
@@ -280,7 +294,9 @@ def test_server_to_server_calls_need_the_service_token(servers):
 def test_main_server_refuses_a_device_acting_as_another_or_with_a_revoked_token(servers):
     _, main_url = servers
     auth = Auth(SERVICE.encode())
-    assert _post(f"{main_url}/v1/rounds", _plan(), auth.service_headers()).status_code == 200
+    plan = _plan()
+    assert _post(f"{main_url}/v1/rounds", plan, _signed(auth, MAIN_SERVER, "POST", f"{main_url}/v1/rounds", plan)
+                 ).status_code == 200
     own = auth.device_token("r", "dev-a", NONCES["dev-a"])
     join = JoinRequest(device_id="dev-a", label_counts=[1] * 10, num_steps=1)
     assert _post(f"{main_url}/v1/rounds/99/join", join).status_code == 401

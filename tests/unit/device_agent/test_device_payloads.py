@@ -56,7 +56,7 @@ def test_malformed_task_extras_are_refused_before_training(extras, message):
     device = _device()
     with pytest.raises(Invalid, match=f"^task extras: {message}$"):
         device.run_task(_task(extras), 0, time.monotonic())
-    assert device.rounds_done == 0
+    assert device.tasks_trained == 0
 
 
 def _scaffold_task(c: dict) -> TaskResponse:
@@ -75,7 +75,7 @@ def test_task_tensors_that_do_not_fit_the_model_are_refused_before_training(c, m
     device = _device()
     with pytest.raises(Invalid, match=f"^task extras: {message}$"):
         device.run_task(_scaffold_task(c), 0, time.monotonic())
-    assert device.rounds_done == 0
+    assert device.tasks_trained == 0
 
 
 def test_a_task_cutting_the_model_outside_its_blocks_is_refused_in_one_line():

@@ -183,7 +183,7 @@ def test_runner_registers_again_when_forgotten_rides_out_an_outage_and_uploads_i
     device = _device(fed, [], blocks)
     device.run()
     assert [r.device_id for r in fed.registrations] == ["dev-003", "dev-003"]  # setup, then after the NotFound
-    assert device.token == "token-2" and device.rounds_done == 1 and fed.script == []
+    assert device.token == "token-2" and device.tasks_trained == 1 and fed.script == []
     (upload,) = fed.uploads
     assert upload.round_id == 4 and upload.device_id == "dev-003" and upload.num_samples == len(device.data)
     assert upload.steps > 0 and upload.bytes_up == upload.bytes_down == 0  # no Main Server at full depth
@@ -417,7 +417,7 @@ def test_a_task_the_device_cannot_carry_out_is_one_warning_and_one_withdrawal_an
     (withdrawal,) = fed.withdrawals
     assert (withdrawal.device_id, withdrawal.round_id) == ("dev-003", 1) and word in withdrawal.reason
     assert "\n" not in withdrawal.reason
-    assert [u.round_id for u in fed.uploads] == [2] and device.rounds_done == 1 and fed.script == []
+    assert [u.round_id for u in fed.uploads] == [2] and device.tasks_trained == 1 and fed.script == []
 
 
 def test_an_unexpected_error_in_a_task_is_logged_with_its_traceback_and_the_device_withdraws_and_goes_on(caplog):
@@ -466,7 +466,7 @@ def test_a_device_whose_tasks_fail_leaves_the_agents_other_devices_training():
     assert agent.run() == 0 and agent.errors == {}
     assert [w.round_id for w in failing.withdrawals] == [1, 2] and failing.uploads == [] and failing.script == []
     assert [u.round_id for u in honest.uploads] == [1, 2] and honest.withdrawals == []
-    assert [d.rounds_done for d in agent.devices] == [0, 2]
+    assert [d.tasks_trained for d in agent.devices] == [0, 2]
 
 
 @pytest.mark.parametrize("update, message", [
@@ -549,7 +549,7 @@ def test_a_device_the_fed_server_refuses_is_one_line_and_the_agent_exits_2_while
     assert agent.run() == code
     # The agent asked for the run spec for both its devices, which did not ask again.
     assert [f.asked for f in feds] == [3, 0]
-    assert [d.rounds_done for d in agent.devices] == [0 if i in refused else 1 for i in range(2)]
+    assert [d.tasks_trained for d in agent.devices] == [0 if i in refused else 1 for i in range(2)]
     lines = [r for r in _problems(caplog) if "waiting for" not in r.getMessage()]
     assert sorted((r.levelname, r.getMessage()) for r in lines) == [
         ("ERROR", f"dev-00{3 + i}: not registered: refused by the Fed Server: http://fed/v1/devices/register: "

@@ -93,3 +93,15 @@ def test_a_slice_is_not_for_data_devices(agent_cli, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         agent_cli.built_with(["--data", str(tmp_path / "site.npz"), "--slice", "0/2"])
     assert exit_.value.code == 2 and "--slice takes a block of --shards" in capsys.readouterr().err
+
+
+def test_an_indexed_jobs_completion_index_is_the_automatic_index():
+    """A Kubernetes Indexed Job's pod: its JOB_COMPLETION_INDEX, whatever its host name."""
+    job = {"JOB_COMPLETION_INDEX": "1"}
+    assert parse_slice("auto/2", hostname="device-agents-1-x7k2p", environ=job) == (1, 2)
+    assert agent_shards(list(range(10)), "auto/2", hostname="laptop", environ=job) == [5, 6, 7, 8, 9]
+    assert parse_slice("0/2", hostname="x", environ=job) == (0, 2)   # a given INDEX is kept
+    with pytest.raises(ValueError, match="INDEX 2 is not below COUNT 2"):
+        parse_slice("auto/2", hostname="x", environ={"JOB_COMPLETION_INDEX": "2"})
+    with pytest.raises(ValueError, match="is not an index"):
+        parse_slice("auto/2", hostname="x", environ={"JOB_COMPLETION_INDEX": "one"})

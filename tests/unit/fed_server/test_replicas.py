@@ -561,3 +561,25 @@ def test_a_set_aside_replica_is_probed_until_its_health_check_answers(tmp_path):
     assert c.replicas.available() == [url, B]
     # Two failed probes, waits of 0.5 s then 1 s between them: a backoff, not a busy loop.
     assert len(answered) == 2 and answered[1] - answered[0] >= 0.45 and took >= 1.4
+
+
+def test_devices_are_told_each_replicas_address_for_devices_and_plans_keep_the_servers_own(tmp_path):
+    config = load_run_config({"algorithm": "s2fl", "rounds": 2, "seed": 3, "grouping": {"group_size": 2},
+                              "data": {"num_devices": len(DEVICES), "max_samples": 200}})
+    public = {A: "https://main-0.example.org", B: "https://main-1.example.org"}
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), [A, B], main_server_device_urls=[public[A], public[B]])
+    for d in DEVICES:
+        _register(c, d, _counts(d))
+    r = c.begin_round()
+    assert set(c.replicas.plans(r, [A, B])) == {A, B}
+    r.ready = True
+    told = {m: c.dispatch.task_for(m).main_server_url for m in DEVICES}
+    assert told == {m: public[r.assignments[m].main_server_url] for m in DEVICES}
+    assert set(told.values()) == set(public.values())
+
+
+def test_one_address_for_devices_per_replica(tmp_path):
+    config = load_run_config({"algorithm": "s2fl", "rounds": 2, "data": {"num_devices": 4, "max_samples": 200}})
+    with pytest.raises(ValueError, match=r"1 Main Server URLs for the devices \(--main-server-public-url\) for 2 "
+                                         r"replicas \(--main-server-url\): give one per replica, in the same order"):
+        Coordinator(config, RunDirectory(tmp_path / "run"), [A, B], main_server_device_urls=["https://x"])

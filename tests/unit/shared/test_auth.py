@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.auth import Auth
+from shared.auth import (
+    DIGEST_HEADER, FED_SERVER, MAIN_SERVER, NONCE_HEADER, SERVICE_REQUEST_WINDOW_S, SERVICE_SCHEME, TIMESTAMP_HEADER,
+    Auth, ReplayGuard, body_sha256, check_body_digest,
+)
 from shared.errors import NotAllowed, Unauthenticated
 
 AUTH = Auth(b"service-secret", b"enrolment-secret")
@@ -38,6 +41,8 @@ def test_no_current_enrolment_refuses_every_token_and_a_missing_token_is_unauthe
 
 def test_open_servers_check_nothing():
     Auth().check_device({}, "run-1", "dev-a", None)
+    assert Auth().check_service(MAIN_SERVER, "POST", "/v1/rounds", {}) is None
+    assert Auth().service_signer(MAIN_SERVER) is None
 
 
 @pytest.mark.parametrize("auth, warned", [(Auth(), True), (Auth(b"service-secret"), False), (AUTH, False)])
@@ -182,3 +187,102 @@ def test_the_revocation_list_reloads_its_file_and_keeps_itself_when_the_file_is_
     listed.write_text("dev/4\n")
     assert revocations.reload() == frozenset() and "dev/3" not in revocations   # a line taken out lifts it
     assert not RevocationList() and RevocationList().path is None
+
+
+# --- signed server-to-server requests ------------------------------------------------------------
+
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _signed_pair(clock: _Clock) -> tuple[Auth, Auth]:
+    """The sender's and the receiver's Auth under one secret, the receiver on ``clock``."""
+    return Auth(b"s"), Auth(b"s", replay_guard=ReplayGuard(clock=clock))
+
+
+def test_a_signed_request_is_taken_once_and_refused_when_replayed():
+    clock = _Clock()
+    sender, receiver = _signed_pair(clock)
+    digest = body_sha256([b"plan"])
+    headers = sender.sign_service_request(MAIN_SERVER, "POST", "/v1/rounds", digest, now=clock.now)
+    assert receiver.check_service(MAIN_SERVER, "POST", "/v1/rounds", headers) == digest
+    with pytest.raises(Unauthenticated, match="replayed"):
+        receiver.check_service(MAIN_SERVER, "POST", "/v1/rounds", headers)
+    # Signed again (a new nonce), the same request is taken.
+    again = sender.sign_service_request(MAIN_SERVER, "POST", "/v1/rounds", digest, now=clock.now)
+    assert receiver.check_service(MAIN_SERVER, "POST", "/v1/rounds", again) == digest
+
+
+@pytest.mark.parametrize("audience,method,target", [(FED_SERVER, "POST", "/v1/rounds"),
+                                                    (MAIN_SERVER, "GET", "/v1/rounds"),
+                                                    (MAIN_SERVER, "POST", "/v1/rounds/1/departures"),
+                                                    (MAIN_SERVER, "POST", "/v1/rounds?x=1")])
+def test_a_signature_holds_for_its_service_method_and_target_only(audience, method, target):
+    clock = _Clock()
+    sender, receiver = _signed_pair(clock)
+    headers = sender.sign_service_request(MAIN_SERVER, "POST", "/v1/rounds", now=clock.now)
+    with pytest.raises(Unauthenticated, match="wrong signature"):
+        receiver.check_service(audience, method, target, headers)
+
+
+def test_a_changed_header_another_secret_or_no_signature_is_refused():
+    clock = _Clock()
+    sender, receiver = _signed_pair(clock)
+    headers = sender.sign_service_request(MAIN_SERVER, "GET", "/w", now=clock.now)
+    for name, value in ((TIMESTAMP_HEADER, f"{clock.now + 1:.3f}"), (NONCE_HEADER, "0" * 32),
+                        (DIGEST_HEADER, body_sha256([b"other"]))):
+        with pytest.raises(Unauthenticated, match="wrong signature"):
+            receiver.check_service(MAIN_SERVER, "GET", "/w", {**headers, name: value})
+    with pytest.raises(Unauthenticated, match="wrong signature"):
+        receiver.check_service(MAIN_SERVER, "GET", "/w", Auth(b"t").sign_service_request(MAIN_SERVER, "GET", "/w",
+                                                                                         now=clock.now))
+    for bare in ({}, {"authorization": "Bearer x"}, {k: v for k, v in headers.items() if k != NONCE_HEADER}):
+        with pytest.raises(Unauthenticated, match="without a signature"):
+            receiver.check_service(MAIN_SERVER, "GET", "/w", bare)
+    with pytest.raises(Unauthenticated, match="bad"):
+        bad = sender.sign_service_request(MAIN_SERVER, "GET", "/w", now=clock.now)
+        bad[TIMESTAMP_HEADER] = "soon"
+        bad["authorization"] = f"{SERVICE_SCHEME} " + _mac_of(bad, "GET", "/w")
+        receiver.check_service(MAIN_SERVER, "GET", "/w", bad)
+
+
+def _mac_of(headers: dict, method: str, target: str) -> str:
+    """The signature the sender would give these (possibly altered) headers, with the secret b"s"."""
+    from shared.auth import _service_mac
+    return _service_mac(b"s", MAIN_SERVER, method, target, headers[TIMESTAMP_HEADER], headers[NONCE_HEADER],
+                        headers[DIGEST_HEADER])
+
+
+def test_a_request_outside_the_window_is_refused_and_old_nonces_are_forgotten():
+    clock = _Clock()
+    sender, receiver = _signed_pair(clock)
+    late = sender.sign_service_request(MAIN_SERVER, "GET", "/w", now=clock.now - SERVICE_REQUEST_WINDOW_S - 1)
+    early = sender.sign_service_request(MAIN_SERVER, "GET", "/w", now=clock.now + SERVICE_REQUEST_WINDOW_S + 1)
+    for headers in (late, early):
+        with pytest.raises(Unauthenticated, match="clocks disagree"):
+            receiver.check_service(MAIN_SERVER, "GET", "/w", headers)
+    taken = sender.sign_service_request(MAIN_SERVER, "GET", "/w", now=clock.now)
+    receiver.check_service(MAIN_SERVER, "GET", "/w", taken)
+    assert len(receiver.replay_guard) == 1
+    # Once its timestamp has left the window the nonce is forgotten, and the request is refused by its age.
+    clock.now += SERVICE_REQUEST_WINDOW_S + 1
+    receiver.check_service(MAIN_SERVER, "GET", "/w", sender.sign_service_request(MAIN_SERVER, "GET", "/w",
+                                                                                  now=clock.now))
+    assert len(receiver.replay_guard) == 1
+    with pytest.raises(Unauthenticated, match="clocks disagree"):
+        receiver.check_service(MAIN_SERVER, "GET", "/w", taken)
+
+
+def test_the_body_must_be_the_signed_one():
+    digest = body_sha256([b"pla", memoryview(b"n")])
+    assert digest == body_sha256([b"plan"])
+    check_body_digest(digest, bytearray(b"plan"))
+    check_body_digest(None, b"anything")   # an open server
+    with pytest.raises(Unauthenticated, match="not the one it signed"):
+        check_body_digest(digest, b"plan!")
