@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shared.config import env_default
 from http_api.serve import serve
+from shared.recording import add_recording_args, recording_from_args
 from shared.service import add_server_args, configure_process, parse_service_args
 
 
@@ -76,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="enrolment credentials refused although their MAC is right, one id per line (python -m "
                              "fed_server credentials revoke; or env SFL_REVOKED_CREDENTIALS_FILE); read at start and again on "
                              "SIGHUP")
+    add_recording_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
+    recording = recording_from_args(args, parser, "fed_server")
 
     from fed_server.app import create_app
     from shared.auth import auth_from_settings, warn_if_open
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = RunDirectory(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.algorithm}")
     try:
         coordinator = Coordinator(config, run_dir, main_server_urls, run_id=args.run_id,
-                                  torch_device=args.torch_device)
+                                  torch_device=args.torch_device, recording=recording)
     except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
         parser.error(str(exc))
     warn_if_open(auth, "fed_server", "register devices, upload models and server portions")
