@@ -137,7 +137,7 @@ class Device:
         self.data: ArrayDataset | None = None
         self.held_out: ArrayDataset | None = None
         #: What the device registers with: its training sample count, and its samples per class as
-        #: the run says to report them (``privacy.label_counts``; empty: withheld), drawn once.
+        #: the run says to report them (``split_privacy.label_counts``; empty: withheld), drawn once.
         self.num_samples = 0
         self.label_counts: list[int] = []
         #: What asks for its tasks, its Main Server link, its model, and what trains its tasks
@@ -277,7 +277,7 @@ class Device:
         Returns the device's model."""
         self.info, self.data, self.held_out = info, data, held_out
         self.num_samples = len(data)
-        self.label_counts = reported_label_counts(data.label_counts().tolist(), info.privacy)
+        self.label_counts = reported_label_counts(data.label_counts().tolist(), info.split_privacy)
         device_id, fed = self.device_id, self.fed
         self.poller = TaskPoller(fed, device_id, self.stop, self.poll_interval_s)
         self.main_link = MainLink(self.connect_main)
@@ -288,8 +288,8 @@ class Device:
         self.trainer = TaskTrainer(device_id, data, self.device_model, fed, self.main_link, self.poller,
                                    self._new_clock, info.seed, device_id if self.shard is None else self.shard,
                                    self.compute, self.task_wait_s, self.loss, self.states, info.run_id,
-                                   self.label_counts, build_privacy_defences(info.privacy.defences,
-                                                                             info.privacy.defence_params),
+                                   self.label_counts, build_privacy_defences(info.split_privacy.defences,
+                                                                             info.split_privacy.defence_params),
                                    info.num_classes)
         return self.device_model
 

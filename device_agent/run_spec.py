@@ -32,7 +32,8 @@ def check_run(info: RunInfo, model_ref: str | None, loss_ref: str | None = None)
                          f"({', '.join(ALGORITHMS)}): run an agent of the Fed Server's version")
     check_loss_origin(info.loss, loss_ref)
     check_model_origin(info.model, model_ref)
-    build_privacy_defences(info.privacy.defences, info.privacy.defence_params)   # names of this agent's table only
+    # Names of this agent's own table only: a run that names another is refused here.
+    build_privacy_defences(info.split_privacy.defences, info.split_privacy.defence_params)
     return build_run_model(info, layout=True)
 
 

@@ -64,9 +64,9 @@ class TaskTrainer:
     states: DeviceStates
     run_id: str
     #: What the device tells the Main Server of its samples per class at every join (as the run's
-    #: ``privacy.label_counts`` says: exact, noised once, or empty: withheld).
+    #: ``split_privacy.label_counts`` says: exact, noised once, or empty: withheld).
     label_counts: list[int]
-    #: The run's privacy defences (``privacy.defences``) and the model's classes.
+    #: The run's privacy defences (``split_privacy.defences``) and the model's classes.
     defences: Sequence[PrivacyDefence] = ()
     num_classes: int = 0
 

@@ -129,7 +129,7 @@ class TrainContext:
     torch_device: torch.device | None = None
     #: U-shaped mode: the exchange of the two halves of every step (``send_step`` is then None).
     u_steps: UShapedSteps | None = None
-    #: The run's privacy defences (``privacy.defences``), applied to what the device sends.
+    #: The run's privacy defences (``split_privacy.defences``), applied to what the device sends.
     defences: Sequence[PrivacyDefence] = field(default_factory=list)
     #: The model's classes (the label defences draw among them).
     num_classes: int = 0

@@ -103,7 +103,7 @@ class Coordinator:
         self.enrolment = DeviceEnrolment(
             core, fingerprint, input_shape, num_classes, shard_sizes(config.data),
             label_counts_at_registration=self.replicas.groups_at_fed_server and self.planner.mode != "zero"
-            and config.privacy.label_counts != "withheld")
+            and config.split_privacy.label_counts != "withheld")
         self.dispatch = TaskDispatch(core)
         self.agents = AgentSessions(core, self.dispatch, self.enrolment)
         self.uploads = Uploads(core, self.replicas)

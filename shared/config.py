@@ -75,7 +75,7 @@ class SplitConfig(_Strict):
         raise ValueError(f"a number of cut points (at least 1) or a list of the model's split points, e.g. 4 or "
                          f"[2, 5, 9]; got {value!r}")
 
-    # U-shaped split learning (docs/privacy.md): the device keeps the model's last ``head_blocks``
+    # U-shaped split learning (docs/split-privacy.md): the device keeps the model's last ``head_blocks``
     # blocks and the loss besides its first ones, and the Main Server trains only the middle, so no
     # label leaves the device. Off: the paper's split, where the Main Server computes the loss.
     u_shaped: bool = False
@@ -123,8 +123,8 @@ class GroupingConfig(_Strict):
         return self
 
 
-class PrivacyConfig(_Strict):
-    """What a device does so that what it sends gives less of its data away (docs/privacy.md).
+class SplitPrivacyConfig(_Strict):
+    """What a device does so that what it sends gives less of its data away (docs/split-privacy.md).
 
     ``defences`` name plug-ins registered in ``PRIVACY_DEFENCES`` (``shared/algorithms/registry.py``),
     applied in order, with their parameters by name in ``defence_params``; checked by
@@ -280,7 +280,7 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     split: SplitConfig = Field(default_factory=SplitConfig)
     grouping: GroupingConfig = Field(default_factory=GroupingConfig)
-    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    split_privacy: SplitPrivacyConfig = Field(default_factory=SplitPrivacyConfig)
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
     updates: UpdateCheckConfig = Field(default_factory=UpdateCheckConfig)
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)

@@ -1,7 +1,7 @@
-"""What a device tells the servers of its samples per class (``privacy.label_counts``).
+"""What a device tells the servers of its samples per class (``split_privacy.label_counts``).
 
 S2FL's data-balance grouping (Eq. 2) needs each device's label counts, and they give its label
-distribution away. A run chooses (docs/privacy.md, "Label counts"):
+distribution away. A run chooses (docs/split-privacy.md, "Label counts"):
 
 * ``exact``: the counts as they are (the paper);
 * ``local_dp``: each count plus two-sided geometric noise (the discrete Laplace mechanism,
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.config import PrivacyConfig
+from shared.config import SplitPrivacyConfig
 
 
 def geometric_noise(size: int, epsilon: float, rng: np.random.Generator) -> np.ndarray:
@@ -31,16 +31,16 @@ def geometric_noise(size: int, epsilon: float, rng: np.random.Generator) -> np.n
     return (rng.geometric(success, size) - rng.geometric(success, size)).astype(np.int64)
 
 
-def reported_label_counts(counts: Sequence[int], privacy: PrivacyConfig,
+def reported_label_counts(counts: Sequence[int], split_privacy: SplitPrivacyConfig,
                           rng: np.random.Generator | None = None) -> list[int]:
-    """The label counts a device reports, as ``privacy.label_counts`` says (empty: withheld).
+    """The label counts a device reports, as ``split_privacy.label_counts`` says (empty: withheld).
     ``rng``: the noise's generator (None: one seeded from the operating system's entropy)."""
-    if privacy.label_counts == "withheld":
+    if split_privacy.label_counts == "withheld":
         return []
-    if privacy.label_counts == "exact":
+    if split_privacy.label_counts == "exact":
         return [int(c) for c in counts]
     rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
-    noisy = np.asarray(counts, dtype=np.int64) + geometric_noise(len(counts), privacy.label_counts_epsilon, rng)
+    noisy = np.asarray(counts, dtype=np.int64) + geometric_noise(len(counts), split_privacy.label_counts_epsilon, rng)
     reported = np.clip(noisy, 0, None)
     if reported.sum() == 0:   # a join must count something: the largest noisy count, as one sample
         reported[int(np.argmax(noisy))] = 1

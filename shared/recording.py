@@ -6,7 +6,7 @@ A server started with ``--record-received DIR`` keeps, under ``DIR/<service>/``,
 middle's output) and every join's label counts; the Fed Server the global model each round starts
 from, every device's upload and every group's server portion. That is what an operator who follows
 the protocol but looks at everything could keep, and what attacks on it start from
-(docs/privacy.md; ``benchmarks/privacy_records.py`` reads it back). It is off unless the flag is
+(docs/split-privacy.md; ``benchmarks/privacy_records.py`` reads it back). It is off unless the flag is
 given, and a server that records says so in its log, loudly, at start and in every round it
 records.
 
@@ -39,7 +39,7 @@ BANNER = "RECORDING WHAT DEVICES SEND"
 
 def add_recording_args(parser: argparse.ArgumentParser) -> None:
     """The recording flags a server takes (off by default)."""
-    group = parser.add_argument_group("recording (honest-but-curious; off by default; docs/privacy.md)")
+    group = parser.add_argument_group("recording (honest-but-curious; off by default; docs/split-privacy.md)")
     group.add_argument("--record-received", metavar="DIR", default=None,
                        help="keep what devices send this server under DIR (activations, labels, gradients, label "
                             "counts, uploads) to study what a server learns; the log says so loudly. Off by default")

@@ -79,7 +79,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if algorithm.split_mode() != "zero" and not model.split_points:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
-    _check_privacy(config, algorithm, model)
+    _check_split_privacy(config, algorithm, model)
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
                        (f"selection {config.selection!r}", selector.model_parts_needed())):
         for part in needs:
@@ -91,24 +91,24 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     return config
 
 
-def _check_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -> None:
-    """U-shaped mode and the privacy settings (docs/privacy.md) fit the run: a split algorithm, a
+def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -> None:
+    """U-shaped mode and the privacy settings (docs/split-privacy.md) fit the run: a split algorithm, a
     group loss that weighs each member's loss (the Main Server weighs the gradients members send
     up with it), defences the run can apply, a grouping without label counts where devices
     withhold them, and a cut left to choose (:func:`split_candidates`). ValueError in one line."""
-    privacy = config.privacy
+    split_privacy = config.split_privacy
     if algorithm.split_mode() == "zero":
-        for key, value in (("split.u_shaped", config.split.u_shaped or None), ("privacy.defences", privacy.defences or None),
-                           ("privacy.label_counts", None if privacy.label_counts == "exact" else privacy.label_counts)):
+        for key, value in (("split.u_shaped", config.split.u_shaped or None), ("split_privacy.defences", split_privacy.defences or None),
+                           ("split_privacy.label_counts", None if split_privacy.label_counts == "exact" else split_privacy.label_counts)):
             if value is not None:
                 raise ValueError(f"algorithm {config.algorithm!r} trains the whole model on the device (split depth "
                                  f"zero) and sends no activation, gradient or label count, so {key} does not apply: "
                                  f"leave it unset")
         return
-    for name, defence in zip(privacy.defences, build_privacy_defences(privacy.defences, privacy.defence_params)):
+    for name, defence in zip(split_privacy.defences, build_privacy_defences(split_privacy.defences, split_privacy.defence_params)):
         problem = defence.problem(config.split.u_shaped, config.train.loss)
         if problem is not None:
-            raise ValueError(f"privacy.defences: {name}: {problem}")
+            raise ValueError(f"split_privacy.defences: {name}: {problem}")
     if config.split.u_shaped:
         loss = build_group_loss(config.grouping.group_loss)
         try:
@@ -117,9 +117,9 @@ def _check_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -
             raise ValueError(f"split.u_shaped: each device computes its own loss, which group loss "
                              f"{config.grouping.group_loss!r} cannot weigh one by one (GroupLoss.member_weights): "
                              f"use per_member, per_member_sum, union_mean or data_weighted") from None
-    if privacy.label_counts == "withheld" and build_grouping(algorithm.grouping()).uses_label_counts:
+    if split_privacy.label_counts == "withheld" and build_grouping(algorithm.grouping()).uses_label_counts:
         able = ", ".join(name for name, grouping in GROUPINGS.items() if not grouping.uses_label_counts)
-        raise ValueError(f"privacy.label_counts: withheld, but grouping {algorithm.grouping()!r} groups by label counts: "
+        raise ValueError(f"split_privacy.label_counts: withheld, but grouping {algorithm.grouping()!r} groups by label counts: "
                          f"set grouping.method to one that does not ({able})")
     split_candidates(config, model)
 
@@ -146,10 +146,10 @@ def split_candidates(config: RunConfig, model: SplitModel) -> list[int]:
             raise ValueError(f"split.u_shaped: no cut of model {config.model!r} lies before its head at block {head} "
                              f"(split.head_blocks {config.split.head_blocks})")
     allowed = points
-    for defence in build_privacy_defences(config.privacy.defences, config.privacy.defence_params):
+    for defence in build_privacy_defences(config.split_privacy.defences, config.split_privacy.defence_params):
         allowed = defence.split_points(allowed)
     if not allowed:
-        raise ValueError(f"privacy.defences leave no cut to choose among {points} (privacy.defence_params)")
+        raise ValueError(f"split_privacy.defences leave no cut to choose among {points} (split_privacy.defence_params)")
     return allowed
 
 

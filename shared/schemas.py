@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 from typing_extensions import TypeAlias, TypeAliasType
 
-from shared.config import PrivacyConfig, TrainConfig
+from shared.config import SplitPrivacyConfig, TrainConfig
 from shared.data.spec import DataSpec
 from shared.losses import DEFAULT_LOSS, Task
 from shared.models.fingerprint import ModelFingerprint
@@ -150,9 +150,9 @@ class RunInfo(Message):
     #: True when the Fed Server forms the groups itself (several Main Server replicas and an
     #: algorithm that uses them): the device must send ``RegisterRequest.label_counts``.
     label_counts_at_registration: bool = False
-    #: What the devices do so that what they send gives less away (``privacy``: their defences,
-    #: and how they report label counts; docs/privacy.md).
-    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    #: What the devices do so that what they send gives less away (``split_privacy``: their defences,
+    #: and how they report label counts; docs/split-privacy.md).
+    split_privacy: SplitPrivacyConfig = Field(default_factory=SplitPrivacyConfig)
 
 
 class RegisterResponse(Message):
@@ -464,7 +464,7 @@ class ServerPortionUpload(Message):
 
 class JoinRequest(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
-    #: The device's samples per class, as the run says to report them (``privacy.label_counts``:
+    #: The device's samples per class, as the run says to report them (``split_privacy.label_counts``:
     #: exact, with local differential privacy, or withheld: empty).
     label_counts: list[int] = Field(default_factory=list)
     num_steps: int = Field(ge=1)

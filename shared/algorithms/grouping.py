@@ -69,7 +69,7 @@ class Grouping:
     """
 
     #: Whether :meth:`form` reads the members' label counts: a run whose devices withhold them
-    #: (``privacy.label_counts: withheld``) may only name a grouping that does not.
+    #: (``split_privacy.label_counts: withheld``) may only name a grouping that does not.
     uses_label_counts: ClassVar[bool] = True
 
     def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:

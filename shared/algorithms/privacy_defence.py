@@ -5,7 +5,7 @@ In split learning a device sends the activations at its cut every step, and in U
 the input from the activations (a decoder trained on public data, worse the shallower the cut) and
 read the labels from the gradient (its norm and direction). These plug-ins act where that data is
 made: on the device, and for the privacy floor on the Fed Server's choice of cut
-(docs/privacy.md says what each protects):
+(docs/split-privacy.md says what each protects):
 
 * ``floor``: the split planner never gives a device a cut shallower than ``split``
   (:class:`SplitFloor`, here): the sliding split gives the slowest devices the shallowest cut,
@@ -17,8 +17,8 @@ made: on the device, and for the privacy floor on the Fed Server's choice of cut
 * ``label_noise``: U-shaped mode; the gradient sent up is computed from randomised-response labels,
   debiased (``shared/algorithms/label_noise.py``).
 
-A run names any of them, in order, in ``privacy.defences`` with their parameters in
-``privacy.defence_params.<name>``; devices learn them from the run (``RunInfo.privacy``). Adding one
+A run names any of them, in order, in ``split_privacy.defences`` with their parameters in
+``split_privacy.defence_params.<name>``; devices learn them from the run (``RunInfo.privacy``). Adding one
 is a :class:`PrivacyDefence` subclass and one line in ``PRIVACY_DEFENCES``
 (``shared/algorithms/registry.py``; docs/extending.md).
 
@@ -43,7 +43,7 @@ def private_generator(device: torch.device | str = "cpu") -> torch.Generator:
 
 
 class PrivacyDefenceParams(BaseModel):
-    """A defence's parameters (``privacy.defence_params.<name>``); none by default."""
+    """A defence's parameters (``split_privacy.defence_params.<name>``); none by default."""
 
     model_config = ConfigDict(extra="forbid")
 

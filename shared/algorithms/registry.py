@@ -100,7 +100,7 @@ MEMBER_DEFENCES: PluginTable[MemberDefence] = PluginTable(
     })
 
 
-#: What a device does so that what it sends gives less away (``privacy.defences``; docs/privacy.md).
+#: What a device does so that what it sends gives less away (``split_privacy.defences``; docs/split-privacy.md).
 PRIVACY_DEFENCES: PluginTable[PrivacyDefence] = PluginTable(
     "privacy defence", "shared.algorithms.privacy_defence:PrivacyDefence", {
         "floor": "shared.algorithms.privacy_defence:SplitFloor",
@@ -170,8 +170,8 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
 def build_privacy_defences(names: list[str], params: Mapping[str, Mapping[str, Any]]) -> list[PrivacyDefence]:
     """The privacy defences ``names`` (in order) with their ``params`` by name. ValueError naming
     what does not fit: an unknown name (with the choices), a name given twice, a bad parameter
-    (``privacy.defence_params.noise.scale: ...``), or parameters for a defence not named."""
-    return _named_defences(PRIVACY_DEFENCES, names, params, "privacy.defences", "privacy.defence_params")
+    (``split_privacy.defence_params.noise.scale: ...``), or parameters for a defence not named."""
+    return _named_defences(PRIVACY_DEFENCES, names, params, "split_privacy.defences", "split_privacy.defence_params")
 
 
 def _named_defences(table: PluginTable[D], names: list[str], params: Mapping[str, Mapping[str, Any]],

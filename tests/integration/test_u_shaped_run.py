@@ -18,9 +18,9 @@ NOISE = 0.5
 
 def test_u_shaped_run_sends_no_label_to_the_main_server(tmp_path):
     config = small_config(rounds=2, **{
-        "split.u_shaped": True, "privacy.label_counts": "local_dp", "privacy.label_counts_epsilon": 1.0,
-        "privacy.defences": ["nopeek", "noise", "label_noise"],
-        "privacy.defence_params": {"noise": {"scale": NOISE}, "nopeek": {"weight": 0.2}, "label_noise": {"epsilon": 3.0}},
+        "split.u_shaped": True, "split_privacy.label_counts": "local_dp", "split_privacy.label_counts_epsilon": 1.0,
+        "split_privacy.defences": ["nopeek", "noise", "label_noise"],
+        "split_privacy.defence_params": {"noise": {"scale": NOISE}, "nopeek": {"weight": 0.2}, "label_noise": {"epsilon": 3.0}},
         "deadlines.patience": None})
     records = tmp_path / "records"
     run_dir = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Label counts as a device reports them (``privacy.label_counts``): exact, withheld, or with
+"""Label counts as a device reports them (``split_privacy.label_counts``): exact, withheld, or with
 two-sided geometric noise for local differential privacy."""
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from shared.config import PrivacyConfig
+from shared.config import SplitPrivacyConfig
 from shared.label_counts import geometric_noise, reported_label_counts
 
 COUNTS = [40, 0, 12, 300, 7, 0, 0, 55, 1, 90]
 
 
 def test_exact_and_withheld():
-    assert reported_label_counts(COUNTS, PrivacyConfig()) == COUNTS
-    assert reported_label_counts(COUNTS, PrivacyConfig(label_counts="withheld")) == []
+    assert reported_label_counts(COUNTS, SplitPrivacyConfig()) == COUNTS
+    assert reported_label_counts(COUNTS, SplitPrivacyConfig(label_counts="withheld")) == []
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 2.0])
@@ -29,7 +29,7 @@ def test_geometric_noise_is_the_discrete_laplace_distribution(epsilon):
 
 
 def test_local_dp_counts_are_noised_non_negative_and_need_no_seed():
-    privacy = PrivacyConfig(label_counts="local_dp", label_counts_epsilon=0.5)
+    privacy = SplitPrivacyConfig(label_counts="local_dp", label_counts_epsilon=0.5)
     reported = reported_label_counts(COUNTS, privacy, np.random.default_rng(1))
     assert len(reported) == len(COUNTS) and min(reported) >= 0 and reported != COUNTS
     # Without a generator each call draws from the system's entropy: two devices' noise differs.
@@ -38,6 +38,6 @@ def test_local_dp_counts_are_noised_non_negative_and_need_no_seed():
 
 
 def test_local_dp_counts_of_an_almost_empty_device_still_count_something():
-    privacy = PrivacyConfig(label_counts="local_dp", label_counts_epsilon=0.1)
+    privacy = SplitPrivacyConfig(label_counts="local_dp", label_counts_epsilon=0.1)
     for seed in range(50):
         assert sum(reported_label_counts([0, 1, 0], privacy, np.random.default_rng(seed))) >= 1

@@ -1,4 +1,4 @@
-"""The device-side privacy defences (``privacy.defences``): the split floor, activation noise,
+"""The device-side privacy defences (``split_privacy.defences``): the split floor, activation noise,
 NoPeek's distance correlation and the randomised-response label noise."""
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def test_floor_leaves_out_the_shallower_cuts():
 
 
 def test_parameters_are_checked_by_name():
-    with pytest.raises(ValueError, match=r"privacy.defence_params.floor"):
+    with pytest.raises(ValueError, match=r"split_privacy.defence_params.floor"):
         build_privacy_defences(["floor"], {})
-    with pytest.raises(ValueError, match=r"privacy.defence_params.noise"):
+    with pytest.raises(ValueError, match=r"split_privacy.defence_params.noise"):
         build_privacy_defences(["noise"], {"noise": {"scale": -1.0}})
     with pytest.raises(ValueError, match="names a defence twice"):
         build_privacy_defences(["noise", "noise"], {})

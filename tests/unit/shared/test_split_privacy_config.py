@@ -18,7 +18,7 @@ def _refused(config: dict) -> str:
 
 def test_split_depth_zero_takes_no_privacy_setting():
     assert "split.u_shaped does not apply" in _refused({"algorithm": "fedavg", "split": {"u_shaped": True}})
-    assert "privacy.defences does not apply" in _refused({"algorithm": "fedavg", "privacy": {"defences": ["noise"]}})
+    assert "split_privacy.defences does not apply" in _refused({"algorithm": "fedavg", "split_privacy": {"defences": ["noise"]}})
 
 
 def test_the_head_must_start_at_a_split_point_and_leave_a_cut_before_it():
@@ -30,23 +30,23 @@ def test_the_head_must_start_at_a_split_point_and_leave_a_cut_before_it():
 
 
 def test_withheld_counts_need_a_grouping_that_reads_none():
-    line = _refused({"algorithm": "s2fl", "privacy": {"label_counts": "withheld"}})
+    line = _refused({"algorithm": "s2fl", "split_privacy": {"label_counts": "withheld"}})
     assert "grouping 'balanced' groups by label counts" in line and "random" in line
-    load_run_config({"algorithm": "s2fl", "grouping": {"method": "random"}, "privacy": {"label_counts": "withheld"}})
+    load_run_config({"algorithm": "s2fl", "grouping": {"method": "random"}, "split_privacy": {"label_counts": "withheld"}})
 
 
 def test_label_noise_needs_u_shaped_mode():
-    assert "privacy.defences: label_noise: " in _refused({"privacy": {"defences": ["label_noise"]}})
+    assert "split_privacy.defences: label_noise: " in _refused({"split_privacy": {"defences": ["label_noise"]}})
 
 
 def test_a_floor_above_every_cut_is_refused():
-    assert "leave no cut" in _refused({"privacy": {"defences": ["floor"],
+    assert "leave no cut" in _refused({"split_privacy": {"defences": ["floor"],
                                                    "defence_params": {"floor": {"split": 3}}},
                                        "split": {"u_shaped": True}})
 
 
 def test_split_candidates_u_shaped_with_a_floor():
-    config = load_run_config({"split": {"u_shaped": True}, "privacy": {"defences": ["floor"],
+    config = load_run_config({"split": {"u_shaped": True}, "split_privacy": {"defences": ["floor"],
                                                                        "defence_params": {"floor": {"split": 2}}}})
     assert split_candidates(config, build_model("cnn")) == [2]   # cnn: split points 1-3, head at 3
     assert split_candidates(load_run_config({}), build_model("cnn")) == [1, 2, 3]
