@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from device_agent.trainer import batches, normalises_over_batch, round_seed
+from device_agent.trainer import batches, leaves_out_single_samples, round_seed
 from shared.config import RunConfig
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.models import SplitModel
@@ -72,8 +72,8 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 
 def read_records(folder: Path, config: RunConfig, model: SplitModel) -> list[RoundRecords]:
     """Every attempt the servers recorded under ``folder`` (the ``--record-received`` folder),
-    oldest first, each step matched with its true samples (``model``: the run's, for whether its
-    device portion drops a batch of one)."""
+    oldest first, each step matched with its true samples (``model``: the run's, for whether a
+    device's epoch leaves a batch of one out)."""
     train, _ = load_dataset(config.data)
     shards: dict[int, ArrayDataset] = {}
     rounds: list[RoundRecords] = []
@@ -102,8 +102,7 @@ def read_records(folder: Path, config: RunConfig, model: SplitModel) -> list[Rou
                 shards[shard] = device_shard(config.data, train, shard)
             data = shards[shard]
             record.true_counts[device] = data.label_counts().tolist()
-            head = plan["head_start"] or len(model.blocks)
-            no_single = normalises_over_batch(model.device_portion(split, head))
+            no_single = leaves_out_single_samples(model, split, split=True)
             steps = sorted(s for d, s in tensors if d == device)
             if not steps:
                 continue
