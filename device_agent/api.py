@@ -8,10 +8,11 @@ server that cannot be reached as :class:`Unreachable`.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from shared.schemas import (
-    AgentTaskRequest, AgentTaskResponse, EvaluationReport, RegistrationBatch, RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    AgentTaskRequest, AgentTaskResponse, BackwardRequest, BackwardResponse, EvaluationReport, ForwardRequest,
+    ForwardResponse, RegistrationBatch, RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
@@ -85,3 +86,14 @@ class MainApi(Protocol):
 
     def close(self) -> None:
         """Release the connection (the device moves to another URL or token)."""
+
+
+@runtime_checkable
+class UShapedMainApi(MainApi, Protocol):
+    """A Main Server client that also sends a U-shaped round's steps, in their two halves."""
+
+    def forward(self, round_id: int, req: ForwardRequest, timeout: float) -> ForwardResponse:
+        """U-shaped round: one local step's activations; answered with the middle's output."""
+
+    def backward(self, round_id: int, req: BackwardRequest, timeout: float) -> BackwardResponse:
+        """U-shaped round: the step's gradient at the middle's output; answered with dfx."""

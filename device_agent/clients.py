@@ -15,7 +15,8 @@ from device_agent.api import Unreachable
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
 from shared.http_client import M, ServiceError, SyncClient
 from shared.schemas import (
-    API, Ack, AgentTaskRequest, AgentTaskResponse, RegistrationBatch, RegistrationBatchResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
+    API, Ack, AgentTaskRequest, AgentTaskResponse, BackwardRequest, BackwardResponse, ForwardRequest, ForwardResponse,
+    RegistrationBatch, RegistrationBatchResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
     StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
@@ -156,6 +157,16 @@ class HttpMainClient:
     def step(self, round_id: int, req: StepRequest, timeout: float) -> StepResponse:
         with _translated():
             return self._http.call("POST", f"{API}/rounds/{round_id}/step", StepResponse, req, timeout=timeout)
+
+    def forward(self, round_id: int, req: ForwardRequest, timeout: float) -> ForwardResponse:
+        with _translated():
+            return self._http.call("POST", f"{API}/rounds/{round_id}/step/forward", ForwardResponse, req,
+                                   timeout=timeout)
+
+    def backward(self, round_id: int, req: BackwardRequest, timeout: float) -> BackwardResponse:
+        with _translated():
+            return self._http.call("POST", f"{API}/rounds/{round_id}/step/backward", BackwardResponse, req,
+                                   timeout=timeout)
 
     def close(self) -> None:
         self._http.close()

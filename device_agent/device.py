@@ -34,7 +34,9 @@ from device_agent.weights_cache import WeightsCache
 from shared.data import ArrayDataset, device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.data.local import DataError, LocalSource
+from shared.algorithms.registry import build_privacy_defences
 from shared.errors import DomainError, Failed, NotFound, TooSoon
+from shared.label_counts import reported_label_counts
 from shared.losses import Loss, build_loss
 from shared.models import SplitModel, model_fingerprint
 from shared.profiles import EmulatedKind, TimeScale, auto_time_scale
@@ -134,7 +136,8 @@ class Device:
         #: evaluation its data minus the held-out part, which it only evaluates on.
         self.data: ArrayDataset | None = None
         self.held_out: ArrayDataset | None = None
-        #: What the device registers with: its training sample count and samples per class.
+        #: What the device registers with: its training sample count, and its samples per class as
+        #: the run says to report them (``split_privacy.label_counts``; empty: withheld), drawn once.
         self.num_samples = 0
         self.label_counts: list[int] = []
         #: What asks for its tasks, its Main Server link, its model, and what trains its tasks
@@ -273,7 +276,8 @@ class Device:
         ``connect_main``: what :meth:`setup` does between checking the run and registering.
         Returns the device's model."""
         self.info, self.data, self.held_out = info, data, held_out
-        self.num_samples, self.label_counts = len(data), data.label_counts().tolist()
+        self.num_samples = len(data)
+        self.label_counts = reported_label_counts(data.label_counts().tolist(), info.split_privacy)
         device_id, fed = self.device_id, self.fed
         self.poller = TaskPoller(fed, device_id, self.stop, self.poll_interval_s)
         self.main_link = MainLink(self.connect_main)
@@ -283,7 +287,10 @@ class Device:
         self.loss = build_loss(info.loss, info.task)
         self.trainer = TaskTrainer(device_id, data, self.device_model, fed, self.main_link, self.poller,
                                    self._new_clock, info.seed, device_id if self.shard is None else self.shard,
-                                   self.compute, self.task_wait_s, self.loss, self.states, info.run_id)
+                                   self.compute, self.task_wait_s, self.loss, self.states, info.run_id,
+                                   self.label_counts, build_privacy_defences(info.split_privacy.defences,
+                                                                             info.split_privacy.defence_params),
+                                   info.num_classes)
         return self.device_model
 
     def _load_data(self) -> ArrayDataset:

@@ -7,7 +7,7 @@ import threading
 import time
 
 from device_agent.api import FedApi
-from shared.algorithms.registry import ALGORITHMS
+from shared.algorithms.registry import ALGORITHMS, build_privacy_defences
 from shared.losses import check_loss_origin
 from shared.models import SplitModel, build_model, build_model_layout, check_model_origin
 from shared.schemas import RunInfo
@@ -25,13 +25,15 @@ def check_run(info: RunInfo, model_ref: str | None, loss_ref: str | None = None)
     """The run's model layout, once the run is known to be one this process can train: its
     algorithm is one it knows, its loss one it may use (an import path only when it is the
     operator's ``--loss``) and its model one it may build (an import path only when it is the
-    operator's ``--model``), checked before anything is imported, and can. ValueError naming what
-    is wrong otherwise."""
+    operator's ``--model``), checked before anything is imported, and can, and its privacy defences
+    ones it knows. ValueError naming what is wrong otherwise."""
     if info.algorithm not in ALGORITHMS:
         raise ValueError(f"the run's algorithm {info.algorithm!r} is not one this agent knows "
                          f"({', '.join(ALGORITHMS)}): run an agent of the Fed Server's version")
     check_loss_origin(info.loss, loss_ref)
     check_model_origin(info.model, model_ref)
+    # Names of this agent's own table only: a run that names another is refused here.
+    build_privacy_defences(info.split_privacy.defences, info.split_privacy.defence_params)
     return build_run_model(info, layout=True)
 
 

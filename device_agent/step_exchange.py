@@ -1,20 +1,27 @@
 """A device's split training with the Main Server: the connection it keeps between rounds, the
-round's join, and the per-step exchange (activations and labels up, their gradient down), each
-charged to the round's clock."""
+round's join, and the per-step exchange (activations and labels up, their gradient down; in
+U-shaped mode activations up, the middle's output down, its gradient up, dfx down), each charged
+to the round's clock."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from device_agent.api import MainApi
+from device_agent.api import MainApi, UShapedMainApi
+from shared.errors import Invalid
 from device_agent.timing import RoundClock
-from shared.schemas import JoinRequest, StepRequest, WireTensor
-from shared.wire import decode_tensor, encode_tensor
+from shared.schemas import (
+    BackwardRequest, BackwardResponse, ForwardRequest, ForwardResponse, JoinRequest, StepRequest, StepResponse, WireTensor,
+)
+from shared.wire import WireError, decode_tensor, encode_tensor
 
 #: Opens a Main Server client for a task's URL, presenting the device's current token.
 MainConnector = Callable[[str, str | None], MainApi]
+#: A Main Server answer that carries its wait and server time.
+R = TypeVar("R", StepResponse, ForwardResponse, BackwardResponse)
 
 
 class StepExchange:
@@ -51,17 +58,49 @@ class StepExchange:
 
     def __call__(self, step: int, fx: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Send one step's activations and labels; return their gradient and the server's loss."""
-        main, clock = self.main, self.clock
         req = StepRequest(device_id=self.device_id, step=step, fx=WireTensor(**encode_tensor(fx)),
                           labels=WireTensor(**encode_tensor(labels)))
+        resp = self._timed(lambda: self.main.step(self.round_id, req, self.timeout))
+        return decode_tensor(resp.dfx, expect_shape=tuple(fx.shape), what="dfx"), resp.loss
+
+    def forward(self, step: int, fx: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """U-shaped mode: send one step's activations (no label); return the middle's output for
+        them and the device's loss weight."""
+        req = ForwardRequest(device_id=self.device_id, step=step, fx=WireTensor(**encode_tensor(fx)))
+        main = self._u_shaped()
+        resp = self._timed(lambda: main.forward(self.round_id, req, self.timeout))
+        output = decode_tensor(resp.output, what="output")
+        if output.dim() == 0 or output.shape[0] != fx.shape[0]:
+            raise WireError(f"output: shape {list(output.shape)} does not hold the step's {fx.shape[0]} samples")
+        return output, resp.loss_weight
+
+    def backward(self, step: int, gradient: torch.Tensor, expect_shape: tuple[int, ...]) -> torch.Tensor:
+        """U-shaped mode: send the step's gradient at the middle's output; return dfx, which must
+        have the activations' shape ``expect_shape``."""
+        req = BackwardRequest(device_id=self.device_id, step=step, gradient=WireTensor(**encode_tensor(gradient)))
+        main = self._u_shaped()
+        resp = self._timed(lambda: main.backward(self.round_id, req, self.timeout))
+        return decode_tensor(resp.dfx, expect_shape=expect_shape, what="dfx")
+
+    def _u_shaped(self) -> UShapedMainApi:
+        """The Main Server client, as one that sends a U-shaped round's halves (Invalid if it
+        cannot: a client wrapped by code that knows only plain steps)."""
+        if not isinstance(self.main, UShapedMainApi):
+            raise Invalid(f"this round is U-shaped, and the Main Server client {type(self.main).__name__} "
+                          f"sends plain steps only")
+        return self.main
+
+    def _timed(self, call: Callable[[], R]) -> R:
+        """Make one call to the Main Server, charging its wait and server time, and its bytes and
+        the rest of its time as transfer, to the round's clock."""
+        main, clock = self.main, self.clock
         before = main.bytes_up + main.bytes_down
         t0 = time.monotonic()
-        resp = main.step(self.round_id, req, self.timeout)
+        resp = call()
         elapsed = time.monotonic() - t0
         clock.server_time(resp.wait_s, resp.server_s)
         clock.transfer(main.bytes_up + main.bytes_down - before, elapsed - resp.wait_s - resp.server_s)
-        dfx = decode_tensor(resp.dfx, expect_shape=tuple(fx.shape), what="dfx")
-        return dfx, resp.loss
+        return resp
 
 
 class MainLink:

@@ -5,7 +5,7 @@ follow-up, and the body the device uploads."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from device_agent.api import FedApi
@@ -20,13 +20,14 @@ from device_agent.trainer import (
     train_round,
 )
 from shared.algorithms.base import DeviceLogic, Payload, parse_payload, trainable_parameters
+from shared.algorithms.privacy_defence import PrivacyDefence
 from shared.algorithms.registry import ALGORITHMS
 from shared.algorithms.two_phase import TwoPhaseLogic, two_phase
 from shared.data import ArrayDataset
 from shared.errors import Conflict, Invalid
 from shared.losses import Loss
 from shared.models import Portion, SplitModel
-from shared.portions import decode_portion
+from shared.portions import decode_device_portion
 from shared.schemas import DeviceTimings, JoinRequest, ReportRequest, TaskResponse, UpdateRequest
 from shared.wire import encode_state
 
@@ -62,6 +63,12 @@ class TaskTrainer:
     loss: Loss
     states: DeviceStates
     run_id: str
+    #: What the device tells the Main Server of its samples per class at every join (as the run's
+    #: ``split_privacy.label_counts`` says: exact, noised once, or empty: withheld).
+    label_counts: list[int]
+    #: The run's privacy defences (``split_privacy.defences``) and the model's classes.
+    defences: Sequence[PrivacyDefence] = ()
+    num_classes: int = 0
 
     @property
     def samples(self) -> ArrayDataset:
@@ -87,9 +94,10 @@ class TaskTrainer:
         settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_id),
                                     task.half_precision)
         context = TrainContext(clock, logic=logic, extras=extras, deadline=deadline, compute=self.compute,
-                               torch_device=self.model.torch_device)
+                               torch_device=self.model.torch_device, defences=self.defences,
+                               num_classes=self.num_classes)
         model, result, exchange = self._train_portion(task, task_bytes, settings, context)
-        portion = model.portion(0, task.split_point)
+        portion = device_portion(model, task)
         if phases is not None:
             self._report_and_follow_up(task, *phases, portion, clock, deadline)
         body = self._update(task, portion, result, exchange, clock, logic)
@@ -114,11 +122,15 @@ class TaskTrainer:
             # waiting for a compute thread holds no copy of its own. Both go with this frame, so
             # they do not keep the body alive through the upload once the agent's last device
             # has let it go.
-            weights = decode_portion(named.weights, self.model.layout, 0, task.split_point, what="task weights")
+            weights = decode_device_portion(named.weights, self.model.layout, task.split_point,
+                                            task.head_start or len(self.model.layout.blocks), what="task weights")
             model = self.model.for_task()
             exchange = self._join(task, model, clock) if task.main_server_url is not None else None
-            context.send_step = exchange
-            result = train_round(model, task.split_point, weights, self.samples, settings, context)
+            if task.head_start is None:
+                context.send_step = exchange
+            else:
+                context.u_steps = exchange
+            result = train_round(model, task.split_point, weights, self.samples, settings, context, task.head_start)
         return model, result, exchange
 
     def _join(self, task: TaskResponse, model: SplitModel, clock: RoundClock) -> StepExchange:
@@ -128,7 +140,7 @@ class TaskTrainer:
         assert task.split_point is not None
         num_steps = steps_per_round(len(self.samples), task.train.batch_size, task.train.local_epochs,
                                     no_single=leaves_out_single_samples(model, task.split_point, split=True))
-        join = JoinRequest(device_id=self.device_id, label_counts=self.samples.label_counts().tolist(), num_steps=num_steps)
+        join = JoinRequest(device_id=self.device_id, label_counts=self.label_counts, num_steps=num_steps)
         timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
         return self.main.join(task.main_server_url, task.round_id, join, clock, timeout)
 
@@ -177,6 +189,12 @@ class TaskTrainer:
         )
 
 
+def device_portion(model: SplitModel, task: TaskResponse) -> Portion:
+    """What ``task`` trains of ``model``: blocks ``[0, split_point)``, and U-shaped its head."""
+    assert task.split_point is not None
+    return model.device_portion(task.split_point, task.head_start or len(model.blocks))
+
+
 def _task_terms(task: TaskResponse, loss: Loss, layout: SplitModel) -> tuple[FollowUpTerms | None, DeviceLogic, Payload]:
     """A training task's algorithm terms, validated before anything is fetched: when the task asks
     for a report, its device logic's two-phase side with the algorithm's ``FollowUp`` model (else
@@ -185,13 +203,16 @@ def _task_terms(task: TaskResponse, loss: Loss, layout: SplitModel) -> tuple[Fol
     the task trains (of the model's ``layout``).
     Invalid for a task that lacks its round, split point or settings, names an unknown algorithm
     or another loss than the run's (a task never brings code: its loss must be the one the device
-    checked at the start), cuts the model outside its blocks, or asks for a report its algorithm
-    does not send; pydantic's
+    checked at the start), cuts the model outside its blocks (or, U-shaped, leaves no middle between its
+    cut and its head), or asks for a report its algorithm does not send; pydantic's
     ValidationError for parameters or extras the algorithm refuses."""
     if task.train is None or task.round_id is None or task.split_point is None:
         raise Invalid("a training task must name its round_id, split_point and train settings")
     if not 0 <= task.split_point <= len(layout.blocks):
         raise Invalid(f"the task's split_point {task.split_point} is not within the model's {len(layout.blocks)} blocks")
+    if task.head_start is not None and not 0 < task.split_point < task.head_start < len(layout.blocks):
+        raise Invalid(f"the task's head_start {task.head_start} must lie after its split_point {task.split_point} and "
+                      f"before the model's end ({len(layout.blocks)} blocks)")
     if (task.train.loss, task.train.task) != (loss.name, loss.task):
         raise Invalid(f"the task's loss {task.train.loss!r} ({task.train.task}) is not the run's {loss.name!r} "
                       f"({loss.task})")
@@ -202,7 +223,7 @@ def _task_terms(task: TaskResponse, loss: Loss, layout: SplitModel) -> tuple[Fol
                       f"({', '.join(ALGORITHMS)})")
     logic = algorithm.device_logic(dict(task.params), loss, task.train)   # pydantic's ValidationError for refused params
     extras = parse_payload(algorithm.TaskExtras, task.extras, "task extras",
-                           trainable_parameters(layout.portion(0, task.split_point)))
+                           trainable_parameters(device_portion(layout, task)))
     if not task.report:
         return None, logic, extras
     phases, phase_logic = two_phase(algorithm), two_phase(logic)

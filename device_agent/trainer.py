@@ -1,25 +1,41 @@
-"""A device's local training for one round: split mode (through the Main Server) or whole model."""
+"""A device's local training for one round: split mode (through the Main Server; U-shaped, with the
+device's own head and loss) or whole model."""
 from __future__ import annotations
 
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from device_agent.compute import Compute, InlineCompute
 from device_agent.timing import RoundClock
 from shared.algorithms.base import DeviceLogic, Payload
+from shared.algorithms.privacy_defence import PrivacyDefence, private_generator
 from shared.config import TrainConfig
 from shared.data import ArrayDataset
-from shared.models import Portion, SplitModel
+from shared.models import DevicePortion, Portion, SplitModel
 from shared.portions import load_portion
 from shared.torch_device import model_device, synchronize
 
 #: Sends (step, fx, labels) to the Main Server and returns (dfx, server-reported loss).
 StepFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, float]]
+
+
+class UShapedSteps(Protocol):
+    """A U-shaped round's exchange with the Main Server: each step in two halves, no label sent."""
+
+    def forward(self, step: int, fx: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Send the activations; return the middle's output for them and the device's loss weight."""
+        ...
+
+    def backward(self, step: int, gradient: torch.Tensor, expect_shape: tuple[int, ...]) -> torch.Tensor:
+        """Send the gradient at the middle's output; return the gradient at the cut (dfx, of the
+        activations' shape ``expect_shape``)."""
+        ...
 
 
 class TaskExpired(Exception):
@@ -109,7 +125,8 @@ class TrainSettings:
 class TrainContext:
     """Where and under what terms a round trains: its clock, its Main Server exchange (none for a
     whole-model round), the algorithm's device logic and task extras, its deadline, the compute
-    threads and the torch device its trained blocks live on (see :func:`train_round`)."""
+    threads and the torch device its trained blocks live on, the run's privacy defences (see
+    :func:`train_round`)."""
 
     clock: RoundClock
     send_step: StepFn | None = None
@@ -118,10 +135,16 @@ class TrainContext:
     deadline: float | None = None
     compute: Compute | None = None
     torch_device: torch.device | None = None
+    #: U-shaped mode: the exchange of the two halves of every step (``send_step`` is then None).
+    u_steps: UShapedSteps | None = None
+    #: The run's privacy defences (``split_privacy.defences``), applied to what the device sends.
+    defences: Sequence[PrivacyDefence] = field(default_factory=list)
+    #: The model's classes (the label defences draw among them).
+    num_classes: int = 0
 
 
 def train_round(model: SplitModel, split_point: int, weights: dict[str, torch.Tensor] | None, data: ArrayDataset,
-                settings: TrainSettings, context: TrainContext) -> LocalResult:
+                settings: TrainSettings, context: TrainContext, head_start: int | None = None) -> LocalResult:
     """Train blocks[:split_point] of ``model`` in place for one round, on the device its trained
     blocks live on (``--torch-device``; the weights are copied there). ``weights``: the round's
     starting weights, loaded when the training starts (on a compute thread, for a whole-model
@@ -130,8 +153,12 @@ def train_round(model: SplitModel, split_point: int, weights: dict[str, torch.Te
     portion already holds them. ``settings``: the optimizer, the batches and their seed.
 
     The ``context`` (:class:`TrainContext`) names the rest. With ``send_step`` (split mode) each step sends the cut's activations and labels to the Main
-    Server and backpropagates the returned dfx; without it the device holds the whole model and
-    trains on the algorithm's local objective (``logic.loss``; cross-entropy by default).
+    Server and backpropagates the returned dfx; with ``u_steps`` (U-shaped mode, ``head_start``:
+    the device also trains ``blocks[head_start:]``) it sends the activations, computes the loss on
+    its head over the middle's output, sends the gradient there and backpropagates the returned
+    dfx; without either the device holds the whole model and trains on the algorithm's local
+    objective (``logic.loss``; cross-entropy by default). The run's privacy defences change what a
+    split round sends (:mod:`shared.algorithms.privacy_defence`).
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
     round is given up with :class:`TaskExpired`. ``compute`` (the agent's compute threads, see
     :mod:`device_agent.compute`; none: this thread) runs the whole local training when there is
@@ -147,12 +174,14 @@ def train_round(model: SplitModel, split_point: int, weights: dict[str, torch.Te
     the seeded batch order is the same on every device. Activations go back to the CPU (in
     half precision first when asked, halving the copy) for the wire; dfx comes to the device.
     """
-    no_single = leaves_out_single_samples(model, split_point, context.send_step is not None)
-    training = _RoundTraining(model.portion(0, split_point), weights, data, settings, context, no_single)
-    if context.send_step is None:
+    portion = model.device_portion(split_point, len(model.blocks) if head_start is None else head_start)
+    split = context.send_step is not None or context.u_steps is not None
+    training = _RoundTraining(portion, weights, data, settings, context,
+                              leaves_out_single_samples(model, split_point, split))
+    if not split:
         training.whole_model()
     else:
-        training.split(context.send_step)
+        training.split()
     return LocalResult(steps=training.steps, train_loss=sum(training.losses) / max(1, len(training.losses)))
 
 
@@ -225,23 +254,65 @@ class _RoundTraining:
 
         clock.section(compute, local_training, work=len(self.data) * self.settings.epochs * clock.stretch_factor())
 
-    def split(self, send_step: StepFn) -> None:
+    def split(self) -> None:
         """Split mode, on this thread: a step's sections are short and interleaved with the Main
-        Server's answers (see :func:`train_round`)."""
-        clock, portion = self.context.clock, self.portion
+        Server's answers (see :func:`train_round`). The privacy defences add their penalty to the
+        device's objective and change the activations (and, U-shaped, the gradient) it sends."""
+        clock, portion, context = self.context.clock, self.portion, self.context
         optimizer, train_data, device = self.start()
+        front = portion.front() if isinstance(portion, DevicePortion) else portion
+        # Drawn from the system's entropy: noise the servers could replay (the run's seed) would hide nothing.
+        generator = private_generator(device)
         for step, (x, y) in enumerate(self.batches(train_data)):
             self.check_deadline()
             with clock.compute():
-                fx = portion(x.to(device))  # .to: no copy on the CPU
-                synchronize(device)
-            sent = fx.detach().half() if self.settings.half_precision else fx.detach()
-            dfx, loss_value = send_step(step, sent.cpu(), y)
-            with clock.compute():
                 optimizer.zero_grad(set_to_none=True)
-                fx.backward(dfx.to(device=fx.device, dtype=fx.dtype))
+                x = x.to(device)  # .to: no copy on the CPU
+                fx = front(x)
+                penalties = [p for d in context.defences if (p := d.activation_penalty(x, fx)) is not None]
+                sent = fx.detach()
+                for defence in context.defences:
+                    sent = defence.sent_activations(sent, generator)
+                synchronize(device)
+            sent = sent.half() if self.settings.half_precision else sent
+            if context.u_steps is not None and isinstance(portion, DevicePortion):
+                dfx, loss_value = self._head(step, context.u_steps, portion.head(), sent.cpu(), y, generator)
+            else:
+                assert context.send_step is not None
+                dfx, loss_value = context.send_step(step, sent.cpu(), y)
+            with clock.compute():
+                # One pass: the penalties share the front's graph with fx.
+                torch.autograd.backward([fx, *penalties],
+                                        [dfx.to(device=fx.device, dtype=fx.dtype), *map(torch.ones_like, penalties)])
                 optimizer.step()
                 synchronize(device)  # CUDA/MPS run asynchronously: the clock must see the compute
             self.losses.append(loss_value)
             self.steps += 1
         optimizer.zero_grad(set_to_none=True)  # the last step's gradients: as big as the weights
+
+    def _head(self, step: int, steps: UShapedSteps, head: Portion, sent: torch.Tensor, y: torch.Tensor,
+              generator: torch.Generator) -> tuple[torch.Tensor, float]:
+        """U-shaped mode, the middle of one step: the activations ``sent`` up, the middle's output
+        back, the loss on this device's head (its gradients, scaled by the loss weight the Main
+        Server gives the device, left on the head), the gradient at the head's input up (from the
+        targets the defences give, the labels by default), dfx back. Returns dfx and the loss."""
+        clock, logic = self.context.clock, self.logic
+        output, loss_weight = steps.forward(step, sent)
+        with clock.compute():
+            device = model_device(head)
+            out = output.to(device=device, dtype=torch.float32).requires_grad_(True)
+            logits = head(out)
+            y = y.to(device)
+            loss = logic.criterion.mean(logits, y)
+            params = [p for p in head.parameters() if p.requires_grad]
+            targets = y
+            for defence in self.context.defences:
+                targets = defence.gradient_targets(targets, self.context.num_classes, generator)
+            noised = targets is not y
+            grads = torch.autograd.grad(loss, [out, *params], retain_graph=noised)
+            for p, g in zip(params, grads[1:]):
+                p.grad = g * loss_weight
+            gradient = torch.autograd.grad(logic.criterion.mean(logits, targets), out)[0] if noised else grads[0]
+            synchronize(device)
+        sent_gradient = gradient.detach().half() if self.settings.half_precision else gradient.detach()
+        return steps.backward(step, sent_gradient.cpu(), tuple(sent.shape)), float(loss.detach())

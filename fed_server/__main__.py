@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from shared.config import env_default, env_switch
 from http_api.serve import refuse_to_start, serve
+from shared.recording import Recording, add_recording_args, recording_from_args
 from shared.service import add_server_args, configure_process, parse_service_args
 
 if TYPE_CHECKING:   # imported at run time only once the process is configured (torch threads)
@@ -104,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="enrolment credentials refused although their MAC is right, one id per line (python -m "
                              "fed_server credentials revoke; or env SFL_REVOKED_CREDENTIALS_FILE); read at start and again on "
                              "SIGHUP")
+    add_recording_args(parser)
     args = parse_service_args(parser, argv)
     configure_process(args.log_level, args.torch_threads, args.torch_device)
+    recording = recording_from_args(args, parser, "fed_server")
     if args.run_dir is not None and args.runs_root is not None:
         parser.error("--run-dir is one run's directory, --runs-root a folder of runs: give one of them")
     if args.runs_root is None and (args.resume is not None or args.new_run):
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = fed_server_settings(args)
     except ValueError as exc:
         refuse(str(exc))
-    coordinator = start_run(config, args, refuse)
+    coordinator = start_run(config, args, refuse, recording)
     from fed_server.app import create_app
     from shared.auth import warn_if_open
 
@@ -134,12 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     serve(create_app(coordinator, settings), args)
 
 
-def start_run(config: "RunConfig", args: argparse.Namespace, refuse: Callable[[str], NoReturn]) -> "Coordinator":
+def start_run(config: "RunConfig", args: argparse.Namespace, refuse: Callable[[str], NoReturn],
+              recording: Recording | None = None) -> "Coordinator":
     """The run this start takes up, built (its checkpoint resumed): ``--run-dir``'s, or the one
     ``--runs-root``'s rule chooses (:mod:`fed_server.runs_root`); ``refuse`` is called with the
-    reason when it cannot be. A run taken up as the unfinished current one that turns out to have
-    finished (stopped between its last checkpoint and its summary, which is written now) is over:
-    a new run is begun instead."""
+    reason when it cannot be; ``recording``: what the run keeps of what it receives. A run taken
+    up as the unfinished current one that turns out to have finished (stopped between its last
+    checkpoint and its summary, which is written now) is over: a new run is begun instead."""
     from fed_server.coordinator import Coordinator
     from fed_server.run_dir import RunDirectory
     from fed_server.runs_root import RunRefused, RunsRoot
@@ -150,7 +154,7 @@ def start_run(config: "RunConfig", args: argparse.Namespace, refuse: Callable[[s
     def build(path: str | Path, run_id: str | None) -> Coordinator:
         try:
             return Coordinator(config, RunDirectory(path), urls, run_id=run_id, torch_device=args.torch_device,
-                               main_server_device_urls=device_urls)
+                               main_server_device_urls=device_urls, recording=recording)
         except ValueError as exc:   # e.g. a checkpoint of a different configuration in --run-dir
             refuse(str(exc))
 

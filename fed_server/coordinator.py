@@ -50,11 +50,12 @@ from fed_server.broadcast import Broadcast
 from shared.algorithms.base import RoundContext
 from shared.algorithms.registry import build_algorithm, build_selector
 from shared.config import RunConfig
+from shared.recording import Recording
 from shared.data.partition import release_loaded_data
 from shared.evaluation import evaluation_mode, server_test_set
 from shared.losses import build_loss
-from shared.models import candidate_split_points, model_fingerprint, profile_model
-from shared.run_config import build_config_model, run_warnings
+from shared.models import model_fingerprint, profile_model
+from shared.run_config import build_config_model, run_warnings, split_candidates
 
 log = logging.getLogger("fed_server")
 
@@ -66,26 +67,30 @@ class Coordinator:
     stays on the CPU, where uploads arrive from the wire and are aggregated (a round's
     aggregation is a weighted sum, cheap next to moving every upload to a GPU and back).
 
-    ``main_server_urls``: the Main Server replicas (``replica_planning.py``);
-    ``main_server_device_urls``: where the devices reach them, when not at those URLs.
+    main_server_urls: the Main Server replicas (replica_planning.py);
+    main_server_device_urls: where the devices reach them, when not at those URLs.
+    recording: what the run keeps of what it receives (--record-received; None: nothing).
     """
 
     def __init__(self, config: RunConfig, run_dir: RunDirectory, main_server_urls: Sequence[str] | None,
                  run_id: str | None = None, torch_device: torch.device | None = None,
-                 main_server_device_urls: Sequence[str] | None = None) -> None:
+                 main_server_device_urls: Sequence[str] | None = None,
+                 recording: Recording | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
         self.core = _build_core(config, run_id, torch_device)
         core = self.core
+        core.recording = recording
         num_classes, input_shape = core.model.num_classes, core.model.input_shape
         self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes, main_server_device_urls)
         profile = profile_model(core.model, config.model)
-        candidates = candidate_split_points(profile, config.split.candidates)
+        candidates = split_candidates(config, core.model)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
         # which never consult the table: one placeholder candidate keeps it well-formed.
         self.table = ClientTimeTable(max(1, len(candidates)), config.split.smoothing)
         self.planner = SplitPlanner(core.algorithm.split_mode(), candidates, core.num_blocks, profile, self.table,
-                                    core.devices, config.train.local_epochs, config.split.server_flops)
+                                    core.devices, config.train.local_epochs, config.split.server_flops,
+                                    head_start=core.head_start if config.split.u_shaped else None)
         self.rng = random.Random(config.seed)
         # Federated evaluation does not use a server test set even where one exists.
         test_set = server_test_set(config.data, core.loss.task) if core.evaluation_mode == "server" else None
@@ -99,7 +104,8 @@ class Coordinator:
         fingerprint = model_fingerprint(core.model, config.data, config.train.loss, config.train.resolved_task)
         self.enrolment = DeviceEnrolment(
             core, fingerprint, input_shape, num_classes, shard_sizes(config.data),
-            label_counts_at_registration=self.replicas.groups_at_fed_server and self.planner.mode != "zero")
+            label_counts_at_registration=self.replicas.groups_at_fed_server and self.planner.mode != "zero"
+            and config.split_privacy.label_counts != "withheld")
         self.dispatch = TaskDispatch(core, self.replicas.device_url)
         self.agents = AgentSessions(core, self.dispatch, self.enrolment)
         self.uploads = Uploads(core, self.replicas)
@@ -135,6 +141,7 @@ class Coordinator:
         )
         log.info("round %d (attempt %d): %d devices, splits %s", index, attempt, len(selected),
                  {d: a.split_point for d, a in core.round.assignments.items()})
+        core.record_state(core.round, "global", core.model.state_dict())   # what the round's tasks start from
         return core.round
 
     def _selectable(self, eligible: list[str], index: int, attempt: int) -> list[str]:

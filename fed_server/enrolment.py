@@ -51,7 +51,8 @@ class DeviceEnrolment:
                        num_classes=self.num_classes, input_shape=list(self.input_shape),
                        data=config.data, seed=config.seed, holdout=self.core.holdout(),
                        loss=config.train.loss, task=config.train.resolved_task,
-                       label_counts_at_registration=self.label_counts_at_registration, finished=self.core.finished)
+                       label_counts_at_registration=self.label_counts_at_registration, finished=self.core.finished,
+                       split_privacy=config.split_privacy)
 
     def enrol(self, req: RegisterRequest, enrolment: Enrolment | None, auth: Auth) -> RegisterResponse:
         """Register ``req``'s device as ``enrolment``'s holder (:meth:`DeviceRegistry.enrol`) and,

@@ -184,7 +184,8 @@ class ReplicaPlanning:
     def round_plan(self, fed_round: FedRound, members: Sequence[str],
                    groups: list[PlannedGroup] | None = None) -> RoundPlan:
         """What one Main Server needs: its participants (``members``), their splits, the groups
-        when the Fed Server formed them, and the server-side weights from their smallest split."""
+        when the Fed Server formed them, and the server-side weights from their smallest split (to
+        the devices' head in U-shaped mode)."""
         core, config = self.core, self.core.config
         start = min(fed_round.assignments[d].split_point for d in members)
         return RoundPlan(
@@ -196,13 +197,14 @@ class ReplicaPlanning:
                                       token_nonce=fed_round.assignments[d].token_nonce,
                                       download_s=fed_round.assignments[d].download_s)
                           for d in members],
-            server_weights=encode_state(portion_state(core.model, start, core.num_blocks)), train=config.train,
+            server_weights=encode_state(portion_state(core.model, start, core.head_start)), train=config.train,
             grouping=core.algorithm.grouping(), group_size=config.grouping.group_size,
             group_loss=config.grouping.group_loss, member_defences=config.grouping.member_defences,
             member_defence_params=config.grouping.member_defence_params, join_deadline_s=config.deadlines.join_s,
             step_deadline_s=config.deadlines.step_s, groups=groups,
             patience=config.deadlines.patience, patience_grace_s=config.deadlines.patience_grace_s,
             max_activation=config.grouping.max_activation,
+            head_start=core.head_start if core.head_start < core.num_blocks else None,
         )
 
     def heard(self, fed_round: FedRound, url: str, gap_s: float, silent_s: float) -> None:

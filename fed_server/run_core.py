@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,8 @@ from shared.config import RunConfig
 from shared.errors import Conflict
 from shared.losses import Loss, build_loss
 from shared.models.split_model import SplitModel
-from shared.portions import portion_state
+from shared.portions import device_state, portion_state
+from shared.recording import Recording
 
 log = logging.getLogger("fed_server")
 
@@ -68,14 +69,33 @@ class RunCore:
     # work on it (long-poll, ``TaskDispatch.next_task``) instead of polling.
     work_posted: Broadcast = field(default_factory=Broadcast)
     on_departure: DepartureHook | None = None
+    #: ``--record-received``: keep what devices and the Main Server send (honest-but-curious, for
+    #: studying what a server learns; shared/recording.py). None: nothing is kept.
+    recording: Recording | None = None
+
+    def record_state(self, fed_round: FedRound, name: str, state: Mapping[str, torch.Tensor]) -> None:
+        """Keep ``state`` as ``name`` in the attempt's records, where this round is recorded."""
+        if self.recording is not None and self.recording.keeps(fed_round.index):
+            self.recording.state(fed_round.index, fed_round.round_id, name, state)
 
     @property
     def num_blocks(self) -> int:
         return len(self.model.blocks)
 
+    @property
+    def head_start(self) -> int:
+        """Where the devices' heads start (U-shaped mode), or the model's end: the Main Server's
+        portion ends there (``split.head_blocks``)."""
+        return self.config.split.head_start(self.num_blocks)
+
     def portion(self, end: int) -> dict[str, torch.Tensor]:
         """Blocks ``[0, end)`` of the global model."""
         return portion_state(self.model, 0, end)
+
+    def device_portion(self, split_point: int) -> dict[str, torch.Tensor]:
+        """What a device cut at ``split_point`` trains of the global model: blocks
+        ``[0, split_point)``, and in U-shaped mode the head."""
+        return device_state(self.model, split_point, self.head_start)
 
     def holdout(self) -> float | None:
         """The fraction every device holds out for federated evaluation; None: the server evaluates."""

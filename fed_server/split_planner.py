@@ -29,7 +29,8 @@ class SplitPlanner:
     """
 
     def __init__(self, mode: SplitMode, split_points: Sequence[int], num_blocks: int, profile: ModelProfile,
-                 table: ClientTimeTable, devices: DeviceRegistry, local_epochs: int, server_flops: float) -> None:
+                 table: ClientTimeTable, devices: DeviceRegistry, local_epochs: int, server_flops: float,
+                 head_start: int | None = None) -> None:
         self.mode = mode
         self.split_points = list(split_points)
         self.num_blocks = num_blocks
@@ -38,10 +39,19 @@ class SplitPlanner:
         self.devices = devices
         self.local_epochs = local_epochs
         self.server_flops = server_flops
+        #: U-shaped mode: where the devices' heads start (a split point of the model); None: no head.
+        self.head_start = head_start
 
     def _view(self, j: int) -> SplitCostView:
+        """Eq. 1's inputs at candidate ``j``; U-shaped, with the head's terms, the server's FLOPs
+        the middle's alone (docs/s2fl.md, "U-shaped mode")."""
         cost = self.profile.cost(self.split_points[j])
-        return SplitCostView(cost.client_param_bytes, cost.activation_bytes, cost.client_flops, cost.server_flops)
+        if self.head_start is None:
+            return SplitCostView(cost.client_param_bytes, cost.activation_bytes, cost.client_flops, cost.server_flops)
+        head = self.profile.cost(self.head_start)
+        return SplitCostView(cost.client_param_bytes, cost.activation_bytes, cost.client_flops,
+                             cost.server_flops - head.server_flops, head_param_bytes=head.server_param_bytes,
+                             head_activation_bytes=head.activation_bytes, head_flops=head.server_flops)
 
     def estimate(self, device_id: str, j: int) -> float:
         """Eq. 1 prediction of the device's round time at candidate ``j`` (uncalibrated); NaN
@@ -62,7 +72,7 @@ class SplitPlanner:
         whose rate is not measured gets that slowest one otherwise (as if its link were the
         slowest), so a claimed slow link cannot stretch its deadline. Before any is measured (a
         run's first round) the registered rates stand. None for no candidate (split depth zero)
-        or while no rate among them is known."""
+        or while no rate among them is known. U-shaped, the portion includes the head."""
         registry = self.devices
         claimed = {d: registry.devices[d].profile.rate for d in chosen if d in registry.devices}
         measured = {d: r for d in claimed if (r := registry.measured_rate(d))}
@@ -74,7 +84,7 @@ class SplitPlanner:
             if rate is None:
                 own = claimed.get(device)
                 rate = slowest if own is None else max(own, slowest) if measured and slowest else own
-            out[device] = None if j is None or rate is None else self._view(j).client_param_bytes / rate
+            out[device] = None if j is None or rate is None else self._view(j).device_param_bytes / rate
         return out
 
     def observe(self, device_id: str, j: int, transfer_s: float) -> None:

@@ -108,6 +108,7 @@ class TaskDispatch:
         return TaskResponse(
             status="train", round_id=fed_round.round_id, round_index=fed_round.index,
             split_point=assignment.split_point, num_blocks=core.num_blocks,
+            head_start=core.head_start if fed_round.uses_main_server and core.head_start < core.num_blocks else None,
             weights_id=self._client_portion(fed_round, assignment.split_point), train=config.train,
             main_server_url=self.device_url(assignment.main_server_url)
             if fed_round.uses_main_server and assignment.main_server_url else None,
@@ -129,15 +130,16 @@ class TaskDispatch:
             core.evaluating.task_bytes += sent
 
     def _client_portion(self, fed_round: FedRound, split_point: int) -> WeightsId:
-        """Blocks ``[0, split_point)`` of the global model, published once per attempt and split
-        point (the model does not change while an attempt is open)."""
+        """Blocks ``[0, split_point)`` of the global model (and U-shaped, the head), published once
+        per attempt and split point (the model does not change while an attempt is open)."""
         round_id, portions = self._task_weights
         if round_id != fed_round.round_id:
             self.release_task_weights()
             portions = {}
             self._task_weights = (fed_round.round_id, portions)
         if split_point not in portions:
-            portions[split_point] = self.core.weights.publish(self.core.portion(split_point))
+            portions[split_point] = self.core.weights.publish(
+                self.core.device_portion(split_point) if fed_round.uses_main_server else self.core.portion(split_point))
         return portions[split_point]
 
     def release_task_weights(self) -> None:

@@ -47,35 +47,49 @@ class SplitCostView:
     """Eq. 1 inputs for one split candidate, per ONE sample (bytes and FLOPs).
 
     ``client_param_bytes`` = |Wc|; ``activation_bytes`` = q; ``client_flops`` / ``server_flops`` =
-    forward+backward FLOPs of the client / server portion for one sample.
+    forward+backward FLOPs of the client / server portion for one sample. U-shaped mode
+    (``split.u_shaped``; docs/s2fl.md, "U-shaped mode") adds the device's head: ``head_param_bytes``
+    = |Wh|, ``head_activation_bytes`` = q_h (the middle's output, down, and its gradient, up) and
+    ``head_flops`` = Fh, and ``server_flops`` is then the middle's alone; all three are 0 otherwise.
     """
 
     client_param_bytes: int
     activation_bytes: int
     client_flops: float
     server_flops: float
+    head_param_bytes: int = 0
+    head_activation_bytes: int = 0
+    head_flops: float = 0.0
+
+    @property
+    def device_param_bytes(self) -> int:
+        """What the device downloads and uploads of the model: |Wc| (+ |Wh|)."""
+        return self.client_param_bytes + self.head_param_bytes
 
 
 def eq1_bytes(cost: SplitCostView, samples: int) -> float:
     """Eq. 1's bytes on the device's link in one round: ``2|Wc| + 2pq`` (the client portion down
-    and up, each sample's activation up and its gradient down)."""
+    and up, each sample's activation up and its gradient down); U-shaped, ``2(|Wc| + |Wh|) +
+    2p(q + q_h)`` (the head down and up too, and each sample's middle output down and its
+    gradient up)."""
     if samples < 0:
         raise ValueError(f"samples must be >= 0, got {samples}")
-    return 2.0 * cost.client_param_bytes + 2.0 * float(samples) * cost.activation_bytes
+    return 2.0 * cost.device_param_bytes + 2.0 * float(samples) * (cost.activation_bytes + cost.head_activation_bytes)
 
 
 def eq1_time(profile: DeviceProfile, cost: SplitCostView, samples: int, server_flops: float) -> float:
-    """Eq. 1: ``T = 2|Wc|/R + 2pq/R + Fc/Comp_c + Fs/Comp_s`` (seconds).
+    """Eq. 1: ``T = 2|Wc|/R + 2pq/R + Fc/Comp_c + Fs/Comp_s`` (seconds); U-shaped,
+    ``T = 2(|Wc| + |Wh|)/R + 2p(q + q_h)/R + (Fc + Fh)/Comp_c + Fs/Comp_s`` with ``Fs`` the middle's.
 
     ``p = samples``, ``q = cost.activation_bytes``, ``Fc = cost.client_flops * p``,
-    ``Fs = cost.server_flops * p``, ``R = profile.rate``, ``Comp_c = profile.flops`` and
-    ``Comp_s = server_flops`` (the Main Server's FLOP/s).
+    ``Fh = cost.head_flops * p``, ``Fs = cost.server_flops * p``, ``R = profile.rate``,
+    ``Comp_c = profile.flops`` and ``Comp_s = server_flops`` (the Main Server's FLOP/s).
     """
     if not (profile.flops > 0 and profile.rate is not None and profile.rate > 0 and server_flops > 0):
         raise ValueError("device flops, device rate and server flops must be > 0")
     p = float(samples)
     comm = eq1_bytes(cost, samples) / profile.rate
-    return comm + cost.client_flops * p / profile.flops + cost.server_flops * p / server_flops
+    return comm + (cost.client_flops + cost.head_flops) * p / profile.flops + cost.server_flops * p / server_flops
 
 
 class ClientTimeTable:

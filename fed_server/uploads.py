@@ -15,7 +15,7 @@ from shared.algorithms.base import parse_payload, trainable_parameters
 from shared.algorithms.registry import uploads_member_states
 from shared.algorithms.two_phase import TwoPhaseAlgorithm, two_phase
 from shared.errors import Conflict, Invalid, NotAllowed
-from shared.portions import decode_portion
+from shared.portions import decode_device_portion, decode_portion
 from shared.schemas import Ack, ReportRequest, ServerPortionUpload, UpdateRequest, WithdrawRequest
 from shared.wire import WireError
 
@@ -140,14 +140,20 @@ class Uploads:
         core = self.core
         check_claims(req, core.devices.devices[req.device_id].num_samples, fed_round.deadline_s)
         split_point = fed_round.assignments[req.device_id].split_point
-        state = self._checked_update(req.device_id, self._decode(req.weights, 0, split_point))
+        head_start = core.head_start if fed_round.uses_main_server else core.num_blocks
+        try:
+            weights = decode_device_portion(req.weights, core.model, split_point, head_start)
+        except WireError as exc:
+            raise Invalid(str(exc)) from None
+        state = self._checked_update(req.device_id, weights)
         extras = parse_payload(core.algorithm.UploadExtras, req.extras, "extras",
-                               trainable_parameters(core.model.portion(0, split_point)))
+                               trainable_parameters(core.model.device_portion(split_point, head_start)))
         try:
             core.algorithm.accept_update(req.device_id, fed_round.context, state, extras, req.num_samples,
                                          core.model.state_dict())
         except ValueError as exc:
             raise Invalid(f"extras: {exc}") from None
+        core.record_state(fed_round, f"{req.device_id}-upload", state)
         return ReceivedUpdate(req, state, body_bytes, extras, upload_s)
 
     def withdraw(self, round_id: int, req: WithdrawRequest) -> Ack:
@@ -174,8 +180,9 @@ class Uploads:
         splits = [fed_round.assignments[m].split_point for m in members]
         if splits and upload.start_block > min(splits):
             raise Invalid(f"portion starts at block {upload.start_block}, after a member's split point {min(splits)}")
-        state = self._decode(upload.weights, upload.start_block, core.num_blocks)
+        state = self._decode(upload.weights, upload.start_block, core.head_start)
         member_states = self._member_states(upload)
+        core.record_state(fed_round, f"group-{upload.group_id}-portion", state)
         fed_round.portions[upload.group_id] = ReceivedPortion(upload, state, body_bytes, member_states)
         core.changed.set()
         return Ack(detail=f"group {upload.group_id} of round {round_id} stored")
@@ -192,7 +199,7 @@ class Uploads:
         if sent != set(upload.members):
             raise Invalid(f"group {upload.group_id}: member states for {sorted(sent)}, where its members are "
                           f"{sorted(upload.members)}")
-        return {d: self._decode(w, upload.start_block, self.core.num_blocks) for d, w in sorted(upload.member_weights.items())}
+        return {d: self._decode(w, upload.start_block, self.core.head_start) for d, w in sorted(upload.member_weights.items())}
 
     def _check_group(self, fed_round: FedRound, upload: ServerPortionUpload) -> set[str]:
         """A group portion's members and dropped devices, once its group may come back: new, of

@@ -5,6 +5,7 @@ import argparse
 
 from shared.config import env_default
 from http_api.serve import refuse_to_start, serve
+from shared.recording import add_recording_args, recording_from_args
 from shared.service import add_server_args, configure_process, parse_service_args
 
 
@@ -29,10 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-workers", type=int, default=env_default("train_workers", None),
                         help="group steps trained at once, each on --threads torch threads (env SFL_TRAIN_WORKERS; "
                              "default: the usable cores divided by --threads, at least 1)")
+    add_recording_args(parser)
     args = parse_service_args(parser, argv)
     if args.train_workers is not None and args.train_workers < 1:
         parser.error("--train-workers must be at least 1")
     configure_process(args.log_level, args.torch_threads, args.torch_device)
+    recording = recording_from_args(args, parser, "main_server")
     from main_server.app import create_app
     from main_server.server import MainServerSettings
     from main_server.group_trainer import warm_up
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = MainServerSettings(fed_server_url=args.fed_server_url, max_step_bytes=int(args.max_step_mb * (1 << 20)),
                                   auth=auth, ca_file=args.ca_file, torch_device=args.torch_device, model=args.model,
-                                  loss=args.loss, train_workers=args.train_workers)
+                                  loss=args.loss, train_workers=args.train_workers, recording=recording)
     serve(create_app(settings), args)
 
 

@@ -1,4 +1,5 @@
-"""The Main Server's HTTP routes: round plans from the Fed Server, joins and steps from devices.
+"""The Main Server's HTTP routes: round plans from the Fed Server, joins and steps (in U-shaped
+rounds, their forward and backward halves) from devices.
 
 Routes only: authentication, body parsing and the answer's encoding, and the HTTP sender of the
 group portions (``main_server/portion_upload.py``). The logic is in ``main_server/server.py`` (open
@@ -17,7 +18,10 @@ from main_server.portion_upload import FedServerPortions
 from main_server.server import MainServer, MainServerSettings
 from shared.auth import MAIN_SERVER
 from shared.errors import NotAllowed
-from shared.schemas import API, Ack, Departures, JoinRequest, JoinResponse, RoundPlan, StepRequest, StepResponse
+from shared.schemas import (
+    API, Ack, BackwardRequest, BackwardResponse, Departures, ForwardRequest, ForwardResponse, JoinRequest, JoinResponse,
+    RoundPlan, StepRequest, StepResponse,
+)
 
 
 def create_app(settings: MainServerSettings) -> ServiceApp:
@@ -79,6 +83,23 @@ def create_app(settings: MainServerSettings) -> ServiceApp:
         """Device: activations + labels of one local step; answered with dfx after the group's barrier."""
         _check_caller(caller, message.device_id)
         return await server.step(round_id, message)
+
+    @app.msgpack_post(f"{API}/rounds/{{round_id}}/step/forward", ForwardRequest, settings.max_step_bytes,
+                      before_body=server.caller)
+    async def step_forward(round_id: int, headers: Headers, message: ForwardRequest, caller: str | None) -> ForwardResponse:
+        """Device, U-shaped round: activations of one local step (no labels); answered with the
+        middle's output after the group's barrier."""
+        _check_caller(caller, message.device_id)
+        return await server.forward(round_id, message)
+
+    @app.msgpack_post(f"{API}/rounds/{{round_id}}/step/backward", BackwardRequest, settings.max_step_bytes,
+                      before_body=server.caller)
+    async def step_backward(round_id: int, headers: Headers, message: BackwardRequest,
+                            caller: str | None) -> BackwardResponse:
+        """Device, U-shaped round: the gradient at the middle's output of the step; answered with dfx
+        once the group's copy has stepped."""
+        _check_caller(caller, message.device_id)
+        return await server.backward(round_id, message)
 
     return app
 

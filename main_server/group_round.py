@@ -14,26 +14,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
 from concurrent.futures import Executor
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from main_server.group import Group, StepOutcome, TrainedStep, new_group, timed_step
+from main_server.group import (
+    ForwardOutcome, Group, StepOutcome, TrainedForward, TrainedStep, new_group, timed_backward, timed_forward,
+    timed_step,
+)
 from main_server.group_trainer import MemberBatch
 from main_server.join_phase import JoinPhase
 from main_server.metrics import MainMetrics
 from main_server.round_plan import plan_model, server_weights
 from main_server.step_checks import StepChecks
 from shared.algorithms.registry import build_group_loss, build_grouping, build_member_defences
-from shared.errors import Conflict, Failed, Invalid, NotFound
+from shared.errors import Conflict, DomainError, Failed, Invalid, NotFound
 from shared.losses import build_loss, check_loss_origin, label_counts_problem
 from shared.machine import release_free_memory
-from shared.schemas import JoinRequest, JoinResponse, RoundPlan, StepRequest
+from shared.recording import Recording
+from shared.schemas import BackwardRequest, ForwardRequest, JoinRequest, JoinResponse, RoundPlan, StepRequest
 from shared.round_label import round_label
 
 log = logging.getLogger("main_server")
+
+#: What a training worker's run of a step (or half of one) gives (:meth:`GroupRound._train`).
+T = TypeVar("T")
+#: A step's first request: a whole step, or a U-shaped step's forward half (:meth:`GroupRound._arrive`).
+R = TypeVar("R", StepRequest, ForwardRequest)
 
 
 class GroupRound:
@@ -47,7 +56,8 @@ class GroupRound:
 
     def __init__(self, plan: RoundPlan, on_group_done: Callable[["GroupRound", Group], Awaitable[None]],
                  metrics: MainMetrics | None = None, device: torch.device | None = None,
-                 model_ref: str | None = None, executor: Executor | None = None, loss_ref: str | None = None) -> None:
+                 model_ref: str | None = None, executor: Executor | None = None, loss_ref: str | None = None,
+                 recording: Recording | None = None) -> None:
         # Everything of the plan but its weights, which live in ``server_weights`` (views of the
         # plan's bytes) until the groups have loaded them into their copies (:meth:`_form_groups`).
         self.plan = plan.model_copy(update={"server_weights": {}})
@@ -89,6 +99,12 @@ class GroupRound:
         self._tasks: set[asyncio.Task] = set()
         #: The joins, and when the groups form (:mod:`main_server.join_phase`).
         self.joins = JoinPhase(self.plan, self._form_groups)
+        #: What this round keeps of what devices send (``--record-received``; None: nothing).
+        self.recording = recording if recording is not None and recording.keeps(plan.round_index) else None
+        if self.recording is not None:
+            self._record("plan", value={"round_id": plan.round_id, "round_index": plan.round_index,
+                                        "head_start": plan.head_start, "grouping": plan.grouping,
+                                        "split_points": {p.device_id: p.split_point for p in plan.participants}})
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in the background, holding the task until it ends (the loop keeps only weak
@@ -102,9 +118,14 @@ class GroupRound:
         """Record a device's label counts; answer once groups are formed."""
         if req.device_id not in self.participants:
             raise NotFound(f"device {req.device_id!r} is not a participant of round {self.round_id}")
-        problem = label_counts_problem(len(req.label_counts), self.plan.num_classes, self.plan.train.resolved_task)
-        if problem is not None:
-            raise Invalid(problem)
+        if not req.label_counts:
+            if self.plan.groups is None and self.grouping.uses_label_counts:
+                raise Invalid(f"this round's grouping ({self.plan.grouping}) groups by label counts; the join sent none")
+        else:
+            problem = label_counts_problem(len(req.label_counts), self.plan.num_classes,
+                                           self.plan.train.resolved_task)
+            if problem is not None:
+                raise Invalid(problem)
         if req.device_id in self.joins.departed:
             raise Conflict(f"device {req.device_id!r} left round {self.round_id}: {self.joins.departed[req.device_id]}")
         if self.groups is not None:
@@ -113,6 +134,7 @@ class GroupRound:
                 raise Conflict(f"device {req.device_id!r} joined after the join deadline of round {self.round_id}")
             return self._join_answer(group)
         self.joins.join(req)
+        self._record(f"{req.device_id}-join", value={"label_counts": req.label_counts, "num_steps": req.num_steps})
         await self.groups_ready.wait()
         if self.abandoned:
             raise Conflict(f"round {self.round_id} was abandoned")
@@ -160,7 +182,7 @@ class GroupRound:
         for gid, members in planned:
             group = new_group(gid, [self.participants[m] for m in members], [self.joins.joined[m] for m in members],
                               self.template, self.server_weights, self.plan.train, self.group_loss, self.device,
-                              self.defences)
+                              self.defences, end=self.plan.head_start)
             self.groups.append(group)
             for m in members:
                 self.group_by_device[m] = group
@@ -169,12 +191,12 @@ class GroupRound:
         release_free_memory()
         missing = self.joins.missing()
         if self.metrics is not None:
-            self.metrics.groups_formed_with([g.distance for g in self.groups], len(missing))
+            self.metrics.groups_formed_with([g.distance for g in self.groups if g.distance is not None], len(missing))
         if missing:
             log.warning("%s: %d device(s) never joined (%s): %s", self.label, len(missing), self.joins.why_missing,
                         missing)
         log.info("%s: %d group(s) %s", self.label, len(self.groups),
-                 [(g.members, round(g.distance, 3)) for g in self.groups])
+                 [(g.members, None if g.distance is None else round(g.distance, 3)) for g in self.groups])
         self.groups_ready.set()
 
     # --- the per-step barrier -------------------------------------------------------------------
@@ -185,7 +207,7 @@ class GroupRound:
         group = self.stepping_group(req)
         return group, self.checks.decode_batch(req, group.split[req.device_id])
 
-    def stepping_group(self, req: StepRequest) -> Group:
+    def stepping_group(self, req: StepRequest | ForwardRequest | BackwardRequest) -> Group:
         """The group of the step's sender if the step is its next one: NotFound for a stranger,
         Conflict for a member that may not send this step now (not joined, dropped, done, out of
         order, a duplicate). Nothing of the step's content is read."""
@@ -200,7 +222,7 @@ class GroupRound:
             raise Conflict(f"device {req.device_id!r} has already sent all its {group.num_steps[req.device_id]} steps")
         if req.step != group.step:
             raise Conflict(f"step {req.step} is out of order: the group is at step {group.step}")
-        if req.device_id in group.pending or req.device_id in group.training:
+        if req.device_id in group.pending or req.device_id in group.training or req.device_id in group.owing:
             raise Conflict(f"step {req.step} of {req.device_id!r} was already received")
         return group
 
@@ -212,21 +234,83 @@ class GroupRound:
         from the group (Invalid): left in it, the member would hold the barrier until the step
         deadline, as it could never send a step that fits; the others go on without it at this
         step. A request that is not the member's next step (:meth:`stepping_group`) drops nobody."""
+        return await self._arrive(req, self.checks.decode_batch)
+
+    async def forward(self, req: ForwardRequest) -> ForwardOutcome:
+        """U-shaped mode, a step's first half: wait at the group's barrier for every member's
+        activations, run the middle once, return this device's rows of its output. Checked and
+        refused as :meth:`step` checks a step (no labels: :meth:`StepChecks.decode_forward`)."""
+        return await self._arrive(req, self.checks.decode_forward)
+
+    async def _arrive(self, req: R, decode: Callable[[R, int], MemberBatch]) -> Any:
+        """A member's step (or U-shaped first half) at the group's barrier: its next step
+        (:meth:`stepping_group`), decoded by ``decode`` and checked for harmful values (else its
+        sender is dropped, Invalid), recorded, then awaited until the group has trained."""
         group = self.stepping_group(req)
         try:
-            batch = self.checks.decode_batch(req, group.split[req.device_id])
+            batch = decode(req, group.split[req.device_id])
         except Invalid as exc:
             self._refuse_step(group, req, exc.detail)
         harm = self.checks.harmful_values(batch)
         if harm is not None:
             self._refuse_step(group, req, harm)
-        arrived = time.monotonic()
+        self._record_step(req, fx=batch.fx, labels=batch.labels)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        group.pending[req.device_id] = (batch, future, arrived)
+        group.pending[req.device_id] = (batch, future, time.monotonic())
         self._release(group)
         return await future
 
-    def _refuse_step(self, group: Group, req: StepRequest, why: str) -> NoReturn:
+    async def backward(self, req: BackwardRequest) -> StepOutcome:
+        """U-shaped mode, a step's second half: wait for every answered member's gradient at the
+        middle's output, step the copy once, return this device's dfx. A gradient that does not
+        fit the device's rows (:meth:`StepChecks.decode_gradient`) drops its sender."""
+        group = self.gradient_group(req)
+        assert group.forward is not None
+        rows = next(b.rows for b in group.forward.order if b.device_id == req.device_id)
+        try:
+            gradient = self.checks.decode_gradient(req, rows)
+        except Invalid as exc:
+            self._refuse_step(group, req, exc.detail)
+        self._record_step(req, gradient=gradient)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        group.gradients[req.device_id] = (gradient, future, time.monotonic())
+        self._release(group)
+        return await future
+
+    def gradient_group(self, req: BackwardRequest) -> Group:
+        """The group of the sender if it owes the gradient of the group's current step: as
+        :meth:`stepping_group`, and Conflict while the group is not between a step's halves, for
+        another step, for a member that was not answered the step's first half, or twice."""
+        group = self.group_by_device.get(req.device_id)
+        if group is None or req.device_id in group.dropped:
+            return self.stepping_group(req)   # its error
+        if group.forward is None or req.step != group.step:
+            raise Conflict(f"step {req.step}: the group of {req.device_id!r} takes no gradient now "
+                           f"(it is at step {group.step}, {'between' if group.forward is not None else 'before'} its halves)")
+        if req.device_id in group.gradients:
+            raise Conflict(f"the gradient of step {req.step} of {req.device_id!r} was already received")
+        if req.device_id not in group.owing:
+            raise Conflict(f"{req.device_id!r} was not answered step {req.step}'s first half")
+        return group
+
+    def _record_step(self, req: StepRequest | ForwardRequest | BackwardRequest, **tensors: torch.Tensor | None) -> None:
+        """Keep what a member's step sent (``--record-received``), once it passed the checks:
+        each tensor as ``<device>-step-<step>-<name>``."""
+        if self.recording is not None and self.recording.keeps(self.plan.round_index, req.step):
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    self._record(f"{req.device_id}-step-{req.step:04d}-{name}", tensor=tensor)
+
+    def _record(self, name: str, tensor: torch.Tensor | None = None, value: object = None) -> None:
+        """Keep ``tensor`` or ``value`` as ``name`` in this round's records, if it has any."""
+        if self.recording is None or self.plan.round_index is None:
+            return
+        if tensor is not None:
+            self.recording.tensor(self.plan.round_index, self.round_id, name, tensor)
+        else:
+            self.recording.value(self.plan.round_index, self.round_id, name, value)
+
+    def _refuse_step(self, group: Group, req: StepRequest | ForwardRequest | BackwardRequest, why: str) -> NoReturn:
         """Drop the step's sender from its group for ``why`` and refuse the step (Invalid)."""
         reason = f"step {req.step} refused: {why}"
         self._drop(group, {req.device_id: reason}, cause="checks")
@@ -239,6 +323,10 @@ class GroupRound:
         for device, reason in reasons.items():
             log.warning("%s group %d: dropping %s: %s", self.label, group.group_id, device, reason)
             group.dropped.add(device)
+            group.owing.discard(device)
+            waiting = group.gradients.pop(device, None)
+            if waiting is not None and not waiting[1].done():
+                waiting[1].set_exception(Conflict(f"device {device!r} was dropped from round {self.round_id}: {reason}"))
             group.trainer.leave(device)   # the group trains on as if formed without it
             self.dropped[device] = reason
         if self.metrics is not None:
@@ -251,8 +339,11 @@ class GroupRound:
         once nobody owes a step. Nothing while a step trains (its end does this)."""
         if group.running or group.finished or self.abandoned:
             return
-        if group.pending and group.expected() <= set(group.pending):
-            self._spawn(self._run_step(group))
+        if group.forward is not None:   # U-shaped, between a step's halves
+            if group.owing <= set(group.gradients):
+                self._spawn(self._run_backward(group))
+        elif group.pending and group.expected() <= set(group.pending):
+            self._spawn(self._run_step(group) if self.plan.head_start is None else self._run_forward(group))
         elif not group.pending:
             self._check_finished(group)
 
@@ -282,67 +373,134 @@ class GroupRound:
     def _on_deadline(self, group: Group, step: int) -> None:
         if group.finished or group.running or group.step != step or self.abandoned:
             return
-        late = group.expected() - set(group.pending)
+        if group.forward is not None:
+            late, what = group.owing - set(group.gradients), f"the gradient of step {step}"
+        else:
+            late, what = group.expected() - set(group.pending), f"step {step}"
         if late:
-            reason = f"missed the deadline of step {step} ({self.plan.step_deadline_s:g} s)"
+            reason = f"missed the deadline of {what} ({self.plan.step_deadline_s:g} s)"
             self._drop(group, {d: reason for d in sorted(late)}, cause="deadline")
         else:
             self._release(group)
 
     async def _run_step(self, group: Group) -> None:
+        """Train the group's step on the members' pending batches and answer each its dfx."""
         if group.running or not group.pending:
             return
-        group.running = True
-        if group.timer is not None:
-            group.timer.cancel()
         pending, group.pending = group.pending, {}
-        group.training = set(pending)
         step = group.step
-        try:
-            # In device order, not arrival order: the union batch, and so the step, is then the same
-            # whatever order the members' requests came in (a replay, or a run with replicas,
-            # trains the same copy bit for bit).
-            batches = [pending[d][0] for d in sorted(pending)]
-            # Ready group steps queue for the training workers first come, first served: a group's
-            # step waits only for the steps that were ready before it. That wait counts as the
-            # members' wait at the Main Server (wait_s), not as the step's server time.
-            trained = await asyncio.get_running_loop().run_in_executor(
-                self.executor, timed_step, group.trainer, batches)
-        except Exception as exc:  # a training failure must not leave devices hanging, nor the group
-            log.exception("%s group %d: step %d failed", self.label, group.group_id, step)
-            if self.metrics is not None:
-                self.metrics.step_failed()
-            trained = TrainedStep(0.0, 0.0, {}, {d: Failed(f"server-side training of step {step} failed: {exc}")
-                                                 for d in pending})
-            cause = "failed_step"
-        else:
-            cause = "non_finite"
-        finally:
-            group.running = False
-            group.training = set()
+        # In device order, not arrival order: the union batch, and so the step, is then the same
+        # whatever order the members' requests came in (a replay, or a run with replicas,
+        # trains the same copy bit for bit).
+        batches = [pending[d][0] for d in sorted(pending)]
+        trained, cause = await self._train(
+            group, step, pending, lambda: timed_step(group.trainer, batches),
+            lambda refused: TrainedStep(0.0, 0.0, {}, refused))
         if trained.results:
-            self._answer(group, {d: pending[d] for d in trained.results}, trained)
-        for device, error in trained.refused.items():
-            fut = pending[device][1]
-            if not fut.done():
-                fut.set_exception(type(error)(f"{error.detail}; device {device!r} is dropped from round {self.round_id}"))
-        if trained.refused:
-            self._drop(group, {d: error.detail for d, error in trained.refused.items()}, cause=cause)
+            self._answer(group, {d: pending[d][1:] for d in trained.results}, trained,
+                         activation_bytes=sum(pending[d][0].fx.numel() * pending[d][0].fx.element_size()
+                                              for d in trained.results))
+        self._refuse(group, {d: pending[d][1] for d in trained.refused}, trained.refused, cause)
         if not self._check_finished(group):
             self._arm_step_timer(group)
 
-    def _answer(self, group: Group, members: dict[str, tuple[MemberBatch, asyncio.Future, float]],
-                trained: TrainedStep) -> None:
-        """The step trained on ``members``: count it, advance the group, answer each its dfx."""
-        server_s = trained.ended - trained.started
+    async def _run_forward(self, group: Group) -> None:
+        """U-shaped mode: run the first half of the group's step on the members' pending batches,
+        answer each its rows of the middle's output, and wait for their gradients."""
+        if group.running or not group.pending:
+            return
+        pending, group.pending = group.pending, {}
+        batches = [pending[d][0] for d in sorted(pending)]   # device order, as in _run_step
+        trained, cause = await self._train(
+            group, group.step, pending, lambda: timed_forward(group.trainer, batches),
+            lambda refused: TrainedForward(0.0, 0.0, None, {}, refused))
+        if trained.forward is not None:
+            group.forward, group.owing = trained.forward, set(trained.results)
+            group.forward_s = trained.ended - trained.started
+            for device, result in trained.results.items():
+                _, fut, arrived = pending[device]
+                if not fut.done():
+                    fut.set_result(ForwardOutcome(result, wait_s=max(0.0, trained.started - arrived),
+                                                  server_s=group.forward_s))
+        self._refuse(group, {d: pending[d][1] for d in trained.refused}, trained.refused, cause)
+        if group.forward is not None or not self._check_finished(group):
+            self._arm_step_timer(group)
+
+    async def _run_backward(self, group: Group) -> None:
+        """U-shaped mode: the second half of the group's step from the gradients received (none:
+        every member it answered was dropped, and the half is given up), and each sender's dfx."""
+        forward = group.forward
+        if group.running or forward is None:
+            return
+        received, group.gradients = group.gradients, {}
+        if not received:
+            group.forward, group.owing = None, set()
+            group.trainer.discard()
+            self._check_finished(group)
+            return
+        gradients = {d: received[d][0] for d in sorted(received)}
+        trained, cause = await self._train(
+            group, group.step, received, lambda: timed_backward(group.trainer, forward, gradients),
+            lambda refused: TrainedStep(0.0, 0.0, {}, refused))
+        group.forward, group.owing = None, set()
+        if trained.results:
+            self._answer(group, {d: received[d][1:] for d in trained.results}, trained,
+                         activation_bytes=sum(b.fx.numel() * b.fx.element_size() for b in forward.order
+                                              if b.device_id in trained.results),
+                         server_s=group.forward_s + trained.ended - trained.started)   # both halves
+        self._refuse(group, {d: received[d][1] for d in trained.refused}, trained.refused, cause)
+        if not self._check_finished(group):
+            self._arm_step_timer(group)
+
+    async def _train(self, group: Group, step: int, parts: Collection[str], work: Callable[[], T],
+                     failed: Callable[[dict[str, DomainError]], T]) -> tuple[T, str]:
+        """Run ``work`` (a step, or a half of one, for the members ``parts``) in a training worker,
+        the group marked as training meanwhile; what it trained, and the drop cause of any member
+        it refuses. Should it raise, ``failed`` of every member refused, the cause ``failed_step``:
+        a training failure must not leave devices hanging, nor the group.
+
+        Ready group steps queue for the training workers first come, first served: a group's step
+        waits only for the steps that were ready before it. That wait counts as the members' wait
+        at the Main Server (wait_s), not as the step's server time."""
+        group.running = True
+        if group.timer is not None:
+            group.timer.cancel()
+        group.training = set(parts)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, work), "non_finite"
+        except Exception as exc:
+            log.exception("%s group %d: step %d failed", self.label, group.group_id, step)
+            if self.metrics is not None:
+                self.metrics.step_failed()
+            return failed({d: Failed(f"server-side training of step {step} failed: {exc}") for d in parts}), "failed_step"
+        finally:
+            group.running = False
+            group.training = set()
+
+    def _refuse(self, group: Group, futures: Mapping[str, asyncio.Future], refused: Mapping[str, DomainError],
+                cause: str) -> None:
+        """Answer each refused member its error and drop it from the group (``cause``)."""
+        for device, error in refused.items():
+            fut = futures[device]
+            if not fut.done():
+                fut.set_exception(type(error)(f"{error.detail}; device {device!r} is dropped from round {self.round_id}"))
+        if refused:
+            self._drop(group, {d: error.detail for d, error in refused.items()}, cause=cause)
+
+    def _answer(self, group: Group, members: dict[str, tuple[asyncio.Future, float]], trained: TrainedStep,
+                activation_bytes: int, server_s: float | None = None) -> None:
+        """The step trained on ``members`` (each with its future and arrival; ``activation_bytes``
+        they sent): count it, advance the group, answer each its dfx. ``server_s``: the step's
+        server time (None: ``trained``'s)."""
+        server_s = trained.ended - trained.started if server_s is None else server_s
         group.train_time_s += server_s
         if self.metrics is not None:
             self.metrics.step_trained(
-                server_s, fastest_wait_s=trained.started - min(arrived for _, _, arrived in members.values()),
-                activation_bytes=sum(b.fx.numel() * b.fx.element_size() for b, _, _ in members.values()),
+                server_s, fastest_wait_s=trained.started - min(arrived for _, arrived in members.values()),
+                activation_bytes=activation_bytes,
                 gradient_bytes=sum(r.dfx.numel() * r.dfx.element_size() for r in trained.results.values()))
         group.step += 1
-        for device, (_, fut, arrived) in members.items():
+        for device, (fut, arrived) in members.items():
             if group.num_steps[device] <= group.step:
                 group.done.add(device)
             if not fut.done():
@@ -385,10 +543,10 @@ class GroupRound:
         for group in self.groups or []:
             if group.timer is not None:
                 group.timer.cancel()
-            for _, fut, _ in group.pending.values():
+            for _, fut, _ in [*group.pending.values(), *group.gradients.values()]:
                 if not fut.done():
                     fut.set_exception(Conflict(f"round {self.round_id} was replaced by a newer round"))
-            group.pending = {}
+            group.pending, group.gradients = {}, {}
 
     def summary(self) -> dict:
         """A JSON-friendly view for ``/v1/status``."""

@@ -4,6 +4,12 @@ Members may be cut at different layers. The step walks the server portion block 
 joins each member's activations into the running batch at the block where that member was cut,
 so the group trains on one concatenated batch (BatchNorm sees the union, as in the paper) even
 when members hold different numbers of layers.
+
+In U-shaped mode (``split.u_shaped``) the copy is the middle ``blocks[start:end]`` and each device
+keeps the head and its loss: a step is then two halves, :meth:`GroupTrainer.forward` (the
+middle's output for each member) and :meth:`GroupTrainer.backward` (from the gradients the
+members send up at their head's input, each member's dfx and the copy's SGD step), and the Main
+Server never holds a label.
 """
 from __future__ import annotations
 
@@ -34,12 +40,18 @@ def warm_up(device: torch.device | None = None) -> None:
 
 @dataclass
 class MemberBatch:
-    """One member's contribution to a step: activations at its cut and its labels."""
+    """One member's contribution to a step: activations at its cut and its labels (None in
+    U-shaped mode: they stay on the device)."""
 
     device_id: str
     split_point: int
     fx: torch.Tensor
-    labels: torch.Tensor
+    labels: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        """The member's samples in the step."""
+        return self.fx.shape[0]
 
 
 @dataclass(frozen=True)
@@ -52,8 +64,35 @@ class GroupMember:
 
 @dataclass
 class MemberResult:
+    """A member's answer to a step: its dfx, and its loss where the Main Server computed it (None
+    in U-shaped mode)."""
+
     dfx: torch.Tensor
-    loss: float
+    loss: float | None
+
+
+@dataclass
+class MiddleResult:
+    """A member's answer to a U-shaped step's first half: the middle's output for its rows, and
+    the weight the group's objective gives its mean loss, times its dfx multiplier, which the
+    device scales its head's gradient by (so its head trains as its front does)."""
+
+    output: torch.Tensor
+    loss_weight: float
+
+
+@dataclass
+class ForwardPass:
+    """A U-shaped group step between its halves: its members in batch order, their activations
+    (leaves of the graph), the middle's output of the concatenated batch with its graph, each
+    member's share and weight, and each block's share (:meth:`GroupTrainer.forward`)."""
+
+    order: list[MemberBatch]
+    inputs: dict[str, torch.Tensor]
+    output: torch.Tensor
+    shares: list[float]
+    weights: list[float]
+    block_share: dict[int, float]
 
 
 class NonFiniteStep(Exception):
@@ -69,8 +108,10 @@ class NonFiniteStep(Exception):
 
 
 class GroupTrainer:
-    """Trains one group's copy of the server portion ``blocks[start:]`` on ``device``
-    (``--torch-device``; default the CPU). ``members`` are the group's members (data size and
+    """Trains one group's copy of the server portion ``blocks[start:end]`` on ``device``
+    (``--torch-device``; default the CPU); ``end`` None: the model's end, where the copy computes
+    the loss (:meth:`step`), else the device's head start (U-shaped mode: :meth:`forward` and
+    :meth:`backward`). ``members`` are the group's members (data size and
     cut), from which each step's group-loss plug-in gets the members' shares of the group's data
     and each block's share (the members cut at or before it); without them a step's members
     count as the whole group, in equal parts. A member taken out of the group (:meth:`leave`) no
@@ -100,11 +141,14 @@ class GroupTrainer:
         device: torch.device | None = None,
         members: Mapping[str, GroupMember] | None = None,
         defences: Sequence[MemberDefence] = (),
+        end: int | None = None,
     ) -> None:
         self.model = model
         self.start = start
         self.device = device or torch.device("cpu")
-        self.portion = model.portion(start, len(model.blocks))
+        self.end = len(model.blocks) if end is None else end
+        self.u_shaped = self.end < len(model.blocks)
+        self.portion = model.portion(start, self.end)
         load_portion(self.portion, weights, self.device)
         self.portion.to(self.device)
         self.portion.train()
@@ -117,7 +161,7 @@ class GroupTrainer:
         # a step reading them from a worker thread sees either the old pair or the new).
         self._left: frozenset[str] = frozenset()
         self._group_shares = (self._left, None if self.members is None else
-                              _data_shares(self.members, start, len(model.blocks)))
+                              _data_shares(self.members, start, self.end))
         self.defences = list(defences)
         self._per_member = any(d.per_member_gradients for d in self.defences)
         self._center = next((d for d in self.defences if d.centers), MemberDefence())
@@ -128,7 +172,11 @@ class GroupTrainer:
                              for names_index in [model.block_names().index(name.split(".")[1])]]
         self._own_updates: dict[str, list[torch.Tensor]] | None = (
             {} if any(d.uploads_members for d in self.defences) else None)
-        self.optimizer = torch.optim.SGD(self.portion.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+        self.lr = lr
+        # None for a U-shaped middle without parameters (pooling alone): its steps train nothing,
+        # and torch's optimizers refuse an empty parameter list.
+        params = list(self.portion.parameters())
+        self.optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay) if params else None
         self.steps = 0
         # The buffers a forward pass updates in place (BatchNorm's running statistics and batch
         # count) and a copy of them, allocated once: a refused step puts them back as they were.
@@ -142,8 +190,9 @@ class GroupTrainer:
         replaced the round. The trainer cannot step or give its state afterwards."""
         # The optimizer and the buffer lists hold the tensors themselves, which to_empty replaces in
         # the modules only: each reference goes, or the old storage stays.
-        self.optimizer.state.clear()
-        self.optimizer.param_groups.clear()
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            self.optimizer.param_groups.clear()
         self._buffers, self._saved_buffers, self._float_buffers = [], [], []
         self.portion.to_empty(device="meta")
 
@@ -166,10 +215,92 @@ class GroupTrainer:
         applied: :class:`NonFiniteStep` names the members to leave out, and the copy (weights,
         momentum, BatchNorm statistics) stays as it was.
         """
+        if self.u_shaped:
+            raise ValueError("a U-shaped copy steps in two halves: forward, then backward")
+        order, inputs, h, shares, block_share = self._forward(batches)
+        logits = torch.split(h, [b.rows for b in order], dim=0)
+        labels = []
+        for b in order:
+            if b.labels is None:
+                raise ValueError(f"{b.device_id}: a step of a copy that computes the loss needs the labels")
+            labels.append(b.labels.to(self.device))
+        member_losses = [self.group_loss.criterion.mean(out, y) for out, y in zip(logits, labels)]
+        self._zero_grad()
+        if self._per_member:
+            weights = self.group_loss.member_weights([b.rows for b in order], shares)
+            total, dfx, contributions = self._defended_backward(order, member_losses, weights, inputs)
+        else:
+            total = self.group_loss.objective(h, labels, member_losses, shares)
+            total.backward()
+            dfx, contributions = {device: _input_grad(x) for device, x in inputs.items()}, []
+        return self._apply(order, [float(x.detach()) for x in member_losses], member_losses, total, dfx,
+                           contributions, shares, block_share)
+
+    def forward(self, batches: list[MemberBatch]) -> tuple[ForwardPass, dict[str, MiddleResult]]:
+        """U-shaped mode, a step's first half: the middle's output of the concatenated batch, each
+        member's rows of it (on the CPU, in its activations' dtype) with its loss weight. The graph
+        is kept for :meth:`backward`. :class:`NonFiniteStep` (naming every member: the output of
+        the joint batch cannot tell whose activations made it so) for an output that is not all
+        finite, the BatchNorm statistics put back."""
+        if not self.u_shaped:
+            raise ValueError("forward and backward are the halves of a U-shaped step; this copy computes the loss")
+        order, inputs, output, shares, block_share = self._forward(batches)
+        if not math.isfinite(float(output.detach().sum())):
+            if self._buffers:
+                torch._foreach_copy_(self._buffers, self._saved_buffers)
+            raise NonFiniteStep({b.device_id: "the middle's output of the group's batch was not finite" for b in order},
+                                attributed=len(order) == 1)
+        weights = self.group_loss.member_weights([b.rows for b in order], shares)
+        outputs = torch.split(output.detach(), [b.rows for b in order], dim=0)
+        results = {b.device_id: MiddleResult(out.to("cpu", b.fx.dtype, copy=True),
+                                             w * self.group_loss.dfx_multiplier(share))
+                   for b, out, w, share in zip(order, outputs, weights, shares)}
+        return ForwardPass(order, inputs, output, shares, weights, block_share), results
+
+    def backward(self, forward: ForwardPass, gradients: Mapping[str, torch.Tensor]) -> dict[str, MemberResult]:
+        """U-shaped mode, a step's second half: from each member's gradient of its own mean loss at
+        its rows of the middle's output (``gradients``, shaped as its rows), the gradient of the
+        group's objective (each weighted as the group loss says), each member's dfx and the copy's
+        SGD step. A member with no gradient (dropped between the halves) leaves the objective; its
+        rows stay in the batch the middle normalised. :class:`NonFiniteStep` as for :meth:`step`;
+        the graph is kept, so the caller may call again without the members it names."""
+        order, inputs = forward.order, forward.inputs
+        rows = torch.split(forward.output, [b.rows for b in order], dim=0)
+        sent = [gradients.get(b.device_id) for b in order]
+        grads = [torch.zeros_like(out) if g is None else g.to(self.device, out.dtype) for out, g in zip(rows, sent)]
+        # Each member's own objective: the dot product of its rows with its gradient, whose
+        # gradient is the member's gradient of its mean loss (what the device backpropagated).
+        member_objectives = [(out * g).sum() for out, g in zip(rows, grads)]
+        self._zero_grad()
+        for x in inputs.values():
+            x.grad = None
+        if self._per_member:
+            total, dfx, contributions = self._defended_backward(order, member_objectives, forward.weights, inputs,
+                                                                keep_graph=True)
+        else:
+            forward.output.backward(torch.cat([g * w for g, w in zip(grads, forward.weights)]), retain_graph=True)
+            total = torch.stack([o.detach() * w for o, w in zip(member_objectives, forward.weights)]).sum()
+            dfx, contributions = {device: _input_grad(x) for device, x in inputs.items()}, []
+        answered = [b for b, g in zip(order, sent) if g is not None]
+        results = self._apply(order, [None] * len(order), member_objectives, total, dfx, contributions,
+                              forward.shares, forward.block_share)
+        return {b.device_id: results[b.device_id] for b in answered}
+
+    def discard(self) -> None:
+        """Give up a U-shaped step after its first half (every member it answered was dropped):
+        the BatchNorm statistics its forward pass moved are put back, and nothing is trained."""
+        if self._buffers:
+            torch._foreach_copy_(self._buffers, self._saved_buffers)
+
+    def _forward(self, batches: list[MemberBatch]
+                 ) -> tuple[list[MemberBatch], dict[str, torch.Tensor], torch.Tensor, list[float], dict[int, float]]:
+        """The copy's forward pass over the members' concatenated activations: the members in
+        batch order, their activations as leaves, the portion's output, each member's share and
+        each block's. The BatchNorm statistics are saved first (a refused step puts them back)."""
         if not batches:
             raise ValueError("a step needs at least one member batch")
         for b in batches:
-            if not self.start <= b.split_point < len(self.model.blocks):
+            if not self.start <= b.split_point < self.end:
                 raise ValueError(f"{b.device_id}: split {b.split_point} outside this group's portion")
         share_of, block_share = self._shares(batches)
         if self._buffers:
@@ -179,34 +310,31 @@ class GroupTrainer:
         order: list[MemberBatch] = []
         h: torch.Tensor | None = None
         names = self.model.block_names()
-        for index in range(self.start, len(names)):
+        for index in range(self.start, self.end):
             joining = [b for b in batches if b.split_point == index]
             if joining:
                 parts = ([h] if h is not None else []) + [inputs[b.device_id] for b in joining]
                 h = torch.cat(parts, dim=0)
                 order.extend(joining)
-                h = self._standardised(h, [b.labels.shape[0] for b in order])
+                h = self._standardised(h, [b.rows for b in order])
             if h is not None:
                 h = self.model.blocks[names[index]](h)
         assert h is not None
-        logits = torch.split(h, [b.labels.shape[0] for b in order], dim=0)
-        labels = [b.labels.to(self.device) for b in order]
-        member_losses = [self.group_loss.criterion.mean(out, y) for out, y in zip(logits, labels)]
-        shares = [share_of[b.device_id] for b in order]
-        self.optimizer.zero_grad(set_to_none=True)
-        contributions: list[Gradient] = []
-        if self._per_member:
-            total, dfx, contributions = self._defended_backward(order, labels, member_losses, shares, inputs)
-        else:
-            total = self.group_loss.objective(h, labels, member_losses, shares)
-            total.backward()
-            dfx = {device: _input_grad(x) for device, x in inputs.items()}
+        return order, inputs, h, [share_of[b.device_id] for b in order], block_share
+
+    def _apply(self, order: list[MemberBatch], losses: Sequence[float | None], member_objectives: list[torch.Tensor],
+               total: torch.Tensor, dfx: dict[str, torch.Tensor], contributions: list[Gradient],
+               shares: list[float], block_share: Mapping[int, float]) -> dict[str, MemberResult]:
+        """The copy's gradient scaled as the group loss says (its divisor, each block's
+        multiplier), checked finite (:meth:`_check_finite`), the SGD step, and each member's
+        result: its dfx times its multiplier, with its loss."""
+        names = self.model.block_names()
         divisor = self.group_loss.server_grad_divisor(len(order))
         if divisor != 1:
             for p in self.portion.parameters():
                 if p.grad is not None:
                     p.grad.div_(divisor)
-        for index in range(self.start, len(names)):
+        for index in range(self.start, self.end):
             if block_share[index] == 0.0:   # nobody passes this block: it got no gradient
                 continue
             multiplier = self.group_loss.block_grad_multiplier(block_share[index])
@@ -214,22 +342,28 @@ class GroupTrainer:
                 for p in self.model.blocks[names[index]].parameters():
                     if p.grad is not None:
                         p.grad.mul_(multiplier)
-        self._check_finite(order, member_losses, total, dfx)
+        self._check_finite(order, member_objectives, total, dfx)
         if self._own_updates is not None:
             self._count_own_updates(order, contributions, divisor, block_share)
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         # The gradients are as big as the copy, and the next step makes its own: not kept between
         # steps, where a group waits for its members (a round of several groups held one each).
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self.steps += 1
         results = {}
-        for b, loss, share in zip(order, member_losses, shares):
+        for b, loss, share in zip(order, losses, shares):
             grad = dfx[b.device_id].detach()
             multiplier = self.group_loss.dfx_multiplier(share)
             if multiplier != 1.0:
                 grad = grad.mul_(multiplier)
-            results[b.device_id] = MemberResult(dfx=grad.to("cpu", b.fx.dtype), loss=float(loss.detach()))
+            results[b.device_id] = MemberResult(dfx=grad.to("cpu", b.fx.dtype), loss=loss)
         return results
+
+    def _zero_grad(self) -> None:
+        """Drop the copy's gradients (``optimizer.zero_grad``, for a copy with or without one)."""
+        for p in self.portion.parameters():
+            p.grad = None
 
     def leave(self, device_id: str) -> None:
         """``device_id`` was taken out of the group: its share of the group's data is given back,
@@ -239,7 +373,7 @@ class GroupTrainer:
             return
         left = self._left | {device_id}
         staying = {d: m for d, m in self.members.items() if d not in left}
-        self._group_shares = (left, _data_shares(staying, self.start, len(self.model.blocks)) if staying else None)
+        self._group_shares = (left, _data_shares(staying, self.start, self.end) if staying else None)
         self._left = left
 
     def _standardised(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -259,24 +393,25 @@ class GroupTrainer:
                                           torch.tensor(rows, device=h.device))
         return h * per_row.view(-1, *([1] * (h.dim() - 1)))
 
-    def _defended_backward(self, order: list[MemberBatch], labels: list[torch.Tensor],
-                           member_losses: list[torch.Tensor], shares: list[float],
-                           inputs: dict[str, torch.Tensor]
+    def _defended_backward(self, order: list[MemberBatch], member_losses: list[torch.Tensor], weights: list[float],
+                           inputs: dict[str, torch.Tensor], keep_graph: bool = False
                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[Gradient]]:
         """The step's gradients from each member's own (one backward pass per member), through
-        the defences: each member's gradient of its mean loss, adjusted, then centred with the
-        group loss's member weights and scaled back by their sum (the weighted mean of them is
+        the defences: each member's gradient of its mean loss (``member_losses``: the losses, or
+        in U-shaped mode an objective with the same gradient), adjusted, then centred with the
+        group loss's member ``weights`` and scaled back by their sum (the weighted mean of them is
         the plain step exactly). Sets the copy's ``.grad``; returns the objective (the weighted
         sum of the members' losses), each member's dfx, which no defence touches (a device is
         answered the gradient of the group's objective at its activations, as in the plain step),
-        and each member's weighted own gradient (what the weighted mean sums)."""
+        and each member's weighted own gradient (what the weighted mean sums). ``keep_graph``:
+        the graph stays for another pass (a U-shaped step's retry)."""
         params = [p for _, p in self._params]
         xs = [inputs[b.device_id] for b in order]
-        weights = self.group_loss.member_weights(labels, shares)
         dfx = {b.device_id: torch.zeros_like(inputs[b.device_id]) for b in order}
         own: list[Gradient] = []
         for m, loss in enumerate(member_losses):
-            grads = torch.autograd.grad(loss, params + xs, retain_graph=m < len(member_losses) - 1, allow_unused=True)
+            grads = torch.autograd.grad(loss, params + xs, retain_graph=keep_graph or m < len(member_losses) - 1,
+                                        allow_unused=True)
             own.append([g if g is not None else torch.zeros_like(p) for g, p in zip(grads[:len(params)], params)])
             for b, g in zip(order, grads[len(params):]):
                 if g is not None:
@@ -296,7 +431,7 @@ class GroupTrainer:
         """Add to each member's own update what its weighted gradient moved the copy this step, as
         the step scaled the copy's gradient (the divisor and each block's multiplier) times ``-lr``."""
         assert self._own_updates is not None
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.lr
         scale = [-lr * (self.group_loss.block_grad_multiplier(block_share[b]) if block_share[b] else 0.0) / divisor
                  for b in self._param_block]
         for b, member in zip(order, contributions):
@@ -319,7 +454,7 @@ class GroupTrainer:
         everyone = [sum(parts, torch.zeros_like(state[name])) for (name, _), parts
                     in zip(self._params, zip(*updates.values()))] if updates else []
         block_shares: dict[int, dict[str, float]] = {}
-        for b in range(self.start, len(self.model.blocks)):
+        for b in range(self.start, self.end):
             passing = {d: m.samples for d, m in self.members.items() if d in members and m.split_point <= b}
             block_shares[b] = {d: n / sum(passing.values()) for d, n in passing.items()}
         out: dict[str, dict[str, torch.Tensor]] = {}
@@ -360,7 +495,7 @@ class GroupTrainer:
         if not attributed:
             culprits = {b.device_id: "the group's step was not finite and no member's own results showed whose "
                                      "activations caused it" for b in order}
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         if self._buffers:
             torch._foreach_copy_(self._buffers, self._saved_buffers)
         raise NonFiniteStep(culprits, attributed)
@@ -371,7 +506,7 @@ class GroupTrainer:
         members in equal parts."""
         if self.members is None:
             members = {b.device_id: GroupMember(1, b.split_point) for b in batches}
-            return _data_shares(members, self.start, len(self.model.blocks))
+            return _data_shares(members, self.start, self.end)
         left, group_shares = self._group_shares
         for b in batches:
             known = self.members.get(b.device_id)
@@ -383,7 +518,7 @@ class GroupTrainer:
             # A member that left but whose batch is in this step (it left while the step was
             # formed) still counts in it.
             staying = {d: m for d, m in self.members.items() if d not in left or any(b.device_id == d for b in batches)}
-            return _data_shares(staying, self.start, len(self.model.blocks))
+            return _data_shares(staying, self.start, self.end)
         return group_shares
 
 

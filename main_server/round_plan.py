@@ -33,14 +33,18 @@ def plan_model(plan: RoundPlan, model_ref: str | None) -> SplitModel:
 
 def server_weights(plan: RoundPlan, template: SplitModel) -> tuple[int, dict[str, torch.Tensor]]:
     """The first server-side block (the smallest split point) and the plan's server weights from
-    there, decoded against ``template``; Invalid for a split point that leaves no server portion
-    or weights that do not fit."""
+    there to the end (U-shaped: to the devices' head start), decoded against ``template``; Invalid
+    for a split point that leaves no server portion or weights that do not fit."""
     n_blocks = len(template.blocks)
+    end = n_blocks if plan.head_start is None else plan.head_start
+    if end > n_blocks:
+        raise Invalid(f"head_start {end} is beyond the model's {n_blocks} blocks")
     for p in plan.participants:
-        if p.split_point >= n_blocks:
-            raise Invalid(f"{p.device_id}: split point {p.split_point} leaves no server portion (model has {n_blocks} blocks)")
+        if p.split_point >= end:
+            raise Invalid(f"{p.device_id}: split point {p.split_point} leaves no server portion (" +
+                          (f"model has {n_blocks} blocks)" if plan.head_start is None else f"the head starts at block {end})"))
     start = min(p.split_point for p in plan.participants)
     try:
-        return start, decode_portion(plan.server_weights, template, start, n_blocks, what="server_weights")
+        return start, decode_portion(plan.server_weights, template, start, end, what="server_weights")
     except WireError as exc:
         raise Invalid(str(exc)) from None

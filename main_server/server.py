@@ -24,9 +24,10 @@ from shared.auth import Auth, device_bearer_token
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.round_label import round_label
 from shared.machine import compute_workers
+from shared.recording import Recording
 from shared.schemas import (
-    Ack, Departures, JoinRequest, JoinResponse, RoundPlan, RoundWatch, ServerPortionUpload, StepRequest,
-    StepResponse, WireTensor,
+    Ack, BackwardRequest, BackwardResponse, Departures, ForwardRequest, ForwardResponse, JoinRequest, JoinResponse,
+    RoundPlan, RoundWatch, ServerPortionUpload, StepRequest, StepResponse, WireTensor,
 )
 from shared.wire import encode_state, encode_tensor
 
@@ -54,6 +55,9 @@ class MainServerSettings:
     # at once than cores only share the cores, each step taking longer (benchmarks/README.md,
     # "mainserver").
     train_workers: int | None = None
+    #: ``--record-received``: keep what devices send (honest-but-curious, for studying what a
+    #: server learns; shared/recording.py). None: nothing is kept.
+    recording: Recording | None = None
 
 
 class MainServer:
@@ -88,7 +92,7 @@ class MainServer:
             raise Conflict(f"plan for round {plan.round_id} is older than the open round {self.round.round_id}")
         # validates the plan before anything is replaced
         new = GroupRound(plan, self.upload_portion, self.metrics, self.settings.torch_device, model_ref=self.settings.model,
-                         executor=self.trainers, loss_ref=self.settings.loss)
+                         executor=self.trainers, loss_ref=self.settings.loss, recording=self.settings.recording)
         if self.round is not None:
             self.round.abandon()
         self.round = new
@@ -127,10 +131,25 @@ class MainServer:
     async def step(self, round_id: int, req: StepRequest) -> StepResponse:
         """One device step of round ``round_id``; answered with its dfx after the group's barrier."""
         outcome = await self.current(round_id).step(req)
+        assert outcome.result.loss is not None   # a step whose copy computes the loss
         return StepResponse(
             dfx=WireTensor(**encode_tensor(outcome.result.dfx)), loss=outcome.result.loss,
             wait_s=outcome.wait_s, server_s=outcome.server_s,
         )
+
+    async def forward(self, round_id: int, req: ForwardRequest) -> ForwardResponse:
+        """U-shaped mode, a step's first half of round ``round_id``: the middle's output for the
+        device's rows after the group's barrier."""
+        outcome = await self.current(round_id).forward(req)
+        return ForwardResponse(output=WireTensor(**encode_tensor(outcome.result.output)),
+                               loss_weight=outcome.result.loss_weight, wait_s=outcome.wait_s, server_s=outcome.server_s)
+
+    async def backward(self, round_id: int, req: BackwardRequest) -> BackwardResponse:
+        """U-shaped mode, a step's second half of round ``round_id``: the device's dfx once every
+        gradient of its group's step has arrived and the copy has stepped."""
+        outcome = await self.current(round_id).backward(req)
+        return BackwardResponse(dfx=WireTensor(**encode_tensor(outcome.result.dfx)), wait_s=outcome.wait_s,
+                                server_s=outcome.server_s)
 
     async def watch(self, state: GroupRound, heartbeat_s: float) -> AsyncIterator[RoundWatch]:
         """The round's watch stream: ``open`` every ``heartbeat_s`` while it runs, and at once

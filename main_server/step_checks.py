@@ -1,7 +1,9 @@
 """What a step a device sends the Main Server must be before it joins its group's batch: its
 activations and labels decode to the shapes the round's model expects at the sender's split point
-(:meth:`StepChecks.decode_batch`), and their values can do no harm to the copy every member trains
-(:meth:`StepChecks.harmful_values`). Nothing here changes any state."""
+(:meth:`StepChecks.decode_batch`; in U-shaped mode the activations alone,
+:meth:`StepChecks.decode_forward`, and later the gradient at the middle's output,
+:meth:`StepChecks.decode_gradient`), and their values can do no harm to the copy every member
+trains (:meth:`StepChecks.harmful_values`). Nothing here changes any state."""
 from __future__ import annotations
 
 import math
@@ -11,7 +13,7 @@ import torch
 from main_server.group_trainer import MemberBatch
 from shared.errors import Invalid
 from shared.models import SplitModel
-from shared.schemas import RoundPlan, StepRequest
+from shared.schemas import BackwardRequest, ForwardRequest, RoundPlan, StepRequest, WireTensor
 from shared.torch_device import model_device
 from shared.wire import WireError, decode_tensor
 
@@ -49,23 +51,59 @@ class StepChecks:
         """The step's activations and labels, Invalid unless they decode and fit the group's batch
         at ``split_point``: fx float32 or float16 of shape [B, the activation shape there] with
         1 <= B <= the batch size, labels int64 of shape [B] (regression: float32 targets [B] or
-        [B, outputs])."""
+        [B, outputs]). A U-shaped round takes no labels: Invalid, before they are decoded."""
+        if self.plan.head_start is not None:
+            raise Invalid("this round is U-shaped: labels stay on the device; send the activations to the "
+                          "step's forward half and the head's gradient to its backward half")
+        fx = self._activations(req.fx, split_point)
         try:
-            # finiteness with the magnitude, in harmful_values' one pass
-            fx = decode_tensor(req.fx, require_finite=False, what="fx")
             labels = decode_tensor(req.labels, expect_dtype=self.label_dtype, what="labels")   # targets: finite
         except WireError as exc:
             raise Invalid(str(exc)) from None
+        if list(labels.shape) != [fx.shape[0], *self.label_tail]:
+            raise Invalid(f"labels: shape {list(labels.shape)} where {[fx.shape[0], *self.label_tail]} was expected")
+        return MemberBatch(req.device_id, split_point, fx, labels)
+
+    def decode_forward(self, req: ForwardRequest, split_point: int) -> MemberBatch:
+        """A U-shaped step's activations, as :meth:`decode_batch` checks them; Invalid in a round
+        whose Main Server computes the loss (it needs the labels)."""
+        if self.plan.head_start is None:
+            raise Invalid("this round is not U-shaped: the Main Server computes the loss, so a step sends its "
+                          "activations with their labels")
+        return MemberBatch(req.device_id, split_point, self._activations(req.fx, split_point))
+
+    def decode_gradient(self, req: BackwardRequest, rows: int) -> torch.Tensor:
+        """A U-shaped step's gradient at the middle's output, Invalid unless it is float32 or
+        float16, finite, and shaped as the member's ``rows`` of that output."""
+        assert self.plan.head_start is not None
+        try:
+            gradient = decode_tensor(req.gradient, what="gradient")   # finite
+        except WireError as exc:
+            raise Invalid(str(exc)) from None
+        if gradient.dtype not in (torch.float32, torch.float16):
+            raise Invalid(f"gradient: dtype {req.gradient.dtype} where float32 or float16 was expected")
+        expected = [rows, *self.activation_shapes[self.plan.head_start]]
+        if list(gradient.shape) != expected:
+            raise Invalid(f"gradient: shape {list(gradient.shape)} where {expected} (the member's rows of the "
+                          f"middle's output) was expected")
+        return gradient
+
+    def _activations(self, wire: WireTensor, split_point: int) -> torch.Tensor:
+        """A step's activations, Invalid unless float32 or float16 of shape [B, the activation
+        shape at ``split_point``] with 1 <= B <= the batch size (their values: :meth:`harmful_values`)."""
+        try:
+            # finiteness with the magnitude, in harmful_values' one pass
+            fx = decode_tensor(wire, require_finite=False, what="fx")
+        except WireError as exc:
+            raise Invalid(str(exc)) from None
         if fx.dtype not in (torch.float32, torch.float16):
-            raise Invalid(f"fx: dtype {req.fx.dtype} where float32 or float16 was expected")
+            raise Invalid(f"fx: dtype {wire.dtype} where float32 or float16 was expected")
         expected_tail = self.activation_shapes[split_point]
         batch = fx.shape[0] if fx.dim() else 0
         if tuple(fx.shape[1:]) != expected_tail or not 1 <= batch <= self.plan.train.batch_size:
             raise Invalid(f"fx: shape {list(fx.shape)} where [B, {', '.join(map(str, expected_tail))}] "
                           f"with 1 <= B <= {self.plan.train.batch_size} was expected for split point {split_point}")
-        if list(labels.shape) != [batch, *self.label_tail]:
-            raise Invalid(f"labels: shape {list(labels.shape)} where {[batch, *self.label_tail]} was expected")
-        return MemberBatch(req.device_id, split_point, fx, labels)
+        return fx
 
     def harmful_values(self, batch: MemberBatch) -> str | None:
         """Why a well-formed step's values must not join the group batch, or None: activations
@@ -79,7 +117,7 @@ class StepChecks:
         peak = max(-lowest, highest)
         if peak > self.plan.max_activation:
             return f"fx: |activation| up to {peak:.3g}, beyond the bound {self.plan.max_activation:g} (grouping.max_activation)"
-        if self.regression:
+        if self.regression or batch.labels is None:
             return None
         low_label, high_label = torch.aminmax(batch.labels)   # batch >= 1 here; both bounds in one torch call
         if int(low_label) < 0 or int(high_label) >= self.plan.num_classes:

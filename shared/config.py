@@ -75,6 +75,17 @@ class SplitConfig(_Strict):
         raise ValueError(f"a number of cut points (at least 1) or a list of the model's split points, e.g. 4 or "
                          f"[2, 5, 9]; got {value!r}")
 
+    # U-shaped split learning (docs/split-privacy.md): the device keeps the model's last ``head_blocks``
+    # blocks and the loss besides its first ones, and the Main Server trains only the middle, so no
+    # label leaves the device. Off: the paper's split, where the Main Server computes the loss.
+    u_shaped: bool = False
+    head_blocks: int = Field(1, ge=1)
+
+    def head_start(self, num_blocks: int) -> int:
+        """The first block of the device's head in a model of ``num_blocks`` blocks: where the
+        Main Server's portion ends (``num_blocks`` unless U-shaped: the server computes the loss)."""
+        return num_blocks - self.head_blocks if self.u_shaped else num_blocks
+
 
 class GroupingConfig(_Strict):
     """How the Main Server groups devices (S2FL's data-balance mechanism, Eq. 2) and combines a
@@ -110,6 +121,24 @@ class GroupingConfig(_Strict):
         if self.method is not None and self.label_balance is not None:
             raise ValueError("set grouping.method or grouping.label_balance, not both")
         return self
+
+
+class SplitPrivacyConfig(_Strict):
+    """What a device does so that what it sends gives less of its data away (docs/split-privacy.md).
+
+    ``defences`` name plug-ins registered in ``PRIVACY_DEFENCES`` (``shared/algorithms/registry.py``),
+    applied in order, with their parameters by name in ``defence_params``; checked by
+    ``shared/run_config.py`` (this schema imports no algorithm). ``label_counts``: what a device
+    tells the servers of its samples per class, which the data-balance grouping needs: ``exact``
+    (the paper), ``local_dp`` (each count with two-sided geometric noise for
+    ``label_counts_epsilon``-local differential privacy, drawn once per device) or ``withheld``
+    (none: the run must group without counts, e.g. ``grouping.method: random``).
+    """
+
+    defences: list[str] = Field(default_factory=list)
+    defence_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    label_counts: Literal["exact", "local_dp", "withheld"] = "exact"
+    label_counts_epsilon: float = Field(1.0, gt=0, allow_inf_nan=False)
 
 
 class DeadlineConfig(_Strict):
@@ -251,6 +280,7 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     split: SplitConfig = Field(default_factory=SplitConfig)
     grouping: GroupingConfig = Field(default_factory=GroupingConfig)
+    split_privacy: SplitPrivacyConfig = Field(default_factory=SplitPrivacyConfig)
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
     updates: UpdateCheckConfig = Field(default_factory=UpdateCheckConfig)
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)

@@ -17,6 +17,22 @@ def portion_state(model: SplitModel, start: int, end: int) -> dict[str, torch.Te
     return {k: state[k] for k in model.portion_keys(start, end)}
 
 
+def device_state(model: SplitModel, split_point: int, head_start: int) -> dict[str, torch.Tensor]:
+    """What a device cut at ``split_point`` holds of ``model``: blocks ``[0, split_point)`` and, in
+    U-shaped mode (``head_start`` before the end), the head ``[head_start, end)``, in that order."""
+    state = portion_state(model, 0, split_point)
+    if head_start < len(model.blocks):
+        state.update(portion_state(model, head_start, len(model.blocks)))
+    return state
+
+
+def decode_device_portion(wire_state: Mapping[str, Any], model: SplitModel, split_point: int, head_start: int,
+                          what: str = "weights") -> dict[str, torch.Tensor]:
+    """Decode what a device cut at ``split_point`` holds (:func:`device_state`), checked as
+    :func:`decode_portion` checks a portion."""
+    return decode_state(wire_state, expect=device_state(model, split_point, head_start), what=what)
+
+
 def decode_portion(wire_state: Mapping[str, Any], model: SplitModel, start: int, end: int,
                    what: str = "weights") -> dict[str, torch.Tensor]:
     """Decode a received portion; names, order, shapes and dtypes must be exactly blocks[start:end]'s.

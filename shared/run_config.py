@@ -21,7 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 from shared.algorithms.base import Algorithm, DeviceLogic
 from shared.algorithms.registry import (
-    ALGORITHMS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_member_defences, build_selector,
+    ALGORITHMS, GROUPINGS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_member_defences,
+    build_privacy_defences, build_selector,
 )
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
@@ -78,8 +79,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if algorithm.split_mode() != "zero" and not model.split_points:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
-    if config.split.candidates is not None:
-        candidate_split_points(profile_model(model, config.model), config.split.candidates)
+    _check_split_privacy(config, algorithm, model)
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
                        (f"selection {config.selection!r}", selector.model_parts_needed())):
         for part in needs:
@@ -89,6 +89,68 @@ def validate_run_config(config: RunConfig) -> RunConfig:
                                  f"and it could not be inferred: return ModelDefinition(..., {part}=...) "
                                  f"(docs/models.md)")
     return config
+
+
+def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -> None:
+    """U-shaped mode and the privacy settings (docs/split-privacy.md) fit the run: a split algorithm, a
+    group loss that weighs each member's loss (the Main Server weighs the gradients members send
+    up with it), defences the run can apply, a grouping without label counts where devices
+    withhold them, and a cut left to choose (:func:`split_candidates`). ValueError in one line."""
+    split_privacy = config.split_privacy
+    if algorithm.split_mode() == "zero":
+        for key, value in (("split.u_shaped", config.split.u_shaped or None), ("split_privacy.defences", split_privacy.defences or None),
+                           ("split_privacy.label_counts", None if split_privacy.label_counts == "exact" else split_privacy.label_counts)):
+            if value is not None:
+                raise ValueError(f"algorithm {config.algorithm!r} trains the whole model on the device (split depth "
+                                 f"zero) and sends no activation, gradient or label count, so {key} does not apply: "
+                                 f"leave it unset")
+        return
+    for name, defence in zip(split_privacy.defences, build_privacy_defences(split_privacy.defences, split_privacy.defence_params)):
+        problem = defence.problem(config.split.u_shaped, config.train.loss)
+        if problem is not None:
+            raise ValueError(f"split_privacy.defences: {name}: {problem}")
+    if config.split.u_shaped:
+        loss = build_group_loss(config.grouping.group_loss)
+        try:
+            loss.member_weights([1], [1.0])
+        except NotImplementedError:
+            raise ValueError(f"split.u_shaped: each device computes its own loss, which group loss "
+                             f"{config.grouping.group_loss!r} cannot weigh one by one (GroupLoss.member_weights): "
+                             f"use per_member, per_member_sum, union_mean or data_weighted") from None
+    if split_privacy.label_counts == "withheld" and build_grouping(algorithm.grouping()).uses_label_counts:
+        able = ", ".join(name for name, grouping in GROUPINGS.items() if not grouping.uses_label_counts)
+        raise ValueError(f"split_privacy.label_counts: withheld, but grouping {algorithm.grouping()!r} groups by label counts: "
+                         f"set grouping.method to one that does not ({able})")
+    split_candidates(config, model)
+
+
+def split_candidates(config: RunConfig, model: SplitModel) -> list[int]:
+    """The cuts a run's split planner chooses among: ``split.candidates`` of the model; in U-shaped
+    mode those before the head, which must start at one of the model's split points (Eq. 1 needs
+    its costs there); then those every privacy defence allows (the ``floor``). ValueError, in one
+    line, for a setting that leaves none, or lists a cut at or after the head."""
+    points = list(model.split_points) if config.split.candidates is None else candidate_split_points(
+        profile_model(model, config.model), config.split.candidates)
+    if config.split.u_shaped:
+        head = config.split.head_start(len(model.blocks))
+        if head not in model.split_points:
+            raise ValueError(f"split.head_blocks: {config.split.head_blocks} puts the devices' head at block {head}, "
+                             f"which is not a split point of model {config.model!r} (its split points: "
+                             f"{list(model.split_points)})")
+        late = [k for k in points if k >= head]
+        if late and config.split.candidates is not None and not isinstance(config.split.candidates, int):
+            raise ValueError(f"split.candidates: {late} at or after the devices' head (block {head}, split.head_blocks "
+                             f"{config.split.head_blocks}) would leave the Main Server no middle")
+        points = [k for k in points if k < head]
+        if not points:
+            raise ValueError(f"split.u_shaped: no cut of model {config.model!r} lies before its head at block {head} "
+                             f"(split.head_blocks {config.split.head_blocks})")
+    allowed = points
+    for defence in build_privacy_defences(config.split_privacy.defences, config.split_privacy.defence_params):
+        allowed = defence.split_points(allowed)
+    if not allowed:
+        raise ValueError(f"split_privacy.defences leave no cut to choose among {points} (split_privacy.defence_params)")
+    return allowed
 
 
 def _check_task(config: RunConfig, algorithm_needs: str | None, selector_needs: str | None) -> None:

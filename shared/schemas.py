@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 from typing_extensions import TypeAlias, TypeAliasType
 
-from shared.config import TrainConfig
+from shared.config import SplitPrivacyConfig, TrainConfig
 from shared.data.spec import DataSpec
 from shared.losses import DEFAULT_LOSS, Task
 from shared.models.fingerprint import ModelFingerprint
@@ -153,6 +153,9 @@ class RunInfo(Message):
     #: True once the run is over (finished, or stopped by its failures): a device has nothing to
     #: join, and waits for the Fed Server's next run instead (device_agent/run_spec.py).
     finished: bool = False
+    #: What the devices do so that what they send gives less away (``split_privacy``: their defences,
+    #: and how they report label counts; docs/split-privacy.md).
+    split_privacy: SplitPrivacyConfig = Field(default_factory=SplitPrivacyConfig)
 
 
 class RegisterResponse(Message):
@@ -203,7 +206,7 @@ class TaskResponse(Message):
     """The answer to a device's poll: wait, train this round, act on a follow-up, evaluate, or stop.
 
     ``phase="train"``: train the weights ``weights_id`` names (the device's portion of the global
-    model, blocks ``[0, split_point)``).
+    model, blocks ``[0, split_point)``, and in U-shaped mode its head ``[head_start, num_blocks)``).
     ``phase="follow_up"``: two-phase algorithms only; ``extras`` is the Fed Server's answer to the
     device's report for ``round_id``; no weights (the device continues from its trained model).
     ``status="evaluate"``: federated evaluation of round ``round_id``: ``weights_id`` names the whole
@@ -223,6 +226,10 @@ class TaskResponse(Message):
     #: (shared/round_label.py); None in a ``wait`` or ``done`` answer.
     round_index: int | None = Field(default=None, ge=1)
     split_point: int | None = None         # number of model blocks on the device
+    #: U-shaped mode (``split.u_shaped``): the first block of the device's head; the device holds
+    #: blocks ``[0, split_point)`` and ``[head_start, num_blocks)`` and computes the loss. None: the
+    #: Main Server computes it (or nothing is split).
+    head_start: int | None = Field(default=None, ge=2)
     num_blocks: int | None = None
     weights_id: WeightsId | None = Field(default=None, pattern=_WEIGHTS_ID_PATTERN)
     train: TrainConfig | None = None
@@ -410,6 +417,10 @@ class RoundPlan(Message):
     #: The largest |activation| a member's step may carry (``grouping.max_activation``); a step
     #: beyond it drops its sender from the group.
     max_activation: float = Field(1e4, gt=0, allow_inf_nan=False)
+    #: U-shaped mode: where the devices' heads start; the server portion is the middle
+    #: ``[smallest split, head_start)`` and a step comes in two halves (``/step/forward``,
+    #: ``/step/backward``) with no label. None: the server portion runs to the end and computes the loss.
+    head_start: int | None = Field(default=None, ge=2)
 
     @field_validator("participants")
     @classmethod
@@ -443,7 +454,8 @@ class ServerPortionUpload(Message):
     absent: list[DeviceId] = []            # participants that never joined the round (any group's upload may list them)
     start_block: int = Field(ge=0)
     weights: WireState
-    label_distance: float = Field(ge=0, allow_inf_nan=False)
+    #: Eq. 2 distance of the group's pooled label counts; None when its members withheld them.
+    label_distance: float | None = Field(ge=0, allow_inf_nan=False)
     steps: int = Field(ge=0)
     train_time_s: float = Field(ge=0, allow_inf_nan=False)
     #: With ``member_updates`` (``grouping.member_defences``): each of ``members``' own state of the
@@ -455,13 +467,15 @@ class ServerPortionUpload(Message):
 
 class JoinRequest(Message):
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
-    label_counts: list[int] = Field(min_length=1)
+    #: The device's samples per class, as the run says to report them (``split_privacy.label_counts``:
+    #: exact, with local differential privacy, or withheld: empty).
+    label_counts: list[int] = Field(default_factory=list)
     num_steps: int = Field(ge=1)
 
     @field_validator("label_counts")
     @classmethod
     def _non_negative(cls, value: list[int]) -> list[int]:
-        return check_label_counts(value)
+        return check_label_counts(value) if value else value
 
 
 class RoundWatch(Message):
@@ -493,7 +507,7 @@ class Departures(Message):
 class JoinResponse(Message):
     group_id: int
     members: list[DeviceId]
-    label_distance: float
+    label_distance: float | None   # None: the members withheld their label counts
 
 
 class StepRequest(Message):
@@ -508,3 +522,38 @@ class StepResponse(Message):
     loss: float
     wait_s: float           # how long this device waited at the group's barrier
     server_s: float         # server-side training time of the step
+
+
+class ForwardRequest(Message):
+    """U-shaped mode, a step's first half: the activations at the device's cut, and no label."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    step: int = Field(ge=0)
+    fx: WireTensor
+
+
+class ForwardResponse(Message):
+    """The middle's output for the device's rows, and the weight its mean loss has in the group's
+    objective (times its dfx multiplier): the device scales its head's gradient by it."""
+
+    output: WireTensor
+    loss_weight: float = Field(ge=0, allow_inf_nan=False)
+    wait_s: float           # how long this device waited at the group's barrier
+    server_s: float         # server-side time of the half
+
+
+class BackwardRequest(Message):
+    """U-shaped mode, a step's second half: the gradient of the device's own mean loss at the
+    middle's output (its head's input), shaped as that output."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    step: int = Field(ge=0)
+    gradient: WireTensor
+
+
+class BackwardResponse(Message):
+    """The gradient at the device's cut (dfx) once the group's copy has stepped."""
+
+    dfx: WireTensor
+    wait_s: float           # how long this device waited for the group's gradients
+    server_s: float         # server-side time of the half

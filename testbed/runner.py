@@ -64,7 +64,7 @@ class Testbed:
                  torch_device: str | None = None,
                  main_servers: int | None = None, warm: WarmStarter | None = None,
                  enrolment: str = "secret", real_links: bool = False, agent_per_device: bool = False,
-                 rtt_ms: float = 0.0) -> None:
+                 rtt_ms: float = 0.0, server_args: Sequence[str] = ()) -> None:
         """``main_servers``: Main Server processes (replicas); the Fed Server gets every URL
         (docs/deployment.md, "Main Server replicas"). None: :func:`main_servers_for` the
         algorithm's split mode (``python -m testbed`` passes the number: its launcher never
@@ -82,7 +82,8 @@ class Testbed:
         layout with each agent in a network namespace of its own behind a link shaped to its kind's
         rate times ``devices.time_scale`` (:mod:`testbed.links`; Linux, root, iproute2); the
         servers listen on the network's service address, known once started. ``rtt_ms``: a
-        round-trip delay every agent adds to each request (``--request-delay-ms``)."""
+        round-trip delay every agent adds to each request (``--request-delay-ms``). ``server_args``:
+        flags both servers get besides the testbed's (``--record-received DIR``: recording what they receive)."""
         if enrolment not in ENROLMENTS:
             raise TestbedError(f"enrolment {enrolment!r}: one of {', '.join(ENROLMENTS)}")
         if enrolment == "credentials" and device_data:
@@ -106,6 +107,7 @@ class Testbed:
         self.agents = max(1, agents)
         self.agent_per_device = agent_per_device or real_links
         self.rtt_ms = rtt_ms
+        self.server_args = list(server_args)
         self.log_level = log_level
         self.tls = tls
         self.network = self._links_network(config) if real_links else None
@@ -180,7 +182,7 @@ class Testbed:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "testbed-config.yaml"
         config_path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
-        common = ["--log-level", self.log_level, *self._torch_device_args()]
+        common = ["--log-level", self.log_level, *self._torch_device_args(), *self.server_args]
         if self.tls:
             common += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--ca-file", self.tls.ca]
         if self.secrets:

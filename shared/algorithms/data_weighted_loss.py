@@ -33,7 +33,7 @@ class DataWeightedLoss(GroupLoss):
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return torch.stack([loss * share for loss, share in zip(member_losses, member_shares)]).sum()
 
-    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
+    def member_weights(self, member_sizes: Sequence[int], member_shares: Sequence[float]) -> list[float]:
         return list(member_shares)
 
     def dfx_multiplier(self, share: float) -> float:

@@ -38,12 +38,15 @@ class GroupLoss:
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         raise NotImplementedError
 
-    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
+    def member_weights(self, member_sizes: Sequence[int], member_shares: Sequence[float]) -> list[float]:
         """The weight of each member's mean loss in :meth:`objective`, where the objective is their
-        weighted sum: member defences that work on each member's own gradient of the copy
-        (``shared/algorithms/member_defence.py``) rebuild the step from these. NotImplementedError
-        for an objective that is no such sum (such a loss cannot run with those defences: the
-        configuration check says so)."""
+        weighted sum, from each member's batch size in the step (``member_sizes``) and its share:
+        member defences that work on each member's own gradient of the copy
+        (``shared/algorithms/member_defence.py``) rebuild the step from these, and a U-shaped step
+        (``split.u_shaped``: each device computes its own loss, the Main Server has no label) weighs
+        the gradients its members send up with them. NotImplementedError for an objective that is
+        no such sum (such a loss runs neither with those defences nor U-shaped: the configuration
+        check says so)."""
         raise NotImplementedError(f"{type(self).__name__} does not weigh its members' losses one by one")
 
     def server_grad_divisor(self, members: int) -> int:
@@ -72,8 +75,8 @@ class PerMemberSumLoss(GroupLoss):
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return torch.stack(list(member_losses)).sum()
 
-    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
-        return [1.0] * len(member_labels)
+    def member_weights(self, member_sizes: Sequence[int], member_shares: Sequence[float]) -> list[float]:
+        return [1.0] * len(member_sizes)
 
 
 class PerMemberLoss(PerMemberSumLoss):
@@ -94,7 +97,6 @@ class UnionMeanLoss(GroupLoss):
                   member_losses: Sequence[torch.Tensor], member_shares: Sequence[float]) -> torch.Tensor:
         return self.criterion.mean(logits, torch.cat(list(member_labels)))
 
-    def member_weights(self, member_labels: Sequence[torch.Tensor], member_shares: Sequence[float]) -> list[float]:
+    def member_weights(self, member_sizes: Sequence[int], member_shares: Sequence[float]) -> list[float]:
         # A mean over the union is each member's mean weighted by its part of the batch.
-        sizes = [len(y) for y in member_labels]
-        return [n / sum(sizes) for n in sizes]
+        return [n / sum(member_sizes) for n in member_sizes]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -24,7 +25,7 @@ __all__ = ["GroupCandidate", "candidates_from_counts", "grouping_rng", "form_rou
 class GroupCandidate:
     """What a grouping knows of one of the round's devices."""
 
-    label_counts: np.ndarray   # int64, samples per class (the device's join, or its registration)
+    label_counts: np.ndarray   # int64, samples per class (the device's join, or its registration); empty: withheld
     split_point: int           # blocks on the device this round
     num_samples: int           # samples it trains on (the round plan's participant count)
 
@@ -67,6 +68,10 @@ class Grouping:
     devices. The order of the groups is their ``group_id``.
     """
 
+    #: Whether :meth:`form` reads the members' label counts: a run whose devices withhold them
+    #: (``split_privacy.label_counts: withheld``) may only name a grouping that does not.
+    uses_label_counts: ClassVar[bool] = True
+
     def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
         raise NotImplementedError
 
@@ -80,6 +85,8 @@ class BalancedGrouping(Grouping):
 
 class SingletonGrouping(Grouping):
     """One group per device, in device-id order (SFL and the "no data balance" ablations)."""
+
+    uses_label_counts = False
 
     def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
         return [[d] for d in sorted(members)]

@@ -17,6 +17,8 @@ from shared.algorithms.label_balance import group_sizes
 class RandomGrouping(Grouping):
     """A uniformly random permutation of the device ids, cut into ``group_sizes`` consecutive groups."""
 
+    uses_label_counts = False
+
     def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
         # Sorted before shuffling, so the groups depend only on the id set and the generator's seed.
         ids = sorted(members)

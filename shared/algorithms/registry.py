@@ -1,5 +1,5 @@
-"""Algorithms, selection policies, aggregation rules and the Main Server's split-learning plug-ins
-(grouping, group loss, member defences) by name. Adding one: write its module, add one line here.
+"""Algorithms, selection policies, aggregation rules, the Main Server's split-learning plug-ins
+(grouping, group loss, member defences) and the devices' privacy defences by name. Adding one: write its module, add one line here.
 
 Each line names its class by import path; the class is imported when its name is first looked up
 (``plugin_table.py`` says why), so this module imports none of the plug-ins it lists.
@@ -7,9 +7,8 @@ Each line names its class by import path; the class is imported when its name is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-import torch
 from pydantic import ValidationError
 
 from shared.algorithms.plugin_params import params_error
@@ -21,9 +20,23 @@ if TYPE_CHECKING:
     from shared.algorithms.group_loss import GroupLoss
     from shared.algorithms.grouping import Grouping
     from shared.algorithms.member_defence import MemberDefence
+    from shared.algorithms.privacy_defence import PrivacyDefence
     from shared.algorithms.selection import DeviceSelector
     from shared.config import RunConfig
     from shared.losses import Loss
+
+
+
+class _Defence(Protocol):
+    """A defence plug-in (a member defence, a privacy defence): built from its parameters, which
+    its ``Params`` model checks (:func:`_named_defences`)."""
+
+    Params: ClassVar[Any]   # a pydantic model class (each plug-in names its own subclass)
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None: ...
+
+
+D = TypeVar("D", bound=_Defence)
 
 ALGORITHMS: PluginTable[Algorithm] = PluginTable("algorithm", "shared.algorithms.base:Algorithm", {
     "s2fl": "shared.algorithms.split_learning:S2FL",
@@ -87,6 +100,16 @@ MEMBER_DEFENCES: PluginTable[MemberDefence] = PluginTable(
     })
 
 
+#: What a device does so that what it sends gives less away (``split_privacy.defences``; docs/split-privacy.md).
+PRIVACY_DEFENCES: PluginTable[PrivacyDefence] = PluginTable(
+    "privacy defence", "shared.algorithms.privacy_defence:PrivacyDefence", {
+        "floor": "shared.algorithms.privacy_defence:SplitFloor",
+        "noise": "shared.algorithms.privacy_defence:ActivationNoise",
+        "nopeek": "shared.algorithms.nopeek:NoPeek",
+        "label_noise": "shared.algorithms.label_noise:LabelNoise",
+    })
+
+
 def build_algorithm(config: RunConfig) -> Algorithm:
     """The configured algorithm object."""
     return ALGORITHMS.choose(config.algorithm)(config)
@@ -126,19 +149,8 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
     parameters for a defence not named, two defences that each replace the mean (or one with
     ``member_updates``, which sends the mean's parts), or a group loss that cannot give per-member
     weights to a defence that needs each member's own gradient."""
-    if len(set(names)) != len(names):
-        raise ValueError(f"grouping.member_defences names a defence twice: {names}")
-    stray = sorted(set(params) - set(names))
-    if stray:
-        raise ValueError(f"grouping.member_defence_params has parameters for {stray}, which "
-                         f"grouping.member_defences does not name")
-    defences = []
-    for name in names:
-        cls = MEMBER_DEFENCES.choose(name)
-        try:
-            defences.append(cls(params.get(name, {})))
-        except ValidationError as exc:
-            raise ValueError(params_error(f"grouping.member_defence_params.{name}", cls.Params, exc)) from None
+    defences = _named_defences(MEMBER_DEFENCES, names, params, "grouping.member_defences",
+                               "grouping.member_defence_params")
     centers = [n for n, d in zip(names, defences) if d.centers]
     if len(centers) > 1:
         raise ValueError(f"grouping.member_defences: {' and '.join(centers)} each replace the members' mean; name one")
@@ -148,10 +160,37 @@ def build_member_defences(names: list[str], params: Mapping[str, Mapping[str, An
                          f"{centers[0]} replaces; name one of the two")
     if any(d.per_member_gradients for d in defences):
         try:
-            group_loss.member_weights([torch.zeros(1)], [1.0])
+            group_loss.member_weights([1], [1.0])
         except NotImplementedError:
             raise ValueError(f"grouping.member_defences {names} work on each member's own gradient, which group loss "
                              f"{type(group_loss).__name__} cannot weigh (GroupLoss.member_weights)") from None
+    return defences
+
+
+def build_privacy_defences(names: list[str], params: Mapping[str, Mapping[str, Any]]) -> list[PrivacyDefence]:
+    """The privacy defences ``names`` (in order) with their ``params`` by name. ValueError naming
+    what does not fit: an unknown name (with the choices), a name given twice, a bad parameter
+    (``split_privacy.defence_params.noise.scale: ...``), or parameters for a defence not named."""
+    return _named_defences(PRIVACY_DEFENCES, names, params, "split_privacy.defences", "split_privacy.defence_params")
+
+
+def _named_defences(table: PluginTable[D], names: list[str], params: Mapping[str, Mapping[str, Any]],
+                    names_key: str, params_key: str) -> list[D]:
+    """``table``'s plug-ins ``names`` (config key ``names_key``), in order, each built with its
+    parameters from ``params`` (config key ``params_key``); ValueError naming a name given twice,
+    parameters for a name not given, an unknown name or a bad parameter."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"{names_key} names a defence twice: {names}")
+    stray = sorted(set(params) - set(names))
+    if stray:
+        raise ValueError(f"{params_key} has parameters for {stray}, which {names_key} does not name")
+    defences = []
+    for name in names:
+        cls = table.choose(name)
+        try:
+            defences.append(cls(params.get(name, {})))
+        except ValidationError as exc:
+            raise ValueError(params_error(f"{params_key}.{name}", cls.Params, exc)) from None
     return defences
 
 

@@ -5,12 +5,13 @@ from shared.models.loading import (
     ModelDefinition, build_model, build_model_layout, check_model_origin, is_import_path,
 )
 from shared.models.profile import ModelProfile, SplitCost, candidate_split_points, profile_model
-from shared.models.split_model import Portion, SplitModel
+from shared.models.split_model import DevicePortion, Portion, SplitModel
 from shared.models.zoo import MODEL_NAMES
 
 __all__ = [
     "SplitModel",
     "Portion",
+    "DevicePortion",
     "MODEL_NAMES",
     "ModelDefinition",
     "build_model",

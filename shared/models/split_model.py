@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor, nn
 
-__all__ = ["SplitModel", "Portion"]
+__all__ = ["SplitModel", "Portion", "DevicePortion"]
 
 
 class Portion(nn.Module):
@@ -38,6 +38,37 @@ class Portion(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         return x
+
+
+class DevicePortion(Portion):
+    """What a U-shaped device holds: its front ``blocks[:split_point]`` and its head
+    ``blocks[head_start:]`` (the same block objects as the full model), state_dict keys exactly the
+    full model's for those blocks. It runs in two parts, :meth:`front` and :meth:`head`, with the
+    Main Server's middle between them: calling it whole is an error."""
+
+    _front: Portion
+    _head: Portion
+
+    def __init__(self, model: "SplitModel", split_point: int, head_start: int) -> None:
+        names = model.block_names()
+        blocks = {n: model.blocks[n] for n in names[:split_point] + names[head_start:]}
+        super().__init__(blocks, 0, len(names))
+        self.split_point = int(split_point)
+        self.head_start = int(head_start)
+        # Plain attributes, not submodules: their blocks are this portion's (registered above once).
+        object.__setattr__(self, "_front", model.portion(0, split_point))
+        object.__setattr__(self, "_head", model.portion(head_start, len(names)))
+
+    def front(self) -> Portion:
+        """The blocks before the cut, whose output the device sends."""
+        return self._front
+
+    def head(self) -> Portion:
+        """The last blocks, which turn the middle's output into the model's."""
+        return self._head
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise TypeError("a U-shaped device portion runs in two parts (front, then head on the middle's output)")
 
 
 class SplitModel(nn.Module):
@@ -131,6 +162,17 @@ class SplitModel(nn.Module):
         self._check_range(start, end)
         names = self.block_names()[start:end]
         return Portion({n: self.blocks[n] for n in names}, start, end)
+
+    def device_portion(self, split_point: int, head_start: int) -> Portion:
+        """What a device cut at ``split_point`` trains: ``blocks[:split_point]``, and in U-shaped
+        mode (``head_start`` before the end) also the head ``blocks[head_start:]``
+        (:class:`DevicePortion`)."""
+        if head_start == len(self.blocks):
+            return self.portion(0, split_point)
+        if not 0 < split_point < head_start < len(self.blocks):
+            raise IndexError(f"a U-shaped device needs 0 < split point {split_point} < head start {head_start} "
+                             f"< {len(self.blocks)} blocks")
+        return DevicePortion(self, split_point, head_start)
 
     def portion_keys(self, start: int, end: int) -> list[str]:
         """state_dict keys (params and buffers) of ``blocks[start:end]``, in state_dict order."""

@@ -14,7 +14,9 @@ import pytest
 
 from shared.algorithms import registry
 from shared.algorithms.plugin_table import PluginTable
-from shared.algorithms.registry import AGGREGATION_RULES, ALGORITHMS, GROUP_LOSSES, GROUPINGS, SELECTORS
+from shared.algorithms.registry import (
+    AGGREGATION_RULES, ALGORITHMS, GROUP_LOSSES, GROUPINGS, PRIVACY_DEFENCES, SELECTORS,
+)
 from shared.algorithms.two_phase import two_phase
 from shared.config import RunConfig
 from shared.run_config import ConfigError, load_run_config
@@ -180,6 +182,11 @@ DOC_LISTS = [
             lambda: _names(_row("docs/s2fl.md", "GROUP_LOSSES")[2]), lambda: set(GROUP_LOSSES)),
     DocList("docs/api.md", "group loss", "the round plan's `group_loss`",
             lambda: _names(_row("docs/api.md", "group_loss")[1]), lambda: set(GROUP_LOSSES)),
+    DocList("docs/configuration.md", "privacy defence", "the `split_privacy.defences` key",
+            lambda: _names(_row("docs/configuration.md", "split_privacy.defences")[1]), lambda: set(PRIVACY_DEFENCES)),
+    DocList("docs/split-privacy.md", "privacy defence", "the table of defences",
+            lambda: {NAME.findall(cell)[0] for cell in _cells("docs/split-privacy.md", "| name | what it does |")},
+            lambda: set(PRIVACY_DEFENCES)),
 ]
 
 

@@ -33,6 +33,18 @@ def test_eq1_time_hand_numbers():
         eq1_time(profile, cost, -1, 5e10)
 
 
+def test_eq1_time_u_shaped_counts_the_head():
+    profile = DeviceProfile(flops=1e10, rate=2e6)
+    cost = SplitCostView(client_param_bytes=1_000_000, activation_bytes=1000, client_flops=1e6, server_flops=4e6,
+                         head_param_bytes=500_000, head_activation_bytes=200, head_flops=2e6)
+    # 2(|Wc| + |Wh|)/R = 2*1.5e6/2e6          = 1.5
+    # 2p(q + q_h)/R    = 2*500*1200/2e6       = 0.6
+    # (Fc + Fh)/Comp_c = 3e6*500/1e10         = 0.15
+    # Fs/Comp_s        = 4e6*500/5e10         = 0.04 (the middle's FLOPs)
+    assert eq1_time(profile, cost, samples=500, server_flops=5e10) == pytest.approx(2.29)
+    assert cost.device_param_bytes == 1_500_000
+
+
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_warm_up_gives_round_minus_one_to_everyone(k):
     tt = table_from({"fast": [1.0] * k, "slow": [9.0] * k}, k=k)  # the table is ignored in warm-up
