@@ -26,7 +26,7 @@ from fed_server.records import RoundRecord
 from fed_server.fed_round import FedRound
 from shared.algorithms.two_phase import two_phase
 from shared.auth import MAIN_SERVER
-from shared.http_client import ServiceError, decode_response, post_body, service_client
+from shared.http_client import ServiceError, decode_response, post_body, service_client, service_signer
 from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, Departures, RoundPlan, RoundWatch
 from shared.wire import pack_body
@@ -72,7 +72,7 @@ async def send_plans(coordinator: Coordinator, fed_round: FedRound, settings: Fe
     live = replicas.available()
     errors: dict[str, str] = {}
     fed_round.plan_bytes = 0
-    async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file,
+    async with service_client(service_signer(settings.auth, MAIN_SERVER), settings.ca_file,
                               timeout=settings.replica_timeout_s) as client:
         async def post(url: str, plan: RoundPlan, within_s: float) -> str | None:
             body = pack_body(plan.model_dump())
@@ -120,7 +120,7 @@ async def send_departures(fed_round: FedRound, url: str, reasons: dict[str, str]
     body = pack_body(Departures(round_id=fed_round.round_id, devices=reasons).model_dump())
     endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/departures"
     try:
-        async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file,
+        async with service_client(service_signer(settings.auth, MAIN_SERVER), settings.ca_file,
                                   timeout=settings.replica_timeout_s) as client:
             decode_response(await post_body(client, endpoint, body), Ack)
     except Exception as exc:   # noqa: BLE001 - whatever went wrong, the attempt goes on
@@ -141,7 +141,7 @@ async def watch_replica(coordinator: Coordinator, fed_round: FedRound, url: str,
     timeout = httpx.Timeout(10.0, read=settings.replica_timeout_s)
     endpoint = f"{url.rstrip('/')}{API}/rounds/{fed_round.round_id}/watch"
     try:
-        async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file, timeout=10.0) as client:
+        async with service_client(service_signer(settings.auth, MAIN_SERVER), settings.ca_file, timeout=10.0) as client:
             async with client.stream("GET", endpoint, params={"heartbeat_s": settings.heartbeat_s},
                                      timeout=timeout) as response:
                 if response.status_code != 200:
@@ -174,7 +174,7 @@ async def probe_replica(coordinator: Coordinator, url: str, settings: FedServerS
     kernel takes the request, and the process answers it as soon as it runs again. Between failed
     tries the wait grows from :data:`PROBE_FIRST_WAIT_S` to :data:`PROBE_LONGEST_WAIT_S`."""
     wait_s = PROBE_FIRST_WAIT_S
-    async with service_client(settings.auth.service_signer(MAIN_SERVER), settings.ca_file,
+    async with service_client(service_signer(settings.auth, MAIN_SERVER), settings.ca_file,
                               timeout=settings.replica_timeout_s) as client:
         while True:
             with contextlib.suppress(httpx.HTTPError):

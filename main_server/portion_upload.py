@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 
 from shared.auth import FED_SERVER, Auth
-from shared.http_client import ServiceError, decode_response, post_body, service_client
+from shared.http_client import ServiceError, decode_response, post_body, service_client, service_signer
 from shared.retry import Backoff, retry_async
 from shared.schemas import API, Ack, ServerPortionUpload
 from shared.wire import pack_body
@@ -39,7 +39,7 @@ class FedServerPortions:
         refusal (:class:`PortionRefused`: the same portion would be refused again), is raised."""
         body = pack_body(upload.model_dump())
         url = f"{self.fed_server_url}{API}/rounds/{upload.round_id}/server-portions"
-        async with service_client(self.auth.service_signer(FED_SERVER), self.ca_file, timeout=60.0) as client:
+        async with service_client(service_signer(self.auth, FED_SERVER), self.ca_file, timeout=60.0) as client:
             async def post() -> Ack:
                 try:
                     return decode_response(await post_body(client, url, body), Ack)

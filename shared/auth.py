@@ -20,7 +20,7 @@
   token is refused there from the next plan on. Every device call carries
   ``Authorization: Bearer <token>``.
 - The Fed Server and the Main Server share the service secret and sign every call to each other
-  (:class:`ServiceSigner`): an HMAC of the service secret over the receiving service, the method,
+  (``shared.http_client.ServiceSigner``): an HMAC of the service secret over the receiving service, the method,
   the path and query, a timestamp, a random nonce and the body's SHA-256. The receiver
   (:meth:`Auth.check_service`) refuses a signature that is wrong, a timestamp more than
   :data:`SERVICE_REQUEST_WINDOW_S` from its own clock, a nonce it has already taken within that
@@ -43,11 +43,10 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 from shared.errors import NotAllowed, Unauthenticated
 from shared.ranges import consecutive_runs
@@ -358,10 +357,6 @@ class Auth:
         self.replay_guard.take(nonce, signed_at)
         return digest
 
-    def service_signer(self, audience: str) -> "ServiceSigner | None":
-        """What signs an HTTP client's calls to ``audience``; None on an open server."""
-        return ServiceSigner(self, audience) if self.enabled else None
-
     def check_enrolment(self, headers) -> Enrolment | None:
         """Who enrols: the holder of the enrolment credential or of the shared enrolment secret
         in ``X-Enrolment-Secret`` (Unauthenticated for anything else). None on an open server."""
@@ -445,23 +440,6 @@ class ReplayGuard:
 
     def __len__(self) -> int:
         return len(self._seen)
-
-
-class ServiceSigner(httpx.Auth):
-    """Signs each request of an HTTP client to the other server (:meth:`Auth.sign_service_request`),
-    every try afresh. The body's digest comes from the ``x-sfl-content-sha256`` header the sender
-    set from the body's pieces (``shared.http_client.post_body``), so a body sent as pieces is
-    never joined to be hashed; a request without it signs an empty body."""
-
-    def __init__(self, auth: Auth, audience: str) -> None:
-        self.auth = auth
-        self.audience = audience
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        digest = request.headers.get(DIGEST_HEADER, EMPTY_SHA256)
-        request.headers.update(self.auth.sign_service_request(
-            self.audience, request.method, request.url.raw_path.decode("ascii"), digest))
-        yield request
 
 
 def auth_from_settings(service_secret_file: str | None, enrolment_secret_file: str | None,

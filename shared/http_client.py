@@ -7,20 +7,42 @@ what the run's communication figures report.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Generator, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from shared.auth import DIGEST_HEADER, ServiceSigner, body_sha256
+from shared.auth import DIGEST_HEADER, EMPTY_SHA256, Auth, body_sha256
 from shared.retry import Backoff, retry
 from shared.tls import tls_context
 from shared.wire import Body, WireError, pack_body, unpackb
 
 M = TypeVar("M", bound=BaseModel)
 HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+
+
+class ServiceSigner(httpx.Auth):
+    """Signs each request of an HTTP client to the other server (:meth:`shared.auth.Auth.sign_service_request`),
+    every try afresh. The body's digest comes from the ``x-sfl-content-sha256`` header the sender
+    set from the body's pieces (:func:`post_body`), so a body sent as pieces is
+    never joined to be hashed; a request without it signs an empty body."""
+
+    def __init__(self, auth: Auth, audience: str) -> None:
+        self.auth = auth
+        self.audience = audience
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        digest = request.headers.get(DIGEST_HEADER, EMPTY_SHA256)
+        request.headers.update(self.auth.sign_service_request(
+            self.audience, request.method, request.url.raw_path.decode("ascii"), digest))
+        yield request
+
+
+def service_signer(auth: Auth, audience: str) -> ServiceSigner | None:
+    """What signs an HTTP client's calls to ``audience``; None on an open server."""
+    return ServiceSigner(auth, audience) if auth.enabled else None
 
 
 class ServiceError(RuntimeError):
@@ -68,7 +90,7 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
 
 def service_client(signer: httpx.Auth | None, ca_file: str | None, timeout: float) -> httpx.AsyncClient:
     """An async client for server-to-server calls: msgpack headers, each request signed by
-    ``signer`` (:meth:`shared.auth.Auth.service_signer`; None: the servers run open), TLS trust."""
+    ``signer`` (:func:`service_signer`; None: the servers run open), TLS trust."""
     return httpx.AsyncClient(timeout=timeout, headers=HEADERS, auth=signer, verify=tls_context(ca_file or True))
 
 
