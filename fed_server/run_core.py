@@ -20,6 +20,7 @@ from fed_server.evaluation_round import EvaluationRound
 from fed_server.fed_round import FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
+from fed_server.privacy import RunPrivacy
 from fed_server.weights_store import WeightsStore
 from shared.algorithms.base import Algorithm
 from shared.algorithms.selection import DeviceSelector
@@ -68,6 +69,8 @@ class RunCore:
     # work on it (long-poll, ``TaskDispatch.next_task``) instead of polling.
     work_posted: Broadcast = field(default_factory=Broadcast)
     on_departure: DepartureHook | None = None
+    #: The run's differential privacy (None without ``privacy.clipping``; fed_server/privacy.py).
+    privacy: RunPrivacy | None = None
 
     @property
     def num_blocks(self) -> int:
