@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from device_agent.api import FedApi
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
@@ -28,6 +30,7 @@ from shared.errors import Conflict, Invalid
 from shared.losses import Loss
 from shared.models import Portion, SplitModel
 from shared.portions import decode_device_portion
+from shared.privacy.clipping import clip_update
 from shared.schemas import DeviceTimings, JoinRequest, ReportRequest, TaskResponse, UpdateRequest
 from shared.wire import encode_state
 
@@ -96,19 +99,21 @@ class TaskTrainer:
         context = TrainContext(clock, logic=logic, extras=extras, deadline=deadline, compute=self.compute,
                                torch_device=self.model.torch_device, defences=self.defences,
                                num_classes=self.num_classes)
-        model, result, exchange = self._train_portion(task, task_bytes, settings, context)
+        model, result, exchange, start = self._train_portion(task, task_bytes, settings, context)
         portion = device_portion(model, task)
         if phases is not None:
             self._report_and_follow_up(task, *phases, portion, clock, deadline)
-        body = self._update(task, portion, result, exchange, clock, logic)
+        body = self._update(task, portion, result, exchange, clock, logic, start)
         kept = logic.kept_state()
         if kept is not None:
             self.states.keep(self.run_id, self.device_id, kept.to_wire())
         return body
 
-    def _train_portion(self, task: TaskResponse, task_bytes: int, settings: TrainSettings,
-                       context: TrainContext) -> tuple[SplitModel, LocalResult, StepExchange | None]:
-        """Fetch the task's weights, join the Main Server if the task names one, train the round."""
+    def _train_portion(self, task: TaskResponse, task_bytes: int, settings: TrainSettings, context: TrainContext
+                       ) -> tuple[SplitModel, LocalResult, StepExchange | None, dict[str, torch.Tensor] | None]:
+        """Fetch the task's weights, join the Main Server if the task names one, train the round.
+        Also returns, for a private task, a copy of the weights it started from (its update is the
+        change from them)."""
         assert task.split_point is not None
         clock = context.clock
         fetch_started = time.monotonic()
@@ -124,6 +129,7 @@ class TaskTrainer:
             # has let it go.
             weights = decode_device_portion(named.weights, self.model.layout, task.split_point,
                                             task.head_start or len(self.model.layout.blocks), what="task weights")
+            start = {k: v.clone() for k, v in weights.items()} if task.privacy is not None else None
             model = self.model.for_task()
             exchange = self._join(task, model, clock) if task.main_server_url is not None else None
             if task.head_start is None:
@@ -131,7 +137,7 @@ class TaskTrainer:
             else:
                 context.u_steps = exchange
             result = train_round(model, task.split_point, weights, self.samples, settings, context, task.head_start)
-        return model, result, exchange
+        return model, result, exchange, start
 
     def _join(self, task: TaskResponse, model: SplitModel, clock: RoundClock) -> StepExchange:
         """Join the round at the task's Main Server, announcing the steps ``model``'s portion up to
@@ -170,11 +176,15 @@ class TaskTrainer:
             logic.follow_up(portion, self.samples, parse_payload(follow_up_model, follow.extras, "follow-up"))
 
     def _update(self, task: TaskResponse, portion: Portion, result: LocalResult, exchange: StepExchange | None,
-                clock: RoundClock, logic: DeviceLogic) -> UpdateRequest:
-        """The upload: the trained portion, the round's timings and Main Server traffic, the
-        algorithm's upload extras."""
+                clock: RoundClock, logic: DeviceLogic, start: dict[str, torch.Tensor] | None) -> UpdateRequest:
+        """The upload: the trained portion (a private task's with its change from ``start`` clipped
+        to the task's bound), the round's timings and Main Server traffic, the algorithm's upload
+        extras."""
         assert task.round_id is not None
         state = portion.state_dict()  # detached views: encoding below copies them into the body
+        if task.privacy is not None:
+            assert start is not None
+            state = clip_update(state, start, task.privacy.clip_norm)
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
         clock.transfer(sum(t.numel() * t.element_size() for t in state.values()))

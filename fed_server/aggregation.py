@@ -1,19 +1,35 @@
 """Aggregating an attempt: the contributions of its devices (their client portions with their
 group's server portion), the algorithm's rule (Algorithm 1 or its own), and what the attempt
-teaches the selection policy, the split planner and the client time table."""
+teaches the selection policy, the split planner and the client time table.
+
+A private attempt (``privacy.clipping``; docs/privacy.md) never hands the algorithm a device's own
+update: its devices' updates, each clipped to the round's bound, become one sum per state entry,
+central noise is added to that sum, and the algorithm gets one contribution standing for every
+device that supplied each entry (``Contribution.key_weights``) beside each device's group copy for
+the blocks it does not hold. With the mean rule this is Algorithm 1 over the same devices, exactly
+as from their clipped portions, plus the noise."""
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from fed_server.fed_round import FedRound
 from fed_server.run_core import RunCore
 from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
+from shared.privacy.clipping import update_norm
+from shared.privacy.noise import add_noise
 
 log = logging.getLogger("fed_server")
+
+#: The contribution that stands for a private attempt's devices in the sums of their updates.
+PRIVATE_SUM = "#sum"
 
 
 @dataclass
@@ -25,6 +41,8 @@ class Aggregation:
     ok: bool                     # the quorum was met and the global model changed
     extras: dict                 # the aggregated devices' validated upload extras
     aggregation_s: float
+    #: The round record's privacy fields (``RunPrivacy.release``): the epsilon after the round...
+    privacy: dict[str, Any] | None = None
 
 
 class Aggregator:
@@ -35,45 +53,113 @@ class Aggregator:
         self.table = table
         self.planner = planner
 
-    def aggregate(self, fed_round: FedRound) -> Aggregation:
-        """Aggregate (Algorithm 1 or the algorithm's rule) and update the time table. A round below
-        the quorum changes nothing (``ok`` False): the same logical round is retried. A split device
-        whose group portion is missing is not aggregated: it is taken out with that reason. Nothing
-        is written to disk here. CPU work: run off the event loop."""
-        contributions = self._contributions(fed_round)
+    def usable(self, fed_round: FedRound) -> list[str]:
+        """The uploaders that can be aggregated: not dropped, and (split mode) with their group
+        portion back; one whose group portion is missing is taken out with that reason."""
         dropped = fed_round.dropped()
-        used = list(contributions)
-        extras = {d: fed_round.updates[d].extras for d in used}
-        ok = len(used) >= self.core.config.deadlines.min_participants
-        aggregation_s = 0.0
-        if ok:
-            started = time.perf_counter()
-            model, global_state = self.core.model, self.core.model.state_dict()
-            for device, contribution in contributions.items():
-                self.core.selector.observe(device, contribution, global_state)
-            model.load_state_dict(self.core.algorithm.aggregate(fed_round.context, global_state, contributions, extras))
-            aggregation_s = time.perf_counter() - started
-            self._observe_times(fed_round, used)
-        return Aggregation(used, dropped, ok, extras, aggregation_s)
-
-    def _contributions(self, fed_round: FedRound) -> dict[str, Contribution]:
-        """Each uploader's contribution, less the dropped and those whose group portion is missing."""
-        dropped = fed_round.dropped()
-        contributions: dict[str, Contribution] = {}
-        for device, update in sorted(fed_round.updates.items()):
+        used = []
+        for device in sorted(fed_round.updates):
             if device in dropped:
                 continue
-            portion = fed_round.portion_of(device) if fed_round.uses_main_server else None
-            if fed_round.uses_main_server and portion is None:
+            if fed_round.uses_main_server and fed_round.portion_of(device) is None:
                 # Its server-side layers never came back: its client layers alone would be averaged
-                # against server layers trained without them. (Off the event loop: no driver to wake.)
+                # against server layers trained without them. (No driver to wake: it is the caller.)
                 fed_round.exclude([device], "its group portion never arrived")
                 log.warning("round %d (attempt %d): %s not aggregated: its group portion never arrived",
                             fed_round.index, fed_round.round_id, device)
                 continue
+            used.append(device)
+        return used
+
+    def aggregate(self, fed_round: FedRound) -> Aggregation:
+        """Aggregate (Algorithm 1 or the algorithm's rule) and update the time table. A round below
+        the quorum changes nothing (``ok`` False): the same logical round is retried. A split device whose group portion is missing is not
+        aggregated: it is taken out with that reason. Nothing is written to disk here. CPU work:
+        run off the event loop."""
+        used = self.usable(fed_round)
+        dropped = fed_round.dropped()
+        extras = {d: fed_round.updates[d].extras for d in used}
+        ok = len(used) >= self.core.config.deadlines.min_participants
+        aggregation = Aggregation(used, dropped, ok, extras, 0.0)
+        if not aggregation.ok:
+            return aggregation
+        started = time.perf_counter()
+        model, global_state = self.core.model, self.core.model.state_dict()
+        if self.core.privacy is not None:
+            contributions = self._private_contributions(fed_round, used, global_state, aggregation)
+        else:
+            contributions = self._contributions(fed_round, used)
+            for device, contribution in contributions.items():
+                self.core.selector.observe(device, contribution, global_state)
+        model.load_state_dict(self.core.algorithm.aggregate(fed_round.context, global_state, contributions, extras))
+        aggregation.aggregation_s = time.perf_counter() - started
+        self._observe_times(fed_round, used)
+        return aggregation
+
+    def _contributions(self, fed_round: FedRound, used: list[str]) -> dict[str, Contribution]:
+        """Each aggregated device's contribution: its client portion, with its group's server portion."""
+        contributions: dict[str, Contribution] = {}
+        for device in used:
+            update = fed_round.updates[device]
+            portion = fed_round.portion_of(device) if fed_round.uses_main_server else None
             contributions[device] = Contribution(weight=update.request.num_samples, client_state=update.state,
                                                  server_state=portion.server_state(device) if portion else None)
         return contributions
+
+    def weight(self, device: str) -> float:
+        """A device's weight in a private attempt: 1 when noise is added (each device's sensitivity
+        is the clip bound, whatever its data size), else its sample count (Algorithm 1's |D_i|)."""
+        privacy = self.core.privacy
+        if privacy is not None and privacy.noise_multiplier is not None:
+            return 1.0
+        return float(self.core.devices.devices[device].num_samples)
+
+    def _private_contributions(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
+                               aggregation: Aggregation) -> dict[str, Contribution]:
+        """The sums of the aggregated devices' clipped, weighted updates, noised (central noise), as
+        one contribution beside each device's group copy for the blocks it does not hold; fills the
+        record's privacy fields."""
+        privacy = self.core.privacy
+        assert privacy is not None
+        sums, weights, inside = self._summed(fed_round, used, global_state, privacy.clip_norm)
+        update_std, count_std = privacy.central_stds()
+        # The step counters (integer entries) are outside the clip bound's norm, and get no noise.
+        sums.update(add_noise({k: v for k, v in sums.items() if global_state[k].is_floating_point()}, update_std))
+        unclipped = None   # adaptive clipping's noised count of updates inside the bound
+        if privacy.adaptive is not None:
+            unclipped = inside + float(add_noise({"n": torch.zeros(())}, count_std)["n"])
+        aggregation.privacy = privacy.release(len(used), unclipped)
+        mean = {key: global_state[key].double() + total / weights[key] for key, total in sums.items()}
+        contributions = {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights)}
+        if fed_round.uses_main_server:
+            for device in used:
+                portion = fed_round.portion_of(device)
+                assert portion is not None   # usable() kept only devices with one
+                held = set(self.core.portion(fed_round.assignments[device].split_point))
+                contributions[device] = Contribution(
+                    weight=self.weight(device), client_state={},
+                    server_state={k: v for k, v in portion.server_state(device).items() if k not in held})
+        return contributions
+
+    def _summed(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
+                clip_norm: float) -> tuple[dict[str, torch.Tensor], dict[str, float], float]:
+        """Per entry, the weighted sum (float64) of the devices' updates, each clipped to ``clip_norm``
+        here in float64 (the devices clipped theirs in their own precision; the Fed Server makes
+        sure), and their summed weight; how many updates were inside the bound (adaptive clipping's
+        count). Integer entries (a BatchNorm's step counter) are outside the norm and summed unclipped."""
+        sums: dict[str, torch.Tensor] = {}
+        weights: dict[str, float] = {}
+        inside = 0
+        for device in used:
+            state, w = fed_round.updates[device].state, self.weight(device)
+            norm = update_norm(state, global_state)
+            scale = w * min(1.0, clip_norm / norm) if norm > 0 else w
+            inside += norm <= clip_norm
+            for key, value in state.items():
+                change = (value.double() - global_state[key].double()).mul_(scale if value.is_floating_point() else w)
+                sums[key] = sums[key].add_(change) if key in sums else change
+                weights[key] = weights.get(key, 0.0) + w
+        return sums, weights, float(inside)
 
     def _observe_times(self, fed_round: FedRound, used: list[str]) -> None:
         """The aggregated devices' round times, into the split planner, the time table and the

@@ -42,6 +42,8 @@ class RunProgress:
     device_pace: dict[str, dict[str, float]] = field(default_factory=dict)
     finished: bool = False
     stop_reason: str | None = None
+    # The noise multiplier, clip bound and privacy ledger (fed_server/privacy.py); empty without privacy.
+    privacy: dict[str, Any] = field(default_factory=dict)
 
 
 def save_checkpoint(run_dir: RunDirectory, model_state: Mapping[str, torch.Tensor], progress: RunProgress) -> None:

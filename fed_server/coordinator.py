@@ -35,6 +35,7 @@ from fed_server.federated_evaluation import FederatedEvaluation
 from fed_server.fed_round import Assignment, FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
+from fed_server.privacy import RunPrivacy
 from fed_server.progress import Progress
 from fed_server.recorder import Recorder
 from fed_server.records import RunStatus, finite_json
@@ -204,4 +205,4 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
         missed=MissedDeadlines(config.deadlines.max_skip_rounds),
         pace=DevicePace(config.deadlines.patience, config.deadlines.patience_grace_s),
         evaluation_mode=evaluation_mode(config),
-        torch_device=torch_device, loss=loss)
+        torch_device=torch_device, loss=loss, privacy=RunPrivacy(config) if config.privacy.enabled else None)

@@ -377,5 +377,8 @@ def _observe(record: RoundRecord, metrics: FedMetrics | None) -> None:
     if metrics is not None:
         metrics.observe_round(record)
         metrics.checkpoint_written()  # Progress.record writes checkpoint.msgpack once per round
-    log.info("round %d (attempt %d) %s: accuracy %s, %.2fs, %.2f MB", record.round, record.round_id, record.status,
-             record.test_accuracy, record.round_time_s, record.bytes_total / 1e6)
+    privacy = record.privacy
+    spent = (f", epsilon {privacy.epsilon:.4g} at delta {privacy.delta:g}"
+             if privacy is not None and privacy.epsilon is not None else "")
+    log.info("round %d (attempt %d) %s: accuracy %s, %.2fs, %.2f MB%s", record.round, record.round_id, record.status,
+             record.test_accuracy, record.round_time_s, record.bytes_total / 1e6, spent)

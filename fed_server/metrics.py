@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fed_server.coordinator import Coordinator
-from fed_server.records import RoundRecord
+from fed_server.records import PrivacyRecord, RoundRecord
 from shared.http_metrics import HTTP_METRICS, MetricSpec, metric_maker, new_registry
 
 PHASES = ("compute", "transfer", "wait", "server", "total")
@@ -57,6 +57,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_fed_round_bytes_total", "counter", ("direction",), "bytes of completed rounds as in the round record: up (device to servers), down (servers to devices), server (between the servers)"),
     MetricSpec("sfl_fed_main_server_replicas_live", "gauge", (), "configured Main Server replicas not set aside (one that did not accept a plan or was lost is set aside until it answers its health check)"),
     MetricSpec("sfl_fed_checkpoint_writes_total", "counter", (), "checkpoint.msgpack writes (one per completed round)"),
+    MetricSpec("sfl_fed_privacy_epsilon", "gauge", (), "epsilon spent so far at the run's privacy.delta, after the last aggregated round (runs with privacy.noise; docs/privacy.md)"),
+    MetricSpec("sfl_fed_privacy_clip_norm", "gauge", (), "the clip bound of the last aggregated round (runs with privacy.clipping; adaptive clipping moves it)"),
     *HTTP_METRICS,
 )
 _HELP = {s.name: s.help for s in METRICS}
@@ -130,6 +132,8 @@ class FedMetrics:
         self.train_loss = make(Gauge, "sfl_fed_train_loss")
         self.round_bytes = make(Counter, "sfl_fed_round_bytes_total")
         self.checkpoints = make(Counter, "sfl_fed_checkpoint_writes_total")
+        self.epsilon = make(Gauge, "sfl_fed_privacy_epsilon")
+        self.clip_norm = make(Gauge, "sfl_fed_privacy_clip_norm")
         for status in ("ok", "failed"):
             self.rounds_completed.labels(status)
         for direction in BYTE_DIRECTIONS:
@@ -145,6 +149,9 @@ class FedMetrics:
                 self.test_accuracy.set(initial["test_accuracy"])
             if initial.get("test_loss") is not None:
                 self.test_loss.set(initial["test_loss"])
+            spent = [r.privacy for r in coordinator.progress.history if r.privacy is not None]
+            if spent:   # a resumed run's epsilon is its last record's, not 0
+                self._observe_privacy(spent[-1])
             self.registry.register(_LiveCollector(coordinator, per_device))
 
     def observe_round(self, record: RoundRecord) -> None:
@@ -176,6 +183,13 @@ class FedMetrics:
                     self.device_round_seconds.labels(device, phase).set(value)
         for direction in BYTE_DIRECTIONS:
             self.round_bytes.labels(direction).inc(max(0, getattr(record, f"bytes_{direction}")))
+        if record.privacy is not None:
+            self._observe_privacy(record.privacy)
+
+    def _observe_privacy(self, privacy: PrivacyRecord) -> None:
+        self.clip_norm.set(privacy.clip_norm)
+        if privacy.epsilon is not None:
+            self.epsilon.set(privacy.epsilon)
 
     def checkpoint_written(self) -> None:
         self.checkpoints.inc()

@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fed_server.aggregation import Aggregation
 from fed_server.checkpoint import RunProgress
@@ -107,14 +108,18 @@ class Progress:
             time.monotonic() - fed_round.started_at, self.elapsed(), self.cumulative_bytes,
             core.devices.kinds(fed_round.assignments), aggregation.aggregation_s,
             {**core.selector.metrics(), **core.algorithm.round_metrics(fed_round.context, aggregation.extras)} if ok else {},
-            evaluated_devices=evaluated[0], evaluated_samples=evaluated[1])
+            evaluated_devices=evaluated[0], evaluated_samples=evaluated[1], privacy=aggregation.privacy)
         self.cumulative_bytes = record.cumulative_bytes
         self._note_deadlines(fed_round, aggregation.used)
         finished, stop_reason = False, None
+        budget = core.privacy.exhausted() if core.privacy is not None else None
         if self.rounds_done >= config.rounds:
             finished, stop_reason = True, "completed"
         elif self.failed_in_a_row >= config.deadlines.max_failed_attempts:
             finished, stop_reason = True, f"{self.failed_in_a_row} failed attempts in a row"
+        elif budget is not None:
+            finished, stop_reason = True, budget
+            log.warning("round %d (attempt %d): the run stops: %s", fed_round.index, fed_round.round_id, budget)
         progress = copy.deepcopy(self._snapshot(finished, stop_reason))
         progress.history_len += 1   # the record this checkpoint will cover
         self._unrecorded = Conclusion(record, progress)
@@ -200,7 +205,8 @@ class Progress:
             cumulative_bytes=self.cumulative_bytes, elapsed_s=self.elapsed(), rng_state=self.rng.getstate(),
             algorithm_state=core.algorithm.state_dict(), selector_state=core.selector.state_dict(),
             time_table=self.table.entries(), missed_deadlines=core.missed.state_dict(),
-            device_pace=core.pace.state_dict(), finished=finished, stop_reason=stop_reason)
+            device_pace=core.pace.state_dict(), finished=finished, stop_reason=stop_reason,
+            privacy=core.privacy.state_dict() if core.privacy is not None else {})
 
     def resume(self) -> bool:
         """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
@@ -233,6 +239,8 @@ class Progress:
         self.table.load_entries(progress.time_table)
         core.missed.load_state_dict(progress.missed_deadlines)
         core.pace.load_state_dict(progress.device_pace)
+        if core.privacy is not None:
+            core.privacy.load_state_dict(progress.privacy)
         core.finished = progress.finished
         self.stop_reason = progress.stop_reason
         self.resumed_after = (self.rounds_done, self.attempts)
@@ -244,7 +252,11 @@ class Progress:
         return self._summary(self.core.finished, self.stop_reason)
 
     def _summary(self, finished: bool, stop_reason: str | None) -> dict:
-        config = self.core.config
-        base = {"run_id": self.core.run_id, "algorithm": config.algorithm, "model": config.model}
+        config, privacy = self.core.config, self.core.privacy
+        base: dict[str, Any] = {"run_id": self.core.run_id, "algorithm": config.algorithm, "model": config.model}
+        if privacy is not None and privacy.ledger is not None:
+            # What the released models cost, as of the last record (docs/privacy.md says what it covers).
+            base.update(epsilon=privacy.epsilon(), delta=privacy.ledger.delta,
+                        noise_multiplier=privacy.noise_multiplier)
         return run_summary(self.history, base, self.initial, self.rounds_done,
                            self.cumulative_bytes, finished, stop_reason)

@@ -60,6 +60,18 @@ class GroupRecord(BaseModel):
     train_time_s: float | None
 
 
+class PrivacyRecord(BaseModel):
+    """A private round's privacy figures (``RoundRecord.privacy``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    clip_norm: float
+    epsilon: float | None = None
+    delta: float | None = None
+    noise_multiplier: float | None = None
+    unclipped_fraction: float | None = None
+
+
 class RoundRecord(BaseModel):
     """The record of one round attempt. ``round`` is the logical round (1..rounds, repeated by a
     retried attempt); ``round_id`` the attempt's wire id (never reused)."""
@@ -113,6 +125,10 @@ class RoundRecord(BaseModel):
     # Each algorithm's own per-round figures (FNR-FL's public accuracies, HiCS-FL's entropies...):
     # their shapes belong to the algorithms, so the record keeps them as the JSON they are.
     algorithm_metrics: dict[str, Any] = {}
+    # Differential privacy (docs/privacy.md), for an aggregated round: the epsilon spent so far at
+    # delta, the round's noise multiplier and clip bound, and (adaptive clipping) the noised fraction
+    # of devices whose update was inside it. None without privacy.clipping.
+    privacy: PrivacyRecord | None = None
 
     @field_validator("test_accuracy", "test_loss", "train_loss", "test_mse", "test_mae", "aggregation_s", "evaluation_s")
     @classmethod
@@ -190,7 +206,8 @@ def figure_fields(figures: Figures | None, task: Task) -> dict[str, float | None
 def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropped: set[str], status: str,
                  figures: Mapping[str, float | None], duration: float, elapsed: float, cumulative_bytes: int,
                  device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any],
-                 evaluated_devices: int | None = None, evaluated_samples: int | None = None) -> RoundRecord:
+                 evaluated_devices: int | None = None, evaluated_samples: int | None = None,
+                 privacy: Mapping[str, Any] | None = None) -> RoundRecord:
     """The record of one finished round attempt; ``figures`` are its :func:`figure_fields`."""
     updates = fed_round.updates
     up, down, server = round_bytes(fed_round)
@@ -215,6 +232,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
         aggregation_s=aggregation_s, algorithm_metrics=dict(algorithm_metrics), lost_replicas=list(fed_round.lost_replicas),
         left=fed_round.left(used),
         evaluated_devices=evaluated_devices, evaluated_samples=evaluated_samples,
+        privacy=PrivacyRecord.model_validate(privacy) if privacy is not None else None,
     )
 
 

@@ -20,6 +20,7 @@ from fed_server.evaluation_round import EvaluationRound
 from fed_server.fed_round import FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
+from fed_server.privacy import RunPrivacy
 from fed_server.weights_store import WeightsStore
 from shared.algorithms.base import Algorithm
 from shared.algorithms.selection import DeviceSelector
@@ -77,6 +78,8 @@ class RunCore:
         """Keep ``state`` as ``name`` in the attempt's records, where this round is recorded."""
         if self.recording is not None and self.recording.keeps(fed_round.index):
             self.recording.state(fed_round.index, fed_round.round_id, name, state)
+    #: The run's differential privacy (None without ``privacy.clipping``; fed_server/privacy.py).
+    privacy: RunPrivacy | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -116,6 +116,7 @@ class TaskDispatch:
             algorithm=config.algorithm, params=core.algorithm.device_params(),
             extras=core.algorithm.task_extras(device_id, fed_round.context).to_wire(),
             report=two_phase(core.algorithm) is not None,
+            privacy=core.privacy.task_terms() if core.privacy is not None else None,
         )
 
     def count_task_bytes(self, answer: TaskResponse, body_bytes: int) -> None:

@@ -1,12 +1,10 @@
 """Checks on what a device claims before the Fed Server believes it: the sample count it registers
-with, its upload's claims (sample count, timings) and the size of its update. What a device may
+with and its upload's claims (sample count, timings); the size of its update is measured and
+clipped by ``shared/privacy/clipping.py``. What a device may
 still do within these bounds: docs/security.md."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-
-import torch
 
 from shared.data.spec import DataSpec
 from shared.errors import Invalid
@@ -115,24 +113,3 @@ def check_claims(req: UpdateRequest, registered_samples: int, deadline_s: float)
                       f"the round deadline of {deadline_s:g}s")
     if abs(req.train_loss) > MAX_TRAIN_LOSS:
         raise Invalid(f"train_loss={req.train_loss:.4g} of {device_id!r} is beyond ±{MAX_TRAIN_LOSS:g}")
-
-
-def update_norm(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> float:
-    """L2 norm of ``state - global_state`` over the floating-point entries ``state`` holds."""
-    total = 0.0
-    for key, value in state.items():
-        if value.is_floating_point():
-            total += float((value.double() - global_state[key].double()).pow(2).sum())
-    return math.sqrt(total)
-
-
-def clip_update(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor],
-                max_norm: float, norm: float | None = None) -> dict[str, torch.Tensor]:
-    """``global + (state - global) * min(1, max_norm / norm)``: the update scaled into the norm ball.
-    ``norm``: the update's norm when the caller has already computed it."""
-    norm = update_norm(state, global_state) if norm is None else norm
-    if norm <= max_norm:
-        return dict(state)
-    scale = max_norm / norm
-    return {key: (global_state[key] + (value - global_state[key]) * scale).to(value.dtype)
-            if value.is_floating_point() else value for key, value in state.items()}

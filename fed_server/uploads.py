@@ -10,7 +10,8 @@ import torch
 from fed_server.fed_round import NO_REPORT, OVERDUE, FedRound, ReceivedPortion, ReceivedUpdate
 from fed_server.replica_planning import ReplicaPlanning
 from fed_server.run_core import RunCore
-from fed_server.update_checks import check_claims, clip_update, update_norm
+from fed_server.update_checks import check_claims
+from shared.privacy.clipping import clip_update, update_norm
 from shared.algorithms.base import parse_payload, trainable_parameters
 from shared.algorithms.registry import uploads_member_states
 from shared.algorithms.two_phase import TwoPhaseAlgorithm, two_phase

@@ -204,6 +204,56 @@ class AggregationConfig(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+class PrivacyConfig(_Strict):
+    """Client-level differential privacy in the style of DP-FedAvg (McMahan et al. 2018;
+    docs/privacy.md): every device clips the change of its portion (``clipping``), the Fed Server
+    adds Gaussian noise of ``noise_multiplier`` x the clip bound to the sum of the clipped changes
+    (``noise: central``), and an accountant (Opacus's) turns the history into an epsilon at ``delta``.
+
+    The checks that need the algorithm registry (which algorithms and rules can run privately)
+    are in ``shared/run_config.py``; this schema imports no algorithm and no accountant.
+    """
+
+    # null: no clipping (and no differential privacy); fixed: every round clips to clip_norm;
+    # adaptive: clip_norm is the first round's bound, then it follows the target_quantile of the
+    # devices' update norms (Andrew et al. 2021, "Differentially private learning with adaptive
+    # clipping").
+    clipping: Literal["fixed", "adaptive"] | None = None
+    clip_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    target_quantile: float = Field(0.5, gt=0, lt=1)
+    clip_learning_rate: float = Field(0.2, gt=0, allow_inf_nan=False)
+    # The standard deviation of the noise on the count of unclipped devices (adaptive clipping);
+    # null: devices per round / 20, the paper's choice.
+    clipped_count_stddev: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # Where the Gaussian noise is added: null (none: clipping only, no epsilon) or central (the Fed
+    # Server, to the sum of the clipped updates it aggregates).
+    noise: Literal["central"] | None = None
+    # z: the noise's standard deviation over the clip bound. null with target_epsilon: the z that
+    # spends target_epsilon in exactly `rounds` rounds (Opacus's get_noise_multiplier).
+    noise_multiplier: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # The budget: the run stops, with a message, before a round would raise epsilon past it.
+    target_epsilon: float | None = Field(None, gt=0, allow_inf_nan=False)
+    delta: float = Field(1e-5, gt=0, lt=1)
+    # Opacus's Renyi-DP accountant (rdp) or its privacy-random-variable accountant (prv).
+    accountant: Literal["rdp", "prv"] = "rdp"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PrivacyConfig":
+        if self.noise is not None and self.clipping is None:
+            raise ValueError("privacy.noise needs privacy.clipping (fixed or adaptive): the noise is a multiple of the "
+                             "clip bound")
+        if self.noise is None and (self.noise_multiplier is not None or self.target_epsilon is not None):
+            raise ValueError("privacy.noise_multiplier and privacy.target_epsilon need privacy.noise: central")
+        if self.noise is not None and self.noise_multiplier is None and self.target_epsilon is None:
+            raise ValueError("privacy.noise needs privacy.noise_multiplier or privacy.target_epsilon (or both)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether devices clip their updates (and the Fed Server aggregates them as private ones)."""
+        return self.clipping is not None
+
+
 class DeviceMixConfig(_Strict):
     """Emulated device kinds (paper Table 1, see shared/profiles.py), assigned round-robin to shards.
 
@@ -284,6 +334,7 @@ class RunConfig(_Strict):
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
     updates: UpdateCheckConfig = Field(default_factory=UpdateCheckConfig)
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

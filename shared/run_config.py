@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from shared.algorithms.base import Algorithm, DeviceLogic
 from shared.algorithms.registry import (
     ALGORITHMS, GROUPINGS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_member_defences,
-    build_privacy_defences, build_selector,
+    build_privacy_defences, build_selector, uploads_member_states,
 )
 from shared.config import RunConfig, merge_config_sources
 from shared.data.device_transforms import check_device_transform
@@ -80,6 +80,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
     _check_split_privacy(config, algorithm, model)
+    _check_private_updates(config, algorithm, selector)
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
                        (f"selection {config.selection!r}", selector.model_parts_needed())):
         for part in needs:
@@ -151,6 +152,55 @@ def split_candidates(config: RunConfig, model: SplitModel) -> list[int]:
     if not allowed:
         raise ValueError(f"split_privacy.defences leave no cut to choose among {points} (split_privacy.defence_params)")
     return allowed
+def _check_private_updates(config: RunConfig, algorithm: Algorithm, selector: "DeviceSelector") -> None:
+    """Privacy (``privacy.clipping``) needs an aggregate that is a mean of the devices' updates,
+    computed from their clipped sum: ValueError in one line naming what needs each device's own
+    update instead (an algorithm, a selection policy, a rule other than ``mean`` or its bounds, the
+    Fed Server's norm check, ``member_updates``; docs/privacy.md)."""
+    if not config.privacy.enabled:
+        return
+    sees = "which privacy replaces with their clipped, noised sum"
+    for who, reason in ((f"algorithm {config.algorithm!r}", algorithm.individual_updates),
+                        (f"selection {config.selection!r}", selector.individual_updates)):
+        if reason is not None:
+            raise ValueError(f"privacy.clipping cannot run {who}: {reason}, {sees}")
+    if config.aggregation.rule != "mean":
+        raise ValueError(f"privacy.clipping needs aggregation.rule: mean (got {config.aggregation.rule!r}, which needs "
+                         f"each device's own update, {sees})")
+    if config.aggregation.params:
+        raise ValueError(f"privacy.clipping needs aggregation.params empty: the mean's weight and update bounds need "
+                         f"each device's own update, {sees}")
+    if config.updates.max_norm is not None:
+        raise ValueError("privacy.clipping replaces updates.max_norm: every update is clipped to privacy.clip_norm "
+                         "(leave updates.max_norm unset)")
+    if uploads_member_states(config.grouping.member_defences):
+        raise ValueError("privacy.clipping cannot run grouping.member_defences member_updates: it weighs each "
+                         "member's own server-side state, " + sees)
+    if config.privacy.noise is not None:
+        _check_budget(config)
+
+
+def _check_budget(config: RunConfig) -> None:
+    """``privacy.delta`` below one over the population, and a budget that allows one round with
+    the configured noise multiplier: ValueError in one line otherwise."""
+    privacy, population = config.privacy, config.data.num_devices
+    if privacy.delta >= 1 / population:
+        raise ValueError(f"privacy.delta {privacy.delta:g} is not below 1 / data.num_devices ({1 / population:g}): a "
+                         f"mechanism that may publish one of {population} devices' data outright would meet it")
+    from shared.privacy.accountant import PrivacyLedger   # Opacus: only for a run that adds noise
+    from shared.privacy.budget import count_stddev, run_noise_multiplier
+    from shared.privacy.clipping import AdaptiveClip
+
+    multiplier = run_noise_multiplier(config)
+    if privacy.clipping == "adaptive":
+        AdaptiveClip(privacy.clip_norm, privacy.target_quantile, privacy.clip_learning_rate,
+                     count_stddev(config, multiplier)).update_noise_multiplier(multiplier or 0.0)
+    if privacy.noise_multiplier is not None and privacy.target_epsilon is not None:
+        first = PrivacyLedger(privacy.accountant, privacy.delta).epsilon_after(privacy.noise_multiplier,
+                                                                               config.per_round / population)
+        if first > privacy.target_epsilon:
+            raise ValueError(f"privacy.noise_multiplier {privacy.noise_multiplier:g} spends epsilon {first:.3g} in one "
+                             f"round, past privacy.target_epsilon {privacy.target_epsilon:g}")
 
 
 def _check_task(config: RunConfig, algorithm_needs: str | None, selector_needs: str | None) -> None:

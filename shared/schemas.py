@@ -202,6 +202,13 @@ class RegistrationBatchResponse(Message):
     refused: dict[DeviceId, Refusal] = {}
 
 
+class PrivacyTerms(Message):
+    """A training task's privacy terms (``privacy.*``; docs/privacy.md): the device clips its
+    update (its portion's change over the round) to ``clip_norm`` before it leaves."""
+
+    clip_norm: float = Field(gt=0, allow_inf_nan=False)
+
+
 class TaskResponse(Message):
     """The answer to a device's poll: wait, train this round, act on a follow-up, evaluate, or stop.
 
@@ -240,6 +247,7 @@ class TaskResponse(Message):
     params: dict[str, JsonValue] = {}      # the algorithm's device-side hyperparameters
     extras: dict[str, PayloadValue] = {}   # per-device values for this round (e.g. a dual variable, tensors)
     report: bool = False                   # report after training and wait for a follow-up
+    privacy: PrivacyTerms | None = None    # clip the update before it leaves
 
 
 #: The most devices one agent's task request may add to its session (:class:`AgentTaskRequest`):

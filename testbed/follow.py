@@ -160,10 +160,14 @@ def format_round(record: RoundRecord, status: dict) -> str:
     else:
         accuracy = record.test_accuracy
         figures = f"acc{fed} {'n/a' if accuracy is None else f'{100 * accuracy:6.2f}%'}"
+    # A private run's epsilon so far at its delta (docs/privacy.md).
+    privacy = record.privacy
+    epsilon = (f"  eps {privacy.epsilon:.3f} (delta {privacy.delta:g})"
+               if privacy is not None and privacy.epsilon is not None else "")
     return (f"round {record.round:>3}/{status['rounds_total']}  {figures}  "
             f"loss {_figure(record.test_loss, '.3f')}  round {record.round_time_s:5.1f}s  elapsed {record.elapsed_s:6.1f}s  "
             f"moved {record.bytes_total / 1e6:7.1f} MB (total {record.cumulative_bytes / 1e6:8.1f} MB)  "
-            f"splits {split_text}{dropped}{flag}")
+            f"splits {split_text}{epsilon}{dropped}{flag}")
 
 
 def _names(devices: list[str], shown: int = 3) -> str:
@@ -190,6 +194,10 @@ def format_done(summary: dict) -> str:
     # A summary written before it had dropped_every_round (a resumed older run) names none.
     never = summary.get("dropped_every_round") or {}
     lost = "".join(f"\n  dropped in every round it was selected for: {device} ({why})" for device, why in never.items())
+    if summary.get("epsilon") is not None:
+        figures += f", epsilon {summary['epsilon']:.3f} at delta {summary['delta']:g}"
+    if summary.get("stop_reason") not in (None, "completed"):
+        lost = f"\n  stopped: {summary['stop_reason']}" + lost
     return (f"done: {summary['rounds']} rounds, {figures}, "
             f"median round {summary['median_round_time_s']:.1f}s, total {summary['total_time_s']:.1f}s, "
             f"{summary['total_bytes'] / 1e6:.1f} MB moved{lost}")

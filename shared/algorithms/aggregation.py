@@ -42,11 +42,20 @@ class Contribution:
     ``weight`` is ``|D_i|``; ``client_state`` the device's uploaded client portion and
     ``server_state`` the server-side copy of the device's group (``None`` for split depth
     zero). Keys in both are full-model ``state_dict`` keys; the client portion wins on overlap.
+
+    ``key_weights``, where given, replaces ``weight`` key by key: a contribution that stands for
+    several devices, each key with their summed weight (the mean of a private round's clipped
+    updates, whose holders differ from block to block: ``fed_server/aggregation.py``).
     """
 
     weight: float
     client_state: Mapping[str, torch.Tensor]
     server_state: Mapping[str, torch.Tensor] | None = None
+    key_weights: Mapping[str, float] | None = None
+
+    def weight_of(self, key: str) -> float:
+        """The contribution's weight for ``key``."""
+        return float(self.key_weights[key] if self.key_weights is not None else self.weight)
 
 
 def check_state(global_state: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], what: str) -> None:
@@ -66,9 +75,9 @@ def check_contributions(global_state: Mapping[str, torch.Tensor], contributions:
     if len(contributions) == 0:
         raise ValueError("layerwise_aggregate needs at least one contribution")
     for idx, contrib in enumerate(contributions):
-        w = float(contrib.weight)
-        if not math.isfinite(w) or w <= 0.0:
-            raise ValueError(f"contribution {idx}: weight must be finite and > 0, got {contrib.weight}")
+        for w in [float(contrib.weight), *map(float, (contrib.key_weights or {}).values())]:
+            if not math.isfinite(w) or w <= 0.0:
+                raise ValueError(f"contribution {idx}: weight must be finite and > 0, got {w}")
         for part_name, part in (("client_state", contrib.client_state), ("server_state", contrib.server_state)):
             if part is not None:
                 check_state(global_state, part, f"contribution {idx}: {part_name}")
@@ -110,7 +119,7 @@ def layerwise_aggregate(
                     value = contrib.server_state[key]
                 else:
                     continue
-                w = float(contrib.weight)
+                w = contrib.weight_of(key)
                 target = term if supplied else acc
                 target.copy_(value)
                 target.mul_(w)

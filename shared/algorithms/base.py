@@ -226,6 +226,11 @@ class Algorithm(Generic[UploadExtrasT]):
     #: Why the algorithm cannot run a regression task (it needs class labels), or None when it
     #: works with any loss: ``validate_run_config`` refuses such a run in one line.
     needs_classes: ClassVar[str | None] = None
+    #: Why the algorithm needs each device's own update at the Fed Server (its aggregate is not a
+    #: weighted mean of the updates, or it takes per-device values beside them), or None when its
+    #: aggregate is a weighted mean: only then can the updates be clipped and noised as a sum
+    #: (``validate_run_config`` refuses the others in a private run, in one line; docs/privacy.md).
+    individual_updates: ClassVar[str | None] = None
     #: The payloads (validated wherever they arrive, see :func:`parse_payload`): per-device values
     #: of a task, and the values sent with an upload.
     TaskExtras: ClassVar[type[Payload]] = Payload

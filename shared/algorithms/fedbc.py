@@ -280,6 +280,7 @@ class FedBC(Algorithm[FedBCUploadExtras]):
     TaskExtras = FedBCTaskExtras
     UploadExtras = FedBCUploadExtras
     needs_classes = "its devices report the accuracy of their local test split"
+    individual_updates = "it weighs each device's update by that device's own dual variable"
     params: FedBCParams
 
     def __init__(self, config: "RunConfig") -> None:

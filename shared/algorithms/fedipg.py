@@ -202,6 +202,7 @@ class FedIPG(Algorithm[FedIPGUploadExtras]):
     Logic = FedIPGLogic
     UploadExtras = FedIPGUploadExtras
     needs_classes = "its exit strategy and evaluation use the accuracy on in- and out-of-distribution domains"
+    individual_updates = "its exit strategy scores each device's own update and risk"
 
     def __init__(self, config: "RunConfig") -> None:
         super().__init__(config)

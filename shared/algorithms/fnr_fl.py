@@ -439,6 +439,7 @@ class FNRFL(Algorithm[FNRFLUploadExtras], TwoPhaseAlgorithm[FNRFLReport, FNRFLFo
     Params = FNRFLParams
     Logic = FNRFLLogic
     needs_classes = "it ranks devices by their per-class feature norms and public-set accuracy"
+    individual_updates = "it ranks each device by its own report and refines the worst ones"
     Report = FNRFLReport
     FollowUp = FNRFLFollowUp
     UploadExtras = FNRFLUploadExtras

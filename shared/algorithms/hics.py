@@ -228,6 +228,7 @@ class HiCSSelector(DeviceSelector):
 
     Params: ClassVar[type[SelectorParams]] = HiCSParams
     needs_classes = "it estimates each device's label distribution from its output layer's update"
+    individual_updates = needs_classes
 
     def __init__(self, config: "RunConfig", output_layer: str | None = None) -> None:
         super().__init__(config, output_layer)

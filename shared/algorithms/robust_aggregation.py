@@ -97,7 +97,7 @@ class AggregationRule:
         weights, capped = bounded_weights({d: float(c.weight) for d, c in contributions.items()},
                                           self.params.max_weight_ratio)
         bounded, clipped = clip_updates(global_state, contributions, self.params.clip)
-        bounded = {d: Contribution(weights[d], c.client_state, c.server_state) for d, c in bounded.items()}
+        bounded = {d: Contribution(weights[d], c.client_state, c.server_state, c.key_weights) for d, c in bounded.items()}
         # Algorithm 1 over the bounded inputs: the integer entries, keys nobody supplies, and the
         # whole result for the mean.
         state = layerwise_aggregate(global_state, list(bounded.values()))
@@ -307,7 +307,8 @@ def clip_updates(global_state: Mapping[str, torch.Tensor], contributions: Mappin
     def swap(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: replaced.get(id(v), v) for k, v in state.items()}
 
-    return {d: Contribution(c.weight, swap(c.client_state), None if c.server_state is None else swap(c.server_state))
+    return {d: Contribution(c.weight, swap(c.client_state), None if c.server_state is None else swap(c.server_state),
+                            c.key_weights)
             for d, c in contributions.items()}, clipped
 
 

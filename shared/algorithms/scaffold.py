@@ -140,6 +140,7 @@ class Scaffold(Algorithm[ScaffoldUploadExtras]):
     Logic = ScaffoldLogic
     TaskExtras = ScaffoldTaskExtras
     UploadExtras = ScaffoldUploadExtras
+    individual_updates = "each device sends the change of its control variate beside its update"
 
     def __init__(self, config: "RunConfig") -> None:
         super().__init__(config)

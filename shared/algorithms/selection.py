@@ -30,6 +30,8 @@ class DeviceSelector:
     Params: ClassVar[type[SelectorParams]] = SelectorParams
     #: Why the policy cannot serve a regression task, or None (``Algorithm.needs_classes``).
     needs_classes: ClassVar[str | None] = None
+    #: Why the policy learns from each device's own update, or None (``Algorithm.individual_updates``).
+    individual_updates: ClassVar[str | None] = None
 
     def __init__(self, config: "RunConfig", output_layer: str | None = None) -> None:
         self.config = config

@@ -12,7 +12,8 @@ from fed_server import coordinator as coordinator_module
 from fed_server.coordinator import Coordinator
 from fed_server.fed_round import REENROLLED, REENROLLED_AFTER_TASK
 from fed_server.run_dir import RunDirectory
-from fed_server.update_checks import max_held_out, trained_samples, update_norm
+from fed_server.update_checks import max_held_out, trained_samples
+from shared.privacy.clipping import update_norm
 from shared.data import device_shard, load_dataset
 from shared.data.holdout import evaluation_holdout
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound, TooSoon

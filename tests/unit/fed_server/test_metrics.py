@@ -31,12 +31,12 @@ def record(**changes) -> RoundRecord:
 RECORD = record()
 
 
-def fake_coordinator(round_open: bool = False):
+def fake_coordinator(round_open: bool = False, history: tuple[RoundRecord, ...] = ()):
     devices = {f"dev-00{i}": NS(last_seen=time.monotonic() - (100 if i == 2 else 0)) for i in range(3)}
     replicas = NS(urls=["http://a:8081", "http://b:8081", "http://c:8081"], down={"http://b:8081"})
     replicas.live = lambda: len(set(replicas.urls) - replicas.down)
     return NS(core=NS(round=NS(round_id=4) if round_open else None, devices=NS(devices=devices)),
-              progress=NS(rounds_done=3, initial={"test_accuracy": 0.1, "test_loss": 2.3}),
+              progress=NS(rounds_done=3, initial={"test_accuracy": 0.1, "test_loss": 2.3}, history=list(history)),
               config=NS(rounds=10, data=NS(num_devices=3)),
               table=NS(entries=lambda: {"dev-000": {0: 1.5, 1: 2.5}, "dev-001": {2: 3.0}}), replicas=replicas)
 
@@ -75,6 +75,19 @@ def test_round_record_values():
     metrics.observe_round(record(split_points={"dev-000": 2}, aggregation_s=0.05))
     assert sample(metrics, "sfl_fed_split_point_devices", {"split_point": "3"}) == 0
     assert sample(metrics, "sfl_fed_aggregation_duration_seconds_sum") == 0.25
+
+
+def test_privacy_gauges_follow_the_records_and_a_resumed_run_starts_from_its_last():
+    spent = {"clip_norm": 0.5, "epsilon": 1.25, "delta": 1e-5, "noise_multiplier": 1.1}
+    metrics = FedMetrics(fake_coordinator())
+    assert sample(metrics, "sfl_fed_privacy_epsilon") == 0
+    metrics.observe_round(record(privacy=spent))
+    assert sample(metrics, "sfl_fed_privacy_epsilon") == 1.25
+    assert sample(metrics, "sfl_fed_privacy_clip_norm") == 0.5
+    metrics.observe_round(record(status="failed", privacy=None))   # nothing released: unchanged
+    assert sample(metrics, "sfl_fed_privacy_epsilon") == 1.25
+    resumed = FedMetrics(fake_coordinator(history=(record(privacy=spent), record(privacy={**spent, "epsilon": 2.0}))))
+    assert sample(resumed, "sfl_fed_privacy_epsilon") == 2.0
 
 
 def test_scrape_time_values():

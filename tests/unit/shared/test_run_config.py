@@ -129,3 +129,49 @@ def test_a_split_algorithm_whose_device_logic_defines_a_loss_is_refused(monkeypa
                                          r"never computes"):
         load_run_config({"algorithm": "split_own_loss"})
     load_run_config({"algorithm": "s2fl"})
+
+
+PRIVATE = {"algorithm": "fedavg", "aggregation": {"rule": "mean"}, "privacy": {"clipping": "fixed"},
+           "data": {"num_devices": 10}, "devices_per_round": 5}
+NOISED = {**PRIVATE, "privacy": {"clipping": "fixed", "noise": "central", "noise_multiplier": 1.0, "delta": 1e-3}}
+
+
+def _with(base: dict, **changes) -> dict:
+    data = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
+    for dotted, value in changes.items():
+        section, _, key = dotted.partition(".")
+        if key:
+            data.setdefault(section, {})[key] = value
+        else:
+            data[section] = value
+    return data
+
+
+def test_private_runs_of_a_weighted_mean_pass():
+    for data in (PRIVATE, NOISED, _with(PRIVATE, algorithm="s2fl"), _with(PRIVATE, algorithm="fedadam"),
+                 _with(NOISED, **{"privacy.clipping": "adaptive", "privacy.clipped_count_stddev": 2.0})):
+        load_run_config(data)
+
+
+@pytest.mark.parametrize("data, message", [
+    (_with(PRIVATE, algorithm="fedbc"), "privacy.clipping cannot run algorithm 'fedbc': it weighs each device's update"),
+    (_with(PRIVATE, algorithm="scaffold"), "privacy.clipping cannot run algorithm 'scaffold': each device sends"),
+    (_with(PRIVATE, selection="hics"), "privacy.clipping cannot run selection 'hics'"),
+    (_with(PRIVATE, **{"aggregation.rule": "median"}), "privacy.clipping needs aggregation.rule: mean (got 'median'"),
+    (_with(PRIVATE, **{"aggregation.rule": "krum"}), "needs aggregation.rule: mean (got 'krum'"),
+    (_with(PRIVATE, **{"aggregation.rule": "trimmed_mean"}), "privacy.clipping needs aggregation.rule: mean"),
+    (_with(PRIVATE, **{"updates.max_norm": 5.0}), "privacy.clipping replaces updates.max_norm"),
+    (_with(PRIVATE, algorithm="s2fl", **{"grouping.member_defences": ["member_updates"]}),
+     "privacy.clipping cannot run grouping.member_defences member_updates"),
+    (_with(PRIVATE, **{"privacy.noise": "central"}), "privacy.noise needs privacy.noise_multiplier or"),
+    (_with(PRIVATE, **{"privacy.noise_multiplier": 1.0}), "privacy.noise_multiplier and privacy.target_epsilon need"),
+    (_with(NOISED, **{"privacy.delta": 0.5}), "privacy.delta 0.5 is not below 1 / data.num_devices"),
+    (_with(NOISED, **{"privacy.noise_multiplier": 0.3, "privacy.target_epsilon": 1.0}),
+     "privacy.noise_multiplier 0.3 spends epsilon"),
+    (_with(NOISED, **{"privacy.clipping": "adaptive", "privacy.clipped_count_stddev": 0.4}),
+     "privacy.clipped_count_stddev 0.4 is too small"),
+])
+def test_what_needs_each_devices_own_update_or_breaks_the_budget_is_refused_in_one_line(data, message):
+    with pytest.raises(ConfigError) as info:
+        load_run_config(data)
+    assert len(info.value.lines) == 1 and message in info.value.lines[0], info.value.lines

@@ -88,3 +88,16 @@ def test_a_resumed_run_is_announced_once_after_its_restored_rounds(round_record)
     follow.follow_run(lambda since, seen, wait_s: next(answers), lambda record, _: events.append(f"round {record.round}"),
                       on_resumed=lambda rounds: events.append(follow.format_resumed(rounds)))
     assert events == ["round 1", "round 2", "round 3", "resumed after round 3", "round 4", "round 5"]
+
+
+def test_a_private_runs_lines_show_its_epsilon_and_why_it_stopped(round_record):
+    spent = {"clip_norm": 0.5, "epsilon": 1.2345, "delta": 1e-5, "noise_multiplier": 1.1}
+    line = follow.format_round(round_record(privacy=spent), {"rounds_total": 2})
+    assert "  eps 1.234 (delta 1e-05)" in line
+    assert "eps" not in follow.format_round(round_record(privacy={"clip_norm": 0.5}), {"rounds_total": 2})
+    reason = "privacy budget: another round would raise epsilon from 2.889 to 3.236, past privacy.target_epsilon 3"
+    summary = {"rounds": 4, "final_accuracy": 0.5, "best_accuracy": 0.5, "median_round_time_s": 1.0,
+               "total_time_s": 2.0, "total_bytes": 2e6, "epsilon": 2.889, "delta": 1e-3, "stop_reason": reason}
+    first, stopped = follow.format_done(summary).splitlines()
+    assert "final accuracy 50.00% (best 50.00%), epsilon 2.889 at delta 0.001" in first
+    assert stopped == f"  stopped: {reason}"

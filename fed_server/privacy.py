@@ -1,0 +1,110 @@
+"""The run's differential privacy at the Fed Server (``privacy.*``; docs/privacy.md): each round's
+terms for the devices (the clip bound), the noise the Fed Server adds to the sum of their clipped
+updates (central noise), what an aggregated round spends (the ledger, over Opacus's accountant), the
+adaptive clip bound's next value, and the budget's stop.
+
+The noise multiplier ``z`` is the configured one, or the one that spends ``target_epsilon`` in
+exactly ``rounds`` rounds at the sampling rate ``devices_per_round / num_devices``; it is kept in the
+checkpoint, so a resumed run that changes ``rounds`` keeps its noise.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from shared.config import RunConfig
+from shared.privacy.accountant import PrivacyLedger
+from shared.privacy.budget import count_stddev, run_noise_multiplier
+from shared.privacy.clipping import AdaptiveClip
+from shared.schemas import PrivacyTerms
+
+log = logging.getLogger("fed_server")
+
+
+class RunPrivacy:
+    """The privacy terms and spending of one run (built only when ``privacy.clipping`` is set)."""
+
+    def __init__(self, config: RunConfig) -> None:
+        privacy = self.config = config.privacy
+        self.sample_rate = config.per_round / config.data.num_devices
+        self.clip_norm = privacy.clip_norm
+        self.ledger = PrivacyLedger(privacy.accountant, privacy.delta) if privacy.noise is not None else None
+        self.noise_multiplier = run_noise_multiplier(config)
+        self.adaptive = (AdaptiveClip(privacy.clip_norm, privacy.target_quantile, privacy.clip_learning_rate,
+                                      count_stddev(config, self.noise_multiplier))
+                         if privacy.clipping == "adaptive" else None)
+        if self.adaptive is not None and self.noise_multiplier is not None:
+            self.adaptive.update_noise_multiplier(self.noise_multiplier)   # ValueError: a count noise too small
+        if privacy.noise is not None:
+            log.info("privacy: noise multiplier %.4g (%s), clip bound %.4g (%s), sampling rate %.4g, delta %g",
+                     self.noise_multiplier, "configured" if privacy.noise_multiplier else
+                     f"spends epsilon {privacy.target_epsilon:g} in {config.rounds} rounds", self.clip_norm,
+                     privacy.clipping, self.sample_rate, privacy.delta)
+
+    # --- the round's terms --------------------------------------------------------------------
+    def _update_multiplier(self) -> float:
+        """The updates' noise multiplier: ``z``, less what adaptive clipping's count takes."""
+        assert self.noise_multiplier is not None
+        if self.adaptive is None:
+            return self.noise_multiplier
+        return self.adaptive.update_noise_multiplier(self.noise_multiplier)
+
+    def task_terms(self) -> PrivacyTerms:
+        """What a training task tells its device: clip its update to the round's bound."""
+        return PrivacyTerms(clip_norm=self.clip_norm)
+
+    def central_stds(self) -> tuple[float, float]:
+        """The standard deviations of the noise the Fed Server adds to the sum of updates and to
+        the count of unclipped devices (adaptive clipping); (0, 0) without noise."""
+        if self.noise_multiplier is None:
+            return 0.0, 0.0
+        count = self.adaptive.count_stddev if self.adaptive is not None else 0.0
+        return self._update_multiplier() * self.clip_norm, count
+
+    # --- what a round spends ------------------------------------------------------------------
+    def release(self, aggregated: int, unclipped: float | None) -> dict[str, Any]:
+        """Count an aggregated round of ``aggregated`` devices, ``unclipped`` of which (noised,
+        adaptive clipping) had their update inside the bound: spend its privacy, move the adaptive
+        bound. Returns the round record's ``privacy`` fields (the epsilon after the round)."""
+        record: dict[str, Any] = {"clip_norm": self.clip_norm}
+        if self.ledger is not None:
+            assert self.noise_multiplier is not None
+            self.ledger.spend(self.noise_multiplier, self.sample_rate)
+            record.update(epsilon=self.ledger.epsilon(), delta=self.ledger.delta, noise_multiplier=self.noise_multiplier)
+        if self.adaptive is not None and unclipped is not None:
+            fraction = unclipped / aggregated
+            record["unclipped_fraction"] = fraction
+            self.adaptive.observe(fraction)
+            self.clip_norm = self.adaptive.clip_norm
+        return record
+
+    def exhausted(self) -> str | None:
+        """Why the run stops here: one more round would raise epsilon past ``target_epsilon``
+        (None: it may go on)."""
+        target = self.config.target_epsilon
+        if self.ledger is None or target is None:
+            return None
+        assert self.noise_multiplier is not None
+        spent, after = self.ledger.epsilon(), self.ledger.epsilon_after(self.noise_multiplier, self.sample_rate)
+        if after <= target:
+            return None
+        return (f"privacy budget: another round would raise epsilon from {spent:.4g} to {after:.4g}, past "
+                f"privacy.target_epsilon {target:g} (delta {self.ledger.delta:g})")
+
+    def epsilon(self) -> float | None:
+        """The epsilon spent so far (None: the run adds no noise)."""
+        return self.ledger.epsilon() if self.ledger is not None else None
+
+    # --- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise_multiplier": self.noise_multiplier, "clip_norm": self.clip_norm,
+                "ledger": self.ledger.state_dict() if self.ledger is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: its multiplier, clip bound and ledger."""
+        self.noise_multiplier = state["noise_multiplier"]
+        self.clip_norm = float(state["clip_norm"])
+        if self.adaptive is not None:
+            self.adaptive.clip_norm = self.clip_norm
+        if self.ledger is not None and state["ledger"] is not None:
+            self.ledger.load_state_dict(state["ledger"])
