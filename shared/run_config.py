@@ -78,8 +78,12 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if algorithm.split_mode() != "zero" and not model.split_points:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
-    if config.split.candidates is not None:
-        candidate_split_points(profile_model(model, config.model), config.split.candidates)
+    if config.split.candidates is not None or config.split.pinned:
+        points = candidate_split_points(profile_model(model, config.model), config.split.candidates)
+        wrong = {device: point for device, point in config.split.pinned.items() if point not in points}
+        if wrong:
+            raise ValueError(f"split.pinned: {', '.join(f'{d}: {k}' for d, k in sorted(wrong.items()))} is not one of "
+                             f"the run's candidate split points {points}")
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
                        (f"selection {config.selection!r}", selector.model_parts_needed())):
         for part in needs:
