@@ -455,15 +455,15 @@ def test_devices_a_lost_replica_may_hold_are_not_selected_until_they_call_again(
     r.ready = True
     on_b = sorted(d for d, a in r.assignments.items() if a.main_server_url == B)
     took, idle = on_b[0], on_b[1]
-    assert c.task_for(took).status == "train"
+    assert c.dispatch.task_for(took).status == "train"
     c.replicas.lost(r, B, "watch failed")
     assert set(c.replicas.held) == {took}
     # Taken out before it took its task, the other gets none: its replica is gone.
-    assert c.task_for(idle).status == "wait"
+    assert c.dispatch.task_for(idle).status == "wait"
     c.close_round()
     assert took not in c.begin_round().assignments   # its call to the lost replica may still hang
     c.close_round()
-    c.devices.get(took)   # it called the Fed Server: whatever held it is over
+    c.core.devices.get(took)   # it called the Fed Server: whatever held it is over
     assert took in c.begin_round().assignments and c.replicas.held == {}
 
 
@@ -474,7 +474,7 @@ def test_held_devices_reach_the_quorum_when_nobody_else_can_and_are_not_charged_
     r = c.begin_round()
     c.replicas.plans(r, [A])
     r.ready = True
-    assert all(c.task_for(d).status == "train" for d in DEVICES)
+    assert all(c.dispatch.task_for(d).status == "train" for d in DEVICES)
     c.replicas.lost(r, A, "killed")   # every device had taken its task on it
     c.close_round()
     assert set(c.replicas.held) == set(DEVICES)
