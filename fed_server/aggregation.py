@@ -73,7 +73,8 @@ class Aggregator:
 
     def aggregate(self, fed_round: FedRound) -> Aggregation:
         """Aggregate (Algorithm 1 or the algorithm's rule) and update the time table. A round below
-        the quorum changes nothing (``ok`` False): the same logical round is retried. A split device whose group portion is missing is not
+        the quorum changes nothing but the time table's entries of the devices it cut short (``ok``
+        False): the same logical round is retried. A split device whose group portion is missing is not
         aggregated: it is taken out with that reason. Nothing is written to disk here. CPU work:
         run off the event loop."""
         used = self.usable(fed_round)
@@ -82,6 +83,7 @@ class Aggregator:
         ok = len(used) >= self.core.config.deadlines.min_participants
         aggregation = Aggregation(used, dropped, ok, extras, 0.0)
         if not aggregation.ok:
+            self._observe_cuts(fed_round, used)
             return aggregation
         started = time.perf_counter()
         model, global_state = self.core.model, self.core.model.state_dict()
@@ -94,6 +96,7 @@ class Aggregator:
         model.load_state_dict(self.core.algorithm.aggregate(fed_round.context, global_state, contributions, extras))
         aggregation.aggregation_s = time.perf_counter() - started
         self._observe_times(fed_round, used)
+        self._observe_cuts(fed_round, used)
         return aggregation
 
     def _contributions(self, fed_round: FedRound, used: list[str]) -> dict[str, Contribution]:
@@ -162,21 +165,34 @@ class Aggregator:
         return sums, weights, float(inside)
 
     def _observe_times(self, fed_round: FedRound, used: list[str]) -> None:
-        """The aggregated devices' round times, into the split planner, the time table and the
-        devices' usual times (:mod:`fed_server.device_pace`)."""
+        """The aggregated devices' round times, into the split planner (the time table and the link
+        rates) and the devices' usual times (:mod:`fed_server.device_pace`)."""
         self.core.pace.observe_attempt({d: (fed_round.assignments[d].split_point, fed_round.upload_seconds(d))
                                         for d in used})
         for device in used:
             assignment = fed_round.assignments[device]
             if assignment.candidate is not None:
                 update = fed_round.updates[device]
+                seconds = update.round_time
                 # The device's own transfer figures count at most the round's time on this clock.
-                transfer_s = min(update.request.timings.transfer_s + update.upload_s, fed_round.upload_seconds(device))
-                self.planner.observe(device, assignment.candidate, transfer_s)
+                transfer_s = min(update.request.timings.transfer_s + update.upload_s, fed_round.upload_seconds(device),
+                                 seconds)
+                compute_s = min(update.request.timings.compute_s, seconds - transfer_s)
                 try:
-                    self.table.record(device, assignment.candidate, update.round_time)
+                    self.planner.observe(device, assignment.candidate, seconds, transfer_s, compute_s)
                 except ValueError as exc:
                     # accept_update bounds the timings; should one device's figures still be
                     # unusable, that device's cell is not updated, and the round goes on.
                     log.error("round %d (attempt %d): time of %s not recorded: %s", fed_round.index,
                               fed_round.round_id, device, exc)
+
+    def _observe_cuts(self, fed_round: FedRound, used: list[str]) -> None:
+        """The devices the attempt cut short (:meth:`FedRound.cut_short`), each a censored entry of
+        the time table at its split: it took at least as long as it was waited for."""
+        for device, waited_s in fed_round.cut_short(used).items():
+            candidate = fed_round.assignments[device].candidate
+            if candidate is not None:
+                self.planner.censor(device, candidate, waited_s)
+                log.info("round %d (attempt %d): %s cut short at split %d after %.1f s: the time table reads it "
+                         "at least that", fed_round.index, fed_round.round_id, device,
+                         fed_round.assignments[device].split_point, waited_s)

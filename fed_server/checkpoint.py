@@ -35,7 +35,8 @@ class RunProgress:
     rng_state: tuple              # the selection RNG (random.Random.getstate())
     algorithm_state: dict[str, Any] = field(default_factory=dict)
     selector_state: dict[str, Any] = field(default_factory=dict)
-    time_table: dict[str, dict[int, float]] = field(default_factory=dict)
+    # The client time table (fed_server/time_table.py, ClientTimeTable.state_dict).
+    time_table: dict[str, Any] = field(default_factory=dict)
     # Devices sitting out after missed deadlines (fed_server/missed_deadlines.py).
     missed_deadlines: dict[str, list[int]] = field(default_factory=dict)
     # Each device's usual round time per split point (fed_server/device_pace.py).
@@ -51,7 +52,6 @@ def save_checkpoint(run_dir: RunDirectory, model_state: Mapping[str, torch.Tenso
     extra = {k: v for k, v in dataclasses.asdict(progress).items() if k != "rounds_done"}
     version, internal, gauss = progress.rng_state
     extra["rng_state"] = [version, list(internal), gauss]      # msgpack has no tuples
-    extra["time_table"] = {d: {str(j): t for j, t in row.items()} for d, row in progress.time_table.items()}
     run_dir.write_checkpoint(progress.rounds_done, model_state, extra)
 
 
@@ -90,5 +90,4 @@ def load_checkpoint(run_dir: RunDirectory, config: RunConfig) -> tuple[dict[str,
     version, internal, gauss = extra["rng_state"]
     return state, RunProgress(**{
         **extra, "rounds_done": rounds_done, "rng_state": (version, tuple(internal), gauss),
-        "time_table": {d: {int(j): float(t) for j, t in row.items()} for d, row in extra["time_table"].items()},
     })

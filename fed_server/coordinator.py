@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -88,10 +89,10 @@ class Coordinator:
         candidates = split_candidates(config, core.model)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
         # which never consult the table: one placeholder candidate keeps it well-formed.
-        self.table = ClientTimeTable(max(1, len(candidates)), config.split.smoothing)
+        self.table = ClientTimeTable(max(1, len(candidates)), config.split.smoothing, config.split.warm_up)
         self.planner = SplitPlanner(core.algorithm.split_mode(), candidates, core.num_blocks, profile, self.table,
                                     core.devices, config.train.local_epochs, config.split.server_flops,
-                                    head_start=core.head_start if config.split.u_shaped else None)
+                                    config.split.pinned, head_start=core.head_start if config.split.u_shaped else None)
         self.rng = random.Random(config.seed)
         # Federated evaluation does not use a server test set even where one exists.
         test_set = server_test_set(config.data, core.loss.task) if core.evaluation_mode == "server" else None
@@ -161,6 +162,7 @@ class Coordinator:
         if self.core.round is None:
             raise RuntimeError("no open round")
         fed_round, self.core.round = self.core.round, None
+        fed_round.closed_at = time.monotonic()
         self.dispatch.release_task_weights()   # the model is about to change
         return fed_round
 

@@ -25,6 +25,15 @@ OVERDUE = "no upload by its own deadline"   # fed_server/device_pace.py
 REENROLLED_AFTER_TASK = "registered again after taking its task"
 REENROLLED = "registered again before taking its task"
 MISSED_DEADLINE = frozenset({NEVER_JOINED, NO_REPORT, NO_UPLOAD, OVERDUE, REENROLLED_AFTER_TASK})
+#: How the reasons of a device that withdrew, and of one the Main Server dropped, begin.
+WITHDREW = "withdrew: "
+DROPPED_AT_MAIN_SERVER = "dropped by the Main Server from group "
+#: Why a device left an attempt unfinished that shows it takes at least as long as the attempt had
+#: waited for it (``FedRound.cut_short``): a deadline of either server passed for it. A withdrawal
+#: and a drop by the Main Server count too (they begin as above): a join or a step past the Main
+#: Server's deadline ends so; one that comes early for another reason bounds the device's time by
+#: the few seconds it was waited for, which teaches the time table nothing.
+CUT_SHORT = frozenset({NEVER_JOINED, NO_REPORT, NO_UPLOAD, OVERDUE})
 
 
 @dataclass
@@ -69,6 +78,8 @@ class ReceivedPortion:
     #: With ``member_updates``: each member's own state of the copy, which its device is
     #: aggregated with instead of the group's (shared/algorithms/member_defence.py).
     member_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: When it was stored (monotonic): when the Fed Server learnt of the members the group dropped.
+    arrived_at: float = field(default_factory=time.monotonic)
 
     def server_state(self, device_id: str) -> dict[str, torch.Tensor]:
         """The server-side state ``device_id`` is aggregated with: its own, or its group's copy."""
@@ -97,6 +108,7 @@ class FedRound:
     plan_failed: str | None = None
     ready: bool = False          # tasks are handed out only once the Main Server accepted the plan
     ready_at: float | None = None   # when the tasks went out (monotonic)
+    closed_at: float | None = None  # when it stopped accepting uploads (monotonic)
     # Two-phase algorithms: reports, the follow-up instructions once planned, who got theirs.
     reports: dict[str, Payload] = field(default_factory=dict)
     follow_ups: dict[str, Payload] | None = None
@@ -156,7 +168,7 @@ class FedRound:
         at_main_server: dict[str, str] = {}
         for group_id, portion in sorted(self.portions.items()):
             for device in portion.upload.dropped:
-                at_main_server.setdefault(device, f"dropped by the Main Server from group {group_id}")
+                at_main_server.setdefault(device, f"{DROPPED_AT_MAIN_SERVER}{group_id}")
             for device in portion.upload.absent:
                 at_main_server.setdefault(device, NEVER_JOINED)
         missing = "no Main Server replica accepted the round plan" if self.plan_failed is not None else NO_UPLOAD
@@ -178,6 +190,27 @@ class FedRound:
         """The selected devices the attempt had to wait a deadline for: they never joined their
         group, never reported or never uploaded (:data:`MISSED_DEADLINE`), their replica alive."""
         return {d for d, why in self.left(used).items() if why in MISSED_DEADLINE}
+
+    def cut_short(self, used: Collection[str]) -> dict[str, float]:
+        """The selected devices that left the attempt unfinished at a deadline (:data:`CUT_SHORT`),
+        withdrew or were dropped by the Main Server, each with the seconds the attempt had waited for
+        it when it left: its round at its split takes at least that (a censored entry of the time
+        table, fed_server/time_table.py). A device the Main Server left out is known to have left
+        when its group's portion arrived; a device still awaited, when the attempt closed."""
+        out: dict[str, float] = {}
+        for device, why in self.left(used).items():
+            if why in CUT_SHORT or why.startswith((WITHDREW, DROPPED_AT_MAIN_SERVER)):
+                out[device] = max(0.0, self._left_at(device) - self.wait_began(device))
+        return out
+
+    def _left_at(self, device_id: str) -> float:
+        """When the attempt stopped waiting for a device that never uploaded (monotonic)."""
+        if device_id in self.excluded_at:
+            return self.excluded_at[device_id]
+        for portion in self.portions.values():
+            if device_id in portion.upload.dropped or device_id in portion.upload.absent:
+                return portion.arrived_at
+        return self.closed_at if self.closed_at is not None else time.monotonic()
 
     def unconfirmed_misses(self, now: float) -> dict[str, float]:
         """Per Main Server replica, the latest moment one of its devices missed a deadline (taken

@@ -204,7 +204,7 @@ class Progress:
             failed_in_a_row=self.failed_in_a_row, history_len=len(self.history),
             cumulative_bytes=self.cumulative_bytes, elapsed_s=self.elapsed(), rng_state=self.rng.getstate(),
             algorithm_state=core.algorithm.state_dict(), selector_state=core.selector.state_dict(),
-            time_table=self.table.entries(), missed_deadlines=core.missed.state_dict(),
+            time_table=self.table.state_dict(), missed_deadlines=core.missed.state_dict(),
             device_pace=core.pace.state_dict(), finished=finished, stop_reason=stop_reason,
             privacy=core.privacy.state_dict() if core.privacy is not None else {})
 
@@ -236,7 +236,7 @@ class Progress:
         self.rng.setstate(progress.rng_state)
         core.algorithm.load_state_dict(progress.algorithm_state)
         core.selector.load_state_dict(progress.selector_state)
-        self.table.load_entries(progress.time_table)
+        self.table.load_state_dict(progress.time_table)
         core.missed.load_state_dict(progress.missed_deadlines)
         core.pace.load_state_dict(progress.device_pace)
         if core.privacy is not None:

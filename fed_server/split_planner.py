@@ -14,23 +14,27 @@ from shared.models import ModelProfile
 class SplitPlanner:
     """Maps devices to candidate indices ``j`` (into ``split_points``) and to block counts ``k``.
 
-    ``sliding``: the client time table (warm-up, then the median rule); devices with no
-    measurements get Eq. 1 estimates from their profile, calibrated by the measured / predicted
-    ratio of devices already in the table. ``fixed``: the largest client portion for everyone
-    (SFL). ``zero``: the whole model on the device.
+    ``sliding``: the client time table (warm-up, then the median rule, docs/s2fl.md); a device's
+    untried candidates are scaled from its measured ones by Eq. 1's terms (:meth:`terms`), and
+    devices with no measurements get Eq. 1 estimates from their profile, calibrated by the
+    measured / predicted ratio of devices already in the table. ``fixed``: the largest client
+    portion for everyone (SFL). ``zero``: the whole model on the device. ``pinned`` (device id ->
+    split point, ``split.pinned``) overrides the choice for those devices in either split mode.
 
     The link rate Eq. 1 uses is measured (:meth:`observe`): after each of a device's rounds, the
-    rate at which Eq. 1's bytes for that split (``2|Wc| + 2pq``) take the transfer time the round
-    really had (the device's timed transfers and the upload the Fed Server timed, at most the
-    round's time on the Fed Server's clock). Before that, it is the rate the device registered
-    with; a real device registers none (its link is not known), and until its first round its
-    cells come from the other devices' entries. A measured rate is kept by device id
+    rate at which Eq. 1's bytes for that split (``2|Wc| + 2pq``) take the transfer time its table
+    cell now holds (the device's timed transfers and the upload the Fed Server timed, at most the
+    round's time on the Fed Server's clock, in the table's running average; a change of the link
+    moves it at once, :mod:`fed_server.time_table`). A cut attempt lowers it with the device's link
+    level (:meth:`censor`). Before any round, it is the rate the device registered with; a real
+    device registers none (its link is not known), and until its first round its cells come from
+    the other devices' entries. A measured rate is kept by device id
     (:meth:`DeviceRegistry.measure_rate`): registering again does not reset it.
     """
 
     def __init__(self, mode: SplitMode, split_points: Sequence[int], num_blocks: int, profile: ModelProfile,
                  table: ClientTimeTable, devices: DeviceRegistry, local_epochs: int, server_flops: float,
-                 head_start: int | None = None) -> None:
+                 pinned: Mapping[str, int] | None = None, head_start: int | None = None) -> None:
         self.mode = mode
         self.split_points = list(split_points)
         self.num_blocks = num_blocks
@@ -41,6 +45,7 @@ class SplitPlanner:
         self.server_flops = server_flops
         #: U-shaped mode: where the devices' heads start (a split point of the model); None: no head.
         self.head_start = head_start
+        self.pinned = dict(pinned or {})
 
     def _view(self, j: int) -> SplitCostView:
         """Eq. 1's inputs at candidate ``j``; U-shaped, with the head's terms, the server's FLOPs
@@ -87,23 +92,44 @@ class SplitPlanner:
             out[device] = None if j is None or rate is None else self._view(j).device_param_bytes / rate
         return out
 
-    def observe(self, device_id: str, j: int, transfer_s: float) -> None:
-        """Set the device's link rate from a round at candidate ``j`` whose transfers took
-        ``transfer_s`` seconds in all: Eq. 1's bytes for ``j`` over that time. A device that is
-        no longer registered, or a round with no transfer time, changes nothing."""
+    def terms(self, device_id: str, j: int) -> tuple[float, float, float]:
+        """Eq. 1's terms of the device's round at candidate ``j``: the bytes on its link
+        (``2|Wc| + 2pq``), its client FLOPs and the server FLOPs of its steps (NaN for a device no
+        longer registered)."""
         record = self.devices.devices.get(device_id)
-        if record is None or not transfer_s > 0:
-            return
-        moved = eq1_bytes(self._view(j), record.num_samples * self.local_epochs)
-        if moved > 0 and math.isfinite(moved / transfer_s):
-            self.devices.measure_rate(device_id, moved / transfer_s)
+        if record is None:
+            return math.nan, math.nan, math.nan
+        view, samples = self._view(j), record.num_samples * self.local_epochs
+        return eq1_bytes(view, samples), view.client_flops * samples, view.server_flops * samples
+
+    def observe(self, device_id: str, j: int, seconds: float, transfer_s: float, compute_s: float) -> None:
+        """Fold a device's round at candidate ``j`` into the time table (``seconds`` in all, of which
+        ``transfer_s`` on its link and ``compute_s`` its compute; ValueError, changing nothing, for
+        figures the table cannot hold), then set its link rate: Eq. 1's bytes for ``j`` over the
+        transfer time its cell now holds. A device that is no longer registered, or a cell with no
+        transfer time, leaves the rate as it was."""
+        self.table.record(device_id, j, seconds, transfer_s, compute_s)
+        parts = self.table.parts(device_id, j)
+        moved = self.terms(device_id, j)[0]
+        if parts is not None and parts.transfer_s > 0 and moved > 0 and math.isfinite(moved / parts.transfer_s):
+            self.devices.measure_rate(device_id, moved / parts.transfer_s)
+
+    def censor(self, device_id: str, j: int, waited_s: float) -> None:
+        """The device left an attempt at candidate ``j`` unfinished after ``waited_s`` seconds (cut
+        at a deadline): a censored entry of the time table (:meth:`ClientTimeTable.censor`), and its
+        measured link rate falls with its link level."""
+        factor = self.table.censor(device_id, j, waited_s, self.terms)
+        rate = self.devices.measured_rate(device_id)
+        if factor > 1.0 and rate is not None:
+            self.devices.measure_rate(device_id, rate / factor)
 
     def choose(self, round_index: int, devices: Sequence[str]) -> dict[str, tuple[int | None, int]]:
         """device -> (candidate index or None, number of blocks on the device)."""
         if self.mode == "zero":
             return {d: (None, self.num_blocks) for d in devices}
         if self.mode == "fixed":
-            j = len(self.split_points) - 1
-            return {d: (j, self.split_points[j]) for d in devices}
-        chosen = self.table.choose(round_index, list(devices), self.estimate)
+            chosen = {d: len(self.split_points) - 1 for d in devices}
+        else:
+            chosen = self.table.choose(round_index, list(devices), self.estimate, self.terms)
+        chosen.update({d: self.split_points.index(self.pinned[d]) for d in devices if d in self.pinned})
         return {d: (j, self.split_points[j]) for d, j in chosen.items()}

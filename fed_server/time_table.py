@@ -1,36 +1,57 @@
 """Client time table and sliding split choice of the Fed Server (S2FL paper, Section 3.1, Eq. 1).
 
 The table holds, per device and split candidate ``j`` (0..K-1, larger ``j`` = more layers on
-the device), the running average of the measured round time (dispatch to upload).
+the device), the running average of the measured round time (dispatch to upload), kept as its
+three measured parts: transfer, compute and the rest (the Main Server's training of its steps).
 
-* Warm-up: in rounds 1..K every device gets candidate ``j = round - 1``.
-* After warm-up: take the median ``m`` of the ``x * K`` times of the round's ``x`` devices and
+* Warm-up (``every_split``, the paper's and the default): in rounds 1..K every device gets
+  ``j = round - 1``. ``estimated``: round 1 puts every device at ``j = 0``; from round 2 on the median
+  rule runs on the measured cells and on estimates of the untried ones, so a device tries a split
+  only when the rule, on those estimates, picks it.
+* Median rule: take the median ``m`` of the ``x * K`` times of the round's ``x`` devices and
   give each device the candidate whose time is closest to ``m``.
 
-Decisions where the paper is silent (documented here and in the methods):
+Decisions where the paper is silent (documented here, in the methods and in docs/s2fl.md):
 
 * running average ``new = (1 - s) * old + s * measured``; the first measurement is stored as is;
-* a missing cell (the device was never measured at ``j``) is filled with the Eq. 1 estimate
-  times :meth:`ClientTimeTable.calibration` (median measured/predicted ratio over the table, which
+* **the cells follow a device's changes**: each device has a link level and a compute level
+  (1 at first); a cell's transfer and compute parts are stored divided by the levels of when they
+  were measured and read multiplied by the levels of now. A measured part that differs from its
+  cell's by more than :data:`CHANGE_RATIO` times either way (and by at least :data:`CHANGE_SHARE`
+  of the cell) is a change, not noise: the level moves by that ratio, so every cell of the device
+  follows at once, the splits it has not used lately included;
+* **a cut attempt is a censored entry**: a device that left an attempt unfinished at candidate
+  ``j`` after ``W`` seconds (cut at a deadline) takes at least ``W`` there. Its link level rises
+  until the cell reads ``W`` (its compute level where the cell has no transfer time), and until
+  it is measured again it gets its cheapest candidate among those that read less than ``W`` (its
+  censored ones excluded); where none does, its cheapest: it is left to its missed-deadline sit-out;
+* a missing cell (the device was never measured at ``j``) is scaled from the device's latest
+  measured cell term by term (Eq. 1 with the compute speed, link rate and server speed measured
+  there); for a device with no measured cell, the Eq. 1 estimate times :meth:`ClientTimeTable.calibration` (median measured/predicted ratio over the table, which
   scales the analytical model to this testbed's real overheads); with no estimate (no estimator,
   or a device whose link rate is not known yet: a real device before its first round), with the
   median of the other devices' entries for ``j``; if neither exists the cell stays unknown and is
   left out of the median and of the device's choices;
 * a device with no known time at all after warm-up keeps cycling through the candidates,
   ``j = (round - 1) % K``, so that it gets measured;
-* ties in ``|t - m|`` (within 1e-9 relative) go to the larger ``j``, i.e. more layers on the device,
-  which moves work off the shared Main Server.
+* **the tie-break where the median says nothing**: a device whose times at every candidate are
+  within the table's noise of each other (the spread at most ``2 * noise`` times its smallest
+  time; :meth:`ClientTimeTable.noise`), or all at most ``m /`` :data:`FAR_BELOW`, gets its deepest
+  candidate (more layers on the device, less work for the Main Server: it is off the critical
+  path at every split). Otherwise ties in ``|t - m|`` (within 1e-9 relative) go to the larger ``j``.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["DeviceProfile", "SplitCostView", "eq1_bytes", "eq1_time", "ClientTimeTable"]
+__all__ = ["DeviceProfile", "SplitCostView", "RoundParts", "eq1_bytes", "eq1_time", "ClientTimeTable"]
 
 
 @dataclass(frozen=True)
@@ -92,17 +113,96 @@ def eq1_time(profile: DeviceProfile, cost: SplitCostView, samples: int, server_f
     return comm + (cost.client_flops + cost.head_flops) * p / profile.flops + cost.server_flops * p / server_flops
 
 
-class ClientTimeTable:
-    """Per-device, per-split-candidate running average of measured round times (seconds)."""
+#: A measured part (transfer or compute) at least this many times its cell's part, or at most its
+#: inverse, is a change of the device (a link that slowed down, a board that throttles), not noise.
+CHANGE_RATIO = 1.5
+#: ... provided it moves the cell by at least this share of the cell's time: a part of a few
+#: milliseconds varies by more than CHANGE_RATIO from noise alone.
+CHANGE_SHARE = 0.1
+#: A device whose times at every candidate are at most ``m / FAR_BELOW`` is off the round's
+#: critical path wherever it is cut: it gets its deepest candidate.
+FAR_BELOW = 2.0
+#: The table's noise (relative) until it has seen NOISE_SAMPLES re-measurements, and its floor.
+NOISE_DEFAULT = 0.1
+NOISE_FLOOR = 0.02
+NOISE_SAMPLES = 3
+#: How many of the latest re-measurements the noise is the median of.
+NOISE_WINDOW = 64
+#: ``split.warm_up``: estimate the untried candidates after one round, or try every one (the paper).
+WARM_UPS = ("estimated", "every_split")
 
-    def __init__(self, num_candidates: int = 3, smoothing: float = 0.5) -> None:
+#: Eq. 1's terms of (device, candidate): bytes on the device's link, client FLOPs, server FLOPs.
+Terms = Callable[[str, int], tuple[float, float, float]]
+
+
+@dataclass(frozen=True)
+class RoundParts:
+    """A round time (or a cell of the table) in its measured parts, seconds: the device's transfers
+    (its link), its compute, and the rest (the Main Server's training of its steps)."""
+
+    transfer_s: float
+    compute_s: float
+    other_s: float
+
+    @property
+    def total(self) -> float:
+        return self.transfer_s + self.compute_s + self.other_s
+
+    def scaled(self, link: float, compute: float) -> RoundParts:
+        """The transfer part times ``link``, the compute part times ``compute``."""
+        return RoundParts(self.transfer_s * link, self.compute_s * compute, self.other_s)
+
+    def mixed(self, new: RoundParts, s: float) -> RoundParts:
+        """The running average ``(1 - s) * self + s * new``, part by part."""
+        return RoundParts(*((1.0 - s) * a + s * b for a, b in zip(self.as_list(), new.as_list())))
+
+    def as_list(self) -> list[float]:
+        return [self.transfer_s, self.compute_s, self.other_s]
+
+
+def _change(measured: float, expected: float, cell_s: float) -> float:
+    """The ratio by which a part changed (:data:`CHANGE_RATIO`, :data:`CHANGE_SHARE`); 1.0 for noise."""
+    if not (expected > 0.0 and measured > 0.0):
+        return 1.0
+    ratio = measured / expected
+    if not (math.isfinite(ratio) and ratio > 0.0):   # beyond a float's range: not a level to keep
+        return 1.0
+    if max(ratio, 1.0 / ratio) >= CHANGE_RATIO and abs(measured - expected) >= CHANGE_SHARE * cell_s:
+        return ratio
+    return 1.0
+
+
+def _level(level: float, factor: float) -> float:
+    """``level * factor``, or ``level`` where that would leave a float's positive range."""
+    moved = level * factor
+    return moved if math.isfinite(moved) and moved > 0.0 else level
+
+
+def _cheapest(row: Mapping[int, float]) -> int:
+    """The candidate with the least time; ties to the larger ``j``."""
+    return min(row, key=lambda j: (row[j], -j))
+
+
+class ClientTimeTable:
+    """Per-device, per-split-candidate running average of measured round times (seconds), in
+    their parts, with each device's link and compute levels and its censored entries."""
+
+    def __init__(self, num_candidates: int = 3, smoothing: float = 0.5, warm_up: str = "every_split") -> None:
         if int(num_candidates) < 1:
             raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
         if not (0.0 < float(smoothing) <= 1.0):
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if warm_up not in WARM_UPS:
+            raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
         self.num_candidates = int(num_candidates)
         self.smoothing = float(smoothing)
-        self._table: dict[str, dict[int, float]] = {}
+        self.warm_up = warm_up
+        # Cells as measured, divided by the device's levels of when they were measured.
+        self._cells: dict[str, dict[int, RoundParts]] = {}
+        self._levels: dict[str, tuple[float, float]] = {}        # device -> (link, compute)
+        self._censored: dict[str, dict[int, float]] = {}         # device -> {j: seconds waited}
+        self._latest: dict[str, int] = {}                        # device -> its latest measured j
+        self._noise: deque[float] = deque(maxlen=NOISE_WINDOW)
 
     def _check_j(self, j: int) -> int:
         jj = int(j)
@@ -110,117 +210,236 @@ class ClientTimeTable:
             raise ValueError(f"candidate index must be in 0..{self.num_candidates - 1}, got {j}")
         return jj
 
-    def record(self, device: str, j: int, seconds: float) -> None:
-        """Fold a measured round time into cell (device, j): ``(1-s)*old + s*measured``."""
+    def levels(self, device: str) -> tuple[float, float]:
+        """The device's (link, compute) levels: how many times slower than when its first cells
+        were measured the table now reads its transfers and its compute."""
+        return self._levels.get(str(device), (1.0, 1.0))
+
+    def record(self, device: str, j: int, seconds: float, transfer_s: float = 0.0, compute_s: float = 0.0) -> None:
+        """Fold a measured round time into cell (device, j): ``(1-s)*old + s*measured``, part by
+        part (``transfer_s`` and ``compute_s`` of ``seconds``; the rest is the Main Server's). A part
+        that changed (:data:`CHANGE_RATIO`) moves the device's level first, so every cell of the
+        device follows it; the device's censored entries are done with."""
         jj = self._check_j(j)
         t = float(seconds)
         if not math.isfinite(t) or t < 0.0:
             raise ValueError(f"round time must be finite and >= 0, got {seconds}")
-        row = self._table.setdefault(str(device), {})
+        transfer, compute = float(transfer_s), float(compute_s)
+        if not (math.isfinite(transfer) and math.isfinite(compute) and transfer >= 0.0 and compute >= 0.0
+                and transfer + compute <= t * (1.0 + 1e-9) + 1e-12):
+            raise ValueError(f"transfer {transfer_s} s and compute {compute_s} s must be >= 0 and sum to at most "
+                             f"the round time {seconds} s")
+        device = str(device)
+        measured = RoundParts(transfer, compute, max(0.0, t - transfer - compute))
+        expected = self.parts(device, jj)
+        link, speed = self.levels(device)
+        if expected is not None:
+            link_ratio = _change(measured.transfer_s, expected.transfer_s, expected.total)
+            compute_ratio = _change(measured.compute_s, expected.compute_s, expected.total)
+            if link_ratio == compute_ratio == 1.0 and expected.total > 0.0:
+                self._noise.append(abs(t - expected.total) / expected.total)
+            link, speed = _level(link, link_ratio), _level(speed, compute_ratio)
+            self._levels[device] = (link, speed)
+        fresh = measured.scaled(1.0 / link, 1.0 / speed)
+        row = self._cells.setdefault(device, {})
         old = row.get(jj)
-        row[jj] = t if old is None else (1.0 - self.smoothing) * old + self.smoothing * t
+        row[jj] = fresh if old is None else old.mixed(fresh, self.smoothing)
+        self._latest[device] = jj
+        self._censored.pop(device, None)
+
+    def censor(self, device: str, j: int, waited_s: float, terms: Terms | None = None) -> float:
+        """Device ``device`` left an attempt at candidate ``j`` unfinished after ``waited_s``
+        seconds (cut at a deadline): its time there is at least that. Until it is measured again
+        it gets a cheaper candidate (:meth:`choose`). Where its cell (measured, or scaled by
+        ``terms`` from its latest measured one) reads less, its link level rises until the cell
+        reads ``waited_s`` (its compute level, where the cell has no transfer time). Returns the
+        factor by which the link level rose (1.0: it did not)."""
+        jj = self._check_j(j)
+        waited = float(waited_s)
+        if not math.isfinite(waited) or waited < 0.0:
+            raise ValueError(f"seconds waited must be finite and >= 0, got {waited_s}")
+        device = str(device)
+        bounds = self._censored.setdefault(device, {})
+        bounds[jj] = max(waited, bounds.get(jj, 0.0))
+        parts = self.parts(device, jj) or self._scaled(device, jj, terms)
+        if parts is None or parts.total >= waited:
+            return 1.0
+        link, compute = self.levels(device)
+        if parts.transfer_s > 0.0:
+            raised = _level(link, (waited - parts.compute_s - parts.other_s) / parts.transfer_s)
+            self._levels[device] = (raised, compute)
+            return raised / link
+        if parts.compute_s > 0.0:
+            self._levels[device] = (link, _level(compute, (waited - parts.other_s) / parts.compute_s))
+        return 1.0
+
+    def censored(self, device: str) -> dict[int, float]:
+        """The device's censored entries since it was last measured: candidate -> seconds waited."""
+        return dict(self._censored.get(str(device), {}))
+
+    def parts(self, device: str, j: int) -> RoundParts | None:
+        """The measured cell's parts at the device's levels of now, or ``None`` if never measured."""
+        cell = self._cells.get(str(device), {}).get(self._check_j(j))
+        return None if cell is None else cell.scaled(*self.levels(device))
 
     def get(self, device: str, j: int) -> float | None:
         """The cell's running average, or ``None`` if never measured."""
-        return self._table.get(str(device), {}).get(self._check_j(j))
+        parts = self.parts(device, j)
+        return None if parts is None else parts.total
+
+    def noise(self) -> float:
+        """How much a cell's time moves when it is measured again with nothing changed: the median
+        relative difference of the latest re-measurements from their cells (:data:`NOISE_DEFAULT`
+        before :data:`NOISE_SAMPLES` of them, at least :data:`NOISE_FLOOR`)."""
+        if len(self._noise) < NOISE_SAMPLES:
+            return NOISE_DEFAULT
+        return max(NOISE_FLOOR, float(np.median(self._noise)))
 
     def entries(self) -> dict[str, dict[int, float]]:
-        """A deep copy of the table, for checkpoints and metrics."""
-        return {dev: dict(row) for dev, row in self._table.items()}
+        """Every measured cell's time, as :meth:`get` reads it, for metrics."""
+        return {dev: {j: self.get(dev, j) or 0.0 for j in row} for dev, row in self._cells.items()}
 
-    def load_entries(self, entries: Mapping[str, Mapping[int, float]]) -> None:
-        """Replace the table's cells (a resumed run restores its checkpointed table)."""
-        fresh = self.from_entries(entries, self.num_candidates, self.smoothing)
-        self._table = fresh._table
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the table holds, for the checkpoint (text keys, lists: msgpack and JSON)."""
+        return {"cells": {d: {str(j): c.as_list() for j, c in sorted(row.items())} for d, row in self._cells.items()},
+                "levels": {d: list(lv) for d, lv in self._levels.items()},
+                "censored": {d: {str(j): w for j, w in row.items()} for d, row in self._censored.items()},
+                "latest": dict(self._latest), "noise": list(self._noise)}
 
-    @classmethod
-    def from_entries(
-        cls,
-        entries: Mapping[str, Mapping[int, float]] | Mapping[str, Mapping[str, float]],
-        num_candidates: int = 3,
-        smoothing: float = 0.5,
-    ) -> ClientTimeTable:
-        """Rebuild a table from :meth:`entries` output (string ``j`` keys from JSON accepted)."""
-        table = cls(num_candidates=num_candidates, smoothing=smoothing)
-        for dev, row in entries.items():
-            for j, t in row.items():
-                jj = table._check_j(int(j))
-                tt = float(t)
-                if not math.isfinite(tt) or tt < 0.0:
-                    raise ValueError(f"invalid time {t!r} for ({dev!r}, {j!r})")
-                table._table.setdefault(str(dev), {})[jj] = tt
-        return table
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (a resumed run chooses as it would have);
+        ValueError, changing nothing, for a candidate or a time the table cannot hold."""
+        cells: dict[str, dict[int, RoundParts]] = {}
+        for dev, row in state.get("cells", {}).items():
+            for j, values in row.items():
+                parts = RoundParts(*(float(v) for v in values))
+                if not all(math.isfinite(v) and v >= 0.0 for v in parts.as_list()):
+                    raise ValueError(f"invalid time {values!r} for ({dev!r}, {j!r})")
+                cells.setdefault(str(dev), {})[self._check_j(int(j))] = parts
+        levels = {str(d): (float(lv[0]), float(lv[1])) for d, lv in state.get("levels", {}).items()}
+        if not all(math.isfinite(v) and v > 0.0 for lv in levels.values() for v in lv):
+            raise ValueError(f"invalid levels {levels!r}")
+        censored = {str(d): {self._check_j(int(j)): float(w) for j, w in row.items()}
+                    for d, row in state.get("censored", {}).items()}
+        latest = {str(d): self._check_j(int(j)) for d, j in state.get("latest", {}).items()}
+        self._cells, self._levels, self._censored, self._latest = cells, levels, censored, latest
+        self._noise = deque((float(v) for v in state.get("noise", [])), maxlen=NOISE_WINDOW)
 
     def calibration(self, estimate: Callable[[str, int], float]) -> float:
-        """Median over existing cells of ``measured / estimate(device, j)``; 1.0 if none.
+        """Median over measured cells of ``measured / estimate(device, j)``; 1.0 if none.
 
         Scales Eq. 1 predictions to this testbed's reality (framework overheads, serialisation,
         contention that Eq. 1 ignores). Cells whose estimate is not finite and > 0 are skipped.
         """
         ratios: list[float] = []
-        for dev in sorted(self._table):
-            for j in sorted(self._table[dev]):
+        for dev in sorted(self._cells):
+            for j in sorted(self._cells[dev]):
                 est = float(estimate(dev, j))
                 if math.isfinite(est) and est > 0.0:
-                    ratios.append(self._table[dev][j] / est)
+                    ratios.append((self.get(dev, j) or 0.0) / est)
         return float(np.median(ratios)) if ratios else 1.0
 
+    def _scaled(self, device: str, j: int, terms: Terms | None) -> RoundParts | None:
+        """Cell (device, j) scaled from the device's latest measured cell, part by part: its
+        transfer by Eq. 1's bytes (its link rate, measured there); its compute and the rest by the
+        ratio the other devices measured between the two candidates (the median over those measured
+        at both), or by Eq. 1's client and server FLOPs before any was. Eq. 1's FLOPs leave out what
+        every step costs whatever its size, which rules a small model's compute: so the measured ratio
+        where there is one. A part whose term is zero at the measured candidate is kept as it is.
+        None without terms or a measured cell."""
+        base_j = self._latest.get(device)
+        if terms is None or base_j is None:
+            return None
+        base = self.parts(device, base_j)
+        assert base is not None
+        at_base, at_j = terms(device, base_j), terms(device, j)
+        scaled = []
+        for i, (part, old, new) in enumerate(zip(base.as_list(), at_base, at_j)):
+            ratio = self._measured_ratio(i, base_j, j) if i else None
+            if ratio is None:
+                ratio = new / old if old > 0.0 and math.isfinite(new / old) else 1.0
+            scaled.append(part * ratio)
+        return RoundParts(*scaled)
+
+    def _measured_ratio(self, part: int, j: int, k: int) -> float | None:
+        """The median over the devices measured at candidates ``j`` and ``k`` of their part
+        ``part`` (0 transfer, 1 compute, 2 the rest) at ``k`` over at ``j``; None where none was."""
+        ratios = [row[k].as_list()[part] / row[j].as_list()[part] for row in self._cells.values()
+                  if j in row and k in row and row[j].as_list()[part] > 0.0]
+        return float(np.median(ratios)) if ratios else None
+
     def _column_median(self, j: int, exclude: str) -> float | None:
-        vals = [row[j] for dev, row in self._table.items() if dev != exclude and j in row]
+        vals = [self.get(dev, j) or 0.0 for dev, row in self._cells.items() if dev != exclude and j in row]
         return float(np.median(vals)) if vals else None
+
+    def row(self, device: str, estimate: Callable[[str, int], float] | None = None, calibration: float = 1.0,
+            terms: Terms | None = None) -> dict[int, float]:
+        """The device's time at every candidate that can be priced (module docstring, in order:
+        measured, scaled from its measured cell, calibrated estimate, the others' median); a
+        censored candidate reads at least the seconds it was waited for."""
+        row: dict[int, float] = {}
+        for j in range(self.num_candidates):
+            parts = self.parts(device, j) or self._scaled(device, j, terms)
+            t = parts.total if parts is not None else None
+            if t is None and estimate is not None:
+                est = float(estimate(device, j))
+                t = est * calibration if math.isfinite(est) and est >= 0.0 else None
+            if t is None:
+                t = self._column_median(j, exclude=device)
+            if t is not None:
+                row[j] = t
+        for j, waited in self._censored.get(device, {}).items():
+            row[j] = max(row.get(j, waited), waited)
+        return row
+
+    def _pick(self, device: str, row: Mapping[int, float], m: float, noise: float) -> int:
+        """One device's candidate: after a cut, its cheapest that fits; where the median says
+        nothing (its times within noise of each other, or all far below ``m``), its deepest; else
+        the paper's closest to ``m``, ties to the larger ``j``."""
+        censored = self._censored.get(device)
+        if censored:
+            limit = max(censored.values())
+            fits = {j: t for j, t in row.items() if j not in censored and t < limit}
+            return _cheapest(fits or row)
+        times = list(row.values())
+        if max(times) - min(times) <= 2.0 * noise * min(times) or max(times) * FAR_BELOW <= m:
+            return max(row)
+        best_j, best_gap = -1, math.inf
+        for j in sorted(row):  # ascending, so a (near-)tie replaces with the larger j
+            gap = abs(row[j] - m)
+            if gap <= best_gap + 1e-9 * max(1.0, abs(m)):
+                best_j, best_gap = j, min(gap, best_gap)
+        return best_j
 
     def choose(
         self,
         round_index: int,
         devices: Sequence[str],
         estimate: Callable[[str, int], float] | None = None,
+        terms: Terms | None = None,
     ) -> dict[str, int]:
-        """Split candidate per device for a 1-based round (the paper's median rule).
+        """Split candidate per device for a 1-based round (the paper's median rule, extended as
+        the module docstring says).
 
-        Rounds 1..K: every device gets ``j = round_index - 1`` (warm-up). Later rounds: fill
-        each (device, j) from the table, else ``estimate(device, j) * calibration``, else the
-        median of the other devices' entries for ``j``; ``m`` = median of the known times of
-        all ``len(devices) * K`` cells; each device gets the ``j`` whose time is closest to
-        ``m``, ties -> the larger ``j``. Deterministic.
+        Warm-up: rounds 1..K (``every_split``) or round 1 (``estimated``): every device gets
+        ``j = round_index - 1``. Later rounds: each device's row (:meth:`row`: measured, scaled
+        by ``terms`` from its measured cell, ``estimate(device, j) * calibration``, the others'
+        median for ``j``); ``m`` = median of the known times of all ``len(devices) * K`` cells;
+        each device's candidate by :meth:`_pick`. Deterministic.
         """
         if int(round_index) < 1:
             raise ValueError(f"round_index is 1-based, got {round_index}")
         k = self.num_candidates
         devs = [str(d) for d in devices]
-        if round_index <= k:
+        if round_index <= (k if self.warm_up == "every_split" else 1):
             return {d: int(round_index) - 1 for d in devs}
 
         cycle_j = (int(round_index) - 1) % k
         cal = self.calibration(estimate) if estimate is not None else 1.0
-        times: dict[str, dict[int, float]] = {}
-        for d in devs:
-            row: dict[int, float] = {}
-            for j in range(k):
-                t = self.get(d, j)
-                if t is None and estimate is not None:
-                    est = float(estimate(d, j))
-                    t = est * cal if math.isfinite(est) and est >= 0.0 else None
-                if t is None:
-                    t = self._column_median(j, exclude=d)
-                if t is not None:
-                    row[j] = t
-            times[d] = row
-
-        known = [t for d in devs for t in times[d].values()]
+        rows = {d: self.row(d, estimate, cal, terms) for d in devs}
+        known = [t for row in rows.values() for t in row.values()]
         if not known:
             return {d: cycle_j for d in devs}
         m = float(np.median(known))
-
-        choice: dict[str, int] = {}
-        for d in devs:
-            row = times[d]
-            if not row:
-                choice[d] = cycle_j
-                continue
-            best_j, best_gap = -1, math.inf
-            for j in sorted(row):  # ascending, so a (near-)tie replaces with the larger j
-                gap = abs(row[j] - m)
-                if gap <= best_gap + 1e-9 * max(1.0, abs(m)):
-                    best_j, best_gap = j, min(gap, best_gap)
-            choice[d] = best_j
-        return choice
+        noise = self.noise()
+        return {d: self._pick(d, rows[d], m, noise) if rows[d] else cycle_j for d in devs}

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from fed_server.fed_round import NO_REPORT, OVERDUE, FedRound, ReceivedPortion, ReceivedUpdate
+from fed_server.fed_round import NO_REPORT, OVERDUE, WITHDREW, FedRound, ReceivedPortion, ReceivedUpdate
 from fed_server.replica_planning import ReplicaPlanning
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_claims
@@ -166,7 +166,7 @@ class Uploads:
         fed_round = self._selected(round_id, req.device_id)
         if req.device_id in fed_round.updates:
             raise Conflict(f"the update of {req.device_id!r} for round {round_id} is already stored")
-        self.core.exclude(fed_round, [req.device_id], f"withdrew: {req.reason}", tell_main_server=True)
+        self.core.exclude(fed_round, [req.device_id], f"{WITHDREW}{req.reason}", tell_main_server=True)
         return Ack(detail=f"{req.device_id} is out of round {round_id}: {fed_round.excluded[req.device_id]}")
 
     def accept_portion(self, round_id: int, upload: ServerPortionUpload, body_bytes: int) -> Ack:

@@ -63,6 +63,15 @@ class SplitConfig(_Strict):
     # activations; a list, those. A deep traced model has one per layer boundary, and S2FL's
     # warm-up takes a round per candidate. Checked against the model by shared/run_config.py.
     candidates: int | list[int] | None = None
+    # How the sliding split learns each device's time at every candidate before its median rule
+    # decides (fed_server/time_table.py): ``every_split``, the paper's: one round at each candidate;
+    # ``estimated``, one round at the first candidate, then the rule on the measured cells and Eq. 1
+    # estimates of the others (a device tries a candidate only when the rule picks it).
+    warm_up: Literal["every_split", "estimated"] = "every_split"
+    # Device id -> the split point it always gets (one of the candidates; checked by
+    # shared/run_config.py), whatever the sliding split would choose: a board that cannot hold
+    # more layers, or a run with a fixed split per device to compare with.
+    pinned: dict[str, int] = Field(default_factory=dict)
 
     @field_validator("candidates", mode="before")
     @classmethod

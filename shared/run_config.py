@@ -81,6 +81,12 @@ def validate_run_config(config: RunConfig) -> RunConfig:
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
     _check_split_privacy(config, algorithm, model)
     _check_private_updates(config, algorithm, selector)
+    if config.split.pinned:
+        points = split_candidates(config, model)
+        wrong = {device: point for device, point in config.split.pinned.items() if point not in points}
+        if wrong:
+            raise ValueError(f"split.pinned: {', '.join(f'{d}: {k}' for d, k in sorted(wrong.items()))} is not one of "
+                             f"the run's candidate split points {points}")
     for who, needs in ((f"algorithm {config.algorithm!r}", algorithm.model_parts_needed()),
                        (f"selection {config.selection!r}", selector.model_parts_needed())):
         for part in needs:

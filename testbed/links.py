@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import ipaddress
 import json
@@ -160,16 +161,24 @@ def bridge_commands(plan: LinkPlan) -> list[list[str]]:
 def agent_commands(plan: LinkPlan, link: AgentLink) -> list[list[str]]:
     """Commands making one agent's namespace, its veth pair on the bridge and the shaping of
     both directions (the first one, the namespace, is the one that fails where namespaces cannot be made)."""
-    ns, shaping = link.namespace, tbf_args(link.rate)
+    ns = link.namespace
     return [["ip", "netns", "add", ns],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
             ["ip", "link", "add", link.port, "type", "veth", "peer", "name", AGENT_IFNAME, "netns", ns],
             ["ip", "link", "set", link.port, "master", plan.bridge],
             ["ip", "-n", ns, "addr", "add", f"{link.address}/{plan.subnet.prefixlen}", "dev", AGENT_IFNAME],
-            ["tc", "qdisc", "replace", "dev", link.port, "root", *shaping],           # download
-            ["tc", "-n", ns, "qdisc", "replace", "dev", AGENT_IFNAME, "root", *shaping],  # upload
+            *rate_commands(link, link.rate),
             ["ip", "link", "set", link.port, "up"],
             ["ip", "-n", ns, "link", "set", AGENT_IFNAME, "up"]]
+
+
+def rate_commands(link: AgentLink, rate: float) -> list[list[str]]:
+    """Commands reshaping both directions of one agent's link to ``rate`` bytes/s (the qdiscs
+    :func:`agent_commands` made, replaced in place: the link stays up, a message in flight goes on
+    at the new rate)."""
+    shaping = tbf_args(rate)
+    return [["tc", "qdisc", "replace", "dev", link.port, "root", *shaping],                   # download
+            ["tc", "-n", link.namespace, "qdisc", "replace", "dev", AGENT_IFNAME, "root", *shaping]]   # upload
 
 
 def removal_commands(links: Iterable[str], namespaces: Iterable[str]) -> list[list[str]]:
@@ -338,6 +347,17 @@ class LinksNetwork:
         """The command prefix running a program inside agent ``index``'s namespace."""
         assert self.plan is not None, "the network is not created"
         return ["ip", "netns", "exec", self.plan.agents[index].namespace]
+
+    def set_rate(self, index: int, rate: float) -> None:
+        """Reshape agent ``index``'s link, both ways, to ``rate`` bytes/s while the run goes on: a
+        link that slows down or recovers mid-run (tests/integration/test_link_drop.py)."""
+        assert self.plan is not None, "the network is not created"
+        link = self.plan.agents[index]
+        for command in rate_commands(link, rate):
+            _run(command)
+        agents = list(self.plan.agents)
+        agents[index] = dataclasses.replace(link, rate=rate)
+        self.plan = dataclasses.replace(self.plan, agents=tuple(agents))
 
     def remove(self) -> None:
         """Remove every link and namespace of this network (what is already gone is skipped)."""

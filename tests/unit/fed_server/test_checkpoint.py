@@ -19,7 +19,9 @@ def test_progress_round_trips_through_the_checkpoint(tmp_path):
     rng.random()
     progress = RunProgress(run_id="abc", rounds_done=3, attempts=4, failed_in_a_row=1, history_len=4,
                            cumulative_bytes=123, elapsed_s=9.5, rng_state=rng.getstate(),
-                           algorithm_state={"lambda": {"d0": 0.5}}, time_table={"d0": {1: 0.25, 3: 1.5}},
+                           algorithm_state={"lambda": {"d0": 0.5}},
+                           time_table={"cells": {"d0": {"1": [0.25, 0.0, 0.0]}}, "levels": {"d0": [2.0, 1.0]},
+                                       "censored": {"d0": {"3": 9.5}}, "latest": {"d0": 1}, "noise": [0.1]},
                            finished=False, stop_reason=None)
     save_checkpoint(run_dir, {"w": torch.arange(3.0)}, progress)
     state, loaded = load_checkpoint(run_dir, config)

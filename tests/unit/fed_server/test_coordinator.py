@@ -4,13 +4,14 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import time
 
 import pytest
 import torch
 
 from fed_server import coordinator as coordinator_module
 from fed_server.coordinator import Coordinator
-from fed_server.fed_round import REENROLLED, REENROLLED_AFTER_TASK
+from fed_server.fed_round import OVERDUE, REENROLLED, REENROLLED_AFTER_TASK
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import max_held_out, trained_samples
 from shared.privacy.clipping import update_norm
@@ -686,3 +687,38 @@ def test_split_candidates_limit_the_cuts_the_planner_chooses_among_and_the_warm_
     # smallest activation is after block 3.
     one = _coordinator(tmp_path / "one", algorithm="s2fl", **{"split.candidates": 1})
     assert one.planner.split_points == [3]
+
+
+@pytest.mark.parametrize("cut", ["own deadline", "never joined"])
+def test_a_device_cut_short_is_a_censored_entry_of_the_time_table(tmp_path, cut):
+    # d1 took its task 7 s ago and is cut: at its own deadline by the Fed Server, or left out of
+    # every group by the Main Server (its join came after the join deadline). Either way its round
+    # at its split takes at least the 7 s it was waited for; d0, aggregated, is measured.
+    c = _coordinator(tmp_path, algorithm="s2fl")
+    r = _open_round(c)
+    r.assignments["d1"].dispatched_at = time.monotonic() - 7.0
+    c.uploads.accept_update(r.round_id, _upload_split(c, "d0", r), 100)
+    portion = _portion(c, r, 0, ["d0"])
+    if cut == "own deadline":
+        c.core.exclude(r, ["d1"], OVERDUE)
+    else:
+        portion = portion.model_copy(update={"absent": ["d1"]})
+    c.uploads.accept_portion(r.round_id, portion, 10)
+    c.close_round()
+    assert c.aggregate_round(r).used == ["d0"]
+    j = r.assignments["d1"].candidate
+    assert c.table.censored("d1") == {j: pytest.approx(7.0, abs=1.0)}
+    assert c.table.censored("d0") == {} and c.table.get("d0", r.assignments["d0"].candidate) is not None
+
+
+def test_a_device_left_out_for_the_servers_sake_is_no_censored_entry(tmp_path):
+    # Its group's portion never arrived (a Main Server's failure, not the device's pace).
+    c = _coordinator(tmp_path, algorithm="s2fl")
+    r = _open_round(c)
+    r.assignments["d1"].dispatched_at = time.monotonic() - 7.0
+    for d in ("d0", "d1"):
+        c.uploads.accept_update(r.round_id, _upload_split(c, d, r), 100)
+    c.uploads.accept_portion(r.round_id, _portion(c, r, 0, ["d0"]), 10)
+    c.close_round()
+    assert c.aggregate_round(r).used == ["d0"]
+    assert c.table.censored("d1") == {}

@@ -23,13 +23,15 @@ def _cnn() -> tuple[list[int], int, ModelProfile]:
     return list(model.split_points), len(model.blocks), profile_model(model, "cnn")
 
 
-def _planner(mode: str, rate: float | None = 1e6) -> SplitPlanner:
+def _planner(mode: str, rate: float | None = 1e6, smoothing: float = 1.0, warm_up: str = "estimated",
+             pinned: dict[str, int] | None = None) -> SplitPlanner:
     split_points, num_blocks, profile = _cnn()
     devices = DeviceRegistry(len(DEVICES))
     for i, (d, flops) in enumerate(zip(DEVICES, (1e8, 1e9, 1e10))):
         devices.register(RegisterRequest(device_id=d, shard=i, num_samples=100, profile=DeviceProfileMsg(flops=flops, rate=rate)))
-    table = ClientTimeTable(len(split_points), 1.0)
-    return SplitPlanner(mode, split_points, num_blocks, profile, table, devices, local_epochs=1, server_flops=1e11)
+    table = ClientTimeTable(len(split_points), smoothing, warm_up)
+    return SplitPlanner(mode, split_points, num_blocks, profile, table, devices, local_epochs=1, server_flops=1e11,
+                        pinned=pinned)
 
 
 def test_zero_mode_puts_the_whole_model_on_every_device():
@@ -44,7 +46,7 @@ def test_fixed_mode_gives_everyone_the_largest_client_portion():
 
 
 def test_sliding_mode_warms_up_through_every_candidate_then_follows_the_time_table():
-    p = _planner("sliding")
+    p = _planner("sliding", warm_up="every_split")
     k = len(p.split_points)
     for round_index in range(1, k + 1):   # warm-up: round r uses candidate r - 1 for everyone
         assert p.choose(round_index, DEVICES) == {d: (round_index - 1, p.split_points[round_index - 1]) for d in DEVICES}
@@ -70,7 +72,7 @@ def test_a_device_with_no_registered_rate_has_no_estimate_until_a_round_measures
     assert math.isnan(p.estimate("d0", 0))
     cost = p.profile.cost(p.split_points[1])
     moved = 2 * cost.client_param_bytes + 2 * 100 * cost.activation_bytes   # Eq. 1's bytes at j=1, 100 samples
-    p.observe("d0", 1, transfer_s=4.0)
+    p.observe("d0", 1, 5.0, transfer_s=4.0, compute_s=0.5)
     assert p.devices.measured_rate("d0") == pytest.approx(moved / 4.0)
     # With that rate, Eq. 1 gives back the measured transfer time at j=1 (plus the compute terms).
     compute = cost.client_flops * 100 / 1e8 + cost.server_flops * 100 / 1e11
@@ -80,10 +82,10 @@ def test_a_device_with_no_registered_rate_has_no_estimate_until_a_round_measures
 def test_a_measured_rate_replaces_the_registered_one_and_nothing_else_changes_it():
     p = _planner("sliding")
     before = p.estimate("d1", 2)
-    p.observe("d1", 2, transfer_s=0.0)         # no transfer time: nothing to measure
-    p.observe("gone", 2, transfer_s=1.0)       # not registered (any more): ignored
+    p.observe("d1", 2, 1.0, transfer_s=0.0, compute_s=0.5)     # no transfer time: nothing to measure
+    p.observe("gone", 2, 1.0, transfer_s=1.0, compute_s=0.0)   # not registered (any more): no rate
     assert p.estimate("d1", 2) == before
-    p.observe("d1", 2, transfer_s=1000.0)      # a far slower link than the 1e6 B/s it registered
+    p.observe("d1", 2, 1001.0, transfer_s=1000.0, compute_s=0.5)   # a far slower link than the 1e6 B/s it registered
     assert p.devices.link_rate("d1") < 1e6 and p.estimate("d1", 2) > before
 
 
@@ -108,10 +110,12 @@ def test_eq1_counts_every_local_epoch_and_any_positive_transfer_time_measures_th
     expected = (2 * cost.client_param_bytes + 2 * 200 * cost.activation_bytes) / 1e6 \
         + cost.client_flops * 200 / 1e8 + cost.server_flops * 200 / 1e11
     assert p.estimate("d0", 0) == pytest.approx(expected)
-    p.observe("d0", 0, transfer_s=-1.0)         # not a time: nothing changes
-    p.observe("d0", 0, transfer_s=5e-324)       # a rate that overflows to infinity: nothing changes
+    with pytest.raises(ValueError, match="must be >= 0"):
+        p.observe("d0", 0, 1.0, transfer_s=-1.0, compute_s=0.0)    # not a time: refused, nothing changes
+    assert p.table.get("d0", 0) is None
+    p.observe("d0", 0, 1.0, transfer_s=5e-324, compute_s=0.0)     # a rate that overflows to infinity: no rate
     assert p.devices.link_rate("d0") == 1e6 and p.devices.measured_rate("d0") is None
-    p.observe("d0", 0, transfer_s=0.5)          # half a second is a measurement like any other
+    p.observe("d0", 0, 1.0, transfer_s=0.5, compute_s=0.0)    # half a second is a measurement like any other
     moved = 2 * cost.client_param_bytes + 2 * 200 * cost.activation_bytes
     assert p.devices.link_rate("d0") == pytest.approx(moved / 0.5)
 
@@ -132,7 +136,7 @@ def test_a_claimed_slow_link_cannot_stretch_a_download_time_once_rates_are_measu
 
 def test_a_measured_rate_survives_registering_again_with_another_claim():
     p = _planner("sliding")
-    p.observe("d1", 2, transfer_s=1000.0)
+    p.observe("d1", 2, 1001.0, transfer_s=1000.0, compute_s=0.5)
     measured = p.devices.measured_rate("d1")
     p.devices.register(RegisterRequest(device_id="d1", shard=1, num_samples=100,
                                        profile=DeviceProfileMsg(flops=1e9, rate=1.0)))
@@ -152,3 +156,45 @@ def test_fixed_mode_takes_the_last_candidate_of_any_count():
     for count in (2, 1):   # the cnn has three candidates; the last index is count - 1 for any count
         p.split_points = p.split_points[:count]
         assert p.choose(1, ["d0"]) == {"d0": (count - 1, p.split_points[count - 1])}
+
+
+def test_the_measured_rate_follows_a_changed_link_and_averages_noise():
+    p = _planner("sliding", smoothing=0.5)
+    moved = p.terms("d1", 2)[0]
+    p.observe("d1", 2, 3.0, transfer_s=2.0, compute_s=0.5)
+    assert p.devices.measured_rate("d1") == pytest.approx(moved / 2.0)
+    p.observe("d1", 2, 3.4, transfer_s=2.4, compute_s=0.5)   # 1.2x: noise, averaged into the cell's 2.2 s
+    assert p.devices.measured_rate("d1") == pytest.approx(moved / 2.2)
+    p.observe("d1", 2, 23.0, transfer_s=22.0, compute_s=0.5)  # ten times slower: the rate follows at once
+    assert p.devices.measured_rate("d1") == pytest.approx(moved / 22.0)
+
+
+def test_a_cut_attempt_lowers_the_measured_rate_with_the_link_level():
+    p = _planner("sliding")
+    moved = p.terms("d1", 2)[0]
+    p.observe("d1", 2, 3.0, transfer_s=2.0, compute_s=0.5)
+    p.censor("d1", 2, 12.0)           # cut after 12 s: its link level rises (12 - 0.5 - 0.5) / 2 = 5.5 times
+    assert p.table.get("d1", 2) == pytest.approx(12.0)
+    assert p.devices.measured_rate("d1") == pytest.approx(moved / 2.0 / 5.5)
+    p.censor("d1", 2, 4.0)            # a shorter cut teaches nothing more
+    assert p.devices.measured_rate("d1") == pytest.approx(moved / 2.0 / 5.5)
+
+
+def test_eq1_terms_scale_an_untried_candidate_from_the_measured_one():
+    p = _planner("sliding")
+    cost = p.profile.cost(p.split_points[1])
+    assert p.terms("d0", 1) == pytest.approx((2 * cost.client_param_bytes + 2 * 100 * cost.activation_bytes,
+                                              cost.client_flops * 100, cost.server_flops * 100))
+    assert all(math.isnan(t) for t in p.terms("gone", 1))
+    p.observe("d0", 0, 6.0, transfer_s=3.0, compute_s=2.0)
+    (b0, c0, s0), (b2, c2, s2) = p.terms("d0", 0), p.terms("d0", 2)
+    assert p.table.row("d0", terms=p.terms)[2] == pytest.approx(3.0 * b2 / b0 + 2.0 * c2 / c0 + 1.0 * s2 / s0)
+
+
+@pytest.mark.parametrize("mode", ["sliding", "fixed"])
+def test_a_pinned_device_keeps_its_split_point_whatever_the_mode_chooses(mode):
+    p = _planner(mode, pinned={"d0": 2})
+    for round_index in (1, 2, 5):
+        chosen = p.choose(round_index, DEVICES)
+        assert chosen["d0"] == (p.split_points.index(2), 2)
+    assert p.choose(1, ["d1"]) == _planner(mode).choose(1, ["d1"])

@@ -1,15 +1,16 @@
 """Tests for the client time table and sliding split choice (paper Section 3.1, Eq. 1)."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from fed_server.time_table import ClientTimeTable, DeviceProfile, SplitCostView, eq1_time
+from fed_server.time_table import CHANGE_RATIO, ClientTimeTable, DeviceProfile, SplitCostView, eq1_time
 
 
-def table_from(rows: dict[str, list[float]], k: int = 3) -> ClientTimeTable:
-    tt = ClientTimeTable(num_candidates=k)
+def table_from(rows: dict[str, list[float]], k: int = 3, warm_up: str = "estimated") -> ClientTimeTable:
+    tt = ClientTimeTable(num_candidates=k, warm_up=warm_up)
     for dev, times in rows.items():
         for j, sec in enumerate(times):
             tt.record(dev, j, sec)
@@ -46,13 +47,15 @@ def test_eq1_time_u_shaped_counts_the_head():
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
-def test_warm_up_gives_round_minus_one_to_everyone(k):
-    tt = table_from({"fast": [1.0] * k, "slow": [9.0] * k}, k=k)  # the table is ignored in warm-up
+def test_the_paper_s_warm_up_gives_round_minus_one_to_everyone(k):
+    tt = table_from({"fast": [1.0] * k, "slow": [9.0] * k}, k=k, warm_up="every_split")  # ignored in warm-up
     devices = ["fast", "slow", "unknown"]
     for r in range(1, k + 1):
         assert tt.choose(r, devices) == {d: r - 1 for d in devices}
     with pytest.raises(ValueError):
         tt.choose(0, devices)
+    with pytest.raises(ValueError, match="warm_up must be one of estimated, every_split"):
+        ClientTimeTable(warm_up="all")
 
 
 def test_median_rule_hand_built_table():
@@ -177,20 +180,28 @@ def test_nothing_known_keeps_cycling_candidates():
     assert tt.choose(6, ["x", "y"]) == {"x": 2, "y": 2}
 
 
-def test_entries_copy_and_round_trip():
+def test_entries_copy_and_the_state_round_trip():
     tt = table_from({"fast": [1, 2, 3], "slow": [4, 8, 12]})
     e = tt.entries()
     assert e == {"fast": {0: 1.0, 1: 2.0, 2: 3.0}, "slow": {0: 4.0, 1: 8.0, 2: 12.0}}
     e["fast"][0] = 99.0
     assert tt.get("fast", 0) == 1.0  # a copy
-    # JSON turns int keys into strings; from_entries accepts both.
-    as_json = {d: {str(j): v for j, v in row.items()} for d, row in tt.entries().items()}
-    back = ClientTimeTable.from_entries(as_json, num_candidates=3, smoothing=0.5)
-    assert back.entries() == tt.entries()
+    tt.record("fast", 0, 1.0, transfer_s=0.5)
+    tt.censor("slow", 2, 30.0)
+    # Through JSON (text keys, lists), as a checkpoint stores it: the same table again.
+    state = json.loads(json.dumps(tt.state_dict()))
+    back = ClientTimeTable(num_candidates=3, smoothing=0.5)
+    back.load_state_dict(state)
+    assert back.state_dict() == tt.state_dict()
+    assert back.entries() == tt.entries() and back.censored("slow") == {2: 30.0}
     assert back.choose(4, ["fast", "slow"]) == tt.choose(4, ["fast", "slow"])
-    with pytest.raises(ValueError):
-        ClientTimeTable.from_entries({"d": {5: 1.0}}, num_candidates=3, smoothing=0.5)
-    assert math.isclose(back.smoothing, 0.5)
+    with pytest.raises(ValueError, match="candidate index must be in 0..2, got 5"):
+        back.load_state_dict({"cells": {"d": {"5": [1.0, 0.0, 0.0]}}})
+    with pytest.raises(ValueError, match="invalid time"):
+        back.load_state_dict({"cells": {"d": {"0": [-0.5, 0.0, 0.0]}}})
+    with pytest.raises(ValueError, match="invalid levels"):
+        back.load_state_dict({"levels": {"d": [0.0, 1.0]}})
+    assert back.state_dict() == tt.state_dict()   # a refused state changes nothing
 
 
 def test_eq1_refuses_a_zero_rate_and_names_the_valid_candidates():
@@ -201,13 +212,6 @@ def test_eq1_refuses_a_zero_rate_and_names_the_valid_candidates():
         ClientTimeTable(num_candidates=3).record("d", 3, 1.0)
     with pytest.raises(ValueError, match="candidate index must be in 0..3, got 4"):
         ClientTimeTable(num_candidates=4).get("d", 4)
-
-
-def test_from_entries_defaults_to_three_candidates_and_half_smoothing():
-    table = ClientTimeTable.from_entries({"d": {"0": 2.0}})
-    assert (table.num_candidates, table.smoothing) == (3, 0.5)
-    table.record("d", 0, 4.0)                  # 0.5 * 2 + 0.5 * 4
-    assert table.get("d", 0) == 3.0
 
 
 def test_an_unmeasured_device_cycles_through_every_candidate_in_later_rounds():
@@ -235,17 +239,17 @@ def test_calibration_keeps_a_fractional_ratio():
     assert tt.calibration(lambda d, j: 2.0) == 2.5
 
 
-def test_load_entries_replaces_the_whole_table():
+def test_load_state_dict_replaces_the_whole_table():
     # A resumed run restores its checkpointed table: the restored cells, nothing of the old ones,
     # with the table's own candidate count and smoothing.
     tt = ClientTimeTable(num_candidates=2, smoothing=0.25)
     tt.record("old", 0, 9.0)
-    tt.load_entries({"a": {"1": 4.0}})
+    tt.load_state_dict({"cells": {"a": {"1": [0.0, 0.0, 4.0]}}})
     assert tt.entries() == {"a": {1: 4.0}}
     tt.record("a", 1, 8.0)                     # 0.75 * 4 + 0.25 * 8
     assert tt.get("a", 1) == 5.0
     with pytest.raises(ValueError, match="candidate index must be in 0..1, got 2"):
-        tt.load_entries({"a": {2: 1.0}})
+        tt.load_state_dict({"cells": {"a": {"2": [1.0, 0.0, 0.0]}}})
 
 
 def test_eq1_refuses_negative_speeds_and_the_table_takes_full_smoothing_and_small_times():
@@ -257,9 +261,8 @@ def test_eq1_refuses_negative_speeds_and_the_table_takes_full_smoothing_and_smal
     full.record("d", 0, 4.0)
     full.record("d", 0, 2.0)
     assert full.get("d", 0) == 2.0
-    assert ClientTimeTable.from_entries({"d": {0: 0.5}}, 1).get("d", 0) == 0.5
-    with pytest.raises(ValueError, match="invalid time -0.5"):
-        ClientTimeTable.from_entries({"d": {0: -0.5}}, 1)
+    full.record("d", 0, 0.5)
+    assert full.get("d", 0) == 0.5
 
 
 def test_calibration_skips_cells_without_a_positive_finite_estimate():
@@ -277,3 +280,152 @@ def test_an_estimate_of_zero_seconds_is_used_as_it_is():
     estimates = {("new", 0): 0.0, ("new", 1): 3.0}
     choice = tt.choose(3, ["a", "new"], lambda d, j: estimates.get((d, j), math.nan))
     assert choice == {"a": 0, "new": 1}
+
+
+def _high_low_mid() -> ClientTimeTable:
+    """Three devices' warm-up cells on shaped links (seconds; docs/real-links.md): High in its
+    parts (transfer, compute, the rest), Low and Mid as totals."""
+    tt = table_from({"low": [4.68, 4.05, 11.43], "mid": [2.77, 2.23, 5.84]})
+    for j, (seconds, transfer, compute) in enumerate([(0.92, 0.73, 0.10), (0.71, 0.44, 0.20), (2.12, 1.89, 0.20)]):
+        tt.record("high", j, seconds, transfer_s=transfer, compute_s=compute)
+    return tt
+
+
+def test_a_link_that_changes_moves_every_cell_of_the_device_and_back():
+    tt = ClientTimeTable()
+    tt.record("d", 0, 1.0, transfer_s=0.6, compute_s=0.2)
+    tt.record("d", 1, 0.8, transfer_s=0.4, compute_s=0.3)
+    tt.record("d", 2, 2.0, transfer_s=1.8, compute_s=0.2)
+    # Its link is ten times slower, measured at j=1 alone: its other cells' transfers follow.
+    tt.record("d", 1, 4.4, transfer_s=4.0, compute_s=0.3)
+    assert tt.levels("d") == pytest.approx((10.0, 1.0))
+    assert [tt.get("d", j) for j in range(3)] == pytest.approx([6.4, 4.4, 18.2])
+    # It recovers: back as they were.
+    tt.record("d", 1, 0.8, transfer_s=0.4, compute_s=0.3)
+    assert tt.levels("d") == pytest.approx((1.0, 1.0))
+    assert [tt.get("d", j) for j in range(3)] == pytest.approx([1.0, 0.8, 2.0])
+
+
+def test_noise_is_averaged_and_moves_no_level():
+    tt = ClientTimeTable()
+    tt.record("d", 1, 0.8, transfer_s=0.4, compute_s=0.3)
+    tt.record("d", 2, 2.0, transfer_s=1.8, compute_s=0.2)
+    tt.record("d", 1, 0.9, transfer_s=0.5, compute_s=0.3)     # transfer 1.25x: below CHANGE_RATIO
+    assert tt.levels("d") == (1.0, 1.0)
+    assert tt.get("d", 1) == pytest.approx(0.85)              # the paper's running average of the totals
+    # A part of a few hundredths that triples moves the cell by less than CHANGE_SHARE: noise.
+    small = ClientTimeTable()
+    small.record("d", 0, 1.0, transfer_s=0.01, compute_s=0.5)
+    small.record("d", 0, 1.02, transfer_s=0.03, compute_s=0.5)
+    assert CHANGE_RATIO < 3 and small.levels("d") == (1.0, 1.0)
+
+
+def test_a_board_whose_compute_slows_down_moves_its_compute_parts_only():
+    tt = ClientTimeTable()
+    tt.record("d", 1, 0.8, transfer_s=0.4, compute_s=0.3)
+    tt.record("d", 2, 2.0, transfer_s=1.8, compute_s=0.2)
+    tt.record("d", 2, 2.3, transfer_s=1.8, compute_s=0.5)     # compute 2.5x
+    assert tt.levels("d") == pytest.approx((1.0, 2.5))
+    assert tt.get("d", 1) == pytest.approx(0.4 + 0.75 + 0.1)
+
+
+def test_a_cut_attempt_moves_the_device_to_its_cheapest_split_that_fits():
+    tt = _high_low_mid()
+    assert tt.choose(4, ["low", "mid", "high"])["high"] == 2
+    # Its link drops tenfold: at split 3 it is cut after 6.2 s (no measurement). Its link level
+    # rises until its split-3 cell reads 6.2 s: (6.2 - 0.20 - 0.03) / 1.89.
+    assert tt.censor("high", 2, 6.2) == pytest.approx(5.97 / 1.89)
+    assert tt.censored("high") == {2: 6.2}
+    # Its cells now read 2.50, 1.66 and 6.2 s; the median rule would take 2.50 (j=0, closest to
+    # m = 4.05), a lower bound as the others are; it gets its cheapest that reads under 6.2 s.
+    assert tt.choose(5, ["low", "mid", "high"])["high"] == 1
+    # Measured there at the new rate (4.4 s of transfer), the level is the link's own, tenfold, and
+    # the censored entry is done with: split 2 is closest to the median now.
+    tt.record("high", 1, 4.67, transfer_s=4.4, compute_s=0.2)
+    assert tt.levels("high")[0] == pytest.approx(10.0, rel=1e-3) and tt.censored("high") == {}
+    assert tt.choose(6, ["low", "mid", "high"])["high"] == 1
+    assert tt.get("high", 2) == pytest.approx(18.9 + 0.23, rel=1e-3)
+
+
+def test_a_device_cut_at_every_split_keeps_its_cheapest():
+    tt = _high_low_mid()
+    for j in (2, 1, 0):
+        tt.censor("high", j, 6.2)
+    # Nothing reads under the 6.2 s it was cut at: its cheapest (split 2 reads exactly 6.2 s).
+    assert tt.censored("high") == {0: 6.2, 1: 6.2, 2: 6.2}
+    assert tt.choose(5, ["low", "mid", "high"])["high"] == 1
+    with pytest.raises(ValueError, match="seconds waited must be finite"):
+        tt.censor("high", 0, math.nan)
+
+
+def test_a_cut_in_a_cell_without_transfer_time_raises_the_compute_level():
+    tt = ClientTimeTable()
+    tt.record("c", 0, 5.0, transfer_s=0.0, compute_s=4.0)
+    assert tt.censor("c", 0, 9.0) == 1.0
+    assert tt.levels("c") == pytest.approx((1.0, 2.0)) and tt.get("c", 0) == pytest.approx(9.0)
+    # A cut shorter than the cell teaches nothing but the bound itself.
+    assert tt.censor("c", 0, 3.0) == 1.0 and tt.levels("c") == pytest.approx((1.0, 2.0))
+
+
+def test_a_fast_device_far_below_the_median_gets_its_deepest_split_not_its_noise():
+    # A native host among two boards under emulation: its cells are transfer and latency, 1.1 to
+    # 1.7 s at every split, against a median of 20 s. The paper's rule would give it its largest
+    # cell (j=0, noise); it is off the critical path wherever it is cut: its deepest.
+    tt = table_from({"host": [1.7, 1.1, 1.4], "board1": [21, 19, 30], "board2": [23, 20, 35]})
+    assert tt.choose(4, ["host", "board1", "board2"]) == {"host": 2, "board1": 1, "board2": 1}
+
+
+def test_a_row_within_noise_of_itself_gets_its_deepest_split_and_the_noise_is_measured():
+    tt = table_from({"a": [4.0, 4.3, 3.9], "b": [2, 3, 5], "c": [6, 7, 9]})
+    # m = 4.3. a's spread (0.4 s) is within 2 x the default noise (0.1) of its smallest time.
+    assert tt.noise() == 0.1
+    assert tt.choose(4, ["a", "b", "c"])["a"] == 2
+    # Re-measurements that move their cells by 3 %: the table's noise is 0.03, a's spread is
+    # more than that explains, and the paper's rule stands (j=1, gap 0).
+    for j, seconds in enumerate([10.0, 20.0, 30.0]):
+        tt.record("n", j, seconds)
+        tt.record("n", j, seconds * 1.03)
+    assert tt.noise() == pytest.approx(0.03)
+    assert tt.choose(4, ["a", "b", "c"])["a"] == 1
+
+
+def _terms(device: str, j: int) -> tuple[float, float, float]:
+    """Eq. 1's terms at the three candidates: bytes on the link, client and server FLOPs."""
+    return ([10.0, 4.0, 20.0][j], [1.0, 2.0, 3.0][j], [3.0, 2.0, 1.0][j])
+
+
+def test_the_estimated_warm_up_measures_one_split_and_tries_only_those_the_rule_picks():
+    tt = ClientTimeTable(warm_up="estimated")
+    devices = ["slow", "mid", "fast"]
+    assert tt.choose(1, devices, terms=_terms) == {d: 0 for d in devices}
+    for device, (seconds, transfer, compute) in {"slow": (12.0, 8.0, 3.0), "mid": (4.0, 2.0, 1.5),
+                                                 "fast": (1.2, 0.8, 0.3)}.items():
+        tt.record(device, 0, seconds, transfer_s=transfer, compute_s=compute)
+    # slow's untried cells, scaled term by term from its j=0 (Eq. 1 with its measured rate,
+    # compute speed and server speed): 8*4/10 + 3*2/1 + 1*2/3 and 8*20/10 + 3*3/1 + 1*1/3.
+    assert tt.row("slow", None, 1.0, _terms) == pytest.approx({0: 12.0, 1: 9.8667, 2: 25.3333}, rel=1e-4)
+    # m = 4.133: slow (25 s at split 3) never tries split 3; fast tries its deepest.
+    assert tt.choose(2, devices, terms=_terms) == {"slow": 1, "mid": 1, "fast": 2}
+    paper = ClientTimeTable(warm_up="every_split")
+    assert paper.choose(2, devices, terms=_terms) == {d: 1 for d in devices}
+
+
+def test_a_cut_at_a_split_never_measured_raises_the_level_from_the_scaled_cell():
+    tt = ClientTimeTable()
+    tt.record("slow", 0, 12.0, transfer_s=8.0, compute_s=3.0)
+    # Scaled split 2: transfer 3.2, compute 6, rest 0.667; cut after 20 s.
+    assert tt.censor("slow", 1, 20.0, _terms) == pytest.approx((20.0 - 6.0 - 2.0 / 3.0) / 3.2)
+    assert tt.row("slow", None, 1.0, _terms)[1] == pytest.approx(20.0)
+
+
+def test_an_untried_split_s_compute_scales_as_other_devices_measured_it_not_by_eq1_s_flops():
+    # Eq. 1's FLOPs say split 2 needs twice split 1's client compute; a device measured at both
+    # needed 1.2 times (what every step costs whatever its size): "slow" is priced with that.
+    tt = ClientTimeTable()
+    tt.record("slow", 0, 12.0, transfer_s=8.0, compute_s=3.0)
+    assert tt.row("slow", terms=_terms)[1] == pytest.approx(8.0 * 4 / 10 + 3.0 * 2 + 1.0 * 2 / 3)
+    tt.record("probe", 0, 3.0, transfer_s=1.0, compute_s=1.0)
+    tt.record("probe", 1, 2.7, transfer_s=0.4, compute_s=1.2)
+    tt.record("probe", 0, 3.0, transfer_s=1.0, compute_s=1.0)   # its latest is j=0 again: no matter
+    # compute 1.2 / 1.0; the rest (the Main Server's) 1.1 / 1.0; transfer still by Eq. 1's bytes.
+    assert tt.row("slow", terms=_terms)[1] == pytest.approx(8.0 * 4 / 10 + 3.0 * 1.2 + 1.0 * 1.1)

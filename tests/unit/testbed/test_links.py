@@ -15,7 +15,8 @@ import testbed.runner as runner
 from shared.config import RunConfig
 from shared.profiles import RATES
 from testbed.links import (MAX_AGENTS, MAX_IFNAME, WIRE_BYTES_PER_PAYLOAD, LinksNetwork, agent_commands, host_problem,
-                           leftovers, link_names, owner_of, pick_subnet, plan_links, removal_commands, tbf_args)
+                           leftovers, link_names, owner_of, pick_subnet, plan_links, rate_commands, removal_commands,
+                           tbf_args)
 from testbed.config_check import CheckResult, check
 from testbed.processes import ProcessGroup
 from testbed.runner import Testbed, TestbedError
@@ -249,3 +250,23 @@ def test_the_command_line_passes_the_layout_and_refuses_shared_agents_with_it(tm
         with pytest.raises(SystemExit) as exit_:
             cli.main([flag, "--agents", "2"])
         assert exit_.value.code == 2
+
+
+def test_a_link_is_reshaped_both_ways_in_place_and_the_plan_says_its_new_rate(monkeypatch):
+    bridge, agents = link_names(0x1f, 0, 2)
+    plan = plan_links(bridge, agents, ipaddress.IPv4Network("10.7.8.0/24"), [2e6, 4e6])
+    shaping = tbf_args(2e5)
+    assert rate_commands(plan.agents[0], 2e5) == [
+        ["tc", "qdisc", "replace", "dev", "sfl1f-0v0", "root", *shaping],
+        ["tc", "-n", "sfl1f-0n0", "qdisc", "replace", "dev", "eth0", "root", *shaping]]
+    assert all(command in agent_commands(plan, plan.agents[1]) for command in rate_commands(plan.agents[1], 4e6))
+    ran = []
+    monkeypatch.setattr(links, "_run", ran.append)
+    network = LinksNetwork([2e6, 4e6])
+    network.plan = plan
+    network.set_rate(0, 2e5)
+    assert ran == rate_commands(plan.agents[0], 2e5)
+    assert [a.rate for a in network.plan.agents] == [2e5, 4e6]
+    with pytest.raises(TestbedError, match="rate must be > 0"):
+        network.set_rate(1, 0.0)
+    assert [a.rate for a in network.plan.agents] == [2e5, 4e6]

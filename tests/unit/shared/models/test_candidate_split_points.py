@@ -99,3 +99,9 @@ def test_the_configuration_check_refuses_what_the_model_cannot_meet_in_one_line(
             load_run_config({**base, "split": {"candidates": setting}})
         (line,) = refused.value.lines
         assert line.startswith(words), line
+
+
+def test_a_pinned_split_point_must_be_a_candidate_of_the_run():
+    assert load_run_config({"algorithm": "s2fl", "split": {"pinned": {"dev-000": 2}}}).split.pinned == {"dev-000": 2}
+    with pytest.raises(ConfigError, match=r"split.pinned: dev-001: 2 is not one of the run's candidate split points \[1, 3\]"):
+        load_run_config({"algorithm": "s2fl", "split": {"candidates": [1, 3], "pinned": {"dev-000": 3, "dev-001": 2}}})

@@ -1,0 +1,61 @@
+"""A device whose shaped link drops tenfold mid-run is given a cheaper split and uploads again within
+two rounds, instead of being cut at the same split for the rest of the run (docs/s2fl.md, "A fleet
+that changes")."""
+from __future__ import annotations
+
+import pytest
+
+from integration_support import read_metrics, small_config
+from shared.models import build_model, profile_model
+from testbed.links import problem_here
+from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
+
+_PROBLEM = problem_here()
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"real links cannot be made here: {_PROBLEM}")
+
+ROUNDS = 8
+DROP_AFTER = 4    # the paper's 3 warm-up rounds, then one decided by the median rule before the drop
+HIGH = "dev-002"  # devices.profiles go round-robin: device 2 is the High one, on agent link 2
+
+
+def _link_bytes(split: int, samples: int) -> float:
+    """Eq. 1's bytes on a device's link in one round at ``split`` (``2|Wc| + 2pq``)."""
+    cost = profile_model(build_model("cnn"), "cnn").cost(split)
+    return 2.0 * cost.client_param_bytes + 2.0 * samples * cost.activation_bytes
+
+
+def test_a_device_whose_link_drops_tenfold_uploads_again_within_two_rounds_at_a_cheaper_split(tmp_path):
+    # The shaped-links claims' fleet (docs/real-links.md): Low, Mid and High on 1.5, 3 and 7.5 MB/s,
+    # 100 samples each. High's link drops to 0.75 MB/s while round DROP_AFTER + 1 runs, at the split
+    # the table chose before the drop; a round there takes several times the other devices' now,
+    # past its own deadline (1.2 times the slowest of them, deadlines.patience). Cut there, it
+    # used to keep that split and be cut at each selection; a cut now teaches the table.
+    config = small_config(rounds=ROUNDS, **{"data.num_devices": 3, "data.partition": "iid", "data.max_samples": 300,
+                                            "grouping.group_size": 3, "devices.profiles": ["low", "mid", "high"],
+                                            "devices.time_scale": 1.5, "deadlines.patience": 1.2})
+    dropped: list[int] = []
+    with Testbed(config, tmp_path, real_links=True, rtt_ms=2.0, warm=shared_starter()) as testbed:
+        assert testbed.network is not None
+
+        def drop(record, status) -> None:
+            if record.round == DROP_AFTER and not dropped:
+                network = testbed.network
+                assert network is not None and network.plan is not None
+                network.set_rate(2, network.plan.agents[2].rate / 10)
+                dropped.append(record.round)
+
+        assert testbed.follow(on_round=drop, timeout=400)["state"] == "finished"
+    metrics = read_metrics(tmp_path)
+    summary = [(m["round"], m["split_points"], m["aggregated"], m["table_times"]) for m in metrics]
+    assert dropped == [DROP_AFTER] and [m["status"] for m in metrics] == ["ok"] * ROUNDS, summary
+    at_drop = metrics[DROP_AFTER]["split_points"].get(HIGH)
+    assert at_drop is not None, summary
+    # Within the round the drop landed in and the two after it, High uploads at a split that puts
+    # fewer bytes on its link than the split it had when the link dropped (or, had it the fewest
+    # already, at that one).
+    splits = build_model("cnn").split_points
+    fewest = min(_link_bytes(k, 100) for k in splits)
+    uploads = [m["split_points"][HIGH] for m in metrics[DROP_AFTER:DROP_AFTER + 3] if HIGH in m["aggregated"]]
+    assert any(_link_bytes(k, 100) < _link_bytes(at_drop, 100) or _link_bytes(k, 100) == fewest for k in uploads), \
+        summary
