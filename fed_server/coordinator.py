@@ -76,7 +76,6 @@ class Coordinator:
         self.core = _build_core(config, run_id, torch_device)
         core = self.core
         num_classes, input_shape = core.model.num_classes, core.model.input_shape
-        self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes)
         profile = profile_model(core.model, config.model)
         candidates = candidate_split_points(profile, config.split.candidates)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
@@ -84,6 +83,7 @@ class Coordinator:
         self.table = ClientTimeTable(max(1, len(candidates)), config.split.smoothing)
         self.planner = SplitPlanner(core.algorithm.split_mode(), candidates, core.num_blocks, profile, self.table,
                                     core.devices, config.train.local_epochs, config.split.server_flops)
+        self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes, self.planner)
         self.rng = random.Random(config.seed)
         # Federated evaluation does not use a server test set even where one exists.
         test_set = server_test_set(config.data, core.loss.task) if core.evaluation_mode == "server" else None
