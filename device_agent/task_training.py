@@ -16,7 +16,7 @@ from device_agent.step_exchange import MainLink, StepExchange
 from device_agent.task_poll import TaskPoller
 from device_agent.timing import RoundClock
 from device_agent.trainer import (
-    LocalResult, TaskExpired, TrainContext, TrainSettings, normalises_over_batch, round_seed, steps_per_round,
+    LocalResult, TaskExpired, TrainContext, TrainSettings, leaves_out_single_samples, round_seed, steps_per_round,
     train_round,
 )
 from shared.algorithms.base import DeviceLogic, Payload, parse_payload, trainable_parameters
@@ -127,7 +127,7 @@ class TaskTrainer:
         assert task.main_server_url is not None and task.train is not None and task.round_id is not None
         assert task.split_point is not None
         num_steps = steps_per_round(len(self.samples), task.train.batch_size, task.train.local_epochs,
-                                    no_single=normalises_over_batch(model.portion(0, task.split_point)))
+                                    no_single=leaves_out_single_samples(model, task.split_point, split=True))
         join = JoinRequest(device_id=self.device_id, label_counts=self.samples.label_counts().tolist(), num_steps=num_steps)
         timeout = (task.deadline_s or TASK_DEADLINE_DEFAULT_S) + 5
         return self.main.join(task.main_server_url, task.round_id, join, clock, timeout)

@@ -40,7 +40,7 @@ def batches(data: ArrayDataset, batch_size: int, epochs: int, seed: int,
             no_single: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Shuffled mini-batches over ``epochs`` passes, reproducible from ``seed``.
 
-    ``no_single`` (the trained portion normalises over the batch, :func:`normalises_over_batch`):
+    ``no_single`` (a BatchNorm layer trains on the batch, :func:`leaves_out_single_samples`):
     an epoch's last batch of one sample is left out of that epoch, since a BatchNorm layer cannot
     train on a single sample (PyTorch raises "Expected more than 1 value per channel"). The order
     is reshuffled every epoch and round, so a different sample sits out each time. An epoch whose
@@ -68,6 +68,14 @@ def steps_per_round(num_samples: int, batch_size: int, epochs: int, no_single: b
 def normalises_over_batch(portion: torch.nn.Module) -> bool:
     """Whether ``portion`` holds a BatchNorm layer, which cannot train on a batch of one sample."""
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in portion.modules())
+
+
+def leaves_out_single_samples(model: SplitModel, split_point: int, split: bool) -> bool:
+    """Whether a round of ``model`` cut at ``split_point`` leaves an epoch's last batch of one sample
+    out (:func:`batches`): where a BatchNorm layer would train on it. At split depth zero that is
+    the device's portion; in split mode the whole model, since a device's last step can be the
+    only one in its group's step, and the Main Server's layers then see its batch alone."""
+    return normalises_over_batch(model if split else model.portion(0, split_point))
 
 
 def round_seed(seed: int, shard: int | str, round_id: int) -> int:
@@ -139,7 +147,8 @@ def train_round(model: SplitModel, split_point: int, weights: dict[str, torch.Te
     the seeded batch order is the same on every device. Activations go back to the CPU (in
     half precision first when asked, halving the copy) for the wire; dfx comes to the device.
     """
-    training = _RoundTraining(model.portion(0, split_point), weights, data, settings, context)
+    no_single = leaves_out_single_samples(model, split_point, context.send_step is not None)
+    training = _RoundTraining(model.portion(0, split_point), weights, data, settings, context, no_single)
     if context.send_step is None:
         training.whole_model()
     else:
@@ -151,8 +160,9 @@ class _RoundTraining:
     """One :func:`train_round`: the portion it trains, its progress, and its two modes."""
 
     def __init__(self, portion: Portion, weights: dict[str, torch.Tensor] | None, data: ArrayDataset,
-                 settings: TrainSettings, context: TrainContext) -> None:
+                 settings: TrainSettings, context: TrainContext, no_single: bool) -> None:
         self.portion = portion
+        self.no_single = no_single
         self.weights = weights
         self.data = data
         self.settings = settings
@@ -186,7 +196,7 @@ class _RoundTraining:
         """The round's seeded mini-batches of ``train_data``."""
         settings = self.settings
         return batches(train_data, settings.batch_size, settings.epochs, settings.seed,
-                       no_single=normalises_over_batch(self.portion))
+                       no_single=self.no_single)
 
     def whole_model(self) -> None:
         """The whole local training as one section: nothing in it waits for anyone else. An

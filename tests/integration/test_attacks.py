@@ -7,6 +7,8 @@ and the final model (evaluated here from the checkpoint, not as recorded) is not
 """
 from __future__ import annotations
 
+import re
+
 from benchmarks.attacks import run_once
 from integration_support import read_metrics, small_config
 from testbed.warm_start import shared_starter
@@ -137,3 +139,29 @@ def test_a_member_dropped_at_its_first_step_costs_no_more_than_a_device_refused_
         curves[behaviour] = [r["test_accuracy"] for r in read_metrics(tmp_path / behaviour)]
     absent, dropped = curves["zero_update_huge_count"], curves["activations_1e30"]
     assert all(d >= a - 0.01 for d, a in zip(dropped, absent)), curves
+
+
+def test_a_silent_device_that_registers_again_in_a_loop_is_refused_and_still_sits_out_its_missed_deadlines(tmp_path):
+    # It takes its task, stays silent and registers again every 0.1 s, claiming 1 FLOP/s and 1 B/s,
+    # to wash its missed deadlines out. At most one registration of it per reregistration_s (10 s)
+    # is taken, each taken one during an attempt takes it out of that attempt and counts as a miss,
+    # and its record survives: it is not selected in the attempt after a miss.
+    rounds = 3
+    config = _config("fedavg").model_copy(update={"rounds": rounds})
+    result = run_once(config, "silent_reregistration", 1, tmp_path / "run", time_limit_s=rounds * ROUND_S + 30,
+                      warm=shared_starter())
+    records = read_metrics(tmp_path / "run")
+    assert result.complete, f"{result.rounds_completed} of {result.rounds_planned} rounds: {result.error}"
+    assert result.harmful_actions > 0
+    fed_log = (tmp_path / "run" / "logs" / "fed_server.log").read_text()
+    assert "dev-003 missed a deadline; it sits out the next" in fed_log
+    # Every attempt that selected it lost it, and the one after each miss did not select it.
+    assert all("dev-003" not in r["aggregated"] for r in records)
+    missed = [i for i, r in enumerate(records) if "dev-003" in r["left"]]
+    assert missed and all("dev-003" not in records[i + 1]["selected"] for i in missed if i + 1 < len(records))
+    # Each registration it was allowed shows as one line (identical lines are folded with a count):
+    # far fewer than the ten a second it sent.
+    adversary_log = (tmp_path / "run" / "logs" / "adversary.log").read_text()
+    sent = sum(int(n) for n in re.findall(r"(\d+) registrations sent", adversary_log))
+    enrolled = fed_log.count("device dev-003 enrolled again")
+    assert sent > 10 * enrolled, (sent, enrolled)

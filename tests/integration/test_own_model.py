@@ -105,11 +105,13 @@ def _check_export(run_dir: Path, out: Path, state: dict, test: tuple[Path, float
         assert correct / len(y) == pytest.approx(recorded, abs=1.5 / len(y)), (correct, len(y), recorded)
 
 
-@pytest.mark.parametrize("algorithm,model", [("fedavg", "batchnorm_model:net"), ("sfl", "batchnorm_model:device_net")])
+@pytest.mark.parametrize("algorithm,model", [("fedavg", "batchnorm_model:net"), ("sfl", "batchnorm_model:device_net"),
+                                             ("sfl", "batchnorm_model:net")])
 def test_a_device_whose_last_batch_holds_one_sample_keeps_training_a_batchnorm_layer(algorithm, model, tmp_path,
                                                                                        user_package):
-    # A BatchNorm1d layer trains on the device: under FedAvg in the whole model, under SFL in the
-    # device's portion (the cut after block 3). 101 = 4 x 25 + 1 samples used to end every
+    # A BatchNorm1d layer trains on a device's batch: under FedAvg in the whole model, under SFL in
+    # the device's portion (the cut after block 3) or on the Main Server (after the cut: SFL's
+    # groups of one send each device's batch alone through it). 101 = 4 x 25 + 1 samples used to end every
     # round in a step PyTorch refuses, and the device was dropped every round while the run
     # reported success. Now that lone sample sits out its epoch (in split mode the device tells the
     # Main Server one step fewer) and both devices are aggregated.
