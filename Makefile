@@ -34,8 +34,9 @@ run: setup
 typecheck: setup
 	$(PY) -m mypy
 
+# --durations: the slowest tests, listed at the end, so a run shows where the suite's time goes.
 test: setup typecheck
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # Mutation testing of the core math, on demand and not part of `make check` (about 15 minutes on 2
 # cores): cosmic-ray's mutants of each module against its unit tests (tools/mutation.py,

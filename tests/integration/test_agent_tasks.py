@@ -44,8 +44,10 @@ def test_an_agent_hosting_several_devices_gets_every_task_through_its_session(tm
 
 @pytest.fixture(scope="module")
 def servers():
+    # The tests register the same device ids in turn: no re-registration limit here.
     config = small_config(algorithm="fedavg", **{"data.num_devices": 4, "data.max_samples": 200,
-                                                 "deadlines.registration_s": 3600})
+                                                 "deadlines.registration_s": 3600,
+                                                 "deadlines.reregistration_s": 0.0})
     with server_pair(config, "agent-tasks", fed_env={"SFL_SERVICE_SECRET": "service", "SFL_ENROLMENT_SECRET": ENROL},
                      main_env={"SFL_SERVICE_SECRET": "service"}) as pair:
         yield pair.fed_url

@@ -45,7 +45,9 @@ FX_SHAPE = [BATCH, 32, 14, 14]  # activations of the cnn after block 1 on 1x28x2
 def services():
     """A Fed Server waiting for 2 devices (so it stays quiet) and a Main Server with a 1 MiB step limit
     whose group uploads go to a closed port."""
-    config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200})
+    # The tests register dev-0 again and again: no re-registration limit here (its own tests set one).
+    config = small_config(algorithm="s2fl", rounds=1, **{"data.num_devices": 2, "data.max_samples": 200,
+                                                         "deadlines.reregistration_s": 0.0})
     assert config.data == SPEC
     with server_pair(config, "bad-input", fed_args=["--run-id", "badinput"], main_args=["--max-step-mb", "1"],
                      main_reports_to=f"http://127.0.0.1:{free_port()}") as pair:

@@ -64,7 +64,7 @@ def test_tiny_grid_runs_reports_and_is_not_rerun(tmp_path):
 
 def test_a_bad_experiment_file_fails_before_anything_runs(tmp_path):
     spec = tmp_path / "bad.yaml"
-    spec.write_text(TINY.replace("[fedavg, s2fl]", "[fedavg, scaffold]"))
+    spec.write_text(TINY.replace("[fedavg, s2fl]", "[fedavg, no_such_algorithm]"))
     result = _run("run", str(spec), "--out", str(tmp_path / "out"))
-    assert result.returncode == 2 and "algorithm=scaffold" in result.stderr
+    assert result.returncode == 2 and "algorithm=no_such_algorithm" in result.stderr
     assert not (tmp_path / "out").exists()
