@@ -84,7 +84,6 @@ class Coordinator:
         core = self.core
         core.recording = recording
         num_classes, input_shape = core.model.num_classes, core.model.input_shape
-        self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes, main_server_device_urls)
         profile = profile_model(core.model, config.model)
         candidates = split_candidates(config, core.model)
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
@@ -93,6 +92,8 @@ class Coordinator:
         self.planner = SplitPlanner(core.algorithm.split_mode(), candidates, core.num_blocks, profile, self.table,
                                     core.devices, config.train.local_epochs, config.split.server_flops,
                                     config.split.pinned, head_start=core.head_start if config.split.u_shaped else None)
+        self.replicas = ReplicaPlanning(core, main_server_urls, input_shape, num_classes, self.planner,
+                                        main_server_device_urls)
         self.rng = random.Random(config.seed)
         # Federated evaluation does not use a server test set even where one exists.
         test_set = server_test_set(config.data, core.loss.task) if core.evaluation_mode == "server" else None

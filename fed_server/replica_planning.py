@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from fed_server.fed_round import FedRound
 from fed_server.run_core import RunCore
-from shared.algorithms.grouping import GroupCandidate, form_round_groups
+from fed_server.split_planner import SplitPlanner
+from shared.algorithms.grouping import form_round_groups, group_candidate
 from shared.algorithms.registry import build_grouping
 from shared.portions import portion_state
 from shared.schemas import Participant, PlannedGroup, RoundPlan
@@ -55,7 +56,8 @@ def groups_per_replica(groups: Sequence[Sequence[str]], loads: Sequence[int], re
 
 
 class ReplicaPlanning:
-    """Plans for, and bookkeeping of, the Main Server replicas at ``main_server_urls``.
+    """Plans for, and bookkeeping of, the Main Server replicas at ``main_server_urls``; ``planner``
+    gives each participant's split and, with its time table, its measured round times.
 
     ``device_urls``: the address the devices reach each replica at, one per URL of
     ``main_server_urls`` in the same order, where it is not the one this server uses (devices
@@ -64,8 +66,9 @@ class ReplicaPlanning:
     (:meth:`device_url`)."""
 
     def __init__(self, core: RunCore, main_server_urls: Sequence[str] | None, input_shape: tuple[int, ...],
-                 num_classes: int, device_urls: Sequence[str] | None = None) -> None:
+                 num_classes: int, planner: SplitPlanner, device_urls: Sequence[str] | None = None) -> None:
         self.core = core
+        self.planner = planner
         self.urls = list(dict.fromkeys(main_server_urls or []))
         if device_urls and len(device_urls) != len(main_server_urls or []):
             raise ValueError(f"{len(device_urls)} Main Server URLs for the devices (--main-server-public-url) for "
@@ -142,8 +145,8 @@ class ReplicaPlanning:
         One replica: one plan with every participant and no groups (the Main Server groups, as in
         the paper). Several: the groups are formed here, once per attempt, by the one grouping
         function the Main Server uses (same plug-in, group size and rng), from the label counts
-        sent at registration, and spread by :func:`groups_per_replica` (largest first, to the least
-        loaded replica).
+        sent at registration and what the plans say of each participant (:meth:`participant`), and
+        spread by :func:`groups_per_replica` (largest first, to the least loaded replica).
         """
         if not live:
             raise ValueError("no live Main Server replica to plan for")
@@ -171,15 +174,29 @@ class ReplicaPlanning:
         """The attempt's groups in id order, formed at its first plan."""
         if fed_round.planned_groups is None:
             config = self.core.config
-            devices = self.core.devices
-            # As the round plan describes each participant to the Main Server (round_plan), so the
-            # groups are those one replica would form from the same devices' joins.
-            members = {d: GroupCandidate.of(devices.label_counts(d), a.split_point, devices.weight(d))
-                       for d, a in fed_round.assignments.items()}
+            # From the participant entries the plans carry, as the Main Server builds them from the
+            # joins, so the groups are those one replica would form from the same devices' joins.
+            members = {d: group_candidate(self.participant(fed_round, d), self.core.devices.label_counts(d))
+                       for d in fed_round.assignments}
             groups = form_round_groups(build_grouping(self.core.algorithm.grouping()), members,
                                        config.grouping.group_size, config.seed, fed_round.round_id)
             fed_round.planned_groups = dict(enumerate(groups))
         return [fed_round.planned_groups[g] for g in range(len(fed_round.planned_groups))]
+
+    def participant(self, fed_round: FedRound, device: str) -> Participant:
+        """How a round plan describes ``device``, a participant of ``fed_round``, to the Main Server:
+        what its checks need (split, samples, token nonce, download time) and everything else the
+        Fed Server knows of the device that a grouping may use (kind, its time table row by split
+        point, its measured link rate; shared/algorithms/grouping.py, ``group_candidate``)."""
+        assignment = fed_round.assignments[device]
+        devices, planner = self.core.devices, self.planner
+        record = devices.devices.get(device)
+        times = ((planner.split_points[j], planner.table.get(device, j)) for j in range(len(planner.split_points)))
+        return Participant(device_id=device, split_point=assignment.split_point, num_samples=devices.weight(device),
+                           token_nonce=assignment.token_nonce, download_s=assignment.download_s,
+                           kind=record.kind if record is not None else None,
+                           round_times=[(split, t) for split, t in times if t is not None],
+                           link_rate=devices.measured_rate(device))
 
     def round_plan(self, fed_round: FedRound, members: Sequence[str],
                    groups: list[PlannedGroup] | None = None) -> RoundPlan:
@@ -192,11 +209,7 @@ class ReplicaPlanning:
             run_id=core.run_id, round_id=fed_round.round_id, round_index=fed_round.index, model=config.model,
             model_params=config.model_params, num_classes=self.num_classes,
             input_shape=list(self.input_shape), seed=config.seed,
-            participants=[Participant(device_id=d, split_point=fed_round.assignments[d].split_point,
-                                      num_samples=core.devices.weight(d),
-                                      token_nonce=fed_round.assignments[d].token_nonce,
-                                      download_s=fed_round.assignments[d].download_s)
-                          for d in members],
+            participants=[self.participant(fed_round, d) for d in members],
             server_weights=encode_state(portion_state(core.model, start, core.head_start)), train=config.train,
             grouping=core.algorithm.grouping(), group_size=config.grouping.group_size,
             group_loss=config.grouping.group_loss, member_defences=config.grouping.member_defences,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 
-from shared.algorithms.grouping import GroupCandidate, Grouping, form_round_groups
+from shared.algorithms.grouping import Grouping, form_round_groups, group_candidate
 from shared.own_deadline import expected_seconds
 from shared.schemas import JoinRequest, RoundPlan
 
@@ -89,8 +89,7 @@ class JoinPhase:
         if self.plan.groups is not None:
             planned = [(g.group_id, [m for m in g.members if m in self.joined]) for g in self.plan.groups]
             return [(gid, members) for gid, members in planned if members]
-        members = {d: GroupCandidate.of(r.label_counts, self.participants[d].split_point, self.participants[d].num_samples)
-                   for d, r in self.joined.items()}
+        members = {d: group_candidate(self.participants[d], r.label_counts) for d, r in self.joined.items()}
         return list(enumerate(form_round_groups(grouping, members, self.plan.group_size, self.plan.seed,
                                                 self.plan.round_id)))
 

@@ -78,10 +78,15 @@ class WeightsResponse(Message):
 
 # --- device profile ---------------------------------------------------------------------------
 
+#: Longest device kind a device may register with (shared/profiles.py names are a few letters): the
+#: kind travels on in every round plan (``Participant.kind``), which the Main Server checks.
+MAX_KIND_LENGTH = 64
+
+
 class DeviceProfileMsg(Message):
     """What a device says about its speed; the Fed Server uses it only until it has measurements."""
 
-    kind: str = "unknown"
+    kind: str = Field(default="unknown", max_length=MAX_KIND_LENGTH)
     flops: float = Field(gt=0, allow_inf_nan=False)  # FLOP/s
     #: Bytes/s of the device's link; None: not known (a real link, measured by the Fed Server
     #: from the device's timed transfers once it has trained a round).
@@ -382,6 +387,26 @@ class Participant(Message):
     #: (portion bytes over its measured link rate; None: rate not known yet): part of the time
     #: its join is expected to take (``RoundPlan.patience``).
     download_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    # What else the Fed Server knows of the device, for the grouping (shared/algorithms/grouping.py,
+    # ``group_candidate``), which sees the device the same way on either server.
+    #: The kind the device registered (``DeviceProfileMsg.kind``).
+    kind: str | None = Field(default=None, max_length=MAX_KIND_LENGTH)
+    #: The Fed Server's client time table row of the device: (split point, running average of its
+    #: measured round time there in seconds), one pair per split point measured, in split order;
+    #: empty before its first measured round. Pairs, not a map: msgpack maps have string keys.
+    round_times: list[tuple[Annotated[int, Field(ge=1)], Annotated[float, Field(ge=0, allow_inf_nan=False)]]] = \
+        Field(default_factory=list)
+    #: The device's link rate (bytes/s) as measured from its rounds; None before its first (the
+    #: rate a device registers is its own claim, and is not passed on).
+    link_rate: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @field_validator("round_times")
+    @classmethod
+    def _one_time_per_split(cls, value: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        splits = [split for split, _ in value]
+        if len(set(splits)) != len(splits):
+            raise ValueError(f"a split point has two round times: {splits}")
+        return value
 
 
 class PlannedGroup(Message):

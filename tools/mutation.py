@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -262,10 +263,24 @@ def score_row(module: str, mutants: list[Mutant]) -> dict[str, object]:
             "equivalent": equivalent, "score": round(100.0 * killed / live, 1) if live else 100.0}
 
 
-def render(rows: list[dict[str, object]], mutants: list[Mutant], seed: int, count: int) -> str:
+def tested_commit(paths: list[str]) -> str:
+    """The commit the mutated modules and their tests are at: ``git rev-parse HEAD``, with
+    ``+changes`` when one of ``paths`` differs from it (the score is then of uncommitted code);
+    ``unknown`` outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if changed else "")
+
+
+def render(rows: list[dict[str, object]], mutants: list[Mutant], seed: int, count: int, commit: str) -> str:
     """The Markdown report: the table, then every surviving mutant's line before and after."""
     lines = [f"# Mutation testing, {datetime.date.today().isoformat()}", "",
-             f"cosmic-ray operators, {count} mutants sampled per module (seed {seed}); "
+             f"Commit {commit}. cosmic-ray operators, {count} mutants sampled per module (seed {seed}); "
              "score = killed / (mutants - equivalent).", "",
              "| module | mutants | killed | survived | equivalent | score |", "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| `{r['module']}` | {r['mutants']} | {r['killed']} | {r['survived']} | {r['equivalent']} | "
@@ -307,23 +322,25 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[dict[str, object]] = []
     mutants: list[Mutant] = []
+    chosen = args.module or list(MODULES)
+    commit = tested_commit([*chosen, *(t for m in chosen for t in MODULES[m])])
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         copy = Path(tmp)
         _copy_tree(copy)
         os.chdir(copy)
         sys.path.insert(0, str(copy))
-        for module in args.module or list(MODULES):
+        for module in chosen:
             print(f"{module}: up to {args.sample} mutants, tests {' '.join(MODULES[module])}", flush=True)
             done = mutate_module(module, MODULES[module], args.sample, args.seed, copy)
             mutants += done
             rows.append(score_row(module, done))
             print("  " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "mutation.md").write_text(render(rows, mutants, args.seed, args.sample), encoding="utf-8")
+    (args.out / "mutation.md").write_text(render(rows, mutants, args.seed, args.sample, commit), encoding="utf-8")
     (args.out / "mutation.json").write_text(json.dumps(
-        {"seed": args.seed, "sample": args.sample, "table": rows, "mutants": [asdict(m) for m in mutants]},
-        indent=1) + "\n", encoding="utf-8")
-    print(render(rows, mutants, args.seed, args.sample))
+        {"commit": commit, "seed": args.seed, "sample": args.sample, "table": rows,
+         "mutants": [asdict(m) for m in mutants]}, indent=1) + "\n", encoding="utf-8")
+    print(render(rows, mutants, args.seed, args.sample, commit))
     print(f"written: {args.out / 'mutation.md'}, {args.out / 'mutation.json'}")
     return 0
 

@@ -10,8 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shared.algorithms.grouping import GroupCandidate, Grouping
-from shared.algorithms.label_balance import group_sizes
+from shared.algorithms.grouping import GroupCandidate, Grouping, consecutive_groups
 
 
 class RandomGrouping(Grouping):
@@ -22,10 +21,4 @@ class RandomGrouping(Grouping):
     def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
         # Sorted before shuffling, so the groups depend only on the id set and the generator's seed.
         ids = sorted(members)
-        shuffled = [ids[i] for i in rng.permutation(len(ids))]
-        groups: list[list[str]] = []
-        start = 0
-        for size in group_sizes(len(ids), group_size):
-            groups.append(shuffled[start:start + size])
-            start += size
-        return groups
+        return consecutive_groups([ids[i] for i in rng.permutation(len(ids))], group_size)

@@ -77,6 +77,7 @@ GROUPINGS: PluginTable[Grouping] = PluginTable("grouping", "shared.algorithms.gr
     "singleton": "shared.algorithms.grouping:SingletonGrouping",
     "random": "shared.algorithms.random_grouping:RandomGrouping",
     "split_point": "shared.algorithms.split_point_grouping:SplitPointGrouping",
+    "speed": "shared.algorithms.speed_grouping:SpeedGrouping",
 })
 
 

@@ -16,7 +16,7 @@ from fed_server.fed_round import OVERDUE
 from fed_server.settings import FedServerSettings
 from fed_server.replica_planning import spread_groups
 from fed_server.run_dir import RunDirectory
-from shared.algorithms.grouping import GroupCandidate, form_round_groups
+from shared.algorithms.grouping import form_round_groups, group_candidate
 from shared.algorithms.registry import build_grouping
 from shared.errors import Conflict, Invalid
 from shared.portions import portion_state
@@ -88,9 +88,10 @@ def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     r = c.begin_round()
     plans = c.replicas.plans(r, [A, B])
     r.ready = True
-    # The same function, plug-in, size and rng the Main Server uses on the joins.
-    members = {d: GroupCandidate.of(_counts(d), r.assignments[d].split_point, c.core.devices.devices[d].num_samples)
-               for d in DEVICES}
+    # The same function, plug-in, size and rng the Main Server uses on the joins, from what the
+    # plans say of each participant.
+    said = {p.device_id: p for plan in plans.values() for p in plan.participants}
+    members = {d: group_candidate(said[d], _counts(d)) for d in DEVICES}
     expected = form_round_groups(build_grouping(c.core.algorithm.grouping()), members, 2, c.config.seed, r.round_id)
     assert list(r.planned_groups.values()) == expected
     loads = {g: sum(c.core.devices.devices[m].num_samples for m in members) for g, members in r.planned_groups.items()}
@@ -107,6 +108,47 @@ def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     # Deterministic: planning again spreads the same way.
     again = c.replicas.plans(r, [A, B])
     assert {u: p.model_dump() for u, p in again.items()} == {u: p.model_dump() for u, p in plans.items()}
+
+
+def _measure(c: Coordinator, times: dict[str, dict[int, float]], rates: dict[str, float]) -> None:
+    """Time table cells (device -> candidate j -> seconds) and measured link rates, as rounds leave them."""
+    for device, row in times.items():
+        for j, seconds in row.items():
+            c.table.record(device, j, seconds)
+    for device, rate in rates.items():
+        c.core.devices.measure_rate(device, rate)
+
+
+def test_the_plans_tell_the_main_server_all_the_fed_server_knows_of_each_participant(replicated):
+    c = replicated
+    _measure(c, {"d0": {0: 4.0, 2: 1.5}, "d3": {1: 2.5}}, {"d0": 3e6})
+    r = c.begin_round()
+    said = {p.device_id: p for plan in c.replicas.plans(r, [A, B]).values() for p in plan.participants}
+    assert sorted(said) == DEVICES
+    splits = c.planner.split_points
+    assert said["d0"].round_times == [(splits[0], 4.0), (splits[2], 1.5)] and said["d0"].link_rate == 3e6
+    assert said["d3"].round_times == [(splits[1], 2.5)] and said["d3"].link_rate is None
+    assert said["d1"].round_times == [] and said["d1"].link_rate is None      # never measured
+    for d, p in said.items():
+        record = c.core.devices.devices[d]
+        assert p.kind == record.kind == "unknown"   # as registered (_register sends no kind)
+        assert (p.split_point, p.num_samples, p.token_nonce) == (r.assignments[d].split_point, record.num_samples,
+                                                                 record.token_nonce)
+
+
+def test_a_grouping_by_time_groups_by_the_fed_servers_time_table(tmp_path):
+    config = load_run_config({"algorithm": "s2fl", "rounds": 2, "seed": 3, "grouping": {"group_size": 2, "method": "speed"},
+                              "data": {"num_devices": len(DEVICES), "max_samples": 200}})
+    c = Coordinator(config, RunDirectory(tmp_path / "run"), [A, B])
+    for d in DEVICES:
+        _register(c, d, _counts(d))
+    # Round 1 is the warm-up's first (every device at the first cut): measured there in an order
+    # that is not the id order, so the groups follow the table, not the ids or the counts.
+    seconds = {"d0": 6.0, "d1": 1.0, "d2": 5.0, "d3": 2.0, "d4": 4.0, "d5": 3.0}
+    _measure(c, {d: {0: t} for d, t in seconds.items()}, {})
+    r = c.begin_round()
+    c.replicas.plans(r, [A, B])
+    assert list(r.planned_groups.values()) == [["d1", "d3"], ["d5", "d4"], ["d2", "d0"]]
 
 
 def test_a_replica_that_refused_gets_its_groups_spread_over_the_others(replicated):

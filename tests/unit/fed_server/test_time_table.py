@@ -429,3 +429,32 @@ def test_an_untried_split_s_compute_scales_as_other_devices_measured_it_not_by_e
     tt.record("probe", 0, 3.0, transfer_s=1.0, compute_s=1.0)   # its latest is j=0 again: no matter
     # compute 1.2 / 1.0; the rest (the Main Server's) 1.1 / 1.0; transfer still by Eq. 1's bytes.
     assert tt.row("slow", terms=_terms)[1] == pytest.approx(8.0 * 4 / 10 + 3.0 * 1.2 + 1.0 * 1.1)
+@pytest.mark.parametrize("j", [-0.5, 0.5, 1.5, 2.5])
+def test_a_fractional_candidate_index_is_refused(j):
+    tt = ClientTimeTable(num_candidates=3)
+    with pytest.raises(ValueError, match=f"candidate index must be in 0..2, got {j}"):
+        tt.record("d", j, 1.0)
+    with pytest.raises(ValueError, match="candidate index"):
+        tt.get("d", j)
+    assert tt.entries() == {}
+    tt.record("d", 1.0, 2.0)   # a whole number, as JSON may bring it
+    assert tt.get("d", 1) == 2.0
+
+
+@pytest.mark.parametrize("bad", [math.inf, -1.0, math.nan])
+def test_an_estimate_that_is_not_a_finite_non_negative_time_is_not_used(bad):
+    # "new" is estimated ``bad`` at j=0 and 3 s at j=1; "a" has no estimate (calibration 1.0).
+    # The bad cell is priced like an unmeasured device without an estimate: the column median of
+    # the others (a's 4). Cells 4, 6, 4, 3 -> m = 4: a -> j=0, new -> j=0. Taken as it is, an
+    # infinite estimate would move the median to 5 (a -> j=1, new -> j=1), a negative one to 3.5
+    # (new -> j=1).
+    tt = table_from({"a": [4.0, 6.0]}, k=2)
+    estimates = {("new", 0): bad, ("new", 1): 3.0}
+    assert tt.choose(3, ["a", "new"], lambda d, j: estimates.get((d, j), math.nan)) == {"a": 0, "new": 0}
+
+
+def test_calibration_skips_infinite_and_negative_estimates():
+    tt = table_from({"a": [3.0], "b": [5.0], "c": [7.0], "d": [1.0]}, k=1)
+    estimates = {"a": 2.0, "b": 2.0, "c": math.inf, "d": -1.0}
+    # only a (1.5) and b (2.5) count: median 2.0 (c would add 0.0, d -1.0)
+    assert tt.calibration(lambda d, j: estimates[d]) == 2.0

@@ -205,18 +205,26 @@ def test_a_member_that_left_at_the_fed_server_releases_its_group_s_barrier(kit):
 def test_groups_come_from_the_plans_plug_in(grouping, kit):
     async def body() -> None:
         devices = [f"d{i}" for i in range(6)]
-        state = GroupRound(kit.make_plan(devices, grouping=grouping, group_size=3, round_id=7), kit.Uploads())
+        # All the Fed Server knows of each device, in the plan: its time table row (the later
+        # ids the faster), kind and measured link rate.
+        said = [Participant(device_id=d, split_point=1, num_samples=10, kind=("low", "high")[i % 2],
+                            round_times=[(1, 10.0 - i)], link_rate=1e6 * (i + 1)) for i, d in enumerate(devices)]
+        state = GroupRound(kit.make_plan(devices, grouping=grouping, group_size=3, round_id=7, participants=said),
+                           kit.Uploads())
         counts = {d: [1 + i if c == i % kit.CLASSES else 0 for c in range(kit.CLASSES)] for i, d in enumerate(devices)}
         await asyncio.gather(*(state.join(kit.join_req(d, counts[d])) for d in devices))
         groups = [g.members for g in state.groups]
-        # Each device as the plan (split point 1, 10 samples) and its join (label counts) give it;
-        # the round's generator from the plan's seed 0 and round 7.
-        candidates = {d: GroupCandidate.of(counts[d], 1, 10) for d in devices}
+        # Each device as the plan and its join (label counts) give it; the round's generator from
+        # the plan's seed 0 and round 7.
+        candidates = {d: GroupCandidate(np.asarray(counts[d]), 1, 10, ("low", "high")[i % 2], {1: 10.0 - i},
+                                        1e6 * (i + 1)) for i, d in enumerate(devices)}
         assert groups == build_grouping(grouping).form(candidates, 3, grouping_rng(0, 7))
         if grouping == "singleton":
             assert groups == [[d] for d in devices]
         elif grouping == "balanced":
             assert groups == balanced_groups({d: np.asarray(counts[d]) for d in devices}, 3)
+        elif grouping == "speed":   # by the plan's times, fastest first
+            assert groups == [["d5", "d4", "d3"], ["d2", "d1", "d0"]]
         assert sorted(m for g in groups for m in g) == devices
         assert [g.group_id for g in state.groups] == list(range(len(groups)))
     kit.run(body)

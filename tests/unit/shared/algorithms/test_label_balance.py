@@ -116,3 +116,31 @@ def test_eq2_term_decides_the_groups():
     assert balanced_groups(counts, 3) == [["A", "E", "F"], ["B", "C", "D"]]
     assert total_distance([["A", "E", "F"], ["B", "C", "D"]], counts) < total_distance(
         [["A", "C", "E"], ["B", "D", "F"]], counts)
+
+
+def test_a_group_of_one_sample_is_as_far_from_uniform_as_its_class_makes_it():
+    # One sample of three classes: shares (1, 0, 0), Eq. 2 = sqrt((2/3)^2 + 2 (1/3)^2) = sqrt(6/9);
+    # a total of one is a distribution like any other, not "no samples".
+    one = math.sqrt(6 / 9)
+    assert label_distance(np.array([0, 1, 0])) == pytest.approx(one, abs=1e-15)
+    assert label_distance(np.array([[0, 0, 1], [0, 0, 0]])) == pytest.approx(one, abs=1e-15)
+    np.testing.assert_allclose(_pooled_distance(np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.0]])),
+                               [one, 0.0, math.sqrt(1 / 6)], atol=1e-15)
+
+
+def test_devices_of_one_sample_each_are_grouped_one_class_each():
+    # Six devices of one sample each, two per class, groups of three: the only groups at distance
+    # zero take one device of each class. The local search's moves and swaps price one-sample
+    # groups (a group of two less one member), which a rule that took them for empty would not.
+    counts = arrays({"a0": [1, 0, 0], "a1": [1, 0, 0], "b0": [0, 1, 0], "b1": [0, 1, 0], "c0": [0, 0, 1],
+                     "c1": [0, 0, 1]})
+    groups = balanced_groups(counts, 3)
+    assert total_distance(groups, counts) == pytest.approx(0.0, abs=1e-12)
+    assert [sorted(d[0] for d in g) for g in groups] == [["a", "b", "c"], ["a", "b", "c"]], groups
+    # Five one-sample devices in groups of at most two: three groups of sizes 2, 2, 1; the lone
+    # device is the one whose class is left over.
+    five = arrays({"a0": [1, 0], "a1": [1, 0], "a2": [1, 0], "b0": [0, 1], "b1": [0, 1]})
+    groups = balanced_groups(five, 2)
+    assert sorted(len(g) for g in groups) == [1, 2, 2]
+    assert all(len(g) == 1 or {d[0] for d in g} == {"a", "b"} for g in groups), groups
+    assert total_distance(groups, five) == pytest.approx(0.5 ** 0.5, abs=1e-12)   # the lone one: sqrt(2 (1/2)^2)

@@ -159,6 +159,26 @@ def test_a_key_larger_than_a_slice_is_combined_as_a_whole(rule):
     assert torch.equal(out.state["w"], _sorted_reference(rule, g, values, weights))
 
 
+@pytest.mark.parametrize("rule, expected", [(Krum({**UNBOUNDED, "f": 1}), [0.0, 0.0]),
+                                            (MultiKrum({**UNBOUNDED, "f": 1, "m": 2}), [0.0, 50.0])],
+                         ids=["krum", "multi_krum"])
+def test_krum_scores_a_key_larger_than_a_slice_as_a_whole(rule, expected):
+    # A key one slice and four coordinates long. Over the whole key, u0 and u1 are nearest
+    # (they differ only in the last four coordinates: 4 x 100^2) and Krum keeps u0, Multi-Krum
+    # u0 and u1. Scored a slice at a time, the first slice would keep u0 (u0 = u1 there) but the
+    # last four coordinates u1 (u1 = u2 there): a mix of candidates no whole-key rule gives.
+    size = SLICE + 4
+    head, tail = torch.zeros(SLICE), torch.full((4,), 100.0)
+    u0 = torch.zeros(size)
+    u1 = torch.cat([head, tail])
+    u2 = torch.cat([head + 1.0, tail])
+    u3 = torch.full((size,), 50.0)
+    out = rule.aggregate({"w": torch.zeros(size)}, contributions(*(Contribution(1.0, {"w": u}) for u in (u0, u1, u2, u3))))
+    first, last = expected
+    assert torch.equal(out.state["w"][:SLICE], torch.full((SLICE,), first))
+    assert torch.equal(out.state["w"][SLICE:], torch.full((4,), last))
+
+
 def test_krum_and_multi_krum_hand_computed():
     g = {"w": t(0, 0)}
     contribs = contributions(Contribution(1, {"w": t(0, 0)}), Contribution(1, {"w": t(1, 0)}),
