@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # (pyproject.toml explains why), which `pip install -e .` installs itself.
 TORCH_FIRST := $(if $(filter aarch64 arm64,$(shell uname -m)),,torch==2.13.0)
 
-.PHONY: setup run typecheck test mutation compose-check check clean
+.PHONY: setup run typecheck test docs-commands mutation compose-check check clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ test: setup typecheck
 # Mutation testing of the core math, on demand and not part of `make check` (about 15 minutes on 2
 # cores): cosmic-ray's mutants of each module against its unit tests (tools/mutation.py,
 # docs/mutation-testing.md); the table lands in benchmarks/results/<date>_mutation/.
+# Every command the docs show, each in a quick form (tests/integration/test_documented_commands.py):
+# about 25 to 40 minutes on 2 cores, so on demand and not part of `make test`.
+docs-commands: setup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m docs_commands tests/integration/test_documented_commands.py
+
 mutation: setup
 	$(PY) -c "import cosmic_ray" 2>/dev/null || $(PY) -m pip install --quiet -e ".[mutation]"
 	$(PY) tools/mutation.py $(ARGS)

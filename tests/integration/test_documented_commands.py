@@ -38,6 +38,9 @@ import yaml
 
 from integration_support import final_status, read_metrics
 from testbed.processes import ProcessGroup, free_port, wait_healthy
+
+# Long (every documented command): `make docs-commands` runs it, `make test` leaves it out.
+pytestmark = pytest.mark.docs_commands
 from testbed.warm_start import shared_starter
 
 ROOT = Path(__file__).resolve().parents[2]
