@@ -188,4 +188,4 @@ def test_device_gives_up_a_task_whose_deadline_passed():
         with pytest.raises(TaskExpired, match="deadline passed before the task started"):
             device.run_task(task, size, received_at)
         status = _fed_status(servers)
-        assert device.rounds_done == 0 and status["rounds_done"] == 0
+        assert device.tasks_trained == 0 and status["rounds_done"] == 0

@@ -296,6 +296,7 @@ def test_fuzz_main_server(services, client):
     ops = operations(schema)
     posts = {op.path for op in ops if op.method.upper() == "POST"}
     assert posts == {"/v1/rounds", "/v1/rounds/{round_id}/join", "/v1/rounds/{round_id}/step",
+                     "/v1/rounds/{round_id}/step/forward", "/v1/rounds/{round_id}/step/backward",
                      "/v1/rounds/{round_id}/departures"}, posts
     for op in ops:
         if op.method.upper() == "POST":
