@@ -79,10 +79,10 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     if algorithm.split_mode() != "zero" and not model.split_points:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
-    _check_split_privacy(config, algorithm, model)
+    candidates = _check_split_privacy(config, algorithm, model)
     _check_private_updates(config, algorithm, selector)
     if config.split.pinned:
-        points = split_candidates(config, model)
+        points = candidates if candidates is not None else split_candidates(config, model)
         wrong = {device: point for device, point in config.split.pinned.items() if point not in points}
         if wrong:
             raise ValueError(f"split.pinned: {', '.join(f'{d}: {k}' for d, k in sorted(wrong.items()))} is not one of "
@@ -98,11 +98,12 @@ def validate_run_config(config: RunConfig) -> RunConfig:
     return config
 
 
-def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -> None:
+def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -> list[int] | None:
     """U-shaped mode and the privacy settings (docs/split-privacy.md) fit the run: a split algorithm, a
     group loss that weighs each member's loss (the Main Server weighs the gradients members send
     up with it), defences the run can apply, a grouping without label counts where devices
-    withhold them, and a cut left to choose (:func:`split_candidates`). ValueError in one line."""
+    withhold them, and a cut left to choose (:func:`split_candidates`). ValueError in one line.
+    Returns those cuts, so they are profiled once (None for split depth zero, which has none)."""
     split_privacy = config.split_privacy
     if algorithm.split_mode() == "zero":
         for key, value in (("split.u_shaped", config.split.u_shaped or None), ("split_privacy.defences", split_privacy.defences or None),
@@ -111,7 +112,7 @@ def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitMo
                 raise ValueError(f"algorithm {config.algorithm!r} trains the whole model on the device (split depth "
                                  f"zero) and sends no activation, gradient or label count, so {key} does not apply: "
                                  f"leave it unset")
-        return
+        return None
     for name, defence in zip(split_privacy.defences, build_privacy_defences(split_privacy.defences, split_privacy.defence_params)):
         problem = defence.problem(config.split.u_shaped, config.train.loss)
         if problem is not None:
@@ -128,7 +129,7 @@ def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitMo
         able = ", ".join(name for name, grouping in GROUPINGS.items() if not grouping.uses_label_counts)
         raise ValueError(f"split_privacy.label_counts: withheld, but grouping {algorithm.grouping()!r} groups by label counts: "
                          f"set grouping.method to one that does not ({able})")
-    split_candidates(config, model)
+    return split_candidates(config, model)
 
 
 def split_candidates(config: RunConfig, model: SplitModel) -> list[int]:
