@@ -454,19 +454,20 @@ def table(results: dict) -> list[str]:
              "final accuracy", "s to sliding's final accuracy", "goals"]]
     for entry in results["scenarios"]:
         g = entry["goals"]
-        lost = {e["device"]: e for e in g["lost"]}
+        lost: dict[str, list[str]] = {}
+        for e in g["lost"]:
+            lost.setdefault(e["device"], []).append(f"{len(e['rounds'])} of rounds {e['first']}-{e['last']}")
         missed = entry["goals_missed"]
         for run_name in ("sliding", "pinned"):
             run_ = entry["runs"][run_name]
             devices = sorted({d for r in run_["rounds"] for d in r["splits"]})
             for i, device in enumerate(devices):
                 first = i == 0
-                judged = lost.get(device) if run_name == "sliding" else None
                 rows.append([
                     entry["name"] if first and run_name == "sliding" else "",
                     run_name if first else "",
                     device, split_line(run_["rounds"], device),
-                    (f"{len(judged['rounds'])} of rounds {judged['first']}-{judged['last']}" if judged else ""),
+                    "; ".join(lost.get(device, [])) if run_name == "sliding" else "",
                     _percent(run_["rounds"][-1]["accuracy"] if run_["rounds"] else None) if first else "",
                     _seconds(g["sliding_time_s"] if run_name == "sliding" else g["pinned_time_s"]) if first else "",
                     ("met" if not missed else "missed: " + "; ".join(missed)) if first and run_name == "sliding" else
@@ -515,7 +516,7 @@ def update_docs(results: dict, page: Path, results_file: Path) -> None:
     link = os.path.relpath(results_file.resolve(), page.resolve().parent)
     lines = report(results).splitlines()
     body = [f"Measured: {lines[0].removeprefix('machine: ')}; {lines[1].removeprefix('mode: ')} "
-            f"([{Path(link).parent.name}/]({link}))", "", *lines[3:]]
+            f"([{Path(link).parent.name}/]({link}))", "", lines[2], *lines[3:]]
     page.write_text(replace_between(page.read_text(), DOCS_BEGIN, DOCS_END, body))
 
 

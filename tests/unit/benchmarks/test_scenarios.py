@@ -10,7 +10,8 @@ from benchmarks import scenario_agent
 from benchmarks.result_files import replace_between
 from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, Change, Scenario, Speeds, best_fixed, choose_pinned,
                                   fill_from_other_phases, goals_missed, judge, lost_rounds, parse_args, phase_cells,
-                                  rounds_of, scenarios, split_line, table, time_to, warm_up_figures)
+                                  rounds_of, scenarios, split_line, table, time_to, update_docs,
+                                  warm_up_figures)
 from shared.profiles import parse_kind
 
 A, B, C = "dev-000", "dev-001", "dev-002"
@@ -156,6 +157,10 @@ def test_the_table_shows_every_device_of_both_runs_and_the_missed_goals():
                             "goal_lost_rounds": 2, "goal_time_ratio": 1.2}, "scenarios": [result], "warm_up": None}
     lines = table(results)
     assert sum(A in line for line in lines) == 2
+    # A device judged over two windows (a change from the start, then another) shows both.
+    result["goals"]["lost"] = [{"device": A, "first": 4, "last": 4, "rounds": [4]},
+                               {"device": A, "first": 5, "last": 8, "rounds": []}]
+    assert any("1 of rounds 4-4; 0 of rounds 5-8" in line for line in table(results))
     assert any("missed: time to accuracy 1.25x" in line for line in lines)
 
 
@@ -171,3 +176,23 @@ def test_the_docs_writer_replaces_only_the_marked_block_and_refuses_a_page_witho
     with pytest.raises(SystemExit):
         parse_args(["--scenarios", "link_drop,nonsense"])
     assert parse_args(["--scenarios", "link_drop"]).scenarios == ("link_drop",)
+
+
+def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link_to_its_results(tmp_path):
+    result = _result(lost=[], pinned_reaches_at=16.0)
+    result["goals"] = judge(result)
+    result["goals_missed"] = goals_missed(result)
+    results = {"mode": "quick", "total_s": 60.0, "scenarios": [result], "warm_up": None,
+               "machine": {"cpu_model": "CPU", "cpus_usable": 2, "cpu_count": 2, "date_utc": "2026-12-05T10:00:00",
+                           "load_average_at_start": [1.0], "load_average_at_end": [1.0]},
+               "settings": {"rounds": 2, "change_after": 1, "links": "real", "links_note": None,
+                            "goal_lost_rounds": 2, "goal_time_ratio": 1.2}}
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(f"intro\n{DOCS_BEGIN}\nold table\n{DOCS_END}\nrest\n")
+    results_file = tmp_path / "results" / "2026-12-05_scenarios" / "results.json"
+    update_docs(results, page, results_file)
+    text = page.read_text()
+    block = text.split(DOCS_BEGIN)[1].split(DOCS_END)[0]
+    assert text.startswith("intro\n") and text.endswith(f"{DOCS_END}\nrest\n") and "old table" not in text
+    assert "(../results/2026-12-05_scenarios/results.json)" in block and "| x | sliding | dev-000 |" in block
