@@ -9,9 +9,9 @@ import pytest
 from benchmarks import scenario_agent
 from benchmarks.result_files import replace_between
 from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, Change, Scenario, Speeds, best_fixed, choose_pinned,
-                                  fill_from_other_phases, goals_missed, judge, lost_rounds, parse_args, phase_cells,
-                                  rounds_of, scenarios, split_line, table, time_to, update_docs,
-                                  warm_up_figures)
+                                  fill_from_other_phases, goals_missed, judge, links_problem, lost_rounds,
+                                  parse_args, phase_cells, rounds_of, scenarios, split_line, table, time_to,
+                                  update_docs, warm_up_figures)
 from shared.profiles import parse_kind
 
 A, B, C = "dev-000", "dev-001", "dev-002"
@@ -196,3 +196,15 @@ def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link
     block = text.split(DOCS_BEGIN)[1].split(DOCS_END)[0]
     assert text.startswith("intro\n") and text.endswith(f"{DOCS_END}\nrest\n") and "old table" not in text
     assert "(../results/2026-12-05_scenarios/results.json)" in block and "| x | sliding | dev-000 |" in block
+
+
+def test_links_fall_back_to_emulation_with_the_reason_and_real_links_asked_for_where_they_cannot_be_refuse(monkeypatch):
+    import testbed.links
+
+    assert links_problem("emulated") == "emulated links asked for (--links emulated)"
+    monkeypatch.setattr(testbed.links, "problem_here", lambda: "real links need root")
+    assert links_problem("auto") == "real links need root"
+    with pytest.raises(SystemExit, match="--links real: real links need root"):
+        links_problem("real")
+    monkeypatch.setattr(testbed.links, "problem_here", lambda: None)
+    assert links_problem("auto") is None and links_problem("real") is None
