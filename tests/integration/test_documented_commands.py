@@ -238,8 +238,9 @@ CREDENTIALS = re.compile(r"^umask 077$|^python -c \"import secrets; print\(secre
                          r"^python -m fed_server credentials ")
 
 
-#: The flags that choose the attack benchmark's runs (a command with none runs them all, for hours).
-ATTACK_SELECTION = ("--behaviours", "--algorithms", "--harmful", "--policies")
+#: The flags that choose the attack benchmark's runs (a command with none runs them all, for hours),
+#: each with the value of its quick form where the command does not give one.
+ATTACK_SELECTION = {"--behaviours": "silent", "--algorithms": "fedavg", "--harmful": "1", "--policies": "default"}
 
 
 def benchmark_args(command: DocCommand) -> list[str] | None:
@@ -253,8 +254,8 @@ def benchmark_args(command: DocCommand) -> list[str] | None:
     if module == "attacks":   # hours unless a selection is given; the selection at its shortest
         if not args:
             return ["run", "--only", "g", "--quick"]
-        selection = [] if any(a in args for a in ATTACK_SELECTION) else \
-            ["--behaviours", "silent", "--algorithms", "fedavg", "--harmful", "1", "--policies", "default"]
+        # What the command does not select, at its smallest: one behaviour, FedAvg, one device.
+        selection = [part for flag, value in ATTACK_SELECTION.items() if flag not in args for part in (flag, value)]
         return ["attacks", *args, *selection, "--rounds", "2", "--controls", "1"]
     if module == "population":
         return ["run", "--only", "h", "--quick"] if not args else ["population", "--sizes", "100"]
@@ -432,7 +433,7 @@ def test_documented_benchmark(key, tmp_path):
     _run([sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:], "--out", str(out)], ROOT, timeout=900)
     assert json.loads(out.read_text()), key
     if page is not None:   # the run's own table, in place of the page's
-        assert page.read_text() != shipped and "| silent | fedavg | 1 of 10 |" in page.read_text(), key
+        assert page.read_text() != shipped and "| silent | " in page.read_text(), key
 
 
 @slow
