@@ -261,6 +261,9 @@ def benchmark_args(command: DocCommand) -> list[str] | None:
         return ["run", "--only", "h", "--quick"] if not args else ["population", "--sizes", "100"]
     if module == "main_server_memory":
         return ["run", "--only", "i", "--quick"]
+    if module == "scenarios":   # four scenarios, two or three runs each, unless a subset is given: one
+        subset = [] if "--scenarios" in args else ["--scenarios", "link_drop"]
+        return ["scenarios", *[a for a in args if a != "--quick"], "--quick", *subset]
     return None
 
 
