@@ -33,7 +33,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = sorted(p for p in (ROOT / "docker").rglob("*") if p.is_file() and p.name.endswith("Dockerfile"))
 CHECK_OVERRIDE = ROOT / "docker" / "podman" / "compose.check.yml"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
-DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))
+DASHBOARDS = sorted((ROOT / "deploy" / "kubernetes" / "components" / "monitoring" / "dashboards").glob("*.json"))
 # What docker-compose.yml requires (no defaults: docs/operating.md), with values that only need to parse.
 REQUIRED = {"SFL_PKI_DIR": "./pki", "SFL_PKI_GID": "1000", "GRAFANA_ADMIN_PASSWORD": "not-a-default"}
 
