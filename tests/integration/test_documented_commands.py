@@ -120,6 +120,11 @@ LEFT_OUT: list[tuple[re.Pattern[str], str]] = [(re.compile(p), why) for p, why i
     (r"pip install|^python3 -m venv", "installs from PyPI over the network (a machine's set-up; the suite runs in "
                                       "the installed .venv)"),
     (r"^scp ", "copies a file to another machine"),
+    (r"docker/local-ca\.sh ", "the local CA's script: tests/deploy/test_local_ca.py runs it, and `make compose-check` "
+                              "makes the compose file's certificates and secrets with it"),
+    (r"^export SFL_PKI_DIR=|^printf 'SFL_PKI_DIR=|^curl --cacert \S+ https://localhost:8080/",
+     "sets the variables of, or asks, a compose testbed or a port-forwarded pod (a container engine or cluster); "
+     "`make compose-check` sets the same variables and reads the status over HTTPS"),
     (r"(^| )\.\.\.( |$)", "an elided command (`...`): its flags run in full in another command of the page"),
     (r"<[a-z][a-z ]*>", "a placeholder (`<...>`) stands for an argument"),
     (r"^make test\b", "the test suite itself"),
@@ -135,7 +140,7 @@ LEFT_OUT: list[tuple[re.Pattern[str], str]] = [(re.compile(p), why) for p, why i
                                     "fed:8080; tests/integration/test_agent_slices.py runs agents with --slice"),
     (r"from shared\.run_config import resolve_run_config", "step 3's data check: tests/unit/test_docs_tutorial.py "
                                                            "runs it, read from this page"),
-    (r"https?://(SERVER-HOST|fed\.example\.org|HOST)\b|^python -m fed_server --config run\.yaml$|"
+    (r"https?://(SERVER-HOST|fed\.example\.org|main-server\.example\.org|HOST)\b|^python -m fed_server --config run\.yaml$|"
      r"^python -m (main_server|device_agent) --model my_pkg",
      "a service started by hand on one of several machines; the same services' flags run as a deployment on "
      "loopback in README.md's services block (this test)"),
