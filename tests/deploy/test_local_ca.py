@@ -19,11 +19,13 @@ SCRIPT = ROOT / "docker" / "local-ca.sh"
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 
 
-def make(out: Path, names: str | None = None) -> str:
+def make(out: Path, names: str | None = None, group_readable: bool = False) -> str:
     """Run the script into ``out``; its log lines."""
-    env = {k: v for k, v in os.environ.items() if k != "SFL_TLS_NAMES"}
+    env = {k: v for k, v in os.environ.items() if k not in ("SFL_TLS_NAMES", "SFL_PKI_GROUP_READABLE")}
     if names is not None:
         env["SFL_TLS_NAMES"] = names
+    if group_readable:
+        env["SFL_PKI_GROUP_READABLE"] = "1"
     result = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stderr
@@ -59,11 +61,16 @@ def test_certificates_are_signed_by_the_ca_and_name_each_server_and_the_given_ad
         serialization.Encoding.PEM)
 
 
+def _private(out: Path) -> list[Path]:
+    """What the servers and devices read that nobody else may: the keys and the secrets."""
+    return [*out.glob("server/*-key.pem"), out / "server" / "service-secret", out / "server" / "enrolment-secret",
+            out / "device" / "enrolment-secret"]
+
+
 def test_keys_and_secrets_are_private_and_the_device_folder_holds_no_server_secret(tmp_path):
     out = tmp_path / "pki"
     make(out)
-    for path in [out / "ca" / "ca-key.pem", *out.glob("server/*-key.pem"), out / "server" / "service-secret",
-                 out / "server" / "enrolment-secret", out / "device" / "enrolment-secret"]:
+    for path in [out / "ca" / "ca-key.pem", *_private(out)]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     for path in [out / "ca" / "ca.pem", *out.glob("server/*.pem"), out / "device" / "ca.pem"]:
         if not path.name.endswith("-key.pem"):
@@ -86,3 +93,20 @@ def test_a_second_run_changes_nothing_and_new_names_reissue_only_the_certificate
     assert changed == {"server/fed-server.pem", "server/fed-server-key.pem", "server/fed-server.names",
                        "server/main-server.pem", "server/main-server-key.pem", "server/main-server.names"}
     assert "fed.example.org" in names_of(x509.load_pem_x509_certificate(again["server/main-server.pem"]))
+
+
+def test_group_readable_for_containers_and_private_again_without_it(tmp_path):
+    """SFL_PKI_GROUP_READABLE=1 (docker-compose.yml's containers get the operator's group): the
+    servers' folder and every key and secret readable by the group, never by others, and never the
+    CA's key; a later run without it makes them private again."""
+    out = tmp_path / "pki"
+    make(out, group_readable=True)
+    assert stat.S_IMODE((out / "server").stat().st_mode) == 0o750
+    for path in _private(out):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path
+    assert stat.S_IMODE((out / "ca" / "ca-key.pem").stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "ca").stat().st_mode) == 0o700
+    make(out)
+    assert stat.S_IMODE((out / "server").stat().st_mode) == 0o700
+    for path in _private(out):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

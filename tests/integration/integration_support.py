@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import json
 import os
 import re
@@ -18,6 +20,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from shared.config import RunConfig, TrainConfig
 from shared.data import load_embedded_mnist
@@ -28,6 +34,7 @@ from shared.schemas import Participant, RoundPlan
 from shared.tls import tls_context
 from shared.wire import encode_state
 from testbed.processes import ProcessGroup, Service, free_port, wait_healthy
+from testbed.runner import TlsFiles
 from testbed.warm_start import shared_starter
 
 
@@ -222,3 +229,34 @@ class RecordingProxy:
 
     def close(self) -> None:
         self.listener.close()
+
+
+def make_tls(folder: Path) -> TlsFiles:
+    """A throwaway CA and a certificate for 127.0.0.1/localhost signed by it."""
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("s2fl test CA")).issuer_name(name("s2fl test CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(name("127.0.0.1")).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    (folder / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    return TlsFiles(cert=str(folder / "cert.pem"), key=str(folder / "key.pem"), ca=str(folder / "ca.pem"))

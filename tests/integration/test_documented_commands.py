@@ -125,6 +125,9 @@ LEFT_OUT: list[tuple[re.Pattern[str], str]] = [(re.compile(p), why) for p, why i
     (r"pip install|^python3 -m venv", "installs from PyPI over the network (a machine's set-up; the suite runs in "
                                       "the installed .venv)"),
     (r"^scp ", "copies a file to another machine"),
+    (r"^export SFL_PKI_DIR=|^printf 'SFL_PKI_DIR=|^curl --cacert \S+ https://localhost:8080/",
+     "sets the variables of, or asks, a compose testbed or a port-forwarded pod (a container engine or cluster); "
+     "`make compose-check` sets the same variables and reads the status over HTTPS"),
     (r"(^| )\.\.\.( |$)", "an elided command (`...`): its flags run in full in another command of the page"),
     (r"<[a-z][a-z ]*>", "a placeholder (`<...>`) stands for an argument"),
     (r"^make test\b", "the test suite itself"),

@@ -2,7 +2,7 @@
 
 Needs the ``prometheus`` binary (Debian package ``prometheus``; ``.ci/run`` installs it). Nothing is
 installed at run time: the test rewrites the targets of ``docker/prometheus/prometheus.yml`` to the
-loopback ports of a short run and asks Prometheus's HTTP API for the round and accuracy metrics.
+loopback ports of a short run over HTTPS (its CA file to the run's CA) and asks Prometheus's HTTP API for the round and accuracy metrics.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from integration_support import small_config
+from integration_support import make_tls, small_config
 from testbed.processes import free_port
 from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
@@ -27,13 +27,15 @@ PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus binary not installed (apt-get install prometheus; .ci/run does)")
 
 
-def scrape_config_for(fed: str, main: str) -> dict:
-    """The shipped config with the two servers' targets pointed at loopback and a 1 s interval."""
+def scrape_config_for(fed: str, main: str, ca_file: str) -> dict:
+    """The shipped config with the two servers' targets pointed at loopback, their CA file at
+    ``ca_file`` and a 1 s interval."""
     config = yaml.safe_load(SHIPPED.read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert {"fed_server", "main_server"} <= set(jobs), "the shipped config must scrape both servers"
-    jobs["fed_server"]["static_configs"][0]["targets"] = [fed]
-    jobs["main_server"]["static_configs"][0]["targets"] = [main]
+    for name, target in (("fed_server", fed), ("main_server", main)):
+        jobs[name]["static_configs"][0]["targets"] = [target]
+        jobs[name]["tls_config"]["ca_file"] = ca_file
     config["scrape_configs"] = [jobs["fed_server"], jobs["main_server"]]  # no device agents listen here
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     return config
@@ -65,11 +67,12 @@ def value(result: list[dict]) -> float:
 
 def test_prometheus_scrapes_round_and_accuracy(tmp_path):
     config = small_config(rounds=2)
-    with Testbed(config, tmp_path / "run", warm=shared_starter()) as testbed:
+    tls = make_tls(tmp_path)
+    with Testbed(config, tmp_path / "run", tls=tls, warm=shared_starter()) as testbed:
         prom_port = free_port()
         config_path = tmp_path / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(scrape_config_for(f"127.0.0.1:{testbed.fed_port}",
-                                                                f"127.0.0.1:{testbed.main_port}")))
+                                                                f"127.0.0.1:{testbed.main_port}", tls.ca)))
         log = open(tmp_path / "prometheus.log", "wb")
         prom = subprocess.Popen([PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                  f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=subprocess.STDOUT)

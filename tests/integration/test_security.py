@@ -1,9 +1,7 @@
 """Authentication and TLS against running servers: enrolment, per-device tokens, service tokens, HTTPS."""
 from __future__ import annotations
 
-import datetime
 import functools
-import ipaddress
 import json
 import math
 import signal
@@ -16,12 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
-from integration_support import read_metrics, server_pair, small_config, wait_for
+from integration_support import make_tls, read_metrics, server_pair, small_config, wait_for
 from shared.auth import FED_SERVER, MAIN_SERVER, Auth, CredentialScope, body_sha256, issue_credential
 from shared.data import device_shard, load_dataset
 from shared.models import build_model
@@ -32,7 +26,7 @@ from shared.schemas import (
 from shared.config import TrainConfig
 from shared.wire import encode_state, encode_tensor, packb, unpackb
 from testbed.processes import ProcessGroup, service_env
-from testbed.runner import Testbed, TlsFiles
+from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
 
 SERVICE = "service-secret-for-tests"
@@ -46,35 +40,6 @@ MSGPACK = {"content-type": "application/msgpack"}
 #: second to check the tokens: no limit there (its own test sets one).
 NO_LIMIT = 0.0
 
-def make_tls(folder: Path) -> TlsFiles:
-    """A throwaway CA and a certificate for 127.0.0.1/localhost signed by it."""
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("s2fl test CA")).issuer_name(name("s2fl test CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(name("127.0.0.1")).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    (folder / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                       serialization.NoEncryption()))
-    return TlsFiles(cert=str(folder / "cert.pem"), key=str(folder / "key.pem"), ca=str(folder / "ca.pem"))
 
 
 def test_full_run_over_https_with_authentication(tmp_path):
