@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.adversary import ACTION_MARK, BACKDOOR_TARGET, BEHAVIOURS, Absent, Backdoor, Behaviour, add_trigger
-from benchmarks.result_files import add_name_option, default_out, write
+from benchmarks.result_files import add_name_option, default_out, finish, write
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
 from testbed.processes import Service
@@ -657,13 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results (rewritten after every run): {out}", flush=True)
     results = run(selection, lambda text: print(text, flush=True), args.time_limit,
                   progress=lambda so_far: write(so_far, out, report))
-    print()
-    print(report(results))
-    markdown = write(results, out, report)
-    print(f"\nresults: {out}, {markdown}")
-    if args.docs is not None:
-        update_docs(results, args.docs, out)
-        print(f"table written into {args.docs}")
+    finish(results, out, report, args.docs, update_docs)
     return 0
 
 

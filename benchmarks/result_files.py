@@ -62,3 +62,28 @@ def write(results: dict, out: Path, render: Callable[[dict], str]) -> Path:
     markdown = out.with_suffix(".md")
     markdown.write_text(render(results) + "\n")
     return markdown
+
+
+def replace_between(text: str, begin: str, end: str, lines: list[str]) -> str:
+    """``text`` with what lies between its lines ``begin`` and ``end`` replaced by ``lines`` (the
+    markers kept); ValueError when either marker is missing, so a page without a place for a table
+    is never written."""
+    if begin not in text or end not in text:
+        raise ValueError(f"no place for the table: add the lines {begin} and {end}")
+    before, rest = text.split(begin, 1)
+    after = rest.split(end, 1)[1]
+    return before + "\n".join([begin, *lines, end]) + after
+
+
+def finish(results: dict, out: Path, render: Callable[[dict], str], docs: Path | None = None,
+           update_docs: Callable[[dict, Path, Path], None] | None = None) -> None:
+    """The end of a benchmark command: print what ``render`` makes of ``results``, write them to
+    ``out`` (:func:`write`), and where ``docs`` names a page, write the table there with
+    ``update_docs(results, docs, out)``."""
+    print()
+    print(render(results))
+    markdown = write(results, out, render)
+    print(f"\nresults: {out}, {markdown}")
+    if docs is not None and update_docs is not None:
+        update_docs(results, docs, out)
+        print(f"table written into {docs}")

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
 from integration_support import final_status, read_metrics
 from testbed.processes import ProcessGroup, free_port, wait_healthy
@@ -146,12 +148,11 @@ LEFT_OUT: list[tuple[re.Pattern[str], str]] = [(re.compile(p), why) for p, why i
      "a service started by hand on one of several machines; the same services' flags run as a deployment on "
      "loopback in README.md's services block (this test)"),
 ]]
-#: Why the tutorial's steps are not run: they need the project steps 2 to 4 build (the model, the
-#: data, the run file) and, for step 6, one folder with its own copy of the project and its own
-#: credential per device (agents sharing one folder share one credential, and every device but
-#: its own is refused), which this test does not assemble.
-TUTORIAL = ("the tutorial's steps need the project of steps 2 to 4 and a folder and credential per device, which this "
-            "test does not assemble; README.md's services block runs the same services by hand")
+#: Why the tutorial's steps 2, 5 and 8 are not run one by one: their commands run on the project
+#: the tutorial builds, and :func:`test_the_tutorials_three_machines_on_loopback` builds it from the
+#: page and runs step 6 (the deployment) on it.
+TUTORIAL = ("the tutorial's project: test_the_tutorials_three_machines_on_loopback builds it from steps 2 and 4 and "
+            "runs step 6's secrets, servers and agents on loopback")
 
 
 def left_out(command: DocCommand) -> str | None:
@@ -192,7 +193,7 @@ def _services_block() -> tuple[DocCommand, ...]:
 @functools.cache
 def _tutorial_steps() -> tuple[DocCommand, ...]:
     """The tutorial's commands of steps 2, 5, 6 and 8 (:data:`TUTORIAL`; step 3's data check runs
-    in tests/unit/test_docs_tutorial.py)."""
+    in tests/unit/test_docs_tutorial.py, step 6 in :func:`test_the_tutorials_three_machines_on_loopback`)."""
     return tuple(c for heading in ("## 2. The model", "## 5. Try it on one machine", "## 6. Three machines",
                                    "## 8. Use the trained model") for c in _section("docs/tutorial.md", heading))
 
@@ -261,6 +262,9 @@ def benchmark_args(command: DocCommand) -> list[str] | None:
         return ["run", "--only", "h", "--quick"] if not args else ["population", "--sizes", "100"]
     if module == "main_server_memory":
         return ["run", "--only", "i", "--quick"]
+    if module == "scenarios":   # four scenarios, two or three runs each, unless a subset is given: one
+        subset = [] if "--scenarios" in args else ["--scenarios", "link_drop"]
+        return ["scenarios", *[a for a in args if a != "--quick"], "--quick", *subset]
     return None
 
 
@@ -494,15 +498,16 @@ def on_loopback(text: str, ports: dict[str, int]) -> str:
 SERVICE = re.compile(r"^(?:\.venv/bin/)?python -m (fed_server|main_server|device_agent) +(.*)$")
 
 
-def _start_services(commands: list[str], group: ProcessGroup, fed_args: list[str]) -> str:
+def _start_services(commands: list[str], group: ProcessGroup, fed_args: list[str],
+                    env: dict[str, str] | None = None) -> str:
     """Start each ``python -m <service>`` of ``commands`` in ``group`` (the Fed Server's with
-    ``fed_args`` added); returns the Fed Server's URL once both servers answer."""
+    ``fed_args`` added, each with ``env``); returns the Fed Server's URL once both servers answer."""
     urls = {}
     for i, text in enumerate(commands):
         match = SERVICE.match(text)
         assert match, text
         module, args = match.group(1), shlex.split(match.group(2))
-        service = group.start(f"{module}-{i}", module, [*args, *(fed_args if module == "fed_server" else [])])
+        service = group.start(f"{module}-{i}", module, [*args, *(fed_args if module == "fed_server" else [])], env)
         if module != "device_agent":
             port = args[args.index("--port") + 1]
             urls[module] = f"http://127.0.0.1:{port}"
@@ -537,5 +542,58 @@ def test_the_readmes_services_started_by_hand(tmp_path, monkeypatch):
         out = _run([sys.executable, *shlex.split(follow)[1:], "--timeout", "300"], tmp_path, timeout=360).stdout
         assert re.search(rf"^round\s+{ROUNDS}/{ROUNDS}\s", out, re.M) and f"done: {ROUNDS} rounds" in out, out
         assert final_status(fed_url, 60)["state"] == "finished"
+    finally:
+        group.stop()
+
+
+#: The tutorial's scp line: which credential goes to which device, and where it lands there.
+SCP = re.compile(r"^scp credentials/(?P<file>\S*?)0(?P<suffix>\.credential) (?P<host>\S*?)0:(?P<dest>\S+)")
+
+
+@slow
+def test_the_tutorials_three_machines_on_loopback(tmp_path, monkeypatch):
+    """Step 6 of the tutorial as the page writes it, on loopback: the project of step 2's model and
+    step 4's run file (2 rounds), each device's images in step 3's image-folder layout, step 6's secrets and
+    credentials made on the server host, both servers started there, and each device in a folder
+    of its own holding its copy of the project, its own data and its own credential, as on three
+    machines (agents sharing one folder would share one credential, and all but one be refused)."""
+    page = "docs/tutorial.md"
+    server = tmp_path / "server-host"
+    project = server / "my_project"
+    project.mkdir(parents=True)
+    (project / "__init__.py").write_text("")
+    (project / "model.py").write_text(next(b for b in _fenced(page, "python") if "def build" in b))
+    run = yaml.safe_load(next(b for b in _fenced(page, "yaml") if "my_project.model:build" in b))
+    run["rounds"] = ROUNDS
+    (project / "run.yaml").write_text(yaml.safe_dump(run))
+    step = _section(page, "## 6. Three machines")
+    _shell([c for c in step if CREDENTIALS.match(c.text)], server)
+    copy = next(SCP.match(c.text) for c in step if SCP.match(c.text))
+    ports = _ports()
+    texts = [on_loopback(c.text, ports) for c in step if SERVICE.match(c.text) and not CREDENTIALS.match(c.text)]
+    agent = next(t for t in texts if " device_agent " in t)
+    devices = run["data"]["num_devices"]
+    env = {"PYTHONPATH": f"{server}{os.pathsep}{ROOT}"}
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        monkeypatch.chdir(server)
+        fed_url = _start_services([t for t in texts if " device_agent " not in t], group, [], env)
+        for i in range(devices):   # a device: its project copy, its credential, its own data only
+            home = tmp_path / f"{copy.group('host')}{i}"
+            shutil.copytree(project, home / "my_project")
+            shutil.copy(server / "credentials" / f"{copy.group('file')}{i}{copy.group('suffix')}",
+                        home / copy.group("dest"))
+            x, y = _digits(120, i)   # step 3's image folder: a sub-folder per class
+            for k, (pixels, label) in enumerate(zip(x, y)):
+                folder = home / "data" / f"device-{i}" / str(int(label))
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(pixels[0]).save(folder / f"{k}.png")
+            monkeypatch.chdir(home)
+            args = shlex.split(SERVICE.match(agent.replace("data/device-0", f"data/device-{i}")).group(2))
+            group.start(f"device-{i}", "device_agent", args, {"PYTHONPATH": f"{home}{os.pathsep}{ROOT}"})
+        status = final_status(fed_url, 300)
+        assert status["state"] == "finished", status
+        summary = json.loads((server / "runs" / "first" / "summary.json").read_text())
+        assert summary["rounds"] == ROUNDS and summary["failed_attempts"] == 0, summary
     finally:
         group.stop()

@@ -1,0 +1,210 @@
+"""The scenario benchmark's pure parts: schedules, what a run recorded, the best fixed split in
+hindsight, the goals, the table and the docs writer (benchmarks/scenarios.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import scenario_agent
+from benchmarks.result_files import replace_between
+from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, Change, Scenario, Speeds, best_fixed, choose_pinned,
+                                  fill_from_other_phases, goals_missed, judge, links_problem, lost_rounds,
+                                  parse_args, phase_cells, rounds_of, scenarios, split_line, table, time_to,
+                                  update_docs, warm_up_figures)
+from shared.profiles import parse_kind
+
+A, B, C = "dev-000", "dev-001", "dev-002"
+
+
+def _round(n, splits, uploaded, times, accuracy=0.5, elapsed=None, round_time=1.0):
+    return {"round": n, "elapsed_s": float(elapsed if elapsed is not None else n), "round_time_s": round_time,
+            "accuracy": accuracy, "splits": splits, "uploaded": sorted(uploaded), "times": times}
+
+
+def test_a_change_holds_from_the_round_after_it_until_the_devices_next_change():
+    drop = Scenario("x", "", ("low", "mid", "high"),
+                    (Change(0, 2, Speeds(link=0.1)), Change(4, 2, Speeds()), Change(6, 1, Speeds(compute=0.5))))
+    assert drop.speeds(2, 1) == Speeds(link=0.1) and drop.speeds(2, 4) == Speeds(link=0.1)
+    assert drop.speeds(2, 5) == Speeds() and drop.speeds(1, 6) == Speeds() and drop.speeds(1, 7) == Speeds(compute=0.5)
+    assert drop.speeds(0, 8) == Speeds()
+    assert drop.phases(8) == [(1, 4), (5, 6), (7, 8)]
+    # A change from the start is judged after the warm-up; a later one until the device's next.
+    assert drop.judged(8) == [(2, 4, 4), (2, 5, 8), (1, 7, 8)]
+
+
+def test_the_four_scenarios_change_what_they_say():
+    by_name = {s.name: s for s in scenarios(5)}
+    assert set(by_name) == {"link_drop", "link_recovery", "compute_halves", "fast_device"}
+    assert by_name["link_drop"].speeds(2, 5) == Speeds() and by_name["link_drop"].speeds(2, 6).link == pytest.approx(0.1)
+    recovery = by_name["link_recovery"]
+    assert recovery.speeds(2, 1).link == pytest.approx(0.1) and recovery.speeds(2, 6) == Speeds()
+    assert by_name["compute_halves"].speeds(1, 6).compute == pytest.approx(0.5)
+    fast = by_name["fast_device"]
+    # 20 times faster than the others in compute (stretch) and link rate, as the agent applies them.
+    stretch = [parse_kind(k).compute_stretch / fast.speeds(d, 1).compute for d, k in enumerate(fast.profiles)]
+    rate = [parse_kind(k).rate * fast.speeds(d, 1).link for d, k in enumerate(fast.profiles)]
+    assert stretch[0] == stretch[1] == pytest.approx(20 * stretch[2]) and stretch[2] >= 1.0
+    assert rate[2] == pytest.approx(20 * rate[0]) == pytest.approx(20 * rate[1])
+
+
+def test_the_scenario_agent_scales_its_kinds_compute_stretch_and_transfer_delay():
+    kind = parse_kind("mid")
+    try:
+        scenario_agent.Speeds.compute, scenario_agent.Speeds.link = 0.5, 0.1
+        assert scenario_agent._compute_stretch(kind) == pytest.approx(2 * kind.compute_stretch)
+        assert scenario_agent._transfer_delay(kind, 1000, 2.0) == pytest.approx(10 * kind.transfer_delay(1000, 2.0))
+    finally:
+        scenario_agent.Speeds.compute = scenario_agent.Speeds.link = 1.0
+
+
+def test_the_rounds_keep_each_rounds_last_successful_attempt():
+    records = [{"round": 1, "status": "ok", "elapsed_s": 2.0, "round_time_s": 2.0, "test_accuracy": 0.3,
+                "split_points": {A: 1}, "aggregated": [A], "table_times": {A: 1.5}},
+               {"round": 2, "status": "failed", "elapsed_s": 5.0, "round_time_s": 3.0, "test_accuracy": None,
+                "split_points": {A: 2}, "aggregated": [], "table_times": {}},
+               {"round": 2, "status": "ok", "elapsed_s": 7.0, "round_time_s": 2.0, "test_accuracy": 0.4,
+                "split_points": {A: 3}, "aggregated": [A], "table_times": {A: 1.8}}]
+    rounds = rounds_of(records)
+    assert [r["round"] for r in rounds] == [1, 2] and rounds[1]["splits"] == {A: 3} and rounds[1]["accuracy"] == 0.4
+
+
+def test_lost_rounds_time_to_and_split_line_read_the_uploads():
+    rounds = [_round(1, {A: 1, B: 1}, [A, B], {A: 1, B: 1}, 0.2), _round(2, {A: 3, B: 2}, [B], {B: 1}, 0.5),
+              _round(3, {B: 2}, [B], {B: 1}, 0.4), _round(5, {A: 1, B: 2}, [A, B], {A: 1, B: 1}, 0.6)]
+    assert lost_rounds(rounds, A, 2, 5) == [2, 3, 4]   # cut, sat out, a round with no successful attempt
+    assert lost_rounds(rounds, B, 1, 5) == [4]
+    assert time_to(rounds, 0.45) == 2.0 and time_to(rounds, 0.6) == 5.0 and time_to(rounds, 0.9) is None
+    assert split_line(rounds, A) == "1 3x - 1"
+
+
+def test_a_split_a_device_was_cut_at_in_a_phase_is_infinite_there_and_missing_cells_come_from_another_phase():
+    rounds = [_round(1, {A: 1, B: 1}, [A, B], {A: 2.0, B: 4.0}), _round(2, {A: 2, B: 2}, [A, B], {A: 3.0, B: 5.0}),
+              _round(3, {A: 2, B: 2}, [A, B], {A: 5.0, B: 5.0}),
+              _round(4, {A: 2, B: 2}, [B], {B: 5.0}), _round(5, {A: 1, B: 2}, [A, B], {A: 20.0, B: 5.0})]
+    before, after = phase_cells(rounds, 1, 3), phase_cells(rounds, 4, 5)
+    assert before == {A: {1: 2.0, 2: 4.0}, B: {1: 4.0, 2: 5.0}}   # the median of A's two entries at 2
+    assert after == {A: {2: math.inf, 1: 20.0}, B: {2: 5.0}}
+    filled = fill_from_other_phases([before, after])
+    # A is 10x slower after (20 against 2 at split 1): its cut split stays infinite, not estimated.
+    assert filled[1][A] == {1: 20.0, 2: math.inf}
+    assert filled[1][B] == {2: 5.0, 1: 4.0}   # B's split 1 priced by its unchanged split 2
+    assert filled[0] == before
+
+
+def test_the_best_fixed_split_minimises_the_runs_time_and_ties_go_deeper():
+    phases = [{A: {1: 2.0, 2: 3.0, 3: 9.0}, B: {1: 4.0, 2: 4.0, 3: 4.0}},
+              {A: {1: 5.0, 2: math.inf, 3: math.inf}, B: {1: 4.0, 2: 4.0, 3: 4.0}}]
+    # A at 2 or 3 is infinite after the change, so 1 (5 s a round); B is never the slowest of the
+    # round, so its deepest.
+    assert best_fixed(phases, [3, 3], [1, 2, 3]) == {A: 1, B: 3}
+    # Without the second phase A fits at 2 under B's 4 s: the deeper of the splits of equal cost.
+    assert best_fixed(phases[:1], [3], [1, 2, 3]) == {A: 2, B: 3}
+    with pytest.raises(ValueError):
+        best_fixed([{}], [3], [1, 2, 3])
+
+
+def test_choose_pinned_reads_the_sliding_runs_table_by_the_scenarios_phases():
+    drop = Scenario("drop", "", ("low", "high"), (Change(2, 1, Speeds(link=0.1)),))
+    rounds = [_round(1, {A: 1, B: 3}, [A, B], {A: 4.0, B: 2.0}), _round(2, {A: 1, B: 2}, [A, B], {A: 4.0, B: 1.0}),
+              _round(3, {A: 1, B: 3}, [A], {A: 4.0}), _round(4, {A: 1, B: 2}, [A, B], {A: 4.0, B: 3.5})]
+    # After the drop B was cut at 3 and fits at 2 (3.5 s, under A's 4 s): pinned at 2, not at the
+    # 3 it could afford before the drop.
+    assert choose_pinned(rounds, drop, 4, [1, 2, 3]) == {A: 1, B: 2}
+
+
+def _result(lost, sliding_final=0.8, pinned_reaches_at=None):
+    sliding = [_round(1, {A: 1}, [A], {A: 1}, 0.5, 10.0), _round(2, {A: 1}, [A], {A: 1}, sliding_final, 20.0)]
+    pinned = [_round(1, {A: 1}, [A], {A: 1}, 0.5, 8.0),
+              _round(2, {A: 1}, [A], {A: 1}, 0.9 if pinned_reaches_at else 0.7, pinned_reaches_at or 16.0)]
+    return {"name": "x", "judged": [(0, 1, 2)], "pinned": {A: 1},
+            "runs": {"sliding": {"rounds": sliding, "failed_attempts": 0, "error": None},
+                     "pinned": {"rounds": pinned, "failed_attempts": 0, "error": None}}}
+
+
+def test_the_goals_name_a_device_that_lost_rounds_and_a_sliding_run_slower_than_the_pinned_one():
+    result = _result(lost=[], pinned_reaches_at=16.0)
+    result["goals"] = judge(result)
+    assert result["goals"]["lost"][0]["rounds"] == [] and result["goals"]["time_ratio"] == pytest.approx(20.0 / 16.0)
+    assert goals_missed(result) == ["time to accuracy 1.25x the best fixed split's (goal <= 1.2x)"]
+    # A pinned run that never reaches the sliding run's final accuracy: the sliding run was faster.
+    result = _result(lost=[])
+    result["goals"] = judge(result)
+    assert result["goals"]["pinned_time_s"] is None and goals_missed(result) == []
+    result["runs"]["sliding"]["rounds"][0]["uploaded"] = []
+    result["runs"]["sliding"]["rounds"][1]["uploaded"] = []
+    result["judged"] = [(0, 1, 2)]
+    result["goals"] = judge(result)
+    assert result["goals"]["lost"][0]["rounds"] == [1, 2] and goals_missed(result) == []
+    result["judged"] = [(0, 1, 5)]
+    result["goals"] = judge(result)
+    assert goals_missed(result) == ["dev-000 lost 5 rounds (goal <= 2)"]
+
+
+def test_the_warm_up_comparison_sums_the_warm_up_rounds_and_times_each_run_to_the_same_accuracy():
+    every = [_round(n, {A: n}, [A], {A: 1}, 0.2 * n, 10.0 * n, round_time=10.0) for n in range(1, 5)]
+    estimated = [_round(n, {A: 1}, [A], {A: 1}, 0.25 * n, 4.0 * n, round_time=4.0) for n in range(1, 5)]
+    figures = warm_up_figures(every, estimated)
+    assert figures["warm_up_s"] == 30.0 and figures["estimated_warm_up_s"] == 12.0 and figures["saved_s"] == 18.0
+    assert figures["time_to_target_s"] == 40.0 and figures["estimated_time_to_target_s"] == 16.0
+
+
+def test_the_table_shows_every_device_of_both_runs_and_the_missed_goals():
+    result = _result(lost=[], pinned_reaches_at=16.0)
+    result["goals"] = judge(result)
+    result["goals_missed"] = goals_missed(result)
+    results = {"settings": {"rounds": 2, "change_after": 1, "links": "emulated", "links_note": "no root",
+                            "goal_lost_rounds": 2, "goal_time_ratio": 1.2}, "scenarios": [result], "warm_up": None}
+    lines = table(results)
+    assert sum(A in line for line in lines) == 2
+    # A device judged over two windows (a change from the start, then another) shows both.
+    result["goals"]["lost"] = [{"device": A, "first": 4, "last": 4, "rounds": [4]},
+                               {"device": A, "first": 5, "last": 8, "rounds": []}]
+    assert any("1 of rounds 4-4; 0 of rounds 5-8" in line for line in table(results))
+    assert any("missed: time to accuracy 1.25x" in line for line in lines)
+
+
+def test_the_docs_writer_replaces_only_the_marked_block_and_refuses_a_page_without_one(tmp_path):
+    text = f"before\n{DOCS_BEGIN}\nold\n{DOCS_END}\nafter\n"
+    assert replace_between(text, DOCS_BEGIN, DOCS_END, ["new"]) == f"before\n{DOCS_BEGIN}\nnew\n{DOCS_END}\nafter\n"
+    with pytest.raises(ValueError):
+        replace_between("no markers", DOCS_BEGIN, DOCS_END, ["new"])
+    page = tmp_path / "page.md"
+    page.write_text("no markers\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--docs", str(page)])
+    with pytest.raises(SystemExit):
+        parse_args(["--scenarios", "link_drop,nonsense"])
+    assert parse_args(["--scenarios", "link_drop"]).scenarios == ("link_drop",)
+
+
+def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link_to_its_results(tmp_path):
+    result = _result(lost=[], pinned_reaches_at=16.0)
+    result["goals"] = judge(result)
+    result["goals_missed"] = goals_missed(result)
+    results = {"mode": "quick", "total_s": 60.0, "scenarios": [result], "warm_up": None,
+               "machine": {"cpu_model": "CPU", "cpus_usable": 2, "cpu_count": 2, "date_utc": "2026-12-05T10:00:00",
+                           "load_average_at_start": [1.0], "load_average_at_end": [1.0]},
+               "settings": {"rounds": 2, "change_after": 1, "links": "real", "links_note": None,
+                            "goal_lost_rounds": 2, "goal_time_ratio": 1.2}}
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(f"intro\n{DOCS_BEGIN}\nold table\n{DOCS_END}\nrest\n")
+    results_file = tmp_path / "results" / "2026-12-05_scenarios" / "results.json"
+    update_docs(results, page, results_file)
+    text = page.read_text()
+    block = text.split(DOCS_BEGIN)[1].split(DOCS_END)[0]
+    assert text.startswith("intro\n") and text.endswith(f"{DOCS_END}\nrest\n") and "old table" not in text
+    assert "(../results/2026-12-05_scenarios/results.json)" in block and "| x | sliding | dev-000 |" in block
+
+
+def test_links_fall_back_to_emulation_with_the_reason_and_real_links_asked_for_where_they_cannot_be_refuse(monkeypatch):
+    import testbed.links
+
+    assert links_problem("emulated") == "emulated links asked for (--links emulated)"
+    monkeypatch.setattr(testbed.links, "problem_here", lambda: "real links need root")
+    assert links_problem("auto") == "real links need root"
+    with pytest.raises(SystemExit, match="--links real: real links need root"):
+        links_problem("real")
+    monkeypatch.setattr(testbed.links, "problem_here", lambda: None)
+    assert links_problem("auto") is None and links_problem("real") is None
