@@ -30,9 +30,10 @@ from typing import ClassVar
 from unittest import mock
 
 import torch
+from pydantic import BaseModel
 
 import device_agent.agent
-from device_agent.api import AgentApi, FedApi, MainApi
+from device_agent.api import AgentApi, FedApi, MainApi, StageAnswer
 from device_agent.clients import HttpFedClient
 from device_agent.device import Device
 from shared.data import ArrayDataset
@@ -620,6 +621,13 @@ class HarmfulFed:
 
     def withdraw(self, req: WithdrawRequest) -> None:
         self.inner.withdraw(req)
+
+    def secagg_send(self, round_id: int, stage: str, req: BaseModel) -> None:
+        self.inner.secagg_send(round_id, stage, req)
+
+    def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float,
+                   model: type[StageAnswer]) -> StageAnswer:
+        return self.inner.secagg_ask(round_id, stage, device_id, wait_s, model)
 
 
 class HarmfulTasks:

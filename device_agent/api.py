@@ -8,13 +8,19 @@ server that cannot be reached as :class:`Unreachable`.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
+
+from pydantic import BaseModel
 
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, BackwardRequest, BackwardResponse, EvaluationReport, ForwardRequest,
     ForwardResponse, RegistrationBatch, RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
+
+
+#: A secure aggregation stage's answer (``SecAggRoster``, ``SecAggInbox``, ``SecAggUnmaskPlan``).
+StageAnswer = TypeVar("StageAnswer", bound=BaseModel)
 
 
 class Unreachable(Exception):
@@ -51,6 +57,13 @@ class FedApi(Protocol):
 
     def withdraw(self, req: WithdrawRequest) -> None:
         """Leave a round the device cannot contribute to, so the attempt need not wait for its upload."""
+
+    def secagg_send(self, round_id: int, stage: str, req: BaseModel) -> None:
+        """Secure aggregation: what the device sends into ``stage`` (keys, shares, unmask) of the attempt."""
+
+    def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float,
+                   model: type[StageAnswer]) -> StageAnswer:
+        """Secure aggregation: ``stage``'s answer (roster, inbox, unmask), held up to ``wait_s`` until it closes."""
 
 
 class AgentApi(Protocol):

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
+from pydantic import BaseModel
 
 from device_agent.api import Unreachable
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
@@ -128,6 +129,15 @@ class HttpFedClient:
     def withdraw(self, req: WithdrawRequest) -> None:
         with _translated():
             self._http.call("POST", f"{API}/rounds/{req.round_id}/withdrawals", Ack, req)
+
+    def secagg_send(self, round_id: int, stage: str, req: BaseModel) -> None:
+        with _translated():
+            self._http.call("POST", f"{API}/rounds/{round_id}/secagg/{stage}", Ack, req)
+
+    def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float, model: type[M]) -> M:
+        with _translated():
+            return self._http.call("GET", f"{API}/rounds/{round_id}/secagg/{stage}", model,
+                                   params={"device_id": device_id, "wait_s": f"{wait_s:g}"}, timeout=wait_s + 60.0)
 
     def close(self) -> None:
         self._http.close()

@@ -389,6 +389,8 @@ class Device:
         # Uploaded after the model is freed: its weights are in the body now, and the upload may
         # wait on a Fed Server that is busy with the other devices' uploads.
         upload(self.fed, task, body, received_at, self.on_upload)
+        if self.trainer.secure is not None:
+            self.trainer.secure.answer_unmasking()
         self.tasks_trained += 1
 
     def run_evaluation(self, task: TaskResponse) -> None:

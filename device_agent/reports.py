@@ -17,6 +17,7 @@ from shared.evaluation import EvaluationSums, evaluation_sums
 from shared.losses import Loss
 from shared.round_label import round_label
 from shared.schemas import EvaluationReport, TaskResponse, UpdateRequest, WithdrawRequest
+from shared.secagg.crypto import ShareError
 from shared.wire import WireError
 
 log = logging.getLogger("device_agent")
@@ -25,8 +26,9 @@ log = logging.getLogger("device_agent")
 #: decode (Invalid; WireError: weights or a Main Server's gradient that do not decode; pydantic's
 #: ValidationError: parameters the algorithm's device logic refuses, or an upload a diverged
 #: training made invalid), a refusal by either server (a Main Server group that dropped the device
-#: answers its join or step with 409 or 422), a server it cannot reach.
-TASK_FAILURES: tuple[type[Exception], ...] = (DomainError, Unreachable, WireError, ValidationError)
+#: answers its join or step with 409 or 422), a server it cannot reach, a secure aggregation share
+#: that does not verify (ShareError, naming its sender).
+TASK_FAILURES: tuple[type[Exception], ...] = (DomainError, Unreachable, WireError, ValidationError, ShareError)
 
 #: The longest reason a withdrawal may give (``WithdrawRequest.reason``'s limit).
 WITHDRAW_REASON_MAX: int = next(m.max_length for m in WithdrawRequest.model_fields["reason"].metadata

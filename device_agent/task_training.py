@@ -14,6 +14,7 @@ from device_agent.api import FedApi
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
 from device_agent.device_state import DeviceStates
+from device_agent.secure_aggregation import SecureSession, share_secrets
 from device_agent.step_exchange import MainLink, StepExchange
 from device_agent.task_poll import TaskPoller
 from device_agent.timing import RoundClock
@@ -31,6 +32,7 @@ from shared.losses import Loss
 from shared.models import Portion, SplitModel
 from shared.portions import decode_device_portion
 from shared.privacy.clipping import clip_update
+from shared.secagg.masks import BlockLayout
 from shared.schemas import DeviceTimings, JoinRequest, ReportRequest, TaskResponse, UpdateRequest
 from shared.wire import encode_state
 
@@ -72,6 +74,9 @@ class TaskTrainer:
     #: The run's privacy defences (``split_privacy.defences``) and the model's classes.
     defences: Sequence[PrivacyDefence] = ()
     num_classes: int = 0
+    #: Secure aggregation: the session of the task last trained, whose unmasking stage its device
+    #: answers after the upload (:meth:`SecureSession.answer_unmasking`); None for other tasks.
+    secure: SecureSession | None = None
 
     @property
     def samples(self) -> ArrayDataset:
@@ -94,6 +99,10 @@ class TaskTrainer:
             logic.restore_state(self.states.load(self.run_id, self.device_id, logic.State,
                                                  trainable_parameters(self.model.layout)))
         assert task.train is not None and task.round_id is not None and task.split_point is not None
+        # Keys and shares go before training: the stages close as soon as every device answered,
+        # and a device lost while training is one whose masks its peers' shares remove.
+        self.secure = None if task.secure_aggregation is None else share_secrets(
+            self.fed, self.device_id, self.run_id, task.round_id, task.secure_aggregation, deadline)
         settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_id),
                                     task.half_precision)
         context = TrainContext(clock, logic=logic, extras=extras, deadline=deadline, compute=self.compute,
@@ -112,8 +121,8 @@ class TaskTrainer:
     def _train_portion(self, task: TaskResponse, task_bytes: int, settings: TrainSettings, context: TrainContext
                        ) -> tuple[SplitModel, LocalResult, StepExchange | None, dict[str, torch.Tensor] | None]:
         """Fetch the task's weights, join the Main Server if the task names one, train the round.
-        Also returns, for a private task, a copy of the weights it started from (its update is the
-        change from them)."""
+        Also returns, for a private or securely aggregated task, a copy of the weights it started
+        from (its update is the change from them)."""
         assert task.split_point is not None
         clock = context.clock
         fetch_started = time.monotonic()
@@ -129,7 +138,8 @@ class TaskTrainer:
             # has let it go.
             weights = decode_device_portion(named.weights, self.model.layout, task.split_point,
                                             task.head_start or len(self.model.layout.blocks), what="task weights")
-            start = {k: v.clone() for k, v in weights.items()} if task.privacy is not None else None
+            keep_start = task.privacy is not None or task.secure_aggregation is not None
+            start = {k: v.clone() for k, v in weights.items()} if keep_start else None
             model = self.model.for_task()
             exchange = self._join(task, model, clock) if task.main_server_url is not None else None
             if task.head_start is None:
@@ -178,8 +188,8 @@ class TaskTrainer:
     def _update(self, task: TaskResponse, portion: Portion, result: LocalResult, exchange: StepExchange | None,
                 clock: RoundClock, logic: DeviceLogic, start: dict[str, torch.Tensor] | None) -> UpdateRequest:
         """The upload: the trained portion (a private task's with its change from ``start`` clipped
-        to the task's bound), the round's timings and Main Server traffic, the algorithm's upload
-        extras."""
+        to the task's bound; a securely aggregated task's change, masked), the round's timings
+        and Main Server traffic, the algorithm's upload extras (none when masked)."""
         assert task.round_id is not None
         state = portion.state_dict()  # detached views: encoding below copies them into the body
         if task.privacy is not None:
@@ -187,15 +197,21 @@ class TaskTrainer:
             state = clip_update(state, start, task.privacy.clip_norm)
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
-        clock.transfer(sum(t.numel() * t.element_size() for t in state.values()))
+        clock.transfer(sum(t.numel() * (8 if self.secure else t.element_size()) for t in state.values()))
+        if self.secure is not None:
+            assert start is not None
+            weights = self.secure.masked_weights(state, start, len(self.samples), BlockLayout.of(self.model.layout))
+            extras: dict = {}
+        else:
+            weights, extras = encode_state(state), logic.upload_extras(portion, self.samples).to_wire()
         return UpdateRequest(
             device_id=self.device_id, round_id=task.round_id, num_samples=len(self.samples), steps=result.steps,
-            train_loss=result.train_loss, weights=encode_state(state),
+            train_loss=result.train_loss, weights=weights,
             timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
                                   server_s=clock.server_s, total_s=clock.total()),
             bytes_up=exchange.bytes_up if exchange is not None else 0,
             bytes_down=exchange.bytes_down if exchange is not None else 0,
-            extras=logic.upload_extras(portion, self.samples).to_wire(),
+            extras=extras,
         )
 
 

@@ -7,7 +7,11 @@ update: its devices' updates, each clipped to the round's bound, become one sum 
 central noise is added to that sum, and the algorithm gets one contribution standing for every
 device that supplied each entry (``Contribution.key_weights``) beside each device's group copy for
 the blocks it does not hold. With the mean rule this is Algorithm 1 over the same devices, exactly
-as from their clipped portions, plus the noise."""
+as from their clipped portions, plus the noise.
+
+A securely aggregated attempt (``secure_aggregation.enabled``; docs/privacy.md) holds only masked
+uploads: their sum is unmasked with the secrets the survivors' shares rebuild, decoded, and handed
+to the algorithm as the same single contribution."""
 from __future__ import annotations
 
 import logging
@@ -25,10 +29,14 @@ from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
 from shared.privacy.clipping import update_norm
 from shared.privacy.noise import add_noise
+from shared.secagg.encoding import decode
+from shared.secagg.masks import BlockLayout
+from shared.secagg.protocol import rebuild_secrets, state_to_words, unmasked_sum
 
 log = logging.getLogger("fed_server")
 
-#: The contribution that stands for a private attempt's devices in the sums of their updates.
+#: The contribution that stands for a private or securely aggregated attempt's devices in the
+#: sums of their updates.
 PRIVATE_SUM = "#sum"
 
 
@@ -78,6 +86,9 @@ class Aggregator:
         aggregated: it is taken out with that reason. Nothing is written to disk here. CPU work:
         run off the event loop."""
         used = self.usable(fed_round)
+        secure = fed_round.secure
+        if secure is not None:
+            used = list(secure.plan.survivors) if secure.plan is not None else []
         dropped = fed_round.dropped()
         extras = {d: fed_round.updates[d].extras for d in used}
         ok = len(used) >= self.core.config.deadlines.min_participants
@@ -87,7 +98,18 @@ class Aggregator:
             return aggregation
         started = time.perf_counter()
         model, global_state = self.core.model, self.core.model.state_dict()
-        if self.core.privacy is not None:
+        if secure is not None:
+            try:
+                contributions = self._secure_contributions(fed_round, used, global_state)
+            except ValueError as exc:
+                # Too few shares came back to remove the masks: the sum is unreadable, and the
+                # logical round is retried.
+                log.error("round %d (attempt %d): the masked sum cannot be unmasked: %s", fed_round.index,
+                          fed_round.round_id, exc)
+                aggregation.ok = False
+                self._observe_cuts(fed_round, used)
+                return aggregation
+        elif self.core.privacy is not None:
             contributions = self._private_contributions(fed_round, used, global_state, aggregation)
         else:
             contributions = self._contributions(fed_round, used)
@@ -143,6 +165,23 @@ class Aggregator:
                     weight=self.weight(device), client_state={},
                     server_state={k: v for k, v in portion.server_state(device).items() if k not in held})
         return contributions
+
+    def _secure_contributions(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor]
+                              ) -> dict[str, Contribution]:
+        """A securely aggregated attempt: the survivors' masked words summed, the masks removed
+        with the secrets rebuilt from the unmasking stage's shares, the sum decoded and divided by
+        the survivors' summed sample counts, as one contribution (the weighted mean, Algorithm 1 at
+        split depth zero). ValueError when fewer shares than the threshold came back."""
+        secure = fed_round.secure
+        assert secure is not None and secure.plan is not None and secure.roster is not None
+        seeds, keys = rebuild_secrets(secure.answers, list(secure.roster), used, secure.plan.dropped, secure.threshold)
+        layout = BlockLayout.of(self.core.model)
+        total = unmasked_sum({d: state_to_words(fed_round.updates[d].state) for d in used}, layout, seeds, keys,
+                             {d: k.mask_key for d, k in secure.roster.items()})
+        weight = float(sum(self.core.devices.devices[d].num_samples for d in used))
+        mean = {k: global_state[k].double() + torch.from_numpy(decode(v, secure.terms.fraction_bits)) / weight
+                for k, v in total.items()}
+        return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights={k: weight for k in mean})}
 
     def _summed(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
                 clip_norm: float) -> tuple[dict[str, torch.Tensor], dict[str, float], float]:

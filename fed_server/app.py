@@ -19,14 +19,15 @@ from fed_server.driver import drive_rounds
 from fed_server.settings import FedServerSettings
 from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus
+from fed_server.secure_stages import SecureStage
 from http_api.server import (
     ApiError, MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, parse_message,
     read_body, read_message, request_target, status_of,
 )
 from shared.schemas import (
     AGENT_ID_PATTERN, API, MAX_REGISTRATION_BATCH, AgentTaskRequest, EvaluationReport, Refusal, RegisterRequest,
-    RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, ServerPortionUpload, UpdateRequest,
-    WithdrawRequest,
+    RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, SecAggKeys, SecAggShares,
+    SecAggUnmask, ServerPortionUpload, UpdateRequest, WithdrawRequest,
 )
 from shared.auth import FED_SERVER
 from shared.errors import TooSoon
@@ -37,7 +38,8 @@ log = logging.getLogger("fed_server")
 Registration = TypeVar("Registration", RegisterRequest, RegistrationBatch)
 
 #: What a device sends with its device id in the body.
-DeviceMessage = TypeVar("DeviceMessage", UpdateRequest, ReportRequest, WithdrawRequest, EvaluationReport)
+DeviceMessage = TypeVar("DeviceMessage", UpdateRequest, ReportRequest, WithdrawRequest, EvaluationReport, SecAggKeys,
+                        SecAggShares, SecAggUnmask)
 
 #: The longest a ``/v1/status`` answer is held (``wait_s``).
 MAX_STATUS_WAIT_S = 30.0
@@ -55,6 +57,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
     _add_run_routes(app, coordinator, settings)
     _add_device_routes(app, coordinator, settings)
     _add_upload_routes(app, coordinator, settings)
+    _add_secure_routes(app, coordinator, settings)
     return app
 
 
@@ -195,6 +198,41 @@ def _add_upload_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         """Device (federated evaluation): how the round's global model did on its held-out part."""
         req = await _device_message(coordinator, settings, request, EvaluationReport, settings.max_register_bytes)
         return msgpack_response(coordinator.evaluation.accept(req))
+
+
+def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServerSettings) -> None:
+    """Devices: secure aggregation's stages (docs/privacy.md), each message from a device holding
+    its current token; the GETs are long polls held up to ``wait_s`` (at most 30) until the stage
+    closes."""
+    secure = coordinator.secure
+    prefix = f"{API}/rounds/{{round_id}}/secagg"
+
+    @app.post(f"{prefix}/keys", response_class=Response, openapi_extra=msgpack_body_schema(SecAggKeys))
+    async def secagg_keys(round_id: int, request: Request) -> Response:
+        """Stage 1: the device's public keys for the attempt."""
+        req = await _device_message(coordinator, settings, request, SecAggKeys, settings.max_register_bytes)
+        return msgpack_response(secure.accept_keys(round_id, req))
+
+    @app.post(f"{prefix}/shares", response_class=Response, openapi_extra=msgpack_body_schema(SecAggShares))
+    async def secagg_shares(round_id: int, request: Request) -> Response:
+        """Stage 2: the device's secret shares, each sealed for one other roster device."""
+        req = await _device_message(coordinator, settings, request, SecAggShares, settings.max_update_bytes)
+        return msgpack_response(secure.accept_shares(round_id, req))
+
+    @app.get(f"{prefix}/{{stage}}", response_class=Response)
+    async def secagg_stage(round_id: int, stage: SecureStage, device_id: str, request: Request,
+                           wait_s: float = 0.0) -> Response:
+        """A stage's answer once it closed: ``roster`` (stage 1: the devices that sent keys, with
+        them, and the threshold), ``inbox`` (stage 2: the shares sealed for the device by the devices
+        that shared), ``unmask`` (stage 4's question once uploads closed: survivors and dropped)."""
+        _check_device(coordinator, settings, request, device_id)
+        return msgpack_response(await secure.ask(round_id, stage, device_id, wait_s))
+
+    @app.post(f"{prefix}/unmask", response_class=Response, openapi_extra=msgpack_body_schema(SecAggUnmask))
+    async def secagg_unmask(round_id: int, request: Request) -> Response:
+        """Stage 4: the device's shares of the survivors' seeds and the dropped devices' mask keys."""
+        req = await _device_message(coordinator, settings, request, SecAggUnmask, settings.max_register_bytes)
+        return msgpack_response(secure.accept_unmask(round_id, req))
 
 
 async def _registration(request: Request, model: type[Registration], limit: int) -> Registration:

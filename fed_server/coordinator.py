@@ -37,6 +37,7 @@ from fed_server.fed_round import Assignment, FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
 from fed_server.privacy import RunPrivacy
+from fed_server.secure_stages import SecureStages, secure_round
 from fed_server.progress import Progress
 from fed_server.recorder import Recorder
 from fed_server.records import RunStatus, finite_json
@@ -112,6 +113,7 @@ class Coordinator:
         self.dispatch = TaskDispatch(core, self.replicas.device_url)
         self.agents = AgentSessions(core, self.dispatch, self.enrolment)
         self.uploads = Uploads(core, self.replicas)
+        self.secure = SecureStages(core)
         self.evaluation = FederatedEvaluation(core, self.dispatch, self.enrolment.held_out_limit)
         self.aggregator = Aggregator(core, self.table, self.planner)
         # The training set served the shard sizes and the fingerprint's shard vectors, computed
@@ -141,6 +143,7 @@ class Coordinator:
                          for d, (j, k) in splits.items()},
             deadline_s=config.deadlines.round_s,
             report_deadline_s=config.deadlines.report_s or config.deadlines.round_s / 2,
+            secure=secure_round(core, list(splits)) if config.secure_aggregation.enabled else None,
         )
         log.info("round %d (attempt %d): %d devices, splits %s", index, attempt, len(selected),
                  {d: a.split_point for d, a in core.round.assignments.items()})

@@ -21,6 +21,9 @@ from fed_server.coordinator import Coordinator
 from fed_server.evaluation_round import EvaluationRound
 from fed_server.progress import Conclusion
 from fed_server.metrics import FedMetrics
+from fed_server.secure_stages import (
+    answers_in, close_key_stage, close_share_stage, keys_in, open_unmasking_stage, shares_in,
+)
 from fed_server.settings import FedServerSettings
 from fed_server.records import RoundRecord
 from fed_server.fed_round import FedRound
@@ -314,6 +317,8 @@ async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) 
             watchers = [asyncio.create_task(watch_replica(coordinator, fed_round, url, settings))
                         for url in fed_round.replicas()]
     coordinator.dispatch.open_tasks(fed_round)
+    if fed_round.secure is not None:
+        await _share_secrets(coordinator, fed_round)
     if two_phase(coordinator.core.algorithm) is not None and fed_round.plan_failed is None:
         # The report phase has its own deadline: the devices that reported by then get their
         # follow-ups and the round waits for their uploads, so one silent device cannot hold
@@ -330,7 +335,24 @@ async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) 
         await confirm_replicas(coordinator, fed_round, settings)
     for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
         watcher.cancel()
+    if fed_round.secure is not None and fed_round.secure.sharers is not None:
+        open_unmasking_stage(fed_round)
+        if not await wait_until(changed, lambda: answers_in(fed_round),
+                                time.monotonic() + coordinator.config.secure_aggregation.stage_s):
+            log.warning("round %d (attempt %d): unmasking stage closed with %d of %d survivors' shares",
+                        fed_round.index, fed_round.round_id, len(fed_round.secure.answers),
+                        len(fed_round.secure.plan.survivors) if fed_round.secure.plan else 0)
     return coordinator.close_round()
+
+
+async def _share_secrets(coordinator: Coordinator, fed_round: FedRound) -> None:
+    """Secure aggregation's key and share stages (:mod:`fed_server.secure_stages`), each closed
+    once every device still in the attempt answered or ``secure_aggregation.stage_s`` after it opened."""
+    core, stage_s = coordinator.core, coordinator.config.secure_aggregation.stage_s
+    await wait_until(core.changed, lambda: keys_in(fed_round), time.monotonic() + stage_s)
+    close_key_stage(core, fed_round)
+    await wait_until(core.changed, lambda: shares_in(fed_round), time.monotonic() + stage_s)
+    close_share_stage(core, fed_round)
 
 
 async def _wait_for_uploads(coordinator: Coordinator, fed_round: FedRound) -> bool:

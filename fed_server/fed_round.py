@@ -5,12 +5,16 @@ import math
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from fed_server.update_checks import table_time
 from shared.algorithms.base import Payload, RoundContext
 from shared.schemas import ServerPortionUpload, UpdateRequest
+
+if TYPE_CHECKING:
+    from fed_server.secure_stages import SecureRound
 
 
 #: Why a device left an attempt when the attempt waited a deadline for it (``FedRound.left``).
@@ -132,6 +136,8 @@ class FedRound:
     # Devices selected while a replica lost in an earlier attempt may still hold them (selected only
     # to reach the quorum), each with that replica: a deadline they miss is the replica's.
     held_by: dict[str, str] = field(default_factory=dict)
+    # Secure aggregation's stages (secure_aggregation.enabled): the uploads are masked words.
+    secure: SecureRound | None = None
 
     @property
     def context(self) -> RoundContext:

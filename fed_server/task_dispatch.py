@@ -117,6 +117,7 @@ class TaskDispatch:
             extras=core.algorithm.task_extras(device_id, fed_round.context).to_wire(),
             report=two_phase(core.algorithm) is not None,
             privacy=core.privacy.task_terms() if core.privacy is not None else None,
+            secure_aggregation=fed_round.secure.terms if fed_round.secure is not None else None,
         )
 
     def count_task_bytes(self, answer: TaskResponse, body_bytes: int) -> None:

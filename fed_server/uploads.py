@@ -18,7 +18,8 @@ from shared.algorithms.two_phase import TwoPhaseAlgorithm, two_phase
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.portions import decode_device_portion, decode_portion
 from shared.schemas import Ack, ReportRequest, ServerPortionUpload, UpdateRequest, WithdrawRequest
-from shared.wire import WireError
+from shared.secagg.protocol import masked_layout
+from shared.wire import WireError, decode_state
 
 log = logging.getLogger("fed_server")
 
@@ -124,6 +125,10 @@ class Uploads:
         if req.device_id in fed_round.excluded:
             raise Conflict(f"device {req.device_id!r} was taken out of round {round_id}: "
                            f"{fed_round.excluded[req.device_id]}")
+        if fed_round.secure is not None and (fed_round.secure.sharers is None or fed_round.secure.plan is not None
+                                             or req.device_id not in fed_round.secure.sharers):
+            raise Conflict(f"device {req.device_id!r} may upload a masked update only after sharing its secrets, "
+                           f"before the unmasking stage of round {round_id}")
         if two_phase(self.core.algorithm) is not None and req.device_id not in fed_round.follow_ups_sent:
             raise Conflict(f"device {req.device_id!r} must report and receive its follow-up before uploading")
         try:
@@ -140,6 +145,8 @@ class Uploads:
         """``req`` as it will be aggregated, once its claims, weights and extras passed; Invalid if not."""
         core = self.core
         check_claims(req, core.devices.devices[req.device_id].num_samples, fed_round.deadline_s)
+        if fed_round.secure is not None:
+            return self._checked_masked(fed_round, req, body_bytes, upload_s)
         split_point = fed_round.assignments[req.device_id].split_point
         head_start = core.head_start if fed_round.uses_main_server else core.num_blocks
         try:
@@ -156,6 +163,20 @@ class Uploads:
             raise Invalid(f"extras: {exc}") from None
         core.record_state(fed_round, f"{req.device_id}-upload", state)
         return ReceivedUpdate(req, state, body_bytes, extras, upload_s)
+
+    def _checked_masked(self, fed_round: FedRound, req: UpdateRequest, body_bytes: int, upload_s: float
+                        ) -> ReceivedUpdate:
+        """A securely aggregated attempt's upload: every model entry as masked 64-bit words
+        (int64 on the wire), which is all the Fed Server keeps of it; Invalid if not."""
+        core = self.core
+        if req.extras:
+            raise Invalid("a masked update carries no extras")
+        try:
+            words = decode_state(req.weights, expect=masked_layout(core.model.state_dict()), what="masked weights")
+        except WireError as exc:
+            raise Invalid(str(exc)) from None
+        core.record_state(fed_round, f"{req.device_id}-upload", words)
+        return ReceivedUpdate(req, words, body_bytes, core.algorithm.UploadExtras(), upload_s)
 
     def withdraw(self, round_id: int, req: WithdrawRequest) -> Ack:
         """A selected device cannot contribute to the open attempt (a task it cannot build or decode,

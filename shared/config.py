@@ -263,6 +263,25 @@ class PrivacyConfig(_Strict):
         return self.clipping is not None
 
 
+class SecureAggregationConfig(_Strict):
+    """Secure aggregation in the manner of SecAgg+ (Bell et al., CCS 2020; docs/privacy.md): each
+    device masks its fixed-point update with pairwise masks agreed by key exchange and its own
+    mask, and Shamir-shares its secrets with the round's other devices, so that the Fed Server
+    learns only the sum of the updates. Which runs can use it is checked in
+    ``shared/run_config.py``."""
+
+    enabled: bool = False
+    # How many of the round's devices' shares rebuild a device's secrets; null: a majority of
+    # the devices that shared theirs. Fewer answers in the unmasking stage fail the attempt.
+    threshold: int | None = Field(None, ge=2)
+    # Each entry of a device's update (its change over the round) is clipped to +-value_range
+    # before it is encoded: the fixed-point range, chosen so that the round's sum never wraps.
+    value_range: float = Field(1.0, gt=0, allow_inf_nan=False)
+    # Seconds the key and share stages each wait for the round's devices before they go on
+    # with those that answered.
+    stage_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+
+
 class DeviceMixConfig(_Strict):
     """Emulated device kinds (paper Table 1, see shared/profiles.py), assigned round-robin to shards.
 
@@ -344,6 +363,7 @@ class RunConfig(_Strict):
     updates: UpdateCheckConfig = Field(default_factory=UpdateCheckConfig)
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    secure_aggregation: SecureAggregationConfig = Field(default_factory=SecureAggregationConfig)
     devices: DeviceMixConfig = Field(default_factory=DeviceMixConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

@@ -81,6 +81,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
     candidates = _check_split_privacy(config, algorithm, model)
     _check_private_updates(config, algorithm, selector)
+    _check_secure_aggregation(config, algorithm, selector, model)
     if config.split.pinned:
         points = candidates if candidates is not None else split_candidates(config, model)
         wrong = {device: point for device, point in config.split.pinned.items() if point not in points}
@@ -166,25 +167,61 @@ def _check_private_updates(config: RunConfig, algorithm: Algorithm, selector: "D
     Fed Server's norm check, ``member_updates``; docs/privacy.md)."""
     if not config.privacy.enabled:
         return
-    sees = "which privacy replaces with their clipped, noised sum"
-    for who, reason in ((f"algorithm {config.algorithm!r}", algorithm.individual_updates),
-                        (f"selection {config.selection!r}", selector.individual_updates)):
-        if reason is not None:
-            raise ValueError(f"privacy.clipping cannot run {who}: {reason}, {sees}")
-    if config.aggregation.rule != "mean":
-        raise ValueError(f"privacy.clipping needs aggregation.rule: mean (got {config.aggregation.rule!r}, which needs "
-                         f"each device's own update, {sees})")
-    if config.aggregation.params:
-        raise ValueError(f"privacy.clipping needs aggregation.params empty: the mean's weight and update bounds need "
-                         f"each device's own update, {sees}")
+    _check_summed_updates(config, algorithm, selector, "privacy.clipping", "which privacy replaces with their clipped, "
+                                                                           "noised sum")
     if config.updates.max_norm is not None:
         raise ValueError("privacy.clipping replaces updates.max_norm: every update is clipped to privacy.clip_norm "
                          "(leave updates.max_norm unset)")
-    if uploads_member_states(config.grouping.member_defences):
-        raise ValueError("privacy.clipping cannot run grouping.member_defences member_updates: it weighs each "
-                         "member's own server-side state, " + sees)
     if config.privacy.noise is not None:
         _check_budget(config)
+
+
+def _check_secure_aggregation(config: RunConfig, algorithm: Algorithm, selector: "DeviceSelector",
+                              model: SplitModel) -> None:
+    """Secure aggregation (``secure_aggregation.enabled``; docs/privacy.md) gives the Fed Server only
+    the sum of whole-model updates: ValueError in one line for a run that cuts the model, clips
+    for differential privacy, checks each update's norm, has integer state entries, or needs each
+    device's own update (as for privacy), or whose threshold exceeds its devices per round."""
+    secure = config.secure_aggregation
+    if not secure.enabled:
+        return
+    if algorithm.split_mode() != "zero":
+        raise ValueError(f"secure_aggregation runs split-depth-zero algorithms only (fedavg, fedprox, the FedOpt "
+                         f"family), not {config.algorithm!r}, which cuts the model")
+    if config.privacy.enabled:
+        raise ValueError("secure_aggregation cannot run with privacy.clipping: the Fed Server clips each device's "
+                         "update, which secure aggregation hides from it")
+    if config.updates.max_norm is not None:
+        raise ValueError("secure_aggregation cannot run updates.max_norm: the Fed Server cannot see an update's norm; "
+                         "each device clips its entries to secure_aggregation.value_range")
+    _check_summed_updates(config, algorithm, selector, "secure_aggregation", "which secure aggregation hides from "
+                                                                             "the Fed Server")
+    integer = sorted(k for k, v in model.state_dict().items() if not v.is_floating_point())
+    if integer:
+        raise ValueError(f"secure_aggregation cannot run model {config.model!r}: its integer state entries "
+                         f"({', '.join(integer[:3])}) are not averaged as fixed-point values")
+    if secure.threshold is not None and secure.threshold > config.per_round:
+        raise ValueError(f"secure_aggregation.threshold {secure.threshold} exceeds the {config.per_round} devices "
+                         f"of a round")
+
+
+def _check_summed_updates(config: RunConfig, algorithm: Algorithm, selector: "DeviceSelector", setting: str,
+                          sees: str) -> None:
+    """An aggregate computed from the devices' summed updates (``setting``): ValueError in one line
+    naming what needs each device's own update instead, which ``sees`` says what becomes of."""
+    for who, reason in ((f"algorithm {config.algorithm!r}", algorithm.individual_updates),
+                        (f"selection {config.selection!r}", selector.individual_updates)):
+        if reason is not None:
+            raise ValueError(f"{setting} cannot run {who}: {reason}, {sees}")
+    if config.aggregation.rule != "mean":
+        raise ValueError(f"{setting} needs aggregation.rule: mean (got {config.aggregation.rule!r}, which needs "
+                         f"each device's own update, {sees})")
+    if config.aggregation.params:
+        raise ValueError(f"{setting} needs aggregation.params empty: the mean's weight and update bounds need "
+                         f"each device's own update, {sees}")
+    if uploads_member_states(config.grouping.member_defences):
+        raise ValueError(f"{setting} cannot run grouping.member_defences member_updates: it weighs each "
+                         "member's own server-side state, " + sees)
 
 
 def _check_budget(config: RunConfig) -> None:

@@ -214,6 +214,16 @@ class PrivacyTerms(Message):
     clip_norm: float = Field(gt=0, allow_inf_nan=False)
 
 
+class SecureTerms(Message):
+    """A training task's secure aggregation terms (``secure_aggregation.*``; docs/privacy.md): the
+    device clips each entry of its update to ``value_range``, weighs it by its sample count and
+    encodes it with ``fraction_bits`` in 64-bit words before masking it (the threshold comes with
+    the roster, :class:`SecAggRoster`)."""
+
+    fraction_bits: int = Field(ge=1, le=62)
+    value_range: float = Field(gt=0, allow_inf_nan=False)
+
+
 class TaskResponse(Message):
     """The answer to a device's poll: wait, train this round, act on a follow-up, evaluate, or stop.
 
@@ -253,6 +263,7 @@ class TaskResponse(Message):
     extras: dict[str, PayloadValue] = {}   # per-device values for this round (e.g. a dual variable, tensors)
     report: bool = False                   # report after training and wait for a follow-up
     privacy: PrivacyTerms | None = None    # clip the update before it leaves
+    secure_aggregation: SecureTerms | None = None   # mask the update (the secure stages first)
 
 
 #: The most devices one agent's task request may add to its session (:class:`AgentTaskRequest`):
@@ -590,3 +601,59 @@ class BackwardResponse(Message):
     dfx: WireTensor
     wait_s: float           # how long this device waited for the group's gradients
     server_s: float         # server-side time of the half
+
+
+class SecAggKeys(Message):
+    """Secure aggregation's first stage: a device's two X25519 public keys for the attempt, one
+    for its pairwise masks, one for the secret shares it exchanges."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0)
+    mask_key: bytes = Field(min_length=32, max_length=32)
+    share_key: bytes = Field(min_length=32, max_length=32)
+
+
+class SecAggRoster(Message):
+    """The devices of the attempt that sent their keys, each with them (share index: the position
+    in sorted order, from 1), and the threshold; ``ready`` False: the stage is still open."""
+
+    ready: bool
+    keys: dict[str, SecAggKeys] = {}
+    threshold: int = 0
+
+
+class SecAggShares(Message):
+    """Secure aggregation's second stage: a device's secret shares, each sealed for one other
+    roster device (recipient -> ChaCha20-Poly1305 ciphertext), which the Fed Server cannot open."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0)
+    shares: dict[str, bytes]
+
+
+class SecAggInbox(Message):
+    """The sealed shares addressed to one device (sender -> ciphertext) from every device that
+    shared (those it masks with); ``ready`` False: the stage is still open."""
+
+    ready: bool
+    shares: dict[str, bytes] = {}
+
+
+class SecAggUnmaskPlan(Message):
+    """The unmasking stage: the devices whose masked updates are summed (``survivors``: shares of
+    their own mask seeds wanted) and those that shared but sent none (``dropped``: shares of their
+    mask keys wanted); ``ready`` False: uploads are still open."""
+
+    ready: bool
+    survivors: list[str] = []
+    dropped: list[str] = []
+
+
+class SecAggUnmask(Message):
+    """A device's answer to the unmasking stage: its shares of the survivors' seeds and of the
+    dropped devices' mask keys (owner -> share). Never both for one device."""
+
+    device_id: DeviceId = Field(pattern=_ID_PATTERN)
+    round_id: int = Field(ge=0)
+    seed_shares: dict[str, bytes] = {}
+    key_shares: dict[str, bytes] = {}

@@ -362,7 +362,8 @@ def test_fuzz_fed_server(services, client):
     assert posts == {"/v1/devices/register", "/v1/devices/registrations", "/v1/agents/{agent_id}/tasks",
                      "/v1/rounds/{round_id}/updates", "/v1/rounds/{round_id}/reports",
                      "/v1/rounds/{round_id}/server-portions", "/v1/evaluation",
-                     "/v1/rounds/{round_id}/withdrawals"}, posts
+                     "/v1/rounds/{round_id}/withdrawals", "/v1/rounds/{round_id}/secagg/keys",
+                     "/v1/rounds/{round_id}/secagg/shares", "/v1/rounds/{round_id}/secagg/unmask"}, posts
     before = fed_state(client, services)
     assert before["registered"] == 0 and before["state"] == "waiting_for_devices", before
     state = lambda: fed_state(client, services)  # noqa: E731

@@ -26,8 +26,10 @@ from shared.portions import portion_state
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, DeviceTask, EvaluationReport, Refusal, RegistrationBatch,
     RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
-    TaskResponse, UpdateRequest, WeightsResponse, WireTensor, WithdrawRequest,
+    SecAggInbox, SecAggKeys, SecAggRoster, SecAggUnmaskPlan, SecureTerms, TaskResponse, UpdateRequest,
+    WeightsResponse, WireTensor, WithdrawRequest,
 )
+from shared.secagg.protocol import DeviceSecrets
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
 
 SPEC = DataSpec(num_devices=8, max_samples=400)
@@ -64,6 +66,11 @@ class FakeFed:
         self.evaluations: list[EvaluationReport] = []
         self.withdrawals: list[WithdrawRequest] = []
         self.fetched: list[str] = []
+        # Secure aggregation: what the device sent into the stages (stage, message), and one peer,
+        # whose share for the device is altered on the way where ``forge``.
+        self.secagg: list[tuple[str, object]] = []
+        self.peer = DeviceSecrets("dev-peer", info.run_id, 1)
+        self.forge = False
 
     def run_info(self) -> RunInfo:
         return self.info
@@ -98,6 +105,21 @@ class FakeFed:
 
     def withdraw(self, req: WithdrawRequest) -> None:
         self.withdrawals.append(req)
+
+    def secagg_send(self, round_id: int, stage: str, req) -> None:
+        self.secagg.append((stage, req))
+
+    def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float, model):
+        (own,) = [req for sent, req in self.secagg if sent == "keys"]
+        mask_key, share_key = self.peer.public_keys()
+        keys = {device_id: own, "dev-peer": SecAggKeys(device_id="dev-peer", round_id=round_id, mask_key=mask_key,
+                                                       share_key=share_key)}
+        if stage == "roster":
+            return SecAggRoster(ready=True, keys=keys, threshold=2)
+        if stage == "inbox":
+            sealed = self.peer.seal_shares({d: (k.mask_key, k.share_key) for d, k in keys.items()}, 2)[device_id]
+            return SecAggInbox(ready=True, shares={"dev-peer": sealed[:-1] + bytes([sealed[-1] ^ self.forge])})
+        return SecAggUnmaskPlan(ready=True, survivors=sorted(keys), dropped=[])
 
 
 class ScriptedSession:
@@ -577,3 +599,30 @@ def test_a_shard_the_run_does_not_have_is_refused_before_the_device_loads_data()
     with pytest.raises(RegistrationRefused, match=r"^shard 8 does not exist: the run has 8 shards \(0..7\)$"):
         device.setup()
     assert fed.registrations == []
+
+
+def _secure(round_id: int) -> TaskResponse:
+    return _full(round_id).model_copy(update={"secure_aggregation": SecureTerms(fraction_bits=40, value_range=1.0)})
+
+
+def test_a_secure_task_shares_its_secrets_uploads_masked_words_and_answers_the_unmasking_stage():
+    fed = FakeFed([_secure(1), TaskResponse(status="done")])
+    device = _device(fed, [], len(build_model("cnn").blocks))
+    device.run()
+    assert [stage for stage, _ in fed.secagg] == ["keys", "shares", "unmask"]
+    (upload,) = fed.uploads
+    assert upload.extras == {} and all(w.dtype == "int64" for w in upload.weights.values())
+    answer = fed.secagg[-1][1]
+    assert sorted(answer.seed_shares) == ["dev-003", "dev-peer"] and answer.key_shares == {}
+    assert fed.withdrawals == []
+
+
+def test_a_share_that_does_not_verify_is_one_warning_naming_its_sender_and_one_withdrawal(caplog):
+    fed = FakeFed([_secure(1), TaskResponse(status="done")])
+    fed.forge = True
+    device = _device(fed, [], len(build_model("cnn").blocks))
+    device.run()
+    (line,) = _problems(caplog)
+    assert line.levelname == "WARNING" and "the share from 'dev-peer' does not decrypt" in line.getMessage()
+    (withdrawal,) = fed.withdrawals
+    assert "dev-peer" in withdrawal.reason and fed.uploads == []

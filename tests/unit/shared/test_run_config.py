@@ -134,6 +134,8 @@ def test_a_split_algorithm_whose_device_logic_defines_a_loss_is_refused(monkeypa
 PRIVATE = {"algorithm": "fedavg", "aggregation": {"rule": "mean"}, "privacy": {"clipping": "fixed"},
            "data": {"num_devices": 10}, "devices_per_round": 5}
 NOISED = {**PRIVATE, "privacy": {"clipping": "fixed", "noise": "central", "noise_multiplier": 1.0, "delta": 1e-3}}
+SECURE = {"algorithm": "fedavg", "aggregation": {"rule": "mean"}, "secure_aggregation": {"enabled": True},
+          "data": {"num_devices": 10}, "devices_per_round": 5}
 
 
 def _with(base: dict, **changes) -> dict:
@@ -170,8 +172,26 @@ def test_private_runs_of_a_weighted_mean_pass():
      "privacy.noise_multiplier 0.3 spends epsilon"),
     (_with(NOISED, **{"privacy.clipping": "adaptive", "privacy.clipped_count_stddev": 0.4}),
      "privacy.clipped_count_stddev 0.4 is too small"),
+    (_with(SECURE, algorithm="s2fl"), "secure_aggregation runs split-depth-zero algorithms only"),
+    (_with(SECURE, algorithm="fedbc"), "secure_aggregation cannot run algorithm 'fedbc': it weighs each device's"),
+    (_with(SECURE, algorithm="scaffold"), "secure_aggregation cannot run algorithm 'scaffold'"),
+    (_with(SECURE, selection="hics"), "secure_aggregation cannot run selection 'hics'"),
+    (_with(SECURE, **{"aggregation.rule": "median"}), "secure_aggregation needs aggregation.rule: mean (got 'median'"),
+    (_with(SECURE, **{"aggregation.rule": "krum"}), "secure_aggregation needs aggregation.rule: mean (got 'krum'"),
+    (_with(SECURE, **{"aggregation.rule": "trimmed_mean"}), "secure_aggregation needs aggregation.rule: mean"),
+    (_with(SECURE, **{"aggregation.rule": "bounded_mean"}), "secure_aggregation needs aggregation.rule: mean"),
+    (_with(SECURE, **{"updates.max_norm": 5.0}), "secure_aggregation cannot run updates.max_norm"),
+    (_with(SECURE, privacy={"clipping": "fixed"}), "secure_aggregation cannot run with privacy.clipping"),
+    (_with(SECURE, model="resnet8"), "secure_aggregation cannot run model 'resnet8': its integer state entries"),
+    (_with(SECURE, **{"secure_aggregation.threshold": 6}), "secure_aggregation.threshold 6 exceeds the 5 devices"),
 ])
-def test_what_needs_each_devices_own_update_or_breaks_the_budget_is_refused_in_one_line(data, message):
+def test_what_a_private_or_secure_run_cannot_serve_is_refused_in_one_line(data, message):
     with pytest.raises(ConfigError) as info:
         load_run_config(data)
     assert len(info.value.lines) == 1 and message in info.value.lines[0], info.value.lines
+
+
+def test_secure_runs_of_a_whole_model_weighted_mean_pass():
+    for data in (SECURE, _with(SECURE, algorithm="fedprox"), _with(SECURE, algorithm="fedadam"),
+                 _with(SECURE, **{"secure_aggregation.threshold": 5})):
+        load_run_config(data)

@@ -1,0 +1,87 @@
+"""A device's side of secure aggregation (``TaskResponse.secure_aggregation``; docs/privacy.md):
+the key and share stages before training, the masked upload's weights, and the unmasking answer
+after the upload. The cryptography is ``shared.secagg.protocol``'s; this module only carries it
+to the Fed Server and waits on its stages (long polls, never a timer)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from device_agent.api import FedApi, StageAnswer
+from device_agent.trainer import TaskExpired
+from shared.schemas import SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms
+from shared.secagg.masks import BlockLayout
+from shared.secagg.protocol import DeviceSecrets, PublicKeys, words_to_state
+from shared.wire import encode_state
+
+#: The longest one stage's long poll is asked to hold (the Fed Server holds at most 30 s).
+STAGE_WAIT_S = 30.0
+
+
+@dataclass
+class SecureSession:
+    """One attempt's secure aggregation on a device: its secrets, the roster's public keys and the
+    devices whose shares it holds (those it masks with)."""
+
+    fed: FedApi
+    secrets: DeviceSecrets
+    terms: SecureTerms
+    roster: PublicKeys
+    partners: list[str]
+    deadline: float
+
+    @property
+    def round_id(self) -> int:
+        return self.secrets.round_id
+
+    def masked_weights(self, state: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor], weight: float,
+                       layout: BlockLayout) -> dict:
+        """The upload's weights: the change from ``start`` to ``state`` of every entry, weighed by
+        ``weight`` (the device's sample count), encoded and masked, as int64 tensors on the wire."""
+        update = {k: (v.double() - start[k].double()).cpu().numpy() for k, v in state.items()}
+        words = self.secrets.mask(update, weight, self.terms.fraction_bits, self.terms.value_range, layout,
+                                  self.roster, self.partners)
+        return encode_state(words_to_state(words))
+
+    def answer_unmasking(self) -> None:
+        """The last stage, after the upload: wait for the unmasking question and send the shares
+        this device holds of the survivors' seeds and the dropped devices' mask keys."""
+        device = self.secrets.device_id
+        plan = _stage(self.fed, self.round_id, "unmask", device, SecAggUnmaskPlan, self.deadline)
+        seeds, keys = self.secrets.unmask(plan.survivors, plan.dropped)
+        self.fed.secagg_send(self.round_id, "unmask", SecAggUnmask(device_id=device, round_id=self.round_id,
+                                                                   seed_shares=seeds, key_shares=keys))
+
+
+def share_secrets(fed: FedApi, device_id: str, run_id: str, round_id: int, terms: SecureTerms,
+                  deadline: float) -> SecureSession:
+    """The key and share stages of attempt ``round_id``: send fresh public keys, wait for the
+    roster, send the sealed shares, wait for those sealed for this device and open them.
+    ShareError (a ValueError) for a share that does not verify; TaskExpired past ``deadline``."""
+    secrets = DeviceSecrets(device_id, run_id, round_id)
+    mask_key, share_key = secrets.public_keys()
+    fed.secagg_send(round_id, "keys", SecAggKeys(device_id=device_id, round_id=round_id, mask_key=mask_key,
+                                                 share_key=share_key))
+    roster_answer = _stage(fed, round_id, "roster", device_id, SecAggRoster, deadline)
+    roster = {d: (k.mask_key, k.share_key) for d, k in roster_answer.keys.items()}
+    fed.secagg_send(round_id, "shares", SecAggShares(device_id=device_id, round_id=round_id,
+                                                     shares=secrets.seal_shares(roster, roster_answer.threshold)))
+    inbox = _stage(fed, round_id, "inbox", device_id, SecAggInbox, deadline)
+    partners = secrets.open_inbox(roster, inbox.shares)
+    return SecureSession(fed, secrets, terms, roster, partners, deadline)
+
+
+def _stage(fed: FedApi, round_id: int, stage: str, device_id: str, model: type[StageAnswer],
+           deadline: float) -> StageAnswer:
+    """``stage``'s answer once the Fed Server closed it (its ``ready``), asked in long polls;
+    TaskExpired past ``deadline``."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TaskExpired(f"secure aggregation's {stage} stage did not close before the task's deadline")
+        answer = fed.secagg_ask(round_id, stage, device_id, min(STAGE_WAIT_S, remaining), model)
+        if getattr(answer, "ready"):
+            return answer

@@ -1,0 +1,246 @@
+"""The Fed Server's side of secure aggregation (``secure_aggregation.enabled``; docs/privacy.md):
+each attempt's stages, what devices send into them, and the masked sum they leave.
+
+1. keys: each selected device sends two public keys; the stage closes once every device still in
+   the attempt sent them, or ``stage_s`` after it opened; the devices that did not are taken out.
+   The roster (the keys) and the threshold are then served to the devices.
+2. shares: each roster device sends its secret shares, sealed for each other roster device; the
+   stage closes the same way, and each device is served the shares sealed for it by the devices
+   that shared (those it masks with).
+3. masked updates, through the usual upload (``/rounds/{id}/updates``); the attempt's upload
+   deadlines apply.
+4. unmasking: the devices that shared and uploaded (survivors) are asked for their shares of the
+   survivors' seeds and of the dropped devices' mask keys; the stage closes once every survivor
+   answered, or ``stage_s`` after it opened.
+
+The Fed Server never holds a device's update: it sums the masked words, rebuilds the secrets from
+the shares (``shared.secagg.protocol``) and removes the masks from the sum only."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from fed_server.fed_round import FedRound
+from fed_server.run_core import RunCore
+from shared.errors import Conflict, Invalid, NotAllowed
+from shared.schemas import (
+    Ack, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms,
+)
+from shared.secagg.crypto import ShareError, check_public_key
+from shared.secagg.encoding import fraction_bits
+from shared.secagg.protocol import KEY_BYTES, SEED_BYTES
+
+#: The longest a stage's long poll is held (``wait_s``).
+MAX_STAGE_WAIT_S = 30.0
+Answer = TypeVar("Answer", SecAggRoster, SecAggInbox, SecAggUnmaskPlan)
+#: The stages a device asks about: stage 1's roster, stage 2's inbox, stage 4's question.
+SecureStage = Literal["roster", "inbox", "unmask"]
+
+
+@dataclass
+class SecureRound:
+    """One attempt's secure aggregation: the terms its tasks carry, and what each stage gathered.
+    A stage's result is None while it is open; ``stage_closed`` is set each time one closes."""
+
+    terms: SecureTerms
+    keys: dict[str, SecAggKeys] = field(default_factory=dict)
+    roster: dict[str, SecAggKeys] | None = None
+    threshold: int = 0
+    shares: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    sharers: list[str] | None = None
+    plan: SecAggUnmaskPlan | None = None
+    answers: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = field(default_factory=dict)
+    stage_closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def secure_round(core: RunCore, participants: list[str]) -> SecureRound:
+    """A new attempt's secure aggregation, its fixed point sized for the summed sample counts of
+    its ``participants`` (each device weighs its update by its own)."""
+    secure = core.config.secure_aggregation
+    total = sum(core.devices.devices[d].num_samples for d in participants)
+    return SecureRound(SecureTerms(fraction_bits=fraction_bits(total, secure.value_range),
+                                   value_range=secure.value_range))
+
+
+class SecureStages:
+    """What devices send into the open attempt's stages, and the stages' long polls."""
+
+    def __init__(self, core: RunCore) -> None:
+        self.core = core
+
+    def _secure(self, round_id: int, device_id: str) -> tuple[FedRound, SecureRound]:
+        """The open attempt ``round_id`` and its secure stages, which selected ``device_id`` and
+        have not taken it out."""
+        self.core.devices.get(device_id)
+        fed_round = self.core.open_round(round_id)
+        if fed_round.secure is None:
+            raise Conflict(f"round {round_id} does not aggregate securely (secure_aggregation.enabled)")
+        if device_id not in fed_round.assignments:
+            raise NotAllowed(f"device {device_id!r} was not selected for round {round_id}")
+        if device_id in fed_round.excluded:
+            raise Conflict(f"device {device_id!r} was taken out of round {round_id}: {fed_round.excluded[device_id]}")
+        return fed_round, fed_round.secure
+
+    def accept_keys(self, round_id: int, req: SecAggKeys) -> Ack:
+        """Stage 1: a device's public keys; Invalid for a key that agrees on nothing."""
+        _, secure = self._secure(round_id, req.device_id)
+        if secure.roster is not None:
+            raise Conflict(f"the key stage of round {round_id} is closed")
+        try:
+            check_public_key(req.mask_key)
+            check_public_key(req.share_key)
+        except ShareError as exc:
+            raise Invalid(f"keys of {req.device_id!r}: {exc}") from None
+        secure.keys[req.device_id] = req
+        self.core.changed.set()
+        return Ack(detail=f"keys of {req.device_id} for round {round_id} stored")
+
+    def accept_shares(self, round_id: int, req: SecAggShares) -> Ack:
+        """Stage 2: a roster device's sealed shares, one for each other roster device."""
+        _, secure = self._secure(round_id, req.device_id)
+        if secure.roster is None or secure.sharers is not None:
+            raise Conflict(f"the share stage of round {round_id} is not open")
+        others = set(secure.roster) - {req.device_id}
+        if req.device_id not in secure.roster or set(req.shares) != others:
+            raise Invalid(f"shares of {req.device_id!r} must go to exactly the other roster devices {sorted(others)}")
+        secure.shares[req.device_id] = dict(req.shares)
+        self.core.changed.set()
+        return Ack(detail=f"shares of {req.device_id} for round {round_id} stored")
+
+    def accept_unmask(self, round_id: int, req: SecAggUnmask) -> Ack:
+        """Stage 4: a survivor's shares of the survivors' seeds and the dropped devices' keys."""
+        _, secure = self._secure(round_id, req.device_id)
+        plan = secure.plan
+        if plan is None or req.device_id not in plan.survivors:
+            raise Conflict(f"round {round_id} asks {req.device_id!r} for no unmasking shares")
+        for owners, wanted, size in ((req.seed_shares, plan.survivors, SEED_BYTES),
+                                     (req.key_shares, plan.dropped, KEY_BYTES)):
+            wrong = sorted(o for o, share in owners.items() if o not in wanted or len(share) != size)
+            if wrong:
+                raise Invalid(f"unmasking shares of {req.device_id!r} for {wrong}: not asked for, or not {size} bytes")
+        secure.answers[req.device_id] = (dict(req.seed_shares), dict(req.key_shares))
+        self.core.changed.set()
+        return Ack(detail=f"unmasking shares of {req.device_id} for round {round_id} stored")
+
+    async def ask(self, round_id: int, stage: SecureStage, device_id: str, wait_s: float
+                  ) -> SecAggRoster | SecAggInbox | SecAggUnmaskPlan:
+        """``stage``'s answer for ``device_id``, held up to ``wait_s`` until the stage closes."""
+        if stage == "roster":
+            return await self.roster(round_id, device_id, wait_s)
+        if stage == "inbox":
+            return await self.inbox(round_id, device_id, wait_s)
+        return await self.unmask_plan(round_id, device_id, wait_s)
+
+    async def roster(self, round_id: int, device_id: str, wait_s: float) -> SecAggRoster:
+        """Stage 1's result, once it closed (held up to ``wait_s`` till then)."""
+        def answer(secure: SecureRound) -> SecAggRoster | None:
+            return None if secure.roster is None else SecAggRoster(ready=True, keys=secure.roster,
+                                                                   threshold=secure.threshold)
+        return await self._held(round_id, device_id, wait_s, answer, SecAggRoster(ready=False))
+
+    async def inbox(self, round_id: int, device_id: str, wait_s: float) -> SecAggInbox:
+        """Stage 2's result for ``device_id``: the shares sealed for it by the devices that shared."""
+        def answer(secure: SecureRound) -> SecAggInbox | None:
+            if secure.sharers is None:
+                return None
+            return SecAggInbox(ready=True, shares={s: secure.shares[s][device_id] for s in secure.sharers
+                                                   if s != device_id})
+        return await self._held(round_id, device_id, wait_s, answer, SecAggInbox(ready=False))
+
+    async def unmask_plan(self, round_id: int, device_id: str, wait_s: float) -> SecAggUnmaskPlan:
+        """Stage 4's question, once uploads closed."""
+        return await self._held(round_id, device_id, wait_s, lambda secure: secure.plan,
+                                SecAggUnmaskPlan(ready=False))
+
+    async def _held(self, round_id: int, device_id: str, wait_s: float,
+                    answer: Callable[[SecureRound], Answer | None], not_yet: Answer) -> Answer:
+        """``answer`` of the attempt's stages once it is not None, held up to ``wait_s`` (at most
+        :data:`MAX_STAGE_WAIT_S`); ``not_yet`` after that."""
+        hold = min(max(wait_s, 0.0), MAX_STAGE_WAIT_S) if math.isfinite(wait_s) else 0.0
+        until = time.monotonic() + hold
+        while True:
+            _, secure = self._secure(round_id, device_id)
+            ready = answer(secure)
+            if ready is not None:
+                return ready
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return not_yet
+            event = secure.stage_closed
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+
+def _still_in(fed_round: FedRound) -> set[str]:
+    return set(fed_round.assignments) - set(fed_round.excluded)
+
+
+def keys_in(fed_round: FedRound) -> bool:
+    """Whether every device still in the attempt sent its keys (stage 1 can close)."""
+    assert fed_round.secure is not None
+    return _still_in(fed_round) <= set(fed_round.secure.keys)
+
+
+def shares_in(fed_round: FedRound) -> bool:
+    """Whether every device still in the attempt sent its shares (stage 2 can close)."""
+    assert fed_round.secure is not None
+    return _still_in(fed_round) <= set(fed_round.secure.shares)
+
+
+def answers_in(fed_round: FedRound) -> bool:
+    """Whether every survivor answered the unmasking stage (stage 4 can close)."""
+    secure = fed_round.secure
+    assert secure is not None and secure.plan is not None
+    return set(secure.plan.survivors) <= set(secure.answers)
+
+
+def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
+    """Close stage 1: the devices still in the attempt that sent no keys are taken out, the others
+    are the roster; a roster smaller than its threshold takes every device out."""
+    secure = fed_round.secure
+    assert secure is not None
+    core.exclude(fed_round, _still_in(fed_round) - set(secure.keys), "secure aggregation: sent no keys in time")
+    secure.roster = {d: secure.keys[d] for d in sorted(_still_in(fed_round))}
+    configured = core.config.secure_aggregation.threshold
+    secure.threshold = configured if configured is not None else len(secure.roster) // 2 + 1
+    if len(secure.roster) < max(2, secure.threshold):
+        core.exclude(fed_round, secure.roster, f"secure aggregation: {len(secure.roster)} devices sent keys, "
+                                               f"below the threshold {secure.threshold}")
+    _close_stage(secure)
+
+
+def close_share_stage(core: RunCore, fed_round: FedRound) -> None:
+    """Close stage 2: the devices still in the attempt that sent no shares are taken out, the
+    others are the sharers; fewer sharers than the threshold take every device out."""
+    secure = fed_round.secure
+    assert secure is not None
+    core.exclude(fed_round, _still_in(fed_round) - set(secure.shares), "secure aggregation: sent no shares in time")
+    secure.sharers = sorted(_still_in(fed_round))
+    if len(secure.sharers) < secure.threshold:
+        core.exclude(fed_round, secure.sharers, f"secure aggregation: {len(secure.sharers)} devices shared, below "
+                                                f"the threshold {secure.threshold}")
+    _close_stage(secure)
+
+
+def open_unmasking_stage(fed_round: FedRound) -> None:
+    """Open stage 4 once uploads closed: the sharers that uploaded and are still in are the
+    survivors, the other sharers dropped."""
+    secure = fed_round.secure
+    assert secure is not None and secure.sharers is not None
+    dropped_now = fed_round.dropped()
+    survivors = [d for d in secure.sharers if d in fed_round.updates and d not in dropped_now]
+    secure.plan = SecAggUnmaskPlan(ready=True, survivors=survivors,
+                                   dropped=[d for d in secure.sharers if d not in survivors])
+    _close_stage(secure)
+
+
+def _close_stage(secure: SecureRound) -> None:
+    """Wake the stage's long polls; the next stage waits on a fresh event."""
+    secure.stage_closed.set()
+    secure.stage_closed = asyncio.Event()

@@ -1,0 +1,91 @@
+"""The cryptography of secure aggregation, all from the ``cryptography`` package: X25519 key
+pairs and agreement (hashed with HKDF-SHA256 into a 32-byte key), ChaCha20-Poly1305 for the secret
+shares a device sends its neighbours through the Fed Server, and ChaCha20's keystream as the
+generator of the masks. Flower's masks come from NumPy's Mersenne Twister seeded with 32 bits of
+the agreed key; a keystream keyed with all 256 bits cannot be guessed from a few words of it."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+#: What each agreed key is for (HKDF's ``info``): one agreement never serves two purposes.
+MASK_PURPOSE = b"s2fl secagg pairwise mask"
+SHARE_PURPOSE = b"s2fl secagg share encryption"
+SEED_PURPOSE = b"s2fl secagg self mask"
+NONCE_BYTES = 12
+
+
+class ShareError(ValueError):
+    """A secret share that does not decrypt or verify, or a public key that agrees on nothing."""
+
+
+def new_private_key() -> bytes:
+    """A fresh X25519 private key, raw (32 bytes)."""
+    return X25519PrivateKey.generate().private_bytes_raw()
+
+
+def public_key(private: bytes) -> bytes:
+    """The raw public key (32 bytes) of a raw private key."""
+    return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes_raw()
+
+
+def agree(private: bytes, peer_public: bytes, purpose: bytes) -> bytes:
+    """The 32-byte key two devices agree on for ``purpose``: X25519 of one's private key and the
+    other's public key, through HKDF-SHA256. ShareError for a public key of low order (an
+    agreement on zero), which ``cryptography`` refuses."""
+    try:
+        shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError as exc:
+        raise ShareError(f"the public key agrees on nothing: {exc}") from None
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(shared)
+
+
+def check_public_key(peer_public: bytes) -> None:
+    """ShareError unless ``peer_public`` is a key an agreement can use."""
+    agree(new_private_key(), peer_public, b"check")
+
+
+def seed_key(seed: bytes) -> bytes:
+    """The 32-byte key of a device's own mask from its 16-byte seed."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=SEED_PURPOSE).derive(seed)
+
+
+def share_context(run_id: str, round_id: int) -> bytes:
+    """What binds a secret share to its run and attempt."""
+    return f"{run_id}|{round_id}".encode()
+
+
+def share_associated(run_id: str, round_id: int, sender: str, recipient: str) -> bytes:
+    """The associated data a secret share is sealed with: its attempt, its sender and recipient."""
+    return share_context(run_id, round_id) + f"|{sender}|{recipient}".encode()
+
+
+def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
+    """ChaCha20-Poly1305 of ``plaintext`` bound to ``associated`` (sender, recipient, attempt): a
+    random nonce, then the ciphertext and its tag."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, associated)
+
+
+def open_sealed(key: bytes, sealed: bytes, associated: bytes) -> bytes:
+    """The plaintext of :func:`seal`; ShareError when it was altered, sealed for another
+    ``associated`` or with another key."""
+    try:
+        return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)
+    except (InvalidTag, ValueError):
+        raise ShareError("does not decrypt with the agreed key (altered, or sealed for someone else)") from None
+
+
+def keystream_words(key: bytes, stream: int, count: int) -> np.ndarray:
+    """``count`` uniformly random 64-bit words (uint64): ChaCha20's keystream under ``key``, the
+    ``stream``-th of the key's independent streams (its nonce)."""
+    nonce = (0).to_bytes(4, "little") + stream.to_bytes(12, "little")
+    encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+    return np.frombuffer(encryptor.update(bytes(8 * count)), dtype="<u8")

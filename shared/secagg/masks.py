@@ -1,0 +1,107 @@
+"""The masks of secure aggregation, per model block, and their removal.
+
+Devices are cut at different blocks, so a block is summed over the devices that hold it (Algorithm
+1, layer-wise). Masks are therefore agreed per block: a device masks each block it holds with its
+own mask (from its seed) and, for each neighbour that holds the block too, with the mask of their
+pair (from their agreed key), added by the one whose id sorts first and subtracted by the other.
+Summed over a block's holders, the pairs' masks cancel and the Fed Server removes the own masks of
+the devices it sums (their seeds, rebuilt from shares) and the pairs' masks of neighbours that
+dropped after masking (their mask keys, rebuilt from shares).
+
+Each block's mask is one keystream (``crypto.keystream_words``, the stream numbered by the block)
+spread over the block's state entries in the model's order.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.models import SplitModel
+from shared.secagg.crypto import MASK_PURPOSE, agree, keystream_words, seed_key
+
+Words = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The model's state entries (name, shape) block by block, which the devices and the Fed
+    Server both know."""
+
+    blocks: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
+
+    @classmethod
+    def of(cls, model: SplitModel) -> "BlockLayout":
+        """The layout of ``model`` (a meta-device layout serves: only names and shapes are read)."""
+        state = model.state_dict()
+        return cls(tuple(tuple((key, tuple(state[key].shape)) for key in model.portion_keys(b, b + 1))
+                         for b in range(len(model.blocks))))
+
+    def held(self, split_point: int) -> list[int]:
+        """The blocks a device cut after ``split_point`` masks: ``[0, split_point)``."""
+        return list(range(split_point))
+
+    def entries(self, block: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The entries of ``block``."""
+        return self.blocks[block]
+
+    def stream(self, key: bytes, block: int) -> Words:
+        """``block``'s mask under ``key``: one keystream over its entries, each in its shape."""
+        entries = self.entries(block)
+        sizes = [math.prod(shape) for _, shape in entries]
+        words = keystream_words(key, block, sum(sizes))
+        out, at = {}, 0
+        for (name, shape), size in zip(entries, sizes):
+            out[name] = words[at:at + size].reshape(shape)
+            at += size
+        return out
+
+
+def pair_sign(device: str, partner: str) -> int:
+    """+1 where ``device`` adds the pair's mask (its id sorts first), -1 where it subtracts it."""
+    return 1 if device < partner else -1
+
+
+def _apply(words: Words, mask: Words, sign: int) -> None:
+    """``words += sign * mask`` modulo 2**64, in place."""
+    for name, value in mask.items():
+        target = words[name] = np.asarray(words[name])   # a 0-d entry summed may be a numpy scalar
+        (np.add if sign > 0 else np.subtract)(target, value, out=target)
+
+
+def add_masks(words: Words, layout: BlockLayout, device: str, split_point: int, seed: bytes, mask_private: bytes,
+              partners: Mapping[str, tuple[bytes, int]]) -> Words:
+    """A device's encoded update with its masks: its own on every block it holds, and each
+    partner's (``partners``: id -> (its public mask key, its split point)) on the blocks both hold.
+    ``words`` (uint64, by entry) is changed in place and returned."""
+    own = seed_key(seed)
+    pairs = {partner: (agree(mask_private, public, MASK_PURPOSE), pair_sign(device, partner), split)
+             for partner, (public, split) in partners.items()}
+    for block in layout.held(split_point):
+        _apply(words, layout.stream(own, block), 1)
+        for key, sign, split in pairs.values():
+            if block in layout.held(split):
+                _apply(words, layout.stream(key, block), sign)
+    return words
+
+
+def remove_masks(total: Words, layout: BlockLayout, splits: Mapping[str, int], seeds: Mapping[str, bytes],
+                 dropped_keys: Mapping[str, bytes], partners_of_dropped: Mapping[str, Iterable[str]],
+                 public_mask_keys: Mapping[str, bytes]) -> Words:
+    """The sum of the summed devices' updates from the sum of their masked words ``total`` (uint64,
+    by entry; changed in place): each summed device's own mask removed with its rebuilt ``seeds``,
+    and the pairs' masks each dropped device left in its summed partners' words removed with its
+    rebuilt mask key (``dropped_keys``; ``partners_of_dropped``: its summed partners)."""
+    for device, seed in seeds.items():
+        own = seed_key(seed)
+        for block in layout.held(splits[device]):
+            _apply(total, layout.stream(own, block), -1)
+    for dropped, private in dropped_keys.items():
+        for partner in partners_of_dropped[dropped]:
+            key = agree(private, public_mask_keys[partner], MASK_PURPOSE)
+            common = set(layout.held(splits[dropped])) & set(layout.held(splits[partner]))
+            for block in sorted(common):
+                _apply(total, layout.stream(key, block), -pair_sign(partner, dropped))
+    return total

@@ -1,0 +1,170 @@
+"""The stages of secure aggregation for one attempt, as pure logic both sides run: a device's
+(:class:`DeviceSecrets`: keys, shares, masking, unmasking answers) and the Fed Server's
+(:func:`rebuild_secrets`, :func:`unmasked_sum`). The HTTP calls are the services'
+(``device_agent/secure_aggregation.py``, ``fed_server/secure_stages.py``); docs/privacy.md
+describes the protocol.
+
+Every device of the roster is every other's neighbour (SecAgg's complete graph; SecAgg+'s sparse
+graph is not used). A share is the owner's 16-byte mask seed followed by its 32-byte mask key,
+each Shamir-shared, and carries the recipient's index (its position in the sorted roster, from 1)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.secagg.crypto import (
+    SHARE_PURPOSE, ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal,
+    share_associated,
+)
+from shared.secagg.encoding import encode
+from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks
+from shared.secagg.shamir import combine_secret, split_secret
+
+SEED_BYTES = 16
+KEY_BYTES = 32
+#: Public keys by device: (mask key, share key).
+PublicKeys = Mapping[str, tuple[bytes, bytes]]
+
+
+def share_indices(roster: Sequence[str]) -> dict[str, int]:
+    """Each roster device's share index: its position in sorted order, from 1."""
+    return {device: i for i, device in enumerate(sorted(roster), 1)}
+
+
+@dataclass
+class DeviceSecrets:
+    """One device's secrets for one attempt of run ``run_id``, fresh for every attempt: its mask
+    seed, its mask and share key pairs, and the shares its peers sealed for it."""
+
+    device_id: str
+    run_id: str
+    round_id: int
+    seed: bytes = field(default_factory=lambda: os.urandom(SEED_BYTES))
+    mask_private: bytes = field(default_factory=new_private_key)
+    share_private: bytes = field(default_factory=new_private_key)
+    #: Owner -> (its seed's share, its mask key's share) held for it, once the inbox is opened.
+    held: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
+
+    def public_keys(self) -> tuple[bytes, bytes]:
+        """(mask key, share key): what the first stage sends."""
+        return public_key(self.mask_private), public_key(self.share_private)
+
+    def seal_shares(self, roster: PublicKeys, threshold: int) -> dict[str, bytes]:
+        """The second stage: the seed and mask key split into one share per roster device, any
+        ``threshold`` of which rebuild them, each sealed for its recipient with the key agreed with
+        its share key (the device's own share is kept, not sent). ShareError for a roster key that
+        agrees on nothing; ValueError when the roster lacks this device or the threshold does not fit."""
+        if self.device_id not in roster:
+            raise ValueError(f"the roster does not hold {self.device_id!r}")
+        if not 2 <= threshold <= len(roster):
+            raise ValueError(f"a threshold of {threshold} does not fit a roster of {len(roster)} devices")
+        for mask_key, share_key in roster.values():
+            check_public_key(mask_key)
+            check_public_key(share_key)
+        indices = share_indices(list(roster))
+        seeds = split_secret(self.seed, threshold, len(roster))
+        keys = split_secret(self.mask_private, threshold, len(roster))
+        sealed = {}
+        for device, index in indices.items():
+            piece = seeds[index - 1] + keys[index - 1]
+            if device == self.device_id:
+                self.held[device] = (seeds[index - 1], keys[index - 1])
+                continue
+            key = agree(self.share_private, roster[device][1], SHARE_PURPOSE)
+            sealed[device] = seal(key, piece, share_associated(self.run_id, self.round_id, self.device_id, device))
+        return sealed
+
+    def open_inbox(self, roster: PublicKeys, inbox: Mapping[str, bytes]) -> list[str]:
+        """Open the shares the peers sealed for this device; the devices it masks with (those whose
+        shares it holds, itself included). ShareError naming the sender whose share does not verify."""
+        for sender, sealed in sorted(inbox.items()):
+            if sender not in roster or sender == self.device_id:
+                raise ShareError(f"a share from {sender!r}, who is not another device of the roster")
+            key = agree(self.share_private, roster[sender][1], SHARE_PURPOSE)
+            try:
+                piece = open_sealed(key, sealed, share_associated(self.run_id, self.round_id, sender, self.device_id))
+            except ShareError as exc:
+                raise ShareError(f"the share from {sender!r} {exc}") from None
+            if len(piece) != SEED_BYTES + KEY_BYTES:
+                raise ShareError(f"the share from {sender!r} has {len(piece)} bytes, not {SEED_BYTES + KEY_BYTES}")
+            self.held[sender] = (piece[:SEED_BYTES], piece[SEED_BYTES:])
+        return sorted(self.held)
+
+    def mask(self, update: Mapping[str, np.ndarray], weight: float, fraction_bits: int, value_range: float,
+             layout: BlockLayout, roster: PublicKeys, partners: Sequence[str]) -> Words:
+        """The third stage: ``update`` (float64 by entry) clipped to ``value_range`` per entry,
+        weighed by ``weight``, encoded in fixed point and masked with this device's own mask and
+        the pairwise mask of every other device of ``partners``."""
+        words = {k: encode(np.clip(v, -value_range, value_range) * weight, fraction_bits, weight * value_range)
+                 for k, v in update.items()}
+        split = len(layout.blocks)
+        return add_masks(words, layout, self.device_id, split, self.seed, self.mask_private,
+                         {p: (roster[p][0], split) for p in partners if p != self.device_id})
+
+    def unmask(self, survivors: Sequence[str], dropped: Sequence[str]) -> tuple[dict[str, bytes], dict[str, bytes]]:
+        """The last stage: the shares this device holds of the survivors' seeds and of the dropped
+        devices' mask keys. ValueError for a device named in both (its update would be readable)."""
+        both = set(survivors) & set(dropped)
+        if both:
+            raise ValueError(f"{sorted(both)} named both as survivors and as dropped")
+        return ({d: self.held[d][0] for d in survivors if d in self.held},
+                {d: self.held[d][1] for d in dropped if d in self.held})
+
+
+def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str, bytes]]], roster: Sequence[str],
+                    survivors: Sequence[str], dropped: Sequence[str], threshold: int
+                    ) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """The Fed Server's side of the last stage: from each answering device's (seed shares, key
+    shares), the survivors' seeds and the dropped devices' mask keys. ValueError when fewer than
+    ``threshold`` shares of some secret came back."""
+    indices = share_indices(roster)
+
+    def rebuilt(owner: str, part: int, size: int) -> bytes:
+        shares = {indices[who]: answer[part][owner] for who, answer in answers.items() if owner in answer[part]}
+        if len(shares) < threshold:
+            raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
+        secret = combine_secret(shares)
+        if len(secret) != size:
+            raise ValueError(f"{owner!r}'s secret rebuilt to {len(secret)} bytes, not {size}")
+        return secret
+
+    return ({d: rebuilt(d, 0, SEED_BYTES) for d in survivors}, {d: rebuilt(d, 1, KEY_BYTES) for d in dropped})
+
+
+def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mapping[str, bytes],
+                 dropped_keys: Mapping[str, bytes], mask_keys: Mapping[str, bytes]) -> Words:
+    """The sum of the survivors' encoded updates (uint64 by entry): their masked words summed
+    modulo 2**64, their own masks and the pairwise masks of the dropped devices removed.
+    ``mask_keys``: every roster device's public mask key."""
+    survivors = sorted(masked)
+    first = masked[survivors[0]]
+    total = {k: np.zeros_like(v, dtype=np.uint64) for k, v in first.items()}
+    for device in survivors:
+        for key, words in masked[device].items():
+            np.add(total[key], words, out=total[key])
+    split = len(layout.blocks)
+    return remove_masks(total, layout, {d: split for d in [*survivors, *dropped_keys]}, seeds, dropped_keys,
+                        {d: survivors for d in dropped_keys}, mask_keys)
+
+
+def words_to_state(words: Words) -> dict[str, torch.Tensor]:
+    """Masked words as the tensors an upload carries: int64, the same 64 bits."""
+    return {k: torch.from_numpy(np.ascontiguousarray(v).view(np.int64).copy()) for k, v in words.items()}
+
+
+def state_to_words(state: Mapping[str, torch.Tensor]) -> Words:
+    """The masked words an upload's int64 tensors carry."""
+    return {k: v.numpy().view(np.uint64) for k, v in state.items()}
+
+
+def masked_layout(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a masked upload of a model with ``state`` must hold: every entry, int64, of its shape."""
+    return {k: torch.empty(v.shape, dtype=torch.int64) for k, v in state.items()}
+
+
+__all__ = ["DeviceSecrets", "ShareError", "masked_layout", "rebuild_secrets", "share_indices", "state_to_words",
+           "unmasked_sum", "words_to_state"]

@@ -1,0 +1,181 @@
+"""Secure aggregation through the real services (docs/privacy.md, "Secure aggregation").
+
+- Five devices played by hand over HTTP, each running the project's own device side of the
+  protocol (``shared.secagg.protocol``) with an update the test chose: one withdraws after sharing
+  its secrets (dropped before masking), one uploads its masked update and then goes silent
+  (dropped in the unmasking stage). The round completes, and the Fed Server's new global model is
+  the plain FedAvg of the four uploaded (clipped) updates within the fixed-point bound, while
+  every upload the Fed Server recorded (``--record-received``) is not the device's update.
+- The same attempt with only two answers in the unmasking stage, below the threshold of three:
+  the attempt fails, its record says so, and the logical round is retried.
+- A FedAvg run with real device agents and ``secure_aggregation.enabled``: its rounds complete and
+  move the model.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from fed_server.run_dir import RunDirectory
+from fed_server.update_checks import shard_sizes, trained_samples
+from integration_support import read_metrics, server_pair, small_config, wait_for
+from shared.config import RunConfig
+from shared.schemas import (
+    API, DeviceProfileMsg, DeviceTimings, RegisterRequest, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares,
+    SecAggUnmask, SecAggUnmaskPlan, TaskResponse, UpdateRequest, WeightsResponse, WithdrawRequest,
+)
+from shared.secagg.encoding import decode
+from shared.secagg.masks import BlockLayout
+from shared.secagg.protocol import DeviceSecrets, words_to_state
+from shared.models import build_model
+from shared.wire import decode_state, encode_state, packb, unpackb
+from testbed.runner import Testbed
+from testbed.warm_start import shared_starter
+
+HEADERS = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+DEVICES = [f"dev-{i}" for i in range(5)]
+RANGE = 0.05
+
+
+def _config(**overrides) -> RunConfig:
+    return small_config(algorithm="fedavg", **{
+        "rounds": 1, "data.num_devices": 5, "data.max_samples": 500, "aggregation.rule": "mean", "devices.profiles": [],
+        "evaluation.mode": "server", "secure_aggregation.enabled": True, "secure_aggregation.value_range": RANGE,
+        "secure_aggregation.stage_s": 5.0, **overrides})
+
+
+def _call(client: httpx.Client, method: str, url: str, message=None, **params):
+    answer = client.request(method, url, params=params or None,
+                            content=packb(message.model_dump()) if message is not None else None)
+    assert answer.status_code == 200, answer.text
+    return unpackb(answer.content)
+
+
+def _task(client: httpx.Client, fed_url: str, device: str) -> TaskResponse:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        task = TaskResponse.model_validate(_call(client, "GET", f"{fed_url}{API}/devices/{device}/task", wait_s=5))
+        if task.status == "train":
+            return task
+    raise AssertionError(f"{device} got no training task")
+
+
+def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str]):
+    """Register the five devices and play their first attempt: all send keys and shares, dev-4
+    withdraws before masking, dev-0..3 upload masked updates, and only ``answering`` answer the
+    unmasking stage. The weights the attempt started from, the updates, their sample counts and
+    the task's terms."""
+    sizes = {d: trained_samples(n, None) for d, n in zip(DEVICES, shard_sizes(config.data))}
+    for shard, device in enumerate(DEVICES):
+        _call(client, "POST", f"{fed}{API}/devices/register", RegisterRequest(
+            device_id=device, shard=shard, num_samples=sizes[device], profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    tasks = {d: _task(client, fed, d) for d in DEVICES}
+    round_id, terms = tasks[DEVICES[0]].round_id, tasks[DEVICES[0]].secure_aggregation
+    assert round_id is not None and terms is not None and all(t.secure_aggregation == terms for t in tasks.values())
+    stage = f"{fed}{API}/rounds/{round_id}/secagg"
+    start = decode_state(WeightsResponse.model_validate(_call(
+        client, "GET", f"{fed}{API}/devices/{DEVICES[0]}/weights/{tasks[DEVICES[0]].weights_id}")).weights)
+
+    # Stages 1 and 2, each device with its own fresh secrets.
+    secrets = {d: DeviceSecrets(d, _run_id(client, fed), round_id) for d in DEVICES}
+    for device, own in secrets.items():
+        mask_key, share_key = own.public_keys()
+        _call(client, "POST", f"{stage}/keys", SecAggKeys(device_id=device, round_id=round_id, mask_key=mask_key,
+                                                           share_key=share_key))
+    rosters = {d: SecAggRoster.model_validate(_call(client, "GET", f"{stage}/roster", device_id=d, wait_s=10))
+               for d in DEVICES}
+    assert all(r.ready and sorted(r.keys) == DEVICES and r.threshold == 3 for r in rosters.values())
+    roster = {d: (k.mask_key, k.share_key) for d, k in rosters[DEVICES[0]].keys.items()}
+    for device, own in secrets.items():
+        _call(client, "POST", f"{stage}/shares", SecAggShares(device_id=device, round_id=round_id,
+                                                               shares=own.seal_shares(roster, 3)))
+    partners = {d: secrets[d].open_inbox(roster, SecAggInbox.model_validate(
+        _call(client, "GET", f"{stage}/inbox", device_id=d, wait_s=10)).shares) for d in DEVICES}
+    assert all(p == DEVICES for p in partners.values())
+
+    # Stage 3: dev-4 drops before masking (it withdraws); the others upload masked updates.
+    rng = np.random.default_rng(5)
+    updates = {d: {k: rng.uniform(-2 * RANGE, 2 * RANGE, size=tuple(v.shape)) for k, v in start.items()}
+               for d in DEVICES[:4]}
+    layout = BlockLayout.of(build_model(config.model, 10, (1, 28, 28), seed=config.seed))
+    for device, update in updates.items():
+        masked = secrets[device].mask(update, sizes[device], terms.fraction_bits, terms.value_range, layout,
+                                      roster, partners[device])
+        _call(client, "POST", f"{fed}{API}/rounds/{round_id}/updates", UpdateRequest(
+            device_id=device, round_id=round_id, num_samples=sizes[device], steps=1, train_loss=1.0,
+            weights=encode_state(words_to_state(masked)), bytes_up=0, bytes_down=0,
+            timings=DeviceTimings(compute_s=1.0, transfer_s=0.1, wait_s=0.0, server_s=0.0, total_s=1.1)))
+    _call(client, "POST", f"{fed}{API}/rounds/{round_id}/withdrawals",
+          WithdrawRequest(device_id="dev-4", round_id=round_id, reason="battery"))
+
+    # Stage 4: the devices not ``answering`` go silent.
+    plans = {d: SecAggUnmaskPlan.model_validate(_call(client, "GET", f"{stage}/unmask", device_id=d, wait_s=20))
+             for d in answering}
+    assert all(p.ready and p.survivors == DEVICES[:4] and p.dropped == ["dev-4"] for p in plans.values())
+    for device in answering:
+        seeds, keys = secrets[device].unmask(plans[device].survivors, plans[device].dropped)
+        _call(client, "POST", f"{stage}/unmask", SecAggUnmask(device_id=device, round_id=round_id,
+                                                               seed_shares=seeds, key_shares=keys))
+    return start, updates, sizes, terms
+
+
+def test_the_fed_server_recovers_the_fedavg_sum_from_masked_uploads_despite_two_dropouts(tmp_path: Path):
+    config = _config()
+    records, run_dir = tmp_path / "records", tmp_path / "run"
+    with server_pair(config, "secagg", fed_args=["--run-dir", str(run_dir), "--record-received", str(records)]) as servers, \
+            httpx.Client(timeout=60.0, headers=HEADERS) as client:
+        start, updates, sizes, terms = _play_attempt(client, config, servers.fed_url, answering=DEVICES[:3])
+        wait_for(lambda: client.get(f"{servers.fed_url}{API}/status").json()["state"] == "finished", 120,
+                 "the run to finish")
+
+    (record,) = read_metrics(run_dir)
+    assert record["status"] == "ok" and sorted(record["aggregated"]) == DEVICES[:4], record
+    _, state, _ = RunDirectory(run_dir).read_checkpoint()
+    weight = sum(sizes[d] for d in updates)
+    bound = len(updates) / 2.0 ** (terms.fraction_bits + 1) / weight + 1e-6   # + float32 storage of the model
+    for key, before in start.items():
+        plain = sum(sizes[d] * np.clip(updates[d][key], -RANGE, RANGE) for d in updates) / weight
+        np.testing.assert_allclose(state[key].double().numpy(), before.double().numpy() + plain, atol=bound, rtol=0)
+    # What the Fed Server kept of each upload is masked: decoded alone, no entry is its update's.
+    (attempt,) = (records / "fed_server").iterdir()
+    for device, update in updates.items():
+        with np.load(attempt / f"{device}-upload.npz", allow_pickle=False) as kept:
+            for key, value in update.items():
+                alone = decode(kept[key].view(np.uint64), terms.fraction_bits)
+                truth = sizes[device] * np.clip(value, -RANGE, RANGE)
+                assert np.mean(np.abs(alone - truth) < 1e-3) < 0.01, (device, key)
+
+
+def _run_id(client: httpx.Client, fed_url: str) -> str:
+    return str(_call(client, "GET", f"{fed_url}{API}/run")["run_id"])
+
+
+def test_a_fedavg_run_with_real_agents_aggregates_securely(tmp_path: Path):
+    config = _config(rounds=2, **{"data.max_samples": 1200, "secure_aggregation.value_range": 1.0})
+    with Testbed(config, tmp_path, warm=shared_starter()) as testbed:
+        status = testbed.follow(timeout=300)
+    assert status["state"] == "finished"
+    rounds = read_metrics(tmp_path)
+    assert [r["status"] for r in rounds] == ["ok", "ok"] and all(len(r["aggregated"]) == 5 for r in rounds), rounds
+    _, state, _ = RunDirectory(tmp_path).read_checkpoint()
+    initial = build_model("cnn", 10, (1, 28, 28), seed=config.seed).state_dict()
+    assert max(float((state[k] - initial[k]).abs().max()) for k in initial) > 1e-3
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_fewer_unmasking_answers_than_the_threshold_fail_the_attempt_and_the_round_is_retried(tmp_path: Path):
+    config = _config()
+    run_dir = tmp_path / "run"
+    with server_pair(config, "secagg-short", fed_args=["--run-dir", str(run_dir)]) as servers, \
+            httpx.Client(timeout=60.0, headers=HEADERS) as client:
+        _play_attempt(client, config, servers.fed_url, answering=DEVICES[:2])   # 2 shares, threshold 3
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the attempt's record")
+        retried = _task(client, servers.fed_url, DEVICES[0])
+    (record,) = read_metrics(run_dir)
+    assert record["status"] == "failed" and record["round"] == 1 and record["aggregated"] == DEVICES[:4], record
+    assert retried.round_index == 1 and retried.round_id != record["round_id"]
+    assert retried.secure_aggregation is not None

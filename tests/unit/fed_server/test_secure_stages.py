@@ -1,0 +1,98 @@
+"""Secure aggregation's stages at the Fed Server without HTTP: each stage closes with the devices
+that answered and takes the others out with the reason, and every message out of turn or
+malformed is refused in one line and changes nothing."""
+from __future__ import annotations
+
+import pytest
+
+from fed_server.coordinator import Coordinator
+from fed_server.run_dir import RunDirectory
+from fed_server.secure_stages import close_key_stage, close_share_stage, keys_in, open_unmasking_stage, shares_in
+from fed_server.update_checks import trained_samples
+from shared.errors import Conflict, Invalid
+from shared.portions import portion_state
+from shared.run_config import load_run_config
+from shared.schemas import (
+    DeviceProfileMsg, DeviceTimings, RegisterRequest, SecAggKeys, SecAggShares, SecAggUnmask, UpdateRequest,
+)
+from shared.secagg.protocol import DeviceSecrets
+from shared.wire import encode_state
+
+DEVICES = ["d0", "d1", "d2"]
+
+
+def _open_round(tmp_path):
+    config = load_run_config({"algorithm": "fedavg", "rounds": 1, "aggregation": {"rule": "mean"},
+                              "secure_aggregation": {"enabled": True}, "data": {"num_devices": 3, "max_samples": 300}})
+    coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
+    holdout = coordinator.enrolment.run_info().holdout
+    for i, device in enumerate(DEVICES):
+        coordinator.enrolment.register(RegisterRequest(
+            device_id=device, shard=i, num_samples=trained_samples(coordinator.enrolment.shard_sizes[i], holdout),
+            profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
+    fed_round = coordinator.begin_round()
+    fed_round.ready = True
+    return coordinator, fed_round
+
+
+def _keys(device: str, round_id: int, secrets: DeviceSecrets | None = None) -> SecAggKeys:
+    mask_key, share_key = (secrets or DeviceSecrets(device, "run", round_id)).public_keys()
+    return SecAggKeys(device_id=device, round_id=round_id, mask_key=mask_key, share_key=share_key)
+
+
+def test_the_key_stage_closes_with_the_devices_that_sent_keys_and_takes_the_others_out(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path)
+    secure = fed_round.secure
+    assert secure is not None and secure.terms.fraction_bits > 40
+    for device in DEVICES[:2]:
+        coordinator.secure.accept_keys(fed_round.round_id, _keys(device, fed_round.round_id))
+    assert not keys_in(fed_round)
+    close_key_stage(coordinator.core, fed_round)
+    assert secure.roster is not None and sorted(secure.roster) == DEVICES[:2] and secure.threshold == 2
+    assert fed_round.excluded == {"d2": "secure aggregation: sent no keys in time"}
+    with pytest.raises(Conflict, match="taken out"):
+        coordinator.secure.accept_keys(fed_round.round_id, _keys("d2", fed_round.round_id))
+    with pytest.raises(Conflict, match="key stage .* is closed"):
+        coordinator.secure.accept_keys(fed_round.round_id, _keys("d0", fed_round.round_id))
+
+
+def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    with pytest.raises(Invalid, match="agrees on nothing"):
+        stages.accept_keys(round_id, SecAggKeys(device_id="d0", round_id=round_id, mask_key=bytes(32),
+                                                share_key=bytes(32)))
+    with pytest.raises(Conflict, match="share stage .* is not open"):
+        stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={}))
+    assert secure.keys == {} and secure.shares == {}
+    secrets = {d: DeviceSecrets(d, "run", round_id) for d in DEVICES}
+    for device in DEVICES:
+        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
+    close_key_stage(coordinator.core, fed_round)
+    roster = {d: secrets[d].public_keys() for d in DEVICES}
+    sealed = secrets["d0"].seal_shares(roster, 2)
+    with pytest.raises(Invalid, match="exactly the other roster devices"):
+        stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={"d1": sealed["d1"]}))
+    assert secure.shares == {}
+    # A masked upload before the device shared: refused, and the device stays in.
+    state = portion_state(coordinator.core.model, 0, coordinator.core.num_blocks)
+    upload = UpdateRequest(device_id="d0", round_id=round_id, num_samples=coordinator.core.devices.get("d0").num_samples,
+                           steps=1, train_loss=1.0, weights=encode_state(state), bytes_up=0, bytes_down=0,
+                           timings=DeviceTimings(compute_s=1, transfer_s=0, wait_s=0, server_s=0, total_s=1))
+    with pytest.raises(Conflict, match="only after sharing"):
+        coordinator.uploads.accept_update(round_id, upload, 100)
+    for device in DEVICES:
+        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
+                                                    shares=secrets[device].seal_shares(roster, 2)))
+    assert shares_in(fed_round)
+    close_share_stage(coordinator.core, fed_round)
+    assert secure.sharers == DEVICES and fed_round.excluded == {}
+    # Float weights where masked words are due: refused, and only that device is taken out.
+    with pytest.raises(Invalid, match="dtype"):
+        coordinator.uploads.accept_update(round_id, upload, 100)
+    assert fed_round.updates == {} and list(fed_round.excluded) == ["d0"]
+    with pytest.raises(Conflict, match="no unmasking shares"):
+        stages.accept_unmask(round_id, SecAggUnmask(device_id="d1", round_id=round_id))
+    open_unmasking_stage(fed_round)
+    assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES

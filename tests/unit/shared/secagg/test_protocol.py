@@ -1,0 +1,67 @@
+"""One attempt's stages in memory: the Fed Server's unmasked sum equals the weighted sum of the
+devices' clipped updates within the fixed-point rounding, with one device dropped after sharing
+(its pairwise masks removed through its rebuilt mask key) and one silent in the unmasking stage
+(its own mask removed through its rebuilt seed); too few answers fail; a forged share is named."""
+import numpy as np
+import pytest
+
+from shared.secagg.crypto import ShareError
+from shared.secagg.encoding import decode, fraction_bits
+from shared.secagg.masks import BlockLayout
+from shared.secagg.protocol import DeviceSecrets, rebuild_secrets, unmasked_sum
+
+LAYOUT = BlockLayout(((("w", (4, 3)), ("b", (3,))), (("v", (7,)),)))
+DEVICES = ["d0", "d1", "d2", "d3", "d4"]
+WEIGHTS = {"d0": 10.0, "d1": 20.0, "d2": 5.0, "d3": 40.0, "d4": 25.0}
+RANGE = 0.5
+
+
+def _attempt(silent: set[str], unmask_answers: int | None = None):
+    rng = np.random.default_rng(7)
+    secrets = {d: DeviceSecrets(d, "run", 3) for d in DEVICES}
+    roster = {d: s.public_keys() for d, s in secrets.items()}
+    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
+    partners = {d: s.open_inbox(roster, {o: sealed[o][d] for o in DEVICES if o != d}) for d, s in secrets.items()}
+    bits = fraction_bits(sum(WEIGHTS.values()), RANGE)
+    updates = {d: {k: rng.uniform(-0.8, 0.8, size=shape) for block in LAYOUT.blocks for k, shape in block}
+               for d in DEVICES}
+    uploaders = [d for d in DEVICES if d != "d1"]   # d1 shared, then never uploaded
+    masked = {d: secrets[d].mask(updates[d], WEIGHTS[d], bits, RANGE, LAYOUT, roster, partners[d]) for d in uploaders}
+    answering = [d for d in uploaders if d not in silent][:unmask_answers]
+    answers = {d: secrets[d].unmask(uploaders, ["d1"]) for d in answering}
+    seeds, keys = rebuild_secrets(answers, DEVICES, uploaders, ["d1"], threshold=3)
+    total = unmasked_sum(masked, LAYOUT, seeds, keys, {d: roster[d][0] for d in DEVICES})
+    expected = {k: sum(WEIGHTS[d] * np.clip(updates[d][k], -RANGE, RANGE) for d in uploaders) for k in total}
+    return total, expected, bits, masked, updates
+
+
+def test_the_unmasked_sum_is_the_weighted_sum_of_the_clipped_updates_despite_dropouts():
+    total, expected, bits, masked, updates = _attempt(silent={"d3"})
+    # Each device rounds once; decoding 64-bit words into float64 rounds once more (53 bits).
+    bound = len(masked) / 2.0 ** (bits + 1) + 2.0 ** -52 * sum(WEIGHTS.values()) * RANGE
+    for key in expected:
+        np.testing.assert_allclose(decode(total[key], bits), expected[key], atol=bound, rtol=0)
+    # What the Fed Server holds of one device is not its update: decoded alone, its entries spread
+    # over the whole 64-bit range (+-128 here), far outside the +-5 its weighed update lies in.
+    alone = np.concatenate([decode(masked["d0"][k], bits).ravel() for k in ("w", "b", "v")])
+    assert np.abs(alone).max() > 10 * WEIGHTS["d0"] * RANGE
+
+
+def test_fewer_answers_than_the_threshold_rebuild_nothing():
+    with pytest.raises(ValueError, match="below the threshold 3"):
+        _attempt(silent=set(), unmask_answers=2)
+
+
+def test_a_share_that_does_not_verify_is_refused_naming_its_sender():
+    a, b = DeviceSecrets("a", "run", 1), DeviceSecrets("b", "run", 1)
+    roster = {"a": a.public_keys(), "b": b.public_keys()}
+    sealed = a.seal_shares(roster, threshold=2)["b"]
+    with pytest.raises(ShareError, match="'a'"):
+        b.open_inbox(roster, {"a": sealed[:-1] + bytes([sealed[-1] ^ 1])})
+
+
+def test_a_device_named_both_survivor_and_dropped_gives_no_share():
+    a = DeviceSecrets("a", "run", 1)
+    a.seal_shares({"a": a.public_keys(), "b": DeviceSecrets("b", "run", 1).public_keys()}, threshold=2)
+    with pytest.raises(ValueError, match="both"):
+        a.unmask(["a", "b"], ["b"])
