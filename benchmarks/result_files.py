@@ -62,3 +62,9 @@ def write(results: dict, out: Path, render: Callable[[dict], str]) -> Path:
     markdown = out.with_suffix(".md")
     markdown.write_text(render(results) + "\n")
     return markdown
+
+
+def markdown_table(lines: list[list[str]]) -> list[str]:
+    """A Markdown table's lines: ``lines[0]`` the header, the rest its rows (the benchmarks' tables)."""
+    return ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(lines[0])] + [
+        "| " + " | ".join(line) + " |" for line in lines[1:]]
