@@ -8,7 +8,9 @@ vs the same math in one process and vs the 2-core limit, with the whole testbed'
 against an honest control (benchmarks/attacks.py; about two hours, so only when named), (h) populations of 100 to
 10,000 devices and S2FL at 1,000: registration time, round time, memory per device (benchmarks/population.py; only
 when named), (i) the Main Server's peak memory against its server portion's size, a ResNet-18 at 3 and 10 devices
-(benchmarks/main_server_memory.py; only when named). Prints a table and writes
+(benchmarks/main_server_memory.py; only when named), (j) what an honest-but-curious server learns of the devices'
+labels and inputs in each privacy setting, and what each setting costs (benchmarks/privacy.py; only when named).
+Prints a table and writes
 every figure plus a description of the machine to a JSON file: by default
 ``benchmarks/results/<UTC date>_<name>/results.json``, the name saying what the run measured (by default the
 parts run, e.g. ``parts-b-c``). Not part of the test suite.
@@ -23,8 +25,8 @@ from pathlib import Path
 
 from benchmarks.result_files import add_name_option, default_out, write_json
 
-PARTS = ("a", "b", "c", "e", "f", "g", "h", "i")  # (d) comes with (a)
-DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g), (h) and (i) run only when named
+PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j")  # (d) comes with (a)
+DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g), (h), (i) and (j) run only when named
 
 
 def default_name(parts: set[str], quick: bool) -> str:
@@ -133,6 +135,11 @@ def report(results: dict) -> str:
         from benchmarks.main_server_memory import report as main_server_memory_report
 
         out += ["", "(i) the Main Server's peak memory against its server portion", main_server_memory_report(i)]
+    j = results.get("privacy")
+    if j:
+        from benchmarks.privacy import report as privacy_report
+
+        out += ["", "(j) privacy attacks on what the servers receive", privacy_report(j)]
     f = results.get("fedavg")
     if f:
         c, mem = f["config"], f["memory"]
@@ -164,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file (default benchmarks/results/<UTC date>_<name>/results.json)")
     parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
-                        help="comma-separated parts to run: a (with d), b, c, e, f, g, h, i (default: all but g, h and i; "
-                             "g's subsets: python -m benchmarks.attacks --help, h's: python -m benchmarks.population "
-                             "--help)")
+                        help="comma-separated parts to run: a (with d), b, c, e, f, g, h, i, j (default: all but g, h, "
+                             "i and j; g's subsets: python -m benchmarks.attacks --help, h's: python -m "
+                             "benchmarks.population --help, j's: python -m benchmarks.privacy --help)")
     parser.add_argument("--main-servers", default="1",
                         help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
                              "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
@@ -253,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("(i) the Main Server's peak memory against its server portion (ResNet-18)")
         results["main_server_memory"] = main_server_memory.run(*main_server_memory.sizes(args.quick), log=_log)
+    if "j" in parts:
+        from benchmarks import privacy
+
+        _log("(j) privacy attacks on what the servers receive")
+        results["privacy"] = privacy.run(privacy.Selection.quick() if args.quick else privacy.Selection(), _log)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 

@@ -253,6 +253,8 @@ def benchmark_args(command: DocCommand) -> list[str] | None:
         return ["run", "--only", "h", "--quick"] if not args else ["population", "--sizes", "100"]
     if module == "main_server_memory":
         return ["run", "--only", "i", "--quick"]
+    if module == "privacy":   # hours at its defaults: the quick form, or the selection given at one seed and 2 rounds
+        return ["privacy", "--quick"] if not args or "--quick" in args else ["privacy", *args, "--seeds", "1", "--rounds", "2"]
     return None
 
 
