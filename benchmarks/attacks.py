@@ -22,7 +22,11 @@ recorded one, which a ``fake_evaluation`` device writes (the recorded figure is 
 
 ``python -m benchmarks.attacks [--behaviours ...] [--algorithms ...] [--harmful 1,2] [--policies ...]``
 prints the table and writes it as JSON and Markdown (``benchmarks/results/<UTC date>_attacks/results.json``
-and ``results.md`` by default, ``--name`` naming the folder for what the run measured);
+and ``results.md`` by default, ``--name`` naming the folder for what the run measured), rewriting
+both after every run so that a stopped invocation keeps its figures; ``--docs docs/security.md``
+writes the table into the page, beside the cells earlier invocations measured and this one did not
+(the whole table takes two and a half to three hours on 2 cores, so it can be measured a part at a
+time: each cell names the date of its invocation, and is compared with that invocation's controls).
 ``python -m benchmarks.run --only g`` runs the same part.
 """
 from __future__ import annotations
@@ -36,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -301,8 +306,11 @@ def default_time_limit(rounds: int) -> float:
     return 2 * rounds * ROUND_S + 60.0
 
 
-def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: float | None = None) -> dict:
-    """Every selected run and its control; the figures and the goals, as a dict (see :func:`report`)."""
+def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: float | None = None,
+        progress: Callable[[dict], object] | None = None) -> dict:
+    """Every selected run and its control; the figures and the goals, as a dict (see :func:`report`).
+    ``progress`` gets the figures so far (``"finished": False``) after every run, so that an
+    invocation of hours that is stopped keeps what it measured."""
     from shared.machine import describe_machine
 
     limit = time_limit_s or default_time_limit(selection.rounds)
@@ -319,9 +327,15 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
         "goals": {"time_ratio_max": GOAL_TIME_RATIO, "robust_points_below_control_max": GOAL_ROBUST_POINTS,
                   "default_one_harmful_accuracy_min": GOAL_DEFAULT_ACCURACY,
                   "attack_success_max": GOAL_ATTACK_SUCCESS, "backdoor_points_below_control_max": GOAL_BACKDOOR_POINTS},
-        "controls": [], "runs": []}
+        "controls": [], "runs": [], "finished": False}
     started = time.perf_counter()
     count = 0
+
+    def measured() -> None:
+        results["total_s"] = time.perf_counter() - started
+        results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        if progress is not None:
+            progress(results)
     try:
         for algorithm in selection.algorithms:
             for policy in selection.policies:
@@ -353,6 +367,7 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                         results["controls"].append({"algorithm": algorithm, "policy": policy,
                                                     "federated_evaluation": federated, "replicas": replicas,
                                                     "harmful_layout": layout, **controls[(federated, replicas)]})
+                        measured()
                     control = controls[(federated, replicas)]
                     for k in selection.harmful:
                         count += 1
@@ -363,13 +378,14 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                                "log_ratio": result.fed_log_bytes / max(1.0, control["fed_log_bytes"])}
                         row["goals_missed"] = goals_missed(row)
                         results["runs"].append(row)
+                        measured()
                         log(f"  {behaviour} x{k} {algorithm}/{policy}: {_line(result)}, "
                             f"{row['time_ratio']:.2f}x control, {row['accuracy_points_vs_control']:+.1f} points")
     finally:
         warm.close()
         shutil.rmtree(root, ignore_errors=True)
-    results["total_s"] = time.perf_counter() - started
-    results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["finished"] = True
+    measured()
     return results
 
 
@@ -430,10 +446,10 @@ def goals_missed(row: dict) -> list[str]:
 LOG_ROWS = ("silent_reregistration", "registration_loop")
 
 
-def _cell(row: dict | None, date: str) -> list[str]:
+def _cell(row: dict | None) -> list[str]:
     """rounds, time vs control, accuracy vs control (with a backdoor's attack success, a
     re-registration's log growth), goals: one policy's cells of a table row, the goals cell
-    ending with the run's date."""
+    ending with the date its invocation ran."""
     if row is None:
         return ["", "", "", ""]
     if row["status"] != "ran":
@@ -445,28 +461,38 @@ def _cell(row: dict | None, date: str) -> list[str]:
     if row["behaviour"] in LOG_ROWS:
         accuracy += f"; log {row['log_ratio']:.1f}x"
     return [f"{row['rounds_completed']}/{row['rounds_planned']}", f"{row['time_ratio']:.2f}x", accuracy,
-            f"{goals} ({date})"]
+            f"{goals} ({row['date']})"]
+
+
+def _dated(results: dict) -> dict:
+    """``results`` with each run and control carrying the date its invocation ran (``date``), as
+    a table that merges invocations (:func:`merge`) needs."""
+    date = results["machine"]["date_utc"][:10]
+    return {**results, "runs": [{"date": date, **r} for r in results["runs"]],
+            "controls": [{"date": date, **c} for c in results["controls"]]}
 
 
 def table(results: dict) -> list[str]:
-    """The attack table and its controls as Markdown lines (what :func:`report` and the docs show)."""
+    """The attack table and its controls as Markdown lines (what :func:`report` and the docs show);
+    a run or control without a ``date`` has its invocation's."""
+    results = _dated(results)
     s = results["settings"]
-    date = results["machine"]["date_utc"][:10]
     policies = [p for p in POLICIES if any(r["policy"] == p for r in results["runs"])]
     header = ["behaviour", "algorithm", "harmful"] + [f"{p}: {c}" for p in policies
                                                       for c in ("rounds", "time", "accuracy", "goals")]
     rows: dict[tuple, dict[str, dict]] = {}
     for r in results["runs"]:
         rows.setdefault((r["behaviour"], r["algorithm"], r["harmful"]), {})[r["policy"]] = r
-    lines = [header] + [[b, a, f"{k} of {s['devices']}"] + [c for p in policies for c in _cell(cells.get(p), date)]
+    lines = [header] + [[b, a, f"{k} of {s['devices']}"] + [c for p in policies for c in _cell(cells.get(p))]
                         for (b, a, k), cells in rows.items()]
     out = markdown_table(lines)
-    out += ["", "Controls (each cell above is compared with its algorithm's, policy's and evaluation's mean):", ""]
-    out += markdown_table([["algorithm", "policy", "evaluation", "rounds", "wall s (mean)", "accuracy % (mean)",
-                       "accuracy % (range)", "spread (points)", "attack success % (mean)",
-                       "each run: wall s, accuracy %"]] + [
+    out += ["", "Controls (each cell above is compared with the mean of its algorithm's, policy's and evaluation's "
+                "control measured in the same invocation, the same date):", ""]
+    out += markdown_table([["algorithm", "policy", "evaluation", "measured", "rounds", "wall s (mean)",
+                            "accuracy % (mean)", "accuracy % (range)", "spread (points)", "attack success % (mean)",
+                            "each run: wall s, accuracy %"]] + [
         [c["algorithm"], c["policy"], ("federated" if c["federated_evaluation"] else "server")
-         + (f", {c['replicas']} replicas" if c.get("replicas", 1) > 1 else ""),
+         + (f", {c['replicas']} replicas" if c.get("replicas", 1) > 1 else ""), c["date"],
          f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}",
          f"{100 * c['accuracy_min']:.1f} to {100 * c['accuracy_max']:.1f}",
          f"{100 * (c['accuracy_max'] - c['accuracy_min']):.1f}", f"{100 * c['attack_success']:.1f}",
@@ -481,6 +507,8 @@ def report(results: dict) -> str:
     out = [f"Machine: {m['cpu_model']}, {m['cpus_usable']} of {m['cpu_count']} CPUs usable, {m['memory_gib']} GiB, "
            f"Python {m['python']}, torch {m['torch']}, {m['date_utc']}, load average {m['load_average_at_start']} "
            f"at the start, {m.get('load_average_at_end')} at the end; {results['total_s'] / 60:.1f} min in all.",
+           *([] if results.get("finished", True) else
+             ["", "**Unfinished**: the figures of the runs done so far (the invocation was stopped, or is running)."]),
            "",
            f"Runs: {s['model']} on {s['data']}, {s['devices']} devices, {s['rounds']} rounds, deadlines.round_s "
            f"{s['round_s']:g}, stopped after {s['time_limit_s']:g} s (incomplete); robust policy: {s['robust_rule']}; "
@@ -505,24 +533,58 @@ def report(results: dict) -> str:
 #: Where a docs page holds the table :func:`update_docs` writes.
 DOCS_BEGIN = "<!-- attack table: written by python -m benchmarks.attacks --docs; do not edit by hand -->"
 DOCS_END = "<!-- end of attack table -->"
+#: The line in that place naming the results files the table merges, relative to the page.
+DOCS_SOURCES = "<!-- attack table sources:"
+
+
+def merge(sources: Sequence[tuple[str, dict]]) -> tuple[dict, list[str]]:
+    """One table's results from several invocations' (``(name, results)``, oldest first): a cell
+    (behaviour, algorithm, harmful count, policy) comes from the newest invocation that measured
+    it, a control from every invocation whose cells are shown, each with its date. The merged
+    results and the names of the invocations still shown."""
+    cells: dict[tuple, tuple[str, dict]] = {}
+    dated = [(name, _dated(results)) for name, results in sources]
+    for name, results in dated:
+        for r in results["runs"]:
+            cells[(r["behaviour"], r["algorithm"], r["harmful"], r["policy"])] = (name, r)
+    shown = {name for name, _ in cells.values()}
+    pairs = {(name, r["algorithm"], r["policy"]) for name, r in cells.values()}
+    # A control is named by its invocation's folder (which starts with its date): two invocations
+    # of one day may both have cells shown.
+    controls = [{**c, "date": Path(name).parent.name} for name, results in dated for c in results["controls"]
+                if (name, c["algorithm"], c["policy"]) in pairs]
+    return ({**dated[-1][1], "runs": [r for _, r in cells.values()], "controls": controls},
+            [name for name, _ in sources if name in shown])
 
 
 def update_docs(results: dict, page: Path, results_file: Path) -> None:
-    """Write the table of ``results`` (with its controls, and where its figures are) into ``page``
-    between :data:`DOCS_BEGIN` and :data:`DOCS_END`; ValueError when the page has no such place."""
+    """Write the attack table into ``page`` between :data:`DOCS_BEGIN` and :data:`DOCS_END`: the
+    cells ``results`` measured, beside those the page's earlier invocations measured and this one
+    did not (their results files, named in the place's sources line, are read again: see
+    :func:`merge`); ValueError when the page has no such place."""
     text = page.read_text()
     if DOCS_BEGIN not in text or DOCS_END not in text:
         raise ValueError(f"{page} has no place for the attack table: add the lines {DOCS_BEGIN} and {DOCS_END}")
-    m = results["machine"]
-    block = [DOCS_BEGIN, "",
-             f"Measured {m['date_utc'][:10]} on {m['cpu_model']} ({m['cpus_usable']} CPUs usable, load average "
-             f"{m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at the end), "
-             f"{results['total_s'] / 60:.0f} min in all; figures: "
-             f"[{results_file.parent.name}/](../benchmarks/results/{results_file.parent.name}/{results_file.name}).",
-             "", *table(results), "", DOCS_END]
     before, rest = text.split(DOCS_BEGIN, 1)
-    after = rest.split(DOCS_END, 1)[1]
-    page.write_text(before + "\n".join(block) + after)
+    block, after = rest.split(DOCS_END, 1)
+    new = os.path.relpath(results_file.resolve(), page.resolve().parent)
+    earlier = [name for line in block.splitlines() if line.startswith(DOCS_SOURCES)
+               for name in line[len(DOCS_SOURCES):].removesuffix("-->").split() if name != new]
+    sources = [(name, json.loads((page.parent / name).read_text())) for name in earlier
+               if (page.parent / name).is_file()]
+    merged, shown = merge([*sources, (new, results)])
+    invocations = dict([*sources, (new, results)])
+    lines = [DOCS_BEGIN, f"{DOCS_SOURCES} {' '.join(shown)} -->", "",
+             "Measured (each cell's date names its invocation; figures in each folder):", ""]
+    for name in shown:
+        m, inv = invocations[name]["machine"], invocations[name]
+        what = sorted({f"{r['algorithm']}/{r['policy']}" for r in inv["runs"]})
+        lines.append(f"- {m['date_utc'][:10]}, {', '.join(what)}, {inv['settings']['rounds']} rounds, "
+                     f"{inv['settings']['controls']} controls: {m['cpu_model']} ({m['cpus_usable']} CPUs usable, "
+                     f"load average {m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at "
+                     f"the end), {inv['total_s'] / 60:.0f} min; [{Path(name).parent.name}/]({name})")
+    block_lines = [*lines, "", *table(merged), "", DOCS_END]
+    page.write_text(before + "\n".join(block_lines) + after)
 
 
 def _percent(value: float | None) -> str:
@@ -586,10 +648,12 @@ def parse_selection(argv: list[str] | None = None) -> tuple[Selection, argparse.
 def main(argv: list[str] | None = None) -> int:
     selection, args = parse_selection(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results = run(selection, lambda text: print(text, flush=True), args.time_limit)
+    out = args.out or default_out(datetime.now(timezone.utc).isoformat(), args.name)
+    print(f"results (rewritten after every run): {out}", flush=True)
+    results = run(selection, lambda text: print(text, flush=True), args.time_limit,
+                  progress=lambda so_far: write(so_far, out, report))
     print()
     print(report(results))
-    out = args.out or default_out(results["machine"]["date_utc"], args.name)
     markdown = write(results, out, report)
     print(f"\nresults: {out}, {markdown}")
     if args.docs is not None:

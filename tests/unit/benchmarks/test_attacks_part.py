@@ -2,6 +2,8 @@
 goals a run misses, the table, the command line. No services are started here."""
 from __future__ import annotations
 
+import json
+import types
 from pathlib import Path
 
 import pytest
@@ -179,7 +181,8 @@ def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_polic
     assert "| activations_1e30 | fedavg | 1 of 10 | n/a |  |  |  |  |  |  |  |" in table
     assert "| backdoor | fedavg | 1 of 10 |  |  |  |  | 5/5 | 1.00x | -0.5; attack success 4.2 % | met (2026-12-05) |" in table
     assert "| registration_loop | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0; log 1.2x | met (2026-12-05) |" in table
-    assert "| fedavg | default | server | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 10.0 | 2.0 | 9.0, 85.0; 11.0, 95.0 |" in table
+    assert ("| fedavg | default | server | 2026-12-05 | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 10.0 | 2.0 | "
+            "9.0, 85.0; 11.0, 95.0 |") in table
     assert "run 2 times: a cell compares with the controls' mean" in table
 
 
@@ -196,7 +199,7 @@ def test_the_command_line_selects_a_subset_and_refuses_unknown_names() -> None:
 def test_the_docs_table_is_written_between_its_markers_and_a_page_without_them_is_refused(tmp_path) -> None:
     results = {"machine": {"cpu_model": "cpu", "cpus_usable": 2, "date_utc": "2026-12-05T08:00:00Z",
                            "load_average_at_start": [1.0], "load_average_at_end": [2.0]},
-               "settings": {"devices": 10}, "total_s": 600.0, "controls": [],
+               "settings": {"devices": 10, "rounds": 15, "controls": 3}, "total_s": 600.0, "controls": [],
                "runs": [{**_row(), "goals_missed": []}]}
     page = tmp_path / "security.md"
     page.write_text(f"# Security\n\nbefore\n{attacks.DOCS_BEGIN}\nold table\n{attacks.DOCS_END}\nafter\n")
@@ -204,10 +207,78 @@ def test_the_docs_table_is_written_between_its_markers_and_a_page_without_them_i
     text = page.read_text()
     assert "old table" not in text and text.startswith("# Security\n\nbefore\n") and text.endswith("after\n")
     assert "| silent | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0 | met (2026-12-05) |" in text
-    assert "Measured 2026-12-05 on cpu" in text and "2026-12-05_attacks/results.json)" in text
+    assert ("- 2026-12-05, fedavg/default, 15 rounds, 3 controls: cpu (2 CPUs usable" in text
+            and "[2026-12-05_attacks/](2026-12-05_attacks/results.json)" in text)
     bare = tmp_path / "bare.md"
     bare.write_text("no markers\n")
     with pytest.raises(ValueError, match="no place for the attack table"):
         attacks.update_docs(results, bare, Path("results.json"))
     with pytest.raises(SystemExit):
         attacks.parse_selection(["--docs", str(bare)])
+
+
+def _invocation(date: str, runs: list[dict], controls: list[dict]) -> dict:
+    return {"machine": {"cpu_model": "cpu", "cpus_usable": 2, "date_utc": f"{date}T08:00:00Z",
+                        "load_average_at_start": [1.0], "load_average_at_end": [2.0]},
+            "settings": {"devices": 10, "rounds": 15, "controls": 3}, "total_s": 600.0, "controls": controls,
+            "runs": runs}
+
+
+def _control(algorithm: str, policy: str, accuracy: float) -> dict:
+    return {"algorithm": algorithm, "policy": policy, "federated_evaluation": False, **attacks.control_summary(
+        [{"rounds_completed": 5, "rounds_planned": 5, "wall_s": 10.0, "accuracy": accuracy, "attack_success": 0.0,
+          "fed_log_bytes": 1000}])}
+
+
+def test_a_partial_invocation_replaces_only_its_cells_in_the_docs_table_each_with_its_date_and_controls(
+        tmp_path) -> None:
+    page = tmp_path / "docs" / "security.md"
+    page.parent.mkdir()
+    page.write_text(f"before\n{attacks.DOCS_BEGIN}\n{attacks.DOCS_END}\nafter\n")
+    first = tmp_path / "results" / "2026-12-04_attacks" / "results.json"
+    first.parent.mkdir(parents=True)
+    whole = _invocation("2026-12-04", [{**_row(points=-1.0), "goals_missed": []},
+                                       {**_row(policy="robust", points=-2.0), "goals_missed": []}],
+                        [_control("fedavg", "default", 0.91), _control("fedavg", "robust", 0.81)])
+    first.write_text(json.dumps(whole))
+    attacks.update_docs(whole, page, first)
+    second = tmp_path / "results" / "2026-12-05_attacks_robust" / "results.json"
+    second.parent.mkdir(parents=True)
+    part = _invocation("2026-12-05", [{**_row(policy="robust", points=+0.5), "goals_missed": []}],
+                       [_control("fedavg", "robust", 0.77)])
+    second.write_text(json.dumps(part))
+    attacks.update_docs(part, page, second)
+    text = page.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n")
+    # The default cell stays from the first invocation, the robust one is the second's.
+    assert ("| silent | fedavg | 1 of 10 | 5/5 | 1.00x | -1.0 | met (2026-12-04) | 5/5 | 1.00x | +0.5 | "
+            "met (2026-12-05) |") in text
+    # Controls: the first invocation's robust control is no longer any shown cell's.
+    assert "| fedavg | default | server | 2026-12-04_attacks | 5/5 | 10.0 | 91.0 |" in text
+    assert "| fedavg | robust | server | 2026-12-05_attacks_robust | 5/5 | 10.0 | 77.0 |" in text
+    assert "81.0" not in text
+    assert (f"{attacks.DOCS_SOURCES} ../results/2026-12-04_attacks/results.json "
+            "../results/2026-12-05_attacks_robust/results.json -->") in text
+    # An invocation that measures every cell again leaves only itself.
+    third = tmp_path / "results" / "2026-12-06_attacks" / "results.json"
+    third.parent.mkdir(parents=True)
+    again = _invocation("2026-12-06", whole["runs"], whole["controls"])
+    third.write_text(json.dumps(again))
+    attacks.update_docs(again, page, third)
+    text = page.read_text()
+    assert f"{attacks.DOCS_SOURCES} ../results/2026-12-06_attacks/results.json -->" in text
+    assert "2026-12-04" not in text and "2026-12-05" not in text
+
+
+def test_an_invocation_writes_its_figures_after_every_run(tmp_path, monkeypatch) -> None:
+    """A stopped invocation of hours keeps the runs it finished: ``progress`` sees each one."""
+    results_of = iter([0.9, 0.8])
+    monkeypatch.setattr(attacks, "WarmStarter", lambda modules: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(attacks, "run_once", lambda *args, **kwargs: attacks.RunResult(
+        rounds_completed=1, rounds_planned=1, wall_s=1.0, accuracy=next(results_of), attack_success=0.0,
+        recorded_accuracy=None, fed_log_bytes=0, harmful_actions=1, failed_attempts=0, error=None))
+    seen: list[tuple[int, int, bool]] = []
+    attacks.run(attacks.Selection(("silent",), ("fedavg",), (1,), ("default",), 1, 1), log=lambda text: None,
+                progress=lambda so_far: seen.append((len(so_far["controls"]), len(so_far["runs"]),
+                                                     so_far["finished"])))
+    assert seen == [(1, 0, False), (1, 1, False), (1, 1, True)]
