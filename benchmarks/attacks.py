@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.adversary import ACTION_MARK, BACKDOOR_TARGET, BEHAVIOURS, Absent, Backdoor, Behaviour, add_trigger
-from benchmarks.result_files import add_name_option, default_out, finish, write
+from benchmarks.result_files import add_name_option, default_out, finish, markdown_table, write
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
 from testbed.processes import Service
@@ -485,12 +485,12 @@ def table(results: dict) -> list[str]:
         rows.setdefault((r["behaviour"], r["algorithm"], r["harmful"]), {})[r["policy"]] = r
     lines = [header] + [[b, a, f"{k} of {s['devices']}"] + [c for p in policies for c in _cell(cells.get(p))]
                         for (b, a, k), cells in rows.items()]
-    out = _markdown(lines)
+    out = markdown_table(lines)
     out += ["", "Controls (each cell above is compared with the mean of its algorithm's, policy's and evaluation's "
                 "control measured in the same invocation, the same date):", ""]
-    out += _markdown([["algorithm", "policy", "evaluation", "measured", "rounds", "wall s (mean)",
-                       "accuracy % (mean)", "accuracy % (range)", "spread (points)", "attack success % (mean)",
-                       "each run: wall s, accuracy %"]] + [
+    out += markdown_table([["algorithm", "policy", "evaluation", "measured", "rounds", "wall s (mean)",
+                            "accuracy % (mean)", "accuracy % (range)", "spread (points)", "attack success % (mean)",
+                            "each run: wall s, accuracy %"]] + [
         [c["algorithm"], c["policy"], ("federated" if c["federated_evaluation"] else "server")
          + (f", {c['replicas']} replicas" if c.get("replicas", 1) > 1 else ""), c["date"],
          f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}",
@@ -589,11 +589,6 @@ def update_docs(results: dict, page: Path, results_file: Path) -> None:
 
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f} %"
-
-
-def _markdown(lines: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(lines[0])] + [
-        "| " + " | ".join(line) + " |" for line in lines[1:]]
 
 
 # --- the command ------------------------------------------------------------------------------

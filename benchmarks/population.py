@@ -41,10 +41,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.attacks import _markdown
 from benchmarks.fedavg_overhead import PssSampler
 from benchmarks.network_overhead import round_periods
-from benchmarks.result_files import add_name_option, default_out, write
+from benchmarks.result_files import add_name_option, default_out, markdown_table, write
 from fed_server.records import RoundRecord
 from shared.config import RunConfig
 from shared.run_config import load_run_config
@@ -344,7 +343,7 @@ def report(results: dict) -> str:
            f"within {g['testbed_pss_mib_at_10000']:,.0f} MiB PSS; the median round within "
            f"{g['round_ratio_10000_over_1000']}x of 1,000 devices'; an idle device at most "
            f"{g['agent_kb_per_device']:g} KB in its agent and {g['fed_server_kb_per_device']:g} KB in the Fed Server.",
-           "", *_markdown(rows)]
+           "", *markdown_table(rows)]
     errors = [f"{p['algorithm']} at {p['devices']:,}: {p['error']}" for p in results["populations"] if p["error"]]
     if errors:
         out += ["", "Not finished: " + "; ".join(errors) + "."]

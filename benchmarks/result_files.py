@@ -87,3 +87,9 @@ def finish(results: dict, out: Path, render: Callable[[dict], str], docs: Path |
     if docs is not None and update_docs is not None:
         update_docs(results, docs, out)
         print(f"table written into {docs}")
+
+
+def markdown_table(lines: list[list[str]]) -> list[str]:
+    """A Markdown table's lines: ``lines[0]`` the header, the rest its rows (the benchmarks' tables)."""
+    return ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(lines[0])] + [
+        "| " + " | ".join(line) + " |" for line in lines[1:]]

@@ -10,7 +10,9 @@ against an honest control (benchmarks/attacks.py; about two hours, so only when 
 when named), (i) the Main Server's peak memory against its server portion's size, a ResNet-18 at 3 and 10 devices
 (benchmarks/main_server_memory.py; only when named), (j) the sliding split in a fleet that changes mid-run: links
 that drop and recover, compute that halves, a fast device among slow ones, against the best fixed split per device
-(benchmarks/scenarios.py; only when named). Prints a table and writes
+(benchmarks/scenarios.py; only when named), (k) what an honest-but-curious server learns of the devices' labels and
+inputs in each privacy setting, and what each setting costs (benchmarks/privacy.py; only when named). Prints a
+table and writes
 every figure plus a description of the machine to a JSON file: by default
 ``benchmarks/results/<UTC date>_<name>/results.json``, the name saying what the run measured (by default the
 parts run, e.g. ``parts-b-c``). Not part of the test suite.
@@ -25,8 +27,8 @@ from pathlib import Path
 
 from benchmarks.result_files import add_name_option, default_out, write_json
 
-PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j")  # (d) comes with (a)
-DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g), (h), (i) and (j) run only when named
+PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j", "k")  # (d) comes with (a)
+DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) to (k) run only when named
 
 
 def default_name(parts: set[str], quick: bool) -> str:
@@ -140,6 +142,11 @@ def report(results: dict) -> str:
         from benchmarks.scenarios import report as scenarios_report
 
         out += ["", "(j) the sliding split in a fleet that changes", scenarios_report(j)]
+    k = results.get("privacy")
+    if k:
+        from benchmarks.privacy import report as privacy_report
+
+        out += ["", "(k) privacy attacks on what the servers receive", privacy_report(k)]
     f = results.get("fedavg")
     if f:
         c, mem = f["config"], f["memory"]
@@ -171,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file (default benchmarks/results/<UTC date>_<name>/results.json)")
     parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
-                        help="comma-separated parts to run: a (with d), b, c, e, f, g, h, i, j (default: all but g, h, i and j; "
-                             "g's subsets: python -m benchmarks.attacks --help, h's: python -m benchmarks.population "
-                             "--help)")
+                        help="comma-separated parts to run: a (with d), b, c, e, f, g, h, i, j, k (default: all but g, "
+                             "h, i, j and k; g's subsets: python -m benchmarks.attacks --help, h's: python -m "
+                             "benchmarks.population --help, k's: python -m benchmarks.privacy --help)")
     parser.add_argument("--main-servers", default="1",
                         help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
                              "one replica runs 100 devices, their groups spread as the Fed Server spreads them")
@@ -265,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("(j) the sliding split in a fleet that changes: scenarios against the best fixed split")
         results["scenarios"] = scenarios.run(args.quick, _log)
+    if "k" in parts:
+        from benchmarks import privacy
+
+        _log("(k) privacy attacks on what the servers receive")
+        results["privacy"] = privacy.run(privacy.Selection.quick() if args.quick else privacy.Selection(), _log)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 
