@@ -159,8 +159,9 @@ def test_a_frozen_replica_is_planned_around_and_used_again_once_it_answers(tmp_p
             again = [a for a in _attempts(_log_lines(main_log), OPENED) if a > begun_before]
             return bool(again) and any(r["round_id"] == again[0] for r in history())
         wait_for(recorded_on_it_again, 120, "an attempt planned onto the replica again to be recorded")
-    metrics = read_metrics(run_dir)
-    fed_lines, main_lines = _log_lines(fed_log), _log_lines(main_log)
+        # Read before the testbed stops: stopping both replicas fails the attempt then in flight.
+        metrics = read_metrics(run_dir)
+        fed_lines, main_lines = _log_lines(fed_log), _log_lines(main_log)
     # Detected once, in the attempt it froze in, and set aside; one line each way.
     hit = [m for m in metrics if m["lost_replicas"]]
     assert [m["lost_replicas"] for m in hit] == [[url]], [(m["round_id"], m["lost_replicas"]) for m in metrics]
