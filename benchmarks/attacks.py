@@ -374,8 +374,7 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                         result = run_once(config, behaviour, k, root / f"{count:03d}-{behaviour}-{k}", limit, warm)
                         row = {**cell, "harmful": k, "status": "ran", **_figures(result),
                                "time_ratio": result.wall_s / control["wall_s"],
-                               "accuracy_points_vs_control": 100 * (result.accuracy - control["accuracy"]),
-                               "log_ratio": result.fed_log_bytes / max(1.0, control["fed_log_bytes"])}
+                               "accuracy_points_vs_control": 100 * (result.accuracy - control["accuracy"])}
                         row["goals_missed"] = goals_missed(row)
                         results["runs"].append(row)
                         measured()
@@ -459,7 +458,8 @@ def _cell(row: dict | None) -> list[str]:
     if row["behaviour"] == Backdoor.name:
         accuracy += f"; attack success {100 * row['attack_success']:.1f} %"
     if row["behaviour"] in LOG_ROWS:
-        accuracy += f"; log {row['log_ratio']:.1f}x"
+        # The log's size, not its ratio to the control's: a quiet control's log can be empty.
+        accuracy += f"; log {row['fed_log_bytes'] / 1024:.1f} KiB"
     return [f"{row['rounds_completed']}/{row['rounds_planned']}", f"{row['time_ratio']:.2f}x", accuracy,
             f"{goals} ({row['date']})"]
 
@@ -490,13 +490,13 @@ def table(results: dict) -> list[str]:
                 "control measured in the same invocation, the same date):", ""]
     out += markdown_table([["algorithm", "policy", "evaluation", "measured", "rounds", "wall s (mean)",
                             "accuracy % (mean)", "accuracy % (range)", "spread (points)", "attack success % (mean)",
-                            "each run: wall s, accuracy %"]] + [
+                            "log KiB (mean)", "each run: wall s, accuracy %"]] + [
         [c["algorithm"], c["policy"], ("federated" if c["federated_evaluation"] else "server")
          + (f", {c['replicas']} replicas" if c.get("replicas", 1) > 1 else ""), c["date"],
          f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}",
          f"{100 * c['accuracy_min']:.1f} to {100 * c['accuracy_max']:.1f}",
          f"{100 * (c['accuracy_max'] - c['accuracy_min']):.1f}", f"{100 * c['attack_success']:.1f}",
-         "; ".join(f"{r['wall_s']:.1f}, {100 * r['accuracy']:.1f}" for r in c["runs"])]
+         f"{c['fed_log_bytes'] / 1024:.1f}", "; ".join(f"{r['wall_s']:.1f}, {100 * r['accuracy']:.1f}" for r in c["runs"])]
         for c in results["controls"]])
     return out
 

@@ -170,7 +170,7 @@ def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_polic
         "runs": [{**_row(ratio=2.0), "goals_missed": ["time"]},
                  {**_row(policy="robust", points=-0.5), "behaviour": "backdoor", "attack_success": 0.042,
                   "goals_missed": []},
-                 {**_row(), "behaviour": "registration_loop", "log_ratio": 1.25, "goals_missed": []},
+                 {**_row(), "behaviour": "registration_loop", "fed_log_bytes": 2560, "goals_missed": []},
                  {"behaviour": "silent", "algorithm": "fedavg", "policy": "robust", "harmful": 1,
                   "status": "unsupported"},
                  {"behaviour": "activations_1e30", "algorithm": "fedavg", "policy": "default", "harmful": 1,
@@ -180,8 +180,8 @@ def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_polic
     assert "| silent | fedavg | 1 of 10 | 5/5 | 2.00x | +0.0 | time (2026-12-05) | unsupported |  |  |  |" in table
     assert "| activations_1e30 | fedavg | 1 of 10 | n/a |  |  |  |  |  |  |  |" in table
     assert "| backdoor | fedavg | 1 of 10 |  |  |  |  | 5/5 | 1.00x | -0.5; attack success 4.2 % | met (2026-12-05) |" in table
-    assert "| registration_loop | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0; log 1.2x | met (2026-12-05) |" in table
-    assert ("| fedavg | default | server | 2026-12-05 | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 10.0 | 2.0 | "
+    assert "| registration_loop | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0; log 2.5 KiB | met (2026-12-05) |" in table
+    assert ("| fedavg | default | server | 2026-12-05 | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 10.0 | 2.0 | 2.0 | "
             "9.0, 85.0; 11.0, 95.0 |") in table
     assert "run 2 times: a cell compares with the controls' mean" in table
 
