@@ -20,6 +20,7 @@ parts run, e.g. ``parts-b-c``). Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -29,6 +30,14 @@ from benchmarks.result_files import add_name_option, default_out, write_json
 
 PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j", "k")  # (d) comes with (a)
 DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) to (k) run only when named
+#: The parts with a module of their own: (results key, module under benchmarks/, report title).
+SEPARATE_PARTS = (
+    ("attacks", "attacks", "(g) harmful devices against an honest control"),
+    ("population", "population", "(h) large populations"),
+    ("main_server_memory", "main_server_memory", "(i) the Main Server's peak memory against its server portion"),
+    ("scenarios", "scenarios", "(j) the sliding split in a fleet that changes"),
+    ("privacy", "privacy", "(k) privacy attacks on what the servers receive"),
+)
 
 
 def default_name(parts: set[str], quick: bool) -> str:
@@ -122,31 +131,9 @@ def report(results: dict) -> str:
                           [["kept for the run", f"{e['agent_peak_rss_mib_kept']:.0f}", f"{e['mean_round_s_kept']:.2f}"],
                            ["built per task", f"{e['agent_peak_rss_mib_per_task']:.0f}", f"{e['mean_round_s_per_task']:.2f}"]]))
         out.append(f"kept / per task: {e['ratio_kept_over_per_task']:.2f}x; identical final models: {e['same_final_model']}")
-    g = results.get("attacks")
-    if g:
-        from benchmarks.attacks import report as attacks_report
-
-        out += ["", "(g) harmful devices against an honest control", attacks_report(g)]
-    h = results.get("population")
-    if h:
-        from benchmarks.population import report as population_report
-
-        out += ["", "(h) large populations", population_report(h)]
-    i = results.get("main_server_memory")
-    if i:
-        from benchmarks.main_server_memory import report as main_server_memory_report
-
-        out += ["", "(i) the Main Server's peak memory against its server portion", main_server_memory_report(i)]
-    j = results.get("scenarios")
-    if j:
-        from benchmarks.scenarios import report as scenarios_report
-
-        out += ["", "(j) the sliding split in a fleet that changes", scenarios_report(j)]
-    k = results.get("privacy")
-    if k:
-        from benchmarks.privacy import report as privacy_report
-
-        out += ["", "(k) privacy attacks on what the servers receive", privacy_report(k)]
+    for key, module, title in SEPARATE_PARTS:
+        if results.get(key):
+            out += ["", title, importlib.import_module(f"benchmarks.{module}").report(results[key])]
     f = results.get("fedavg")
     if f:
         c, mem = f["config"], f["memory"]
