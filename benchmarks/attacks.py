@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.adversary import ACTION_MARK, BACKDOOR_TARGET, BEHAVIOURS, Absent, Backdoor, Behaviour, add_trigger
-from benchmarks.result_files import add_name_option, default_out, finish, markdown_table, write
+from benchmarks.result_files import add_name_option, default_out, finish, markdown_table, replace_between, write
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
 from testbed.processes import Service
@@ -565,8 +565,7 @@ def update_docs(results: dict, page: Path, results_file: Path) -> None:
     text = page.read_text()
     if DOCS_BEGIN not in text or DOCS_END not in text:
         raise ValueError(f"{page} has no place for the attack table: add the lines {DOCS_BEGIN} and {DOCS_END}")
-    before, rest = text.split(DOCS_BEGIN, 1)
-    block, after = rest.split(DOCS_END, 1)
+    block = text.split(DOCS_BEGIN, 1)[1].split(DOCS_END, 1)[0]
     new = os.path.relpath(results_file.resolve(), page.resolve().parent)
     earlier = [name for line in block.splitlines() if line.startswith(DOCS_SOURCES)
                for name in line[len(DOCS_SOURCES):].removesuffix("-->").split() if name != new]
@@ -574,7 +573,7 @@ def update_docs(results: dict, page: Path, results_file: Path) -> None:
                if (page.parent / name).is_file()]
     merged, shown = merge([*sources, (new, results)])
     invocations = dict([*sources, (new, results)])
-    lines = [DOCS_BEGIN, f"{DOCS_SOURCES} {' '.join(shown)} -->", "",
+    lines = [f"{DOCS_SOURCES} {' '.join(shown)} -->", "",
              "Measured (each cell's date names its invocation; figures in each folder):", ""]
     for name in shown:
         m, inv = invocations[name]["machine"], invocations[name]
@@ -583,8 +582,7 @@ def update_docs(results: dict, page: Path, results_file: Path) -> None:
                      f"{inv['settings']['controls']} controls: {m['cpu_model']} ({m['cpus_usable']} CPUs usable, "
                      f"load average {m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at "
                      f"the end), {inv['total_s'] / 60:.0f} min; [{Path(name).parent.name}/]({name})")
-    block_lines = [*lines, "", *table(merged), "", DOCS_END]
-    page.write_text(before + "\n".join(block_lines) + after)
+    page.write_text(replace_between(text, DOCS_BEGIN, DOCS_END, [*lines, "", *table(merged), ""]))
 
 
 def _percent(value: float | None) -> str:
