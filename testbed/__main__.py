@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     for warning in checked.warnings:
         print(f"warning: {warning}", flush=True)
     interrupt_on_sigterm()
+    # SIGINT too, even when it arrived ignored: a shell starts a background command of a script
+    # (`python -m testbed ... &`) with SIGINT ignored, and Python then leaves it so; the run would
+    # go on to its end after a `kill -INT` meant to stop it and print the command that resumes it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         testbed = Testbed(config, run_dir, agents=args.agents, log_level=args.log_level, device_data=args.device_data,
                           data_args=args.data_arg, torch_device=checked.torch_device, main_servers=main_servers,

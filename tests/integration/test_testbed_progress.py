@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from fed_server.records import RoundRecord
 from fed_server.update_checks import shard_sizes
@@ -116,14 +115,14 @@ def test_follow_command_fails_at_once_without_a_fed_server():
     assert time.monotonic() - started < 30.0
 
 
-@pytest.mark.xfail(reason="known defect, open: the testbed sometimes does not act on a Ctrl-C sent just after the "
-                          "first round's line (the run went on to its end, or past 30 s)", strict=False)
 def test_ctrl_c_stops_the_testbed_at_once_and_the_command_it_prints_resumes_the_run(tmp_path):
     # The first Ctrl-C stops every process within about 2 s (no grace for the agents, no further
     # round) and says how to resume; that command continues from the checkpoint, losing and
     # repeating no round. Interrupted runs used to go on for up to 15 s while the agents were
     # given time to exit, and said only "interrupted". More rounds than a quiet machine runs in the
-    # moment between the first round's line and the signal: at 5, the run had finished by then.
+    # moment between the first round's line and the signal. The test's own process may have
+    # SIGINT ignored (a suite started in the background by a script), which the testbed inherits:
+    # it acts on SIGINT all the same.
     rounds = 30
     run_dir = tmp_path / "run"
     args = ["--algorithm", "fedavg", "--rounds", str(rounds), "--devices", "3", "--set", "data.max_samples=300",
