@@ -1,7 +1,7 @@
 """The Kubernetes manifests in deploy/kubernetes render, validate and fit together, without a cluster.
 
 * rendering: a small renderer of the kustomize features the manifests use (resources, components,
-  ConfigMap/Secret generators with labels and kustomize's name hash suffix, or without it, the
+  ConfigMap/Secret generators with labels, annotations and kustomize's name hash suffix, or without it, the
   references in pod templates rewritten to the suffixed names, replacements of one field or of one
   part of a delimited string, JSON 6902 patches that add or replace a field); any other
   kustomization key, generator or replacement option is an error here, and so is a generated name
@@ -17,8 +17,12 @@
   config's targets, and the security settings (non-root 10001, read-only root file system, probes
   on the health routes, resource requests and limits).
 
-A check is skipped only when its tool is missing: kubernetes-validate (``dev`` extra) and promtool
-(``.ci/run``) are always there in CI; kubectl is optional (the comparison with real kustomize).
+* the policy scan: checkov's Kubernetes checks on what every entry point renders, with no failure
+  and each skipped check's reason in the manifests.
+
+A check is skipped only when its tool is missing: kubernetes-validate (``dev`` extra), promtool
+(``.ci/run``) and checkov (``make scan-setup``, which ``make check`` runs) are always there in CI;
+kubectl is optional (the comparison with real kustomize).
 """
 from __future__ import annotations
 
@@ -53,6 +57,12 @@ ALL_COMPONENTS = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kust
                   "resources": ["../../base"],
                   "components": [f"../../components/{c}" for c in ("cert-manager-tls", "testbed-devices",
                                                                      "arm64-boards", "monitoring")]}
+# What an operator applies: the default entry point, the two overlays and one with every component.
+ENTRY_POINTS = (".", "overlays/testbed", "overlays/external-devices", "overlays/all")
+# checkov in its own virtual environment (`make scan-setup`; .ci/run installs it before the tests).
+CHECKOV = ROOT / ".venv-scan" / "bin" / "checkov"
+# The checks the manifests skip, each with its reason in a `checkov.io/skipN` annotation.
+SKIPPED_CHECKS = {"CKV_K8S_15", "CKV_K8S_21", "CKV_K8S_43"}
 # The keys of the Secret cert-manager writes for a Certificate (its spec.secretName).
 ISSUED_KEYS = ("tls.crt", "tls.key", "ca.crt")
 # Custom resources (cert-manager, Prometheus Operator): no schema in kubernetes-validate; checked here.
@@ -147,15 +157,17 @@ def _accumulate(directory: Path, objects: list[dict], hashed: list[dict]) -> lis
         for gen in spec.get(key, []):
             if set(gen) - {"name", "files", "options"}:
                 raise RenderError(f"{directory}: generator {gen} not rendered here")
-            # kustomize merges the two: labels of both, no hash if either says so.
+            # kustomize merges the two: labels and annotations of both, no hash if either says so.
             own = gen.get("options", {})
             for options in (shared, own):
-                if set(options) - {"disableNameSuffixHash", "labels"}:
+                if set(options) - {"disableNameSuffixHash", "labels", "annotations"}:
                     raise RenderError(f"{directory}: generator options {options} not rendered here")
-            labels = {**shared.get("labels", {}), **own.get("labels", {})}
+            metadata = {"name": gen["name"]}
+            for field in ("labels", "annotations"):
+                if field in shared or field in own:
+                    metadata[field] = {**shared.get(field, {}), **own.get(field, {})}
             data = _generated_files(directory, gen["files"])
-            obj = {"apiVersion": "v1", "kind": kind,
-                   "metadata": {"name": gen["name"], **({"labels": labels} if labels else {})}}
+            obj = {"apiVersion": "v1", "kind": kind, "metadata": metadata}
             if kind == "Secret":
                 obj |= {"type": "Opaque", "data": {k: _base64_lines(v.encode()) for k, v in data.items()}}
             else:
@@ -376,7 +388,7 @@ def test_render_refuses_missing_secrets():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
-@pytest.mark.parametrize("where", [".", "overlays/testbed", "overlays/external-devices", "overlays/all"])
+@pytest.mark.parametrize("where", ENTRY_POINTS)
 def test_renderer_matches_kubectl_kustomize(checkout, where):
     """The renderer gives exactly what kubectl's built-in kustomize gives, object for object."""
     result = subprocess.run(["kubectl", "kustomize", str(checkout / where)], capture_output=True, text=True,
@@ -447,6 +459,42 @@ def test_render_refuses_a_generated_name_where_it_rewrites_no_reference(checkout
     manifest.write_text(manifest.read_text().replace("  serviceName: main-server", "  serviceName: s2fl-run-config", 1))
     with pytest.raises(RenderError, match="does not rewrite references"):
         render(copy)
+
+
+def _checkov(folder: Path) -> dict:
+    """checkov's Kubernetes results for every manifest file in ``folder``: passed, failed and
+    skipped checks. Offline: nothing is fetched from its platform."""
+    result = subprocess.run([str(CHECKOV), "--framework", "kubernetes", "--directory", str(folder), "--output", "json",
+                             "--skip-download"], capture_output=True, text=True, timeout=300)
+    assert result.returncode in (0, 1), result.stderr
+    report = json.loads(result.stdout)
+    assert report["summary"]["parsing_errors"] == 0, report["results"]["parsing_errors"]
+    return report["results"]
+
+
+@pytest.mark.skipif(not CHECKOV.exists(), reason="checkov not installed: make scan-setup (.ci/run does it)")
+def test_manifests_pass_the_policy_scan(checkout, tmp_path):
+    """checkov's Kubernetes checks on what each entry point renders: no failure, and a check is
+    skipped only by a ``checkov.io/skipN`` annotation that gives its reason. Scanned alongside, a
+    copy of the testbed with the Fed Server's image at ``:latest`` and its service account token
+    mounted fails exactly those two checks, so the scan can fail."""
+    for where in ENTRY_POINTS:
+        (tmp_path / f"{where.replace('/', '-').strip('.') or 'default'}.yaml").write_text(
+            yaml.safe_dump_all(render(checkout / where)))
+    broken = _index(render(checkout / "overlays" / "testbed"))
+    pod = broken[("StatefulSet", "fed-server")]["spec"]["template"]["spec"]
+    pod["containers"][0]["image"] = pod["containers"][0]["image"].split(":")[0] + ":latest"
+    pod["automountServiceAccountToken"] = True
+    (tmp_path / "canary.yaml").write_text(yaml.safe_dump_all(broken.values()))
+
+    results = _checkov(tmp_path)
+    failed = {(c["file_path"].lstrip("/"), c["resource"], c["check_id"]) for c in results["failed_checks"]}
+    assert failed == {("canary.yaml", "StatefulSet.default.fed-server", "CKV_K8S_14"),
+                      ("canary.yaml", "StatefulSet.default.fed-server", "CKV_K8S_38")}, failed
+    skipped = results["skipped_checks"]
+    assert {c["check_id"] for c in skipped} == SKIPPED_CHECKS
+    assert all(c["check_result"]["suppress_comment"].strip() for c in skipped), "every exception gives its reason"
+    assert results["passed_checks"]
 
 
 def test_base_and_testbed_contents(base, testbed):
