@@ -835,11 +835,17 @@ def test_security_probes_and_resources(testbed):
             is_agent = (workload["kind"], workload["metadata"]["name"]) == AGENTS
             assert container["image"] == (device_image if is_agent else server_image)
             if is_agent:
-                paths = {"readinessProbe": "/metrics", "livenessProbe": "/metrics"}
+                paths = {"startupProbe": "/metrics", "readinessProbe": "/metrics", "livenessProbe": "/metrics"}
             else:   # alive while serving, ready once working: a refused start is not restarted
                 paths = {"startupProbe": "/livez", "readinessProbe": "/healthz", "livenessProbe": "/livez"}
                 assert _env(container)["SFL_WAIT_ON_REFUSAL"] == "1"
-                assert "initialDelaySeconds" not in container["livenessProbe"], "the startup probe covers the start"
+            assert "initialDelaySeconds" not in container["livenessProbe"], "the startup probe covers the start"
+            # Each probe has its own job: the startup probe waits long, liveness restarts a hung
+            # process, readiness takes the pod out of its Service.
+            probes = [container[probe] for probe in ("startupProbe", "livenessProbe", "readinessProbe")]
+            assert all(a != b for i, a in enumerate(probes) for b in probes[i + 1:]), "the three probes differ"
+            assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] \
+                > container["livenessProbe"]["failureThreshold"] * container["livenessProbe"]["periodSeconds"]
             for probe, path in paths.items():
                 get = container[probe]["httpGet"]
                 assert get["path"] == path
