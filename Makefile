@@ -70,7 +70,8 @@ mutation: setup
 	$(PY) tools/mutation.py $(ARGS)
 
 # Build the base, server, device and Prometheus images with podman and run the compose testbed
-# for a short S2FL run (docker/podman/compose_check.py; installs podman & co. when missing).
+# for a short S2FL run, then down and up again: a new run, whose Fed Server is killed mid-run and
+# must resume it (docker/podman/compose_check.py; installs podman & co. when missing).
 compose-check: setup
 	$(PY) docker/podman/compose_check.py
 
