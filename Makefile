@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # (pyproject.toml explains why), which `pip install -e .` installs itself.
 TORCH_FIRST := $(if $(filter aarch64 arm64,$(shell uname -m)),,torch==2.13.0)
 
-.PHONY: setup scan-setup run typecheck test scan docs-commands mutation compose-check check clean
+.PHONY: setup scan-setup run typecheck test scan docs-commands mutation compose-check kube-check check clean
 
 setup: $(VENV)/.installed
 
@@ -75,8 +75,13 @@ mutation: setup
 compose-check: setup
 	$(PY) docker/podman/compose_check.py
 
+# The Kubernetes testbed overlay rendered and run under podman, one container per pod, with a Fed
+# Server killed and resumed (docker/podman/kube_check.py; docs/deployment.md).
+kube-check: setup
+	$(PY) docker/podman/kube_check.py
+
 # scan-setup first, so that the suite's policy scan runs instead of being skipped.
-check: scan-setup test compose-check
+check: scan-setup test compose-check kube-check
 
 clean:
 	rm -rf $(VENV) $(SCAN_VENV) runs .pytest_cache

@@ -73,8 +73,12 @@ class CheckFailed(Exception):
     """A step of the check did not hold; the message says which and why."""
 
 
+# What the log lines start with (kube_check.py, which reuses these steps, sets its own).
+LOG_PREFIX = "compose-check"
+
+
 def log(message: str) -> None:
-    print(f"[compose-check] {message}", flush=True)
+    print(f"[{LOG_PREFIX}] {message}", flush=True)
 
 
 def sh(args: list[str], env: Mapping[str, str] | None = None, capture: bool = False, check: bool = True) -> str:
@@ -381,48 +385,80 @@ def kill_mid_run(env: Mapping[str, str], last_run: str, rounds: int, timeout: fl
     return run_id, recorded
 
 
-def dump_logs(env: Mapping[str, str], services: Iterable[str]) -> None:
-    """The last lines of every service's log, to see why the check failed."""
-    for service in services:
-        print(f"----- logs of {service} -----", flush=True)
-        subprocess.run(["podman", "logs", "--tail", "60", container(service)], env={**os.environ, **env})
+def build_images(env: Mapping[str, str], wheels: Path, ca_bundle: Path, step, with_prometheus: bool) -> None:
+    """The local base image, then the server and device images (and the check's Prometheus image
+    when asked), each a timed ``step``; podman's layer cache makes a second build quick."""
+    step("base image", sh, [str(HERE / "base-image.sh"), BASE_IMAGE], env)
+    flags = build_args(local_torch_wheels(wheels), ca_bundle, Path(env["SFL_PODMAN_DIR"]))
+    arch = sh(["podman", "info", "--format", "{{.Host.Arch}}"], env=env, capture=True).strip()
+    images = [("server image", "docker/server.Dockerfile", SERVER_IMAGE),
+              ("device image", "docker/device.Dockerfile", DEVICE_IMAGE)]
+    if with_prometheus:
+        images.append(("prometheus image", "docker/podman/prometheus.Dockerfile", PROMETHEUS_IMAGE))
+    for name, dockerfile, tag in images:
+        # docker format: the OCI format drops SHELL and HEALTHCHECK. TARGETARCH is set by
+        # buildx, not by this podman.
+        step(name, sh, ["podman", "build", "--quiet", "--layers", "--format", "docker", "--build-arg",
+                        f"TARGETARCH={arch}", *flags, "-f", dockerfile, "-t", tag, "."], env, True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the check; 0 on PASS, 1 on FAIL."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def dump_logs(env: Mapping[str, str], containers: Mapping[str, str]) -> None:
+    """The last lines of every container's log (by the service or pod it runs), to see why the
+    check failed."""
+    for name, running_as in containers.items():
+        print(f"----- logs of {name} -----", flush=True)
+        subprocess.run(["podman", "logs", "--tail", "60", running_as], env={**os.environ, **env})
+
+
+def parse_args(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options of a podman check: where the torch wheel and the host's CA bundle are, and how
+    long the run may take."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--wheels", type=Path, default=Path(os.environ.get("SFL_TORCH_WHEELS", "/opt/wheels")),
                         help="a folder with the CPU torch wheel, used when it holds one (env SFL_TORCH_WHEELS)")
     parser.add_argument("--ca-bundle", type=Path, default=Path("/etc/ssl/certs/ca-certificates.crt"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the run may take once started")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    timings: dict[str, float] = {}
-    started = time.monotonic()
 
-    def step(name: str, fn, *a, **kw):
+class Steps:
+    """The timed steps of a check: each logged when it begins and ends, and all of them with the
+    total at the end, with PASS or FAIL."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self.started = time.monotonic()
+
+    def __call__(self, name: str, fn, *a, **kw):
+        """``fn(*a, **kw)`` as step ``name``; returns its result."""
         t0 = time.monotonic()
         log(f"{name} ...")
         result = fn(*a, **kw)
-        timings[name] = time.monotonic() - t0
-        log(f"{name}: {timings[name]:.0f} s")
+        self.timings[name] = time.monotonic() - t0
+        log(f"{name}: {self.timings[name]:.0f} s")
         return result
 
+    def verdict(self, failed: str | None) -> int:
+        """Log the timings and PASS, or FAIL with why; the exit status (0 on PASS, 1 on FAIL)."""
+        total = time.monotonic() - self.started
+        log("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.timings.items()) + f"; total {total:.0f} s")
+        if failed:
+            log(f"FAIL: {failed}")
+            return 1
+        log("PASS")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check; 0 on PASS, 1 on FAIL."""
+    args = parse_args(__doc__.splitlines()[0], argv)
+    step = Steps()
     env = step("podman setup", podman_env)
     env = {**env, **step("certificates", pki_env, Path(env["SFL_PODMAN_DIR"]))}
     up = False
     failed: str | None = None
     try:
-        step("base image", sh, [str(HERE / "base-image.sh"), BASE_IMAGE], env)
-        flags = build_args(local_torch_wheels(args.wheels), args.ca_bundle, Path(env["SFL_PODMAN_DIR"]))
-        arch = sh(["podman", "info", "--format", "{{.Host.Arch}}"], env=env, capture=True).strip()
-        for name, dockerfile, tag in (("server image", "docker/server.Dockerfile", SERVER_IMAGE),
-                                      ("device image", "docker/device.Dockerfile", DEVICE_IMAGE),
-                                      ("prometheus image", "docker/podman/prometheus.Dockerfile", PROMETHEUS_IMAGE)):
-            # docker format: the OCI format drops SHELL and HEALTHCHECK. TARGETARCH is set by
-            # buildx, not by this podman.
-            step(name, sh, ["podman", "build", "--quiet", "--layers", "--format", "docker", "--build-arg",
-                            f"TARGETARCH={arch}", *flags, "-f", dockerfile, "-t", tag, "."], env, True)
+        build_images(env, args.wheels, args.ca_bundle, step, with_prometheus=True)
         compose(env, "down", "-v", capture=True, check=False)  # leftovers of an interrupted check
         up = True
         step("compose up", compose, env, "up", "-d", *SERVICES, capture=True)
@@ -454,21 +490,15 @@ def main(argv: list[str] | None = None) -> int:
     except CheckFailed as e:
         failed = str(e)
         if up:
-            dump_logs(env, SERVICES)
+            dump_logs(env, {service: container(service) for service in SERVICES})
     finally:
         if up:
             t0 = time.monotonic()
             compose(env, "down", "-v", capture=True, check=False)
             # podman-compose 1.0.3's down leaves the project's network behind.
             sh(["podman", "network", "rm", "--force", f"{PROJECT}_default"], env=env, capture=True, check=False)
-            timings["teardown"] = time.monotonic() - t0
-    total = time.monotonic() - started
-    log("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + f"; total {total:.0f} s")
-    if failed:
-        log(f"FAIL: {failed}")
-        return 1
-    log("PASS")
-    return 0
+            step.timings["teardown"] = time.monotonic() - t0
+    return step.verdict(failed)
 
 
 if __name__ == "__main__":
