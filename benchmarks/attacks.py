@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.adversary import ACTION_MARK, BACKDOOR_TARGET, BEHAVIOURS, Absent, Backdoor, Behaviour, add_trigger
+from benchmarks.fedavg_overhead import cpu_seconds
 from benchmarks.result_files import add_name_option, default_out, finish, markdown_table, replace_between, write
 from shared.config import RunConfig, set_dotted
 from shared.run_config import load_run_config
@@ -192,6 +193,10 @@ class RunResult:
     harmful_actions: int        # ACTION_MARK lines in the adversary's log
     failed_attempts: int
     error: str | None           # why the run did not finish (time limit, a service that died)
+    #: CPU seconds each of the testbed's processes used, by service name, read when the run ended
+    #: (the Fed Server's shows what a flood of requests costs it; on one machine the honest
+    #: devices train on the same cores).
+    cpu_s: dict[str, float]
 
     @property
     def complete(self) -> bool:
@@ -222,16 +227,18 @@ def run_once(config: RunConfig, behaviour: str, harmful: int, run_dir: Path, tim
         except (TestbedError, TimeoutError, RuntimeError) as exc:
             error = str(exc).splitlines()[0]
         wall = time.monotonic() - started
+        cpu = {s.name: used for s in testbed.processes.services
+               if (used := cpu_seconds(s.process.pid)) is not None}
     finally:
         stop.set()
         if disturber is not None:
             disturber.join()
         testbed.stop(agent_grace_s=5.0 if finished else 0.0)
-    return _result(config, run_dir, wall, error, testbed.processes.log_dir, disturbed[0])
+    return _result(config, run_dir, wall, error, testbed.processes.log_dir, cpu, disturbed[0])
 
 
 def _result(config: RunConfig, run_dir: Path, wall: float, error: str | None, log_dir: Path,
-            disturbances: int = 0) -> RunResult:
+            cpu_s: dict[str, float], disturbances: int = 0) -> RunResult:
     from fed_server.run_dir import RunDirectory
 
     records = RunDirectory(run_dir).read_metrics()
@@ -244,7 +251,7 @@ def _result(config: RunConfig, run_dir: Path, wall: float, error: str | None, lo
                      accuracy=accuracy, attack_success=attack_success,
                      recorded_accuracy=ok[-1]["test_accuracy"] if ok else None,
                      fed_log_bytes=fed_log.stat().st_size if fed_log.exists() else 0,
-                     harmful_actions=actions, failed_attempts=len(records) - len(ok), error=error)
+                     harmful_actions=actions, failed_attempts=len(records) - len(ok), error=error, cpu_s=cpu_s)
 
 
 def final_figures(config: RunConfig, run_dir: Path) -> tuple[float, float]:
@@ -374,7 +381,8 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
                         result = run_once(config, behaviour, k, root / f"{count:03d}-{behaviour}-{k}", limit, warm)
                         row = {**cell, "harmful": k, "status": "ran", **_figures(result),
                                "time_ratio": result.wall_s / control["wall_s"],
-                               "accuracy_points_vs_control": 100 * (result.accuracy - control["accuracy"])}
+                               "accuracy_points_vs_control": 100 * (result.accuracy - control["accuracy"]),
+                               "fed_cpu_ratio": result.cpu_s.get(FED_SERVER, 0.0) / control["fed_cpu_s"]}
                         row["goals_missed"] = goals_missed(row)
                         results["runs"].append(row)
                         measured()
@@ -393,7 +401,8 @@ def _figures(result: RunResult) -> dict:
             "wall_s": round(result.wall_s, 2), "accuracy": result.accuracy, "attack_success": result.attack_success,
             "fed_log_bytes": result.fed_log_bytes,
             "recorded_accuracy": result.recorded_accuracy, "harmful_actions": result.harmful_actions,
-            "failed_attempts": result.failed_attempts, "complete": result.complete, "error": result.error}
+            "failed_attempts": result.failed_attempts, "complete": result.complete, "error": result.error,
+            "cpu_s": {name: round(used, 2) for name, used in result.cpu_s.items()}}
 
 
 def control_summary(repeats: list[dict]) -> dict:
@@ -406,7 +415,8 @@ def control_summary(repeats: list[dict]) -> dict:
             "accuracy": sum(accuracies) / len(accuracies),
             "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
             "attack_success": sum(r["attack_success"] for r in repeats) / len(repeats),
-            "fed_log_bytes": sum(r["fed_log_bytes"] for r in repeats) / len(repeats)}
+            "fed_log_bytes": sum(r["fed_log_bytes"] for r in repeats) / len(repeats),
+            "fed_cpu_s": sum(r["cpu_s"].get(FED_SERVER, 0.0) for r in repeats) / len(repeats)}
 
 
 def _line(result: RunResult) -> str:
@@ -441,13 +451,15 @@ def goals_missed(row: dict) -> list[str]:
 
 # --- the table ---------------------------------------------------------------------------------
 
-#: The behaviours whose cells also give the Fed Server's log growth over the control's.
+#: The behaviours whose cells also give the Fed Server's log growth and its CPU time over the control's.
 LOG_ROWS = ("silent_reregistration", "registration_loop")
+#: The testbed's name for the Fed Server's process (:class:`testbed.runner.Testbed`).
+FED_SERVER = "fed_server"
 
 
 def _cell(row: dict | None) -> list[str]:
     """rounds, time vs control, accuracy vs control (with a backdoor's attack success, a
-    re-registration's log growth), goals: one policy's cells of a table row, the goals cell
+    re-registration's log growth and Fed Server CPU), goals: one policy's cells of a table row, the goals cell
     ending with the date its invocation ran."""
     if row is None:
         return ["", "", "", ""]
@@ -460,6 +472,8 @@ def _cell(row: dict | None) -> list[str]:
     if row["behaviour"] in LOG_ROWS:
         # The log's size, not its ratio to the control's: a quiet control's log can be empty.
         accuracy += f"; log {row['fed_log_bytes'] / 1024:.1f} KiB"
+        if "fed_cpu_ratio" in row:   # measured since the benchmark reads it; older result files lack it
+            accuracy += f"; Fed Server CPU {row['fed_cpu_ratio']:.2f}x"
     return [f"{row['rounds_completed']}/{row['rounds_planned']}", f"{row['time_ratio']:.2f}x", accuracy,
             f"{goals} ({row['date']})"]
 
@@ -490,13 +504,14 @@ def table(results: dict) -> list[str]:
                 "control measured in the same invocation, the same date):", ""]
     out += markdown_table([["algorithm", "policy", "evaluation", "measured", "rounds", "wall s (mean)",
                             "accuracy % (mean)", "accuracy % (range)", "spread (points)", "attack success % (mean)",
-                            "log KiB (mean)", "each run: wall s, accuracy %"]] + [
+                            "log KiB (mean)", "Fed Server CPU s (mean)", "each run: wall s, accuracy %"]] + [
         [c["algorithm"], c["policy"], ("federated" if c["federated_evaluation"] else "server")
          + (f", {c['replicas']} replicas" if c.get("replicas", 1) > 1 else ""), c["date"],
          f"{c['rounds_completed']}/{c['rounds_planned']}", f"{c['wall_s']:.1f}", f"{100 * c['accuracy']:.1f}",
          f"{100 * c['accuracy_min']:.1f} to {100 * c['accuracy_max']:.1f}",
          f"{100 * (c['accuracy_max'] - c['accuracy_min']):.1f}", f"{100 * c['attack_success']:.1f}",
-         f"{c['fed_log_bytes'] / 1024:.1f}", "; ".join(f"{r['wall_s']:.1f}, {100 * r['accuracy']:.1f}" for r in c["runs"])]
+         f"{c['fed_log_bytes'] / 1024:.1f}", f"{c['fed_cpu_s']:.1f}" if "fed_cpu_s" in c else "",
+         "; ".join(f"{r['wall_s']:.1f}, {100 * r['accuracy']:.1f}" for r in c["runs"])]
         for c in results["controls"]])
     return out
 

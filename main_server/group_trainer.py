@@ -316,7 +316,7 @@ class GroupTrainer:
                 parts = ([h] if h is not None else []) + [inputs[b.device_id] for b in joining]
                 h = torch.cat(parts, dim=0)
                 order.extend(joining)
-                h = self._standardised(h, [b.rows for b in order])
+                h = self._standardised(h, [b.rows for b in order], index)
             if h is not None:
                 h = self.model.blocks[names[index]](h)
         assert h is not None
@@ -376,17 +376,17 @@ class GroupTrainer:
         self._group_shares = (left, _data_shares(staying, self.start, self.end) if staying else None)
         self._left = left
 
-    def _standardised(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """``h`` (the group's batch at a block where members join, ``rows`` per member in order)
+    def _standardised(self, h: torch.Tensor, rows: list[int], block: int) -> torch.Tensor:
+        """``h`` (the group's batch at ``block``, where members join, ``rows`` per member in order)
         with each member's rows scaled as the defences say (:meth:`MemberDefence.activation_scales`,
         from each member's root mean square there); ``h`` itself when nothing changes."""
-        if not self.defences or len(rows) < 2:
+        if not self.defences:
             return h
         with torch.no_grad():
             rms = [float(part.pow(2).mean().sqrt()) for part in torch.split(h.detach(), rows, dim=0)]
         scales = [1.0] * len(rows)
         for defence in self.defences:
-            scales = [s * f for s, f in zip(scales, defence.activation_scales([r * s for r, s in zip(rms, scales)]))]
+            scales = [s * f for s, f in zip(scales, defence.activation_scales([r * s for r, s in zip(rms, scales)], block))]
         if all(s == 1.0 for s in scales):
             return h
         per_row = torch.repeat_interleave(torch.tensor(scales, dtype=h.dtype, device=h.device),

@@ -15,8 +15,14 @@ shows up here. Steps, each timed:
    does not have) and Prometheus' /api/v1/targets must show every target of
    docker/prometheus/prometheus.yml ``up`` (both watched during the run: the agents exit when it ends,
    once Prometheus has scraped them again);
-6. reads summary.json from the ``runs`` volume: finished, the rounds asked for, an accuracy;
-7. always tears down containers, network and volumes (images stay cached) and prints PASS/FAIL
+6. reads summary.json and metrics.jsonl of the run (``/runs/<run id>`` in the ``runs`` volume):
+   finished, the rounds asked for, an accuracy, every round recorded exactly once;
+7. the run lifecycle (docs/operating.md): ``down`` (the volumes stay) and ``up`` again must begin a
+   new run, in a directory of its own; once it has recorded a round, the Fed Server's container is
+   killed (SIGKILL) and started again, and the same run must resume (the Fed Server logs it) and
+   finish with every round recorded exactly once, watched as in 5 and checked as in 6, while the
+   first run's directory stays byte for byte as it was;
+8. always tears down containers, network and volumes (images stay cached) and prints PASS/FAIL
    with the timings; on failure, the logs of the services.
 
 Run from the repository root with the project's venv (it needs pyyaml and httpx).
@@ -24,13 +30,16 @@ Run from the repository root with the project's venv (it needs pyyaml and httpx)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import secrets
 import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -54,6 +63,10 @@ RUN_ENV = {
     "SFL_ALGORITHM": "s2fl", "SFL_ROUNDS": "6", "SFL_NUM_DEVICES": "4", "SFL_TIME_SCALE": "1000",
     "SFL_HIGH_SHARDS": "0-1", "SFL_MID_SHARDS": "2", "SFL_LOW_SHARDS": "3",
 }
+# The second up's run: the same but shorter (its Fed Server is killed after its first round is
+# recorded, and the rounds left must outlast the kill). Its own number of rounds also tells its
+# summary from the first run's.
+NEXT_RUN_ENV = {**RUN_ENV, "SFL_ROUNDS": "4"}
 
 
 class CheckFailed(Exception):
@@ -125,10 +138,11 @@ def pki_env(workdir: Path) -> dict[str, str]:
     return {"SFL_PKI_DIR": str(pki), "SFL_PKI_GID": "0", "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(16)}
 
 
-def compose(env: Mapping[str, str], *args: str, capture: bool = False, check: bool = True) -> str:
-    """podman-compose on docker-compose.yml + the check's override, with the check's SFL_* variables."""
+def compose(env: Mapping[str, str], *args: str, run_env: Mapping[str, str] = RUN_ENV, capture: bool = False,
+            check: bool = True) -> str:
+    """podman-compose on docker-compose.yml + the check's override, with the run's SFL_* variables."""
     files = ["-f", str(ROOT / "docker-compose.yml"), "-f", str(HERE / "compose.check.yml")]
-    return sh(["podman-compose", "-p", PROJECT, *files, *args], env={**env, **RUN_ENV}, capture=capture, check=check)
+    return sh(["podman-compose", "-p", PROJECT, *files, *args], env={**env, **run_env}, capture=capture, check=check)
 
 
 def container(service: str) -> str:
@@ -173,6 +187,62 @@ def summary_problems(summary: Mapping, rounds: int) -> list[str]:
     if not isinstance(accuracy, (int, float)) or not 0.0 <= accuracy <= 1.0:
         problems.append(f"final_accuracy {accuracy!r}")
     return problems
+
+
+def round_problems(metrics_lines: Iterable[str], rounds: int) -> list[str]:
+    """What is wrong with a finished run's metrics.jsonl (empty: it is right). Every round
+    1..``rounds`` has exactly one ``ok`` record (a retried attempt may leave ``failed`` ones), so no
+    round was lost or counted twice across a restart, and the attempt ids (``round_id``) increase:
+    a restarted Fed Server never hands out one again."""
+    problems = []
+    records = []
+    for number, line in enumerate(metrics_lines, 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                problems.append(f"line {number} is not JSON")
+    ok = Counter(record.get("round") for record in records if record.get("status") == "ok")
+    lost = [n for n in range(1, rounds + 1) if ok[n] == 0]
+    repeated = sorted(n for n in range(1, rounds + 1) if ok[n] > 1)
+    unknown = sorted(repr(n) for n in ok if n not in range(1, rounds + 1))
+    if lost:
+        problems.append(f"round(s) {lost} not recorded")
+    if repeated:
+        problems.append(f"round(s) {repeated} recorded more than once")
+    if unknown:
+        problems.append(f"round(s) {', '.join(unknown)} recorded, asked for 1..{rounds}")
+    ids = [record.get("round_id") for record in records]
+    if not all(isinstance(i, int) for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+        problems.append(f"attempt ids not increasing: {ids}")
+    return problems
+
+
+def recorded_rounds(metrics_lines: Iterable[str]) -> int:
+    """How many rounds a running run's metrics.jsonl has recorded (``ok`` records); a line still
+    being appended does not count yet."""
+    count = 0
+    for line in metrics_lines:
+        try:
+            count += json.loads(line).get("status") == "ok"
+        except ValueError:
+            pass
+    return count
+
+
+def resumed_after(fed_log: str, run_id: str) -> int | None:
+    """The round after which the Fed Server's log says it resumed run ``run_id`` (the start that
+    found it unfinished), or None when it never did."""
+    if f"resuming run {run_id}: it is unfinished" not in fed_log:
+        return None
+    found = re.findall(rf"resumed run {re.escape(run_id)} after round (\d+)", fed_log)
+    return int(found[-1]) if found else None
+
+
+def changed_files(before: Mapping[str, str], after: Mapping[str, str]) -> list[str]:
+    """The files of a run directory that were added, removed or rewritten between two
+    :func:`file_digests`."""
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
 
 
 def wait_until(what: str, timeout: float, predicate, poll_s: float = 2.0) -> None:
@@ -226,15 +296,89 @@ def watch_run(env: Mapping[str, str], targets: set[str], timeout: float, ca_file
     return status, became_healthy
 
 
-def read_summary(env: Mapping[str, str], run_id: str) -> dict:
-    """summary.json of run ``run_id`` as the Fed Server wrote it into the ``runs`` volume
-    (/runs/<run id>: the compose file starts it with ``--runs-root /runs``)."""
-    mountpoint = sh(["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{PROJECT}_runs"],
-                    env=env, capture=True).strip()
-    path = Path(mountpoint) / run_id / "summary.json"
+def runs_volume(env: Mapping[str, str]) -> Path:
+    """Where the ``runs`` volume lies on this host: the Fed Server keeps run ``<id>`` in
+    ``/runs/<id>`` (the compose file starts it with ``--runs-root /runs``)."""
+    return Path(sh(["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{PROJECT}_runs"],
+                   env=env, capture=True).strip())
+
+
+def read_summary(run_dir: Path) -> dict:
+    """summary.json of a run as the Fed Server wrote it into its directory."""
+    path = run_dir / "summary.json"
     if not path.is_file():
         raise CheckFailed(f"no summary.json in the runs volume ({path})")
     return json.loads(path.read_text())
+
+
+def read_metrics(run_dir: Path) -> list[str]:
+    """The lines of a run's metrics.jsonl (none before its first round is recorded)."""
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file in ``folder``, by name: a run directory to compare later."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def check_finished_run(run_dir: Path, rounds: int) -> dict:
+    """The summary and the metrics of the run in ``run_dir`` (:func:`summary_problems`,
+    :func:`round_problems`); returns the summary."""
+    run_id = run_dir.name
+    summary = read_summary(run_dir)
+    problems = summary_problems(summary, rounds)
+    if problems:
+        raise CheckFailed(f"run {run_id}'s summary.json: " + "; ".join(problems))
+    metrics = read_metrics(run_dir)
+    problems = round_problems(metrics, rounds)
+    if problems:
+        raise CheckFailed(f"run {run_id}'s metrics.jsonl: " + "; ".join(problems))
+    attempts = sum(1 for line in metrics if line.strip())
+    log(f"run {run_id}: {summary['rounds']} rounds, each recorded once ({attempts} attempts), accuracy {summary['initial_accuracy']:.3f} -> "
+        f"{summary['final_accuracy']:.3f}, {summary['total_bytes']} bytes")
+    return summary
+
+
+def fed_server_log(env: Mapping[str, str]) -> str:
+    """Everything the Fed Server's container has logged, over all its starts."""
+    return sh(["podman", "logs", container("fed-server")], env=env, capture=True)
+
+
+def kill_mid_run(env: Mapping[str, str], last_run: str, rounds: int, timeout: float, ca_file: Path) -> tuple[str, int]:
+    """After a second ``up``: wait for the new run (its id is not ``last_run``, and the Fed Server
+    logs why it began one), kill the Fed Server's container with SIGKILL as soon as the run has
+    recorded and checkpointed a round, and start the container again. Returns the run's id and how many rounds it
+    had recorded when it was killed (fewer than ``rounds``, or the kill proves nothing)."""
+    run_id = ""
+    with httpx.Client(timeout=5.0, verify=str(ca_file)) as client:
+        def new_run_begun() -> bool:
+            nonlocal run_id
+            try:
+                run_id = client.get("https://127.0.0.1:8080/v1/status").json().get("run_id") or ""
+            except (httpx.HTTPError, ValueError):
+                return False
+            if run_id == last_run:
+                raise CheckFailed(f"the second up took up the finished run {last_run} again instead of beginning a new run")
+            return bool(run_id)
+
+        wait_until("the Fed Server to begin a new run", timeout, new_run_begun, poll_s=1.0)
+    if f"new run {run_id}: the last run, {last_run}, is over" not in fed_server_log(env):
+        raise CheckFailed(f"the Fed Server began run {run_id} but did not log that {last_run} is over")
+    # A round may take only a second: read the files the Fed Server writes, not its API. The kill
+    # waits for the round's checkpoint too, so the resume has a round to continue after (a kill
+    # between a round's record and its checkpoint is tests/integration/test_faults.py's).
+    run_dir = runs_volume(env) / run_id
+    wait_until(f"run {run_id} to record and checkpoint a round", timeout,
+               lambda: recorded_rounds(read_metrics(run_dir)) > 0 and (run_dir / "checkpoint.msgpack").is_file(),
+               poll_s=0.1)
+    sh(["podman", "kill", "--signal", "KILL", container("fed-server")], env=env, capture=True)
+    recorded = recorded_rounds(read_metrics(run_dir))
+    if recorded >= rounds:
+        raise CheckFailed(f"run {run_id} had recorded all {rounds} rounds before the Fed Server was killed")
+    log(f"run {run_id}: Fed Server killed (SIGKILL) with {recorded} of {rounds} rounds recorded; starting it again")
+    sh(["podman", "start", container("fed-server")], env=env, capture=True)
+    return run_id, recorded
 
 
 def dump_logs(env: Mapping[str, str], services: Iterable[str]) -> None:
@@ -282,14 +426,31 @@ def main(argv: list[str] | None = None) -> int:
         compose(env, "down", "-v", capture=True, check=False)  # leftovers of an interrupted check
         up = True
         step("compose up", compose, env, "up", "-d", *SERVICES, capture=True)
-        status, _ = step("run", watch_run, env, expected_targets(ROOT / "docker/prometheus/prometheus.yml"),
-                         args.timeout, Path(env["SFL_PKI_DIR"]) / "ca" / "ca.pem")
-        summary = read_summary(env, status["run_id"])
-        problems = summary_problems(summary, int(RUN_ENV["SFL_ROUNDS"]))
-        if problems:
-            raise CheckFailed("summary.json: " + "; ".join(problems))
-        log(f"run {status['run_id']}: {summary['rounds']} rounds, accuracy {summary['initial_accuracy']:.3f} -> "
-            f"{summary['final_accuracy']:.3f}, {summary['total_bytes']} bytes")
+        targets = expected_targets(ROOT / "docker/prometheus/prometheus.yml")
+        ca_file = Path(env["SFL_PKI_DIR"]) / "ca" / "ca.pem"
+        status, _ = step("run", watch_run, env, targets, args.timeout, ca_file)
+        runs = runs_volume(env)
+        first_run = status["run_id"]
+        check_finished_run(runs / first_run, int(RUN_ENV["SFL_ROUNDS"]))
+        first_files = file_digests(runs / first_run)
+
+        # The lifecycle: the next up begins a new run, and a killed Fed Server resumes it.
+        step("compose down", compose, env, "down", capture=True)
+        step("second compose up", compose, env, "up", "-d", *SERVICES, run_env=NEXT_RUN_ENV, capture=True)
+        second_rounds = int(NEXT_RUN_ENV["SFL_ROUNDS"])
+        second_run, _ = step("second run until killed", kill_mid_run, env, first_run, second_rounds, args.timeout, ca_file)
+        status, _ = step("resumed run", watch_run, env, targets, args.timeout, ca_file)
+        if status["run_id"] != second_run:
+            raise CheckFailed(f"the restarted Fed Server finished run {status['run_id']}, not the interrupted {second_run}")
+        after = resumed_after(fed_server_log(env), second_run)
+        if after is None:
+            raise CheckFailed(f"the restarted Fed Server did not log that it resumed run {second_run}")
+        log(f"run {second_run}: resumed after round {after}")
+        check_finished_run(runs / second_run, second_rounds)
+        changed = changed_files(first_files, file_digests(runs / first_run))
+        if changed:
+            raise CheckFailed(f"the second run changed the first run's directory ({first_run}): {', '.join(changed)}")
+        log(f"run {first_run}: its directory is as it was")
     except CheckFailed as e:
         failed = str(e)
         if up:

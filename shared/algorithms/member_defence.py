@@ -7,8 +7,10 @@ backdoor's triggered samples moves the copy, which its honest group mates then c
 aggregation. These defences act inside the group step, on each member's own part of it:
 
 * ``standardise``: at each block where members join the group's batch, a member whose activations'
-  root mean square is more than ``ratio`` times the median member's there is scaled down to it
-  (needs at least ``min_members`` members at that block: a median of fewer says nothing);
+  root mean square is more than ``ratio`` times the median there is scaled down to it. The median
+  is over the round's members at that block, every group's on this Main Server (the last
+  ``window`` values seen there, with the step's own): a group's own median says nothing where
+  harmful members are half of a small group. It needs at least ``min_members`` values;
 * ``clip``: each member's own gradient of the copy is scaled down to at most ``multiple`` times
   the median member's gradient norm, so no member moves the copy further than a typical one;
 * ``median`` / ``trimmed_mean``: the copy steps on the coordinate-wise median (or trimmed mean)
@@ -32,6 +34,8 @@ one is a :class:`MemberDefence` subclass and one line in ``MEMBER_DEFENCES``
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -49,8 +53,8 @@ class DefenceParams(BaseModel):
 
 
 class MemberDefence:
-    """A defence's hooks; the base changes nothing. Stateless but for its parameters: one instance
-    serves every group of a round, from the trainer's worker threads."""
+    """A defence's hooks; the base changes nothing. One instance serves every group of a round,
+    from the trainer's worker threads: what it keeps across steps it guards itself."""
 
     Params: ClassVar[type[DefenceParams]] = DefenceParams
     #: True: the step computes each member's own gradient of the copy for :meth:`adjust` and
@@ -65,9 +69,10 @@ class MemberDefence:
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self.params = self.Params.model_validate(dict(params or {}))
 
-    def activation_scales(self, rms: Sequence[float]) -> list[float]:
-        """What to multiply each member's rows by at a block where members join the batch, given
-        each present member's activation root mean square there (1: unchanged)."""
+    def activation_scales(self, rms: Sequence[float], block: int) -> list[float]:
+        """What to multiply each member's rows by at ``block`` (its index in the model), where
+        members join the batch, given each present member's activation root mean square there
+        (1: unchanged)."""
         return [1.0] * len(rms)
 
     def adjust(self, gradients: list[Gradient]) -> list[Gradient]:
@@ -92,20 +97,33 @@ def weighted_mean(gradients: list[Gradient], weights: Sequence[float]) -> Gradie
 class StandardiseParams(DefenceParams):
     ratio: float = Field(2.0, ge=1.0, allow_inf_nan=False)
     min_members: int = Field(3, ge=2)
+    window: int = Field(64, ge=1, le=100_000)
 
 
 class Standardise(MemberDefence):
     """``standardise``: scale a member whose activations' RMS is more than ``ratio`` x the median
-    present member's down to that, wherever at least ``min_members`` members meet."""
+    at its block down to that. The median is over the present members and the last ``window``
+    values the round's steps met at that block before (every group's), once there are at least
+    ``min_members`` values: two scaled members of a group of four move their group's median as
+    far as themselves, not the round's."""
 
     Params = StandardiseParams
 
-    def activation_scales(self, rms: Sequence[float]) -> list[float]:
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(params)
+        self._lock = threading.Lock()
+        self._seen: dict[int, deque[float]] = {}
+
+    def activation_scales(self, rms: Sequence[float], block: int) -> list[float]:
         params = self.params
         assert isinstance(params, StandardiseParams)
-        if len(rms) < params.min_members:
+        with self._lock:
+            seen = self._seen.setdefault(block, deque(maxlen=params.window))
+            pool = [*seen, *rms]
+            seen.extend(rms)
+        if len(pool) < params.min_members:
             return [1.0] * len(rms)
-        cap = params.ratio * _median(rms)
+        cap = params.ratio * _median(pool)
         return [cap / r if r > cap > 0 else 1.0 for r in rms]
 
 

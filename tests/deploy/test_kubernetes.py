@@ -1,10 +1,13 @@
 """The Kubernetes manifests in deploy/kubernetes render, validate and fit together, without a cluster.
 
 * rendering: a small renderer of the kustomize features the manifests use (resources, components,
-  ConfigMap/Secret generators without name hashes, with labels, replacements of one field or of one
-  part of a delimited string, JSON 6902 patches that add or replace a field); any other kustomization key or replacement option is an error here, so
-  a manifest change that needs real kustomize shows up instead of being rendered wrongly. Where
-  kubectl is installed, its kustomize must render exactly the same objects;
+  ConfigMap/Secret generators with labels, annotations and kustomize's name hash suffix, or without it, the
+  references in pod templates rewritten to the suffixed names, replacements of one field or of one
+  part of a delimited string, JSON 6902 patches that add or replace a field); any other
+  kustomization key, generator or replacement option is an error here, and so is a generated name
+  in a field the renderer does not rewrite, so a manifest change that needs real kustomize shows
+  up instead of being rendered wrongly. Where kubectl is installed, its kustomize must render
+  exactly the same objects;
 * every rendered object against the Kubernetes JSON schemas (strict: unknown fields are errors) of
   the ``kubernetes-validate`` package (``dev`` extra);
 * cross-references: Service selectors and target ports, StatefulSet Services, the ConfigMaps and
@@ -14,12 +17,17 @@
   config's targets, and the security settings (non-root 10001, read-only root file system, probes
   on the health routes, resource requests and limits).
 
-A check is skipped only when its tool is missing: kubernetes-validate (``dev`` extra) and promtool
-(``.ci/run``) are always there in CI; kubectl is optional (the comparison with real kustomize).
+* the policy scan: checkov's Kubernetes checks on what every entry point renders, with no failure
+  and each skipped check's reason in the manifests.
+
+A check is skipped only when its tool is missing: kubernetes-validate (``dev`` extra), promtool
+(``.ci/run``) and checkov (``make scan-setup``, which ``make check`` runs) are always there in CI;
+kubectl is optional (the comparison with real kustomize).
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -49,6 +57,12 @@ ALL_COMPONENTS = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kust
                   "resources": ["../../base"],
                   "components": [f"../../components/{c}" for c in ("cert-manager-tls", "testbed-devices",
                                                                      "arm64-boards", "monitoring")]}
+# What an operator applies: the default entry point, the two overlays and one with every component.
+ENTRY_POINTS = (".", "overlays/testbed", "overlays/external-devices", "overlays/all")
+# checkov in its own virtual environment (`make scan-setup`; .ci/run installs it before the tests).
+CHECKOV = ROOT / ".venv-scan" / "bin" / "checkov"
+# The checks the manifests skip, each with its reason in a `checkov.io/skipN` annotation.
+SKIPPED_CHECKS = {"CKV_K8S_15", "CKV_K8S_21", "CKV_K8S_43"}
 # The keys of the Secret cert-manager writes for a Certificate (its spec.secretName).
 ISSUED_KEYS = ("tls.crt", "tls.key", "ca.crt")
 # Custom resources (cert-manager, Prometheus Operator): no schema in kubernetes-validate; checked here.
@@ -74,43 +88,149 @@ def _generated_files(base: Path, entries: list[str]) -> dict[str, str]:
     return out
 
 
-def render(directory: Path, objects: list[dict] | None = None) -> list[dict]:
-    """What ``kubectl apply -k directory`` would apply, for the subset of kustomize used here. A
-    component is rendered onto ``objects``, its parent's objects so far: like kustomize, it adds
-    its own and its generators, replacements and patches act on all of them."""
+def render(directory: Path) -> list[dict]:
+    """What ``kubectl apply -k directory`` would apply, for the subset of kustomize used here. Like
+    kustomize, the generated names get their hash suffix once everything is accumulated (so the hash
+    is of the final content), and then every reference to them is rewritten."""
+    hashed: list[dict] = []
+    objects = _accumulate(directory, [], hashed)
+    renamed = {}
+    for obj in hashed:
+        suffixed = f"{obj['metadata']['name']}-{name_hash(obj)}"
+        renamed[(obj["kind"], obj["metadata"]["name"])] = suffixed
+        obj["metadata"]["name"] = suffixed
+    _rename_references(objects, renamed)
+    return objects
+
+
+def _go_json(value: object) -> str:
+    """``value`` as Go's ``json.Marshal`` writes it: keys sorted, no spaces, UTF-8 kept, and ``<``,
+    ``>``, ``&``, U+2028 and U+2029 escaped."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for char in "<>&\u2028\u2029":
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text
+
+
+def name_hash(obj: dict) -> str:
+    """kustomize's name suffix for a generated ConfigMap or Secret (api/hasher/hasher.go): the
+    sha256 of the JSON of its kind, data (and a Secret's type; binaryData or stringData when
+    present) and name, the first 10 hex digits with 0, 1, 3, a, e replaced by g, h, k, m, t (no
+    vowels, no look-alikes). The name it hashes is always empty: kustomize looks it up as one field
+    called ``metadata/name``, which no object has."""
+    fields = {"kind": obj["kind"], "name": "", "data": obj.get("data", "")}
+    extra = ("type", "stringData") if obj["kind"] == "Secret" else ("binaryData",)
+    fields |= {key: obj[key] for key in extra if key in obj}
+    if obj["kind"] == "Secret":
+        fields.setdefault("type", "")
+    digest = hashlib.sha256(_go_json(fields).encode()).hexdigest()
+    return digest[:10].translate(str.maketrans("013ae", "ghkmt"))
+
+
+def _base64_lines(value: bytes) -> str:
+    """A Secret value as kustomize's generator writes it: base64 in lines of 70 characters, each
+    ended by a newline once there is more than one line's worth (this text enters the hash)."""
+    text = base64.b64encode(value).decode()
+    if len(text) < 70:
+        return text
+    return "".join(text[i:i + 70] + "\n" for i in range(0, len(text), 70))
+
+
+def _accumulate(directory: Path, objects: list[dict], hashed: list[dict]) -> list[dict]:
+    """The objects of one kustomization added to ``objects`` (a component is rendered onto its
+    parent's objects so far: like kustomize, it adds its own and its generators, replacements and
+    patches act on all of them); the generated objects that get a hash suffix go to ``hashed``."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(spec) - KUSTOMIZATION_KEYS
     if unknown:
         raise RenderError(f"{directory}: kustomization keys the renderer does not implement: {sorted(unknown)}")
-    objects = [] if objects is None else objects
     for item in spec.get("resources", []):
         path = directory / item
         if path.is_dir():
-            objects += render(path)
+            _accumulate(path, objects, hashed)
         else:
             objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
     for item in spec.get("components", []):
-        render(directory / item, objects)
-    generators = spec.get("configMapGenerator", []) + spec.get("secretGenerator", [])
-    options = spec.get("generatorOptions", {})
-    if generators and (not options.get("disableNameSuffixHash") or set(options) - {"disableNameSuffixHash", "labels"}):
-        raise RenderError(f"{directory}: generator options other than no hash suffix and labels are not rendered here")
-
-    def metadata(name: str) -> dict:
-        return {"name": name, **({"labels": dict(options["labels"])} if "labels" in options else {})}
-
-    for gen in spec.get("configMapGenerator", []):
-        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(gen["name"]),
-                        "data": _generated_files(directory, gen["files"])})
-    for gen in spec.get("secretGenerator", []):
-        data = {k: base64.b64encode(v.encode()).decode() for k, v in _generated_files(directory, gen["files"]).items()}
-        objects.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata(gen["name"]),
-                        "data": data})
+        _accumulate(directory / item, objects, hashed)
+    shared = spec.get("generatorOptions", {})
+    for kind, key in (("ConfigMap", "configMapGenerator"), ("Secret", "secretGenerator")):
+        for gen in spec.get(key, []):
+            if set(gen) - {"name", "files", "options"}:
+                raise RenderError(f"{directory}: generator {gen} not rendered here")
+            # kustomize merges the two: labels and annotations of both, no hash if either says so.
+            own = gen.get("options", {})
+            for options in (shared, own):
+                if set(options) - {"disableNameSuffixHash", "labels", "annotations"}:
+                    raise RenderError(f"{directory}: generator options {options} not rendered here")
+            metadata = {"name": gen["name"]}
+            for field in ("labels", "annotations"):
+                if field in shared or field in own:
+                    metadata[field] = {**shared.get(field, {}), **own.get(field, {})}
+            data = _generated_files(directory, gen["files"])
+            obj = {"apiVersion": "v1", "kind": kind, "metadata": metadata}
+            if kind == "Secret":
+                obj |= {"type": "Opaque", "data": {k: _base64_lines(v.encode()) for k, v in data.items()}}
+            else:
+                obj["data"] = data
+            objects.append(obj)
+            if not (shared.get("disableNameSuffixHash") or own.get("disableNameSuffixHash")):
+                hashed.append(obj)
     for replacement in spec.get("replacements", []):
         _replace(directory, objects, replacement)
     for patch in spec.get("patches", []):
         _patch(directory, objects, patch)
     return objects
+
+
+def _pod_references(pod: dict):
+    """Each place a pod spec names a ConfigMap or Secret, as (kind, the dict holding the name, its
+    key): volumes (also projected), env ``valueFrom`` and ``envFrom`` of every container."""
+    for volume in pod.get("volumes", []):
+        sources = [volume, *volume.get("projected", {}).get("sources", [])]
+        for source in sources:
+            if "configMap" in source:
+                yield "ConfigMap", source["configMap"], "name"
+            if "secret" in source:
+                yield "Secret", source["secret"], "secretName" if source is volume else "name"
+    for container in pod.get("initContainers", []) + pod.get("containers", []):
+        for env in container.get("env", []):
+            ref = env.get("valueFrom", {})
+            if "configMapKeyRef" in ref:
+                yield "ConfigMap", ref["configMapKeyRef"], "name"
+            if "secretKeyRef" in ref:
+                yield "Secret", ref["secretKeyRef"], "name"
+        for env in container.get("envFrom", []):
+            if "configMapRef" in env:
+                yield "ConfigMap", env["configMapRef"], "name"
+            if "secretRef" in env:
+                yield "Secret", env["secretRef"], "name"
+
+
+def _rename_references(objects: list[dict], renamed: dict[tuple[str, str], str]) -> None:
+    """kustomize's name reference fix for the suffixed names, in the pod templates of the workloads.
+    A generated name anywhere else fails the render: kustomize might rewrite a field this does not."""
+    for obj in objects:
+        if obj["kind"] in WORKLOADS:
+            for kind, holder, key in _pod_references(obj["spec"]["template"]["spec"]):
+                holder[key] = renamed.get((kind, holder[key]), holder[key])
+    old_names = {name for _, name in renamed}
+    for obj in objects:
+        stray = old_names & set(_strings(obj))
+        if stray:
+            raise RenderError(f"{obj['kind']} {obj['metadata']['name']} names {sorted(stray)} where the renderer "
+                              "does not rewrite references")
+
+
+def _strings(node: object):
+    """Every string value in a parsed manifest."""
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings(value)
 
 
 def _patch(directory: Path, objects: list[dict], patch: dict) -> None:
@@ -268,7 +388,7 @@ def test_render_refuses_missing_secrets():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize renders offline)")
-@pytest.mark.parametrize("where", [".", "overlays/testbed", "overlays/external-devices", "overlays/all"])
+@pytest.mark.parametrize("where", ENTRY_POINTS)
 def test_renderer_matches_kubectl_kustomize(checkout, where):
     """The renderer gives exactly what kubectl's built-in kustomize gives, object for object."""
     result = subprocess.run(["kubectl", "kustomize", str(checkout / where)], capture_output=True, text=True,
@@ -286,8 +406,99 @@ def test_renderer_matches_kubectl_kustomize(checkout, where):
     assert decoded(render(checkout / where)) == decoded(list(yaml.safe_load_all(result.stdout)))
 
 
+def _generated(objects: dict, kind: str, name: str) -> dict:
+    """The ConfigMap or Secret a generator called ``name`` made: under its hash-suffixed name, or
+    under ``name`` where the suffix is turned off."""
+    matches = [o for (k, n), o in objects.items() if k == kind and n in (name, f"{name}-{name_hash(o)}")]
+    assert len(matches) == 1, f"{len(matches)} {kind}s generated as {name}"
+    return matches[0]
+
+
+def _unsuffixed(objects: dict) -> set[tuple[str, str]]:
+    """The objects' kinds and names, generated ones by their generator's name."""
+    return {(k, n.removesuffix(f"-{name_hash(o)}") if k in ("ConfigMap", "Secret") else n)
+            for (k, n), o in objects.items()}
+
+
+def test_name_hash_is_kustomizes():
+    """Suffixes kubectl's kustomize (v5.5) gave a ConfigMap ``x`` with a=b and a Secret ``sec`` with
+    a=b (literals): the hash ignores the name, and a Secret's data enters as base64 with its type."""
+    assert name_hash({"kind": "ConfigMap", "metadata": {"name": "x"}, "data": {"a": "b"}}) == "4h2mbtbbt6"
+    assert name_hash({"kind": "Secret", "metadata": {"name": "sec"}, "type": "Opaque", "data": {"a": "Yg=="}}) \
+        == "k695gkmbtk"
+
+
+def test_changed_config_or_secret_rolls_the_pods_that_mount_it(checkout, tmp_path, testbed):
+    """A changed run.yaml gives the Fed Server's pod template another ConfigMap name (so the
+    StatefulSet rolls it) and leaves the other workloads alone; a changed secret rolls all three.
+    The dashboard and scrape config keep their names: no pod here mounts them, others find them."""
+    def templates(objects: dict) -> dict[str, dict]:
+        return {w["metadata"]["name"]: w["spec"]["template"] for w in _workloads(objects)}
+
+    before = templates(testbed)
+    for changed, rolled in (("run.yaml", {"fed-server"}),
+                            ("secrets/enrolment-secret", {"fed-server", "main-server", "device-agents"})):
+        copy = tmp_path / changed.replace("/", "-") / "kubernetes"
+        shutil.copytree(checkout, copy)
+        with open(copy / "base" / changed, "a") as file:
+            file.write("\n# changed\n")
+        after = templates(_index(render(copy / "overlays" / "testbed")))
+        assert {name for name in before if before[name] != after[name]} == rolled, changed
+    everything = _index(render(checkout / "overlays" / "all"))
+    for kind, name in (("ConfigMap", "s2fl-prometheus-scrape"), ("ConfigMap", "s2fl-grafana-dashboard")):
+        assert (kind, name) in everything
+    assert ("ConfigMap", "s2fl-run-config") not in everything and ("Secret", "s2fl-secrets") not in everything
+
+
+def test_render_refuses_a_generated_name_where_it_rewrites_no_reference(checkout, tmp_path):
+    """kustomize may rewrite a reference the renderer does not know; the render stops instead of
+    leaving the old name there."""
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(checkout, copy)
+    manifest = copy / "base" / "main-server.yaml"
+    manifest.write_text(manifest.read_text().replace("  serviceName: main-server", "  serviceName: s2fl-run-config", 1))
+    with pytest.raises(RenderError, match="does not rewrite references"):
+        render(copy)
+
+
+def _checkov(folder: Path) -> dict:
+    """checkov's Kubernetes results for every manifest file in ``folder``: passed, failed and
+    skipped checks. Offline: nothing is fetched from its platform."""
+    result = subprocess.run([str(CHECKOV), "--framework", "kubernetes", "--directory", str(folder), "--output", "json",
+                             "--skip-download"], capture_output=True, text=True, timeout=300)
+    assert result.returncode in (0, 1), result.stderr
+    report = json.loads(result.stdout)
+    assert report["summary"]["parsing_errors"] == 0, report["results"]["parsing_errors"]
+    return report["results"]
+
+
+@pytest.mark.skipif(not CHECKOV.exists(), reason="checkov not installed: make scan-setup (.ci/run does it)")
+def test_manifests_pass_the_policy_scan(checkout, tmp_path):
+    """checkov's Kubernetes checks on what each entry point renders: no failure, and a check is
+    skipped only by a ``checkov.io/skipN`` annotation that gives its reason. Scanned alongside, a
+    copy of the testbed with the Fed Server's image at ``:latest`` and its service account token
+    mounted fails exactly those two checks, so the scan can fail."""
+    for where in ENTRY_POINTS:
+        (tmp_path / f"{where.replace('/', '-').strip('.') or 'default'}.yaml").write_text(
+            yaml.safe_dump_all(render(checkout / where)))
+    broken = _index(render(checkout / "overlays" / "testbed"))
+    pod = broken[("StatefulSet", "fed-server")]["spec"]["template"]["spec"]
+    pod["containers"][0]["image"] = pod["containers"][0]["image"].split(":")[0] + ":latest"
+    pod["automountServiceAccountToken"] = True
+    (tmp_path / "canary.yaml").write_text(yaml.safe_dump_all(broken.values()))
+
+    results = _checkov(tmp_path)
+    failed = {(c["file_path"].lstrip("/"), c["resource"], c["check_id"]) for c in results["failed_checks"]}
+    assert failed == {("canary.yaml", "StatefulSet.default.fed-server", "CKV_K8S_14"),
+                      ("canary.yaml", "StatefulSet.default.fed-server", "CKV_K8S_38")}, failed
+    skipped = results["skipped_checks"]
+    assert {c["check_id"] for c in skipped} == SKIPPED_CHECKS
+    assert all(c["check_result"]["suppress_comment"].strip() for c in skipped), "every exception gives its reason"
+    assert results["passed_checks"]
+
+
 def test_base_and_testbed_contents(base, testbed):
-    assert set(base) == {("Service", "fed-server"), ("StatefulSet", "fed-server"), ("Service", "main-server"),
+    assert _unsuffixed(base) == {("Service", "fed-server"), ("StatefulSet", "fed-server"), ("Service", "main-server"),
                          ("StatefulSet", "main-server"), ("ConfigMap", "s2fl-run-config"),
                          ("ConfigMap", "s2fl-prometheus-scrape"), ("Secret", "s2fl-secrets"),
                          ("NetworkPolicy", "fed-server"), ("NetworkPolicy", "main-server"),
@@ -543,7 +754,7 @@ def _pods_shards(objects: dict) -> list[list[int]]:
 
 def test_run_config_is_valid_and_the_agent_pods_hold_every_shard_once(testbed, tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(testbed[("ConfigMap", "s2fl-run-config")]["data"]["run.yaml"])
+    path.write_text(_generated(testbed, "ConfigMap", "s2fl-run-config")["data"]["run.yaml"])
     # The file alone, as the pod reads it: no SFL_RUN__* variables of this process mixed in.
     config = resolve_run_config(path, env_prefix="SFL_KUBE_TEST_UNSET__")
 
@@ -624,11 +835,17 @@ def test_security_probes_and_resources(testbed):
             is_agent = (workload["kind"], workload["metadata"]["name"]) == AGENTS
             assert container["image"] == (device_image if is_agent else server_image)
             if is_agent:
-                paths = {"readinessProbe": "/metrics", "livenessProbe": "/metrics"}
+                paths = {"startupProbe": "/metrics", "readinessProbe": "/metrics", "livenessProbe": "/metrics"}
             else:   # alive while serving, ready once working: a refused start is not restarted
                 paths = {"startupProbe": "/livez", "readinessProbe": "/healthz", "livenessProbe": "/livez"}
                 assert _env(container)["SFL_WAIT_ON_REFUSAL"] == "1"
-                assert "initialDelaySeconds" not in container["livenessProbe"], "the startup probe covers the start"
+            assert "initialDelaySeconds" not in container["livenessProbe"], "the startup probe covers the start"
+            # Each probe has its own job: the startup probe waits long, liveness restarts a hung
+            # process, readiness takes the pod out of its Service.
+            probes = [container[probe] for probe in ("startupProbe", "livenessProbe", "readinessProbe")]
+            assert all(a != b for i, a in enumerate(probes) for b in probes[i + 1:]), "the three probes differ"
+            assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] \
+                > container["livenessProbe"]["failureThreshold"] * container["livenessProbe"]["periodSeconds"]
             for probe, path in paths.items():
                 get = container[probe]["httpGet"]
                 assert get["path"] == path

@@ -131,6 +131,8 @@ LEFT_OUT: list[tuple[re.Pattern[str], str]] = [(re.compile(p), why) for p, why i
     (r"(^| )\.\.\.( |$)", "an elided command (`...`): its flags run in full in another command of the page"),
     (r"<[a-z][a-z ]*>", "a placeholder (`<...>`) stands for an argument"),
     (r"^make test\b", "the test suite itself"),
+    (r"^make scan\b", "installs checkov from PyPI into .venv-scan; tests/deploy/test_kubernetes.py runs the same "
+                      "scan (test_manifests_pass_the_policy_scan)"),
     (r"make mutation|tools/mutation\.py", "mutation testing: on demand, about 15 minutes on 2 cores, with "
                                           "cosmic-ray, which the dev install does not hold (docs/mutation-testing.md)"),
     (r"-m experiments run ", "a grid of full-length testbed runs, minutes to hours; "

@@ -164,13 +164,14 @@ def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_polic
         "total_s": 60.0,
         "controls": [{"algorithm": "fedavg", "policy": "default", "federated_evaluation": False, **attacks.control_summary(
             [{"rounds_completed": 5, "rounds_planned": 5, "wall_s": 9.0, "accuracy": 0.85, "attack_success": 0.01,
-              "fed_log_bytes": 1000},
+              "fed_log_bytes": 1000, "cpu_s": {"fed_server": 3.0, "agent-0": 20.0}},
              {"rounds_completed": 5, "rounds_planned": 5, "wall_s": 11.0, "accuracy": 0.95, "attack_success": 0.03,
-              "fed_log_bytes": 3000}])}],
+              "fed_log_bytes": 3000, "cpu_s": {"fed_server": 5.0, "agent-0": 22.0}}])}],
         "runs": [{**_row(ratio=2.0), "goals_missed": ["time"]},
                  {**_row(policy="robust", points=-0.5), "behaviour": "backdoor", "attack_success": 0.042,
                   "goals_missed": []},
-                 {**_row(), "behaviour": "registration_loop", "fed_log_bytes": 2560, "goals_missed": []},
+                 {**_row(), "behaviour": "registration_loop", "fed_log_bytes": 2560, "fed_cpu_ratio": 2.5,
+                  "goals_missed": []},
                  {"behaviour": "silent", "algorithm": "fedavg", "policy": "robust", "harmful": 1,
                   "status": "unsupported"},
                  {"behaviour": "activations_1e30", "algorithm": "fedavg", "policy": "default", "harmful": 1,
@@ -180,8 +181,9 @@ def test_the_table_has_one_row_per_behaviour_algorithm_and_count_with_both_polic
     assert "| silent | fedavg | 1 of 10 | 5/5 | 2.00x | +0.0 | time (2026-12-05) | unsupported |  |  |  |" in table
     assert "| activations_1e30 | fedavg | 1 of 10 | n/a |  |  |  |  |  |  |  |" in table
     assert "| backdoor | fedavg | 1 of 10 |  |  |  |  | 5/5 | 1.00x | -0.5; attack success 4.2 % | met (2026-12-05) |" in table
-    assert "| registration_loop | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0; log 2.5 KiB | met (2026-12-05) |" in table
-    assert ("| fedavg | default | server | 2026-12-05 | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 10.0 | 2.0 | 2.0 | "
+    assert ("| registration_loop | fedavg | 1 of 10 | 5/5 | 1.00x | +0.0; log 2.5 KiB; Fed Server CPU 2.50x | "
+            "met (2026-12-05) |") in table
+    assert ("| fedavg | default | server | 2026-12-05 | 5/5 | 10.0 | 90.0 | 85.0 to 95.0 | 10.0 | 2.0 | 2.0 | 4.0 | "
             "9.0, 85.0; 11.0, 95.0 |") in table
     assert "run 2 times: a cell compares with the controls' mean" in table
 
@@ -227,7 +229,7 @@ def _invocation(date: str, runs: list[dict], controls: list[dict]) -> dict:
 def _control(algorithm: str, policy: str, accuracy: float) -> dict:
     return {"algorithm": algorithm, "policy": policy, "federated_evaluation": False, **attacks.control_summary(
         [{"rounds_completed": 5, "rounds_planned": 5, "wall_s": 10.0, "accuracy": accuracy, "attack_success": 0.0,
-          "fed_log_bytes": 1000}])}
+          "fed_log_bytes": 1000, "cpu_s": {"fed_server": 2.0}}])}
 
 
 def test_a_partial_invocation_replaces_only_its_cells_in_the_docs_table_each_with_its_date_and_controls(
@@ -276,7 +278,8 @@ def test_an_invocation_writes_its_figures_after_every_run(tmp_path, monkeypatch)
     monkeypatch.setattr(attacks, "WarmStarter", lambda modules: types.SimpleNamespace(close=lambda: None))
     monkeypatch.setattr(attacks, "run_once", lambda *args, **kwargs: attacks.RunResult(
         rounds_completed=1, rounds_planned=1, wall_s=1.0, accuracy=next(results_of), attack_success=0.0,
-        recorded_accuracy=None, fed_log_bytes=0, harmful_actions=1, failed_attempts=0, error=None))
+        recorded_accuracy=None, fed_log_bytes=0, harmful_actions=1, failed_attempts=0, error=None,
+        cpu_s={"fed_server": 1.0}))
     seen: list[tuple[int, int, bool]] = []
     attacks.run(attacks.Selection(("silent",), ("fedavg",), (1,), ("default",), 1, 1), log=lambda text: None,
                 progress=lambda so_far: seen.append((len(so_far["controls"]), len(so_far["runs"]),

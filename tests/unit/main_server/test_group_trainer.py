@@ -470,15 +470,17 @@ def test_a_step_that_cannot_tell_whose_activations_broke_it_names_everyone_and_r
 
 
 # ------------------------------------------------------------------------------------ member defences
-def _defended(model, start: int, group_loss: str, defences: list[str], params: dict | None = None,
+def _defended(model, start: int, group_loss: str, defences: list[str] | GroupTrainer, params: dict | None = None,
               members: dict[str, GroupMember] | None = None) -> GroupTrainer:
+    """A trainer with the named ``defences``, or with another trainer's (one round's groups share them)."""
     from shared.algorithms.registry import build_member_defences
 
     m = copy.deepcopy(model)
     weights = {k: v.clone() for k, v in m.portion(start, len(m.blocks)).state_dict().items()}
     loss = build_group_loss(group_loss)
-    return GroupTrainer(m, start, weights, lr=LR, group_loss=loss, members=members,
-                        defences=build_member_defences(defences, params or {}, loss))
+    built = (defences.defences if isinstance(defences, GroupTrainer)
+             else build_member_defences(defences, params or {}, loss))
+    return GroupTrainer(m, start, weights, lr=LR, group_loss=loss, members=members, defences=built)
 
 
 @pytest.mark.parametrize("group_loss", ["per_member", "per_member_sum", "union_mean", "data_weighted"])
@@ -541,12 +543,30 @@ def test_standardising_scales_a_member_far_above_the_median_down_to_the_bound(mo
     trainer = _defended(model, 2, "per_member", ["standardise"], {"standardise": {"ratio": 2.0}})
     rows = [3, 4, 5]
     h = torch.cat([torch.full((3, 2), 1.0), torch.full((4, 2), 1.5), torch.full((5, 2), 30.0)])
-    out = trainer._standardised(h, rows)
+    out = trainer._standardised(h, rows, 2)
     parts = torch.split(out, rows)
     assert torch.equal(parts[0], h[:3]) and torch.equal(parts[1], h[3:7])
     torch.testing.assert_close(parts[2], torch.full((5, 2), 3.0))   # 2 x the median member's RMS, 1.5
-    two = h[:7]   # fewer members than min_members (3): a median of two says nothing
-    assert trainer._standardised(two, rows[:2]) is two
+    fresh = _defended(model, 2, "per_member", ["standardise"], {"standardise": {"ratio": 2.0}})
+    two = torch.cat([torch.full((3, 2), 1.0), torch.full((4, 2), 30.0)])   # fewer values than min_members (3)
+    assert fresh._standardised(two, rows[:2], 2) is two
+
+
+def test_standardising_compares_with_the_rounds_members_at_the_block_not_the_groups_alone(model):
+    # Two members scaled x10 in a group of four move the group's own median to 5.5 (a cap of 11:
+    # nothing scaled); the median of every member the round met at that block stays honest.
+    group_a = _defended(model, 2, "per_member", ["standardise"], {"standardise": {"ratio": 2.0}})
+    trainer = _defended(model, 2, "per_member", group_a)   # another group of the same round
+    rows = [2, 2, 2, 2]
+    honest = torch.cat([torch.full((2, 2), v) for v in (0.9, 1.0, 1.0, 1.1)])
+    assert group_a._standardised(honest, rows, 2) is honest
+    attacked = torch.cat([torch.full((2, 2), v) for v in (1.0, 1.0, 10.0, 10.0)])
+    parts = torch.split(trainer._standardised(attacked, rows, 2), rows)
+    assert torch.equal(parts[0], attacked[:2]) and torch.equal(parts[1], attacked[2:4])
+    torch.testing.assert_close(torch.cat(parts[2:]), torch.full((4, 2), 2.0))   # 2 x the round's median, 1.0
+    other_block = _defended(model, 2, "per_member", ["standardise"], {"standardise": {"ratio": 2.0}})
+    other_block._standardised(honest, rows, 1)   # values met at another block do not count at this one
+    assert other_block._standardised(attacked, rows, 2) is attacked
 
 
 def test_a_member_that_left_no_longer_counts_in_the_group_s_shares(model):
