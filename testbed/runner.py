@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import yaml
 
 from shared.config import RunConfig
@@ -335,14 +336,16 @@ class Testbed:
     def stop(self, agent_grace_s: float = 15.0, interrupted: bool = False) -> None:
         """Give the agents a moment to collect the final model and exit on their own, then stop all
         and remove the secrets and the real-links network, even when interrupted (Ctrl-C, SIGTERM)
-        while stopping the processes.
+        while stopping the processes. The agents only exit on their own once the run has finished,
+        so a testbed stopped before that (a test that saw what it came for, an error) does not wait
+        for them.
 
         ``interrupted`` (the user pressed Ctrl-C): no grace, and whoever has not exited
         :data:`INTERRUPT_STOP_S` after SIGTERM is killed, so the testbed is gone within about 2 s
         and no further round runs meanwhile. Killing the Fed Server loses nothing a resumed run
         needs: its checkpoint is written whole or not at all (docs/operations.md, "Crashes")."""
         try:
-            deadline = time.monotonic() + (0.0 if interrupted else agent_grace_s)
+            deadline = time.monotonic() + (0.0 if interrupted or not self._run_finished() else agent_grace_s)
             for agent in self.agent_services:
                 while agent.alive() and time.monotonic() < deadline and self.fed is not None and self.fed.alive():
                     time.sleep(0.1)
@@ -355,6 +358,15 @@ class Testbed:
                 self.secret_files.remove()
             if self.network is not None:
                 self.network.remove()
+
+    def _run_finished(self) -> bool:
+        """Whether the Fed Server says its run has finished; False when it is gone or cannot say."""
+        if self.fed is None or not self.fed.alive():
+            return False
+        try:
+            return bool(self.status()["state"] == "finished")
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
 
     def __enter__(self) -> "Testbed":
         try:

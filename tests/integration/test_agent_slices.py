@@ -40,7 +40,9 @@ def test_two_sliced_agents_record_the_rounds_and_train_the_model_of_one_agent(tm
     # aggregates in device order), whichever process hosts a device. Random selection of 3 of 4
     # devices (seed 2: a different three each round) and two kinds (round-robin by shard) show that
     # selection and kinds follow the shards.
-    config = small_config(algorithm="fedavg", devices_per_round=3, seed=2, **{"devices.profiles": ["high", "low"]})
+    # 400 samples: what is compared does not depend on how much each device trains on.
+    config = small_config(algorithm="fedavg", devices_per_round=3, seed=2, **{"devices.profiles": ["high", "low"],
+                                                                              "data.max_samples": 400})
     runs = {}
     for agents, testbed_class in ((1, Testbed), (2, SlicedTestbed)):
         run_dir = tmp_path / f"agents-{agents}"

@@ -84,7 +84,8 @@ def test_fed_server_killed_between_a_round_record_and_its_checkpoint(run_testbed
     # The recorder pauses (fault-injection hook) after writing round 2's metrics line and before
     # the checkpoint that counts it; the server is killed there. The resumed run drops the line
     # the checkpoint does not cover and re-runs the round: each round recorded exactly once.
-    monkeypatch.setenv(FAULT_PAUSE_ENV["checkpoint"], "5")
+    # Long enough for the test, which reads the log every 0.1 s, to kill the server in the window.
+    monkeypatch.setenv(FAULT_PAUSE_ENV["checkpoint"], "2")
     config = small_config(rounds=3, **{"deadlines.round_s": 60, "deadlines.step_s": 10})
 
     def crash_in_the_window(testbed):

@@ -44,11 +44,13 @@ def test_s2fl_slides_splits_by_device_profile(run_testbed):
     # server time, which the suite's other worker inflates, and then it can be the device's
     # largest cell and the closest to the median, putting every device at split 1 (it did once in
     # a CI run; docs/s2fl.md, "Why group size 4").
-    # IID shards of equal size, so the kinds are what sets the devices' times apart.
+    # IID shards of equal size, so the kinds are what sets the devices' times apart: 192 samples
+    # each, three full batches an epoch, so every step carries as much compute as any step did on
+    # larger shards (whose last batch is partial) against the same per-step overheads.
     # No own deadlines (patience null, only round_s): on a loaded machine a warm-up round could cut a
     # device, leaving a cell the test cannot rebuild; the split rule is what this test checks.
     config = small_config(rounds=4, **{"devices.profiles": ["mid", "low"], "train.local_epochs": 2,
-                                       "data.partition": "iid", "deadlines.patience": None})
+                                       "data.partition": "iid", "data.max_samples": 768, "deadlines.patience": None})
     status, metrics, run_dir = run_testbed(config)
     _check_common(status, metrics, run_dir, config)
     split_points = build_model("cnn").split_points
@@ -195,7 +197,8 @@ def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(
     from testbed.runner import Testbed
     from testbed.warm_start import shared_starter
 
-    config = small_config(rounds=3, **{"grouping.group_size": 1})
+    # 400 samples: the comparison is to the bit whatever the devices train on.
+    config = small_config(rounds=3, **{"grouping.group_size": 1, "data.max_samples": 400})
     states = {}
     for keep in ("no", "yes"):
         monkeypatch.setenv("SFL_KEEP_MODELS", keep)

@@ -64,6 +64,37 @@ def test_follow_asks_for_rounds_after_the_last_completed_one_and_prints_each_att
     assert final["history"] == [r.to_json() for r in attempts]      # ... which the caller gets
 
 
+class _StaysUp:
+    """A service stand-in that runs until the testbed's process group stops it."""
+
+    def __init__(self) -> None:
+        self.up = True
+
+    def alive(self) -> bool:
+        return self.up
+
+
+@pytest.mark.parametrize("state, waits", [("running", False), ("finished", True)])
+def test_stop_waits_for_the_agents_only_after_a_finished_run(tmp_path, monkeypatch, state, waits):
+    # Agents exit on their own once the run has finished (having collected the final model);
+    # stopped before that, a testbed that waited for them sat out the whole grace.
+    from testbed import runner
+
+    testbed = _testbed(tmp_path, [{**FINISHED, "state": state}])
+    services = [_StaysUp(), _StaysUp()]
+    testbed.fed, testbed.agent_services = services[0], [services[1]]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:   # an agent that exits while the testbed waits for it
+        slept.append(seconds)
+        services[1].up = False
+
+    monkeypatch.setattr(runner.time, "sleep", sleep)
+    monkeypatch.setattr(testbed.processes, "stop", lambda *args: [setattr(s, "up", False) for s in services])
+    testbed.stop()
+    assert bool(slept) == waits and not any(s.up for s in services)
+
+
 def test_device_data_and_local_runs_go_together(tmp_path):
     local = RunConfig.model_validate({"data": {"dataset": "local", "num_classes": 2, "input_shape": [3]}})
     with pytest.raises(TestbedError, match="needs --device-data"):
