@@ -54,6 +54,7 @@ def create_app(coordinator: Coordinator, settings: FedServerSettings | None = No
         "Global model, client time table, device selection, split choice, layer-wise aggregation."))
     app.state.coordinator = coordinator
     app.state.metrics = metrics
+    app.on_stopping += [coordinator.status_posted.close, coordinator.core.work_posted.close]
     _add_run_routes(app, coordinator, settings)
     _add_device_routes(app, coordinator, settings)
     _add_upload_routes(app, coordinator, settings)

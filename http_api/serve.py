@@ -9,8 +9,10 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import uvicorn
@@ -167,17 +169,33 @@ def serve(app, args: argparse.Namespace) -> None:
 
     On SIGTERM uvicorn waits for the requests still running before it stops, with no limit of its
     own; a status or task answer held for up to 30 s (long-poll) would hold the shutdown that long.
-    ``--shutdown-grace-s`` bounds that wait: what still runs then is cancelled.
+    So the app's ``on_stopping`` callbacks (:class:`http_api.server.ServiceApp`) run first and let
+    such answers go at once; ``--shutdown-grace-s`` bounds the wait for the rest (a step at its
+    group's barrier): what still runs then is cancelled.
 
     The app and what it holds are built by now: they are frozen out of the garbage collector's
     full collections first (:func:`shared.service.freeze_startup_objects`)."""
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     freeze_startup_objects()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
-                ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
-                http=head_timeout_protocol(args.head_timeout_s, args.min_body_rate, args.body_grace_s),
-                timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_grace_s)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+                            ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
+                            http=head_timeout_protocol(args.head_timeout_s, args.min_body_rate, args.body_grace_s),
+                            timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_grace_s)
+    _StoppingServer(config, getattr(app, "on_stopping", [])).run()
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, calling ``stopping`` before it waits for the requests still running."""
+
+    def __init__(self, config: uvicorn.Config, stopping: list[Callable[[], None]]) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for release in self.stopping:
+            release()
+        await super().shutdown(sockets)
 
 
 def refuse_to_start(parser: argparse.ArgumentParser, args: argparse.Namespace, service: str, reason: str) -> NoReturn:

@@ -293,6 +293,11 @@ class ServiceApp(FastAPI):
         super().__init__(*args, **kwargs)
         self.body_bytes = body_bytes
         self.lean_routes: list[LeanRoute] = []
+        #: Called on the event loop when the server starts to stop (SIGTERM, Ctrl-C), before it
+        #: waits for the requests still running (:func:`http_api.serve.serve`): what holds an
+        #: answer for a change (long-poll, a watch stream) lets it go, so that the stop is not held
+        #: for ``--shutdown-grace-s`` and the answer is not cut off.
+        self.on_stopping: list[Callable[[], None]] = []
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

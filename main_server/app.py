@@ -33,6 +33,7 @@ def create_app(settings: MainServerSettings) -> ServiceApp:
                              registry=server.metrics.registry)
     app.state.server = server
     app.state.metrics = server.metrics
+    app.on_stopping.append(server.stop_watching)
 
     @app.get(f"{API}/status")
     async def status() -> dict:

@@ -331,7 +331,7 @@ class GroupRound:
             self.dropped[device] = reason
         if self.metrics is not None:
             self.metrics.members_dropped(cause, len(reasons))
-        self._announce()
+        self.announce()
         self._release(group)
 
     def _release(self, group: Group) -> None:
@@ -352,13 +352,14 @@ class GroupRound:
         closed); take it before reading the state, so no change is missed."""
         return self._changed
 
-    def _announce(self) -> None:
+    def announce(self) -> None:
+        """Wake the watch streams (a change to report, or the server stopping)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
     def _close(self) -> None:
         self.closed.set()
-        self._announce()
+        self.announce()
         # Every group's copy was freed once its portion was encoded (or the round was replaced):
         # the pages go back now, not at some later allocation.
         release_free_memory()

@@ -72,6 +72,7 @@ class MainServer:
         self.send_portion = send_portion
         self.metrics = metrics if metrics is not None else MainMetrics(self)
         self.round: GroupRound | None = None
+        self.stopping = False   # the server is stopping: watch streams end (stop_watching)
         # The open round's participants by their device token (authentication on): who calls is
         # known from the header, before a join's or step's body is read (:meth:`caller`).
         self._participant_tokens: dict[str, str] = {}
@@ -157,14 +158,24 @@ class MainServer:
         by a newer plan. Every line carries the members dropped so far, with why; ``done`` also the
         groups whose portion was not delivered. The Fed Server holds one per replica and round: it
         excludes those members at once, and a stream that ends without its last line, or falls
-        silent, tells it the replica is gone, without polling (docs/api.md)."""
+        silent, tells it the replica is gone, without polling (docs/api.md): as it is once this
+        server stops (:meth:`stop_watching`)."""
         while not state.closed.is_set():
+            if self.stopping:
+                return
             changed = state.changed()   # taken before the line: a drop while it is sent wakes us
             yield RoundWatch(round_id=state.round_id, state="open", dropped=dict(state.dropped))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), heartbeat_s)
         yield RoundWatch(round_id=state.round_id, state="replaced" if state.abandoned else "done",
                          dropped=dict(state.dropped), undelivered=sorted(state.undelivered))
+
+    def stop_watching(self) -> None:
+        """The server is stopping: end every watch stream now, without its last line (the Fed
+        Server then plans around this replica), instead of holding the stop for the shutdown grace."""
+        self.stopping = True
+        if self.round is not None:
+            self.round.announce()
 
     def status(self) -> dict:
         """A JSON-friendly view of the open round for ``/v1/status``."""

@@ -77,3 +77,18 @@ def test_a_post_while_the_answer_is_computed_is_not_missed():
         return value, time.monotonic() - started
     value, took = asyncio.run(main())
     assert value == 1 and took < 1.0
+
+
+def test_closing_answers_every_held_request_as_it_stands_and_every_later_one_at_once():
+    # The server is stopping: a long-poll is let go instead of holding the shutdown.
+    async def main() -> tuple[list[int], int, bool]:
+        broadcast = Broadcast()
+        waiters = [asyncio.create_task(broadcast.hold(lambda: 0, lambda n: n > 0, 60.0)) for _ in range(2)]
+        await asyncio.sleep(0.05)   # both are held
+        assert not any(w.done() for w in waiters)
+        broadcast.close()
+        answers = await asyncio.wait_for(asyncio.gather(*waiters), 5.0)
+        later = await asyncio.wait_for(broadcast.hold(lambda: 7, lambda n: False, 60.0), 5.0)
+        return answers, later, True
+    answers, later, _ = asyncio.run(main())
+    assert answers == [0, 0] and later == 7

@@ -20,7 +20,8 @@ def calls(monkeypatch) -> list[str]:
     """What ``serve`` did, in order: the freeze, and uvicorn's run (neither done for real)."""
     done: list[str] = []
     monkeypatch.setattr(serve_module, "freeze_startup_objects", lambda: done.append("freeze"))
-    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: done.append(f"run {app} on {kwargs['port']}"))
+    monkeypatch.setattr(serve_module._StoppingServer, "run",
+                        lambda self: done.append(f"run {self.config.app} on {self.config.port}"))
     return done
 
 
@@ -38,7 +39,8 @@ def test_a_certificate_without_its_key_stops_before_anything_is_frozen_or_served
 def test_the_connection_limits_reach_uvicorn(calls, monkeypatch):
     ran: dict = {}
     monkeypatch.setattr(serve_module, "head_timeout_protocol", lambda *limits: ("protocol with", limits))
-    monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **kwargs: ran.update(kwargs))
+    monkeypatch.setattr(serve_module._StoppingServer, "run", lambda self: ran.update(config=self.config))
     serve_module.serve("the app", _args(head_timeout_s=2.0, min_body_rate=500.0, body_grace_s=4.0, keep_alive_s=6.0))
-    assert ran["http"] == ("protocol with", (2.0, 500.0, 4.0))
-    assert (ran["timeout_keep_alive"], ran["timeout_graceful_shutdown"]) == (6.0, 3.0)
+    config = ran["config"]
+    assert config.http == ("protocol with", (2.0, 500.0, 4.0))
+    assert (config.timeout_keep_alive, config.timeout_graceful_shutdown) == (6.0, 3.0)

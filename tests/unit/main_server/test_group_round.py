@@ -630,6 +630,30 @@ def test_the_watch_stream_reports_a_dropped_member_at_once_and_an_undelivered_gr
     kit.run(body)
 
 
+def test_a_stopping_server_ends_its_watch_streams_at_once_without_their_last_line(kit):
+    """A stream held with a long heartbeat ends as soon as the server starts to stop, not after
+    the shutdown grace; with no ``done`` line the Fed Server takes the replica as gone."""
+    from main_server.portion_upload import FedServerPortions
+    from main_server.server import MainServer, MainServerSettings
+    from shared.auth import Auth
+    from testbed.processes import free_port
+
+    async def body() -> None:
+        portions = FedServerPortions(f"http://127.0.0.1:{free_port()}", Auth(), None, retries=1)
+        server = MainServer(MainServerSettings(fed_server_url="http://unused"), portions.send)
+        server.open_round(kit.make_plan(["a", "b"], round_id=1))
+        lines = server.watch(server.current(1), heartbeat_s=60.0)
+        assert (await anext(lines)).state == "open"
+        waiting = asyncio.ensure_future(anext(lines))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()   # held until the next heartbeat, a minute away
+        server.stop_watching()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(waiting, 5)
+        server.trainers.shutdown()
+    kit.run(body)
+
+
 def test_ready_group_steps_train_one_at_a_time_and_the_queue_counts_as_wait(kit):
     """One training worker: a group whose step becomes ready while another group's step trains
     waits for it; that wait is the members' wait_s, and server_s is its own training alone."""
