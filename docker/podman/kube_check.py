@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -47,6 +46,8 @@ cc.LOG_PREFIX = "kube-check"
 from kustomize_render import render  # noqa: E402
 
 ROOT = cc.ROOT
+sys.path.insert(0, str(ROOT))
+from testbed.processes import free_port  # noqa: E402
 PREFIX = "sfl-kube"
 NETWORK = PREFIX
 # A subnet of its own, so that each pod gets a fixed address its Service names resolve to.
@@ -332,12 +333,6 @@ def write_volume(folder: Path, files: Mapping[str, bytes], mode: int, group: int
         if group is not None:
             os.chown(target, 0, group)
         target.chmod(mode)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def podman(env: Mapping[str, str], *args: str, check: bool = True) -> str:
