@@ -82,7 +82,7 @@ def _plans(urls: list[str], run_id: str, round_id: int, ids: list[str], steps: i
 
     def plan(members: list[str], groups: list[PlannedGroup] | None) -> RoundPlan:
         return RoundPlan(
-            run_id=run_id, round_id=round_id, model="cnn", num_classes=NUM_CLASSES, input_shape=[1, 28, 28], seed=0,
+            run_id=run_id, round_id=round_id, round_index=round_id, model="cnn", num_classes=NUM_CLASSES, input_shape=[1, 28, 28], seed=0,
             participants=[Participant(device_id=d, split_point=SPLIT, num_samples=BATCH * steps) for d in members],
             server_weights=weights, train=TrainConfig(lr=0.05, batch_size=BATCH), grouping="balanced",
             group_size=GROUP_SIZE, group_loss="per_member", join_deadline_s=300.0, step_deadline_s=300.0, groups=groups)

@@ -98,12 +98,13 @@ class TaskTrainer:
         if logic.State is not None:
             logic.restore_state(self.states.load(self.run_id, self.device_id, logic.State,
                                                  trainable_parameters(self.model.layout)))
-        assert task.train is not None and task.round_id is not None and task.split_point is not None
+        assert task.train is not None and task.round_id is not None and task.round_index is not None
+        assert task.split_point is not None
         # Keys and shares go before training: the stages close as soon as every device answered,
         # and a device lost while training is one whose masks its peers' shares remove.
         self.secure = None if task.secure_aggregation is None else share_secrets(
             self.fed, self.device_id, self.run_id, task.round_id, task.secure_aggregation, deadline)
-        settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_id),
+        settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_index),
                                     task.half_precision)
         context = TrainContext(clock, logic=logic, extras=extras, deadline=deadline, compute=self.compute,
                                torch_device=self.model.torch_device, defences=self.defences,

@@ -94,10 +94,12 @@ def leaves_out_single_samples(model: SplitModel, split_point: int, split: bool) 
     return normalises_over_batch(model if split else model.portion(0, split_point))
 
 
-def round_seed(seed: int, shard: int | str, round_id: int) -> int:
+def round_seed(seed: int, shard: int | str, round_index: int) -> int:
     """Per device and round batch-order seed, identical in every process (``shard``: the device's
-    shard, or its id when it brings its own data)."""
-    digest = hashlib.sha256(f"{seed}/{shard}/{round_id}".encode()).digest()
+    shard, or its id when it brings its own data). Keyed by the logical round, not the attempt id:
+    a retried attempt, or the first attempt of a run resumed from its checkpoint (whose attempt ids
+    skip the ones handed out before the stop), trains on the batches the round would have had."""
+    digest = hashlib.sha256(f"{seed}/{shard}/{round_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF
 
 

@@ -179,7 +179,7 @@ class ReplicaPlanning:
             members = {d: group_candidate(self.participant(fed_round, d), self.core.devices.label_counts(d))
                        for d in fed_round.assignments}
             groups = form_round_groups(build_grouping(self.core.algorithm.grouping()), members,
-                                       config.grouping.group_size, config.seed, fed_round.round_id)
+                                       config.grouping.group_size, config.seed, fed_round.index)
             fed_round.planned_groups = dict(enumerate(groups))
         return [fed_round.planned_groups[g] for g in range(len(fed_round.planned_groups))]
 

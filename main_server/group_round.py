@@ -303,7 +303,7 @@ class GroupRound:
 
     def _record(self, name: str, tensor: torch.Tensor | None = None, value: object = None) -> None:
         """Keep ``tensor`` or ``value`` as ``name`` in this round's records, if it has any."""
-        if self.recording is None or self.plan.round_index is None:
+        if self.recording is None:
             return
         if tensor is not None:
             self.recording.tensor(self.plan.round_index, self.round_id, name, tensor)

@@ -91,7 +91,7 @@ class JoinPhase:
             return [(gid, members) for gid, members in planned if members]
         members = {d: group_candidate(self.participants[d], r.label_counts) for d, r in self.joined.items()}
         return list(enumerate(form_round_groups(grouping, members, self.plan.group_size, self.plan.seed,
-                                                self.plan.round_id)))
+                                                self.plan.round_index)))
 
     def cancel(self) -> None:
         """Stop the timers (the round was replaced); the groups will not form."""

@@ -432,8 +432,9 @@ class RoundPlan(Message):
 
     run_id: str
     round_id: int = Field(ge=0)
-    #: The logical round (1..rounds) this attempt trains, for logs (shared/round_label.py).
-    round_index: int | None = Field(default=None, ge=1)
+    #: The logical round (1..rounds) this attempt trains: logs (shared/round_label.py) and the
+    #: grouping's draw (shared/algorithms/grouping.py).
+    round_index: int = Field(ge=1)
     model: str
     model_params: dict[str, JsonValue] = Field(default_factory=dict)
     num_classes: int

@@ -67,14 +67,15 @@ def candidates_from_counts(counts: Mapping[str, Sequence[int]], split_point: int
     return {d: GroupCandidate.of(c, split_point, int(np.sum(c))) for d, c in counts.items()}
 
 
-def grouping_rng(seed: int, round_id: int) -> np.random.Generator:
-    """The generator a round's grouping draws from: the run's seed and the round id, so a replay
-    (or a benchmark recomputing the groups) regroups identically and rounds differ."""
-    return np.random.default_rng([seed, round_id])
+def grouping_rng(seed: int, round_index: int) -> np.random.Generator:
+    """The generator a round's grouping draws from: the run's seed and the logical round, so a
+    replay (or a benchmark recomputing the groups) regroups identically, rounds differ, and a
+    retried attempt or a resumed run draws what the round would have drawn."""
+    return np.random.default_rng([seed, round_index])
 
 
 def form_round_groups(grouping: "Grouping", members: Mapping[str, GroupCandidate], group_size: int, seed: int,
-                      round_id: int) -> list[list[str]]:
+                      round_index: int) -> list[list[str]]:
     """A round's groups: ``grouping`` over ``members`` (in device-id order) with the round's
     :func:`grouping_rng`.
 
@@ -82,7 +83,7 @@ def form_round_groups(grouping: "Grouping", members: Mapping[str, GroupCandidate
     paper) and by the Fed Server from the counts sent at registration (several replicas, which
     need the groups before tasks go out), so the same devices and counts give the same groups.
     """
-    return grouping.form({d: members[d] for d in sorted(members)}, group_size, grouping_rng(seed, round_id))
+    return grouping.form({d: members[d] for d in sorted(members)}, group_size, grouping_rng(seed, round_index))
 
 
 def consecutive_groups(ordered: Sequence[str], group_size: int) -> list[list[str]]:

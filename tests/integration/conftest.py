@@ -15,8 +15,10 @@ def run_testbed(tmp_path):
     returns (final status, metrics, run dir)."""
 
     def run(config: RunConfig, agents: int = 1, timeout: float = 240.0, during=None, torch_device: str | None = None,
-            main_servers: int | None = None):
-        run_dir = tmp_path / (f"run-{config.algorithm}" + (f"-{main_servers}-main-servers" if main_servers and main_servers > 1 else ""))
+            main_servers: int | None = None, name: str = ""):
+        """``name``: a suffix of the run directory, for a test that runs the same algorithm twice."""
+        run_dir = tmp_path / (f"run-{config.algorithm}" + (f"-{main_servers}-main-servers" if main_servers and main_servers > 1 else "")
+                              + (f"-{name}" if name else ""))
         with Testbed(config, run_dir, agents=agents, torch_device=torch_device, main_servers=main_servers,
                      warm=shared_starter()) as testbed:
             if during is not None:

@@ -158,7 +158,7 @@ def make_plan(round_id: int = 1, **changes) -> dict:
     """A valid round plan for a Main Server alone (the cnn, two participants cut at block 1, ten
     classes, batches of 8), as a dict, with ``changes`` applied."""
     plan = RoundPlan(
-        run_id="plan-run", round_id=round_id, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
+        run_id="plan-run", round_id=round_id, round_index=max(round_id, 1), model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
         participants=[Participant(device_id="dev-a", split_point=1, num_samples=50),
                       Participant(device_id="dev-b", split_point=1, num_samples=50)],
         server_weights=encode_state(build_model("cnn").portion(1, 4).state_dict()),

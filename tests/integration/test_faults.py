@@ -127,6 +127,33 @@ def test_fed_server_sigkilled_mid_run_resumes_from_its_checkpoint(run_testbed):
     assert "resumed run" in (run_dir / "logs" / "fed_server.log").read_text()
 
 
+def test_a_fedavg_run_killed_mid_round_and_resumed_records_the_rounds_of_the_run_never_killed(run_testbed):
+    # What shapes a round is the run's, not the process's: the selection's generator is in the
+    # checkpoint, and each device's batch order is seeded by the run's seed, its shard and the
+    # logical round (not the attempt id, which skips the ones handed out before the kill). So the
+    # resumed run trains round 2 again, from round 1's checkpoint, exactly as the other run did.
+    config = small_config(algorithm="fedavg", rounds=3, **{"deadlines.round_s": 60})
+    _, never_killed, _ = run_testbed(config, name="never-killed")
+
+    def kill_in_round_two(testbed):
+        wait_for(lambda: (s := _fed_status(testbed))["rounds_done"] >= 1 and s["open_round"] is not None,
+                 180, "round 2 to open")
+        _sigkill_fed_server(testbed)
+        _restart_fed_server(testbed)
+
+    status, resumed, run_dir = run_testbed(config, during=kill_in_round_two, name="resumed")
+    _check_no_round_lost(status, resumed, run_dir, 3)
+    ok = [m for m in resumed if m["status"] == "ok"]
+    assert ok[-1]["round_id"] > 3, "the resumed run's attempt ids skip the one open at the kill"
+    assert [m["round_id"] for m in never_killed] == [1, 2, 3]
+    for a, b in zip(never_killed, ok, strict=True):
+        assert a["selected"] == b["selected"] and a["aggregated"] == b["aggregated"]
+        # The same batches from the same weights, summed in device order: the same figures (a
+        # tolerance only for float rounding).
+        assert b["test_loss"] == pytest.approx(a["test_loss"], rel=1e-6), (a["round"], a["test_loss"], b["test_loss"])
+        assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-9)
+
+
 def test_main_server_sigkilled_mid_round_the_attempt_fails_and_is_retried(run_testbed):
     config = small_config(rounds=3, **{"deadlines.round_s": 15, "deadlines.step_s": 5, "deadlines.join_s": 5})
 

@@ -15,10 +15,10 @@ def test_s2fl_with_random_groups_completes_rounds(run_testbed):
     assert [m["round"] for m in metrics] == [1, 2, 3]
     assert all(m["status"] == "ok" for m in metrics)
     for m in metrics:
-        # The Main Server drew each round's groups from the round's generator (run seed, round id):
+        # The Main Server drew each round's groups from the round's generator (run seed, round):
         # the same draw here gives the same groups, in group-id order (members as uploaded: sorted).
         joined = candidates_from_counts({d: [0] * 10 for d in m["selected"]})  # all joined; the draw reads only the ids
-        expected = RandomGrouping().form(joined, config.grouping.group_size, grouping_rng(config.seed, m["round_id"]))
+        expected = RandomGrouping().form(joined, config.grouping.group_size, grouping_rng(config.seed, m["round"]))
         assert [g["members"] for g in m["groups"]] == [sorted(g) for g in expected], m["groups"]
         assert all(len(g["members"]) == 2 for g in m["groups"])
         assert m["bytes_server"] > 0

@@ -220,7 +220,7 @@ NONCES = {"dev-a": "nonce-a", "dev-b": "nonce-b"}
 def _plan() -> RoundPlan:
     """Round 99 of run "r" for dev-a and dev-b, singleton groups formed at a 2 s join deadline."""
     model = build_model("cnn")
-    return RoundPlan(run_id="r", round_id=99, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
+    return RoundPlan(run_id="r", round_id=99, round_index=1, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
                      participants=[Participant(device_id=d, split_point=1, num_samples=10, token_nonce=NONCES[d])
                                    for d in ("dev-a", "dev-b")],
                      server_weights=encode_state(model.portion(1, 4).state_dict()), train=TrainConfig(batch_size=4),

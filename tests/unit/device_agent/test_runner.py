@@ -183,7 +183,7 @@ class FakeMain:
 
 def _train_task(round_id: int, split: int, main_url: str | None) -> TaskResponse:
     model = build_model("cnn", seed=INFO.seed)
-    return TaskResponse(status="train", round_id=round_id, split_point=split, num_blocks=len(model.blocks),
+    return TaskResponse(status="train", round_id=round_id, round_index=round_id, split_point=split, num_blocks=len(model.blocks),
                         weights_id=_publish(model, split), train=TrainConfig(batch_size=32),
                         main_server_url=main_url, deadline_s=120.0, algorithm="fedavg" if main_url is None else "s2fl")
 
@@ -435,7 +435,7 @@ def test_a_task_the_device_cannot_carry_out_is_one_warning_and_one_withdrawal_an
     device.run()
     (line,) = _problems(caplog)
     assert line.levelname == "WARNING" and not line.exc_info
-    assert line.getMessage().startswith("dev-003: attempt 1 abandoned, withdrawing: ") and word in line.getMessage()
+    assert line.getMessage().startswith("dev-003: round 1 (attempt 1) abandoned, withdrawing: ") and word in line.getMessage()
     (withdrawal,) = fed.withdrawals
     assert (withdrawal.device_id, withdrawal.round_id) == ("dev-003", 1) and word in withdrawal.reason
     assert "\n" not in withdrawal.reason
@@ -448,7 +448,7 @@ def test_an_unexpected_error_in_a_task_is_logged_with_its_traceback_and_the_devi
     device.run()
     (line,) = _problems(caplog)
     assert line.levelname == "ERROR" and line.exc_info and line.exc_info[0] is RuntimeError
-    assert line.getMessage() == "dev-003: attempt 1 abandoned, withdrawing: RuntimeError: boom"
+    assert line.getMessage() == "dev-003: round 1 (attempt 1) abandoned, withdrawing: RuntimeError: boom"
     assert [(w.round_id, w.reason) for w in fed.withdrawals] == [(1, "RuntimeError: boom")]
     assert [u.round_id for u in fed.uploads] == [2]
 
@@ -462,7 +462,7 @@ def test_a_withdrawal_that_fails_is_one_more_line_and_the_device_goes_on(refusal
 
     fed = Refusing([_full(1).model_copy(update={"algorithm": "no-such"}), _full(2), TaskResponse(status="done")])
     _device(fed, [], len(build_model("cnn").blocks)).run()
-    assert [r.getMessage() for r in _problems(caplog)][1:] == [f"dev-003: attempt 1: withdrawal not taken: {refusal}"]
+    assert [r.getMessage() for r in _problems(caplog)][1:] == [f"dev-003: round 1 (attempt 1): withdrawal not taken: {refusal}"]
     assert [u.round_id for u in fed.uploads] == [2]
 
 
@@ -471,7 +471,7 @@ def test_a_task_past_its_deadline_is_given_up_without_a_withdrawal(caplog):
     fed = FakeFed([_full(1).model_copy(update={"deadline_s": 1e-9}), _full(2), TaskResponse(status="done")])
     _device(fed, [], len(build_model("cnn").blocks)).run()
     (line,) = _problems(caplog)
-    assert line.getMessage() == "dev-003: attempt 1 abandoned: deadline passed before the task started"
+    assert line.getMessage() == "dev-003: round 1 (attempt 1) abandoned: deadline passed before the task started"
     assert fed.withdrawals == [] and [u.round_id for u in fed.uploads] == [2]
 
 

@@ -92,7 +92,7 @@ def test_groups_are_the_main_servers_and_spread_largest_first(replicated):
     # plans say of each participant.
     said = {p.device_id: p for plan in plans.values() for p in plan.participants}
     members = {d: group_candidate(said[d], _counts(d)) for d in DEVICES}
-    expected = form_round_groups(build_grouping(c.core.algorithm.grouping()), members, 2, c.config.seed, r.round_id)
+    expected = form_round_groups(build_grouping(c.core.algorithm.grouping()), members, 2, c.config.seed, r.index)
     assert list(r.planned_groups.values()) == expected
     loads = {g: sum(c.core.devices.devices[m].num_samples for m in members) for g, members in r.planned_groups.items()}
     # Every group on one replica, its members told that replica, the plans holding only theirs.

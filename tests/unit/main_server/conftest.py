@@ -29,7 +29,7 @@ def make_plan(devices: list[str], grouping: str = "balanced", group_size: int = 
               join_s: float = SLOW, step_s: float = SLOW, **changes) -> RoundPlan:
     model = build_model("logreg", CLASSES, (1, 1, FEATURES), seed=0)
     fields = dict(
-        run_id="run", round_id=round_id, model="logreg", num_classes=CLASSES, input_shape=[1, 1, FEATURES], seed=0,
+        run_id="run", round_id=round_id, round_index=max(round_id, 1), model="logreg", num_classes=CLASSES, input_shape=[1, 1, FEATURES], seed=0,
         participants=[Participant(device_id=d, split_point=1, num_samples=10) for d in devices],
         server_weights=encode_state(model.portion(1, len(model.blocks)).state_dict()),
         train=TrainConfig(lr=LR, batch_size=BATCH), grouping=grouping, group_size=group_size,

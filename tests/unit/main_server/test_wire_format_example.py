@@ -27,7 +27,7 @@ def _example() -> dict:
 def _plan(split_point: int) -> RoundPlan:
     # The run the example describes: the zoo's cnn on MNIST with the default training settings.
     model = build_model("cnn", 10, (1, 28, 28), seed=0)
-    return RoundPlan(run_id="run", round_id=1, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
+    return RoundPlan(run_id="run", round_id=1, round_index=1, model="cnn", num_classes=10, input_shape=[1, 28, 28], seed=0,
                      participants=[Participant(device_id="dev-000", split_point=split_point, num_samples=64)],
                      server_weights=encode_state(model.portion(split_point, len(model.blocks)).state_dict()),
                      train=TrainConfig(), grouping="singleton", group_size=1, group_loss="per_member",
