@@ -12,7 +12,10 @@ import torch
 
 from device_agent.api import FedApi, StageAnswer
 from device_agent.trainer import TaskExpired
-from shared.schemas import SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms
+from shared.privacy.noise import add_noise, distributed_noise_std
+from shared.schemas import (
+    PrivacyTerms, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms,
+)
 from shared.secagg.masks import BlockLayout
 from shared.secagg.protocol import DeviceSecrets, PublicKeys, words_to_state
 from shared.wire import encode_state
@@ -32,18 +35,27 @@ class SecureSession:
     roster: PublicKeys
     partners: list[str]
     deadline: float
+    #: The fewest survivors whose sum the Fed Server can unmask (the roster's threshold).
+    threshold: int
 
     @property
     def round_id(self) -> int:
         return self.secrets.round_id
 
     def masked_weights(self, state: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor], weight: float,
-                       layout: BlockLayout) -> dict:
+                       layout: BlockLayout, privacy: PrivacyTerms | None = None) -> dict:
         """The upload's weights: the change from ``start`` to ``state`` of every entry, weighed by
-        ``weight`` (the device's sample count), encoded and masked, as int64 tensors on the wire."""
-        update = {k: (v.double() - start[k].double()).cpu().numpy() for k, v in state.items()}
-        words = self.secrets.mask(update, weight, self.terms.fraction_bits, self.terms.value_range, layout,
-                                  self.roster, self.partners)
+        ``weight`` (the device's sample count), encoded and masked, as int64 tensors on the wire.
+        With distributed noise (``privacy.noise_multiplier``) the change weighs 1 and carries this
+        device's share of the noise: N(0, (z C)^2 / threshold) on every entry, drawn from the
+        operating system's randomness."""
+        update = {k: v.double() - start[k].double() for k, v in state.items()}
+        if privacy is not None and privacy.noise_multiplier is not None:
+            weight = 1.0
+            update = add_noise(update, distributed_noise_std(privacy.noise_multiplier, privacy.clip_norm,
+                                                             self.threshold))
+        words = self.secrets.mask({k: v.cpu().numpy() for k, v in update.items()}, weight, self.terms.fraction_bits,
+                                  self.terms.value_range, layout, self.roster, self.partners)
         return encode_state(words_to_state(words))
 
     def answer_unmasking(self) -> None:
@@ -71,7 +83,7 @@ def share_secrets(fed: FedApi, device_id: str, run_id: str, round_id: int, terms
                                                      shares=secrets.seal_shares(roster, roster_answer.threshold)))
     inbox = _stage(fed, round_id, "inbox", device_id, SecAggInbox, deadline)
     partners = secrets.open_inbox(roster, inbox.shares)
-    return SecureSession(fed, secrets, terms, roster, partners, deadline)
+    return SecureSession(fed, secrets, terms, roster, partners, deadline, roster_answer.threshold)
 
 
 def _stage(fed: FedApi, round_id: int, stage: str, device_id: str, model: type[StageAnswer],

@@ -201,7 +201,8 @@ class TaskTrainer:
         clock.transfer(sum(t.numel() * (8 if self.secure else t.element_size()) for t in state.values()))
         if self.secure is not None:
             assert start is not None
-            weights = self.secure.masked_weights(state, start, len(self.samples), BlockLayout.of(self.model.layout))
+            weights = self.secure.masked_weights(state, start, len(self.samples), BlockLayout.of(self.model.layout),
+                                                 task.privacy)
             extras: dict = {}
         else:
             weights, extras = encode_state(state), logic.upload_extras(portion, self.samples).to_wire()

@@ -100,7 +100,7 @@ class Aggregator:
         model, global_state = self.core.model, self.core.model.state_dict()
         if secure is not None:
             try:
-                contributions = self._secure_contributions(fed_round, used, global_state)
+                contributions = self._secure_contributions(fed_round, used, global_state, aggregation)
             except ValueError as exc:
                 # Too few shares came back to remove the masks: the sum is unreadable, and the
                 # logical round is retried.
@@ -131,14 +131,6 @@ class Aggregator:
                                                  server_state=portion.server_state(device) if portion else None)
         return contributions
 
-    def weight(self, device: str) -> float:
-        """A device's weight in a private attempt: 1 when noise is added (each device's sensitivity
-        is the clip bound, whatever its data size), else its sample count (Algorithm 1's |D_i|)."""
-        privacy = self.core.privacy
-        if privacy is not None and privacy.noise_multiplier is not None:
-            return 1.0
-        return float(self.core.devices.devices[device].num_samples)
-
     def _private_contributions(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
                                aggregation: Aggregation) -> dict[str, Contribution]:
         """The sums of the aggregated devices' clipped, weighted updates, noised (central noise), as
@@ -162,23 +154,27 @@ class Aggregator:
                 assert portion is not None   # usable() kept only devices with one
                 held = set(self.core.portion(fed_round.assignments[device].split_point))
                 contributions[device] = Contribution(
-                    weight=self.weight(device), client_state={},
+                    weight=self.core.summed_weight(device), client_state={},
                     server_state={k: v for k, v in portion.server_state(device).items() if k not in held})
         return contributions
 
-    def _secure_contributions(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor]
-                              ) -> dict[str, Contribution]:
+    def _secure_contributions(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
+                              aggregation: Aggregation) -> dict[str, Contribution]:
         """A securely aggregated attempt: the survivors' masked words summed, the masks removed
         with the secrets rebuilt from the unmasking stage's shares, the sum decoded and divided by
-        the survivors' summed sample counts, as one contribution (the weighted mean, Algorithm 1 at
-        split depth zero). ValueError when fewer shares than the threshold came back."""
+        the survivors' summed weights (sample counts; 1 each with distributed noise, whose shares
+        the sum carries), as one contribution (the weighted mean, Algorithm 1 at split depth zero).
+        A private attempt's round is counted in the ledger (fills the record's privacy fields).
+        ValueError when fewer shares than the threshold came back."""
         secure = fed_round.secure
         assert secure is not None and secure.plan is not None and secure.roster is not None
         seeds, keys = rebuild_secrets(secure.answers, list(secure.roster), used, secure.plan.dropped, secure.threshold)
         layout = BlockLayout.of(self.core.model)
         total = unmasked_sum({d: state_to_words(fed_round.updates[d].state) for d in used}, layout, seeds, keys,
                              {d: k.mask_key for d, k in secure.roster.items()})
-        weight = float(sum(self.core.devices.devices[d].num_samples for d in used))
+        weight = float(sum(self.core.summed_weight(d) for d in used))
+        if self.core.privacy is not None:
+            aggregation.privacy = self.core.privacy.release(len(used), None)
         mean = {k: global_state[k].double() + torch.from_numpy(decode(v, secure.terms.fraction_bits)) / weight
                 for k, v in total.items()}
         return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights={k: weight for k in mean})}
@@ -193,7 +189,7 @@ class Aggregator:
         weights: dict[str, float] = {}
         inside = 0
         for device in used:
-            state, w = fed_round.updates[device].state, self.weight(device)
+            state, w = fed_round.updates[device].state, self.core.summed_weight(device)
             norm = update_norm(state, global_state)
             scale = w * min(1.0, clip_norm / norm) if norm > 0 else w
             inside += norm <= clip_norm

@@ -49,14 +49,21 @@ class RunPrivacy:
             return self.noise_multiplier
         return self.adaptive.update_noise_multiplier(self.noise_multiplier)
 
+    @property
+    def distributed(self) -> bool:
+        """Whether the devices add the noise (``privacy.noise: distributed``), not the Fed Server."""
+        return self.config.noise == "distributed"
+
     def task_terms(self) -> PrivacyTerms:
-        """What a training task tells its device: clip its update to the round's bound."""
-        return PrivacyTerms(clip_norm=self.clip_norm)
+        """What a training task tells its device: clip its update to the round's bound, and with
+        distributed noise, the multiplier its share of the noise is drawn with."""
+        return PrivacyTerms(clip_norm=self.clip_norm, noise_multiplier=self.noise_multiplier if self.distributed else None)
 
     def central_stds(self) -> tuple[float, float]:
         """The standard deviations of the noise the Fed Server adds to the sum of updates and to
-        the count of unclipped devices (adaptive clipping); (0, 0) without noise."""
-        if self.noise_multiplier is None:
+        the count of unclipped devices (adaptive clipping); (0, 0) without noise or when the
+        devices add it."""
+        if self.noise_multiplier is None or self.distributed:
             return 0.0, 0.0
         count = self.adaptive.count_stddev if self.adaptive is not None else 0.0
         return self._update_multiplier() * self.clip_norm, count

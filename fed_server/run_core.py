@@ -104,6 +104,14 @@ class RunCore:
         """The fraction every device holds out for federated evaluation; None: the server evaluates."""
         return self.config.evaluation.holdout if self.evaluation_mode == "federated" else None
 
+    def summed_weight(self, device: str) -> float:
+        """A device's weight in an attempt whose updates are summed before the algorithm sees them
+        (private or securely aggregated): 1 when noise is added (each device's sensitivity is the
+        clip bound, whatever its data size), else its sample count (Algorithm 1's |D_i|)."""
+        if self.privacy is not None and self.privacy.noise_multiplier is not None:
+            return 1.0
+        return float(self.devices.devices[device].num_samples)
+
     def post_work(self) -> None:
         """Wake every device waiting for a task: its answer may have changed (event loop)."""
         self.work_posted.post()

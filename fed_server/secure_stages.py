@@ -58,10 +58,11 @@ class SecureRound:
 
 
 def secure_round(core: RunCore, participants: list[str]) -> SecureRound:
-    """A new attempt's secure aggregation, its fixed point sized for the summed sample counts of
-    its ``participants`` (each device weighs its update by its own)."""
+    """A new attempt's secure aggregation, its fixed point sized for the summed weights of its
+    ``participants`` (each device weighs its update by its sample count, or 1 with distributed
+    noise: :meth:`RunCore.summed_weight`)."""
     secure = core.config.secure_aggregation
-    total = sum(core.devices.devices[d].num_samples for d in participants)
+    total = sum(core.summed_weight(d) for d in participants)
     return SecureRound(SecureTerms(fraction_bits=fraction_bits(total, secure.value_range),
                                    value_range=secure.value_range))
 

@@ -215,9 +215,10 @@ class AggregationConfig(_Strict):
 
 class PrivacyConfig(_Strict):
     """Client-level differential privacy in the style of DP-FedAvg (McMahan et al. 2018;
-    docs/privacy.md): every device clips the change of its portion (``clipping``), the Fed Server
-    adds Gaussian noise of ``noise_multiplier`` x the clip bound to the sum of the clipped changes
-    (``noise: central``), and an accountant (Opacus's) turns the history into an epsilon at ``delta``.
+    docs/privacy.md): every device clips the change of its portion (``clipping``), Gaussian noise of
+    ``noise_multiplier`` x the clip bound is added to the sum of the clipped changes, by the Fed
+    Server (``noise: central``) or in shares by the devices under secure aggregation (``noise:
+    distributed``), and an accountant (Opacus's) turns the history into an epsilon at ``delta``.
 
     The checks that need the algorithm registry (which algorithms and rules can run privately)
     are in ``shared/run_config.py``; this schema imports no algorithm and no accountant.
@@ -234,9 +235,11 @@ class PrivacyConfig(_Strict):
     # The standard deviation of the noise on the count of unclipped devices (adaptive clipping);
     # null: devices per round / 20, the paper's choice.
     clipped_count_stddev: float | None = Field(None, gt=0, allow_inf_nan=False)
-    # Where the Gaussian noise is added: null (none: clipping only, no epsilon) or central (the Fed
-    # Server, to the sum of the clipped updates it aggregates).
-    noise: Literal["central"] | None = None
+    # Where the Gaussian noise is added: null (none: clipping only, no epsilon), central (the Fed
+    # Server, to the sum of the clipped updates it aggregates) or distributed (each device adds its
+    # share to its update before masking it, under secure_aggregation with a threshold t: a share's
+    # variance is 1/t of the sum's, so any t or more survivors' sum carries at least the whole noise).
+    noise: Literal["central", "distributed"] | None = None
     # z: the noise's standard deviation over the clip bound. null with target_epsilon: the z that
     # spends target_epsilon in exactly `rounds` rounds (Opacus's get_noise_multiplier).
     noise_multiplier: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -252,7 +255,12 @@ class PrivacyConfig(_Strict):
             raise ValueError("privacy.noise needs privacy.clipping (fixed or adaptive): the noise is a multiple of the "
                              "clip bound")
         if self.noise is None and (self.noise_multiplier is not None or self.target_epsilon is not None):
-            raise ValueError("privacy.noise_multiplier and privacy.target_epsilon need privacy.noise: central")
+            raise ValueError("privacy.noise_multiplier and privacy.target_epsilon need privacy.noise (central or "
+                             "distributed)")
+        if self.noise == "distributed" and self.clipping != "fixed":
+            raise ValueError("privacy.noise: distributed needs privacy.clipping: fixed (adaptive clipping's count of "
+                             "unclipped updates is noised by the Fed Server, which secure aggregation keeps from "
+                             "seeing the updates)")
         if self.noise is not None and self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("privacy.noise needs privacy.noise_multiplier or privacy.target_epsilon (or both)")
         return self

@@ -174,6 +174,35 @@ def _check_private_updates(config: RunConfig, algorithm: Algorithm, selector: "D
                          "(leave updates.max_norm unset)")
     if config.privacy.noise is not None:
         _check_budget(config)
+    if config.privacy.noise == "distributed":
+        _check_distributed_noise(config)
+
+
+def _check_distributed_noise(config: RunConfig) -> None:
+    """``privacy.noise: distributed`` (docs/privacy.md): the devices' shares of the noise are only
+    private once summed, so secure aggregation with an explicit threshold (the fewest survivors
+    whose sum is released, which sizes each share), and a ``value_range`` wide enough that the
+    fixed point's per-entry clipping practically never cuts a noised entry (the clip bound plus
+    eight standard deviations of a share): ValueError in one line otherwise."""
+    secure = config.secure_aggregation
+    if not secure.enabled:
+        raise ValueError("privacy.noise: distributed needs secure_aggregation.enabled: each device adds only its "
+                         "share of the noise, which protects nothing unless the Fed Server sees no more than the sum")
+    if secure.threshold is None:
+        raise ValueError("privacy.noise: distributed needs secure_aggregation.threshold: each device's share of the "
+                         "noise is sized so that any threshold of survivors carry the whole noise")
+    from shared.privacy.budget import run_noise_multiplier
+    from shared.privacy.noise import distributed_noise_std
+
+    multiplier = run_noise_multiplier(config)
+    assert multiplier is not None
+    needed = config.privacy.clip_norm + 8 * distributed_noise_std(multiplier, config.privacy.clip_norm,
+                                                                  secure.threshold)
+    if secure.value_range < needed:
+        raise ValueError(f"secure_aggregation.value_range {secure.value_range:g} would cut the devices' noise: with "
+                         f"noise multiplier {multiplier:.4g}, clip bound {config.privacy.clip_norm:g} and threshold "
+                         f"{secure.threshold} it must be at least {needed:.4g} (the bound plus 8 standard deviations "
+                         f"of a device's share)")
 
 
 def _check_secure_aggregation(config: RunConfig, algorithm: Algorithm, selector: "DeviceSelector",
@@ -188,9 +217,10 @@ def _check_secure_aggregation(config: RunConfig, algorithm: Algorithm, selector:
     if algorithm.split_mode() != "zero":
         raise ValueError(f"secure_aggregation runs split-depth-zero algorithms only (fedavg, fedprox, the FedOpt "
                          f"family), not {config.algorithm!r}, which cuts the model")
-    if config.privacy.enabled:
-        raise ValueError("secure_aggregation cannot run with privacy.clipping: the Fed Server clips each device's "
-                         "update, which secure aggregation hides from it")
+    if config.privacy.enabled and config.privacy.noise != "distributed":
+        raise ValueError("secure_aggregation runs privacy.clipping only with privacy.noise: distributed (the devices "
+                         "add the noise): the Fed Server cannot clip or noise the updates secure aggregation hides "
+                         "from it")
     if config.updates.max_norm is not None:
         raise ValueError("secure_aggregation cannot run updates.max_norm: the Fed Server cannot see an update's norm; "
                          "each device clips its entries to secure_aggregation.value_range")

@@ -209,9 +209,14 @@ class RegistrationBatchResponse(Message):
 
 class PrivacyTerms(Message):
     """A training task's privacy terms (``privacy.*``; docs/privacy.md): the device clips its
-    update (its portion's change over the round) to ``clip_norm`` before it leaves."""
+    update (its portion's change over the round) to ``clip_norm`` before it leaves. With
+    ``noise_multiplier`` (``privacy.noise: distributed``, always with secure aggregation) it then
+    weighs its update 1, not its sample count, and adds Gaussian noise of standard deviation
+    ``noise_multiplier x clip_norm / sqrt(threshold)`` (the roster's threshold) to every entry
+    before masking it."""
 
     clip_norm: float = Field(gt=0, allow_inf_nan=False)
+    noise_multiplier: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class SecureTerms(Message):

@@ -1,5 +1,6 @@
-"""The Gaussian noise of client-level differential privacy, added to the sum of the devices'
-clipped updates by the Fed Server (central noise).
+"""The Gaussian noise of client-level differential privacy: added to the sum of the devices'
+clipped updates by the Fed Server (central noise), or in shares by the devices, each to its own
+clipped update before masking it (distributed noise, under secure aggregation).
 
 The generators are seeded from the operating system's randomness (``os.urandom``), never from the
 run's ``seed``: noise that the configuration reproduces could be subtracted again. A test passes
@@ -10,6 +11,14 @@ import os
 from collections.abc import Mapping
 
 import torch
+
+
+def distributed_noise_std(noise_multiplier: float, clip_norm: float, threshold: int) -> float:
+    """The standard deviation of the noise one device adds under ``privacy.noise: distributed``:
+    ``z C / sqrt(t)``, so that the sum of any ``t`` (the secure aggregation threshold, the fewest
+    survivors whose sum is released) or more devices' shares has at least the variance ``(z C)^2``
+    that central noise would add."""
+    return noise_multiplier * clip_norm / threshold ** 0.5
 
 
 def fresh_generator() -> torch.Generator:

@@ -10,6 +10,9 @@
   the attempt fails, its record says so, and the logical round is retried.
 - A FedAvg run with real device agents and ``secure_aggregation.enabled``: its rounds complete and
   move the model.
+- Distributed noise (``privacy.noise: distributed``): the same attempt, each device adding its
+  share of the noise before masking; the unmasked mean carries the whole noise (the four
+  survivors' shares, each of variance (z C)^2 / threshold) and the round's record its epsilon.
 """
 from __future__ import annotations
 
@@ -18,21 +21,24 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import torch
 
+from device_agent.secure_aggregation import SecureSession
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import shard_sizes, trained_samples
 from integration_support import read_metrics, server_pair, small_config, wait_for
 from shared.config import RunConfig
+from shared.privacy.accountant import PrivacyLedger
 from shared.schemas import (
     API, DeviceProfileMsg, DeviceTimings, RegisterRequest, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares,
     SecAggUnmask, SecAggUnmaskPlan, TaskResponse, UpdateRequest, WeightsResponse, WithdrawRequest,
 )
 from shared.secagg.encoding import decode
 from shared.secagg.masks import BlockLayout
-from shared.secagg.protocol import DeviceSecrets, words_to_state
+from shared.secagg.protocol import DeviceSecrets
 from shared.models import build_model
-from shared.wire import decode_state, encode_state, packb, unpackb
+from shared.wire import decode_state, packb, unpackb
 from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
 
@@ -64,11 +70,13 @@ def _task(client: httpx.Client, fed_url: str, device: str) -> TaskResponse:
     raise AssertionError(f"{device} got no training task")
 
 
-def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str]):
+def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str], norm: float | None = None):
     """Register the five devices and play their first attempt: all send keys and shares, dev-4
-    withdraws before masking, dev-0..3 upload masked updates, and only ``answering`` answer the
-    unmasking stage. The weights the attempt started from, the updates, their sample counts and
-    the task's terms."""
+    withdraws before masking, dev-0..3 upload masked updates (each of L2 norm ``norm`` if given,
+    as a private device's clipped update is), masked as a device masks them
+    (:meth:`SecureSession.masked_weights`, with the task's privacy terms), and only ``answering``
+    answer the unmasking stage. The weights the attempt started from, the updates, their sample
+    counts and the task's terms."""
     sizes = {d: trained_samples(n, None) for d, n in zip(DEVICES, shard_sizes(config.data))}
     for shard, device in enumerate(DEVICES):
         _call(client, "POST", f"{fed}{API}/devices/register", RegisterRequest(
@@ -101,13 +109,19 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
     rng = np.random.default_rng(5)
     updates = {d: {k: rng.uniform(-2 * RANGE, 2 * RANGE, size=tuple(v.shape)) for k, v in start.items()}
                for d in DEVICES[:4]}
+    if norm is not None:
+        for update in updates.values():
+            scale = norm / np.sqrt(sum(float(np.sum(v ** 2)) for v in update.values()))
+            update.update({k: v * scale for k, v in update.items()})
     layout = BlockLayout.of(build_model(config.model, 10, (1, 28, 28), seed=config.seed))
     for device, update in updates.items():
-        masked = secrets[device].mask(update, sizes[device], terms.fraction_bits, terms.value_range, layout,
-                                      roster, partners[device])
+        session = SecureSession(None, secrets[device], terms, roster, partners[device], time.monotonic() + 60,  # type: ignore[arg-type]
+                                rosters[device].threshold)
+        trained = {k: start[k].double() + torch.from_numpy(v) for k, v in update.items()}
+        masked = session.masked_weights(trained, start, sizes[device], layout, tasks[device].privacy)
         _call(client, "POST", f"{fed}{API}/rounds/{round_id}/updates", UpdateRequest(
             device_id=device, round_id=round_id, num_samples=sizes[device], steps=1, train_loss=1.0,
-            weights=encode_state(words_to_state(masked)), bytes_up=0, bytes_down=0,
+            weights=masked, bytes_up=0, bytes_down=0,
             timings=DeviceTimings(compute_s=1.0, transfer_s=0.1, wait_s=0.0, server_s=0.0, total_s=1.1)))
     _call(client, "POST", f"{fed}{API}/rounds/{round_id}/withdrawals",
           WithdrawRequest(device_id="dev-4", round_id=round_id, reason="battery"))
@@ -150,17 +164,55 @@ def test_the_fed_server_recovers_the_fedavg_sum_from_masked_uploads_despite_two_
                 assert np.mean(np.abs(alone - truth) < 1e-3) < 0.01, (device, key)
 
 
+def test_with_distributed_noise_the_unmasked_mean_carries_the_devices_shares_of_the_noise_and_an_epsilon(
+        tmp_path: Path):
+    clip, z, threshold = 0.05, 1.0, 3
+    config = _config(**{"privacy.clipping": "fixed", "privacy.clip_norm": clip, "privacy.noise": "distributed",
+                        "privacy.noise_multiplier": z, "privacy.delta": 1e-3, "secure_aggregation.threshold": threshold,
+                        "secure_aggregation.value_range": 0.3})
+    run_dir = tmp_path / "run"
+    with server_pair(config, "secagg-dp", fed_args=["--run-dir", str(run_dir)]) as servers, \
+            httpx.Client(timeout=60.0, headers=HEADERS) as client:
+        start, updates, _, _ = _play_attempt(client, config, servers.fed_url, answering=DEVICES[:3], norm=clip)
+        wait_for(lambda: client.get(f"{servers.fed_url}{API}/status").json()["state"] == "finished", 120,
+                 "the run to finish")
+
+    (record,) = read_metrics(run_dir)
+    assert record["status"] == "ok" and sorted(record["aggregated"]) == DEVICES[:4], record
+    # Every device weighs 1: the mean of the four clipped updates, plus the mean of their noise,
+    # whose standard deviation is sqrt(4 (z C)^2 / 3) / 4 on every entry.
+    _, state, _ = RunDirectory(run_dir).read_checkpoint()
+    residual = np.concatenate([(state[k].double().numpy() - start[k].double().numpy()
+                                - sum(u[k] for u in updates.values()) / len(updates)).ravel() for k in start])
+    expected = np.sqrt(len(updates) * (z * clip) ** 2 / threshold) / len(updates)
+    assert residual.size > 10_000 and abs(residual.mean()) < 0.05 * expected
+    assert abs(residual.std() / expected - 1) < 0.03, (residual.std(), expected)
+    # The round is counted as central noise of multiplier z would be: what the survivors' sum
+    # carries is at least that noise.
+    ledger = PrivacyLedger("rdp", 1e-3)
+    ledger.spend(z, config.per_round / config.data.num_devices)
+    assert record["privacy"]["epsilon"] == pytest.approx(ledger.epsilon())
+    assert record["privacy"]["noise_multiplier"] == z
+
+
 def _run_id(client: httpx.Client, fed_url: str) -> str:
     return str(_call(client, "GET", f"{fed_url}{API}/run")["run_id"])
 
 
-def test_a_fedavg_run_with_real_agents_aggregates_securely(tmp_path: Path):
-    config = _config(rounds=2, **{"data.max_samples": 1200, "secure_aggregation.value_range": 1.0})
+@pytest.mark.parametrize("private", [False, True], ids=["plain", "distributed-noise"])
+def test_a_fedavg_run_with_real_agents_aggregates_securely(tmp_path: Path, private: bool):
+    # Private: each agent's device clips, noises and masks its update (device_agent/task_training.py).
+    noise = {"privacy.clipping": "fixed", "privacy.clip_norm": 0.5, "privacy.noise": "distributed",
+             "privacy.noise_multiplier": 0.5, "privacy.delta": 1e-3, "secure_aggregation.threshold": 3,
+             "secure_aggregation.value_range": 2.0} if private else {}
+    config = _config(rounds=2, **{"data.max_samples": 1200, "secure_aggregation.value_range": 1.0, **noise})
     with Testbed(config, tmp_path, warm=shared_starter()) as testbed:
         status = testbed.follow(timeout=300)
     assert status["state"] == "finished"
     rounds = read_metrics(tmp_path)
     assert [r["status"] for r in rounds] == ["ok", "ok"] and all(len(r["aggregated"]) == 5 for r in rounds), rounds
+    epsilons = [r["privacy"]["epsilon"] if r["privacy"] else None for r in rounds]
+    assert (epsilons[0] < epsilons[1]) if private else epsilons == [None, None], epsilons
     _, state, _ = RunDirectory(tmp_path).read_checkpoint()
     initial = build_model("cnn", 10, (1, 28, 28), seed=config.seed).state_dict()
     assert max(float((state[k] - initial[k]).abs().max()) for k in initial) > 1e-3

@@ -136,6 +136,10 @@ PRIVATE = {"algorithm": "fedavg", "aggregation": {"rule": "mean"}, "privacy": {"
 NOISED = {**PRIVATE, "privacy": {"clipping": "fixed", "noise": "central", "noise_multiplier": 1.0, "delta": 1e-3}}
 SECURE = {"algorithm": "fedavg", "aggregation": {"rule": "mean"}, "secure_aggregation": {"enabled": True},
           "data": {"num_devices": 10}, "devices_per_round": 5}
+# Distributed noise: z = 1, C = 1, threshold 3: a device's share has std 1 / sqrt(3), so the range
+# must hold 1 + 8 / sqrt(3) = 5.62.
+DISTRIBUTED = {**SECURE, "secure_aggregation": {"enabled": True, "threshold": 3, "value_range": 6.0},
+               "privacy": {"clipping": "fixed", "noise": "distributed", "noise_multiplier": 1.0, "delta": 1e-3}}
 
 
 def _with(base: dict, **changes) -> dict:
@@ -181,7 +185,16 @@ def test_private_runs_of_a_weighted_mean_pass():
     (_with(SECURE, **{"aggregation.rule": "trimmed_mean"}), "secure_aggregation needs aggregation.rule: mean"),
     (_with(SECURE, **{"aggregation.rule": "bounded_mean"}), "secure_aggregation needs aggregation.rule: mean"),
     (_with(SECURE, **{"updates.max_norm": 5.0}), "secure_aggregation cannot run updates.max_norm"),
-    (_with(SECURE, privacy={"clipping": "fixed"}), "secure_aggregation cannot run with privacy.clipping"),
+    (_with(SECURE, privacy={"clipping": "fixed"}), "secure_aggregation runs privacy.clipping only with privacy.noise: "
+                                                   "distributed"),
+    (_with(DISTRIBUTED, **{"privacy.noise": "central"}), "secure_aggregation runs privacy.clipping only with"),
+    (_with(NOISED, **{"privacy.noise": "distributed"}), "privacy.noise: distributed needs secure_aggregation.enabled"),
+    (_with(DISTRIBUTED, **{"secure_aggregation.threshold": None}),
+     "privacy.noise: distributed needs secure_aggregation.threshold"),
+    (_with(DISTRIBUTED, **{"privacy.clipping": "adaptive"}), "privacy.noise: distributed needs privacy.clipping: fixed"),
+    (_with(DISTRIBUTED, **{"secure_aggregation.value_range": 5.0}),
+     "secure_aggregation.value_range 5 would cut the devices' noise: with noise multiplier 1, clip bound 1 and "
+     "threshold 3 it must be at least 5.619"),
     (_with(SECURE, model="resnet8"), "secure_aggregation cannot run model 'resnet8': its integer state entries"),
     (_with(SECURE, **{"secure_aggregation.threshold": 6}), "secure_aggregation.threshold 6 exceeds the 5 devices"),
 ])
@@ -193,5 +206,7 @@ def test_what_a_private_or_secure_run_cannot_serve_is_refused_in_one_line(data, 
 
 def test_secure_runs_of_a_whole_model_weighted_mean_pass():
     for data in (SECURE, _with(SECURE, algorithm="fedprox"), _with(SECURE, algorithm="fedadam"),
-                 _with(SECURE, **{"secure_aggregation.threshold": 5})):
+                 _with(SECURE, **{"secure_aggregation.threshold": 5}), DISTRIBUTED,
+                 _with(DISTRIBUTED, **{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0,
+                                      "secure_aggregation.value_range": 8.0})):
         load_run_config(data)
