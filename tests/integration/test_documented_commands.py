@@ -270,6 +270,8 @@ def benchmark_args(command: DocCommand) -> list[str] | None:
     if module == "scenarios":   # four scenarios, two or three runs each, unless a subset is given: one
         subset = [] if "--scenarios" in args else ["--scenarios", "link_drop"]
         return ["scenarios", *[a for a in args if a != "--quick"], "--quick", *subset]
+    if module == "secure_aggregation":   # 8 runs, to 100 devices, at its defaults
+        return ["secure_aggregation", "--quick"]
     if module == "privacy":   # hours at its defaults: the quick form, or the selection given at one seed and 2 rounds
         return ["privacy", "--quick"] if not args or "--quick" in args else ["privacy", *args, "--seeds", "1", "--rounds", "2"]
     return None

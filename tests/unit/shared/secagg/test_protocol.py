@@ -65,3 +65,22 @@ def test_a_device_named_both_survivor_and_dropped_gives_no_share():
     a.seal_shares({"a": a.public_keys(), "b": DeviceSecrets("b", "run", 1).public_keys()}, threshold=2)
     with pytest.raises(ValueError, match="both"):
         a.unmask(["a", "b"], ["b"])
+
+
+def test_a_secret_is_rebuilt_from_exactly_threshold_shares_the_lowest_indices():
+    # Four answers (d0, d2, d3, d4: indices 1, 3, 4, 5), threshold 3: the share of index 5 is not
+    # used, so a wrong one there changes nothing (interpolating it too would only cost time).
+    secrets = {d: DeviceSecrets(d, "run", 3) for d in DEVICES}
+    roster = {d: s.public_keys() for d, s in secrets.items()}
+    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
+    for d, s in secrets.items():
+        s.open_inbox(roster, {o: sealed[o][d] for o in DEVICES if o != d})
+    uploaders = ["d0", "d2", "d3", "d4"]
+    answers = {d: secrets[d].unmask(uploaders, ["d1"]) for d in uploaders}
+    seeds, keys = rebuild_secrets(answers, DEVICES, uploaders, ["d1"], threshold=3)
+    assert seeds == {d: secrets[d].seed for d in uploaders} and keys == {"d1": secrets["d1"].mask_private}
+    wrong = {d: (dict(s), dict(k)) for d, (s, k) in answers.items()}
+    wrong["d4"][0]["d0"] = bytes(16)
+    assert rebuild_secrets(wrong, DEVICES, uploaders, ["d1"], threshold=3)[0]["d0"] == secrets["d0"].seed
+    wrong["d0"][0]["d0"] = bytes(16)   # index 1 is among the three used
+    assert rebuild_secrets(wrong, DEVICES, uploaders, ["d1"], threshold=3)[0]["d0"] != secrets["d0"].seed

@@ -1,0 +1,244 @@
+"""(l) Secure aggregation's cost: what masking every update (``secure_aggregation.enabled``;
+docs/privacy.md) costs a FedAvg round against the same round in the clear, and with devices that
+drop after sharing their secrets.
+
+Each case is one testbed run (:class:`testbed.runner.Testbed`: the Fed Server and the device agents
+as separate processes on loopback): FedAvg with ``logreg`` on the embedded MNIST subset dealt IID
+over N devices, every device in every round, :data:`ROUNDS` rounds, real devices (no emulation).
+The cases at each N: plain FedAvg, secure aggregation, and secure aggregation with 10 % and 30 %
+of the devices dropping after the share stage (:class:`benchmarks.adversary.DropsAfterSharing`:
+they train, then withdraw instead of uploading, so the Fed Server rebuilds their mask keys from
+shares and removes the masks they left). A dropout case runs its dropping devices in a process of
+their own (the attack benchmark's ``HarmfulTestbed``), the other cases in one agent.
+
+Per case: the median round period (a record's ``elapsed_s`` minus the previous one's), the Fed
+Server's CPU seconds per round and its peak PSS (sampled every second), the HTTP body bytes the Fed
+Server received and sent per device and round (its ``sfl_http_body_bytes_total``, every route:
+tasks, weights, uploads and the secure stages, registration included), the device agents' CPU
+seconds, and the final accuracy. Every device shares the machine's cores, so the devices' own
+masking and key agreements lengthen the round here, where a fleet would run them on its devices.
+
+``python -m benchmarks.secure_aggregation [--sizes 10,100] [--rounds N] [--quick]`` prints the table
+and writes it as JSON and Markdown (``benchmarks/results/<UTC date>_secure-aggregation/``);
+``python -m benchmarks.run --only l`` runs the same part.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from benchmarks.attacks import HarmfulTestbed
+from benchmarks.adversary import DropsAfterSharing
+from benchmarks.fedavg_overhead import PssSampler
+from benchmarks.network_overhead import round_periods
+from benchmarks.result_files import add_name_option, default_out, finish, markdown_table
+from fed_server.records import read_round_records
+from fed_server.run_dir import RunDirectory
+from shared.config import RunConfig
+from shared.http_metrics import HTTP_BODY_BYTES
+from shared.machine import describe_machine
+from shared.run_config import load_run_config
+from testbed.runner import Testbed
+from testbed.warm_start import WarmStarter, shared_starter
+
+SIZES = (10, 100)
+QUICK_SIZES = (10,)
+DROPOUTS = (0.1, 0.3)
+ROUNDS = 3
+QUICK_ROUNDS = 2
+#: The goal at 100 devices a round: secure aggregation's round at most this many times plain
+#: FedAvg's, with dropouts up to the threshold recovered.
+GOAL_ROUND_RATIO = 1.5
+GOAL_DEVICES = 100
+TIME_LIMIT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: ``devices`` devices, all in every round, masked or not, ``dropout`` of them
+    dropping after the share stage."""
+
+    devices: int
+    secure: bool
+    dropout: float = 0.0
+
+    @property
+    def label(self) -> str:
+        if not self.secure:
+            return "plain"
+        return "secure" + (f", {self.dropout:.0%} drop" if self.dropout else "")
+
+    @property
+    def dropped(self) -> int:
+        return round(self.dropout * self.devices)
+
+
+def cases(sizes: Sequence[int]) -> list[Case]:
+    """Plain, secure and secure with each of :data:`DROPOUTS` at each size."""
+    return [case for n in sizes for case in (Case(n, False), Case(n, True), *(Case(n, True, d) for d in DROPOUTS))]
+
+
+def bench_config(case: Case, rounds: int) -> RunConfig:
+    """FedAvg, ``logreg`` on the embedded MNIST subset (IID), every device in every round; the
+    threshold is the default (a majority of the devices that sent keys), which the dropouts stay
+    within; deadlines long enough that only the dropouts' withdrawals end an attempt early."""
+    return load_run_config({
+        "algorithm": "fedavg", "model": "logreg", "rounds": rounds, "devices_per_round": case.devices,
+        "aggregation": {"rule": "mean"},
+        "data": {"dataset": "mnist", "partition": "iid", "num_devices": case.devices, "seed": 1},
+        "train": {"lr": 0.05, "batch_size": 20},
+        "deadlines": {"round_s": TIME_LIMIT_S, "registration_s": 300.0},
+        "secure_aggregation": {"enabled": case.secure, "stage_s": 120.0},
+        "devices": {"profiles": []}, "seed": 1})
+
+
+def fed_body_bytes(testbed: Testbed) -> float:
+    """Every HTTP body byte the testbed's Fed Server received and sent so far (its ``/metrics``;
+    route templates hold braces of their own, so the labels are matched to the line's last brace)."""
+    text = httpx.get(f"{testbed.fed_url}/metrics", timeout=10, verify=testbed.verify).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{HTTP_BODY_BYTES}\{{.*\}} (\S+)$", text, re.M))
+
+
+def run_case(case: Case, rounds: int, root: Path, warm: WarmStarter | None = None) -> dict:
+    """One case through the testbed; its figures."""
+    config = bench_config(case, rounds)
+    run_dir = root / f"{case.devices}-{case.label.replace(', ', '-').replace(' ', '-').replace('%', 'pc')}"
+    testbed = (HarmfulTestbed(config, run_dir, DropsAfterSharing, case.dropped, warm) if case.dropped else
+               Testbed(config, run_dir, agents=1, log_level="WARNING", warm=warm))
+    started = time.monotonic()
+    with testbed:
+        assert testbed.fed is not None
+        # Every process, for its CPU seconds (read each second: an agent exits when the run ends).
+        sampler = PssSampler({s.name: s.process.pid for s in testbed.processes.services}).start()
+        status = testbed.follow(timeout=TIME_LIMIT_S)
+        body = fed_body_bytes(testbed)
+        sampler.sample()
+        memory, cpu = sampler.stop(), dict(sampler.cpu_s)
+    wall = time.monotonic() - started
+    records = read_round_records(RunDirectory(run_dir).metrics_path)
+    ok = [r for r in records if r.status == "ok"]
+    periods = round_periods(records)
+    return {"devices": case.devices, "case": case.label, "secure": case.secure, "dropout": case.dropout,
+            "dropped": case.dropped, "state": status["state"], "rounds_ok": len(ok), "attempts": len(records),
+            "aggregated": [len(r.aggregated) for r in ok], "round_s": [round(p, 3) for p in periods],
+            "median_round_s": statistics.median(periods) if periods else None,
+            "fed_cpu_s_per_round": cpu.get("fed_server", 0.0) / max(1, len(records)),
+            "agents_cpu_s": sum(v for k, v in cpu.items() if k != "fed_server"),
+            "fed_peak_pss_mib": memory["peak_pss_mib"].get("fed_server"),
+            "fed_kib_per_device_round": body / 1024 / case.devices / max(1, len(records)),
+            "final_accuracy": ok[-1].test_accuracy if ok else None, "wall_s": round(wall, 1)}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's median round against the plain row of its size (``round_ratio``)."""
+    plain = {r["devices"]: r["median_round_s"] for r in rows if not r["secure"]}
+    for row in rows:
+        base = plain.get(row["devices"])
+        row["round_ratio"] = row["median_round_s"] / base if base and row["median_round_s"] else None
+
+
+def verdict(rows: list[dict]) -> str:
+    """Whether the goal holds at :data:`GOAL_DEVICES` devices (every secure case within
+    :data:`GOAL_ROUND_RATIO` of plain, every round recovered), or that size was not measured."""
+    at = [r for r in rows if r["devices"] == GOAL_DEVICES and r["secure"]]
+    if not at:
+        return f"not measured at {GOAL_DEVICES} devices"
+    missed = [r["case"] for r in at if r["round_ratio"] is None or r["round_ratio"] > GOAL_ROUND_RATIO
+              or r["state"] != "finished" or r["attempts"] != r["rounds_ok"]]
+    return "met" if not missed else "not met: " + ", ".join(missed)
+
+
+def run(sizes: Sequence[int] = SIZES, rounds: int = ROUNDS, log: Callable[[str], None] = print) -> dict:
+    """Every case at each of ``sizes``; the results with the machine, the goal and the verdict."""
+    results: dict = {"machine": describe_machine(), "rounds": rounds, "model": "logreg (7,850 parameters)",
+                     "data": "the embedded MNIST subset, IID", "goal": {"devices": GOAL_DEVICES,
+                                                                       "round_ratio_max": GOAL_ROUND_RATIO},
+                     "rows": []}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="sfl-bench-l-") as tmp:
+        for case in cases(sizes):
+            row = run_case(case, rounds, Path(tmp), shared_starter())
+            results["rows"].append(row)
+            log(f"  {case.devices} devices, {case.label}: {row['rounds_ok']}/{rounds} rounds in {row['attempts']} "
+                f"attempts, median round {_number(row['median_round_s'], 2)} s, Fed Server "
+                f"{row['fed_cpu_s_per_round']:.2f} CPU s a round, {row['fed_kib_per_device_round']:.0f} KiB a device "
+                f"and round")
+    add_ratios(results["rows"])
+    results["verdict"] = verdict(results["rows"])
+    results["total_s"] = time.perf_counter() - started
+    results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return results
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(results: dict) -> list[str]:
+    """The results as a Markdown table, a row per case."""
+    lines = [["devices", "case", "rounds (attempts)", "median round s", "vs plain", "Fed Server CPU s/round",
+              "Fed Server peak PSS MiB", "Fed Server KiB per device and round", "agents' CPU s", "final accuracy"]]
+    for r in results["rows"]:
+        ratio = r.get("round_ratio")
+        lines.append([str(r["devices"]), r["case"], f"{r['rounds_ok']} ({r['attempts']})",
+                      _number(r["median_round_s"], 2), "-" if ratio is None else f"{ratio:.2f}x",
+                      f"{r['fed_cpu_s_per_round']:.2f}", _number(r["fed_peak_pss_mib"]),
+                      f"{r['fed_kib_per_device_round']:.0f}", f"{r['agents_cpu_s']:.1f}",
+                      "-" if r["final_accuracy"] is None else f"{100 * r['final_accuracy']:.1f} %"])
+    return markdown_table(lines)
+
+
+def report(results: dict) -> str:
+    """The table, the setting and the verdict."""
+    m = results["machine"]
+    return "\n".join([
+        f"FedAvg, {results['model']}, {results['data']}, every device in every round, {results['rounds']} rounds; "
+        f"{m['cpu_model']}, {m['cpus_usable']} CPUs usable, every process on them",
+        "", *table(results), "",
+        f"Goal: secure aggregation at {results['goal']['devices']} devices a round within "
+        f"{results['goal']['round_ratio_max']}x plain FedAvg's round, dropouts recovered. Verdict: {results['verdict']}"])
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``--sizes``: comma-separated device counts of at least 3 (a threshold needs two)."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 3:
+        raise argparse.ArgumentTypeError("--sizes takes comma-separated device counts of at least 3, e.g. 10,100")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.secure_aggregation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=parse_sizes, default=None,
+                        help=f"devices a round (default {','.join(map(str, SIZES))}; --quick: "
+                             f"{','.join(map(str, QUICK_SIZES))})")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"rounds per run (default {ROUNDS}; --quick: {QUICK_ROUNDS})")
+    parser.add_argument("--quick", action="store_true", help="the smallest size and 2 rounds (a couple of minutes)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON result file (default benchmarks/results/<UTC date>_<name>/results.json)")
+    add_name_option(parser, "secure-aggregation")
+    args = parser.parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
+    if rounds < 1:
+        parser.error("--rounds takes a positive count")
+    results = run(sizes, rounds)
+    finish(results, args.out or default_out(results["machine"]["date_utc"], args.name), report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

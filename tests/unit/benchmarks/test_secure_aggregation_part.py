@@ -1,0 +1,63 @@
+"""Part (l)'s pure parts (benchmarks/secure_aggregation.py): its cases and their runs, the ratios
+against the plain round, the verdict and the table."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import secure_aggregation as part
+from benchmarks.attacks import ATTACKS
+from benchmarks.run import DEFAULT_PARTS, PARTS
+
+
+def test_each_size_runs_plain_secure_and_each_dropout_within_the_default_threshold():
+    cases = part.cases((10, 100))
+    assert [(c.devices, c.label, c.dropped) for c in cases] == [
+        (10, "plain", 0), (10, "secure", 0), (10, "secure, 10% drop", 1), (10, "secure, 30% drop", 3),
+        (100, "plain", 0), (100, "secure", 0), (100, "secure, 10% drop", 10), (100, "secure, 30% drop", 30)]
+    for case in cases:
+        config = part.bench_config(case, rounds=3)
+        assert config.secure_aggregation.enabled == case.secure and config.secure_aggregation.threshold is None
+        assert config.per_round == case.devices == config.data.num_devices
+        # The default threshold is a majority of the devices that sent keys: the survivors must reach it.
+        assert case.devices - case.dropped >= case.devices // 2 + 1
+
+
+def _row(devices: int, case: str, median: float | None, secure: bool = True, attempts: int = 3) -> dict:
+    return {"devices": devices, "case": case, "secure": secure, "median_round_s": median, "state": "finished",
+            "rounds_ok": 3, "attempts": attempts, "fed_cpu_s_per_round": 0.5, "fed_peak_pss_mib": 200.0,
+            "fed_kib_per_device_round": 70.0, "agents_cpu_s": 4.0, "final_accuracy": 0.86}
+
+
+def test_the_verdict_judges_every_secure_case_at_100_devices_against_its_plain_round():
+    rows = [_row(10, "plain", 1.0, secure=False), _row(10, "secure", 5.0), _row(100, "plain", 2.0, secure=False),
+            _row(100, "secure", 2.9), _row(100, "secure, 10% drop", 3.0)]
+    part.add_ratios(rows)
+    assert [r["round_ratio"] for r in rows] == [1.0, 5.0, 1.0, 1.45, 1.5]
+    assert part.verdict(rows) == "met"   # 10 devices' 5x is not the goal's size
+    rows.append(_row(100, "secure, 30% drop", 3.1))
+    part.add_ratios(rows)
+    assert part.verdict(rows) == "not met: secure, 30% drop"
+    retried = [*rows[:4], _row(100, "secure, 10% drop", 2.5, attempts=4)]
+    part.add_ratios(retried)
+    assert part.verdict(retried) == "not met: secure, 10% drop"   # a round was retried: not recovered
+    assert part.verdict(rows[:2]) == "not measured at 100 devices"
+
+
+def test_the_table_has_a_row_per_case_with_its_ratio():
+    rows = [_row(10, "plain", 0.25, secure=False), _row(10, "secure", 0.64)]
+    part.add_ratios(rows)
+    lines = part.table({"rows": rows})
+    assert len(lines) == 4 and lines[3].startswith("| 10 | secure | 3 (3) | 0.64 | 2.56x | 0.50 | 200.0 | 70 |")
+
+
+def test_the_part_runs_only_when_named_and_its_dropout_is_no_attack_row():
+    assert "l" in PARTS and "l" not in DEFAULT_PARTS
+    assert "drops_after_sharing" not in ATTACKS and "silent" in ATTACKS
+
+
+@pytest.mark.parametrize("text", ["2", "10,x", ""])
+def test_sizes_below_a_threshold_or_not_counts_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 3"):
+        part.parse_sizes(text)
