@@ -121,9 +121,9 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
     """The Fed Server's side of the last stage: from each answering device's (seed shares, key
     shares), the survivors' seeds and the dropped devices' mask keys. ValueError when fewer than
     ``threshold`` shares of some secret came back. Each secret is rebuilt from exactly
-    ``threshold`` of its shares (the lowest indices), which determine it: interpolating more costs
-    quadratically more (at 100 devices and a threshold of 51, 0.68 s a seed from 99 shares
-    against 0.20 s from 51) and rebuilds the same secret."""
+    ``threshold`` of its shares (the lowest indices), which determine it: interpolating more
+    rebuilds the same secret at a cost quadratic in the shares, which is most of the Fed Server's
+    work in a secure round (benchmarks/README.md, part (l))."""
     indices = share_indices(roster)
 
     def rebuilt(owner: str, part: int, size: int) -> bytes:
