@@ -173,12 +173,12 @@ def _check_private_updates(config: RunConfig, algorithm: Algorithm, selector: "D
         raise ValueError("privacy.clipping replaces updates.max_norm: every update is clipped to privacy.clip_norm "
                          "(leave updates.max_norm unset)")
     if config.privacy.noise is not None:
-        _check_budget(config)
-    if config.privacy.noise == "distributed":
-        _check_distributed_noise(config)
+        multiplier = _check_budget(config)
+        if config.privacy.noise == "distributed":
+            _check_distributed_noise(config, multiplier)
 
 
-def _check_distributed_noise(config: RunConfig) -> None:
+def _check_distributed_noise(config: RunConfig, multiplier: float) -> None:
     """``privacy.noise: distributed`` (docs/privacy.md): the devices' shares of the noise are only
     private once summed, so secure aggregation with an explicit threshold (the fewest survivors
     whose sum is released, which sizes each share), and a ``value_range`` wide enough that the
@@ -191,11 +191,8 @@ def _check_distributed_noise(config: RunConfig) -> None:
     if secure.threshold is None:
         raise ValueError("privacy.noise: distributed needs secure_aggregation.threshold: each device's share of the "
                          "noise is sized so that any threshold of survivors carry the whole noise")
-    from shared.privacy.budget import run_noise_multiplier
     from shared.privacy.noise import distributed_noise_std
 
-    multiplier = run_noise_multiplier(config)
-    assert multiplier is not None
     needed = config.privacy.clip_norm + 8 * distributed_noise_std(multiplier, config.privacy.clip_norm,
                                                                   secure.threshold)
     if secure.value_range < needed:
@@ -254,9 +251,10 @@ def _check_summed_updates(config: RunConfig, algorithm: Algorithm, selector: "De
                          "member's own server-side state, " + sees)
 
 
-def _check_budget(config: RunConfig) -> None:
+def _check_budget(config: RunConfig) -> float:
     """``privacy.delta`` below one over the population, and a budget that allows one round with
-    the configured noise multiplier: ValueError in one line otherwise."""
+    the configured noise multiplier: ValueError in one line otherwise. Returns the run's noise
+    multiplier (calibrating one to ``target_epsilon`` takes Opacus a search: done once here)."""
     privacy, population = config.privacy, config.data.num_devices
     if privacy.delta >= 1 / population:
         raise ValueError(f"privacy.delta {privacy.delta:g} is not below 1 / data.num_devices ({1 / population:g}): a "
@@ -275,6 +273,8 @@ def _check_budget(config: RunConfig) -> None:
         if first > privacy.target_epsilon:
             raise ValueError(f"privacy.noise_multiplier {privacy.noise_multiplier:g} spends epsilon {first:.3g} in one "
                              f"round, past privacy.target_epsilon {privacy.target_epsilon:g}")
+    assert multiplier is not None   # PrivacyConfig: noise needs a multiplier or a target
+    return multiplier
 
 
 def _check_task(config: RunConfig, algorithm_needs: str | None, selector_needs: str | None) -> None:
