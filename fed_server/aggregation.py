@@ -168,10 +168,11 @@ class Aggregator:
         ValueError when fewer shares than the threshold came back."""
         secure = fed_round.secure
         assert secure is not None and secure.plan is not None and secure.roster is not None
-        seeds, keys = rebuild_secrets(secure.answers, list(secure.roster), used, secure.plan.dropped, secure.threshold)
+        seeds, keys = rebuild_secrets(secure.answers, secure.neighbourhoods, used, secure.plan.dropped,
+                                      secure.threshold)
         layout = BlockLayout.of(self.core.model)
         total = unmasked_sum({d: state_to_words(fed_round.updates[d].state) for d in used}, layout, seeds, keys,
-                             {d: k.mask_key for d, k in secure.roster.items()})
+                             {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods)
         weight = float(sum(self.core.summed_weight(d) for d in used))
         if self.core.privacy is not None:
             aggregation.privacy = self.core.privacy.release(len(used), None)

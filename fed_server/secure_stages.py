@@ -3,10 +3,14 @@ each attempt's stages, what devices send into them, and the masked sum they leav
 
 1. keys: each selected device sends two public keys; the stage closes once every device still in
    the attempt sent them, or ``stage_s`` after it opened; the devices that did not are taken out.
-   The roster (the keys) and the threshold are then served to the devices.
-2. shares: each roster device sends its secret shares, sealed for each other roster device; the
-   stage closes the same way, and each device is served the shares sealed for it by the devices
-   that shared (those it masks with).
+   The others (the roster) are laid out in neighbourhoods (``shared.secagg.graph``: SecAgg+'s
+   sparse graph with ``neighbours``, else the complete graph), and each device is served its
+   neighbourhood's keys and the threshold.
+2. shares: each roster device sends its secret shares, sealed for each of its neighbours; the
+   stage closes the same way. A device fewer than ``threshold`` of whose neighbourhood shared could
+   never be unmasked, so it is taken out too (and so on, until every remaining one has enough).
+   Each device is then served the shares sealed for it by its neighbours that shared (those it
+   masks with).
 3. masked updates, through the usual upload (``/rounds/{id}/updates``); the attempt's upload
    deadlines apply.
 4. unmasking: the devices that shared and uploaded (survivors) are asked for their shares of the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +37,7 @@ from shared.schemas import (
 )
 from shared.secagg.crypto import ShareError, check_public_key
 from shared.secagg.encoding import fraction_bits
+from shared.secagg.graph import Neighbourhoods, neighbourhoods
 from shared.secagg.protocol import KEY_BYTES, SEED_BYTES
 
 #: The longest a stage's long poll is held (``wait_s``).
@@ -49,6 +55,8 @@ class SecureRound:
     terms: SecureTerms
     keys: dict[str, SecAggKeys] = field(default_factory=dict)
     roster: dict[str, SecAggKeys] | None = None
+    #: Each roster device's neighbourhood (itself included, sorted), once the key stage closed.
+    neighbourhoods: Neighbourhoods = field(default_factory=dict)
     threshold: int = 0
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)
     sharers: list[str] | None = None
@@ -105,9 +113,9 @@ class SecureStages:
         _, secure = self._secure(round_id, req.device_id)
         if secure.roster is None or secure.sharers is not None:
             raise Conflict(f"the share stage of round {round_id} is not open")
-        others = set(secure.roster) - {req.device_id}
+        others = set(secure.neighbourhoods.get(req.device_id, [])) - {req.device_id}
         if req.device_id not in secure.roster or set(req.shares) != others:
-            raise Invalid(f"shares of {req.device_id!r} must go to exactly the other roster devices {sorted(others)}")
+            raise Invalid(f"shares of {req.device_id!r} must go to exactly its neighbours {sorted(others)}")
         secure.shares[req.device_id] = dict(req.shares)
         self.core.changed.set()
         return Ack(detail=f"shares of {req.device_id} for round {round_id} stored")
@@ -118,11 +126,14 @@ class SecureStages:
         plan = secure.plan
         if plan is None or req.device_id not in plan.survivors:
             raise Conflict(f"round {round_id} asks {req.device_id!r} for no unmasking shares")
+        neighbourhood = secure.neighbourhoods[req.device_id]
         for owners, wanted, size in ((req.seed_shares, plan.survivors, SEED_BYTES),
                                      (req.key_shares, plan.dropped, KEY_BYTES)):
-            wrong = sorted(o for o, share in owners.items() if o not in wanted or len(share) != size)
+            wrong = sorted(o for o, share in owners.items()
+                           if o not in wanted or o not in neighbourhood or len(share) != size)
             if wrong:
-                raise Invalid(f"unmasking shares of {req.device_id!r} for {wrong}: not asked for, or not {size} bytes")
+                raise Invalid(f"unmasking shares of {req.device_id!r} for {wrong}: not asked for, not its neighbours', "
+                              f"or not {size} bytes")
         secure.answers[req.device_id] = (dict(req.seed_shares), dict(req.key_shares))
         self.core.changed.set()
         return Ack(detail=f"unmasking shares of {req.device_id} for round {round_id} stored")
@@ -137,19 +148,22 @@ class SecureStages:
         return await self.unmask_plan(round_id, device_id, wait_s)
 
     async def roster(self, round_id: int, device_id: str, wait_s: float) -> SecAggRoster:
-        """Stage 1's result, once it closed (held up to ``wait_s`` till then)."""
+        """Stage 1's result for ``device_id``, once it closed (held up to ``wait_s`` till then):
+        the keys of its neighbourhood and the threshold."""
         def answer(secure: SecureRound) -> SecAggRoster | None:
-            return None if secure.roster is None else SecAggRoster(ready=True, keys=secure.roster,
-                                                                   threshold=secure.threshold)
+            if secure.roster is None:
+                return None
+            return SecAggRoster(ready=True, threshold=secure.threshold,
+                                keys={d: secure.roster[d] for d in secure.neighbourhoods[device_id]})
         return await self._held(round_id, device_id, wait_s, answer, SecAggRoster(ready=False))
 
     async def inbox(self, round_id: int, device_id: str, wait_s: float) -> SecAggInbox:
-        """Stage 2's result for ``device_id``: the shares sealed for it by the devices that shared."""
+        """Stage 2's result for ``device_id``: the shares sealed for it by its neighbours that shared."""
         def answer(secure: SecureRound) -> SecAggInbox | None:
             if secure.sharers is None:
                 return None
             return SecAggInbox(ready=True, shares={s: secure.shares[s][device_id] for s in secure.sharers
-                                                   if s != device_id})
+                                                   if s != device_id and s in secure.neighbourhoods[device_id]})
         return await self._held(round_id, device_id, wait_s, answer, SecAggInbox(ready=False))
 
     async def unmask_plan(self, round_id: int, device_id: str, wait_s: float) -> SecAggUnmaskPlan:
@@ -203,13 +217,16 @@ def answers_in(fed_round: FedRound) -> bool:
 
 def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
     """Close stage 1: the devices still in the attempt that sent no keys are taken out, the others
-    are the roster; a roster smaller than its threshold takes every device out."""
+    are the roster, laid out in neighbourhoods (a fresh random ring from the operating system's
+    randomness with ``neighbours``); a roster smaller than its threshold takes every device out."""
     secure = fed_round.secure
     assert secure is not None
+    settings = core.config.secure_aggregation
     core.exclude(fed_round, _still_in(fed_round) - set(secure.keys), "secure aggregation: sent no keys in time")
     secure.roster = {d: secure.keys[d] for d in sorted(_still_in(fed_round))}
-    configured = core.config.secure_aggregation.threshold
-    secure.threshold = configured if configured is not None else len(secure.roster) // 2 + 1
+    secure.neighbourhoods = neighbourhoods(list(secure.roster), settings.neighbours, random.SystemRandom())
+    size = min(len(n) for n in secure.neighbourhoods.values()) if secure.roster else 0
+    secure.threshold = settings.threshold if settings.threshold is not None else size // 2 + 1
     if len(secure.roster) < max(2, secure.threshold):
         core.exclude(fed_round, secure.roster, f"secure aggregation: {len(secure.roster)} devices sent keys, "
                                                f"below the threshold {secure.threshold}")
@@ -217,15 +234,21 @@ def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
 
 
 def close_share_stage(core: RunCore, fed_round: FedRound) -> None:
-    """Close stage 2: the devices still in the attempt that sent no shares are taken out, the
-    others are the sharers; fewer sharers than the threshold take every device out."""
+    """Close stage 2: the devices still in the attempt that sent no shares are taken out; fewer
+    sharers than the threshold take every device out; then the devices fewer than the threshold
+    of whose neighbourhood shared (their secrets could never be rebuilt) are taken out, until none
+    is left with too few. The others are the sharers."""
     secure = fed_round.secure
     assert secure is not None
     core.exclude(fed_round, _still_in(fed_round) - set(secure.shares), "secure aggregation: sent no shares in time")
+    if len(_still_in(fed_round)) < secure.threshold:
+        core.exclude(fed_round, _still_in(fed_round), f"secure aggregation: {len(_still_in(fed_round))} devices "
+                                                      f"shared, below the threshold {secure.threshold}")
+    while short := {d for d in _still_in(fed_round)
+                    if len(_still_in(fed_round).intersection(secure.neighbourhoods[d])) < secure.threshold}:
+        core.exclude(fed_round, short, f"secure aggregation: fewer than {secure.threshold} of its neighbourhood "
+                                       "shared their secrets")
     secure.sharers = sorted(_still_in(fed_round))
-    if len(secure.sharers) < secure.threshold:
-        core.exclude(fed_round, secure.sharers, f"secure aggregation: {len(secure.sharers)} devices shared, below "
-                                                f"the threshold {secure.threshold}")
     _close_stage(secure)
 
 

@@ -279,8 +279,14 @@ class SecureAggregationConfig(_Strict):
     ``shared/run_config.py``."""
 
     enabled: bool = False
-    # How many of the round's devices' shares rebuild a device's secrets; null: a majority of
-    # the devices that shared theirs. Fewer answers in the unmasking stage fail the attempt.
+    # How many other devices each device shares its secrets and masks with (SecAgg+'s sparse
+    # graph, an even count: half on each side of it on a ring in a fresh random order every
+    # attempt); null: every other device of the attempt (SecAgg's complete graph), whose share
+    # and unmasking work grows with the square of the devices.
+    neighbours: int | None = Field(None, ge=2)
+    # How many shares of a device's neighbourhood (itself and its neighbours) rebuild its
+    # secrets; null: a majority of the neighbourhood. Fewer answers from a neighbourhood in the
+    # unmasking stage fail the attempt.
     threshold: int | None = Field(None, ge=2)
     # Each entry of a device's update (its change over the round) is clipped to +-value_range
     # before it is encoded: the fixed-point range, chosen so that the round's sum never wraps.
@@ -288,6 +294,16 @@ class SecureAggregationConfig(_Strict):
     # Seconds the key and share stages each wait for the round's devices before they go on
     # with those that answered.
     stage_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _graph_fits(self) -> "SecureAggregationConfig":
+        if self.neighbours is not None and self.neighbours % 2:
+            raise ValueError(f"secure_aggregation.neighbours must be even (half on each side of a device on the "
+                             f"ring), not {self.neighbours}")
+        if self.neighbours is not None and self.threshold is not None and self.threshold > self.neighbours + 1:
+            raise ValueError(f"secure_aggregation.threshold {self.threshold} exceeds a neighbourhood's "
+                             f"{self.neighbours + 1} shares (the device and its {self.neighbours} neighbours)")
+        return self
 
 
 class DeviceMixConfig(_Strict):

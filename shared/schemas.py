@@ -620,7 +620,8 @@ class SecAggKeys(Message):
 
 
 class SecAggRoster(Message):
-    """The devices of the attempt that sent their keys, each with them (share index: the position
+    """The asking device's neighbourhood among the attempt's devices that sent their keys (itself
+    and the devices it shares with and masks with), each with its keys (share index: the position
     in sorted order, from 1), and the threshold; ``ready`` False: the stage is still open."""
 
     ready: bool

@@ -4,9 +4,11 @@
 (``device_agent/secure_aggregation.py``, ``fed_server/secure_stages.py``); docs/privacy.md
 describes the protocol.
 
-Every device of the roster is every other's neighbour (SecAgg's complete graph; SecAgg+'s sparse
-graph is not used). A share is the owner's 16-byte mask seed followed by its 32-byte mask key,
-each Shamir-shared, and carries the recipient's index (its position in the sorted roster, from 1)."""
+A device shares its secrets and masks with its neighbours (``shared.secagg.graph``: SecAgg+'s
+sparse graph, or every other device). What it is served as its roster is its neighbourhood: its
+neighbours' keys and its own. A share is the owner's 16-byte mask seed followed by its 32-byte mask
+key, each Shamir-shared, and carries the recipient's index: its position in the owner's sorted
+neighbourhood, from 1."""
 from __future__ import annotations
 
 import os
@@ -30,9 +32,10 @@ KEY_BYTES = 32
 PublicKeys = Mapping[str, tuple[bytes, bytes]]
 
 
-def share_indices(roster: Sequence[str]) -> dict[str, int]:
-    """Each roster device's share index: its position in sorted order, from 1."""
-    return {device: i for i, device in enumerate(sorted(roster), 1)}
+def share_indices(neighbourhood: Sequence[str]) -> dict[str, int]:
+    """The share index of each device of an owner's neighbourhood: its position in sorted order,
+    from 1."""
+    return {device: i for i, device in enumerate(sorted(neighbourhood), 1)}
 
 
 @dataclass
@@ -54,10 +57,11 @@ class DeviceSecrets:
         return public_key(self.mask_private), public_key(self.share_private)
 
     def seal_shares(self, roster: PublicKeys, threshold: int) -> dict[str, bytes]:
-        """The second stage: the seed and mask key split into one share per roster device, any
-        ``threshold`` of which rebuild them, each sealed for its recipient with the key agreed with
-        its share key (the device's own share is kept, not sent). ShareError for a roster key that
-        agrees on nothing; ValueError when the roster lacks this device or the threshold does not fit."""
+        """The second stage: the seed and mask key split into one share per device of ``roster``
+        (this device's neighbourhood), any ``threshold`` of which rebuild them, each sealed for its
+        recipient with the key agreed with its share key (the device's own share is kept, not
+        sent). ShareError for a roster key that agrees on nothing; ValueError when the roster lacks
+        this device or the threshold does not fit."""
         if self.device_id not in roster:
             raise ValueError(f"the roster does not hold {self.device_id!r}")
         if not 2 <= threshold <= len(roster):
@@ -115,19 +119,19 @@ class DeviceSecrets:
                 {d: self.held[d][1] for d in dropped if d in self.held})
 
 
-def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str, bytes]]], roster: Sequence[str],
-                    survivors: Sequence[str], dropped: Sequence[str], threshold: int
-                    ) -> tuple[dict[str, bytes], dict[str, bytes]]:
+def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str, bytes]]],
+                    neighbourhoods: Mapping[str, Sequence[str]], survivors: Sequence[str], dropped: Sequence[str],
+                    threshold: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """The Fed Server's side of the last stage: from each answering device's (seed shares, key
-    shares), the survivors' seeds and the dropped devices' mask keys. ValueError when fewer than
-    ``threshold`` shares of some secret came back. Each secret is rebuilt from exactly
-    ``threshold`` of its shares (the lowest indices), which determine it: interpolating more
-    rebuilds the same secret at a cost quadratic in the shares, which is most of the Fed Server's
-    work in a secure round (benchmarks/README.md, part (l))."""
-    indices = share_indices(roster)
-
+    shares), the survivors' seeds and the dropped devices' mask keys, an owner's shares indexed in
+    its neighbourhood. ValueError when fewer than ``threshold`` shares of some secret came back.
+    Each secret is rebuilt from exactly ``threshold`` of its shares (the lowest indices), which
+    determine it: interpolating more rebuilds the same secret at a cost quadratic in the shares,
+    which is most of the Fed Server's work in a secure round (benchmarks/README.md, part (l))."""
     def rebuilt(owner: str, part: int, size: int) -> bytes:
-        shares = {indices[who]: answer[part][owner] for who, answer in answers.items() if owner in answer[part]}
+        indices = share_indices(neighbourhoods[owner])
+        shares = {indices[who]: answer[part][owner] for who, answer in answers.items()
+                  if owner in answer[part] and who in indices}
         if len(shares) < threshold:
             raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
         secret = combine_secret(dict(sorted(shares.items())[:threshold]))
@@ -139,10 +143,11 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
 
 
 def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mapping[str, bytes],
-                 dropped_keys: Mapping[str, bytes], mask_keys: Mapping[str, bytes]) -> Words:
+                 dropped_keys: Mapping[str, bytes], mask_keys: Mapping[str, bytes],
+                 neighbourhoods: Mapping[str, Sequence[str]]) -> Words:
     """The sum of the survivors' encoded updates (uint64 by entry): their masked words summed
-    modulo 2**64, their own masks and the pairwise masks of the dropped devices removed.
-    ``mask_keys``: every roster device's public mask key."""
+    modulo 2**64, their own masks and the pairwise masks each dropped device left in its
+    surviving neighbours' words removed. ``mask_keys``: every roster device's public mask key."""
     survivors = sorted(masked)
     first = masked[survivors[0]]
     total = {k: np.zeros_like(v, dtype=np.uint64) for k, v in first.items()}
@@ -151,7 +156,7 @@ def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mappin
             np.add(total[key], words, out=total[key])
     split = len(layout.blocks)
     return remove_masks(total, layout, {d: split for d in [*survivors, *dropped_keys]}, seeds, dropped_keys,
-                        {d: survivors for d in dropped_keys}, mask_keys)
+                        {d: [s for s in survivors if s in neighbourhoods[d]] for d in dropped_keys}, mask_keys)
 
 
 def words_to_state(words: Words) -> dict[str, torch.Tensor]:

@@ -11,21 +11,29 @@ from benchmarks.attacks import ATTACKS
 from benchmarks.run import DEFAULT_PARTS, PARTS
 
 
-def test_each_size_runs_plain_secure_and_each_dropout_within_the_default_threshold():
+def test_each_size_runs_plain_secure_and_each_dropout_within_its_threshold():
     cases = part.cases((10, 100))
+    sparse = f"{part.NEIGHBOURS} neighbours"
     assert [(c.devices, c.label, c.dropped) for c in cases] == [
         (10, "plain", 0), (10, "secure", 0), (10, "secure, 10% drop", 1), (10, "secure, 30% drop", 3),
-        (100, "plain", 0), (100, "secure", 0), (100, "secure, 10% drop", 10), (100, "secure, 30% drop", 30)]
+        (100, "plain", 0), (100, "secure", 0), (100, f"secure, {sparse}", 0), (100, f"secure, {sparse}, 10% drop", 10),
+        (100, f"secure, {sparse}, 30% drop", 30)]
     for case in cases:
         config = part.bench_config(case, rounds=3)
-        assert config.secure_aggregation.enabled == case.secure and config.secure_aggregation.threshold is None
+        secure = config.secure_aggregation
+        assert secure.enabled == case.secure and secure.neighbours == case.neighbours
         assert config.per_round == case.devices == config.data.num_devices
-        # The default threshold is a majority of the devices that sent keys: the survivors must reach it.
-        assert case.devices - case.dropped >= case.devices // 2 + 1
+        if case.neighbours is None:
+            # The default threshold is a majority of the devices that sent keys: the survivors must reach it.
+            assert secure.threshold is None and case.devices - case.dropped >= case.devices // 2 + 1
+        else:
+            assert secure.threshold == part.SPARSE_THRESHOLD <= case.neighbours + 1
 
 
-def _row(devices: int, case: str, median: float | None, secure: bool = True, attempts: int = 3) -> dict:
-    return {"devices": devices, "case": case, "secure": secure, "median_round_s": median, "state": "finished",
+def _row(devices: int, case: str, median: float | None, secure: bool = True, attempts: int = 3,
+         neighbours: int | None = None) -> dict:
+    return {"devices": devices, "case": case, "secure": secure, "neighbours": neighbours, "median_round_s": median,
+            "state": "finished",
             "rounds_ok": 3, "attempts": attempts, "fed_cpu_s_per_round": 0.5, "fed_peak_pss_mib": 200.0,
             "fed_kib_per_device_round": 70.0, "agents_cpu_s": 4.0, "final_accuracy": 0.86}
 
@@ -43,6 +51,14 @@ def test_the_verdict_judges_every_secure_case_at_100_devices_against_its_plain_r
     part.add_ratios(retried)
     assert part.verdict(retried) == "not met: secure, 10% drop"   # a round was retried: not recovered
     assert part.verdict(rows[:2]) == "not measured at 100 devices"
+    # With a sparse graph measured, the dropouts ran on it: the complete graph's row is a reference.
+    sparse = [*rows[:4], _row(100, "secure, 20 neighbours", 2.5, neighbours=20),
+              _row(100, "secure, 20 neighbours, 10% drop", 2.8, neighbours=20)]
+    part.add_ratios(sparse)
+    assert part.verdict(sparse) == "met"
+    sparse[-1]["median_round_s"] = 3.2
+    part.add_ratios(sparse)
+    assert part.verdict(sparse) == "not met: secure, 20 neighbours, 10% drop"
 
 
 def test_the_table_has_a_row_per_case_with_its_ratio():

@@ -3,6 +3,8 @@ that answered and takes the others out with the reason, and every message out of
 malformed is refused in one line and changes nothing."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from fed_server.coordinator import Coordinator
@@ -21,12 +23,13 @@ from shared.wire import encode_state
 DEVICES = ["d0", "d1", "d2"]
 
 
-def _open_round(tmp_path):
+def _open_round(tmp_path, devices: list[str] = DEVICES, **secure):
     config = load_run_config({"algorithm": "fedavg", "rounds": 1, "aggregation": {"rule": "mean"},
-                              "secure_aggregation": {"enabled": True}, "data": {"num_devices": 3, "max_samples": 300}})
+                              "secure_aggregation": {"enabled": True, **secure},
+                              "data": {"num_devices": len(devices), "max_samples": 100 * len(devices)}})
     coordinator = Coordinator(config, RunDirectory(tmp_path / "run"), None)
     holdout = coordinator.enrolment.run_info().holdout
-    for i, device in enumerate(DEVICES):
+    for i, device in enumerate(devices):
         coordinator.enrolment.register(RegisterRequest(
             device_id=device, shard=i, num_samples=trained_samples(coordinator.enrolment.shard_sizes[i], holdout),
             profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
@@ -72,7 +75,7 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
     close_key_stage(coordinator.core, fed_round)
     roster = {d: secrets[d].public_keys() for d in DEVICES}
     sealed = secrets["d0"].seal_shares(roster, 2)
-    with pytest.raises(Invalid, match="exactly the other roster devices"):
+    with pytest.raises(Invalid, match="exactly its neighbours"):
         stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={"d1": sealed["d1"]}))
     assert secure.shares == {}
     # A masked upload before the device shared: refused, and the device stays in.
@@ -96,3 +99,36 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
         stages.accept_unmask(round_id, SecAggUnmask(device_id="d1", round_id=round_id))
     open_unmasking_stage(fed_round)
     assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES
+
+
+def test_on_a_sparse_graph_a_device_gets_its_neighbourhood_and_one_too_few_of_whose_neighbours_shared_is_taken_out(
+        tmp_path):
+    devices = [f"d{i}" for i in range(5)]
+    coordinator, fed_round = _open_round(tmp_path, devices, neighbours=2, threshold=2)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    secrets = {d: DeviceSecrets(d, "run", round_id) for d in devices}
+    for device in devices:
+        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
+    close_key_stage(coordinator.core, fed_round)
+    hoods = secure.neighbourhoods
+    assert secure.threshold == 2 and all(len(hoods[d]) == 3 and d in hoods[d] for d in devices)
+    rosters = {d: asyncio.run(stages.roster(round_id, d, 0)).keys for d in devices}
+    assert all(sorted(rosters[d]) == hoods[d] for d in devices)
+    # d0's two neighbours never share: d0 cannot be unmasked (one share of its secrets would come
+    # back), so it is taken out, and its neighbours with it for sending nothing.
+    lonely, silent = "d0", [d for d in hoods["d0"] if d != "d0"]
+    with pytest.raises(Invalid, match="exactly its neighbours"):
+        stages.accept_shares(round_id, SecAggShares(device_id=lonely, round_id=round_id, shares={
+            d: b"x" for d in devices if d != lonely}))
+    for device in devices:
+        if device not in silent:
+            roster = {d: (k.mask_key, k.share_key) for d, k in rosters[device].items()}
+            stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
+                                                        shares=secrets[device].seal_shares(roster, 2)))
+    close_share_stage(coordinator.core, fed_round)
+    rest = sorted(set(devices) - {lonely, *silent})
+    assert secure.sharers == rest
+    assert fed_round.excluded[lonely] == "secure aggregation: fewer than 2 of its neighbourhood shared their secrets"
+    inbox = asyncio.run(stages.inbox(round_id, rest[0], 0))
+    assert list(inbox.shares) == [rest[1]]

@@ -197,6 +197,9 @@ def test_private_runs_of_a_weighted_mean_pass():
      "threshold 3 it must be at least 5.619"),
     (_with(SECURE, model="resnet8"), "secure_aggregation cannot run model 'resnet8': its integer state entries"),
     (_with(SECURE, **{"secure_aggregation.threshold": 6}), "secure_aggregation.threshold 6 exceeds the 5 devices"),
+    (_with(SECURE, **{"secure_aggregation.neighbours": 3}), "secure_aggregation.neighbours must be even"),
+    (_with(SECURE, **{"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 4}),
+     "secure_aggregation.threshold 4 exceeds a neighbourhood's 3 shares"),
 ])
 def test_what_a_private_or_secure_run_cannot_serve_is_refused_in_one_line(data, message):
     with pytest.raises(ConfigError) as info:
@@ -207,6 +210,7 @@ def test_what_a_private_or_secure_run_cannot_serve_is_refused_in_one_line(data, 
 def test_secure_runs_of_a_whole_model_weighted_mean_pass():
     for data in (SECURE, _with(SECURE, algorithm="fedprox"), _with(SECURE, algorithm="fedadam"),
                  _with(SECURE, **{"secure_aggregation.threshold": 5}), DISTRIBUTED,
+                 _with(SECURE, **{"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 3}),
                  _with(DISTRIBUTED, **{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0,
                                       "secure_aggregation.value_range": 8.0})):
         load_run_config(data)

@@ -2,11 +2,14 @@
 devices' clipped updates within the fixed-point rounding, with one device dropped after sharing
 (its pairwise masks removed through its rebuilt mask key) and one silent in the unmasking stage
 (its own mask removed through its rebuilt seed); too few answers fail; a forged share is named."""
+import random
+
 import numpy as np
 import pytest
 
 from shared.secagg.crypto import ShareError
 from shared.secagg.encoding import decode, fraction_bits
+from shared.secagg.graph import neighbourhoods
 from shared.secagg.masks import BlockLayout
 from shared.secagg.protocol import DeviceSecrets, rebuild_secrets, unmasked_sum
 
@@ -16,21 +19,30 @@ WEIGHTS = {"d0": 10.0, "d1": 20.0, "d2": 5.0, "d3": 40.0, "d4": 25.0}
 RANGE = 0.5
 
 
-def _attempt(silent: set[str], unmask_answers: int | None = None):
+COMPLETE = {d: DEVICES for d in DEVICES}
+
+
+def _attempt(silent: set[str], unmask_answers: int | None = None, graph: dict[str, list[str]] = COMPLETE,
+             threshold: int = 3, dropped: str = "d1"):
+    """One attempt over ``graph`` (each device's neighbourhood): ``dropped`` shares, then never
+    uploads; ``silent`` upload but do not answer the unmasking stage."""
     rng = np.random.default_rng(7)
     secrets = {d: DeviceSecrets(d, "run", 3) for d in DEVICES}
-    roster = {d: s.public_keys() for d, s in secrets.items()}
-    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
-    partners = {d: s.open_inbox(roster, {o: sealed[o][d] for o in DEVICES if o != d}) for d, s in secrets.items()}
+    keys_of = {d: s.public_keys() for d, s in secrets.items()}
+    rosters = {d: {n: keys_of[n] for n in graph[d]} for d in DEVICES}
+    sealed = {d: s.seal_shares(rosters[d], threshold=threshold) for d, s in secrets.items()}
+    partners = {d: s.open_inbox(rosters[d], {o: sealed[o][d] for o in graph[d] if o != d})
+                for d, s in secrets.items()}
     bits = fraction_bits(sum(WEIGHTS.values()), RANGE)
     updates = {d: {k: rng.uniform(-0.8, 0.8, size=shape) for block in LAYOUT.blocks for k, shape in block}
                for d in DEVICES}
-    uploaders = [d for d in DEVICES if d != "d1"]   # d1 shared, then never uploaded
-    masked = {d: secrets[d].mask(updates[d], WEIGHTS[d], bits, RANGE, LAYOUT, roster, partners[d]) for d in uploaders}
+    uploaders = [d for d in DEVICES if d != dropped]
+    masked = {d: secrets[d].mask(updates[d], WEIGHTS[d], bits, RANGE, LAYOUT, rosters[d], partners[d])
+              for d in uploaders}
     answering = [d for d in uploaders if d not in silent][:unmask_answers]
-    answers = {d: secrets[d].unmask(uploaders, ["d1"]) for d in answering}
-    seeds, keys = rebuild_secrets(answers, DEVICES, uploaders, ["d1"], threshold=3)
-    total = unmasked_sum(masked, LAYOUT, seeds, keys, {d: roster[d][0] for d in DEVICES})
+    answers = {d: secrets[d].unmask(uploaders, [dropped]) for d in answering}
+    seeds, keys = rebuild_secrets(answers, graph, uploaders, [dropped], threshold=threshold)
+    total = unmasked_sum(masked, LAYOUT, seeds, keys, {d: keys_of[d][0] for d in DEVICES}, graph)
     expected = {k: sum(WEIGHTS[d] * np.clip(updates[d][k], -RANGE, RANGE) for d in uploaders) for k in total}
     return total, expected, bits, masked, updates
 
@@ -45,6 +57,26 @@ def test_the_unmasked_sum_is_the_weighted_sum_of_the_clipped_updates_despite_dro
     # over the whole 64-bit range (+-128 here), far outside the +-5 its weighed update lies in.
     alone = np.concatenate([decode(masked["d0"][k], bits).ravel() for k in ("w", "b", "v")])
     assert np.abs(alone).max() > 10 * WEIGHTS["d0"] * RANGE
+
+
+def test_on_a_sparse_graph_the_unmasked_sum_is_the_same_despite_dropouts():
+    # A ring of five with two neighbours each: d1's masks are in its two neighbours' words only,
+    # and every secret is rebuilt from two of its neighbourhood's three shares.
+    graph = neighbourhoods(DEVICES, 2, random.Random(3))
+    assert all(len(graph[d]) == 3 for d in DEVICES) and graph != COMPLETE
+    total, expected, bits, masked, _ = _attempt(silent=set(), graph=graph, threshold=2)
+    bound = len(masked) / 2.0 ** (bits + 1) + 2.0 ** -52 * sum(WEIGHTS.values()) * RANGE
+    for key in expected:
+        np.testing.assert_allclose(decode(total[key], bits), expected[key], atol=bound, rtol=0)
+
+
+def test_on_a_sparse_graph_a_neighbourhood_with_too_few_answers_rebuilds_nothing():
+    # One of the dropped device's two neighbours is silent: its neighbourhood has one survivor
+    # that answers, which cannot rebuild the secrets of that silent neighbour (or d1's).
+    graph = neighbourhoods(DEVICES, 2, random.Random(3))
+    others = [d for d in graph["d1"] if d != "d1"]
+    with pytest.raises(ValueError, match="1 shares of .* below the threshold 2"):
+        _attempt(silent={others[0]}, graph=graph, threshold=2)
 
 
 def test_fewer_answers_than_the_threshold_rebuild_nothing():
@@ -77,10 +109,10 @@ def test_a_secret_is_rebuilt_from_exactly_threshold_shares_the_lowest_indices():
         s.open_inbox(roster, {o: sealed[o][d] for o in DEVICES if o != d})
     uploaders = ["d0", "d2", "d3", "d4"]
     answers = {d: secrets[d].unmask(uploaders, ["d1"]) for d in uploaders}
-    seeds, keys = rebuild_secrets(answers, DEVICES, uploaders, ["d1"], threshold=3)
+    seeds, keys = rebuild_secrets(answers, COMPLETE, uploaders, ["d1"], threshold=3)
     assert seeds == {d: secrets[d].seed for d in uploaders} and keys == {"d1": secrets["d1"].mask_private}
     wrong = {d: (dict(s), dict(k)) for d, (s, k) in answers.items()}
     wrong["d4"][0]["d0"] = bytes(16)
-    assert rebuild_secrets(wrong, DEVICES, uploaders, ["d1"], threshold=3)[0]["d0"] == secrets["d0"].seed
+    assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)[0]["d0"] == secrets["d0"].seed
     wrong["d0"][0]["d0"] = bytes(16)   # index 1 is among the three used
-    assert rebuild_secrets(wrong, DEVICES, uploaders, ["d1"], threshold=3)[0]["d0"] != secrets["d0"].seed
+    assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)[0]["d0"] != secrets["d0"].seed
