@@ -77,3 +77,11 @@ def test_the_part_runs_only_when_named_and_its_dropout_is_no_attack_row():
 def test_sizes_below_a_threshold_or_not_counts_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="at least 3"):
         part.parse_sizes(text)
+
+
+def test_the_sparse_threshold_recovers_the_dropouts_where_a_majority_would_fail_attempts():
+    sparse = part.SPARSE_THRESHOLD
+    majority = (part.NEIGHBOURS + 1) // 2 + 1
+    assert part.failed_attempts(100, part.NEIGHBOURS, sparse, 30, trials=400) < 0.02
+    assert part.failed_attempts(100, part.NEIGHBOURS, majority, 30, trials=400) > 0.15
+    assert part.failed_attempts(100, part.NEIGHBOURS, majority, 10, trials=400) == 0.0
