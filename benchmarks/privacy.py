@@ -42,6 +42,7 @@ import torch
 from benchmarks.result_files import add_name_option, default_out, markdown_table, write
 
 if TYPE_CHECKING:
+    from benchmarks.privacy_records import RoundRecords
     from shared.config import RunConfig
     from shared.models import SplitModel
     from testbed.warm_start import WarmStarter
@@ -159,6 +160,13 @@ def _head_weight_and_bias(model: SplitModel) -> tuple[str, str]:
     return f"blocks.{last}.weight", f"blocks.{last}.bias"
 
 
+def reported_counts(rounds: list[RoundRecords]) -> list[tuple[list[int], list[int]]]:
+    """(the label counts a device reported at its join, its true counts) for every join that
+    reported any: a run with ``split_privacy.label_counts: withheld`` reports none, and the
+    label-count attack has nothing to read."""
+    return [(r.joins[d], r.true_counts[d]) for r in rounds for d in r.joins if r.joins[d]]
+
+
 def attack_records(records: Path, config: RunConfig, epochs: int = EPOCHS) -> dict:
     """Every attack on what the servers recorded under ``records`` (a run of ``config``): the
     label attacks' and the reconstruction's figures (the inverse network trained ``epochs``), and
@@ -200,7 +208,7 @@ def attack_records(records: Path, config: RunConfig, epochs: int = EPOCHS) -> di
     if updates:
         scores = attacks.distribution_scores([attacks.head_update_scores(g, u) for u, g, _ in updates])
         labels["head_update"] = attacks.device_level(scores, torch.tensor([c for _, _, c in updates])).as_dict()
-    joins = [(r.joins[d], r.true_counts[d]) for r in rounds for d in r.joins if r.joins[d] is not None]
+    joins = reported_counts(rounds)
     if joins:
         scores = attacks.distribution_scores([torch.tensor(j, dtype=torch.float64) for j, _ in joins])
         labels["label_counts"] = attacks.device_level(scores, torch.tensor([c for _, c in joins])).as_dict()

@@ -112,3 +112,13 @@ def test_the_command_line(capsys) -> None:
             privacy.parse(bad)
     assert "nope" in capsys.readouterr().err
     assert "j" in run.PARTS and "j" not in run.DEFAULT_PARTS
+
+
+def test_a_run_that_withholds_its_label_counts_gives_the_count_attack_nothing_to_read() -> None:
+    from benchmarks.privacy_records import RoundRecords
+
+    def round_of(joins: dict[str, list[int]]) -> RoundRecords:
+        return RoundRecords(1, 1, None, {d: 1 for d in joins}, joins, {d: [3, 1] for d in joins}, None)
+
+    assert privacy.reported_counts([round_of({"dev-000": [], "dev-001": []})]) == []
+    assert privacy.reported_counts([round_of({"dev-000": [2, 2], "dev-001": []})]) == [([2, 2], [3, 1])]
