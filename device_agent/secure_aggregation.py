@@ -17,6 +17,7 @@ from shared.schemas import (
     PrivacyTerms, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms,
 )
 from shared.secagg.masks import BlockLayout
+from shared.secagg.crypto import ShareError
 from shared.secagg.protocol import DeviceSecrets, PublicKeys, words_to_state
 from shared.wire import encode_state
 
@@ -37,6 +38,8 @@ class SecureSession:
     deadline: float
     #: The fewest survivors whose sum the Fed Server can unmask (the roster's threshold).
     threshold: int
+    #: The split point of each device of the roster: the blocks it masks.
+    splits: dict[str, int]
 
     @property
     def round_id(self) -> int:
@@ -44,18 +47,21 @@ class SecureSession:
 
     def masked_weights(self, state: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor], weight: float,
                        layout: BlockLayout, privacy: PrivacyTerms | None = None) -> dict:
-        """The upload's weights: the change from ``start`` to ``state`` of every entry, weighed by
-        ``weight`` (the device's sample count), encoded and masked, as int64 tensors on the wire.
+        """The upload's weights: the change from ``start`` to ``state`` of every entry of the
+        blocks the roster gives this device to mask (those of its portion that enough devices
+        hold), weighed by ``weight`` (the device's sample count), encoded and masked, as int64
+        tensors on the wire.
         With distributed noise (``privacy.noise_multiplier``) the change weighs 1 and carries this
         device's share of the noise: N(0, (z C)^2 / threshold) on every entry, drawn from the
         operating system's randomness."""
-        update = {k: v.double() - start[k].double() for k, v in state.items()}
+        masked = [name for block in range(self.splits[self.secrets.device_id]) for name, _ in layout.entries(block)]
+        update = {k: state[k].double() - start[k].double() for k in masked}
         if privacy is not None and privacy.noise_multiplier is not None:
             weight = 1.0
             update = add_noise(update, distributed_noise_std(privacy.noise_multiplier, privacy.clip_norm,
                                                              self.threshold))
         words = self.secrets.mask({k: v.cpu().numpy() for k, v in update.items()}, weight, self.terms.fraction_bits,
-                                  self.terms.value_range, layout, self.roster, self.partners)
+                                  self.terms.value_range, layout, self.roster, self.partners, self.splits)
         return encode_state(words_to_state(words))
 
     def answer_unmasking(self) -> None:
@@ -69,21 +75,26 @@ class SecureSession:
 
 
 def share_secrets(fed: FedApi, device_id: str, run_id: str, round_id: int, terms: SecureTerms,
-                  deadline: float) -> SecureSession:
+                  deadline: float, split_point: int) -> SecureSession:
     """The key and share stages of attempt ``round_id``: send fresh public keys, wait for the
     roster, send the sealed shares, wait for those sealed for this device and open them.
-    ShareError (a ValueError) for a share that does not verify; TaskExpired past ``deadline``."""
+    ShareError (a ValueError) for a share that does not verify or a roster whose split points do
+    not fit (``split_point``: this device's cut); TaskExpired past ``deadline``."""
     secrets = DeviceSecrets(device_id, run_id, round_id)
     mask_key, share_key = secrets.public_keys()
     fed.secagg_send(round_id, "keys", SecAggKeys(device_id=device_id, round_id=round_id, mask_key=mask_key,
                                                  share_key=share_key))
     roster_answer = _stage(fed, round_id, "roster", device_id, SecAggRoster, deadline)
     roster = {d: (k.mask_key, k.share_key) for d, k in roster_answer.keys.items()}
+    if set(roster_answer.splits) != set(roster) or not 1 <= roster_answer.splits.get(device_id, 0) <= split_point:
+        raise ShareError(f"the roster's split points do not name exactly its devices, or give {device_id} blocks "
+                         f"past its cut at {split_point}")
     fed.secagg_send(round_id, "shares", SecAggShares(device_id=device_id, round_id=round_id,
                                                      shares=secrets.seal_shares(roster, roster_answer.threshold)))
     inbox = _stage(fed, round_id, "inbox", device_id, SecAggInbox, deadline)
     partners = secrets.open_inbox(roster, inbox.shares)
-    return SecureSession(fed, secrets, terms, roster, partners, deadline, roster_answer.threshold)
+    return SecureSession(fed, secrets, terms, roster, partners, deadline, roster_answer.threshold,
+                         dict(roster_answer.splits))
 
 
 def _stage(fed: FedApi, round_id: int, stage: str, device_id: str, model: type[StageAnswer],

@@ -147,38 +147,52 @@ class Aggregator:
             unclipped = inside + float(add_noise({"n": torch.zeros(())}, count_std)["n"])
         aggregation.privacy = privacy.release(len(used), unclipped)
         mean = {key: global_state[key].double() + total / weights[key] for key, total in sums.items()}
-        contributions = {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights)}
-        if fed_round.uses_main_server:
-            for device in used:
-                portion = fed_round.portion_of(device)
-                assert portion is not None   # usable() kept only devices with one
-                held = set(self.core.portion(fed_round.assignments[device].split_point))
-                contributions[device] = Contribution(
-                    weight=self.core.summed_weight(device), client_state={},
-                    server_state={k: v for k, v in portion.server_state(device).items() if k not in held})
-        return contributions
+        return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights),
+                **self._group_copies(fed_round, used, {d: fed_round.assignments[d].split_point for d in used})}
+
+    def _group_copies(self, fed_round: FedRound, used: list[str], summed: Mapping[str, int]
+                      ) -> dict[str, Contribution]:
+        """A split attempt whose devices' client portions are summed (private or secure): each
+        device's group copy of the blocks past ``summed`` (its blocks in the sum: ``[0, split)``),
+        weighed as the device (none at split depth zero)."""
+        if not fed_round.uses_main_server:
+            return {}
+        copies = {}
+        for device in used:
+            portion = fed_round.portion_of(device)
+            assert portion is not None   # usable() (or the unmasking plan) kept only devices with one
+            held = set(self.core.portion(summed[device]))
+            copies[device] = Contribution(
+                weight=self.core.summed_weight(device), client_state={},
+                server_state={k: v for k, v in portion.server_state(device).items() if k not in held})
+        return copies
 
     def _secure_contributions(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
                               aggregation: Aggregation) -> dict[str, Contribution]:
         """A securely aggregated attempt: the survivors' masked words summed, the masks removed
-        with the secrets rebuilt from the unmasking stage's shares, the sum decoded and divided by
-        the survivors' summed weights (sample counts; 1 each with distributed noise, whose shares
-        the sum carries), as one contribution (the weighted mean, Algorithm 1 at split depth zero).
-        A private attempt's round is counted in the ledger (fills the record's privacy fields).
-        ValueError when fewer shares than the threshold came back."""
+        with the secrets rebuilt from the unmasking stage's shares, each entry's sum decoded and
+        divided by the summed weights of the survivors that hold it (sample counts; 1 each with
+        distributed noise, whose shares the sum carries), as one contribution beside each device's
+        group copy for the blocks it does not hold (Algorithm 1, layer-wise). A private attempt's
+        round is counted in the ledger (fills the record's privacy fields). ValueError when fewer
+        shares than the threshold came back."""
         secure = fed_round.secure
         assert secure is not None and secure.plan is not None and secure.roster is not None
         seeds, keys = rebuild_secrets(secure.answers, secure.neighbourhoods, used, secure.plan.dropped,
                                       secure.threshold)
         layout = BlockLayout.of(self.core.model)
         total = unmasked_sum({d: state_to_words(fed_round.updates[d].state) for d in used}, layout, seeds, keys,
-                             {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods)
-        weight = float(sum(self.core.summed_weight(d) for d in used))
+                             {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods, secure.splits)
+        weights: dict[str, float] = {}
+        for device in used:
+            for key in self.core.portion(secure.splits[device]):
+                weights[key] = weights.get(key, 0.0) + self.core.summed_weight(device)
         if self.core.privacy is not None:
             aggregation.privacy = self.core.privacy.release(len(used), None)
-        mean = {k: global_state[k].double() + torch.from_numpy(decode(v, secure.terms.fraction_bits)) / weight
+        mean = {k: global_state[k].double() + torch.from_numpy(decode(v, secure.terms.fraction_bits)) / weights[k]
                 for k, v in total.items()}
-        return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights={k: weight for k in mean})}
+        return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights),
+                **self._group_copies(fed_round, used, secure.splits)}
 
     def _summed(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
                 clip_norm: float) -> tuple[dict[str, torch.Tensor], dict[str, float], float]:

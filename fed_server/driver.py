@@ -336,7 +336,7 @@ async def _train_attempt(coordinator: Coordinator, settings: FedServerSettings) 
     for watcher in watchers:   # cancelled before the round closes: no loss is declared after it
         watcher.cancel()
     if fed_round.secure is not None and fed_round.secure.sharers is not None:
-        open_unmasking_stage(fed_round)
+        open_unmasking_stage(coordinator.core, fed_round, coordinator.aggregator.usable(fed_round))
         if not await wait_until(changed, lambda: answers_in(fed_round),
                                 time.monotonic() + coordinator.config.secure_aggregation.stage_s):
             log.warning("round %d (attempt %d): unmasking stage closed with %d of %d survivors' shares",

@@ -38,6 +38,7 @@ from shared.schemas import (
 from shared.secagg.crypto import ShareError, check_public_key
 from shared.secagg.encoding import fraction_bits
 from shared.secagg.graph import Neighbourhoods, neighbourhoods
+from shared.secagg.masks import masked_splits, well_held
 from shared.secagg.protocol import KEY_BYTES, SEED_BYTES
 
 #: The longest a stage's long poll is held (``wait_s``).
@@ -57,6 +58,9 @@ class SecureRound:
     roster: dict[str, SecAggKeys] | None = None
     #: Each roster device's neighbourhood (itself included, sorted), once the key stage closed.
     neighbourhoods: Neighbourhoods = field(default_factory=dict)
+    #: The blocks ``[0, split)`` each roster device masks and uploads: those of its portion that at
+    #: least ``threshold`` roster devices hold (``shared.secagg.masks.masked_splits``).
+    splits: dict[str, int] = field(default_factory=dict)
     threshold: int = 0
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)
     sharers: list[str] | None = None
@@ -153,8 +157,9 @@ class SecureStages:
         def answer(secure: SecureRound) -> SecAggRoster | None:
             if secure.roster is None:
                 return None
-            return SecAggRoster(ready=True, threshold=secure.threshold,
-                                keys={d: secure.roster[d] for d in secure.neighbourhoods[device_id]})
+            hood = secure.neighbourhoods[device_id]
+            return SecAggRoster(ready=True, threshold=secure.threshold, keys={d: secure.roster[d] for d in hood},
+                                splits={d: secure.splits[d] for d in hood})
         return await self._held(round_id, device_id, wait_s, answer, SecAggRoster(ready=False))
 
     async def inbox(self, round_id: int, device_id: str, wait_s: float) -> SecAggInbox:
@@ -227,6 +232,7 @@ def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
     secure.neighbourhoods = neighbourhoods(list(secure.roster), settings.neighbours, random.SystemRandom())
     size = min(len(n) for n in secure.neighbourhoods.values()) if secure.roster else 0
     secure.threshold = settings.threshold if settings.threshold is not None else size // 2 + 1
+    secure.splits = masked_splits({d: fed_round.assignments[d].split_point for d in secure.roster}, secure.threshold)
     if len(secure.roster) < max(2, secure.threshold):
         core.exclude(fed_round, secure.roster, f"secure aggregation: {len(secure.roster)} devices sent keys, "
                                                f"below the threshold {secure.threshold}")
@@ -252,13 +258,22 @@ def close_share_stage(core: RunCore, fed_round: FedRound) -> None:
     _close_stage(secure)
 
 
-def open_unmasking_stage(fed_round: FedRound) -> None:
-    """Open stage 4 once uploads closed: the sharers that uploaded and are still in are the
-    survivors, the other sharers dropped."""
+def open_unmasking_stage(core: RunCore, fed_round: FedRound, usable: list[str]) -> None:
+    """Open stage 4 once uploads closed: the sharers among the ``usable`` uploaders (still in, and
+    in a split attempt with their group's server portion back: ``Aggregator.usable``) are the
+    survivors, the other sharers dropped. When some block the survivors uploaded is held by fewer
+    than the threshold of them, every survivor is taken out instead (the attempt fails and the
+    round is retried) and no share is asked for."""
     secure = fed_round.secure
     assert secure is not None and secure.sharers is not None
-    dropped_now = fed_round.dropped()
-    survivors = [d for d in secure.sharers if d in fed_round.updates and d not in dropped_now]
+    survivors = [d for d in secure.sharers if d in usable]
+    held = {d: secure.splits[d] for d in survivors}
+    enough = well_held(held, secure.threshold)
+    if any(split > enough for split in held.values()):
+        # Unmasking would give the Fed Server a block's sum over fewer devices than the threshold.
+        core.exclude(fed_round, survivors, f"secure aggregation: block {enough} was uploaded by fewer than "
+                                           f"{secure.threshold} surviving devices")
+        survivors = []
     secure.plan = SecAggUnmaskPlan(ready=True, survivors=survivors,
                                    dropped=[d for d in secure.sharers if d not in survivors])
     _close_stage(secure)

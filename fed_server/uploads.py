@@ -166,13 +166,16 @@ class Uploads:
 
     def _checked_masked(self, fed_round: FedRound, req: UpdateRequest, body_bytes: int, upload_s: float
                         ) -> ReceivedUpdate:
-        """A securely aggregated attempt's upload: every model entry as masked 64-bit words
-        (int64 on the wire), which is all the Fed Server keeps of it; Invalid if not."""
-        core = self.core
+        """A securely aggregated attempt's upload: every entry of the blocks the device masks
+        (``[0, masked split)``: ``SecureRound.splits``) as masked 64-bit words (int64 on the wire),
+        which is all the Fed Server keeps of it; Invalid if not."""
+        core, secure = self.core, fed_round.secure
+        assert secure is not None
         if req.extras:
             raise Invalid("a masked update carries no extras")
+        portion = core.portion(secure.splits[req.device_id])
         try:
-            words = decode_state(req.weights, expect=masked_layout(core.model.state_dict()), what="masked weights")
+            words = decode_state(req.weights, expect=masked_layout(portion), what="masked weights")
         except WireError as exc:
             raise Invalid(str(exc)) from None
         core.record_state(fed_round, f"{req.device_id}-upload", words)

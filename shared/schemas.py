@@ -627,6 +627,9 @@ class SecAggRoster(Message):
     ready: bool
     keys: dict[str, SecAggKeys] = {}
     threshold: int = 0
+    #: Each of those devices' split point: it masks blocks ``[0, split)``, and two neighbours'
+    #: pairwise masks cover the blocks both hold.
+    splits: dict[str, int] = {}
 
 
 class SecAggShares(Message):

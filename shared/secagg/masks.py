@@ -59,6 +59,23 @@ class BlockLayout:
         return out
 
 
+def well_held(splits: Mapping[str, int], threshold: int) -> int:
+    """How many leading blocks at least ``threshold`` of the devices cut at ``splits`` hold: a
+    block is held by every device cut after it, so the ``threshold``-th deepest cut (0 with fewer
+    devices). A block's sum over fewer devices than the threshold is not secure aggregation's
+    sum (one device alone holding it would upload its update for the Fed Server to read)."""
+    deepest = sorted(splits.values(), reverse=True)
+    return deepest[threshold - 1] if len(deepest) >= threshold else 0
+
+
+def masked_splits(splits: Mapping[str, int], threshold: int) -> dict[str, int]:
+    """The blocks each device masks and uploads, ``[0, masked split)``: those of its own that at
+    least ``threshold`` of the devices hold (:func:`well_held`); its deeper blocks are not
+    aggregated from it."""
+    bound = well_held(splits, threshold)
+    return {device: min(split, bound) for device, split in splits.items()}
+
+
 def pair_sign(device: str, partner: str) -> int:
     """+1 where ``device`` adds the pair's mask (its id sorts first), -1 where it subtracts it."""
     return 1 if device < partner else -1

@@ -99,15 +99,15 @@ class DeviceSecrets:
         return sorted(self.held)
 
     def mask(self, update: Mapping[str, np.ndarray], weight: float, fraction_bits: int, value_range: float,
-             layout: BlockLayout, roster: PublicKeys, partners: Sequence[str]) -> Words:
-        """The third stage: ``update`` (float64 by entry) clipped to ``value_range`` per entry,
-        weighed by ``weight``, encoded in fixed point and masked with this device's own mask and
-        the pairwise mask of every other device of ``partners``."""
+             layout: BlockLayout, roster: PublicKeys, partners: Sequence[str], splits: Mapping[str, int]) -> Words:
+        """The third stage: ``update`` (float64 by entry: this device's blocks ``[0, split)``)
+        clipped to ``value_range`` per entry, weighed by ``weight``, encoded in fixed point and
+        masked with this device's own mask and the pairwise mask of every other device of
+        ``partners`` on the blocks both hold (``splits``: each roster device's split point)."""
         words = {k: encode(np.clip(v, -value_range, value_range) * weight, fraction_bits, weight * value_range)
                  for k, v in update.items()}
-        split = len(layout.blocks)
-        return add_masks(words, layout, self.device_id, split, self.seed, self.mask_private,
-                         {p: (roster[p][0], split) for p in partners if p != self.device_id})
+        return add_masks(words, layout, self.device_id, splits[self.device_id], self.seed, self.mask_private,
+                         {p: (roster[p][0], splits[p]) for p in partners if p != self.device_id})
 
     def unmask(self, survivors: Sequence[str], dropped: Sequence[str]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """The last stage: the shares this device holds of the survivors' seeds and of the dropped
@@ -144,18 +144,20 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
 
 def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mapping[str, bytes],
                  dropped_keys: Mapping[str, bytes], mask_keys: Mapping[str, bytes],
-                 neighbourhoods: Mapping[str, Sequence[str]]) -> Words:
-    """The sum of the survivors' encoded updates (uint64 by entry): their masked words summed
-    modulo 2**64, their own masks and the pairwise masks each dropped device left in its
-    surviving neighbours' words removed. ``mask_keys``: every roster device's public mask key."""
+                 neighbourhoods: Mapping[str, Sequence[str]], splits: Mapping[str, int]) -> Words:
+    """The sum of the survivors' encoded updates (uint64 by entry), each entry over the survivors
+    that hold it (``splits``: each roster device's split point): their masked words summed modulo
+    2**64, their own masks and the pairwise masks each dropped device left in its surviving
+    neighbours' words removed. ``mask_keys``: every roster device's public mask key."""
     survivors = sorted(masked)
-    first = masked[survivors[0]]
-    total = {k: np.zeros_like(v, dtype=np.uint64) for k, v in first.items()}
+    total: Words = {}
     for device in survivors:
         for key, words in masked[device].items():
-            np.add(total[key], words, out=total[key])
-    split = len(layout.blocks)
-    return remove_masks(total, layout, {d: split for d in [*survivors, *dropped_keys]}, seeds, dropped_keys,
+            if key in total:
+                np.add(total[key], words, out=total[key])
+            else:
+                total[key] = np.array(words, dtype=np.uint64)
+    return remove_masks(total, layout, splits, seeds, dropped_keys,
                         {d: [s for s in survivors if s in neighbourhoods[d]] for d in dropped_keys}, mask_keys)
 
 

@@ -116,7 +116,7 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
     layout = BlockLayout.of(build_model(config.model, 10, (1, 28, 28), seed=config.seed))
     for device, update in updates.items():
         session = SecureSession(None, secrets[device], terms, roster, partners[device], time.monotonic() + 60,  # type: ignore[arg-type]
-                                rosters[device].threshold)
+                                rosters[device].threshold, rosters[device].splits)
         trained = {k: start[k].double() + torch.from_numpy(v) for k, v in update.items()}
         masked = session.masked_weights(trained, start, sizes[device], layout, tasks[device].privacy)
         _call(client, "POST", f"{fed}{API}/rounds/{round_id}/updates", UpdateRequest(
@@ -237,3 +237,37 @@ def test_fewer_unmasking_answers_than_the_threshold_fail_the_attempt_and_the_rou
     assert record["status"] == "failed" and record["round"] == 1 and record["aggregated"] == DEVICES[:4], record
     assert retried.round_index == 1 and retried.round_id != record["round_id"]
     assert retried.secure_aggregation is not None
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["plain", "distributed-noise"])
+def test_an_s2fl_run_with_real_agents_sums_each_block_over_the_devices_that_hold_it(tmp_path: Path, private: bool):
+    # Two devices pinned at the deepest cut (3 of the cnn's 4 blocks), two sliding through the
+    # warm-up (cut 1, then 2): every attempt mixes cuts, the blocks past a sliding device's cut
+    # are summed over the two deep devices only (the threshold), and the Main Server's group
+    # copies stand in for the blocks a device does not hold (Algorithm 1, layer-wise).
+    deep = ["dev-000", "dev-001"]
+    noise = {"privacy.clipping": "fixed", "privacy.clip_norm": 0.5, "privacy.noise": "distributed",
+             "privacy.noise_multiplier": 0.5, "privacy.delta": 1e-3} if private else {}
+    config = small_config(rounds=2, **{"aggregation.rule": "mean", "devices.profiles": [],
+                                       "split.pinned": {d: 3 for d in deep},
+                                       "secure_aggregation.enabled": True, "secure_aggregation.threshold": 2,
+                                       "secure_aggregation.value_range": 2.0 if private else 1.0, **noise})
+    with Testbed(config, tmp_path, warm=shared_starter()) as testbed:
+        status = testbed.follow(timeout=300)
+    assert status["state"] == "finished"
+    rounds = read_metrics(tmp_path)
+    assert [r["status"] for r in rounds] == ["ok", "ok"] and all(len(r["aggregated"]) == 4 for r in rounds), rounds
+    assert [r["split_points"] for r in rounds] == [
+        {"dev-000": 3, "dev-001": 3, "dev-002": 1, "dev-003": 1}, {"dev-000": 3, "dev-001": 3, "dev-002": 2, "dev-003": 2}]
+    _, state, _ = RunDirectory(tmp_path).read_checkpoint()
+    model = build_model("cnn", 10, (1, 28, 28), seed=config.seed)
+    initial = model.state_dict()
+    # Block 0 is every device's in both rounds: each of its entries moves at most value_range a
+    # round; a mask left in its sum would move it by about 2**63 over the fixed point's scale.
+    first = model.portion_keys(0, 1)
+    change = max(float((state[k] - initial[k]).abs().max()) for k in first)
+    assert 1e-4 < change <= len(rounds) * config.secure_aggregation.value_range, change
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert max(float((state[k] - initial[k]).abs().max()) for k in model.portion_keys(2, 3)) > 1e-4
+    epsilons = [r["privacy"]["epsilon"] if r["privacy"] else None for r in rounds]
+    assert (epsilons[0] < epsilons[1]) if private else epsilons == [None, None], epsilons

@@ -115,7 +115,8 @@ class FakeFed:
         keys = {device_id: own, "dev-peer": SecAggKeys(device_id="dev-peer", round_id=round_id, mask_key=mask_key,
                                                        share_key=share_key)}
         if stage == "roster":
-            return SecAggRoster(ready=True, keys=keys, threshold=2)
+            whole = len(build_model("cnn").blocks)
+            return SecAggRoster(ready=True, keys=keys, threshold=2, splits={d: whole for d in keys})
         if stage == "inbox":
             sealed = self.peer.seal_shares({d: (k.mask_key, k.share_key) for d, k in keys.items()}, 2)[device_id]
             return SecAggInbox(ready=True, shares={"dev-peer": sealed[:-1] + bytes([sealed[-1] ^ self.forge])})

@@ -97,7 +97,7 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
     assert fed_round.updates == {} and list(fed_round.excluded) == ["d0"]
     with pytest.raises(Conflict, match="no unmasking shares"):
         stages.accept_unmask(round_id, SecAggUnmask(device_id="d1", round_id=round_id))
-    open_unmasking_stage(fed_round)
+    open_unmasking_stage(coordinator.core, fed_round, coordinator.aggregator.usable(fed_round))
     assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES
 
 
@@ -132,3 +132,39 @@ def test_on_a_sparse_graph_a_device_gets_its_neighbourhood_and_one_too_few_of_wh
     assert fed_round.excluded[lonely] == "secure aggregation: fewer than 2 of its neighbourhood shared their secrets"
     inbox = asyncio.run(stages.inbox(round_id, rest[0], 0))
     assert list(inbox.shares) == [rest[1]]
+
+
+def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_before_any_share_is_asked(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path, threshold=2)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    for device, split in zip(DEVICES, (1, 2, 2)):   # as a sliding split cuts them
+        fed_round.assignments[device].split_point = split
+    secrets = {d: DeviceSecrets(d, "run", round_id) for d in DEVICES}
+    for device in DEVICES:
+        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
+    close_key_stage(coordinator.core, fed_round)
+    assert secure.splits == {"d0": 1, "d1": 2, "d2": 2}
+    assert asyncio.run(stages.roster(round_id, "d0", 0)).splits == secure.splits
+    roster = {d: secrets[d].public_keys() for d in DEVICES}
+    for device in DEVICES:
+        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
+                                                    shares=secrets[device].seal_shares(roster, 2)))
+    close_share_stage(coordinator.core, fed_round)
+    # d2 never uploads: block 1 would be d1's alone in the sum.
+    open_unmasking_stage(coordinator.core, fed_round, ["d0", "d1"])
+    assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES
+    assert fed_round.excluded["d1"] == "secure aggregation: block 1 was uploaded by fewer than 2 surviving devices"
+
+
+def test_a_device_masks_only_the_blocks_enough_devices_of_the_roster_hold(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path, threshold=2)
+    secure, round_id = fed_round.secure, fed_round.round_id
+    assert secure is not None
+    for device, split in zip(DEVICES, (1, 2, 3)):
+        fed_round.assignments[device].split_point = split
+    for device in DEVICES:
+        coordinator.secure.accept_keys(round_id, _keys(device, round_id))
+    close_key_stage(coordinator.core, fed_round)
+    # Block 2 is d2's alone: d2 masks and uploads blocks 0 and 1 only, its group copy stands in.
+    assert secure.splits == {"d0": 1, "d1": 2, "d2": 2}

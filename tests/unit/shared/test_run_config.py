@@ -176,7 +176,7 @@ def test_private_runs_of_a_weighted_mean_pass():
      "privacy.noise_multiplier 0.3 spends epsilon"),
     (_with(NOISED, **{"privacy.clipping": "adaptive", "privacy.clipped_count_stddev": 0.4}),
      "privacy.clipped_count_stddev 0.4 is too small"),
-    (_with(SECURE, algorithm="s2fl"), "secure_aggregation runs split-depth-zero algorithms only"),
+    (_with(SECURE, algorithm="s2fl", **{"split.u_shaped": True}), "secure_aggregation cannot run split.u_shaped"),
     (_with(SECURE, algorithm="fedbc"), "secure_aggregation cannot run algorithm 'fedbc': it weighs each device's"),
     (_with(SECURE, algorithm="scaffold"), "secure_aggregation cannot run algorithm 'scaffold'"),
     (_with(SECURE, selection="hics"), "secure_aggregation cannot run selection 'hics'"),
@@ -209,6 +209,7 @@ def test_what_a_private_or_secure_run_cannot_serve_is_refused_in_one_line(data, 
 
 def test_secure_runs_of_a_whole_model_weighted_mean_pass():
     for data in (SECURE, _with(SECURE, algorithm="fedprox"), _with(SECURE, algorithm="fedadam"),
+                 _with(SECURE, algorithm="s2fl"), _with(SECURE, algorithm="sfl"),
                  _with(SECURE, **{"secure_aggregation.threshold": 5}), DISTRIBUTED,
                  _with(SECURE, **{"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 3}),
                  _with(DISTRIBUTED, **{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0,

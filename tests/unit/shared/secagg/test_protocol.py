@@ -20,12 +20,14 @@ RANGE = 0.5
 
 
 COMPLETE = {d: DEVICES for d in DEVICES}
+WHOLE = {d: len(LAYOUT.blocks) for d in DEVICES}
 
 
 def _attempt(silent: set[str], unmask_answers: int | None = None, graph: dict[str, list[str]] = COMPLETE,
-             threshold: int = 3, dropped: str = "d1"):
-    """One attempt over ``graph`` (each device's neighbourhood): ``dropped`` shares, then never
-    uploads; ``silent`` upload but do not answer the unmasking stage."""
+             threshold: int = 3, dropped: str = "d1", splits: dict[str, int] = WHOLE):
+    """One attempt over ``graph`` (each device's neighbourhood), each device holding the blocks
+    before its split point: ``dropped`` shares, then never uploads; ``silent`` upload but do not
+    answer the unmasking stage."""
     rng = np.random.default_rng(7)
     secrets = {d: DeviceSecrets(d, "run", 3) for d in DEVICES}
     keys_of = {d: s.public_keys() for d, s in secrets.items()}
@@ -34,16 +36,17 @@ def _attempt(silent: set[str], unmask_answers: int | None = None, graph: dict[st
     partners = {d: s.open_inbox(rosters[d], {o: sealed[o][d] for o in graph[d] if o != d})
                 for d, s in secrets.items()}
     bits = fraction_bits(sum(WEIGHTS.values()), RANGE)
-    updates = {d: {k: rng.uniform(-0.8, 0.8, size=shape) for block in LAYOUT.blocks for k, shape in block}
+    updates = {d: {k: rng.uniform(-0.8, 0.8, size=shape) for block in LAYOUT.blocks[:splits[d]] for k, shape in block}
                for d in DEVICES}
     uploaders = [d for d in DEVICES if d != dropped]
-    masked = {d: secrets[d].mask(updates[d], WEIGHTS[d], bits, RANGE, LAYOUT, rosters[d], partners[d])
+    masked = {d: secrets[d].mask(updates[d], WEIGHTS[d], bits, RANGE, LAYOUT, rosters[d], partners[d], splits)
               for d in uploaders}
     answering = [d for d in uploaders if d not in silent][:unmask_answers]
     answers = {d: secrets[d].unmask(uploaders, [dropped]) for d in answering}
     seeds, keys = rebuild_secrets(answers, graph, uploaders, [dropped], threshold=threshold)
-    total = unmasked_sum(masked, LAYOUT, seeds, keys, {d: keys_of[d][0] for d in DEVICES}, graph)
-    expected = {k: sum(WEIGHTS[d] * np.clip(updates[d][k], -RANGE, RANGE) for d in uploaders) for k in total}
+    total = unmasked_sum(masked, LAYOUT, seeds, keys, {d: keys_of[d][0] for d in DEVICES}, graph, splits)
+    expected = {k: sum(WEIGHTS[d] * np.clip(updates[d][k], -RANGE, RANGE) for d in uploaders if k in updates[d])
+                for block in LAYOUT.blocks for k, _ in block}
     return total, expected, bits, masked, updates
 
 
@@ -57,6 +60,18 @@ def test_the_unmasked_sum_is_the_weighted_sum_of_the_clipped_updates_despite_dro
     # over the whole 64-bit range (+-128 here), far outside the +-5 its weighed update lies in.
     alone = np.concatenate([decode(masked["d0"][k], bits).ravel() for k in ("w", "b", "v")])
     assert np.abs(alone).max() > 10 * WEIGHTS["d0"] * RANGE
+
+
+def test_with_mixed_split_points_each_block_sums_over_the_devices_that_hold_it():
+    # d0 and d2 hold block 0 only, the others both blocks; d1 (both blocks) drops after sharing:
+    # block 1's sum is d3's and d4's, block 0's every survivor's.
+    splits = {"d0": 1, "d1": 2, "d2": 1, "d3": 2, "d4": 2}
+    total, expected, bits, masked, _ = _attempt(silent=set(), splits=splits)
+    assert sorted(masked["d0"]) == ["b", "w"] and sorted(masked["d3"]) == ["b", "v", "w"]
+    bound = len(masked) / 2.0 ** (bits + 1) + 2.0 ** -52 * sum(WEIGHTS.values()) * RANGE
+    assert sorted(total) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(decode(total[key], bits), expected[key], atol=bound, rtol=0)
 
 
 def test_on_a_sparse_graph_the_unmasked_sum_is_the_same_despite_dropouts():

@@ -8,7 +8,7 @@ import pytest
 
 from shared.secagg.crypto import ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal
 from shared.secagg.encoding import SUM_BITS, decode, encode, fraction_bits
-from shared.secagg.masks import BlockLayout, add_masks, remove_masks
+from shared.secagg.masks import BlockLayout, add_masks, masked_splits, remove_masks, well_held
 from shared.secagg.shamir import combine_secret, split_secret
 
 LAYOUT = BlockLayout(((("a", (3,)),), (("b", (2, 2)), ("c", ())), (("d", (5,)),)))
@@ -114,3 +114,16 @@ def test_a_sealed_share_verifies_only_unaltered_and_for_its_recipient():
 def test_a_low_order_public_key_is_refused():
     with pytest.raises(ShareError):
         check_public_key(bytes(32))
+
+
+def test_a_device_masks_only_the_blocks_that_at_least_threshold_devices_hold():
+    splits = {"a": 1, "b": 2, "c": 3, "d": 3, "e": 4}
+    # Blocks 0..2 are held by 5, 4 and 3 devices, block 3 by one: with threshold 3 no device
+    # uploads block 3, and the rest keep their cuts.
+    assert well_held(splits, 3) == 3
+    assert masked_splits(splits, 3) == {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}
+    assert masked_splits(splits, 2) == {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}
+    assert masked_splits(splits, 5) == {d: 1 for d in splits}
+    assert well_held(splits, 6) == 0 and well_held({}, 2) == 0
+    same = {d: 4 for d in splits}
+    assert masked_splits(same, 5) == same
