@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -93,3 +94,22 @@ def markdown_table(lines: list[list[str]]) -> list[str]:
     """A Markdown table's lines: ``lines[0]`` the header, the rest its rows (the benchmarks' tables)."""
     return ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(lines[0])] + [
         "| " + " | ".join(line) + " |" for line in lines[1:]]
+
+
+Number = TypeVar("Number", int, float)
+
+
+def comma_separated(convert: Callable[[str], Number], flag: str, valid: Callable[[Number], bool], what: str
+                    ) -> Callable[[str], tuple[Number, ...]]:
+    """An argparse type for ``flag``: comma-separated values, each ``convert``-ed and ``valid``;
+    ArgumentTypeError saying ``flag`` takes comma-separated ``what`` otherwise."""
+    def parse(text: str) -> tuple[Number, ...]:
+        try:
+            values = tuple(convert(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            values = ()
+        if not values or not all(valid(v) for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {what}")
+        return values
+    return parse
+

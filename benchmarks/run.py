@@ -13,7 +13,8 @@ that drop and recover, compute that halves, a fast device among slow ones, again
 (benchmarks/scenarios.py; only when named), (k) what an honest-but-curious server learns of the devices' labels and
 inputs in each privacy setting, and what each setting costs (benchmarks/privacy.py; only when named), (l) secure
 aggregation's cost against plain FedAvg at 10 and 100 devices a round, with dropouts
-(benchmarks/secure_aggregation.py; only when named). Prints a table and writes
+(benchmarks/secure_aggregation.py; only when named), (m) final accuracy against epsilon with central noise, FedAvg
+at 100 and 1,000 devices and S2FL's default run (benchmarks/dp_accuracy.py; only when named). Prints a table and writes
 every figure plus a description of the machine to a JSON file: by default
 ``benchmarks/results/<UTC date>_<name>/results.json``, the name saying what the run measured (by default the
 parts run, e.g. ``parts-b-c``). Not part of the test suite.
@@ -29,8 +30,8 @@ from pathlib import Path
 
 from benchmarks.result_files import add_name_option, default_out, write_json
 
-PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j", "k", "l")  # (d) comes with (a)
-DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) to (l) run only when named
+PARTS = ("a", "b", "c", "e", "f", "g", "h", "i", "j", "k", "l", "m")  # (d) comes with (a)
+DEFAULT_PARTS = ("a", "b", "c", "e", "f")   # (g) to (m) run only when named
 #: The parts with a module of their own: (results key, module under benchmarks/, report title).
 SEPARATE_PARTS = (
     ("attacks", "attacks", "(g) harmful devices against an honest control"),
@@ -39,6 +40,7 @@ SEPARATE_PARTS = (
     ("scenarios", "scenarios", "(j) the sliding split in a fleet that changes"),
     ("privacy", "privacy", "(k) privacy attacks on what the servers receive"),
     ("secure_aggregation", "secure_aggregation", "(l) secure aggregation's cost"),
+    ("dp_accuracy", "dp_accuracy", "(m) accuracy against epsilon"),
 )
 
 
@@ -273,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         results["secure_aggregation"] = secure_aggregation.run(
             secure_aggregation.QUICK_SIZES if args.quick else secure_aggregation.SIZES,
             secure_aggregation.QUICK_ROUNDS if args.quick else secure_aggregation.ROUNDS, _log)
+    if "m" in parts:
+        from benchmarks import dp_accuracy
+
+        _log("(m) accuracy against epsilon: central noise, FedAvg and S2FL")
+        results["dp_accuracy"] = dp_accuracy.run(
+            dp_accuracy.QUICK_POPULATIONS if args.quick else dp_accuracy.POPULATIONS,
+            dp_accuracy.QUICK_EPSILONS if args.quick else dp_accuracy.EPSILONS, not args.quick,
+            dp_accuracy.QUICK_ROUNDS if args.quick else dp_accuracy.FEDAVG_ROUNDS, _log)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 

@@ -43,7 +43,7 @@ from benchmarks.attacks import HarmfulTestbed
 from benchmarks.adversary import DropsAfterSharing
 from benchmarks.fedavg_overhead import PssSampler
 from benchmarks.network_overhead import round_periods
-from benchmarks.result_files import add_name_option, default_out, finish, markdown_table
+from benchmarks.result_files import add_name_option, comma_separated, default_out, finish, markdown_table
 from fed_server.records import read_round_records
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
@@ -261,15 +261,8 @@ def report(results: dict) -> str:
           for f in results.get("sparse_failed_attempts", [])]])
 
 
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``--sizes``: comma-separated device counts of at least 3 (a threshold needs two)."""
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 3:
-        raise argparse.ArgumentTypeError("--sizes takes comma-separated device counts of at least 3, e.g. 10,100")
-    return sizes
+#: ``--sizes``: device counts of at least 3 (a threshold needs two).
+parse_sizes = comma_separated(int, "--sizes", lambda n: n >= 3, "device counts of at least 3, e.g. 10,100")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -272,6 +272,8 @@ def benchmark_args(command: DocCommand) -> list[str] | None:
         return ["scenarios", *[a for a in args if a != "--quick"], "--quick", *subset]
     if module == "secure_aggregation":   # 8 runs, to 100 devices, at its defaults
         return ["secure_aggregation", "--quick"]
+    if module == "dp_accuracy":   # 12 runs, to 1,000 devices, at its defaults
+        return ["dp_accuracy", "--quick"]
     if module == "privacy":   # hours at its defaults: the quick form, or the selection given at one seed and 2 rounds
         return ["privacy", "--quick"] if not args or "--quick" in args else ["privacy", *args, "--seeds", "1", "--rounds", "2"]
     return None
