@@ -14,7 +14,8 @@ the run's rounds at delta = 0.1 / population:
   Dirichlet 0.5, 20 rounds), the mean rule.
 
 Per case: the final and best test accuracy, the epsilon the ledger reports after the last round,
-the noise multiplier, and the rounds run. ``python -m benchmarks.dp_accuracy [--populations
+the noise multiplier, the rounds run, and why the run stopped early where it did (its summary's
+``stop_reason``: a model the noise made diverge ends in failed attempts). ``python -m benchmarks.dp_accuracy [--populations
 100,1000] [--epsilons 1,3,8] [--no-s2fl] [--quick]`` prints the table and writes it as JSON and
 Markdown (``benchmarks/results/<UTC date>_dp-accuracy/``); ``python -m benchmarks.run --only m``
 runs the same part.
@@ -22,6 +23,7 @@ runs the same part.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -93,12 +95,15 @@ def run_case(case: Case, rounds: int, root: Path, warm: WarmStarter | None = Non
     with Testbed(config, run_dir, agents=1, log_level="WARNING", warm=warm) as testbed:
         status = testbed.follow(timeout=TIME_LIMIT_S)
     records = read_round_records(RunDirectory(run_dir).metrics_path)
+    summary_path = RunDirectory.summary_path_of(run_dir)
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     ok = [r for r in records if r.status == "ok"]
     last = ok[-1] if ok else None
     privacy = last.privacy if last is not None else None
     return {"algorithm": case.algorithm, "population": case.population, "per_round": config.per_round,
             "target_epsilon": case.epsilon, "delta": config.privacy.delta if case.epsilon is not None else None,
-            "state": status["state"], "rounds": config.rounds, "rounds_ok": len(ok),
+            "state": status["state"], "stop_reason": summary.get("stop_reason"), "rounds": config.rounds,
+            "rounds_ok": len(ok),
             "final_accuracy": last.test_accuracy if last is not None else None,
             "best_accuracy": max((r.test_accuracy for r in ok if r.test_accuracy is not None), default=None),
             "epsilon": privacy.epsilon if privacy else None,
@@ -137,7 +142,7 @@ def table(results: dict) -> list[str]:
     plain = {(r["algorithm"], r["population"]): r["final_accuracy"] for r in results["rows"]
              if r["target_epsilon"] is None}
     lines = [["algorithm", "devices (per round)", "target epsilon", "epsilon reached", "delta", "noise multiplier",
-              "rounds", "final accuracy", "best accuracy", "vs no DP"]]
+              "rounds", "stopped", "final accuracy", "best accuracy", "vs no DP"]]
     for r in results["rows"]:
         base = plain.get((r["algorithm"], r["population"]))
         gap = "-" if r["final_accuracy"] is None or base is None or r["target_epsilon"] is None else \
@@ -145,7 +150,8 @@ def table(results: dict) -> list[str]:
         lines.append([r["algorithm"], f"{r['population']} ({r['per_round']})",
                       "none" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}", _number(r["epsilon"], 2),
                       "-" if r["delta"] is None else f"{r['delta']:g}", _number(r["noise_multiplier"], 3),
-                      f"{r['rounds_ok']}/{r['rounds']}", _percent(r["final_accuracy"]), _percent(r["best_accuracy"]),
+                      f"{r['rounds_ok']}/{r['rounds']}", r.get("stop_reason") or "-", _percent(r["final_accuracy"]),
+                      _percent(r["best_accuracy"]),
                       gap])
     return markdown_table(lines)
 

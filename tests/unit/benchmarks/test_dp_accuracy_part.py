@@ -43,8 +43,10 @@ def test_the_table_sets_each_private_case_against_its_populations_run_without_dp
             _row("fedavg", 1000, 3.0, 0.831)]
     lines = part.table({"rows": rows})
     assert len(lines) == 6
-    assert lines[3] == "| fedavg | 100 (10) | 3 | 3.00 | 0.001 | 1.250 | 30/30 | 80.0 % | 80.0 % | -5.0 points |"
+    assert lines[3] == "| fedavg | 100 (10) | 3 | 3.00 | 0.001 | 1.250 | 30/30 | - | 80.0 % | 80.0 % | -5.0 points |"
     assert lines[5].endswith("| 83.1 % | 83.1 % | -0.9 points |") and lines[2].endswith("| - |")
+    stopped = part.table({"rows": [rows[0], {**rows[1], "rounds_ok": 3, "stop_reason": "10 failed attempts in a row"}]})
+    assert "| 3/30 | 10 failed attempts in a row | 80.0 % |" in stopped[3]
 
 
 def test_the_part_runs_only_when_named():
