@@ -23,7 +23,6 @@ runs the same part.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -95,14 +94,12 @@ def run_case(case: Case, rounds: int, root: Path, warm: WarmStarter | None = Non
     with Testbed(config, run_dir, agents=1, log_level="WARNING", warm=warm) as testbed:
         status = testbed.follow(timeout=TIME_LIMIT_S)
     records = read_round_records(RunDirectory(run_dir).metrics_path)
-    summary_path = RunDirectory.summary_path_of(run_dir)
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     ok = [r for r in records if r.status == "ok"]
     last = ok[-1] if ok else None
     privacy = last.privacy if last is not None else None
     return {"algorithm": case.algorithm, "population": case.population, "per_round": config.per_round,
             "target_epsilon": case.epsilon, "delta": config.privacy.delta if case.epsilon is not None else None,
-            "state": status["state"], "stop_reason": summary.get("stop_reason"), "rounds": config.rounds,
+            "state": status["state"], "stop_reason": (status.get("summary") or {}).get("stop_reason"), "rounds": config.rounds,
             "rounds_ok": len(ok),
             "final_accuracy": last.test_accuracy if last is not None else None,
             "best_accuracy": max((r.test_accuracy for r in ok if r.test_accuracy is not None), default=None),

@@ -161,7 +161,7 @@ class Aggregator:
         for device in used:
             portion = fed_round.portion_of(device)
             assert portion is not None   # usable() (or the unmasking plan) kept only devices with one
-            held = set(self.core.portion(summed[device]))
+            held = set(self.core.model.portion_keys(0, summed[device]))
             copies[device] = Contribution(
                 weight=self.core.summed_weight(device), client_state={},
                 server_state={k: v for k, v in portion.server_state(device).items() if k not in held})
@@ -185,7 +185,7 @@ class Aggregator:
                              {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods, secure.splits)
         weights: dict[str, float] = {}
         for device in used:
-            for key in self.core.portion(secure.splits[device]):
+            for key in self.core.model.portion_keys(0, secure.splits[device]):
                 weights[key] = weights.get(key, 0.0) + self.core.summed_weight(device)
         if self.core.privacy is not None:
             aggregation.privacy = self.core.privacy.release(len(used), None)

@@ -130,7 +130,7 @@ class SecureStages:
         plan = secure.plan
         if plan is None or req.device_id not in plan.survivors:
             raise Conflict(f"round {round_id} asks {req.device_id!r} for no unmasking shares")
-        neighbourhood = secure.neighbourhoods[req.device_id]
+        neighbourhood = set(secure.neighbourhoods[req.device_id])
         for owners, wanted, size in ((req.seed_shares, plan.survivors, SEED_BYTES),
                                      (req.key_shares, plan.dropped, KEY_BYTES)):
             wrong = sorted(o for o, share in owners.items()
@@ -167,8 +167,10 @@ class SecureStages:
         def answer(secure: SecureRound) -> SecAggInbox | None:
             if secure.sharers is None:
                 return None
-            return SecAggInbox(ready=True, shares={s: secure.shares[s][device_id] for s in secure.sharers
-                                                   if s != device_id and s in secure.neighbourhoods[device_id]})
+            sharers = set(secure.sharers)
+            return SecAggInbox(ready=True, shares={s: secure.shares[s][device_id]
+                                                   for s in secure.neighbourhoods[device_id]
+                                                   if s != device_id and s in sharers})
         return await self._held(round_id, device_id, wait_s, answer, SecAggInbox(ready=False))
 
     async def unmask_plan(self, round_id: int, device_id: str, wait_s: float) -> SecAggUnmaskPlan:
@@ -250,12 +252,16 @@ def close_share_stage(core: RunCore, fed_round: FedRound) -> None:
     if len(_still_in(fed_round)) < secure.threshold:
         core.exclude(fed_round, _still_in(fed_round), f"secure aggregation: {len(_still_in(fed_round))} devices "
                                                       f"shared, below the threshold {secure.threshold}")
-    while short := {d for d in _still_in(fed_round)
-                    if len(_still_in(fed_round).intersection(secure.neighbourhoods[d])) < secure.threshold}:
+    while short := _short_of_sharers(_still_in(fed_round), secure):
         core.exclude(fed_round, short, f"secure aggregation: fewer than {secure.threshold} of its neighbourhood "
                                        "shared their secrets")
     secure.sharers = sorted(_still_in(fed_round))
     _close_stage(secure)
+
+
+def _short_of_sharers(sharers: set[str], secure: SecureRound) -> set[str]:
+    """The ``sharers`` fewer than the threshold of whose neighbourhood are among them."""
+    return {d for d in sharers if len(sharers.intersection(secure.neighbourhoods[d])) < secure.threshold}
 
 
 def open_unmasking_stage(core: RunCore, fed_round: FedRound, usable: list[str]) -> None:

@@ -24,8 +24,8 @@ def neighbourhoods(roster: Sequence[str], neighbours: int | None, rng: random.Ra
     if neighbours is not None and (neighbours < 0 or neighbours % 2):
         raise ValueError(f"neighbours must be an even count, not {neighbours}")
     if neighbours is None or neighbours >= len(roster) - 1:
-        everyone = sorted(roster)
-        return {device: list(everyone) for device in roster}
+        everyone = sorted(roster)   # one list every device's entry shares: nobody changes it
+        return {device: everyone for device in roster}
     ring = sorted(roster)
     rng.shuffle(ring)
     half = neighbours // 2

@@ -150,6 +150,7 @@ def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mappin
     2**64, their own masks and the pairwise masks each dropped device left in its surviving
     neighbours' words removed. ``mask_keys``: every roster device's public mask key."""
     survivors = sorted(masked)
+    surviving = set(survivors)
     total: Words = {}
     for device in survivors:
         for key, words in masked[device].items():
@@ -158,7 +159,7 @@ def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mappin
             else:
                 total[key] = np.array(words, dtype=np.uint64)
     return remove_masks(total, layout, splits, seeds, dropped_keys,
-                        {d: [s for s in survivors if s in neighbourhoods[d]] for d in dropped_keys}, mask_keys)
+                        {d: [s for s in neighbourhoods[d] if s in surviving] for d in dropped_keys}, mask_keys)
 
 
 def words_to_state(words: Words) -> dict[str, torch.Tensor]:
