@@ -138,11 +138,13 @@ class AgentTasks:
         """A request went unanswered or was refused: wait a little; after ``max_downtime_s`` without
         an answer, every device that has not ended fails."""
         now = time.monotonic()
-        if self._down_since is None:
-            self._down_since = now
+        # Read once: another thread's answered request sets it back to None at any moment.
+        down_since = self._down_since
+        if down_since is None:
+            down_since = self._down_since = now
             log.warning("agent session: the Fed Server did not take the request (%s); retrying", exc)
-        if now - self._down_since > self.max_downtime_s:
-            log.error("agent session: no answer from the Fed Server for %.0f s: its devices stop", now - self._down_since)
+        if now - down_since > self.max_downtime_s:
+            log.error("agent session: no answer from the Fed Server for %.0f s: its devices stop", now - down_since)
             with self._lock:
                 waiting = [*self._idle.values(), *self._to_add.waiting.values()]
                 self._idle.clear()

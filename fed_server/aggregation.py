@@ -222,14 +222,9 @@ class Aggregator:
         for device in used:
             assignment = fed_round.assignments[device]
             if assignment.candidate is not None:
-                update = fed_round.updates[device]
-                seconds = update.round_time
-                # The device's own transfer figures count at most the round's time on this clock.
-                transfer_s = min(update.request.timings.transfer_s + update.upload_s, fed_round.upload_seconds(device),
-                                 seconds)
-                compute_s = min(update.request.timings.compute_s, seconds - transfer_s)
                 try:
-                    self.planner.observe(device, assignment.candidate, seconds, transfer_s, compute_s)
+                    self.planner.observe(device, assignment.candidate, fed_round.updates[device].round_time,
+                                         *fed_round.table_parts(device))
                 except ValueError as exc:
                     # accept_update bounds the timings; should one device's figures still be
                     # unusable, that device's cell is not updated, and the round goes on.

@@ -260,6 +260,15 @@ class FedRound:
         """Seconds from the device's task to its stored upload."""
         return self.updates[device_id].arrived_at - self.wait_began(device_id)
 
+    def table_parts(self, device_id: str) -> tuple[float, float]:
+        """(transfer, compute) seconds of the device's round time as the client time table takes
+        them: its own transfer figures plus its upload, and its compute, each counting at most the
+        round's time on the Fed Server's clock."""
+        update = self.updates[device_id]
+        seconds = update.round_time
+        transfer_s = min(update.request.timings.transfer_s + update.upload_s, self.upload_seconds(device_id), seconds)
+        return transfer_s, min(update.request.timings.compute_s, seconds - transfer_s)
+
     def replicas(self) -> list[str]:
         """The Main Server replicas this attempt's devices were sent to, in first-use order."""
         return list(dict.fromkeys(a.main_server_url for a in self.assignments.values() if a.main_server_url))

@@ -102,6 +102,9 @@ class RoundRecord(BaseModel):
     # table (compute + transfer + server + upload; fed_server/update_checks.py table_time).
     upload_times: dict[str, float] = {}
     table_times: dict[str, float] = {}
+    # ... and of that time, the [transfer, compute] seconds the time table took as its parts
+    # (FedRound.table_parts): with table_times, all a run's split choices are replayed from.
+    table_parts: dict[str, tuple[float, float]] = {}
     groups: list[GroupRecord]
     bytes_up: int
     bytes_down: int
@@ -223,6 +226,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
         device_times={d: u.request.timings for d, u in sorted(updates.items())},
         upload_times={d: u.upload_s for d, u in sorted(updates.items())},
         table_times={d: u.round_time for d, u in sorted(updates.items())},
+        table_parts={d: fed_round.table_parts(d) for d in sorted(updates)},
         device_kinds={d: device_kinds.get(d, "unknown") for d in sorted(fed_round.assignments)},
         groups=[GroupRecord(group_id=p.upload.group_id, members=p.upload.members, dropped=p.upload.dropped,
                             label_distance=p.upload.label_distance, start_block=p.upload.start_block,

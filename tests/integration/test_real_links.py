@@ -87,7 +87,8 @@ def _pair(tmp_path):
 
 def _median_rule_splits(metrics: list[dict], smoothing: float) -> list[dict[str, int]]:
     """The splits the paper's median rule gives each round from what this run put into its time
-    table: the warm-up rounds' splits, then each later round's choice on the table so far."""
+    table (each entry in its parts: a part that changes moves the device's level): the warm-up
+    rounds' splits, then each later round's choice on the table so far."""
     table = ClientTimeTable(num_candidates=3, smoothing=smoothing)
     split_of = {}   # candidate index -> split point, from the warm-up rounds
     out = []
@@ -98,7 +99,7 @@ def _median_rule_splits(metrics: list[dict], smoothing: float) -> list[dict[str,
         out.append({d: split_of[j] for d, j in chosen.items()})
         candidate = {split: j for j, split in split_of.items()}
         for device, seconds in m["table_times"].items():
-            table.record(device, candidate[m["split_points"][device]], seconds)
+            table.record(device, candidate[m["split_points"][device]], seconds, *m["table_parts"][device])
     return out
 
 

@@ -183,6 +183,21 @@ def test_a_fed_server_unreachable_for_longer_than_allowed_fails_the_waiting_devi
     assert all(isinstance(f[1], Unreachable) for f in failures)
 
 
+def test_a_request_answered_on_another_thread_while_one_fails_leaves_the_failure_handled(monkeypatch):
+    # The failing request's thread sees the session up again between its checks (another thread's
+    # request was answered): it waits and retries instead of raising.
+    import device_agent.agent_tasks as agent_tasks
+
+    session = AgentTasks(FakeServer(), [], threading.Event(), lambda device, exc: None,   # type: ignore[arg-type]
+                         wait_s=0.2, retry_s=0.01)
+
+    def answered_elsewhere(*args: object) -> None:
+        session._down_since = None
+    monkeypatch.setattr(agent_tasks.log, "warning", answered_elsewhere)
+    session._failed_request(Unreachable("connection refused"))
+    assert not session.ended.is_set()
+
+
 def test_devices_register_in_batches_with_their_tokens_and_a_refused_one_fails_with_its_reason():
     server, devices = FakeServer(), [FakeDevice(f"d{i}") for i in range(4)]
     server.refuse = {"d1": 409, "d2": 500}

@@ -31,12 +31,14 @@ def _record(round_: int, accuracy: float, status: str = "ok", **fields: Any) -> 
         "bytes_total": 30, "cumulative_bytes": 30 * round_, "plan_error": None, **fields})
 
 
-def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
+def _wait_for(probe, what: str, timeout: float = 20.0) -> Any:
+    """The first truthy value ``probe`` returns (a file store read twice may answer differently)."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := probe()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+    return value
 
 
 # --- registry and configuration -------------------------------------------------------------------
@@ -199,8 +201,11 @@ def test_a_resumed_run_continues_its_tensorboard_folder_and_mlflow_run(tmp_path,
     run_config = load_run_config({}).model_dump(mode="json")
     uri = (tmp_path / "mlruns").resolve().as_uri()
 
-    def logged(store: MlflowClient, run_id: str) -> list[tuple[int, float]]:
-        return [(m.step, m.value) for m in store.get_metric_history(run_id, "test_accuracy")]
+    def logged(store: MlflowClient, run_id: str) -> list[tuple[int, float]] | None:
+        try:
+            return [(m.step, m.value) for m in store.get_metric_history(run_id, "test_accuracy")]
+        except ValueError:   # the file store read a metric file its writer had opened but not written yet
+            return None
 
     first = Tracking(config, tmp_path)
     first.start("r1", run_config)
@@ -214,8 +219,7 @@ def test_a_resumed_run_continues_its_tensorboard_folder_and_mlflow_run(tmp_path,
             return store.search_runs([store.get_experiment_by_name("s2fl").experiment_id])[0].info.run_id
         except ValueError:   # the file store read a metric file its writer had opened but not written yet
             return None
-    _wait_for(lambda: only_run() is not None, "the MLflow run's files")
-    mlflow_run = only_run()
+    mlflow_run = _wait_for(only_run, "the MLflow run's files")
     _wait_for(lambda: logged(store, mlflow_run) == [(1, 0.25)], "round 1 in MLflow")
     _wait_for(lambda: bool(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))), "round 1 in TensorBoard")
 
