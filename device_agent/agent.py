@@ -27,6 +27,7 @@ from device_agent.device import Device, RegistrationRefused
 from device_agent.device_state import DeviceStates
 from device_agent.run_spec import check_run, wait_for_run
 from device_agent.weights_cache import WeightsCache
+from device_agent.secure_batches import SecureBatches
 from shared.data.local import DataError, LocalSource
 from shared.machine import compute_workers
 from shared.models import SplitModel
@@ -257,6 +258,9 @@ class Agent:
         """Set ``devices`` up on :data:`SETUP_THREADS` threads; the agent's session registers them
         in batches and runs their tasks."""
         session = AgentTasks(self.tasks_fed, devices, self.stop, self._failed)
+        batches = SecureBatches(self.tasks_fed)
+        for device in devices:
+            device.secure_channel = batches.channel(device)
         session.start()
         waiting = deque(devices)
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, BackwardRequest, BackwardResponse, EvaluationReport, ForwardRequest,
-    ForwardResponse, RegistrationBatch, RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
+    ForwardResponse, RegistrationBatch, SecAggAnswers, SecAggBatch, SecAggBatchAck, SecAggQuestion, RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
     TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
 )
 
@@ -27,7 +27,19 @@ class Unreachable(Exception):
     """The server did not answer (connection refused or reset, timeout), after the client's retries."""
 
 
-class FedApi(Protocol):
+class SecureChannel(Protocol):
+    """Where a device's secure aggregation stages go: its own Fed Server client, or its agent's
+    batches (:class:`device_agent.secure_batches.SecureBatches`)."""
+
+    def secagg_send(self, round_id: int, stage: str, req: BaseModel) -> None:
+        """Secure aggregation: what the device sends into ``stage`` (keys, shares, unmask) of the attempt."""
+
+    def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float,
+                   model: type[StageAnswer]) -> StageAnswer:
+        """Secure aggregation: ``stage``'s answer (roster, inbox, unmask), held up to ``wait_s`` until it closes."""
+
+
+class FedApi(SecureChannel, Protocol):
     """The Fed Server, as one device sees it."""
 
     def run_info(self) -> RunInfo:
@@ -58,13 +70,6 @@ class FedApi(Protocol):
     def withdraw(self, req: WithdrawRequest) -> None:
         """Leave a round the device cannot contribute to, so the attempt need not wait for its upload."""
 
-    def secagg_send(self, round_id: int, stage: str, req: BaseModel) -> None:
-        """Secure aggregation: what the device sends into ``stage`` (keys, shares, unmask) of the attempt."""
-
-    def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float,
-                   model: type[StageAnswer]) -> StageAnswer:
-        """Secure aggregation: ``stage``'s answer (roster, inbox, unmask), held up to ``wait_s`` until it closes."""
-
 
 class AgentApi(Protocol):
     """The Fed Server, as an agent hosting many devices registers them and asks for their tasks
@@ -76,6 +81,12 @@ class AgentApi(Protocol):
     def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
         """Add ``req``'s idle devices to the agent's session; tasks for any of its idle devices,
         held up to ``req.wait_s`` until one has work."""
+
+    def secagg_batch(self, round_id: int, req: SecAggBatch) -> SecAggBatchAck:
+        """Several devices' secure aggregation messages of attempt ``round_id``, each taken or refused."""
+
+    def secagg_ask_batch(self, round_id: int, stage: str, req: SecAggQuestion) -> SecAggAnswers:
+        """``stage``'s answer for several devices, held up to ``req.wait_s`` until it closes."""
 
 
 class MainApi(Protocol):

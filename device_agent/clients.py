@@ -18,7 +18,8 @@ from shared.http_client import M, ServiceError, SyncClient
 from shared.schemas import (
     API, Ack, AgentTaskRequest, AgentTaskResponse, BackwardRequest, BackwardResponse, ForwardRequest, ForwardResponse,
     RegistrationBatch, RegistrationBatchResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
-    StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse, WithdrawRequest,
+    SecAggAnswers, SecAggBatch, SecAggBatchAck, SecAggQuestion, StepResponse, TaskResponse, UpdateRequest, WeightsId,
+    WeightsResponse, WithdrawRequest,
 )
 
 #: The domain error of each status the servers answer with (see http_api/server.py).
@@ -138,6 +139,16 @@ class HttpFedClient:
         with _translated():
             return self._http.call("GET", f"{API}/rounds/{round_id}/secagg/{stage}", model,
                                    params={"device_id": device_id, "wait_s": f"{wait_s:g}"}, timeout=wait_s + 60.0)
+
+    def secagg_batch(self, round_id: int, req: SecAggBatch) -> SecAggBatchAck:
+        """An agent's devices' messages (:class:`device_agent.api.AgentApi`); their tokens travel in the body."""
+        with _translated():
+            return self._http.call("POST", f"{API}/rounds/{round_id}/secagg/batch", SecAggBatchAck, req)
+
+    def secagg_ask_batch(self, round_id: int, stage: str, req: SecAggQuestion) -> SecAggAnswers:
+        with _translated():
+            return self._http.call("POST", f"{API}/rounds/{round_id}/secagg/{stage}/batch", SecAggAnswers, req,
+                                   timeout=req.wait_s + 60.0)
 
     def close(self) -> None:
         self._http.close()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from device_agent.api import FedApi, Unreachable
+from device_agent.api import FedApi, SecureChannel, Unreachable
 from device_agent.calibration import matmul_flops
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
@@ -131,6 +131,9 @@ class Device:
         #: The device's two server connections: replaceable until the device is prepared (:meth:`prepare`).
         self.fed = fed
         self.connect_main = connect_main
+        #: Where its secure aggregation stages go: ``fed`` (None), or its agent's batches
+        #: (:mod:`device_agent.secure_batches`); set before it is prepared.
+        self.secure_channel: SecureChannel | None = None
         self.info: RunInfo | None = None
         #: The data this device trains on (and counts in ``num_samples``): with federated
         #: evaluation its data minus the held-out part, which it only evaluates on.
@@ -290,7 +293,7 @@ class Device:
                                    self.compute, self.task_wait_s, self.loss, self.states, info.run_id,
                                    self.label_counts, build_privacy_defences(info.split_privacy.defences,
                                                                              info.split_privacy.defence_params),
-                                   info.num_classes)
+                                   info.num_classes, secure_channel=self.secure_channel)
         return self.device_model
 
     def _load_data(self) -> ArrayDataset:

@@ -1,7 +1,8 @@
 """A device's side of secure aggregation (``TaskResponse.secure_aggregation``; docs/privacy.md):
 the key and share stages before training, the masked upload's weights, and the unmasking answer
 after the upload. The cryptography is ``shared.secagg.protocol``'s; this module only carries it
-to the Fed Server and waits on its stages (long polls, never a timer)."""
+to the Fed Server (its own client, or its agent's batches: :mod:`device_agent.secure_batches`)
+and waits on its stages (long polls, never a timer)."""
 from __future__ import annotations
 
 import time
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from device_agent.api import FedApi, StageAnswer
+from device_agent.api import SecureChannel, StageAnswer
 from device_agent.trainer import TaskExpired
 from shared.privacy.noise import add_noise, distributed_noise_std
 from shared.schemas import (
@@ -30,7 +31,7 @@ class SecureSession:
     """One attempt's secure aggregation on a device: its secrets, the roster's public keys and the
     devices whose shares it holds (those it masks with)."""
 
-    fed: FedApi
+    fed: SecureChannel
     secrets: DeviceSecrets
     terms: SecureTerms
     roster: PublicKeys
@@ -74,7 +75,7 @@ class SecureSession:
                                                                    seed_shares=seeds, key_shares=keys))
 
 
-def share_secrets(fed: FedApi, device_id: str, run_id: str, round_id: int, terms: SecureTerms,
+def share_secrets(fed: SecureChannel, device_id: str, run_id: str, round_id: int, terms: SecureTerms,
                   deadline: float, split_point: int) -> SecureSession:
     """The key and share stages of attempt ``round_id``: send fresh public keys, wait for the
     roster, send the sealed shares, wait for those sealed for this device and open them.
@@ -97,7 +98,7 @@ def share_secrets(fed: FedApi, device_id: str, run_id: str, round_id: int, terms
                          dict(roster_answer.splits))
 
 
-def _stage(fed: FedApi, round_id: int, stage: str, device_id: str, model: type[StageAnswer],
+def _stage(fed: SecureChannel, round_id: int, stage: str, device_id: str, model: type[StageAnswer],
            deadline: float) -> StageAnswer:
     """``stage``'s answer once the Fed Server closed it (its ``ready``), asked in long polls;
     TaskExpired past ``deadline``."""

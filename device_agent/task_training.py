@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from device_agent.api import FedApi
+from device_agent.api import FedApi, SecureChannel
 from device_agent.compute import Compute
 from device_agent.device_model import DeviceModel
 from device_agent.device_state import DeviceStates
@@ -77,6 +77,8 @@ class TaskTrainer:
     #: Secure aggregation: the session of the task last trained, whose unmasking stage its device
     #: answers after the upload (:meth:`SecureSession.answer_unmasking`); None for other tasks.
     secure: SecureSession | None = None
+    #: Where the secure stages go: ``fed`` (None), or the device's agent's batches.
+    secure_channel: SecureChannel | None = None
 
     @property
     def samples(self) -> ArrayDataset:
@@ -103,7 +105,7 @@ class TaskTrainer:
         # Keys and shares go before training: the stages close as soon as every device answered,
         # and a device lost while training is one whose masks its peers' shares remove.
         self.secure = None if task.secure_aggregation is None else share_secrets(
-            self.fed, self.device_id, self.run_id, task.round_id, task.secure_aggregation, deadline, task.split_point)
+            self.secure_channel or self.fed, self.device_id, self.run_id, task.round_id, task.secure_aggregation, deadline, task.split_point)
         settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_index),
                                     task.half_precision)
         context = TrainContext(clock, logic=logic, extras=extras, deadline=deadline, compute=self.compute,

@@ -71,7 +71,7 @@ class AgentSessions:
         for device in req.add:
             if devices.token_nonce(device.device_id) is None:
                 answer.unknown.append(device.device_id)
-            elif not self._current(device.device_id, device.token, auth_enabled):
+            elif not self.enrolment.holds_token(device.device_id, device.token, auth_enabled):
                 answer.refused[device.device_id] = (f"the token is not the current token of device "
                                                     f"{device.device_id!r}: the device enrolled again")
             else:
@@ -90,7 +90,7 @@ class AgentSessions:
         tasks: list[DeviceTask] = []
         for device_id in self.dispatch.with_work(session.idle):
             token = session.idle.pop(device_id)
-            if not self._current(device_id, token, auth_enabled):
+            if not self.enrolment.holds_token(device_id, token, auth_enabled):
                 continue
             task = self.dispatch.task_for(device_id)
             if task.status == "wait":
@@ -98,10 +98,6 @@ class AgentSessions:
             else:
                 tasks.append(DeviceTask(device_id=device_id, task=task))
         return tasks
-
-    def _current(self, device_id: str, token: str | None, auth_enabled: bool) -> bool:
-        """Whether ``token`` is ``device_id``'s current token (always, with authentication off)."""
-        return not auth_enabled or (token is not None and self.enrolment.tokens.holder(token) == (device_id, True))
 
     def _forget_idle(self, now: float) -> None:
         """Forget the sessions not asked for :data:`SESSION_IDLE_S` (swept on each request: there

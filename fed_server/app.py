@@ -26,11 +26,12 @@ from http_api.server import (
 )
 from shared.schemas import (
     AGENT_ID_PATTERN, API, MAX_REGISTRATION_BATCH, AgentTaskRequest, EvaluationReport, Refusal, RegisterRequest,
-    RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, SecAggKeys, SecAggShares,
-    SecAggUnmask, ServerPortionUpload, UpdateRequest, WithdrawRequest,
+    RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, SecAggAnswers, SecAggBatch,
+    SecAggBatchAck, SecAggInbox, SecAggKeys, SecAggQuestion, SecAggRoster, SecAggShares, SecAggUnmask,
+    ServerPortionUpload, UpdateRequest, WithdrawRequest,
 )
 from shared.auth import FED_SERVER
-from shared.errors import TooSoon
+from shared.errors import DomainError, TooSoon
 from shared.wire import WireError, pack_body, unpackb
 
 log = logging.getLogger("fed_server")
@@ -134,9 +135,7 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
             if isinstance(outcome, RegisterResponse):
                 answer.registered.append(outcome)
             else:
-                retry_after_s = outcome.retry_after_s if isinstance(outcome, TooSoon) else None
-                answer.refused[req.device_id] = Refusal(status=status_of(outcome), detail=str(outcome),
-                                                        retry_after_s=retry_after_s)
+                answer.refused[req.device_id] = _refusal(outcome)
         return msgpack_response(answer)
 
     @app.get(f"{API}/devices/{{device_id}}/task", response_class=Response)
@@ -234,6 +233,40 @@ def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         """Stage 4: the device's shares of the survivors' seeds and the dropped devices' mask keys."""
         req = await _device_message(coordinator, settings, request, SecAggUnmask, settings.max_register_bytes)
         return msgpack_response(secure.accept_unmask(round_id, req))
+
+    batches = coordinator.secure_batches
+
+    @app.post(f"{prefix}/batch", response_class=Response, openapi_extra=msgpack_body_schema(SecAggBatch))
+    async def secagg_batch(round_id: int, request: Request) -> Response:
+        """Agent: several of its devices' keys, shares or unmasking answers, each device with its
+        current token in the body; each message is taken or refused (in ``refused``) on its own."""
+        req = await read_message(request, SecAggBatch, settings.max_update_bytes)
+        refused = batches.accept(round_id, req, settings.auth.enabled)
+        return msgpack_response(SecAggBatchAck(refused={d: _refusal(e) for d, e in refused.items()}))
+
+    @app.post(f"{prefix}/{{stage}}/batch", response_class=Response, openapi_extra=msgpack_body_schema(SecAggQuestion))
+    async def secagg_stage_batch(round_id: int, stage: SecureStage, request: Request) -> Response:
+        """Agent: ``stage``'s answer for several of its devices, held up to ``wait_s`` (at most 30)
+        until the stage closes; a device refused (taken out, not its current token) in ``refused``."""
+        req = await read_message(request, SecAggQuestion, settings.max_register_bytes)
+        outcomes = await batches.ask(round_id, stage, req.devices, req.wait_s, settings.auth.enabled)
+        answer = SecAggAnswers()
+        for device_id, outcome in outcomes.items():
+            if isinstance(outcome, DomainError):
+                answer.refused[device_id] = _refusal(outcome)
+            elif isinstance(outcome, SecAggRoster):
+                answer.rosters[device_id] = outcome
+            elif isinstance(outcome, SecAggInbox):
+                answer.inboxes[device_id] = outcome
+            else:
+                answer.plans[device_id] = outcome
+        return msgpack_response(answer)
+
+
+def _refusal(exc: DomainError) -> Refusal:
+    """One device's refusal in a batch's answer: what its own request would have been answered with."""
+    return Refusal(status=status_of(exc), detail=str(exc),
+                   retry_after_s=exc.retry_after_s if isinstance(exc, TooSoon) else None)
 
 
 async def _registration(request: Request, model: type[Registration], limit: int) -> Registration:

@@ -37,6 +37,7 @@ from fed_server.fed_round import Assignment, FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
 from fed_server.privacy import RunPrivacy
+from fed_server.secure_batches import SecureBatches
 from fed_server.secure_stages import SecureStages, secure_round
 from fed_server.progress import Progress
 from fed_server.recorder import Recorder
@@ -114,6 +115,7 @@ class Coordinator:
         self.agents = AgentSessions(core, self.dispatch, self.enrolment)
         self.uploads = Uploads(core, self.replicas)
         self.secure = SecureStages(core)
+        self.secure_batches = SecureBatches(self.secure, self.enrolment)
         self.evaluation = FederatedEvaluation(core, self.dispatch, self.enrolment.held_out_limit)
         self.aggregator = Aggregator(core, self.table, self.planner)
         # The training set served the shard sizes and the fingerprint's shard vectors, computed

@@ -133,6 +133,20 @@ class DeviceEnrolment:
         log.warning("revocation list %s reloaded: %d newly revoked credential(s)%s; %d device(s) taken out of the run",
                     revocations.path, len(new), f" ({', '.join(sorted(new))})" if new else "", len(taken))
 
+    def holds_token(self, device_id: str, token: str | None, auth_enabled: bool) -> bool:
+        """Whether ``token``, from the body of an agent's request for several devices, is
+        ``device_id``'s current token (always, with authentication off)."""
+        return not auth_enabled or (token is not None and self.tokens.holder(token) == (device_id, True))
+
+    def check_held_token(self, device_id: str, token: str | None, auth_enabled: bool) -> None:
+        """An agent's request speaks for ``device_id`` with ``token`` from its body: NotFound for a
+        device this server does not know (it registers again, as after a restart), NotAllowed for
+        a token that is not its current one."""
+        if self.core.devices.token_nonce(device_id) is None:
+            raise NotFound(f"unknown device {device_id!r}: register first")
+        if not self.holds_token(device_id, token, auth_enabled):
+            raise NotAllowed(f"the token is not the current token of device {device_id!r}: the device enrolled again")
+
     def check_token(self, headers: Mapping[str, str], device_id: str, auth: Auth) -> None:
         """The caller holds ``device_id``'s current token in this run. A caller with a token for a
         device this server does not know gets 404 (NotFound), not 403: that is how an agent learns

@@ -189,8 +189,8 @@ class RegistrationBatch(Message):
 
 
 class Refusal(Message):
-    """Why one device of a batch was not registered: the status and the one-line reason its own
-    registration would have been answered with."""
+    """Why one device of a batch was refused (not registered, a secure aggregation message not
+    taken): the status and the one-line reason its own request would have been answered with."""
 
     status: int
     detail: str
@@ -281,6 +281,13 @@ AGENT_ID_PATTERN = r"^[0-9a-f]{32}$"
 MAX_AGENT_WAIT_S = 30.0
 
 
+def _check_distinct(devices: list["AgentDevice"], name: str) -> None:
+    """ValueError when ``devices`` (the field ``name``) names a device more than once."""
+    ids = [device.device_id for device in devices]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name} names a device more than once")
+
+
 class AgentDevice(Message):
     """A device an agent adds to its session as idle: the device's id and its current token (None
     on a server without authentication)."""
@@ -301,9 +308,7 @@ class AgentTaskRequest(Message):
 
     @model_validator(mode="after")
     def _distinct(self) -> "AgentTaskRequest":
-        ids = [device.device_id for device in self.add]
-        if len(set(ids)) != len(ids):
-            raise ValueError("add names a device more than once")
+        _check_distinct(self.add, "add")
         return self
 
 
@@ -667,3 +672,56 @@ class SecAggUnmask(Message):
     round_id: int = Field(ge=0)
     seed_shares: dict[str, bytes] = {}
     key_shares: dict[str, bytes] = {}
+
+
+class SecAggBatch(Message):
+    """Several devices' messages into the secure stages of attempt ``round_id``, sent by their agent
+    in one request (``POST /v1/rounds/{round_id}/secagg/batch``): ``devices`` are the senders, each
+    with its current token (None on a server without authentication), and every message is one of
+    theirs. Each message is taken or refused on its own."""
+
+    devices: list[AgentDevice] = Field(max_length=MAX_AGENT_DEVICES)
+    keys: list[SecAggKeys] = Field(default=[], max_length=MAX_AGENT_DEVICES)
+    shares: list[SecAggShares] = Field(default=[], max_length=MAX_AGENT_DEVICES)
+    unmask: list[SecAggUnmask] = Field(default=[], max_length=MAX_AGENT_DEVICES)
+
+    @model_validator(mode="after")
+    def _one_message_per_sender(self) -> "SecAggBatch":
+        _check_distinct(self.devices, "devices")
+        senders = [*(m.device_id for m in self.keys), *(m.device_id for m in self.shares),
+                   *(m.device_id for m in self.unmask)]
+        if sorted(senders) != sorted(device.device_id for device in self.devices):
+            raise ValueError("each device of devices sends exactly one message")
+        return self
+
+
+class SecAggBatchAck(Message):
+    """The devices of a :class:`SecAggBatch` whose message was not taken (device id -> why); the
+    others' were stored."""
+
+    refused: dict[DeviceId, Refusal] = {}
+
+
+class SecAggQuestion(Message):
+    """An agent asking one stage's answer for several of its devices at once
+    (``POST /v1/rounds/{round_id}/secagg/{stage}/batch``), each with its current token, held up to
+    ``wait_s`` until the stage closes."""
+
+    devices: list[AgentDevice] = Field(min_length=1, max_length=MAX_AGENT_DEVICES)
+    wait_s: float = Field(default=0.0, ge=0.0, le=MAX_AGENT_WAIT_S)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "SecAggQuestion":
+        _check_distinct(self.devices, "devices")
+        return self
+
+
+class SecAggAnswers(Message):
+    """One stage's answer for each device of a :class:`SecAggQuestion`, in the field of its stage
+    (``roster``: ``rosters``, ``inbox``: ``inboxes``, ``unmask``: ``plans``; ``ready`` False while
+    it is open), or why the device was refused."""
+
+    rosters: dict[DeviceId, SecAggRoster] = {}
+    inboxes: dict[DeviceId, SecAggInbox] = {}
+    plans: dict[DeviceId, SecAggUnmaskPlan] = {}
+    refused: dict[DeviceId, Refusal] = {}

@@ -106,6 +106,15 @@ def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (),
         shutil.rmtree(root, ignore_errors=True)
 
 
+def body_bytes(metrics: str, route: str, direction: str = "sent") -> float:
+    """A server's ``sfl_http_body_bytes_total`` on ``route`` (a route template) in ``direction``,
+    from its ``/metrics`` text (docs/metrics.md); 0 for a route it never served."""
+    # Route templates hold braces themselves: the labels are matched on the whole line, in any order.
+    pattern = (r'^sfl_http_body_bytes_total\{(?=.*direction="' + re.escape(direction) + r'")(?=.*route="'
+               + re.escape(route) + r'").*\} (\S+)$')
+    return sum(float(v) for v in re.findall(pattern, metrics, flags=re.M))
+
+
 def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.1) -> None:
     """Poll ``predicate`` (a test watching a run from outside has no event to wait on)."""
     deadline = time.monotonic() + timeout

@@ -3,12 +3,11 @@ in batches and asks for their tasks in one held request, never one request per d
 endpoints refuse what does not fit, and a batch registers or refuses each device on its own."""
 from __future__ import annotations
 
-import re
 
 import httpx
 import pytest
 
-from integration_support import server_pair, small_config
+from integration_support import body_bytes, server_pair, small_config
 from shared.data import device_shard, load_dataset
 from shared.schemas import (
     API, AgentTaskResponse, DeviceProfileMsg, RegisterRequest, RegistrationBatchResponse, RunInfo,
@@ -22,13 +21,6 @@ ENROL = "enrolment-secret-for-tests"
 AGENT = "a" * 32
 
 
-def _sent_bytes(metrics: str, route: str) -> float:
-    pattern = rf'sfl_http_body_bytes_total{{direction="sent",route="{re.escape(route)}"}} ([0-9.e+]+)'
-    found = re.search(pattern, metrics) or re.search(
-        rf'sfl_http_body_bytes_total{{route="{re.escape(route)}",direction="sent"}} ([0-9.e+]+)', metrics)
-    return float(found.group(1)) if found else 0.0
-
-
 def test_an_agent_hosting_several_devices_gets_every_task_through_its_session(tmp_path):
     config = small_config(algorithm="fedavg", rounds=2, devices_per_round=3, **{"data.num_devices": 6,
                                                                                 "data.max_samples": 600})
@@ -36,10 +28,10 @@ def test_an_agent_hosting_several_devices_gets_every_task_through_its_session(tm
         status = testbed.follow(timeout=240)
         metrics = httpx.get(f"{testbed.fed_url}/metrics", timeout=30).text
     assert status["state"] == "finished" and status["rounds_done"] == 2, status
-    assert _sent_bytes(metrics, f"{API}/agents/{{agent_id}}/tasks") > 0
-    assert _sent_bytes(metrics, f"{API}/devices/{{device_id}}/task") == 0, metrics   # no device polled on its own
-    assert _sent_bytes(metrics, f"{API}/devices/registrations") > 0
-    assert _sent_bytes(metrics, f"{API}/devices/register") == 0   # nor registered on its own
+    assert body_bytes(metrics, f"{API}/agents/{{agent_id}}/tasks") > 0
+    assert body_bytes(metrics, f"{API}/devices/{{device_id}}/task") == 0, metrics   # no device polled on its own
+    assert body_bytes(metrics, f"{API}/devices/registrations") > 0
+    assert body_bytes(metrics, f"{API}/devices/register") == 0   # nor registered on its own
 
 
 @pytest.fixture(scope="module")

@@ -363,26 +363,29 @@ def test_fuzz_fed_server(services, client):
                      "/v1/rounds/{round_id}/updates", "/v1/rounds/{round_id}/reports",
                      "/v1/rounds/{round_id}/server-portions", "/v1/evaluation",
                      "/v1/rounds/{round_id}/withdrawals", "/v1/rounds/{round_id}/secagg/keys",
-                     "/v1/rounds/{round_id}/secagg/shares", "/v1/rounds/{round_id}/secagg/unmask"}, posts
+                     "/v1/rounds/{round_id}/secagg/shares", "/v1/rounds/{round_id}/secagg/unmask",
+                     "/v1/rounds/{round_id}/secagg/batch", "/v1/rounds/{round_id}/secagg/{stage}/batch"}, posts
     before = fed_state(client, services)
     assert before["registered"] == 0 and before["state"] == "waiting_for_devices", before
     state = lambda: fed_state(client, services)  # noqa: E731
     seen: collections.Counter = collections.Counter()
 
-    # Everything but registrations and agents' task requests: the Fed Server waits for devices, so
+    # Everything but registrations and agents' requests: the Fed Server waits for devices, so
     # nothing may change at all.
     registrations = {"/v1/devices/register", "/v1/devices/registrations"}
-    agent_tasks = "/v1/agents/{agent_id}/tasks"
+    agents = {"/v1/agents/{agent_id}/tasks", "/v1/rounds/{round_id}/secagg/batch",
+              "/v1/rounds/{round_id}/secagg/{stage}/batch"}
     register = [op for op in ops if op.path in registrations]
     for op in ops:
-        if op.path not in registrations and op.path != agent_tasks:
+        if op.path not in registrations and op.path not in agents:
             fuzz(op, services["fed"], services["fed_service"], state, seen)
     assert not any(200 <= status < 300 for (label, status) in seen if label.startswith("POST")), summary(seen)
     assert fed_state(client, services) == before
-    # An agent's task request may be answered (a session opened, its devices unknown), and still
-    # changes nothing the run shows.
+    # An agent's request may be answered (a session opened, its devices unknown, each device's
+    # secure aggregation message or question refused in the answer), and still changes nothing the
+    # run shows.
     for op in ops:
-        if op.path == agent_tasks:
+        if op.path in agents:
             fuzz(op, services["fed"], services["fed_service"], state, seen)
     assert fed_state(client, services) == before
 

@@ -12,7 +12,7 @@ from fed_server.run_dir import RunDirectory
 from shared.schemas import DeviceTimings
 import torch
 
-from integration_support import read_metrics, small_config
+from integration_support import body_bytes, read_metrics, small_config
 from shared.models import build_model
 from shared.portions import portion_state
 from shared.profiles import RATES, auto_time_scale
@@ -178,14 +178,6 @@ def test_device_killed_mid_round_is_dropped_and_round_completes(run_testbed):
     assert _model_changed(run_dir, config)
 
 
-def _body_bytes_sent(testbed, route: str) -> float:
-    """The testbed's Fed Server's ``sfl_http_body_bytes_total`` sent on ``route`` (docs/metrics.md)."""
-    text = httpx.get(f"{testbed.fed_url}/metrics", timeout=10, verify=testbed.verify).text
-    # Route templates hold braces themselves: the labels are matched on the whole line.
-    pattern = r'^sfl_http_body_bytes_total\{(?=.*direction="sent")(?=.*route="' + re.escape(route) + r'").*\} (\S+)$'
-    return sum(float(v) for v in re.findall(pattern, text, flags=re.M))
-
-
 def _portion_bytes(end: int) -> int:
     """Tensor bytes of the cnn's blocks [0, end) (a weights body is these plus a few hundred)."""
     model = build_model("cnn")
@@ -210,7 +202,8 @@ def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(
         run_dir = tmp_path / f"keep-{keep}"
         with Testbed(config, run_dir, agents=1, warm=shared_starter()) as testbed:
             status = testbed.follow(timeout=240)
-            weights_sent = _body_bytes_sent(testbed, "/v1/devices/{device_id}/weights/{weights_id}")
+            weights_sent = body_bytes(httpx.get(f"{testbed.fed_url}/metrics", timeout=10, verify=testbed.verify).text,
+                                      "/v1/devices/{device_id}/weights/{weights_id}")
         assert status["state"] == "finished"
         metrics = read_metrics(run_dir)
         assert [set(m["split_points"].values()) for m in metrics] == [{k} for k in build_model("cnn").split_points]

@@ -27,7 +27,7 @@ import torch
 from device_agent.secure_aggregation import SecureSession
 from fed_server.run_dir import RunDirectory
 from fed_server.update_checks import shard_sizes, trained_samples
-from integration_support import read_metrics, server_pair, small_config, wait_for
+from integration_support import body_bytes, read_metrics, server_pair, small_config, wait_for
 from shared.config import RunConfig
 from shared.privacy.accountant import PrivacyLedger
 from shared.schemas import (
@@ -211,7 +211,13 @@ def test_a_fedavg_run_with_real_agents_aggregates_securely(tmp_path: Path, priva
     config = _config(rounds=2, **{"data.max_samples": 1200, "secure_aggregation.value_range": 1.0, **noise, **graph})
     with Testbed(config, tmp_path, warm=shared_starter()) as testbed:
         status = testbed.follow(timeout=300)
+        metrics = httpx.get(f"{testbed.fed_url}/metrics", timeout=30, verify=testbed.verify).text
     assert status["state"] == "finished"
+    # The agent hosting the five devices sent their stages in batches, never one device at a time.
+    prefix = f"{API}/rounds/{{round_id}}/secagg"
+    assert body_bytes(metrics, f"{prefix}/batch", "received") > 0 and body_bytes(metrics, f"{prefix}/{{stage}}/batch") > 0
+    assert all(body_bytes(metrics, f"{prefix}/{stage}", "received") == 0 for stage in ("keys", "shares", "unmask"))
+    assert body_bytes(metrics, f"{prefix}/{{stage}}") == 0, metrics
     rounds = read_metrics(tmp_path)
     assert [r["status"] for r in rounds] == ["ok", "ok"] and all(len(r["aggregated"]) == 5 for r in rounds), rounds
     epsilons = [r["privacy"]["epsilon"] if r["privacy"] else None for r in rounds]

@@ -1,6 +1,7 @@
 """Secure aggregation's stages at the Fed Server without HTTP: each stage closes with the devices
 that answered and takes the others out with the reason, and every message out of turn or
-malformed is refused in one line and changes nothing."""
+malformed is refused in one line and changes nothing; an agent's devices together
+(fed_server/secure_batches.py), each taken or refused as its own request would be."""
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,12 @@ from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from fed_server.secure_stages import close_key_stage, close_share_stage, keys_in, open_unmasking_stage, shares_in
 from fed_server.update_checks import trained_samples
-from shared.errors import Conflict, Invalid
+from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.portions import portion_state
 from shared.run_config import load_run_config
 from shared.schemas import (
-    DeviceProfileMsg, DeviceTimings, RegisterRequest, SecAggKeys, SecAggShares, SecAggUnmask, UpdateRequest,
+    AgentDevice, DeviceProfileMsg, DeviceTimings, RegisterRequest, SecAggBatch, SecAggKeys, SecAggRoster, SecAggShares,
+    SecAggUnmask, UpdateRequest,
 )
 from shared.secagg.protocol import DeviceSecrets
 from shared.wire import encode_state
@@ -168,3 +170,49 @@ def test_a_device_masks_only_the_blocks_enough_devices_of_the_roster_hold(tmp_pa
     close_key_stage(coordinator.core, fed_round)
     # Block 2 is d2's alone: d2 masks and uploads blocks 0 and 1 only, its group copy stands in.
     assert secure.splits == {"d0": 1, "d1": 2, "d2": 2}
+
+
+def _with_tokens(coordinator: Coordinator) -> dict[str, str]:
+    """Each device's current token, as an authenticating server issues them."""
+    for device in DEVICES:
+        coordinator.enrolment.tokens.issued(device, f"token-{device}")
+    return {device: f"token-{device}" for device in DEVICES}
+
+
+def test_each_message_of_a_batch_is_taken_or_refused_on_its_own(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path)
+    tokens = _with_tokens(coordinator)
+    round_id = fed_round.round_id
+    batch = SecAggBatch(devices=[AgentDevice(device_id="d0", token=tokens["d0"]),
+                                 AgentDevice(device_id="d1", token=tokens["d2"]),     # another device's token
+                                 AgentDevice(device_id="ghost", token=tokens["d0"])],  # never registered
+                        keys=[_keys(d, round_id) for d in ("d0", "d1", "ghost")])
+    refused = coordinator.secure_batches.accept(round_id, batch, auth_enabled=True)
+    assert {d: type(e) for d, e in refused.items()} == {"d1": NotAllowed, "ghost": NotFound}
+    assert sorted(fed_round.secure.keys) == ["d0"]
+    # Without authentication every registered device's message counts.
+    assert coordinator.secure_batches.accept(round_id, batch.model_copy(update={"devices": batch.devices[:2],
+                                                                                "keys": batch.keys[:2]}),
+                                             auth_enabled=False) == {}
+    assert sorted(fed_round.secure.keys) == ["d0", "d1"]
+
+
+def test_one_held_question_answers_every_device_when_the_stage_closes(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path)
+    tokens = _with_tokens(coordinator)
+    round_id = fed_round.round_id
+    devices = [AgentDevice(device_id=d, token=tokens[d]) for d in ("d0", "d1", "d2")]
+    coordinator.secure_batches.accept(round_id, SecAggBatch(devices=devices[:2], keys=[_keys(d, round_id)
+                                                                                     for d in ("d0", "d1")]), True)
+
+    async def ask_then_close() -> dict:
+        asking = asyncio.ensure_future(coordinator.secure_batches.ask(round_id, "roster", devices, 10.0, True))
+        await asyncio.sleep(0.05)
+        assert not asking.done()   # held while the key stage is open
+        close_key_stage(coordinator.core, fed_round)
+        return await asyncio.wait_for(asking, 5.0)
+
+    outcomes = asyncio.run(ask_then_close())
+    assert all(isinstance(outcomes[d], SecAggRoster) and outcomes[d].ready for d in ("d0", "d1"))
+    assert sorted(outcomes["d0"].keys) == ["d0", "d1"] and outcomes["d1"].threshold == 2
+    assert isinstance(outcomes["d2"], Conflict) and "taken out" in str(outcomes["d2"])   # it sent no keys
