@@ -41,7 +41,7 @@ from shared.errors import DomainError
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, DeviceProfileMsg, RegistrationBatch, RegistrationBatchResponse, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
     ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
-    SecAggAnswers, SecAggBatch, SecAggBatchAck, SecAggQuestion, WireState, WireTensor, WithdrawRequest,
+    WireState, WireTensor, WithdrawRequest,
 )
 from shared.wire import decode_tensor, encode_tensor
 
@@ -664,12 +664,6 @@ class HarmfulTasks:
         for device_task in answer.tasks:
             device_task.task = self.feds[device_task.device_id].took(device_task.task)
         return answer
-
-    def secagg_batch(self, round_id: int, req: SecAggBatch) -> SecAggBatchAck:
-        return self.inner.secagg_batch(round_id, req)
-
-    def secagg_ask_batch(self, round_id: int, stage: str, req: SecAggQuestion) -> SecAggAnswers:
-        return self.inner.secagg_ask_batch(round_id, stage, req)
 
 
 class HarmfulMain:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from device_agent.agent_tasks import AgentTasks
-from device_agent.api import AgentApi
+from device_agent.api import AgentApi, SecureBatchApi
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.compute import compute_for
 from device_agent.device import Device, RegistrationRefused
@@ -172,6 +172,9 @@ class Agent:
         # request again itself, with its devices).
         self.tasks_fed: AgentApi = HttpFedClient(fed_server_url, verify, enrolment_secret, retries=0,
                                                  request_delay_s=request_delay_s)
+        # The devices' secure aggregation batches' client (their tokens travel in its bodies too);
+        # with the usual retries: every stage message and question may be sent again.
+        self.secure_fed: SecureBatchApi = HttpFedClient(fed_server_url, verify, request_delay_s=request_delay_s)
         self.errors: dict[str, BaseException] = {}
         self._threads: list[threading.Thread] = []   # what a stopping agent waits for (:meth:`_start`)
         self.metrics = metrics  # device_agent.metrics.AgentMetrics or None (no --metrics-port)
@@ -258,7 +261,7 @@ class Agent:
         """Set ``devices`` up on :data:`SETUP_THREADS` threads; the agent's session registers them
         in batches and runs their tasks."""
         session = AgentTasks(self.tasks_fed, devices, self.stop, self._failed)
-        batches = SecureBatches(self.tasks_fed)
+        batches = SecureBatches(self.secure_fed)
         for device in devices:
             device.secure_channel = batches.channel(device)
         session.start()

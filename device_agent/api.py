@@ -82,6 +82,10 @@ class AgentApi(Protocol):
         """Add ``req``'s idle devices to the agent's session; tasks for any of its idle devices,
         held up to ``req.wait_s`` until one has work."""
 
+
+class SecureBatchApi(Protocol):
+    """The Fed Server's secure aggregation stages, as an agent sends them for many of its devices."""
+
     def secagg_batch(self, round_id: int, req: SecAggBatch) -> SecAggBatchAck:
         """Several devices' secure aggregation messages of attempt ``round_id``, each taken or refused."""
 

@@ -21,7 +21,7 @@ from typing import Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from device_agent.api import AgentApi, StageAnswer
+from device_agent.api import SecureBatchApi, StageAnswer
 from device_agent.clients import error_for_status
 from shared.errors import Failed
 from shared.schemas import (
@@ -86,7 +86,7 @@ class Combined(Generic[Item, Result]):
 class SecureBatches:
     """One agent's secure aggregation requests for all its devices (:meth:`channel` for each)."""
 
-    def __init__(self, api: AgentApi) -> None:
+    def __init__(self, api: SecureBatchApi) -> None:
         self.api = api
         self._lock = threading.Lock()
         self._combined: dict[tuple[int, str], Combined] = {}
