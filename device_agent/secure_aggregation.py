@@ -55,7 +55,7 @@ class SecureSession:
         With distributed noise (``privacy.noise_multiplier``) the change weighs 1 and carries this
         device's share of the noise: N(0, (z C)^2 / threshold) on every entry, drawn from the
         operating system's randomness."""
-        masked = [name for block in range(self.splits[self.secrets.device_id]) for name, _ in layout.entries(block)]
+        masked = layout.held_keys(self.splits[self.secrets.device_id])
         update = {k: state[k].double() - start[k].double() for k in masked}
         if privacy is not None and privacy.noise_multiplier is not None:
             weight = 1.0

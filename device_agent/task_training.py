@@ -203,7 +203,7 @@ class TaskTrainer:
         clock.transfer(sum(t.numel() * (8 if self.secure else t.element_size()) for t in state.values()))
         if self.secure is not None:
             assert start is not None
-            weights = self.secure.masked_weights(state, start, len(self.samples), BlockLayout.of(self.model.layout),
+            weights = self.secure.masked_weights(state, start, len(self.samples), BlockLayout.of(self.model.layout, task.head_start),
                                                  task.privacy)
             extras: dict = {}
         else:

@@ -148,20 +148,20 @@ class Aggregator:
         aggregation.privacy = privacy.release(len(used), unclipped)
         mean = {key: global_state[key].double() + total / weights[key] for key, total in sums.items()}
         return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights),
-                **self._group_copies(fed_round, used, {d: fed_round.assignments[d].split_point for d in used})}
+                **self._group_copies(fed_round, used, {d: set(fed_round.updates[d].state) for d in used})}
 
-    def _group_copies(self, fed_round: FedRound, used: list[str], summed: Mapping[str, int]
+    def _group_copies(self, fed_round: FedRound, used: list[str], summed: Mapping[str, set[str]]
                       ) -> dict[str, Contribution]:
         """A split attempt whose devices' client portions are summed (private or secure): each
-        device's group copy of the blocks past ``summed`` (its blocks in the sum: ``[0, split)``),
-        weighed as the device (none at split depth zero)."""
+        device's group copy of the entries not in the sum (``summed``: each device's entries in
+        it), weighed as the device (none at split depth zero)."""
         if not fed_round.uses_main_server:
             return {}
         copies = {}
         for device in used:
             portion = fed_round.portion_of(device)
             assert portion is not None   # usable() (or the unmasking plan) kept only devices with one
-            held = set(self.core.model.portion_keys(0, summed[device]))
+            held = summed[device]
             copies[device] = Contribution(
                 weight=self.core.summed_weight(device), client_state={},
                 server_state={k: v for k, v in portion.server_state(device).items() if k not in held})
@@ -180,19 +180,20 @@ class Aggregator:
         assert secure is not None and secure.plan is not None and secure.roster is not None
         seeds, keys = rebuild_secrets(secure.answers, secure.neighbourhoods, used, secure.plan.dropped,
                                       secure.threshold)
-        layout = BlockLayout.of(self.core.model)
+        layout = BlockLayout.of(self.core.model, self.core.head_start)
         total = unmasked_sum({d: state_to_words(fed_round.updates[d].state) for d in used}, layout, seeds, keys,
                              {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods, secure.splits)
+        held = {d: set(layout.held_keys(secure.splits[d])) for d in used}
         weights: dict[str, float] = {}
         for device in used:
-            for key in self.core.model.portion_keys(0, secure.splits[device]):
+            for key in held[device]:
                 weights[key] = weights.get(key, 0.0) + self.core.summed_weight(device)
         if self.core.privacy is not None:
             aggregation.privacy = self.core.privacy.release(len(used), None)
         mean = {k: global_state[k].double() + torch.from_numpy(decode(v, secure.terms.fraction_bits)) / weights[k]
                 for k, v in total.items()}
         return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights),
-                **self._group_copies(fed_round, used, secure.splits)}
+                **self._group_copies(fed_round, used, held)}
 
     def _summed(self, fed_round: FedRound, used: list[str], global_state: Mapping[str, torch.Tensor],
                 clip_norm: float) -> tuple[dict[str, torch.Tensor], dict[str, float], float]:

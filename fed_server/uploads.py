@@ -167,13 +167,13 @@ class Uploads:
     def _checked_masked(self, fed_round: FedRound, req: UpdateRequest, body_bytes: int, upload_s: float
                         ) -> ReceivedUpdate:
         """A securely aggregated attempt's upload: every entry of the blocks the device masks
-        (``[0, masked split)``: ``SecureRound.splits``) as masked 64-bit words (int64 on the wire),
+        (``[0, masked split)``: ``SecureRound.splits``, and U-shaped its head) as masked 64-bit words (int64 on the wire),
         which is all the Fed Server keeps of it; Invalid if not."""
         core, secure = self.core, fed_round.secure
         assert secure is not None
         if req.extras:
             raise Invalid("a masked update carries no extras")
-        portion = core.portion(secure.splits[req.device_id])
+        portion = core.device_portion(secure.splits[req.device_id])
         try:
             words = decode_state(req.weights, expect=masked_layout(portion), what="masked weights")
         except WireError as exc:

@@ -205,16 +205,13 @@ def _check_distributed_noise(config: RunConfig, multiplier: float) -> None:
 def _check_secure_aggregation(config: RunConfig, algorithm: Algorithm, selector: "DeviceSelector",
                               model: SplitModel) -> None:
     """Secure aggregation (``secure_aggregation.enabled``; docs/privacy.md) gives the Fed Server only
-    the sums of the devices' portions, block by block: ValueError in one line for a U-shaped split
-    run, one that clips for differential privacy without the devices' noise, checks each update's
-    norm, has integer state entries, or needs each device's own update (as for privacy), or whose
-    threshold exceeds its devices per round."""
+    the sums of the devices' portions, block by block: ValueError in one line for a run that clips
+    for differential privacy without the devices' noise, checks each update's norm, has integer
+    state entries, or needs each device's own update (as for privacy), or whose threshold exceeds
+    its devices per round."""
     secure = config.secure_aggregation
     if not secure.enabled:
         return
-    if config.split.u_shaped and algorithm.split_mode() != "zero":
-        raise ValueError("secure_aggregation cannot run split.u_shaped: a device masks the blocks before its cut, "
-                         "and the head it also holds would be aggregated in the clear")
     if config.privacy.enabled and config.privacy.noise != "distributed":
         raise ValueError("secure_aggregation runs privacy.clipping only with privacy.noise: distributed (the devices "
                          "add the noise): the Fed Server cannot clip or noise the updates secure aggregation hides "

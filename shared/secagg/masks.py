@@ -9,7 +9,9 @@ the devices it sums (their seeds, rebuilt from shares) and the pairs' masks of n
 dropped after masking (their mask keys, rebuilt from shares).
 
 Each block's mask is one keystream (``crypto.keystream_words``, the stream numbered by the block)
-spread over the block's state entries in the model's order.
+spread over the block's state entries in the model's order. In U-shaped mode every device also
+holds the model's head, the blocks from ``head_start`` on: it masks them as the blocks before its
+cut, and every pair of devices holds them both.
 """
 from __future__ import annotations
 
@@ -28,20 +30,27 @@ Words = dict[str, np.ndarray]
 @dataclass(frozen=True)
 class BlockLayout:
     """The model's state entries (name, shape) block by block, which the devices and the Fed
-    Server both know."""
+    Server both know, and where U-shaped devices' heads start (None: not U-shaped)."""
 
     blocks: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
+    head_start: int | None = None
 
     @classmethod
-    def of(cls, model: SplitModel) -> "BlockLayout":
+    def of(cls, model: SplitModel, head_start: int | None = None) -> "BlockLayout":
         """The layout of ``model`` (a meta-device layout serves: only names and shapes are read)."""
         state = model.state_dict()
         return cls(tuple(tuple((key, tuple(state[key].shape)) for key in model.portion_keys(b, b + 1))
-                         for b in range(len(model.blocks))))
+                         for b in range(len(model.blocks))), head_start)
 
     def held(self, split_point: int) -> list[int]:
-        """The blocks a device cut after ``split_point`` masks: ``[0, split_point)``."""
-        return list(range(split_point))
+        """The blocks a device cut after ``split_point`` masks: ``[0, split_point)``, and U-shaped
+        its head ``[head_start, blocks)``."""
+        head = range(max(self.head_start, split_point), len(self.blocks)) if self.head_start is not None else range(0)
+        return [*range(split_point), *head]
+
+    def held_keys(self, split_point: int) -> list[str]:
+        """The state entries of the blocks :meth:`held` names."""
+        return [name for block in self.held(split_point) for name, _ in self.entries(block)]
 
     def entries(self, block: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """The entries of ``block``."""
@@ -118,7 +127,7 @@ def remove_masks(total: Words, layout: BlockLayout, splits: Mapping[str, int], s
     for dropped, private in dropped_keys.items():
         for partner in partners_of_dropped[dropped]:
             key = agree(private, public_mask_keys[partner], MASK_PURPOSE)
-            common = set(layout.held(splits[dropped])) & set(layout.held(splits[partner]))
+            common = set(layout.held(splits[dropped])).intersection(layout.held(splits[partner]))
             for block in sorted(common):
                 _apply(total, layout.stream(key, block), -pair_sign(partner, dropped))
     return total

@@ -277,3 +277,28 @@ def test_an_s2fl_run_with_real_agents_sums_each_block_over_the_devices_that_hold
     assert max(float((state[k] - initial[k]).abs().max()) for k in model.portion_keys(2, 3)) > 1e-4
     epsilons = [r["privacy"]["epsilon"] if r["privacy"] else None for r in rounds]
     assert (epsilons[0] < epsilons[1]) if private else epsilons == [None, None], epsilons
+
+
+def test_a_u_shaped_s2fl_run_with_real_agents_masks_each_devices_head_with_its_front_blocks(tmp_path: Path):
+    # Every device holds the cnn's head (block 3) beside its front blocks, and masks it with them:
+    # the head is summed over all four devices, each front block over the devices cut after it.
+    config = small_config(rounds=2, **{"aggregation.rule": "mean", "devices.profiles": [], "split.u_shaped": True,
+                                       "split.pinned": {"dev-000": 2, "dev-001": 2},
+                                       "secure_aggregation.enabled": True, "secure_aggregation.threshold": 2,
+                                       "secure_aggregation.value_range": 1.0})
+    with Testbed(config, tmp_path, warm=shared_starter()) as testbed:
+        status = testbed.follow(timeout=300)
+    assert status["state"] == "finished"
+    rounds = read_metrics(tmp_path)
+    assert [r["status"] for r in rounds] == ["ok", "ok"] and all(len(r["aggregated"]) == 4 for r in rounds), rounds
+    assert all(0 < k < 3 for r in rounds for k in r["split_points"].values())
+    _, state, _ = RunDirectory(tmp_path).read_checkpoint()
+    model = build_model("cnn", 10, (1, 28, 28), seed=config.seed)
+    initial = model.state_dict()
+    # Block 0 and the head are every device's: each entry moves at most value_range a round, where a
+    # mask left in the sum would move it by about 2**63 over the fixed point's scale.
+    for keys in (model.portion_keys(0, 1), model.portion_keys(3, 4)):
+        change = max(float((state[k] - initial[k]).abs().max()) for k in keys)
+        assert 1e-4 < change <= len(rounds) * config.secure_aggregation.value_range, (keys, change)
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert status["summary"]["final_accuracy"] > status["summary"]["initial_accuracy"]

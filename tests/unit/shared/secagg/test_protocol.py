@@ -24,10 +24,10 @@ WHOLE = {d: len(LAYOUT.blocks) for d in DEVICES}
 
 
 def _attempt(silent: set[str], unmask_answers: int | None = None, graph: dict[str, list[str]] = COMPLETE,
-             threshold: int = 3, dropped: str = "d1", splits: dict[str, int] = WHOLE):
+             threshold: int = 3, dropped: str = "d1", splits: dict[str, int] = WHOLE, layout: BlockLayout = LAYOUT):
     """One attempt over ``graph`` (each device's neighbourhood), each device holding the blocks
-    before its split point: ``dropped`` shares, then never uploads; ``silent`` upload but do not
-    answer the unmasking stage."""
+    before its split point (and ``layout``'s head): ``dropped`` shares, then never uploads;
+    ``silent`` upload but do not answer the unmasking stage."""
     rng = np.random.default_rng(7)
     secrets = {d: DeviceSecrets(d, "run", 3) for d in DEVICES}
     keys_of = {d: s.public_keys() for d, s in secrets.items()}
@@ -36,17 +36,17 @@ def _attempt(silent: set[str], unmask_answers: int | None = None, graph: dict[st
     partners = {d: s.open_inbox(rosters[d], {o: sealed[o][d] for o in graph[d] if o != d})
                 for d, s in secrets.items()}
     bits = fraction_bits(sum(WEIGHTS.values()), RANGE)
-    updates = {d: {k: rng.uniform(-0.8, 0.8, size=shape) for block in LAYOUT.blocks[:splits[d]] for k, shape in block}
+    updates = {d: {k: rng.uniform(-0.8, 0.8, size=shape) for b in layout.held(splits[d]) for k, shape in layout.blocks[b]}
                for d in DEVICES}
     uploaders = [d for d in DEVICES if d != dropped]
-    masked = {d: secrets[d].mask(updates[d], WEIGHTS[d], bits, RANGE, LAYOUT, rosters[d], partners[d], splits)
+    masked = {d: secrets[d].mask(updates[d], WEIGHTS[d], bits, RANGE, layout, rosters[d], partners[d], splits)
               for d in uploaders}
     answering = [d for d in uploaders if d not in silent][:unmask_answers]
     answers = {d: secrets[d].unmask(uploaders, [dropped]) for d in answering}
     seeds, keys = rebuild_secrets(answers, graph, uploaders, [dropped], threshold=threshold)
-    total = unmasked_sum(masked, LAYOUT, seeds, keys, {d: keys_of[d][0] for d in DEVICES}, graph, splits)
+    total = unmasked_sum(masked, layout, seeds, keys, {d: keys_of[d][0] for d in DEVICES}, graph, splits)
     expected = {k: sum(WEIGHTS[d] * np.clip(updates[d][k], -RANGE, RANGE) for d in uploaders if k in updates[d])
-                for block in LAYOUT.blocks for k, _ in block}
+                for block in layout.blocks for k, _ in block}
     return total, expected, bits, masked, updates
 
 
@@ -68,6 +68,22 @@ def test_with_mixed_split_points_each_block_sums_over_the_devices_that_hold_it()
     splits = {"d0": 1, "d1": 2, "d2": 1, "d3": 2, "d4": 2}
     total, expected, bits, masked, _ = _attempt(silent=set(), splits=splits)
     assert sorted(masked["d0"]) == ["b", "w"] and sorted(masked["d3"]) == ["b", "v", "w"]
+    bound = len(masked) / 2.0 ** (bits + 1) + 2.0 ** -52 * sum(WEIGHTS.values()) * RANGE
+    assert sorted(total) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(decode(total[key], bits), expected[key], atol=bound, rtol=0)
+
+
+def test_u_shaped_devices_mask_their_head_with_their_front_blocks_and_it_sums_over_all_of_them():
+    # Three blocks, the last the devices' head: d0 and d2 hold block 0 and the head, the others
+    # blocks 0 and 1 and the head; the middle block 1 is summed over d3 and d4 only (d1 drops).
+    layout = BlockLayout(((("w", (4, 3)), ("b", (3,))), (("v", (7,)),), (("h", (2, 5)), ("c", (2,)))), head_start=2)
+    assert layout.held(1) == [0, 2] and layout.held(2) == [0, 1, 2] and layout.held_keys(1) == ["w", "b", "h", "c"]
+    splits = {"d0": 1, "d1": 2, "d2": 1, "d3": 2, "d4": 2}
+    total, expected, bits, masked, _ = _attempt(silent={"d4"}, splits=splits, layout=layout)
+    assert sorted(masked["d0"]) == ["b", "c", "h", "w"]
+    # The head is masked as the front blocks are: alone, it decodes to noise over the 64-bit range.
+    assert np.abs(decode(masked["d0"]["h"], bits)).max() > 10 * WEIGHTS["d0"] * RANGE
     bound = len(masked) / 2.0 ** (bits + 1) + 2.0 ** -52 * sum(WEIGHTS.values()) * RANGE
     assert sorted(total) == sorted(expected)
     for key in expected:
