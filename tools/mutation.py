@@ -75,11 +75,18 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
          "return np.where(total[..., 0] != 0, dist, 0.0)"),
     },
     "shared/algorithms/robust_aggregation.py": {
-        ("core/ReplaceBinaryOperator_Sub_LShift", "last = updates.shape[0] - 1", "last = updates.shape[0] << 1"),
+        ("core/ReplaceBinaryOperator_BitAnd_Mul", "kept_w = ((rank >= trim) & (rank < n - trim)) * weights[:, None]",
+         "kept_w = ((rank >= trim) * (rank < n - trim)) * weights[:, None]"),
+        ("core/NumberReplacer",
+         "nearest = distances.sort(dim=1).values[:, 1:neighbours + 1]   # column 0: the candidate itself",
+         "nearest = distances.sort(dim=1).values[:, 0:neighbours + 1]   # column 0: the candidate itself"),
         ("core/ReplaceComparisonOperator_NotEq_Lt", "return out, {d: w for d, w in out.items() if w != weights[d]}",
          "return out, {d: w for d, w in out.items() if w < weights[d]}"),
         ("core/NumberReplacer", "largest = max((g.numel() for g in global_state.values()), default=0)",
          "largest = max((g.numel() for g in global_state.values()), default= 1)"),
+    },
+    "shared/algorithms/grouping.py": {
+        ("core/AddNot", "if TYPE_CHECKING:", "if not TYPE_CHECKING:"),
     },
     "shared/wire.py": {
         ("core/AddNot", _BYTEORDER, _BYTEORDER.replace("if sys", "if not sys")),

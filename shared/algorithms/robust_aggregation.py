@@ -159,9 +159,10 @@ class Median(AggregationRule):
         ordered = torch.empty_like(updates).scatter_(0, rank, updates)
         cumulative = torch.empty_like(updates).scatter_(0, rank, weights[:, None].expand_as(updates)).cumsum_(dim=0)
         half = float(weights.sum()) / 2
-        last = updates.shape[0] - 1
-        lower = (cumulative < half).sum(dim=0, keepdim=True).clamp_(max=last)
-        upper = (cumulative <= half).sum(dim=0, keepdim=True).clamp_(max=last)
+        # Every weight is positive (checked with the contributions), so the last cumulative weight,
+        # the total, exceeds half: both positions fall on a candidate.
+        lower = (cumulative < half).sum(dim=0, keepdim=True)
+        upper = (cumulative <= half).sum(dim=0, keepdim=True)
         return (ordered.gather(0, lower) + ordered.gather(0, upper)).squeeze(0) / 2
 
 

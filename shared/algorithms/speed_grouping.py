@@ -32,6 +32,8 @@ from shared.algorithms.grouping import GroupCandidate, Grouping, consecutive_gro
 class SpeedGrouping(Grouping):
     """The devices of each split point, ordered by round time and cut into consecutive groups; smaller split points first."""
 
+    uses_label_counts = False
+
     def form(self, members: Mapping[str, GroupCandidate], group_size: int, rng: np.random.Generator) -> list[list[str]]:
         by_split: dict[int, list[str]] = {}
         for device, member in sorted(members.items()):

@@ -458,3 +458,63 @@ def test_calibration_skips_infinite_and_negative_estimates():
     estimates = {"a": 2.0, "b": 2.0, "c": math.inf, "d": -1.0}
     # only a (1.5) and b (2.5) count: median 2.0 (c would add 0.0, d -1.0)
     assert tt.calibration(lambda d, j: estimates[d]) == 2.0
+
+
+# --- edges the mutation tests found unguarded ----------------------------------------------------
+
+def test_a_device_profile_is_frozen():
+    profile = DeviceProfile(flops=1e9, rate=1e6)
+    with pytest.raises(AttributeError):
+        profile.flops = 1.0   # type: ignore[misc]
+
+
+def test_a_round_of_zero_seconds_in_zero_parts_is_recorded():
+    tt = ClientTimeTable(num_candidates=1)
+    tt.record("a", 0, 0.0, 0.0, 0.0)
+    assert tt.get("a", 0) == 0.0
+
+
+def test_a_part_shrunk_past_a_floats_range_is_noise_not_a_change_of_level():
+    tt = ClientTimeTable(num_candidates=1)
+    tt.record("a", 0, 1e300, 1e300, 0.0)
+    tt.record("a", 0, 1e300, 5e-324, 0.0)   # 5e-324 / 1e300 is 0.0 as a float
+    assert tt.levels("a") == (1.0, 1.0)
+
+
+def test_a_change_of_both_parts_by_the_same_ratio_is_not_a_noise_sample():
+    # Two re-measurements within noise, then both parts tripled: a change, so the table has still
+    # seen only two noise samples and keeps its default noise.
+    tt = ClientTimeTable(num_candidates=1, smoothing=1.0)
+    tt.record("a", 0, 10.0, 4.0, 4.0)
+    tt.record("a", 0, 10.2, 4.0, 4.0)
+    tt.record("a", 0, 10.2, 4.0, 4.0)
+    tt.record("a", 0, 26.2, 12.0, 12.0)
+    assert tt.noise() == pytest.approx(0.1)
+
+
+def test_a_part_the_terms_give_no_cost_at_the_measured_cut_is_not_scaled():
+    # Eq. 1's client FLOPs are 0 at candidate 0: its compute part keeps its time at candidate 1
+    # instead of being divided by zero; the transfer scales by the bytes (x2).
+    tt = ClientTimeTable(num_candidates=2)
+    tt.record("a", 0, 10.0, 4.0, 3.0)
+    terms = lambda device, j: (100.0, 0.0, 10.0) if j == 0 else (200.0, 50.0, 10.0)   # noqa: E731
+    assert tt.row("a", terms=terms)[1] == pytest.approx(8.0 + 3.0 + 3.0)
+
+
+def test_an_estimate_is_multiplied_by_the_calibration():
+    tt = ClientTimeTable(num_candidates=1)
+    assert tt.row("new", estimate=lambda device, j: 3.0, calibration=2.0) == {0: 6.0}
+
+
+def test_a_censored_candidate_reads_its_wait_where_nothing_else_prices_it():
+    tt = ClientTimeTable(num_candidates=2)
+    tt.record("a", 0, 5.0)
+    tt.censor("a", 1, 30.0)
+    assert tt.row("a") == {0: 5.0, 1: 30.0}
+
+
+def test_the_warm_up_is_read_by_value_not_by_identity():
+    # A warm-up name read from a file is an equal string, not the module's own object.
+    warm_up = "".join(["every", "_split"])
+    tt = ClientTimeTable(num_candidates=3, warm_up=warm_up)
+    assert tt.choose(2, ["a", "b"]) == {"a": 1, "b": 1}

@@ -215,3 +215,9 @@ def test_secure_runs_of_a_whole_model_weighted_mean_pass():
                  _with(DISTRIBUTED, **{"privacy.noise_multiplier": None, "privacy.target_epsilon": 8.0,
                                       "secure_aggregation.value_range": 8.0})):
         load_run_config(data)
+
+
+def test_withheld_label_counts_run_with_every_grouping_that_reads_none():
+    for method in ("random", "singleton", "speed"):
+        load_run_config({"algorithm": "s2fl", "split_privacy": {"label_counts": "withheld"},
+                         "grouping": {"method": method}})

@@ -67,3 +67,15 @@ def test_dfx_multiplier(name, multipliers):
 def test_block_gradient_multiplier(name, multipliers):
     """Only data_weighted renormalises a block to the members that pass it on the server."""
     assert [build_group_loss(name).block_grad_multiplier(share) for share in SHARES] == multipliers
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_LOSSES))
+def test_each_objective_is_its_member_weights_sum_of_the_member_means(name):
+    # Member defences and U-shaped steps rebuild a group's step from each member's own loss and
+    # these weights (shared/algorithms/member_defence.py): they must give the objective itself.
+    logits, labels, losses = _members()
+    loss = build_group_loss(name)
+    weights = loss.member_weights([len(y) for y in labels], SHARES)
+    assert len(weights) == len(labels)
+    torch.testing.assert_close(loss.objective(logits, labels, losses, SHARES),
+                               sum(w * member for w, member in zip(weights, losses)))

@@ -10,6 +10,7 @@ import pytest
 
 from shared.algorithms.grouping import GroupCandidate, candidates_from_counts, consecutive_groups, group_candidate
 from shared.algorithms.label_balance import group_sizes
+from shared.algorithms.registry import GROUPINGS, build_grouping
 from shared.schemas import Participant
 
 
@@ -46,3 +47,16 @@ def test_consecutive_groups_cut_the_order_into_the_balanced_groupings_sizes(devi
     groups = consecutive_groups(ordered, size)
     assert [len(g) for g in groups] == expected == group_sizes(devices, size)
     assert [d for g in groups for d in g] == ordered
+
+
+@pytest.mark.parametrize("name", sorted(GROUPINGS))
+def test_a_grouping_says_truly_whether_it_reads_the_label_counts(name):
+    # A run whose devices withhold their counts may only name a grouping that says it does not
+    # read them (shared/run_config.py): the same devices with other counts must then group alike,
+    # and a grouping that reads them groups these two populations differently.
+    def candidates(classes: list[int]) -> dict[str, GroupCandidate]:
+        return {f"d{i}": GroupCandidate(np.eye(2, dtype=np.int64)[c] * 50, 1, 50) for i, c in enumerate(classes)}
+    grouping = build_grouping(name)
+    apart = grouping.form(candidates([0, 0, 0, 1, 1, 1]), 2, np.random.default_rng(0))
+    mixed = grouping.form(candidates([0, 1, 1, 0, 1, 0]), 2, np.random.default_rng(0))
+    assert grouping.uses_label_counts == (apart != mixed), (apart, mixed)

@@ -119,8 +119,9 @@ def test_trimmed_mean_hand_computed(params, expected):
     assert out.state["w"].item() == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, PAIRWISE_MAX, PAIRWISE_MAX + 1])
+@pytest.mark.parametrize("n", [1, 2, 7, PAIRWISE_MAX, PAIRWISE_MAX + 1, 300])
 def test_ranks_are_a_stable_sorts_positions(n):
+    # 300: past what one byte counts, which the pairwise count of a few candidates keeps its ranks in.
     # Few distinct values, so ties are everywhere: a tie keeps candidate order, as a stable sort does.
     torch.manual_seed(n)
     updates = torch.randint(-3, 4, (n, 500)).double()
@@ -302,6 +303,8 @@ def test_default_and_every_registered_rule_build_from_the_config():
      "aggregation.params.m: unknown key (valid keys: clip, max_weight_ratio, f)"),
     ({"rule": "trimmed_mean", "params": {"count": 1, "fraction": 0.1}}, "aggregation.params: set fraction or count, not both"),
     ({"params": {"max_weight_ratio": 0.5}}, "aggregation.params.max_weight_ratio: must be greater than or equal to 1 (got 0.5)"),
+    ({"rule": "mean", "params": {"max_weight_ratio": 0.5}},
+     "aggregation.params.max_weight_ratio: must be greater than or equal to 1 (got 0.5)"),
     ({"rule": "trimmed_mean", "params": {"fraction": 0.5}}, "aggregation.params.fraction: must be less than 0.5 (got 0.5)"),
 ])
 def test_unknown_rule_or_bad_params_are_refused_when_the_config_is_loaded(aggregation, line):
@@ -384,6 +387,21 @@ def test_clip_goes_on_past_a_key_nobody_supplies():
 def test_trimmed_mean_count_zero_is_the_weighted_mean():
     out = TrimmedMean({**UNBOUNDED, "count": 0}).aggregate({"w": t(0)}, scalars([-100, 1, 2, 3, 100], [1, 1, 1, 3, 1]))
     assert out.state["w"].item() == pytest.approx((-100 + 1 + 2 + 9 + 100) / 7)
+
+
+def test_multi_krum_with_f_past_the_candidates_still_averages_the_best_one():
+    # A round that lost devices may have n - f <= 0 candidates left: Multi-Krum still keeps one
+    # (the best scored, as Krum), never none (a mean over no weight).
+    out = MultiKrum({**UNBOUNDED, "f": 5}).aggregate({"w": t(0)}, scalars([0, 1, 7], [1, 1, 1]))
+    assert out.state["w"].item() == 0.0
+
+
+def test_clip_reports_only_updates_past_the_bound():
+    # clip 1: the bound is the median norm itself (2 here); the median device's update is on the
+    # bound, unchanged, and not reported clipped; the norm-3 update is.
+    out = Mean({"clip": 1.0}).aggregate({"w": t(0)}, scalars([1, 2, -3], [1, 1, 1]))
+    assert out.clipped == {"dev-2": ["w"]}
+    assert out.state["w"].item() == pytest.approx((1 + 2 - 2) / 3)
 
 
 def test_krum_scores_by_at_least_one_neighbour():
