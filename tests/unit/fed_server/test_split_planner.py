@@ -24,14 +24,14 @@ def _cnn() -> tuple[list[int], int, ModelProfile]:
 
 
 def _planner(mode: str, rate: float | None = 1e6, smoothing: float = 1.0, warm_up: str = "estimated",
-             pinned: dict[str, int] | None = None) -> SplitPlanner:
+             pinned: dict[str, int] | None = None, head_start: int | None = None) -> SplitPlanner:
     split_points, num_blocks, profile = _cnn()
     devices = DeviceRegistry(len(DEVICES))
     for i, (d, flops) in enumerate(zip(DEVICES, (1e8, 1e9, 1e10))):
         devices.register(RegisterRequest(device_id=d, shard=i, num_samples=100, profile=DeviceProfileMsg(flops=flops, rate=rate)))
     table = ClientTimeTable(len(split_points), smoothing, warm_up)
     return SplitPlanner(mode, split_points, num_blocks, profile, table, devices, local_epochs=1, server_flops=1e11,
-                        pinned=pinned)
+                        pinned=pinned, head_start=head_start)
 
 
 def test_zero_mode_puts_the_whole_model_on_every_device():
@@ -198,3 +198,35 @@ def test_a_pinned_device_keeps_its_split_point_whatever_the_mode_chooses(mode):
         chosen = p.choose(round_index, DEVICES)
         assert chosen["d0"] == (p.split_points.index(2), 2)
     assert p.choose(1, ["d1"]) == _planner(mode).choose(1, ["d1"])
+
+
+# --- edges the mutation tests found unguarded ----------------------------------------------------
+
+def test_a_u_shaped_cut_prices_the_middle_on_the_server_and_the_head_on_the_device():
+    split_points, num_blocks, profile = _cnn()
+    head_start = split_points[-1]
+    p = _planner("sliding", head_start=head_start)
+    cut, head = profile.cost(split_points[0]), profile.cost(head_start)
+    view = p._view(0)
+    assert view.server_flops == cut.server_flops - head.server_flops
+    assert (view.head_flops, view.head_param_bytes, view.head_activation_bytes) == (
+        head.server_flops, head.server_param_bytes, head.activation_bytes)
+
+
+def test_a_round_without_transfer_time_leaves_the_measured_rate_alone():
+    p = _planner("sliding")
+    p.observe("d0", 0, 2.0, 0.0, 1.0)
+    assert p.devices.measured_rate("d0") is None
+
+
+def test_a_censored_attempt_lowers_the_measured_rate_by_the_factor_its_link_level_rose():
+    p = _planner("sliding")
+    p.observe("d0", 0, 2.0, 1.0, 0.5)
+    rate = p.devices.measured_rate("d0")
+    assert rate is not None
+    factor = p.table.censor("d1", 0, 1.0)   # d1 was never measured: no level to raise, no rate
+    assert factor == 1.0 and p.devices.measured_rate("d1") is None
+    p.censor("d1", 0, 30.0)
+    assert p.devices.measured_rate("d1") is None
+    p.censor("d0", 0, 2.8)   # the cell read 2 s, 1 of them transfer: the link is 1.8x slower
+    assert p.devices.measured_rate("d0") == pytest.approx(rate / 1.8, rel=1e-12)

@@ -463,3 +463,17 @@ def test_a_body_below_the_byte_limit_is_parsed():
     body = packb({"a": [1, 2, 3]})
     assert unpackb(body, max_bytes=len(body) + 100) == {"a": [1, 2, 3]}
     assert unpackb(body, max_bytes=len(body)) == {"a": [1, 2, 3]}
+
+
+# --- check_tensors: the checks on tensors this process built (never encoded) -------------------
+
+def test_built_tensors_are_checked_for_names_dtypes_shapes_and_finiteness():
+    from shared.wire import check_tensors
+    expect = {"w": torch.zeros(3, 4), "n": torch.zeros(2, dtype=torch.int64), "e": torch.zeros(0)}
+    check_tensors({"w": torch.ones(3, 4), "n": torch.tensor([1, 2]), "e": torch.zeros(0)}, expect)   # fine
+    with pytest.raises(WireError, match=r"state\[w\]: shape \[3, 3\] where \[3, 4\] was expected"):
+        check_tensors({"w": torch.ones(3, 3), "n": torch.tensor([1, 2]), "e": torch.zeros(0)}, expect)
+    with pytest.raises(WireError, match=r"update\[w\]: contains NaN or Inf"):
+        check_tensors({"w": torch.tensor([1.0, math.nan])}, what="update")
+    with pytest.raises(WireError, match=r"unexpected \['a', 'b', 'c', 'd', 'e'\]\)"):
+        check_tensors({k: torch.zeros(1) for k in "abcdef"}, {})
