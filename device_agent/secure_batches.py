@@ -15,6 +15,7 @@ refusal as the domain error its own request would have raised.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -25,7 +26,7 @@ from device_agent.api import SecureBatchApi, StageAnswer
 from device_agent.clients import error_for_status
 from shared.errors import Failed
 from shared.schemas import (
-    AgentDevice, Refusal, SecAggAnswers, SecAggBatch, SecAggKeys, SecAggQuestion, SecAggShares, SecAggUnmask,
+    MAX_AGENT_DEVICES, AgentDevice, Refusal, SecAggAnswers, SecAggBatch, SecAggKeys, SecAggQuestion, SecAggShares, SecAggUnmask,
 )
 
 Item = TypeVar("Item")
@@ -53,33 +54,39 @@ class _Batch(Generic[Item, Result]):
 class Combined(Generic[Item, Result]):
     """Calls from many threads, each keyed by its caller, sent ``send``'s way together: a call made
     while a request is in flight waits for the next one, which the first of its callers to find
-    none in flight sends for all of them."""
+    none in flight sends for all of them. A request carries at most ``limit`` calls (a message's
+    most devices); the calls past it wait for the requests after it, in turn."""
 
-    def __init__(self, send: Callable[[dict[str, Item]], Mapping[str, Result | Exception]]) -> None:
+    def __init__(self, send: Callable[[dict[str, Item]], Mapping[str, Result | Exception]],
+                 limit: int = MAX_AGENT_DEVICES) -> None:
         self._send = send
+        self._limit = limit
         self._changed = threading.Condition()
-        self._pending: _Batch[Item, Result] | None = None
+        self._pending: deque[_Batch[Item, Result]] = deque()
         self._busy = False
 
     def call(self, key: str, item: Item) -> Result:
         """``key``'s result of the request that carried ``item``."""
         with self._changed:
-            batch = self._pending
-            if batch is None:
-                batch = self._pending = _Batch()
+            if not self._pending or len(self._pending[-1].items) >= self._limit:
+                self._pending.append(_Batch())
+            batch = self._pending[-1]
             batch.items[key] = item
-            while not batch.done and (self._busy or self._pending is not batch):
+            while not batch.done and (self._busy or self._pending[0] is not batch):
                 self._changed.wait()
             if batch.done:
                 return batch.result(key)
-            self._busy, self._pending = True, None
+            self._busy = True
+            self._pending.popleft()
+        results: Mapping[str, Result | Exception] | Exception = Failed("the batch's request was interrupted")
         try:
-            results: Mapping[str, Result | Exception] | Exception = self._send(batch.items)
+            results = self._send(batch.items)
         except Exception as exc:   # the whole request failed (unreachable, refused): every caller's error
             results = exc
-        with self._changed:
-            batch.results, batch.done, self._busy = results, True, False
-            self._changed.notify_all()
+        finally:   # even when interrupted, the callers waiting on it are answered and the next may lead
+            with self._changed:
+                batch.results, batch.done, self._busy = results, True, False
+                self._changed.notify_all()
         return batch.result(key)
 
 

@@ -25,7 +25,8 @@ def _threads(count: int, target) -> list[threading.Thread]:
     return threads
 
 
-def test_calls_made_while_a_request_is_in_flight_go_together_in_the_next_one():
+@pytest.mark.parametrize("limit, sizes", [(1000, [1, 4]), (3, [1, 3, 1])])
+def test_calls_made_while_a_request_is_in_flight_go_together_in_the_next_ones(limit, sizes):
     sent: list[list[str]] = []
     first_in_flight, release = threading.Event(), threading.Event()
 
@@ -36,7 +37,7 @@ def test_calls_made_while_a_request_is_in_flight_go_together_in_the_next_one():
             assert release.wait(WAIT)
         return {key: item * 10 if key != "d3" else Conflict("taken out") for key, item in items.items()}
 
-    combined: Combined[int, int] = Combined(send)
+    combined: Combined[int, int] = Combined(send, limit)
     results: dict[str, object] = {}
 
     def call(i: int) -> None:
@@ -50,13 +51,14 @@ def test_calls_made_while_a_request_is_in_flight_go_together_in_the_next_one():
     rest = [threading.Thread(target=call, args=(i,)) for i in range(1, 5)]
     for thread in rest:
         thread.start()
-    # The four wait for the first request; only then does one of them send all four at once.
-    while combined._pending is None or len(combined._pending.items) < 4:
+    # The four wait for the first request; only then are they sent, as many at once as the limit allows.
+    while sum(len(batch.items) for batch in combined._pending) < 4:
         threading.Event().wait(0.01)
     release.set()
     for thread in first + rest:
         thread.join(WAIT)
-    assert sent == [["d0"], ["d1", "d2", "d3", "d4"]]
+    # The four went in the order they came, which their threads decide.
+    assert sent[0] == ["d0"] and [len(r) for r in sent] == sizes and sorted(sum(sent, [])) == [f"d{i}" for i in range(5)]
     assert {k: v for k, v in results.items() if k != "d3"} == {"d0": 0, "d1": 10, "d2": 20, "d4": 40}
     assert isinstance(results["d3"], Conflict)
 
