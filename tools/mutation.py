@@ -75,6 +75,8 @@ EQUIVALENT: dict[str, set[tuple[str, str, str]]] = {
          "return np.where(total[..., 0] != 0, dist, 0.0)"),
     },
     "shared/algorithms/robust_aggregation.py": {
+        ("core/ReplaceTrueWithFalse", "coordinatewise = True", "coordinatewise = False"),
+        ("core/ReplaceComparisonOperator_Gt_GtE", "if n > PAIRWISE_MAX:", "if n >= PAIRWISE_MAX:"),
         ("core/ReplaceBinaryOperator_BitAnd_Mul", "kept_w = ((rank >= trim) & (rank < n - trim)) * weights[:, None]",
          "kept_w = ((rank >= trim) * (rank < n - trim)) * weights[:, None]"),
         ("core/NumberReplacer",

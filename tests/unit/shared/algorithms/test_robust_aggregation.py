@@ -207,6 +207,17 @@ def test_krum_compares_a_group_copy_once():
     assert torch.equal(Krum({**UNBOUNDED, "f": 1}).aggregate(g, contribs).state["w"], t(1, 0))
 
 
+def test_multi_krum_weighs_a_group_copy_by_its_members_summed_weights():
+    # One copy (0) shared by two members of weight 1 and 2, and one device's own value 3 of
+    # weight 1; Multi-Krum keeping both candidates averages them as 3 : 1.
+    g = {"w": t(0)}
+    shared = {"w": t(0)}
+    contribs = contributions(Contribution(1, {}, shared), Contribution(2, {}, shared), Contribution(1, {"w": t(3)}))
+    out = MultiKrum({**UNBOUNDED, "f": 0, "m": 2}).aggregate(g, contribs)
+    assert out.state["w"].item() == pytest.approx(3 / 4)
+    assert shared["w"].item() == 0.0   # the copy itself is left as it was
+
+
 def test_integer_buffers_are_the_bounded_weighted_mean_rounded_under_every_rule():
     g = {"n": torch.tensor(0), "w": t(0)}
     contribs = contributions(*(Contribution(w, {"n": torch.tensor(v), "w": t(1)}) for v, w in ((10, 1), (10, 1), (70, 100))))
@@ -340,6 +351,9 @@ def test_trimmed_mean_of_an_even_count_keeps_the_middle_two():
     # count 5 of 4 candidates shrinks to (4 - 1) // 2 = 1 at each end: 2 and 3 stay, weights 1 and 3
     out = TrimmedMean({**UNBOUNDED, "count": 5}).aggregate({"w": t(0)}, scalars([1, 2, 3, 4], [1, 1, 3, 1]))
     assert out.state["w"].item() == pytest.approx((2 * 1 + 3 * 3) / 4)
+    # count 3 of 6 shrinks to 2 at each end: 3 and 4 stay
+    out = TrimmedMean({**UNBOUNDED, "count": 3}).aggregate({"w": t(0)}, scalars([1, 2, 3, 4, 5, 6], [1] * 6))
+    assert out.state["w"].item() == pytest.approx(3.5)
 
 
 @pytest.mark.parametrize("params, line", [
