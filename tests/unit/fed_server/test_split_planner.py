@@ -228,5 +228,8 @@ def test_a_censored_attempt_lowers_the_measured_rate_by_the_factor_its_link_leve
     assert factor == 1.0 and p.devices.measured_rate("d1") is None
     p.censor("d1", 0, 30.0)
     assert p.devices.measured_rate("d1") is None
+    p.table.record("d2", 0, 2.0, 1.0, 0.5)   # measured, but no rate of its own yet
+    p.censor("d2", 0, 2.8)
+    assert p.devices.measured_rate("d2") is None
     p.censor("d0", 0, 2.8)   # the cell read 2 s, 1 of them transfer: the link is 1.8x slower
     assert p.devices.measured_rate("d0") == pytest.approx(rate / 1.8, rel=1e-12)

@@ -462,10 +462,13 @@ def test_calibration_skips_infinite_and_negative_estimates():
 
 # --- edges the mutation tests found unguarded ----------------------------------------------------
 
-def test_a_device_profile_is_frozen():
+def test_a_device_profile_and_a_cost_view_are_frozen():
     profile = DeviceProfile(flops=1e9, rate=1e6)
     with pytest.raises(AttributeError):
         profile.flops = 1.0   # type: ignore[misc]
+    view = SplitCostView(client_param_bytes=1, activation_bytes=1, client_flops=1.0, server_flops=1.0)
+    with pytest.raises(AttributeError):
+        view.server_flops = 0.0   # type: ignore[misc]
 
 
 def test_a_round_of_zero_seconds_in_zero_parts_is_recorded():
@@ -515,6 +518,9 @@ def test_a_censored_candidate_reads_its_wait_where_nothing_else_prices_it():
 
 def test_the_warm_up_is_read_by_value_not_by_identity():
     # A warm-up name read from a file is an equal string, not the module's own object.
+    # Both devices are measured at candidate 0 only: out of the warm-up the rule would keep them there.
     warm_up = "".join(["every", "_split"])
     tt = ClientTimeTable(num_candidates=3, warm_up=warm_up)
+    tt.record("a", 0, 5.0)
+    tt.record("b", 0, 6.0)
     assert tt.choose(2, ["a", "b"]) == {"a": 1, "b": 1}
