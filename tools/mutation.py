@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     mutants: list[Mutant] = []
     chosen = args.module or list(MODULES)
     commit = tested_commit([*chosen, *(t for m in chosen for t in MODULES[m])])
+    out = args.out.resolve()   # the runs below change into the tree's copy
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         copy = Path(tmp)
         _copy_tree(copy)
@@ -347,13 +348,13 @@ def main(argv: list[str] | None = None) -> int:
             mutants += done
             rows.append(score_row(module, done))
             print("  " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "mutation.md").write_text(render(rows, mutants, args.seed, args.sample, commit), encoding="utf-8")
-    (args.out / "mutation.json").write_text(json.dumps(
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mutation.md").write_text(render(rows, mutants, args.seed, args.sample, commit), encoding="utf-8")
+    (out / "mutation.json").write_text(json.dumps(
         {"commit": commit, "seed": args.seed, "sample": args.sample, "table": rows,
          "mutants": [asdict(m) for m in mutants]}, indent=1) + "\n", encoding="utf-8")
     print(render(rows, mutants, args.seed, args.sample, commit))
-    print(f"written: {args.out / 'mutation.md'}, {args.out / 'mutation.json'}")
+    print(f"written: {out / 'mutation.md'}, {out / 'mutation.json'}")
     return 0
 
 
