@@ -103,12 +103,12 @@ def add_masks(words: Words, layout: BlockLayout, device: str, split_point: int, 
     partner's (``partners``: id -> (its public mask key, its split point)) on the blocks both hold.
     ``words`` (uint64, by entry) is changed in place and returned."""
     own = seed_key(seed)
-    pairs = {partner: (agree(mask_private, public, MASK_PURPOSE), pair_sign(device, partner), split)
+    pairs = {partner: (agree(mask_private, public, MASK_PURPOSE), pair_sign(device, partner), set(layout.held(split)))
              for partner, (public, split) in partners.items()}
     for block in layout.held(split_point):
         _apply(words, layout.stream(own, block), 1)
-        for key, sign, split in pairs.values():
-            if block in layout.held(split):
+        for key, sign, held in pairs.values():
+            if block in held:
                 _apply(words, layout.stream(key, block), sign)
     return words
 
