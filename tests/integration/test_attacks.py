@@ -20,10 +20,13 @@ ACCURACY_FLOOR = 0.5
 
 
 def _config(algorithm: str, **overrides):
+    # No test here judges the step deadline, and at 3 s a loaded 2-core machine can make an honest
+    # member miss it: a group's step 0 is timed from the group's forming, and the honest agent's
+    # three devices share its compute threads; the tests would read such a drop as the attack's cost.
     return small_config(algorithm=algorithm, rounds=ROUNDS, **{
         "data.num_devices": 4, "data.max_samples": 2000, "data.partition": "iid", "train.batch_size": 32,
         "devices.profiles": [], "grouping.group_size": 2,
-        "deadlines.round_s": ROUND_S, "deadlines.join_s": 3, "deadlines.step_s": 3,
+        "deadlines.round_s": ROUND_S, "deadlines.join_s": 3, "deadlines.step_s": 20,
         "deadlines.registration_s": 20, **overrides})
 
 
@@ -40,7 +43,7 @@ def _assert_not_stopped_nor_wrecked(result, records) -> None:
     assert result.complete, f"{result.rounds_completed} of {result.rounds_planned} rounds: {result.error}"
     honest = {"dev-000", "dev-001", "dev-002"}
     for record in records:
-        assert honest <= set(record["aggregated"]), record["dropped"]
+        assert honest <= set(record["aggregated"]), (record["round"], record["left"])
     assert result.accuracy >= ACCURACY_FLOOR
 
 
