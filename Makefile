@@ -57,14 +57,14 @@ test: setup typecheck
 scan: setup scan-setup
 	$(PY) -m pytest -n 0 -q tests/deploy/test_kubernetes.py -k policy_scan
 
-# Mutation testing of the core math, on demand and not part of `make check` (about 15 minutes on 2
-# cores): cosmic-ray's mutants of each module against its unit tests (tools/mutation.py,
-# docs/mutation-testing.md); the table lands in benchmarks/results/<date>_mutation/.
 # Every command the docs show, each in a quick form (tests/integration/test_documented_commands.py):
 # about 25 to 40 minutes on 2 cores, so on demand and not part of `make test`.
 docs-commands: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m docs_commands tests/integration/test_documented_commands.py
 
+# Mutation testing of the core math, on demand and not part of `make check` (about 15 minutes on 2
+# cores): cosmic-ray's mutants of each module against its unit tests (tools/mutation.py,
+# docs/mutation-testing.md); the table lands in benchmarks/results/<date>_mutation/.
 mutation: setup
 	$(PY) -c "import cosmic_ray" 2>/dev/null || $(PY) -m pip install --quiet -e ".[mutation]"
 	$(PY) tools/mutation.py $(ARGS)
