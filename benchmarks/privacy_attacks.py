@@ -182,7 +182,13 @@ def head_update_scores(global_bias: torch.Tensor, uploaded_bias: torch.Tensor) -
     """The head-update attack's evidence on one device (the Fed Server's): under cross-entropy the
     head's bias moves by ``-lr * sum(p - onehot(y))`` over the device's steps, so it rises most for
     the classes the device holds most of. The change itself is the score (centred by
-    :func:`distribution_scores`)."""
+    :func:`distribution_scores`).
+
+    Under secure aggregation the Fed Server stores a device's upload as masked fixed-point words
+    (int64) of its change: the attack reads them as it would the change, as signed integers (the
+    encoding's scale, common to every device, changes no ranking), and finds the masks' noise."""
+    if not uploaded_bias.is_floating_point():
+        return uploaded_bias.double()
     return uploaded_bias.double() - global_bias.double()
 
 
@@ -229,3 +235,61 @@ def train_inverse(front: nn.Module, auxiliary: torch.Tensor, epochs: int = 30, b
             optimiser.step()
     inverse.eval()
     return inverse
+
+
+def total_variation(images: torch.Tensor) -> torch.Tensor:
+    """The mean squared difference of neighbouring pixels (down and across), averaged over the
+    batch: small for smooth images, the prior UnSplit puts on what it rebuilds."""
+    down = (images[:, :, 1:, :] - images[:, :, :-1, :]).pow(2).mean(dim=(1, 2, 3))
+    across = (images[:, :, :, 1:] - images[:, :, :, :-1]).pow(2).mean(dim=(1, 2, 3))
+    return (down + across).mean()
+
+
+@dataclass(frozen=True)
+class UnSplitBudget:
+    """How long UnSplit optimises: ``rounds`` alternations of ``input_steps`` on the images and
+    ``model_steps`` on the clone (the paper's demonstration: 1,000 x (100 + 100) per image)."""
+
+    rounds: int = 20
+    input_steps: int = 50
+    model_steps: int = 50
+    tv_weight: float = 0.1    # the paper's lambda_TV
+    l2_weight: float = 1.0    # the paper's lambda_l2, on the unit-range pixels
+    lr: float = 1e-3          # Adam (AMSGrad) for both, as the paper
+
+
+def unsplit(clone: nn.Module, fx: torch.Tensor, image_shape: tuple[int, ...], low: float, high: float,
+            budget: UnSplitBudget = UnSplitBudget(), seed: int = 0) -> torch.Tensor:
+    """UnSplit's model inversion (Erdoğan, Küpçü and Çiçek, arXiv 2108.09033): a Main Server that
+    knows the front's architecture but neither its weights nor any data rebuilds the images of
+    the activations ``fx`` it received. ``clone``: the front's architecture with weights of the
+    attacker's own (random) initialisation. From grey images (0.5 in unit range) it alternates
+    steps on the images, against ``||clone(x) - fx||^2`` plus a total-variation and an L2 prior,
+    and steps on the clone's weights against the first term alone. The images, in unit range
+    ``[0, 1]`` (the model sees them mapped to the data's ``[low, high]``).
+
+    Deviations, for the benchmark's budget: the received images are rebuilt together (one clone,
+    one batch of images) rather than one after another, and for ``budget``'s steps rather than
+    the paper's 200,000 an image."""
+    torch.manual_seed(seed)
+    clone.train()
+    target = fx.detach()
+    unit = torch.full((len(target), *image_shape), 0.5, requires_grad=True)
+    images_opt = torch.optim.Adam([unit], lr=budget.lr, amsgrad=True)
+    clone_opt = torch.optim.Adam(clone.parameters(), lr=budget.lr, amsgrad=True)
+
+    def mismatch() -> torch.Tensor:
+        return nn.functional.mse_loss(clone(low + (high - low) * unit), target)
+
+    for _ in range(budget.rounds):
+        for _ in range(budget.input_steps):
+            loss = mismatch() + budget.tv_weight * total_variation(unit) + budget.l2_weight * unit.pow(2).mean()
+            images_opt.zero_grad()
+            loss.backward()
+            images_opt.step()
+        for _ in range(budget.model_steps):
+            loss = mismatch()
+            clone_opt.zero_grad()
+            loss.backward()
+            clone_opt.step()
+    return unit.detach().clamp(0.0, 1.0)

@@ -2,11 +2,16 @@
 succeed where the evidence says the label, and stay at chance where it says nothing."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from benchmarks import privacy_attacks as attacks
-from benchmarks.images import ssim
+from benchmarks.images import ssim, to_unit_range
+from shared.data import load_dataset
+from shared.data.spec import DataSpec
+from shared.models import build_model
+from shared.secagg.encoding import encode
 
 CLASSES = 10
 
@@ -97,6 +102,25 @@ def test_head_update_attack_reads_the_bias_change_and_not_noise() -> None:
     assert unrelated.accuracy < 0.25 and abs(unrelated.auc - 0.5) < 0.05
 
 
+def test_head_update_attack_reads_fixed_point_words_as_the_change_and_finds_only_noise_once_masked() -> None:
+    # Under secure aggregation the Fed Server stores int64 words of each device's change: unmasked
+    # they still give the class shares away (the attack is not blind to the encoding), masked
+    # they give nothing.
+    counts = _device_counts(200)
+    generator = _generator(8)
+    shares = counts.double() / counts.sum(dim=1, keepdim=True)
+    changes = [0.1 * (share - 0.1) + 0.002 * torch.randn(CLASSES, generator=generator) for share in shares]
+    words = [torch.from_numpy(encode(c.numpy(), bits=30, limit=1.0).view(np.int64)) for c in changes]
+    global_bias = torch.randn(CLASSES, generator=generator)
+    read = attacks.device_level(attacks.distribution_scores(
+        [attacks.head_update_scores(global_bias, w) for w in words]), counts)
+    assert read.accuracy == 1.0 and read.auc > 0.95
+    masked = [w + torch.randint(-2**62, 2**62, (CLASSES,), generator=generator) for w in words]
+    hidden = attacks.device_level(attacks.distribution_scores(
+        [attacks.head_update_scores(global_bias, w) for w in masked]), counts)
+    assert hidden.accuracy < 0.25 and abs(hidden.auc - 0.5) < 0.05
+
+
 def test_an_inverse_network_rebuilds_through_an_invertible_front_and_not_through_a_blind_one() -> None:
     generator = _generator(7)
     # Images with structure: a bright square at a random place on a dark ground.
@@ -115,3 +139,30 @@ def test_an_inverse_network_rebuilds_through_an_invertible_front_and_not_through
         with torch.no_grad():
             score = ssim(inverse(front(private)).clamp(0, 1), private).mean()
         assert (score > baseline + 0.3) == rebuilds, (score, baseline)
+
+
+def test_unsplit_rebuilds_through_a_front_it_only_knows_the_shape_of_and_not_through_a_blind_one() -> None:
+    # Four MNIST digits through the cnn's first block, whose weights UnSplit does not know (its
+    # clone starts from another seed), against a front that averages each channel over the whole
+    # image: UnSplit finds the digits through the first (SSIM 0.28 where the test set's mean image
+    # scores 0.08) and nothing through the second.
+    train, test = load_dataset(DataSpec(max_samples=200))
+    low, high = float(train.x.min()), float(train.x.max())
+    images = test.x[:4]
+    truth = to_unit_range(images, low, high)
+
+    def front(seed: int, blind: bool) -> torch.nn.Module:
+        first = build_model("cnn", 10, (1, 28, 28), seed=seed).portion(0, 1)
+        return torch.nn.Sequential(first, torch.nn.AdaptiveAvgPool2d(1)) if blind else first
+
+    budget = attacks.UnSplitBudget(rounds=8, input_steps=40, model_steps=40, lr=2e-3)
+    found = {}
+    for blind in (False, True):
+        with torch.no_grad():
+            fx = front(1, blind)(images)
+        rebuilt = attacks.unsplit(front(2, blind), fx, (1, 28, 28), low, high, budget, seed=3)
+        assert rebuilt.shape == truth.shape and 0.0 <= float(rebuilt.min()) <= float(rebuilt.max()) <= 1.0
+        found[blind] = float(ssim(rebuilt, truth).mean())
+    mean_image = float(ssim(to_unit_range(test.x[100:600].mean(dim=0, keepdim=True), low, high).expand_as(truth),
+                            truth).mean())
+    assert found[False] > mean_image + 0.1 and found[True] < mean_image, (found, mean_image)

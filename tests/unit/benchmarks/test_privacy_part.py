@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,8 @@ def test_every_setting_loads_as_a_run_and_the_recommended_one_keeps_labels_on_th
         assert config.seed == 2 and config.rounds == 3
         assert config.split.u_shaped == (setting != "plain")
     recommended = privacy.setting_config("recommended", 1, 1)
-    assert recommended.split_privacy.label_counts == "local_dp"
+    assert recommended.split_privacy.label_counts == "withheld" and recommended.grouping.method == "random"
+    assert recommended.secure_aggregation.enabled and recommended.aggregation.rule == "mean"
     assert set(recommended.split_privacy.defences) == {"floor", "noise", "label_noise"}
 
 
@@ -88,6 +90,30 @@ def test_the_table_averages_seeds_and_shows_each_attack_and_cut() -> None:
     plain_rec = [line for line in lines if line.startswith("| plain |")][-1]
     assert plain_rec == "| plain | 0.800 / 20.0 (0.100 / 12.0) | 0.600 / 20.0 (0.100 / 12.0) |"
     assert "plain at cut 1" in privacy.report(results)
+
+
+def test_unsplit_gets_a_table_of_its_own_and_the_reconstruction_goal_judges_the_better_attack() -> None:
+    results = _results(u_accuracy=0.895, u_bytes=140, recommended_auc=0.52, recommended_ssim=0.3)
+    assert not any("UnSplit" in line for line in privacy.table(results))   # a result written before it ran
+    assert privacy.goals(results) == []
+    for row in results["rows"]:
+        for cut, figures in row["reconstruction"].items():
+            # UnSplit beats the inverse network at the recommended setting's cut 2 only
+            figures.update(unsplit_ssim=0.72 if row["setting"] == "recommended" else 0.2, unsplit_psnr=15.0)
+        if row["setting"] == "plain" and row["seed"] == 1:
+            del row["reconstruction"]["2"]["unsplit_ssim"]   # a cut UnSplit did not run at: left out of the mean
+    lines = privacy.table(results)
+    start = lines.index("UnSplit, the Main Server without the front's weights or any data (SSIM / PSNR dB):")
+    assert "| plain | 0.200 / 15.0 | 0.200 / 15.0 |" in lines[start:]
+    assert "| recommended | n/a | 0.720 / 15.0 |" in lines[start:]
+    assert privacy.summary(results)["plain"]["reconstruction"]["2"]["unsplit_ssim"] == pytest.approx(0.2)
+    results["settings"].update(unsplit_samples=32, unsplit_budget=asdict(privacy.unsplit_budget(20)))
+    assert "UnSplit on 32 images a cut, 20 alternations of 50 steps on the images and 50 on its clone" in \
+        privacy.report(results)
+    # 0.72 at the recommended cut 2 against plain cut 1's better attack (the inverse network's 0.8)
+    assert privacy.goals(results) == [
+        "recommended, reconstruction SSIM at its shallowest cut (2): 0.90x plain split 1's, the better attack's at "
+        "each (goal at most 0.5x)"]
 
 
 def test_the_picture_is_a_png_of_the_tiles(tmp_path: Path) -> None:
