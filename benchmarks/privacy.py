@@ -254,7 +254,7 @@ def attack_records(records: Path, config: RunConfig, epochs: int = EPOCHS,
         clone = build_model(config.model, classes, dataset_input_shape(config.data), seed=config.seed + ATTACKER_SEED,
                             params=config.model_params).portion(0, cut)
         guessed = attacks.unsplit(clone, fx[:UNSPLIT_SAMPLES], tuple(truth.shape[1:]), low, high,
-                                  attacks.UnSplitBudget(rounds=unsplit_rounds), seed=config.seed)
+                                  unsplit_budget(unsplit_rounds), seed=config.seed)
         few = truth[:UNSPLIT_SAMPLES]
         reconstruction[str(cut)] = {
             "round": latest.round_index, "samples": len(truth),
