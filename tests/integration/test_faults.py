@@ -149,7 +149,7 @@ def test_a_fedavg_run_killed_mid_round_and_resumed_records_the_rounds_of_the_run
     assert ok[-1]["round_id"] > 3, "the resumed run's attempt ids skip the one open at the kill"
     assert [m["round_id"] for m in never_killed] == [1, 2, 3]
     for a, b in zip(never_killed, ok, strict=True):
-        assert a["selected"] == b["selected"] and a["aggregated"] == b["aggregated"]
+        assert a["selected"] == b["selected"] and a["aggregated"] == b["aggregated"], (a["round"], a["left"], b["left"])
         # The same batches from the same weights, summed in device order: the same figures (a
         # tolerance only for float rounding).
         assert b["test_loss"] == pytest.approx(a["test_loss"], rel=1e-6), (a["round"], a["test_loss"], b["test_loss"])
