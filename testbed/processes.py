@@ -6,6 +6,7 @@ interpreter (``warm``: :mod:`testbed.warm_start` says what that changes).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -29,11 +30,50 @@ from testbed.warm_start import WarmProcess, WarmStarter
 ERROR_LINE = re.compile(r"\S+ \S+ \S+ (ERROR|CRITICAL) ")
 
 
+#: The ports this process has handed out: never handed out twice, and reserved for other processes
+#: (:func:`free_port`) until this one exits.
+_handed_out: set[int] = set()
+_reservations: int | None = None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port (the OS picks it) that no other process using this function has been handed.
+
+    Between the OS naming a free port and a service binding it (seconds: the service imports torch
+    first), another process asking the OS the same way can be handed the same port; two test
+    workers starting testbeds at once were, and one testbed's agents reached the other's Fed
+    Server. So each port handed out is also reserved: a lock on its byte of a lock file that every
+    process on this machine using this function shares, held until this process exits (the OS
+    drops it then, even after SIGKILL). A reservation outlives the service (a service restarted
+    on its port finds it still free) and is not given back: a process hands out a few ports per
+    testbed, and the OS has tens of thousands."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+        if port not in _handed_out and _reserve(port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port on {host}: 1,000 the OS offered were all reserved by testbeds")
+
+
+def _reserve(port: int) -> bool:
+    """Lock ``port``'s byte of the shared lock file for this process; False if another holds it.
+
+    Where the lock file cannot be opened (another user's, say) the port is handed out unreserved,
+    as the OS named it."""
+    global _reservations
+    if _reservations is None:
+        path = Path(tempfile.gettempdir()) / f"sfl-ports-{os.getuid()}.lock"
+        try:
+            _reservations = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return True
+    try:
+        fcntl.lockf(_reservations, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port, os.SEEK_SET)
+    except OSError:
+        return False
+    return True
 
 
 def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -162,11 +162,7 @@ class Testbed:
         scheme = "https" if self.tls else "http"
         self.host = host
         self.fed_port = free_port(host)
-        ports = [self.fed_port]
-        while len(ports) < 1 + self.main_servers:   # the OS may hand out the same free port twice
-            port = free_port(host)
-            if port not in ports:
-                ports.append(port)
+        ports = [self.fed_port, *(free_port(host) for _ in range(self.main_servers))]
         self.fed_url = f"{scheme}://{host}:{self.fed_port}"
         self.main_urls = [f"{scheme}://{host}:{port}" for port in ports[1:]]
         # The first replica (the only one by default); None without a Main Server.

@@ -86,10 +86,7 @@ def server_pair(config: RunConfig, prefix: str, *, fed_args: Sequence[str] = (),
     """
     root = Path(tempfile.mkdtemp(prefix=f"sfl-{prefix}-"))
     (root / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    fed_port = free_port()
-    main_port = free_port()
-    while main_port == fed_port:  # the OS may hand out the same free port twice
-        main_port = free_port()
+    fed_port, main_port = free_port(), free_port()
     fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
     group = ProcessGroup(root / "logs", shared_starter())
     try:

@@ -34,8 +34,6 @@ def test_an_agent_started_before_its_fed_server_says_once_that_it_waits_then_tra
     root = Path(tempfile.mkdtemp(prefix="sfl-agent-start-up-"))
     (root / "config.yaml").write_text(yaml.safe_dump(CONFIG.model_dump(mode="json")))
     fed_port, main_port = free_port(), free_port()
-    while main_port == fed_port:  # the OS may hand out the same free port twice
-        main_port = free_port()
     fed_url, main_url = f"http://127.0.0.1:{fed_port}", f"http://127.0.0.1:{main_port}"
     group = ProcessGroup(root / "logs", shared_starter())
     try:

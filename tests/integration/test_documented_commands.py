@@ -527,11 +527,7 @@ def _start_services(commands: list[str], group: ProcessGroup, fed_args: list[str
 
 
 def _ports() -> dict[str, int]:
-    fed = free_port()
-    main = free_port()
-    while main == fed:
-        main = free_port()
-    return {"8080": fed, "8081": main}
+    return {"8080": free_port(), "8081": free_port()}
 
 
 @slow
