@@ -58,7 +58,7 @@ scan: setup scan-setup
 	$(PY) -m pytest -n 0 -q tests/deploy/test_kubernetes.py -k policy_scan
 
 # Every command the docs show, each in a quick form (tests/integration/test_documented_commands.py):
-# about 25 to 40 minutes on 2 cores, so on demand and not part of `make test`.
+# about 11 minutes on 2 cores, so not part of `make test`; `make check` (CI) runs it after the suite.
 docs-commands: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m docs_commands tests/integration/test_documented_commands.py
 
@@ -81,7 +81,7 @@ kube-check: setup
 	$(PY) docker/podman/kube_check.py
 
 # scan-setup first, so that the suite's policy scan runs instead of being skipped.
-check: scan-setup test compose-check kube-check
+check: scan-setup test docs-commands compose-check kube-check
 
 clean:
 	rm -rf $(VENV) $(SCAN_VENV) runs .pytest_cache

@@ -42,9 +42,9 @@ from integration_support import final_status, read_metrics
 from testbed.processes import ProcessGroup, free_port, wait_healthy
 from testbed.warm_start import shared_starter
 
-#: The tests that run documented commands take 25 to 40 minutes in all: `make docs-commands` runs
-#: them, `make test` leaves them out; the checks that every command has a quick form or a reason
-#: to be left out take a second and run in `make test`.
+#: The tests that run documented commands take about 11 minutes in all: `make docs-commands` runs
+#: them (and `make check`, CI, after the suite), `make test` leaves them out; the checks that every
+#: command has a quick form or a reason to be left out take a second and run in `make test`.
 slow = pytest.mark.docs_commands
 
 ROOT = Path(__file__).resolve().parents[2]
