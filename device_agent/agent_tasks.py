@@ -161,7 +161,7 @@ class AgentTasks:
         received_at = time.monotonic()
         with self._lock:
             self._opened = True
-            tasks = [(self._idle.pop(t.device_id), t) for t in answer.tasks if t.device_id in self._idle]
+            tasks = [(device, t) for t in answer.tasks if (device := self._claim(t.device_id)) is not None]
             unknown = [self._idle.pop(i) for i in answer.unknown if i in self._idle]
             refused = [(self._idle.pop(i), why) for i, why in answer.refused.items() if i in self._idle]
             if forgotten:
@@ -177,6 +177,18 @@ class AgentTasks:
             self.register(device)
         for device, why in refused:
             self.end(device, RuntimeError(f"the Fed Server refused the device's token: {why}"))
+
+    def _claim(self, device_id: str) -> Device | None:
+        """The device an answer's task is for, taken out of the idle set, or out of the devices
+        waiting to be added (under the lock); None for one that is neither (it runs a task).
+
+        The server hands each task once, to whichever request it holds, so a task for a waiting
+        device must run: when one request's answer says the session is new (the server restarted)
+        the idle devices are queued to be added again, yet the other request, held in the session
+        that answer opened, can already carry a task for one of them; dropped, that device would
+        be given nothing until the attempt's deadline."""
+        device = self._idle.pop(device_id, None)
+        return device if device is not None else self._to_add.waiting.pop(device_id, None)
 
     def _thread(self, device: Device, target: Callable[..., None], *args: object) -> None:
         threading.Thread(target=target, args=args, name=device.device_id, daemon=True).start()

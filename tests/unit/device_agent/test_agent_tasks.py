@@ -154,6 +154,25 @@ def test_a_session_the_server_forgot_gets_its_idle_devices_again():
     assert devices[0].handled == ["train"]
 
 
+def test_a_task_for_a_device_queued_to_be_added_again_runs_and_takes_it_off_the_queue():
+    # One request's answer says the session is new (the Fed Server restarted): the idle devices
+    # are queued to be added again. The other request, held in the session the first one opened,
+    # brings d0's task before the adder sent d0: the server hands each task once, so it must run.
+    server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
+    session = AgentTasks(server, devices, threading.Event(), lambda device, exc: None,   # type: ignore[arg-type]
+                         wait_s=0.2)   # not started: the adder sends nothing, the queue stays
+    with session._lock:
+        session._idle_now(devices)   # type: ignore[arg-type]
+    session._take(AgentTaskResponse(new_session=True), forgotten=True)
+    assert sorted(session._to_add.waiting) == ["d0", "d1"] and session._idle == {}
+    session._take(AgentTaskResponse(tasks=[_task("d0")]), forgotten=False)
+    deadline = time.monotonic() + WAIT
+    while devices[0].handled != ["train"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert devices[0].handled == ["train"] and devices[1].handled == []
+    assert sorted(session._to_add.waiting) == ["d0", "d1"]   # d0 queued again once its task ran, d1 still
+
+
 def test_a_device_the_server_does_not_know_registers_again_and_a_refused_one_stops():
     server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1"), FakeDevice("d2")]
     server.on_add = lambda req: AgentTaskResponse(
