@@ -19,8 +19,10 @@ beside the true inputs and labels, and the attacks of benchmarks/privacy_attacks
 Per setting and seed: the final accuracy against plain S2FL's of the same seed in the same
 invocation, the run's wire bytes and mean round time, and each attack's success; the goals of the
 privacy work printed beside them (:func:`goals`). A PNG grid shows originals and reconstructions.
+The population rows run plain and the recommended setting once more at :data:`POPULATION` devices,
+:data:`DEVICES` a round, in tables of their own (no goal is set there).
 
-``python -m benchmarks.privacy [--settings ...] [--seeds N] [--rounds N] [--quick]`` prints the
+``python -m benchmarks.privacy [--settings ...] [--seeds N] [--rounds N] [--population N] [--quick]`` prints the
 table and writes ``benchmarks/results/<UTC date>_privacy/results.json``, ``results.md`` and
 ``reconstructions.png``; ``python -m benchmarks.run --only k`` runs the same part.
 """
@@ -80,6 +82,12 @@ QUICK_SETTINGS = ("plain", "u_shaped", "recommended")
 
 DEVICES = 10
 ROUNDS = 10
+#: The population rows (``--population``): plain and the recommended setting at this many devices,
+#: :data:`DEVICES` of them a round, the first seed only; the embedded MNIST's 4,000 training images
+#: (all of them) shared out, 40 a device.
+POPULATION = 100
+POPULATION_SETTINGS = (BASELINE, "recommended")
+TRAIN_IMAGES = 4000
 #: Quick: the warm-up's rounds at cuts 1 and 2 (plain S2FL reaches cut 3 in its third round).
 QUICK_ROUNDS = 2
 SEEDS = 3
@@ -112,15 +120,19 @@ GOAL_SSIM_FRACTION = 0.5        # its reconstruction SSIM at most this fraction 
 GOAL_RECOMMENDED_POINTS = 2.0   # and at most this many points of accuracy lost
 
 
-def base_config(seed: int, rounds: int) -> dict:
+def base_config(seed: int, rounds: int, devices: int = DEVICES) -> dict:
     """The benchmark's run: the small cnn on 2,000 images of the embedded MNIST over 10 devices of
     one agent (no emulated kinds), every device in every round; the sliding split's warm-up
     (``split.warm_up: every_split``) puts every device at each cut in turn, so each cut is
-    recorded."""
+    recorded. With more ``devices`` (the population rows), :data:`DEVICES` of them a round over
+    all the training images."""
+    population = devices > DEVICES
     return {
         "algorithm": "s2fl",
         "rounds": rounds,
-        "data": {"num_devices": DEVICES, "partition": "dirichlet", "alpha": 1.0, "seed": seed, "max_samples": 2000},
+        "devices_per_round": DEVICES if population else None,
+        "data": {"num_devices": devices, "partition": "dirichlet", "alpha": 1.0, "seed": seed,
+                 "max_samples": TRAIN_IMAGES if population else 2000},
         "train": {"lr": 0.05, "batch_size": 32},
         "deadlines": {"round_s": ROUND_S, "join_s": 20.0, "step_s": 20.0, "registration_s": 60.0},
         "devices": {"profiles": []},
@@ -128,12 +140,12 @@ def base_config(seed: int, rounds: int) -> dict:
     }
 
 
-def setting_config(setting: str, seed: int, rounds: int) -> RunConfig:
-    """The run of ``setting`` with ``seed``."""
+def setting_config(setting: str, seed: int, rounds: int, devices: int = DEVICES) -> RunConfig:
+    """The run of ``setting`` with ``seed`` over ``devices``."""
     from shared.config import set_dotted
     from shared.run_config import load_run_config
 
-    data = base_config(seed, rounds)
+    data = base_config(seed, rounds, devices)
     for key, value in SETTINGS[setting].items():
         set_dotted(data, key, json.loads(json.dumps(value)))
     return load_run_config(data)
@@ -142,14 +154,15 @@ def setting_config(setting: str, seed: int, rounds: int) -> RunConfig:
 # --- one run and its attacks ------------------------------------------------------------------
 
 def run_setting(setting: str, seed: int, rounds: int, root: Path, warm: WarmStarter | None = None,
-                time_limit_s: float | None = None,
-                epochs: int = EPOCHS, unsplit_rounds: int = UNSPLIT_ROUNDS) -> dict:
-    """One testbed run of ``setting`` with both servers recording, then every attack on what they
-    recorded: the row's figures."""
+                time_limit_s: float | None = None, epochs: int = EPOCHS, unsplit_rounds: int = UNSPLIT_ROUNDS,
+                devices: int = DEVICES) -> dict:
+    """One testbed run of ``setting`` over ``devices`` with both servers recording, then every
+    attack on what they recorded: the row's figures."""
     from testbed.runner import Testbed
 
-    config = setting_config(setting, seed, rounds)
-    run_dir, records = root / f"{setting}-{seed}" / "run", root / f"{setting}-{seed}" / "records"
+    config = setting_config(setting, seed, rounds, devices)
+    folder = root / (f"{setting}-{seed}" + (f"-{devices}-devices" if devices != DEVICES else ""))
+    run_dir, records = folder / "run", folder / "records"
     started = time.monotonic()
     with Testbed(config, run_dir, log_level="WARNING", warm=warm,
                  server_args=["--record-received", str(records), "--record-steps", str(RECORD_STEPS)]) as testbed:
@@ -157,7 +170,8 @@ def run_setting(setting: str, seed: int, rounds: int, root: Path, warm: WarmStar
     wall = time.monotonic() - started
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ok = [m for m in metrics if m["status"] == "ok"]
-    row = {"setting": setting, "seed": seed, "state": status["state"], "rounds_completed": len({m["round"] for m in ok}),
+    row = {"setting": setting, "seed": seed, "devices": devices, "state": status["state"],
+           "rounds_completed": len({m["round"] for m in ok}),
            "rounds_planned": rounds, "wall_s": round(wall, 2),
            "accuracy": status["summary"]["final_accuracy"],
            "bytes": sum(m["bytes_total"] for m in metrics),
@@ -275,25 +289,26 @@ def _pixels(images: torch.Tensor) -> list:
 
 @dataclass(frozen=True)
 class Selection:
-    """What to run: settings, seeds, rounds."""
+    """What to run: settings, seeds, rounds, and the population rows' devices."""
 
     settings: tuple[str, ...] = tuple(SETTINGS)
     seeds: int = SEEDS
     rounds: int = ROUNDS
     epochs: int = EPOCHS
     unsplit_rounds: int = UNSPLIT_ROUNDS
+    population: int = POPULATION   # devices of the population rows; 0: none
 
     @classmethod
     def quick(cls) -> "Selection":
         """``--quick``: plain, U-shaped and the recommended setting, one seed, 2 rounds (cuts 1 and
-        2), a shorter-trained inverse network and a shorter UnSplit."""
+        2), a shorter-trained inverse network and a shorter UnSplit, no population rows."""
         return cls(settings=QUICK_SETTINGS, seeds=1, rounds=QUICK_ROUNDS, epochs=QUICK_EPOCHS,
-                   unsplit_rounds=QUICK_UNSPLIT_ROUNDS)
+                   unsplit_rounds=QUICK_UNSPLIT_ROUNDS, population=0)
 
 
 def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: float | None = None) -> dict:
-    """Every selected setting under every seed (plain S2FL first, the baseline of each seed's rows);
-    the figures and the goals, as a dict (see :func:`report`)."""
+    """Every selected setting under every seed (plain S2FL first, the baseline of each seed's rows),
+    then the population rows; the figures and the goals, as a dict (see :func:`report`)."""
     from shared.machine import describe_machine
     from testbed.warm_start import WarmStarter
 
@@ -303,31 +318,33 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
         "inverse_epochs": selection.epochs, "unsplit_samples": UNSPLIT_SAMPLES,
         "unsplit_budget": asdict(unsplit_budget(selection.unsplit_rounds)),
         "auxiliary": AUXILIARY, "model": "cnn", "data": "2,000 images of the embedded MNIST, Dirichlet 1.0",
-        "recommended": RECOMMENDED, "overrides": {s: SETTINGS[s] for s in settings}},
+        "recommended": RECOMMENDED, "overrides": {s: SETTINGS[s] for s in settings},
+        "population": selection.population, "population_data": f"all {TRAIN_IMAGES:,} training images"},
         "goals": {"u_shaped_points": GOAL_U_SHAPED_POINTS, "u_shaped_bytes": GOAL_U_SHAPED_BYTES,
                   "label_auc": GOAL_LABEL_AUC, "label_points": GOAL_LABEL_POINTS,
                   "ssim_fraction": GOAL_SSIM_FRACTION, "recommended_points": GOAL_RECOMMENDED_POINTS},
-        "rows": [], "tiles": []}
+        "rows": [], "population_rows": [], "tiles": []}
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-j-"))
     warm = WarmStarter()
     started = time.perf_counter()
+    runs = [(seed, setting, DEVICES) for seed in range(1, selection.seeds + 1) for setting in settings]
+    runs += [(1, setting, selection.population) for setting in POPULATION_SETTINGS if selection.population]
     try:
-        for seed in range(1, selection.seeds + 1):
-            baseline: dict | None = None
-            for setting in settings:
-                row = run_setting(setting, seed, selection.rounds, root, warm, time_limit_s, selection.epochs,
-                                  selection.unsplit_rounds)
-                tiles = row.pop("tiles")
-                if seed == 1:   # the picture's: one seed's
-                    results["tiles"] += [{"setting": setting, "cut": cut, "originals": originals,
-                                          "reconstructions": rebuilt} for cut, (originals, rebuilt) in tiles.items()]
-                if setting == BASELINE:
-                    baseline = row
-                assert baseline is not None
-                row["points_vs_plain"] = 100 * (row["accuracy"] - baseline["accuracy"])
-                row["bytes_vs_plain"] = row["bytes"] / baseline["bytes"]
-                results["rows"].append(row)
-                log(f"  {setting} seed {seed}: {_line(row)}")
+        baseline: dict | None = None
+        for seed, setting, devices in runs:
+            row = run_setting(setting, seed, selection.rounds, root, warm, time_limit_s, selection.epochs,
+                              selection.unsplit_rounds, devices)
+            tiles = row.pop("tiles")
+            if seed == 1 and devices == DEVICES:   # the picture's: one seed's
+                results["tiles"] += [{"setting": setting, "cut": cut, "originals": originals,
+                                      "reconstructions": rebuilt} for cut, (originals, rebuilt) in tiles.items()]
+            if setting == BASELINE:   # each seed's and the population's runs begin with plain
+                baseline = row
+            assert baseline is not None
+            row["points_vs_plain"] = 100 * (row["accuracy"] - baseline["accuracy"])
+            row["bytes_vs_plain"] = row["bytes"] / baseline["bytes"]
+            results["rows" if devices == DEVICES else "population_rows"].append(row)
+            log(f"  {setting} seed {seed}" + (f" at {devices} devices" if devices != DEVICES else "") + f": {_line(row)}")
     finally:
         warm.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -477,6 +494,18 @@ def table(results: dict) -> list[str]:
     return out
 
 
+def population_table(results: dict) -> list[str]:
+    """The population rows' tables (as :func:`table`'s) under a line saying what they ran, then an
+    empty line; nothing for a result without them."""
+    rows = results.get("population_rows")
+    if not rows:
+        return []
+    st = results["settings"]
+    return [f"Population: {rows[0]['devices']} devices, {st['devices']} a round, seed 1, "
+            f"{st.get('population_data', 'the training images')} shared out (Dirichlet 1.0); plain and the recommended "
+            "setting only, vs plain at the same population:", "", *table({"rows": rows}), ""]
+
+
 def report(results: dict) -> str:
     """The part as Markdown: the machine, the runs, the table, the goals and which were missed."""
     m, st = results["machine"], results["settings"]
@@ -495,7 +524,7 @@ def report(results: dict) -> str:
            "accuracy / AUC, with the chance accuracy (the most frequent class's share); labels, norm, direction "
            "and similarity per sample, head_update and label_counts per device (its most frequent class).",
            "",
-           *table(results), "",
+           *table(results), "", *population_table(results),
            f"Goals: U-shaped within {GOAL_U_SHAPED_POINTS:g} point of plain's accuracy at no more than "
            f"{GOAL_U_SHAPED_BYTES:g}x its bytes; the recommended setting: best label attack at most chance + "
            f"{GOAL_LABEL_POINTS:g} points and AUC <= {GOAL_LABEL_AUC:g}, reconstruction SSIM at its shallowest cut "
@@ -535,8 +564,12 @@ def parse(argv: list[str] | None = None) -> tuple[Selection, argparse.Namespace]
                         help=f"settings to run, of {','.join(SETTINGS)} (default: all; plain always runs, the baseline)")
     parser.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per setting, 1..N (default {SEEDS})")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per run (default {ROUNDS})")
+    parser.add_argument("--population", type=int, default=POPULATION,
+                        help=f"devices of the population rows: {' and '.join(POPULATION_SETTINGS)} with seed 1 at this "
+                             f"many devices, {DEVICES} a round; 0 for none (default {POPULATION})")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{','.join(QUICK_SETTINGS)}, one seed, {QUICK_ROUNDS} rounds (a few minutes)")
+                        help=f"{','.join(QUICK_SETTINGS)}, one seed, {QUICK_ROUNDS} rounds, no population rows "
+                             "(a few minutes)")
     add_name_option(parser, None, "privacy, privacy_quick with --quick")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown and the PNG go beside it "
@@ -551,7 +584,9 @@ def parse(argv: list[str] | None = None) -> tuple[Selection, argparse.Namespace]
                      + (f"; unknown: {','.join(unknown)}" if unknown else ""))
     if args.seeds < 1 or args.rounds < 1:
         parser.error("--seeds and --rounds must be at least 1")
-    return Selection(names, args.seeds, args.rounds), args
+    if args.population != 0 and args.population <= DEVICES:
+        parser.error(f"--population must be 0 (none) or more than the {DEVICES} devices of a round")
+    return Selection(names, args.seeds, args.rounds, population=args.population), args
 
 
 def save(results: dict, out: Path) -> tuple[Path, Path]:

@@ -58,6 +58,31 @@ def test_every_setting_loads_as_a_run_and_the_recommended_one_keeps_labels_on_th
     assert set(recommended.split_privacy.defences) == {"floor", "noise", "label_noise"}
 
 
+def test_the_population_rows_run_ten_devices_a_round_of_a_hundred_over_every_training_image() -> None:
+    config = privacy.setting_config("recommended", seed=1, rounds=2, devices=100)
+    assert (config.data.num_devices, config.per_round, config.data.max_samples) == (100, 10, 4000)
+    assert config.secure_aggregation.enabled and config.split_privacy.label_counts == "withheld"
+    default = privacy.setting_config("plain", seed=1, rounds=2)
+    assert (default.data.num_devices, default.per_round, default.data.max_samples) == (10, 10, 2000)
+
+
+def test_the_population_rows_get_tables_of_their_own_and_no_goal() -> None:
+    results = _results(u_accuracy=0.895, u_bytes=140, recommended_auc=0.52, recommended_ssim=0.3)
+    assert privacy.population_table(results) == []
+    plain = _row("plain", 1, 0.70, 100, {"labels": _attack(1.0, 1.0)}, {"1": _rec(0.8)})
+    recommended = _row("recommended", 1, 0.60, 90, {"similarity": _attack(0.3, 0.7)}, {"2": _rec(0.5)})
+    for row in (plain, recommended):
+        row.update(devices=100, points_vs_plain=100 * (row["accuracy"] - 0.70), bytes_vs_plain=row["bytes"] / 100)
+    results["population_rows"] = [plain, recommended]
+    results["settings"]["population_data"] = "all 4,000 training images"
+    lines = privacy.population_table(results)
+    assert lines[0].startswith("Population: 100 devices, 10 a round, seed 1, all 4,000 training images")
+    assert any(line.startswith("| recommended | 60.0 | -10.0 |") for line in lines)
+    assert "\n".join(lines) in privacy.report(results)
+    # The goals judge the 10-device rows alone: the population's 10 points lost and AUC 0.7 miss none.
+    assert privacy.goals(results) == []
+
+
 def test_goals_met_when_the_figures_are_within_them() -> None:
     results = _results(u_accuracy=0.895, u_bytes=140, recommended_auc=0.52, recommended_ssim=0.3)
     assert privacy.goals(results) == []
@@ -133,7 +158,9 @@ def test_the_command_line(capsys) -> None:
     selection, args = privacy.parse(["--settings", "noise,floor", "--seeds", "2", "--name", "x"])
     assert (selection.settings, selection.seeds, args.name) == (("noise", "floor"), 2, "x")
     assert privacy.parse([])[0].seeds == 3
-    for bad in (["--settings", "nope"], ["--seeds", "0"], ["--name", "Bad Name"]):
+    assert privacy.parse([])[0].population == 100 and privacy.Selection.quick().population == 0
+    assert privacy.parse(["--population", "0"])[0].population == 0
+    for bad in (["--settings", "nope"], ["--seeds", "0"], ["--name", "Bad Name"], ["--population", "5"]):
         with pytest.raises(SystemExit):
             privacy.parse(bad)
     assert "nope" in capsys.readouterr().err
