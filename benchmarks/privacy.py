@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -82,9 +83,12 @@ QUICK_SETTINGS = ("plain", "u_shaped", "recommended")
 
 DEVICES = 10
 ROUNDS = 10
+#: The images the 10-device runs share out.
+SAMPLES = 2000
 #: The population rows (``--population``): plain and the recommended setting at this many devices,
 #: :data:`DEVICES` of them a round, the first seed only; the embedded MNIST's 4,000 training images
-#: (all of them) shared out, 40 a device.
+#: (all of them) shared out, 40 a device, for as many rounds as train the images the 10-device runs
+#: train (:func:`population_rounds`).
 POPULATION = 100
 POPULATION_SETTINGS = (BASELINE, "recommended")
 TRAIN_IMAGES = 4000
@@ -132,12 +136,20 @@ def base_config(seed: int, rounds: int, devices: int = DEVICES) -> dict:
         "rounds": rounds,
         "devices_per_round": DEVICES if population else None,
         "data": {"num_devices": devices, "partition": "dirichlet", "alpha": 1.0, "seed": seed,
-                 "max_samples": TRAIN_IMAGES if population else 2000},
+                 "max_samples": TRAIN_IMAGES if population else SAMPLES},
         "train": {"lr": 0.05, "batch_size": 32},
         "deadlines": {"round_s": ROUND_S, "join_s": 20.0, "step_s": 20.0, "registration_s": 60.0},
         "devices": {"profiles": []},
         "seed": seed,
     }
+
+
+def population_rounds(rounds: int, population: int) -> int:
+    """Rounds of the population rows: as many images trained as ``rounds`` of the 10-device runs,
+    whose round trains all :data:`SAMPLES` images, where a population round trains its
+    :data:`DEVICES` devices' share of :data:`TRAIN_IMAGES` (50 rounds for 10 at 100 devices; 10
+    would train each image about once, too little to compare accuracies: docs/split-privacy.md)."""
+    return math.ceil(rounds * SAMPLES * population / (DEVICES * TRAIN_IMAGES))
 
 
 def setting_config(setting: str, seed: int, rounds: int, devices: int = DEVICES) -> RunConfig:
@@ -327,12 +339,13 @@ def run(selection: Selection, log: Callable[[str], None] = print, time_limit_s: 
     root = Path(tempfile.mkdtemp(prefix="sfl-bench-j-"))
     warm = WarmStarter()
     started = time.perf_counter()
-    runs = [(seed, setting, DEVICES) for seed in range(1, selection.seeds + 1) for setting in settings]
-    runs += [(1, setting, selection.population) for setting in POPULATION_SETTINGS if selection.population]
+    runs = [(seed, setting, DEVICES, selection.rounds) for seed in range(1, selection.seeds + 1) for setting in settings]
+    runs += [(1, setting, selection.population, population_rounds(selection.rounds, selection.population))
+             for setting in POPULATION_SETTINGS if selection.population]
     try:
         baseline: dict | None = None
-        for seed, setting, devices in runs:
-            row = run_setting(setting, seed, selection.rounds, root, warm, time_limit_s, selection.epochs,
+        for seed, setting, devices, rounds in runs:
+            row = run_setting(setting, seed, rounds, root, warm, time_limit_s, selection.epochs,
                               selection.unsplit_rounds, devices)
             tiles = row.pop("tiles")
             if seed == 1 and devices == DEVICES:   # the picture's: one seed's
@@ -501,7 +514,7 @@ def population_table(results: dict) -> list[str]:
     if not rows:
         return []
     st = results["settings"]
-    return [f"Population: {rows[0]['devices']} devices, {st['devices']} a round, seed 1, "
+    return [f"Population: {rows[0]['devices']} devices, {st['devices']} a round, {rows[0]['rounds_planned']} rounds, seed 1, "
             f"{st.get('population_data', 'the training images')} shared out (Dirichlet 1.0); plain and the recommended "
             "setting only, vs plain at the same population:", "", *table({"rows": rows}), ""]
 

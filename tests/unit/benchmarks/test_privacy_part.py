@@ -64,6 +64,8 @@ def test_the_population_rows_run_ten_devices_a_round_of_a_hundred_over_every_tra
     assert config.secure_aggregation.enabled and config.split_privacy.label_counts == "withheld"
     default = privacy.setting_config("plain", seed=1, rounds=2)
     assert (default.data.num_devices, default.per_round, default.data.max_samples) == (10, 10, 2000)
+    # As many images trained as the 10-device runs: 10 devices of 40 images a round against 2,000.
+    assert privacy.population_rounds(10, 100) == 50 and privacy.population_rounds(2, 100) == 10
 
 
 def test_the_population_rows_get_tables_of_their_own_and_no_goal() -> None:
@@ -76,7 +78,7 @@ def test_the_population_rows_get_tables_of_their_own_and_no_goal() -> None:
     results["population_rows"] = [plain, recommended]
     results["settings"]["population_data"] = "all 4,000 training images"
     lines = privacy.population_table(results)
-    assert lines[0].startswith("Population: 100 devices, 10 a round, seed 1, all 4,000 training images")
+    assert lines[0].startswith("Population: 100 devices, 10 a round, 2 rounds, seed 1, all 4,000 training images")
     assert any(line.startswith("| recommended | 60.0 | -10.0 |") for line in lines)
     assert "\n".join(lines) in privacy.report(results)
     # The goals judge the 10-device rows alone: the population's 10 points lost and AUC 0.7 miss none.
