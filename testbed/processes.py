@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,26 +35,28 @@ ERROR_LINE = re.compile(r"\S+ \S+ \S+ (ERROR|CRITICAL) ")
 #: (:func:`free_port`) until this one exits.
 _handed_out: set[int] = set()
 _reservations: int | None = None
+_handing_out = threading.Lock()   # one thread at a time checks and adds
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A free port (the OS picks it) that no other process using this function has been handed.
 
     Between the OS naming a free port and a service binding it (seconds: the service imports torch
-    first), another process asking the OS the same way can be handed the same port; two test
-    workers starting testbeds at once were, and one testbed's agents reached the other's Fed
+    first), another process asking the OS the same way can be handed the same port: two test
+    workers starting testbeds at once can be, and one testbed's agents then reach the other's Fed
     Server. So each port handed out is also reserved: a lock on its byte of a lock file that every
     process on this machine using this function shares, held until this process exits (the OS
     drops it then, even after SIGKILL). A reservation outlives the service (a service restarted
     on its port finds it still free) and is not given back: a process hands out a few ports per
     testbed, and the OS has tens of thousands."""
-    for _ in range(1000):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port: int = s.getsockname()[1]
-        if port not in _handed_out and _reserve(port):
-            _handed_out.add(port)
-            return port
+    with _handing_out:
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port: int = s.getsockname()[1]
+            if port not in _handed_out and _reserve(port):
+                _handed_out.add(port)
+                return port
     raise RuntimeError(f"no free port on {host}: 1,000 the OS offered were all reserved by testbeds")
 
 
