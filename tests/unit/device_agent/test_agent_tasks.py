@@ -161,6 +161,7 @@ def test_a_task_for_a_device_queued_to_be_added_again_runs_and_takes_it_off_the_
     server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
     session = AgentTasks(server, devices, threading.Event(), lambda device, exc: None,   # type: ignore[arg-type]
                          wait_s=0.2)   # not started: the adder sends nothing, the queue stays
+    # Both devices told to the session as idle, as the adder marks a batch it sends (under the lock).
     with session._lock:
         session._idle_now(devices)   # type: ignore[arg-type]
     session._take(AgentTaskResponse(new_session=True), forgotten=True)
