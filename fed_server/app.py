@@ -19,6 +19,7 @@ from fed_server.driver import drive_rounds
 from fed_server.settings import FedServerSettings
 from fed_server.metrics import FedMetrics
 from fed_server.records import RunStatus
+from fed_server.reregistrations import hold_for
 from fed_server.secure_stages import SecureStage
 from http_api.server import (
     ApiError, MsgpackResponse, arrival_seconds, create_service_app, msgpack_body_schema, msgpack_response, parse_message,
@@ -121,7 +122,11 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         """Device: announce itself, its shard and its profile; get the run's data and model spec."""
         enrolment = settings.auth.check_enrolment(request.headers)
         req = await _registration(request, RegisterRequest, settings.max_register_bytes)
-        return msgpack_response(coordinator.enrolment.enrol(req, enrolment, settings.auth))
+        try:
+            return msgpack_response(coordinator.enrolment.enrol(req, enrolment, settings.auth))
+        except TooSoon as exc:
+            await asyncio.sleep(hold_for([exc]))
+            raise
 
     @app.post(f"{API}/devices/registrations", response_class=Response,
               openapi_extra=msgpack_body_schema(RegistrationBatch))
@@ -131,7 +136,12 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         enrolment = settings.auth.check_enrolment(request.headers)
         batch = await _registration(request, RegistrationBatch, MAX_REGISTRATION_BATCH * settings.max_register_bytes)
         answer = RegistrationBatchResponse()
-        for req, outcome in zip(batch.devices, coordinator.enrolment.enrol_each(batch.devices, enrolment, settings.auth)):
+        outcomes = coordinator.enrolment.enrol_each(batch.devices, enrolment, settings.auth)
+        if outcomes and all(isinstance(outcome, TooSoon) for outcome in outcomes):
+            # Only a batch of nothing but re-registrations too soon is held: a batch that registers
+            # a device is answered at once.
+            await asyncio.sleep(hold_for(o for o in outcomes if isinstance(o, TooSoon)))
+        for req, outcome in zip(batch.devices, outcomes):
             if isinstance(outcome, RegisterResponse):
                 answer.registered.append(outcome)
             else:

@@ -7,13 +7,24 @@ and wakes the round driver. So a known device that registers again sooner than
 ``deadlines.reregistration_s`` after its last registration is refused with 429 and a
 ``Retry-After`` saying when it may (:class:`shared.errors.TooSoon`), which the agent honours; a
 refusal changes nothing.
+
+A client that ignores the ``Retry-After`` and asks again at once would still cost the Fed Server a
+request's parsing and answer each time, thousands a second. So the Fed Server holds each such
+answer for :data:`REFUSAL_HOLD_S` (at most the ``Retry-After`` itself) before sending it: a client
+that waits for its answers, as every HTTP client does on one connection, sends at most one
+registration a second per connection. A held answer is an idle coroutine, no thread and no CPU; what
+bounds the held answers is how many connections a client can open (the operating system's limit on
+open files).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from shared.errors import TooSoon
+
+#: The longest the Fed Server holds a 429 answer to a registration before sending it.
+REFUSAL_HOLD_S = 1.0
 
 
 class Reregistrations:
@@ -46,3 +57,14 @@ class Reregistrations:
         """``device_id``'s registration was taken away (its credential revoked): whoever the
         operator issues its next credential to registers it at once."""
         self._last.pop(device_id, None)
+
+
+def hold_for(refusals: Iterable[TooSoon]) -> float:
+    """How long to hold an answer made only of ``refusals``: :data:`REFUSAL_HOLD_S`, or less where
+    a refused device may register sooner; each refusal's ``retry_after_s`` is shortened by it, so
+    the ``Retry-After`` sent counts from the answer, not from the refusal. Nothing to hold: 0."""
+    refusals = list(refusals)
+    hold = min([REFUSAL_HOLD_S, *(r.retry_after_s for r in refusals)]) if refusals else 0.0
+    for refusal in refusals:
+        refusal.retry_after_s -= hold
+    return max(hold, 0.0)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fed_server.reregistrations import Reregistrations
+from fed_server.reregistrations import REFUSAL_HOLD_S, Reregistrations, hold_for
 from shared.errors import TooSoon
 
 
@@ -54,3 +54,13 @@ def test_a_forgotten_device_registers_at_once():
     limit.registered("d0")
     limit.forget("d0")
     limit.check("d0")
+
+
+def test_a_refused_answer_is_held_for_the_hold_or_the_least_retry_after_and_the_retry_afters_count_from_it():
+    late = TooSoon("too soon", retry_after_s=6.0)
+    assert hold_for([late]) == REFUSAL_HOLD_S
+    assert late.retry_after_s == pytest.approx(6.0 - REFUSAL_HOLD_S)
+    nearly = [TooSoon("too soon", retry_after_s=0.25), TooSoon("too soon", retry_after_s=3.0)]
+    assert hold_for(nearly) == pytest.approx(0.25)           # one of them may register in 0.25 s
+    assert [r.retry_after_s for r in nearly] == pytest.approx([0.0, 2.75])
+    assert hold_for([]) == 0.0
