@@ -28,7 +28,7 @@ Beside the scenarios, the warm-up comparison: the ``fast_device`` fleet with ``s
 estimated`` against its sliding run (the paper's warm-up): the time of the warm-up's rounds and the
 splits chosen after them.
 
-``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--docs docs/s2fl.md]``
+``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--docs docs/s2fl.md]``
 prints the table and writes ``benchmarks/results/<UTC date>_scenarios/results.json`` and
 ``results.md`` (rewritten after every run); ``--docs PAGE`` writes the table into PAGE between its
 scenario-table markers. ``python -m benchmarks.run --only j`` runs the same part.
@@ -59,6 +59,9 @@ WARM_UP_ROUNDS = 3
 # The goals printed beside the figures.
 GOAL_LOST_ROUNDS = 2     # rounds a device may go without an upload after a change of its link or speed
 GOAL_TIME_RATIO = 1.2    # sliding run's time to its final accuracy over the best fixed split's
+#: ``deadlines.patience`` of every run: a device's own deadline is this many times the slowest other
+#: device's time (plus a second), tight so that a device that slowed down is cut rather than waited for.
+PATIENCE = 1.2
 #: The fleet's transfers: the shaped-links claims' settings (docs/real-links.md), links at the
 #: kinds' rates x 1.5, 2 ms of round trip per request on shaped links.
 TIME_SCALE = 1.5
@@ -305,10 +308,11 @@ def links_problem(mode: str) -> str | None:
     return problem
 
 
-def run_config(scenario: Scenario, rounds: int, warm_up: str = "every_split", pinned: Mapping[str, int] | None = None):
+def run_config(scenario: Scenario, rounds: int, warm_up: str = "every_split", pinned: Mapping[str, int] | None = None,
+               patience: float = PATIENCE):
     """The run of ``scenario``: the shaped-links claims' fleet (docs/real-links.md), one device of
-    each kind, 100 IID samples each, every device in one group, deadlines at 1.2 times the slowest
-    other device's time (``deadlines.patience``)."""
+    each kind, 100 IID samples each, every device in one group, deadlines at ``patience`` times the
+    slowest other device's time (``deadlines.patience``)."""
     from shared.run_config import load_run_config
 
     return load_run_config({
@@ -316,7 +320,7 @@ def run_config(scenario: Scenario, rounds: int, warm_up: str = "every_split", pi
         "data": {"num_devices": len(scenario.profiles), "partition": "iid", "seed": 1, "max_samples": 100 * len(scenario.profiles)},
         "train": {"lr": 0.05, "batch_size": 64},
         "grouping": {"group_size": len(scenario.profiles)},
-        "deadlines": {"round_s": 120, "join_s": 20, "step_s": 20, "patience": 1.2},
+        "deadlines": {"round_s": 120, "join_s": 20, "step_s": 20, "patience": patience},
         "devices": {"profiles": list(scenario.profiles), "time_scale": TIME_SCALE},
         "split": {"warm_up": warm_up, "pinned": dict(pinned or {})},
     })
@@ -384,9 +388,10 @@ def run_once(scenario: Scenario, config, run_dir: Path, real_links: bool) -> dic
 
 
 def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence[str] = SCENARIO_NAMES,
-        links: str = "auto", progress: Callable[[dict], object] | None = None) -> dict:
-    """Every scenario of ``names`` run sliding and pinned, and the warm-up comparison where
-    :data:`WARM_UP_FLEET` is among them; the results (see the module's docstring)."""
+        links: str = "auto", progress: Callable[[dict], object] | None = None, patience: float = PATIENCE) -> dict:
+    """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience``, and
+    the warm-up comparison where :data:`WARM_UP_FLEET` is among them; the results (see the module's
+    docstring)."""
     from shared import machine
     from shared.models import build_model
 
@@ -398,7 +403,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
     candidates = list(build_model("cnn").split_points)
     results: dict = {"mode": "quick" if quick else "full", "machine": machine.describe_machine(),
                      "settings": {"rounds": rounds, "change_after": change_after, "links": "real" if real else "emulated",
-                                  "links_note": problem, "time_scale": TIME_SCALE, "rtt_ms": RTT_MS if real else 0.0,
+                                  "links_note": problem, "patience": patience, "time_scale": TIME_SCALE, "rtt_ms": RTT_MS if real else 0.0,
                                   "goal_lost_rounds": GOAL_LOST_ROUNDS, "goal_time_ratio": GOAL_TIME_RATIO},
                      "scenarios": [], "warm_up": None}
     started = time.perf_counter()
@@ -409,17 +414,17 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
                            "profiles": list(scenario.profiles), "changes": [asdict(c) for c in scenario.changes],
                            "judged": scenario.judged(rounds), "runs": {}}
             log(f"{scenario.name}: sliding split")
-            entry["runs"]["sliding"] = run_once(scenario, run_config(scenario, rounds), Path(tmp) / f"{scenario.name}-sliding", real)
+            entry["runs"]["sliding"] = run_once(scenario, run_config(scenario, rounds, patience=patience), Path(tmp) / f"{scenario.name}-sliding", real)
             entry["pinned"] = choose_pinned(entry["runs"]["sliding"]["rounds"], scenario, rounds, candidates)
             log(f"{scenario.name}: pinned {entry['pinned']}")
-            entry["runs"]["pinned"] = run_once(scenario, run_config(scenario, rounds, pinned=entry["pinned"]),
+            entry["runs"]["pinned"] = run_once(scenario, run_config(scenario, rounds, pinned=entry["pinned"], patience=patience),
                                                Path(tmp) / f"{scenario.name}-pinned", real)
             entry["goals"] = judge(entry)
             entry["goals_missed"] = goals_missed(entry)
             results["scenarios"].append(entry)
             if scenario.name == WARM_UP_FLEET:
                 log(f"{scenario.name}: estimated warm-up")
-                estimated = run_once(scenario, run_config(scenario, rounds, warm_up="estimated"),
+                estimated = run_once(scenario, run_config(scenario, rounds, warm_up="estimated", patience=patience),
                                      Path(tmp) / f"{scenario.name}-estimated", real)
                 every = entry["runs"]["sliding"]["rounds"]
                 results["warm_up"] = {"fleet": scenario.name, "every_split": entry["runs"]["sliding"],
@@ -499,6 +504,7 @@ def report(results: dict) -> str:
         f"machine: {m['cpu_model']}, {m['cpus_usable']} of {m['cpu_count']} CPUs usable, {m['date_utc']}, "
         f"load average {m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at the end",
         f"mode: {results['mode']}, {s['rounds']} rounds, changes after round {s['change_after']}, links {links}, "
+        f"deadlines.patience {s['patience']:g}, "
         f"total {results.get('total_s', 0.0) / 60:.1f} min",
         f"goals: no changed device loses more than {s['goal_lost_rounds']} rounds; time to the sliding run's final "
         f"accuracy at most {s['goal_time_ratio']}x the best fixed split's (pinned from the sliding run's time table)",
@@ -535,6 +541,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "where this machine can make them")
     parser.add_argument("--docs", type=Path, default=None, metavar="PAGE",
                         help="also write the table into PAGE (docs/s2fl.md) between its scenario-table markers")
+    parser.add_argument("--patience", type=float, default=PATIENCE,
+                        help=f"deadlines.patience of every run: a device's own deadline over the slowest other "
+                             f"device's time (at least 1; default {PATIENCE:g})")
     add_name_option(parser, None, "scenarios, or scenarios_quick with --quick")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown table goes beside it with .md "
@@ -546,6 +555,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--scenarios takes a comma-separated subset of {','.join(SCENARIO_NAMES)}"
                      + (f"; unknown: {','.join(unknown)}" if unknown else ""))
     args.scenarios = names
+    if args.patience < 1:
+        parser.error(f"--patience must be at least 1 (a device's own deadline is never below its peers' time), "
+                     f"got {args.patience:g}")
     if args.docs is not None:
         text = args.docs.read_text() if args.docs.is_file() else ""
         if DOCS_BEGIN not in text or DOCS_END not in text:
@@ -560,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or default_out(datetime.now(timezone.utc).isoformat(), name)
     print(f"results (rewritten after every scenario): {out}", flush=True)
     results = run(args.quick, lambda text: print(text, flush=True), args.scenarios, args.links,
-                  progress=lambda so_far: write(so_far, out, report))
+                  progress=lambda so_far: write(so_far, out, report), patience=args.patience)
     finish(results, out, report, args.docs, update_docs)
     return 0
 

@@ -8,9 +8,9 @@ import pytest
 
 from benchmarks import scenario_agent
 from benchmarks.result_files import replace_between
-from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, Change, Scenario, Speeds, best_fixed, choose_pinned,
+from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, PATIENCE, Change, Scenario, Speeds, best_fixed, choose_pinned,
                                   fill_from_other_phases, goals_missed, judge, links_problem, lost_rounds,
-                                  parse_args, phase_cells, rounds_of, scenarios, split_line, table, time_to,
+                                  parse_args, phase_cells, rounds_of, run_config, scenarios, split_line, table, time_to,
                                   update_docs, warm_up_figures)
 from shared.profiles import parse_kind
 
@@ -153,7 +153,7 @@ def test_the_table_shows_every_device_of_both_runs_and_the_missed_goals():
     result = _result(lost=[], pinned_reaches_at=16.0)
     result["goals"] = judge(result)
     result["goals_missed"] = goals_missed(result)
-    results = {"settings": {"rounds": 2, "change_after": 1, "links": "emulated", "links_note": "no root",
+    results = {"settings": {"rounds": 2, "change_after": 1, "links": "emulated", "links_note": "no root", "patience": 1.5,
                             "goal_lost_rounds": 2, "goal_time_ratio": 1.2}, "scenarios": [result], "warm_up": None}
     lines = table(results)
     assert sum(A in line for line in lines) == 2
@@ -178,6 +178,16 @@ def test_the_docs_writer_replaces_only_the_marked_block_and_refuses_a_page_witho
     assert parse_args(["--scenarios", "link_drop"]).scenarios == ("link_drop",)
 
 
+def test_the_patience_option_sets_every_runs_deadlines_patience_and_refuses_one_below_1():
+    assert parse_args([]).patience == PATIENCE == 1.2
+    assert parse_args(["--patience", "1.5"]).patience == 1.5
+    with pytest.raises(SystemExit):
+        parse_args(["--patience", "0.9"])
+    scenario = scenarios(4)[0]
+    assert run_config(scenario, 8).deadlines.patience == PATIENCE
+    assert run_config(scenario, 8, pinned={"dev-000": 2}, patience=1.5).deadlines.patience == 1.5
+
+
 def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link_to_its_results(tmp_path):
     result = _result(lost=[], pinned_reaches_at=16.0)
     result["goals"] = judge(result)
@@ -185,7 +195,7 @@ def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link
     results = {"mode": "quick", "total_s": 60.0, "scenarios": [result], "warm_up": None,
                "machine": {"cpu_model": "CPU", "cpus_usable": 2, "cpu_count": 2, "date_utc": "2026-12-05T10:00:00",
                            "load_average_at_start": [1.0], "load_average_at_end": [1.0]},
-               "settings": {"rounds": 2, "change_after": 1, "links": "real", "links_note": None,
+               "settings": {"rounds": 2, "change_after": 1, "links": "real", "links_note": None, "patience": 1.2,
                             "goal_lost_rounds": 2, "goal_time_ratio": 1.2}}
     (tmp_path / "docs").mkdir()
     page = tmp_path / "docs" / "page.md"
@@ -196,6 +206,7 @@ def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link
     block = text.split(DOCS_BEGIN)[1].split(DOCS_END)[0]
     assert text.startswith("intro\n") and text.endswith(f"{DOCS_END}\nrest\n") and "old table" not in text
     assert "(../results/2026-12-05_scenarios/results.json)" in block and "| x | sliding | dev-000 |" in block
+    assert "deadlines.patience 1.2" in block
 
 
 def test_links_fall_back_to_emulation_with_the_reason_and_real_links_asked_for_where_they_cannot_be_refuse(monkeypatch):
