@@ -97,14 +97,14 @@ def _apply(words: Words, mask: Words, sign: int) -> None:
         (np.add if sign > 0 else np.subtract)(target, value, out=target)
 
 
-def add_masks(words: Words, layout: BlockLayout, device: str, split_point: int, seed: bytes, mask_private: bytes,
+def add_masks(words: Words, layout: BlockLayout, device: str, split_point: int, seed: bytes,
               partners: Mapping[str, tuple[bytes, int]]) -> Words:
     """A device's encoded update with its masks: its own on every block it holds, and each
-    partner's (``partners``: id -> (its public mask key, its split point)) on the blocks both hold.
-    ``words`` (uint64, by entry) is changed in place and returned."""
+    partner's (``partners``: id -> (the key the pair agreed, :data:`MASK_PURPOSE`; its split point))
+    on the blocks both hold. ``words`` (uint64, by entry) is changed in place and returned."""
     own = seed_key(seed)
-    pairs = {partner: (agree(mask_private, public, MASK_PURPOSE), pair_sign(device, partner), set(layout.held(split)))
-             for partner, (public, split) in partners.items()}
+    pairs = {partner: (key, pair_sign(device, partner), set(layout.held(split)))
+             for partner, (key, split) in partners.items()}
     for block in layout.held(split_point):
         _apply(words, layout.stream(own, block), 1)
         for key, sign, held in pairs.values():

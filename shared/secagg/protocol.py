@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from shared.secagg.crypto import (
-    SHARE_PURPOSE, ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal,
-    share_associated,
+    MASK_PURPOSE, SHARE_PURPOSE, ShareError, agree, new_private_key, open_sealed, public_key, seal, share_associated,
 )
 from shared.secagg.encoding import encode
 from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks
@@ -51,10 +50,24 @@ class DeviceSecrets:
     share_private: bytes = field(default_factory=new_private_key)
     #: Owner -> (its seed's share, its mask key's share) held for it, once the inbox is opened.
     held: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
+    #: The keys agreed with the peers' public keys, by (purpose, public key): the share key sealed
+    #: with is the one opened with, and the mask key checked before sharing is the one masked with,
+    #: so each X25519 agreement is made once an attempt (most of a device's share stage otherwise).
+    agreed: dict[tuple[bytes, bytes], bytes] = field(default_factory=dict, repr=False)
 
     def public_keys(self) -> tuple[bytes, bytes]:
         """(mask key, share key): what the first stage sends."""
         return public_key(self.mask_private), public_key(self.share_private)
+
+    def _agree(self, peer_public: bytes, purpose: bytes) -> bytes:
+        """The key agreed with ``peer_public`` for ``purpose`` (:data:`MASK_PURPOSE` with this
+        device's mask key, :data:`SHARE_PURPOSE` with its share key), made once. ShareError for a
+        public key that agrees on nothing."""
+        key = (purpose, peer_public)
+        if key not in self.agreed:
+            private = self.mask_private if purpose == MASK_PURPOSE else self.share_private
+            self.agreed[key] = agree(private, peer_public, purpose)
+        return self.agreed[key]
 
     def seal_shares(self, roster: PublicKeys, threshold: int) -> dict[str, bytes]:
         """The second stage: the seed and mask key split into one share per device of ``roster``
@@ -66,9 +79,10 @@ class DeviceSecrets:
             raise ValueError(f"the roster does not hold {self.device_id!r}")
         if not 2 <= threshold <= len(roster):
             raise ValueError(f"a threshold of {threshold} does not fit a roster of {len(roster)} devices")
-        for mask_key, share_key in roster.values():
-            check_public_key(mask_key)
-            check_public_key(share_key)
+        for device, (mask_key, share_key) in roster.items():
+            if device != self.device_id:        # every key checked before any share leaves
+                self._agree(mask_key, MASK_PURPOSE)
+                self._agree(share_key, SHARE_PURPOSE)
         indices = share_indices(list(roster))
         seeds = split_secret(self.seed, threshold, len(roster))
         keys = split_secret(self.mask_private, threshold, len(roster))
@@ -78,8 +92,7 @@ class DeviceSecrets:
             if device == self.device_id:
                 self.held[device] = (seeds[index - 1], keys[index - 1])
                 continue
-            key = agree(self.share_private, roster[device][1], SHARE_PURPOSE)
-            sealed[device] = seal(key, piece, share_associated(self.run_id, self.round_id, self.device_id, device))
+            sealed[device] = seal(self._agree(roster[device][1], SHARE_PURPOSE), piece, share_associated(self.run_id, self.round_id, self.device_id, device))
         return sealed
 
     def open_inbox(self, roster: PublicKeys, inbox: Mapping[str, bytes]) -> list[str]:
@@ -88,9 +101,8 @@ class DeviceSecrets:
         for sender, sealed in sorted(inbox.items()):
             if sender not in roster or sender == self.device_id:
                 raise ShareError(f"a share from {sender!r}, who is not another device of the roster")
-            key = agree(self.share_private, roster[sender][1], SHARE_PURPOSE)
             try:
-                piece = open_sealed(key, sealed, share_associated(self.run_id, self.round_id, sender, self.device_id))
+                piece = open_sealed(self._agree(roster[sender][1], SHARE_PURPOSE), sealed, share_associated(self.run_id, self.round_id, sender, self.device_id))
             except ShareError as exc:
                 raise ShareError(f"the share from {sender!r} {exc}") from None
             if len(piece) != SEED_BYTES + KEY_BYTES:
@@ -106,8 +118,8 @@ class DeviceSecrets:
         ``partners`` on the blocks both hold (``splits``: each roster device's split point)."""
         words = {k: encode(np.clip(v, -value_range, value_range) * weight, fraction_bits, weight * value_range)
                  for k, v in update.items()}
-        return add_masks(words, layout, self.device_id, splits[self.device_id], self.seed, self.mask_private,
-                         {p: (roster[p][0], splits[p]) for p in partners if p != self.device_id})
+        return add_masks(words, layout, self.device_id, splits[self.device_id], self.seed,
+                         {p: (self._agree(roster[p][0], MASK_PURPOSE), splits[p]) for p in partners if p != self.device_id})
 
     def unmask(self, survivors: Sequence[str], dropped: Sequence[str]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """The last stage: the shares this device holds of the survivors' seeds and of the dropped

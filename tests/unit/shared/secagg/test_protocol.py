@@ -147,3 +147,26 @@ def test_a_secret_is_rebuilt_from_exactly_threshold_shares_the_lowest_indices():
     assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)[0]["d0"] == secrets["d0"].seed
     wrong["d0"][0]["d0"] = bytes(16)   # index 1 is among the three used
     assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)[0]["d0"] != secrets["d0"].seed
+
+
+def test_a_roster_key_that_agrees_on_nothing_is_refused_before_any_share_is_sealed():
+    a, b, c = (DeviceSecrets(d, "run", 1) for d in "abc")
+    roster = {"a": a.public_keys(), "b": b.public_keys(), "c": (bytes(32), c.public_keys()[1])}
+    with pytest.raises(ShareError, match="agrees on nothing"):
+        a.seal_shares(roster, threshold=2)
+    assert a.held == {}
+
+
+def test_each_key_agreement_is_made_once_an_attempt_and_the_sealing_key_opens_the_share(monkeypatch):
+    import shared.secagg.protocol as protocol
+
+    secrets = {d: DeviceSecrets(d, "run", 1) for d in DEVICES}
+    roster = {d: s.public_keys() for d, s in secrets.items()}
+    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
+    made = []
+    monkeypatch.setattr(protocol, "agree", lambda *args: made.append(args) or b"")
+    d0 = secrets["d0"]
+    partners = d0.open_inbox(roster, {o: sealed[o]["d0"] for o in DEVICES if o != "d0"})
+    d0.mask({"w": np.zeros((4, 3)), "b": np.zeros(3), "v": np.zeros(7)}, 1.0, 40, RANGE, LAYOUT, roster, partners,
+            WHOLE)
+    assert partners == DEVICES and made == []      # opened and masked with the keys agreed when sealing

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from shared.secagg.crypto import ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal
+from shared.secagg.crypto import MASK_PURPOSE, ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal
 from shared.secagg.encoding import SUM_BITS, decode, encode, fraction_bits
 from shared.secagg.masks import BlockLayout, add_masks, masked_splits, remove_masks, well_held
 from shared.secagg.shamir import combine_secret, split_secret
@@ -28,8 +28,9 @@ def _masked_round(dropped: set[str]):
     secrets = {d: (os.urandom(16), new_private_key()) for d in SPLITS}
     public = {d: public_key(secrets[d][1]) for d in SPLITS}
     plain = {d: _words(LAYOUT, s, rng) for d, s in SPLITS.items()}
-    masked = {d: add_masks({k: v.copy() for k, v in plain[d].items()}, LAYOUT, d, SPLITS[d], *secrets[d],
-                           {p: (public[p], SPLITS[p]) for p in SPLITS if p != d}) for d in SPLITS}
+    masked = {d: add_masks({k: v.copy() for k, v in plain[d].items()}, LAYOUT, d, SPLITS[d], secrets[d][0],
+                           {p: (agree(secrets[d][1], public[p], MASK_PURPOSE), SPLITS[p]) for p in SPLITS if p != d})
+              for d in SPLITS}
     survivors = [d for d in SPLITS if d not in dropped]
     keys = {k for d in survivors for k in masked[d]}
     total = {k: sum((masked[d][k] for d in survivors if k in masked[d]), np.zeros_like(next(
@@ -58,8 +59,8 @@ def test_the_masks_of_devices_that_dropped_after_masking_are_removed_with_their_
 def test_a_masked_upload_looks_like_uniform_words():
     """An update of zeros, masked: its bytes are uniform (chi-square over the 256 byte values)."""
     layout = BlockLayout(((("w", (20000,)),),))
-    words = add_masks({"w": np.zeros(20000, dtype=np.uint64)}, layout, "a", 1, os.urandom(16), new_private_key(),
-                      {"b": (public_key(new_private_key()), 1)})
+    words = add_masks({"w": np.zeros(20000, dtype=np.uint64)}, layout, "a", 1, os.urandom(16),
+                      {"b": (agree(new_private_key(), public_key(new_private_key()), MASK_PURPOSE), 1)})
     counts = np.bincount(np.frombuffer(words["w"].tobytes(), dtype=np.uint8), minlength=256)
     expected = counts.sum() / 256
     chi2 = float(((counts - expected) ** 2 / expected).sum())
