@@ -386,7 +386,7 @@ class RegistrationLoop(Behaviour):
 def _register_again(device: Device, interval_s: float, stop: threading.Event) -> None:
     """Register ``device`` again every ``interval_s`` (0: as fast as the answers come) until the
     agent stops; take each new token (so the device's tasks go on), count what was refused."""
-    while device.device_model is None or device.info is None:   # set up first: its registration exists then
+    while not device.ready_to_register:   # set up first (model, run spec, measured profile): no spinning on errors
         if stop.wait(0.1):
             return
     sent = accepted = 0

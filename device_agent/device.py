@@ -143,6 +143,8 @@ class Device:
         #: the run says to report them (``split_privacy.label_counts``; empty: withheld), drawn once.
         self.num_samples = 0
         self.label_counts: list[int] = []
+        #: Its speed and link as it registers them (:meth:`profile`), measured last in :meth:`setup`.
+        self._profile: DeviceProfileMsg | None = None
         #: What asks for its tasks, its Main Server link, its model, and what trains its tasks
         #: (all from :meth:`prepare`).
         self.poller: TaskPoller | None = None
@@ -331,9 +333,14 @@ class Device:
                 raise registration_error(exc) from None
         self.registered(answer)
 
+    @property
+    def ready_to_register(self) -> bool:
+        """Whether :meth:`setup` has got as far as what the device registers with."""
+        return self.device_model is not None and self.info is not None and self._profile is not None
+
     def registration(self) -> RegisterRequest:
         """What this device registers with (:meth:`register`, or its agent's batch)."""
-        assert self.device_model is not None and self.info is not None
+        assert self.device_model is not None and self.info is not None and self._profile is not None
         return RegisterRequest(device_id=self.device_id, shard=self.shard, num_samples=self.num_samples,
                                profile=self._profile,
                                fingerprint=model_fingerprint(self.device_model.layout, self.info.data,
@@ -343,7 +350,7 @@ class Device:
     def registered(self, answer: RegisterResponse) -> None:
         """The Fed Server registered the device: its Main Server client presents the new token from
         now on (its Fed Server client took it with the answer, or from its agent's registrar)."""
-        assert self.main_link is not None
+        assert self.main_link is not None and self._profile is not None
         self.main_link.new_token(answer.token)  # the next task's Main Server client presents it
         log.info("%s: registered %s %d (%d samples, %s)", self.device_id, "shard" if self.source is None else "slot",
                  answer.shard, self.num_samples, self._profile.kind)

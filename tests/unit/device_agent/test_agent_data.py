@@ -107,7 +107,10 @@ def _device(fed: FakeFed, shard: int | None, source: LocalSource | None) -> Devi
 def test_local_device_loads_its_file_and_registers_without_a_shard(tmp_path):
     fed = FakeFed(LOCAL)
     device = _device(fed, None, LocalSource("a", _npz(tmp_path / "a.npz", n=7)))
-    device.setup()
+    assert not device.ready_to_register
+    device.setup(register=False)
+    assert device.ready_to_register and fed.registrations == []   # its agent registers it, with this
+    device.register()
     assert [(r.shard, r.num_samples) for r in fed.registrations] == [(None, 7)]
     assert device.data is not None and device.data.label_counts().tolist() == [3, 2, 2]
 
