@@ -137,10 +137,11 @@ def _add_device_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
         batch = await _registration(request, RegistrationBatch, MAX_REGISTRATION_BATCH * settings.max_register_bytes)
         answer = RegistrationBatchResponse()
         outcomes = coordinator.enrolment.enrol_each(batch.devices, enrolment, settings.auth)
-        if outcomes and all(isinstance(outcome, TooSoon) for outcome in outcomes):
+        too_soon = [outcome for outcome in outcomes if isinstance(outcome, TooSoon)]
+        if too_soon and len(too_soon) == len(outcomes):
             # Only a batch of nothing but re-registrations too soon is held: a batch that registers
             # a device is answered at once.
-            await asyncio.sleep(hold_for(o for o in outcomes if isinstance(o, TooSoon)))
+            await asyncio.sleep(hold_for(too_soon))
         for req, outcome in zip(batch.devices, outcomes):
             if isinstance(outcome, RegisterResponse):
                 answer.registered.append(outcome)
