@@ -608,8 +608,9 @@ class HarmfulFed:
             self.task_weights = task.weights_id
         return self.behaviour.task(task)
 
-    def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
-        answer, size = self.inner.weights(device_id, weights_id)
+    def weights(self, device_id: str, weights_id: WeightsId,
+                cancelled: Callable[[], bool] | None = None) -> tuple[WeightsResponse, int]:
+        answer, size = self.inner.weights(device_id, weights_id, cancelled)
         self.seen.put(weights_id, answer.weights)
         return answer, size
 

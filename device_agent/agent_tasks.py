@@ -15,8 +15,10 @@ available again. Both hand the tasks they get to the same place.
 
 Devices are registered by the session's :class:`device_agent.registrar.Registrar` (in batches)
 and added as idle once registered. What the Fed Server answers besides tasks: a device it does
-not know (it restarted) registers again; a device whose token was replaced stops; a session the server did not know (restarted, or
-forgotten while the agent was unreachable) gets every idle device again.
+not know (it restarted) registers again; a device whose token was replaced stops; a device whose
+task's attempt closed without its upload (``ended``) gives that task up (:meth:`Device.taken_out`);
+a session the server did not know (restarted, or forgotten while the agent was unreachable) gets
+every idle device again.
 """
 from __future__ import annotations
 
@@ -170,6 +172,9 @@ class AgentTasks:
                 self._to_add.waiting.update(self._idle)
                 self._idle.clear()
                 self._to_add.wake()
+        for device_id, round_id in answer.ended.items():
+            if (device := self._devices.get(device_id)) is not None:
+                device.taken_out(round_id)
         for device, device_task in tasks:
             self._thread(device, self._run_task, device, device_task, received_at)
         for device in unknown:

@@ -8,6 +8,7 @@ server that cannot be reached as :class:`Unreachable`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel
@@ -55,8 +56,10 @@ class FedApi(SecureChannel, Protocol):
         """The device's next instruction and the size of the answer in bytes (for transfer timing);
         with ``wait_s``, the server may hold a ``wait`` answer that long for work to arrive."""
 
-    def weights(self, device_id: str, weights_id: WeightsId) -> tuple[WeightsResponse, int]:
-        """The weights a task named, and the size of the answer in bytes."""
+    def weights(self, device_id: str, weights_id: WeightsId,
+                cancelled: Callable[[], bool] | None = None) -> tuple[WeightsResponse, int]:
+        """The weights a task named, and the size of the answer in bytes; once ``cancelled()`` is
+        true while they arrive, :class:`device_agent.task_expired.TaskExpired` (the task's attempt closed)."""
 
     def report(self, req: ReportRequest) -> None:
         """Two-phase algorithms: the post-training report."""

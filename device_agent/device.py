@@ -152,6 +152,10 @@ class Device:
         self.device_model: DeviceModel | None = None
         self.trainer: TaskTrainer | None = None
         self.tasks_trained = 0
+        #: The attempt (``round_id``) of the training task the device runs now, and whether the Fed
+        #: Server has closed it without the device's upload (:meth:`taken_out`).
+        self._running: int | None = None
+        self._taken_out = threading.Event()
         #: Called after every successful upload with the body and the round's split point
         #: (the agent's optional metrics port uses it).
         self.on_upload: UploadHook | None = None
@@ -287,7 +291,7 @@ class Device:
         self.poller = TaskPoller(fed, device_id, self.stop, self.poll_interval_s)
         self.main_link = MainLink(self.connect_main)
         self.device_model = DeviceModel(info, layout, self.keep_model, self.torch_device, self.weights_cache,
-                                        lambda weights_id: fed.weights(device_id, weights_id))
+                                        lambda weights_id: fed.weights(device_id, weights_id, self._taken_out.is_set))
         # The run's loss (checked by check_run: an import path only when it is the operator's --loss).
         self.loss = build_loss(info.loss, info.task)
         self.trainer = TaskTrainer(device_id, data, self.device_model, fed, self.main_link, self.poller,
@@ -370,7 +374,7 @@ class Device:
         compute is timed by."""
         assert self.device_model is not None
         return RoundClock(self.kind, self.time_scale, cpu_time=self.device_model.cpu_time(),
-                          emulate_links=self.emulate_links)
+                          emulate_links=self.emulate_links, taken_out=self._taken_out)
 
     def profile(self) -> DeviceProfileMsg:
         """Nominal speed of an emulated kind, or a quick measurement on a real device (on the
@@ -389,19 +393,33 @@ class Device:
         ``received_at`` is the ``time.monotonic()`` at which the task arrived: its ``deadline_s``
         (what remained of the attempt when the Fed Server answered, which may have held the
         request for a while) counts from there, and past it the Fed Server has closed the attempt,
-        so the device gives the task up (:class:`device_agent.trainer.TaskExpired`). The Fed
+        so the device gives the task up (:class:`device_agent.task_expired.TaskExpired`). The Fed
         Server's own deadline is the one that counts; this one only spares the device work nobody
         will take.
         """
         assert self.device_model is not None and self.trainer is not None
-        with self._data_scope(), self.device_model.task_scope():
-            body = self.trainer.train(task, task_bytes, received_at)
+        self._running = task.round_id
+        try:
+            with self._data_scope(), self.device_model.task_scope():
+                body = self.trainer.train(task, task_bytes, received_at)
+        finally:
+            self._running = None
+            self._taken_out.clear()   # what the device fetches next is not this task's
         # Uploaded after the model is freed: its weights are in the body now, and the upload may
         # wait on a Fed Server that is busy with the other devices' uploads.
         upload(self.fed, task, body, received_at, self.on_upload)
         if self.trainer.secure is not None:
             self.trainer.secure.answer_unmasking()
         self.tasks_trained += 1
+
+    def taken_out(self, round_id: int) -> None:
+        """The Fed Server closed attempt ``round_id`` without this device's upload (its agent's
+        session says so): if the device still runs that attempt's task, the download of its weights,
+        or an emulated transfer, is given up (:class:`device_agent.task_expired.TaskExpired`), so
+        that a link that slowed down is free for the device's next task rather than busy with
+        weights nobody will train from."""
+        if self._running is not None and self._running == round_id:
+            self._taken_out.set()
 
     def run_evaluation(self, task: TaskResponse) -> None:
         """Federated evaluation of the task's global model on the held-out part

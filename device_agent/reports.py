@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from device_agent.api import FedApi, Unreachable
 from device_agent.device_model import DeviceModel
-from device_agent.trainer import TaskExpired
+from device_agent.task_expired import TaskExpired
 from shared.data import ArrayDataset
 from shared.errors import DomainError
 from shared.evaluation import EvaluationSums, evaluation_sums

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from device_agent.api import SecureChannel, StageAnswer
-from device_agent.trainer import TaskExpired
+from device_agent.task_expired import TaskExpired
 from shared.privacy.noise import add_noise, distributed_noise_std
 from shared.schemas import (
     PrivacyTerms, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms,

@@ -17,9 +17,10 @@ from device_agent.device_state import DeviceStates
 from device_agent.secure_aggregation import SecureSession, share_secrets
 from device_agent.step_exchange import MainLink, StepExchange
 from device_agent.task_poll import TaskPoller
+from device_agent.task_expired import TaskExpired
 from device_agent.timing import RoundClock
 from device_agent.trainer import (
-    LocalResult, TaskExpired, TrainContext, TrainSettings, leaves_out_single_samples, round_seed, steps_per_round,
+    LocalResult, TrainContext, TrainSettings, leaves_out_single_samples, round_seed, steps_per_round,
     train_round,
 )
 from shared.algorithms.base import DeviceLogic, Payload, parse_payload, trainable_parameters

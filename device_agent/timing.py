@@ -1,12 +1,14 @@
 """A device's round clock: measured compute and transfer time, stretched to an emulated kind."""
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
 from device_agent.compute import Compute
+from device_agent.task_expired import TaskExpired
 from shared.profiles import EmulatedKind
 
 T = TypeVar("T")
@@ -33,8 +35,11 @@ class RoundClock:
     """
 
     def __init__(self, kind: EmulatedKind | None, time_scale: float = 1.0, cpu_time: bool = False,
-                 emulate_links: bool = True) -> None:
+                 emulate_links: bool = True, taken_out: threading.Event | None = None) -> None:
         self.kind = kind
+        #: Set when the Fed Server closed the task's attempt without the device's upload: an
+        #: emulated transfer stops there, as a real device's download does (:meth:`transfer`).
+        self.taken_out = taken_out
         self.emulate_links = emulate_links
         self.time_scale = time_scale
         self.cpu_time = cpu_time
@@ -82,11 +87,17 @@ class RoundClock:
         return (cpu_s if self.cpu_time else wall_s) * (self.stretch_factor() - 1.0)
 
     def transfer(self, num_bytes: int, measured_s: float = 0.0) -> None:
-        """Account a message: the measured network time plus the emulated delay for its size."""
+        """Account a message: the measured network time plus the emulated delay for its size.
+        :class:`TaskExpired` where ``taken_out`` is set before the delay ends: the emulated link
+        is given up, as a real one is (:meth:`shared.http_client.SyncClient.call`'s ``cancelled``)."""
         delay = (self.kind.transfer_delay(num_bytes, self.time_scale)
                  if self.kind is not None and self.emulate_links else 0.0)
         if delay > 0:
-            time.sleep(delay)
+            if self.taken_out is None:
+                time.sleep(delay)
+            elif self.taken_out.wait(delay):
+                raise TaskExpired(f"the Fed Server closed the task's attempt during an emulated transfer of "
+                                  f"{num_bytes:,} bytes")
         self.transfer_s += max(0.0, measured_s) + delay
 
     def server_time(self, wait_s: float, server_s: float) -> None:

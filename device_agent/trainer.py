@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from device_agent.compute import Compute, InlineCompute
+from device_agent.task_expired import TaskExpired
 from device_agent.timing import RoundClock
 from shared.algorithms.base import DeviceLogic, Payload
 from shared.algorithms.privacy_defence import PrivacyDefence, private_generator
@@ -36,11 +37,6 @@ class UShapedSteps(Protocol):
         """Send the gradient at the middle's output; return the gradient at the cut (dfx, of the
         activations' shape ``expect_shape``)."""
         ...
-
-
-class TaskExpired(Exception):
-    """The task's deadline passed before training finished: the Fed Server has closed that
-    attempt, so finishing it would only load the machine and upload a stale model."""
 
 
 @dataclass

@@ -9,13 +9,17 @@ that has work its task, once. Finding that work is O(round size), not O(idle dev
 
 A device's own task poll (``GET /v1/devices/{device_id}/task``) is unchanged and may be used
 beside a session: a single device, and a device asking for the follow-up of its own task, speak
-it. The session holds nothing that cannot be lost: a session not asked for
+it. When an attempt closes, the devices a session handed its training tasks that did not upload
+(cut at a deadline, or still at work) are named in the session's next answer (``ended``): their
+agent gives those tasks up, rather than go on downloading weights nobody will train from. The
+session holds nothing that cannot be lost: a session not asked for
 :data:`SESSION_IDLE_S` is forgotten (its agent stopped), and an agent whose session is new to the
 server (``new_session``: the server restarted or forgot it) adds its idle devices again.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fed_server.enrolment import DeviceEnrolment
@@ -36,6 +40,7 @@ SEEN_EVERY_S = 5.0
 @dataclass
 class _Session:
     idle: dict[str, str | None] = field(default_factory=dict)   # device id -> the token it was added with
+    ended: dict[str, int] = field(default_factory=dict)          # device id -> attempt it is to give up, untold
     asked_at: float = field(default_factory=time.monotonic)
     seen_at: float = float("-inf")   # when its idle devices were last marked seen
 
@@ -48,6 +53,9 @@ class AgentSessions:
         self.dispatch = dispatch
         self.enrolment = enrolment
         self._sessions: dict[str, _Session] = {}
+        # Device id -> (agent id, attempt) of the training task a session handed it, until the
+        # device is added as idle again or the attempt closes without its upload.
+        self._busy: dict[str, tuple[str, int]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -76,14 +84,38 @@ class AgentSessions:
                                                     f"{device.device_id!r}: the device enrolled again")
             else:
                 session.idle[device.device_id] = device.token
+                self._busy.pop(device.device_id, None)
         if now - session.seen_at >= SEEN_EVERY_S:   # an idle device whose agent asks is alive (the active-device
             devices.seen(session.idle)             # gauge): marked now and then, not at every request
             session.seen_at = now
-        answer.tasks = await self.core.work_posted.hold(lambda: self._hand_out(session, auth_enabled), bool,
-                                                        req.wait_s)
+        answer.tasks, answer.ended = await self.core.work_posted.hold(
+            lambda: (self._hand_out(agent_id, session, auth_enabled), self._take_ended(session)),
+            lambda found: bool(found[0] or found[1]), req.wait_s)
         return answer
 
-    def _hand_out(self, session: _Session, auth_enabled: bool) -> list[DeviceTask]:
+    def attempt_over(self, devices: Iterable[str], round_id: int) -> None:
+        """Attempt ``round_id`` closed without the uploads of ``devices``: each one a session handed
+        that attempt's task is named in its session's next answer (``ended``), woken now."""
+        told = False
+        for device_id in devices:
+            held = self._busy.get(device_id)
+            if held is None or held[1] != round_id:
+                continue
+            del self._busy[device_id]
+            session = self._sessions.get(held[0])
+            if session is not None:
+                session.ended[device_id] = round_id
+                told = True
+        if told:
+            self.core.work_posted.post()
+
+    @staticmethod
+    def _take_ended(session: _Session) -> dict[str, int]:
+        """The session's untold ``ended`` devices, told now."""
+        ended, session.ended = session.ended, {}
+        return ended
+
+    def _hand_out(self, agent_id: str, session: _Session, auth_enabled: bool) -> list[DeviceTask]:
         """The tasks of the session's idle devices that have work, each taken out of the idle set.
         A device whose token was replaced since it was added is dropped: its agent adds it again
         with the new one."""
@@ -95,8 +127,10 @@ class AgentSessions:
             task = self.dispatch.task_for(device_id)
             if task.status == "wait":
                 session.idle[device_id] = token
-            else:
-                tasks.append(DeviceTask(device_id=device_id, task=task))
+                continue
+            tasks.append(DeviceTask(device_id=device_id, task=task))
+            if task.status == "train" and task.round_id is not None:
+                self._busy[device_id] = (agent_id, task.round_id)
         return tasks
 
     def _forget_idle(self, now: float) -> None:

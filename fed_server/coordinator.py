@@ -170,6 +170,7 @@ class Coordinator:
         fed_round, self.core.round = self.core.round, None
         fed_round.closed_at = time.monotonic()
         self.dispatch.release_task_weights()   # the model is about to change
+        self.agents.attempt_over(set(fed_round.assignments) - set(fed_round.updates), fed_round.round_id)
         return fed_round
 
     def aggregate_round(self, fed_round: FedRound) -> Aggregation:

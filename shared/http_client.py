@@ -7,7 +7,7 @@ what the run's communication figures report.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -114,6 +114,10 @@ async def post_body(client: httpx.AsyncClient, url: str, body: Body) -> httpx.Re
     return await client.post(url, content=pieces(), headers=headers)
 
 
+class Cancelled(RuntimeError):
+    """The caller gave a call up while its answer was arriving (:meth:`SyncClient.call`'s ``cancelled``)."""
+
+
 class SyncClient:
     """Blocking msgpack client for one base URL, counting body bytes."""
 
@@ -129,10 +133,12 @@ class SyncClient:
 
     def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
              params: dict | None = None, timeout: float | None = None, headers: dict | None = None,
-             retries: int | None = None) -> M:
+             retries: int | None = None, cancelled: Callable[[], bool] | None = None) -> M:
         """Send ``body`` (msgpack) and decode the answer; retries only on connection failures, as
         often as the client's ``retries`` or, for this call, ``retries`` (0: a caller that waits
-        for the server on its own schedule, and logs it its own way)."""
+        for the server on its own schedule, and logs it its own way). With ``cancelled``, the answer
+        is read as it arrives, and once ``cancelled()`` is true the connection is closed and
+        :class:`Cancelled` raised: a large answer over a slow link is not read to its end for nothing."""
         # The body goes out as its pieces, the tensors' bytes straight from their snapshots (see
         # shared.wire.Body); its length must be given, or httpx would send it chunked (a copy).
         content = pack_body(body.model_dump()) if body is not None else None
@@ -141,13 +147,32 @@ class SyncClient:
         request_timeout = timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
         if self.request_delay_s > 0:
             time.sleep(self.request_delay_s)
-        resp = retry(lambda: self._http.request(method, path, content=content, params=params, headers=headers,
-                                                timeout=request_timeout),
+        request = self._http.build_request(method, path, content=content, params=params, headers=headers,
+                                           timeout=request_timeout)
+        resp = retry(lambda: self._receive(request, cancelled),
                      self.backoff if retries is None else replace(self.backoff, attempts=retries + 1),
                      (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")
         self.bytes.up += len(content or b"")
         self.bytes.down += len(resp.content)
         return decode_response(resp, model)
+
+    def _receive(self, request: httpx.Request, cancelled: Callable[[], bool] | None) -> httpx.Response:
+        """Send ``request`` and read its answer whole; with ``cancelled``, piece by piece as it
+        arrives, asking before each piece (:meth:`call`)."""
+        if cancelled is None:
+            return self._http.send(request)
+        resp = self._http.send(request, stream=True)
+        try:
+            received = bytearray()
+            for piece in resp.iter_bytes():
+                if cancelled():
+                    self.bytes.down += len(received)
+                    raise Cancelled(f"{request.method} {request.url}: given up after {len(received):,} bytes of the "
+                                    f"answer")
+                received += piece
+        finally:
+            resp.close()   # an answer not read to its end closes its connection
+        return httpx.Response(resp.status_code, headers=resp.headers, content=bytes(received), request=request)
 
     def set_token(self, token: str | None) -> None:
         """Send ``Authorization: Bearer <token>`` with every call from now on."""

@@ -328,12 +328,16 @@ class AgentTaskResponse(Message):
     for (it restarted): register them again. ``refused``: added devices whose token is not their
     current one (device id -> why): another registration replaced it. ``new_session``: this request
     opened the session (the first request, or the Fed Server restarted or forgot a session idle for
-    :data:`fed_server.agent_sessions.SESSION_IDLE_S`): idle devices added before are not in it."""
+    :data:`fed_server.agent_sessions.SESSION_IDLE_S`): idle devices added before are not in it.
+    ``ended``: devices the session handed a training task whose attempt closed without their upload
+    (device id -> the attempt's ``round_id``): nothing they send for it will be taken, so the agent
+    gives that task up, its weights' download included, rather than finish it over a slow link."""
 
     tasks: list[DeviceTask] = []
     unknown: list[DeviceId] = []
     refused: dict[DeviceId, str] = {}
     new_session: bool = False
+    ended: dict[DeviceId, int] = {}
 
 
 class ReportRequest(Message):

@@ -12,7 +12,7 @@ import pytest
 
 from device_agent.clients import HttpFedClient, main_connector
 from device_agent.device import Device
-from device_agent.trainer import TaskExpired
+from device_agent.task_expired import TaskExpired
 from fed_server.recorder import FAULT_PAUSE_ENV
 from fed_server.run_dir import RunDirectory
 from integration_support import read_metrics, server_pair, small_config, wait_for
@@ -219,3 +219,20 @@ def test_device_gives_up_a_task_whose_deadline_passed():
             device.run_task(task, size, received_at)
         status = _fed_status(servers)
         assert device.tasks_trained == 0 and status["rounds_done"] == 0
+
+
+def test_a_device_cut_at_its_own_deadline_gives_its_task_up_when_the_attempt_closes(run_testbed):
+    # FedAvg, two High devices and one Low, transfers at half the kinds' rates: the Low device's
+    # download of the whole model (about 6.9 MB at 0.5 MB/s, 14 s) outlasts its own deadline
+    # (twice the Highs' rounds of a few seconds, plus a second). The attempt closes without it;
+    # its agent's session names it (``ended``) and the device gives its emulated transfer up there,
+    # rather than sleep through it and meet its next task late.
+    config = small_config(algorithm="fedavg", rounds=2, **{"data.num_devices": 3, "data.max_samples": 300,
+                                                           "devices.profiles": ["high", "high", "low"],
+                                                           "devices.time_scale": 0.5})
+    status, metrics, run_dir = run_testbed(config)
+    assert status["state"] == "finished", status
+    assert metrics[0]["left"] == {"dev-002": "no upload by its own deadline"}, metrics[0]["left"]
+    log = (run_dir / "logs" / "agent-0.log").read_text()
+    assert ("dev-002: round 1 (attempt 1) abandoned: the Fed Server closed the task's attempt during an emulated "
+            "transfer of ") in log, log[-3000:]

@@ -33,6 +33,7 @@ class FakeDevice:
         self.fed = FakeClient()
         self.handled: list[str] = []
         self.registrations = 0
+        self.taken_out_of: list[int] = []
 
     @property
     def token(self) -> str | None:
@@ -42,6 +43,9 @@ class FakeDevice:
         assert task_bytes > 0
         self.handled.append(task.status)
         return task.status == "done"
+
+    def taken_out(self, round_id: int) -> None:
+        self.taken_out_of.append(round_id)
 
     def registration(self) -> RegisterRequest:
         return RegisterRequest(device_id=self.device_id, shard=0, num_samples=1, profile=DeviceProfileMsg(flops=1))
@@ -241,3 +245,15 @@ def test_a_device_asked_to_register_later_registers_once_its_retry_after_has_pas
     server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d1"])
     assert time.monotonic() - asked >= 0.3
     assert failures == [] and _flat(server.batches).count("d1") == 2 and devices[1].registrations == 1
+
+
+def test_a_device_whose_attempt_ended_without_its_upload_is_told_to_give_its_task_up():
+    server, devices = FakeServer(), [FakeDevice("d0"), FakeDevice("d1")]
+    session, failures = _session(server, devices)
+    for device in devices:
+        session.register(device)
+    server.wait_added(lambda added: sorted(_flat(added)) == ["d0", "d1"])
+    server.answers.put(AgentTaskResponse(ended={"d1": 7, "not-ours": 7}))
+    server.answers.put(AgentTaskResponse(tasks=[_task(d.device_id, "done") for d in devices]))
+    assert session.ended.wait(WAIT) and failures == []
+    assert devices[0].taken_out_of == [] and devices[1].taken_out_of == [7]

@@ -13,7 +13,7 @@ from shared.data import ArrayDataset
 from shared.models import build_model, model_fingerprint
 from shared.portions import load_portion, portion_state
 from shared.profiles import EmulatedKind, TimeScale, auto_time_scale, parse_kind
-from shared.schemas import RunInfo
+from shared.schemas import RunInfo, TaskResponse
 
 
 def _device(keep_model: bool, model: str = "cnn", kind: EmulatedKind | None = None,
@@ -64,7 +64,7 @@ def test_model_is_released_after_a_task_only_without_keep_model(keep_model):
 
     device.trainer.train = fail
     with pytest.raises(RuntimeError):
-        device.run_task(None, 0, 0.0)
+        device.run_task(TaskResponse(status="train", round_id=1), 0, 0.0)
     assert device.model is (kept if keep_model else None)
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from device_agent.api import Unreachable
 from device_agent.device import Device
+from device_agent.task_expired import TaskExpired
 from shared.algorithms.registry import ALGORITHMS
 from shared.config import TrainConfig
 from shared.data import DataSpec, device_shard, load_dataset
@@ -89,7 +90,7 @@ class FakeFed:
             raise answer
         return answer, len(packb(answer.model_dump()))
 
-    def weights(self, device_id: str, weights_id: str) -> tuple[WeightsResponse, int]:
+    def weights(self, device_id: str, weights_id: str, cancelled=None) -> tuple[WeightsResponse, int]:
         self.fetched.append(weights_id)
         answer = PUBLISHED[weights_id]
         return answer, len(packb(answer.model_dump()))
@@ -343,7 +344,7 @@ def test_a_final_model_that_cannot_be_fetched_ends_the_device_cleanly(caplog):
     blocks = len(build_model("cnn").blocks)
 
     class Gone(FakeFed):
-        def weights(self, device_id: str, weights_id: str):
+        def weights(self, device_id: str, weights_id: str, cancelled=None):
             raise Unreachable("connection refused")
 
     device = _device(Gone([TaskResponse(status="done", num_blocks=blocks, weights_id="f" * 32)]), [], blocks)
@@ -473,6 +474,28 @@ def test_a_task_past_its_deadline_is_given_up_without_a_withdrawal(caplog):
     _device(fed, [], len(build_model("cnn").blocks)).run()
     (line,) = _problems(caplog)
     assert line.getMessage() == "dev-003: round 1 (attempt 1) abandoned: deadline passed before the task started"
+    assert fed.withdrawals == [] and [u.round_id for u in fed.uploads] == [2]
+
+
+def test_a_task_whose_attempt_the_fed_server_closed_gives_up_its_weights_download_without_a_withdrawal(caplog):
+    # The download stands for one over a link that slowed down: it goes on until the device is
+    # told the attempt closed without it (its agent's session: Device.taken_out), then gives up.
+    class SlowLink(FakeFed):
+        def weights(self, device_id: str, weights_id: str, cancelled=None) -> tuple[WeightsResponse, int]:
+            if not self.fetched:   # the first task's weights
+                self.fetched.append(weights_id)
+                device.taken_out(2)   # another attempt's close: not this task's
+                device.taken_out(1)
+                assert cancelled is not None and cancelled()
+                raise TaskExpired("the Fed Server closed the task's attempt; its weights' download was given up")
+            assert cancelled is not None and not cancelled()   # the next task's download is its own
+            return super().weights(device_id, weights_id, cancelled)
+
+    fed = SlowLink([_full(1), _full(2), TaskResponse(status="done")])
+    device = _device(fed, [], len(build_model("cnn").blocks))
+    device.run()
+    (line,) = _problems(caplog)
+    assert line.getMessage().startswith("dev-003: round 1 (attempt 1) abandoned: the Fed Server closed the task's attempt")
     assert fed.withdrawals == [] and [u.round_id for u in fed.uploads] == [2]
 
 

@@ -1,10 +1,12 @@
 """The device's round clock: what a transfer costs on an emulated link and on a real one."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from device_agent.task_expired import TaskExpired
 from device_agent.timing import RoundClock
 from shared.profiles import parse_kind
 
@@ -15,6 +17,19 @@ def test_an_emulated_link_sleeps_and_charges_the_kinds_delay_beside_what_was_mea
     clock.transfer(2_000_000, measured_s=0.05)
     assert time.monotonic() - started >= 0.2
     assert clock.transfer_s == pytest.approx(0.05 + 0.2)
+
+
+def test_an_emulated_transfer_stops_when_the_attempt_is_closed_without_the_device():
+    taken_out = threading.Event()
+    clock = RoundClock(parse_kind("low"), time_scale=1.0, taken_out=taken_out)   # 1e6 B/s
+    clock.transfer(100_000)   # 0.1 s, not interrupted
+    assert clock.transfer_s == pytest.approx(0.1)
+    threading.Timer(0.2, taken_out.set).start()
+    started = time.monotonic()
+    with pytest.raises(TaskExpired, match="closed the task's attempt during an emulated transfer of 60,000,000 bytes"):
+        clock.transfer(60_000_000)   # 60 s, given up when the event is set
+    assert time.monotonic() - started < 30
+    assert clock.transfer_s == pytest.approx(0.1)   # what was given up is not charged
 
 
 @pytest.mark.parametrize("kind", ["low", None])

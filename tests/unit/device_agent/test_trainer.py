@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from device_agent.compute import ComputeThreads
 from device_agent.timing import RoundClock
-from device_agent.trainer import TaskExpired, TrainContext, TrainSettings, batches, steps_per_round, train_round
+from device_agent.task_expired import TaskExpired
+from device_agent.trainer import TrainContext, TrainSettings, batches, steps_per_round, train_round
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.algorithms.base import DeviceLogic
 from shared.data import ArrayDataset

@@ -120,3 +120,43 @@ def test_a_finished_run_tells_every_idle_device_it_is_done(tmp_path):
     answer = _ask(c)
     assert sorted(t.device_id for t in answer.tasks) == DEVICES
     assert {t.task.status for t in answer.tasks} == {"done"}
+
+
+def test_an_attempt_closed_without_a_device_s_upload_is_named_once_in_its_session_s_next_answer(tmp_path):
+    c = _coordinator(tmp_path)
+    _ask(c, DEVICES)
+    fed_round = _open_round(c)
+    handed = sorted(t.device_id for t in _ask(c).tasks)
+    assert handed == sorted(fed_round.assignments) and len(handed) == 2
+    finished, still_at_work = handed
+    _ask(c, [finished])   # done with its task (added as idle again): its attempt is not its own to give up
+    c.close_round()
+    assert _ask(c).ended == {still_at_work: fed_round.round_id}
+    assert _ask(c).ended == {}   # told once
+
+
+def test_a_held_request_is_answered_when_an_attempt_ends_for_one_of_its_devices(tmp_path):
+    c = _coordinator(tmp_path)
+    _ask(c, DEVICES)
+    fed_round = _open_round(c)
+    handed = [t.device_id for t in _ask(c).tasks]
+
+    async def main() -> tuple[AgentTaskResponse, float]:
+        held = asyncio.create_task(c.agents.next_tasks(AGENT, AgentTaskRequest(wait_s=10), False))
+        await asyncio.sleep(0.1)
+        assert not held.done()
+        closed = time.monotonic()
+        c.close_round()
+        return await held, time.monotonic() - closed
+    answer, took = asyncio.run(main())
+    assert answer.ended == {d: fed_round.round_id for d in handed} and took < 1.0
+
+
+def test_only_the_attempt_a_device_was_handed_ends_its_task(tmp_path):
+    c = _coordinator(tmp_path)
+    _ask(c, DEVICES)
+    fed_round = _open_round(c)
+    handed = [t.device_id for t in _ask(c).tasks]
+    c.agents.attempt_over(handed, fed_round.round_id + 1)   # another attempt's close
+    c.agents.attempt_over([d for d in DEVICES if d not in handed], fed_round.round_id)   # devices not handed it
+    assert _ask(c).ended == {}

@@ -9,6 +9,7 @@ received: the framing headers and the raw body bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,9 +22,10 @@ import uvicorn
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 from starlette.background import BackgroundTask
+from starlette.responses import StreamingResponse
 
 from http_api.server import create_service_app, msgpack_response
-from shared.http_client import SyncClient, post_body
+from shared.http_client import Cancelled, SyncClient, post_body
 from shared.schemas import Message, StepRequest, WireTensor
 from shared.wire import encode_tensor, pack_body
 
@@ -53,6 +55,13 @@ def echo() -> Iterator[tuple[str, CollectorRegistry]]:
         return msgpack_response(Received(content_length=request.headers.get("content-length"),
                                          transfer_encoding=request.headers.get("transfer-encoding"), body=body))
 
+    with _served(app) as url:
+        yield url, registry
+
+
+@contextlib.contextmanager
+def _served(app) -> Iterator[str]:
+    """``app`` on a real uvicorn server on a loopback port, for the block; its URL."""
     # The socket listens before the server thread starts: a connection made at once waits in the
     # backlog until uvicorn accepts it, so nothing has to wait for the start-up.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -61,10 +70,12 @@ def echo() -> Iterator[tuple[str, CollectorRegistry]]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", registry
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 def test_the_client_sends_a_body_in_pieces_with_its_length(echo):
@@ -139,3 +150,61 @@ def test_an_answer_runs_the_background_tasks_fastapi_attaches_after_its_body():
 
     asyncio.run(response({"type": "http"}, None, send))
     assert events == ["http.response.start", "http.response.body", "background"]
+
+
+@pytest.fixture(scope="module")
+def slow() -> Iterator[tuple[str, list[int], threading.Event]]:
+    """A server whose ``/slow`` answer is 40 pieces of 64 KiB, 50 ms apart (2 s in all): the
+    pieces it sent, and an event set when its answer stopped (finished or cut off)."""
+    app = create_service_app("slow", "slow", "slow", registry=CollectorRegistry())
+    sent: list[int] = []
+    stopped = threading.Event()
+
+    @app.get("/slow")
+    async def _slow():
+        async def pieces():
+            try:
+                for i in range(40):
+                    sent.append(i)
+                    yield b"\0" * 65536
+                    await asyncio.sleep(0.05)
+            finally:
+                stopped.set()
+        return StreamingResponse(pieces(), media_type="application/msgpack")
+
+    with _served(app) as url:
+        yield url, sent, stopped
+
+
+def test_a_call_given_up_while_its_answer_arrives_closes_the_connection_and_counts_what_came(slow):
+    url, sent, stopped = slow
+    sent.clear()
+    stopped.clear()
+    asked: list[int] = []
+
+    def cancelled() -> bool:   # given up once three pieces have been asked about
+        asked.append(1)
+        return len(asked) > 3
+
+    client = SyncClient(url, retries=0)
+    try:
+        with pytest.raises(Cancelled, match="given up after"):
+            client.call("GET", "/slow", Received, cancelled=cancelled)
+        assert 0 < client.bytes.down < 40 * 65536
+    finally:
+        client.close()
+    # The server saw the connection close and stopped sending: it never sent the answer's end.
+    assert stopped.wait(10)
+    assert len(sent) < 40
+
+
+def test_a_call_that_is_never_cancelled_reads_its_answer_whole(echo):
+    url, _ = echo
+    req = _step_request()
+    client = SyncClient(url, retries=0)
+    try:
+        got = client.call("POST", "/echo", Received, req, cancelled=lambda: False)
+    finally:
+        client.close()
+    assert got.body == msgpack.packb(req.model_dump(), use_bin_type=True)
+    assert client.bytes.down == len(msgpack.packb(got.model_dump(), use_bin_type=True))
