@@ -38,7 +38,12 @@ Decisions where the paper is silent (documented here, in the methods and in docs
   within the table's noise of each other (the spread at most ``2 * noise`` times its smallest
   time; :meth:`ClientTimeTable.noise`), or all at most ``m /`` :data:`FAR_BELOW`, gets its deepest
   candidate (more layers on the device, less work for the Main Server: it is off the critical
-  path at every split). Otherwise ties in ``|t - m|`` (within 1e-9 relative) go to the larger ``j``.
+  path at every split). Otherwise ties in ``|t - m|`` (within 1e-9 relative) go to the larger ``j``;
+* **the bottleneck cap** (``bottleneck_cap``, on by default): the round lasts at least as long as
+  its slowest device at that device's cheapest candidate, ``b = max_d min_j t(d, j)``. A device is
+  chosen among its candidates that read at most ``b * (1 + noise)`` (never empty: its cheapest
+  reads at most ``b``), so the median rule balances the devices below the bottleneck and never
+  makes one of them a new, longer one. The paper's rule as written: ``bottleneck_cap=False``.
 """
 
 from __future__ import annotations
@@ -187,7 +192,8 @@ class ClientTimeTable:
     """Per-device, per-split-candidate running average of measured round times (seconds), in
     their parts, with each device's link and compute levels and its censored entries."""
 
-    def __init__(self, num_candidates: int = 3, smoothing: float = 0.5, warm_up: str = "every_split") -> None:
+    def __init__(self, num_candidates: int = 3, smoothing: float = 0.5, warm_up: str = "every_split",
+                 bottleneck_cap: bool = True) -> None:
         if int(num_candidates) < 1:
             raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
         if not (0.0 < float(smoothing) <= 1.0):
@@ -197,6 +203,7 @@ class ClientTimeTable:
         self.num_candidates = int(num_candidates)
         self.smoothing = float(smoothing)
         self.warm_up = warm_up
+        self.bottleneck_cap = bool(bottleneck_cap)
         # Cells as measured, divided by the device's levels of when they were measured.
         self._cells: dict[str, dict[int, RoundParts]] = {}
         self._levels: dict[str, tuple[float, float]] = {}        # device -> (link, compute)
@@ -392,20 +399,23 @@ class ClientTimeTable:
             row[j] = max(row.get(j, waited), waited)
         return row
 
-    def _pick(self, device: str, row: Mapping[int, float], m: float, noise: float) -> int:
-        """One device's candidate: after a cut, its cheapest that fits; where the median says
-        nothing (its times within noise of each other, or all far below ``m``), its deepest; else
-        the paper's closest to ``m``, ties to the larger ``j``."""
+    def _pick(self, device: str, row: Mapping[int, float], m: float, noise: float, cap: float) -> int:
+        """One device's candidate: after a cut, its cheapest that fits; else among those that read at
+        most ``cap * (1 + noise)`` (the bottleneck cap; ``cap`` infinite: all), where the median says
+        nothing (its times within noise of each other, or all far below ``m``), its deepest; else the
+        paper's closest to ``m``, ties to the larger ``j``."""
         censored = self._censored.get(device)
         if censored:
             limit = max(censored.values())
             fits = {j: t for j, t in row.items() if j not in censored and t < limit}
             return _cheapest(fits or row)
+        # Never empty: the device's own cheapest time is at most the cap.
+        allowed = [j for j in sorted(row) if row[j] <= cap * (1.0 + noise)]
         times = list(row.values())
         if max(times) - min(times) <= 2.0 * noise * min(times) or max(times) * FAR_BELOW <= m:
-            return max(row)
+            return allowed[-1]
         best_j, best_gap = -1, math.inf
-        for j in sorted(row):  # ascending, so a (near-)tie replaces with the larger j
+        for j in allowed:  # ascending, so a (near-)tie replaces with the larger j
             gap = abs(row[j] - m)
             if gap <= best_gap + 1e-9 * max(1.0, abs(m)):
                 best_j, best_gap = j, min(gap, best_gap)
@@ -425,6 +435,7 @@ class ClientTimeTable:
         ``j = round_index - 1``. Later rounds: each device's row (:meth:`row`: measured, scaled
         by ``terms`` from its measured cell, ``estimate(device, j) * calibration``, the others'
         median for ``j``); ``m`` = median of the known times of all ``len(devices) * K`` cells;
+        the bottleneck ``b`` = the largest of the devices' cheapest times (where ``bottleneck_cap``);
         each device's candidate by :meth:`_pick`. Deterministic.
         """
         if int(round_index) < 1:
@@ -442,4 +453,5 @@ class ClientTimeTable:
             return {d: cycle_j for d in devs}
         m = float(np.median(known))
         noise = self.noise()
-        return {d: self._pick(d, rows[d], m, noise) if rows[d] else cycle_j for d in devs}
+        cap = max(min(row.values()) for row in rows.values() if row) if self.bottleneck_cap else math.inf
+        return {d: self._pick(d, rows[d], m, noise, cap) if rows[d] else cycle_j for d in devs}

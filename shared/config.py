@@ -68,6 +68,11 @@ class SplitConfig(_Strict):
     # ``estimated``, one round at the first candidate, then the rule on the measured cells and Eq. 1
     # estimates of the others (a device tries a candidate only when the rule picks it).
     warm_up: Literal["every_split", "estimated"] = "every_split"
+    # The median rule never gives a device a split slower than the round's bottleneck (the largest
+    # of the selected devices' cheapest times, within the table's noise): it balances the devices
+    # below the slowest one instead of lengthening the round (fed_server/time_table.py). False:
+    # the paper's rule as written.
+    bottleneck_cap: bool = True
     # Device id -> the split point it always gets (one of the candidates; checked by
     # shared/run_config.py), whatever the sliding split would choose: a board that cannot hold
     # more layers, or a run with a fixed split per device to compare with.

@@ -9,8 +9,9 @@ import pytest
 from fed_server.time_table import CHANGE_RATIO, ClientTimeTable, DeviceProfile, SplitCostView, eq1_time
 
 
-def table_from(rows: dict[str, list[float]], k: int = 3, warm_up: str = "estimated") -> ClientTimeTable:
-    tt = ClientTimeTable(num_candidates=k, warm_up=warm_up)
+def table_from(rows: dict[str, list[float]], k: int = 3, warm_up: str = "estimated",
+               bottleneck_cap: bool = True) -> ClientTimeTable:
+    tt = ClientTimeTable(num_candidates=k, warm_up=warm_up, bottleneck_cap=bottleneck_cap)
     for dev, times in rows.items():
         for j, sec in enumerate(times):
             tt.record(dev, j, sec)
@@ -73,17 +74,45 @@ def test_median_rule_hand_built_table():
 
 
 def test_median_uses_only_the_rounds_devices():
-    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12]})
+    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12]}, bottleneck_cap=False)
     # fast + mid only: 1 2 2 3 4 6 -> m = (2+3)/2 = 2.5
     # fast: gaps 1.5, 0.5, 0.5 -> tie between j=1 and j=2 -> larger j = 2
     # mid:  gaps 0.5, 1.5, 3.5 -> j=0
     assert tt.choose(5, ["fast", "mid"]) == {"fast": 2, "mid": 0}
 
 
+def test_the_bottleneck_cap_keeps_every_device_at_or_below_the_slowest_device_s_cheapest_time():
+    rows = {"fast": [1, 2, 3], "mid": [2, 4, 6], "slow": [4, 8, 12]}
+    # The paper's own example is below its bottleneck already (slow's cheapest, 4 s): unchanged.
+    assert table_from(rows).choose(4, ["fast", "mid", "slow"]) == {"fast": 2, "mid": 1, "slow": 0}
+    # fast + mid: the paper's rule gives fast j=2 (3 s) while mid's cheapest is 2 s; the cap
+    # (2 s x 1.1, the default noise) leaves fast j=0 and j=1, and of those j=1 is closest to 2.5.
+    assert table_from(rows).choose(5, ["fast", "mid"]) == {"fast": 1, "mid": 0}
+
+
+def test_a_slow_link_s_high_median_does_not_send_a_fast_device_past_the_bottleneck():
+    # High's slow link raises the median to 4.27 s; the paper's rule then gives Mid its deepest
+    # split (5.2 s), the round's longest time, where High's own cheapest is 4.27 s.
+    rows = {"low": [3.9, 2.95, 10.4], "mid": [2.07, 1.6, 5.2], "high": [7.0, 4.27, 20.0]}
+    paper = table_from(rows, bottleneck_cap=False).choose(4, list(rows))
+    capped = table_from(rows).choose(4, list(rows))
+    assert paper == {"low": 0, "mid": 2, "high": 1}
+    assert capped == {"low": 0, "mid": 0, "high": 1}
+    assert max(rows[d][j] for d, j in capped.items()) == 4.27 < max(rows[d][j] for d, j in paper.items())
+
+
+def test_a_row_within_noise_gets_its_deepest_split_under_the_bottleneck():
+    # host's row is flat (spread 0.15 s within 2 x 0.1 of 1.0 s); the bottleneck is its own
+    # cheapest, 1.0 s, so j=2 (1.15 s, past 1.1 s) would lengthen the round: j=1.
+    rows = {"host": [1.0, 1.1, 1.15], "other": [0.5, 0.6, 0.9]}
+    assert table_from(rows, bottleneck_cap=False).choose(4, list(rows))["host"] == 2
+    assert table_from(rows).choose(4, list(rows))["host"] == 1
+
+
 def test_ties_go_to_larger_j():
     # K=2. A: 3, 5; B: 1, 7 -> sorted 1 3 5 7 -> m = 4.
     # A: |3-4| = |5-4| = 1 -> tie -> j=1; B: |1-4| = |7-4| = 3 -> tie -> j=1.
-    tt = table_from({"A": [3, 5], "B": [1, 7]}, k=2)
+    tt = table_from({"A": [3, 5], "B": [1, 7]}, k=2, bottleneck_cap=False)
     assert tt.choose(3, ["A", "B"]) == {"A": 1, "B": 1}
 
 
@@ -122,7 +151,8 @@ def test_record_rejects_bad_candidate_and_bad_config():
 
 
 def test_estimate_scaled_by_calibration_for_unmeasured_device():
-    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6]})
+    # The paper's rule as written: what is checked is how "new" is priced.
+    tt = table_from({"fast": [1, 2, 3], "mid": [2, 4, 6]}, bottleneck_cap=False)
     est = {"fast": [0.5, 1, 1], "mid": [1, 2, 2], "new": [2, 4, 6]}
 
     def estimate(dev: str, j: int) -> float:
@@ -138,7 +168,7 @@ def test_estimate_scaled_by_calibration_for_unmeasured_device():
     exact = {"fast": [1, 2, 3], "mid": [2, 4, 6], "new": [2, 4, 6]}  # ratios all 1 -> calibration 1
     assert tt.calibration(lambda d, j: exact[d][j]) == pytest.approx(1.0)
     assert tt.choose(4, ["fast", "mid", "new"], lambda d, j: exact[d][j]) == {"fast": 2, "mid": 1, "new": 1}
-    uncal = ClientTimeTable(num_candidates=3)
+    uncal = ClientTimeTable(num_candidates=3, bottleneck_cap=False)
     assert uncal.calibration(estimate) == 1.0  # empty table -> 1.0
     assert uncal.choose(4, ["new"], estimate) == {"new": 1}  # (2, 4, 6) -> m = 4 -> j=1
 
@@ -223,13 +253,13 @@ def test_an_unmeasured_device_cycles_through_every_candidate_in_later_rounds():
 def test_near_ties_are_absolute_below_one_second_and_relative_above():
     # m = median(0.002, 0.0030000005, 0.0025, 0.0025) = 0.0025; device a's gaps 0.0005 and
     # 0.0005000005 differ by 5e-10, within the tolerance 1e-9 * max(1, m) = 1e-9: a tie -> j = 1.
-    small = table_from({"a": [0.002, 0.0030000005], "b": [0.0025, 0.0025]}, k=2)
+    small = table_from({"a": [0.002, 0.0030000005], "b": [0.0025, 0.0025]}, k=2, bottleneck_cap=False)
     assert small.choose(3, ["a", "b"])["a"] == 1
     # Scaled up (m = 2500 s) the tolerance is relative, 1e-9 * 2500 = 2.5e-6: gaps that differ by
     # 5e-7 tie (j = 1), gaps that differ by 5e-6 do not (j = 0, the closer one).
-    tied = table_from({"a": [2000.0, 3000.0000005], "b": [2500.0, 2500.0]}, k=2)
+    tied = table_from({"a": [2000.0, 3000.0000005], "b": [2500.0, 2500.0]}, k=2, bottleneck_cap=False)
     assert tied.choose(3, ["a", "b"])["a"] == 1
-    apart = table_from({"a": [2000.0, 3000.000005], "b": [2500.0, 2500.0]}, k=2)
+    apart = table_from({"a": [2000.0, 3000.000005], "b": [2500.0, 2500.0]}, k=2, bottleneck_cap=False)
     assert apart.choose(3, ["a", "b"])["a"] == 0
 
 
