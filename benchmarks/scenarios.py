@@ -28,7 +28,7 @@ Beside the scenarios, the warm-up comparison: the ``fast_device`` fleet with ``s
 estimated`` against its sliding run (the paper's warm-up): the time of the warm-up's rounds and the
 splits chosen after them.
 
-``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--docs docs/s2fl.md]``
+``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--paper-rule] [--docs docs/s2fl.md]``
 prints the table and writes ``benchmarks/results/<UTC date>_scenarios/results.json`` and
 ``results.md`` (rewritten after every run); ``--docs PAGE`` writes the table into PAGE between its
 scenario-table markers. ``python -m benchmarks.run --only j`` runs the same part.
@@ -309,10 +309,11 @@ def links_problem(mode: str) -> str | None:
 
 
 def run_config(scenario: Scenario, rounds: int, warm_up: str = "every_split", pinned: Mapping[str, int] | None = None,
-               patience: float = PATIENCE):
+               patience: float = PATIENCE, bottleneck_cap: bool = True):
     """The run of ``scenario``: the shaped-links claims' fleet (docs/real-links.md), one device of
     each kind, 100 IID samples each, every device in one group, deadlines at ``patience`` times the
-    slowest other device's time (``deadlines.patience``)."""
+    slowest other device's time (``deadlines.patience``), the median rule with its bottleneck cap
+    or (``bottleneck_cap`` False) as the paper writes it."""
     from shared.run_config import load_run_config
 
     return load_run_config({
@@ -322,7 +323,7 @@ def run_config(scenario: Scenario, rounds: int, warm_up: str = "every_split", pi
         "grouping": {"group_size": len(scenario.profiles)},
         "deadlines": {"round_s": 120, "join_s": 20, "step_s": 20, "patience": patience},
         "devices": {"profiles": list(scenario.profiles), "time_scale": TIME_SCALE},
-        "split": {"warm_up": warm_up, "pinned": dict(pinned or {})},
+        "split": {"warm_up": warm_up, "pinned": dict(pinned or {}), "bottleneck_cap": bottleneck_cap},
     })
 
 
@@ -388,10 +389,11 @@ def run_once(scenario: Scenario, config, run_dir: Path, real_links: bool) -> dic
 
 
 def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence[str] = SCENARIO_NAMES,
-        links: str = "auto", progress: Callable[[dict], object] | None = None, patience: float = PATIENCE) -> dict:
-    """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience``, and
-    the warm-up comparison where :data:`WARM_UP_FLEET` is among them; the results (see the module's
-    docstring)."""
+        links: str = "auto", progress: Callable[[dict], object] | None = None, patience: float = PATIENCE,
+        bottleneck_cap: bool = True) -> dict:
+    """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience`` and
+    ``split.bottleneck_cap`` ``bottleneck_cap``, and the warm-up comparison where
+    :data:`WARM_UP_FLEET` is among them; the results (see the module's docstring)."""
     from shared import machine
     from shared.models import build_model
 
@@ -403,7 +405,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
     candidates = list(build_model("cnn").split_points)
     results: dict = {"mode": "quick" if quick else "full", "machine": machine.describe_machine(),
                      "settings": {"rounds": rounds, "change_after": change_after, "links": "real" if real else "emulated",
-                                  "links_note": problem, "patience": patience, "time_scale": TIME_SCALE, "rtt_ms": RTT_MS if real else 0.0,
+                                  "links_note": problem, "patience": patience, "bottleneck_cap": bottleneck_cap,
+                                  "time_scale": TIME_SCALE, "rtt_ms": RTT_MS if real else 0.0,
                                   "goal_lost_rounds": GOAL_LOST_ROUNDS, "goal_time_ratio": GOAL_TIME_RATIO},
                      "scenarios": [], "warm_up": None}
     started = time.perf_counter()
@@ -414,17 +417,19 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
                            "profiles": list(scenario.profiles), "changes": [asdict(c) for c in scenario.changes],
                            "judged": scenario.judged(rounds), "runs": {}}
             log(f"{scenario.name}: sliding split")
-            entry["runs"]["sliding"] = run_once(scenario, run_config(scenario, rounds, patience=patience), Path(tmp) / f"{scenario.name}-sliding", real)
+            entry["runs"]["sliding"] = run_once(scenario, run_config(scenario, rounds, patience=patience, bottleneck_cap=bottleneck_cap), Path(tmp) / f"{scenario.name}-sliding", real)
             entry["pinned"] = choose_pinned(entry["runs"]["sliding"]["rounds"], scenario, rounds, candidates)
             log(f"{scenario.name}: pinned {entry['pinned']}")
-            entry["runs"]["pinned"] = run_once(scenario, run_config(scenario, rounds, pinned=entry["pinned"], patience=patience),
+            entry["runs"]["pinned"] = run_once(scenario, run_config(scenario, rounds, pinned=entry["pinned"], patience=patience,
+                                                                    bottleneck_cap=bottleneck_cap),
                                                Path(tmp) / f"{scenario.name}-pinned", real)
             entry["goals"] = judge(entry)
             entry["goals_missed"] = goals_missed(entry)
             results["scenarios"].append(entry)
             if scenario.name == WARM_UP_FLEET:
                 log(f"{scenario.name}: estimated warm-up")
-                estimated = run_once(scenario, run_config(scenario, rounds, warm_up="estimated", patience=patience),
+                estimated = run_once(scenario, run_config(scenario, rounds, warm_up="estimated", patience=patience,
+                                                            bottleneck_cap=bottleneck_cap),
                                      Path(tmp) / f"{scenario.name}-estimated", real)
                 every = entry["runs"]["sliding"]["rounds"]
                 results["warm_up"] = {"fleet": scenario.name, "every_split": entry["runs"]["sliding"],
@@ -505,6 +510,7 @@ def report(results: dict) -> str:
         f"load average {m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at the end",
         f"mode: {results['mode']}, {s['rounds']} rounds, changes after round {s['change_after']}, links {links}, "
         f"deadlines.patience {s['patience']:g}, "
+        f"{'' if s.get('bottleneck_cap', True) else 'split.bottleneck_cap false (the paper rule as written), '}"
         f"total {results.get('total_s', 0.0) / 60:.1f} min",
         f"goals: no changed device loses more than {s['goal_lost_rounds']} rounds; time to the sliding run's final "
         f"accuracy at most {s['goal_time_ratio']}x the best fixed split's (pinned from the sliding run's time table)",
@@ -544,6 +550,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--patience", type=float, default=PATIENCE,
                         help=f"deadlines.patience of every run: a device's own deadline over the slowest other "
                              f"device's time (at least 1; default {PATIENCE:g})")
+    parser.add_argument("--paper-rule", action="store_true",
+                        help="every run with split.bottleneck_cap false: the paper's median rule as written")
     add_name_option(parser, None, "scenarios, or scenarios_quick with --quick")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown table goes beside it with .md "
@@ -572,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or default_out(datetime.now(timezone.utc).isoformat(), name)
     print(f"results (rewritten after every scenario): {out}", flush=True)
     results = run(args.quick, lambda text: print(text, flush=True), args.scenarios, args.links,
-                  progress=lambda so_far: write(so_far, out, report), patience=args.patience)
+                  progress=lambda so_far: write(so_far, out, report), patience=args.patience,
+                  bottleneck_cap=not args.paper_rule)
     finish(results, out, report, args.docs, update_docs)
     return 0
 

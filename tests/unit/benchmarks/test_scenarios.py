@@ -10,7 +10,7 @@ from benchmarks import scenario_agent
 from benchmarks.result_files import replace_between
 from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, PATIENCE, Change, Scenario, Speeds, best_fixed, choose_pinned,
                                   fill_from_other_phases, goals_missed, judge, links_problem, lost_rounds,
-                                  parse_args, phase_cells, rounds_of, run_config, scenarios, split_line, table, time_to,
+                                  parse_args, phase_cells, report, rounds_of, run_config, scenarios, split_line, table, time_to,
                                   update_docs, warm_up_figures)
 from shared.profiles import parse_kind
 
@@ -186,6 +186,21 @@ def test_the_patience_option_sets_every_runs_deadlines_patience_and_refuses_one_
     scenario = scenarios(4)[0]
     assert run_config(scenario, 8).deadlines.patience == PATIENCE
     assert run_config(scenario, 8, pinned={"dev-000": 2}, patience=1.5).deadlines.patience == 1.5
+
+
+def test_the_paper_rule_option_runs_every_run_without_the_bottleneck_cap_and_says_so():
+    assert parse_args([]).paper_rule is False and parse_args(["--paper-rule"]).paper_rule is True
+    scenario = scenarios(4)[0]
+    assert run_config(scenario, 8).split.bottleneck_cap is True
+    assert run_config(scenario, 8, pinned={"dev-000": 2}, bottleneck_cap=False).split.bottleneck_cap is False
+    results = {"mode": "quick", "total_s": 60.0, "scenarios": [], "warm_up": None,
+               "machine": {"cpu_model": "CPU", "cpus_usable": 2, "cpu_count": 2, "date_utc": "2026-12-05T10:00:00",
+                           "load_average_at_start": [1.0], "load_average_at_end": [1.0]},
+               "settings": {"rounds": 2, "change_after": 1, "links": "real", "links_note": None, "patience": 1.2,
+                            "bottleneck_cap": False, "goal_lost_rounds": 2, "goal_time_ratio": 1.2}}
+    assert "split.bottleneck_cap false (the paper rule as written)" in report(results)
+    results["settings"]["bottleneck_cap"] = True
+    assert "bottleneck_cap" not in report(results)
 
 
 def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link_to_its_results(tmp_path):
