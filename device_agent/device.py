@@ -27,6 +27,7 @@ from device_agent.device_state import DeviceStates
 from device_agent.reports import UploadHook, abandon, report_evaluation, upload
 from device_agent.run_spec import check_run, wait_for_run
 from device_agent.step_exchange import MainConnector, MainLink
+from device_agent.task_expired import TaskExpired
 from device_agent.task_poll import TaskPoller
 from device_agent.task_training import TaskTrainer
 from device_agent.timing import RoundClock
@@ -402,22 +403,25 @@ class Device:
         try:
             with self._data_scope(), self.device_model.task_scope():
                 body = self.trainer.train(task, task_bytes, received_at)
+            if self._taken_out.is_set():   # an upload nobody will take, over a link that may be slow
+                raise TaskExpired("the Fed Server closed the task's attempt before the upload")
+            # Uploaded after the model is freed: its weights are in the body now, and the upload may
+            # wait on a Fed Server that is busy with the other devices' uploads.
+            upload(self.fed, task, body, received_at, self.on_upload)
         finally:
             self._running = None
             self._taken_out.clear()   # what the device fetches next is not this task's
-        # Uploaded after the model is freed: its weights are in the body now, and the upload may
-        # wait on a Fed Server that is busy with the other devices' uploads.
-        upload(self.fed, task, body, received_at, self.on_upload)
         if self.trainer.secure is not None:
             self.trainer.secure.answer_unmasking()
         self.tasks_trained += 1
 
     def taken_out(self, round_id: int) -> None:
         """The Fed Server closed attempt ``round_id`` without this device's upload (its agent's
-        session says so): if the device still runs that attempt's task, the download of its weights,
-        or an emulated transfer, is given up (:class:`device_agent.task_expired.TaskExpired`), so
-        that a link that slowed down is free for the device's next task rather than busy with
-        weights nobody will train from."""
+        session says so): if the device still runs that attempt's task, it gives it up
+        (:class:`device_agent.task_expired.TaskExpired`) where it is: the download of its weights, an
+        emulated transfer or compute stretch, the next step, or before the upload. A link that slowed
+        down is then free for the device's next task rather than busy with weights nobody will
+        train from."""
         if self._running is not None and self._running == round_id:
             self._taken_out.set()
 

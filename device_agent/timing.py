@@ -38,7 +38,8 @@ class RoundClock:
                  emulate_links: bool = True, taken_out: threading.Event | None = None) -> None:
         self.kind = kind
         #: Set when the Fed Server closed the task's attempt without the device's upload: an
-        #: emulated transfer stops there, as a real device's download does (:meth:`transfer`).
+        #: emulated transfer or compute stretch stops there, as a real device's download does
+        #: (:meth:`transfer`, :meth:`computed`), and the device checks it between steps.
         self.taken_out = taken_out
         self.emulate_links = emulate_links
         self.time_scale = time_scale
@@ -75,7 +76,7 @@ class RoundClock:
         thread, after the section has left any compute thread."""
         extra = self.stretch_of(wall_s, cpu_s)
         if extra > 0:
-            time.sleep(extra)
+            self._pause(extra, "an emulated compute stretch")
         self.compute_s += wall_s + extra
 
     def stretch_factor(self) -> float:
@@ -93,12 +94,20 @@ class RoundClock:
         delay = (self.kind.transfer_delay(num_bytes, self.time_scale)
                  if self.kind is not None and self.emulate_links else 0.0)
         if delay > 0:
-            if self.taken_out is None:
-                time.sleep(delay)
-            elif self.taken_out.wait(delay):
-                raise TaskExpired(f"the Fed Server closed the task's attempt during an emulated transfer of "
-                                  f"{num_bytes:,} bytes")
+            self._pause(delay, f"an emulated transfer of {num_bytes:,} bytes")
         self.transfer_s += max(0.0, measured_s) + delay
+
+    def check_taken_out(self) -> None:
+        """:class:`TaskExpired` once the Fed Server has closed the task's attempt without the device."""
+        if self.taken_out is not None and self.taken_out.is_set():
+            raise TaskExpired("the Fed Server closed the task's attempt")
+
+    def _pause(self, seconds: float, what: str) -> None:
+        """Sleep ``seconds`` of emulation; :class:`TaskExpired` as soon as the attempt is closed."""
+        if self.taken_out is None:
+            time.sleep(seconds)
+        elif self.taken_out.wait(seconds):
+            raise TaskExpired(f"the Fed Server closed the task's attempt during {what}")
 
     def server_time(self, wait_s: float, server_s: float) -> None:
         """Time the Main Server reports: barrier wait and server-side training."""

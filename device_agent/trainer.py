@@ -214,7 +214,9 @@ class _RoundTraining:
         return optimizer, self.logic.training_data(self.data), model_device(portion)
 
     def check_deadline(self, owed_s: float = 0.0) -> None:
-        """:class:`TaskExpired` once the deadline has passed (or will have, ``owed_s`` later)."""
+        """:class:`TaskExpired` once the deadline has passed (or will have, ``owed_s`` later), or
+        the Fed Server has closed the attempt without the device (:meth:`RoundClock.check_taken_out`)."""
+        self.context.clock.check_taken_out()
         deadline = self.context.deadline
         if deadline is not None and time.monotonic() + owed_s > deadline:
             raise TaskExpired(f"deadline passed after {self.steps} steps")

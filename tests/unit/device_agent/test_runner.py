@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from device_agent.api import Unreachable
 from device_agent.device import Device
 from device_agent.task_expired import TaskExpired
+from device_agent.task_training import TaskTrainer
 from shared.algorithms.registry import ALGORITHMS
 from shared.config import TrainConfig
 from shared.data import DataSpec, device_shard, load_dataset
@@ -496,6 +497,25 @@ def test_a_task_whose_attempt_the_fed_server_closed_gives_up_its_weights_downloa
     device.run()
     (line,) = _problems(caplog)
     assert line.getMessage().startswith("dev-003: round 1 (attempt 1) abandoned: the Fed Server closed the task's attempt")
+    assert fed.withdrawals == [] and [u.round_id for u in fed.uploads] == [2]
+
+
+def test_a_task_whose_attempt_closed_while_it_trained_is_not_uploaded(caplog, monkeypatch):
+    fed = FakeFed([_full(1), _full(2), TaskResponse(status="done")])
+    device = _device(fed, [], len(build_model("cnn").blocks))
+    train = TaskTrainer.train
+
+    def train_then_closed(trainer, task, task_bytes, received_at):
+        body = train(trainer, task, task_bytes, received_at)
+        if task.round_id == 1:
+            device.taken_out(1)   # the Fed Server closed attempt 1 as its training ended
+        return body
+
+    monkeypatch.setattr(TaskTrainer, "train", train_then_closed)
+    device.run()
+    (line,) = _problems(caplog)
+    assert line.getMessage() == ("dev-003: round 1 (attempt 1) abandoned: the Fed Server closed the task's attempt "
+                                 "before the upload")
     assert fed.withdrawals == [] and [u.round_id for u in fed.uploads] == [2]
 
 

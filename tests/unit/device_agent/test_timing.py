@@ -32,6 +32,16 @@ def test_an_emulated_transfer_stops_when_the_attempt_is_closed_without_the_devic
     assert clock.transfer_s == pytest.approx(0.1)   # what was given up is not charged
 
 
+def test_an_emulated_compute_stretch_stops_when_the_attempt_is_closed_without_the_device():
+    taken_out = threading.Event()
+    clock = RoundClock(parse_kind("low"), taken_out=taken_out)   # Low's compute stretch is over 1
+    threading.Timer(0.2, taken_out.set).start()
+    started = time.monotonic()
+    with pytest.raises(TaskExpired, match="closed the task's attempt during an emulated compute stretch"):
+        clock.computed(60.0 / (clock.stretch_factor() - 1.0), 0.0)   # a stretch of 60 s
+    assert time.monotonic() - started < 30
+
+
 @pytest.mark.parametrize("kind", ["low", None])
 def test_a_real_link_charges_only_what_was_measured(kind):
     # --links real (a shaped link as slow as the kind) or a real device: nothing is slept.

@@ -181,6 +181,16 @@ def test_train_round_past_its_deadline_gives_up_before_any_step(model):
                     TrainContext(RoundClock(None), deadline=time.monotonic() - 1.0))
 
 
+def test_train_round_whose_attempt_the_fed_server_closed_gives_up_at_its_next_step(model):
+    m = copy.deepcopy(model)
+    weights = _weights(m, len(m.blocks))
+    taken_out = threading.Event()
+    taken_out.set()
+    with pytest.raises(TaskExpired, match="the Fed Server closed the task's attempt"):
+        train_round(m, len(m.blocks), weights, _separable(), TrainSettings(0.05, 0.0, 0.0, 8, 1, 0),
+                    TrainContext(RoundClock(None, taken_out=taken_out), deadline=time.monotonic() + 60.0))
+
+
 def test_train_round_stops_when_its_deadline_passes_mid_round(model):
     m = copy.deepcopy(model)
     weights = _weights(m, len(m.blocks))
