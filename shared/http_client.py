@@ -163,16 +163,18 @@ class SyncClient:
             return self._http.send(request)
         resp = self._http.send(request, stream=True)
         try:
-            received = bytearray()
-            for piece in resp.iter_bytes():
+            # As they came over the wire (a compressed answer is decoded below, from its headers), and
+            # joined once at the end, as httpx joins an answer it reads whole: no larger peak.
+            pieces: list[bytes] = []
+            for piece in resp.iter_raw():
                 if cancelled():
-                    self.bytes.down += len(received)
-                    raise Cancelled(f"{request.method} {request.url}: given up after {len(received):,} bytes of the "
-                                    f"answer")
-                received += piece
+                    received = sum(map(len, pieces))
+                    self.bytes.down += received
+                    raise Cancelled(f"{request.method} {request.url}: given up after {received:,} bytes of the answer")
+                pieces.append(piece)
         finally:
             resp.close()   # an answer not read to its end closes its connection
-        return httpx.Response(resp.status_code, headers=resp.headers, content=bytes(received), request=request)
+        return httpx.Response(resp.status_code, headers=resp.headers, content=b"".join(pieces), request=request)
 
     def set_token(self, token: str | None) -> None:
         """Send ``Authorization: Bearer <token>`` with every call from now on."""

@@ -208,3 +208,21 @@ def test_a_call_that_is_never_cancelled_reads_its_answer_whole(echo):
         client.close()
     assert got.body == msgpack.packb(req.model_dump(), use_bin_type=True)
     assert client.bytes.down == len(msgpack.packb(got.model_dump(), use_bin_type=True))
+
+
+def test_a_compressed_answer_read_piece_by_piece_is_decoded_once(echo):
+    # A proxy in front of a server may compress its answers: the pieces are read as they came, and
+    # decoded as httpx decodes an answer it reads whole.
+    import gzip
+
+    answer = Received(content_length=None, transfer_encoding=None, body=b"x" * 100_000)
+    packed = msgpack.packb(answer.model_dump(), use_bin_type=True)
+    transport = httpx.MockTransport(lambda request: httpx.Response(   # a stream, as from a socket
+        200, headers={"content-encoding": "gzip", "content-type": "application/msgpack"},
+        stream=httpx.ByteStream(gzip.compress(packed))))
+    client = SyncClient("http://proxy", retries=0)
+    client._http = httpx.Client(base_url="http://proxy", transport=transport)
+    try:
+        assert client.call("GET", "/answer", Received, cancelled=lambda: False) == answer
+    finally:
+        client.close()
