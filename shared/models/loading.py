@@ -12,6 +12,7 @@ Server's and device agent's ``--model``), never from a message (:func:`check_mod
 from __future__ import annotations
 
 import inspect
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -216,6 +217,13 @@ def _check_shapes(ref: str, model: SplitModel) -> None:
                          f"[1, {model.num_classes}] ([N, num_classes])")
 
 
+#: One build at a time in a process: a build forks the process's one CPU generator and seeds it.
+#: Two threads building at once (an agent's devices) seeded each other's builds (every weight
+#: differed from a build alone), and under ``torch.device("meta")`` they could deadlock in torch's
+#: generator lock (both waiting in ``get_rng_state``).
+_BUILDING = threading.RLock()   # re-entrant: a model function may build a built-in model itself
+
+
 def build_model(
     ref: str,
     num_classes: int = 10,
@@ -244,7 +252,7 @@ def build_model(
         raise ValueError(f"input_shape must be positive sizes, got {list(input_shape)}")
     if ref in DEFAULT_INPUT_SHAPES and len(shape) != len(DEFAULT_INPUT_SHAPES[ref]):
         raise ValueError(f"model {ref!r}: input_shape must be (C, H, W), got {list(shape)}")
-    with torch.random.fork_rng(devices=[]):
+    with _BUILDING, torch.random.fork_rng(devices=[]):
         # The CPU generator, which builds the weights, seeded directly: torch.manual_seed would also
         # queue a seeding for each accelerator, formatting a stack trace per call where none is
         # initialised (milliseconds per build, paid by each device an agent sets up).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from shared.models import (
     SplitCost,
     SplitModel,
     build_model,
+    build_model_layout,
     profile_model,
 )
 from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
@@ -166,6 +168,29 @@ def test_seeded_init_is_deterministic_and_leaves_global_rng(model_cache, name):
     assert list(a) == list(b) == list(c)
     assert all(torch.equal(a[key], b[key]) for key in a)
     assert any(not torch.equal(a[key], c[key]) for key in a)
+
+
+def test_models_built_on_several_threads_at_once_are_each_the_model_built_alone():
+    # An agent's devices build on their own threads; each build seeds the process's one CPU
+    # generator. Built at once, they seeded each other's builds (every build differed) and, on the
+    # meta device, could deadlock in torch's generator lock.
+    alone = {seed: build_model("cnn", seed=seed).state_dict() for seed in range(4)}
+    differed: list[int] = []
+
+    def build(seed: int) -> None:
+        for _ in range(3):
+            build_model_layout("cnn", seed=seed)
+            state = build_model("cnn", seed=seed).state_dict()
+            if not all(torch.equal(state[k], alone[seed][k]) for k in state):
+                differed.append(seed)
+
+    threads = [threading.Thread(target=build, args=(i % 4,), daemon=True) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a build never finished"
+    assert differed == []
 
 
 def test_unknown_model_lists_valid_names():
