@@ -38,6 +38,7 @@ from device_agent.clients import HttpFedClient
 from device_agent.device import Device
 from shared.data import ArrayDataset
 from shared.errors import DomainError
+from shared.http_client import Cancellation
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, DeviceProfileMsg, RegistrationBatch, RegistrationBatchResponse, DeviceTimings, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse,
     ReportRequest, RunInfo, StepRequest, StepResponse, TaskResponse, UpdateRequest, WeightsId, WeightsResponse,
@@ -609,8 +610,8 @@ class HarmfulFed:
         return self.behaviour.task(task)
 
     def weights(self, device_id: str, weights_id: WeightsId,
-                cancelled: Callable[[], bool] | None = None) -> tuple[WeightsResponse, int]:
-        answer, size = self.inner.weights(device_id, weights_id, cancelled)
+                cancel: Cancellation | None = None) -> tuple[WeightsResponse, int]:
+        answer, size = self.inner.weights(device_id, weights_id, cancel)
         self.seen.put(weights_id, answer.weights)
         return answer, size
 

@@ -8,10 +8,11 @@ server that cannot be reached as :class:`Unreachable`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel
+
+from shared.http_client import Cancellation
 
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, BackwardRequest, BackwardResponse, EvaluationReport, ForwardRequest,
@@ -57,9 +58,9 @@ class FedApi(SecureChannel, Protocol):
         with ``wait_s``, the server may hold a ``wait`` answer that long for work to arrive."""
 
     def weights(self, device_id: str, weights_id: WeightsId,
-                cancelled: Callable[[], bool] | None = None) -> tuple[WeightsResponse, int]:
-        """The weights a task named, and the size of the answer in bytes; once ``cancelled()`` is
-        true while they arrive, :class:`device_agent.task_expired.TaskExpired` (the task's attempt closed)."""
+                cancel: Cancellation | None = None) -> tuple[WeightsResponse, int]:
+        """The weights a task named, and the size of the answer in bytes; once ``cancel`` is set
+        while they arrive, :class:`device_agent.task_expired.TaskExpired` (the task's attempt closed)."""
 
     def report(self, req: ReportRequest) -> None:
         """Two-phase algorithms: the post-training report."""

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from device_agent.api import Unreachable
 from shared.errors import Conflict, DomainError, Failed, Invalid, NotAllowed, NotFound, TooSoon, Unauthenticated
 from device_agent.task_expired import TaskExpired
-from shared.http_client import Cancelled, M, ServiceError, SyncClient
+from shared.http_client import Cancellation, Cancelled, M, ServiceError, SyncClient
 from shared.schemas import (
     API, Ack, AgentTaskRequest, AgentTaskResponse, BackwardRequest, BackwardResponse, ForwardRequest, ForwardResponse,
     RegistrationBatch, RegistrationBatchResponse, EvaluationReport, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest,
@@ -106,20 +106,19 @@ class HttpFedClient:
                                    timeout=req.wait_s + 60.0)
 
     def weights(self, device_id: str, weights_id: WeightsId,
-                cancelled: Callable[[], bool] | None = None) -> tuple[WeightsResponse, int]:
+                cancel: Cancellation | None = None) -> tuple[WeightsResponse, int]:
         try:
-            return self._sized_get(f"{API}/devices/{device_id}/weights/{weights_id}", WeightsResponse,
-                                   cancelled=cancelled)
+            return self._sized_get(f"{API}/devices/{device_id}/weights/{weights_id}", WeightsResponse, cancel=cancel)
         except Cancelled as exc:
             raise TaskExpired(f"the Fed Server closed the task's attempt; its weights' download was given up: {exc}") \
                 from None
 
     def _sized_get(self, path: str, model: type[M], params: dict | None = None,
-                   timeout: float | None = None, cancelled: Callable[[], bool] | None = None) -> tuple[M, int]:
+                   timeout: float | None = None, cancel: Cancellation | None = None) -> tuple[M, int]:
         """GET ``path`` as ``model``, with the answer's body size (the device's transfer timing)."""
         before = self._http.bytes.down
         with _translated():
-            answer = self._http.call("GET", path, model, params=params, timeout=timeout, cancelled=cancelled)
+            answer = self._http.call("GET", path, model, params=params, timeout=timeout, cancel=cancel)
         return answer, self._http.bytes.down - before
 
     def report(self, req: ReportRequest) -> None:

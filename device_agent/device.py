@@ -37,6 +37,7 @@ from shared.data.holdout import evaluation_holdout
 from shared.data.local import DataError, LocalSource
 from shared.algorithms.registry import build_privacy_defences
 from shared.errors import DomainError, Failed, NotFound, TooSoon
+from shared.http_client import Cancellation
 from shared.label_counts import reported_label_counts
 from shared.losses import Loss, build_loss
 from shared.models import SplitModel, model_fingerprint
@@ -156,7 +157,7 @@ class Device:
         #: The attempt (``round_id``) of the training task the device runs now, and whether the Fed
         #: Server has closed it without the device's upload (:meth:`taken_out`).
         self._running: int | None = None
-        self._taken_out = threading.Event()
+        self._taken_out = Cancellation()
         #: Called after every successful upload with the body and the round's split point
         #: (the agent's optional metrics port uses it).
         self.on_upload: UploadHook | None = None
@@ -292,7 +293,7 @@ class Device:
         self.poller = TaskPoller(fed, device_id, self.stop, self.poll_interval_s)
         self.main_link = MainLink(self.connect_main)
         self.device_model = DeviceModel(info, layout, self.keep_model, self.torch_device, self.weights_cache,
-                                        lambda weights_id: fed.weights(device_id, weights_id, self._taken_out.is_set))
+                                        lambda weights_id: fed.weights(device_id, weights_id, self._taken_out))
         # The run's loss (checked by check_run: an import path only when it is the operator's --loss).
         self.loss = build_loss(info.loss, info.task)
         self.trainer = TaskTrainer(device_id, data, self.device_model, fed, self.main_link, self.poller,

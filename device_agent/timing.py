@@ -1,7 +1,6 @@
 """A device's round clock: measured compute and transfer time, stretched to an emulated kind."""
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -9,6 +8,7 @@ from typing import TypeVar
 
 from device_agent.compute import Compute
 from device_agent.task_expired import TaskExpired
+from shared.http_client import Cancellation
 from shared.profiles import EmulatedKind
 
 T = TypeVar("T")
@@ -35,7 +35,7 @@ class RoundClock:
     """
 
     def __init__(self, kind: EmulatedKind | None, time_scale: float = 1.0, cpu_time: bool = False,
-                 emulate_links: bool = True, taken_out: threading.Event | None = None) -> None:
+                 emulate_links: bool = True, taken_out: Cancellation | None = None) -> None:
         self.kind = kind
         #: Set when the Fed Server closed the task's attempt without the device's upload: an
         #: emulated transfer or compute stretch stops there, as a real device's download does

@@ -6,8 +6,11 @@ what the run's communication figures report.
 """
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -115,7 +118,63 @@ async def post_body(client: httpx.AsyncClient, url: str, body: Body) -> httpx.Re
 
 
 class Cancelled(RuntimeError):
-    """The caller gave a call up while its answer was arriving (:meth:`SyncClient.call`'s ``cancelled``)."""
+    """The caller gave a call up while its answer was arriving (:meth:`SyncClient.call`'s ``cancel``)."""
+
+
+class Cancellation:
+    """A flag another thread sets to give up the calls that watch it (:meth:`SyncClient.call`'s
+    ``cancel``). Setting it shuts the connection of each call reading an answer at that moment: a
+    read that waits on a stalled link (a link that dropped mid-answer can send nothing for many
+    seconds) returns at once, instead of whenever the next bytes come."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._aborts: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        """Give up every watching call (each at its next read, or at once where its connection is shut)."""
+        with self._lock:
+            self._event.set()
+            aborts = list(self._aborts)
+        for abort in aborts:
+            abort()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether it was set within ``timeout`` seconds (an interruptible sleep)."""
+        return self._event.wait(timeout)
+
+    @contextlib.contextmanager
+    def watching(self, abort: Callable[[], None]) -> Iterator[None]:
+        """Call ``abort`` if the flag is set while the block runs (or is set already)."""
+        with self._lock:
+            self._aborts.append(abort)
+            already = self._event.is_set()
+        try:
+            if already:
+                abort()
+            yield
+        finally:
+            with self._lock:
+                self._aborts.remove(abort)
+
+
+def _shut(resp: httpx.Response) -> Callable[[], None]:
+    """What shuts ``resp``'s connection from another thread, waking a read blocked on it."""
+    stream = resp.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+
+    def shut() -> None:
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+    return shut
 
 
 class SyncClient:
@@ -133,12 +192,13 @@ class SyncClient:
 
     def call(self, method: str, path: str, model: type[M], body: BaseModel | None = None,
              params: dict | None = None, timeout: float | None = None, headers: dict | None = None,
-             retries: int | None = None, cancelled: Callable[[], bool] | None = None) -> M:
+             retries: int | None = None, cancel: Cancellation | None = None) -> M:
         """Send ``body`` (msgpack) and decode the answer; retries only on connection failures, as
         often as the client's ``retries`` or, for this call, ``retries`` (0: a caller that waits
-        for the server on its own schedule, and logs it its own way). With ``cancelled``, the answer
-        is read as it arrives, and once ``cancelled()`` is true the connection is closed and
-        :class:`Cancelled` raised: a large answer over a slow link is not read to its end for nothing."""
+        for the server on its own schedule, and logs it its own way). With ``cancel``, the answer
+        is read as it arrives, and once ``cancel`` is set the connection is shut and
+        :class:`Cancelled` raised: a large answer over a slow or stalled link is not waited for,
+        nor read to its end, for nothing."""
         # The body goes out as its pieces, the tensors' bytes straight from their snapshots (see
         # shared.wire.Body); its length must be given, or httpx would send it chunked (a copy).
         content = pack_body(body.model_dump()) if body is not None else None
@@ -149,31 +209,37 @@ class SyncClient:
             time.sleep(self.request_delay_s)
         request = self._http.build_request(method, path, content=content, params=params, headers=headers,
                                            timeout=request_timeout)
-        resp = retry(lambda: self._receive(request, cancelled),
+        resp = retry(lambda: self._receive(request, cancel),
                      self.backoff if retries is None else replace(self.backoff, attempts=retries + 1),
                      (httpx.ConnectError, httpx.RemoteProtocolError), f"{method} {self.base_url}{path}")
         self.bytes.up += len(content or b"")
         self.bytes.down += len(resp.content)
         return decode_response(resp, model)
 
-    def _receive(self, request: httpx.Request, cancelled: Callable[[], bool] | None) -> httpx.Response:
-        """Send ``request`` and read its answer whole; with ``cancelled``, piece by piece as it
-        arrives, asking before each piece (:meth:`call`)."""
-        if cancelled is None:
+    def _receive(self, request: httpx.Request, cancel: Cancellation | None) -> httpx.Response:
+        """Send ``request`` and read its answer whole; with ``cancel``, piece by piece as it
+        arrives, given up once ``cancel`` is set (:meth:`call`)."""
+        if cancel is None:
             return self._http.send(request)
         resp = self._http.send(request, stream=True)
+        # As they came over the wire (a compressed answer is decoded below, from its headers), and
+        # joined once at the end, as httpx joins an answer it reads whole: no larger peak.
+        pieces: list[bytes] = []
         try:
-            # As they came over the wire (a compressed answer is decoded below, from its headers), and
-            # joined once at the end, as httpx joins an answer it reads whole: no larger peak.
-            pieces: list[bytes] = []
-            for piece in resp.iter_raw():
-                if cancelled():
-                    received = sum(map(len, pieces))
-                    self.bytes.down += received
-                    raise Cancelled(f"{request.method} {request.url}: given up after {received:,} bytes of the answer")
-                pieces.append(piece)
+            with cancel.watching(_shut(resp)):
+                for piece in resp.iter_raw():
+                    if cancel.is_set():
+                        break
+                    pieces.append(piece)
+        except httpx.TransportError:
+            if not cancel.is_set():
+                raise
         finally:
             resp.close()   # an answer not read to its end closes its connection
+        if cancel.is_set():
+            received = sum(map(len, pieces))
+            self.bytes.down += received
+            raise Cancelled(f"{request.method} {request.url}: given up after {received:,} bytes of the answer")
         return httpx.Response(resp.status_code, headers=resp.headers, content=b"".join(pieces), request=request)
 
     def set_token(self, token: str | None) -> None:

@@ -47,7 +47,7 @@ class FakeFed:
     def task(self, device_id, wait_s=0.0):
         return TaskResponse(status="train", round_id=4, split_point=1, weights_id=WEIGHTS_ID, deadline_s=0.01), 10
 
-    def weights(self, device_id, weights_id, cancelled=None):
+    def weights(self, device_id, weights_id, cancel=None):
         return WeightsResponse(weights=_wire(GLOBAL)), 100
 
     def report(self, req):

@@ -91,7 +91,7 @@ class FakeFed:
             raise answer
         return answer, len(packb(answer.model_dump()))
 
-    def weights(self, device_id: str, weights_id: str, cancelled=None) -> tuple[WeightsResponse, int]:
+    def weights(self, device_id: str, weights_id: str, cancel=None) -> tuple[WeightsResponse, int]:
         self.fetched.append(weights_id)
         answer = PUBLISHED[weights_id]
         return answer, len(packb(answer.model_dump()))
@@ -345,7 +345,7 @@ def test_a_final_model_that_cannot_be_fetched_ends_the_device_cleanly(caplog):
     blocks = len(build_model("cnn").blocks)
 
     class Gone(FakeFed):
-        def weights(self, device_id: str, weights_id: str, cancelled=None):
+        def weights(self, device_id: str, weights_id: str, cancel=None):
             raise Unreachable("connection refused")
 
     device = _device(Gone([TaskResponse(status="done", num_blocks=blocks, weights_id="f" * 32)]), [], blocks)
@@ -482,15 +482,15 @@ def test_a_task_whose_attempt_the_fed_server_closed_gives_up_its_weights_downloa
     # The download stands for one over a link that slowed down: it goes on until the device is
     # told the attempt closed without it (its agent's session: Device.taken_out), then gives up.
     class SlowLink(FakeFed):
-        def weights(self, device_id: str, weights_id: str, cancelled=None) -> tuple[WeightsResponse, int]:
+        def weights(self, device_id: str, weights_id: str, cancel=None) -> tuple[WeightsResponse, int]:
             if not self.fetched:   # the first task's weights
                 self.fetched.append(weights_id)
                 device.taken_out(2)   # another attempt's close: not this task's
                 device.taken_out(1)
-                assert cancelled is not None and cancelled()
+                assert cancel is not None and cancel.is_set()
                 raise TaskExpired("the Fed Server closed the task's attempt; its weights' download was given up")
-            assert cancelled is not None and not cancelled()   # the next task's download is its own
-            return super().weights(device_id, weights_id, cancelled)
+            assert cancel is not None and not cancel.is_set()   # the next task's download is its own
+            return super().weights(device_id, weights_id, cancel)
 
     fed = SlowLink([_full(1), _full(2), TaskResponse(status="done")])
     device = _device(fed, [], len(build_model("cnn").blocks))

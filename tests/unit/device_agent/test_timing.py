@@ -8,6 +8,7 @@ import pytest
 
 from device_agent.task_expired import TaskExpired
 from device_agent.timing import RoundClock
+from shared.http_client import Cancellation
 from shared.profiles import parse_kind
 
 
@@ -20,7 +21,7 @@ def test_an_emulated_link_sleeps_and_charges_the_kinds_delay_beside_what_was_mea
 
 
 def test_an_emulated_transfer_stops_when_the_attempt_is_closed_without_the_device():
-    taken_out = threading.Event()
+    taken_out = Cancellation()
     clock = RoundClock(parse_kind("low"), time_scale=1.0, taken_out=taken_out)   # 1e6 B/s
     clock.transfer(100_000)   # 0.1 s, not interrupted
     assert clock.transfer_s == pytest.approx(0.1)
@@ -33,7 +34,7 @@ def test_an_emulated_transfer_stops_when_the_attempt_is_closed_without_the_devic
 
 
 def test_an_emulated_compute_stretch_stops_when_the_attempt_is_closed_without_the_device():
-    taken_out = threading.Event()
+    taken_out = Cancellation()
     clock = RoundClock(parse_kind("low"), taken_out=taken_out)   # Low's compute stretch is over 1
     threading.Timer(0.2, taken_out.set).start()
     started = time.monotonic()

@@ -17,6 +17,7 @@ from device_agent.compute import ComputeThreads
 from device_agent.timing import RoundClock
 from device_agent.task_expired import TaskExpired
 from device_agent.trainer import TrainContext, TrainSettings, batches, steps_per_round, train_round
+from shared.http_client import Cancellation
 from main_server.group_trainer import GroupTrainer, MemberBatch
 from shared.algorithms.base import DeviceLogic
 from shared.data import ArrayDataset
@@ -184,7 +185,7 @@ def test_train_round_past_its_deadline_gives_up_before_any_step(model):
 def test_train_round_whose_attempt_the_fed_server_closed_gives_up_at_its_next_step(model):
     m = copy.deepcopy(model)
     weights = _weights(m, len(m.blocks))
-    taken_out = threading.Event()
+    taken_out = Cancellation()
     taken_out.set()
     with pytest.raises(TaskExpired, match="the Fed Server closed the task's attempt"):
         train_round(m, len(m.blocks), weights, _separable(), TrainSettings(0.05, 0.0, 0.0, 8, 1, 0),

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -25,7 +26,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
 from http_api.server import create_service_app, msgpack_response
-from shared.http_client import Cancelled, SyncClient, post_body
+from shared.http_client import Cancellation, Cancelled, SyncClient, post_body
 from shared.schemas import Message, StepRequest, WireTensor
 from shared.wire import encode_tensor, pack_body
 
@@ -154,20 +155,21 @@ def test_an_answer_runs_the_background_tasks_fastapi_attaches_after_its_body():
 
 @pytest.fixture(scope="module")
 def slow() -> Iterator[tuple[str, list[int], threading.Event]]:
-    """A server whose ``/slow`` answer is 40 pieces of 64 KiB, 50 ms apart (2 s in all): the
-    pieces it sent, and an event set when its answer stopped (finished or cut off)."""
+    """A server whose ``/slow`` answer is 40 pieces of 64 KiB, 50 ms apart (2 s in all; with
+    ``stall_s``, that long after the second): the pieces it sent, and an event set when its answer
+    stopped (finished or cut off)."""
     app = create_service_app("slow", "slow", "slow", registry=CollectorRegistry())
     sent: list[int] = []
     stopped = threading.Event()
 
     @app.get("/slow")
-    async def _slow():
+    async def _slow(stall_s: float = 0.0):
         async def pieces():
             try:
                 for i in range(40):
                     sent.append(i)
                     yield b"\0" * 65536
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(stall_s if i == 1 else 0.05)   # stall_s: nothing for that long after two
             finally:
                 stopped.set()
         return StreamingResponse(pieces(), media_type="application/msgpack")
@@ -180,17 +182,14 @@ def test_a_call_given_up_while_its_answer_arrives_closes_the_connection_and_coun
     url, sent, stopped = slow
     sent.clear()
     stopped.clear()
-    asked: list[int] = []
-
-    def cancelled() -> bool:   # given up once three pieces have been asked about
-        asked.append(1)
-        return len(asked) > 3
+    cancel = Cancellation()
+    threading.Timer(0.3, cancel.set).start()   # a few pieces in
 
     client = SyncClient(url, retries=0)
     try:
         with pytest.raises(Cancelled, match="given up after"):
-            client.call("GET", "/slow", Received, cancelled=cancelled)
-        assert 0 < client.bytes.down < 40 * 65536
+            client.call("GET", "/slow", Received, cancel=cancel)
+        assert client.bytes.down < 40 * 65536
     finally:
         client.close()
     # The server saw the connection close and stopped sending: it never sent the answer's end.
@@ -203,7 +202,7 @@ def test_a_call_that_is_never_cancelled_reads_its_answer_whole(echo):
     req = _step_request()
     client = SyncClient(url, retries=0)
     try:
-        got = client.call("POST", "/echo", Received, req, cancelled=lambda: False)
+        got = client.call("POST", "/echo", Received, req, cancel=Cancellation())
     finally:
         client.close()
     assert got.body == msgpack.packb(req.model_dump(), use_bin_type=True)
@@ -223,6 +222,25 @@ def test_a_compressed_answer_read_piece_by_piece_is_decoded_once(echo):
     client = SyncClient("http://proxy", retries=0)
     client._http = httpx.Client(base_url="http://proxy", transport=transport)
     try:
-        assert client.call("GET", "/answer", Received, cancelled=lambda: False) == answer
+        assert client.call("GET", "/answer", Received, cancel=Cancellation()) == answer
+    finally:
+        client.close()
+
+
+
+def test_a_call_given_up_while_its_answer_has_stalled_returns_at_once(slow):
+    # A link that dropped mid-answer can deliver nothing for many seconds: the read waits on the
+    # socket, and setting the cancellation shuts the connection under it.
+    url, sent, stopped = slow
+    sent.clear()
+    stopped.clear()
+    cancel = Cancellation()
+    client = SyncClient(url, retries=0)
+    try:
+        threading.Timer(0.3, cancel.set).start()
+        started = time.monotonic()
+        with pytest.raises(Cancelled, match="given up after"):
+            client.call("GET", "/slow?stall_s=60", Received, cancel=cancel)
+        assert time.monotonic() - started < 30
     finally:
         client.close()
