@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 from benchmarks.result_files import add_name_option, default_out, finish, replace_between, write
@@ -417,19 +418,19 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
                            "profiles": list(scenario.profiles), "changes": [asdict(c) for c in scenario.changes],
                            "judged": scenario.judged(rounds), "runs": {}}
             log(f"{scenario.name}: sliding split")
-            entry["runs"]["sliding"] = run_once(scenario, run_config(scenario, rounds, patience=patience, bottleneck_cap=bottleneck_cap), Path(tmp) / f"{scenario.name}-sliding", real)
+            # Every run of the scenario at the invocation's patience and rule.
+            config = partial(run_config, scenario, rounds, patience=patience, bottleneck_cap=bottleneck_cap)
+            entry["runs"]["sliding"] = run_once(scenario, config(), Path(tmp) / f"{scenario.name}-sliding", real)
             entry["pinned"] = choose_pinned(entry["runs"]["sliding"]["rounds"], scenario, rounds, candidates)
             log(f"{scenario.name}: pinned {entry['pinned']}")
-            entry["runs"]["pinned"] = run_once(scenario, run_config(scenario, rounds, pinned=entry["pinned"], patience=patience,
-                                                                    bottleneck_cap=bottleneck_cap),
+            entry["runs"]["pinned"] = run_once(scenario, config(pinned=entry["pinned"]),
                                                Path(tmp) / f"{scenario.name}-pinned", real)
             entry["goals"] = judge(entry)
             entry["goals_missed"] = goals_missed(entry)
             results["scenarios"].append(entry)
             if scenario.name == WARM_UP_FLEET:
                 log(f"{scenario.name}: estimated warm-up")
-                estimated = run_once(scenario, run_config(scenario, rounds, warm_up="estimated", patience=patience,
-                                                            bottleneck_cap=bottleneck_cap),
+                estimated = run_once(scenario, config(warm_up="estimated"),
                                      Path(tmp) / f"{scenario.name}-estimated", real)
                 every = entry["runs"]["sliding"]["rounds"]
                 results["warm_up"] = {"fleet": scenario.name, "every_split": entry["runs"]["sliding"],

@@ -423,7 +423,7 @@ class Device:
         emulated transfer or compute stretch, the next step, or before the upload. A link that slowed
         down is then free for the device's next task rather than busy with weights nobody will
         train from."""
-        if self._running is not None and self._running == round_id:
+        if self._running == round_id:
             self._taken_out.set()
 
     def run_evaluation(self, task: TaskResponse) -> None:

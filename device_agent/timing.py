@@ -90,7 +90,7 @@ class RoundClock:
     def transfer(self, num_bytes: int, measured_s: float = 0.0) -> None:
         """Account a message: the measured network time plus the emulated delay for its size.
         :class:`TaskExpired` where ``taken_out`` is set before the delay ends: the emulated link
-        is given up, as a real one is (:meth:`shared.http_client.SyncClient.call`'s ``cancelled``)."""
+        is given up, as a real one is (:meth:`shared.http_client.SyncClient.call`'s ``cancel``)."""
         delay = (self.kind.transfer_delay(num_bytes, self.time_scale)
                  if self.kind is not None and self.emulate_links else 0.0)
         if delay > 0:
