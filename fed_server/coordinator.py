@@ -213,6 +213,7 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
         selector=build_selector(config, output_layer=algorithm.output_layer),
         devices=DeviceRegistry(config.data.num_devices, local_data=config.data.dataset == "local"),
         missed=MissedDeadlines(config.deadlines.max_skip_rounds),
-        pace=DevicePace(config.deadlines.patience, config.deadlines.patience_grace_s),
+        pace=DevicePace(config.deadlines.patience, config.deadlines.patience_grace_s,
+                        config.deadlines.ignore_slowest),
         evaluation_mode=evaluation_mode(config),
         torch_device=torch_device, loss=loss, privacy=RunPrivacy(config) if config.privacy.enabled else None)

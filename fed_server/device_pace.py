@@ -12,19 +12,23 @@ the tasks went out, for one that never asked):
 that, nothing shows that the round is not simply slow for everyone (a busy machine, a slow
 network), and only the round deadline applies. ``expected`` is then the larger of
 
-* **its peers' time**: the slowest of those that uploaded, scaled up by how much more compute the
+* **its peers' time**: the slowest of those that uploaded, leaving out the
+  ``deadlines.ignore_slowest`` slowest (while those counted are at least half of the attempt),
+  scaled up by how much more compute the
   device's round needs than the heaviest of them (samples over the FLOP/s it registered), never
   down, and by at most ``patience``: the FLOP/s is the device's word, so it may shorten its
   deadline but lengthen it only within the bound below;
 * **its own usual time**, where known: the running average (``(1 - s) * old + s * new``,
   ``s`` = 0.5) of the seconds its aggregated rounds took at the same split point, task to upload,
   as the Fed Server's own clock saw them, each counted at most ``patience`` times its peers' time
-  in that round (the slowest other aggregated device's). A device that is always slower than its
-  peers keeps its time; one slow on purpose, uploading just before its deadline every round,
-  cannot push its own deadline further each round.
+  in that round (the slowest counted other aggregated device's, leaving out as many). A device
+  that is always slower than its peers keeps its time; one slow on purpose, uploading just before
+  its deadline every round, cannot push its own deadline further each round.
 
 So no device, whatever it claims and however it times its uploads, is waited for more than about
-``patience ** 2`` times the slowest uploader's time plus ``grace_s`` (:mod:`shared.own_deadline`).
+``patience ** 2`` times the slowest counted uploader's time plus ``grace_s``, nor are up to
+``ignore_slowest + 1`` such devices together, while they are fewer than half of the attempt
+(:mod:`shared.own_deadline`).
 Its usual times are kept by device id, so registering again clears nothing.
 
 A device past its own deadline is taken out of the attempt (``fed_round.OVERDUE``), which
@@ -38,11 +42,10 @@ expected time (plus ``grace_s``); ``deadlines.patience`` null turns the rule off
 """
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from shared.own_deadline import check_patience, expected_seconds
+from shared.own_deadline import check_patience, counted_arrivals, expected_seconds
 
 SMOOTHING = 0.5
 
@@ -51,12 +54,15 @@ class DevicePace:
     """Per device and split point, the running average of its rounds' seconds (task to upload),
     and the rule that turns them into each device's deadline in an attempt."""
 
-    def __init__(self, patience: float | None, grace_s: float) -> None:
+    def __init__(self, patience: float | None, grace_s: float, ignore_slowest: int = 0) -> None:
         """``patience``: how many times its expected time a device is waited for (None: only the
-        round deadline applies); ``grace_s``: seconds added to every device's deadline."""
-        check_patience(patience, grace_s)
+        round deadline applies); ``grace_s``: seconds added to every device's deadline;
+        ``ignore_slowest``: how many of the slowest arrivals a peers' time leaves out
+        (:func:`shared.own_deadline.counted_arrivals`)."""
+        check_patience(patience, grace_s, ignore_slowest)
         self.patience = patience
         self.grace_s = grace_s
+        self.ignore_slowest = ignore_slowest
         self._usual: dict[str, dict[int, float]] = {}
 
     def observe(self, device: str, split_point: int, seconds: float) -> None:
@@ -69,10 +75,11 @@ class DevicePace:
 
     def observe_attempt(self, rounds: Mapping[str, tuple[int, float]]) -> None:
         """Fold an aggregated attempt's times in: device -> (split point, seconds task to upload).
-        Each device's seconds count at most ``patience`` times the slowest other device's in the
-        same attempt (no scaling for claimed work: what is learnt comes from the Fed Server's
-        clock alone); a device alone is not capped."""
-        slowest_other = _largest_of_the_others({d: s for d, (_, s) in rounds.items()})
+        Each device's seconds count at most ``patience`` times the slowest counted other device's
+        in the same attempt (leaving out up to ``ignore_slowest`` of the slowest, as a peers' time
+        does; no scaling for claimed work: what is learnt comes from the Fed Server's clock
+        alone); a device alone is not capped."""
+        slowest_other = _slowest_counted_other({d: s for d, (_, s) in rounds.items()}, self.ignore_slowest)
         for device, (split_point, seconds) in rounds.items():
             if self.patience is not None and len(rounds) > 1:
                 seconds = min(seconds, self.patience * slowest_other(device))
@@ -93,7 +100,7 @@ class DevicePace:
         out: dict[str, float] = {}
         for device, (split_point, since) in waiting.items():
             expected = expected_seconds(self.usual(device, split_point), finishers, work(device), in_attempt,
-                                        max_scale=self.patience)
+                                        max_scale=self.patience, ignore_slowest=self.ignore_slowest)
             if expected is not None:
                 out[device] = since + self.patience * expected + self.grace_s
         return out
@@ -107,12 +114,17 @@ class DevicePace:
         self._usual = {str(d): {int(k): float(t) for k, t in row.items()} for d, row in state.items()}
 
 
-def _largest_of_the_others(values: Mapping[str, float]) -> Callable[[str], float]:
-    """For each key, the largest value among the other keys' (from the two largest, found once
-    for all keys); ``-inf`` where there is no other."""
-    top = heapq.nlargest(2, values.items(), key=lambda item: item[1])
+def _slowest_counted_other(seconds: Mapping[str, float], ignore_slowest: int) -> Callable[[str], float]:
+    """For each device, the slowest of the other devices' ``seconds`` that a peers' time counts
+    (the attempt being all of ``seconds``' devices: :func:`counted_arrivals`); ``-inf`` where
+    there is no other. One sort serves every device."""
+    ordered = sorted(seconds.values())
+    keep = counted_arrivals(len(ordered) - 1, len(ordered), ignore_slowest)
+    rank = {device: i for i, device in enumerate(sorted(seconds, key=seconds.__getitem__))}
 
-    def largest(key: str) -> float:
-        rest = [v for k, v in top if k != key]
-        return rest[0] if rest else -math.inf
-    return largest
+    def slowest(device: str) -> float:
+        if keep < 1:
+            return -math.inf
+        # The others' keep fastest: the attempt's keep fastest, or keep + 1 where the device is among them.
+        return ordered[keep] if rank[device] < keep else ordered[keep - 1]
+    return slowest

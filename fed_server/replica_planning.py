@@ -216,6 +216,7 @@ class ReplicaPlanning:
             member_defence_params=config.grouping.member_defence_params, join_deadline_s=config.deadlines.join_s,
             step_deadline_s=config.deadlines.step_s, groups=groups,
             patience=config.deadlines.patience, patience_grace_s=config.deadlines.patience_grace_s,
+            ignore_slowest=config.deadlines.ignore_slowest,
             max_activation=config.grouping.max_activation,
             head_start=core.head_start if core.head_start < core.num_blocks else None,
         )

@@ -4,8 +4,8 @@ the groups were formed, when the groups form, and which.
 The groups form as soon as every participant has joined or left. Otherwise they form once each
 missing participant is past its own join deadline (:mod:`shared.own_deadline`, counted from the
 plan's arrival: once half have joined, a missing one is waited for ``patience`` times the larger
-of the slowest join so far, scaled up for a larger portion to download, and its own portion's
-download time, plus ``patience_grace_s``), and at the latest at the plan's ``join_deadline_s``.
+of the slowest join so far (leaving out the plan's ``ignore_slowest`` slowest), scaled up for a
+larger portion to download, and its own portion's download time, plus ``patience_grace_s``), and at the latest at the plan's ``join_deadline_s``.
 A participant whose download time the Fed Server could not estimate (no link rate known in its
 round: a run's first round of real devices) has no own deadline: a slow link is then the likely
 reason for a late join, and cutting it would cut it again in every round, never measured. A
@@ -76,7 +76,7 @@ class JoinPhase:
             if download_s is None:
                 return None
             expected = expected_seconds(download_s, finishers, download_s, len(finishers) + len(missing),
-                                        max_scale=patience)
+                                        max_scale=patience, ignore_slowest=self.plan.ignore_slowest)
             if expected is None:
                 return None
             latest = max(latest, patience * expected + self.plan.patience_grace_s)

@@ -187,6 +187,11 @@ class DeadlineConfig(_Strict):
     # deadline. null: only round_s applies (fed_server/device_pace.py).
     patience: float | None = Field(2.0, ge=1.0)
     patience_grace_s: float = Field(1.0, ge=0)
+    # A device's peers' time (and the cap on its learnt usual time) leaves out this many of the
+    # slowest arrivals, while those counted are at least half of the attempt, so that up to
+    # ignore_slowest + 1 devices slow on purpose together cannot stretch each other's deadlines
+    # (shared/own_deadline.py). 0: the slowest arrival counts.
+    ignore_slowest: int = Field(1, ge=0)
     # A registered device that registers again sooner than this after its last registration is
     # refused with 429 and a Retry-After (fed_server/reregistrations.py): a device re-registering
     # in a loop costs the Fed Server one cheap refusal per request. 0: no limit.

@@ -470,6 +470,8 @@ class RoundPlan(Message):
     #: time and its ``download_s``, plus ``patience_grace_s``. None: only ``join_deadline_s``.
     patience: float | None = Field(default=None, ge=1, allow_inf_nan=False)
     patience_grace_s: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    #: How many of the slowest joins the peers' join time leaves out (``deadlines.ignore_slowest``).
+    ignore_slowest: int = Field(default=0, ge=0, le=1_000_000)
     #: None: the Main Server groups the devices that join (one Main Server, as in the paper).
     #: Otherwise the groups the Fed Server formed for this replica, with round-wide group ids.
     groups: list[PlannedGroup] | None = None

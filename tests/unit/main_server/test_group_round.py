@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from main_server.group_trainer import GroupMember
 from main_server.group_round import GroupRound
+from main_server.join_phase import JoinPhase
 from shared.algorithms.grouping import GroupCandidate, grouping_rng
 from shared.algorithms.label_balance import balanced_groups
 from shared.algorithms.registry import GROUPINGS, build_grouping
@@ -142,6 +143,30 @@ def test_an_own_join_deadline_waits_for_the_portion_download_and_only_once_half_
         await state.join(kit.join_req("c"))               # in time: grouped with the others
         assert sorted(state.group_by_device) == ["a", "b", "c", "d"]
         await asyncio.gather(first, second, third)
+    kit.run(body)
+
+
+@pytest.mark.parametrize("ignore_slowest", [0, 1])
+def test_a_late_join_left_out_does_not_lengthen_another_s_join_deadline(kit, ignore_slowest):
+    async def body() -> None:
+        # Eight participants join at once; "late" joins 0.5 s after the plan (slow on purpose);
+        # "missing" has not joined. Its deadline counts "late"'s join only when nothing is left out.
+        devices = [f"h{i}" for i in range(8)] + ["late", "missing"]
+        participants = [Participant(device_id=d, split_point=1, num_samples=10, download_s=0.01) for d in devices]
+        plan = kit.make_plan(devices, grouping="singleton", participants=participants, patience=2.0,
+                             patience_grace_s=0.1, ignore_slowest=ignore_slowest)
+        phase = JoinPhase(plan, on_close=lambda: None)
+        for device in devices[:8]:
+            phase.join(kit.join_req(device))
+        await asyncio.sleep(0.5)
+        phase.join(kit.join_req("late"))
+        due = phase.due()
+        phase.cancel()
+        assert due is not None
+        if ignore_slowest:
+            assert due - phase.opened < 0.3         # 2 x the honest joins (milliseconds) + 0.1 s
+        else:
+            assert due - phase.opened >= 2 * 0.5    # 2 x the late join
     kit.run(body)
 
 
