@@ -1,5 +1,5 @@
-"""U-shaped S2FL through the real services, with every device-side privacy defence and local-DP label
-counts, and both servers recording what they receive (``--record-received``): no label reaches the
+"""U-shaped S2FL through the real services, with every device-side privacy defence (the split floor
+included) and local-DP label counts, and both servers recording what they receive (``--record-received``): no label reaches the
 Main Server, and what it received is what the defences say it should be."""
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
 
 NOISE = 0.5
+FLOOR = 2
 
 
 def test_u_shaped_run_sends_no_label_to_the_main_server(tmp_path):
     config = small_config(rounds=2, **{
         "split.u_shaped": True, "split_privacy.label_counts": "local_dp", "split_privacy.label_counts_epsilon": 1.0,
-        "split_privacy.defences": ["nopeek", "noise", "label_noise"],
-        "split_privacy.defence_params": {"noise": {"scale": NOISE}, "nopeek": {"weight": 0.2}, "label_noise": {"epsilon": 3.0}},
+        "split_privacy.defences": ["floor", "nopeek", "noise", "label_noise"],
+        "split_privacy.defence_params": {"floor": {"split": FLOOR}, "noise": {"scale": NOISE}, "nopeek": {"weight": 0.2},
+                                         "label_noise": {"epsilon": 3.0}},
         "deadlines.patience": None})
     records = tmp_path / "records"
     run_dir = tmp_path / "run"
@@ -31,8 +33,9 @@ def test_u_shaped_run_sends_no_label_to_the_main_server(tmp_path):
     metrics = read_metrics(run_dir)
     assert [m["status"] for m in metrics] == ["ok", "ok"]
     head = len(build_model("cnn").blocks) - 1
-    # The devices' cuts all lie before their head (block 3): the cnn's cut 3 is not a candidate.
-    assert all(0 < k < head for m in metrics for k in m["split_points"].values())
+    # The devices' cuts all lie before their head (block 3): the cnn's cut 3 is not a candidate;
+    # and none is shallower than the floor, though the warm-up puts every device at cut 1 first.
+    assert all(FLOOR <= k < head for m in metrics for k in m["split_points"].values())
     summary = status["summary"]
     assert summary["final_accuracy"] > summary["initial_accuracy"]
     # The head was trained on the devices and aggregated from their uploads: it moved.
