@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, NoReturn
 
 from shared.config import DeviceMixConfig, env_default
 from shared.data.limits import DEFAULT_MAX_IMAGE_PIXELS, FileLimits, default_max_data_bytes
@@ -54,6 +56,21 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if metrics is not None and args.metrics_linger_s > 0:
         _linger(metrics, args.metrics_linger_s)
+    _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit with ``code``. A stopped agent leaves devices waiting on the Fed Server (a long poll,
+    a set-up step) to the process's exit, and the interpreter's finalization ends such daemon
+    threads wherever they are: one inside torch's C++ code then aborts the whole process ("FATAL:
+    exception not rethrown", exit -6, seen when SIGTERM came during the set-up of 400 devices).
+    So where other threads still run, the exit skips finalization, once the logs and output are
+    flushed (the agent has closed what it keeps on disk: ``Agent.run``)."""
+    if threading.active_count() > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
