@@ -12,11 +12,12 @@ from typing import Protocol
 import torch
 
 from device_agent.compute import Compute, InlineCompute
+from device_agent.dp_sgd import PrivateSteps
 from device_agent.task_expired import TaskExpired
 from device_agent.timing import RoundClock
 from shared.algorithms.base import DeviceLogic, Payload
 from shared.algorithms.privacy_defence import PrivacyDefence, private_generator
-from shared.config import TrainConfig
+from shared.config import DpSgdConfig, TrainConfig
 from shared.data import ArrayDataset
 from shared.models import DevicePortion, Portion, SplitModel
 from shared.portions import load_portion
@@ -102,7 +103,8 @@ def round_seed(seed: int, shard: int | str, round_index: int) -> int:
 @dataclass(frozen=True)
 class TrainSettings:
     """A round's optimizer and batch settings (the task's ``train`` settings, its batch-order seed
-    and whether activations travel in half precision)."""
+    and whether activations travel in half precision; ``dp_sgd``: sample-level DP-SGD's terms, or
+    None)."""
 
     lr: float
     momentum: float
@@ -111,12 +113,13 @@ class TrainSettings:
     epochs: int
     seed: int
     half_precision: bool = False
+    dp_sgd: DpSgdConfig | None = None
 
     @classmethod
     def of(cls, train: TrainConfig, seed: int, half_precision: bool = False) -> TrainSettings:
         """The settings of a task's ``train`` config, with the round's ``seed``."""
         return cls(train.lr, train.momentum, train.weight_decay, train.batch_size, train.local_epochs, seed,
-                   half_precision)
+                   half_precision, train.dp_sgd)
 
 
 @dataclass
@@ -156,7 +159,8 @@ def train_round(model: SplitModel, split_point: int, weights: dict[str, torch.Te
     its head over the middle's output, sends the gradient there and backpropagates the returned
     dfx; without either the device holds the whole model and trains on the algorithm's local
     objective (``logic.loss``; cross-entropy by default). The run's privacy defences change what a
-    split round sends (:mod:`shared.algorithms.privacy_defence`).
+    split round sends (:mod:`shared.algorithms.privacy_defence`). With ``settings.dp_sgd`` every
+    step is a DP-SGD step on the trained blocks (:mod:`device_agent.dp_sgd`).
     ``deadline`` (a ``time.monotonic()`` instant) is checked before every step: past it the
     round is given up with :class:`TaskExpired`. ``compute`` (the agent's compute threads, see
     :mod:`device_agent.compute`; none: this thread) runs the whole local training when there is
@@ -176,10 +180,14 @@ def train_round(model: SplitModel, split_point: int, weights: dict[str, torch.Te
     split = context.send_step is not None or context.u_steps is not None
     training = _RoundTraining(portion, weights, data, settings, context,
                               leaves_out_single_samples(model, split_point, split))
-    if not split:
-        training.whole_model()
-    else:
-        training.split()
+    try:
+        if not split:
+            training.whole_model()
+        else:
+            training.split()
+    finally:
+        if training.private is not None:
+            training.private.close()
     return LocalResult(steps=training.steps, train_loss=sum(training.losses) / max(1, len(training.losses)))
 
 
@@ -197,6 +205,8 @@ class _RoundTraining:
         self.logic = context.logic or DeviceLogic({})
         self.losses: list[float] = []
         self.steps = 0
+        #: The round's DP-SGD (``settings.dp_sgd``), once :meth:`start` has wrapped the optimizer.
+        self.private: PrivateSteps | None = None
 
     def start(self) -> tuple[torch.optim.Optimizer, ArrayDataset, torch.device]:
         """Load the task's weights, begin the algorithm's round, build the optimizer. Called where
@@ -209,9 +219,15 @@ class _RoundTraining:
         extras = self.context.extras
         self.logic.begin_round(portion, extras if extras is not None else Payload(), self.data)
         portion.train()
-        optimizer = torch.optim.SGD(portion.parameters(), lr=settings.lr, momentum=settings.momentum,
-                                    weight_decay=settings.weight_decay)
-        return optimizer, self.logic.training_data(self.data), model_device(portion)
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(portion.parameters(), lr=settings.lr,
+                                                           momentum=settings.momentum,
+                                                           weight_decay=settings.weight_decay)
+        device = model_device(portion)
+        if settings.dp_sgd is not None:
+            self.private = PrivateSteps(portion, optimizer, settings.dp_sgd, settings.batch_size,
+                                        private_generator(device))
+            optimizer = self.private.optimizer
+        return optimizer, self.logic.training_data(self.data), device
 
     def check_deadline(self, owed_s: float = 0.0) -> None:
         """:class:`TaskExpired` once the deadline has passed (or will have, ``owed_s`` later), or

@@ -45,6 +45,8 @@ class RunProgress:
     stop_reason: str | None = None
     # The noise multiplier, clip bound and privacy ledger (fed_server/privacy.py); empty without privacy.
     privacy: dict[str, Any] = field(default_factory=dict)
+    # The devices' DP-SGD tasks counted (fed_server/sample_privacy.py); empty without train.dp_sgd.
+    sample_privacy: dict[str, Any] = field(default_factory=dict)
 
 
 def save_checkpoint(run_dir: RunDirectory, model_state: Mapping[str, torch.Tensor], progress: RunProgress) -> None:

@@ -37,6 +37,7 @@ from fed_server.fed_round import Assignment, FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
 from fed_server.privacy import RunPrivacy
+from fed_server.sample_privacy import SampleLedger
 from fed_server.secure_batches import SecureBatches
 from fed_server.secure_stages import SecureStages, secure_round
 from fed_server.progress import Progress
@@ -216,4 +217,5 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
         pace=DevicePace(config.deadlines.patience, config.deadlines.patience_grace_s,
                         config.deadlines.ignore_slowest),
         evaluation_mode=evaluation_mode(config),
-        torch_device=torch_device, loss=loss, privacy=RunPrivacy(config) if config.privacy.enabled else None)
+        torch_device=torch_device, loss=loss, privacy=RunPrivacy(config) if config.privacy.enabled else None,
+        sample_privacy=SampleLedger(config.train.dp_sgd, config.train) if config.train.dp_sgd is not None else None)

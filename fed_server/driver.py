@@ -402,5 +402,8 @@ def _observe(record: RoundRecord, metrics: FedMetrics | None) -> None:
     privacy = record.privacy
     spent = (f", epsilon {privacy.epsilon:.4g} at delta {privacy.delta:g}"
              if privacy is not None and privacy.epsilon is not None else "")
+    samples = record.sample_privacy
+    if samples is not None:
+        spent += f", sample-level epsilon {samples.epsilon:.4g} at delta {samples.delta:g} (worst device)"
     log.info("round %d (attempt %d) %s: accuracy %s, %.2fs, %.2f MB%s", record.round, record.round_id, record.status,
              record.test_accuracy, record.round_time_s, record.bytes_total / 1e6, spent)

@@ -58,6 +58,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_fed_main_server_replicas_live", "gauge", (), "configured Main Server replicas not set aside (one that did not accept a plan or was lost is set aside until it answers its health check)"),
     MetricSpec("sfl_fed_checkpoint_writes_total", "counter", (), "checkpoint.msgpack writes (one per completed round)"),
     MetricSpec("sfl_fed_privacy_epsilon", "gauge", (), "epsilon spent so far at the run's privacy.delta, after the last aggregated round (runs with privacy.noise; docs/privacy.md)"),
+    MetricSpec("sfl_fed_sample_epsilon", "gauge", (), "the largest sample-level epsilon of any device so far, at train.dp_sgd.delta (runs with train.dp_sgd; docs/privacy.md)"),
     MetricSpec("sfl_fed_privacy_clip_norm", "gauge", (), "the clip bound of the last aggregated round (runs with privacy.clipping; adaptive clipping moves it)"),
     *HTTP_METRICS,
 )
@@ -134,6 +135,7 @@ class FedMetrics:
         self.checkpoints = make(Counter, "sfl_fed_checkpoint_writes_total")
         self.epsilon = make(Gauge, "sfl_fed_privacy_epsilon")
         self.clip_norm = make(Gauge, "sfl_fed_privacy_clip_norm")
+        self.sample_epsilon = make(Gauge, "sfl_fed_sample_epsilon")
         for status in ("ok", "failed"):
             self.rounds_completed.labels(status)
         for direction in BYTE_DIRECTIONS:
@@ -152,6 +154,9 @@ class FedMetrics:
             spent = [r.privacy for r in coordinator.progress.history if r.privacy is not None]
             if spent:   # a resumed run's epsilon is its last record's, not 0
                 self._observe_privacy(spent[-1])
+            sample = [r.sample_privacy for r in coordinator.progress.history if r.sample_privacy is not None]
+            if sample:
+                self.sample_epsilon.set(sample[-1].epsilon)
             self.registry.register(_LiveCollector(coordinator, per_device))
 
     def observe_round(self, record: RoundRecord) -> None:
@@ -185,6 +190,8 @@ class FedMetrics:
             self.round_bytes.labels(direction).inc(max(0, getattr(record, f"bytes_{direction}")))
         if record.privacy is not None:
             self._observe_privacy(record.privacy)
+        if record.sample_privacy is not None:
+            self.sample_epsilon.set(record.sample_privacy.epsilon)
 
     def _observe_privacy(self, privacy: PrivacyRecord) -> None:
         self.clip_norm.set(privacy.clip_norm)

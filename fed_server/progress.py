@@ -103,12 +103,16 @@ class Progress:
         if evaluation is not None:   # the evaluation tasks went down to the devices in this round
             fed_round.task_bytes += evaluation.task_bytes
         figures, evaluated = self._figures(ok, evaluation)
+        sample_privacy = core.sample_privacy
+        if sample_privacy is not None:   # every task the attempt handed out, aggregated or not
+            sample_privacy.count({d: core.devices.weight(d) for d in fed_round.assignments})
         record = round_record(
             fed_round, config.algorithm, aggregation.used, aggregation.dropped, "ok" if ok else "failed", figures,
             time.monotonic() - fed_round.started_at, self.elapsed(), self.cumulative_bytes,
             core.devices.kinds(fed_round.assignments), aggregation.aggregation_s,
             {**core.selector.metrics(), **core.algorithm.round_metrics(fed_round.context, aggregation.extras)} if ok else {},
-            evaluated_devices=evaluated[0], evaluated_samples=evaluated[1], privacy=aggregation.privacy)
+            evaluated_devices=evaluated[0], evaluated_samples=evaluated[1], privacy=aggregation.privacy,
+            sample_privacy=sample_privacy.record() if sample_privacy is not None else None)
         self.cumulative_bytes = record.cumulative_bytes
         self._note_deadlines(fed_round, aggregation.used)
         finished, stop_reason = False, None
@@ -206,7 +210,8 @@ class Progress:
             algorithm_state=core.algorithm.state_dict(), selector_state=core.selector.state_dict(),
             time_table=self.table.state_dict(), missed_deadlines=core.missed.state_dict(),
             device_pace=core.pace.state_dict(), finished=finished, stop_reason=stop_reason,
-            privacy=core.privacy.state_dict() if core.privacy is not None else {})
+            privacy=core.privacy.state_dict() if core.privacy is not None else {},
+            sample_privacy=core.sample_privacy.state_dict() if core.sample_privacy is not None else {})
 
     def resume(self) -> bool:
         """Continue from the run directory's checkpoint, if there is one. Returns whether it did.
@@ -241,6 +246,8 @@ class Progress:
         core.pace.load_state_dict(progress.device_pace)
         if core.privacy is not None:
             core.privacy.load_state_dict(progress.privacy)
+        if core.sample_privacy is not None:
+            core.sample_privacy.load_state_dict(progress.sample_privacy)
         core.finished = progress.finished
         self.stop_reason = progress.stop_reason
         self.resumed_after = (self.rounds_done, self.attempts)
@@ -258,5 +265,10 @@ class Progress:
             # What the released models cost, as of the last record (docs/privacy.md says what it covers).
             base.update(epsilon=privacy.epsilon(), delta=privacy.ledger.delta,
                         noise_multiplier=privacy.noise_multiplier)
+        if self.core.sample_privacy is not None:
+            # DP-SGD: the worst device's sample-level epsilon over every task handed out.
+            worst = self.core.sample_privacy.record()
+            base.update(sample_epsilon=worst["epsilon"], sample_epsilon_device=worst["device"],
+                        sample_delta=worst["delta"])
         return run_summary(self.history, base, self.initial, self.rounds_done,
                            self.cumulative_bytes, finished, stop_reason)

@@ -72,6 +72,19 @@ class PrivacyRecord(BaseModel):
     unclipped_fraction: float | None = None
 
 
+class SamplePrivacyRecord(BaseModel):
+    """DP-SGD's figures after a round (``RoundRecord.sample_privacy``; fed_server/sample_privacy.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: The largest sample-level epsilon of any device so far, at ``delta``, and that device.
+    epsilon: float
+    device: str | None = None
+    delta: float
+    noise_multiplier: float
+    max_grad_norm: float
+
+
 class RoundRecord(BaseModel):
     """The record of one round attempt. ``round`` is the logical round (1..rounds, repeated by a
     retried attempt); ``round_id`` the attempt's wire id (never reused)."""
@@ -132,6 +145,9 @@ class RoundRecord(BaseModel):
     # delta, the round's noise multiplier and clip bound, and (adaptive clipping) the noised fraction
     # of devices whose update was inside it. None without privacy.clipping.
     privacy: PrivacyRecord | None = None
+    # Sample-level DP-SGD (train.dp_sgd; docs/privacy.md), for every attempt: the worst device's
+    # epsilon over the tasks handed out so far. None without train.dp_sgd.
+    sample_privacy: SamplePrivacyRecord | None = None
 
     @field_validator("test_accuracy", "test_loss", "train_loss", "test_mse", "test_mae", "aggregation_s", "evaluation_s")
     @classmethod
@@ -210,7 +226,8 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
                  figures: Mapping[str, float | None], duration: float, elapsed: float, cumulative_bytes: int,
                  device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any],
                  evaluated_devices: int | None = None, evaluated_samples: int | None = None,
-                 privacy: Mapping[str, Any] | None = None) -> RoundRecord:
+                 privacy: Mapping[str, Any] | None = None,
+                 sample_privacy: Mapping[str, Any] | None = None) -> RoundRecord:
     """The record of one finished round attempt; ``figures`` are its :func:`figure_fields`."""
     updates = fed_round.updates
     up, down, server = round_bytes(fed_round)
@@ -237,6 +254,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
         left=fed_round.left(used),
         evaluated_devices=evaluated_devices, evaluated_samples=evaluated_samples,
         privacy=PrivacyRecord.model_validate(privacy) if privacy is not None else None,
+        sample_privacy=SamplePrivacyRecord.model_validate(sample_privacy) if sample_privacy is not None else None,
     )
 
 

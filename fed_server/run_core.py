@@ -21,6 +21,7 @@ from fed_server.fed_round import FedRound
 from fed_server.device_pace import DevicePace
 from fed_server.missed_deadlines import MissedDeadlines
 from fed_server.privacy import RunPrivacy
+from fed_server.sample_privacy import SampleLedger
 from fed_server.weights_store import WeightsStore
 from shared.algorithms.base import Algorithm
 from shared.algorithms.selection import DeviceSelector
@@ -80,6 +81,9 @@ class RunCore:
             self.recording.state(fed_round.index, fed_round.round_id, name, state)
     #: The run's differential privacy (None without ``privacy.clipping``; fed_server/privacy.py).
     privacy: RunPrivacy | None = None
+    #: Each device's sample-level epsilon under DP-SGD (None without ``train.dp_sgd``;
+    #: fed_server/sample_privacy.py).
+    sample_privacy: SampleLedger | None = None
 
     @property
     def num_blocks(self) -> int:

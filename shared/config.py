@@ -21,6 +21,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class DpSgdConfig(_Strict):
+    """Sample-level differential privacy on the devices: DP-SGD (Abadi et al. 2016) through Opacus.
+    Every step of a device's local training clips each sample's gradient of the blocks the device
+    trains to ``max_grad_norm`` and adds Gaussian noise of ``noise_multiplier`` x that bound to
+    their sum; the Fed Server accounts each device's epsilon at ``delta`` with Opacus's Renyi-DP
+    accountant (docs/privacy.md, "Sample-level DP-SGD"). Device side only: the Main Server trains
+    as before."""
+
+    noise_multiplier: float = Field(gt=0, allow_inf_nan=False)
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    delta: float = Field(1e-5, gt=0, lt=1)
+
+
 class TrainConfig(_Strict):
     """Local training hyperparameters, the same on devices and on the Main Server, and the loss
     that all of them compute (docs/models.md, "Loss and task")."""
@@ -35,6 +48,9 @@ class TrainConfig(_Strict):
     # classification (integer class labels, accuracy) or regression (float targets, MSE and MAE).
     # None: the built-in loss's own; required for an import-path loss. Always set once validated.
     task: Task | None = None
+    # Sample-level DP-SGD on the devices' trained blocks (null: none); checked against the model,
+    # the algorithm and the split mode by shared/run_config.py.
+    dp_sgd: DpSgdConfig | None = None
 
     @model_validator(mode="after")
     def _resolve_task(self) -> "TrainConfig":

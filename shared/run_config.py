@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pydantic import BaseModel, ValidationError
 
 from shared.algorithms.base import Algorithm, DeviceLogic
+from shared.algorithms.privacy_defence import PrivacyDefence
 from shared.algorithms.registry import (
     ALGORITHMS, GROUPINGS, SELECTORS, build_algorithm, build_group_loss, build_grouping, build_member_defences,
     build_privacy_defences, build_selector, uploads_member_states,
@@ -31,6 +32,7 @@ from shared.data.feature_skew import GaussianNoiseParams
 from shared.evaluation import has_server_test_set
 from shared.models import SplitModel, build_model, build_model_layout, candidate_split_points, profile_model
 from shared.models.zoo import SPLIT_DEPTH_ZERO_MODELS
+from shared.privacy.accountant import require_opacus
 
 if TYPE_CHECKING:
     from shared.algorithms.selection import DeviceSelector
@@ -80,6 +82,7 @@ def validate_run_config(config: RunConfig) -> RunConfig:
         raise ValueError(f"algorithm {config.algorithm!r} cuts the model, but model {config.model!r} declares no split "
                          f"points: return ModelDefinition(..., split_points=[...]) (docs/models.md)")
     candidates = _check_split_privacy(config, algorithm, model)
+    _check_dp_sgd(config, algorithm, model, candidates)
     _check_private_updates(config, algorithm, selector)
     _check_secure_aggregation(config, algorithm, selector, model)
     if config.split.pinned:
@@ -97,6 +100,40 @@ def validate_run_config(config: RunConfig) -> RunConfig:
                                  f"and it could not be inferred: return ModelDefinition(..., {part}=...) "
                                  f"(docs/models.md)")
     return config
+
+
+def _check_dp_sgd(config: RunConfig, algorithm: Algorithm, model: SplitModel, candidates: Sequence[int] | None) -> None:
+    """Sample-level DP-SGD (``train.dp_sgd``; docs/privacy.md) fits the run: every gradient the
+    device trains on is a sum of per-sample gradients Opacus can compute and clip. So not in
+    U-shaped mode (the device's head takes its gradients, scaled by the Main Server's weight,
+    outside the optimizer's step), not with a device objective of the algorithm's own (a proximal or
+    control term is not a sum over samples: DP-SGD would drop its gradient) nor with a defence that
+    adds a penalty to it (``nopeek``), and not with a layer Opacus cannot train privately in the
+    blocks a device may train (BatchNorm mixes the batch's samples). ValueError in one line."""
+    if config.train.dp_sgd is None:
+        return
+    if config.split.u_shaped:
+        raise ValueError("train.dp_sgd does not run in U-shaped mode (split.u_shaped): the device's head takes "
+                         "its gradients outside the optimizer's step, so they would be neither clipped nor noised")
+    if algorithm.split_mode() == "zero" and algorithm.Logic.loss is not DeviceLogic.loss:
+        raise ValueError(f"train.dp_sgd: algorithm {config.algorithm!r}'s device objective "
+                         f"({algorithm.Logic.__name__}.loss) adds terms that are not per-sample, whose gradient "
+                         f"DP-SGD would drop: use an algorithm that trains on train.loss alone (e.g. fedavg)")
+    penalised = [name for name, defence in zip(config.split_privacy.defences, build_privacy_defences(
+        config.split_privacy.defences, config.split_privacy.defence_params))
+        if type(defence).activation_penalty is not PrivacyDefence.activation_penalty]
+    if penalised:
+        raise ValueError(f"train.dp_sgd: split_privacy.defences {', '.join(penalised)} add a penalty over the whole "
+                         f"batch to the device's objective, whose gradient DP-SGD would drop: leave them out")
+    require_opacus("train.dp_sgd needs Opacus")
+    from opacus.validators import ModuleValidator   # seconds to import: only for a run with DP-SGD
+
+    deepest = max(candidates) if candidates else len(model.blocks)
+    errors = ModuleValidator.validate(model.portion(0, deepest), strict=False)
+    if errors:
+        first = " ".join(str(errors[0]).split())
+        raise ValueError(f"train.dp_sgd: Opacus cannot train the device's blocks of model {config.model!r} "
+                         f"privately: {first[:200]}")
 
 
 def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -> list[int] | None:

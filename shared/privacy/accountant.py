@@ -15,19 +15,20 @@ Entry = tuple[float, float, int]
 AccountantName = Literal["rdp", "prv"]
 
 
-def _require_opacus() -> None:
-    """ValueError in one line where Opacus is not installed (it is an optional dependency)."""
+def require_opacus(what: str = "privacy.noise needs Opacus's accountant") -> None:
+    """ValueError in one line, starting with ``what``, where Opacus is not installed (it is an
+    optional dependency)."""
     try:
         import opacus  # noqa: F401   (seconds to import: only where a run adds noise)
     except ImportError:
-        raise ValueError("privacy.noise needs Opacus's accountant: pip install 's2fl-testbed[privacy]'") from None
+        raise ValueError(f"{what}: pip install 's2fl-testbed[privacy]'") from None
 
 
-def _epsilon(accountant: AccountantName, history: list[Entry], delta: float) -> float:
+def epsilon_of(accountant: AccountantName, history: list[Entry], delta: float) -> float:
     """Opacus's epsilon at ``delta`` for ``history`` (0 before any round)."""
     if not history:
         return 0.0
-    _require_opacus()
+    require_opacus()
     from opacus.accountants import create_accountant
 
     ledger = create_accountant(mechanism=accountant)
@@ -39,7 +40,7 @@ def calibrated_noise_multiplier(target_epsilon: float, delta: float, sample_rate
                                 accountant: AccountantName) -> float:
     """The smallest noise multiplier (within Opacus's tolerance of 0.01 in epsilon) that spends at
     most ``target_epsilon`` in ``rounds`` rounds at ``sample_rate`` (Opacus's ``get_noise_multiplier``)."""
-    _require_opacus()
+    require_opacus()
     from opacus.accountants.utils import get_noise_multiplier
 
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
@@ -57,11 +58,11 @@ class PrivacyLedger:
 
     def epsilon(self) -> float:
         """The epsilon spent so far, at :attr:`delta`."""
-        return _epsilon(self.accountant, self.history, self.delta)
+        return epsilon_of(self.accountant, self.history, self.delta)
 
     def epsilon_after(self, noise_multiplier: float, sample_rate: float) -> float:
         """The epsilon one more round with these terms would bring the run to."""
-        return _epsilon(self.accountant, _merged(self.history, noise_multiplier, sample_rate), self.delta)
+        return epsilon_of(self.accountant, _merged(self.history, noise_multiplier, sample_rate), self.delta)
 
     def spend(self, noise_multiplier: float, sample_rate: float) -> None:
         """Count one aggregated round released with these terms."""

@@ -221,3 +221,28 @@ def test_withheld_label_counts_run_with_every_grouping_that_reads_none():
     for method in ("random", "singleton", "speed"):
         load_run_config({"algorithm": "s2fl", "split_privacy": {"label_counts": "withheld"},
                          "grouping": {"method": method}})
+
+
+DP_SGD = {"noise_multiplier": 1.0, "max_grad_norm": 1.0}
+
+
+@pytest.mark.parametrize("data", [
+    {"algorithm": "fedavg", "model": "cnn"},
+    {"algorithm": "s2fl", "model": "cnn", "split_privacy": {"defences": ["noise"], "defence_params": {"noise": {"scale": 0.5}}}},
+])
+def test_dp_sgd_runs_where_every_device_gradient_is_a_sum_over_samples(data):
+    config = load_run_config({**data, "train": {"dp_sgd": DP_SGD}})
+    assert config.train.dp_sgd is not None and config.train.dp_sgd.delta == 1e-5
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"algorithm": "s2fl", "split": {"u_shaped": True}}, "does not run in U-shaped mode"),
+    ({"algorithm": "fedprox"}, "algorithm 'fedprox''s device objective"),
+    ({"algorithm": "s2fl", "split_privacy": {"defences": ["nopeek"], "defence_params": {"nopeek": {"weight": 0.5}}}},
+     "split_privacy.defences nopeek add a penalty"),
+    ({"algorithm": "fedavg", "model": "resnet8", "data": {"dataset": "cifar10"}},
+     "Opacus cannot train the device's blocks of model 'resnet8' privately"),
+])
+def test_dp_sgd_is_refused_in_one_line_where_it_would_not_be_dp_sgd(data, expected):
+    lines = _lines({**data, "train": {"dp_sgd": DP_SGD}})
+    assert len(lines) == 1 and expected in lines[0] and "train.dp_sgd" in lines[0], lines
