@@ -43,10 +43,27 @@ def test_the_table_sets_each_private_case_against_its_populations_run_without_dp
             _row("fedavg", 1000, 3.0, 0.831)]
     lines = part.table({"rows": rows})
     assert len(lines) == 6
-    assert lines[3] == "| fedavg | 100 (10) | 3 | 3.00 | 0.001 | 1.250 | 30/30 | - | 80.0 % | 80.0 % | -5.0 points |"
+    assert lines[3] == ("| fedavg | 100 (10) | client-level | 3 | 3.00 | 0.001 | 1.250 | 30/30 | - | 80.0 % | 80.0 % "
+                        "| -5.0 points |")
     assert lines[5].endswith("| 83.1 % | 83.1 % | -0.9 points |") and lines[2].endswith("| - |")
     stopped = part.table({"rows": [rows[0], {**rows[1], "rounds_ok": 3, "stop_reason": "10 failed attempts in a row"}]})
     assert "| 3/30 | 10 failed attempts in a row | 80.0 % |" in stopped[3]
+
+
+def test_dp_sgd_runs_at_s2fl_s_default_run_at_each_noise_multiplier_against_the_same_run_without_dp():
+    cases = part.cases((), (3.0,), s2fl=True, sample_noise=(0.5, 2.0))
+    assert [c.label for c in cases] == ["s2fl-10-none", "s2fl-10-eps3", "s2fl-10-dpsgd0.5", "s2fl-10-dpsgd2"]
+    config = part.bench_config(cases[2], rounds=30)
+    assert not config.privacy.enabled and config.algorithm == "s2fl" and config.rounds == 20
+    assert config.train.dp_sgd is not None
+    assert (config.train.dp_sgd.noise_multiplier, config.train.dp_sgd.max_grad_norm, config.train.dp_sgd.delta) == \
+        (0.5, part.SAMPLE_CLIP, part.SAMPLE_DELTA)
+    plain = {**_row("s2fl", 10, None, 0.90), "per_round": 10, "dp": "none"}
+    sample = {**_row("s2fl", 10, None, 0.85), "per_round": 10, "dp": "sample", "epsilon": 7.5,
+              "delta": part.SAMPLE_DELTA, "noise_multiplier": 0.5}
+    lines = part.table({"rows": [plain, sample]})
+    assert lines[3] == ("| s2fl | 10 (10) | DP-SGD (worst device) | - | 7.50 | 1e-05 | 0.500 | 30/30 | - | 85.0 % | "
+                        "85.0 % | -5.0 points |")
 
 
 def test_the_part_runs_only_when_named():
@@ -54,7 +71,8 @@ def test_the_part_runs_only_when_named():
 
 
 @pytest.mark.parametrize("parse, text", [(part.parse_counts, "5"), (part.parse_counts, "100,x"),
-                                         (part.parse_epsilons, "0"), (part.parse_epsilons, "")])
+                                         (part.parse_epsilons, "0"), (part.parse_epsilons, ""),
+                                         (part.parse_noise, "0"), (part.parse_noise, "-1")])
 def test_what_the_command_cannot_run_is_refused(parse, text):
     with pytest.raises(argparse.ArgumentTypeError):
         parse(text)
