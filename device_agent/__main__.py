@@ -56,22 +56,28 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if metrics is not None and args.metrics_linger_s > 0:
         _linger(metrics, args.metrics_linger_s)
-    _exit(code)
+    sys.exit(code)
 
 
-def _exit(code: int) -> NoReturn:
-    """Exit with ``code``. A stopped agent leaves devices waiting on the Fed Server (a long poll,
-    a set-up step) to the process's exit, and the interpreter's finalization ends such daemon
-    threads wherever they are: one inside torch's C++ code then aborts the whole process ("FATAL:
-    exception not rethrown", exit -6, seen when SIGTERM came during the set-up of 400 devices).
-    So where other threads still run, the exit skips finalization, once the logs and output are
-    flushed (the agent has closed what it keeps on disk: ``Agent.run``)."""
+def _exit(stop: SystemExit) -> NoReturn:
+    """The process's exit, as ``stop`` says. A stopped agent leaves devices waiting on the Fed
+    Server (a long poll, a set-up step) to the process's exit, and the interpreter's finalization
+    ends such daemon threads wherever they are: one inside torch's C++ code then aborts the whole
+    process ("FATAL: exception not rethrown", exit -6, seen when SIGTERM came during the set-up of
+    400 devices). So where other threads still run, the exit skips finalization, once the logs and
+    output are flushed (the agent has closed what it keeps on disk: ``Agent.run``). Only for
+    ``python -m device_agent``: :func:`main` called from other code (a test) raises SystemExit as usual."""
     if threading.active_count() > 1:
+        code = stop.code
+        if not isinstance(code, int):   # sys.exit("message") prints it and exits 1; None is 0
+            if code is not None:
+                print(code, file=sys.stderr)
+            code = 0 if code is None else 1
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    sys.exit(code)
+    raise stop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -281,4 +287,7 @@ def _whole_number(text: str) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        _exit(stop)

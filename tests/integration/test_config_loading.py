@@ -52,7 +52,7 @@ def test_wrong_fields_and_a_missing_file_are_one_line_each(tmp_path, module):
     assert result.stderr.splitlines() == [
         "config error: train.lr: must be greater than 0 (got -1)",
         "config error: train.lrr: unknown key in train (valid keys: lr, momentum, weight_decay, batch_size, "
-        "local_epochs, loss, task)"], result.stderr
+        "local_epochs, loss, task, dp_sgd)"], result.stderr
 
     missing = tmp_path / "missing.yaml"
     result = _run(module, "--run-dir", str(run_dir), "--config", str(missing))
