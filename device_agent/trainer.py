@@ -3,7 +3,6 @@ device's own head and loss) or whole model."""
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from shared.algorithms.base import DeviceLogic, Payload
 from shared.algorithms.privacy_defence import PrivacyDefence, private_generator
 from shared.config import DpSgdConfig, TrainConfig
 from shared.data import ArrayDataset
+from shared.local_steps import drops_last, steps_per_round
 from shared.models import DevicePortion, Portion, SplitModel
 from shared.portions import load_portion
 from shared.torch_device import model_device, synchronize
@@ -61,21 +61,10 @@ def batches(data: ArrayDataset, batch_size: int, epochs: int, seed: int,
     gen = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(len(data), generator=gen)
-        end = len(data) - 1 if _drops_last(len(data), batch_size, no_single) else len(data)
+        end = len(data) - 1 if drops_last(len(data), batch_size, no_single) else len(data)
         for start in range(0, end, batch_size):
             idx = order[start:start + batch_size]
             yield data.x[idx], data.y[idx]
-
-
-def _drops_last(num_samples: int, batch_size: int, no_single: bool) -> bool:
-    """Whether :func:`batches` leaves an epoch's last batch (of one sample) out."""
-    return no_single and num_samples > batch_size and num_samples % batch_size == 1
-
-
-def steps_per_round(num_samples: int, batch_size: int, epochs: int, no_single: bool = False) -> int:
-    """How many local steps a round of ``epochs`` passes over ``num_samples`` in batches takes
-    (``no_single``: as in :func:`batches`)."""
-    return epochs * (math.ceil(num_samples / batch_size) - _drops_last(num_samples, batch_size, no_single))
 
 
 def normalises_over_batch(portion: torch.nn.Module) -> bool:

@@ -118,9 +118,10 @@ def _slowest_counted_other(seconds: Mapping[str, float], ignore_slowest: int) ->
     """For each device, the slowest of the other devices' ``seconds`` that a peers' time counts
     (the attempt being all of ``seconds``' devices: :func:`counted_arrivals`); ``-inf`` where
     there is no other. One sort serves every device."""
-    ordered = sorted(seconds.values())
+    devices = sorted(seconds, key=seconds.__getitem__)
+    ordered = [seconds[device] for device in devices]
     keep = counted_arrivals(len(ordered) - 1, len(ordered), ignore_slowest)
-    rank = {device: i for i, device in enumerate(sorted(seconds, key=seconds.__getitem__))}
+    rank = {device: i for i, device in enumerate(devices)}
 
     def slowest(device: str) -> float:
         if keep < 1:

@@ -13,11 +13,11 @@ device's, which bounds every device's. Only devices that trained in a round are 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from shared.config import DpSgdConfig, TrainConfig
+from shared.local_steps import steps_per_round
 from shared.privacy.accountant import epsilon_of
 
 
@@ -33,8 +33,9 @@ class SampleLedger:
         self._epsilon: dict[str, float] = {}
 
     def steps(self, samples: int) -> int:
-        """DP-SGD steps a task of a device with ``samples`` samples takes."""
-        return self.epochs * math.ceil(max(1, samples) / self.batch_size)
+        """DP-SGD steps a task of a device with ``samples`` samples takes (no batch is left out: a
+        model with BatchNorm cannot train with DP-SGD)."""
+        return steps_per_round(max(1, samples), self.batch_size, self.epochs)
 
     def count(self, devices: Mapping[str, int]) -> None:
         """Count one task for each device in ``devices`` (device id -> its registered samples)."""
