@@ -1,11 +1,13 @@
 """An agent process hosting one or many devices.
 
-One device runs its own loop on its own thread and asks for its tasks itself, as a device does
-without an agent (:meth:`device_agent.device.Device.run`). Several set up on a few threads, then
-wait as records in the agent's task session (:mod:`device_agent.agent_tasks`): one held request
-for all of them, and a thread only for a device that has a task. Devices with a task run at once:
-members of a Main Server group wait for each other at every step, so training them one after
-another would deadlock the barrier.
+Its devices, one or many, set up on a few threads, then wait as records in the agent's task
+session (:mod:`device_agent.agent_tasks`): one held request for all of them, and a thread only for
+a device that has a task. One device goes through the session too, not through its own task poll
+(:meth:`device_agent.device.Device.run`, a device without an agent): the session is what tells a
+device that the Fed Server closed its attempt without it (``ended``), so that a board whose link
+slowed down stops a download nobody will train from rather than miss its next task too. Devices
+with a task run at once: members of a Main Server group wait for each other at every step, so
+training them one after another would deadlock the barrier.
 """
 from __future__ import annotations
 
@@ -216,8 +218,8 @@ class Agent:
     def run(self) -> int:
         """Stop at once each device whose ``--data`` was refused when it was listed
         (:attr:`LocalSource.refused`), check the run (:meth:`check_run`, which may raise
-        :class:`RunRefused`), then run the other devices until each has ended: one device on its
-        own loop, several in the agent's task session. The exit code: 2 if any device did not
+        :class:`RunRefused`), then run the other devices in the agent's task session until each has
+        ended. The exit code: 2 if any device did not
         register because its data or the Fed Server refused it (a configuration problem, which a
         restart does not fix; the agent's other devices train on to the end), else 1 if any device
         failed, else 0."""
@@ -229,15 +231,9 @@ class Agent:
             if not devices:
                 return self._exit_code()
             info, layout = self.check_run()
-            if len(devices) == 1:
-                device = devices[0]
-                thread = self._start(device.device_id, self._guarded, device, lambda: device.run(info, layout))
-                while thread.is_alive():
-                    thread.join(0.5)
-            else:
-                session = self._start_session(devices, info, layout)
-                while not session.ended.wait(0.5):
-                    pass
+            session = self._start_session(devices, info, layout)
+            while not session.ended.wait(0.5):
+                pass
         except KeyboardInterrupt:
             self.stop.set()
             self.compute.close()   # rounds waiting for a compute thread are not run

@@ -623,6 +623,44 @@ def test_a_device_the_fed_server_refuses_is_one_line_and_the_agent_exits_2_while
     assert all(r.exc_info is None for r in lines)
 
 
+def test_an_agent_with_one_device_gives_up_a_download_when_its_session_says_the_attempt_closed_without_it():
+    # The session's answers are what name a task whose attempt closed (``ended``): a device on its
+    # own task poll would never hear of it, and would go on downloading weights nobody trains from
+    # (over a link that slowed down, past its next task's start).
+    from device_agent.agent import Agent
+
+    class Stalled(FakeFed):
+        """Attempt 1's weights never arrive: their download ends only when it is given up."""
+        def __init__(self, script: list) -> None:
+            super().__init__(script)
+            self.downloading = threading.Event()
+
+        def weights(self, device_id: str, weights_id: str, cancel=None) -> tuple[WeightsResponse, int]:
+            self.downloading.set()
+            assert cancel is not None and cancel.wait(30), "the download was never given up"
+            raise TaskExpired("the Fed Server closed the task's attempt; its weights' download was given up")
+
+    class Closing(ScriptedSession):
+        """Hands the device attempt 1, then, once its download runs, says the attempt closed."""
+        told = False
+
+        def agent_tasks(self, agent_id: str, req: AgentTaskRequest) -> AgentTaskResponse:
+            if fed.downloading.is_set() and not self.told:
+                self.told = True
+                return AgentTaskResponse(ended={"dev-003": 1})
+            if not req.add and fed.script and fed.script[0].status == "done":
+                fed.downloading.wait(30)   # the holder's request, held while attempt 1 runs
+            return super().agent_tasks(agent_id, req)
+
+    agent = Agent("http://127.0.0.1:9", [3], None, compute_slots=0)
+    fed = Stalled([_full(1), TaskResponse(status="done")])
+    agent.devices[0].fed = fed   # type: ignore[assignment]
+    agent.tasks_fed = session = Closing(agent.devices)   # type: ignore[assignment]
+    assert agent.run() == 0 and agent.errors == {}
+    assert session.told and fed.uploads == [] and fed.withdrawals == [] and fed.script == []
+    assert agent.devices[0].tasks_trained == 0
+
+
 def test_a_registration_the_fed_server_fails_to_carry_out_is_no_refusal(caplog):
     from device_agent.agent import Agent
 
@@ -632,6 +670,7 @@ def test_a_registration_the_fed_server_fails_to_carry_out_is_no_refusal(caplog):
 
     agent = Agent("http://127.0.0.1:9", [3], None, compute_slots=0)
     agent.devices[0].fed = Failing([])   # type: ignore[assignment]
+    agent.tasks_fed = ScriptedSession(agent.devices)   # type: ignore[assignment]
     assert agent.run() == 1 and isinstance(agent.errors["dev-003"], Failed)
 
 
