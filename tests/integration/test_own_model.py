@@ -149,7 +149,7 @@ def test_a_device_whose_package_builds_another_model_is_refused(tmp_path, user_p
             # device is refused at registration. Both are configuration problems: exit 2.
             assert refused.process.returncode == 2 and unnamed.process.returncode == 2
             log = refused.log_path.read_text()
-            assert "409" in log or "Conflict" in log
+            assert "dev-000: not registered: refused by the Fed Server: " in log
             assert "the device's model or data pipeline differs from the run's" in log
             assert "parameter blocks.conv2.0.weight: float32 [12, 4, 3, 3] on the device, float32 [8, 4, 3, 3] in the run" in log
             assert "start this process with --model user_models:mnist_net" in unnamed.log_path.read_text()
