@@ -73,7 +73,7 @@ def _hold_shard_0(fed_url: str) -> None:
 
 @pytest.mark.parametrize("shard, reason", [
     ("5", "shard 5 does not exist: the run has 2 shards (0..1)"),
-    ("0", "HTTP 409: shard 0 is already held by device 'other'"),
+    ("0", "refused by the Fed Server: shard 0 is already held by device 'other'"),
 ])
 def test_an_agent_whose_device_is_refused_exits_2_with_one_line(shard, reason):
     with server_pair(CONFIG, "agent-refused") as servers:
