@@ -173,19 +173,20 @@ class Device:
         return self.device_model.model if self.device_model is not None else None
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def run(self, info: RunInfo | None = None, layout: SplitModel | None = None) -> None:
-        """Register, then train every round this device is given until the run is done.
-        ``info`` and ``layout``: the run spec and its checked model layout, when the device's agent
-        has them already (:meth:`setup`).
+    def run(self) -> None:
+        """A device without an agent: register, then ask for every task on its own task poll
+        (``GET /v1/devices/{device_id}/task``) and train it, until the run is done. An agent runs
+        its devices, one or many, in its task session instead (:mod:`device_agent.agent_tasks`),
+        which also tells them of an attempt closed without them.
 
         Survives server restarts: connection failures back off and retry (up to
         ``max_downtime_s`` without any answer), and a Fed Server that no longer knows the device
         (it restarted from its checkpoint) gets a new registration. A task that fails, for any
         reason, is given up (:func:`device_agent.reports.abandon`) and the device asks for its
-        next one; the agent's other devices go on either way.
+        next one.
         """
-        self.setup(info, layout)
-        if self.stop.is_set():   # the agent stopped while it set up
+        self.setup()
+        if self.stop.is_set():   # stopped while it set up
             return
         poller = self.poller
         assert poller is not None
