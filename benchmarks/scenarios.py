@@ -18,8 +18,9 @@ speeds the benchmark changes by a signal. A change lands while round D + 1 runs:
 applies it when the Fed Server reports round D.
 
 Per scenario, the same scenario is run again with the best fixed split per device in hindsight
-(``split.pinned``), chosen from the sliding run's own time table (:func:`best_fixed`): trying every
-assignment would take 27 runs per scenario. Per run and device: the split of each round it was
+(``split.pinned``), chosen from the sliding run's own time table and its devices' upload times,
+on the round's critical path that the time table's bottleneck cap uses (:func:`best_fixed`):
+trying every assignment would take 27 runs per scenario. Per run and device: the split of each round it was
 selected in and whether it uploaded, the rounds it lost to its change, and the time to the sliding
 run's final accuracy. Goals (printed beside the figures, missed ones named): no device loses more
 than :data:`GOAL_LOST_ROUNDS` rounds to a change of its link or speed, and the sliding run reaches
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -163,7 +165,18 @@ def rounds_of(records: Sequence[Mapping]) -> list[dict]:
             last[record["round"]] = record
     return [{"round": r["round"], "elapsed_s": r["elapsed_s"], "round_time_s": r["round_time_s"],
              "accuracy": r["test_accuracy"], "splits": dict(r["split_points"]), "uploaded": sorted(r["aggregated"]),
-             "times": dict(r["table_times"])} for _, r in sorted(last.items())]
+             "times": dict(r["table_times"]), "uploads": upload_seconds(r)} for _, r in sorted(last.items())]
+
+
+def upload_seconds(record: Mapping) -> dict[str, float]:
+    """Per uploading device, the seconds its upload took to reach the Fed Server: its table time
+    less the parts the device timed itself (compute, transfer, the Main Server's steps)."""
+    out = {}
+    for device, timings in record.get("device_times", {}).items():
+        if device in record["table_times"]:
+            own = timings["compute_s"] + timings["transfer_s"] + timings["server_s"]
+            out[device] = max(0.0, record["table_times"][device] - own)
+    return out
 
 
 def lost_rounds(rounds: Sequence[Mapping], device: str, first: int, last: int) -> list[int]:
@@ -193,24 +206,35 @@ def split_line(rounds: Sequence[Mapping], device: str) -> str:
 Cells = dict[str, dict[int, float]]   # device -> split -> seconds
 
 
+def _medians(rounds: Sequence[Mapping], first: int, last: int, field: str) -> Cells:
+    """Per device and split, the median of the device's ``field`` figures in rounds ``first..last``
+    where it uploaded."""
+    measured: dict[str, dict[int, list[float]]] = {}
+    for r in rounds:
+        if first <= r["round"] <= last:
+            for device, split in r["splits"].items():
+                if device in r["uploaded"] and device in r.get(field, {}):
+                    measured.setdefault(device, {}).setdefault(split, []).append(r[field][device])
+    return {d: {k: statistics.median(v) for k, v in splits.items()} for d, splits in measured.items()}
+
+
 def phase_cells(rounds: Sequence[Mapping], first: int, last: int) -> Cells:
     """Per device and split, its time in rounds ``first..last`` as the time table measured it (the
     median of its entries); a split it was cut at and never uploaded from in those rounds is
     infinite (it did not fit the round)."""
-    measured: dict[str, dict[int, list[float]]] = {}
-    cut: dict[str, set[int]] = {}
+    cells = _medians(rounds, first, last, "times")
     for r in rounds:
         if first <= r["round"] <= last:
             for device, split in r["splits"].items():
-                if device in r["uploaded"] and device in r["times"]:
-                    measured.setdefault(device, {}).setdefault(split, []).append(r["times"][device])
-                elif device not in r["uploaded"]:
-                    cut.setdefault(device, set()).add(split)
-    cells: Cells = {d: {k: statistics.median(v) for k, v in splits.items()} for d, splits in measured.items()}
-    for device, splits in cut.items():
-        for split in splits:
-            cells.setdefault(device, {}).setdefault(split, float("inf"))
+                if device not in r["uploaded"]:
+                    cells.setdefault(device, {}).setdefault(split, float("inf"))
     return cells
+
+
+def phase_uploads(rounds: Sequence[Mapping], first: int, last: int) -> Cells:
+    """Per device and split, the seconds its upload took in rounds ``first..last`` (the median):
+    its portion's one way on its link, which the critical path of :func:`best_fixed` counts."""
+    return _medians(rounds, first, last, "uploads")
 
 
 def fill_from_other_phases(phases: Sequence[Cells]) -> list[Cells]:
@@ -231,18 +255,30 @@ def fill_from_other_phases(phases: Sequence[Cells]) -> list[Cells]:
     return filled
 
 
-def best_fixed(phases: Sequence[Cells], lengths: Sequence[int], candidates: Sequence[int]) -> dict[str, int]:
-    """The split per device that minimises the run's time over its phases, ``Σ_p rounds_p · max_d
-    t_p(d, k_d)`` (a round lasts as long as its slowest device), from the cells of
-    :func:`fill_from_other_phases`; a split with no price in a phase counts as infinite. Ties go to
-    the deeper splits (less work for the Main Server), as the median rule's do."""
+def best_fixed(phases: Sequence[Cells], lengths: Sequence[int], candidates: Sequence[int],
+               uploads: Sequence[Cells] | None = None) -> dict[str, int]:
+    """The split per device that minimises the run's time over its phases, ``Σ_p rounds_p ·
+    path_p(k)``, from the cells of :func:`fill_from_other_phases`; a split with no price in a
+    phase counts as infinite. A round's critical path is the time table's (docs/s2fl.md, the
+    bottleneck cap): its group meets at a barrier every step, so the slowest portion download
+    comes before every step and the slowest upload after them, ``2 max_d e_d + max_d (t_d - 2
+    e_d)``, with ``e_d`` the device's upload seconds at its split (``uploads``, filled as the cells;
+    0 where not measured: then the slowest device's time). Ties go to the deeper splits (less work
+    for the Main Server), as the median rule's do."""
     devices = sorted({d for cells in phases for d in cells})
     if not devices:
         raise ValueError("no device has a time-table entry to choose a fixed split from")
+    edges = list(uploads) if uploads is not None else [{} for _ in phases]
+
+    def path(cells: Cells, edge: Cells, assignment: tuple[int, ...]) -> float:
+        times = [cells.get(d, {}).get(k, float("inf")) for d, k in zip(devices, assignment)]
+        if math.inf in times:
+            return math.inf
+        ways = [min(edge.get(d, {}).get(k, 0.0), t / 2.0) for d, k, t in zip(devices, assignment, times)]
+        return 2.0 * max(ways) + max(t - 2.0 * e for t, e in zip(times, ways))
 
     def cost(assignment: tuple[int, ...]) -> float:
-        return sum(n * max(cells.get(d, {}).get(k, float("inf")) for d, k in zip(devices, assignment))
-                   for cells, n in zip(phases, lengths))
+        return sum(n * path(cells, edge, assignment) for cells, edge, n in zip(phases, edges, lengths))
 
     best = min(itertools.product(sorted(candidates), repeat=len(devices)),
                key=lambda a: (cost(a), tuple(-k for k in a)))
@@ -254,7 +290,8 @@ def choose_pinned(rounds: Sequence[Mapping], scenario: Scenario, total_rounds: i
     """The best fixed split per device in hindsight from the sliding run's own time table."""
     phases = scenario.phases(total_rounds)
     cells = fill_from_other_phases([phase_cells(rounds, a, b) for a, b in phases])
-    return best_fixed(cells, [b - a + 1 for a, b in phases], candidates)
+    uploads = fill_from_other_phases([phase_uploads(rounds, a, b) for a, b in phases])
+    return best_fixed(cells, [b - a + 1 for a, b in phases], candidates, uploads)
 
 
 def judge(result: dict) -> dict:

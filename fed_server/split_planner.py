@@ -68,6 +68,14 @@ class SplitPlanner:
         return eq1_time(dataclasses.replace(record.profile, rate=rate), self._view(j),
                         record.num_samples * self.local_epochs, self.server_flops)
 
+    def portion_seconds(self, device_id: str, j: int) -> float | None:
+        """One-way seconds of the device's portion at candidate ``j`` on its link: ``|Wc|`` (U-shaped,
+        with the head) over its measured rate, for the bottleneck cap's critical path
+        (:class:`fed_server.time_table.Bottleneck`). None before its rate is measured: a rate it
+        registered is its own word."""
+        rate = self.devices.measured_rate(device_id)
+        return self._view(j).device_param_bytes / rate if rate else None
+
     def download_seconds(self, chosen: Mapping[str, int | None]) -> dict[str, float | None]:
         """Seconds each chosen device (-> candidate ``j``) takes to download its client portion,
         for its own join deadline at the Main Server: ``|Wc|`` over its link rate.
@@ -130,6 +138,6 @@ class SplitPlanner:
         if self.mode == "fixed":
             chosen = {d: len(self.split_points) - 1 for d in devices}
         else:
-            chosen = self.table.choose(round_index, list(devices), self.estimate, self.terms)
+            chosen = self.table.choose(round_index, list(devices), self.estimate, self.terms, self.portion_seconds)
         chosen.update({d: self.split_points.index(self.pinned[d]) for d in devices if d in self.pinned})
         return {d: (j, self.split_points[j]) for d, j in chosen.items()}

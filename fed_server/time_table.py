@@ -40,10 +40,17 @@ Decisions where the paper is silent (documented here, in the methods and in docs
   candidate (more layers on the device, less work for the Main Server: it is off the critical
   path at every split). Otherwise ties in ``|t - m|`` (within 1e-9 relative) go to the larger ``j``;
 * **the bottleneck cap** (``bottleneck_cap``, on by default): the round lasts at least as long as
-  its slowest device at that device's cheapest candidate, ``b = max_d min_j t(d, j)``. A device is
-  chosen among its candidates that read at most ``b * (1 + noise)`` (never empty: its cheapest
-  reads at most ``b``), so the median rule balances the devices below the bottleneck and never
-  makes one of them a new, longer one. The paper's rule as written: ``bottleneck_cap=False``.
+  its slowest device at that device's cheapest candidate, ``b = max_d min_j t(d, j)`` (device
+  ``B``). A device is chosen among its candidates whose round's critical path reads at most
+  ``b * (1 + noise)``, so the median rule balances the devices below the bottleneck and never
+  makes one of them a new, longer one. A group's members meet at a barrier every step, so a
+  device's download of its portion comes before every member's first step and its upload after
+  their last: with ``e`` the one-way seconds of the device's portion at ``j`` (``portion_s``: its
+  bytes over the device's measured link rate) and ``e_B`` the bottleneck's at its cheapest, the
+  critical path is ``2 max(e, e_B) + max(t - 2e, b - 2e_B)``, which is ``b`` for a device whose
+  portion moves no slower than the bottleneck's, and ``t`` where ``e`` is not known. Where no
+  candidate fits, the device gets the one of shortest critical path. The paper's rule as
+  written: ``bottleneck_cap=False``.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DeviceProfile", "SplitCostView", "RoundParts", "eq1_bytes", "eq1_time", "ClientTimeTable"]
+__all__ = ["Bottleneck", "DeviceProfile", "SplitCostView", "RoundParts", "eq1_bytes", "eq1_time", "ClientTimeTable"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,27 @@ WARM_UPS = ("estimated", "every_split")
 
 #: Eq. 1's terms of (device, candidate): bytes on the device's link, client FLOPs, server FLOPs.
 Terms = Callable[[str, int], tuple[float, float, float]]
+#: One-way seconds of a device's portion at a candidate on its link; None where its rate is not known.
+PortionSeconds = Callable[[str, int], float | None]
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    """The round's bottleneck: the largest of the devices' cheapest times, ``time_s``, and the
+    one-way seconds of that device's portion there, ``edge_s`` (0 where not known)."""
+
+    time_s: float
+    edge_s: float = 0.0
+
+    def path(self, t: float, edge_s: float | None) -> float:
+        """The round's critical path with a device whose time is ``t`` and whose portion moves
+        in ``edge_s`` each way: its download before the group's first step and its upload after the
+        last, around the slower of its steps and the bottleneck's (module docstring); ``t`` where
+        ``edge_s`` is not known."""
+        if edge_s is None or not math.isfinite(t) or self.time_s == math.inf:
+            return t
+        edge = min(max(edge_s, 0.0), t / 2.0)   # the cell holds both transfers: never more than it
+        return 2.0 * max(edge, self.edge_s) + max(t - 2.0 * edge, self.time_s - 2.0 * self.edge_s)
 
 
 @dataclass(frozen=True)
@@ -399,18 +427,19 @@ class ClientTimeTable:
             row[j] = max(row.get(j, waited), waited)
         return row
 
-    def _pick(self, device: str, row: Mapping[int, float], m: float, noise: float, cap: float) -> int:
-        """One device's candidate: after a cut, its cheapest that fits; else among those that read at
-        most ``cap * (1 + noise)`` (the bottleneck cap; ``cap`` infinite: all), where the median says
-        nothing (its times within noise of each other, or all far below ``m``), its deepest; else the
-        paper's closest to ``m``, ties to the larger ``j``."""
+    def _pick(self, device: str, row: Mapping[int, float], m: float, noise: float, paths: Mapping[int, float],
+              cap: float) -> int:
+        """One device's candidate: after a cut, its cheapest that fits; else among those whose
+        critical path (``paths``) reads at most ``cap * (1 + noise)`` (the bottleneck cap; ``cap``
+        infinite: all; none: the shortest path), where the median says nothing (its times within
+        noise of each other, or all far below ``m``), its deepest; else the paper's closest to
+        ``m``, ties to the larger ``j``."""
         censored = self._censored.get(device)
         if censored:
             limit = max(censored.values())
             fits = {j: t for j, t in row.items() if j not in censored and t < limit}
             return _cheapest(fits or row)
-        # Never empty: the device's own cheapest time is at most the cap.
-        allowed = [j for j in sorted(row) if row[j] <= cap * (1.0 + noise)]
+        allowed = [j for j in sorted(row) if paths[j] <= cap * (1.0 + noise)] or [_cheapest(paths)]
         times = list(row.values())
         if max(times) - min(times) <= 2.0 * noise * min(times) or max(times) * FAR_BELOW <= m:
             return allowed[-1]
@@ -427,6 +456,7 @@ class ClientTimeTable:
         devices: Sequence[str],
         estimate: Callable[[str, int], float] | None = None,
         terms: Terms | None = None,
+        portion_s: PortionSeconds | None = None,
     ) -> dict[str, int]:
         """Split candidate per device for a 1-based round (the paper's median rule, extended as
         the module docstring says).
@@ -435,8 +465,9 @@ class ClientTimeTable:
         ``j = round_index - 1``. Later rounds: each device's row (:meth:`row`: measured, scaled
         by ``terms`` from its measured cell, ``estimate(device, j) * calibration``, the others'
         median for ``j``); ``m`` = median of the known times of all ``len(devices) * K`` cells;
-        the bottleneck ``b`` = the largest of the devices' cheapest times (where ``bottleneck_cap``);
-        each device's candidate by :meth:`_pick`. Deterministic.
+        the bottleneck ``b`` = the largest of the devices' cheapest times (where ``bottleneck_cap``),
+        each candidate's critical path beside it from ``portion_s`` (:class:`Bottleneck`); each
+        device's candidate by :meth:`_pick`. Deterministic.
         """
         if int(round_index) < 1:
             raise ValueError(f"round_index is 1-based, got {round_index}")
@@ -453,5 +484,20 @@ class ClientTimeTable:
             return {d: cycle_j for d in devs}
         m = float(np.median(known))
         noise = self.noise()
-        cap = max(min(row.values()) for row in rows.values() if row) if self.bottleneck_cap else math.inf
-        return {d: self._pick(d, rows[d], m, noise, cap) if rows[d] else cycle_j for d in devs}
+        bottleneck = self._bottleneck(rows, portion_s)
+
+        def paths(device: str) -> dict[int, float]:
+            return {j: bottleneck.path(t, portion_s(device, j) if portion_s is not None else None)
+                    for j, t in rows[device].items()}
+        return {d: self._pick(d, rows[d], m, noise, paths(d), bottleneck.time_s) if rows[d] else cycle_j
+                for d in devs}
+
+    def _bottleneck(self, rows: Mapping[str, Mapping[int, float]], portion_s: PortionSeconds | None) -> Bottleneck:
+        """The largest of the rows' cheapest times and its device's portion seconds there; an
+        infinite one without ``bottleneck_cap`` (nothing capped)."""
+        if not self.bottleneck_cap:
+            return Bottleneck(math.inf)
+        slowest = max((d for d in rows if rows[d]), key=lambda d: (min(rows[d].values()), d))
+        j = _cheapest(rows[slowest])
+        edge = portion_s(slowest, j) if portion_s is not None else None
+        return Bottleneck(rows[slowest][j], min(edge, rows[slowest][j] / 2.0) if edge is not None else 0.0)

@@ -84,8 +84,9 @@ class SplitConfig(_Strict):
     # ``estimated``, one round at the first candidate, then the rule on the measured cells and Eq. 1
     # estimates of the others (a device tries a candidate only when the rule picks it).
     warm_up: Literal["every_split", "estimated"] = "every_split"
-    # The median rule never gives a device a split slower than the round's bottleneck (the largest
-    # of the selected devices' cheapest times, within the table's noise): it balances the devices
+    # The median rule never gives a device a split that makes the round longer than its bottleneck
+    # (the largest of the selected devices' cheapest times, within the table's noise), its own
+    # time or its portion's transfers, which hold up its group's steps: it balances the devices
     # below the slowest one instead of lengthening the round (fed_server/time_table.py). False:
     # the paper's rule as written.
     bottleneck_cap: bool = True

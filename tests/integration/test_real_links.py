@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from integration_support import read_metrics, small_config
+from fed_server.devices import DeviceRegistry
+from fed_server.split_planner import SplitPlanner
 from fed_server.time_table import ClientTimeTable
+from shared.models import profile_model
+from shared.profiles import parse_kind
+from shared.run_config import build_config_model, split_candidates
+from shared.schemas import DeviceProfileMsg, RegisterRequest
 from testbed.links import LinkPlan, existing_names, problem_here
 from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
@@ -33,9 +39,10 @@ def _config():
     # table: their times follow the bytes and the rates (within a few % on shaped links and in
     # emulation alike), while compute and server times vary by tens of % from run to run on a busy
     # 2-core machine. So the median rule decides by margins that noise does not cross (Low gets
-    # split 2, Mid 1, High 3, in a model of the table with 30 % noise on server times in 99 % of
-    # draws); with 400 samples a device compressed 20x, compute dominated and two emulated runs
-    # already decided differently.
+    # split 2 and Mid 1; High's split-3 cell reads under Low's, but its 6.6 MB portion would hold
+    # up the group's steps on its link, which the bottleneck cap's critical path counts); with 400
+    # samples a device compressed 20x, compute dominated and two emulated runs already decided
+    # differently.
     return small_config(rounds=ROUNDS, **{"data.num_devices": 3, "data.partition": "iid", "data.max_samples": 300,
                                           "grouping.group_size": 3, "devices.profiles": ["low", "mid", "high"],
                                           "devices.time_scale": 1.5})
@@ -85,21 +92,30 @@ def _pair(tmp_path):
     return real, real_dir, shaped, emulated, emulated_dir
 
 
-def _median_rule_splits(metrics: list[dict], smoothing: float) -> list[dict[str, int]]:
-    """The splits the paper's median rule gives each round from what this run put into its time
-    table (each entry in its parts: a part that changes moves the device's level): the warm-up
-    rounds' splits, then each later round's choice on the table so far."""
-    table = ClientTimeTable(num_candidates=3, smoothing=smoothing)
-    split_of = {}   # candidate index -> split point, from the warm-up rounds
+def _median_rule_splits(metrics: list[dict], real: bool) -> list[dict[str, int]]:
+    """The splits the median rule gives each round from what this run put into its time table,
+    replayed through the Fed Server's own split planner (each entry in its parts: a part that
+    changes moves the device's level; each entry measures the device's link rate, which prices
+    its portion's transfers in the bottleneck cap): the warm-up rounds' splits, then each later
+    round's choice on the table so far."""
+    config = _config()
+    model = build_config_model(config, layout=False)
+    candidates = split_candidates(config, model)
+    devices = DeviceRegistry(config.data.num_devices)
+    for shard, (device, kind) in enumerate(zip(sorted(metrics[0]["split_points"]), config.devices.profiles)):
+        emulated = parse_kind(kind)
+        devices.register(RegisterRequest(device_id=device, shard=shard,
+                                         num_samples=config.data.max_samples // config.data.num_devices,
+                                         profile=DeviceProfileMsg(kind=emulated.name, flops=emulated.flops,
+                                                                  rate=None if real else emulated.rate * config.devices.time_scale)))
+    table = ClientTimeTable(len(candidates), config.split.smoothing, config.split.warm_up, config.split.bottleneck_cap)
+    planner = SplitPlanner("sliding", candidates, len(model.blocks), profile_model(model, config.model), table, devices,
+                           config.train.local_epochs, config.split.server_flops)
     out = []
     for m in metrics:
-        chosen = table.choose(m["round"], sorted(m["split_points"]))
-        if m["round"] <= 3:
-            split_of[m["round"] - 1] = next(iter(m["split_points"].values()))
-        out.append({d: split_of[j] for d, j in chosen.items()})
-        candidate = {split: j for j, split in split_of.items()}
+        out.append({d: split for d, (_, split) in planner.choose(m["round"], sorted(m["split_points"])).items()})
         for device, seconds in m["table_times"].items():
-            table.record(device, candidate[m["split_points"][device]], seconds, *m["table_parts"][device])
+            planner.observe(device, candidates.index(m["split_points"][device]), seconds, *m["table_parts"][device])
     return out
 
 
@@ -114,9 +130,8 @@ def test_real_links_decide_the_splits_by_the_rule_and_time_what_the_devices_spen
     # machine, so the runs are compared on what they measured: over the warm-up rounds (the same
     # splits in both) a device on its shaped link takes what its emulation does, within 30 % (one
     # round alone has differed by 40 % at a load average of 10).
-    smoothing = _config().split.smoothing
-    for metrics in (real, emulated):
-        assert [m["split_points"] for m in metrics] == _median_rule_splits(metrics, smoothing)
+    for metrics, shaped_links in ((real, True), (emulated, False)):
+        assert [m["split_points"] for m in metrics] == _median_rule_splits(metrics, shaped_links)
     assert [m["split_points"] for m in real[:3]] == [m["split_points"] for m in emulated[:3]]
     for device in real[0]["table_times"]:
         shaped_s, emulated_s = (sum(m["table_times"][device] for m in run[:3]) for run in (real, emulated))

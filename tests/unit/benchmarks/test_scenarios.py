@@ -104,6 +104,24 @@ def test_the_best_fixed_split_minimises_the_runs_time_and_ties_go_deeper():
         best_fixed([{}], [3], [1, 2, 3])
 
 
+def test_the_best_fixed_split_counts_a_portion_that_holds_up_the_group_on_both_sides_of_its_steps():
+    # Measured on shaped links: Low (A) 3.07 s at split 2 with 0.09 s uploads; High (B) 2.25 s at
+    # split 3 with 0.9 s uploads (its 6.6 MB portion), 1.9 s at split 2 with 0.03 s. The cells alone
+    # tie (Low's 3.07 s) and go deeper; rounds with High at 3 took about 4.2 s, at 2 about 3.2 s.
+    cells = [{A: {1: 3.9, 2: 3.07, 3: 10.4}, B: {1: 2.0, 2: 1.9, 3: 2.25}}]
+    uploads = [{A: {1: 0.04, 2: 0.09, 3: 2.9}, B: {1: 0.005, 2: 0.03, 3: 0.9}}]
+    assert best_fixed(cells, [10], [1, 2, 3]) == {A: 2, B: 3}
+    assert best_fixed(cells, [10], [1, 2, 3], uploads) == {A: 2, B: 2}
+
+
+def test_a_devices_upload_seconds_are_its_table_time_less_what_it_timed_itself():
+    record = {"round": 1, "status": "ok", "elapsed_s": 4.0, "round_time_s": 4.0, "test_accuracy": 0.3,
+              "split_points": {A: 3, B: 2}, "aggregated": [A], "table_times": {A: 2.25},
+              "device_times": {A: {"compute_s": 0.3, "transfer_s": 0.95, "server_s": 0.1, "wait_s": 1.9},
+                               B: {"compute_s": 0.3, "transfer_s": 0.95, "server_s": 0.1, "wait_s": 1.9}}}
+    assert rounds_of([record])[0]["uploads"] == {A: pytest.approx(0.9)}
+
+
 def test_choose_pinned_reads_the_sliding_runs_table_by_the_scenarios_phases():
     drop = Scenario("drop", "", ("low", "high"), (Change(2, 1, Speeds(link=0.1)),))
     rounds = [_round(1, {A: 1, B: 3}, [A, B], {A: 4.0, B: 2.0}), _round(2, {A: 1, B: 2}, [A, B], {A: 4.0, B: 1.0}),

@@ -134,6 +134,15 @@ def test_a_claimed_slow_link_cannot_stretch_a_download_time_once_rates_are_measu
     assert p.download_seconds({"d0": 1, "d1": 1})["d0"] == pytest.approx(wc / 8e6)
 
 
+def test_a_portion_s_seconds_for_the_bottleneck_cap_come_from_the_measured_rate_only():
+    # d0 claims 1 MB/s and is not measured: the cap leaves it to its cells (None).
+    p = _planner("sliding")
+    assert p.portion_seconds("d0", 2) is None
+    p.devices.measure_rate("d0", 4e6)
+    assert p.portion_seconds("d0", 2) == pytest.approx(p.profile.cost(p.split_points[2]).client_param_bytes / 4e6)
+    assert p.portion_seconds("d0", 2) > p.portion_seconds("d0", 0)
+
+
 def test_a_measured_rate_survives_registering_again_with_another_claim():
     p = _planner("sliding")
     p.observe("d1", 2, 1001.0, transfer_s=1000.0, compute_s=0.5)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fed_server.time_table import CHANGE_RATIO, ClientTimeTable, DeviceProfile, SplitCostView, eq1_time
+from fed_server.time_table import CHANGE_RATIO, Bottleneck, ClientTimeTable, DeviceProfile, SplitCostView, eq1_time
 
 
 def table_from(rows: dict[str, list[float]], k: int = 3, warm_up: str = "estimated",
@@ -99,6 +99,43 @@ def test_a_slow_link_s_high_median_does_not_send_a_fast_device_past_the_bottlene
     assert paper == {"low": 0, "mid": 2, "high": 1}
     assert capped == {"low": 0, "mid": 0, "high": 1}
     assert max(rows[d][j] for d, j in capped.items()) == 4.27 < max(rows[d][j] for d, j in paper.items())
+
+
+def test_the_critical_path_adds_a_portion_that_moves_slower_than_the_bottleneck_s_on_both_sides():
+    # b = 3 s with a 0.1 s portion each way: 2.8 s of steps. A device at 2 s whose portion takes
+    # 0.5 s each way holds every member's first step for it and the round's end for its upload.
+    bottleneck = Bottleneck(3.0, 0.1)
+    assert bottleneck.path(2.0, 0.5) == pytest.approx(2 * 0.5 + 2.8)
+    # A portion no slower than the bottleneck's hides in its transfers: the path is b.
+    assert bottleneck.path(2.0, 0.05) == pytest.approx(3.0)
+    # Steps longer than the bottleneck's make the device the bottleneck: its own time.
+    assert bottleneck.path(3.5, 0.1) == pytest.approx(3.5)
+    # No rate known: the cell alone; no cap: never more than the cell.
+    assert bottleneck.path(2.0, None) == 2.0
+    assert Bottleneck(math.inf).path(2.0, 0.5) == 2.0
+    # A portion estimate longer than the cell's own transfers can be: at most half the cell each way.
+    assert bottleneck.path(1.0, 5.0) == pytest.approx(2 * 0.5 + 2.8)
+
+
+def test_a_fast_device_is_not_given_a_split_whose_portion_holds_up_its_group():
+    # Measured on shaped links (docs/s2fl.md, the bottleneck cap): Low's cheapest, 3.07 s at j=1, is
+    # the bottleneck; High's j=2 reads 2.25 s, of which 0.9 s each way move its 6.6 MB portion, and
+    # rounds with it there took about 4.2 s against 3.2 s with High at j=1.
+    rows = {"low": [3.9, 3.07, 10.4], "mid": [1.94, 2.0, 5.2], "high": [2.0, 1.9, 2.25]}
+    portions = {"low": [0.04, 0.09, 2.9], "mid": [0.02, 0.05, 1.5], "high": [0.005, 0.03, 0.9]}
+    assert table_from(rows).choose(4, list(rows))["high"] == 2   # the cells alone
+    chosen = table_from(rows).choose(4, list(rows), portion_s=lambda d, j: portions[d][j])
+    assert chosen == {"low": 1, "mid": 1, "high": 1}
+    # A device whose rate is not measured yet is capped by its cells, as before.
+    unknown = table_from(rows).choose(4, list(rows), portion_s=lambda d, j: None if d == "high" else portions[d][j])
+    assert unknown["high"] == 2
+
+
+def test_where_no_candidate_fits_the_critical_path_the_device_gets_its_shortest():
+    # Every candidate of "far" moves its portion for 1 s each way against the bottleneck's 0.1 s.
+    rows = {"slow": [3.0, 3.5, 4.0], "far": [2.5, 2.6, 2.8]}
+    portions = {"slow": [0.1, 0.2, 0.3], "far": [1.0, 1.2, 1.3]}
+    assert table_from(rows).choose(4, list(rows), portion_s=lambda d, j: portions[d][j])["far"] == 0
 
 
 def test_a_row_within_noise_gets_its_deepest_split_under_the_bottleneck():
