@@ -29,7 +29,7 @@ Beside the scenarios, the warm-up comparison: the ``fast_device`` fleet with ``s
 estimated`` against its sliding run (the paper's warm-up): the time of the warm-up's rounds and the
 splits chosen after them.
 
-``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--paper-rule] [--docs docs/s2fl.md]``
+``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--paper-rule] [--warm-up every_split|estimated] [--docs docs/s2fl.md]``
 prints the table and writes ``benchmarks/results/<UTC date>_scenarios/results.json`` and
 ``results.md`` (rewritten after every run); ``--docs PAGE`` writes the table into PAGE between its
 scenario-table markers. ``python -m benchmarks.run --only j`` runs the same part.
@@ -428,10 +428,11 @@ def run_once(scenario: Scenario, config, run_dir: Path, real_links: bool) -> dic
 
 def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence[str] = SCENARIO_NAMES,
         links: str = "auto", progress: Callable[[dict], object] | None = None, patience: float = PATIENCE,
-        bottleneck_cap: bool = True) -> dict:
+        bottleneck_cap: bool = True, warm_up: str = "every_split") -> dict:
     """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience`` and
-    ``split.bottleneck_cap`` ``bottleneck_cap``, and the warm-up comparison where
-    :data:`WARM_UP_FLEET` is among them; the results (see the module's docstring)."""
+    ``split.bottleneck_cap`` ``bottleneck_cap``, the sliding runs with ``split.warm_up``
+    ``warm_up``, and, with the paper's warm-up, the warm-up comparison where :data:`WARM_UP_FLEET`
+    is among them; the results (see the module's docstring)."""
     from shared import machine
     from shared.models import build_model
 
@@ -444,6 +445,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
     results: dict = {"mode": "quick" if quick else "full", "machine": machine.describe_machine(),
                      "settings": {"rounds": rounds, "change_after": change_after, "links": "real" if real else "emulated",
                                   "links_note": problem, "patience": patience, "bottleneck_cap": bottleneck_cap,
+                                  "warm_up": warm_up,
                                   "time_scale": TIME_SCALE, "rtt_ms": RTT_MS if real else 0.0,
                                   "goal_lost_rounds": GOAL_LOST_ROUNDS, "goal_time_ratio": GOAL_TIME_RATIO},
                      "scenarios": [], "warm_up": None}
@@ -457,7 +459,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
             log(f"{scenario.name}: sliding split")
             # Every run of the scenario at the invocation's patience and rule.
             config = partial(run_config, scenario, rounds, patience=patience, bottleneck_cap=bottleneck_cap)
-            entry["runs"]["sliding"] = run_once(scenario, config(), Path(tmp) / f"{scenario.name}-sliding", real)
+            entry["runs"]["sliding"] = run_once(scenario, config(warm_up=warm_up), Path(tmp) / f"{scenario.name}-sliding",
+                                                real)
             entry["pinned"] = choose_pinned(entry["runs"]["sliding"]["rounds"], scenario, rounds, candidates)
             log(f"{scenario.name}: pinned {entry['pinned']}")
             entry["runs"]["pinned"] = run_once(scenario, config(pinned=entry["pinned"]),
@@ -465,7 +468,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
             entry["goals"] = judge(entry)
             entry["goals_missed"] = goals_missed(entry)
             results["scenarios"].append(entry)
-            if scenario.name == WARM_UP_FLEET:
+            if scenario.name == WARM_UP_FLEET and warm_up == "every_split":
                 log(f"{scenario.name}: estimated warm-up")
                 estimated = run_once(scenario, config(warm_up="estimated"),
                                      Path(tmp) / f"{scenario.name}-estimated", real)
@@ -549,6 +552,7 @@ def report(results: dict) -> str:
         f"mode: {results['mode']}, {s['rounds']} rounds, changes after round {s['change_after']}, links {links}, "
         f"deadlines.patience {s['patience']:g}, "
         f"{'' if s.get('bottleneck_cap', True) else 'split.bottleneck_cap false (the paper rule as written), '}"
+        f"{'' if s.get('warm_up', 'every_split') == 'every_split' else 'split.warm_up ' + s['warm_up'] + ', '}"
         f"total {results.get('total_s', 0.0) / 60:.1f} min",
         f"goals: no changed device loses more than {s['goal_lost_rounds']} rounds; time to the sliding run's final "
         f"accuracy at most {s['goal_time_ratio']}x the best fixed split's (pinned from the sliding run's time table)",
@@ -590,6 +594,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"device's time (at least 1; default {PATIENCE:g})")
     parser.add_argument("--paper-rule", action="store_true",
                         help="every run with split.bottleneck_cap false: the paper's median rule as written")
+    parser.add_argument("--warm-up", choices=("every_split", "estimated"), default="every_split",
+                        help="split.warm_up of the sliding runs (default every_split, the paper's; with estimated "
+                             "the warm-up comparison is left out: it is the same run)")
     add_name_option(parser, None, "scenarios, or scenarios_quick with --quick")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown table goes beside it with .md "
@@ -619,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results (rewritten after every scenario): {out}", flush=True)
     results = run(args.quick, lambda text: print(text, flush=True), args.scenarios, args.links,
                   progress=lambda so_far: write(so_far, out, report), patience=args.patience,
-                  bottleneck_cap=not args.paper_rule)
+                  bottleneck_cap=not args.paper_rule, warm_up=args.warm_up)
     finish(results, out, report, args.docs, update_docs)
     return 0
 

@@ -219,6 +219,13 @@ def test_the_paper_rule_option_runs_every_run_without_the_bottleneck_cap_and_say
     assert "split.bottleneck_cap false (the paper rule as written)" in report(results)
     results["settings"]["bottleneck_cap"] = True
     assert "bottleneck_cap" not in report(results)
+    # The sliding runs' warm-up: the paper's unless --warm-up says otherwise, and the report says which.
+    assert parse_args([]).warm_up == "every_split" and parse_args(["--warm-up", "estimated"]).warm_up == "estimated"
+    with pytest.raises(SystemExit):
+        parse_args(["--warm-up", "none"])
+    assert "split.warm_up" not in report(results)
+    results["settings"]["warm_up"] = "estimated"
+    assert "split.warm_up estimated" in report(results)
 
 
 def test_the_docs_writer_puts_the_measured_table_between_the_markers_with_a_link_to_its_results(tmp_path):
