@@ -52,6 +52,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks.result_files import add_name_option, default_out, finish, replace_between, write
+from fed_server.time_table import critical_path
 
 #: Rounds of a run, and the round after which a mid-run change lands (the paper's 3 warm-up
 #: rounds, then rounds the median rule decides, before the change).
@@ -261,9 +262,9 @@ def best_fixed(phases: Sequence[Cells], lengths: Sequence[int], candidates: Sequ
     path_p(k)``, from the cells of :func:`fill_from_other_phases`; a split with no price in a
     phase counts as infinite. A round's critical path is the time table's (docs/s2fl.md, the
     bottleneck cap): its group meets at a barrier every step, so the slowest portion download
-    comes before every step and the slowest upload after them, ``2 max_d e_d + max_d (t_d - 2
-    e_d)``, with ``e_d`` the device's upload seconds at its split (``uploads``, filled as the cells;
-    0 where not measured: then the slowest device's time). Ties go to the deeper splits (less work
+    comes before every step and the slowest upload after them
+    (:func:`fed_server.time_table.critical_path`), with each device's upload seconds at its split
+    (``uploads``, filled as the cells; 0 where not measured: then the slowest device's time). Ties go to the deeper splits (less work
     for the Main Server), as the median rule's do."""
     devices = sorted({d for cells in phases for d in cells})
     if not devices:
@@ -271,11 +272,10 @@ def best_fixed(phases: Sequence[Cells], lengths: Sequence[int], candidates: Sequ
     edges = list(uploads) if uploads is not None else [{} for _ in phases]
 
     def path(cells: Cells, edge: Cells, assignment: tuple[int, ...]) -> float:
-        times = [cells.get(d, {}).get(k, float("inf")) for d, k in zip(devices, assignment)]
+        times = [cells.get(d, {}).get(k, math.inf) for d, k in zip(devices, assignment)]
         if math.inf in times:
             return math.inf
-        ways = [min(edge.get(d, {}).get(k, 0.0), t / 2.0) for d, k, t in zip(devices, assignment, times)]
-        return 2.0 * max(ways) + max(t - 2.0 * e for t, e in zip(times, ways))
+        return critical_path((t, edge.get(d, {}).get(k, 0.0)) for t, d, k in zip(times, devices, assignment))
 
     def cost(assignment: tuple[int, ...]) -> float:
         return sum(n * path(cells, edge, assignment) for cells, edge, n in zip(phases, edges, lengths))

@@ -57,13 +57,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Bottleneck", "DeviceProfile", "SplitCostView", "RoundParts", "eq1_bytes", "eq1_time", "ClientTimeTable"]
+__all__ = ["Bottleneck", "critical_path", "DeviceProfile", "SplitCostView", "RoundParts", "eq1_bytes", "eq1_time", "ClientTimeTable"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,15 @@ Terms = Callable[[str, int], tuple[float, float, float]]
 PortionSeconds = Callable[[str, int], float | None]
 
 
+def critical_path(devices: Iterable[tuple[float, float]]) -> float:
+    """A group's round from its devices' (time, one-way seconds of the portion in that time): its
+    members meet at a barrier every step, so the slowest portion download comes before every
+    member's first step and the slowest upload after their last, ``2 max e + max (t - 2e)``; each
+    ``e`` at most ``t / 2`` (the time holds both transfers)."""
+    pairs = [(t, min(max(e, 0.0), t / 2.0)) for t, e in devices]
+    return 2.0 * max(e for _, e in pairs) + max(t - 2.0 * e for t, e in pairs)
+
+
 @dataclass(frozen=True)
 class Bottleneck:
     """The round's bottleneck: the largest of the devices' cheapest times, ``time_s``, and the
@@ -164,8 +173,7 @@ class Bottleneck:
         ``edge_s`` is not known."""
         if edge_s is None or not math.isfinite(t) or self.time_s == math.inf:
             return t
-        edge = min(max(edge_s, 0.0), t / 2.0)   # the cell holds both transfers: never more than it
-        return 2.0 * max(edge, self.edge_s) + max(t - 2.0 * edge, self.time_s - 2.0 * self.edge_s)
+        return critical_path([(self.time_s, self.edge_s), (t, edge_s)])
 
 
 @dataclass(frozen=True)

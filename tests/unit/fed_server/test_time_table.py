@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from fed_server.time_table import CHANGE_RATIO, Bottleneck, ClientTimeTable, DeviceProfile, SplitCostView, eq1_time
+from fed_server.time_table import (
+    CHANGE_RATIO, Bottleneck, ClientTimeTable, DeviceProfile, SplitCostView, critical_path, eq1_time,
+)
 
 
 def table_from(rows: dict[str, list[float]], k: int = 3, warm_up: str = "estimated",
@@ -115,6 +117,8 @@ def test_the_critical_path_adds_a_portion_that_moves_slower_than_the_bottleneck_
     assert Bottleneck(math.inf).path(2.0, 0.5) == 2.0
     # A portion estimate longer than the cell's own transfers can be: at most half the cell each way.
     assert bottleneck.path(1.0, 5.0) == pytest.approx(2 * 0.5 + 2.8)
+    # A group of three: the slowest portion on both sides of the slowest steps.
+    assert critical_path([(3.0, 0.1), (2.0, 0.5), (2.5, 0.0)]) == pytest.approx(2 * 0.5 + 2.8)
 
 
 def test_a_fast_device_is_not_given_a_split_whose_portion_holds_up_its_group():
