@@ -74,7 +74,11 @@ class SplitPlanner:
         (:class:`fed_server.time_table.Bottleneck`). None before its rate is measured: a rate it
         registered is its own word."""
         rate = self.devices.measured_rate(device_id)
-        return self._view(j).device_param_bytes / rate if rate else None
+        return self._portion_over(j, rate) if rate else None
+
+    def _portion_over(self, j: int, rate: float) -> float:
+        """Seconds the portion at candidate ``j`` takes one way at ``rate`` bytes/s."""
+        return self._view(j).device_param_bytes / rate
 
     def download_seconds(self, chosen: Mapping[str, int | None]) -> dict[str, float | None]:
         """Seconds each chosen device (-> candidate ``j``) takes to download its client portion,
@@ -97,7 +101,7 @@ class SplitPlanner:
             if rate is None:
                 own = claimed.get(device)
                 rate = slowest if own is None else max(own, slowest) if measured and slowest else own
-            out[device] = None if j is None or rate is None else self._view(j).device_param_bytes / rate
+            out[device] = None if j is None or rate is None else self._portion_over(j, rate)
         return out
 
     def terms(self, device_id: str, j: int) -> tuple[float, float, float]:

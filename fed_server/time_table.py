@@ -63,7 +63,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Bottleneck", "critical_path", "DeviceProfile", "SplitCostView", "RoundParts", "eq1_bytes", "eq1_time", "ClientTimeTable"]
+__all__ = ["Bottleneck", "ClientTimeTable", "DeviceProfile", "RoundParts", "SplitCostView", "critical_path", "eq1_bytes",
+           "eq1_time"]
 
 
 @dataclass(frozen=True)
@@ -494,9 +495,10 @@ class ClientTimeTable:
         noise = self.noise()
         bottleneck = self._bottleneck(rows, portion_s)
 
-        def paths(device: str) -> dict[int, float]:
-            return {j: bottleneck.path(t, portion_s(device, j) if portion_s is not None else None)
-                    for j, t in rows[device].items()}
+        def paths(device: str) -> Mapping[int, float]:
+            if portion_s is None or bottleneck.time_s == math.inf:   # nothing to add to the cells
+                return rows[device]
+            return {j: bottleneck.path(t, portion_s(device, j)) for j, t in rows[device].items()}
         return {d: self._pick(d, rows[d], m, noise, paths(d), bottleneck.time_s) if rows[d] else cycle_j
                 for d in devs}
 
@@ -508,4 +510,4 @@ class ClientTimeTable:
         slowest = max((d for d in rows if rows[d]), key=lambda d: (min(rows[d].values()), d))
         j = _cheapest(rows[slowest])
         edge = portion_s(slowest, j) if portion_s is not None else None
-        return Bottleneck(rows[slowest][j], min(edge, rows[slowest][j] / 2.0) if edge is not None else 0.0)
+        return Bottleneck(rows[slowest][j], edge or 0.0)
