@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
 import math
@@ -17,7 +18,9 @@ if TYPE_CHECKING:   # torch is imported when a process starts, not when this mod
 
 def configure_process(log_level: str = "INFO", threads: int | None = None, torch_device: "torch.device | None" = None) -> None:
     """Logging format (identical lines folded, :mod:`shared.log_limit`), torch threads and the
-    allocator's arenas; logs the ``--torch-device`` when it is not the CPU.
+    allocator's arenas; logs the ``--torch-device`` when it is not the CPU. ``kill -USR2 <pid>``
+    writes every thread's stack to the process's stderr (its log), to see where a service that
+    went silent waits, without stopping it (docs/operations.md, "A silent service").
 
     One torch thread per process by default: two processes each using two threads on two cores
     run many times slower than with one thread each (measured on the 2-core dev machines). As
@@ -29,6 +32,8 @@ def configure_process(log_level: str = "INFO", threads: int | None = None, torch
     from shared.machine import compute_workers, limit_allocator_arenas
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if hasattr(signal, "SIGUSR2"):   # not on Windows
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     limit_repeats()   # a device repeating a request in a loop must not decide how much the log writes
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the useful ones
     torch.set_num_threads(threads or int(os.environ.get("SFL_TORCH_THREADS", "1")))

@@ -4,6 +4,9 @@ that changes")."""
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
 
 import pytest
 
@@ -42,15 +45,23 @@ def test_a_device_whose_link_drops_tenfold_uploads_again_within_two_rounds_at_a_
                                             "grouping.group_size": 3, "devices.profiles": ["low", "mid", "high"],
                                             "devices.time_scale": 1.5, "deadlines.patience": 2.0})
     dropped: list[int] = []
+    evidence: list[str] = []
     with Testbed(config, tmp_path, real_links=True, rtt_ms=2.0, warm=shared_starter()) as testbed:
         assert testbed.network is not None
 
         def drop(record, status) -> None:
+            network = testbed.network
+            assert network is not None and network.plan is not None
             if record.round == DROP_AFTER and not dropped:
-                network = testbed.network
-                assert network is not None and network.plan is not None
                 network.set_rate(2, network.plan.agents[2].rate / 10)
                 dropped.append(record.round)
+            elif dropped and HIGH in record.split_points and HIGH not in record.aggregated and not evidence:
+                # High was cut after the drop: where its connections and its agent's threads stand
+                # now, for the failure message (its stacks go to its log, shared/service.py).
+                sockets = subprocess.run(["ip", "netns", "exec", network.plan.agents[2].namespace, "ss", "-tin"],
+                                         capture_output=True, text=True, timeout=30).stdout
+                evidence.append(f"round {record.round}: High cut; its sockets:\n{sockets}")
+                os.kill(testbed.agent_services[2].process.pid, signal.SIGUSR2)
 
         assert testbed.follow(on_round=drop, timeout=400)["state"] == "finished"
     metrics = read_metrics(tmp_path)
@@ -58,6 +69,9 @@ def test_a_device_whose_link_drops_tenfold_uploads_again_within_two_rounds_at_a_
     summary = "; ".join(str(r) for r in [(m["round"], m["split_points"].get(HIGH),
                 round(m["table_times"].get(HIGH, math.nan), 2) if HIGH in m["aggregated"] else m["left"].get(HIGH, "not selected"))
                for m in metrics])
+    if evidence:
+        stacks = (tmp_path / "logs" / "agent-2.log").read_text(errors="replace").partition("Thread 0x")
+        summary += "\n" + "\n".join(evidence) + "\nHigh's agent's threads:\n" + "".join(stacks[1:])
     assert dropped == [DROP_AFTER] and [m["status"] for m in metrics] == ["ok"] * ROUNDS, summary
     at_drop = metrics[DROP_AFTER]["split_points"].get(HIGH)
     assert at_drop is not None, summary

@@ -104,3 +104,25 @@ def test_freezing_startup_objects_collects_first_then_keeps_them_out_of_every_co
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGUSR2"), reason="no SIGUSR2 on this platform")
+def test_sigusr2_writes_every_thread_s_stack_to_stderr_and_the_service_goes_on():
+    # A configured service waiting in a second thread: SIGUSR2 shows where each thread waits, and
+    # the process is not stopped by it (it prints "still running" after the signal).
+    code = textwrap.dedent("""
+        import os, signal, sys, threading, time
+        from shared.service import configure_process
+        configure_process()
+        waiting = threading.Event()
+        def wait_for_a_peer():
+            waiting.wait()
+        threading.Thread(target=wait_for_a_peer, daemon=True).start()
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)
+        print("still running")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "still running", done.stderr
+    assert "in wait_for_a_peer" in done.stderr and "Current thread" in done.stderr, done.stderr
