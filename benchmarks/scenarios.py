@@ -1,7 +1,7 @@
 """(j) The scenario benchmark: does the sliding split follow a fleet that changes mid-run?
 
 Four scenarios, each a real testbed run through the services (Fed Server, Main Server, one device
-agent process per device) of three devices, S2FL with its default (paper) warm-up:
+agent process per device) of three devices, S2FL with its default (estimated) warm-up:
 
 - ``link_drop``: the High device's link drops tenfold after round D;
 - ``link_recovery``: the High device's link is a tenth of its kind's from the start and recovers
@@ -25,9 +25,9 @@ selected in and whether it uploaded, the rounds it lost to its change, and the t
 run's final accuracy. Goals (printed beside the figures, missed ones named): no device loses more
 than :data:`GOAL_LOST_ROUNDS` rounds to a change of its link or speed, and the sliding run reaches
 its final accuracy within :data:`GOAL_TIME_RATIO` times the time the pinned run takes to reach it.
-Beside the scenarios, the warm-up comparison: the ``fast_device`` fleet with ``split.warm_up:
-estimated`` against its sliding run (the paper's warm-up): the time of the warm-up's rounds and the
-splits chosen after them.
+Beside the scenarios, the warm-up comparison: the ``fast_device`` fleet run again with the other
+``split.warm_up`` (the paper's ``every_split`` against the default ``estimated``): the time of the
+warm-up's rounds and the splits chosen after them.
 
 ``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--paper-rule] [--warm-up every_split|estimated] [--docs docs/s2fl.md]``
 prints the table and writes ``benchmarks/results/<UTC date>_scenarios/results.json`` and
@@ -54,12 +54,14 @@ from pathlib import Path
 from benchmarks.result_files import add_name_option, default_out, finish, replace_between, write
 from fed_server.time_table import critical_path
 
-#: Rounds of a run, and the round after which a mid-run change lands (the paper's 3 warm-up
-#: rounds, then rounds the median rule decides, before the change).
+#: Rounds of a run, and the round after which a mid-run change lands (after the warm-up, the
+#: paper's 3 rounds or the estimated one's 1, rounds the median rule decides, before the change).
 ROUNDS, CHANGE_AFTER = 16, 7
 QUICK_ROUNDS, QUICK_CHANGE_AFTER = 8, 4
 #: The paper's warm-up: one round per split candidate of the cnn.
 WARM_UP_ROUNDS = 3
+#: ``split.warm_up`` -> the rounds its warm-up puts devices at splits the median rule did not choose.
+WARM_UP_ROUNDS_OF = {"every_split": WARM_UP_ROUNDS, "estimated": 1}
 # The goals printed beside the figures.
 GOAL_LOST_ROUNDS = 2     # rounds a device may go without an upload after a change of its link or speed
 GOAL_TIME_RATIO = 1.2    # sliding run's time to its final accuracy over the best fixed split's
@@ -346,7 +348,7 @@ def links_problem(mode: str) -> str | None:
     return problem
 
 
-def run_config(scenario: Scenario, rounds: int, warm_up: str = "every_split", pinned: Mapping[str, int] | None = None,
+def run_config(scenario: Scenario, rounds: int, warm_up: str = "estimated", pinned: Mapping[str, int] | None = None,
                patience: float = PATIENCE, bottleneck_cap: bool = True):
     """The run of ``scenario``: the shaped-links claims' fleet (docs/real-links.md), one device of
     each kind, 100 IID samples each, every device in one group, deadlines at ``patience`` times the
@@ -428,11 +430,11 @@ def run_once(scenario: Scenario, config, run_dir: Path, real_links: bool) -> dic
 
 def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence[str] = SCENARIO_NAMES,
         links: str = "auto", progress: Callable[[dict], object] | None = None, patience: float = PATIENCE,
-        bottleneck_cap: bool = True, warm_up: str = "every_split") -> dict:
+        bottleneck_cap: bool = True, warm_up: str = "estimated") -> dict:
     """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience`` and
     ``split.bottleneck_cap`` ``bottleneck_cap``, the sliding runs with ``split.warm_up``
-    ``warm_up``, and, with the paper's warm-up, the warm-up comparison where :data:`WARM_UP_FLEET`
-    is among them; the results (see the module's docstring)."""
+    ``warm_up``, and the warm-up comparison (the other warm-up's sliding run) where
+    :data:`WARM_UP_FLEET` is among them; the results (see the module's docstring)."""
     from shared import machine
     from shared.models import build_model
 
@@ -455,7 +457,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
         for scenario in chosen:
             entry: dict = {"name": scenario.name, "what": scenario.what.replace("round D", f"round {change_after}"),
                            "profiles": list(scenario.profiles), "changes": [asdict(c) for c in scenario.changes],
-                           "judged": scenario.judged(rounds), "runs": {}}
+                           "judged": scenario.judged(rounds, WARM_UP_ROUNDS_OF[warm_up]), "runs": {}}
             log(f"{scenario.name}: sliding split")
             # Every run of the scenario at the invocation's patience and rule.
             config = partial(run_config, scenario, rounds, patience=patience, bottleneck_cap=bottleneck_cap)
@@ -468,13 +470,13 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
             entry["goals"] = judge(entry)
             entry["goals_missed"] = goals_missed(entry)
             results["scenarios"].append(entry)
-            if scenario.name == WARM_UP_FLEET and warm_up == "every_split":
-                log(f"{scenario.name}: estimated warm-up")
-                estimated = run_once(scenario, config(warm_up="estimated"),
-                                     Path(tmp) / f"{scenario.name}-estimated", real)
-                every = entry["runs"]["sliding"]["rounds"]
-                results["warm_up"] = {"fleet": scenario.name, "every_split": entry["runs"]["sliding"],
-                                      "estimated": estimated, **warm_up_figures(every, estimated["rounds"])}
+            if scenario.name == WARM_UP_FLEET:
+                other = "every_split" if warm_up == "estimated" else "estimated"
+                log(f"{scenario.name}: sliding split, split.warm_up {other}")
+                runs = {warm_up: entry["runs"]["sliding"],
+                        other: run_once(scenario, config(warm_up=other), Path(tmp) / f"{scenario.name}-{other}", real)}
+                results["warm_up"] = {"fleet": scenario.name, **runs,
+                                      **warm_up_figures(runs["every_split"]["rounds"], runs["estimated"]["rounds"])}
             results["total_s"] = time.perf_counter() - started
             if progress is not None:
                 progress(results)
@@ -552,7 +554,7 @@ def report(results: dict) -> str:
         f"mode: {results['mode']}, {s['rounds']} rounds, changes after round {s['change_after']}, links {links}, "
         f"deadlines.patience {s['patience']:g}, "
         f"{'' if s.get('bottleneck_cap', True) else 'split.bottleneck_cap false (the paper rule as written), '}"
-        f"{'' if s.get('warm_up', 'every_split') == 'every_split' else 'split.warm_up ' + s['warm_up'] + ', '}"
+        f"split.warm_up {s.get('warm_up', 'every_split')}, "
         f"total {results.get('total_s', 0.0) / 60:.1f} min",
         f"goals: no changed device loses more than {s['goal_lost_rounds']} rounds; time to the sliding run's final "
         f"accuracy at most {s['goal_time_ratio']}x the best fixed split's (pinned from the sliding run's time table)",
@@ -594,9 +596,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"device's time (at least 1; default {PATIENCE:g})")
     parser.add_argument("--paper-rule", action="store_true",
                         help="every run with split.bottleneck_cap false: the paper's median rule as written")
-    parser.add_argument("--warm-up", choices=("every_split", "estimated"), default="every_split",
-                        help="split.warm_up of the sliding runs (default every_split, the paper's; with estimated "
-                             "the warm-up comparison is left out: it is the same run)")
+    parser.add_argument("--warm-up", choices=("every_split", "estimated"), default="estimated",
+                        help="split.warm_up of the sliding runs (default estimated, the run config's default; "
+                             "every_split: the paper's); the warm-up comparison runs the other one")
     add_name_option(parser, None, "scenarios, or scenarios_quick with --quick")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file; the Markdown table goes beside it with .md "

@@ -4,10 +4,11 @@ The table holds, per device and split candidate ``j`` (0..K-1, larger ``j`` = mo
 the device), the running average of the measured round time (dispatch to upload), kept as its
 three measured parts: transfer, compute and the rest (the Main Server's training of its steps).
 
-* Warm-up (``every_split``, the paper's and the default): in rounds 1..K every device gets
-  ``j = round - 1``. ``estimated``: round 1 puts every device at ``j = 0``; from round 2 on the median
-  rule runs on the measured cells and on estimates of the untried ones, so a device tries a split
-  only when the rule, on those estimates, picks it.
+* Warm-up (``every_split``, the paper's): in rounds 1..K every device gets ``j = round - 1``.
+  ``estimated`` (the default, a deviation: the paper's costs a slow device K rounds at splits far
+  from the median): round 1 puts every device at ``j = 0``; from round 2 on the median rule runs on
+  the measured cells and on estimates of the untried ones, so a device tries a split only when the
+  rule, on those estimates, picks it.
 * Median rule: take the median ``m`` of the ``x * K`` times of the round's ``x`` devices and
   give each device the candidate whose time is closest to ``m``.
 
@@ -229,7 +230,7 @@ class ClientTimeTable:
     """Per-device, per-split-candidate running average of measured round times (seconds), in
     their parts, with each device's link and compute levels and its censored entries."""
 
-    def __init__(self, num_candidates: int = 3, smoothing: float = 0.5, warm_up: str = "every_split",
+    def __init__(self, num_candidates: int = 3, smoothing: float = 0.5, warm_up: str = "estimated",
                  bottleneck_cap: bool = True) -> None:
         if int(num_candidates) < 1:
             raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")

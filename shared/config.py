@@ -81,9 +81,10 @@ class SplitConfig(_Strict):
     candidates: int | list[int] | None = None
     # How the sliding split learns each device's time at every candidate before its median rule
     # decides (fed_server/time_table.py): ``every_split``, the paper's: one round at each candidate;
-    # ``estimated``, one round at the first candidate, then the rule on the measured cells and Eq. 1
-    # estimates of the others (a device tries a candidate only when the rule picks it).
-    warm_up: Literal["every_split", "estimated"] = "every_split"
+    # ``estimated`` (the default, a deviation from the paper: docs/s2fl.md), one round at the first
+    # candidate, then the rule on the measured cells and Eq. 1 estimates of the others (a device
+    # tries a candidate only when the rule picks it).
+    warm_up: Literal["every_split", "estimated"] = "estimated"
     # The median rule never gives a device a split that makes the round longer than its bottleneck
     # (the largest of the selected devices' cheapest times, within the table's noise), its own
     # time or its portion's transfers, which hold up its group's steps: it balances the devices

@@ -19,7 +19,7 @@ from testbed.warm_start import shared_starter
 _PROBLEM = problem_here()
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"real links cannot be made here: {_PROBLEM}")
 
-DROP_AFTER = 4    # the paper's 3 warm-up rounds, then one decided by the median rule before the drop
+DROP_AFTER = 4    # the warm-up's round, then three decided by the median rule before the drop
 ROUNDS = DROP_AFTER + 3   # the round the drop lands in and the two after it: all the test judges
 HIGH = "dev-002"  # devices.profiles go round-robin: device 2 is the High one, on agent link 2
 

@@ -38,7 +38,7 @@ def _check_common(status, metrics, run_dir, config) -> None:
 
 def test_s2fl_slides_splits_by_device_profile(run_testbed):
     # Two faster (Mid: compute stretched 5x) and two slower (Low: 10x) devices. Rounds 1-3 are the
-    # time table's warm-up (every device at candidate j = round - 1); round 4 applies the median
+    # paper's warm-up (every device at candidate j = round - 1); round 4 applies the median
     # rule to the measured times. Two local epochs make compute, where the kinds differ, dominate
     # per-step overheads. Not High (2.5x): a High device's split-1 cell is mostly its group's
     # server time, which the suite's other worker inflates, and then it can be the device's
@@ -50,7 +50,8 @@ def test_s2fl_slides_splits_by_device_profile(run_testbed):
     # No own deadlines (patience null, only round_s): on a loaded machine a warm-up round could cut a
     # device, leaving a cell the test cannot rebuild; the split rule is what this test checks.
     config = small_config(rounds=4, **{"devices.profiles": ["mid", "low"], "train.local_epochs": 2,
-                                       "data.partition": "iid", "data.max_samples": 768, "deadlines.patience": None})
+                                       "data.partition": "iid", "data.max_samples": 768, "deadlines.patience": None,
+                                       "split.warm_up": "every_split"})
     status, metrics, run_dir = run_testbed(config)
     _check_common(status, metrics, run_dir, config)
     split_points = build_model("cnn").split_points
@@ -190,7 +191,7 @@ def _portion_bytes(end: int) -> int:
 def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(tmp_path, monkeypatch):
     # One agent hosting four devices builds each device's trained blocks per task and frees them
     # (the default for many devices); SFL_KEEP_MODELS=yes keeps a full model per device. Rounds
-    # 1-3 are S2FL's warm-up at every candidate split, so every portion size is materialised.
+    # 1-3 are the paper's warm-up at every candidate split, so every portion size is materialised.
     # Singleton groups: the order in which a group's members reach the Main Server changes float
     # sums (docs/results: up to 2e-2 after a few rounds), so only with one member is the run
     # reproducible to the bit, and any difference is the device's doing.
@@ -198,7 +199,7 @@ def test_devices_building_models_per_task_train_exactly_as_devices_keeping_them(
     from testbed.warm_start import shared_starter
 
     # 400 samples: the comparison is to the bit whatever the devices train on.
-    config = small_config(rounds=3, **{"grouping.group_size": 1, "data.max_samples": 400})
+    config = small_config(rounds=3, **{"grouping.group_size": 1, "data.max_samples": 400, "split.warm_up": "every_split"})
     states = {}
     for keep in ("no", "yes"):
         monkeypatch.setenv("SFL_KEEP_MODELS", keep)

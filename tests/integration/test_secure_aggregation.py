@@ -248,14 +248,14 @@ def test_fewer_unmasking_answers_than_the_threshold_fail_the_attempt_and_the_rou
 @pytest.mark.parametrize("private", [False, True], ids=["plain", "distributed-noise"])
 def test_an_s2fl_run_with_real_agents_sums_each_block_over_the_devices_that_hold_it(tmp_path: Path, private: bool):
     # Two devices pinned at the deepest cut (3 of the cnn's 4 blocks), two sliding through the
-    # warm-up (cut 1, then 2): every attempt mixes cuts, the blocks past a sliding device's cut
+    # paper's warm-up (cut 1, then 2): every attempt mixes cuts, the blocks past a sliding device's cut
     # are summed over the two deep devices only (the threshold), and the Main Server's group
     # copies stand in for the blocks a device does not hold (Algorithm 1, layer-wise).
     deep = ["dev-000", "dev-001"]
     noise = {"privacy.clipping": "fixed", "privacy.clip_norm": 0.5, "privacy.noise": "distributed",
              "privacy.noise_multiplier": 0.5, "privacy.delta": 1e-3} if private else {}
     config = small_config(rounds=2, **{"aggregation.rule": "mean", "devices.profiles": [],
-                                       "split.pinned": {d: 3 for d in deep},
+                                       "split.pinned": {d: 3 for d in deep}, "split.warm_up": "every_split",
                                        "secure_aggregation.enabled": True, "secure_aggregation.threshold": 2,
                                        "secure_aggregation.value_range": 2.0 if private else 1.0, **noise})
     with Testbed(config, tmp_path, warm=shared_starter()) as testbed:

@@ -10,10 +10,10 @@ from shared.algorithms.speed_grouping import SpeedGrouping
 
 
 def test_s2fl_groups_by_cut_and_by_the_fed_servers_time_table(run_testbed):
-    # Two kinds (Mid, Low) of IID shards, so the devices' times differ by kind; the warm-up's three
-    # rounds, one cut each, all devices at the same cut.
+    # Two kinds (Mid, Low) of IID shards, so the devices' times differ by kind; the paper's warm-up's
+    # three rounds, one cut each, all devices at the same cut.
     config = small_config(rounds=3, **{"grouping.method": "speed", "devices.profiles": ["mid", "low"],
-                                       "data.partition": "iid", "deadlines.patience": None})
+                                       "data.partition": "iid", "deadlines.patience": None, "split.warm_up": "every_split"})
     status, metrics, _ = run_testbed(config)
     assert status["state"] == "finished" and [m["status"] for m in metrics] == ["ok"] * 3
     # The time table before each round, rebuilt from the times the rounds before recorded (each

@@ -8,7 +8,8 @@ import pytest
 
 from benchmarks import scenario_agent
 from benchmarks.result_files import replace_between
-from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, PATIENCE, Change, Scenario, Speeds, best_fixed, choose_pinned,
+from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, PATIENCE, WARM_UP_ROUNDS_OF, Change, Scenario, Speeds,
+                                  best_fixed, choose_pinned,
                                   fill_from_other_phases, goals_missed, judge, links_problem, lost_rounds,
                                   parse_args, phase_cells, report, rounds_of, run_config, scenarios, split_line, table, time_to,
                                   update_docs, warm_up_figures)
@@ -29,8 +30,10 @@ def test_a_change_holds_from_the_round_after_it_until_the_devices_next_change():
     assert drop.speeds(2, 5) == Speeds() and drop.speeds(1, 6) == Speeds() and drop.speeds(1, 7) == Speeds(compute=0.5)
     assert drop.speeds(0, 8) == Speeds()
     assert drop.phases(8) == [(1, 4), (5, 6), (7, 8)]
-    # A change from the start is judged after the warm-up; a later one until the device's next.
+    # A change from the start is judged after the warm-up (the paper's 3 rounds, the estimated
+    # one's 1); a later one until the device's next.
     assert drop.judged(8) == [(2, 4, 4), (2, 5, 8), (1, 7, 8)]
+    assert drop.judged(8, WARM_UP_ROUNDS_OF["estimated"]) == [(2, 2, 4), (2, 5, 8), (1, 7, 8)]
 
 
 def test_the_four_scenarios_change_what_they_say():
@@ -219,11 +222,14 @@ def test_the_paper_rule_option_runs_every_run_without_the_bottleneck_cap_and_say
     assert "split.bottleneck_cap false (the paper rule as written)" in report(results)
     results["settings"]["bottleneck_cap"] = True
     assert "bottleneck_cap" not in report(results)
-    # The sliding runs' warm-up: the paper's unless --warm-up says otherwise, and the report says which.
-    assert parse_args([]).warm_up == "every_split" and parse_args(["--warm-up", "estimated"]).warm_up == "estimated"
+    # The sliding runs' warm-up: the run config's default (estimated) unless --warm-up says
+    # otherwise, and the report says which.
+    assert parse_args([]).warm_up == "estimated" and parse_args(["--warm-up", "every_split"]).warm_up == "every_split"
+    assert run_config(scenario, 8).split.warm_up == "estimated"
     with pytest.raises(SystemExit):
         parse_args(["--warm-up", "none"])
-    assert "split.warm_up" not in report(results)
+    results["settings"]["warm_up"] = "every_split"
+    assert "split.warm_up every_split" in report(results)
     results["settings"]["warm_up"] = "estimated"
     assert "split.warm_up estimated" in report(results)
 

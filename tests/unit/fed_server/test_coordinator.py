@@ -675,9 +675,9 @@ def test_the_coordinator_passes_no_call_on():
 
 
 def test_split_candidates_limit_the_cuts_the_planner_chooses_among_and_the_warm_up(tmp_path):
-    # split.candidates: [1, 3] of the cnn's 1, 2, 3: the warm-up takes two rounds (cut 1, then 3)
-    # and no device is ever cut at 2.
-    coordinator = _coordinator(tmp_path, algorithm="s2fl", **{"split.candidates": [1, 3]})
+    # split.candidates: [1, 3] of the cnn's 1, 2, 3: the paper's warm-up takes two rounds (cut 1,
+    # then 3) and no device is ever cut at 2.
+    coordinator = _coordinator(tmp_path, algorithm="s2fl", **{"split.candidates": [1, 3], "split.warm_up": "every_split"})
     assert coordinator.planner.split_points == [1, 3] and coordinator.table.num_candidates == 2
     devices = ["d0", "d1"]
     assert [sorted({k for _, k in coordinator.planner.choose(r, devices).values()}) for r in (1, 2)] == [[1], [3]]
