@@ -40,10 +40,11 @@ class Cell:
 
         The same hash is. Otherwise the run's configuration is compared key by key: a setting
         added to the configuration after the run (absent from ``ran_config``) matches when this
-        cell has it at its default, the value that keeps the earlier behaviour (how settings are
-        added here); any other difference, a changed default included, means the cell is run
-        again. Without this, every setting the project added made every committed cell look
-        unrun (the hash covers every setting).
+        cell has it at the value that keeps the earlier behaviour: its default (how settings are
+        added here), or, for a setting whose default changed since, the one in
+        :data:`EARLIER_BEHAVIOUR`. Any other difference, a changed default included, means the
+        cell is run again. Without this, every setting the project added made every committed
+        cell look unrun (the hash covers every setting).
         """
         if record_hash == self.config_hash:
             return True
@@ -54,11 +55,15 @@ class Cell:
         if set(ran) - set(now):   # a setting the configuration no longer has
             return False
         default = _defaults()
-        return all(ran[key] == value if key in ran else value == default.get(key, _MISSING)
+        return all(ran[key] == value if key in ran else value == EARLIER_BEHAVIOUR.get(key, default.get(key, _MISSING))
                    for key, value in now.items())
 
 
 _MISSING = object()
+#: Settings added with a default that kept the earlier behaviour, and whose default changed
+#: later: the value a run made before the setting existed ran with. ``split.warm_up`` came with
+#: the paper's warm-up as its default and became ``estimated`` on 2026-12-07.
+EARLIER_BEHAVIOUR: dict[str, Any] = {"split.warm_up": "every_split"}
 
 
 @functools.cache

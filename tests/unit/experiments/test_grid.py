@@ -158,3 +158,39 @@ def test_every_shipped_experiment_file_expands(tmp_path):
     for path in files:
         spec = load_spec(path)
         assert expand(spec), path
+
+
+def test_a_run_from_before_a_setting_matches_the_value_that_keeps_its_behaviour_not_a_changed_default():
+    # split.warm_up came with the paper's warm-up as its default, which changed later: a run
+    # recorded before the setting existed (no split.warm_up in its config.yaml) ran the paper's
+    # warm-up, so it is a cell that names every_split, and not one at today's default.
+    from experiments.grid import Cell, build_config
+
+    paper = Cell({"v": "paper"}, build_config({"algorithm": "s2fl", "split": {"warm_up": "every_split"}}, {}))
+    default = Cell({"v": "default"}, build_config({"algorithm": "s2fl"}, {}))
+    assert default.config.split.warm_up == "estimated"
+    ran = paper.config.model_dump(mode="json")
+    del ran["split"]["warm_up"]
+    assert paper.ran_as("an older hash", ran) and not default.ran_as("an older hash", ran)
+    # A run that recorded the setting is compared with it as recorded.
+    recorded = default.config.model_dump(mode="json")
+    assert default.ran_as("an older hash", recorded) and not paper.ran_as("an older hash", recorded)
+
+
+def test_every_committed_result_still_counts_as_its_grid_s_run():
+    # docs/results/<grid> holds each shipped grid's committed cells. A changed default must not
+    # make them look unrun (run again from scratch) nor match cells that now run something else:
+    # the grids name the values their cells ran with (docs/experiments.md, "Resume").
+    from pathlib import Path
+
+    from experiments.runner import is_finished
+
+    root = Path(__file__).resolve().parents[3]
+    checked = 0
+    for path in sorted((root / "experiments" / "grids").glob("*.yaml")):
+        out = root / "docs" / "results" / path.stem
+        if out.is_dir():
+            unrun = [cell.cell_id for cell in expand(load_spec(path)) if not is_finished(out, cell)]
+            assert not unrun, (path.name, unrun[:3])
+            checked += 1
+    assert checked >= 10
