@@ -52,7 +52,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks.result_files import add_name_option, default_out, finish, replace_between, write
-from fed_server.time_table import critical_path
+from fed_server.time_table import critical_path, warm_up_rounds
 
 #: Rounds of a run, and the round after which a mid-run change lands (after the warm-up, the
 #: paper's 3 rounds or the estimated one's 1, rounds the median rule decides, before the change).
@@ -60,8 +60,6 @@ ROUNDS, CHANGE_AFTER = 16, 7
 QUICK_ROUNDS, QUICK_CHANGE_AFTER = 8, 4
 #: The paper's warm-up: one round per split candidate of the cnn.
 WARM_UP_ROUNDS = 3
-#: ``split.warm_up`` -> the rounds its warm-up puts devices at splits the median rule did not choose.
-WARM_UP_ROUNDS_OF = {"every_split": WARM_UP_ROUNDS, "estimated": 1}
 # The goals printed beside the figures.
 GOAL_LOST_ROUNDS = 2     # rounds a device may go without an upload after a change of its link or speed
 GOAL_TIME_RATIO = 1.2    # sliding run's time to its final accuracy over the best fixed split's
@@ -457,7 +455,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
         for scenario in chosen:
             entry: dict = {"name": scenario.name, "what": scenario.what.replace("round D", f"round {change_after}"),
                            "profiles": list(scenario.profiles), "changes": [asdict(c) for c in scenario.changes],
-                           "judged": scenario.judged(rounds, WARM_UP_ROUNDS_OF[warm_up]), "runs": {}}
+                           "judged": scenario.judged(rounds, warm_up_rounds(warm_up, len(candidates))), "runs": {}}
             log(f"{scenario.name}: sliding split")
             # Every run of the scenario at the invocation's patience and rule.
             config = partial(run_config, scenario, rounds, patience=patience, bottleneck_cap=bottleneck_cap)

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Bottleneck", "ClientTimeTable", "DeviceProfile", "RoundParts", "SplitCostView", "critical_path", "eq1_bytes",
-           "eq1_time"]
+           "eq1_time", "warm_up_rounds"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,12 @@ NOISE_SAMPLES = 3
 NOISE_WINDOW = 64
 #: ``split.warm_up``: estimate the untried candidates after one round, or try every one (the paper).
 WARM_UPS = ("estimated", "every_split")
+
+
+def warm_up_rounds(warm_up: str, num_candidates: int) -> int:
+    """Rounds 1..n whose splits ``warm_up`` sets, not the median rule: one per candidate for the
+    paper's (``every_split``), the first alone for ``estimated``."""
+    return num_candidates if warm_up == "every_split" else 1
 
 #: Eq. 1's terms of (device, candidate): bytes on the device's link, client FLOPs, server FLOPs.
 Terms = Callable[[str, int], tuple[float, float, float]]
@@ -483,7 +489,7 @@ class ClientTimeTable:
             raise ValueError(f"round_index is 1-based, got {round_index}")
         k = self.num_candidates
         devs = [str(d) for d in devices]
-        if round_index <= (k if self.warm_up == "every_split" else 1):
+        if round_index <= warm_up_rounds(self.warm_up, k):
             return {d: int(round_index) - 1 for d in devs}
 
         cycle_j = (int(round_index) - 1) % k

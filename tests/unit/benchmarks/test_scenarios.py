@@ -8,11 +8,12 @@ import pytest
 
 from benchmarks import scenario_agent
 from benchmarks.result_files import replace_between
-from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, PATIENCE, WARM_UP_ROUNDS_OF, Change, Scenario, Speeds,
+from benchmarks.scenarios import (DOCS_BEGIN, DOCS_END, PATIENCE, Change, Scenario, Speeds,
                                   best_fixed, choose_pinned,
                                   fill_from_other_phases, goals_missed, judge, links_problem, lost_rounds,
                                   parse_args, phase_cells, report, rounds_of, run_config, scenarios, split_line, table, time_to,
                                   update_docs, warm_up_figures)
+from fed_server.time_table import warm_up_rounds
 from shared.profiles import parse_kind
 
 A, B, C = "dev-000", "dev-001", "dev-002"
@@ -33,7 +34,7 @@ def test_a_change_holds_from_the_round_after_it_until_the_devices_next_change():
     # A change from the start is judged after the warm-up (the paper's 3 rounds, the estimated
     # one's 1); a later one until the device's next.
     assert drop.judged(8) == [(2, 4, 4), (2, 5, 8), (1, 7, 8)]
-    assert drop.judged(8, WARM_UP_ROUNDS_OF["estimated"]) == [(2, 2, 4), (2, 5, 8), (1, 7, 8)]
+    assert drop.judged(8, warm_up_rounds("estimated", 3)) == [(2, 2, 4), (2, 5, 8), (1, 7, 8)]
 
 
 def test_the_four_scenarios_change_what_they_say():
