@@ -80,7 +80,10 @@ class WarmProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:   # as Popen: never signal a pid that may have been reused
-            os.kill(self.pid, sig)
+            # The warm process may have reaped the child already and its end not yet be read here:
+            # the child is gone, as Popen.send_signal also takes it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from testbed.processes import ProcessGroup, service_env
-from testbed.warm_start import WarmStarter
+from testbed.warm_start import WarmProcess, WarmStarter
 
 CHILD = textwrap.dedent("""
     import os, sys, threading, time
@@ -80,6 +80,15 @@ def test_a_killed_child_reports_the_signal_and_wait_times_out_while_it_runs(star
     child.kill()
     assert child.wait(30) == -signal.SIGKILL
     child.kill()   # a second kill of an ended child is a no-op, as with Popen
+
+
+def test_a_signal_to_a_child_reaped_before_its_end_was_read_is_a_no_op():
+    # Between the warm process's waitpid and the launcher reading the report, the pid is gone but
+    # returncode is still None. Signal 0 only asks whether the pid exists (nothing is killed if it
+    # has been reused).
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    WarmProcess(ended.pid).send_signal(0)
 
 
 def test_a_process_group_restarts_and_stops_forked_children(starter, package, monkeypatch):
