@@ -39,7 +39,7 @@ from shared.secagg.crypto import ShareError, check_public_key
 from shared.secagg.encoding import fraction_bits
 from shared.secagg.graph import Neighbourhoods, neighbourhoods
 from shared.secagg.masks import masked_splits, well_held
-from shared.secagg.protocol import KEY_BYTES, SEED_BYTES
+from shared.secagg.shamir import SHARE_BYTES
 
 #: The longest a stage's long poll is held (``wait_s``).
 MAX_STAGE_WAIT_S = 30.0
@@ -131,13 +131,12 @@ class SecureStages:
         if plan is None or req.device_id not in plan.survivors:
             raise Conflict(f"round {round_id} asks {req.device_id!r} for no unmasking shares")
         neighbourhood = set(secure.neighbourhoods[req.device_id])
-        for owners, wanted, size in ((req.seed_shares, plan.survivors, SEED_BYTES),
-                                     (req.key_shares, plan.dropped, KEY_BYTES)):
+        for owners, wanted in ((req.seed_shares, plan.survivors), (req.key_shares, plan.dropped)):
             wrong = sorted(o for o, share in owners.items()
-                           if o not in wanted or o not in neighbourhood or len(share) != size)
+                           if o not in wanted or o not in neighbourhood or len(share) != SHARE_BYTES)
             if wrong:
                 raise Invalid(f"unmasking shares of {req.device_id!r} for {wrong}: not asked for, not its neighbours', "
-                              f"or not {size} bytes")
+                              f"or not {SHARE_BYTES} bytes")
         secure.answers[req.device_id] = (dict(req.seed_shares), dict(req.key_shares))
         self.core.changed.set()
         return Ack(detail=f"unmasking shares of {req.device_id} for round {round_id} stored")

@@ -2,7 +2,7 @@
 primitives both sides use (docs/privacy.md, "Secure aggregation").
 
 * ``crypto.py``: X25519 key agreement, the AEAD that carries secret shares, the mask generator;
-* ``shamir.py``: Shamir's secret sharing, over pycryptodome's implementation;
+* ``shamir.py``: Shamir's secret sharing over the prime field of 2**521 - 1;
 * ``encoding.py``: the fixed-point encoding modulo 2**64 and its range;
 * ``graph.py``: who shares with and masks with whom (SecAgg+'s sparse graph, or the complete one);
 * ``masks.py``: the masks per model block, added by a device and removed by the Fed Server;

@@ -31,25 +31,38 @@ def new_private_key() -> bytes:
     return X25519PrivateKey.generate().private_bytes_raw()
 
 
-def public_key(private: bytes) -> bytes:
-    """The raw public key (32 bytes) of a raw private key."""
-    return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes_raw()
+def private_key(private: bytes) -> X25519PrivateKey:
+    """The key object of a raw private key. Building it derives the public key, as long as an
+    agreement: a party that agrees with many peers builds it once (:func:`agree` takes either)."""
+    return X25519PrivateKey.from_private_bytes(private)
 
 
-def agree(private: bytes, peer_public: bytes, purpose: bytes) -> bytes:
+def public_key(private: bytes | X25519PrivateKey) -> bytes:
+    """The raw public key (32 bytes) of a private key."""
+    key = private if isinstance(private, X25519PrivateKey) else private_key(private)
+    return key.public_key().public_bytes_raw()
+
+
+def agree(private: bytes | X25519PrivateKey, peer_public: bytes, purpose: bytes) -> bytes:
     """The 32-byte key two devices agree on for ``purpose``: X25519 of one's private key and the
     other's public key, through HKDF-SHA256. ShareError for a public key of low order (an
     agreement on zero), which ``cryptography`` refuses."""
+    key = private if isinstance(private, X25519PrivateKey) else private_key(private)
     try:
-        shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
+        shared = key.exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as exc:
         raise ShareError(f"the public key agrees on nothing: {exc}") from None
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(shared)
 
 
+#: What :func:`check_public_key` agrees with: any key tells a low-order point, and no agreement
+#: with it is ever used.
+_CHECKER = X25519PrivateKey.generate()
+
+
 def check_public_key(peer_public: bytes) -> None:
     """ShareError unless ``peer_public`` is a key an agreement can use."""
-    agree(new_private_key(), peer_public, b"check")
+    agree(_CHECKER, peer_public, b"check")
 
 
 def seed_key(seed: bytes) -> bytes:

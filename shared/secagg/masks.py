@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.models import SplitModel
-from shared.secagg.crypto import MASK_PURPOSE, agree, keystream_words, seed_key
+from shared.secagg.crypto import MASK_PURPOSE, agree, keystream_words, private_key, seed_key
 
 Words = dict[str, np.ndarray]
 
@@ -124,7 +124,8 @@ def remove_masks(total: Words, layout: BlockLayout, splits: Mapping[str, int], s
         own = seed_key(seed)
         for block in layout.held(splits[device]):
             _apply(total, layout.stream(own, block), -1)
-    for dropped, private in dropped_keys.items():
+    for dropped, raw in dropped_keys.items():
+        private = private_key(raw)
         for partner in partners_of_dropped[dropped]:
             key = agree(private, public_mask_keys[partner], MASK_PURPOSE)
             common = set(layout.held(splits[dropped])).intersection(layout.held(splits[partner]))

@@ -6,9 +6,9 @@ describes the protocol.
 
 A device shares its secrets and masks with its neighbours (``shared.secagg.graph``: SecAgg+'s
 sparse graph, or every other device). What it is served as its roster is its neighbourhood: its
-neighbours' keys and its own. A share is the owner's 16-byte mask seed followed by its 32-byte mask
-key, each Shamir-shared, and carries the recipient's index: its position in the owner's sorted
-neighbourhood, from 1."""
+neighbours' keys and its own. A share is the share of the owner's 16-byte mask seed followed by the
+share of its 32-byte mask key (each Shamir-shared, :data:`SHARE_BYTES` each), and carries the
+recipient's index: its position in the owner's sorted neighbourhood, from 1."""
 from __future__ import annotations
 
 import os
@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from shared.secagg.crypto import (
-    MASK_PURPOSE, SHARE_PURPOSE, ShareError, agree, new_private_key, open_sealed, public_key, seal, share_associated,
+    MASK_PURPOSE, SHARE_PURPOSE, ShareError, agree, new_private_key, open_sealed, private_key, public_key, seal,
+    share_associated,
 )
 from shared.secagg.encoding import encode
 from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks
-from shared.secagg.shamir import combine_secret, split_secret
+from shared.secagg.shamir import SHARE_BYTES, combine_secret, split_secret
 
 SEED_BYTES = 16
 KEY_BYTES = 32
@@ -55,9 +56,14 @@ class DeviceSecrets:
     #: so each X25519 agreement is made once an attempt (most of a device's share stage otherwise).
     agreed: dict[tuple[bytes, bytes], bytes] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        # The key objects, built once: building one from its raw bytes costs as much as an
+        # agreement, and a device makes two agreements with every neighbour.
+        self._private = {MASK_PURPOSE: private_key(self.mask_private), SHARE_PURPOSE: private_key(self.share_private)}
+
     def public_keys(self) -> tuple[bytes, bytes]:
         """(mask key, share key): what the first stage sends."""
-        return public_key(self.mask_private), public_key(self.share_private)
+        return public_key(self._private[MASK_PURPOSE]), public_key(self._private[SHARE_PURPOSE])
 
     def _agree(self, peer_public: bytes, purpose: bytes) -> bytes:
         """The key agreed with ``peer_public`` for ``purpose`` (:data:`MASK_PURPOSE` with this
@@ -65,8 +71,7 @@ class DeviceSecrets:
         public key that agrees on nothing."""
         key = (purpose, peer_public)
         if key not in self.agreed:
-            private = self.mask_private if purpose == MASK_PURPOSE else self.share_private
-            self.agreed[key] = agree(private, peer_public, purpose)
+            self.agreed[key] = agree(self._private[purpose], peer_public, purpose)
         return self.agreed[key]
 
     def seal_shares(self, roster: PublicKeys, threshold: int) -> dict[str, bytes]:
@@ -105,9 +110,9 @@ class DeviceSecrets:
                 piece = open_sealed(self._agree(roster[sender][1], SHARE_PURPOSE), sealed, share_associated(self.run_id, self.round_id, sender, self.device_id))
             except ShareError as exc:
                 raise ShareError(f"the share from {sender!r} {exc}") from None
-            if len(piece) != SEED_BYTES + KEY_BYTES:
-                raise ShareError(f"the share from {sender!r} has {len(piece)} bytes, not {SEED_BYTES + KEY_BYTES}")
-            self.held[sender] = (piece[:SEED_BYTES], piece[SEED_BYTES:])
+            if len(piece) != 2 * SHARE_BYTES:
+                raise ShareError(f"the share from {sender!r} has {len(piece)} bytes, not {2 * SHARE_BYTES}")
+            self.held[sender] = (piece[:SHARE_BYTES], piece[SHARE_BYTES:])
         return sorted(self.held)
 
     def mask(self, update: Mapping[str, np.ndarray], weight: float, fraction_bits: int, value_range: float,
@@ -136,7 +141,8 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
                     threshold: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """The Fed Server's side of the last stage: from each answering device's (seed shares, key
     shares), the survivors' seeds and the dropped devices' mask keys, an owner's shares indexed in
-    its neighbourhood. ValueError when fewer than ``threshold`` shares of some secret came back.
+    its neighbourhood. ValueError when fewer than ``threshold`` shares of some secret came back, or
+    they rebuild no secret of its size.
     Each secret is rebuilt from exactly ``threshold`` of its shares (the lowest indices), which
     determine it: interpolating more rebuilds the same secret at a cost quadratic in the shares,
     which is most of the Fed Server's work in a secure round (benchmarks/README.md, part (l))."""
@@ -146,10 +152,10 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
                   if owner in answer[part] and who in indices}
         if len(shares) < threshold:
             raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
-        secret = combine_secret(dict(sorted(shares.items())[:threshold]))
-        if len(secret) != size:
-            raise ValueError(f"{owner!r}'s secret rebuilt to {len(secret)} bytes, not {size}")
-        return secret
+        try:
+            return combine_secret(dict(sorted(shares.items())[:threshold]), size)
+        except ValueError as exc:
+            raise ValueError(f"{owner!r}'s shares: {exc}") from None
 
     return ({d: rebuilt(d, 0, SEED_BYTES) for d in survivors}, {d: rebuilt(d, 1, KEY_BYTES) for d in dropped})
 

@@ -2,6 +2,7 @@
 devices' clipped updates within the fixed-point rounding, with one device dropped after sharing
 (its pairwise masks removed through its rebuilt mask key) and one silent in the unmasking stage
 (its own mask removed through its rebuilt seed); too few answers fail; a forged share is named."""
+import os
 import random
 
 import numpy as np
@@ -12,6 +13,7 @@ from shared.secagg.encoding import decode, fraction_bits
 from shared.secagg.graph import neighbourhoods
 from shared.secagg.masks import BlockLayout
 from shared.secagg.protocol import DeviceSecrets, rebuild_secrets, unmasked_sum
+from shared.secagg.shamir import SHARE_BYTES
 
 LAYOUT = BlockLayout(((("w", (4, 3)), ("b", (3,))), (("v", (7,)),)))
 DEVICES = ["d0", "d1", "d2", "d3", "d4"]
@@ -143,10 +145,11 @@ def test_a_secret_is_rebuilt_from_exactly_threshold_shares_the_lowest_indices():
     seeds, keys = rebuild_secrets(answers, COMPLETE, uploaders, ["d1"], threshold=3)
     assert seeds == {d: secrets[d].seed for d in uploaders} and keys == {"d1": secrets["d1"].mask_private}
     wrong = {d: (dict(s), dict(k)) for d, (s, k) in answers.items()}
-    wrong["d4"][0]["d0"] = bytes(16)
+    wrong["d4"][0]["d0"] = os.urandom(SHARE_BYTES - 1).rjust(SHARE_BYTES, b"\0")
     assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)[0]["d0"] == secrets["d0"].seed
-    wrong["d0"][0]["d0"] = bytes(16)   # index 1 is among the three used
-    assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)[0]["d0"] != secrets["d0"].seed
+    wrong["d0"][0]["d0"] = wrong["d4"][0]["d0"]   # index 1 is among the three used: no 16-byte seed
+    with pytest.raises(ValueError, match="'d0''s shares: the shares rebuild no 16-byte secret"):
+        rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)
 
 
 def test_a_roster_key_that_agrees_on_nothing_is_refused_before_any_share_is_sealed():

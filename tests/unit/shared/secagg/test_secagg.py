@@ -1,6 +1,6 @@
 """Secure aggregation's primitives: masks that cancel block by block over the devices that hold a
-block, dropped devices' masks removed through their rebuilt keys, the fixed-point range, Shamir's
-threshold and the AEAD's verification."""
+block, dropped devices' masks removed through their rebuilt keys, the fixed-point range and the AEAD's
+verification (Shamir's scheme: test_shamir.py)."""
 import os
 
 import numpy as np
@@ -9,7 +9,6 @@ import pytest
 from shared.secagg.crypto import MASK_PURPOSE, ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal
 from shared.secagg.encoding import SUM_BITS, decode, encode, fraction_bits
 from shared.secagg.masks import BlockLayout, add_masks, masked_splits, remove_masks, well_held
-from shared.secagg.shamir import combine_secret, split_secret
 
 LAYOUT = BlockLayout(((("a", (3,)),), (("b", (2, 2)), ("c", ())), (("d", (5,)),)))
 SPLITS = {"d0": 1, "d1": 2, "d2": 3, "d3": 3, "d4": 2}
@@ -89,15 +88,6 @@ def test_fixed_point_keeps_values_within_the_range():
 def test_a_range_too_wide_for_64_bit_words_is_refused():
     with pytest.raises(ValueError, match="fraction bits"):
         fraction_bits(1e9, 1e6)
-
-
-def test_shamir_rebuilds_from_the_threshold_and_not_below():
-    secret = os.urandom(32)
-    shares = split_secret(secret, threshold=3, count=5)
-    assert len(shares) == 5 and all(len(s) == 32 for s in shares)
-    assert combine_secret({2: shares[1], 4: shares[3], 5: shares[4]}) == secret
-    assert combine_secret(dict(enumerate(shares, 1))) == secret
-    assert combine_secret({1: shares[0], 2: shares[1]}) != secret
 
 
 def test_a_sealed_share_verifies_only_unaltered_and_for_its_recipient():
