@@ -347,11 +347,11 @@ def links_problem(mode: str) -> str | None:
 
 
 def run_config(scenario: Scenario, rounds: int, warm_up: str = "estimated", pinned: Mapping[str, int] | None = None,
-               patience: float = PATIENCE, bottleneck_cap: bool = True):
+               patience: float = PATIENCE, paper_rule: bool = False):
     """The run of ``scenario``: the shaped-links claims' fleet (docs/real-links.md), one device of
     each kind, 100 IID samples each, every device in one group, deadlines at ``patience`` times the
     slowest other device's time (``deadlines.patience``), the median rule with its bottleneck cap
-    or (``bottleneck_cap`` False) as the paper writes it."""
+    and without dominated splits, or (``paper_rule``) as the paper writes it."""
     from shared.run_config import load_run_config
 
     return load_run_config({
@@ -361,7 +361,8 @@ def run_config(scenario: Scenario, rounds: int, warm_up: str = "estimated", pinn
         "grouping": {"group_size": len(scenario.profiles)},
         "deadlines": {"round_s": 120, "join_s": 20, "step_s": 20, "patience": patience},
         "devices": {"profiles": list(scenario.profiles), "time_scale": TIME_SCALE},
-        "split": {"warm_up": warm_up, "pinned": dict(pinned or {}), "bottleneck_cap": bottleneck_cap},
+        "split": {"warm_up": warm_up, "pinned": dict(pinned or {}), "bottleneck_cap": not paper_rule,
+                  "undominated": not paper_rule},
     })
 
 
@@ -428,9 +429,9 @@ def run_once(scenario: Scenario, config, run_dir: Path, real_links: bool) -> dic
 
 def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence[str] = SCENARIO_NAMES,
         links: str = "auto", progress: Callable[[dict], object] | None = None, patience: float = PATIENCE,
-        bottleneck_cap: bool = True, warm_up: str = "estimated") -> dict:
-    """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience`` and
-    ``split.bottleneck_cap`` ``bottleneck_cap``, the sliding runs with ``split.warm_up``
+        paper_rule: bool = False, warm_up: str = "estimated") -> dict:
+    """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience``,
+    with the median rule's extensions or (``paper_rule``) without, the sliding runs with ``split.warm_up``
     ``warm_up``, and the warm-up comparison (the other warm-up's sliding run) where
     :data:`WARM_UP_FLEET` is among them; the results (see the module's docstring)."""
     from shared import machine
@@ -444,7 +445,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
     candidates = list(build_model("cnn").split_points)
     results: dict = {"mode": "quick" if quick else "full", "machine": machine.describe_machine(),
                      "settings": {"rounds": rounds, "change_after": change_after, "links": "real" if real else "emulated",
-                                  "links_note": problem, "patience": patience, "bottleneck_cap": bottleneck_cap,
+                                  "links_note": problem, "patience": patience, "paper_rule": paper_rule,
                                   "warm_up": warm_up,
                                   "time_scale": TIME_SCALE, "rtt_ms": RTT_MS if real else 0.0,
                                   "goal_lost_rounds": GOAL_LOST_ROUNDS, "goal_time_ratio": GOAL_TIME_RATIO},
@@ -458,7 +459,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
                            "judged": scenario.judged(rounds, warm_up_rounds(warm_up, len(candidates))), "runs": {}}
             log(f"{scenario.name}: sliding split")
             # Every run of the scenario at the invocation's patience and rule.
-            config = partial(run_config, scenario, rounds, patience=patience, bottleneck_cap=bottleneck_cap)
+            config = partial(run_config, scenario, rounds, patience=patience, paper_rule=paper_rule)
             entry["runs"]["sliding"] = run_once(scenario, config(warm_up=warm_up), Path(tmp) / f"{scenario.name}-sliding",
                                                 real)
             entry["pinned"] = choose_pinned(entry["runs"]["sliding"]["rounds"], scenario, rounds, candidates)
@@ -551,7 +552,7 @@ def report(results: dict) -> str:
         f"load average {m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at the end",
         f"mode: {results['mode']}, {s['rounds']} rounds, changes after round {s['change_after']}, links {links}, "
         f"deadlines.patience {s['patience']:g}, "
-        f"{'' if s.get('bottleneck_cap', True) else 'split.bottleneck_cap false (the paper rule as written), '}"
+        f"{'split.bottleneck_cap and split.undominated false (the paper rule as written), ' if s.get('paper_rule') else ''}"
         f"split.warm_up {s.get('warm_up', 'every_split')}, "
         f"total {results.get('total_s', 0.0) / 60:.1f} min",
         f"goals: no changed device loses more than {s['goal_lost_rounds']} rounds; time to the sliding run's final "
@@ -593,7 +594,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"deadlines.patience of every run: a device's own deadline over the slowest other "
                              f"device's time (at least 1; default {PATIENCE:g})")
     parser.add_argument("--paper-rule", action="store_true",
-                        help="every run with split.bottleneck_cap false: the paper's median rule as written")
+                        help="every run with split.bottleneck_cap and split.undominated false: the paper's median "
+                             "rule as written")
     parser.add_argument("--warm-up", choices=("every_split", "estimated"), default="estimated",
                         help="split.warm_up of the sliding runs (default estimated, the run config's default; "
                              "every_split: the paper's); the warm-up comparison runs the other one")
@@ -626,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results (rewritten after every scenario): {out}", flush=True)
     results = run(args.quick, lambda text: print(text, flush=True), args.scenarios, args.links,
                   progress=lambda so_far: write(so_far, out, report), patience=args.patience,
-                  bottleneck_cap=not args.paper_rule, warm_up=args.warm_up)
+                  paper_rule=args.paper_rule, warm_up=args.warm_up)
     finish(results, out, report, args.docs, update_docs)
     return 0
 

@@ -92,7 +92,7 @@ class Coordinator:
         # A model without split points runs only split-depth-zero algorithms (validate_run_config),
         # which never consult the table: one placeholder candidate keeps it well-formed.
         self.table = ClientTimeTable(max(1, len(candidates)), config.split.smoothing, config.split.warm_up,
-                                     config.split.bottleneck_cap)
+                                     config.split.bottleneck_cap, config.split.undominated)
         self.planner = SplitPlanner(core.algorithm.split_mode(), candidates, core.num_blocks, profile, self.table,
                                     core.devices, config.train.local_epochs, config.split.server_flops,
                                     config.split.pinned, head_start=core.head_start if config.split.u_shaped else None)

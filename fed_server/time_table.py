@@ -50,8 +50,13 @@ Decisions where the paper is silent (documented here, in the methods and in docs
   bytes over the device's measured link rate) and ``e_B`` the bottleneck's at its cheapest, the
   critical path is ``2 max(e, e_B) + max(t - 2e, b - 2e_B)``, which is ``b`` for a device whose
   portion moves no slower than the bottleneck's, and ``t`` where ``e`` is not known. Where no
-  candidate fits, the device gets the one of shortest critical path. The paper's rule as
-  written: ``bottleneck_cap=False``.
+  candidate fits, the device gets the one of shortest critical path;
+* **no dominated split** (``undominated``, on by default): the median rule chooses only among the
+  allowed candidates that no deeper allowed candidate matches in time, ``t(k) <= t(j) (1 + noise)``
+  for some ``k > j``. A dominated candidate is closest to ``m`` only for being slow (an early cut
+  whose activations cost more than the layers it spares the device): it would put more layers'
+  work on the Main Server, which a group's members wait for at every step, for no shorter round.
+  The paper's rule as written: ``bottleneck_cap=False, undominated=False``.
 """
 
 from __future__ import annotations
@@ -227,6 +232,13 @@ def _level(level: float, factor: float) -> float:
     return moved if math.isfinite(moved) and moved > 0.0 else level
 
 
+def _undominated(row: Mapping[int, float], allowed: Sequence[int], noise: float) -> list[int]:
+    """The ``allowed`` candidates (ascending) that no deeper allowed one matches in time, within
+    the table's noise: a candidate that a deeper one matches or beats would put more layers'
+    work on the Main Server for no shorter round, so the median rule never chooses it."""
+    return [j for j in allowed if not any(k > j and row[k] <= row[j] * (1.0 + noise) for k in allowed)]
+
+
 def _cheapest(row: Mapping[int, float]) -> int:
     """The candidate with the least time; ties to the larger ``j``."""
     return min(row, key=lambda j: (row[j], -j))
@@ -237,7 +249,7 @@ class ClientTimeTable:
     their parts, with each device's link and compute levels and its censored entries."""
 
     def __init__(self, num_candidates: int = 3, smoothing: float = 0.5, warm_up: str = "estimated",
-                 bottleneck_cap: bool = True) -> None:
+                 bottleneck_cap: bool = True, undominated: bool = True) -> None:
         if int(num_candidates) < 1:
             raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
         if not (0.0 < float(smoothing) <= 1.0):
@@ -248,6 +260,7 @@ class ClientTimeTable:
         self.smoothing = float(smoothing)
         self.warm_up = warm_up
         self.bottleneck_cap = bool(bottleneck_cap)
+        self.undominated = bool(undominated)
         # Cells as measured, divided by the device's levels of when they were measured.
         self._cells: dict[str, dict[int, RoundParts]] = {}
         self._levels: dict[str, tuple[float, float]] = {}        # device -> (link, compute)
@@ -449,7 +462,8 @@ class ClientTimeTable:
         critical path (``paths``) reads at most ``cap * (1 + noise)`` (the bottleneck cap; ``cap``
         infinite: all; none: the shortest path), where the median says nothing (its times within
         noise of each other, or all far below ``m``), its deepest; else the paper's closest to
-        ``m``, ties to the larger ``j``."""
+        ``m`` among those no deeper one matches in time (where ``undominated``), ties to the
+        larger ``j``."""
         censored = self._censored.get(device)
         if censored:
             limit = max(censored.values())
@@ -460,7 +474,8 @@ class ClientTimeTable:
         if max(times) - min(times) <= 2.0 * noise * min(times) or max(times) * FAR_BELOW <= m:
             return allowed[-1]
         best_j, best_gap = -1, math.inf
-        for j in allowed:  # ascending, so a (near-)tie replaces with the larger j
+        for j in _undominated(row, allowed, noise) if self.undominated else allowed:
+            # ascending, so a (near-)tie replaces with the larger j
             gap = abs(row[j] - m)
             if gap <= best_gap + 1e-9 * max(1.0, abs(m)):
                 best_j, best_gap = j, min(gap, best_gap)

@@ -91,6 +91,11 @@ class SplitConfig(_Strict):
     # below the slowest one instead of lengthening the round (fed_server/time_table.py). False:
     # the paper's rule as written.
     bottleneck_cap: bool = True
+    # The median rule never gives a device a split that a deeper split of its own matches in time
+    # (within the table's noise): that split would put more layers' work on the Main Server, which
+    # the group's other members wait for at every step, for no shorter round
+    # (fed_server/time_table.py). False, with bottleneck_cap false: the paper's rule as written.
+    undominated: bool = True
     # Device id -> the split point it always gets (one of the candidates; checked by
     # shared/run_config.py), whatever the sliding split would choose: a board that cannot hold
     # more layers, or a run with a fixed split per device to compare with.

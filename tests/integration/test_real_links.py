@@ -108,7 +108,8 @@ def _median_rule_splits(metrics: list[dict], real: bool) -> list[dict[str, int]]
                                          num_samples=config.data.max_samples // config.data.num_devices,
                                          profile=DeviceProfileMsg(kind=emulated.name, flops=emulated.flops,
                                                                   rate=None if real else emulated.rate * config.devices.time_scale)))
-    table = ClientTimeTable(len(candidates), config.split.smoothing, config.split.warm_up, config.split.bottleneck_cap)
+    table = ClientTimeTable(len(candidates), config.split.smoothing, config.split.warm_up, config.split.bottleneck_cap,
+                            config.split.undominated)
     planner = SplitPlanner("sliding", candidates, len(model.blocks), profile_model(model, config.model), table, devices,
                            config.train.local_epochs, config.split.server_flops)
     out = []

@@ -70,13 +70,15 @@ def test_s2fl_slides_splits_by_device_profile(run_testbed):
     for device, row in table.items():
         # Only the splits that read at most the bottleneck (the slowest device's cheapest time)
         # times 1 + the table's noise (0.1 before any cell is measured twice). Among them: for a
-        # row within that noise of itself or all at most half the median, the deepest; otherwise
-        # the closest to the median, ties (the median of an even count is the midpoint of two
-        # cells, so exact ties happen) to the larger j, within the table's 1e-9 relative tolerance.
+        # row within that noise of itself or all at most half the median, the deepest; otherwise,
+        # among those no deeper allowed split matches in time within that noise, the closest to
+        # the median, ties (the median of an even count is the midpoint of two cells, so exact
+        # ties happen) to the larger j, within the table's 1e-9 relative tolerance.
         allowed = [j for j in range(3) if row[j] <= bottleneck * 1.1]
-        gaps = {j: abs(row[j] - median) for j in allowed}
+        undominated = [j for j in allowed if not any(k > j and row[k] <= row[j] * 1.1 for k in allowed)]
+        gaps = {j: abs(row[j] - median) for j in undominated}
         tol = 1e-9 * max(1.0, abs(median))
-        best = max(j for j in allowed if gaps[j] <= min(gaps.values()) + tol)
+        best = max(j for j in undominated if gaps[j] <= min(gaps.values()) + tol)
         if max(row) - min(row) <= 0.2 * min(row) or 2 * max(row) <= median:
             best = max(allowed)
         assert chosen[device] == split_points[best], (device, row, median, bottleneck, chosen)

@@ -210,19 +210,21 @@ def test_the_patience_option_sets_every_runs_deadlines_patience_and_refuses_one_
     assert run_config(scenario, 8, pinned={"dev-000": 2}, patience=1.5).deadlines.patience == 1.5
 
 
-def test_the_paper_rule_option_runs_every_run_without_the_bottleneck_cap_and_says_so():
+def test_the_paper_rule_option_runs_every_run_without_the_rule_s_extensions_and_says_so():
     assert parse_args([]).paper_rule is False and parse_args(["--paper-rule"]).paper_rule is True
     scenario = scenarios(4)[0]
-    assert run_config(scenario, 8).split.bottleneck_cap is True
-    assert run_config(scenario, 8, pinned={"dev-000": 2}, bottleneck_cap=False).split.bottleneck_cap is False
+    default = run_config(scenario, 8).split
+    assert default.bottleneck_cap is True and default.undominated is True
+    paper = run_config(scenario, 8, pinned={"dev-000": 2}, paper_rule=True).split
+    assert paper.bottleneck_cap is False and paper.undominated is False
     results = {"mode": "quick", "total_s": 60.0, "scenarios": [], "warm_up": None,
                "machine": {"cpu_model": "CPU", "cpus_usable": 2, "cpu_count": 2, "date_utc": "2026-12-05T10:00:00",
                            "load_average_at_start": [1.0], "load_average_at_end": [1.0]},
                "settings": {"rounds": 2, "change_after": 1, "links": "real", "links_note": None, "patience": 1.2,
-                            "bottleneck_cap": False, "goal_lost_rounds": 2, "goal_time_ratio": 1.2}}
-    assert "split.bottleneck_cap false (the paper rule as written)" in report(results)
-    results["settings"]["bottleneck_cap"] = True
-    assert "bottleneck_cap" not in report(results)
+                            "paper_rule": True, "goal_lost_rounds": 2, "goal_time_ratio": 1.2}}
+    assert "split.bottleneck_cap and split.undominated false (the paper rule as written)" in report(results)
+    results["settings"]["paper_rule"] = False
+    assert "paper rule" not in report(results)
     # The sliding runs' warm-up: the run config's default (estimated) unless --warm-up says
     # otherwise, and the report says which.
     assert parse_args([]).warm_up == "estimated" and parse_args(["--warm-up", "every_split"]).warm_up == "every_split"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from fed_server.time_table import (
@@ -12,8 +13,8 @@ from fed_server.time_table import (
 
 
 def table_from(rows: dict[str, list[float]], k: int = 3, warm_up: str = "estimated",
-               bottleneck_cap: bool = True) -> ClientTimeTable:
-    tt = ClientTimeTable(num_candidates=k, warm_up=warm_up, bottleneck_cap=bottleneck_cap)
+               bottleneck_cap: bool = True, undominated: bool = True) -> ClientTimeTable:
+    tt = ClientTimeTable(num_candidates=k, warm_up=warm_up, bottleneck_cap=bottleneck_cap, undominated=undominated)
     for dev, times in rows.items():
         for j, sec in enumerate(times):
             tt.record(dev, j, sec)
@@ -96,11 +97,35 @@ def test_a_slow_link_s_high_median_does_not_send_a_fast_device_past_the_bottlene
     # High's slow link raises the median to 4.27 s; the paper's rule then gives Mid its deepest
     # split (5.2 s), the round's longest time, where High's own cheapest is 4.27 s.
     rows = {"low": [3.9, 2.95, 10.4], "mid": [2.07, 1.6, 5.2], "high": [7.0, 4.27, 20.0]}
-    paper = table_from(rows, bottleneck_cap=False).choose(4, list(rows))
-    capped = table_from(rows).choose(4, list(rows))
+    paper = table_from(rows, bottleneck_cap=False, undominated=False).choose(4, list(rows))
+    capped = table_from(rows, undominated=False).choose(4, list(rows))
     assert paper == {"low": 0, "mid": 2, "high": 1}
     assert capped == {"low": 0, "mid": 0, "high": 1}
     assert max(rows[d][j] for d, j in capped.items()) == 4.27 < max(rows[d][j] for d, j in paper.items())
+    # Low's and Mid's split 1 are closest to the median only for being slower than their split 2
+    # (the first cut's activations cost more than the block it spares them): never chosen.
+    assert table_from(rows).choose(4, list(rows)) == {"low": 1, "mid": 1, "high": 1}
+
+
+@pytest.mark.parametrize("cap", [False, True])
+def test_a_split_that_a_deeper_one_matches_in_time_is_never_chosen_and_otherwise_the_paper_s_stands(cap):
+    rng = np.random.default_rng(7)
+    changed = 0
+    for _ in range(300):
+        rows = {f"d{i}": list(rng.uniform(0.5, 10.0, size=3).round(2)) for i in range(4)}
+        paper = table_from(rows, bottleneck_cap=cap, undominated=False).choose(4, list(rows))
+        tt = table_from(rows, bottleneck_cap=cap)
+        chosen, noise = tt.choose(4, list(rows)), tt.noise()
+        for device, j in chosen.items():
+            times = rows[device]
+            allowed = [k for k in range(3) if paper[device] == k or not cap or
+                       times[k] <= max(min(r) for r in rows.values()) * (1 + noise)]
+            assert not any(k > j and times[k] <= times[j] * (1 + noise) for k in allowed), (rows, device)
+            p = paper[device]
+            if not any(k > p and times[k] <= times[p] * (1 + noise) for k in allowed):
+                assert j == p, (rows, device)
+            changed += j != p
+    assert changed > 0   # the rows drawn do hold dominated picks
 
 
 def test_the_critical_path_adds_a_portion_that_moves_slower_than_the_bottleneck_s_on_both_sides():
@@ -447,7 +472,7 @@ def test_a_fast_device_far_below_the_median_gets_its_deepest_split_not_its_noise
 
 
 def test_a_row_within_noise_of_itself_gets_its_deepest_split_and_the_noise_is_measured():
-    tt = table_from({"a": [4.0, 4.3, 3.9], "b": [2, 3, 5], "c": [6, 7, 9]})
+    tt = table_from({"a": [4.0, 4.3, 3.9], "b": [2, 3, 5], "c": [6, 7, 9]}, undominated=False)
     # m = 4.3. a's spread (0.4 s) is within 2 x the default noise (0.1) of its smallest time.
     assert tt.noise() == 0.1
     assert tt.choose(4, ["a", "b", "c"])["a"] == 2
@@ -519,7 +544,7 @@ def test_an_estimate_that_is_not_a_finite_non_negative_time_is_not_used(bad):
     # the others (a's 4). Cells 4, 6, 4, 3 -> m = 4: a -> j=0, new -> j=0. Taken as it is, an
     # infinite estimate would move the median to 5 (a -> j=1, new -> j=1), a negative one to 3.5
     # (new -> j=1).
-    tt = table_from({"a": [4.0, 6.0]}, k=2)
+    tt = table_from({"a": [4.0, 6.0]}, k=2, undominated=False)
     estimates = {("new", 0): bad, ("new", 1): 3.0}
     assert tt.choose(3, ["a", "new"], lambda d, j: estimates.get((d, j), math.nan)) == {"a": 0, "new": 0}
 
