@@ -175,6 +175,11 @@ def test_a_run_from_before_a_setting_matches_the_value_that_keeps_its_behaviour_
     # A run that recorded the setting is compared with it as recorded.
     recorded = default.config.model_dump(mode="json")
     assert default.ran_as("an older hash", recorded) and not paper.ran_as("an older hash", recorded)
+    # split.undominated came on by default: a run from before it ran the rule without it.
+    rule = Cell({"v": "rule"}, build_config({"algorithm": "s2fl", "split": {"undominated": False}}, {}))
+    ran = rule.config.model_dump(mode="json")
+    del ran["split"]["undominated"]
+    assert rule.ran_as("an older hash", ran) and not default.ran_as("an older hash", ran)
 
 
 def test_every_committed_result_still_counts_as_its_grid_s_run():
