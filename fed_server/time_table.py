@@ -474,8 +474,8 @@ class ClientTimeTable:
         if max(times) - min(times) <= 2.0 * noise * min(times) or max(times) * FAR_BELOW <= m:
             return allowed[-1]
         best_j, best_gap = -1, math.inf
-        for j in _undominated(row, allowed, noise) if self.undominated else allowed:
-            # ascending, so a (near-)tie replaces with the larger j
+        candidates = _undominated(row, allowed, noise) if self.undominated else allowed
+        for j in candidates:  # ascending, so a (near-)tie replaces with the larger j
             gap = abs(row[j] - m)
             if gap <= best_gap + 1e-9 * max(1.0, abs(m)):
                 best_j, best_gap = j, min(gap, best_gap)

@@ -31,25 +31,24 @@ def new_private_key() -> bytes:
     return X25519PrivateKey.generate().private_bytes_raw()
 
 
-def private_key(private: bytes) -> X25519PrivateKey:
-    """The key object of a raw private key. Building it derives the public key, as long as an
-    agreement: a party that agrees with many peers builds it once (:func:`agree` takes either)."""
-    return X25519PrivateKey.from_private_bytes(private)
+def private_key(private: bytes | X25519PrivateKey) -> X25519PrivateKey:
+    """The key object of a private key, raw or built already. Building one derives the public
+    key, as long as an agreement: a party that agrees with many peers builds it once
+    (:func:`agree` and :func:`public_key` take either)."""
+    return private if isinstance(private, X25519PrivateKey) else X25519PrivateKey.from_private_bytes(private)
 
 
 def public_key(private: bytes | X25519PrivateKey) -> bytes:
     """The raw public key (32 bytes) of a private key."""
-    key = private if isinstance(private, X25519PrivateKey) else private_key(private)
-    return key.public_key().public_bytes_raw()
+    return private_key(private).public_key().public_bytes_raw()
 
 
 def agree(private: bytes | X25519PrivateKey, peer_public: bytes, purpose: bytes) -> bytes:
     """The 32-byte key two devices agree on for ``purpose``: X25519 of one's private key and the
     other's public key, through HKDF-SHA256. ShareError for a public key of low order (an
     agreement on zero), which ``cryptography`` refuses."""
-    key = private if isinstance(private, X25519PrivateKey) else private_key(private)
     try:
-        shared = key.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        shared = private_key(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as exc:
         raise ShareError(f"the public key agrees on nothing: {exc}") from None
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(shared)
