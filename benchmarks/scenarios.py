@@ -22,14 +22,16 @@ Per scenario, the same scenario is run again with the best fixed split per devic
 on the round's critical path that the time table's bottleneck cap uses (:func:`best_fixed`):
 trying every assignment would take 27 runs per scenario. Per run and device: the split of each round it was
 selected in and whether it uploaded, the rounds it lost to its change, and the time to the sliding
-run's final accuracy. Goals (printed beside the figures, missed ones named): no device loses more
-than :data:`GOAL_LOST_ROUNDS` rounds to a change of its link or speed, and the sliding run reaches
-its final accuracy within :data:`GOAL_TIME_RATIO` times the time the pinned run takes to reach it.
+run's final accuracy. Each scenario runs with :data:`SEEDS` seeds (``--seeds N``), sliding and
+pinned at each. Goals (printed beside the figures, missed ones named): no device loses more than
+:data:`GOAL_LOST_ROUNDS` rounds to a change of its link or speed, at any seed, and the sliding run
+reaches its final accuracy within :data:`GOAL_TIME_RATIO` times the time the pinned run takes to
+reach it, the median over the seeds.
 Beside the scenarios, the warm-up comparison: the ``fast_device`` fleet run again with the other
 ``split.warm_up`` (the paper's ``every_split`` against the default ``estimated``): the time of the
 warm-up's rounds and the splits chosen after them.
 
-``python -m benchmarks.scenarios [--quick] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--paper-rule] [--warm-up every_split|estimated] [--docs docs/s2fl.md]``
+``python -m benchmarks.scenarios [--quick] [--seeds N] [--scenarios a,b] [--links auto|real|emulated] [--patience P] [--paper-rule] [--warm-up every_split|estimated] [--docs docs/s2fl.md]``
 prints the table and writes ``benchmarks/results/<UTC date>_scenarios/results.json`` and
 ``results.md`` (rewritten after every run); ``--docs PAGE`` writes the table into PAGE between its
 scenario-table markers. ``python -m benchmarks.run --only j`` runs the same part.
@@ -58,6 +60,11 @@ from fed_server.time_table import critical_path, warm_up_rounds
 #: paper's 3 rounds or the estimated one's 1, rounds the median rule decides, before the change).
 ROUNDS, CHANGE_AFTER = 16, 7
 QUICK_ROUNDS, QUICK_CHANGE_AFTER = 8, 4
+#: Seeds each scenario runs with (``seed`` and ``data.seed``: the model's initial weights, the
+#: devices' samples and their order): at 100 samples a device the accuracy moves by up to 18
+#: points a round, so one seed's time to its final accuracy can hinge on one round's noise, and
+#: the time goal is judged on the median over the seeds. Seed 1 is the single run of earlier tables.
+SEEDS, QUICK_SEEDS = 3, 1
 #: The paper's warm-up: one round per split candidate of the cnn.
 WARM_UP_ROUNDS = 3
 # The goals printed beside the figures.
@@ -294,13 +301,13 @@ def choose_pinned(rounds: Sequence[Mapping], scenario: Scenario, total_rounds: i
     return best_fixed(cells, [b - a + 1 for a, b in phases], candidates, uploads)
 
 
-def judge(result: dict) -> dict:
-    """A scenario's goal figures: rounds each changed device lost, and the sliding run's time to
-    its own final accuracy over the pinned run's time to it (None where the pinned run never got
-    there: the sliding run was the faster)."""
-    sliding, pinned = result["runs"]["sliding"]["rounds"], result["runs"]["pinned"]["rounds"]
+def judge(runs: Mapping, judged: Sequence[Sequence[int]]) -> dict:
+    """One seed's goal figures: the rounds each changed device lost in its ``judged`` window
+    ``(device, first, last)``, and the sliding run's time to its own final accuracy over the pinned
+    run's time to it (None where the pinned run never got there: the sliding run was the faster)."""
+    sliding, pinned = runs["sliding"]["rounds"], runs["pinned"]["rounds"]
     lost = [{"device": device_id(d), "first": a, "last": b, "rounds": lost_rounds(sliding, device_id(d), a, b)}
-            for d, a, b in result["judged"]]
+            for d, a, b in judged]
     final = sliding[-1]["accuracy"] if sliding else None
     mine = time_to(sliding, final) if final is not None else None
     theirs = time_to(pinned, final) if final is not None else None
@@ -308,16 +315,33 @@ def judge(result: dict) -> dict:
             "time_ratio": mine / theirs if mine is not None and theirs else None}
 
 
-def goals_missed(result: dict) -> list[str]:
-    """The goals a scenario's figures miss, each named with its figure."""
-    g, missed = result["goals"], []
-    for entry in g["lost"]:
-        if len(entry["rounds"]) > GOAL_LOST_ROUNDS:
-            missed.append(f"{entry['device']} lost {len(entry['rounds'])} rounds (goal <= {GOAL_LOST_ROUNDS})")
-    if g["sliding_time_s"] is None:
-        missed.append("the sliding run recorded no accuracy")
-    elif g["time_ratio"] is not None and g["time_ratio"] > GOAL_TIME_RATIO:
-        missed.append(f"time to accuracy {g['time_ratio']:.2f}x the best fixed split's (goal <= {GOAL_TIME_RATIO}x)")
+def median_ratio(ratios: Sequence[float | None]) -> float | None:
+    """The time goal's figure over a scenario's seeds: the median of their time ratios, the higher
+    of the middle two for an even count; a seed whose pinned run never reached the sliding run's
+    final accuracy (None) counts below every ratio, and None is returned where it is the median."""
+    if not ratios:
+        return None
+    ordered = sorted(ratios, key=lambda r: -math.inf if r is None else r)
+    return ordered[len(ordered) // 2]
+
+
+def goals_missed(seeds: Sequence[Mapping]) -> list[str]:
+    """The goals a scenario's seeds (each with its :func:`judge` figures as ``goals``) miss, each
+    named with its figure: a device that lost too many rounds at any seed, a seed whose sliding run
+    recorded no accuracy, and the median time ratio over the seeds."""
+    missed = []
+    for entry in seeds:
+        g = entry["goals"]
+        for lost in g["lost"]:
+            if len(lost["rounds"]) > GOAL_LOST_ROUNDS:
+                missed.append(f"seed {entry['seed']}: {lost['device']} lost {len(lost['rounds'])} rounds "
+                              f"(goal <= {GOAL_LOST_ROUNDS})")
+        if g["sliding_time_s"] is None:
+            missed.append(f"seed {entry['seed']}: the sliding run recorded no accuracy")
+    ratio = median_ratio([e["goals"]["time_ratio"] for e in seeds if e["goals"]["sliding_time_s"] is not None])
+    if ratio is not None and ratio > GOAL_TIME_RATIO:
+        missed.append(f"time to accuracy {ratio:.2f}x the best fixed split's, the median over {len(seeds)} "
+                      f"seeds (goal <= {GOAL_TIME_RATIO}x)")
     return missed
 
 
@@ -347,16 +371,18 @@ def links_problem(mode: str) -> str | None:
 
 
 def run_config(scenario: Scenario, rounds: int, warm_up: str = "estimated", pinned: Mapping[str, int] | None = None,
-               patience: float = PATIENCE, paper_rule: bool = False):
-    """The run of ``scenario``: the shaped-links claims' fleet (docs/real-links.md), one device of
-    each kind, 100 IID samples each, every device in one group, deadlines at ``patience`` times the
-    slowest other device's time (``deadlines.patience``), the median rule with its bottleneck cap
-    and without dominated splits, or (``paper_rule``) as the paper writes it."""
+               patience: float = PATIENCE, paper_rule: bool = False, seed: int = 1):
+    """The run of ``scenario`` at ``seed`` (the model's and the data's): the shaped-links claims'
+    fleet (docs/real-links.md), one device of each kind, 100 IID samples each, every device in one
+    group, deadlines at ``patience`` times the slowest other device's time (``deadlines.patience``),
+    the median rule with its bottleneck cap and without dominated splits, or (``paper_rule``) as
+    the paper writes it."""
     from shared.run_config import load_run_config
 
     return load_run_config({
-        "algorithm": "s2fl", "rounds": rounds, "seed": 1,
-        "data": {"num_devices": len(scenario.profiles), "partition": "iid", "seed": 1, "max_samples": 100 * len(scenario.profiles)},
+        "algorithm": "s2fl", "rounds": rounds, "seed": seed,
+        "data": {"num_devices": len(scenario.profiles), "partition": "iid", "seed": seed,
+                 "max_samples": 100 * len(scenario.profiles)},
         "train": {"lr": 0.05, "batch_size": 64},
         "grouping": {"group_size": len(scenario.profiles)},
         "deadlines": {"round_s": 120, "join_s": 20, "step_s": 20, "patience": patience},
@@ -429,15 +455,18 @@ def run_once(scenario: Scenario, config, run_dir: Path, real_links: bool) -> dic
 
 def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence[str] = SCENARIO_NAMES,
         links: str = "auto", progress: Callable[[dict], object] | None = None, patience: float = PATIENCE,
-        paper_rule: bool = False, warm_up: str = "estimated") -> dict:
-    """Every scenario of ``names`` run sliding and pinned at ``deadlines.patience`` ``patience``,
-    with the median rule's extensions or (``paper_rule``) without, the sliding runs with ``split.warm_up``
-    ``warm_up``, and the warm-up comparison (the other warm-up's sliding run) where
-    :data:`WARM_UP_FLEET` is among them; the results (see the module's docstring)."""
+        paper_rule: bool = False, warm_up: str = "estimated", seeds: int | None = None) -> dict:
+    """Every scenario of ``names`` run sliding and pinned at each of ``seeds`` seeds (1, 2, ...;
+    default :data:`SEEDS`, or :data:`QUICK_SEEDS` when ``quick``) at ``deadlines.patience``
+    ``patience``, with the median rule's extensions or (``paper_rule``) without, the sliding runs
+    with ``split.warm_up`` ``warm_up``, and the warm-up comparison (the other warm-up's sliding run
+    at the first seed) where :data:`WARM_UP_FLEET` is among them; the results (see the module's
+    docstring)."""
     from shared import machine
     from shared.models import build_model
 
     rounds, change_after = (QUICK_ROUNDS, QUICK_CHANGE_AFTER) if quick else (ROUNDS, CHANGE_AFTER)
+    seeds = seeds or (QUICK_SEEDS if quick else SEEDS)
     problem = links_problem(links)
     real = problem is None
     if problem:
@@ -446,7 +475,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
     results: dict = {"mode": "quick" if quick else "full", "machine": machine.describe_machine(),
                      "settings": {"rounds": rounds, "change_after": change_after, "links": "real" if real else "emulated",
                                   "links_note": problem, "patience": patience, "paper_rule": paper_rule,
-                                  "warm_up": warm_up,
+                                  "warm_up": warm_up, "seeds": seeds,
                                   "time_scale": TIME_SCALE, "rtt_ms": RTT_MS if real else 0.0,
                                   "goal_lost_rounds": GOAL_LOST_ROUNDS, "goal_time_ratio": GOAL_TIME_RATIO},
                      "scenarios": [], "warm_up": None}
@@ -454,28 +483,35 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
     chosen = [s for s in scenarios(change_after) if s.name in names]
     with tempfile.TemporaryDirectory(prefix="scenarios-") as tmp:
         for scenario in chosen:
+            judged = scenario.judged(rounds, warm_up_rounds(warm_up, len(candidates)))
             entry: dict = {"name": scenario.name, "what": scenario.what.replace("round D", f"round {change_after}"),
                            "profiles": list(scenario.profiles), "changes": [asdict(c) for c in scenario.changes],
-                           "judged": scenario.judged(rounds, warm_up_rounds(warm_up, len(candidates))), "runs": {}}
-            log(f"{scenario.name}: sliding split")
-            # Every run of the scenario at the invocation's patience and rule.
-            config = partial(run_config, scenario, rounds, patience=patience, paper_rule=paper_rule)
-            entry["runs"]["sliding"] = run_once(scenario, config(warm_up=warm_up), Path(tmp) / f"{scenario.name}-sliding",
-                                                real)
-            entry["pinned"] = choose_pinned(entry["runs"]["sliding"]["rounds"], scenario, rounds, candidates)
-            log(f"{scenario.name}: pinned {entry['pinned']}")
-            entry["runs"]["pinned"] = run_once(scenario, config(pinned=entry["pinned"]),
-                                               Path(tmp) / f"{scenario.name}-pinned", real)
-            entry["goals"] = judge(entry)
-            entry["goals_missed"] = goals_missed(entry)
+                           "judged": judged, "seeds": []}
             results["scenarios"].append(entry)
+            for seed in range(1, seeds + 1):
+                # Every run of the scenario at the invocation's patience and rule.
+                config = partial(run_config, scenario, rounds, patience=patience, paper_rule=paper_rule, seed=seed)
+                at = Path(tmp) / f"{scenario.name}-{seed}"
+                log(f"{scenario.name}, seed {seed}: sliding split")
+                runs = {"sliding": run_once(scenario, config(warm_up=warm_up), at.with_name(at.name + "-sliding"), real)}
+                pinned = choose_pinned(runs["sliding"]["rounds"], scenario, rounds, candidates)
+                log(f"{scenario.name}, seed {seed}: pinned {pinned}")
+                runs["pinned"] = run_once(scenario, config(pinned=pinned), at.with_name(at.name + "-pinned"), real)
+                entry["seeds"].append({"seed": seed, "pinned": pinned, "runs": runs, "goals": judge(runs, judged)})
+                entry["time_ratio"] = median_ratio([e["goals"]["time_ratio"] for e in entry["seeds"]])
+                entry["goals_missed"] = goals_missed(entry["seeds"])
+                results["total_s"] = time.perf_counter() - started
+                if progress is not None:
+                    progress(results)
             if scenario.name == WARM_UP_FLEET:
                 other = "every_split" if warm_up == "estimated" else "estimated"
-                log(f"{scenario.name}: sliding split, split.warm_up {other}")
-                runs = {warm_up: entry["runs"]["sliding"],
-                        other: run_once(scenario, config(warm_up=other), Path(tmp) / f"{scenario.name}-{other}", real)}
-                results["warm_up"] = {"fleet": scenario.name, **runs,
-                                      **warm_up_figures(runs["every_split"]["rounds"], runs["estimated"]["rounds"])}
+                log(f"{scenario.name}, seed 1: sliding split, split.warm_up {other}")
+                compared = {warm_up: entry["seeds"][0]["runs"]["sliding"],
+                            other: run_once(scenario, run_config(scenario, rounds, warm_up=other, patience=patience,
+                                                                 paper_rule=paper_rule),
+                                            Path(tmp) / f"{scenario.name}-{other}", real)}
+                results["warm_up"] = {"fleet": scenario.name, **compared,
+                                      **warm_up_figures(compared["every_split"]["rounds"], compared["estimated"]["rounds"])}
             results["total_s"] = time.perf_counter() - started
             if progress is not None:
                 progress(results)
@@ -499,65 +535,93 @@ def _markdown(lines: list[list[str]]) -> list[str]:
         "| " + " | ".join(line) + " |" for line in lines[1:]]
 
 
-def table(results: dict) -> list[str]:
-    """The scenario table and the warm-up comparison as Markdown lines."""
-    s = results["settings"]
-    rows = [["scenario", "run", "device", "splits, rounds 1..n (x: cut, -: not selected)", "lost rounds",
-             "final accuracy", "s to sliding's final accuracy", "goals"]]
+def _ratio(value: float | None) -> str:
+    return "pinned never got there" if value is None else f"{value:.2f}x"
+
+
+def summary_table(results: dict) -> list[str]:
+    """One row per scenario and seed: the pinned splits, the rounds each changed device lost, the
+    final accuracy, each run's time to it and whole time, and the goals, judged over the seeds."""
+    rows = [["scenario", "seed", "pinned (best fixed split)", "lost rounds (sliding)", "final accuracy",
+             "s to it: sliding / pinned", "time ratio", "whole runs, s: sliding / pinned", "goals"]]
     for entry in results["scenarios"]:
-        g = entry["goals"]
-        lost: dict[str, list[str]] = {}
-        for e in g["lost"]:
-            lost.setdefault(e["device"], []).append(f"{len(e['rounds'])} of rounds {e['first']}-{e['last']}")
         missed = entry["goals_missed"]
-        for run_name in ("sliding", "pinned"):
-            run_ = entry["runs"][run_name]
-            devices = sorted({d for r in run_["rounds"] for d in r["splits"]})
-            for i, device in enumerate(devices):
-                first = i == 0
-                rows.append([
-                    entry["name"] if first and run_name == "sliding" else "",
-                    run_name if first else "",
-                    device, split_line(run_["rounds"], device),
-                    "; ".join(lost.get(device, [])) if run_name == "sliding" else "",
-                    _percent(run_["rounds"][-1]["accuracy"] if run_["rounds"] else None) if first else "",
-                    _seconds(g["sliding_time_s"] if run_name == "sliding" else g["pinned_time_s"]) if first else "",
-                    ("met" if not missed else "missed: " + "; ".join(missed)) if first and run_name == "sliding" else
-                    (f"time ratio {g['time_ratio']:.2f}x" if first and g["time_ratio"] is not None else ""),
-                ])
-    lines = _markdown(rows)
+        verdict = f"median time ratio {_ratio(entry['time_ratio'])}: " + ("met" if not missed else "missed: " + "; ".join(missed))
+        for i, seeded in enumerate(entry["seeds"]):
+            g, runs = seeded["goals"], seeded["runs"]
+            lost = "; ".join(f"{e['device']}: {len(e['rounds'])} of rounds {e['first']}-{e['last']}" for e in g["lost"])
+            whole = [_seconds(runs[k]["rounds"][-1]["elapsed_s"] if runs[k]["rounds"] else None) for k in ("sliding", "pinned")]
+            rows.append([entry["name"] if i == 0 else "", str(seeded["seed"]),
+                         " ".join(f"{d}: {k}" for d, k in sorted(seeded["pinned"].items())), lost or "none judged",
+                         _percent(g["target_accuracy"]),
+                         f"{_seconds(g['sliding_time_s'])} / {_seconds(g['pinned_time_s'])}", _ratio(g["time_ratio"]),
+                         " / ".join(whole),
+                         verdict if i == 0 else ""])
+    return _markdown(rows)
+
+
+def splits_table(results: dict, seeds: Sequence[int] | None = None) -> list[str]:
+    """One row per scenario, seed (those of ``seeds``; every seed by default), run and device: its
+    split in each round, with the final accuracy of each run."""
+    rows = [["scenario", "seed", "run", "device", "splits, rounds 1..n (x: cut, -: not selected)", "final accuracy"]]
+    for entry in results["scenarios"]:
+        first_row = True
+        for seeded in entry["seeds"]:
+            if seeds is not None and seeded["seed"] not in seeds:
+                continue
+            for run_name in ("sliding", "pinned"):
+                run_ = seeded["runs"][run_name]
+                devices = sorted({d for r in run_["rounds"] for d in r["splits"]})
+                for i, device in enumerate(devices):
+                    rows.append([entry["name"] if first_row else "", str(seeded["seed"]) if i == 0 and run_name == "sliding" else "",
+                                 run_name if i == 0 else "", device, split_line(run_["rounds"], device),
+                                 _percent(run_["rounds"][-1]["accuracy"] if run_["rounds"] else None) if i == 0 else ""])
+                    first_row = False
+    return _markdown(rows)
+
+
+def table(results: dict, seeds: Sequence[int] | None = None) -> list[str]:
+    """The scenario tables as Markdown lines: the goals over every seed, the splits round by round
+    at ``seeds`` (every seed by default), the warm-up comparison and any run's failed attempts."""
+    lines = [*summary_table(results), "", "Splits round by round" +
+             (f" (seed {', '.join(map(str, seeds))}; every seed's in the results file):" if seeds else ":"), "",
+             *splits_table(results, seeds)]
     w = results.get("warm_up")
     if w:
-        lines += ["", f"Warm-up ({w['fleet']} fleet): rounds 1-{WARM_UP_ROUNDS} took {w['warm_up_s']:.1f} s with the "
-                      f"paper's warm-up (`every_split`) and {w['estimated_warm_up_s']:.1f} s with `estimated` "
+        lines += ["", f"Warm-up ({w['fleet']} fleet, seed 1): rounds 1-{WARM_UP_ROUNDS} took {w['warm_up_s']:.1f} s "
+                      f"with the paper's warm-up (`every_split`) and {w['estimated_warm_up_s']:.1f} s with `estimated` "
                       f"({w['saved_s']:.1f} s saved); time to {_percent(w['target_accuracy'])}: "
                       f"{_seconds(w['time_to_target_s'])} s against {_seconds(w['estimated_time_to_target_s'])} s.", ""]
         devices = sorted({d for r in w["every_split"]["rounds"] for d in r["splits"]})
         lines += _markdown([["warm-up", *devices],
                             *[[name, *(split_line(w[name]["rounds"], d) for d in devices)]
                               for name in ("every_split", "estimated")]])
-    for name, run_ in [(f"{e['name']} {k}", v) for e in results["scenarios"] for k, v in e["runs"].items()]:
+    for name, run_ in [(f"{e['name']} seed {x['seed']} {k}", v) for e in results["scenarios"] for x in e["seeds"]
+                       for k, v in x["runs"].items()]:
         if run_["error"] or run_["failed_attempts"]:
             lines.append(f"\n{name}: {run_['failed_attempts']} failed attempts" +
                          (f"; stopped early: {run_['error']}" if run_["error"] else ""))
     return lines
 
 
-def report(results: dict) -> str:
-    """The human-readable summary: the machine, the links used and the table."""
+def report(results: dict, seeds: Sequence[int] | None = None) -> str:
+    """The human-readable summary: the machine, the links used and the tables (the splits round by
+    round at ``seeds``, every seed by default)."""
     m, s = results["machine"], results["settings"]
     links = ("shaped (real links)" if s["links"] == "real" else f"emulated by sleeps: {s['links_note']}")
     return "\n".join([
         f"machine: {m['cpu_model']}, {m['cpus_usable']} of {m['cpu_count']} CPUs usable, {m['date_utc']}, "
         f"load average {m['load_average_at_start']} at the start, {m.get('load_average_at_end')} at the end",
-        f"mode: {results['mode']}, {s['rounds']} rounds, changes after round {s['change_after']}, links {links}, "
+        f"mode: {results['mode']}, {s['rounds']} rounds, changes after round {s['change_after']}, "
+        f"{s['seeds']} seed{'s' if s['seeds'] != 1 else ''} a scenario, links {links}, "
         f"deadlines.patience {s['patience']:g}, "
         f"{'split.bottleneck_cap and split.undominated false (the paper rule as written), ' if s.get('paper_rule') else ''}"
         f"split.warm_up {s.get('warm_up', 'every_split')}, "
         f"total {results.get('total_s', 0.0) / 60:.1f} min",
-        f"goals: no changed device loses more than {s['goal_lost_rounds']} rounds; time to the sliding run's final "
-        f"accuracy at most {s['goal_time_ratio']}x the best fixed split's (pinned from the sliding run's time table)",
-        "", *table(results)])
+        f"goals: no changed device loses more than {s['goal_lost_rounds']} rounds at any seed; time to the sliding "
+        f"run's final accuracy at most {s['goal_time_ratio']}x the best fixed split's (pinned from the sliding run's "
+        f"time table), the median over the seeds",
+        "", *table(results, seeds)])
 
 
 #: Where a docs page holds the table :func:`update_docs` writes.
@@ -566,10 +630,11 @@ DOCS_END = "<!-- end of scenario table -->"
 
 
 def update_docs(results: dict, page: Path, results_file: Path) -> None:
-    """Write the report of ``results`` into ``page`` between :data:`DOCS_BEGIN` and :data:`DOCS_END`,
-    with a link to ``results_file``; ValueError when the page has no such place."""
+    """Write the report of ``results`` into ``page`` between :data:`DOCS_BEGIN` and :data:`DOCS_END`
+    (the splits round by round at the first seed only), with a link to ``results_file``;
+    ValueError when the page has no such place."""
     link = os.path.relpath(results_file.resolve(), page.resolve().parent)
-    lines = report(results).splitlines()
+    lines = report(results, seeds=[1] if results["settings"]["seeds"] > 1 else None).splitlines()
     body = [f"Measured: {lines[0].removeprefix('machine: ')}; {lines[1].removeprefix('mode: ')} "
             f"([{Path(link).parent.name}/]({link}))", "", lines[2], *lines[3:]]
     page.write_text(replace_between(page.read_text(), DOCS_BEGIN, DOCS_END, body))
@@ -583,6 +648,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_ROUNDS} rounds a run, changes after round {QUICK_CHANGE_AFTER} "
                              f"(default {ROUNDS} and {CHANGE_AFTER})")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help=f"seeds a scenario runs with, sliding and pinned at each (default {SEEDS}, "
+                             f"{QUICK_SEEDS} with --quick); the time goal is judged on the median over them")
     parser.add_argument("--scenarios", default=",".join(SCENARIO_NAMES),
                         help=f"comma-separated subset of {','.join(SCENARIO_NAMES)} (default: all)")
     parser.add_argument("--links", choices=LINK_MODES, default="auto",
@@ -610,6 +678,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--scenarios takes a comma-separated subset of {','.join(SCENARIO_NAMES)}"
                      + (f"; unknown: {','.join(unknown)}" if unknown else ""))
     args.scenarios = names
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
     if args.patience < 1:
         parser.error(f"--patience must be at least 1 (a device's own deadline is never below its peers' time), "
                      f"got {args.patience:g}")
@@ -628,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results (rewritten after every scenario): {out}", flush=True)
     results = run(args.quick, lambda text: print(text, flush=True), args.scenarios, args.links,
                   progress=lambda so_far: write(so_far, out, report), patience=args.patience,
-                  paper_rule=args.paper_rule, warm_up=args.warm_up)
+                  paper_rule=args.paper_rule, warm_up=args.warm_up, seeds=args.seeds)
     finish(results, out, report, args.docs, update_docs)
     return 0
 
