@@ -325,6 +325,12 @@ def median_ratio(ratios: Sequence[float | None]) -> float | None:
     return ordered[len(ordered) // 2]
 
 
+def time_ratio(seeds: Sequence[Mapping]) -> float | None:
+    """A scenario's time goal figure: :func:`median_ratio` over its seeds whose sliding run
+    recorded an accuracy (each seed with its :func:`judge` figures as ``goals``)."""
+    return median_ratio([e["goals"]["time_ratio"] for e in seeds if e["goals"]["sliding_time_s"] is not None])
+
+
 def goals_missed(seeds: Sequence[Mapping]) -> list[str]:
     """The goals a scenario's seeds (each with its :func:`judge` figures as ``goals``) miss, each
     named with its figure: a device that lost too many rounds at any seed, a seed whose sliding run
@@ -338,7 +344,7 @@ def goals_missed(seeds: Sequence[Mapping]) -> list[str]:
                               f"(goal <= {GOAL_LOST_ROUNDS})")
         if g["sliding_time_s"] is None:
             missed.append(f"seed {entry['seed']}: the sliding run recorded no accuracy")
-    ratio = median_ratio([e["goals"]["time_ratio"] for e in seeds if e["goals"]["sliding_time_s"] is not None])
+    ratio = time_ratio(seeds)
     if ratio is not None and ratio > GOAL_TIME_RATIO:
         missed.append(f"time to accuracy {ratio:.2f}x the best fixed split's, the median over {len(seeds)} "
                       f"seeds (goal <= {GOAL_TIME_RATIO}x)")
@@ -488,17 +494,17 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
                            "profiles": list(scenario.profiles), "changes": [asdict(c) for c in scenario.changes],
                            "judged": judged, "seeds": []}
             results["scenarios"].append(entry)
+            # Every run of the scenario at the invocation's patience and rule.
+            config = partial(run_config, scenario, rounds, patience=patience, paper_rule=paper_rule)
             for seed in range(1, seeds + 1):
-                # Every run of the scenario at the invocation's patience and rule.
-                config = partial(run_config, scenario, rounds, patience=patience, paper_rule=paper_rule, seed=seed)
                 at = Path(tmp) / f"{scenario.name}-{seed}"
                 log(f"{scenario.name}, seed {seed}: sliding split")
-                runs = {"sliding": run_once(scenario, config(warm_up=warm_up), at.with_name(at.name + "-sliding"), real)}
+                runs = {"sliding": run_once(scenario, config(warm_up=warm_up, seed=seed), Path(f"{at}-sliding"), real)}
                 pinned = choose_pinned(runs["sliding"]["rounds"], scenario, rounds, candidates)
                 log(f"{scenario.name}, seed {seed}: pinned {pinned}")
-                runs["pinned"] = run_once(scenario, config(pinned=pinned), at.with_name(at.name + "-pinned"), real)
+                runs["pinned"] = run_once(scenario, config(pinned=pinned, seed=seed), Path(f"{at}-pinned"), real)
                 entry["seeds"].append({"seed": seed, "pinned": pinned, "runs": runs, "goals": judge(runs, judged)})
-                entry["time_ratio"] = median_ratio([e["goals"]["time_ratio"] for e in entry["seeds"]])
+                entry["time_ratio"] = time_ratio(entry["seeds"])
                 entry["goals_missed"] = goals_missed(entry["seeds"])
                 results["total_s"] = time.perf_counter() - started
                 if progress is not None:
@@ -507,14 +513,12 @@ def run(quick: bool = False, log: Callable[[str], None] = print, names: Sequence
                 other = "every_split" if warm_up == "estimated" else "estimated"
                 log(f"{scenario.name}, seed 1: sliding split, split.warm_up {other}")
                 compared = {warm_up: entry["seeds"][0]["runs"]["sliding"],
-                            other: run_once(scenario, run_config(scenario, rounds, warm_up=other, patience=patience,
-                                                                 paper_rule=paper_rule),
-                                            Path(tmp) / f"{scenario.name}-{other}", real)}
+                            other: run_once(scenario, config(warm_up=other), Path(tmp) / f"{scenario.name}-{other}", real)}
                 results["warm_up"] = {"fleet": scenario.name, **compared,
                                       **warm_up_figures(compared["every_split"]["rounds"], compared["estimated"]["rounds"])}
-            results["total_s"] = time.perf_counter() - started
-            if progress is not None:
-                progress(results)
+                results["total_s"] = time.perf_counter() - started
+                if progress is not None:
+                    progress(results)
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return results
