@@ -1,6 +1,6 @@
 """A device's side of secure aggregation (``TaskResponse.secure_aggregation``; docs/privacy.md):
-the key and share stages before training, the masked upload's weights, and the unmasking answer
-after the upload. The cryptography is ``shared.secagg.protocol``'s; this module only carries it
+the key and share stages before training, the shares sealed for it and the masked upload's weights
+after training, and the unmasking answer after the upload. The cryptography is ``shared.secagg.protocol``'s; this module only carries it
 to the Fed Server (its own client, or its agent's batches: :mod:`device_agent.secure_batches`)
 and waits on its stages (long polls, never a timer)."""
 from __future__ import annotations
@@ -28,14 +28,13 @@ STAGE_WAIT_S = 30.0
 
 @dataclass
 class SecureSession:
-    """One attempt's secure aggregation on a device: its secrets, the roster's public keys and the
-    devices whose shares it holds (those it masks with)."""
+    """One attempt's secure aggregation on a device once it sent its shares: its secrets and the
+    roster's public keys."""
 
     fed: SecureChannel
     secrets: DeviceSecrets
     terms: SecureTerms
     roster: PublicKeys
-    partners: list[str]
     deadline: float
     #: The fewest survivors whose sum the Fed Server can unmask (the roster's threshold).
     threshold: int
@@ -50,11 +49,12 @@ class SecureSession:
                        layout: BlockLayout, privacy: PrivacyTerms | None = None) -> dict:
         """The upload's weights: the change from ``start`` to ``state`` of every entry of the
         blocks the roster gives this device to mask (those of its portion that enough devices
-        hold), weighed by ``weight`` (the device's sample count), encoded and masked, as int64
-        tensors on the wire.
+        hold), weighed by ``weight`` (the device's sample count), encoded and masked with the
+        devices whose shares it holds (:meth:`open_inbox`), as int64 tensors on the wire.
         With distributed noise (``privacy.noise_multiplier``) the change weighs 1 and carries this
         device's share of the noise: N(0, (z C)^2 / threshold) on every entry, drawn from the
         operating system's randomness."""
+        partners = self.open_inbox()
         masked = layout.held_keys(self.splits[self.secrets.device_id])
         update = {k: state[k].double() - start[k].double() for k in masked}
         if privacy is not None and privacy.noise_multiplier is not None:
@@ -62,8 +62,15 @@ class SecureSession:
             update = add_noise(update, distributed_noise_std(privacy.noise_multiplier, privacy.clip_norm,
                                                              self.threshold))
         words = self.secrets.mask({k: v.cpu().numpy() for k, v in update.items()}, weight, self.terms.fraction_bits,
-                                  self.terms.value_range, layout, self.roster, self.partners, self.splits)
+                                  self.terms.value_range, layout, self.roster, partners, self.splits)
         return encode_state(words_to_state(words))
+
+    def open_inbox(self) -> list[str]:
+        """The share stage's result: wait for the shares this device's neighbours sealed for it
+        and open them; the devices it masks with (those whose shares it holds, itself included).
+        ShareError naming a sender whose share does not verify; TaskExpired past the deadline."""
+        inbox = _stage(self.fed, self.round_id, "inbox", self.secrets.device_id, SecAggInbox, self.deadline)
+        return self.secrets.open_inbox(self.roster, inbox.shares)
 
     def answer_unmasking(self) -> None:
         """The last stage, after the upload: wait for the unmasking question and send the shares
@@ -78,9 +85,11 @@ class SecureSession:
 def share_secrets(fed: SecureChannel, device_id: str, run_id: str, round_id: int, terms: SecureTerms,
                   deadline: float, split_point: int) -> SecureSession:
     """The key and share stages of attempt ``round_id``: send fresh public keys, wait for the
-    roster, send the sealed shares, wait for those sealed for this device and open them.
-    ShareError (a ValueError) for a share that does not verify or a roster whose split points do
-    not fit (``split_point``: this device's cut); TaskExpired past ``deadline``."""
+    roster, send the sealed shares. The shares sealed for this device are fetched when it masks
+    its update (:meth:`SecureSession.open_inbox`): it trains meanwhile, and the share stage closes
+    as the last device sends its shares, not after every device has also fetched and opened its
+    own. ShareError (a ValueError) for a roster whose split points do not fit (``split_point``:
+    this device's cut) or a key that agrees on nothing; TaskExpired past ``deadline``."""
     secrets = DeviceSecrets(device_id, run_id, round_id)
     mask_key, share_key = secrets.public_keys()
     fed.secagg_send(round_id, "keys", SecAggKeys(device_id=device_id, round_id=round_id, mask_key=mask_key,
@@ -92,10 +101,7 @@ def share_secrets(fed: SecureChannel, device_id: str, run_id: str, round_id: int
                          f"past its cut at {split_point}")
     fed.secagg_send(round_id, "shares", SecAggShares(device_id=device_id, round_id=round_id,
                                                      shares=secrets.seal_shares(roster, roster_answer.threshold)))
-    inbox = _stage(fed, round_id, "inbox", device_id, SecAggInbox, deadline)
-    partners = secrets.open_inbox(roster, inbox.shares)
-    return SecureSession(fed, secrets, terms, roster, partners, deadline, roster_answer.threshold,
-                         dict(roster_answer.splits))
+    return SecureSession(fed, secrets, terms, roster, deadline, roster_answer.threshold, dict(roster_answer.splits))
 
 
 def _stage(fed: SecureChannel, round_id: int, stage: str, device_id: str, model: type[StageAnswer],

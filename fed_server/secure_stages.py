@@ -65,6 +65,9 @@ class SecureRound:
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)
     sharers: list[str] | None = None
     plan: SecAggUnmaskPlan | None = None
+    #: Each roster device's own question of stage 4: the plan's devices of its neighbourhood, the
+    #: only ones it holds shares of (the whole plan for each of a thousand devices is a million ids).
+    plans: dict[str, SecAggUnmaskPlan] = field(default_factory=dict)
     answers: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = field(default_factory=dict)
     stage_closed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -127,13 +130,12 @@ class SecureStages:
     def accept_unmask(self, round_id: int, req: SecAggUnmask) -> Ack:
         """Stage 4: a survivor's shares of the survivors' seeds and the dropped devices' keys."""
         _, secure = self._secure(round_id, req.device_id)
-        plan = secure.plan
+        plan = secure.plans.get(req.device_id)
         if plan is None or req.device_id not in plan.survivors:
             raise Conflict(f"round {round_id} asks {req.device_id!r} for no unmasking shares")
-        neighbourhood = set(secure.neighbourhoods[req.device_id])
-        for owners, wanted in ((req.seed_shares, plan.survivors), (req.key_shares, plan.dropped)):
-            wrong = sorted(o for o, share in owners.items()
-                           if o not in wanted or o not in neighbourhood or len(share) != SHARE_BYTES)
+        for owners, asked in ((req.seed_shares, plan.survivors), (req.key_shares, plan.dropped)):
+            wanted = set(asked)   # of its neighbourhood only
+            wrong = sorted(o for o, share in owners.items() if o not in wanted or len(share) != SHARE_BYTES)
             if wrong:
                 raise Invalid(f"unmasking shares of {req.device_id!r} for {wrong}: not asked for, not its neighbours', "
                               f"or not {SHARE_BYTES} bytes")
@@ -173,8 +175,10 @@ class SecureStages:
         return await self._held(round_id, device_id, wait_s, answer, SecAggInbox(ready=False))
 
     async def unmask_plan(self, round_id: int, device_id: str, wait_s: float) -> SecAggUnmaskPlan:
-        """Stage 4's question, once uploads closed."""
-        return await self._held(round_id, device_id, wait_s, lambda secure: secure.plan,
+        """Stage 4's question for ``device_id``, once uploads closed: the survivors and the dropped
+        devices of its neighbourhood."""
+        return await self._held(round_id, device_id, wait_s,
+                                lambda secure: None if secure.plan is None else secure.plans.get(device_id),
                                 SecAggUnmaskPlan(ready=False))
 
     async def _held(self, round_id: int, device_id: str, wait_s: float,
@@ -279,8 +283,13 @@ def open_unmasking_stage(core: RunCore, fed_round: FedRound, usable: list[str]) 
         core.exclude(fed_round, survivors, f"secure aggregation: block {enough} was uploaded by fewer than "
                                            f"{secure.threshold} surviving devices")
         survivors = []
+    surviving = set(survivors)
     secure.plan = SecAggUnmaskPlan(ready=True, survivors=survivors,
-                                   dropped=[d for d in secure.sharers if d not in survivors])
+                                   dropped=[d for d in secure.sharers if d not in surviving])
+    dropped = set(secure.plan.dropped)
+    secure.plans = {device: SecAggUnmaskPlan(ready=True, survivors=[d for d in hood if d in surviving],
+                                             dropped=[d for d in hood if d in dropped])
+                    for device, hood in secure.neighbourhoods.items()}
     _close_stage(secure)
 
 

@@ -148,8 +148,9 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
     which is most of the Fed Server's work in a secure round (benchmarks/README.md, part (l))."""
     def rebuilt(owner: str, part: int, size: int) -> bytes:
         indices = share_indices(neighbourhoods[owner])
-        shares = {indices[who]: answer[part][owner] for who, answer in answers.items()
-                  if owner in answer[part] and who in indices}
+        # Its neighbours' answers only (not every answer's): the work stays linear in the devices.
+        shares = {index: answers[who][part][owner] for who, index in indices.items()
+                  if who in answers and owner in answers[who][part]}
         if len(shares) < threshold:
             raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
         try:

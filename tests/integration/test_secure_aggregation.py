@@ -70,6 +70,21 @@ def _task(client: httpx.Client, fed_url: str, device: str) -> TaskResponse:
     raise AssertionError(f"{device} got no training task")
 
 
+class _InboxChannel:
+    """A device's stage questions over the test's client (the session fetches its inbox when it
+    masks); it sends nothing itself."""
+
+    def __init__(self, client: httpx.Client, stage_url: str) -> None:
+        self.client, self.stage_url = client, stage_url
+
+    def secagg_send(self, round_id: int, stage: str, req) -> None:
+        raise AssertionError("the test sends the stage messages itself")
+
+    def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float, model):
+        return model.model_validate(_call(self.client, "GET", f"{self.stage_url}/{stage}", device_id=device_id,
+                                          wait_s=wait_s))
+
+
 def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str], norm: float | None = None):
     """Register the five devices and play their first attempt: all send keys and shares, dev-4
     withdraws before masking, dev-0..3 upload masked updates (each of L2 norm ``norm`` if given,
@@ -115,7 +130,7 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
             update.update({k: v * scale for k, v in update.items()})
     layout = BlockLayout.of(build_model(config.model, 10, (1, 28, 28), seed=config.seed))
     for device, update in updates.items():
-        session = SecureSession(None, secrets[device], terms, roster, partners[device], time.monotonic() + 60,  # type: ignore[arg-type]
+        session = SecureSession(_InboxChannel(client, stage), secrets[device], terms, roster, time.monotonic() + 60,
                                 rosters[device].threshold, rosters[device].splits)
         trained = {k: start[k].double() + torch.from_numpy(v) for k, v in update.items()}
         masked = session.masked_weights(trained, start, sizes[device], layout, tasks[device].privacy)

@@ -103,16 +103,23 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
     assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES
 
 
+def _sparse_keys_in(tmp_path, devices: list[str]):
+    """An attempt over ``devices`` on SecAgg+'s graph of 2 neighbours (threshold 2) whose key stage
+    closed with every device's keys; the devices' secrets."""
+    coordinator, fed_round = _open_round(tmp_path, devices, neighbours=2, threshold=2)
+    secrets = {d: DeviceSecrets(d, "run", fed_round.round_id) for d in devices}
+    for device in devices:
+        coordinator.secure.accept_keys(fed_round.round_id, _keys(device, fed_round.round_id, secrets[device]))
+    close_key_stage(coordinator.core, fed_round)
+    return coordinator, fed_round, secrets
+
+
 def test_on_a_sparse_graph_a_device_gets_its_neighbourhood_and_one_too_few_of_whose_neighbours_shared_is_taken_out(
         tmp_path):
     devices = [f"d{i}" for i in range(5)]
-    coordinator, fed_round = _open_round(tmp_path, devices, neighbours=2, threshold=2)
+    coordinator, fed_round, secrets = _sparse_keys_in(tmp_path, devices)
     secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
     assert secure is not None
-    secrets = {d: DeviceSecrets(d, "run", round_id) for d in devices}
-    for device in devices:
-        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
-    close_key_stage(coordinator.core, fed_round)
     hoods = secure.neighbourhoods
     assert secure.threshold == 2 and all(len(hoods[d]) == 3 and d in hoods[d] for d in devices)
     rosters = {d: asyncio.run(stages.roster(round_id, d, 0)).keys for d in devices}
@@ -134,6 +141,39 @@ def test_on_a_sparse_graph_a_device_gets_its_neighbourhood_and_one_too_few_of_wh
     assert fed_round.excluded[lonely] == "secure aggregation: fewer than 2 of its neighbourhood shared their secrets"
     inbox = asyncio.run(stages.inbox(round_id, rest[0], 0))
     assert list(inbox.shares) == [rest[1]]
+
+
+def test_on_a_sparse_graph_each_device_is_asked_only_about_its_neighbourhood(tmp_path):
+    devices = [f"d{i}" for i in range(7)]
+    coordinator, fed_round, secrets = _sparse_keys_in(tmp_path, devices)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    hoods = secure.neighbourhoods
+    for device in devices:
+        roster = {d: secrets[d].public_keys() for d in hoods[device]}
+        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
+                                                    shares=secrets[device].seal_shares(roster, 2)))
+    close_share_stage(coordinator.core, fed_round)
+    gone = "d3"
+    open_unmasking_stage(coordinator.core, fed_round, [d for d in devices if d != gone])
+    assert secure.plan is not None and secure.plan.dropped == [gone] and len(secure.plan.survivors) == 6
+    for device in devices:
+        if device == gone:
+            continue
+        plan = asyncio.run(stages.unmask_plan(round_id, device, 0))
+        assert plan.ready and plan.survivors == [d for d in hoods[device] if d != gone]
+        assert plan.dropped == ([gone] if gone in hoods[device] else [])
+    asker = next(d for d in devices if d != gone and gone not in hoods[d])
+    stranger = next(d for d in devices if d not in hoods[asker] and d != gone)
+    secrets[asker].open_inbox({d: secrets[d].public_keys() for d in hoods[asker]},
+                              asyncio.run(stages.inbox(round_id, asker, 0)).shares)
+    seeds, keys = secrets[asker].unmask(secure.plan.survivors, secure.plan.dropped)
+    with pytest.raises(Invalid, match="not asked for"):
+        stages.accept_unmask(round_id, SecAggUnmask(device_id=asker, round_id=round_id,
+                                                    seed_shares={**seeds, stranger: bytes(66)}, key_shares=keys))
+    assert secure.answers == {}
+    stages.accept_unmask(round_id, SecAggUnmask(device_id=asker, round_id=round_id, seed_shares=seeds, key_shares=keys))
+    assert sorted(secure.answers[asker][0]) == [d for d in hoods[asker] if d != gone]
 
 
 def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_before_any_share_is_asked(tmp_path):
