@@ -136,37 +136,41 @@ def policy_config(data: dict, policy: str) -> RunConfig | None:
 
 
 class HarmfulTestbed(Testbed):
-    """The testbed of one run, with the last ``harmful`` shards of its (one) device agent moved to
-    a ``python -m benchmarks.adversary --behaviour NAME`` process started with the agent's
-    arguments. Every agent, the adversary included, enrols with its own enrolment credential
-    covering exactly its shards (``enrolment="credentials"``), as a deployment that issues
-    credentials runs: a harmful device holds its own credential, never one that covers the
-    others. A behaviour that must act before the honest devices (:attr:`Behaviour.goes_first`)
-    gets its process ready before the honest agent starts."""
+    """The testbed of one run, with the last ``harmful`` shards moved out of its device agents
+    (``agents`` of them share the others) to a ``python -m benchmarks.adversary --behaviour NAME``
+    process started with an agent's arguments. Every agent, the adversary included, enrols with
+    its own enrolment credential covering exactly its shards (``enrolment="credentials"``), as a
+    deployment that issues credentials runs: a harmful device holds its own credential, never one
+    that covers the others. A behaviour that must act before the honest devices
+    (:attr:`Behaviour.goes_first`) gets its process ready before the honest agents start."""
 
     def __init__(self, config: RunConfig, run_dir: Path, behaviour: type[Behaviour], harmful: int,
-                 warm: WarmStarter | None = None, replicas: int = 1) -> None:
-        super().__init__(config, run_dir, agents=1, log_level="WARNING", warm=warm, enrolment="credentials",
+                 warm: WarmStarter | None = None, replicas: int = 1, agents: int = 1) -> None:
+        super().__init__(config, run_dir, agents=agents, log_level="WARNING", warm=warm, enrolment="credentials",
                          main_servers=replicas if replicas > 1 else None)
         self.behaviour = behaviour
         self.harmful = harmful
         self.adversary: Service | None = None
-        self.split = False   # the shards were divided between the honest agent and the adversary
+        self.harmful_shards: list[int] = []
+        self.adversary_started = False
+
+    def agent_chunks(self, shards: list[int]) -> list[list[int]]:
+        honest = len(shards) - self.harmful
+        self.harmful_shards = shards[honest:]
+        return super().agent_chunks(shards[:honest])
 
     def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
                     module: str = "device_agent", extra: Sequence[str] = ()) -> Service:
-        if self.split or not shards:
+        if self.adversary_started or not shards or not self.harmful_shards:
             return super().start_agent(name, shards, data, index, module, extra)
-        self.split = True
-        honest, harmful = shards[:-self.harmful], shards[-self.harmful:]
-        if not self.behaviour.starts:
-            return super().start_agent(name, honest, data, index, module, extra)
-        ready = self.processes.log_dir / "adversary.ready"
-        self.adversary = super().start_agent("adversary", harmful, module="benchmarks.adversary",
-                                             extra=["--behaviour", self.behaviour.name, "--ready-file", str(ready)])
-        if self.behaviour.goes_first:
-            _wait_ready(ready, self.adversary)
-        return super().start_agent(name, honest, data, index, module, extra)
+        self.adversary_started = True
+        if self.behaviour.starts:   # before the first honest agent
+            ready = self.processes.log_dir / "adversary.ready"
+            self.adversary = super().start_agent("adversary", self.harmful_shards, module="benchmarks.adversary",
+                                                 extra=["--behaviour", self.behaviour.name, "--ready-file", str(ready)])
+            if self.behaviour.goes_first:
+                _wait_ready(ready, self.adversary)
+        return super().start_agent(name, shards, data, index, module, extra)
 
 
 def _wait_ready(path: Path, service: Service, timeout: float = 120.0) -> None:

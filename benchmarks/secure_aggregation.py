@@ -10,8 +10,10 @@ threshold; up to :data:`COMPLETE_MAX` devices), and, where N exceeds it by more 
 :data:`NEIGHBOURS` neighbours and a threshold of :data:`SPARSE_THRESHOLD`; then the last of these
 with 10 % and 30 % of the devices dropping after the share stage
 (:class:`benchmarks.adversary.DropsAfterSharing`: they train, then withdraw instead of uploading, so
-the Fed Server rebuilds their mask keys from shares and removes the masks they left). A dropout case runs its dropping devices in a process of
-their own (the attack benchmark's ``HarmfulTestbed``), the other cases in one agent.
+the Fed Server rebuilds their mask keys from shares and removes the masks they left). The devices
+are spread over one agent process per usable core (``--agents N`` sets another count, the same in
+every case); a dropout case runs its dropping devices in a process of their own (the attack
+benchmark's ``HarmfulTestbed``).
 
 Per case: the median round period (a record's ``elapsed_s`` minus the previous one's), the Fed
 Server's CPU seconds per round and its peak PSS (sampled every second), the HTTP body bytes the Fed
@@ -19,8 +21,11 @@ Server received and sent per device and round (its ``sfl_http_body_bytes_total``
 tasks, weights, uploads and the secure stages, registration included), the device agents' CPU
 seconds, and the final accuracy. Every device shares the machine's cores, so the devices' own
 masking and key agreements lengthen the round here, where a fleet would run them on its devices.
+An agent is one Python process, which does its devices' protocol work (and their training's
+Python) one device at a time: one agent for a hundred devices left a core idle that a fleet's
+devices would all have, so the devices get one agent per core, as many as the machine has.
 
-``python -m benchmarks.secure_aggregation [--sizes 10,100] [--rounds N] [--quick]`` prints the table
+``python -m benchmarks.secure_aggregation [--sizes 10,100] [--rounds N] [--agents N] [--quick]`` prints the table
 and writes it as JSON and Markdown (``benchmarks/results/<UTC date>_secure-aggregation/``);
 ``python -m benchmarks.run --only l`` runs the same part.
 """
@@ -35,9 +40,12 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+import numpy as np
 
 from benchmarks.attacks import HarmfulTestbed
 from benchmarks.adversary import DropsAfterSharing
@@ -48,16 +56,22 @@ from fed_server.records import read_round_records
 from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
 from shared.http_metrics import HTTP_BODY_BYTES
-from shared.machine import describe_machine
+from shared.machine import describe_machine, usable_cores
 from shared.run_config import load_run_config
+from shared.models import build_model
 from shared.secagg.graph import neighbourhoods
+from shared.secagg.masks import BlockLayout
+from shared.secagg.protocol import DeviceSecrets
 from testbed.runner import Testbed
 from testbed.warm_start import WarmStarter, shared_starter
 
+T = TypeVar("T")
 SIZES = (10, 100)
 QUICK_SIZES = (10,)
 DROPOUTS = (0.1, 0.3)
-ROUNDS = 3
+#: Rounds per run: the median round of 3 moved with a single slow round (2.45x and 1.79x in two
+#: runs of one configuration).
+ROUNDS = 10
 QUICK_ROUNDS = 2
 #: The goal at 100 devices a round: secure aggregation's round at most this many times plain
 #: FedAvg's, with dropouts up to the threshold recovered.
@@ -150,6 +164,46 @@ def sparse_failures(sizes: Sequence[int]) -> list[dict]:
             for t in (SPARSE_THRESHOLD, (NEIGHBOURS + 1) // 2 + 1)]
 
 
+def graph_of(devices: int) -> tuple[int | None, int]:
+    """The graph (neighbours, None for the complete one) and threshold of the last secure cases
+    at ``devices`` a round: those the dropouts run on."""
+    if NEIGHBOURS < devices - 1:
+        return NEIGHBOURS, SPARSE_THRESHOLD
+    return None, devices // 2 + 1
+
+
+def protocol_cpu(devices: int) -> dict:
+    """The devices' side of one secure attempt at ``devices`` a round (over :func:`graph_of`'s
+    graph), computed in this process one device after another, with no message sent: each
+    device's key pairs, its sealed shares (its key agreements with them), the shares sealed for it
+    opened, and its masked update of ``logreg``'s entries. The CPU seconds of each step, summed
+    over the devices: what the agents' work for a round grows by before any stage's messages."""
+    neighbours, threshold = graph_of(devices)
+    layout = BlockLayout.of(build_model("logreg"))
+    ids = [f"d{i:04d}" for i in range(devices)]
+    hoods = neighbourhoods(ids, neighbours, random.Random(0))
+    cpu = dict.fromkeys(("keys", "shares", "inbox", "mask"), 0.0)
+
+    def timed(step: str, section: Callable[[], T]) -> T:
+        started = time.process_time()
+        out = section()
+        cpu[step] += time.process_time() - started
+        return out
+
+    secrets = {d: timed("keys", partial(DeviceSecrets, d, "benchmark", 1)) for d in ids}
+    public = {d: timed("keys", secrets[d].public_keys) for d in ids}
+    rosters = {d: {p: public[p] for p in hoods[d]} for d in ids}
+    sealed = {d: timed("shares", partial(secrets[d].seal_shares, rosters[d], threshold)) for d in ids}
+    partners = {d: timed("inbox", partial(secrets[d].open_inbox, rosters[d], {s: sealed[s][d] for s in hoods[d] if s != d}))
+                for d in ids}
+    update = {name: np.full(shape, 1e-3) for block in layout.blocks for name, shape in block}
+    splits = dict.fromkeys(ids, len(layout.blocks))
+    for d in ids:
+        timed("mask", partial(secrets[d].mask, update, 60.0, 20, 1.0, layout, rosters[d], partners[d], splits))
+    return {"devices": devices, "neighbours": neighbours, "threshold": threshold,
+            "cpu_s": {k: round(v, 4) for k, v in cpu.items()}, "total_cpu_s": round(sum(cpu.values()), 4)}
+
+
 def fed_body_bytes(testbed: Testbed) -> float:
     """Every HTTP body byte the testbed's Fed Server received and sent so far (its ``/metrics``;
     route templates hold braces of their own, so the labels are matched to the line's last brace)."""
@@ -157,12 +211,12 @@ def fed_body_bytes(testbed: Testbed) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{HTTP_BODY_BYTES}\{{.*\}} (\S+)$", text, re.M))
 
 
-def run_case(case: Case, rounds: int, root: Path, warm: WarmStarter | None = None) -> dict:
-    """One case through the testbed; its figures."""
+def run_case(case: Case, rounds: int, root: Path, warm: WarmStarter | None = None, agents: int = 1) -> dict:
+    """One case through the testbed, its devices over ``agents`` agent processes; its figures."""
     config = bench_config(case, rounds)
     run_dir = root / f"{case.devices}-{case.label.replace(', ', '-').replace(' ', '-').replace('%', 'pc')}"
-    testbed = (HarmfulTestbed(config, run_dir, DropsAfterSharing, case.dropped, warm) if case.dropped else
-               Testbed(config, run_dir, agents=1, log_level="WARNING", warm=warm))
+    testbed = (HarmfulTestbed(config, run_dir, DropsAfterSharing, case.dropped, warm, agents=agents) if case.dropped
+               else Testbed(config, run_dir, agents=agents, log_level="WARNING", warm=warm))
     started = time.monotonic()
     with testbed:
         assert testbed.fed is not None
@@ -210,16 +264,20 @@ def verdict(rows: list[dict]) -> str:
     return "met" if not missed else "not met: " + ", ".join(missed)
 
 
-def run(sizes: Sequence[int] = SIZES, rounds: int = ROUNDS, log: Callable[[str], None] = print) -> dict:
-    """Every case at each of ``sizes``; the results with the machine, the goal and the verdict."""
-    results: dict = {"machine": describe_machine(), "rounds": rounds, "model": "logreg (7,850 parameters)",
+def run(sizes: Sequence[int] = SIZES, rounds: int = ROUNDS, log: Callable[[str], None] = print,
+        agents: int | None = None) -> dict:
+    """Every case at each of ``sizes``, the devices over ``agents`` agent processes (None: one per
+    usable core); the results with the machine, the goal and the verdict."""
+    agents = agents or usable_cores()
+    results: dict = {"machine": describe_machine(), "rounds": rounds, "agents": agents,
+                     "model": "logreg (7,850 parameters)",
                      "data": "the embedded MNIST subset, IID", "goal": {"devices": GOAL_DEVICES,
                                                                        "round_ratio_max": GOAL_ROUND_RATIO},
                      "rows": []}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sfl-bench-l-") as tmp:
         for case in cases(sizes):
-            row = run_case(case, rounds, Path(tmp), shared_starter())
+            row = run_case(case, rounds, Path(tmp), shared_starter(), agents)
             results["rows"].append(row)
             log(f"  {case.devices} devices, {case.label}: {row['rounds_ok']}/{rounds} rounds in {row['attempts']} "
                 f"attempts, median round {_number(row['median_round_s'], 2)} s, Fed Server "
@@ -228,6 +286,7 @@ def run(sizes: Sequence[int] = SIZES, rounds: int = ROUNDS, log: Callable[[str],
     add_ratios(results["rows"])
     results["verdict"] = verdict(results["rows"])
     results["sparse_failed_attempts"] = sparse_failures(sizes)
+    results["protocol_cpu"] = [protocol_cpu(n) for n in sizes]
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return results
@@ -256,14 +315,24 @@ def report(results: dict) -> str:
     m = results["machine"]
     return "\n".join([
         f"FedAvg, {results['model']}, {results['data']}, every device in every round, {results['rounds']} rounds; "
-        f"{m['cpu_model']}, {m['cpus_usable']} CPUs usable, every process on them",
+        f"the devices in {_agents(results.get('agents', 1))}; {m['cpu_model']}, {m['cpus_usable']} CPUs usable, "
+        f"every process on them",
         "", *table(results), "",
         f"Goal: secure aggregation at {results['goal']['devices']} devices a round within "
         f"{results['goal']['round_ratio_max']}x plain FedAvg's round, dropouts recovered (judged on the graph the "
         f"dropouts ran on). Verdict: {results['verdict']}",
+        *[f"The devices' protocol computation alone at {c['devices']} devices ("
+          f"{'the complete graph' if c['neighbours'] is None else str(c['neighbours']) + ' neighbours'}, threshold "
+          f"{c['threshold']}), one device after another in one process, no messages: {c['total_cpu_s']:.3f} CPU s an "
+          f"attempt ({', '.join(f'{k} {v:.3f}' for k, v in c['cpu_s'].items())})"
+          for c in results.get("protocol_cpu", [])],
         *[f"Over {NEIGHBOURS} neighbours with threshold {f['threshold']}, {f['dropout']:.0%} of {f['devices']} devices "
           f"dropping fail {f['failed']:.1%} of attempts (2,000 random rings)"
           for f in results.get("sparse_failed_attempts", [])]])
+
+
+def _agents(count: int) -> str:
+    return "one agent process" if count == 1 else f"{count} agent processes"
 
 
 #: ``--sizes``: device counts of at least 3 (a threshold needs two).
@@ -277,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{','.join(map(str, QUICK_SIZES))})")
     parser.add_argument("--rounds", type=int, default=None,
                         help=f"rounds per run (default {ROUNDS}; --quick: {QUICK_ROUNDS})")
+    parser.add_argument("--agents", type=int, default=None,
+                        help="agent processes the devices are spread over, in every case (default one per usable "
+                             "core; a dropout case's dropping devices run in one more)")
     parser.add_argument("--quick", action="store_true", help="the smallest size and 2 rounds (a couple of minutes)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file (default benchmarks/results/<UTC date>_<name>/results.json)")
@@ -286,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     if rounds < 1:
         parser.error("--rounds takes a positive count")
-    results = run(sizes, rounds)
+    if args.agents is not None and args.agents < 1:
+        parser.error("--agents takes a positive count")
+    results = run(sizes, rounds, agents=args.agents)
     finish(results, args.out or default_out(results["machine"]["date_utc"], args.name), report)
     return 0
 

@@ -202,12 +202,15 @@ class Testbed:
             for i in range(self.config.data.num_devices):
                 self.agent_services.append(self.start_agent(f"agent-{i}", [i]))
         else:
-            shards = list(range(self.config.data.num_devices))
-            for i, chunk in enumerate(split_evenly(shards, self.agents)):
+            for i, chunk in enumerate(self.agent_chunks(list(range(self.config.data.num_devices)))):
                 self.agent_services.append(self.start_agent(f"agent-{i}", chunk))
         wait_healthy(self.fed_url, self.fed, healthy_s, verify=self.verify)
         for url, main in zip(self.main_urls, self.mains):
             wait_healthy(url, main, healthy_s, verify=self.verify)
+
+    def agent_chunks(self, shards: list[int]) -> list[list[int]]:
+        """The shards of each agent process the testbed starts: ``shards`` over its ``agents``."""
+        return split_evenly(shards, self.agents)
 
     def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
                     module: str = "device_agent", extra: Sequence[str] = ()) -> Service:

@@ -35,9 +35,11 @@ class _Dead(_Alive):
         return 1
 
 
-def _testbed(tmp_path: Path, behaviour: str, harmful: int, monkeypatch, process=_Alive):
-    """A HarmfulTestbed of 4 shards whose children are not started: each start is recorded as
-    (name, module, args); a credential is issued as the path ``<agent>:<shards>``."""
+def _testbed(tmp_path: Path, behaviour: str, harmful: int, monkeypatch, process=_Alive, agents: int = 1,
+             devices: int = 4):
+    """A HarmfulTestbed of ``devices`` shards over ``agents`` honest agents whose children are not
+    started: each start is recorded as (name, module, args); a credential is issued as the path
+    ``<agent>:<shards>``."""
     calls: list[tuple[str, str, list[str]]] = []
 
     def spawn(self, name, module, args, env):
@@ -48,8 +50,8 @@ def _testbed(tmp_path: Path, behaviour: str, harmful: int, monkeypatch, process=
     monkeypatch.setattr(Testbed, "_issue_credential", lambda self, agent, shards, timeout=0: f"{agent}:{shards}")
     monkeypatch.setattr(runner, "wait_healthy", lambda *args, **kwargs: None)
     config = attacks.policy_config(attacks.base_config("fedavg"), "default").model_copy(deep=True)
-    config.data.num_devices = 4
-    testbed = attacks.HarmfulTestbed(config, tmp_path, BEHAVIOURS[behaviour], harmful)
+    config.data.num_devices = devices
+    testbed = attacks.HarmfulTestbed(config, tmp_path, BEHAVIOURS[behaviour], harmful, agents=agents)
     if BEHAVIOURS[behaviour].goes_first:
         testbed.processes.log_dir.mkdir(parents=True)
         (testbed.processes.log_dir / "adversary.ready").write_text("ready\n")
@@ -90,6 +92,18 @@ def test_the_last_shards_go_to_an_adversary_process_each_agent_with_its_own_cred
     # Otherwise the same command line.
     assert _without(adversary, "--shards", "--enrolment-secret-file", "--behaviour", "--ready-file") == \
         _without(honest, "--shards", "--enrolment-secret-file")
+
+
+def test_with_several_agents_the_adversary_takes_the_last_shards_and_the_agents_share_the_others(tmp_path,
+                                                                                                monkeypatch):
+    testbed, calls = _testbed(tmp_path, "update_x1e6", 3, monkeypatch, agents=2, devices=10)
+    try:
+        testbed.start()
+    finally:
+        testbed.stop(agent_grace_s=0)
+    assert [name for name, _, _ in calls] == ["fed_server", "adversary", "agent-0", "agent-1"]
+    shards = [args[args.index("--shards") + 1] for _, _, args in calls[1:]]
+    assert shards == ["7-9", "0-3", "4-6"]
 
 
 def test_the_reference_row_starts_no_process_for_its_shards(tmp_path, monkeypatch):

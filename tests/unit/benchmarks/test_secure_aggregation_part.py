@@ -76,6 +76,16 @@ def test_the_part_runs_only_when_named_and_its_dropout_is_no_attack_row():
     assert "drops_after_sharing" not in ATTACKS and "silent" in ATTACKS
 
 
+def test_the_report_names_the_agent_processes_and_a_count_below_one_is_refused(capsys):
+    results = {"machine": {"cpu_model": "x", "cpus_usable": 16}, "model": "logreg", "data": "mnist", "rounds": 3,
+               "rows": [], "goal": {"devices": 100, "round_ratio_max": 1.5}, "verdict": "met"}
+    assert "the devices in one agent process;" in part.report(results)
+    assert "the devices in 8 agent processes;" in part.report({**results, "agents": 8})
+    with pytest.raises(SystemExit):
+        part.main(["--agents", "0"])
+    assert "--agents takes a positive count" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["2", "10,x", ""])
 def test_sizes_below_a_threshold_or_not_counts_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="at least 3"):
@@ -88,3 +98,17 @@ def test_the_sparse_threshold_recovers_the_dropouts_where_a_majority_would_fail_
     assert part.failed_attempts(100, part.NEIGHBOURS, sparse, 30, trials=400) < 0.02
     assert part.failed_attempts(100, part.NEIGHBOURS, majority, 30, trials=400) > 0.15
     assert part.failed_attempts(100, part.NEIGHBOURS, majority, 10, trials=400) == 0.0
+
+
+def test_the_protocol_computation_is_timed_step_by_step_over_the_graph_the_dropouts_run_on():
+    assert part.graph_of(10) == (None, 6)
+    assert part.graph_of(100) == (part.NEIGHBOURS, part.SPARSE_THRESHOLD)
+    measured = part.protocol_cpu(5)
+    assert (measured["devices"], measured["neighbours"], measured["threshold"]) == (5, None, 3)
+    assert set(measured["cpu_s"]) == {"keys", "shares", "inbox", "mask"} and all(v > 0 for v in measured["cpu_s"].values())
+    assert measured["total_cpu_s"] == pytest.approx(sum(measured["cpu_s"].values()), abs=1e-3)
+    line = next(l for l in part.report({
+        "machine": {"cpu_model": "x", "cpus_usable": 2}, "model": "logreg", "data": "mnist", "rounds": 3, "rows": [],
+        "goal": {"devices": 100, "round_ratio_max": 1.5}, "verdict": "met", "protocol_cpu": [measured]}).splitlines()
+        if l.startswith("The devices' protocol computation"))
+    assert "at 5 devices (the complete graph, threshold 3)" in line
