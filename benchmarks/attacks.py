@@ -151,13 +151,12 @@ class HarmfulTestbed(Testbed):
         self.behaviour = behaviour
         self.harmful = harmful
         self.adversary: Service | None = None
-        self.harmful_shards: list[int] = []
+        devices = config.data.num_devices
+        self.harmful_shards = list(range(devices - harmful, devices))
         self.adversary_started = False
 
     def agent_chunks(self, shards: list[int]) -> list[list[int]]:
-        honest = len(shards) - self.harmful
-        self.harmful_shards = shards[honest:]
-        return super().agent_chunks(shards[:honest])
+        return super().agent_chunks(shards[:len(shards) - self.harmful])
 
     def start_agent(self, name: str, shards: list[int] | None = None, data: str | None = None, index: int = 0,
                     module: str = "device_agent", extra: Sequence[str] = ()) -> Service:

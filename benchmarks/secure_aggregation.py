@@ -59,7 +59,7 @@ from shared.http_metrics import HTTP_BODY_BYTES
 from shared.machine import describe_machine, usable_cores
 from shared.run_config import load_run_config
 from shared.models import build_model
-from shared.secagg.graph import neighbourhoods
+from shared.secagg.graph import majority_threshold, neighbourhoods
 from shared.secagg.masks import BlockLayout
 from shared.secagg.protocol import DeviceSecrets
 from testbed.runner import Testbed
@@ -120,7 +120,7 @@ def cases(sizes: Sequence[int]) -> list[Case]:
     out = []
     for n in sizes:
         graphs: list[int | None] = [None] if n <= COMPLETE_MAX else []
-        graphs += [NEIGHBOURS] if NEIGHBOURS < n - 1 else []
+        graphs += [NEIGHBOURS] if sparse(n) else []
         out += [Case(n, False), *(Case(n, True, 0.0, g) for g in graphs), *(Case(n, True, d, graphs[-1]) for d in DROPOUTS)]
     return out
 
@@ -160,16 +160,20 @@ def sparse_failures(sizes: Sequence[int]) -> list[dict]:
     """At each size where the sparse graph runs, the share of attempts each dropout would fail
     (:func:`failed_attempts`) with :data:`SPARSE_THRESHOLD` and with a majority of the neighbourhood."""
     return [{"devices": n, "dropout": d, "threshold": t, "failed": failed_attempts(n, NEIGHBOURS, t, round(d * n))}
-            for n in sizes if NEIGHBOURS < n - 1 for d in DROPOUTS
-            for t in (SPARSE_THRESHOLD, (NEIGHBOURS + 1) // 2 + 1)]
+            for n in sizes if sparse(n) for d in DROPOUTS
+            for t in (SPARSE_THRESHOLD, majority_threshold(NEIGHBOURS + 1))]
+
+
+def sparse(devices: int) -> bool:
+    """Whether :data:`NEIGHBOURS` neighbours leave out some of ``devices`` (else they are every
+    device's neighbours: the complete graph)."""
+    return NEIGHBOURS < devices - 1
 
 
 def graph_of(devices: int) -> tuple[int | None, int]:
     """The graph (neighbours, None for the complete one) and threshold of the last secure cases
     at ``devices`` a round: those the dropouts run on."""
-    if NEIGHBOURS < devices - 1:
-        return NEIGHBOURS, SPARSE_THRESHOLD
-    return None, devices // 2 + 1
+    return (NEIGHBOURS, SPARSE_THRESHOLD) if sparse(devices) else (None, majority_threshold(devices))
 
 
 def protocol_cpu(devices: int) -> dict:
@@ -199,7 +203,8 @@ def protocol_cpu(devices: int) -> dict:
     update = {name: np.full(shape, 1e-3) for block in layout.blocks for name, shape in block}
     splits = dict.fromkeys(ids, len(layout.blocks))
     for d in ids:
-        timed("mask", partial(secrets[d].mask, update, 60.0, 20, 1.0, layout, rosters[d], partners[d], splits))
+        timed("mask", partial(secrets[d].mask, update, weight=60.0, fraction_bits=20, value_range=1.0, layout=layout,
+                              roster=rosters[d], partners=partners[d], splits=splits))
     return {"devices": devices, "neighbours": neighbours, "threshold": threshold,
             "cpu_s": {k: round(v, 4) for k, v in cpu.items()}, "total_cpu_s": round(sum(cpu.values()), 4)}
 

@@ -1,8 +1,9 @@
 """A device's side of secure aggregation (``TaskResponse.secure_aggregation``; docs/privacy.md):
 the key and share stages before training, the shares sealed for it and the masked upload's weights
-after training, and the unmasking answer after the upload. The cryptography is ``shared.secagg.protocol``'s; this module only carries it
-to the Fed Server (its own client, or its agent's batches: :mod:`device_agent.secure_batches`)
-and waits on its stages (long polls, never a timer)."""
+after training, and the unmasking answer after the upload. The cryptography is
+``shared.secagg.protocol``'s; this module only carries it to the Fed Server (its own client, or its
+agent's batches: :mod:`device_agent.secure_batches`) and waits on its stages (long polls, never a
+timer)."""
 from __future__ import annotations
 
 import time

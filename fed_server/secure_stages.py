@@ -37,7 +37,7 @@ from shared.schemas import (
 )
 from shared.secagg.crypto import ShareError, check_public_key
 from shared.secagg.encoding import fraction_bits
-from shared.secagg.graph import Neighbourhoods, neighbourhoods
+from shared.secagg.graph import Neighbourhoods, majority_threshold, neighbourhoods
 from shared.secagg.masks import masked_splits, well_held
 from shared.secagg.shamir import SHARE_BYTES
 
@@ -178,7 +178,7 @@ class SecureStages:
         """Stage 4's question for ``device_id``, once uploads closed: the survivors and the dropped
         devices of its neighbourhood."""
         return await self._held(round_id, device_id, wait_s,
-                                lambda secure: None if secure.plan is None else secure.plans.get(device_id),
+                                lambda secure: secure.plans.get(device_id),
                                 SecAggUnmaskPlan(ready=False))
 
     async def _held(self, round_id: int, device_id: str, wait_s: float,
@@ -236,7 +236,7 @@ def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
     secure.roster = {d: secure.keys[d] for d in sorted(_still_in(fed_round))}
     secure.neighbourhoods = neighbourhoods(list(secure.roster), settings.neighbours, random.SystemRandom())
     size = min(len(n) for n in secure.neighbourhoods.values()) if secure.roster else 0
-    secure.threshold = settings.threshold if settings.threshold is not None else size // 2 + 1
+    secure.threshold = settings.threshold if settings.threshold is not None else majority_threshold(size)
     secure.splits = masked_splits({d: fed_round.assignments[d].split_point for d in secure.roster}, secure.threshold)
     if len(secure.roster) < max(2, secure.threshold):
         core.exclude(fed_round, secure.roster, f"secure aggregation: {len(secure.roster)} devices sent keys, "

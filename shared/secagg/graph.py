@@ -17,6 +17,11 @@ from collections.abc import Sequence
 Neighbourhoods = dict[str, list[str]]
 
 
+def majority_threshold(neighbourhood: int) -> int:
+    """The default threshold for neighbourhoods of ``neighbourhood`` devices: a majority of them."""
+    return neighbourhood // 2 + 1
+
+
 def neighbourhoods(roster: Sequence[str], neighbours: int | None, rng: random.Random) -> Neighbourhoods:
     """Each roster device's neighbourhood, itself included, sorted: everyone's with ``neighbours``
     None or at least ``len(roster) - 1``, otherwise the ``neighbours / 2`` devices on each side of
