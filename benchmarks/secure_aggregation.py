@@ -121,7 +121,9 @@ def cases(sizes: Sequence[int]) -> list[Case]:
     for n in sizes:
         graphs: list[int | None] = [None] if n <= COMPLETE_MAX else []
         graphs += [NEIGHBOURS] if sparse(n) else []
-        out += [Case(n, False), *(Case(n, True, 0.0, g) for g in graphs), *(Case(n, True, d, graphs[-1]) for d in DROPOUTS)]
+        dropouts_graph, _ = graph_of(n)
+        out += [Case(n, False), *(Case(n, True, 0.0, g) for g in graphs),
+                *(Case(n, True, d, dropouts_graph) for d in DROPOUTS)]
     return out
 
 
