@@ -25,7 +25,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -55,6 +55,8 @@ class SecureRound:
 
     terms: SecureTerms
     keys: dict[str, SecAggKeys] = field(default_factory=dict)
+    #: The device that sent each public key of ``keys``: no key may be two devices'.
+    key_owners: dict[bytes, str] = field(default_factory=dict)
     roster: dict[str, SecAggKeys] | None = None
     #: Each roster device's neighbourhood (itself included, sorted), once the key stage closed.
     neighbourhoods: Neighbourhoods = field(default_factory=dict)
@@ -102,7 +104,9 @@ class SecureStages:
         return fed_round, fed_round.secure
 
     def accept_keys(self, round_id: int, req: SecAggKeys) -> Ack:
-        """Stage 1: a device's public keys; Invalid for a key that agrees on nothing."""
+        """Stage 1: a device's public keys; Invalid for a key that agrees on nothing, or one sent
+        already by another device of the attempt or as the device's other key (two devices with
+        one key could cancel the pairwise masks of a neighbour: ``DeviceSecrets.check_roster``)."""
         _, secure = self._secure(round_id, req.device_id)
         if secure.roster is not None:
             raise Conflict(f"the key stage of round {round_id} is closed")
@@ -111,7 +115,15 @@ class SecureStages:
             check_public_key(req.share_key)
         except ShareError as exc:
             raise Invalid(f"keys of {req.device_id!r}: {exc}") from None
+        taken = {secure.key_owners.get(k, req.device_id) for k in (req.mask_key, req.share_key)} - {req.device_id}
+        if taken or req.mask_key == req.share_key:
+            raise Invalid(f"keys of {req.device_id!r}: a public key sent already by "
+                          f"{sorted(taken)[0] if taken else 'itself as its other key'}; each must be fresh")
+        if (earlier := secure.keys.get(req.device_id)) is not None:
+            for key in (earlier.mask_key, earlier.share_key):
+                del secure.key_owners[key]
         secure.keys[req.device_id] = req
+        secure.key_owners.update({req.mask_key: req.device_id, req.share_key: req.device_id})
         self.core.changed.set()
         return Ack(detail=f"keys of {req.device_id} for round {round_id} stored")
 
@@ -255,33 +267,42 @@ def close_share_stage(core: RunCore, fed_round: FedRound) -> None:
     if len(_still_in(fed_round)) < secure.threshold:
         core.exclude(fed_round, _still_in(fed_round), f"secure aggregation: {len(_still_in(fed_round))} devices "
                                                       f"shared, below the threshold {secure.threshold}")
-    while short := _short_of_sharers(_still_in(fed_round), secure):
+    while short := _short_of(_still_in(fed_round), _still_in(fed_round), secure):
         core.exclude(fed_round, short, f"secure aggregation: fewer than {secure.threshold} of its neighbourhood "
                                        "shared their secrets")
     secure.sharers = sorted(_still_in(fed_round))
     _close_stage(secure)
 
 
-def _short_of_sharers(sharers: set[str], secure: SecureRound) -> set[str]:
-    """The ``sharers`` fewer than the threshold of whose neighbourhood are among them."""
-    return {d for d in sharers if len(sharers.intersection(secure.neighbourhoods[d])) < secure.threshold}
+def _short_of(devices: Iterable[str], among: set[str], secure: SecureRound) -> set[str]:
+    """The ``devices`` fewer than the threshold of whose neighbourhood (themselves included) are
+    ``among`` the given ones (the sharers, the survivors)."""
+    return {d for d in devices if len(among.intersection(secure.neighbourhoods[d])) < secure.threshold}
 
 
 def open_unmasking_stage(core: RunCore, fed_round: FedRound, usable: list[str]) -> None:
     """Open stage 4 once uploads closed: the sharers among the ``usable`` uploaders (still in, and
     in a split attempt with their group's server portion back: ``Aggregator.usable``) are the
     survivors, the other sharers dropped. When some block the survivors uploaded is held by fewer
-    than the threshold of them, every survivor is taken out instead (the attempt fails and the
+    than the threshold of them, or some sharer's neighbourhood has fewer survivors than the
+    threshold (its secrets could not be rebuilt, and its survivors would refuse to answer:
+    ``DeviceSecrets.unmask``), every survivor is taken out instead (the attempt fails and the
     round is retried) and no share is asked for."""
     secure = fed_round.secure
     assert secure is not None and secure.sharers is not None
     survivors = [d for d in secure.sharers if d in usable]
     held = {d: secure.splits[d] for d in survivors}
     enough = well_held(held, secure.threshold)
+    short = sorted(_short_of(secure.sharers, set(survivors), secure)) if survivors else []
     if any(split > enough for split in held.values()):
         # Unmasking would give the Fed Server a block's sum over fewer devices than the threshold.
         core.exclude(fed_round, survivors, f"secure aggregation: block {enough} was uploaded by fewer than "
                                            f"{secure.threshold} surviving devices")
+        survivors = []
+    elif short:
+        names = ", ".join(short[:3]) + (f" and {len(short) - 3} more" if len(short) > 3 else "")
+        core.exclude(fed_round, survivors, f"secure aggregation: fewer than {secure.threshold} devices survived in "
+                                           f"the neighbourhood of {names}, whose secrets cannot be rebuilt")
         survivors = []
     surviving = set(survivors)
     secure.plan = SecAggUnmaskPlan(ready=True, survivors=survivors,

@@ -23,7 +23,9 @@ NONCE_BYTES = 12
 
 
 class ShareError(ValueError):
-    """A secret share that does not decrypt or verify, or a public key that agrees on nothing."""
+    """What a device refuses in secure aggregation's stages: a secret share that does not decrypt
+    or verify, a public key that agrees on nothing, a roster or question that would expose its
+    update (repeated keys, its own keys misstated, fewer devices than the threshold)."""
 
 
 def new_private_key() -> bytes:

@@ -55,6 +55,9 @@ class DeviceSecrets:
     #: with is the one opened with, and the mask key checked before sharing is the one masked with,
     #: so each X25519 agreement is made once an attempt (most of a device's share stage otherwise).
     agreed: dict[tuple[bytes, bytes], bytes] = field(default_factory=dict, repr=False)
+    #: The roster's threshold, once the shares are sealed: the fewest devices of the neighbourhood
+    #: (this one included) it masks with, and the fewest survivors it answers the unmasking for.
+    threshold: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         # The key objects, built once: building one from its raw bytes costs as much as an
@@ -64,6 +67,23 @@ class DeviceSecrets:
     def public_keys(self) -> tuple[bytes, bytes]:
         """(mask key, share key): what the first stage sends."""
         return public_key(self._private[MASK_PURPOSE]), public_key(self._private[SHARE_PURPOSE])
+
+    def check_roster(self, roster: PublicKeys) -> None:
+        """SecAgg+'s checks of a roster before any share is sealed (as Flower's client makes them):
+        it holds this device's own keys, and no public key twice. Two devices with one key would
+        agree one pairwise mask with a device between them in sort order, which it adds for one and
+        subtracts for the other: its upload would carry its own mask alone, which the unmasking
+        removes. ShareError naming the devices."""
+        if roster.get(self.device_id) != self.public_keys():
+            raise ShareError(f"the roster does not hold {self.device_id!r} with its own public keys")
+        owners: dict[bytes, list[str]] = {}
+        for device, pair in roster.items():
+            for key in set(pair):
+                owners.setdefault(key, []).append(device)
+        repeated = sorted({d for devices in owners.values() if len(devices) > 1 for d in devices}
+                          | {d for d, (mask_key, share_key) in roster.items() if mask_key == share_key})
+        if repeated:
+            raise ShareError(f"the roster repeats a public key among {repeated}: their pairwise masks could cancel")
 
     def _agree(self, peer_public: bytes, purpose: bytes) -> bytes:
         """The key agreed with ``peer_public`` for ``purpose`` (:data:`MASK_PURPOSE` with this
@@ -78,12 +98,12 @@ class DeviceSecrets:
         """The second stage: the seed and mask key split into one share per device of ``roster``
         (this device's neighbourhood), any ``threshold`` of which rebuild them, each sealed for its
         recipient with the key agreed with its share key (the device's own share is kept, not
-        sent). ShareError for a roster key that agrees on nothing; ValueError when the roster lacks
-        this device or the threshold does not fit."""
-        if self.device_id not in roster:
-            raise ValueError(f"the roster does not hold {self.device_id!r}")
+        sent). ShareError for a roster that :meth:`check_roster` refuses or a key that agrees on
+        nothing; ValueError when the threshold does not fit."""
+        self.check_roster(roster)
         if not 2 <= threshold <= len(roster):
             raise ValueError(f"a threshold of {threshold} does not fit a roster of {len(roster)} devices")
+        self.threshold = threshold
         for device, (mask_key, share_key) in roster.items():
             if device != self.device_id:        # every key checked before any share leaves
                 self._agree(mask_key, MASK_PURPOSE)
@@ -102,7 +122,9 @@ class DeviceSecrets:
 
     def open_inbox(self, roster: PublicKeys, inbox: Mapping[str, bytes]) -> list[str]:
         """Open the shares the peers sealed for this device; the devices it masks with (those whose
-        shares it holds, itself included). ShareError naming the sender whose share does not verify."""
+        shares it holds, itself included). ShareError naming the sender whose share does not verify,
+        or when fewer than the threshold shared (SecAgg+'s check: its update would be hidden by too
+        few pairwise masks)."""
         for sender, sealed in sorted(inbox.items()):
             if sender not in roster or sender == self.device_id:
                 raise ShareError(f"a share from {sender!r}, who is not another device of the roster")
@@ -113,6 +135,9 @@ class DeviceSecrets:
             if len(piece) != 2 * SHARE_BYTES:
                 raise ShareError(f"the share from {sender!r} has {len(piece)} bytes, not {2 * SHARE_BYTES}")
             self.held[sender] = (piece[:SHARE_BYTES], piece[SHARE_BYTES:])
+        if len(self.held) < self.threshold:
+            raise ShareError(f"{len(self.held)} devices of {self.device_id!r}'s neighbourhood shared, itself included, "
+                             f"below the threshold {self.threshold}")
         return sorted(self.held)
 
     def mask(self, update: Mapping[str, np.ndarray], weight: float, fraction_bits: int, value_range: float,
@@ -128,10 +153,16 @@ class DeviceSecrets:
 
     def unmask(self, survivors: Sequence[str], dropped: Sequence[str]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """The last stage: the shares this device holds of the survivors' seeds and of the dropped
-        devices' mask keys. ValueError for a device named in both (its update would be readable)."""
+        devices' mask keys. ShareError for a device named in both (its update would be readable),
+        or fewer survivors of its neighbourhood than the threshold (SecAgg+'s check: the sum over
+        them is not one the threshold allows)."""
         both = set(survivors) & set(dropped)
         if both:
-            raise ValueError(f"{sorted(both)} named both as survivors and as dropped")
+            raise ShareError(f"{sorted(both)} named both as survivors and as dropped")
+        surviving = len(self.held.keys() & set(survivors))
+        if surviving < self.threshold:
+            raise ShareError(f"{surviving} devices of {self.device_id!r}'s neighbourhood survived, "
+                             f"below the threshold {self.threshold}")
         return ({d: self.held[d][0] for d in survivors if d in self.held},
                 {d: self.held[d][1] for d in dropped if d in self.held})
 

@@ -5,7 +5,8 @@
   its secrets (dropped before masking), one uploads its masked update and then goes silent
   (dropped in the unmasking stage). The round completes, and the Fed Server's new global model is
   the plain FedAvg of the four uploaded (clipped) updates within the fixed-point bound, while
-  every upload the Fed Server recorded (``--record-received``) is not the device's update.
+  every upload the Fed Server recorded (``--record-received``) is not the device's update. A
+  public key one device sent, sent again by another, is refused (422).
 - The same attempt with only two answers in the unmasking stage, below the threshold of three:
   the attempt fails, its record says so, and the logical round is retried.
 - A FedAvg run with real device agents and ``secure_aggregation.enabled``: its rounds complete and
@@ -107,8 +108,12 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
     secrets = {d: DeviceSecrets(d, _run_id(client, fed), round_id) for d in DEVICES}
     for device, own in secrets.items():
         mask_key, share_key = own.public_keys()
-        _call(client, "POST", f"{stage}/keys", SecAggKeys(device_id=device, round_id=round_id, mask_key=mask_key,
-                                                           share_key=share_key))
+        keys = SecAggKeys(device_id=device, round_id=round_id, mask_key=mask_key, share_key=share_key)
+        if device == "dev-1":   # first a key of dev-0's, as a device colluding with it would send
+            copied = keys.model_copy(update={"mask_key": secrets["dev-0"].public_keys()[0]})
+            refused = client.post(f"{stage}/keys", content=packb(copied.model_dump()))
+            assert refused.status_code == 422 and "sent already by dev-0" in refused.text, refused.text
+        _call(client, "POST", f"{stage}/keys", keys)
     rosters = {d: SecAggRoster.model_validate(_call(client, "GET", f"{stage}/roster", device_id=d, wait_s=10))
                for d in DEVICES}
     assert all(r.ready and sorted(r.keys) == DEVICES and r.threshold == 3 for r in rosters.values())

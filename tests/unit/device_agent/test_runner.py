@@ -69,10 +69,12 @@ class FakeFed:
         self.withdrawals: list[WithdrawRequest] = []
         self.fetched: list[str] = []
         # Secure aggregation: what the device sent into the stages (stage, message), and one peer,
-        # whose share for the device is altered on the way where ``forge``.
+        # whose share for the device is altered on the way where ``forge``, and whose keys in the
+        # roster are the device's own where ``copy_keys``.
         self.secagg: list[tuple[str, object]] = []
         self.peer = DeviceSecrets("dev-peer", info.run_id, 1)
         self.forge = False
+        self.copy_keys = False
 
     def run_info(self) -> RunInfo:
         return self.info
@@ -113,7 +115,7 @@ class FakeFed:
 
     def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float, model):
         (own,) = [req for sent, req in self.secagg if sent == "keys"]
-        mask_key, share_key = self.peer.public_keys()
+        mask_key, share_key = (own.mask_key, own.share_key) if self.copy_keys else self.peer.public_keys()
         keys = {device_id: own, "dev-peer": SecAggKeys(device_id="dev-peer", round_id=round_id, mask_key=mask_key,
                                                        share_key=share_key)}
         if stage == "roster":
@@ -709,3 +711,15 @@ def test_a_share_that_does_not_verify_is_one_warning_naming_its_sender_and_one_w
     assert line.levelname == "WARNING" and "the share from 'dev-peer' does not decrypt" in line.getMessage()
     (withdrawal,) = fed.withdrawals
     assert "dev-peer" in withdrawal.reason and fed.uploads == []
+
+
+def test_a_roster_that_repeats_a_key_is_one_warning_and_one_withdrawal_before_any_share_leaves(caplog):
+    fed = FakeFed([_secure(1), TaskResponse(status="done")])
+    fed.copy_keys = True
+    device = _device(fed, [], len(build_model("cnn").blocks))
+    device.run()
+    (line,) = _problems(caplog)
+    assert line.levelname == "WARNING" and "the roster repeats a public key among ['dev-003', 'dev-peer']" in line.getMessage()
+    (withdrawal,) = fed.withdrawals
+    assert "repeats a public key" in withdrawal.reason and fed.uploads == []
+    assert [stage for stage, _ in fed.secagg] == ["keys"]

@@ -1,6 +1,7 @@
 """Secure aggregation's stages at the Fed Server without HTTP: each stage closes with the devices
 that answered and takes the others out with the reason, and every message out of turn or
-malformed is refused in one line and changes nothing; an agent's devices together
+malformed (a public key another device sent among them) is refused in one line and changes nothing;
+an attempt whose secrets could not be rebuilt fails before any share is asked for; an agent's devices together
 (fed_server/secure_batches.py), each taken or refused as its own request would be."""
 from __future__ import annotations
 
@@ -103,6 +104,29 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
     assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES
 
 
+
+def test_a_public_key_another_device_sent_is_refused_and_changes_nothing(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    first = _keys("d0", round_id)
+    stages.accept_keys(round_id, first)
+    mine = _keys("d1", round_id)
+    for copied in (mine.model_copy(update={"share_key": first.mask_key}),
+                   mine.model_copy(update={"mask_key": first.share_key})):
+        with pytest.raises(Invalid, match="keys of 'd1': a public key sent already by d0; each must be fresh"):
+            stages.accept_keys(round_id, copied)
+    with pytest.raises(Invalid, match="sent already by itself as its other key"):
+        stages.accept_keys(round_id, mine.model_copy(update={"share_key": mine.mask_key}))
+    assert list(secure.keys) == ["d0"] and set(secure.key_owners.values()) == {"d0"}
+    stages.accept_keys(round_id, first)                    # sent again: the same device's keys
+    stages.accept_keys(round_id, mine)
+    fresh = _keys("d0", round_id)                          # d0's new keys free its old ones
+    stages.accept_keys(round_id, fresh)
+    stages.accept_keys(round_id, _keys("d2", round_id).model_copy(update={"mask_key": first.mask_key}))
+    assert secure.keys == {"d0": fresh, "d1": mine, "d2": secure.keys["d2"]} and len(secure.key_owners) == 6
+
+
 def _sparse_keys_in(tmp_path, devices: list[str]):
     """An attempt over ``devices`` on SecAgg+'s graph of 2 neighbours (threshold 2) whose key stage
     closed with every device's keys; the devices' secrets."""
@@ -197,6 +221,29 @@ def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_
     open_unmasking_stage(coordinator.core, fed_round, ["d0", "d1"])
     assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES
     assert fed_round.excluded["d1"] == "secure aggregation: block 1 was uploaded by fewer than 2 surviving devices"
+
+
+
+def test_a_neighbourhood_with_fewer_survivors_than_the_threshold_fails_the_attempt_before_any_share_is_asked(
+        tmp_path):
+    devices = [f"d{i}" for i in range(6)]
+    coordinator, fed_round, secrets = _sparse_keys_in(tmp_path, devices)
+    secure = fed_round.secure
+    assert secure is not None
+    for device in devices:
+        roster = {d: secrets[d].public_keys() for d in secure.neighbourhoods[device]}
+        coordinator.secure.accept_shares(fed_round.round_id, SecAggShares(
+            device_id=device, round_id=fed_round.round_id, shares=secrets[device].seal_shares(roster, 2)))
+    close_share_stage(coordinator.core, fed_round)
+    # Both neighbours of d0 drop: four devices survive, every block is theirs, but d0's neighbourhood
+    # keeps one survivor, so its secrets cannot be rebuilt, and that survivor would not answer.
+    gone = [d for d in secure.neighbourhoods["d0"] if d != "d0"]
+    survivors = [d for d in devices if d not in gone]
+    open_unmasking_stage(coordinator.core, fed_round, survivors)
+    assert secure.plan is not None and secure.plan.survivors == [] and secure.plans["d0"].survivors == []
+    assert fed_round.excluded["d0"] == ("secure aggregation: fewer than 2 devices survived in the neighbourhood of "
+                                        "d0, whose secrets cannot be rebuilt")
+    assert secrets["d0"].threshold == 2
 
 
 def test_a_device_masks_only_the_blocks_enough_devices_of_the_roster_hold(tmp_path):

@@ -1,17 +1,19 @@
 """One attempt's stages in memory: the Fed Server's unmasked sum equals the weighted sum of the
 devices' clipped updates within the fixed-point rounding, with one device dropped after sharing
 (its pairwise masks removed through its rebuilt mask key) and one silent in the unmasking stage
-(its own mask removed through its rebuilt seed); too few answers fail; a forged share is named."""
+(its own mask removed through its rebuilt seed); too few answers fail; a forged share is named; a
+device refuses what would expose its update (a roster repeating a key, too few sharers or
+survivors), as SecAgg+'s client does."""
 import os
 import random
 
 import numpy as np
 import pytest
 
-from shared.secagg.crypto import ShareError
+from shared.secagg.crypto import MASK_PURPOSE, ShareError
 from shared.secagg.encoding import decode, fraction_bits
 from shared.secagg.graph import neighbourhoods
-from shared.secagg.masks import BlockLayout
+from shared.secagg.masks import BlockLayout, add_masks
 from shared.secagg.protocol import DeviceSecrets, rebuild_secrets, unmasked_sum
 from shared.secagg.shamir import SHARE_BYTES
 
@@ -173,3 +175,46 @@ def test_each_key_agreement_is_made_once_an_attempt_and_the_sealing_key_opens_th
     d0.mask({"w": np.zeros((4, 3)), "b": np.zeros(3), "v": np.zeros(7)}, 1.0, 40, RANGE, LAYOUT, roster, partners,
             WHOLE)
     assert partners == DEVICES and made == []      # opened and masked with the keys agreed when sealing
+
+
+def test_a_roster_that_repeats_a_key_or_misstates_the_devices_own_is_refused_before_any_share_is_sealed():
+    a, b, c = (DeviceSecrets(d, "run", 1) for d in "abc")
+    honest = {"a": a.public_keys(), "b": b.public_keys(), "c": c.public_keys()}
+    colluding = {**honest, "c": (b.public_keys()[0], c.public_keys()[1])}      # c sends b's mask key
+    with pytest.raises(ShareError, match=r"repeats a public key among \['b', 'c'\]"):
+        a.seal_shares(colluding, threshold=2)
+    with pytest.raises(ShareError, match=r"repeats a public key among \['c'\]"):
+        a.seal_shares({**honest, "c": (c.public_keys()[1],) * 2}, threshold=2)
+    with pytest.raises(ShareError, match="does not hold 'a' with its own public keys"):
+        a.seal_shares({**honest, "a": b.public_keys()}, threshold=2)
+    assert a.held == {} and a.threshold == 0
+    # Why: c's key is b's, so a agrees one mask with both and, sorting between them, adds it for
+    # one and subtracts it for the other: its upload would be its update under its own mask alone.
+    key = a._agree(b.public_keys()[0], MASK_PURPOSE)
+    words = {"w": np.arange(12, dtype=np.uint64).reshape(4, 3), "b": np.arange(3, dtype=np.uint64),
+             "v": np.arange(7, dtype=np.uint64)}
+    alone = add_masks({k: v.copy() for k, v in words.items()}, LAYOUT, "b1", 2, a.seed, {})
+    cancelled = add_masks({k: v.copy() for k, v in words.items()}, LAYOUT, "b1", 2, a.seed,
+                          {"a0": (key, 2), "c2": (key, 2)})
+    assert all(np.array_equal(alone[k], cancelled[k]) for k in words)
+
+
+def test_a_device_fewer_than_threshold_of_whose_neighbourhood_shared_masks_nothing():
+    secrets = {d: DeviceSecrets(d, "run", 1) for d in "abcd"}
+    roster = {d: s.public_keys() for d, s in secrets.items()}
+    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
+    with pytest.raises(ShareError, match=r"2 devices of 'a''s neighbourhood shared, itself included, below the threshold 3"):
+        secrets["a"].open_inbox(roster, {"b": sealed["b"]["a"]})
+    assert secrets["a"].open_inbox(roster, {"b": sealed["b"]["a"], "c": sealed["c"]["a"]}) == ["a", "b", "c"]
+
+
+def test_a_device_answers_no_unmasking_question_naming_fewer_survivors_than_the_threshold():
+    secrets = {d: DeviceSecrets(d, "run", 1) for d in "abcd"}
+    roster = {d: s.public_keys() for d, s in secrets.items()}
+    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
+    a = secrets["a"]
+    a.open_inbox(roster, {o: sealed[o]["a"] for o in "bcd"})
+    with pytest.raises(ShareError, match="2 devices of 'a''s neighbourhood survived, below the threshold 3"):
+        a.unmask(["a", "b", "stranger"], ["c", "d"])      # a survivor outside its neighbourhood counts for nothing
+    seeds, keys = a.unmask(["a", "b", "c"], ["d"])
+    assert sorted(seeds) == ["a", "b", "c"] and sorted(keys) == ["d"]
