@@ -702,24 +702,19 @@ def test_a_secure_task_shares_its_secrets_uploads_masked_words_and_answers_the_u
     assert fed.withdrawals == []
 
 
-def test_a_share_that_does_not_verify_is_one_warning_naming_its_sender_and_one_withdrawal(caplog):
+@pytest.mark.parametrize("fault, problem, stages", [
+    ("forge", "the share from 'dev-peer' does not decrypt", ["keys", "shares"]),
+    ("copy_keys", "the roster repeats a public key among ['dev-003', 'dev-peer']", ["keys"]),
+], ids=["share-that-does-not-verify", "roster-repeating-a-key"])
+def test_a_share_or_roster_the_device_refuses_is_one_warning_naming_the_peer_and_one_withdrawal(
+        caplog, fault: str, problem: str, stages: list[str]):
+    # A forged share is found when the device opens its inbox; a repeated key before any share leaves.
     fed = FakeFed([_secure(1), TaskResponse(status="done")])
-    fed.forge = True
+    setattr(fed, fault, True)
     device = _device(fed, [], len(build_model("cnn").blocks))
     device.run()
     (line,) = _problems(caplog)
-    assert line.levelname == "WARNING" and "the share from 'dev-peer' does not decrypt" in line.getMessage()
+    assert line.levelname == "WARNING" and problem in line.getMessage()
     (withdrawal,) = fed.withdrawals
     assert "dev-peer" in withdrawal.reason and fed.uploads == []
-
-
-def test_a_roster_that_repeats_a_key_is_one_warning_and_one_withdrawal_before_any_share_leaves(caplog):
-    fed = FakeFed([_secure(1), TaskResponse(status="done")])
-    fed.copy_keys = True
-    device = _device(fed, [], len(build_model("cnn").blocks))
-    device.run()
-    (line,) = _problems(caplog)
-    assert line.levelname == "WARNING" and "the roster repeats a public key among ['dev-003', 'dev-peer']" in line.getMessage()
-    (withdrawal,) = fed.withdrawals
-    assert "repeats a public key" in withdrawal.reason and fed.uploads == []
-    assert [stage for stage, _ in fed.secagg] == ["keys"]
+    assert [stage for stage, _ in fed.secagg] == stages
