@@ -29,7 +29,7 @@ from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
 from shared.privacy.clipping import update_norm
 from shared.privacy.noise import add_noise
-from shared.secagg.encoding import decode
+from shared.secagg.encoding import decode_within
 from shared.secagg.masks import BlockLayout
 from shared.secagg.protocol import rebuild_secrets, state_to_words, unmasked_sum
 
@@ -51,6 +51,9 @@ class Aggregation:
     aggregation_s: float
     #: The round record's privacy fields (``RunPrivacy.release``): the epsilon after the round...
     privacy: dict[str, Any] | None = None
+    #: A securely aggregated attempt: the entries of the unmasked sum outside what the survivors'
+    #: clipped updates can add up to, clamped to it (``RoundRecord.secure_clamped``).
+    secure_clamped: int | None = None
 
 
 class Aggregator:
@@ -173,7 +176,11 @@ class Aggregator:
         with the secrets rebuilt from the unmasking stage's shares, each entry's sum decoded and
         divided by the summed weights of the survivors that hold it (sample counts; 1 each with
         distributed noise, whose shares the sum carries), as one contribution beside each device's
-        group copy for the blocks it does not hold (Algorithm 1, layer-wise). A private attempt's
+        group copy for the blocks it does not hold (Algorithm 1, layer-wise). Each entry of the sum
+        is first clamped to what the survivors' updates, each clipped to ``value_range`` and
+        weighed, can add up to (plus their rounding): a survivor that uploaded beyond its range
+        moves the mean by at most ``value_range``, not by the whole fixed-point range (two to four
+        times that, more with dropouts); the entries clamped are counted and logged. A private attempt's
         round is counted in the ledger (fills the record's privacy fields). ValueError when fewer
         shares than the threshold came back."""
         secure = fed_round.secure
@@ -185,13 +192,23 @@ class Aggregator:
                              {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods, secure.splits)
         held = {d: set(layout.held_keys(secure.splits[d])) for d in used}
         weights: dict[str, float] = {}
+        holders: dict[str, int] = {}
         for device in used:
             for key in held[device]:
                 weights[key] = weights.get(key, 0.0) + self.core.summed_weight(device)
+                holders[key] = holders.get(key, 0) + 1
         if self.core.privacy is not None:
             aggregation.privacy = self.core.privacy.release(len(used), None)
-        mean = {k: global_state[k].double() + torch.from_numpy(decode(v, secure.terms.fraction_bits)) / weights[k]
+        bits, value_range = secure.terms.fraction_bits, secure.terms.value_range
+        sums = {k: decode_within(v, bits, weights[k] * value_range + holders[k] / 2.0 ** (bits + 1))
                 for k, v in total.items()}
+        aggregation.secure_clamped = sum(outside for _, outside in sums.values())
+        if aggregation.secure_clamped:
+            log.warning("round %d (attempt %d): %d of %d entries of the unmasked sum were beyond what the survivors' "
+                        "clipped updates can add up to, clamped: some survivor uploaded outside value_range (which "
+                        "secure aggregation cannot tell)", fed_round.index, fed_round.round_id,
+                        aggregation.secure_clamped, sum(v.size for v in total.values()))
+        mean = {k: global_state[k].double() + torch.from_numpy(values) / weights[k] for k, (values, _) in sums.items()}
         return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights),
                 **self._group_copies(fed_round, used, held)}
 

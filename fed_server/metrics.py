@@ -60,6 +60,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sfl_fed_privacy_epsilon", "gauge", (), "epsilon spent so far at the run's privacy.delta, after the last aggregated round (runs with privacy.noise; docs/privacy.md)"),
     MetricSpec("sfl_fed_sample_epsilon", "gauge", (), "the largest sample-level epsilon of any device so far, at train.dp_sgd.delta (runs with train.dp_sgd; docs/privacy.md)"),
     MetricSpec("sfl_fed_privacy_clip_norm", "gauge", (), "the clip bound of the last aggregated round (runs with privacy.clipping; adaptive clipping moves it)"),
+    MetricSpec("sfl_fed_secure_clamped_entries_total", "counter", (), "entries of securely aggregated sums beyond what the survivors' clipped updates can add up to, clamped (record secure_clamped; some device uploaded outside value_range; docs/privacy.md)"),
     *HTTP_METRICS,
 )
 _HELP = {s.name: s.help for s in METRICS}
@@ -136,6 +137,7 @@ class FedMetrics:
         self.epsilon = make(Gauge, "sfl_fed_privacy_epsilon")
         self.clip_norm = make(Gauge, "sfl_fed_privacy_clip_norm")
         self.sample_epsilon = make(Gauge, "sfl_fed_sample_epsilon")
+        self.secure_clamped = make(Counter, "sfl_fed_secure_clamped_entries_total")
         for status in ("ok", "failed"):
             self.rounds_completed.labels(status)
         for direction in BYTE_DIRECTIONS:
@@ -192,6 +194,8 @@ class FedMetrics:
             self._observe_privacy(record.privacy)
         if record.sample_privacy is not None:
             self.sample_epsilon.set(record.sample_privacy.epsilon)
+        if record.secure_clamped:
+            self.secure_clamped.inc(record.secure_clamped)
 
     def _observe_privacy(self, privacy: PrivacyRecord) -> None:
         self.clip_norm.set(privacy.clip_norm)

@@ -112,7 +112,8 @@ class Progress:
             core.devices.kinds(fed_round.assignments), aggregation.aggregation_s,
             {**core.selector.metrics(), **core.algorithm.round_metrics(fed_round.context, aggregation.extras)} if ok else {},
             evaluated_devices=evaluated[0], evaluated_samples=evaluated[1], privacy=aggregation.privacy,
-            sample_privacy=sample_privacy.record() if sample_privacy is not None else None)
+            sample_privacy=sample_privacy.record() if sample_privacy is not None else None,
+            secure_clamped=aggregation.secure_clamped)
         self.cumulative_bytes = record.cumulative_bytes
         self._note_deadlines(fed_round, aggregation.used)
         finished, stop_reason = False, None

@@ -148,6 +148,10 @@ class RoundRecord(BaseModel):
     # Sample-level DP-SGD (train.dp_sgd; docs/privacy.md), for every attempt: the worst device's
     # epsilon over the tasks handed out so far. None without train.dp_sgd.
     sample_privacy: SamplePrivacyRecord | None = None
+    # Secure aggregation (docs/privacy.md), for an aggregated attempt: the entries of the unmasked
+    # sum beyond what the survivors' clipped updates can add up to, clamped to it (0 unless some
+    # survivor uploaded outside value_range). None without secure aggregation.
+    secure_clamped: int | None = None
 
     @field_validator("test_accuracy", "test_loss", "train_loss", "test_mse", "test_mae", "aggregation_s", "evaluation_s")
     @classmethod
@@ -227,7 +231,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
                  device_kinds: Mapping[str, str], aggregation_s: float, algorithm_metrics: Mapping[str, Any],
                  evaluated_devices: int | None = None, evaluated_samples: int | None = None,
                  privacy: Mapping[str, Any] | None = None,
-                 sample_privacy: Mapping[str, Any] | None = None) -> RoundRecord:
+                 sample_privacy: Mapping[str, Any] | None = None, secure_clamped: int | None = None) -> RoundRecord:
     """The record of one finished round attempt; ``figures`` are its :func:`figure_fields`."""
     updates = fed_round.updates
     up, down, server = round_bytes(fed_round)
@@ -255,6 +259,7 @@ def round_record(fed_round: FedRound, algorithm: str, used: Sequence[str], dropp
         evaluated_devices=evaluated_devices, evaluated_samples=evaluated_samples,
         privacy=PrivacyRecord.model_validate(privacy) if privacy is not None else None,
         sample_privacy=SamplePrivacyRecord.model_validate(sample_privacy) if sample_privacy is not None else None,
+        secure_clamped=secure_clamped,
     )
 
 

@@ -37,3 +37,14 @@ def encode(values: np.ndarray, bits: int, limit: float) -> np.ndarray:
 def decode(words: np.ndarray, bits: int) -> np.ndarray:
     """The float64 values of uint64 fixed-point ``words`` (a sum of encoded values, masks removed)."""
     return words.view(np.int64).astype(np.float64) / 2.0 ** bits
+
+
+def decode_within(words: np.ndarray, bits: int, limit: float) -> tuple[np.ndarray, int]:
+    """:func:`decode`, each value clamped to ``±limit`` (what the summed devices' encoded values
+    can add up to), and how many were outside it. Only a device that encoded a value beyond its
+    own limit, or masked with something else than its secrets, puts a sum outside: the Fed Server
+    cannot see which, and clamping keeps such a device from moving the sum further than every
+    device at its limit could."""
+    values = decode(words, bits)
+    outside = int(np.count_nonzero(np.abs(values) > limit))
+    return (np.clip(values, -limit, limit) if outside else values), outside

@@ -7,6 +7,10 @@
   the plain FedAvg of the four uploaded (clipped) updates within the fixed-point bound, while
   every upload the Fed Server recorded (``--record-received``) is not the device's update. A
   public key one device sent, sent again by another, is refused (422).
+- The same attempt with one device adding 2^62 to each of its words (an update far beyond its
+  range, which it need not clip): each entry of the unmasked sum is clamped to what the survivors'
+  clipped updates can add up to, so the model moves by at most ``value_range``; the record and the
+  Fed Server's metric count the clamped entries.
 - The same attempt with only two answers in the unmasking stage, below the threshold of three:
   the attempt fails, its record says so, and the logical round is retried.
 - A FedAvg run with real device agents and ``secure_aggregation.enabled``: its rounds complete and
@@ -37,9 +41,9 @@ from shared.schemas import (
 )
 from shared.secagg.encoding import decode
 from shared.secagg.masks import BlockLayout
-from shared.secagg.protocol import DeviceSecrets
+from shared.secagg.protocol import DeviceSecrets, state_to_words, words_to_state
 from shared.models import build_model
-from shared.wire import decode_state, packb, unpackb
+from shared.wire import decode_state, encode_state, packb, unpackb
 from testbed.runner import Testbed
 from testbed.warm_start import shared_starter
 
@@ -86,13 +90,15 @@ class _InboxChannel:
                                           wait_s=wait_s))
 
 
-def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str], norm: float | None = None):
+def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str], norm: float | None = None,
+                  harmful: str | None = None):
     """Register the five devices and play their first attempt: all send keys and shares, dev-4
     withdraws before masking, dev-0..3 upload masked updates (each of L2 norm ``norm`` if given,
     as a private device's clipped update is), masked as a device masks them
-    (:meth:`SecureSession.masked_weights`, with the task's privacy terms), and only ``answering``
-    answer the unmasking stage. The weights the attempt started from, the updates, their sample
-    counts and the task's terms."""
+    (:meth:`SecureSession.masked_weights`, with the task's privacy terms), ``harmful`` adding 2^62
+    to every word of its own (an update far beyond its range), and only ``answering`` answer the
+    unmasking stage. The weights the attempt started from, the updates, their sample counts and
+    the task's terms."""
     sizes = {d: trained_samples(n, None) for d, n in zip(DEVICES, shard_sizes(config.data))}
     for shard, device in enumerate(DEVICES):
         _call(client, "POST", f"{fed}{API}/devices/register", RegisterRequest(
@@ -139,6 +145,9 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
                                 rosters[device].threshold, rosters[device].splits)
         trained = {k: start[k].double() + torch.from_numpy(v) for k, v in update.items()}
         masked = session.masked_weights(trained, start, sizes[device], layout, tasks[device].privacy)
+        if device == harmful:
+            masked = encode_state(words_to_state({k: w + np.uint64(1 << 62)
+                                                  for k, w in state_to_words(decode_state(masked)).items()}))
         _call(client, "POST", f"{fed}{API}/rounds/{round_id}/updates", UpdateRequest(
             device_id=device, round_id=round_id, num_samples=sizes[device], steps=1, train_loss=1.0,
             weights=masked, bytes_up=0, bytes_down=0,
@@ -167,7 +176,7 @@ def test_the_fed_server_recovers_the_fedavg_sum_from_masked_uploads_despite_two_
                  "the run to finish")
 
     (record,) = read_metrics(run_dir)
-    assert record["status"] == "ok" and sorted(record["aggregated"]) == DEVICES[:4], record
+    assert record["status"] == "ok" and sorted(record["aggregated"]) == DEVICES[:4] and record["secure_clamped"] == 0
     _, state, _ = RunDirectory(run_dir).read_checkpoint()
     weight = sum(sizes[d] for d in updates)
     bound = len(updates) / 2.0 ** (terms.fraction_bits + 1) / weight + 1e-6   # + float32 storage of the model
@@ -182,6 +191,31 @@ def test_the_fed_server_recovers_the_fedavg_sum_from_masked_uploads_despite_two_
                 alone = decode(kept[key].view(np.uint64), terms.fraction_bits)
                 truth = sizes[device] * np.clip(value, -RANGE, RANGE)
                 assert np.mean(np.abs(alone - truth) < 1e-3) < 0.01, (device, key)
+
+
+
+def test_an_upload_beyond_its_range_moves_each_entry_of_the_mean_by_at_most_value_range(tmp_path: Path):
+    config = _config()
+    run_dir = tmp_path / "run"
+    with server_pair(config, "secagg-harmful", fed_args=["--run-dir", str(run_dir)]) as servers, \
+            httpx.Client(timeout=60.0, headers=HEADERS) as client:
+        start, updates, _, terms = _play_attempt(client, config, servers.fed_url, answering=DEVICES[:3],
+                                                 harmful="dev-0")
+        wait_for(lambda: client.get(f"{servers.fed_url}{API}/status").json()["state"] == "finished", 120,
+                 "the run to finish")
+        clamped = client.get(f"{servers.fed_url}/metrics").text
+
+    (record,) = read_metrics(run_dir)
+    entries = sum(v.numel() for v in start.values())
+    # 2^62 in fixed point is more than every device at its limit adds up to: most entries of the sum
+    # land beyond it (those where the honest sum is not far below zero) and are clamped.
+    assert record["status"] == "ok" and entries // 2 < record["secure_clamped"] <= entries, record["secure_clamped"]
+    (counted,) = [float(line.split()[1]) for line in clamped.splitlines()
+                  if line.startswith("sfl_fed_secure_clamped_entries_total ")]
+    assert counted == record["secure_clamped"]
+    _, state, _ = RunDirectory(run_dir).read_checkpoint()
+    moved = max(float((state[k].double() - v.double()).abs().max()) for k, v in start.items())
+    assert RANGE * 0.99 < moved <= RANGE * (1 + 1e-5), moved   # unclamped, the 2^62 alone moves it 1.57 x RANGE
 
 
 def test_with_distributed_noise_the_unmasked_mean_carries_the_devices_shares_of_the_noise_and_an_epsilon(

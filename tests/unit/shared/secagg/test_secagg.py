@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shared.secagg.crypto import MASK_PURPOSE, ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal
-from shared.secagg.encoding import SUM_BITS, decode, encode, fraction_bits
+from shared.secagg.encoding import SUM_BITS, decode, decode_within, encode, fraction_bits
 from shared.secagg.masks import BlockLayout, add_masks, masked_splits, remove_masks, well_held
 
 LAYOUT = BlockLayout(((("a", (3,)),), (("b", (2, 2)), ("c", ())), (("d", (5,)),)))
@@ -83,6 +83,23 @@ def test_fixed_point_sum_is_exact_within_the_rounding_and_never_wraps():
 def test_fixed_point_keeps_values_within_the_range():
     bits = fraction_bits(1, 1.0)
     np.testing.assert_array_equal(decode(encode(np.array([5.0, -7.0, 0.25]), bits, 1.0), bits), [1.0, -1.0, 0.25])
+
+
+
+def test_a_sum_beyond_what_its_devices_clipped_values_allow_is_clamped_and_counted():
+    n, bound = 4, 0.5
+    bits = fraction_bits(n, bound)
+    honest = [encode(np.array([0.5, -0.5, 0.1]), bits, bound) for _ in range(n - 1)]
+    total = np.sum(honest, axis=0, dtype=np.uint64)
+    values, outside = decode_within(total + encode(np.array([0.5, -0.5, 0.1]), bits, bound), bits, n * bound)
+    assert outside == 0 and np.allclose(values, [2.0, -2.0, 0.4])     # every device at its limit: kept
+    # One device puts words of its own choosing in the sum: over the fixed point's whole range,
+    # [-2^63, 2^63) / 2^bits, two to four times what every device at its limit adds up to.
+    harmful = np.array([1 << 62, 3 << 62, 12345], dtype=np.uint64)      # +2^62, -2^62, a little
+    assert 2 * n * bound <= float(decode(np.array([(1 << 63) - 1], dtype=np.uint64), bits)[0]) < 4 * n * bound
+    values, outside = decode_within(total + harmful, bits, n * bound)
+    assert outside == 2 and values[0] == n * bound and values[1] == -n * bound
+    assert values[2] == pytest.approx(0.3 + 12345 / 2.0 ** bits)
 
 
 def test_a_range_too_wide_for_64_bit_words_is_refused():
