@@ -14,6 +14,7 @@ import torch
 
 from device_agent.api import SecureChannel, StageAnswer
 from device_agent.task_expired import TaskExpired
+from shared.errors import Invalid
 from shared.privacy.noise import add_noise, distributed_noise_std
 from shared.schemas import (
     PrivacyTerms, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms,
@@ -54,10 +55,16 @@ class SecureSession:
         devices whose shares it holds (:meth:`open_inbox`), as int64 tensors on the wire.
         With distributed noise (``privacy.noise_multiplier``) the change weighs 1 and carries this
         device's share of the noise: N(0, (z C)^2 / threshold) on every entry, drawn from the
-        operating system's randomness."""
+        operating system's randomness. Invalid for a change with a NaN or infinite entry (a
+        diverged training), which the fixed point would turn into an extreme value no check could
+        see in the sum: the device withdraws, as a plain upload of it would be refused."""
         partners = self.open_inbox()
         masked = layout.held_keys(self.splits[self.secrets.device_id])
         update = {k: state[k].double() - start[k].double() for k in masked}
+        broken = sorted(k for k, v in update.items() if not bool(torch.isfinite(v).all()))
+        if broken:
+            raise Invalid(f"the update of {self.secrets.device_id} has NaN or infinite entries in {broken[:3]}: "
+                          "not masked")
         if privacy is not None and privacy.noise_multiplier is not None:
             weight = 1.0
             update = add_noise(update, distributed_noise_std(privacy.noise_multiplier, privacy.clip_norm,

@@ -29,7 +29,7 @@ from fed_server.time_table import ClientTimeTable
 from shared.algorithms.aggregation import Contribution
 from shared.privacy.clipping import update_norm
 from shared.privacy.noise import add_noise
-from shared.secagg.encoding import decode_within
+from shared.secagg.encoding import decode_within, word_limit
 from shared.secagg.masks import BlockLayout
 from shared.secagg.protocol import rebuild_secrets, state_to_words, unmasked_sum
 
@@ -191,17 +191,19 @@ class Aggregator:
         total = unmasked_sum({d: state_to_words(fed_round.updates[d].state) for d in used}, layout, seeds, keys,
                              {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods, secure.splits)
         held = {d: set(layout.held_keys(secure.splits[d])) for d in used}
+        bits, value_range = secure.terms.fraction_bits, secure.terms.value_range
         weights: dict[str, float] = {}
-        holders: dict[str, int] = {}
+        limits: dict[str, int] = {}   # in words: what the holders' encoded entries can add up to
         for device in used:
+            weight = self.core.summed_weight(device)
+            # As the device encodes its weighted entries: kept within weight * value_range.
+            limit = word_limit(weight * value_range, bits)
             for key in held[device]:
-                weights[key] = weights.get(key, 0.0) + self.core.summed_weight(device)
-                holders[key] = holders.get(key, 0) + 1
+                weights[key] = weights.get(key, 0.0) + weight
+                limits[key] = limits.get(key, 0) + limit
         if self.core.privacy is not None:
             aggregation.privacy = self.core.privacy.release(len(used), None)
-        bits, value_range = secure.terms.fraction_bits, secure.terms.value_range
-        sums = {k: decode_within(v, bits, weights[k] * value_range + holders[k] / 2.0 ** (bits + 1))
-                for k, v in total.items()}
+        sums = {k: decode_within(v, bits, limits[k]) for k, v in total.items()}
         aggregation.secure_clamped = sum(outside for _, outside in sums.values())
         if aggregation.secure_clamped:
             log.warning("round %d (attempt %d): %d of %d entries of the unmasked sum were beyond what the survivors' "

@@ -38,7 +38,7 @@ from shared.schemas import (
 from shared.secagg.crypto import ShareError, check_public_key
 from shared.secagg.encoding import fraction_bits
 from shared.secagg.graph import Neighbourhoods, majority_threshold, neighbourhoods
-from shared.secagg.masks import masked_splits, well_held
+from shared.secagg.masks import masked_splits, unprotected
 from shared.secagg.shamir import SHARE_BYTES
 
 #: The longest a stage's long poll is held (``wait_s``).
@@ -61,7 +61,7 @@ class SecureRound:
     #: Each roster device's neighbourhood (itself included, sorted), once the key stage closed.
     neighbourhoods: Neighbourhoods = field(default_factory=dict)
     #: The blocks ``[0, split)`` each roster device masks and uploads: those of its portion that at
-    #: least ``threshold`` roster devices hold (``shared.secagg.masks.masked_splits``).
+    #: least ``threshold`` devices of its neighbourhood mask too (``shared.secagg.masks.masked_splits``).
     splits: dict[str, int] = field(default_factory=dict)
     threshold: int = 0
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)
@@ -249,7 +249,8 @@ def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
     secure.neighbourhoods = neighbourhoods(list(secure.roster), settings.neighbours, random.SystemRandom())
     size = min(len(n) for n in secure.neighbourhoods.values()) if secure.roster else 0
     secure.threshold = settings.threshold if settings.threshold is not None else majority_threshold(size)
-    secure.splits = masked_splits({d: fed_round.assignments[d].split_point for d in secure.roster}, secure.threshold)
+    secure.splits = masked_splits({d: fed_round.assignments[d].split_point for d in secure.roster}, secure.threshold,
+                                  secure.neighbourhoods)
     if len(secure.roster) < max(2, secure.threshold):
         core.exclude(fed_round, secure.roster, f"secure aggregation: {len(secure.roster)} devices sent keys, "
                                                f"below the threshold {secure.threshold}")
@@ -259,17 +260,25 @@ def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
 def close_share_stage(core: RunCore, fed_round: FedRound) -> None:
     """Close stage 2: the devices still in the attempt that sent no shares are taken out; fewer
     sharers than the threshold take every device out; then the devices fewer than the threshold
-    of whose neighbourhood shared (their secrets could never be rebuilt) are taken out, until none
-    is left with too few. The others are the sharers."""
+    of whose neighbourhood shared (their secrets could never be rebuilt), or mask their deepest
+    masked block (its sum would be over too few: ``shared.secagg.masks.unprotected``), are taken
+    out, until none is left short. The others are the sharers."""
     secure = fed_round.secure
     assert secure is not None
     core.exclude(fed_round, _still_in(fed_round) - set(secure.shares), "secure aggregation: sent no shares in time")
     if len(_still_in(fed_round)) < secure.threshold:
         core.exclude(fed_round, _still_in(fed_round), f"secure aggregation: {len(_still_in(fed_round))} devices "
                                                       f"shared, below the threshold {secure.threshold}")
-    while short := _short_of(_still_in(fed_round), _still_in(fed_round), secure):
+    while True:
+        still = _still_in(fed_round)
+        short = _short_of(still, still, secure)
+        bare = set(unprotected(secure.splits, secure.threshold, secure.neighbourhoods, still)) - short
+        if not short and not bare:
+            break
         core.exclude(fed_round, short, f"secure aggregation: fewer than {secure.threshold} of its neighbourhood "
                                        "shared their secrets")
+        core.exclude(fed_round, bare, f"secure aggregation: fewer than {secure.threshold} of its neighbourhood that "
+                                      "shared mask its deepest masked block")
     secure.sharers = sorted(_still_in(fed_round))
     _close_stage(secure)
 
@@ -283,26 +292,16 @@ def _short_of(devices: Iterable[str], among: set[str], secure: SecureRound) -> s
 def open_unmasking_stage(core: RunCore, fed_round: FedRound, usable: list[str]) -> None:
     """Open stage 4 once uploads closed: the sharers among the ``usable`` uploaders (still in, and
     in a split attempt with their group's server portion back: ``Aggregator.usable``) are the
-    survivors, the other sharers dropped. When some block the survivors uploaded is held by fewer
-    than the threshold of them, or some sharer's neighbourhood has fewer survivors than the
-    threshold (its secrets could not be rebuilt, and its survivors would refuse to answer:
-    ``DeviceSecrets.unmask``), every survivor is taken out instead (the attempt fails and the
+    survivors, the other sharers dropped. When the survivors' sum must not be unmasked
+    (:func:`_unmasking_refusal`), every survivor is taken out instead (the attempt fails and the
     round is retried) and no share is asked for."""
     secure = fed_round.secure
     assert secure is not None and secure.sharers is not None
     survivors = [d for d in secure.sharers if d in usable]
-    held = {d: secure.splits[d] for d in survivors}
-    enough = well_held(held, secure.threshold)
-    short = sorted(_short_of(secure.sharers, set(survivors), secure)) if survivors else []
-    if any(split > enough for split in held.values()):
-        # Unmasking would give the Fed Server a block's sum over fewer devices than the threshold.
-        core.exclude(fed_round, survivors, f"secure aggregation: block {enough} was uploaded by fewer than "
-                                           f"{secure.threshold} surviving devices")
-        survivors = []
-    elif short:
-        names = ", ".join(short[:3]) + (f" and {len(short) - 3} more" if len(short) > 3 else "")
-        core.exclude(fed_round, survivors, f"secure aggregation: fewer than {secure.threshold} devices survived in "
-                                           f"the neighbourhood of {names}, whose secrets cannot be rebuilt")
+    refusal = (_unmasking_refusal(secure, secure.sharers, survivors, core.config.deadlines.min_participants)
+               if survivors else None)
+    if refusal is not None:
+        core.exclude(fed_round, survivors, f"secure aggregation: {refusal}")
         survivors = []
     surviving = set(survivors)
     secure.plan = SecAggUnmaskPlan(ready=True, survivors=survivors,
@@ -312,6 +311,36 @@ def open_unmasking_stage(core: RunCore, fed_round: FedRound, usable: list[str]) 
                                              dropped=[d for d in hood if d in dropped])
                     for device, hood in secure.neighbourhoods.items()}
     _close_stage(secure)
+
+
+def _unmasking_refusal(secure: SecureRound, sharers: list[str], survivors: list[str], quorum: int) -> str | None:
+    """Why the ``survivors``' sum (of the ``sharers``) must not be unmasked, or None:
+    - fewer survivors than the ``quorum`` (``deadlines.min_participants``): the attempt fails
+      whatever the sum, and its retry trains the same updates again (the batches are drawn from
+      the logical round), so a sum unmasked now would give the Fed Server, beside the retry's, the
+      difference of two sums of the same updates: a device's own where they differ by one;
+    - a survivor's block that fewer than the threshold of its neighbourhood's survivors uploaded
+      (``shared.secagg.masks.unprotected``): its sum would be over too few devices;
+    - a sharer's neighbourhood with fewer survivors than the threshold: its secrets cannot be
+      rebuilt, and its survivors would refuse to answer (``DeviceSecrets.unmask``)."""
+    surviving, threshold = set(survivors), secure.threshold
+    if len(survivors) < quorum:
+        return (f"{len(survivors)} devices survived, below the quorum of {quorum} (deadlines.min_participants): "
+                "the sum is not unmasked")
+    bare = unprotected(secure.splits, threshold, secure.neighbourhoods, surviving)
+    if bare:
+        return (f"block {secure.splits[bare[0]] - 1} of {_named(bare)} was uploaded by fewer than {threshold} surviving "
+                "devices of its neighbourhood")
+    short = sorted(_short_of(sharers, surviving, secure))
+    if short:
+        return (f"fewer than {threshold} devices survived in the neighbourhood of {_named(short)}, whose secrets "
+                "cannot be rebuilt")
+    return None
+
+
+def _named(devices: list[str]) -> str:
+    """The first three of ``devices`` by name, and how many more."""
+    return ", ".join(devices[:3]) + (f" and {len(devices) - 3} more" if len(devices) > 3 else "")
 
 
 def _close_stage(secure: SecureRound) -> None:

@@ -30,8 +30,14 @@ def fraction_bits(total_weight: float, bound: float) -> int:
 
 def encode(values: np.ndarray, bits: int, limit: float) -> np.ndarray:
     """Float64 ``values`` kept within ``±limit`` and encoded with ``bits`` fraction bits: uint64
-    words (two's complement)."""
+    words (two's complement), each within ``±``:func:`word_limit`."""
     return np.rint(np.clip(values, -limit, limit) * 2.0 ** bits).astype(np.int64).view(np.uint64)
+
+
+def word_limit(limit: float, bits: int) -> int:
+    """The largest magnitude of a word :func:`encode` makes of values kept within ``±limit``:
+    the same float operations, so exactly."""
+    return int(np.rint(limit * 2.0 ** bits))
 
 
 def decode(words: np.ndarray, bits: int) -> np.ndarray:
@@ -39,12 +45,15 @@ def decode(words: np.ndarray, bits: int) -> np.ndarray:
     return words.view(np.int64).astype(np.float64) / 2.0 ** bits
 
 
-def decode_within(words: np.ndarray, bits: int, limit: float) -> tuple[np.ndarray, int]:
-    """:func:`decode`, each value clamped to ``±limit`` (what the summed devices' encoded values
-    can add up to), and how many were outside it. Only a device that encoded a value beyond its
-    own limit, or masked with something else than its secrets, puts a sum outside: the Fed Server
-    cannot see which, and clamping keeps such a device from moving the sum further than every
-    device at its limit could."""
-    values = decode(words, bits)
-    outside = int(np.count_nonzero(np.abs(values) > limit))
-    return (np.clip(values, -limit, limit) if outside else values), outside
+def decode_within(words: np.ndarray, bits: int, limit: int) -> tuple[np.ndarray, int]:
+    """:func:`decode`, each word first clamped to ``±limit`` (what the summed devices' words can
+    add up to: the sum of their :func:`word_limit`), and how many were outside it. Only a device
+    that encoded a value beyond its own limit, or masked with something else than its secrets,
+    puts a sum outside: the Fed Server cannot see which, and clamping keeps such a device from
+    moving the sum further than every device at its limit could. Compared in whole words, so an
+    honest sum is never clamped (its float64 value may round past a float bound)."""
+    signed = words.view(np.int64)
+    outside = int(np.count_nonzero((signed > limit) | (signed < -limit)))
+    if outside:
+        signed = np.clip(signed, -limit, limit)
+    return signed.astype(np.float64) / 2.0 ** bits, outside

@@ -16,7 +16,7 @@ cut, and every pair of devices holds them both.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,21 +68,53 @@ class BlockLayout:
         return out
 
 
-def well_held(splits: Mapping[str, int], threshold: int) -> int:
-    """How many leading blocks at least ``threshold`` of the devices cut at ``splits`` hold: a
-    block is held by every device cut after it, so the ``threshold``-th deepest cut (0 with fewer
-    devices). A block's sum over fewer devices than the threshold is not secure aggregation's
-    sum (one device alone holding it would upload its update for the Fed Server to read)."""
-    deepest = sorted(splits.values(), reverse=True)
+def well_held(splits: Mapping[str, int], members: Iterable[str], threshold: int) -> int:
+    """How many leading blocks at least ``threshold`` of ``members``, cut at ``splits``, hold: a
+    block is held by every device cut after it, so the ``threshold``-th deepest of their cuts (0
+    with fewer devices)."""
+    deepest = sorted((splits[m] for m in members), reverse=True)
     return deepest[threshold - 1] if len(deepest) >= threshold else 0
 
 
-def masked_splits(splits: Mapping[str, int], threshold: int) -> dict[str, int]:
+def masked_splits(splits: Mapping[str, int], threshold: int,
+                  neighbourhoods: Mapping[str, Sequence[str]]) -> dict[str, int]:
     """The blocks each device masks and uploads, ``[0, masked split)``: those of its own that at
-    least ``threshold`` of the devices hold (:func:`well_held`); its deeper blocks are not
-    aggregated from it."""
-    bound = well_held(splits, threshold)
-    return {device: min(split, bound) for device, split in splits.items()}
+    least ``threshold`` devices of its neighbourhood (itself included) mask too; its deeper blocks
+    are not aggregated from it. A device's block carries the pairwise masks of its neighbours that
+    hold it, and no others: with fewer than ``threshold`` of them its block's sum would come out
+    over fewer devices than the threshold (with none, its own update, once its seed is rebuilt).
+    Lowering one device's masked split can leave a neighbour short, so it is repeated until none
+    changes (with the complete graph, once: every device's bound is the same)."""
+    masked = dict(splits)
+    lowered = True
+    while lowered:
+        lowered = False
+        bounds: dict[int, int] = {}    # by neighbourhood: the complete graph's devices share one list
+        for device in sorted(masked):
+            hood = neighbourhoods[device]
+            if id(hood) not in bounds:
+                bounds[id(hood)] = well_held(masked, hood, threshold)
+            if masked[device] > bounds[id(hood)]:
+                masked[device] = bounds[id(hood)]
+                lowered = True
+    return masked
+
+
+def unprotected(splits: Mapping[str, int], threshold: int, neighbourhoods: Mapping[str, Sequence[str]],
+                among: set[str]) -> list[str]:
+    """The devices of ``among`` (those that shared, or survived) whose last masked block (``splits``:
+    their masked splits) fewer than ``threshold`` devices of their neighbourhood among ``among``,
+    themselves included, mask too (:func:`masked_splits`), sorted: its sum would come out over too
+    few devices."""
+    bounds: dict[int, int] = {}
+    short = []
+    for device in sorted(among):
+        hood = neighbourhoods[device]
+        if id(hood) not in bounds:
+            bounds[id(hood)] = well_held(splits, [d for d in hood if d in among], threshold)
+        if splits[device] > bounds[id(hood)]:
+            short.append(device)
+    return short
 
 
 def pair_sign(device: str, partner: str) -> int:

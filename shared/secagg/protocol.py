@@ -23,7 +23,7 @@ from shared.secagg.crypto import (
     share_associated,
 )
 from shared.secagg.encoding import encode
-from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks
+from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks, well_held
 from shared.secagg.shamir import SHARE_BYTES, combine_secret, split_secret
 
 SEED_BYTES = 16
@@ -145,7 +145,13 @@ class DeviceSecrets:
         """The third stage: ``update`` (float64 by entry: this device's blocks ``[0, split)``)
         clipped to ``value_range`` per entry, weighed by ``weight``, encoded in fixed point and
         masked with this device's own mask and the pairwise mask of every other device of
-        ``partners`` on the blocks both hold (``splits``: each roster device's split point)."""
+        ``partners`` on the blocks both hold (``splits``: each roster device's split point).
+        ShareError when fewer than the threshold of ``partners`` (itself included) mask its deepest
+        block (``shared.secagg.masks.masked_splits``): its sum would be over too few devices."""
+        own = splits[self.device_id]
+        if own > well_held(splits, {*partners, self.device_id}, self.threshold):
+            raise ShareError(f"block {own - 1} of {self.device_id!r} is masked by fewer than {self.threshold} of the "
+                             "devices it masks with, itself included")
         words = {k: encode(np.clip(v, -value_range, value_range) * weight, fraction_bits, weight * value_range)
                  for k, v in update.items()}
         return add_masks(words, layout, self.device_id, splits[self.device_id], self.seed,

@@ -220,7 +220,8 @@ def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_
     # d2 never uploads: block 1 would be d1's alone in the sum.
     open_unmasking_stage(coordinator.core, fed_round, ["d0", "d1"])
     assert secure.plan is not None and secure.plan.survivors == [] and secure.plan.dropped == DEVICES
-    assert fed_round.excluded["d1"] == "secure aggregation: block 1 was uploaded by fewer than 2 surviving devices"
+    assert fed_round.excluded["d1"] == ("secure aggregation: block 1 of d1 was uploaded by fewer than 2 surviving "
+                                        "devices of its neighbourhood")
 
 
 
@@ -235,15 +236,69 @@ def test_a_neighbourhood_with_fewer_survivors_than_the_threshold_fails_the_attem
         coordinator.secure.accept_shares(fed_round.round_id, SecAggShares(
             device_id=device, round_id=fed_round.round_id, shares=secrets[device].seal_shares(roster, 2)))
     close_share_stage(coordinator.core, fed_round)
-    # Both neighbours of d0 drop: four devices survive, every block is theirs, but d0's neighbourhood
-    # keeps one survivor, so its secrets cannot be rebuilt, and that survivor would not answer.
-    gone = [d for d in secure.neighbourhoods["d0"] if d != "d0"]
+    # d0 and both its neighbours drop: the three others survive, each beside two survivors, but d0's
+    # neighbours' mask keys (left in their surviving neighbours' uploads) cannot be rebuilt.
+    gone = secure.neighbourhoods["d0"]
     survivors = [d for d in devices if d not in gone]
     open_unmasking_stage(coordinator.core, fed_round, survivors)
-    assert secure.plan is not None and secure.plan.survivors == [] and secure.plans["d0"].survivors == []
-    assert fed_round.excluded["d0"] == ("secure aggregation: fewer than 2 devices survived in the neighbourhood of "
-                                        "d0, whose secrets cannot be rebuilt")
-    assert secrets["d0"].threshold == 2
+    assert secure.plan is not None and secure.plan.survivors == [] and all(not p.survivors for p in secure.plans.values())
+    assert fed_round.excluded[survivors[0]] == (f"secure aggregation: fewer than 2 devices survived in the neighbourhood "
+                                                f"of {', '.join(gone)}, whose secrets cannot be rebuilt")
+
+
+
+def test_fewer_survivors_than_the_quorum_fail_the_attempt_before_any_share_is_asked(tmp_path):
+    # Its sum would be useless (the attempt fails the quorum) and harmful: the retry trains the same
+    # updates, and two unmasked sums of them that differ by one device give that device's update.
+    coordinator, fed_round = _open_round(tmp_path, [f"d{i}" for i in range(4)], threshold=2)
+    coordinator.core.config.deadlines.min_participants = 4
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    devices = sorted(fed_round.assignments)
+    secrets = {d: DeviceSecrets(d, "run", round_id) for d in devices}
+    for device in devices:
+        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
+    close_key_stage(coordinator.core, fed_round)
+    roster = {d: secrets[d].public_keys() for d in devices}
+    for device in devices:
+        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
+                                                    shares=secrets[device].seal_shares(roster, 2)))
+    close_share_stage(coordinator.core, fed_round)
+    open_unmasking_stage(coordinator.core, fed_round, devices[:3])
+    assert secure.plan is not None and secure.plan.survivors == [] and secure.plans[devices[0]].survivors == []
+    assert fed_round.excluded[devices[0]] == ("secure aggregation: 3 devices survived, below the quorum of 4 "
+                                              "(deadlines.min_participants): the sum is not unmasked")
+
+
+
+def test_on_a_sparse_graph_a_device_masks_the_blocks_its_neighbourhood_masks_and_is_taken_out_when_they_do_not_share(
+        tmp_path, monkeypatch):
+    devices = [f"d{i}" for i in range(6)]
+    coordinator, fed_round = _open_round(tmp_path, devices, neighbours=2, threshold=2)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    secrets = {d: DeviceSecrets(d, "run", round_id) for d in devices}
+    for device in devices:
+        fed_round.assignments[device].split_point = 2 if device in ("d0", "d1", "d3") else 1
+        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
+    # The ring d0-d1-...-d5-d0 (drawn at random in a run): d0 and d1 hold block 1 side by side; d3
+    # does too, but neither of its neighbours does, so it masks block 0 only.
+    fixed = {d: sorted({devices[i - 1], d, devices[(i + 1) % 6]}) for i, d in enumerate(devices)}
+    monkeypatch.setattr("fed_server.secure_stages.neighbourhoods", lambda roster, k, rng: fixed)
+    close_key_stage(coordinator.core, fed_round)
+    assert secure.splits == {"d0": 2, "d1": 2, "d2": 1, "d3": 1, "d4": 1, "d5": 1}
+    assert asyncio.run(stages.roster(round_id, "d0", 0)).splits == {"d5": 1, "d0": 2, "d1": 2}
+    # d1 never shares: d0's block 1 would be masked by d0 alone of its neighbourhood.
+    for device in devices:
+        if device != "d1":
+            roster = {d: secrets[d].public_keys() for d in fixed[device]}
+            stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
+                                                        shares=secrets[device].seal_shares(roster, 2)))
+    close_share_stage(coordinator.core, fed_round)
+    assert fed_round.excluded["d1"] == "secure aggregation: sent no shares in time"
+    assert fed_round.excluded["d0"] == ("secure aggregation: fewer than 2 of its neighbourhood that shared mask its "
+                                        "deepest masked block")
+    assert secure.sharers == ["d2", "d3", "d4", "d5"]
 
 
 def test_a_device_masks_only_the_blocks_enough_devices_of_the_roster_hold(tmp_path):

@@ -218,3 +218,15 @@ def test_a_device_answers_no_unmasking_question_naming_fewer_survivors_than_the_
         a.unmask(["a", "b", "stranger"], ["c", "d"])      # a survivor outside its neighbourhood counts for nothing
     seeds, keys = a.unmask(["a", "b", "c"], ["d"])
     assert sorted(seeds) == ["a", "b", "c"] and sorted(keys) == ["d"]
+
+
+def test_a_device_masks_no_block_that_fewer_than_threshold_of_the_devices_it_masks_with_mask():
+    secrets = {d: DeviceSecrets(d, "run", 1) for d in "abc"}
+    roster = {d: s.public_keys() for d, s in secrets.items()}
+    sealed = {d: s.seal_shares(roster, threshold=2) for d, s in secrets.items()}
+    a = secrets["a"]
+    partners = a.open_inbox(roster, {o: sealed[o]["a"] for o in "bc"})
+    update = {"w": np.zeros((4, 3)), "b": np.zeros(3), "v": np.zeros(7)}
+    with pytest.raises(ShareError, match="block 1 of 'a' is masked by fewer than 2 of the devices it masks with"):
+        a.mask(update, 1.0, 40, RANGE, LAYOUT, roster, partners, {"a": 2, "b": 1, "c": 1})
+    a.mask(update, 1.0, 40, RANGE, LAYOUT, roster, partners, {"a": 2, "b": 1, "c": 2})

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from shared.secagg.crypto import MASK_PURPOSE, ShareError, agree, check_public_key, new_private_key, open_sealed, public_key, seal
-from shared.secagg.encoding import SUM_BITS, decode, decode_within, encode, fraction_bits
-from shared.secagg.masks import BlockLayout, add_masks, masked_splits, remove_masks, well_held
+from shared.secagg.encoding import SUM_BITS, decode, decode_within, encode, fraction_bits, word_limit
+from shared.secagg.masks import BlockLayout, add_masks, masked_splits, remove_masks, unprotected, well_held
 
 LAYOUT = BlockLayout(((("a", (3,)),), (("b", (2, 2)), ("c", ())), (("d", (5,)),)))
 SPLITS = {"d0": 1, "d1": 2, "d2": 3, "d3": 3, "d4": 2}
@@ -89,18 +89,33 @@ def test_fixed_point_keeps_values_within_the_range():
 def test_a_sum_beyond_what_its_devices_clipped_values_allow_is_clamped_and_counted():
     n, bound = 4, 0.5
     bits = fraction_bits(n, bound)
+    limit = n * word_limit(bound, bits)
     honest = [encode(np.array([0.5, -0.5, 0.1]), bits, bound) for _ in range(n - 1)]
     total = np.sum(honest, axis=0, dtype=np.uint64)
-    values, outside = decode_within(total + encode(np.array([0.5, -0.5, 0.1]), bits, bound), bits, n * bound)
+    values, outside = decode_within(total + encode(np.array([0.5, -0.5, 0.1]), bits, bound), bits, limit)
     assert outside == 0 and np.allclose(values, [2.0, -2.0, 0.4])     # every device at its limit: kept
     # One device puts words of its own choosing in the sum: over the fixed point's whole range,
     # [-2^63, 2^63) / 2^bits, two to four times what every device at its limit adds up to.
     harmful = np.array([1 << 62, 3 << 62, 12345], dtype=np.uint64)      # +2^62, -2^62, a little
     assert 2 * n * bound <= float(decode(np.array([(1 << 63) - 1], dtype=np.uint64), bits)[0]) < 4 * n * bound
-    values, outside = decode_within(total + harmful, bits, n * bound)
+    values, outside = decode_within(total + harmful, bits, limit)
     assert outside == 2 and values[0] == n * bound and values[1] == -n * bound
     assert values[2] == pytest.approx(0.3 + 12345 / 2.0 ** bits)
 
+
+def test_an_honest_sum_at_its_limit_is_never_clamped():
+    # Near 2^62 one float64 step is 1,024 words: compared in whole words, every device's entry at
+    # the edge of its range still sums to within the limit.
+    rng = np.random.default_rng(3)
+    for _ in range(2000):
+        bound = float(rng.choice([0.05, 0.1, 0.3, 0.7, 1.1, 2.3]))
+        weights = [float(w) for w in rng.integers(1, 5000, size=int(rng.integers(2, 11)))]
+        bits = fraction_bits(sum(weights), bound)
+        sign = float(rng.choice([-1.0, 1.0]))
+        total = np.sum([encode(np.clip(np.array([5.0 * sign]), -bound, bound) * w, bits, w * bound) for w in weights],
+                       axis=0, dtype=np.uint64)
+        _, outside = decode_within(total, bits, sum(word_limit(w * bound, bits) for w in weights))
+        assert outside == 0, (bound, weights)
 
 def test_a_range_too_wide_for_64_bit_words_is_refused():
     with pytest.raises(ValueError, match="fraction bits"):
@@ -126,12 +141,37 @@ def test_a_low_order_public_key_is_refused():
 
 def test_a_device_masks_only_the_blocks_that_at_least_threshold_devices_hold():
     splits = {"a": 1, "b": 2, "c": 3, "d": 3, "e": 4}
+    everyone = sorted(splits)
+    complete = {d: everyone for d in splits}
     # Blocks 0..2 are held by 5, 4 and 3 devices, block 3 by one: with threshold 3 no device
     # uploads block 3, and the rest keep their cuts.
-    assert well_held(splits, 3) == 3
-    assert masked_splits(splits, 3) == {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}
-    assert masked_splits(splits, 2) == {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}
-    assert masked_splits(splits, 5) == {d: 1 for d in splits}
-    assert well_held(splits, 6) == 0 and well_held({}, 2) == 0
+    assert well_held(splits, everyone, 3) == 3
+    assert masked_splits(splits, 3, complete) == {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}
+    assert masked_splits(splits, 2, complete) == {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}
+    assert masked_splits(splits, 5, complete) == {d: 1 for d in splits}
+    assert well_held(splits, everyone, 6) == 0 and well_held({}, [], 2) == 0
     same = {d: 4 for d in splits}
-    assert masked_splits(same, 5) == same
+    assert masked_splits(same, 5, complete) == same
+
+
+def test_on_a_sparse_graph_a_device_masks_only_the_blocks_threshold_of_its_neighbourhood_mask():
+    # A ring a-b-c-d-e-f-a, one neighbour on each side, threshold 2. a and d, not neighbours, are
+    # cut at 2: across the whole roster block 1 has two holders, but neither has a neighbour that
+    # holds it, so its block 1 would carry its own mask alone (the Fed Server rebuilds its seed).
+    ring = "abcdef"
+    hoods = {d: sorted({ring[i - 1], d, ring[(i + 1) % 6]}) for i, d in enumerate(ring)}
+    splits = {d: 2 if d in "ad" else 1 for d in ring}
+    assert masked_splits(splits, 2, {d: list(ring) for d in ring}) == splits       # the complete graph: kept
+    assert masked_splits(splits, 2, hoods) == {d: 1 for d in ring}
+    assert unprotected(splits, 2, hoods, set(ring)) == ["a", "d"]
+    # b at 2 beside a: a and b mask block 1 together; c at 3 beside b masks only blocks 0 and 1.
+    splits = {**splits, "b": 2, "c": 3}
+    masked = masked_splits(splits, 2, hoods)
+    assert masked == {"a": 2, "b": 2, "c": 2, "d": 2, "e": 1, "f": 1}
+    assert unprotected(masked, 2, hoods, set(ring)) == []
+    # Lowering one device can leave its neighbour short: with threshold 3, e at 3 keeps block 2 only
+    # while d and f do; f is cut at 1, so e falls to d's and its own 2, then further to 1.
+    deep = {"a": 1, "b": 1, "c": 1, "d": 3, "e": 3, "f": 1}
+    assert masked_splits(deep, 3, hoods) == {d: 1 for d in ring}
+    # Among the survivors: with b gone, a's block 1 is masked by a alone of its neighbourhood.
+    assert unprotected(masked, 2, hoods, set(ring) - {"b"}) == ["a"]
