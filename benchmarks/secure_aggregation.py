@@ -60,7 +60,7 @@ from shared.machine import describe_machine, usable_cores
 from shared.run_config import load_run_config
 from shared.models import build_model
 from shared.secagg.graph import majority_threshold, neighbourhoods
-from shared.secagg.masks import BlockLayout
+from shared.secagg.masks import BlockLayout, masked_splits
 from shared.secagg.protocol import DeviceSecrets
 from testbed.runner import Testbed
 from testbed.warm_start import WarmStarter, shared_starter
@@ -156,6 +156,22 @@ def failed_attempts(devices: int, neighbours: int, threshold: int, dropped: int,
         gone = set(rng.sample(roster, dropped))
         failed += any(len(set(hood) - gone) < threshold for hood in hoods.values())
     return failed / trials
+
+
+def blocks_aggregated(devices: int, neighbours: int, threshold: int, trials: int = 300, seed: int = 0) -> float:
+    """The share of the blocks the devices of a split run hold that they mask and upload over
+    SecAgg+'s graph (:func:`shared.secagg.masks.masked_splits`: those at least ``threshold`` of
+    their neighbourhood mask too; a fresh ring each trial), each device cut at random after 1, 2 or
+    3 blocks (the small CNN's split candidates); their group copies stand in for the rest."""
+    rng = random.Random(seed)
+    roster = [f"d{i:04d}" for i in range(devices)]
+    held = uploaded = 0
+    for _ in range(trials):
+        hoods = neighbourhoods(roster, neighbours, rng)
+        cuts = {d: rng.choice((1, 2, 3)) for d in roster}
+        held += sum(cuts.values())
+        uploaded += sum(masked_splits(cuts, threshold, hoods).values())
+    return uploaded / held
 
 
 def sparse_failures(sizes: Sequence[int]) -> list[dict]:
@@ -293,6 +309,9 @@ def run(sizes: Sequence[int] = SIZES, rounds: int = ROUNDS, log: Callable[[str],
     add_ratios(results["rows"])
     results["verdict"] = verdict(results["rows"])
     results["sparse_failed_attempts"] = sparse_failures(sizes)
+    results["sparse_blocks_aggregated"] = [{"devices": n, "threshold": SPARSE_THRESHOLD,
+                                            "aggregated": blocks_aggregated(n, NEIGHBOURS, SPARSE_THRESHOLD)}
+                                           for n in sizes if sparse(n)]
     results["protocol_cpu"] = [protocol_cpu(n) for n in sizes]
     results["total_s"] = time.perf_counter() - started
     results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -335,7 +354,10 @@ def report(results: dict) -> str:
           for c in results.get("protocol_cpu", [])],
         *[f"Over {NEIGHBOURS} neighbours with threshold {f['threshold']}, {f['dropout']:.0%} of {f['devices']} devices "
           f"dropping fail {f['failed']:.1%} of attempts (2,000 random rings)"
-          for f in results.get("sparse_failed_attempts", [])]])
+          for f in results.get("sparse_failed_attempts", [])],
+        *[f"In a split run over {NEIGHBOURS} neighbours with threshold {b['threshold']}, {b['devices']} devices cut at "
+          f"random after 1 to 3 blocks mask and upload {b['aggregated']:.1%} of the blocks they hold (300 random rings)"
+          for b in results.get("sparse_blocks_aggregated", [])]])
 
 
 def _agents(count: int) -> str:

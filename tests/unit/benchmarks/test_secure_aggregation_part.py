@@ -100,6 +100,19 @@ def test_the_sparse_threshold_recovers_the_dropouts_where_a_majority_would_fail_
     assert part.failed_attempts(100, part.NEIGHBOURS, majority, 10, trials=400) == 0.0
 
 
+
+def test_a_split_run_on_the_sparse_graph_aggregates_fewer_of_the_blocks_its_devices_hold():
+    # With 98 neighbours of 100 devices (all but one other) a third of them holds each deeper
+    # block, far above the threshold: all are aggregated. Over 20 neighbours some are not.
+    assert part.blocks_aggregated(100, 98, part.SPARSE_THRESHOLD, trials=20) == 1.0
+    assert 0.7 < part.blocks_aggregated(100, part.NEIGHBOURS, part.SPARSE_THRESHOLD, trials=20) < 0.95
+    results = {"machine": {"cpu_model": "x", "cpus_usable": 2}, "model": "m", "data": "d", "rounds": 1, "rows": [],
+               "goal": {"devices": 100, "round_ratio_max": 1.5}, "verdict": "v",
+               "sparse_blocks_aggregated": [{"devices": 100, "threshold": 8, "aggregated": 0.846}]}
+    assert ("In a split run over 20 neighbours with threshold 8, 100 devices cut at random after 1 to 3 blocks mask and "
+            "upload 84.6% of the blocks they hold (300 random rings)") in part.report(results)
+
+
 def test_the_protocol_computation_is_timed_step_by_step_over_the_graph_the_dropouts_run_on():
     assert part.graph_of(10) == (None, 6)
     assert part.graph_of(100) == (part.NEIGHBOURS, part.SPARSE_THRESHOLD)
