@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
+from torch import nn
 
 from shared.algorithms.base import Algorithm, DeviceLogic
 from shared.algorithms.privacy_defence import PrivacyDefence
@@ -109,7 +110,10 @@ def _check_dp_sgd(config: RunConfig, algorithm: Algorithm, model: SplitModel, ca
     outside the optimizer's step), not with a device objective of the algorithm's own (a proximal or
     control term is not a sum over samples: DP-SGD would drop its gradient) nor with a defence that
     adds a penalty to it (``nopeek``), and not with a layer Opacus cannot train privately in the
-    blocks a device may train (BatchNorm mixes the batch's samples). ValueError in one line."""
+    blocks a device may train (BatchNorm mixes the batch's samples), nor, in split mode, with a
+    batch normalisation in the blocks the Main Server may train: the gradient it sends down for one
+    sample would then depend on the batch's other samples, so clipping each would not bound what one
+    sample adds. ValueError in one line."""
     if config.train.dp_sgd is None:
         return
     if config.split.u_shaped:
@@ -134,6 +138,14 @@ def _check_dp_sgd(config: RunConfig, algorithm: Algorithm, model: SplitModel, ca
         first = " ".join(str(errors[0]).split())
         raise ValueError(f"train.dp_sgd: Opacus cannot train the device's blocks of model {config.model!r} "
                          f"privately: {first[:200]}")
+    if candidates:
+        server = model.portion(min(candidates), len(model.blocks))
+        coupled = sorted({type(m).__name__ for m in server.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+        if coupled:
+            raise ValueError(f"train.dp_sgd: the Main Server's blocks of model {config.model!r} normalise over the "
+                             f"batch ({', '.join(coupled)}), so the gradient sent down for one sample depends on "
+                             f"the others and clipping it bounds nothing: use a model without it past the cut "
+                             f"(e.g. GroupNorm)")
 
 
 def _check_split_privacy(config: RunConfig, algorithm: Algorithm, model: SplitModel) -> list[int] | None:

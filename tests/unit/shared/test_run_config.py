@@ -242,6 +242,10 @@ def test_dp_sgd_runs_where_every_device_gradient_is_a_sum_over_samples(data):
      "split_privacy.defences nopeek add a penalty"),
     ({"algorithm": "fedavg", "model": "resnet8", "data": {"dataset": "cifar10"}},
      "Opacus cannot train the device's blocks of model 'resnet8' privately"),
+    # BatchNorm1d in the last block, past every cut (tests/integration/batchnorm_model.py): the Main
+    # Server trains it over the batch, and the gradient it sends down for a sample mixes the others.
+    ({"algorithm": "s2fl", "model": "batchnorm_model:net"},
+     "the Main Server's blocks of model 'batchnorm_model:net' normalise over the batch (BatchNorm1d)"),
 ])
 def test_dp_sgd_is_refused_in_one_line_where_it_would_not_be_dp_sgd(data, expected):
     lines = _lines({**data, "train": {"dp_sgd": DP_SGD}})
