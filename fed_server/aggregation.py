@@ -148,7 +148,7 @@ class Aggregator:
         unclipped = None   # adaptive clipping's noised count of updates inside the bound
         if privacy.adaptive is not None:
             unclipped = inside + float(add_noise({"n": torch.zeros(())}, count_std)["n"])
-        aggregation.privacy = privacy.release(len(used), unclipped)
+        aggregation.privacy = privacy.release(len(used), unclipped, fed_round.sample_rate)
         mean = {key: global_state[key].double() + total / weights[key] for key, total in sums.items()}
         return {PRIVATE_SUM: Contribution(weight=1.0, client_state=mean, key_weights=weights),
                 **self._group_copies(fed_round, used, {d: set(fed_round.updates[d].state) for d in used})}
@@ -202,7 +202,7 @@ class Aggregator:
                 weights[key] = weights.get(key, 0.0) + weight
                 limits[key] = limits.get(key, 0) + limit
         if self.core.privacy is not None:
-            aggregation.privacy = self.core.privacy.release(len(used), None)
+            aggregation.privacy = self.core.privacy.release(len(used), None, fed_round.sample_rate)
         sums = {k: decode_within(v, bits, limits[k]) for k, v in total.items()}
         aggregation.secure_clamped = sum(outside for _, outside in sums.values())
         if aggregation.secure_clamped:

@@ -137,8 +137,14 @@ class Coordinator:
         index = self.progress.rounds_done + 1
         # A device a lost Main Server replica may still hold cannot take a task (replica_planning.py).
         pool = self._selectable(self.replicas.free(core.algorithm.eligible(core.devices.ids())), index, attempt)
-        selected = core.selector.select(RoundContext(index=index, attempt=attempt), pool,
-                                        min(config.per_round, len(pool)), self.rng)
+        count = min(config.per_round, len(pool))
+        if core.privacy is not None:
+            count = core.privacy.devices_for(len(pool), config.per_round, config.data.num_devices)
+            if count < min(config.per_round, len(pool)):
+                log.info("round %d (attempt %d): %d of the %d selectable devices, keeping the sampling rate at "
+                         "%d of %d (privacy)", index, attempt, count, len(pool), config.per_round,
+                         config.data.num_devices)
+        selected = core.selector.select(RoundContext(index=index, attempt=attempt), pool, count, self.rng)
         splits = self.planner.choose(index, selected)
         downloads = self.planner.download_seconds({d: j for d, (j, _) in splits.items()})
         core.round = FedRound(
@@ -147,6 +153,7 @@ class Coordinator:
                          for d, (j, k) in splits.items()},
             deadline_s=config.deadlines.round_s,
             report_deadline_s=config.deadlines.report_s or config.deadlines.round_s / 2,
+            sample_rate=len(selected) / len(pool) if pool else 0.0,
             secure=secure_round(core, list(splits)) if config.secure_aggregation.enabled else None,
         )
         log.info("round %d (attempt %d): %d devices, splits %s", index, attempt, len(selected),

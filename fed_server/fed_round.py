@@ -104,6 +104,8 @@ class FedRound:
     assignments: dict[str, Assignment]
     deadline_s: float
     report_deadline_s: float     # two-phase algorithms: when reporting closes (seconds after the start)
+    # The devices selected over those they were selected from (what a private round spends).
+    sample_rate: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
     updates: dict[str, ReceivedUpdate] = field(default_factory=dict)
     portions: dict[int, ReceivedPortion] = field(default_factory=dict)

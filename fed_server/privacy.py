@@ -5,7 +5,10 @@ adaptive clip bound's next value, and the budget's stop.
 
 The noise multiplier ``z`` is the configured one, or the one that spends ``target_epsilon`` in
 exactly ``rounds`` rounds at the sampling rate ``devices_per_round / num_devices``; it is kept in the
-checkpoint, so a resumed run that changes ``rounds`` keeps its noise.
+checkpoint, so a resumed run that changes ``rounds`` keeps its noise. That rate is a ceiling: a
+round selects from the devices it may select (registered, not sitting out), and with fewer of them
+than ``num_devices`` it selects fewer than ``devices_per_round`` (:meth:`RunPrivacy.devices_for`),
+so that its own rate, which the ledger spends, is never above it.
 """
 from __future__ import annotations
 
@@ -69,15 +72,28 @@ class RunPrivacy:
         return self._update_multiplier() * self.clip_norm, count
 
     # --- what a round spends ------------------------------------------------------------------
-    def release(self, aggregated: int, unclipped: float | None) -> dict[str, Any]:
+    def devices_for(self, pool: int, per_round: int, population: int) -> int:
+        """How many of a ``pool`` of selectable devices a round selects: ``per_round``, or fewer
+        where that would sample them at a higher rate than ``per_round / population`` (the rate the
+        noise and the budget are set for: an epsilon accounted at it would be too low)."""
+        count = min(per_round, pool)
+        if self.ledger is None:
+            return count
+        return min(count, per_round * pool // population)
+
+    def release(self, aggregated: int, unclipped: float | None, sample_rate: float) -> dict[str, Any]:
         """Count an aggregated round of ``aggregated`` devices, ``unclipped`` of which (noised,
-        adaptive clipping) had their update inside the bound: spend its privacy, move the adaptive
-        bound. Returns the round record's ``privacy`` fields (the epsilon after the round)."""
+        adaptive clipping) had their update inside the bound, selected at ``sample_rate`` (those
+        selected over those it selected from): spend its privacy, move the adaptive bound. Returns
+        the round record's ``privacy`` fields (the epsilon after the round)."""
         record: dict[str, Any] = {"clip_norm": self.clip_norm}
         if self.ledger is not None:
             assert self.noise_multiplier is not None
-            self.ledger.spend(self.noise_multiplier, self.sample_rate)
-            record.update(epsilon=self.ledger.epsilon(), delta=self.ledger.delta, noise_multiplier=self.noise_multiplier)
+            if sample_rate > self.sample_rate * (1 + 1e-12):
+                raise RuntimeError(f"a round sampled at {sample_rate:.4g}, above the run's {self.sample_rate:.4g}")
+            self.ledger.spend(self.noise_multiplier, sample_rate)
+            record.update(epsilon=self.ledger.epsilon(), delta=self.ledger.delta, noise_multiplier=self.noise_multiplier,
+                          sample_rate=sample_rate)
         if self.adaptive is not None and unclipped is not None:
             fraction = unclipped / aggregated
             record["unclipped_fraction"] = fraction

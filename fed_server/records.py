@@ -69,6 +69,8 @@ class PrivacyRecord(BaseModel):
     epsilon: float | None = None
     delta: float | None = None
     noise_multiplier: float | None = None
+    # The devices the round selected over those it selected from: the rate the ledger spent.
+    sample_rate: float | None = None
     unclipped_fraction: float | None = None
 
 

@@ -7,6 +7,8 @@
   resumed rounds continue it), the adaptive bound follows its rule across the restart, and
   ``privacy.target_epsilon`` stops the run before a round would pass it, with the reason in
   summary.json.
+- With half the configured devices registered, a private round selects half as many devices as
+  configured, so it samples at the run's rate, and the record's epsilon is Opacus's for that rate.
 """
 from __future__ import annotations
 
@@ -92,3 +94,28 @@ def test_a_noised_split_run_reports_opacus_epsilon_across_a_restart_and_stops_at
     assert summary["epsilon"] == records[-1]["privacy"]["epsilon"] <= target
     assert summary["stop_reason"].startswith("privacy budget: another round would raise epsilon")
     assert all(torch.isfinite(torch.tensor(r["test_accuracy"])) for r in records)
+
+
+class _HalfPopulation(Testbed):
+    """A testbed whose agent hosts the devices of the first half of the shards only."""
+
+    def agent_chunks(self, shards):
+        return [shards[: len(shards) // 2]]
+
+
+def test_with_half_the_devices_registered_a_private_round_selects_half_as_many_and_spends_that_rate(tmp_path):
+    # 4 a round of 8 configured: rate 0.5. Only 4 register (the registration deadline passes with
+    # the quorum of 2): selecting all 4 would sample at 1 and Opacus's epsilon at 0.5 would be too low.
+    privacy = {"clipping": "fixed", "clip_norm": 0.01, "noise": "central", "noise_multiplier": 1.0, "delta": 1e-3}
+    config = small_config(algorithm="fedavg", rounds=2, devices_per_round=4, privacy=privacy, **{
+        "data.num_devices": 8, "deadlines.min_participants": 2, "deadlines.registration_s": 3,
+        "aggregation.rule": "mean", "devices.profiles": []})
+    with _HalfPopulation(config, tmp_path, warm=shared_starter()) as testbed:
+        assert testbed.follow(timeout=300)["state"] == "finished"
+    rounds = read_metrics(tmp_path)
+    assert [r["status"] for r in rounds] == ["ok", "ok"] and all(len(r["selected"]) == 2 for r in rounds), rounds
+    assert [r["privacy"]["sample_rate"] for r in rounds] == [0.5, 0.5]
+    opacus = RDPAccountant()
+    opacus.step(noise_multiplier=1.0, sample_rate=0.5)
+    opacus.step(noise_multiplier=1.0, sample_rate=0.5)
+    assert rounds[-1]["privacy"]["epsilon"] == opacus.get_epsilon(1e-3)
