@@ -11,6 +11,7 @@ import torch
 
 from fed_server.update_checks import table_time
 from shared.algorithms.base import Payload, RoundContext
+from shared.errors import Invalid
 from shared.schemas import ServerPortionUpload, UpdateRequest
 
 if TYPE_CHECKING:
@@ -88,6 +89,12 @@ class ReceivedPortion:
     def server_state(self, device_id: str) -> dict[str, torch.Tensor]:
         """The server-side state ``device_id`` is aggregated with: its own, or its group's copy."""
         return self.member_states.get(device_id, self.state)
+
+
+def check_body_round(body_round_id: int, round_id: int) -> None:
+    """Invalid unless a body's ``round_id`` is its path's: a message meant for another attempt."""
+    if body_round_id != round_id:
+        raise Invalid(f"body round_id {body_round_id} does not match the path's round {round_id}")
 
 
 @dataclass

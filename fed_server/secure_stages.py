@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from fed_server.fed_round import FedRound
+from fed_server.fed_round import FedRound, check_body_round
 from fed_server.run_core import RunCore
 from shared.errors import Conflict, Invalid, NotAllowed
 from shared.schemas import (
@@ -39,7 +39,8 @@ from shared.secagg.crypto import ShareError, check_public_key
 from shared.secagg.encoding import fraction_bits
 from shared.secagg.graph import Neighbourhoods, majority_threshold, neighbourhoods
 from shared.secagg.masks import masked_splits, unprotected
-from shared.secagg.shamir import SHARE_BYTES
+from shared.secagg.protocol import SEALED_SHARE_BYTES
+from shared.secagg.shamir import SHARE_BYTES, is_share
 
 #: The longest a stage's long poll is held (``wait_s``).
 MAX_STAGE_WAIT_S = 30.0
@@ -107,6 +108,7 @@ class SecureStages:
         """Stage 1: a device's public keys; Invalid for a key that agrees on nothing, or one sent
         already by another device of the attempt or as the device's other key (two devices with
         one key could cancel the pairwise masks of a neighbour: ``DeviceSecrets.check_roster``)."""
+        check_body_round(req.round_id, round_id)
         _, secure = self._secure(round_id, req.device_id)
         if secure.roster is not None:
             raise Conflict(f"the key stage of round {round_id} is closed")
@@ -128,29 +130,41 @@ class SecureStages:
         return Ack(detail=f"keys of {req.device_id} for round {round_id} stored")
 
     def accept_shares(self, round_id: int, req: SecAggShares) -> Ack:
-        """Stage 2: a roster device's sealed shares, one for each other roster device."""
+        """Stage 2: a roster device's sealed shares, one for each other roster device, each of
+        :data:`SEALED_SHARE_BYTES` (a share of another size could not open, and would only reach
+        its recipient to make it withdraw)."""
+        check_body_round(req.round_id, round_id)
         _, secure = self._secure(round_id, req.device_id)
         if secure.roster is None or secure.sharers is not None:
             raise Conflict(f"the share stage of round {round_id} is not open")
         others = set(secure.neighbourhoods.get(req.device_id, [])) - {req.device_id}
         if req.device_id not in secure.roster or set(req.shares) != others:
-            raise Invalid(f"shares of {req.device_id!r} must go to exactly its neighbours {sorted(others)}")
+            raise Invalid(f"shares of {req.device_id!r} must go to exactly its {len(others)} neighbours "
+                          f"({_named(sorted(others))})")
+        wrong = sorted(d for d, sealed in req.shares.items() if len(sealed) != SEALED_SHARE_BYTES)
+        if wrong:
+            raise Invalid(f"shares of {req.device_id!r} for {_named(wrong)}: not {SEALED_SHARE_BYTES} bytes")
         secure.shares[req.device_id] = dict(req.shares)
         self.core.changed.set()
         return Ack(detail=f"shares of {req.device_id} for round {round_id} stored")
 
     def accept_unmask(self, round_id: int, req: SecAggUnmask) -> Ack:
-        """Stage 4: a survivor's shares of the survivors' seeds and the dropped devices' keys."""
+        """Stage 4: a survivor's shares of the survivors' seeds and the dropped devices' keys:
+        exactly those it was asked for (its neighbourhood's), each a field element (one that is not
+        could rebuild nothing, and would fail the attempt for every device)."""
+        check_body_round(req.round_id, round_id)
         _, secure = self._secure(round_id, req.device_id)
         plan = secure.plans.get(req.device_id)
         if plan is None or req.device_id not in plan.survivors:
             raise Conflict(f"round {round_id} asks {req.device_id!r} for no unmasking shares")
-        for owners, asked in ((req.seed_shares, plan.survivors), (req.key_shares, plan.dropped)):
-            wanted = set(asked)   # of its neighbourhood only
-            wrong = sorted(o for o, share in owners.items() if o not in wanted or len(share) != SHARE_BYTES)
+        for owners, asked, what in ((req.seed_shares, plan.survivors, "seeds"), (req.key_shares, plan.dropped, "keys")):
+            if set(owners) != set(asked):
+                raise Invalid(f"unmasking shares of {req.device_id!r}: the {what} of exactly "
+                              f"{_named(sorted(asked))} were asked for, not of {_named(sorted(owners))}")
+            wrong = sorted(o for o, share in owners.items() if not is_share(share))
             if wrong:
-                raise Invalid(f"unmasking shares of {req.device_id!r} for {wrong}: not asked for, not its neighbours', "
-                              f"or not {SHARE_BYTES} bytes")
+                raise Invalid(f"unmasking shares of {req.device_id!r} for {_named(wrong)}: not a field element of "
+                              f"{SHARE_BYTES} bytes")
         secure.answers[req.device_id] = (dict(req.seed_shares), dict(req.key_shares))
         self.core.changed.set()
         return Ack(detail=f"unmasking shares of {req.device_id} for round {round_id} stored")
@@ -339,7 +353,10 @@ def _unmasking_refusal(secure: SecureRound, sharers: list[str], survivors: list[
 
 
 def _named(devices: list[str]) -> str:
-    """The first three of ``devices`` by name, and how many more."""
+    """The first three of ``devices`` by name, and how many more ("none" for none): one short line
+    however many there are."""
+    if not devices:
+        return "none"
     return ", ".join(devices[:3]) + (f" and {len(devices) - 3} more" if len(devices) > 3 else "")
 
 

@@ -7,7 +7,9 @@ import logging
 
 import torch
 
-from fed_server.fed_round import NO_REPORT, OVERDUE, WITHDREW, FedRound, ReceivedPortion, ReceivedUpdate
+from fed_server.fed_round import (
+    NO_REPORT, OVERDUE, WITHDREW, FedRound, ReceivedPortion, ReceivedUpdate, check_body_round,
+)
 from fed_server.replica_planning import ReplicaPlanning
 from fed_server.run_core import RunCore
 from fed_server.update_checks import check_claims
@@ -22,11 +24,6 @@ from shared.secagg.protocol import masked_layout
 from shared.wire import WireError, decode_state
 
 log = logging.getLogger("fed_server")
-
-
-def _check_round_id(body_round_id: int, round_id: int) -> None:
-    if body_round_id != round_id:
-        raise Invalid(f"body round_id {body_round_id} does not match the path's round {round_id}")
 
 
 class Uploads:
@@ -49,7 +46,7 @@ class Uploads:
 
     def accept_report(self, round_id: int, req: ReportRequest) -> Ack:
         """Two-phase algorithms: a device's post-training report."""
-        _check_round_id(req.round_id, round_id)
+        check_body_round(req.round_id, round_id)
         fed_round = self._selected(round_id, req.device_id, report=True)
         if req.device_id in fed_round.reports:
             raise Conflict(f"round {round_id} already has the report of {req.device_id!r}")
@@ -117,7 +114,7 @@ class Uploads:
     def accept_update(self, round_id: int, req: UpdateRequest, body_bytes: int, upload_s: float = 0.0) -> Ack:
         """A device's trained portion. Fully checked before it is stored. ``upload_s``: how long
         its body took to arrive (part of the device's round time)."""
-        _check_round_id(req.round_id, round_id)
+        check_body_round(req.round_id, round_id)
         fed_round = self._selected(round_id, req.device_id)
         if req.device_id in fed_round.updates:
             # A retried upload (the first answer was lost): accepted once, acknowledged again.
@@ -186,7 +183,7 @@ class Uploads:
         a group that dropped it): it is taken out at once, so the attempt does not wait for its
         upload. Idempotent; Conflict, changing nothing, once its update is stored or for an
         attempt that is not open; NotAllowed for a device that was not selected."""
-        _check_round_id(req.round_id, round_id)
+        check_body_round(req.round_id, round_id)
         fed_round = self._selected(round_id, req.device_id)
         if req.device_id in fed_round.updates:
             raise Conflict(f"the update of {req.device_id!r} for round {round_id} is already stored")

@@ -296,5 +296,7 @@ def unpackb(data: bytes | bytearray, *, max_bytes: int | None = None) -> Any:
         raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+    except msgpack.StackError:   # its message is empty
+        raise WireError("body is not valid msgpack: nested too deeply") from None
+    except (msgpack.ExtraData, msgpack.FormatError, ValueError, TypeError) as exc:
         raise WireError(f"body is not valid msgpack: {exc}") from None

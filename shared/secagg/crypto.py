@@ -20,6 +20,8 @@ MASK_PURPOSE = b"s2fl secagg pairwise mask"
 SHARE_PURPOSE = b"s2fl secagg share encryption"
 SEED_PURPOSE = b"s2fl secagg self mask"
 NONCE_BYTES = 12
+#: ChaCha20-Poly1305's tag, after the ciphertext.
+TAG_BYTES = 16
 
 
 class ShareError(ValueError):

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from shared.secagg.crypto import (
-    MASK_PURPOSE, SHARE_PURPOSE, ShareError, agree, new_private_key, open_sealed, private_key, public_key, seal,
-    share_associated,
+    MASK_PURPOSE, NONCE_BYTES, SHARE_PURPOSE, TAG_BYTES, ShareError, agree, new_private_key, open_sealed, private_key,
+    public_key, seal, share_associated,
 )
 from shared.secagg.encoding import encode
 from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks, well_held
@@ -28,6 +28,8 @@ from shared.secagg.shamir import SHARE_BYTES, combine_secret, split_secret
 
 SEED_BYTES = 16
 KEY_BYTES = 32
+#: A sealed share's length: the nonce, the two shares (of the seed, of the mask key) and the tag.
+SEALED_SHARE_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + TAG_BYTES
 #: Public keys by device: (mask key, share key).
 PublicKeys = Mapping[str, tuple[bytes, bytes]]
 

@@ -26,6 +26,11 @@ SHARE_BYTES = 66
 MAX_SECRET_BYTES = 65
 
 
+def is_share(share: bytes) -> bool:
+    """Whether ``share`` is a field element of :data:`SHARE_BYTES` bytes (what a share must be)."""
+    return len(share) == SHARE_BYTES and int.from_bytes(share, "big") < PRIME
+
+
 def split_secret(secret: bytes, threshold: int, count: int) -> list[bytes]:
     """``count`` shares of ``secret`` (1 to :data:`MAX_SECRET_BYTES` bytes), any ``threshold`` of
     which rebuild it; share ``i`` (from 0) is the polynomial's value at ``i + 1``,
@@ -52,10 +57,9 @@ def combine_secret(shares: Mapping[int, bytes], size: int) -> bytes:
     ``size``-byte secret (fewer than the threshold, altered, or of different secrets)."""
     points = []
     for index, share in shares.items():
-        y = int.from_bytes(share, "big")
-        if not 0 < index < PRIME or len(share) != SHARE_BYTES or y >= PRIME:
+        if not 0 < index < PRIME or not is_share(share):
             raise ValueError(f"share {index} is not a field element of {SHARE_BYTES} bytes at an index from 1")
-        points.append((index, y))
+        points.append((index, int.from_bytes(share, "big")))
     if not points:
         raise ValueError("no shares to rebuild a secret from")
     secret = 0

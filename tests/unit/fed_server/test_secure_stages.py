@@ -71,6 +71,8 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
                                                 share_key=bytes(32)))
     with pytest.raises(Conflict, match="share stage .* is not open"):
         stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={}))
+    with pytest.raises(Invalid, match="body round_id 9 does not match the path's round"):
+        stages.accept_keys(round_id, _keys("d0", 9))
     assert secure.keys == {} and secure.shares == {}
     secrets = {d: DeviceSecrets(d, "run", round_id) for d in DEVICES}
     for device in DEVICES:
@@ -78,8 +80,14 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
     close_key_stage(coordinator.core, fed_round)
     roster = {d: secrets[d].public_keys() for d in DEVICES}
     sealed = secrets["d0"].seal_shares(roster, 2)
-    with pytest.raises(Invalid, match="exactly its neighbours"):
+    with pytest.raises(Invalid, match=r"exactly its \d+ neighbours"):
         stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={"d1": sealed["d1"]}))
+    for size in (0, 1, 159, 161, 10_000):   # a sealed share is 160 bytes: another could not open
+        with pytest.raises(Invalid, match=r"shares of 'd0' for d1: not 160 bytes"):
+            stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id,
+                                                        shares={**sealed, "d1": bytes(size)}))
+    with pytest.raises(Invalid, match="body round_id"):
+        stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id + 1, shares=sealed))
     assert secure.shares == {}
     # A masked upload before the device shared: refused, and the device stays in.
     state = portion_state(coordinator.core.model, 0, coordinator.core.num_blocks)
@@ -151,7 +159,7 @@ def test_on_a_sparse_graph_a_device_gets_its_neighbourhood_and_one_too_few_of_wh
     # d0's two neighbours never share: d0 cannot be unmasked (one share of its secrets would come
     # back), so it is taken out, and its neighbours with it for sending nothing.
     lonely, silent = "d0", [d for d in hoods["d0"] if d != "d0"]
-    with pytest.raises(Invalid, match="exactly its neighbours"):
+    with pytest.raises(Invalid, match=r"exactly its \d+ neighbours"):
         stages.accept_shares(round_id, SecAggShares(device_id=lonely, round_id=round_id, shares={
             d: b"x" for d in devices if d != lonely}))
     for device in devices:
@@ -192,9 +200,21 @@ def test_on_a_sparse_graph_each_device_is_asked_only_about_its_neighbourhood(tmp
     secrets[asker].open_inbox({d: secrets[d].public_keys() for d in hoods[asker]},
                               asyncio.run(stages.inbox(round_id, asker, 0)).shares)
     seeds, keys = secrets[asker].unmask(secure.plan.survivors, secure.plan.dropped)
-    with pytest.raises(Invalid, match="not asked for"):
+    with pytest.raises(Invalid, match="the seeds of exactly .* were asked for, not of"):
         stages.accept_unmask(round_id, SecAggUnmask(device_id=asker, round_id=round_id,
                                                     seed_shares={**seeds, stranger: bytes(66)}, key_shares=keys))
+    # An empty or partial answer would count as answered, and rebuild nothing.
+    for partial in ({}, dict(list(seeds.items())[:1])):
+        with pytest.raises(Invalid, match="were asked for"):
+            stages.accept_unmask(round_id, SecAggUnmask(device_id=asker, round_id=round_id, seed_shares=partial,
+                                                        key_shares=keys))
+    # A share that is no field element would fail the rebuild, and the attempt for every device.
+    with pytest.raises(Invalid, match=r"for .*: not a field element of 66 bytes"):
+        stages.accept_unmask(round_id, SecAggUnmask(device_id=asker, round_id=round_id,
+                                                    seed_shares={o: b"\xff" * 66 for o in seeds}, key_shares=keys))
+    with pytest.raises(Invalid, match="body round_id .* does not match the path's round"):
+        stages.accept_unmask(round_id, SecAggUnmask(device_id=asker, round_id=round_id + 7, seed_shares=seeds,
+                                                    key_shares=keys))
     assert secure.answers == {}
     stages.accept_unmask(round_id, SecAggUnmask(device_id=asker, round_id=round_id, seed_shares=seeds, key_shares=keys))
     assert sorted(secure.answers[asker][0]) == [d for d in hoods[asker] if d != gone]

@@ -383,6 +383,11 @@ def test_unpack_rejects_garbage(garbage):
         unpackb(garbage)
 
 
+
+def test_unpack_says_a_body_nested_too_deeply_is():
+    with pytest.raises(WireError, match="^body is not valid msgpack: nested too deeply$"):
+        unpackb(b"\x91" * 100_000 + b"\xc0")      # a list in a list in ... nil
+
 def test_unpack_rejects_empty_body():
     with pytest.raises(WireError, match="not valid msgpack"):
         unpackb(b"")
