@@ -32,7 +32,7 @@ from shared.errors import Conflict, Invalid
 from shared.losses import Loss
 from shared.models import Portion, SplitModel
 from shared.portions import decode_device_portion
-from shared.privacy.clipping import clip_update
+from shared.privacy.clipping import clip_update, update_norm
 from shared.secagg.masks import BlockLayout
 from shared.schemas import DeviceTimings, JoinRequest, ReportRequest, TaskResponse, UpdateRequest
 from shared.wire import encode_state
@@ -196,9 +196,12 @@ class TaskTrainer:
         and Main Server traffic, the algorithm's upload extras (none when masked)."""
         assert task.round_id is not None
         state = portion.state_dict()  # detached views: encoding below copies them into the body
+        inside_clip = None
         if task.privacy is not None:
             assert start is not None
-            state = clip_update(state, start, task.privacy.clip_norm)
+            norm = update_norm(state, start)
+            inside_clip = norm <= task.privacy.clip_norm
+            state = clip_update(state, start, task.privacy.clip_norm, norm)
         # The upload's emulated transfer is charged before it is sent (its timings travel inside
         # it), sized by its tensor payload, which is all but a few hundred bytes of the body.
         clock.transfer(sum(t.numel() * (8 if self.secure else t.element_size()) for t in state.values()))
@@ -211,7 +214,7 @@ class TaskTrainer:
             weights, extras = encode_state(state), logic.upload_extras(portion, self.samples).to_wire()
         return UpdateRequest(
             device_id=self.device_id, round_id=task.round_id, num_samples=len(self.samples), steps=result.steps,
-            train_loss=result.train_loss, weights=weights,
+            train_loss=result.train_loss, weights=weights, inside_clip=inside_clip,
             timings=DeviceTimings(compute_s=clock.compute_s, transfer_s=clock.transfer_s, wait_s=clock.wait_s,
                                   server_s=clock.server_s, total_s=clock.total()),
             bytes_up=exchange.bytes_up if exchange is not None else 0,

@@ -218,16 +218,21 @@ class Aggregator:
                 clip_norm: float) -> tuple[dict[str, torch.Tensor], dict[str, float], float]:
         """Per entry, the weighted sum (float64) of the devices' updates, each clipped to ``clip_norm``
         here in float64 (the devices clipped theirs in their own precision; the Fed Server makes
-        sure), and their summed weight; how many updates were inside the bound (adaptive clipping's
-        count). Integer entries (a BatchNorm's step counter) are outside the norm and summed unclipped."""
+        sure), and their summed weight; how many updates were inside the bound before their device
+        clipped them (adaptive clipping's count: ``UpdateRequest.inside_clip``; the clipped upload's
+        norm, at the bound give or take float32 rounding, cannot tell; a device that does not say is
+        judged by that norm). Integer entries (a BatchNorm's step counter) are outside the norm and
+        summed unclipped."""
         sums: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         inside = 0
         for device in used:
-            state, w = fed_round.updates[device].state, self.core.summed_weight(device)
+            received, w = fed_round.updates[device], self.core.summed_weight(device)
+            state = received.state
             norm = update_norm(state, global_state)
             scale = w * min(1.0, clip_norm / norm) if norm > 0 else w
-            inside += norm <= clip_norm
+            said = received.request.inside_clip
+            inside += said if said is not None else norm <= clip_norm
             for key, value in state.items():
                 change = (value.double() - global_state[key].double()).mul_(scale if value.is_floating_point() else w)
                 sums[key] = sums[key].add_(change) if key in sums else change

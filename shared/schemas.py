@@ -369,6 +369,9 @@ class UpdateRequest(Message):
     bytes_up: int = Field(ge=0)
     bytes_down: int = Field(ge=0)
     extras: dict[str, PayloadValue] = {}   # algorithm-specific values (checked by the algorithm; tensors too)
+    #: A private task's (``TaskResponse.privacy``): whether the change was inside the clip bound
+    #: before the device clipped it, which adaptive clipping counts (the upload, clipped, cannot say).
+    inside_clip: bool | None = None
 
 
 class EvaluationReport(Message):

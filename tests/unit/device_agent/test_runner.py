@@ -28,7 +28,7 @@ from shared.portions import portion_state
 from shared.schemas import (
     AgentTaskRequest, AgentTaskResponse, DeviceTask, EvaluationReport, Refusal, RegistrationBatch,
     RegistrationBatchResponse, JoinRequest, JoinResponse, RegisterRequest, RegisterResponse, ReportRequest, RunInfo, StepRequest, StepResponse,
-    SecAggInbox, SecAggKeys, SecAggRoster, SecAggUnmaskPlan, SecureTerms, TaskResponse, UpdateRequest,
+    PrivacyTerms, SecAggInbox, SecAggKeys, SecAggRoster, SecAggUnmaskPlan, SecureTerms, TaskResponse, UpdateRequest,
     WeightsResponse, WireTensor, WithdrawRequest,
 )
 from shared.secagg.protocol import DeviceSecrets
@@ -718,3 +718,12 @@ def test_a_share_or_roster_the_device_refuses_is_one_warning_naming_the_peer_and
     (withdrawal,) = fed.withdrawals
     assert "dev-peer" in withdrawal.reason and fed.uploads == []
     assert [stage for stage, _ in fed.secagg] == stages
+
+
+@pytest.mark.parametrize("bound, inside", [(1e-9, False), (1e9, True)])
+def test_a_private_upload_says_whether_the_change_was_inside_the_bound_before_it_was_clipped(bound: float, inside: bool):
+    fed = FakeFed([_full(1).model_copy(update={"privacy": PrivacyTerms(clip_norm=bound)}), TaskResponse(status="done")])
+    device = _device(fed, [], len(build_model("cnn").blocks))
+    device.run()
+    (upload,) = fed.uploads
+    assert upload.inside_clip is inside

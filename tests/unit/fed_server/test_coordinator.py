@@ -722,3 +722,25 @@ def test_a_device_left_out_for_the_servers_sake_is_no_censored_entry(tmp_path):
     c.close_round()
     assert c.aggregate_round(r).used == ["d0"]
     assert c.table.censored("d1") == {}
+
+
+def test_adaptive_clipping_counts_the_devices_that_were_inside_the_bound_before_they_clipped(tmp_path):
+    # Both devices moved far past the bound and clipped: their uploads are at the bound, give or take
+    # float32 rounding, so their norm cannot tell; what each device says can. (The count's noise is
+    # drawn from the operating system: the count is read before it is added.)
+    c = _coordinator(tmp_path, **{"aggregation.rule": "mean", "privacy.clipping": "adaptive", "privacy.clip_norm": 0.1,
+                                  "privacy.noise": "central", "privacy.noise_multiplier": 1.0, "privacy.delta": 1e-3})
+    start = portion_state(c.core.model, 0, c.core.num_blocks)
+    moved = {k: (v + 0.5 if v.is_floating_point() else v) for k, v in start.items()}
+    scale = 0.1 / update_norm(moved, start)
+    clipped = {k: (start[k] + (v - start[k]) * scale).to(v.dtype) if v.is_floating_point() else v
+               for k, v in moved.items()}
+    assert abs(update_norm(clipped, start) - 0.1) < 1e-5
+    r = _open_round(c)
+    for d, said in (("d0", True), ("d1", False)):
+        c.uploads.accept_update(r.round_id, _upload(c, d, r.round_id).model_copy(
+            update={"weights": encode_state(clipped), "inside_clip": said}), 100)
+    c.close_round()
+    assert c.aggregator._summed(r, ["d0", "d1"], start, 0.1)[2] == 1.0
+    r.updates["d0"].request.inside_clip = None          # a device that does not say: judged by its norm
+    assert c.aggregator._summed(r, ["d0", "d1"], start, 0.1)[2] == float(update_norm(clipped, start) <= 0.1)
