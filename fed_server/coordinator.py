@@ -83,7 +83,7 @@ class Coordinator:
                  recording: Recording | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
-        self.core = _build_core(config, run_id, torch_device)
+        self.core = _build_core(config, run_id, torch_device, run_dir)
         core = self.core
         core.recording = recording
         num_classes, input_shape = core.model.num_classes, core.model.input_shape
@@ -156,6 +156,8 @@ class Coordinator:
             sample_rate=len(selected) / len(pool) if pool else 0.0,
             secure=secure_round(core, list(splits)) if config.secure_aggregation.enabled else None,
         )
+        if core.sample_privacy is not None:   # every task the attempt hands out, before it goes out
+            core.sample_privacy.count({d: core.devices.weight(d) for d in core.round.assignments})
         log.info("round %d (attempt %d): %d devices, splits %s", index, attempt, len(selected),
                  {d: a.split_point for d, a in core.round.assignments.items()})
         core.record_state(core.round, "global", core.model.state_dict())   # what the round's tasks start from
@@ -206,7 +208,8 @@ class Coordinator:
         )
 
 
-def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.device | None) -> RunCore:
+def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.device | None,
+                run_dir: RunDirectory) -> RunCore:
     """The run's shared state as a new run starts it (a resume overwrites what its checkpoint holds)."""
     algorithm = build_algorithm(config)
     model = build_config_model(config, layout=False)
@@ -224,5 +227,5 @@ def _build_core(config: RunConfig, run_id: str | None, torch_device: torch.devic
         pace=DevicePace(config.deadlines.patience, config.deadlines.patience_grace_s,
                         config.deadlines.ignore_slowest),
         evaluation_mode=evaluation_mode(config),
-        torch_device=torch_device, loss=loss, privacy=RunPrivacy(config) if config.privacy.enabled else None,
-        sample_privacy=SampleLedger(config.train.dp_sgd, config.train) if config.train.dp_sgd is not None else None)
+        torch_device=torch_device, loss=loss, privacy=RunPrivacy(config, run_dir) if config.privacy.enabled else None,
+        sample_privacy=SampleLedger(config.train.dp_sgd, config.train, run_dir) if config.train.dp_sgd is not None else None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fed_server.run_dir import RunDirectory
 from shared.config import RunConfig
 from shared.privacy.accountant import PrivacyLedger
 from shared.privacy.budget import count_stddev, run_noise_multiplier
@@ -27,8 +28,10 @@ log = logging.getLogger("fed_server")
 class RunPrivacy:
     """The privacy terms and spending of one run (built only when ``privacy.clipping`` is set)."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, run_dir: RunDirectory | None = None) -> None:
         privacy = self.config = config.privacy
+        #: Where each spend is noted before the round's model leaves (None: nowhere, in tests).
+        self.run_dir = run_dir
         self.sample_rate = config.per_round / config.data.num_devices
         self.clip_norm = privacy.clip_norm
         self.ledger = PrivacyLedger(privacy.accountant, privacy.delta) if privacy.noise is not None else None
@@ -92,6 +95,8 @@ class RunPrivacy:
             if sample_rate > self.sample_rate * (1 + 1e-12):
                 raise RuntimeError(f"a round sampled at {sample_rate:.4g}, above the run's {self.sample_rate:.4g}")
             self.ledger.spend(self.noise_multiplier, sample_rate)
+            if self.run_dir is not None:
+                self.run_dir.write_released("privacy", self.ledger.state_dict())
             record.update(epsilon=self.ledger.epsilon(), delta=self.ledger.delta, noise_multiplier=self.noise_multiplier,
                           sample_rate=sample_rate)
         if self.adaptive is not None and unclipped is not None:
@@ -124,10 +129,23 @@ class RunPrivacy:
                 "ledger": self.ledger.state_dict() if self.ledger is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint: its multiplier, clip bound and ledger."""
+        """Continue from a checkpoint: its multiplier, clip bound and ledger, and the rounds spent
+        after it. A round's model leaves the Fed Server (the next round's tasks, federated
+        evaluation) before the checkpoint that counts the round is written; a Fed Server stopped in
+        between resumes before that round and runs it again, releasing a second model of it. So
+        every spend is noted at once (:meth:`RunDirectory.write_released`), and a noted
+        ledger with more rounds than the checkpoint's is the one continued: the round run again is
+        counted again."""
         self.noise_multiplier = state["noise_multiplier"]
         self.clip_norm = float(state["clip_norm"])
         if self.adaptive is not None:
             self.adaptive.clip_norm = self.clip_norm
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
+            checkpointed = self.ledger.rounds
+            released = self.run_dir.read_released("privacy") if self.run_dir is not None else None
+            if released is not None and sum(int(e[2]) for e in released["history"]) > checkpointed:
+                self.ledger.load_state_dict(released)
+                log.warning("privacy: %d round(s) released after the last checkpoint, whose models left the Fed "
+                            "Server before it stopped, are counted: epsilon %.4g", self.ledger.rounds - checkpointed,
+                            self.ledger.epsilon())

@@ -103,9 +103,7 @@ class Progress:
         if evaluation is not None:   # the evaluation tasks went down to the devices in this round
             fed_round.task_bytes += evaluation.task_bytes
         figures, evaluated = self._figures(ok, evaluation)
-        sample_privacy = core.sample_privacy
-        if sample_privacy is not None:   # every task the attempt handed out, aggregated or not
-            sample_privacy.count({d: core.devices.weight(d) for d in fed_round.assignments})
+        sample_privacy = core.sample_privacy   # it counted the attempt's tasks as it began
         record = round_record(
             fed_round, config.algorithm, aggregation.used, aggregation.dropped, "ok" if ok else "failed", figures,
             time.monotonic() - fed_round.started_at, self.elapsed(), self.cumulative_bytes,

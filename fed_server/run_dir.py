@@ -81,6 +81,24 @@ class RunDirectory:
             return 0
         return int(json.loads(self.attempt_path.read_text())["last_attempt"])
 
+    def released_path(self, ledger: str) -> Path:
+        return self.path / f"{ledger}_released.json"
+
+    def write_released(self, ledger: str, state: Mapping[str, Any]) -> None:
+        """Durably note a privacy ledger (``privacy``: the run's, ``fed_server/privacy.py``;
+        ``sample_privacy``: DP-SGD's, ``fed_server/sample_privacy.py``) as soon as it counts what
+        is about to leave the Fed Server or its devices: the checkpoint that counts it comes later,
+        and a Fed Server stopped in between runs it again."""
+        atomic_write(self.released_path(ledger), json.dumps(dict(state)).encode())
+
+    def read_released(self, ledger: str) -> dict[str, Any] | None:
+        """The state :meth:`write_released` noted last for ``ledger`` (None: none yet)."""
+        path = self.released_path(ledger)
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else None
+
     def write_checkpoint(self, round_id: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
         atomic_write(self.checkpoint_path, packb({"round": round_id, "state": encode_state(state), "extra": dict(extra)}))
 

@@ -3,9 +3,11 @@ DP-SGD"), accounted by the Fed Server from what it knows, not from what a device
 
 A device with ``n`` samples takes ``local_epochs * ceil(n / batch_size)`` DP-SGD steps in each task,
 each a Gaussian mechanism of ``noise_multiplier`` on a batch sampled at rate ``q = batch_size / n``.
-Every task an attempt handed out counts, whether or not its upload was aggregated: a device that
+Every task an attempt hands out counts, whether or not its upload is aggregated: a device that
 trained and uploaded released its blocks to the Fed Server either way, and one cut before
-uploading is counted too, which overstates, never understates, its epsilon. The epsilon of each
+uploading is counted too, which overstates, never understates, its epsilon. The tasks are counted
+as the attempt begins, and noted at once in the run directory: an attempt in flight when the Fed
+Server stops is run again on resume, and both count. The epsilon of each
 device at ``delta`` is Opacus's Renyi-DP accountant's over its steps; the run reports the worst
 device's, which bounds every device's. Only devices that trained in a round are computed again
 (a device's epsilon only grows), so a round costs one accountant call per device it counted.
@@ -16,6 +18,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from fed_server.run_dir import RunDirectory
 from shared.config import DpSgdConfig, TrainConfig
 from shared.local_steps import steps_per_round
 from shared.privacy.accountant import epsilon_of
@@ -24,8 +27,10 @@ from shared.privacy.accountant import epsilon_of
 class SampleLedger:
     """Per device: its samples and the tasks counted; and their epsilons."""
 
-    def __init__(self, terms: DpSgdConfig, train: TrainConfig) -> None:
+    def __init__(self, terms: DpSgdConfig, train: TrainConfig, run_dir: RunDirectory | None = None) -> None:
         self.terms = terms
+        #: Where each count is noted before the tasks go out (None: nowhere, in tests).
+        self.run_dir = run_dir
         self.batch_size = train.batch_size
         self.epochs = train.local_epochs
         self._samples: dict[str, int] = {}
@@ -43,6 +48,8 @@ class SampleLedger:
             self._samples[device] = samples
             self._tasks[device] = self._tasks.get(device, 0) + 1
             self._epsilon[device] = self.epsilon(device)
+        if self.run_dir is not None:
+            self.run_dir.write_released("sample_privacy", self.state_dict())
 
     def epsilon(self, device: str) -> float:
         """The device's epsilon at ``delta`` over the tasks counted (0 before any)."""
@@ -72,7 +79,12 @@ class SampleLedger:
         return {d: [self._samples[d], n] for d, n in sorted(self._tasks.items())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s output (a resumed run's epsilons go on from there)."""
+        """Continue from :meth:`state_dict`'s output (a resumed run's epsilons go on from there), or
+        from the counts noted after it where they hold more tasks (an attempt in flight when the
+        Fed Server stopped)."""
+        released = self.run_dir.read_released("sample_privacy") if self.run_dir is not None else None
+        if released is not None and sum(int(v[1]) for v in released.values()) > sum(int(v[1]) for v in state.values()):
+            state = released
         self._samples = {str(d): int(v[0]) for d, v in state.items()}
         self._tasks = {str(d): int(v[1]) for d, v in state.items()}
         self._epsilon = {d: self.epsilon(d) for d in self._tasks}

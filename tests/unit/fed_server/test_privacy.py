@@ -71,3 +71,26 @@ def test_a_round_never_samples_above_the_runs_rate_and_spends_the_rate_it_sample
     assert run.epsilon() == pytest.approx(opacus.get_epsilon(1e-3))
     with pytest.raises(RuntimeError, match="sampled at 0.5, above the run's 0.25"):
         run.release(aggregated=5, unclipped=None, sample_rate=0.5)
+
+
+def test_a_round_released_after_the_last_checkpoint_is_counted_on_resume(tmp_path):
+    from fed_server.run_dir import RunDirectory
+
+    config = _config(noise_multiplier=1.0)
+    run = RunPrivacy(config, RunDirectory(tmp_path))
+    for _ in range(2):
+        run.release(aggregated=5, unclipped=None, sample_rate=0.25)
+    checkpoint = run.state_dict()        # what the checkpoint of round 2 holds
+    run.release(aggregated=5, unclipped=None, sample_rate=0.25)   # round 3's model leaves; then the Fed Server stops
+    three = run.epsilon()
+    resumed = RunPrivacy(config, RunDirectory(tmp_path))
+    resumed.load_state_dict(checkpoint)  # resumes after round 2, and will run round 3 again
+    assert resumed.ledger is not None and resumed.ledger.rounds == 3 and resumed.epsilon() == three
+    # A checkpoint that counts every spend noted: it is the one continued.
+    again = RunPrivacy(config, RunDirectory(tmp_path))
+    again.load_state_dict(run.state_dict())
+    assert again.epsilon() == three
+    # Without a note (a run directory from before it was kept), the checkpoint's ledger.
+    fresh = RunPrivacy(config, RunDirectory(tmp_path / "other"))
+    fresh.load_state_dict(checkpoint)
+    assert fresh.ledger is not None and fresh.ledger.rounds == 2

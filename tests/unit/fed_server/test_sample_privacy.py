@@ -55,3 +55,18 @@ def test_a_device_smaller_than_a_batch_is_sampled_whole():
     for _ in range(2):
         accountant.step(noise_multiplier=1.1, sample_rate=1.0)
     assert ledger.epsilon("tiny") == pytest.approx(accountant.get_epsilon(delta=1e-5), rel=1e-9)
+
+
+def test_the_tasks_of_an_attempt_in_flight_when_the_fed_server_stopped_count_on_resume(tmp_path):
+    from fed_server.run_dir import RunDirectory
+
+    ledger = SampleLedger(TERMS, TRAIN, RunDirectory(tmp_path))
+    ledger.count({"a": 100, "b": 50})
+    checkpoint = ledger.state_dict()          # the checkpoint of that attempt
+    ledger.count({"a": 100})                  # the next attempt's tasks go out; then the Fed Server stops
+    resumed = SampleLedger(TERMS, TRAIN, RunDirectory(tmp_path))
+    resumed.load_state_dict(checkpoint)
+    assert resumed.state_dict() == ledger.state_dict() and resumed.worst() == ledger.worst()
+    plain = SampleLedger(TERMS, TRAIN, RunDirectory(tmp_path / "other"))   # nothing noted: the checkpoint's
+    plain.load_state_dict(checkpoint)
+    assert plain.state_dict() == checkpoint
