@@ -138,12 +138,11 @@ class Coordinator:
         # A device a lost Main Server replica may still hold cannot take a task (replica_planning.py).
         pool = self._selectable(self.replicas.free(core.algorithm.eligible(core.devices.ids())), index, attempt)
         count = min(config.per_round, len(pool))
-        if core.privacy is not None:
-            count = core.privacy.devices_for(len(pool), config.per_round, config.data.num_devices)
-            if count < min(config.per_round, len(pool)):
-                log.info("round %d (attempt %d): %d of the %d selectable devices, keeping the sampling rate at "
-                         "%d of %d (privacy)", index, attempt, count, len(pool), config.per_round,
-                         config.data.num_devices)
+        kept = core.privacy.devices_for(len(pool), config.per_round, config.data.num_devices) if core.privacy else count
+        if kept < count:
+            log.info("round %d (attempt %d): %d of the %d selectable devices, keeping the sampling rate at %d of %d "
+                     "(privacy)", index, attempt, kept, len(pool), config.per_round, config.data.num_devices)
+            count = kept
         selected = core.selector.select(RoundContext(index=index, attempt=attempt), pool, count, self.rng)
         splits = self.planner.choose(index, selected)
         downloads = self.planner.download_seconds({d: j for d, (j, _) in splits.items()})

@@ -144,8 +144,10 @@ class RunPrivacy:
             self.ledger.load_state_dict(state["ledger"])
             checkpointed = self.ledger.rounds
             released = self.run_dir.read_released("privacy") if self.run_dir is not None else None
-            if released is not None and sum(int(e[2]) for e in released["history"]) > checkpointed:
-                self.ledger.load_state_dict(released)
+            noted = PrivacyLedger(self.ledger.accountant, self.ledger.delta)
+            noted.load_state_dict(released or {"history": []})
+            if noted.rounds > checkpointed:
+                self.ledger.history = noted.history
                 log.warning("privacy: %d round(s) released after the last checkpoint, whose models left the Fed "
                             "Server before it stopped, are counted: epsilon %.4g", self.ledger.rounds - checkpointed,
                             self.ledger.epsilon())

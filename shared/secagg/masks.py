@@ -86,17 +86,9 @@ def masked_splits(splits: Mapping[str, int], threshold: int,
     Lowering one device's masked split can leave a neighbour short, so it is repeated until none
     changes (with the complete graph, once: every device's bound is the same)."""
     masked = dict(splits)
-    lowered = True
-    while lowered:
-        lowered = False
-        bounds: dict[int, int] = {}    # by neighbourhood: the complete graph's devices share one list
-        for device in sorted(masked):
-            hood = neighbourhoods[device]
-            if id(hood) not in bounds:
-                bounds[id(hood)] = well_held(masked, hood, threshold)
-            if masked[device] > bounds[id(hood)]:
-                masked[device] = bounds[id(hood)]
-                lowered = True
+    while lowered := {d: bound for d, bound in _bounds(masked, threshold, neighbourhoods, set(masked)).items()
+                      if masked[d] > bound}:
+        masked.update(lowered)
     return masked
 
 
@@ -106,15 +98,22 @@ def unprotected(splits: Mapping[str, int], threshold: int, neighbourhoods: Mappi
     their masked splits) fewer than ``threshold`` devices of their neighbourhood among ``among``,
     themselves included, mask too (:func:`masked_splits`), sorted: its sum would come out over too
     few devices."""
-    bounds: dict[int, int] = {}
-    short = []
-    for device in sorted(among):
+    return sorted(d for d, bound in _bounds(splits, threshold, neighbourhoods, among).items() if splits[d] > bound)
+
+
+def _bounds(splits: Mapping[str, int], threshold: int, neighbourhoods: Mapping[str, Sequence[str]],
+            among: set[str]) -> dict[str, int]:
+    """For each device of ``among``: how many leading blocks at least ``threshold`` devices of its
+    neighbourhood among ``among`` hold (:func:`well_held`), computed once a neighbourhood (the
+    complete graph's devices share one list)."""
+    by_hood: dict[int, int] = {}
+    bounds = {}
+    for device in among:
         hood = neighbourhoods[device]
-        if id(hood) not in bounds:
-            bounds[id(hood)] = well_held(splits, [d for d in hood if d in among], threshold)
-        if splits[device] > bounds[id(hood)]:
-            short.append(device)
-    return short
+        if id(hood) not in by_hood:
+            by_hood[id(hood)] = well_held(splits, [d for d in hood if d in among], threshold)
+        bounds[device] = by_hood[id(hood)]
+    return bounds
 
 
 def pair_sign(device: str, partner: str) -> int:
