@@ -107,8 +107,10 @@ def share_secrets(fed: SecureChannel, device_id: str, run_id: str, round_id: int
     if set(roster_answer.splits) != set(roster) or not 1 <= roster_answer.splits.get(device_id, 0) <= split_point:
         raise ShareError(f"the roster's split points do not name exactly its devices, or give {device_id} blocks "
                          f"past its cut at {split_point}")
-    fed.secagg_send(round_id, "shares", SecAggShares(device_id=device_id, round_id=round_id,
-                                                     shares=secrets.seal_shares(roster, roster_answer.threshold)))
+    shares = secrets.seal_shares(roster, roster_answer.threshold)
+    fed.secagg_send(round_id, "shares", SecAggShares(device_id=device_id, round_id=round_id, shares=shares,
+                                                     seed_commitment=secrets.seed_commitment(),
+                                                     own_commitments=secrets.own_commitments))
     return SecureSession(fed, secrets, terms, roster, deadline, roster_answer.threshold, dict(roster_answer.splits))
 
 

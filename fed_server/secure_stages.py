@@ -6,22 +6,24 @@ each attempt's stages, what devices send into them, and the masked sum they leav
    The others (the roster) are laid out in neighbourhoods (``shared.secagg.graph``: SecAgg+'s
    sparse graph with ``neighbours``, else the complete graph), and each device is served its
    neighbourhood's keys and the threshold.
-2. shares: each roster device sends its secret shares, sealed for each of its neighbours; the
-   stage closes the same way. A device fewer than ``threshold`` of whose neighbourhood shared could
+2. shares: each roster device sends its secret shares, sealed for each of its neighbours, with its
+   commitments to them and to its seed; the stage closes the same way. A device fewer than ``threshold`` of whose neighbourhood shared could
    never be unmasked, so it is taken out too (and so on, until every remaining one has enough).
    Each device is then served the shares sealed for it by its neighbours that shared (those it
    masks with).
 3. masked updates, through the usual upload (``/rounds/{id}/updates``); the attempt's upload
    deadlines apply.
 4. unmasking: the devices that shared and uploaded (survivors) are asked for their shares of the
-   survivors' seeds and of the dropped devices' mask keys; the stage closes once every survivor
-   answered, or ``stage_s`` after it opened.
+   survivors' seeds and of the dropped devices' mask keys, each checked against its owner's
+   commitment as it comes (a false one is refused, naming the device); the stage closes once every
+   survivor answered, or ``stage_s`` after it opened.
 
 The Fed Server never holds a device's update: it sums the masked words, rebuilds the secrets from
 the shares (``shared.secagg.protocol``) and removes the masks from the sum only."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
@@ -35,12 +37,14 @@ from shared.errors import Conflict, Invalid, NotAllowed
 from shared.schemas import (
     Ack, SecAggInbox, SecAggKeys, SecAggRoster, SecAggShares, SecAggUnmask, SecAggUnmaskPlan, SecureTerms,
 )
-from shared.secagg.crypto import ShareError, check_public_key
+from shared.secagg.crypto import DIGEST_BYTES, ShareError, check_public_key
 from shared.secagg.encoding import fraction_bits
 from shared.secagg.graph import Neighbourhoods, majority_threshold, neighbourhoods
 from shared.secagg.masks import masked_splits, unprotected
-from shared.secagg.protocol import SEALED_SHARE_BYTES
+from shared.secagg.protocol import COMMITMENTS_BYTES, DEALT_SHARE_BYTES, SECRETS, Committed, share_commitment
 from shared.secagg.shamir import SHARE_BYTES, is_share
+
+log = logging.getLogger("fed_server")
 
 #: The longest a stage's long poll is held (``wait_s``).
 MAX_STAGE_WAIT_S = 30.0
@@ -65,7 +69,11 @@ class SecureRound:
     #: least ``threshold`` devices of its neighbourhood mask too (``shared.secagg.masks.masked_splits``).
     splits: dict[str, int] = field(default_factory=dict)
     threshold: int = 0
+    #: Each sharer's dealt shares by recipient: sealed, then committed to (``DEALT_SHARE_BYTES``).
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    #: Each sharer's commitment to its seed, and to the shares it keeps itself.
+    seed_commitments: dict[str, bytes] = field(default_factory=dict)
+    own_commitments: dict[str, bytes] = field(default_factory=dict)
     sharers: list[str] | None = None
     plan: SecAggUnmaskPlan | None = None
     #: Each roster device's own question of stage 4: the plan's devices of its neighbourhood, the
@@ -73,6 +81,17 @@ class SecureRound:
     plans: dict[str, SecAggUnmaskPlan] = field(default_factory=dict)
     answers: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = field(default_factory=dict)
     stage_closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def committed(self, run_id: str, round_id: int) -> Committed:
+        """What the roster committed to: each sharer's seed, each device's public mask key."""
+        assert self.roster is not None
+        return Committed(run_id, round_id, self.seed_commitments, {d: k.mask_key for d, k in self.roster.items()})
+
+    def commitments(self, owner: str, holder: str) -> bytes:
+        """``owner``'s commitments to the two shares it dealt ``holder`` (itself included)."""
+        if owner == holder:
+            return self.own_commitments[owner]
+        return self.shares[owner][holder][-COMMITMENTS_BYTES:]
 
 
 def secure_round(core: RunCore, participants: list[str]) -> SecureRound:
@@ -130,9 +149,9 @@ class SecureStages:
         return Ack(detail=f"keys of {req.device_id} for round {round_id} stored")
 
     def accept_shares(self, round_id: int, req: SecAggShares) -> Ack:
-        """Stage 2: a roster device's sealed shares, one for each other roster device, each of
-        :data:`SEALED_SHARE_BYTES` (a share of another size could not open, and would only reach
-        its recipient to make it withdraw)."""
+        """Stage 2: a roster device's dealt shares, one for each other device of its neighbourhood,
+        each of :data:`DEALT_SHARE_BYTES` (a share of another size could not open, and would only
+        reach its recipient to make it withdraw), and its commitments."""
         check_body_round(req.round_id, round_id)
         _, secure = self._secure(round_id, req.device_id)
         if secure.roster is None or secure.sharers is not None:
@@ -141,19 +160,23 @@ class SecureStages:
         if req.device_id not in secure.roster or set(req.shares) != others:
             raise Invalid(f"shares of {req.device_id!r} must go to exactly its {len(others)} neighbours "
                           f"({_named(sorted(others))})")
-        wrong = sorted(d for d, sealed in req.shares.items() if len(sealed) != SEALED_SHARE_BYTES)
+        wrong = sorted(d for d, dealt in req.shares.items() if len(dealt) != DEALT_SHARE_BYTES)
         if wrong:
-            raise Invalid(f"shares of {req.device_id!r} for {_named(wrong)}: not {SEALED_SHARE_BYTES} bytes")
+            raise Invalid(f"shares of {req.device_id!r} for {_named(wrong)}: not {DEALT_SHARE_BYTES} bytes")
         secure.shares[req.device_id] = dict(req.shares)
+        secure.seed_commitments[req.device_id] = req.seed_commitment
+        secure.own_commitments[req.device_id] = req.own_commitments
         self.core.changed.set()
         return Ack(detail=f"shares of {req.device_id} for round {round_id} stored")
 
     def accept_unmask(self, round_id: int, req: SecAggUnmask) -> Ack:
         """Stage 4: a survivor's shares of the survivors' seeds and the dropped devices' keys:
-        exactly those it was asked for (its neighbourhood's), each a field element (one that is not
-        could rebuild nothing, and would fail the attempt for every device)."""
+        exactly those it was asked for (its neighbourhood's), each a field element and the share its
+        owner dealt it, as the owner committed to it (a false one would rebuild a wrong secret, or
+        none, and fail the attempt for every device; the device checked the commitments when it
+        opened its shares, so a false share is its own doing, and is logged)."""
         check_body_round(req.round_id, round_id)
-        _, secure = self._secure(round_id, req.device_id)
+        fed_round, secure = self._secure(round_id, req.device_id)
         plan = secure.plans.get(req.device_id)
         if plan is None or req.device_id not in plan.survivors:
             raise Conflict(f"round {round_id} asks {req.device_id!r} for no unmasking shares")
@@ -165,6 +188,16 @@ class SecureStages:
             if wrong:
                 raise Invalid(f"unmasking shares of {req.device_id!r} for {_named(wrong)}: not a field element of "
                               f"{SHARE_BYTES} bytes")
+        for part, owners in enumerate((req.seed_shares, req.key_shares)):
+            false = sorted(o for o, share in owners.items()
+                           if share_commitment(self.core.run_id, round_id, o, req.device_id, part, share)
+                           != secure.commitments(o, req.device_id)[part * DIGEST_BYTES:(part + 1) * DIGEST_BYTES])
+            if false:
+                log.warning("round %d (attempt %d): %s answered the unmasking with shares of the %ss of %s that their "
+                            "owners did not deal it: refused", fed_round.index, round_id, req.device_id,
+                            SECRETS[part], _named(false))
+                raise Invalid(f"unmasking shares of {req.device_id!r}: the shares of the {SECRETS[part]}s of "
+                              f"{_named(false)} are not the ones their owners dealt it")
         secure.answers[req.device_id] = (dict(req.seed_shares), dict(req.key_shares))
         self.core.changed.set()
         return Ack(detail=f"unmasking shares of {req.device_id} for round {round_id} stored")

@@ -647,17 +647,25 @@ class SecAggRoster(Message):
 
 
 class SecAggShares(Message):
-    """Secure aggregation's second stage: a device's secret shares, each sealed for one other
-    roster device (recipient -> ChaCha20-Poly1305 ciphertext), which the Fed Server cannot open."""
+    """Secure aggregation's second stage: a device's secret shares, one for each other device of
+    its neighbourhood (recipient -> ChaCha20-Poly1305 ciphertext, which the Fed Server cannot open,
+    followed by the commitments to its two shares), and its commitments to its seed and to the
+    shares it keeps itself: what the Fed Server checks unmasking answers and rebuilt secrets
+    against."""
 
     device_id: DeviceId = Field(pattern=_ID_PATTERN)
     round_id: int = Field(ge=0)
     shares: dict[str, bytes]
+    #: 16 bytes (``shared.secagg.crypto.DIGEST_BYTES``).
+    seed_commitment: bytes = Field(min_length=16, max_length=16)
+    #: 32 bytes: to the share of its seed, then to the share of its mask key.
+    own_commitments: bytes = Field(min_length=32, max_length=32)
 
 
 class SecAggInbox(Message):
-    """The sealed shares addressed to one device (sender -> ciphertext) from every device that
-    shared (those it masks with); ``ready`` False: the stage is still open."""
+    """The shares dealt to one device (sender -> ciphertext and commitments, as the sender sent
+    them) by every device that shared (those it masks with); ``ready`` False: the stage is still
+    open."""
 
     ready: bool
     shares: dict[str, bytes] = {}

@@ -1,10 +1,12 @@
-"""The cryptography of secure aggregation, all from the ``cryptography`` package: X25519 key
+"""The cryptography of secure aggregation, from the ``cryptography`` package: X25519 key
 pairs and agreement (hashed with HKDF-SHA256 into a 32-byte key), ChaCha20-Poly1305 for the secret
 shares a device sends its neighbours through the Fed Server, and ChaCha20's keystream as the
-generator of the masks. Flower's masks come from NumPy's Mersenne Twister seeded with 32 bits of
+generator of the masks; and SHA-256 (``hashlib``) for the commitments that let the Fed Server check
+a share or a rebuilt secret against what its owner dealt. Flower's masks come from NumPy's Mersenne Twister seeded with 32 bits of
 the agreed key; a keystream keyed with all 256 bits cannot be guessed from a few words of it."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -22,6 +24,8 @@ SEED_PURPOSE = b"s2fl secagg self mask"
 NONCE_BYTES = 12
 #: ChaCha20-Poly1305's tag, after the ciphertext.
 TAG_BYTES = 16
+#: A commitment's length: SHA-256 cut to 128 bits, as hard to match as the 16-byte seed to guess.
+DIGEST_BYTES = 16
 
 
 class ShareError(ValueError):
@@ -81,6 +85,15 @@ def share_context(run_id: str, round_id: int) -> bytes:
 def share_associated(run_id: str, round_id: int, sender: str, recipient: str) -> bytes:
     """The associated data a secret share is sealed with: its attempt, its sender and recipient."""
     return share_context(run_id, round_id) + f"|{sender}|{recipient}".encode()
+
+
+def commitment(run_id: str, round_id: int, owner: str, what: str, value: bytes) -> bytes:
+    """:data:`DIGEST_BYTES` bytes of SHA-256 committing ``owner``, in its attempt, to ``value``
+    (``what`` names it: its seed, or the share of its seed or mask key it dealt a neighbour). A
+    secret or share has at least 128 bits the Fed Server does not know even with ``threshold - 1``
+    other shares, so the commitment gives it no more than the 16-byte seed does; what it gives is a
+    check: no other value matches it."""
+    return hashlib.sha256(share_context(run_id, round_id) + f"|{owner}|{what}|".encode() + value).digest()[:DIGEST_BYTES]
 
 
 def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:

@@ -8,7 +8,15 @@ A device shares its secrets and masks with its neighbours (``shared.secagg.graph
 sparse graph, or every other device). What it is served as its roster is its neighbourhood: its
 neighbours' keys and its own. A share is the share of the owner's 16-byte mask seed followed by the
 share of its 32-byte mask key (each Shamir-shared, :data:`SHARE_BYTES` each), and carries the
-recipient's index: its position in the owner's sorted neighbourhood, from 1."""
+recipient's index: its position in the owner's sorted neighbourhood, from 1.
+
+The owner commits to what it dealt (``shared.secagg.crypto.commitment``): to its seed, and to each
+share, the commitments to a neighbour's two shares travelling after the sealed share, in the clear.
+The recipient checks its shares against them when it opens them; the Fed Server checks each share
+an unmasking answer carries against them, and each secret it rebuilds against the seed's
+commitment or the public mask key. So a device that answers with a wrong share is refused by name,
+and one that dealt shares of no single secret is named, where either would otherwise have left the
+masks in the sum or failed the attempt for everyone."""
 from __future__ import annotations
 
 import os
@@ -19,8 +27,8 @@ import numpy as np
 import torch
 
 from shared.secagg.crypto import (
-    MASK_PURPOSE, NONCE_BYTES, SHARE_PURPOSE, TAG_BYTES, ShareError, agree, new_private_key, open_sealed, private_key,
-    public_key, seal, share_associated,
+    DIGEST_BYTES, MASK_PURPOSE, NONCE_BYTES, SHARE_PURPOSE, TAG_BYTES, ShareError, agree, commitment, new_private_key,
+    open_sealed, private_key, public_key, seal, share_associated,
 )
 from shared.secagg.encoding import encode
 from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks, well_held
@@ -30,8 +38,19 @@ SEED_BYTES = 16
 KEY_BYTES = 32
 #: A sealed share's length: the nonce, the two shares (of the seed, of the mask key) and the tag.
 SEALED_SHARE_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + TAG_BYTES
+#: The commitments to a neighbour's two shares (of the seed, of the mask key), one after the other.
+COMMITMENTS_BYTES = 2 * DIGEST_BYTES
+#: A dealt share's length: the sealed share, then the commitments to the two shares it holds.
+DEALT_SHARE_BYTES = SEALED_SHARE_BYTES + COMMITMENTS_BYTES
+#: The two secrets a device shares, in the order of a share's parts: its mask seed, its mask key.
+SECRETS = ("seed", "key")
 #: Public keys by device: (mask key, share key).
 PublicKeys = Mapping[str, tuple[bytes, bytes]]
+
+
+def share_commitment(run_id: str, round_id: int, owner: str, holder: str, part: int, share: bytes) -> bytes:
+    """``owner``'s commitment to the share of its seed (``part`` 0) or mask key (1) it dealt ``holder``."""
+    return commitment(run_id, round_id, owner, f"{SECRETS[part]} share for {holder}", share)
 
 
 def share_indices(neighbourhood: Sequence[str]) -> dict[str, int]:
@@ -60,6 +79,8 @@ class DeviceSecrets:
     #: The roster's threshold, once the shares are sealed: the fewest devices of the neighbourhood
     #: (this one included) it masks with, and the fewest survivors it answers the unmasking for.
     threshold: int = field(default=0, init=False)
+    #: The commitments to the two shares it dealt itself, once the shares are sealed (sent with them).
+    own_commitments: bytes = field(default=b"", init=False)
 
     def __post_init__(self) -> None:
         # The key objects, built once: building one from its raw bytes costs as much as an
@@ -69,6 +90,11 @@ class DeviceSecrets:
     def public_keys(self) -> tuple[bytes, bytes]:
         """(mask key, share key): what the first stage sends."""
         return public_key(self._private[MASK_PURPOSE]), public_key(self._private[SHARE_PURPOSE])
+
+    def seed_commitment(self) -> bytes:
+        """The commitment to its seed, sent with its shares: what the Fed Server checks the seed it
+        rebuilds against."""
+        return commitment(self.run_id, self.round_id, self.device_id, "seed", self.seed)
 
     def check_roster(self, roster: PublicKeys) -> None:
         """SecAgg+'s checks of a roster before any share is sealed (as Flower's client makes them):
@@ -99,8 +125,9 @@ class DeviceSecrets:
     def seal_shares(self, roster: PublicKeys, threshold: int) -> dict[str, bytes]:
         """The second stage: the seed and mask key split into one share per device of ``roster``
         (this device's neighbourhood), any ``threshold`` of which rebuild them, each sealed for its
-        recipient with the key agreed with its share key (the device's own share is kept, not
-        sent). ShareError for a roster that :meth:`check_roster` refuses or a key that agrees on
+        recipient with the key agreed with its share key and followed by the commitments to its two
+        shares (:data:`DEALT_SHARE_BYTES`; the device's own share is kept, not sent, its
+        commitments in :attr:`own_commitments`). ShareError for a roster that :meth:`check_roster` refuses or a key that agrees on
         nothing; ValueError when the threshold does not fit."""
         self.check_roster(roster)
         if not 2 <= threshold <= len(roster):
@@ -115,28 +142,41 @@ class DeviceSecrets:
         keys = split_secret(self.mask_private, threshold, len(roster))
         sealed = {}
         for device, index in indices.items():
-            piece = seeds[index - 1] + keys[index - 1]
+            seed_share, key_share = seeds[index - 1], keys[index - 1]
+            committed = self._commitments(self.device_id, device, seed_share, key_share)
             if device == self.device_id:
-                self.held[device] = (seeds[index - 1], keys[index - 1])
+                self.held[device] = (seed_share, key_share)
+                self.own_commitments = committed
                 continue
-            sealed[device] = seal(self._agree(roster[device][1], SHARE_PURPOSE), piece, share_associated(self.run_id, self.round_id, self.device_id, device))
+            sealed[device] = seal(self._agree(roster[device][1], SHARE_PURPOSE), seed_share + key_share,
+                                  share_associated(self.run_id, self.round_id, self.device_id, device)) + committed
         return sealed
 
+    def _commitments(self, owner: str, holder: str, seed_share: bytes, key_share: bytes) -> bytes:
+        """``owner``'s commitments to the two shares it dealt ``holder``."""
+        return (share_commitment(self.run_id, self.round_id, owner, holder, 0, seed_share)
+                + share_commitment(self.run_id, self.round_id, owner, holder, 1, key_share))
+
     def open_inbox(self, roster: PublicKeys, inbox: Mapping[str, bytes]) -> list[str]:
-        """Open the shares the peers sealed for this device; the devices it masks with (those whose
-        shares it holds, itself included). ShareError naming the sender whose share does not verify,
-        or when fewer than the threshold shared (SecAgg+'s check: its update would be hidden by too
-        few pairwise masks)."""
-        for sender, sealed in sorted(inbox.items()):
+        """Open the shares the peers dealt this device (each sealed, then committed to); the devices
+        it masks with (those whose shares it holds, itself included). ShareError naming the sender
+        whose share does not verify or is not the one it committed to (the Fed Server would refuse
+        this device's answer with it as false), or when fewer than the threshold shared (SecAgg+'s
+        check: its update would be hidden by too few pairwise masks)."""
+        for sender, dealt in sorted(inbox.items()):
             if sender not in roster or sender == self.device_id:
                 raise ShareError(f"a share from {sender!r}, who is not another device of the roster")
+            sealed, committed = dealt[:-COMMITMENTS_BYTES], dealt[-COMMITMENTS_BYTES:]
             try:
                 piece = open_sealed(self._agree(roster[sender][1], SHARE_PURPOSE), sealed, share_associated(self.run_id, self.round_id, sender, self.device_id))
             except ShareError as exc:
                 raise ShareError(f"the share from {sender!r} {exc}") from None
             if len(piece) != 2 * SHARE_BYTES:
                 raise ShareError(f"the share from {sender!r} has {len(piece)} bytes, not {2 * SHARE_BYTES}")
-            self.held[sender] = (piece[:SHARE_BYTES], piece[SHARE_BYTES:])
+            seed_share, key_share = piece[:SHARE_BYTES], piece[SHARE_BYTES:]
+            if self._commitments(sender, self.device_id, seed_share, key_share) != committed:
+                raise ShareError(f"the share from {sender!r} is not the one it committed to")
+            self.held[sender] = (seed_share, key_share)
         if len(self.held) < self.threshold:
             raise ShareError(f"{len(self.held)} devices of {self.device_id!r}'s neighbourhood shared, itself included, "
                              f"below the threshold {self.threshold}")
@@ -175,13 +215,32 @@ class DeviceSecrets:
                 {d: self.held[d][1] for d in dropped if d in self.held})
 
 
+@dataclass(frozen=True)
+class Committed:
+    """What the devices of attempt ``round_id`` of run ``run_id`` committed to, as the Fed Server
+    holds it: each one's seed (:meth:`DeviceSecrets.seed_commitment`) and its public mask key."""
+
+    run_id: str
+    round_id: int
+    seeds: Mapping[str, bytes]
+    mask_keys: Mapping[str, bytes]
+
+    def holds(self, owner: str, part: int, secret: bytes) -> bool:
+        """Whether ``secret`` is ``owner``'s seed (``part`` 0) or mask key (1) as it committed to it."""
+        if part == 0:
+            return commitment(self.run_id, self.round_id, owner, "seed", secret) == self.seeds.get(owner)
+        return public_key(secret) == self.mask_keys.get(owner)
+
+
 def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str, bytes]]],
                     neighbourhoods: Mapping[str, Sequence[str]], survivors: Sequence[str], dropped: Sequence[str],
-                    threshold: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
+                    threshold: int, committed: Committed) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """The Fed Server's side of the last stage: from each answering device's (seed shares, key
     shares), the survivors' seeds and the dropped devices' mask keys, an owner's shares indexed in
     its neighbourhood. ValueError when fewer than ``threshold`` shares of some secret came back, or
-    they rebuild no secret of its size.
+    they rebuild no secret of its size, or one other than the owner ``committed`` to (the answers'
+    shares were checked against its commitments as they came: the owner dealt shares of no single
+    secret, or committed to another seed).
     Each secret is rebuilt from exactly ``threshold`` of its shares (the lowest indices), which
     determine it: interpolating more rebuilds the same secret at a cost quadratic in the shares,
     which is most of the Fed Server's work in a secure round (benchmarks/README.md, part (l))."""
@@ -193,9 +252,13 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
         if len(shares) < threshold:
             raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
         try:
-            return combine_secret(dict(sorted(shares.items())[:threshold]), size)
+            secret = combine_secret(dict(sorted(shares.items())[:threshold]), size)
         except ValueError as exc:
             raise ValueError(f"{owner!r}'s shares: {exc}") from None
+        if not committed.holds(owner, part, secret):
+            raise ValueError(f"{owner!r}'s shares rebuild a {SECRETS[part]} other than the one it committed to: "
+                             "it dealt shares of no single secret")
+        return secret
 
     return ({d: rebuilt(d, 0, SEED_BYTES) for d in survivors}, {d: rebuilt(d, 1, KEY_BYTES) for d in dropped})
 
@@ -235,5 +298,5 @@ def masked_layout(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.empty(v.shape, dtype=torch.int64) for k, v in state.items()}
 
 
-__all__ = ["DeviceSecrets", "ShareError", "masked_layout", "rebuild_secrets", "share_indices", "state_to_words",
-           "unmasked_sum", "words_to_state"]
+__all__ = ["Committed", "DeviceSecrets", "ShareError", "masked_layout", "rebuild_secrets", "share_commitment",
+           "share_indices", "state_to_words", "unmasked_sum", "words_to_state"]

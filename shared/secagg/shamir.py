@@ -11,8 +11,8 @@ took milliseconds and was most of a secure round's CPU (docs/privacy.md, "Cost")
 ``threshold`` shares, or shares of different secrets, interpolate to a field element that is
 almost surely (all but 2^-393 for a 16-byte secret) larger than any secret of the size asked for,
 and are refused. A share altered by a small amount can still rebuild a wrong secret of the right
-size: as in SecAgg against an honest-but-curious server, nothing here verifies a share's origin
-beyond the AEAD that carried it (docs/privacy.md, "What it protects")."""
+size: what catches that is the owner's commitments to its shares and its seed
+(``shared.secagg.protocol``; docs/privacy.md, "What it protects")."""
 from __future__ import annotations
 
 import secrets

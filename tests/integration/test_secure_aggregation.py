@@ -6,7 +6,9 @@
   (dropped in the unmasking stage). The round completes, and the Fed Server's new global model is
   the plain FedAvg of the four uploaded (clipped) updates within the fixed-point bound, while
   every upload the Fed Server recorded (``--record-received``) is not the device's update. A
-  public key one device sent, sent again by another, is refused (422).
+  public key one device sent, sent again by another, is refused (422). The same with a survivor
+  answering the unmasking with a false share of another's seed: refused (422), and the others'
+  shares rebuild the sum.
 - The same attempt with one device adding 2^62 to each of its words (an update far beyond its
   range, which it need not clip): each entry of the unmasked sum is clamped to what the survivors'
   clipped updates can add up to, so the model moves by at most ``value_range``; the record and the
@@ -42,6 +44,7 @@ from shared.schemas import (
 from shared.secagg.encoding import decode
 from shared.secagg.masks import BlockLayout
 from shared.secagg.protocol import DeviceSecrets, state_to_words, words_to_state
+from shared.secagg.shamir import SHARE_BYTES
 from shared.models import build_model
 from shared.wire import decode_state, encode_state, packb, unpackb
 from testbed.runner import Testbed
@@ -91,13 +94,14 @@ class _InboxChannel:
 
 
 def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str], norm: float | None = None,
-                  harmful: str | None = None):
+                  harmful: str | None = None, lying: str | None = None):
     """Register the five devices and play their first attempt: all send keys and shares, dev-4
     withdraws before masking, dev-0..3 upload masked updates (each of L2 norm ``norm`` if given,
     as a private device's clipped update is), masked as a device masks them
     (:meth:`SecureSession.masked_weights`, with the task's privacy terms), ``harmful`` adding 2^62
     to every word of its own (an update far beyond its range), and only ``answering`` answer the
-    unmasking stage. The weights the attempt started from, the updates, their sample counts and
+    unmasking stage, ``lying`` with a share of dev-0's seed moved by one (a field element that would
+    rebuild the seed plus a known amount), which is refused, and nothing after. The weights the attempt started from, the updates, their sample counts and
     the task's terms."""
     sizes = {d: trained_samples(n, None) for d, n in zip(DEVICES, shard_sizes(config.data))}
     for shard, device in enumerate(DEVICES):
@@ -125,8 +129,10 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
     assert all(r.ready and sorted(r.keys) == DEVICES and r.threshold == 3 for r in rosters.values())
     roster = {d: (k.mask_key, k.share_key) for d, k in rosters[DEVICES[0]].keys.items()}
     for device, own in secrets.items():
-        _call(client, "POST", f"{stage}/shares", SecAggShares(device_id=device, round_id=round_id,
-                                                               shares=own.seal_shares(roster, 3)))
+        shares = own.seal_shares(roster, 3)
+        _call(client, "POST", f"{stage}/shares", SecAggShares(device_id=device, round_id=round_id, shares=shares,
+                                                               seed_commitment=own.seed_commitment(),
+                                                               own_commitments=own.own_commitments))
     partners = {d: secrets[d].open_inbox(roster, SecAggInbox.model_validate(
         _call(client, "GET", f"{stage}/inbox", device_id=d, wait_s=10)).shares) for d in DEVICES}
     assert all(p == DEVICES for p in partners.values())
@@ -161,17 +167,30 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
     assert all(p.ready and p.survivors == DEVICES[:4] and p.dropped == ["dev-4"] for p in plans.values())
     for device in answering:
         seeds, keys = secrets[device].unmask(plans[device].survivors, plans[device].dropped)
+        if device == lying:
+            moved = (int.from_bytes(seeds["dev-0"], "big") + 1).to_bytes(SHARE_BYTES, "big")
+            refused = client.post(f"{stage}/unmask", content=packb(SecAggUnmask(
+                device_id=device, round_id=round_id, seed_shares={**seeds, "dev-0": moved}, key_shares=keys
+            ).model_dump()))
+            assert refused.status_code == 422, refused.text
+            assert f"'{device}': the shares of the seeds of dev-0 are not the ones their owners dealt it" in refused.text
+            continue
         _call(client, "POST", f"{stage}/unmask", SecAggUnmask(device_id=device, round_id=round_id,
                                                                seed_shares=seeds, key_shares=keys))
     return start, updates, sizes, terms
 
 
-def test_the_fed_server_recovers_the_fedavg_sum_from_masked_uploads_despite_two_dropouts(tmp_path: Path):
+@pytest.mark.parametrize("lying", [None, "dev-0"], ids=["honest", "a-false-unmasking-share"])
+def test_the_fed_server_recovers_the_fedavg_sum_from_masked_uploads_despite_two_dropouts(tmp_path: Path,
+                                                                                        lying: str | None):
     config = _config()
     records, run_dir = tmp_path / "records", tmp_path / "run"
+    # A false share from dev-0 (index 1: among the three the seed would be rebuilt from) is refused,
+    # and dev-1..3's true ones rebuild every secret.
+    answering = DEVICES[:3] if lying is None else DEVICES[:4]
     with server_pair(config, "secagg", fed_args=["--run-dir", str(run_dir), "--record-received", str(records)]) as servers, \
             httpx.Client(timeout=60.0, headers=HEADERS) as client:
-        start, updates, sizes, terms = _play_attempt(client, config, servers.fed_url, answering=DEVICES[:3])
+        start, updates, sizes, terms = _play_attempt(client, config, servers.fed_url, answering, lying=lying)
         wait_for(lambda: client.get(f"{servers.fed_url}{API}/status").json()["state"] == "finished", 120,
                  "the run to finish")
 

@@ -31,7 +31,7 @@ from shared.schemas import (
     PrivacyTerms, SecAggInbox, SecAggKeys, SecAggRoster, SecAggUnmaskPlan, SecureTerms, TaskResponse, UpdateRequest,
     WeightsResponse, WireTensor, WithdrawRequest,
 )
-from shared.secagg.protocol import DeviceSecrets
+from shared.secagg.protocol import SEALED_SHARE_BYTES, DeviceSecrets
 from shared.wire import decode_state, decode_tensor, encode_state, encode_tensor, packb
 
 SPEC = DataSpec(num_devices=8, max_samples=400)
@@ -122,8 +122,9 @@ class FakeFed:
             whole = len(build_model("cnn").blocks)
             return SecAggRoster(ready=True, keys=keys, threshold=2, splits={d: whole for d in keys})
         if stage == "inbox":
-            sealed = self.peer.seal_shares({d: (k.mask_key, k.share_key) for d, k in keys.items()}, 2)[device_id]
-            return SecAggInbox(ready=True, shares={"dev-peer": sealed[:-1] + bytes([sealed[-1] ^ self.forge])})
+            dealt = self.peer.seal_shares({d: (k.mask_key, k.share_key) for d, k in keys.items()}, 2)[device_id]
+            at = SEALED_SHARE_BYTES - 1   # the sealed share's tag
+            return SecAggInbox(ready=True, shares={"dev-peer": dealt[:at] + bytes([dealt[at] ^ self.forge]) + dealt[at + 1:]})
         return SecAggUnmaskPlan(ready=True, survivors=sorted(keys), dropped=[])
 
 

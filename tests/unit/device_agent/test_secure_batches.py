@@ -111,7 +111,8 @@ def test_a_devices_messages_and_questions_travel_with_its_token_and_its_refusal_
     d0, d1 = batches.channel(FakeDevice("d0", "t0")), batches.channel(FakeDevice("d1", "t1"))
     d0.secagg_send(4, "keys", _keys("d0"))
     with pytest.raises(NotAllowed, match="not its current token"):
-        d1.secagg_send(4, "shares", SecAggShares(device_id="d1", round_id=4, shares={"d0": b"x"}))
+        d1.secagg_send(4, "shares", SecAggShares(device_id="d1", round_id=4, shares={"d0": b"x"}, seed_commitment=bytes(16),
+                                                  own_commitments=bytes(32)))
     assert [(r, [(d.device_id, d.token) for d in b.devices], len(b.keys), len(b.shares)) for r, b in api.batches] == [
         (4, [("d0", "t0")], 1, 0), (4, [("d1", "t1")], 0, 1)]
     with pytest.raises(ValueError, match="its own stage messages"):

@@ -1,6 +1,7 @@
 """Secure aggregation's stages at the Fed Server without HTTP: each stage closes with the devices
 that answered and takes the others out with the reason, and every message out of turn or
-malformed (a public key another device sent among them) is refused in one line and changes nothing;
+malformed (a public key another device sent among them, an unmasking share its owner did not deal
+the device) is refused in one line and changes nothing;
 an attempt whose secrets could not be rebuilt fails before any share is asked for; an agent's devices together
 (fed_server/secure_batches.py), each taken or refused as its own request would be."""
 from __future__ import annotations
@@ -21,6 +22,7 @@ from shared.schemas import (
     SecAggUnmask, UpdateRequest,
 )
 from shared.secagg.protocol import DeviceSecrets
+from shared.secagg.shamir import PRIME, SHARE_BYTES
 from shared.wire import encode_state
 
 DEVICES = ["d0", "d1", "d2"]
@@ -44,6 +46,29 @@ def _open_round(tmp_path, devices: list[str] = DEVICES, **secure):
 def _keys(device: str, round_id: int, secrets: DeviceSecrets | None = None) -> SecAggKeys:
     mask_key, share_key = (secrets or DeviceSecrets(device, "run", round_id)).public_keys()
     return SecAggKeys(device_id=device, round_id=round_id, mask_key=mask_key, share_key=share_key)
+
+
+def _dealt(secrets: DeviceSecrets, roster: dict[str, tuple[bytes, bytes]], threshold: int = 2) -> SecAggShares:
+    """What ``secrets``' device sends into the share stage for ``roster``: its dealt shares and its
+    commitments."""
+    shares = secrets.seal_shares(roster, threshold)
+    return SecAggShares(device_id=secrets.device_id, round_id=secrets.round_id, shares=shares,
+                        seed_commitment=secrets.seed_commitment(), own_commitments=secrets.own_commitments)
+
+
+def _shared(coordinator: Coordinator, fed_round, devices: list[str]) -> dict[str, DeviceSecrets]:
+    """Every one of ``devices`` sends its keys and its shares over the complete graph, and both
+    stages close; their secrets."""
+    round_id, stages = fed_round.round_id, coordinator.secure
+    secrets = {d: DeviceSecrets(d, coordinator.core.run_id, round_id) for d in devices}
+    for device in devices:
+        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
+    close_key_stage(coordinator.core, fed_round)
+    roster = {d: secrets[d].public_keys() for d in devices}
+    for device in devices:
+        stages.accept_shares(round_id, _dealt(secrets[device], roster))
+    close_share_stage(coordinator.core, fed_round)
+    return secrets
 
 
 def test_the_key_stage_closes_with_the_devices_that_sent_keys_and_takes_the_others_out(tmp_path):
@@ -70,7 +95,8 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
         stages.accept_keys(round_id, SecAggKeys(device_id="d0", round_id=round_id, mask_key=bytes(32),
                                                 share_key=bytes(32)))
     with pytest.raises(Conflict, match="share stage .* is not open"):
-        stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={}))
+        stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={},
+                                                    seed_commitment=bytes(16), own_commitments=bytes(32)))
     with pytest.raises(Invalid, match="body round_id 9 does not match the path's round"):
         stages.accept_keys(round_id, _keys("d0", 9))
     assert secure.keys == {} and secure.shares == {}
@@ -79,16 +105,16 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
         stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
     close_key_stage(coordinator.core, fed_round)
     roster = {d: secrets[d].public_keys() for d in DEVICES}
-    sealed = secrets["d0"].seal_shares(roster, 2)
+    dealt = _dealt(secrets["d0"], roster)
     with pytest.raises(Invalid, match=r"exactly its \d+ neighbours"):
-        stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id, shares={"d1": sealed["d1"]}))
-    for size in (0, 1, 159, 161, 10_000):   # a sealed share is 160 bytes: another could not open
-        with pytest.raises(Invalid, match=r"shares of 'd0' for d1: not 160 bytes"):
-            stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id,
-                                                        shares={**sealed, "d1": bytes(size)}))
+        stages.accept_shares(round_id, dealt.model_copy(update={"shares": {"d1": dealt.shares["d1"]}}))
+    # A dealt share is 192 bytes (sealed, 160, then its commitments): another could not open.
+    for size in (0, 1, 160, 191, 193, 10_000):
+        with pytest.raises(Invalid, match=r"shares of 'd0' for d1: not 192 bytes"):
+            stages.accept_shares(round_id, dealt.model_copy(update={"shares": {**dealt.shares, "d1": bytes(size)}}))
     with pytest.raises(Invalid, match="body round_id"):
-        stages.accept_shares(round_id, SecAggShares(device_id="d0", round_id=round_id + 1, shares=sealed))
-    assert secure.shares == {}
+        stages.accept_shares(round_id, dealt.model_copy(update={"round_id": round_id + 1}))
+    assert secure.shares == {} and secure.seed_commitments == {}
     # A masked upload before the device shared: refused, and the device stays in.
     state = portion_state(coordinator.core.model, 0, coordinator.core.num_blocks)
     upload = UpdateRequest(device_id="d0", round_id=round_id, num_samples=coordinator.core.devices.get("d0").num_samples,
@@ -97,8 +123,7 @@ def test_messages_out_of_turn_or_malformed_are_refused_and_change_nothing(tmp_pa
     with pytest.raises(Conflict, match="only after sharing"):
         coordinator.uploads.accept_update(round_id, upload, 100)
     for device in DEVICES:
-        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
-                                                    shares=secrets[device].seal_shares(roster, 2)))
+        stages.accept_shares(round_id, _dealt(secrets[device], roster))
     assert shares_in(fed_round)
     close_share_stage(coordinator.core, fed_round)
     assert secure.sharers == DEVICES and fed_round.excluded == {}
@@ -139,7 +164,7 @@ def _sparse_keys_in(tmp_path, devices: list[str]):
     """An attempt over ``devices`` on SecAgg+'s graph of 2 neighbours (threshold 2) whose key stage
     closed with every device's keys; the devices' secrets."""
     coordinator, fed_round = _open_round(tmp_path, devices, neighbours=2, threshold=2)
-    secrets = {d: DeviceSecrets(d, "run", fed_round.round_id) for d in devices}
+    secrets = {d: DeviceSecrets(d, coordinator.core.run_id, fed_round.round_id) for d in devices}
     for device in devices:
         coordinator.secure.accept_keys(fed_round.round_id, _keys(device, fed_round.round_id, secrets[device]))
     close_key_stage(coordinator.core, fed_round)
@@ -161,12 +186,11 @@ def test_on_a_sparse_graph_a_device_gets_its_neighbourhood_and_one_too_few_of_wh
     lonely, silent = "d0", [d for d in hoods["d0"] if d != "d0"]
     with pytest.raises(Invalid, match=r"exactly its \d+ neighbours"):
         stages.accept_shares(round_id, SecAggShares(device_id=lonely, round_id=round_id, shares={
-            d: b"x" for d in devices if d != lonely}))
+            d: b"x" for d in devices if d != lonely}, seed_commitment=bytes(16), own_commitments=bytes(32)))
     for device in devices:
         if device not in silent:
             roster = {d: (k.mask_key, k.share_key) for d, k in rosters[device].items()}
-            stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
-                                                        shares=secrets[device].seal_shares(roster, 2)))
+            stages.accept_shares(round_id, _dealt(secrets[device], roster))
     close_share_stage(coordinator.core, fed_round)
     rest = sorted(set(devices) - {lonely, *silent})
     assert secure.sharers == rest
@@ -183,8 +207,7 @@ def test_on_a_sparse_graph_each_device_is_asked_only_about_its_neighbourhood(tmp
     hoods = secure.neighbourhoods
     for device in devices:
         roster = {d: secrets[d].public_keys() for d in hoods[device]}
-        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
-                                                    shares=secrets[device].seal_shares(roster, 2)))
+        stages.accept_shares(round_id, _dealt(secrets[device], roster))
     close_share_stage(coordinator.core, fed_round)
     gone = "d3"
     open_unmasking_stage(coordinator.core, fed_round, [d for d in devices if d != gone])
@@ -220,6 +243,32 @@ def test_on_a_sparse_graph_each_device_is_asked_only_about_its_neighbourhood(tmp
     assert sorted(secure.answers[asker][0]) == [d for d in hoods[asker] if d != gone]
 
 
+def test_an_unmasking_share_other_than_the_one_its_owner_dealt_is_refused_naming_the_device(tmp_path, caplog):
+    coordinator, fed_round = _open_round(tmp_path)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    secrets = _shared(coordinator, fed_round, DEVICES)
+    roster = {d: secrets[d].public_keys() for d in DEVICES}
+    secrets["d0"].open_inbox(roster, asyncio.run(stages.inbox(round_id, "d0", 0)).shares)
+    open_unmasking_stage(coordinator.core, fed_round, ["d0", "d1"])
+    assert secure.plan is not None and secure.plan.dropped == ["d2"]
+    seeds, keys = secrets["d0"].unmask(secure.plan.survivors, secure.plan.dropped)
+    moved = {o: ((int.from_bytes(v, "big") + 1) % PRIME).to_bytes(SHARE_BYTES, "big") for o, v in seeds.items()}
+    # A field element one away from d1's seed share (which would rebuild d1's seed plus a known
+    # amount, a secret of the right size), another device's share of its own seed, d2's key share.
+    for false, what in (({**seeds, "d1": moved["d1"]}, "seeds of d1"), ({**seeds, "d0": seeds["d1"]}, "seeds of d0")):
+        with pytest.raises(Invalid, match=f"'d0': the shares of the {what} are not the ones their owners dealt it"):
+            stages.accept_unmask(round_id, SecAggUnmask(device_id="d0", round_id=round_id, seed_shares=false,
+                                                        key_shares=keys))
+    with pytest.raises(Invalid, match="the shares of the keys of d2 are not"):
+        stages.accept_unmask(round_id, SecAggUnmask(device_id="d0", round_id=round_id, seed_shares=seeds,
+                                                    key_shares={"d2": seeds["d0"]}))
+    assert secure.answers == {}
+    assert "d0 answered the unmasking with shares of the seeds of d1 that their owners did not deal it" in caplog.text
+    stages.accept_unmask(round_id, SecAggUnmask(device_id="d0", round_id=round_id, seed_shares=seeds, key_shares=keys))
+    assert secure.answers["d0"] == (seeds, keys)
+
+
 def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_before_any_share_is_asked(tmp_path):
     coordinator, fed_round = _open_round(tmp_path, threshold=2)
     secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
@@ -234,8 +283,7 @@ def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_
     assert asyncio.run(stages.roster(round_id, "d0", 0)).splits == secure.splits
     roster = {d: secrets[d].public_keys() for d in DEVICES}
     for device in DEVICES:
-        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
-                                                    shares=secrets[device].seal_shares(roster, 2)))
+        stages.accept_shares(round_id, _dealt(secrets[device], roster))
     close_share_stage(coordinator.core, fed_round)
     # d2 never uploads: block 1 would be d1's alone in the sum.
     open_unmasking_stage(coordinator.core, fed_round, ["d0", "d1"])
@@ -253,8 +301,7 @@ def test_a_neighbourhood_with_fewer_survivors_than_the_threshold_fails_the_attem
     assert secure is not None
     for device in devices:
         roster = {d: secrets[d].public_keys() for d in secure.neighbourhoods[device]}
-        coordinator.secure.accept_shares(fed_round.round_id, SecAggShares(
-            device_id=device, round_id=fed_round.round_id, shares=secrets[device].seal_shares(roster, 2)))
+        coordinator.secure.accept_shares(fed_round.round_id, _dealt(secrets[device], roster))
     close_share_stage(coordinator.core, fed_round)
     # d0 and both its neighbours drop: the three others survive, each beside two survivors, but d0's
     # neighbours' mask keys (left in their surviving neighbours' uploads) cannot be rebuilt.
@@ -272,18 +319,10 @@ def test_fewer_survivors_than_the_quorum_fail_the_attempt_before_any_share_is_as
     # updates, and two unmasked sums of them that differ by one device give that device's update.
     coordinator, fed_round = _open_round(tmp_path, [f"d{i}" for i in range(4)], threshold=2)
     coordinator.core.config.deadlines.min_participants = 4
-    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    secure = fed_round.secure
     assert secure is not None
     devices = sorted(fed_round.assignments)
-    secrets = {d: DeviceSecrets(d, "run", round_id) for d in devices}
-    for device in devices:
-        stages.accept_keys(round_id, _keys(device, round_id, secrets[device]))
-    close_key_stage(coordinator.core, fed_round)
-    roster = {d: secrets[d].public_keys() for d in devices}
-    for device in devices:
-        stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
-                                                    shares=secrets[device].seal_shares(roster, 2)))
-    close_share_stage(coordinator.core, fed_round)
+    _shared(coordinator, fed_round, devices)
     open_unmasking_stage(coordinator.core, fed_round, devices[:3])
     assert secure.plan is not None and secure.plan.survivors == [] and secure.plans[devices[0]].survivors == []
     assert fed_round.excluded[devices[0]] == ("secure aggregation: 3 devices survived, below the quorum of 4 "
@@ -312,8 +351,7 @@ def test_on_a_sparse_graph_a_device_masks_the_blocks_its_neighbourhood_masks_and
     for device in devices:
         if device != "d1":
             roster = {d: secrets[d].public_keys() for d in fixed[device]}
-            stages.accept_shares(round_id, SecAggShares(device_id=device, round_id=round_id,
-                                                        shares=secrets[device].seal_shares(roster, 2)))
+            stages.accept_shares(round_id, _dealt(secrets[device], roster))
     close_share_stage(coordinator.core, fed_round)
     assert fed_round.excluded["d1"] == "secure aggregation: sent no shares in time"
     assert fed_round.excluded["d0"] == ("secure aggregation: fewer than 2 of its neighbourhood that shared mask its "

@@ -1,7 +1,8 @@
 """One attempt's stages in memory: the Fed Server's unmasked sum equals the weighted sum of the
 devices' clipped updates within the fixed-point rounding, with one device dropped after sharing
 (its pairwise masks removed through its rebuilt mask key) and one silent in the unmasking stage
-(its own mask removed through its rebuilt seed); too few answers fail; a forged share is named; a
+(its own mask removed through its rebuilt seed); too few answers fail; a forged share, or one not
+the share its sender committed to, is named; a secret other than its owner committed to is refused; a
 device refuses what would expose its update (a roster repeating a key, too few sharers or
 survivors), as SecAgg+'s client does."""
 import os
@@ -14,8 +15,10 @@ from shared.secagg.crypto import MASK_PURPOSE, ShareError
 from shared.secagg.encoding import decode, fraction_bits
 from shared.secagg.graph import neighbourhoods
 from shared.secagg.masks import BlockLayout, add_masks
-from shared.secagg.protocol import DeviceSecrets, rebuild_secrets, unmasked_sum
-from shared.secagg.shamir import SHARE_BYTES
+from shared.secagg.protocol import (
+    DEALT_SHARE_BYTES, SEALED_SHARE_BYTES, Committed, DeviceSecrets, rebuild_secrets, unmasked_sum,
+)
+from shared.secagg.shamir import PRIME, SHARE_BYTES
 
 LAYOUT = BlockLayout(((("w", (4, 3)), ("b", (3,))), (("v", (7,)),)))
 DEVICES = ["d0", "d1", "d2", "d3", "d4"]
@@ -25,6 +28,12 @@ RANGE = 0.5
 
 COMPLETE = {d: DEVICES for d in DEVICES}
 WHOLE = {d: len(LAYOUT.blocks) for d in DEVICES}
+
+
+def _committed(secrets: dict[str, DeviceSecrets]) -> Committed:
+    """What the devices committed to, as the Fed Server holds it."""
+    return Committed("run", 3, {d: s.seed_commitment() for d, s in secrets.items()},
+                     {d: s.public_keys()[0] for d, s in secrets.items()})
 
 
 def _attempt(silent: set[str], unmask_answers: int | None = None, graph: dict[str, list[str]] = COMPLETE,
@@ -47,7 +56,7 @@ def _attempt(silent: set[str], unmask_answers: int | None = None, graph: dict[st
               for d in uploaders}
     answering = [d for d in uploaders if d not in silent][:unmask_answers]
     answers = {d: secrets[d].unmask(uploaders, [dropped]) for d in answering}
-    seeds, keys = rebuild_secrets(answers, graph, uploaders, [dropped], threshold=threshold)
+    seeds, keys = rebuild_secrets(answers, graph, uploaders, [dropped], threshold, _committed(secrets))
     total = unmasked_sum(masked, layout, seeds, keys, {d: keys_of[d][0] for d in DEVICES}, graph, splits)
     expected = {k: sum(WEIGHTS[d] * np.clip(updates[d][k], -RANGE, RANGE) for d in uploaders if k in updates[d])
                 for block in layout.blocks for k, _ in block}
@@ -119,12 +128,49 @@ def test_fewer_answers_than_the_threshold_rebuild_nothing():
         _attempt(silent=set(), unmask_answers=2)
 
 
-def test_a_share_that_does_not_verify_is_refused_naming_its_sender():
+def _flipped(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+
+
+def _answered() -> tuple[dict[str, DeviceSecrets], list[str], dict]:
+    """The five devices' secrets over the complete graph (threshold 3) once they shared, the four
+    that uploaded (d1 dropped) and their unmasking answers."""
+    secrets = {d: DeviceSecrets(d, "run", 3) for d in DEVICES}
+    roster = {d: s.public_keys() for d, s in secrets.items()}
+    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
+    for d, s in secrets.items():
+        s.open_inbox(roster, {o: sealed[o][d] for o in DEVICES if o != d})
+    uploaders = ["d0", "d2", "d3", "d4"]
+    return secrets, uploaders, {d: secrets[d].unmask(uploaders, ["d1"]) for d in uploaders}
+
+
+def test_a_share_that_does_not_verify_or_is_not_the_one_committed_to_is_refused_naming_its_sender():
     a, b = DeviceSecrets("a", "run", 1), DeviceSecrets("b", "run", 1)
     roster = {"a": a.public_keys(), "b": b.public_keys()}
-    sealed = a.seal_shares(roster, threshold=2)["b"]
-    with pytest.raises(ShareError, match="'a'"):
-        b.open_inbox(roster, {"a": sealed[:-1] + bytes([sealed[-1] ^ 1])})
+    dealt = a.seal_shares(roster, threshold=2)["b"]
+    b.seal_shares(roster, threshold=2)
+    assert len(dealt) == DEALT_SHARE_BYTES
+    with pytest.raises(ShareError, match="the share from 'a' does not decrypt"):
+        b.open_inbox(roster, {"a": _flipped(dealt, SEALED_SHARE_BYTES - 1)})
+    for at in (SEALED_SHARE_BYTES, DEALT_SHARE_BYTES - 1):   # the seed share's commitment, the key share's
+        with pytest.raises(ShareError, match="the share from 'a' is not the one it committed to"):
+            b.open_inbox(roster, {"a": _flipped(dealt, at)})
+    assert list(b.held) == ["b"]
+    assert b.open_inbox(roster, {"a": dealt}) == ["a", "b"]
+
+
+def test_the_fed_server_refuses_a_secret_other_than_the_one_its_owner_committed_to():
+    # A share moved by one at index 3 of {1, 2, 3} (whose Lagrange coefficient at 0 is 1) rebuilds
+    # the seed plus one: a secret of the right size, which only the commitment tells wrong. An
+    # owner dealing such a share passes its recipient's check (it commits to what it deals).
+    secrets, uploaders, answers = _answered()
+    for owner, part in (("d0", 0), ("d1", 1)):
+        moved = {d: (dict(s), dict(k)) for d, (s, k) in answers.items()}
+        share = moved["d3"][part][owner]
+        moved["d3"][part][owner] = ((int.from_bytes(share, "big") + 1) % PRIME).to_bytes(SHARE_BYTES, "big")
+        what = "seed" if part == 0 else "key"
+        with pytest.raises(ValueError, match=f"'{owner}''s shares rebuild a {what} other than the one it committed to"):
+            rebuild_secrets(moved, COMPLETE, uploaders, ["d1"], 3, _committed(secrets))
 
 
 def test_a_device_named_both_survivor_and_dropped_gives_no_share():
@@ -137,21 +183,15 @@ def test_a_device_named_both_survivor_and_dropped_gives_no_share():
 def test_a_secret_is_rebuilt_from_exactly_threshold_shares_the_lowest_indices():
     # Four answers (d0, d2, d3, d4: indices 1, 3, 4, 5), threshold 3: the share of index 5 is not
     # used, so a wrong one there changes nothing (interpolating it too would only cost time).
-    secrets = {d: DeviceSecrets(d, "run", 3) for d in DEVICES}
-    roster = {d: s.public_keys() for d, s in secrets.items()}
-    sealed = {d: s.seal_shares(roster, threshold=3) for d, s in secrets.items()}
-    for d, s in secrets.items():
-        s.open_inbox(roster, {o: sealed[o][d] for o in DEVICES if o != d})
-    uploaders = ["d0", "d2", "d3", "d4"]
-    answers = {d: secrets[d].unmask(uploaders, ["d1"]) for d in uploaders}
-    seeds, keys = rebuild_secrets(answers, COMPLETE, uploaders, ["d1"], threshold=3)
+    secrets, uploaders, answers = _answered()
+    seeds, keys = rebuild_secrets(answers, COMPLETE, uploaders, ["d1"], 3, _committed(secrets))
     assert seeds == {d: secrets[d].seed for d in uploaders} and keys == {"d1": secrets["d1"].mask_private}
     wrong = {d: (dict(s), dict(k)) for d, (s, k) in answers.items()}
     wrong["d4"][0]["d0"] = os.urandom(SHARE_BYTES - 1).rjust(SHARE_BYTES, b"\0")
-    assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)[0]["d0"] == secrets["d0"].seed
+    assert rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], 3, _committed(secrets))[0]["d0"] == secrets["d0"].seed
     wrong["d0"][0]["d0"] = wrong["d4"][0]["d0"]   # index 1 is among the three used: no 16-byte seed
     with pytest.raises(ValueError, match="'d0''s shares: the shares rebuild no 16-byte secret"):
-        rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], threshold=3)
+        rebuild_secrets(wrong, COMPLETE, uploaders, ["d1"], 3, _committed(secrets))
 
 
 def test_a_roster_key_that_agrees_on_nothing_is_refused_before_any_share_is_sealed():
