@@ -31,7 +31,7 @@ from shared.privacy.clipping import update_norm
 from shared.privacy.noise import add_noise
 from shared.secagg.encoding import decode_within, word_limit
 from shared.secagg.masks import BlockLayout
-from shared.secagg.protocol import rebuild_secrets, state_to_words, unmasked_sum
+from shared.secagg.protocol import DealingError, rebuild_secrets, state_to_words, unmasked_sum
 
 log = logging.getLogger("fed_server")
 
@@ -105,8 +105,11 @@ class Aggregator:
             try:
                 contributions = self._secure_contributions(fed_round, used, global_state, aggregation)
             except ValueError as exc:
-                # Too few shares came back to remove the masks: the sum is unreadable, and the
-                # logical round is retried.
+                # Too few shares came back to remove the masks, or some owner's rebuild no secret
+                # it committed to: the sum is unreadable, and the logical round is retried (without
+                # such an owner: it sits out, as a device the attempt waited a deadline for).
+                if isinstance(exc, DealingError):
+                    secure.misdealt.update(exc.owners)
                 log.error("round %d (attempt %d): the masked sum cannot be unmasked: %s", fed_round.index,
                           fed_round.round_id, exc)
                 aggregation.ok = False

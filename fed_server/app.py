@@ -33,6 +33,7 @@ from shared.schemas import (
 )
 from shared.auth import FED_SERVER
 from shared.errors import DomainError, TooSoon
+from shared.short_list import short_list
 from shared.wire import WireError, pack_body, unpackb
 
 log = logging.getLogger("fed_server")
@@ -305,7 +306,7 @@ def _named_devices(body: bytes | bytearray) -> str:
     names = [str(e["device_id"])[:64] for e in entries if isinstance(e, dict) and "device_id" in e]
     if not names:
         return "an unnamed device"
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return short_list(names, 5)
 
 
 async def _device_message(coordinator: Coordinator, settings: FedServerSettings, request: Request,

@@ -17,6 +17,7 @@ from shared.losses import label_counts_problem
 from shared.models import fingerprint_differences
 from shared.models.fingerprint import ModelFingerprint
 from shared.schemas import RegisterRequest, RegisterResponse, RunInfo
+from shared.short_list import short_list
 
 log = logging.getLogger("fed_server")
 
@@ -114,9 +115,8 @@ class DeviceEnrolment:
                 core.devices.remove(device)
                 self.tokens.forget(device)
                 self.reregistrations.forget(device)
-            shown = ", ".join(devices[:10]) + (f" and {len(devices) - 10} more" if len(devices) > 10 else "")
             log.warning("enrolment credential %s revoked: %d device(s) taken out of the run: %s", credential,
-                        len(devices), shown)
+                        len(devices), short_list(devices, 10))
         if taken:
             core.changed.set()
         return taken

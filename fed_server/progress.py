@@ -154,13 +154,17 @@ class Progress:
     def _note_deadlines(self, fed_round: FedRound, used: Sequence[str]) -> None:
         """Clear the record of every device that uploaded; make those the attempt waited a
         deadline for sit out (:mod:`fed_server.missed_deadlines`), a device that registered again
-        after taking its task included: the record is the device's, whatever its enrolment."""
+        after taking its task included: the record is the device's, whatever its enrolment. In a
+        secure attempt, so do those that held its unmasking up (``SecureRound.held_up``): a survivor
+        that never answered it, one whose answer was false, an owner whose shares rebuilt no secret."""
         missed = self.core.missed
         missed.answered(fed_round.updates)
         late = fed_round.missed_deadline(used)
-        for device, skip in missed.missed(late, fed_round.round_id).items():
-            log.warning("round %d (attempt %d): %s missed a deadline; it sits out the next %d attempt%s",
-                        fed_round.index, fed_round.round_id, device, skip, "" if skip == 1 else "s")
+        held = fed_round.secure.held_up() - late if fed_round.secure is not None else set()
+        for device, skip in missed.missed(late | held, fed_round.round_id).items():
+            why = "held secure aggregation's unmasking up" if device in held else "missed a deadline"
+            log.warning("round %d (attempt %d): %s %s; it sits out the next %d attempt%s", fed_round.index,
+                        fed_round.round_id, device, why, skip, "" if skip == 1 else "s")
 
     def record(self, conclusion: Conclusion) -> RoundRecord:
         """Evaluate the concluded attempt's new model (on the server's test set with server

@@ -43,6 +43,7 @@ from shared.secagg.graph import Neighbourhoods, majority_threshold, neighbourhoo
 from shared.secagg.masks import masked_splits, unprotected
 from shared.secagg.protocol import COMMITMENTS_BYTES, DEALT_SHARE_BYTES, SECRETS, Committed, share_commitment
 from shared.secagg.shamir import SHARE_BYTES, is_share
+from shared.short_list import short_list
 
 log = logging.getLogger("fed_server")
 
@@ -80,7 +81,16 @@ class SecureRound:
     #: only ones it holds shares of (the whole plan for each of a thousand devices is a million ids).
     plans: dict[str, SecAggUnmaskPlan] = field(default_factory=dict)
     answers: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = field(default_factory=dict)
+    #: The owners whose shares rebuilt no secret they committed to (``DealingError``), once summed.
+    misdealt: set[str] = field(default_factory=set)
     stage_closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def held_up(self) -> set[str]:
+        """The devices that held the attempt up in its unmasking: the survivors that sent no
+        accepted answer (the stage waited ``stage_s`` for them; a false answer is refused) and the
+        owners that dealt shares of no single secret (the attempt failed for them)."""
+        silent = set(self.plan.survivors) - set(self.answers) if self.plan is not None else set()
+        return silent | self.misdealt
 
     def committed(self, run_id: str, round_id: int) -> Committed:
         """What the roster committed to: each sharer's seed, each device's public mask key."""
@@ -159,10 +169,10 @@ class SecureStages:
         others = set(secure.neighbourhoods.get(req.device_id, [])) - {req.device_id}
         if req.device_id not in secure.roster or set(req.shares) != others:
             raise Invalid(f"shares of {req.device_id!r} must go to exactly its {len(others)} neighbours "
-                          f"({_named(sorted(others))})")
+                          f"({short_list(sorted(others))})")
         wrong = sorted(d for d, dealt in req.shares.items() if len(dealt) != DEALT_SHARE_BYTES)
         if wrong:
-            raise Invalid(f"shares of {req.device_id!r} for {_named(wrong)}: not {DEALT_SHARE_BYTES} bytes")
+            raise Invalid(f"shares of {req.device_id!r} for {short_list(wrong)}: not {DEALT_SHARE_BYTES} bytes")
         secure.shares[req.device_id] = dict(req.shares)
         secure.seed_commitments[req.device_id] = req.seed_commitment
         secure.own_commitments[req.device_id] = req.own_commitments
@@ -183,10 +193,10 @@ class SecureStages:
         for owners, asked, what in ((req.seed_shares, plan.survivors, "seeds"), (req.key_shares, plan.dropped, "keys")):
             if set(owners) != set(asked):
                 raise Invalid(f"unmasking shares of {req.device_id!r}: the {what} of exactly "
-                              f"{_named(sorted(asked))} were asked for, not of {_named(sorted(owners))}")
+                              f"{short_list(sorted(asked))} were asked for, not of {short_list(sorted(owners))}")
             wrong = sorted(o for o, share in owners.items() if not is_share(share))
             if wrong:
-                raise Invalid(f"unmasking shares of {req.device_id!r} for {_named(wrong)}: not a field element of "
+                raise Invalid(f"unmasking shares of {req.device_id!r} for {short_list(wrong)}: not a field element of "
                               f"{SHARE_BYTES} bytes")
         for part, owners in enumerate((req.seed_shares, req.key_shares)):
             false = sorted(o for o, share in owners.items()
@@ -195,9 +205,9 @@ class SecureStages:
             if false:
                 log.warning("round %d (attempt %d): %s answered the unmasking with shares of the %ss of %s that their "
                             "owners did not deal it: refused", fed_round.index, round_id, req.device_id,
-                            SECRETS[part], _named(false))
+                            SECRETS[part], short_list(false))
                 raise Invalid(f"unmasking shares of {req.device_id!r}: the shares of the {SECRETS[part]}s of "
-                              f"{_named(false)} are not the ones their owners dealt it")
+                              f"{short_list(false)} are not the ones their owners dealt it")
         secure.answers[req.device_id] = (dict(req.seed_shares), dict(req.key_shares))
         self.core.changed.set()
         return Ack(detail=f"unmasking shares of {req.device_id} for round {round_id} stored")
@@ -376,21 +386,13 @@ def _unmasking_refusal(secure: SecureRound, sharers: list[str], survivors: list[
                 "the sum is not unmasked")
     bare = unprotected(secure.splits, threshold, secure.neighbourhoods, surviving)
     if bare:
-        return (f"block {secure.splits[bare[0]] - 1} of {_named(bare)} was uploaded by fewer than {threshold} surviving "
+        return (f"block {secure.splits[bare[0]] - 1} of {short_list(bare)} was uploaded by fewer than {threshold} surviving "
                 "devices of its neighbourhood")
     short = sorted(_short_of(sharers, surviving, secure))
     if short:
-        return (f"fewer than {threshold} devices survived in the neighbourhood of {_named(short)}, whose secrets "
+        return (f"fewer than {threshold} devices survived in the neighbourhood of {short_list(short)}, whose secrets "
                 "cannot be rebuilt")
     return None
-
-
-def _named(devices: list[str]) -> str:
-    """The first three of ``devices`` by name, and how many more ("none" for none): one short line
-    however many there are."""
-    if not devices:
-        return "none"
-    return ", ".join(devices[:3]) + (f" and {len(devices) - 3} more" if len(devices) > 3 else "")
 
 
 def _close_stage(secure: SecureRound) -> None:

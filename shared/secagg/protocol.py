@@ -33,6 +33,7 @@ from shared.secagg.crypto import (
 from shared.secagg.encoding import encode
 from shared.secagg.masks import BlockLayout, Words, add_masks, remove_masks, well_held
 from shared.secagg.shamir import SHARE_BYTES, combine_secret, split_secret
+from shared.short_list import short_list
 
 SEED_BYTES = 16
 KEY_BYTES = 32
@@ -215,6 +216,16 @@ class DeviceSecrets:
                 {d: self.held[d][1] for d in dropped if d in self.held})
 
 
+class DealingError(ValueError):
+    """Shares of ``owners`` that their commitments vouch for rebuild no secret they committed to:
+    each dealt shares of no single secret, or committed to another seed than it shared."""
+
+    def __init__(self, owners: Sequence[str]) -> None:
+        super().__init__(f"the shares of {short_list(owners)} rebuild no secret they committed to: each dealt shares of no "
+                         "single secret")
+        self.owners = list(owners)
+
+
 @dataclass(frozen=True)
 class Committed:
     """What the devices of attempt ``round_id`` of run ``run_id`` committed to, as the Fed Server
@@ -237,14 +248,14 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
                     threshold: int, committed: Committed) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """The Fed Server's side of the last stage: from each answering device's (seed shares, key
     shares), the survivors' seeds and the dropped devices' mask keys, an owner's shares indexed in
-    its neighbourhood. ValueError when fewer than ``threshold`` shares of some secret came back, or
-    they rebuild no secret of its size, or one other than the owner ``committed`` to (the answers'
-    shares were checked against its commitments as they came: the owner dealt shares of no single
-    secret, or committed to another seed).
+    its neighbourhood. ValueError when fewer than ``threshold`` shares of some secret came back;
+    DealingError naming every owner whose shares rebuild no secret of its size, or one other than
+    it ``committed`` to (the answers' shares were checked against its commitments as they came: the
+    owner dealt shares of no single secret, or committed to another seed).
     Each secret is rebuilt from exactly ``threshold`` of its shares (the lowest indices), which
     determine it: interpolating more rebuilds the same secret at a cost quadratic in the shares,
     which is most of the Fed Server's work in a secure round (benchmarks/README.md, part (l))."""
-    def rebuilt(owner: str, part: int, size: int) -> bytes:
+    def rebuilt(owner: str, part: int, size: int) -> bytes | None:
         indices = share_indices(neighbourhoods[owner])
         # Its neighbours' answers only (not every answer's): the work stays linear in the devices.
         shares = {index: answers[who][part][owner] for who, index in indices.items()
@@ -253,14 +264,16 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
             raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
         try:
             secret = combine_secret(dict(sorted(shares.items())[:threshold]), size)
-        except ValueError as exc:
-            raise ValueError(f"{owner!r}'s shares: {exc}") from None
-        if not committed.holds(owner, part, secret):
-            raise ValueError(f"{owner!r}'s shares rebuild a {SECRETS[part]} other than the one it committed to: "
-                             "it dealt shares of no single secret")
-        return secret
+        except ValueError:
+            return None
+        return secret if committed.holds(owner, part, secret) else None
 
-    return ({d: rebuilt(d, 0, SEED_BYTES) for d in survivors}, {d: rebuilt(d, 1, KEY_BYTES) for d in dropped})
+    seeds = {d: rebuilt(d, 0, SEED_BYTES) for d in survivors}
+    keys = {d: rebuilt(d, 1, KEY_BYTES) for d in dropped}
+    misdealt = [d for d, secret in (*seeds.items(), *keys.items()) if secret is None]
+    if misdealt:
+        raise DealingError(misdealt)
+    return ({d: s for d, s in seeds.items() if s is not None}, {d: k for d, k in keys.items() if k is not None})
 
 
 def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mapping[str, bytes],
@@ -298,5 +311,5 @@ def masked_layout(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.empty(v.shape, dtype=torch.int64) for k, v in state.items()}
 
 
-__all__ = ["Committed", "DeviceSecrets", "ShareError", "masked_layout", "rebuild_secrets", "share_commitment",
+__all__ = ["Committed", "DealingError", "DeviceSecrets", "ShareError", "masked_layout", "rebuild_secrets", "share_commitment",
            "share_indices", "state_to_words", "unmasked_sum", "words_to_state"]

@@ -8,7 +8,7 @@
   every upload the Fed Server recorded (``--record-received``) is not the device's update. A
   public key one device sent, sent again by another, is refused (422). The same with a survivor
   answering the unmasking with a false share of another's seed: refused (422), and the others'
-  shares rebuild the sum.
+  shares rebuild the sum. Either way the survivor the unmasking waited for in vain sits out.
 - The same attempt with one device adding 2^62 to each of its words (an update far beyond its
   range, which it need not clip): each entry of the unmasked sum is clamped to what the survivors'
   clipped updates can add up to, so the model moves by at most ``value_range``; the record and the
@@ -94,14 +94,15 @@ class _InboxChannel:
 
 
 def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str], norm: float | None = None,
-                  harmful: str | None = None, lying: str | None = None):
+                  harmful: str | None = None, lying: str | None = None, misdealing: str | None = None):
     """Register the five devices and play their first attempt: all send keys and shares, dev-4
     withdraws before masking, dev-0..3 upload masked updates (each of L2 norm ``norm`` if given,
     as a private device's clipped update is), masked as a device masks them
     (:meth:`SecureSession.masked_weights`, with the task's privacy terms), ``harmful`` adding 2^62
     to every word of its own (an update far beyond its range), and only ``answering`` answer the
     unmasking stage, ``lying`` with a share of dev-0's seed moved by one (a field element that would
-    rebuild the seed plus a known amount), which is refused, and nothing after. The weights the attempt started from, the updates, their sample counts and
+    rebuild the seed plus a known amount), which is refused, and nothing after; ``misdealing``
+    commits to a seed other than the one it shares. The weights the attempt started from, the updates, their sample counts and
     the task's terms."""
     sizes = {d: trained_samples(n, None) for d, n in zip(DEVICES, shard_sizes(config.data))}
     for shard, device in enumerate(DEVICES):
@@ -131,7 +132,8 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
     for device, own in secrets.items():
         shares = own.seal_shares(roster, 3)
         _call(client, "POST", f"{stage}/shares", SecAggShares(device_id=device, round_id=round_id, shares=shares,
-                                                               seed_commitment=own.seed_commitment(),
+                                                               seed_commitment=(bytes(16) if device == misdealing
+                                                                                else own.seed_commitment()),
                                                                own_commitments=own.own_commitments))
     partners = {d: secrets[d].open_inbox(roster, SecAggInbox.model_validate(
         _call(client, "GET", f"{stage}/inbox", device_id=d, wait_s=10)).shares) for d in DEVICES}
@@ -193,9 +195,14 @@ def test_the_fed_server_recovers_the_fedavg_sum_from_masked_uploads_despite_two_
         start, updates, sizes, terms = _play_attempt(client, config, servers.fed_url, answering, lying=lying)
         wait_for(lambda: client.get(f"{servers.fed_url}{API}/status").json()["state"] == "finished", 120,
                  "the run to finish")
+        log = servers.fed.log_path.read_text()
 
     (record,) = read_metrics(run_dir)
     assert record["status"] == "ok" and sorted(record["aggregated"]) == DEVICES[:4] and record["secure_clamped"] == 0
+    # The survivor the unmasking stage waited for in vain (silent, or its answer false) sits out.
+    held, answered = ("dev-3", "dev-0") if lying is None else ("dev-0", "dev-3")
+    assert f"{held} held secure aggregation's unmasking up; it sits out the next 1 attempt" in log
+    assert f"{answered} held" not in log
     _, state, _ = RunDirectory(run_dir).read_checkpoint()
     weight = sum(sizes[d] for d in updates)
     bound = len(updates) / 2.0 ** (terms.fraction_bits + 1) / weight + 1e-6   # + float32 storage of the model
@@ -316,6 +323,22 @@ def test_fewer_unmasking_answers_than_the_threshold_fail_the_attempt_and_the_rou
     assert record["status"] == "failed" and record["round"] == 1 and record["aggregated"] == DEVICES[:4], record
     assert retried.round_index == 1 and retried.round_id != record["round_id"]
     assert retried.secure_aggregation is not None
+
+
+def test_an_owner_whose_shares_rebuild_no_secret_it_committed_to_fails_the_attempt_and_sits_out(tmp_path: Path):
+    config = _config()
+    run_dir = tmp_path / "run"
+    with server_pair(config, "secagg-misdealt", fed_args=["--run-dir", str(run_dir)]) as servers, \
+            httpx.Client(timeout=60.0, headers=HEADERS) as client:
+        _play_attempt(client, config, servers.fed_url, answering=DEVICES[:4], misdealing="dev-2")
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the attempt's record")
+        retried = _task(client, servers.fed_url, DEVICES[0])
+        log = servers.fed.log_path.read_text()
+    (record,) = read_metrics(run_dir)
+    assert record["status"] == "failed" and record["round"] == 1, record
+    assert "the shares of dev-2 rebuild no secret they committed to" in log
+    assert "dev-2 held secure aggregation's unmasking up; it sits out the next 1 attempt" in log
+    assert retried.round_index == 1 and retried.round_id != record["round_id"]
 
 
 @pytest.mark.parametrize("private", [False, True], ids=["plain", "distributed-noise"])

@@ -263,10 +263,10 @@ def test_an_unmasking_share_other_than_the_one_its_owner_dealt_is_refused_naming
     with pytest.raises(Invalid, match="the shares of the keys of d2 are not"):
         stages.accept_unmask(round_id, SecAggUnmask(device_id="d0", round_id=round_id, seed_shares=seeds,
                                                     key_shares={"d2": seeds["d0"]}))
-    assert secure.answers == {}
+    assert secure.answers == {} and secure.held_up() == {"d0", "d1"}
     assert "d0 answered the unmasking with shares of the seeds of d1 that their owners did not deal it" in caplog.text
     stages.accept_unmask(round_id, SecAggUnmask(device_id="d0", round_id=round_id, seed_shares=seeds, key_shares=keys))
-    assert secure.answers["d0"] == (seeds, keys)
+    assert secure.answers["d0"] == (seeds, keys) and secure.held_up() == {"d1"}
 
 
 def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_before_any_share_is_asked(tmp_path):
