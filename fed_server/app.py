@@ -26,9 +26,9 @@ from http_api.server import (
     read_body, read_message, request_target, status_of,
 )
 from shared.schemas import (
-    AGENT_ID_PATTERN, API, MAX_REGISTRATION_BATCH, AgentTaskRequest, EvaluationReport, Refusal, RegisterRequest,
-    RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, SecAggAnswers, SecAggBatch,
-    SecAggBatchAck, SecAggInbox, SecAggKeys, SecAggQuestion, SecAggRoster, SecAggShares, SecAggUnmask,
+    AGENT_ID_PATTERN, API, MAX_AGENT_DEVICES, MAX_REGISTRATION_BATCH, AgentTaskRequest, EvaluationReport, Refusal,
+    RegisterRequest, RegisterResponse, RegistrationBatch, RegistrationBatchResponse, ReportRequest, SecAggAnswers,
+    SecAggBatch, SecAggBatchAck, SecAggInbox, SecAggKeys, SecAggQuestion, SecAggRoster, SecAggShares, SecAggUnmask,
     ServerPortionUpload, UpdateRequest, WithdrawRequest,
 )
 from shared.auth import FED_SERVER
@@ -228,7 +228,8 @@ def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     @app.post(f"{prefix}/shares", response_class=Response, openapi_extra=msgpack_body_schema(SecAggShares))
     async def secagg_shares(round_id: int, request: Request) -> Response:
         """Stage 2: the device's secret shares, each sealed for one other roster device."""
-        req = await _device_message(coordinator, settings, request, SecAggShares, settings.max_update_bytes)
+        req = await _device_message(coordinator, settings, request, SecAggShares,
+                                    secure.message_bytes(round_id, 1, settings.max_update_bytes))
         return msgpack_response(secure.accept_shares(round_id, req))
 
     @app.get(f"{prefix}/{{stage}}", response_class=Response)
@@ -252,7 +253,8 @@ def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     async def secagg_batch(round_id: int, request: Request) -> Response:
         """Agent: several of its devices' keys, shares or unmasking answers, each device with its
         current token in the body; each message is taken or refused (in ``refused``) on its own."""
-        req = await read_message(request, SecAggBatch, settings.max_update_bytes)
+        req = await read_message(request, SecAggBatch,
+                                 secure.message_bytes(round_id, MAX_AGENT_DEVICES, settings.max_update_bytes))
         refused = batches.accept(round_id, req, settings.auth.enabled)
         return msgpack_response(SecAggBatchAck(refused={d: _refusal(e) for d, e in refused.items()}))
 

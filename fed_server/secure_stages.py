@@ -47,6 +47,13 @@ from shared.short_list import short_list
 
 log = logging.getLogger("fed_server")
 
+#: The most one share can take in a stage message on the wire: its recipient's or owner's id (64
+#: bytes), a dealt share (``DEALT_SHARE_BYTES``; an unmasking share is smaller) and msgpack's headers.
+SHARE_WIRE_BYTES = 288
+#: The most a device's stage message takes besides its shares: its keys or commitments, its id and
+#: (in a batch) its token, the field names.
+DEVICE_WIRE_BYTES = 2048
+
 #: The longest a stage's long poll is held (``wait_s``).
 MAX_STAGE_WAIT_S = 30.0
 Answer = TypeVar("Answer", SecAggRoster, SecAggInbox, SecAggUnmaskPlan)
@@ -132,6 +139,22 @@ class SecureStages:
         if device_id in fed_round.excluded:
             raise Conflict(f"device {device_id!r} was taken out of round {round_id}: {fed_round.excluded[device_id]}")
         return fed_round, fed_round.secure
+
+    def message_bytes(self, round_id: int, devices: int, limit: int) -> int:
+        """The most bytes the stage messages of ``devices`` devices of attempt ``round_id`` (one
+        each) can take: every device's largest message, its shares to its whole neighbourhood (every
+        device of the attempt, before the roster), at most ``limit``. A body past it is refused
+        before it is read, so a client cannot make the Fed Server parse far more than the attempt's
+        own messages (millions of tiny entries take seconds of its event loop). An attempt that is
+        not open or not secure takes a device's overhead each: every message in it is refused."""
+        fed_round = self.core.round
+        if fed_round is None or fed_round.round_id != round_id or fed_round.secure is None:
+            return min(limit, devices * DEVICE_WIRE_BYTES)
+        secure = fed_round.secure
+        shares = (max(map(len, secure.neighbourhoods.values()), default=0) if secure.roster is not None
+                  else len(fed_round.assignments))
+        senders = min(devices, len(fed_round.assignments))
+        return min(limit, senders * (shares * SHARE_WIRE_BYTES + DEVICE_WIRE_BYTES))
 
     def accept_keys(self, round_id: int, req: SecAggKeys) -> Ack:
         """Stage 1: a device's public keys; Invalid for a key that agrees on nothing, or one sent

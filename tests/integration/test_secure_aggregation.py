@@ -6,7 +6,8 @@
   (dropped in the unmasking stage). The round completes, and the Fed Server's new global model is
   the plain FedAvg of the four uploaded (clipped) updates within the fixed-point bound, while
   every upload the Fed Server recorded (``--record-received``) is not the device's update. A
-  public key one device sent, sent again by another, is refused (422). The same with a survivor
+  public key one device sent, sent again by another, is refused (422), and a batch far beyond what
+  the attempt's devices' messages take (413). The same with a survivor
   answering the unmasking with a false share of another's seed: refused (422), and the others'
   shares rebuild the sum. Either way the survivor the unmasking waited for in vain sits out.
 - The same attempt with one device adding 2^62 to each of its words (an update far beyond its
@@ -135,6 +136,9 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
                                                                seed_commitment=(bytes(16) if device == misdealing
                                                                                 else own.seed_commitment()),
                                                                own_commitments=own.own_commitments))
+    # A batch far beyond what the attempt's five devices' messages take is refused before it is read.
+    oversized = client.post(f"{stage}/batch", content=bytes(1 << 20))
+    assert oversized.status_code == 413 and "exceeds the limit of 17440 bytes" in oversized.text, oversized.text
     partners = {d: secrets[d].open_inbox(roster, SecAggInbox.model_validate(
         _call(client, "GET", f"{stage}/inbox", device_id=d, wait_s=10)).shares) for d in DEVICES}
     assert all(p == DEVICES for p in partners.values())

@@ -12,7 +12,9 @@ import pytest
 
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
-from fed_server.secure_stages import close_key_stage, close_share_stage, keys_in, open_unmasking_stage, shares_in
+from fed_server.secure_stages import (
+    DEVICE_WIRE_BYTES, SHARE_WIRE_BYTES, close_key_stage, close_share_stage, keys_in, open_unmasking_stage, shares_in,
+)
 from fed_server.update_checks import trained_samples
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound
 from shared.portions import portion_state
@@ -23,7 +25,7 @@ from shared.schemas import (
 )
 from shared.secagg.protocol import DeviceSecrets
 from shared.secagg.shamir import PRIME, SHARE_BYTES
-from shared.wire import encode_state
+from shared.wire import encode_state, packb
 
 DEVICES = ["d0", "d1", "d2"]
 
@@ -267,6 +269,29 @@ def test_an_unmasking_share_other_than_the_one_its_owner_dealt_is_refused_naming
     assert "d0 answered the unmasking with shares of the seeds of d1 that their owners did not deal it" in caplog.text
     stages.accept_unmask(round_id, SecAggUnmask(device_id="d0", round_id=round_id, seed_shares=seeds, key_shares=keys))
     assert secure.answers["d0"] == (seeds, keys) and secure.held_up() == {"d1"}
+
+
+def test_a_stage_message_may_take_what_the_attempts_largest_honest_messages_take_and_no_more(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path, [f"d{i}" for i in range(7)], neighbours=2, threshold=2)
+    stages, round_id, big = coordinator.secure, fed_round.round_id, 512 << 20
+    overhead = SHARE_WIRE_BYTES, DEVICE_WIRE_BYTES
+    assert stages.message_bytes(round_id + 1, 1000, big) == 1000 * DEVICE_WIRE_BYTES   # not the open attempt
+    # Before the roster every device of the attempt may be a neighbour; after it, a neighbourhood of 3.
+    assert stages.message_bytes(round_id, 1000, big) == 7 * (7 * overhead[0] + overhead[1])
+    assert stages.message_bytes(round_id, 1000, 10_000) == 10_000
+    secrets = {d: DeviceSecrets(d, coordinator.core.run_id, round_id) for d in fed_round.assignments}
+    for device, own in secrets.items():
+        stages.accept_keys(round_id, _keys(device, round_id, own))
+    close_key_stage(coordinator.core, fed_round)
+    assert stages.message_bytes(round_id, 1, big) == 3 * overhead[0] + overhead[1]
+    # The largest honest messages fit, with ids and a token of the longest allowed.
+    long_id = "d" * 64
+    dealt = _dealt(secrets["d0"], {d: secrets[d].public_keys() for d in fed_round.secure.neighbourhoods["d0"]})
+    widest = dealt.model_copy(update={"device_id": long_id, "shares": {f"{long_id[:-1]}{i}": v
+                                                                       for i, v in enumerate(dealt.shares.values())}})
+    batch = SecAggBatch(devices=[AgentDevice(device_id=long_id, token="t" * 256)], shares=[widest])
+    assert len(packb(widest.model_dump())) <= stages.message_bytes(round_id, 1, big)
+    assert len(packb(batch.model_dump())) <= stages.message_bytes(round_id, 1, big)
 
 
 def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_before_any_share_is_asked(tmp_path):
