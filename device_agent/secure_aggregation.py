@@ -6,6 +6,7 @@ agent's batches: :mod:`device_agent.secure_batches`) and waits on its stages (lo
 timer)."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -82,23 +83,28 @@ class SecureSession:
 
     def answer_unmasking(self) -> None:
         """The last stage, after the upload: wait for the unmasking question and send the shares
-        this device holds of the survivors' seeds and the dropped devices' mask keys."""
+        this device holds of the survivors' seeds and the dropped devices' mask keys. The question
+        comes once uploads close, which may be at the round deadline (one device that never
+        uploads), and later in a split run (the Fed Server may first wait on its replicas): so the
+        device waits past its task's deadline, until the Fed Server asks or refuses it (the attempt
+        closed without unmasking, 409). A survivor that does not answer fails the unmasking for
+        its neighbourhood and sits out the next attempts."""
         device = self.secrets.device_id
-        plan = _stage(self.fed, self.round_id, "unmask", device, SecAggUnmaskPlan, self.deadline)
+        plan = _stage(self.fed, self.round_id, "unmask", device, SecAggUnmaskPlan, math.inf)
         seeds, keys = self.secrets.unmask(plan.survivors, plan.dropped)
         self.fed.secagg_send(self.round_id, "unmask", SecAggUnmask(device_id=device, round_id=self.round_id,
                                                                    seed_shares=seeds, key_shares=keys))
 
 
-def share_secrets(fed: SecureChannel, device_id: str, run_id: str, round_id: int, terms: SecureTerms,
-                  deadline: float, split_point: int) -> SecureSession:
+def share_secrets(fed: SecureChannel, device_id: str, round_id: int, terms: SecureTerms, deadline: float,
+                  split_point: int) -> SecureSession:
     """The key and share stages of attempt ``round_id``: send fresh public keys, wait for the
     roster, send the sealed shares. The shares sealed for this device are fetched when it masks
     its update (:meth:`SecureSession.open_inbox`): it trains meanwhile, and the share stage closes
     as the last device sends its shares, not after every device has also fetched and opened its
     own. ShareError (a ValueError) for a roster whose split points do not fit (``split_point``:
     this device's cut) or a key that agrees on nothing; TaskExpired past ``deadline``."""
-    secrets = DeviceSecrets(device_id, run_id, round_id)
+    secrets = DeviceSecrets(device_id, terms.run_id, round_id)
     mask_key, share_key = secrets.public_keys()
     fed.secagg_send(round_id, "keys", SecAggKeys(device_id=device_id, round_id=round_id, mask_key=mask_key,
                                                  share_key=share_key))

@@ -106,7 +106,8 @@ class TaskTrainer:
         # Keys and shares go before training: the stages close as soon as every device answered,
         # and a device lost while training is one whose masks its peers' shares remove.
         self.secure = None if task.secure_aggregation is None else share_secrets(
-            self.secure_channel or self.fed, self.device_id, self.run_id, task.round_id, task.secure_aggregation, deadline, task.split_point)
+            self.secure_channel or self.fed, self.device_id, task.round_id, task.secure_aggregation, deadline,
+            task.split_point)
         settings = TrainSettings.of(task.train, round_seed(self.seed, self.seed_key, task.round_index),
                                     task.half_precision)
         context = TrainContext(clock, logic=logic, extras=extras, deadline=deadline, compute=self.compute,

@@ -189,7 +189,7 @@ class Aggregator:
         secure = fed_round.secure
         assert secure is not None and secure.plan is not None and secure.roster is not None
         seeds, keys = rebuild_secrets(secure.answers, secure.neighbourhoods, used, secure.plan.dropped,
-                                      secure.threshold, secure.committed(self.core.run_id, fed_round.round_id))
+                                      secure.threshold, secure.committed(fed_round.round_id))
         layout = BlockLayout.of(self.core.model, self.core.head_start)
         total = unmasked_sum({d: state_to_words(fed_round.updates[d].state) for d in used}, layout, seeds, keys,
                              {d: k.mask_key for d, k in secure.roster.items()}, secure.neighbourhoods, secure.splits)

@@ -113,7 +113,7 @@ class Progress:
             sample_privacy=sample_privacy.record() if sample_privacy is not None else None,
             secure_clamped=aggregation.secure_clamped)
         self.cumulative_bytes = record.cumulative_bytes
-        self._note_deadlines(fed_round, aggregation.used)
+        self.note_deadlines(fed_round, aggregation.used)
         finished, stop_reason = False, None
         budget = core.privacy.exhausted() if core.privacy is not None else None
         if self.rounds_done >= config.rounds:
@@ -151,16 +151,17 @@ class Progress:
         assert self.test_set is not None
         return evaluate(self.core.model, self.test_set, self.core.loss, device=self.core.torch_device)
 
-    def _note_deadlines(self, fed_round: FedRound, used: Sequence[str]) -> None:
+    def note_deadlines(self, fed_round: FedRound, used: Sequence[str]) -> None:
         """Clear the record of every device that uploaded; make those the attempt waited a
         deadline for sit out (:mod:`fed_server.missed_deadlines`), a device that registered again
         after taking its task included: the record is the device's, whatever its enrolment. In a
         secure attempt, so do those that held its unmasking up (``SecureRound.held_up``): a survivor
         that never answered it, one whose answer was false, an owner whose shares rebuilt no secret."""
         missed = self.core.missed
-        missed.answered(fed_round.updates)
         late = fed_round.missed_deadline(used)
         held = fed_round.secure.held_up() - late if fed_round.secure is not None else set()
+        # An uploader that held the unmasking up keeps its record: each time in a row it sits out longer.
+        missed.answered(set(fed_round.updates) - held)
         for device, skip in missed.missed(late | held, fed_round.round_id).items():
             why = "held secure aggregation's unmasking up" if device in held else "missed a deadline"
             log.warning("round %d (attempt %d): %s %s; it sits out the next %d attempt%s", fed_round.index,

@@ -99,10 +99,12 @@ class SecureRound:
         silent = set(self.plan.survivors) - set(self.answers) if self.plan is not None else set()
         return silent | self.misdealt
 
-    def committed(self, run_id: str, round_id: int) -> Committed:
-        """What the roster committed to: each sharer's seed, each device's public mask key."""
+    def committed(self, round_id: int) -> Committed:
+        """What the roster committed to in attempt ``round_id``: each sharer's seed, each device's
+        public mask key."""
         assert self.roster is not None
-        return Committed(run_id, round_id, self.seed_commitments, {d: k.mask_key for d, k in self.roster.items()})
+        return Committed(self.terms.run_id, round_id, self.seed_commitments,
+                         {d: k.mask_key for d, k in self.roster.items()})
 
     def commitments(self, owner: str, holder: str) -> bytes:
         """``owner``'s commitments to the two shares it dealt ``holder`` (itself included)."""
@@ -118,7 +120,7 @@ def secure_round(core: RunCore, participants: list[str]) -> SecureRound:
     secure = core.config.secure_aggregation
     total = sum(core.summed_weight(d) for d in participants)
     return SecureRound(SecureTerms(fraction_bits=fraction_bits(total, secure.value_range),
-                                   value_range=secure.value_range))
+                                   value_range=secure.value_range, run_id=core.run_id))
 
 
 class SecureStages:
@@ -223,7 +225,7 @@ class SecureStages:
                               f"{SHARE_BYTES} bytes")
         for part, owners in enumerate((req.seed_shares, req.key_shares)):
             false = sorted(o for o, share in owners.items()
-                           if share_commitment(self.core.run_id, round_id, o, req.device_id, part, share)
+                           if share_commitment(secure.terms.run_id, round_id, o, req.device_id, part, share)
                            != secure.commitments(o, req.device_id)[part * DIGEST_BYTES:(part + 1) * DIGEST_BYTES])
             if false:
                 log.warning("round %d (attempt %d): %s answered the unmasking with shares of the %ss of %s that their "

@@ -223,10 +223,13 @@ class SecureTerms(Message):
     """A training task's secure aggregation terms (``secure_aggregation.*``; docs/privacy.md): the
     device clips each entry of its update to ``value_range``, weighs it by its sample count and
     encodes it with ``fraction_bits`` in 64-bit words before masking it (the threshold comes with
-    the roster, :class:`SecAggRoster`)."""
+    the roster, :class:`SecAggRoster`); its shares and commitments are bound to the run ``run_id``
+    (the Fed Server's current run, which checks them: a device that registered again after the Fed
+    Server began a new run may still hold the old one's id)."""
 
     fraction_bits: int = Field(ge=1, le=62)
     value_range: float = Field(gt=0, allow_inf_nan=False)
+    run_id: str = Field(min_length=1, max_length=128)
 
 
 class TaskResponse(Message):

@@ -248,20 +248,24 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
                     threshold: int, committed: Committed) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """The Fed Server's side of the last stage: from each answering device's (seed shares, key
     shares), the survivors' seeds and the dropped devices' mask keys, an owner's shares indexed in
-    its neighbourhood. ValueError when fewer than ``threshold`` shares of some secret came back;
-    DealingError naming every owner whose shares rebuild no secret of its size, or one other than
-    it ``committed`` to (the answers' shares were checked against its commitments as they came: the
-    owner dealt shares of no single secret, or committed to another seed).
+    its neighbourhood. DealingError naming every owner whose shares rebuild no secret of its size,
+    or one other than it ``committed`` to (the answers' shares were checked against its commitments as they came: the
+    owner dealt shares of no single secret, or committed to another seed), before any ValueError
+    for a secret of which fewer than ``threshold`` shares came back (so a device that misdealt is
+    named whatever else failed).
     Each secret is rebuilt from exactly ``threshold`` of its shares (the lowest indices), which
     determine it: interpolating more rebuilds the same secret at a cost quadratic in the shares,
     which is most of the Fed Server's work in a secure round (benchmarks/README.md, part (l))."""
+    short: list[str] = []
+
     def rebuilt(owner: str, part: int, size: int) -> bytes | None:
         indices = share_indices(neighbourhoods[owner])
         # Its neighbours' answers only (not every answer's): the work stays linear in the devices.
         shares = {index: answers[who][part][owner] for who, index in indices.items()
                   if who in answers and owner in answers[who][part]}
         if len(shares) < threshold:
-            raise ValueError(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
+            short.append(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
+            return b""
         try:
             secret = combine_secret(dict(sorted(shares.items())[:threshold]), size)
         except ValueError:
@@ -273,7 +277,9 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
     misdealt = [d for d, secret in (*seeds.items(), *keys.items()) if secret is None]
     if misdealt:
         raise DealingError(misdealt)
-    return ({d: s for d, s in seeds.items() if s is not None}, {d: k for d, k in keys.items() if k is not None})
+    if short:
+        raise ValueError(short[0])
+    return ({d: s for d, s in seeds.items() if s}, {d: k for d, k in keys.items() if k})
 
 
 def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mapping[str, bytes],

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -79,15 +80,15 @@ def _task(client: httpx.Client, fed_url: str, device: str) -> TaskResponse:
     raise AssertionError(f"{device} got no training task")
 
 
-class _InboxChannel:
-    """A device's stage questions over the test's client (the session fetches its inbox when it
-    masks); it sends nothing itself."""
+class _StageChannel:
+    """A device's stage messages and questions over a client of the test's (the session fetches its
+    inbox when it masks, and answers the unmasking as a device does)."""
 
     def __init__(self, client: httpx.Client, stage_url: str) -> None:
         self.client, self.stage_url = client, stage_url
 
     def secagg_send(self, round_id: int, stage: str, req) -> None:
-        raise AssertionError("the test sends the stage messages itself")
+        _call(self.client, "POST", f"{self.stage_url}/{stage}", req)
 
     def secagg_ask(self, round_id: int, stage: str, device_id: str, wait_s: float, model):
         return model.model_validate(_call(self.client, "GET", f"{self.stage_url}/{stage}", device_id=device_id,
@@ -95,7 +96,8 @@ class _InboxChannel:
 
 
 def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: list[str], norm: float | None = None,
-                  harmful: str | None = None, lying: str | None = None, misdealing: str | None = None):
+                  harmful: str | None = None, lying: str | None = None, misdealing: str | None = None,
+                  straggling: bool = False):
     """Register the five devices and play their first attempt: all send keys and shares, dev-4
     withdraws before masking, dev-0..3 upload masked updates (each of L2 norm ``norm`` if given,
     as a private device's clipped update is), masked as a device masks them
@@ -103,13 +105,18 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
     to every word of its own (an update far beyond its range), and only ``answering`` answer the
     unmasking stage, ``lying`` with a share of dev-0's seed moved by one (a field element that would
     rebuild the seed plus a known amount), which is refused, and nothing after; ``misdealing``
-    commits to a seed other than the one it shares. The weights the attempt started from, the updates, their sample counts and
+    commits to a seed other than the one it shares. ``straggling``: dev-4 does not withdraw but goes
+    silent (uploads close at the round deadline), and ``answering`` answer the unmasking as devices
+    do (``SecureSession.answer_unmasking``, all at once), each with a task deadline 2 s before the
+    round's (as a split run's are, relative to the unmasking: its Fed Server may wait on its
+    replicas after the round deadline before it opens the stage). The weights the attempt started from, the updates, their sample counts and
     the task's terms."""
     sizes = {d: trained_samples(n, None) for d, n in zip(DEVICES, shard_sizes(config.data))}
     for shard, device in enumerate(DEVICES):
         _call(client, "POST", f"{fed}{API}/devices/register", RegisterRequest(
             device_id=device, shard=shard, num_samples=sizes[device], profile=DeviceProfileMsg(flops=1e9, rate=1e6)))
     tasks = {d: _task(client, fed, d) for d in DEVICES}
+    deadlines = {d: time.monotonic() + (t.deadline_s or 0) - (2.0 if straggling else 0.0) for d, t in tasks.items()}
     round_id, terms = tasks[DEVICES[0]].round_id, tasks[DEVICES[0]].secure_aggregation
     assert round_id is not None and terms is not None and all(t.secure_aggregation == terms for t in tasks.values())
     stage = f"{fed}{API}/rounds/{round_id}/secagg"
@@ -152,9 +159,10 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
             scale = norm / np.sqrt(sum(float(np.sum(v ** 2)) for v in update.values()))
             update.update({k: v * scale for k, v in update.items()})
     layout = BlockLayout.of(build_model(config.model, 10, (1, 28, 28), seed=config.seed))
+    sessions = {}
     for device, update in updates.items():
-        session = SecureSession(_InboxChannel(client, stage), secrets[device], terms, roster, time.monotonic() + 60,
-                                rosters[device].threshold, rosters[device].splits)
+        session = sessions[device] = SecureSession(_StageChannel(client, stage), secrets[device], terms, roster,
+                                                   deadlines[device], rosters[device].threshold, rosters[device].splits)
         trained = {k: start[k].double() + torch.from_numpy(v) for k, v in update.items()}
         masked = session.masked_weights(trained, start, sizes[device], layout, tasks[device].privacy)
         if device == harmful:
@@ -164,6 +172,15 @@ def _play_attempt(client: httpx.Client, config: RunConfig, fed: str, answering: 
             device_id=device, round_id=round_id, num_samples=sizes[device], steps=1, train_loss=1.0,
             weights=masked, bytes_up=0, bytes_down=0,
             timings=DeviceTimings(compute_s=1.0, transfer_s=0.1, wait_s=0.0, server_s=0.0, total_s=1.1)))
+    if straggling:
+        def answer(device: str) -> None:
+            with httpx.Client(timeout=60.0, headers=HEADERS) as own:
+                sessions[device].fed = _StageChannel(own, stage)
+                sessions[device].answer_unmasking()
+        with ThreadPoolExecutor(len(answering)) as pool:
+            for done in [pool.submit(answer, d) for d in answering]:
+                done.result()   # every one answered, none expired
+        return start, updates, sizes, terms
     _call(client, "POST", f"{fed}{API}/rounds/{round_id}/withdrawals",
           WithdrawRequest(device_id="dev-4", round_id=round_id, reason="battery"))
 
@@ -327,6 +344,23 @@ def test_fewer_unmasking_answers_than_the_threshold_fail_the_attempt_and_the_rou
     assert record["status"] == "failed" and record["round"] == 1 and record["aggregated"] == DEVICES[:4], record
     assert retried.round_index == 1 and retried.round_id != record["round_id"]
     assert retried.secure_aggregation is not None
+
+
+def test_a_device_that_never_uploads_closes_uploads_at_the_round_deadline_and_the_survivors_still_answer(
+        tmp_path: Path):
+    # The unmasking opens only at the round deadline, when each survivor's task deadline passes too:
+    # a device waits for its question past it, and none is taken for one that held the attempt up.
+    config = _config(**{"deadlines.round_s": 6.0, "deadlines.patience": None})
+    run_dir = tmp_path / "run"
+    with server_pair(config, "secagg-straggler", fed_args=["--run-dir", str(run_dir)]) as servers, \
+            httpx.Client(timeout=60.0, headers=HEADERS) as client:
+        _play_attempt(client, config, servers.fed_url, answering=DEVICES[:4], straggling=True)
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the attempt's record")
+        log = servers.fed.log_path.read_text()
+    (record,) = read_metrics(run_dir)
+    assert record["status"] == "ok" and sorted(record["aggregated"]) == DEVICES[:4], record
+    assert "dev-4 missed a deadline; it sits out the next 1 attempt" in log
+    assert "held secure aggregation's unmasking up" not in log
 
 
 def test_an_owner_whose_shares_rebuild_no_secret_it_committed_to_fails_the_attempt_and_sits_out(tmp_path: Path):

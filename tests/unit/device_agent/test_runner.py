@@ -72,7 +72,7 @@ class FakeFed:
         # whose share for the device is altered on the way where ``forge``, and whose keys in the
         # roster are the device's own where ``copy_keys``.
         self.secagg: list[tuple[str, object]] = []
-        self.peer = DeviceSecrets("dev-peer", info.run_id, 1)
+        self.peer = DeviceSecrets("dev-peer", SECURE_RUN, 1)
         self.forge = False
         self.copy_keys = False
 
@@ -687,8 +687,14 @@ def test_a_shard_the_run_does_not_have_is_refused_before_the_device_loads_data()
     assert fed.registrations == []
 
 
+#: The run a secure task's shares are bound to: the Fed Server's current one, not the one the device
+#: registered in (as after a Fed Server that restarted into a new run), which the device must follow.
+SECURE_RUN = "run-2"
+
+
 def _secure(round_id: int) -> TaskResponse:
-    return _full(round_id).model_copy(update={"secure_aggregation": SecureTerms(fraction_bits=40, value_range=1.0)})
+    return _full(round_id).model_copy(update={"secure_aggregation": SecureTerms(fraction_bits=40, value_range=1.0,
+                                                                               run_id=SECURE_RUN)})
 
 
 def test_a_secure_task_shares_its_secrets_uploads_masked_words_and_answers_the_unmasking_stage():

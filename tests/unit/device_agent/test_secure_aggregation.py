@@ -37,7 +37,7 @@ def _session() -> SecureSession:
     roster = {d: s.public_keys() for d, s in secrets.items()}
     sealed = {d: s.seal_shares(roster, 2) for d, s in secrets.items()}
     return SecureSession(_Inbox({o: sealed[o]["a"] for o in ("b", "c")}), secrets["a"],
-                         SecureTerms(fraction_bits=40, value_range=1.0), roster, time.monotonic() + 30, 2,
+                         SecureTerms(fraction_bits=40, value_range=1.0, run_id="run"), roster, time.monotonic() + 30, 2,
                          {d: 2 for d in roster})
 
 

@@ -271,6 +271,29 @@ def test_an_unmasking_share_other_than_the_one_its_owner_dealt_is_refused_naming
     assert secure.answers["d0"] == (seeds, keys) and secure.held_up() == {"d1"}
 
 
+def test_a_survivor_that_holds_the_unmasking_up_sits_out_longer_each_time_in_a_row(tmp_path):
+    coordinator, fed_round = _open_round(tmp_path)
+    secure, round_id, stages = fed_round.secure, fed_round.round_id, coordinator.secure
+    assert secure is not None
+    secrets = _shared(coordinator, fed_round, DEVICES)
+    open_unmasking_stage(coordinator.core, fed_round, DEVICES)
+    for device in ("d0", "d2"):   # d1 never answers
+        secrets[device].open_inbox({d: secrets[d].public_keys() for d in DEVICES},
+                                   asyncio.run(stages.inbox(round_id, device, 0)).shares)
+        seeds, keys = secrets[device].unmask(DEVICES, [])
+        stages.accept_unmask(round_id, SecAggUnmask(device_id=device, round_id=round_id, seed_shares=seeds,
+                                                    key_shares=keys))
+    fed_round.updates.update({d: None for d in DEVICES})   # every one uploaded (only the ids count here)
+    assert secure.held_up() == {"d1"}
+    missed = coordinator.core.missed
+    coordinator.progress.note_deadlines(fed_round, DEVICES)
+    assert missed.state_dict() == {"d1": [1, round_id + 2]}   # one miss: it sits out one attempt
+    # The same again two attempts later: its upload does not wash the first miss out.
+    fed_round.round_id = round_id + 2
+    coordinator.progress.note_deadlines(fed_round, DEVICES)
+    assert missed.state_dict() == {"d1": [2, round_id + 5]}   # two in a row: two attempts
+
+
 def test_a_stage_message_may_take_what_the_attempts_largest_honest_messages_take_and_no_more(tmp_path):
     coordinator, fed_round = _open_round(tmp_path, [f"d{i}" for i in range(7)], neighbours=2, threshold=2)
     stages, round_id, big = coordinator.secure, fed_round.round_id, 512 << 20

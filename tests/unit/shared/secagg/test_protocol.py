@@ -173,6 +173,19 @@ def test_the_fed_server_refuses_a_secret_other_than_the_one_its_owner_committed_
     assert raised.value.owners == ["d0", "d4", "d1"]
 
 
+def test_an_owner_that_misdealt_is_named_even_where_another_secret_has_too_few_shares():
+    secrets, uploaders, answers = _answered()
+    moved = {d: (dict(s), dict(k)) for d, (s, k) in answers.items() if d != "d4"}   # d4 silent
+    share = moved["d3"][0]["d2"]
+    moved["d3"][0]["d2"] = ((int.from_bytes(share, "big") + 1) % PRIME).to_bytes(SHARE_BYTES, "big")
+    sparse = {**COMPLETE, "d0": ["d0", "d1", "d4"]}   # d0's secret: only its own share comes back
+    with pytest.raises(DealingError, match="the shares of d2 rebuild no secret"):
+        rebuild_secrets(moved, sparse, uploaders, ["d1"], 3, _committed(secrets))
+    with pytest.raises(ValueError, match="1 shares of 'd0''s secret came back, below the threshold 3"):
+        rebuild_secrets({d: a for d, a in answers.items() if d != "d4"}, sparse, uploaders, ["d1"], 3,
+                        _committed(secrets))
+
+
 def test_a_device_named_both_survivor_and_dropped_gives_no_share():
     a = DeviceSecrets("a", "run", 1)
     a.seal_shares({"a": a.public_keys(), "b": DeviceSecrets("b", "run", 1).public_keys()}, threshold=2)
