@@ -244,7 +244,8 @@ def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     @app.post(f"{prefix}/unmask", response_class=Response, openapi_extra=msgpack_body_schema(SecAggUnmask))
     async def secagg_unmask(round_id: int, request: Request) -> Response:
         """Stage 4: the device's shares of the survivors' seeds and the dropped devices' mask keys."""
-        req = await _device_message(coordinator, settings, request, SecAggUnmask, settings.max_register_bytes)
+        req = await _device_message(coordinator, settings, request, SecAggUnmask,
+                                    secure.message_bytes(round_id, 1, settings.max_update_bytes))
         return msgpack_response(secure.accept_unmask(round_id, req))
 
     batches = coordinator.secure_batches

@@ -145,7 +145,8 @@ class SecureStages:
     def message_bytes(self, round_id: int, devices: int, limit: int) -> int:
         """The most bytes the stage messages of ``devices`` devices of attempt ``round_id`` (one
         each) can take: every device's largest message, its shares to its whole neighbourhood (every
-        device of the attempt, before the roster), at most ``limit``. A body past it is refused
+        device of the attempt, before the roster; an unmasking answer carries at most one share of
+        each), at most ``limit``. A body past it is refused
         before it is read, so a client cannot make the Fed Server parse far more than the attempt's
         own messages (millions of tiny entries take seconds of its event loop). An attempt that is
         not open or not secure takes a device's overhead each: every message in it is refused."""

@@ -315,6 +315,9 @@ def test_a_stage_message_may_take_what_the_attempts_largest_honest_messages_take
     batch = SecAggBatch(devices=[AgentDevice(device_id=long_id, token="t" * 256)], shares=[widest])
     assert len(packb(widest.model_dump())) <= stages.message_bytes(round_id, 1, big)
     assert len(packb(batch.model_dump())) <= stages.message_bytes(round_id, 1, big)
+    answer = SecAggUnmask(device_id=long_id, round_id=2 ** 62, seed_shares={f"{long_id[:-1]}{i}": bytes(66)
+                                                                           for i in range(3)})
+    assert len(packb(answer.model_dump())) <= stages.message_bytes(round_id, 1, big)
 
 
 def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_before_any_share_is_asked(tmp_path):
