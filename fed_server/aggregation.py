@@ -54,6 +54,8 @@ class Aggregation:
     #: A securely aggregated attempt: the entries of the unmasked sum outside what the survivors'
     #: clipped updates can add up to, clamped to it (``RoundRecord.secure_clamped``).
     secure_clamped: int | None = None
+    #: Why an attempt that met the quorum still failed (its masked sum could not be unmasked).
+    failure: str | None = None
 
 
 class Aggregator:
@@ -110,8 +112,7 @@ class Aggregator:
                 # such an owner: it sits out, as a device the attempt waited a deadline for).
                 if isinstance(exc, DealingError):
                     secure.misdealt.update(exc.owners)
-                log.error("round %d (attempt %d): the masked sum cannot be unmasked: %s", fed_round.index,
-                          fed_round.round_id, exc)
+                aggregation.failure = f"the masked sum cannot be unmasked: {exc}"   # logged as it is counted
                 aggregation.ok = False
                 self._observe_cuts(fed_round, used)
                 return aggregation

@@ -228,8 +228,8 @@ def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     @app.post(f"{prefix}/shares", response_class=Response, openapi_extra=msgpack_body_schema(SecAggShares))
     async def secagg_shares(round_id: int, request: Request) -> Response:
         """Stage 2: the device's secret shares, each sealed for one other roster device."""
-        req = await _device_message(coordinator, settings, request, SecAggShares,
-                                    secure.message_bytes(round_id, 1, settings.max_update_bytes))
+        limit = secure.message_limit(round_id, 1, settings.max_update_bytes)
+        req = await _device_message(coordinator, settings, request, SecAggShares, limit.bytes, limit.entries)
         return msgpack_response(secure.accept_shares(round_id, req))
 
     @app.get(f"{prefix}/{{stage}}", response_class=Response)
@@ -244,8 +244,8 @@ def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     @app.post(f"{prefix}/unmask", response_class=Response, openapi_extra=msgpack_body_schema(SecAggUnmask))
     async def secagg_unmask(round_id: int, request: Request) -> Response:
         """Stage 4: the device's shares of the survivors' seeds and the dropped devices' mask keys."""
-        req = await _device_message(coordinator, settings, request, SecAggUnmask,
-                                    secure.message_bytes(round_id, 1, settings.max_update_bytes))
+        limit = secure.message_limit(round_id, 1, settings.max_update_bytes)
+        req = await _device_message(coordinator, settings, request, SecAggUnmask, limit.bytes, limit.entries)
         return msgpack_response(secure.accept_unmask(round_id, req))
 
     batches = coordinator.secure_batches
@@ -254,8 +254,8 @@ def _add_secure_routes(app: FastAPI, coordinator: Coordinator, settings: FedServ
     async def secagg_batch(round_id: int, request: Request) -> Response:
         """Agent: several of its devices' keys, shares or unmasking answers, each device with its
         current token in the body; each message is taken or refused (in ``refused``) on its own."""
-        req = await read_message(request, SecAggBatch,
-                                 secure.message_bytes(round_id, MAX_AGENT_DEVICES, settings.max_update_bytes))
+        limit = secure.message_limit(round_id, MAX_AGENT_DEVICES, settings.max_update_bytes)
+        req = await read_message(request, SecAggBatch, limit.bytes, max_entries=limit.entries)
         refused = batches.accept(round_id, req, settings.auth.enabled)
         return msgpack_response(SecAggBatchAck(refused={d: _refusal(e) for d, e in refused.items()}))
 
@@ -313,12 +313,13 @@ def _named_devices(body: bytes | bytearray) -> str:
 
 
 async def _device_message(coordinator: Coordinator, settings: FedServerSettings, request: Request,
-                          model: type[DeviceMessage], limit: int) -> DeviceMessage:
-    """A device's message, read only once its token names a device this server enrolled
+                          model: type[DeviceMessage], limit: int, max_entries: int | None = None) -> DeviceMessage:
+    """A device's message of at most ``limit`` bytes (and ``max_entries`` map entries and array
+    elements), read only once its token names a device this server enrolled
     (:meth:`DeviceEnrolment.caller`: an unauthenticated body is refused before it is read), and
     checked to be that device's."""
     caller = coordinator.enrolment.caller(request.headers, settings.auth)
-    message = await read_message(request, model, limit)
+    message = await read_message(request, model, limit, max_entries=max_entries)
     coordinator.enrolment.check_caller(caller, message.device_id)
     return message
 

@@ -88,8 +88,9 @@ class Progress:
             self.failed_in_a_row = 0
         else:
             self.failed_in_a_row += 1
-            log.warning("round %d (attempt %d) failed: %d of %d required participants; retrying", fed_round.index,
-                        fed_round.round_id, len(aggregation.used), self.core.config.deadlines.min_participants)
+            why = aggregation.failure or (f"{len(aggregation.used)} of "
+                                          f"{self.core.config.deadlines.min_participants} required participants")
+            log.warning("round %d (attempt %d) failed: %s; retrying", fed_round.index, fed_round.round_id, why)
 
     def conclude(self, fed_round: FedRound, aggregation: Aggregation,
                  evaluation: EvaluationRound | None = None) -> Conclusion:

@@ -29,7 +29,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 from fed_server.fed_round import FedRound, check_body_round
 from fed_server.run_core import RunCore
@@ -53,6 +53,17 @@ SHARE_WIRE_BYTES = 288
 #: The most a device's stage message takes besides its shares: its keys or commitments, its id and
 #: (in a batch) its token, the field names.
 DEVICE_WIRE_BYTES = 2048
+#: The most map entries and array elements a device's stage message holds besides its shares: its
+#: message's fields, its place in a batch's lists, its id and token there.
+DEVICE_WIRE_ENTRIES = 16
+
+
+class BodyLimit(NamedTuple):
+    """What a body into the secure stages may hold (:meth:`SecureStages.message_limit`)."""
+
+    bytes: int
+    #: Map entries and array elements in all (``shared.wire.unpackb``'s ``max_entries``).
+    entries: int
 
 #: The longest a stage's long poll is held (``wait_s``).
 MAX_STAGE_WAIT_S = 30.0
@@ -142,22 +153,24 @@ class SecureStages:
             raise Conflict(f"device {device_id!r} was taken out of round {round_id}: {fed_round.excluded[device_id]}")
         return fed_round, fed_round.secure
 
-    def message_bytes(self, round_id: int, devices: int, limit: int) -> int:
-        """The most bytes the stage messages of ``devices`` devices of attempt ``round_id`` (one
-        each) can take: every device's largest message, its shares to its whole neighbourhood (every
-        device of the attempt, before the roster; an unmasking answer carries at most one share of
-        each), at most ``limit``. A body past it is refused
+    def message_limit(self, round_id: int, devices: int, limit: int) -> BodyLimit:
+        """What the stage messages of ``devices`` devices of attempt ``round_id`` (one each, as
+        many as the attempt has) can take at most: every device's largest message, its shares to
+        its whole neighbourhood once the roster is out (an unmasking answer carries at most one
+        share of each; before the roster a device can send only its keys), in bytes (at most
+        ``limit``) and in map entries and array elements. A body past either is refused, in bytes
         before it is read, so a client cannot make the Fed Server parse far more than the attempt's
-        own messages (millions of tiny entries take seconds of its event loop). An attempt that is
-        not open or not secure takes a device's overhead each: every message in it is refused."""
+        own messages (millions of tiny entries take seconds of its event loop, a
+        hundred times what their bytes in full shares would). An attempt that is not open or not
+        secure takes a device's overhead each: every message in it is refused."""
         fed_round = self.core.round
-        if fed_round is None or fed_round.round_id != round_id or fed_round.secure is None:
-            return min(limit, devices * DEVICE_WIRE_BYTES)
-        secure = fed_round.secure
-        shares = (max(map(len, secure.neighbourhoods.values()), default=0) if secure.roster is not None
-                  else len(fed_round.assignments))
+        secure = fed_round.secure if fed_round is not None and fed_round.round_id == round_id else None
+        if fed_round is None or secure is None:
+            return BodyLimit(min(limit, devices * DEVICE_WIRE_BYTES), devices * DEVICE_WIRE_ENTRIES)
+        shares = max(map(len, secure.neighbourhoods.values()), default=0) if secure.roster is not None else 0
         senders = min(devices, len(fed_round.assignments))
-        return min(limit, senders * (shares * SHARE_WIRE_BYTES + DEVICE_WIRE_BYTES))
+        return BodyLimit(min(limit, senders * (shares * SHARE_WIRE_BYTES + DEVICE_WIRE_BYTES)),
+                         senders * (shares + DEVICE_WIRE_ENTRIES))
 
     def accept_keys(self, round_id: int, req: SecAggKeys) -> Ack:
         """Stage 1: a device's public keys; Invalid for a key that agrees on nothing, or one sent

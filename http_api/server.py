@@ -78,13 +78,15 @@ STATUS_OF: dict[type[DomainError], int] = {
 MSGPACK = "application/msgpack"
 
 
-async def read_message(request: Request, model: type[M], max_bytes: int, signed_digest: str | None = None) -> M:
+async def read_message(request: Request, model: type[M], max_bytes: int, signed_digest: str | None = None,
+                       max_entries: int | None = None) -> M:
     """Read, size-check, unpack and validate a msgpack request body; with ``signed_digest`` (a
     signed server-to-server request's, :meth:`shared.auth.Auth.check_service`), refuse a body that
-    is not the signed one before unpacking it."""
+    is not the signed one before unpacking it; with ``max_entries``, one of more map entries and
+    array elements (400, :func:`shared.wire.unpackb`)."""
     body = await read_body(request.stream(), request.headers.get("content-length"), max_bytes)
     check_body_digest(signed_digest, body)
-    return parse_message(body, model)
+    return parse_message(body, model, max_entries)
 
 
 def request_target(request: Request) -> str:
@@ -135,10 +137,11 @@ async def read_body(chunks: AsyncIterable[bytes], declared: str | None, max_byte
     return body
 
 
-def parse_message(body: bytes | bytearray, model: type[M]) -> M:
-    """Unpack a msgpack body (400 if it is not msgpack) and validate it against ``model`` (422)."""
+def parse_message(body: bytes | bytearray, model: type[M], max_entries: int | None = None) -> M:
+    """Unpack a msgpack body (400 if it is not msgpack, or holds more than ``max_entries`` map
+    entries and array elements) and validate it against ``model`` (422)."""
     try:
-        obj = unpackb(body)
+        obj = unpackb(body, max_entries=max_entries)
     except WireError as exc:
         raise ApiError(400, str(exc)) from None
     try:

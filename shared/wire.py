@@ -48,6 +48,27 @@ class WireError(ValueError):
     """A received message or tensor is malformed; the text says what is wrong."""
 
 
+class _EntryBudget:
+    """Counts the map entries and array elements of one message as the parser builds them, and
+    stops it past ``limit`` (:func:`unpackb`'s ``max_entries``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def _spend(self, entries: int) -> None:
+        self.used += entries
+        if self.used > self.limit:
+            raise WireError(f"body holds more than {self.limit} entries")
+
+    def mapping(self, pairs: list[tuple[Any, Any]]) -> dict:
+        self._spend(len(pairs))
+        return dict(pairs)
+
+    def array(self, items: list) -> list:
+        self._spend(len(items))
+        return items
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype."""
     try:
@@ -290,12 +311,23 @@ def _pack_pieces(obj: Any, packer: msgpack.Packer, pieces: list[bytes]) -> None:
         packer.pack(obj)
 
 
-def unpackb(data: bytes | bytearray, *, max_bytes: int | None = None) -> Any:
-    """Parse a message body; raises :class:`WireError` for anything that is not valid msgpack."""
+def unpackb(data: bytes | bytearray, *, max_bytes: int | None = None, max_entries: int | None = None) -> Any:
+    """Parse a message body; raises :class:`WireError` for anything that is not valid msgpack, or
+    that holds more than ``max_entries`` map entries and array elements in all. A message of many
+    tiny entries costs the parser (and the schema after it) about as much per entry as one of full
+    ones does, at a small part of the bytes: where a body's honest size is known, its entries are
+    bounded too, so that no body costs far more to parse than the largest honest one."""
     if max_bytes is not None and len(data) > max_bytes:
         raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
+    options: dict[str, Any] = {}
+    if max_entries is not None:
+        budget = _EntryBudget(max_entries)
+        options = {"max_map_len": max_entries, "max_array_len": max_entries,
+                   "object_pairs_hook": budget.mapping, "list_hook": budget.array}
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **options)
+    except WireError:
+        raise
     except msgpack.StackError:   # its message is empty
         raise WireError("body is not valid msgpack: nested too deeply") from None
     except (msgpack.ExtraData, msgpack.FormatError, ValueError, TypeError) as exc:

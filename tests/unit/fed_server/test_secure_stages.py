@@ -13,7 +13,7 @@ import pytest
 from fed_server.coordinator import Coordinator
 from fed_server.run_dir import RunDirectory
 from fed_server.secure_stages import (
-    DEVICE_WIRE_BYTES, SHARE_WIRE_BYTES, close_key_stage, close_share_stage, keys_in, open_unmasking_stage, shares_in,
+    DEVICE_WIRE_BYTES, DEVICE_WIRE_ENTRIES, SHARE_WIRE_BYTES, BodyLimit, close_key_stage, close_share_stage, keys_in, open_unmasking_stage, shares_in,
 )
 from fed_server.update_checks import trained_samples
 from shared.errors import Conflict, Invalid, NotAllowed, NotFound
@@ -25,7 +25,7 @@ from shared.schemas import (
 )
 from shared.secagg.protocol import DeviceSecrets
 from shared.secagg.shamir import PRIME, SHARE_BYTES
-from shared.wire import encode_state, packb
+from shared.wire import WireError, encode_state, packb, unpackb
 
 DEVICES = ["d0", "d1", "d2"]
 
@@ -294,30 +294,54 @@ def test_a_survivor_that_holds_the_unmasking_up_sits_out_longer_each_time_in_a_r
     assert missed.state_dict() == {"d1": [2, round_id + 5]}   # two in a row: two attempts
 
 
+def _fits(message, limit: BodyLimit) -> bool:
+    """Whether ``message`` on the wire is within ``limit``, in bytes and in entries."""
+    body = packb(message.model_dump())
+    if len(body) > limit.bytes:
+        return False
+    try:
+        unpackb(body, max_entries=limit.entries)
+    except WireError:
+        return False
+    return True
+
+
 def test_a_stage_message_may_take_what_the_attempts_largest_honest_messages_take_and_no_more(tmp_path):
     coordinator, fed_round = _open_round(tmp_path, [f"d{i}" for i in range(7)], neighbours=2, threshold=2)
     stages, round_id, big = coordinator.secure, fed_round.round_id, 512 << 20
-    overhead = SHARE_WIRE_BYTES, DEVICE_WIRE_BYTES
-    assert stages.message_bytes(round_id + 1, 1000, big) == 1000 * DEVICE_WIRE_BYTES   # not the open attempt
-    # Before the roster every device of the attempt may be a neighbour; after it, a neighbourhood of 3.
-    assert stages.message_bytes(round_id, 1000, big) == 7 * (7 * overhead[0] + overhead[1])
-    assert stages.message_bytes(round_id, 1000, 10_000) == 10_000
+    per_device = BodyLimit(DEVICE_WIRE_BYTES, DEVICE_WIRE_ENTRIES)
+    # Not the open attempt: a device's overhead each. Before the roster a device sends only keys.
+    assert stages.message_limit(round_id + 1, 1000, big) == (1000 * per_device.bytes, 1000 * per_device.entries)
+    assert stages.message_limit(round_id, 1000, big) == (7 * per_device.bytes, 7 * per_device.entries)
+    assert stages.message_limit(round_id, 1000, 10_000).bytes == 10_000
     secrets = {d: DeviceSecrets(d, coordinator.core.run_id, round_id) for d in fed_round.assignments}
+    long_id = "d" * 64
+    keys = [_keys(d, round_id, own).model_copy(update={"device_id": f"{long_id[:-1]}{d[-1]}"})
+            for d, own in secrets.items()]
+    tokens = [AgentDevice(device_id=k.device_id, token="t" * 256) for k in keys]
+    assert _fits(SecAggBatch(devices=tokens, keys=keys), stages.message_limit(round_id, 1000, big))
     for device, own in secrets.items():
         stages.accept_keys(round_id, _keys(device, round_id, own))
     close_key_stage(coordinator.core, fed_round)
-    assert stages.message_bytes(round_id, 1, big) == 3 * overhead[0] + overhead[1]
+    # After it, a neighbourhood of 3: three shares each.
+    assert stages.message_limit(round_id, 1, big) == (3 * SHARE_WIRE_BYTES + per_device.bytes,
+                                                      3 + per_device.entries)
     # The largest honest messages fit, with ids and a token of the longest allowed.
-    long_id = "d" * 64
     dealt = _dealt(secrets["d0"], {d: secrets[d].public_keys() for d in fed_round.secure.neighbourhoods["d0"]})
     widest = dealt.model_copy(update={"device_id": long_id, "shares": {f"{long_id[:-1]}{i}": v
                                                                        for i, v in enumerate(dealt.shares.values())}})
-    batch = SecAggBatch(devices=[AgentDevice(device_id=long_id, token="t" * 256)], shares=[widest])
-    assert len(packb(widest.model_dump())) <= stages.message_bytes(round_id, 1, big)
-    assert len(packb(batch.model_dump())) <= stages.message_bytes(round_id, 1, big)
+    one, every = stages.message_limit(round_id, 1, big), stages.message_limit(round_id, 1000, big)
+    assert _fits(widest, one)
+    assert _fits(SecAggBatch(devices=[AgentDevice(device_id=long_id, token="t" * 256)], shares=[widest]), one)
     answer = SecAggUnmask(device_id=long_id, round_id=2 ** 62, seed_shares={f"{long_id[:-1]}{i}": bytes(66)
                                                                            for i in range(3)})
-    assert len(packb(answer.model_dump())) <= stages.message_bytes(round_id, 1, big)
+    assert _fits(answer, one)
+    many = [answer.model_copy(update={"device_id": f"{long_id[:-1]}{i}"}) for i in range(7)]
+    assert _fits(SecAggBatch(devices=[AgentDevice(device_id=a.device_id, token="t" * 256) for a in many],
+                             unmask=many), every)
+    # Tiny entries in their millions: refused by their count where their bytes would pass.
+    tiny = widest.model_copy(update={"shares": {format(i, "x"): b"" for i in range(every.entries)}})
+    assert len(packb(tiny.model_dump())) <= every.bytes and not _fits(tiny, every)
 
 
 def test_a_block_that_fewer_than_threshold_survivors_uploaded_fails_the_attempt_before_any_share_is_asked(tmp_path):

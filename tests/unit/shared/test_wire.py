@@ -482,3 +482,12 @@ def test_built_tensors_are_checked_for_names_dtypes_shapes_and_finiteness():
         check_tensors({"w": torch.tensor([1.0, math.nan])}, what="update")
     with pytest.raises(WireError, match=r"unexpected \['a', 'b', 'c', 'd', 'e'\]\)"):
         check_tensors({k: torch.zeros(1) for k in "abcdef"}, {})
+
+
+def test_a_message_of_more_entries_than_its_budget_is_refused_however_they_nest():
+    message = {"a": [1, 2, {"b": [3, 4]}], "c": {}}
+    assert unpackb(msgpack.packb(message), max_entries=8) == message   # 2 + 3 + 1 + 2 entries
+    for too_many in ({"a": list(range(9))}, {"a": [{"b": 1}] * 4}, {format(i, "x"): 0 for i in range(9)}):
+        with pytest.raises(WireError, match="8"):
+            unpackb(msgpack.packb(too_many), max_entries=8)
+    assert len(unpackb(msgpack.packb({"a": list(range(10_000))}))["a"]) == 10_000   # no budget, no limit
