@@ -82,6 +82,7 @@ class RunDirectory:
         return int(json.loads(self.attempt_path.read_text())["last_attempt"])
 
     def released_path(self, ledger: str) -> Path:
+        """Where :meth:`write_released` notes ``ledger``."""
         return self.path / f"{ledger}_released.json"
 
     def write_released(self, ledger: str, state: Mapping[str, Any]) -> None:

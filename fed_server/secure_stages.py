@@ -84,6 +84,9 @@ class SecureRound:
     roster: dict[str, SecAggKeys] | None = None
     #: Each roster device's neighbourhood (itself included, sorted), once the key stage closed.
     neighbourhoods: Neighbourhoods = field(default_factory=dict)
+    #: The largest neighbourhood's size, once the key stage closed: what a stage message's body may
+    #: carry is sized by it on every request (:meth:`SecureStages.message_limit`).
+    largest_neighbourhood: int = 0
     #: The blocks ``[0, split)`` each roster device masks and uploads: those of its portion that at
     #: least ``threshold`` devices of its neighbourhood mask too (``shared.secagg.masks.masked_splits``).
     splits: dict[str, int] = field(default_factory=dict)
@@ -117,11 +120,11 @@ class SecureRound:
         return Committed(self.terms.run_id, round_id, self.seed_commitments,
                          {d: k.mask_key for d, k in self.roster.items()})
 
-    def commitments(self, owner: str, holder: str) -> bytes:
-        """``owner``'s commitments to the two shares it dealt ``holder`` (itself included)."""
-        if owner == holder:
-            return self.own_commitments[owner]
-        return self.shares[owner][holder][-COMMITMENTS_BYTES:]
+    def commitment(self, owner: str, holder: str, part: int) -> bytes:
+        """``owner``'s commitment to the share of its seed (``part`` 0) or mask key (1) it dealt
+        ``holder`` (itself included)."""
+        both = self.own_commitments[owner] if owner == holder else self.shares[owner][holder][-COMMITMENTS_BYTES:]
+        return both[part * DIGEST_BYTES:(part + 1) * DIGEST_BYTES]
 
 
 def secure_round(core: RunCore, participants: list[str]) -> SecureRound:
@@ -167,7 +170,7 @@ class SecureStages:
         secure = fed_round.secure if fed_round is not None and fed_round.round_id == round_id else None
         if fed_round is None or secure is None:
             return BodyLimit(min(limit, devices * DEVICE_WIRE_BYTES), devices * DEVICE_WIRE_ENTRIES)
-        shares = max(map(len, secure.neighbourhoods.values()), default=0) if secure.roster is not None else 0
+        shares = secure.largest_neighbourhood   # 0 before the roster
         senders = min(devices, len(fed_round.assignments))
         return BodyLimit(min(limit, senders * (shares * SHARE_WIRE_BYTES + DEVICE_WIRE_BYTES)),
                          senders * (shares + DEVICE_WIRE_ENTRIES))
@@ -240,7 +243,7 @@ class SecureStages:
         for part, owners in enumerate((req.seed_shares, req.key_shares)):
             false = sorted(o for o, share in owners.items()
                            if share_commitment(secure.terms.run_id, round_id, o, req.device_id, part, share)
-                           != secure.commitments(o, req.device_id)[part * DIGEST_BYTES:(part + 1) * DIGEST_BYTES])
+                           != secure.commitment(o, req.device_id, part))
             if false:
                 log.warning("round %d (attempt %d): %s answered the unmasking with shares of the %ss of %s that their "
                             "owners did not deal it: refused", fed_round.index, round_id, req.device_id,
@@ -343,7 +346,8 @@ def close_key_stage(core: RunCore, fed_round: FedRound) -> None:
     core.exclude(fed_round, _still_in(fed_round) - set(secure.keys), "secure aggregation: sent no keys in time")
     secure.roster = {d: secure.keys[d] for d in sorted(_still_in(fed_round))}
     secure.neighbourhoods = neighbourhoods(list(secure.roster), settings.neighbours, random.SystemRandom())
-    size = min(len(n) for n in secure.neighbourhoods.values()) if secure.roster else 0
+    sizes = [len(n) for n in secure.neighbourhoods.values()]
+    size, secure.largest_neighbourhood = (min(sizes), max(sizes)) if sizes else (0, 0)
     secure.threshold = settings.threshold if settings.threshold is not None else majority_threshold(size)
     secure.splits = masked_splits({d: fed_round.assignments[d].split_point for d in secure.roster}, secure.threshold,
                                   secure.neighbourhoods)

@@ -256,30 +256,31 @@ def rebuild_secrets(answers: Mapping[str, tuple[Mapping[str, bytes], Mapping[str
     Each secret is rebuilt from exactly ``threshold`` of its shares (the lowest indices), which
     determine it: interpolating more rebuilds the same secret at a cost quadratic in the shares,
     which is most of the Fed Server's work in a secure round (benchmarks/README.md, part (l))."""
-    short: list[str] = []
-
-    def rebuilt(owner: str, part: int, size: int) -> bytes | None:
-        indices = share_indices(neighbourhoods[owner])
-        # Its neighbours' answers only (not every answer's): the work stays linear in the devices.
-        shares = {index: answers[who][part][owner] for who, index in indices.items()
-                  if who in answers and owner in answers[who][part]}
-        if len(shares) < threshold:
-            short.append(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
-            return b""
+    def rebuilt(owner: str, part: int, shares: Mapping[int, bytes]) -> bytes | None:
+        """The secret ``shares`` rebuild, if it is the one ``owner`` committed to."""
         try:
-            secret = combine_secret(dict(sorted(shares.items())[:threshold]), size)
+            secret = combine_secret(dict(sorted(shares.items())[:threshold]), (SEED_BYTES, KEY_BYTES)[part])
         except ValueError:
             return None
         return secret if committed.holds(owner, part, secret) else None
 
-    seeds = {d: rebuilt(d, 0, SEED_BYTES) for d in survivors}
-    keys = {d: rebuilt(d, 1, KEY_BYTES) for d in dropped}
-    misdealt = [d for d, secret in (*seeds.items(), *keys.items()) if secret is None]
+    secrets: dict[tuple[str, int], bytes | None] = {}
+    short = []
+    for owner, part in [*((d, 0) for d in survivors), *((d, 1) for d in dropped)]:
+        # Its neighbours' answers only (not every answer's): the work stays linear in the devices.
+        shares = {index: answers[who][part][owner] for who, index in share_indices(neighbourhoods[owner]).items()
+                  if who in answers and owner in answers[who][part]}
+        if len(shares) < threshold:
+            short.append(f"{len(shares)} shares of {owner!r}'s secret came back, below the threshold {threshold}")
+        else:
+            secrets[owner, part] = rebuilt(owner, part, shares)
+    misdealt = [owner for (owner, _), secret in secrets.items() if secret is None]
     if misdealt:
         raise DealingError(misdealt)
     if short:
         raise ValueError(short[0])
-    return ({d: s for d, s in seeds.items() if s}, {d: k for d, k in keys.items() if k})
+    return ({o: s for (o, p), s in secrets.items() if p == 0 and s is not None},
+            {o: s for (o, p), s in secrets.items() if p == 1 and s is not None})
 
 
 def unmasked_sum(masked: Mapping[str, Words], layout: BlockLayout, seeds: Mapping[str, bytes],
